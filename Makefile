@@ -1,0 +1,49 @@
+# splitstream — `make help` lists the targets.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# tritonclient pins protobuf<7 and registers the same `inference.*` protobuf
+# symbols as our stubs, so the external-client tests run it from its own venv.
+TRITON_VENV ?= .venv-triton
+
+.DEFAULT_GOAL := help
+.PHONY: help install protos test lint format bench clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	@touch $@
+
+$(TRITON_VENV)/.installed:
+	$(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install --quiet --upgrade pip
+	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc]>=2.50,<3' 'numpy>=1.26,<3'
+	@touch $@
+
+install: $(BIN)/.installed protos ## Create .venv, install splitstream (editable) with dev tools, generate stubs
+
+protos: $(BIN)/.installed ## Generate Python stubs (+ .pyi) from protos/
+	@$(BIN)/python scripts/gen_protos.py
+
+test: install $(TRITON_VENV)/.installed ## Set up and run the whole test suite
+	SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python $(BIN)/pytest $(PYTEST_ARGS)
+
+lint: install ## ruff (lint + format check) and mypy
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy services tests bench
+
+format: install ## Apply ruff's fixes and formatting
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench: install ## Run the benchmarks (prints tables; see README)
+	$(BIN)/python bench/router_overhead.py
+	$(BIN)/python bench/dynamic_batching.py
+
+clean: ## Remove the virtual environments and generated files
+	rm -rf $(VENV) $(TRITON_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,1 @@
+"""Code every splitstream service shares: stubs, tensors, errors, experiments, registry, logging."""

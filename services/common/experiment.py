@@ -1,0 +1,167 @@
+"""Experiments: which version of a model serves which share of traffic.
+
+Assignment contract (ARCHITECTURE.md): ``bucket = xxh3_64(salt, key) mod 10000``;
+arms own contiguous bucket ranges. The control arm is laid first (from bucket 0)
+and the other arms follow in version order, so the layout depends only on the
+weights, never on the order arms were written in a file. In a two-arm
+experiment the control grows from the bottom and the candidate from the top:
+raising either arm's weight only adds buckets to it, so no key ever moves away
+from the arm that grew. Same key → same arm on every router, across restarts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from splitstream.common.errors import ConfigError
+
+BUCKETS = 10_000
+DEFAULT_ROUTING_KEY_HEADER = "x-routing-key"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Arm:
+    version: str
+    weight: float  # percent
+    bucket_start: int = 0
+    bucket_end: int = 0  # exclusive
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shadow:
+    version: str
+    sample_rate: float  # 0..1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Experiment:
+    """A validated experiment with its bucket layout computed once."""
+
+    model: str
+    salt: str
+    control: str
+    arms: tuple[Arm, ...]
+    shadows: tuple[Shadow, ...] = ()
+    routing_key_header: str = DEFAULT_ROUTING_KEY_HEADER
+    _bucket_ends: tuple[int, ...] = field(default=(), repr=False, compare=False)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        model: str,
+        salt: str,
+        control: str,
+        arms: Sequence[tuple[str, float]],
+        shadows: Sequence[tuple[str, float]] = (),
+        routing_key_header: str = DEFAULT_ROUTING_KEY_HEADER,
+    ) -> Experiment:
+        """Validate and lay out an experiment; raises ConfigError naming what is wrong."""
+        where = f"experiment for model '{model}'"
+        if not arms:
+            raise ConfigError(f"{where}: needs at least one arm")
+        versions = [version for version, _ in arms]
+        duplicates = sorted({v for v in versions if versions.count(v) > 1})
+        if duplicates:
+            raise ConfigError(f"{where}: version(s) {duplicates} appear in more than one arm")
+        if control not in versions:
+            raise ConfigError(f"{where}: control '{control}' is not one of the arms {versions}")
+        buckets: dict[str, int] = {}
+        for version, weight in arms:
+            if not isinstance(weight, int | float) or weight < 0:
+                raise ConfigError(f"{where}: arm '{version}' weight must be a number >= 0, got {weight!r}")
+            share = round(weight * BUCKETS / 100)
+            if abs(share - weight * BUCKETS / 100) > 1e-6:
+                raise ConfigError(f"{where}: arm '{version}' weight {weight} is finer than 0.01 %")
+            buckets[version] = share
+        if sum(buckets.values()) != BUCKETS:
+            total = sum(weight for _, weight in arms)
+            raise ConfigError(f"{where}: arm weights must sum to 100, got {total:g}")
+        for version, rate in shadows:
+            if not 0 <= rate <= 1:
+                raise ConfigError(f"{where}: shadow '{version}' sample_rate must be within 0..1, got {rate!r}")
+            if version in versions and dict(arms)[version] > 0:
+                raise ConfigError(f"{where}: shadow '{version}' also takes live traffic as an arm")
+        header = routing_key_header.strip().lower()
+        if not header:
+            raise ConfigError(f"{where}: routing_key_header must not be empty")
+        ordered = [control, *sorted(v for v in versions if v != control)]
+        laid: list[Arm] = []
+        start = 0
+        weights = dict(arms)
+        for version in ordered:
+            end = start + buckets[version]
+            laid.append(Arm(version=version, weight=weights[version], bucket_start=start, bucket_end=end))
+            start = end
+        return cls(
+            model=model,
+            salt=salt,
+            control=control,
+            arms=tuple(laid),
+            shadows=tuple(Shadow(version=v, sample_rate=r) for v, r in shadows),
+            routing_key_header=header,
+            _bucket_ends=tuple(arm.bucket_end for arm in laid),
+        )
+
+    @classmethod
+    def from_mapping(cls, model: str, data: Mapping[str, Any]) -> Experiment:
+        """Build from the registry's mapping form (YAML file or Consul KV JSON)."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"experiment for model '{model}': must be a mapping, got {type(data).__name__}")
+        known = {"salt", "control", "arms", "shadows", "routing_key_header", "model"}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"experiment for model '{model}': unknown field(s) {unknown}")
+        raw_arms = data.get("arms")
+        if not isinstance(raw_arms, list) or not all(isinstance(a, Mapping) for a in raw_arms):
+            raise ConfigError(f"experiment for model '{model}': 'arms' must be a list of {{version, weight}}")
+        raw_shadows = data.get("shadows") or []
+        if not isinstance(raw_shadows, list) or not all(isinstance(s, Mapping) for s in raw_shadows):
+            raise ConfigError(f"experiment for model '{model}': 'shadows' must be a list of {{version, sample_rate}}")
+        try:
+            arms = [(str(a["version"]), a["weight"]) for a in raw_arms]
+            shadows = [(str(s["version"]), float(s.get("sample_rate", 1.0))) for s in raw_shadows]
+        except KeyError as missing:
+            raise ConfigError(f"experiment for model '{model}': an arm or shadow lacks {missing}") from None
+        control = data.get("control")
+        if control is None:
+            raise ConfigError(f"experiment for model '{model}': 'control' is required")
+        return cls.build(
+            model=model,
+            salt=str(data.get("salt", model)),
+            control=str(control),
+            arms=arms,
+            shadows=shadows,
+            routing_key_header=str(data.get("routing_key_header", DEFAULT_ROUTING_KEY_HEADER)),
+        )
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {
+            "salt": self.salt,
+            "control": self.control,
+            "arms": [{"version": a.version, "weight": a.weight} for a in self.arms],
+            "shadows": [{"version": s.version, "sample_rate": s.sample_rate} for s in self.shadows],
+            "routing_key_header": self.routing_key_header,
+        }
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        return tuple(arm.version for arm in self.arms)
+
+    def bucket(self, key: str | bytes) -> int:
+        """The key's bucket in 0..9999 (stable across processes and restarts)."""
+        data = key.encode() if isinstance(key, str) else key
+        return xxhash.xxh3_64_intdigest(self.salt.encode() + b"\x00" + data) % BUCKETS
+
+    def assign(self, key: str | bytes | None) -> str:
+        """The version serving ``key``; without a key, a random draw by weight."""
+        bucket = random.randrange(BUCKETS) if key is None else self.bucket(key)
+        for arm, end in zip(self.arms, self._bucket_ends, strict=True):
+            if bucket < end:
+                return arm.version
+        return self.control  # unreachable: the ends cover 0..9999

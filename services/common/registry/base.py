@@ -1,0 +1,42 @@
+"""The registry interface routers depend on, and the state it delivers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from splitstream.common.experiment import Experiment
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelEntry:
+    """One model: its experiment and the healthy endpoints of each version."""
+
+    experiment: Experiment
+    endpoints: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistryState:
+    models: Mapping[str, ModelEntry] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegistryUpdate:
+    """Either a new state to apply, or the error that kept one from being read.
+
+    On an error the router keeps serving its last good state and reports the error.
+    """
+
+    state: RegistryState | None = None
+    error: str | None = None
+
+
+class Registry(Protocol):
+    #: e.g. ``file:/etc/splitstream/registry.yaml``; shown in Router/Status.
+    description: str
+
+    def watch(self) -> AsyncIterator[RegistryUpdate]:
+        """Yield the current state at once, then each change; never ends on its own."""
+        ...

@@ -1,0 +1,187 @@
+"""Start real splitstream processes on free ports and wait until they serve.
+
+Tests talk to these processes over real gRPC, exactly as users do. Each process
+writes its log to a file under the test's tmp dir; a failed start shows it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_for(condition: Any, *, timeout_s: float, interval_s: float = 0.05, what: str = "condition") -> Any:
+    """Poll ``condition()`` until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last_error: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+        except Exception as error:  # the condition may raise while a process starts
+            last_error = error
+        else:
+            if value:
+                return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_error!r})")
+
+
+def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        return int(response.status)
+
+
+class ServiceProcess:
+    """A splitstream service started as a real subprocess (``python -m <module> <args>``)."""
+
+    def __init__(self, name: str, module: str, args: Sequence[str], *, log_dir: Path, port: int,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.port = port
+        self.address = f"127.0.0.1:{port}"
+        self.log_path = log_dir / f"{name}.log"
+        self._module = module
+        self._args = list(args)
+        self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, *, wait_serving: bool = True, timeout_s: float = 30.0) -> ServiceProcess:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", self._module, *self._args],
+                stdout=log, stderr=subprocess.STDOUT, env=self._env, cwd=ROOT,
+            )
+        if wait_serving:
+            self.wait_serving(timeout_s=timeout_s)
+        return self
+
+    def wait_serving(self, *, timeout_s: float = 30.0) -> None:
+        def serving() -> bool:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log()}")
+            return health_status(self.address) == health_pb2.HealthCheckResponse.SERVING
+
+        try:
+            wait_for(serving, timeout_s=timeout_s, what=f"{self.name} to serve")
+        except RuntimeError as error:
+            raise AssertionError(str(error)) from None
+        except TimeoutError as error:
+            raise AssertionError(f"{error}\n--- {self.name} log ---\n{self.log()}") from None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.wait()
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class Stack:
+    """Owns every process a test started and stops them all at the end."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.processes: list[ServiceProcess] = []
+
+    def worker(self, repository: Path, model: str, version: str, *extra: str, start: bool = True,
+               name: str | None = None, port: int | None = None) -> ServiceProcess:
+        port = port or free_port()
+        args = ["--model-repository", str(repository), "--model", model, "--version", version,
+                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port()), *extra]
+        process = ServiceProcess(name or f"worker-{model}-{version}-{port}", "splitstream.worker", args,
+                                 log_dir=self.tmp_path, port=port)
+        self.processes.append(process)
+        return process.start() if start else process
+
+    def router(self, registry_path: Path, *extra: str, start: bool = True, name: str | None = None,
+               env: dict[str, str] | None = None) -> ServiceProcess:
+        port = free_port()
+        metrics_port = free_port()
+        args = ["--registry", f"file:{registry_path}", "--host", "127.0.0.1", "--port", str(port),
+                "--metrics-port", str(metrics_port), *extra]
+        process = ServiceProcess(name or f"router-{port}", "splitstream.router", args,
+                                 log_dir=self.tmp_path, port=port, env=env)
+        process.metrics_port = metrics_port  # type: ignore[attr-defined]
+        self.processes.append(process)
+        return process.start() if start else process
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+
+
+@contextlib.contextmanager
+def running_stack(tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(tmp_path)
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
+def write_registry(path: Path, models: dict[str, Any]) -> None:
+    """Write the file registry atomically (write + rename), as a config manager would."""
+    staging = path.with_suffix(".tmp")
+    staging.write_text(yaml.safe_dump({"models": models}, sort_keys=False))
+    staging.replace(path)
+
+
+def scrape_metrics(port: int) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text: str = response.read().decode()
+        return text
+
+
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Samples of one metric from Prometheus text exposition (via prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                samples.append((dict(sample.labels), float(sample.value)))
+    return samples

@@ -1,0 +1,50 @@
+"""Tiny ONNX models the tests build themselves with onnx.helper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+
+def affine_model(path: Path, *, scale: float, bias: float, features: int = 4) -> Path:
+    """``y = x * scale + bias`` and ``label = argmax(y, axis=1)``; x is FP32 [batch, features].
+
+    Two versions that differ only in ``scale``/``bias`` give outputs that differ in a
+    known way, which routing and replay tests rely on.
+    """
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", features])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", features])
+    label = helper.make_tensor_value_info("label", TensorProto.INT64, ["batch"])
+    nodes = [
+        helper.make_node("Mul", ["x", "scale"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "bias"], ["y"]),
+        helper.make_node("ArgMax", ["y"], ["label"], axis=1, keepdims=0),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(scale, dtype=np.float32), "scale"),
+        numpy_helper.from_array(np.array(bias, dtype=np.float32), "bias"),
+    ]
+    graph = helper.make_graph(nodes, "affine", [x], [y, label], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path)
+    return path
+
+
+def add_version(repository: Path, model: str, version: str, *, scale: float, bias: float = 0.0,
+                config: dict[str, Any] | None = None) -> Path:
+    """Lay out ``<repository>/<model>/<version>/{model.onnx,config.yaml}``."""
+    directory = repository / model / version
+    affine_model(directory / "model.onnx", scale=scale, bias=bias)
+    settings = {"backend": "onnxruntime", "max_batch_size": 8,
+                "dynamic_batching": {"max_queue_delay_us": 500}}
+    settings.update(config or {})
+    (directory / "config.yaml").write_text(yaml.safe_dump(settings))
+    return directory
