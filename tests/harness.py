@@ -57,8 +57,16 @@ def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> in
 class ServiceProcess:
     """A splitstream service started as a real subprocess (``python -m <module> <args>``)."""
 
-    def __init__(self, name: str, module: str, args: Sequence[str], *, log_dir: Path, port: int,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        *,
+        log_dir: Path,
+        port: int,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.name = name
         self.port = port
         self.address = f"127.0.0.1:{port}"
@@ -72,7 +80,10 @@ class ServiceProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", self._module, *self._args],
-                stdout=log, stderr=subprocess.STDOUT, env=self._env, cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._env,
+                cwd=ROOT,
             )
         if wait_serving:
             self.wait_serving(timeout_s=timeout_s)
@@ -124,24 +135,62 @@ class Stack:
         self.tmp_path = tmp_path
         self.processes: list[ServiceProcess] = []
 
-    def worker(self, repository: Path, model: str, version: str, *extra: str, start: bool = True,
-               name: str | None = None, port: int | None = None) -> ServiceProcess:
+    def worker(
+        self,
+        repository: Path,
+        model: str,
+        version: str,
+        *extra: str,
+        start: bool = True,
+        name: str | None = None,
+        port: int | None = None,
+    ) -> ServiceProcess:
         port = port or free_port()
-        args = ["--model-repository", str(repository), "--model", model, "--version", version,
-                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port()), *extra]
-        process = ServiceProcess(name or f"worker-{model}-{version}-{port}", "splitstream.worker", args,
-                                 log_dir=self.tmp_path, port=port)
+        args = [
+            "--model-repository",
+            str(repository),
+            "--model",
+            model,
+            "--version",
+            version,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(free_port()),
+            *extra,
+        ]
+        process = ServiceProcess(
+            name or f"worker-{model}-{version}-{port}", "splitstream.worker", args, log_dir=self.tmp_path, port=port
+        )
         self.processes.append(process)
         return process.start() if start else process
 
-    def router(self, registry_path: Path, *extra: str, start: bool = True, name: str | None = None,
-               env: dict[str, str] | None = None) -> ServiceProcess:
+    def router(
+        self,
+        registry_path: Path,
+        *extra: str,
+        start: bool = True,
+        name: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> ServiceProcess:
         port = free_port()
         metrics_port = free_port()
-        args = ["--registry", f"file:{registry_path}", "--host", "127.0.0.1", "--port", str(port),
-                "--metrics-port", str(metrics_port), *extra]
-        process = ServiceProcess(name or f"router-{port}", "splitstream.router", args,
-                                 log_dir=self.tmp_path, port=port, env=env)
+        args = [
+            "--registry",
+            f"file:{registry_path}",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+            *extra,
+        ]
+        process = ServiceProcess(
+            name or f"router-{port}", "splitstream.router", args, log_dir=self.tmp_path, port=port, env=env
+        )
         process.metrics_port = metrics_port  # type: ignore[attr-defined]
         self.processes.append(process)
         return process.start() if start else process

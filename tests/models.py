@@ -38,13 +38,13 @@ def affine_model(path: Path, *, scale: float, bias: float, features: int = 4) ->
     return path
 
 
-def add_version(repository: Path, model: str, version: str, *, scale: float, bias: float = 0.0,
-                config: dict[str, Any] | None = None) -> Path:
+def add_version(
+    repository: Path, model: str, version: str, *, scale: float, bias: float = 0.0, config: dict[str, Any] | None = None
+) -> Path:
     """Lay out ``<repository>/<model>/<version>/{model.onnx,config.yaml}``."""
     directory = repository / model / version
     affine_model(directory / "model.onnx", scale=scale, bias=bias)
-    settings = {"backend": "onnxruntime", "max_batch_size": 8,
-                "dynamic_batching": {"max_queue_delay_us": 500}}
+    settings = {"backend": "onnxruntime", "max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 500}}
     settings.update(config or {})
     (directory / "config.yaml").write_text(yaml.safe_dump(settings))
     return directory

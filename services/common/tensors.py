@@ -110,9 +110,7 @@ def from_contents(name: str, datatype: str, shape: Sequence[int], contents: oip.
     values = getattr(contents, field)
     count = element_count(shape)
     if len(values) != count:
-        raise InvalidInput(
-            f"input '{name}': {len(values)} values in '{field}', but shape {list(shape)} needs {count}"
-        )
+        raise InvalidInput(f"input '{name}': {len(values)} values in '{field}', but shape {list(shape)} needs {count}")
     if datatype == "BYTES":
         array = np.empty(count, dtype=np.object_)
         array[:] = list(values)

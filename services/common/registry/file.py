@@ -66,9 +66,7 @@ class FileRegistry:
                     yield RegistryUpdate(state=state)
             await asyncio.sleep(self.poll_interval_s)
 
-    def _read_if_changed(
-        self, last: tuple[int, int, int] | None
-    ) -> tuple[tuple[int, int, int], str | None]:
+    def _read_if_changed(self, last: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], str | None]:
         stat = self.path.stat()
         signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
         if signature == last:
@@ -111,9 +109,7 @@ def _parse_model(model: str, entry: Any, source: str) -> ModelEntry:
     raw_experiment = entry.get("experiment")
     if raw_experiment is None:
         if len(endpoints) != 1:
-            raise ConfigError(
-                f"{where}: has {len(endpoints)} versions but no experiment; add one saying how to split"
-            )
+            raise ConfigError(f"{where}: has {len(endpoints)} versions but no experiment; add one saying how to split")
         (only,) = endpoints
         experiment = Experiment.build(model=model, salt=model, control=only, arms=[(only, 100)])
     else:
