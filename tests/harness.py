@@ -234,3 +234,102 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
             if sample.name == name:
                 samples.append((dict(sample.labels), float(sample.value)))
     return samples
+
+
+def make_request(model: str, x: Any, *, request_id: str = "", version: str = "", typed: bool = False) -> Any:
+    """A ModelInferRequest carrying ``x`` as input 'x' (raw contents unless ``typed``)."""
+    from splitstream.common import tensors
+    from splitstream.common.proto.inference import grpc_service_pb2 as oip
+
+    request = oip.ModelInferRequest(model_name=model, model_version=version, id=request_id)
+    (tensors.add_typed_input if typed else tensors.add_raw_input)(request, "x", x)
+    return request
+
+
+class InferClient:
+    """A blocking Open Inference Protocol client that also returns the response metadata."""
+
+    def __init__(self, address: str) -> None:
+        from splitstream.common.proto.inference import grpc_service_pb2_grpc
+
+        self.channel = grpc.insecure_channel(address)
+        self.stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+
+    def infer(self, request: Any, *, metadata: Sequence[tuple[str, str]] = (), timeout_s: float = 10.0
+              ) -> tuple[Any, dict[str, str]]:
+        response, call = self.stub.ModelInfer.with_call(request, metadata=list(metadata), timeout=timeout_s)
+        return response, dict(call.initial_metadata())
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class SteadyLoad:
+    """Closed-loop load from ``threads`` threads until stopped; remembers every call's outcome.
+
+    Each outcome is ``(sent_monotonic, code_name, served_version)``.
+    """
+
+    def __init__(self, address: str, model: str, *, threads: int = 4, key_prefix: str | None = None,
+                 pause_s: float = 0.0) -> None:
+        import threading
+
+        import numpy as np
+
+        self._address = address
+        self._model = model
+        self._threads_n = threads
+        self._key_prefix = key_prefix
+        self._pause_s = pause_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._x = np.ones((1, 4), dtype=np.float32)
+        self.outcomes: list[tuple[float, str, str]] = []
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def __enter__(self) -> SteadyLoad:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+    def _run(self, index: int) -> None:
+        client = InferClient(self._address)
+        n = 0
+        try:
+            while not self._stop.is_set():
+                n += 1
+                metadata = []
+                if self._key_prefix is not None:
+                    metadata.append(("x-routing-key", f"{self._key_prefix}-{index}-{n}"))
+                sent = time.monotonic()
+                try:
+                    _, headers = client.infer(make_request(self._model, self._x), metadata=metadata)
+                    outcome = (sent, "OK", headers.get("x-splitstream-version", ""))
+                except grpc.RpcError as error:
+                    outcome = (sent, error.code().name, "")
+                with self._lock:
+                    self.outcomes.append(outcome)
+                if self._pause_s:
+                    time.sleep(self._pause_s)
+        finally:
+            client.close()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.outcomes)
+
+    def errors(self) -> list[tuple[float, str, str]]:
+        with self._lock:
+            return [o for o in self.outcomes if o[1] != "OK"]
+
+    def wait_calls(self, n: int, timeout_s: float = 30.0) -> None:
+        start = self.count()
+        wait_for(lambda: self.count() >= start + n, timeout_s=timeout_s, what=f"{n} more calls")

@@ -1,0 +1,56 @@
+"""Command-line helpers shared by every service's entry point.
+
+Each flag can also come from an environment variable ``SPLITSTREAM_<SERVICE>_<FLAG>``
+(``--metrics-port`` of the router → ``SPLITSTREAM_ROUTER_METRICS_PORT``), which is
+how containers are configured. A flag given on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, NoReturn
+
+
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose options default to ``SPLITSTREAM_<SERVICE>_<FLAG>`` when set."""
+
+    def __init__(self, *args: Any, env_prefix: str, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        self.env_prefix = env_prefix
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        long_names = [n for n in names if isinstance(n, str) and n.startswith("--")]
+        if long_names and "help" in kwargs and kwargs.get("action") != "help":
+            variable = self.env_prefix + long_names[0][2:].upper().replace("-", "_")
+            if variable in os.environ:
+                raw = os.environ[variable]
+                if kwargs.get("action") == "store_true":
+                    kwargs["default"] = raw.strip().lower() in {"1", "true", "yes", "on"}
+                else:
+                    kwargs["default"] = kwargs["type"](raw) if "type" in kwargs else raw
+                kwargs["required"] = False
+            kwargs["help"] = f"{kwargs['help']} [env {variable}]"
+        return super().add_argument(*names, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        """Usage errors: one line on stderr and exit code 2."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def fail(prog: str, message: str) -> NoReturn:
+    """Exit 2 with one clear line (configuration errors found after parsing)."""
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+#: Server options every splitstream gRPC server uses. SO_REUSEPORT off: two
+#: processes must never silently share a port.
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]

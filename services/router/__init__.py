@@ -1,0 +1,1 @@
+"""The router: sticky A/B split, per-version endpoint pools, forwarding without decoding tensors."""

@@ -1,0 +1,3 @@
+from splitstream.router.main import main
+
+raise SystemExit(main())

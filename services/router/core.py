@@ -1,0 +1,239 @@
+"""The routing core: one call in, one outcome out.
+
+It knows nothing of the server side of gRPC (no servicer context): the servicer
+hands it the request bytes, the few headers that matter and the time left, and
+turns the returned :class:`CallOutcome` into the answer. The outcome carries
+everything a recorder needs, so mirroring a call is a hand-off, not a second
+code path.
+
+Path of one call: read the request head (model, version, id) without decoding
+tensors → pick the version (pin, or sticky split, or control when the arm has no
+healthy endpoint) → least-loaded endpoint → forward the bytes; on UNAVAILABLE
+retry once on another endpoint of that version (else the control, unless the
+call was pinned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import grpc
+import structlog
+from google.protobuf.message import DecodeError
+from grpc import aio
+
+from splitstream.common.errors import InvalidInput, ModelNotReady, SplitstreamError
+from splitstream.common.proto.splitstream.v1 import router_pb2
+from splitstream.common.registry import RegistryState
+from splitstream.router.metrics import RouterMetrics
+from splitstream.router.pools import Endpoint, VersionPool
+from splitstream.router.routing import EMPTY_TABLE, ModelRoutes, Route, RoutingTable
+
+log = structlog.get_logger()
+
+REQUEST_ID_HEADER = "x-request-id"
+PIN_HEADER = "x-splitstream-version"
+VERSION_HEADER = "x-splitstream-version"
+
+
+@dataclass(slots=True)
+class CallOutcome:
+    """What happened to one call. ``response`` is set exactly when ``code`` is OK."""
+
+    request_id: str
+    model: str
+    code: grpc.StatusCode
+    details: str
+    response: bytes | None
+    version: str = ""
+    arm: str = ""
+    endpoint: str = ""
+    fallback: bool = False
+    retried: bool = False
+    receive_unix_ns: int = 0
+    latency_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndpointSettings:
+    channel_options: tuple[tuple[str, int | str], ...]
+    eject_after_failures: int
+    eject_duration_s: float
+    drain_timeout_s: float
+
+
+class RouterCore:
+    def __init__(self, *, settings: EndpointSettings, metrics: RouterMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.table: RoutingTable = EMPTY_TABLE
+        #: The routing-key header names the current experiments use (servicers read only these).
+        self.routing_key_headers: frozenset[str] = frozenset()
+        self.generation = 0
+        self.applied_unix_ns = 0
+        self._closing: set[asyncio.Task[None]] = set()
+
+    # -- calls -----------------------------------------------------------------------------
+
+    async def infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
+        receive_unix_ns = time.time_ns()
+        started = time.perf_counter()
+        outcome = await self._infer(request, headers, timeout_s)
+        outcome.receive_unix_ns = receive_unix_ns
+        outcome.latency_s = time.perf_counter() - started
+        self.metrics.answered(outcome.model, outcome.version, outcome.code.name, outcome.latency_s)
+        return outcome
+
+    async def _infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
+        request_id = headers.get(REQUEST_ID_HEADER, "")
+        model = "_unknown"
+        try:
+            head = _read_head(request)
+            request_id = request_id or head.id or uuid.uuid4().hex
+            routes = self.table.model(head.model_name)
+            model = head.model_name
+            route = routes.route(
+                routing_key=headers.get(routes.experiment.routing_key_header),
+                pinned_version=_pinned_version(headers.get(PIN_HEADER), head.model_version),
+            )
+        except SplitstreamError as error:
+            return CallOutcome(request_id or uuid.uuid4().hex, model, error.code, str(error), None)
+        if route.fallback:
+            self.metrics.fallbacks.labels(model, route.arm, route.version).inc()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        metadata = ((REQUEST_ID_HEADER, request_id),)
+        outcome = CallOutcome(
+            request_id, model, grpc.StatusCode.OK, "", None, route.version, route.arm, fallback=route.fallback
+        )
+        endpoint = route.pool.pick()
+        if endpoint is None:
+            return self._unavailable(outcome, route)
+        error = await self._forward(outcome, endpoint, request, deadline, metadata)
+        if error is None or error.code() != grpc.StatusCode.UNAVAILABLE:
+            return outcome
+        retry = self._retry_target(routes, route, endpoint)
+        if retry is None:
+            return outcome
+        route, endpoint = retry
+        self.metrics.retries.labels(model, outcome.version).inc()
+        outcome.retried = True
+        outcome.version = route.version
+        outcome.fallback = route.fallback
+        await self._forward(outcome, endpoint, request, deadline, metadata)
+        return outcome
+
+    async def _forward(
+        self,
+        outcome: CallOutcome,
+        endpoint: Endpoint,
+        request: bytes,
+        deadline: float | None,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> aio.AioRpcError | None:
+        """Send the bytes to ``endpoint``; fill ``outcome``; return the error, if any."""
+        outcome.endpoint = endpoint.address
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        endpoint.outstanding += 1
+        endpoint.calls += 1
+        self.metrics.in_flight.inc()
+        try:
+            outcome.response = await endpoint.infer(request, timeout=timeout, metadata=metadata)
+        except aio.AioRpcError as error:
+            outcome.code = error.code()
+            outcome.details = error.details() or ""
+            outcome.response = None
+            if error.code() == grpc.StatusCode.UNAVAILABLE and endpoint.failed():
+                self.metrics.ejections.labels(outcome.model, outcome.version, endpoint.address).inc()
+            return error
+        finally:
+            endpoint.outstanding -= 1
+            self.metrics.in_flight.dec()
+        outcome.code = grpc.StatusCode.OK
+        outcome.details = ""
+        endpoint.succeeded()
+        return None
+
+    @staticmethod
+    def _retry_target(routes: ModelRoutes, route: Route, failed: Endpoint) -> tuple[Route, Endpoint] | None:
+        other = route.pool.pick(exclude=failed)
+        if other is not None:
+            return route, other
+        fallback = routes.fallback_after_failure(route)
+        if fallback is None:
+            return None
+        endpoint = fallback.pool.pick()
+        return None if endpoint is None else (fallback, endpoint)
+
+    @staticmethod
+    def _unavailable(outcome: CallOutcome, route: Route) -> CallOutcome:
+        error = ModelNotReady(f"model '{outcome.model}' version '{route.version}' has no healthy endpoint")
+        outcome.code, outcome.details = error.code, str(error)
+        return outcome
+
+    # -- registry --------------------------------------------------------------------------
+
+    def apply(self, state: RegistryState) -> None:
+        """Swap in a table for ``state``, keeping endpoints (and their connections) that remain."""
+        old = self.table.endpoints
+        endpoints: dict[tuple[str, str, str], Endpoint] = {}
+        models: dict[str, ModelRoutes] = {}
+        for model, entry in state.models.items():
+            pools: dict[str, VersionPool] = {}
+            versions = dict.fromkeys([*entry.experiment.versions, *entry.endpoints])
+            for version in versions:
+                members = []
+                for address in entry.endpoints.get(version, ()):
+                    key = (model, version, address)
+                    endpoint = old.get(key) or self._new_endpoint(address)
+                    endpoints[key] = endpoint
+                    members.append(endpoint)
+                pools[version] = VersionPool(version, members)
+            models[model] = ModelRoutes(experiment=entry.experiment, pools=pools)
+        self.routing_key_headers = frozenset(routes.experiment.routing_key_header for routes in models.values())
+        self.table = RoutingTable(models=models, endpoints=endpoints)
+        self.generation += 1
+        self.applied_unix_ns = time.time_ns()
+        for key, endpoint in old.items():
+            if key not in endpoints:
+                self._close_later(endpoint)
+
+    def _new_endpoint(self, address: str) -> Endpoint:
+        endpoint = Endpoint(
+            address,
+            channel_options=self.settings.channel_options,
+            eject_after_failures=self.settings.eject_after_failures,
+            eject_duration_s=self.settings.eject_duration_s,
+        )
+        endpoint.start_health_watch()
+        return endpoint
+
+    def _close_later(self, endpoint: Endpoint) -> None:
+        """Close a removed endpoint once its calls in flight are done; the task is tracked, not fired and forgotten."""
+        task = asyncio.create_task(endpoint.close(drain_timeout_s=self.settings.drain_timeout_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """Close every endpoint (after in-flight calls) and wait for earlier closes."""
+        for endpoint in self.table.endpoints.values():
+            self._close_later(endpoint)
+        self.table = EMPTY_TABLE
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _read_head(request: bytes) -> router_pb2.InferRequestHead:
+    try:
+        return router_pb2.InferRequestHead.FromString(request)
+    except DecodeError:
+        raise InvalidInput("request is not a valid inference.ModelInferRequest") from None
+
+
+def _pinned_version(header: str | None, model_version: str) -> str | None:
+    if header and model_version and header != model_version:
+        raise InvalidInput(f"{PIN_HEADER} '{header}' conflicts with the request's model_version '{model_version}'")
+    return header or model_version or None

@@ -1,0 +1,234 @@
+"""``splitstream-router``: serve the Open Inference Protocol and split traffic between model versions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import structlog
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from splitstream.common.cli import EnvArgumentParser, fail, server_options
+from splitstream.common.logs import configure_logging
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.splitstream.v1 import router_pb2
+from splitstream.common.registry import FileRegistry, Registry, RegistryUpdate
+from splitstream.router.core import EndpointSettings, RouterCore
+from splitstream.router.metrics import RouterMetrics
+from splitstream.router.servicer import RouterServicer
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    registry: str
+    host: str
+    port: int
+    metrics_port: int
+    router_id: str
+    eject_after_failures: int
+    eject_duration_s: float
+    max_message_bytes: int
+    drain_delay_s: float
+    shutdown_grace_s: float
+    log_level: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError("ports must be within 0..65535")
+        if self.eject_after_failures < 1:
+            raise ValueError("--eject-after-failures must be at least 1")
+        if min(self.eject_duration_s, self.drain_delay_s, self.shutdown_grace_s) < 0:
+            raise ValueError("durations must not be negative")
+
+
+def parse_args(argv: Sequence[str] | None) -> RouterConfig:
+    parser = EnvArgumentParser(
+        prog="splitstream-router",
+        env_prefix="SPLITSTREAM_ROUTER_",
+        description=(
+            "Serve the Open Inference Protocol (KServe v2 gRPC) and splitstream.v1.Router on one port, "
+            "split each model's traffic between its versions by a sticky hash of the routing key, and "
+            "forward calls to the workers the registry lists."
+        ),
+    )
+    parser.add_argument(
+        "--registry",
+        required=True,
+        help="where endpoints and experiments come from: file:PATH (a YAML file, re-read on change)",
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8001, help="gRPC port (Triton's default; 0 picks a free one)")
+    parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (0: off)")
+    parser.add_argument(
+        "--router-id",
+        default=f"{socket.gethostname()}-{os.getpid()}",
+        help="this router's name in logs, Status and records",
+    )
+    parser.add_argument(
+        "--eject-after-failures",
+        type=int,
+        default=3,
+        help="consecutive UNAVAILABLE answers that take an endpoint out of rotation",
+    )
+    parser.add_argument(
+        "--eject-duration-s",
+        type=float,
+        default=5.0,
+        help="how long an ejected endpoint stays out before it is tried again",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="largest request or response accepted and forwarded",
+    )
+    parser.add_argument(
+        "--drain-delay-s",
+        type=float,
+        default=0.5,
+        help="on SIGTERM: seconds to keep serving after reporting NOT_SERVING, for balancers to notice",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s", type=float, default=30.0, help="on SIGTERM: seconds calls in flight get to finish"
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    args = parser.parse_args(argv)
+    args.router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
+    try:
+        return RouterConfig(**vars(args))
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def open_registry(spec: str) -> Registry:
+    scheme, _, location = spec.partition(":")
+    if scheme == "file" and location:
+        if not os.path.isfile(location):
+            raise ValueError(f"registry file '{location}' does not exist")
+        return FileRegistry(location)
+    raise ValueError(f"unknown registry '{spec}' (expected file:PATH)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    try:
+        configure_logging(config.log_level, service="router")
+        registry = open_registry(config.registry)
+    except ValueError as error:
+        fail("splitstream-router", str(error))
+    return asyncio.run(serve(config, registry))
+
+
+async def serve(config: RouterConfig, registry: Registry) -> int:
+    """Run until SIGTERM/SIGINT, then shut down in order (see :meth:`Router.shutdown`)."""
+    router = Router(config, registry)
+    await router.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await router.shutdown()
+    return 0
+
+
+class Router:
+    def __init__(self, config: RouterConfig, registry: Registry) -> None:
+        self.config = config
+        self.registry = registry
+        self.log = structlog.get_logger().bind(router_id=config.router_id)
+        self.metrics = RouterMetrics()
+        self.core = RouterCore(
+            settings=EndpointSettings(
+                channel_options=(
+                    ("grpc.max_receive_message_length", config.max_message_bytes),
+                    ("grpc.max_send_message_length", config.max_message_bytes),
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 2000),
+                ),
+                eject_after_failures=config.eject_after_failures,
+                eject_duration_s=config.eject_duration_s,
+                drain_timeout_s=config.shutdown_grace_s,
+            ),
+            metrics=self.metrics,
+        )
+        self.servicer = RouterServicer(self.core, router_id=config.router_id, registry_description=registry.description)
+        self.health = health.aio.HealthServicer()
+        self.server = aio.server(options=server_options(config.max_message_bytes))
+        self._watch_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Load the registry, then listen. Exits 2 with one line if the registry is unusable at start."""
+        updates = self.registry.watch()
+        first = await anext(updates)
+        if first.state is None:
+            fail("splitstream-router", f"registry {self.registry.description}: {first.error}")
+        self._apply(first)
+        self.server.add_generic_rpc_handlers(self.servicer.handlers())
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [
+                oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+                router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self.server.start()
+        if self.config.metrics_port:
+            start_http_server(self.config.metrics_port, registry=self.metrics.registry)
+        self._watch_task = asyncio.create_task(self._follow(updates), name="registry-watch")
+        self.servicer.ready = True
+        for service in ("", "splitstream.v1.Router", "inference.GRPCInferenceService"):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.log.info(
+            "router serving",
+            port=port,
+            metrics_port=self.config.metrics_port,
+            registry=self.registry.description,
+            models=sorted(self.core.table.models),
+        )
+
+    async def _follow(self, updates: AsyncIterator[RegistryUpdate]) -> None:
+        async for update in updates:
+            self._apply(update)
+
+    def _apply(self, update: RegistryUpdate) -> None:
+        if update.state is None:
+            self.servicer.registry_error = update.error or "unknown error"
+            self.metrics.registry_updates.labels("error").inc()
+            self.metrics.registry_healthy.set(0)
+            self.log.error("registry update rejected; keeping the last good state", error=update.error)
+            return
+        self.core.apply(update.state)
+        self.servicer.registry_error = ""
+        self.metrics.registry_updates.labels("ok").inc()
+        self.metrics.registry_healthy.set(1)
+        self.log.info("registry applied", generation=self.core.generation, models=sorted(update.state.models))
+
+    async def shutdown(self) -> None:
+        """Stop in order: report NOT_SERVING; keep serving ``drain_delay_s`` so balancers move away;
+        stop accepting and give calls in flight ``shutdown_grace_s``; stop watching the registry;
+        close worker channels once their calls are done."""
+        self.log.info("router draining", drain_delay_s=self.config.drain_delay_s)
+        self.servicer.ready = False
+        await self.health.enter_graceful_shutdown()
+        await asyncio.sleep(self.config.drain_delay_s)
+        await self.server.stop(self.config.shutdown_grace_s)
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch_task
+        await self.core.close()
+        self.log.info("router stopped")

@@ -1,0 +1,162 @@
+"""Worker endpoints and the per-version pools the router picks from.
+
+An endpoint is eligible when its grpc.health.v1 status is SERVING (or not yet
+known) and the circuit breaker has not ejected it. Health comes from a Watch
+stream per endpoint, so a worker that starts draining (NOT_SERVING) leaves the
+rotation within milliseconds, before it stops accepting calls; a worker whose
+connection drops is marked unreachable at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Sequence
+
+import grpc
+import structlog
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = structlog.get_logger()
+
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+
+
+class Health(enum.IntEnum):
+    """Mirrors splitstream.v1.EndpointStatus.Health."""
+
+    UNKNOWN = 0
+    SERVING = 1
+    NOT_SERVING = 2
+    UNREACHABLE = 3
+
+
+class Endpoint:
+    """One worker address: its channel, health, load and circuit breaker."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        channel_options: Sequence[tuple[str, int | str]],
+        eject_after_failures: int,
+        eject_duration_s: float,
+    ) -> None:
+        self.address = address
+        self.channel = aio.insecure_channel(address, options=list(channel_options))
+        # Raw bytes in and out: the router forwards request bytes without decoding tensors.
+        self.infer = self.channel.unary_unary(INFER_METHOD)
+        self.health = Health.UNKNOWN
+        self.outstanding = 0
+        self.calls = 0
+        self.failures = 0
+        self.consecutive_failures = 0
+        self.ejected_until = 0.0
+        self._eject_after_failures = eject_after_failures
+        self._eject_duration_s = eject_duration_s
+        self._watch_task: asyncio.Task[None] | None = None
+
+    @property
+    def eligible(self) -> bool:
+        if self.health in (Health.NOT_SERVING, Health.UNREACHABLE):
+            return False
+        return self.ejected_until == 0.0 or time.monotonic() >= self.ejected_until
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_until > time.monotonic()
+
+    def succeeded(self) -> None:
+        self.consecutive_failures = 0
+        self.ejected_until = 0.0
+
+    def failed(self) -> bool:
+        """Count a transport failure; returns True when this failure ejects the endpoint."""
+        self.failures += 1
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= self._eject_after_failures and not self.ejected:
+            self.ejected_until = time.monotonic() + self._eject_duration_s
+            log.warning(
+                "endpoint ejected",
+                endpoint=self.address,
+                failures=self.consecutive_failures,
+                for_s=self._eject_duration_s,
+            )
+            return True
+        return False
+
+    def start_health_watch(self) -> None:
+        self._watch_task = asyncio.create_task(self._watch_health(), name=f"health-watch {self.address}")
+
+    async def _watch_health(self) -> None:
+        """Follow the worker's health; fall back to polling Check where Watch is unimplemented."""
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        backoff_s = 0.05
+        poll = False
+        while True:
+            try:
+                if poll:
+                    response = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                    self._set_health(response.status)
+                    await asyncio.sleep(1.0)
+                    continue
+                async for response in stub.Watch(health_pb2.HealthCheckRequest()):
+                    self._set_health(response.status)
+                    backoff_s = 0.05
+            except aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    poll = True
+                    continue
+                self._set_unreachable()
+            # The stream ended (worker stopped) or failed: wait for the channel to reconnect.
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2, 2.0)
+
+    def _set_health(self, status: int) -> None:
+        health = Health.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
+        if health != self.health:
+            log.info("endpoint health", endpoint=self.address, health=health.name)
+            self.health = health
+            if health is Health.SERVING:
+                self.succeeded()
+
+    def _set_unreachable(self) -> None:
+        if self.health is not Health.UNREACHABLE:
+            log.info("endpoint health", endpoint=self.address, health=Health.UNREACHABLE.name)
+            self.health = Health.UNREACHABLE
+
+    async def close(self, *, drain_timeout_s: float) -> None:
+        """Stop watching, then close the channel once calls in flight finish (at most ``drain_timeout_s``)."""
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+        await self.channel.close(grace=drain_timeout_s)
+
+
+class VersionPool:
+    """The endpoints serving one model version; picks by least outstanding requests."""
+
+    def __init__(self, version: str, endpoints: Sequence[Endpoint]) -> None:
+        self.version = version
+        self.endpoints = tuple(endpoints)
+        self._rotation = 0
+
+    def pick(self, exclude: Endpoint | None = None) -> Endpoint | None:
+        """The eligible endpoint with the fewest calls in flight; ties rotate so load spreads."""
+        endpoints = self.endpoints
+        count = len(endpoints)
+        if count == 0:
+            return None
+        self._rotation = (self._rotation + 1) % count
+        best: Endpoint | None = None
+        for offset in range(count):
+            endpoint = endpoints[(self._rotation + offset) % count]
+            if endpoint is exclude or not endpoint.eligible:
+                continue
+            if best is None or endpoint.outstanding < best.outstanding:
+                best = endpoint
+        return best
+
+    def has_eligible(self) -> bool:
+        return any(endpoint.eligible for endpoint in self.endpoints)
