@@ -82,7 +82,11 @@ class RouterCore:
     async def infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
         receive_unix_ns = time.time_ns()
         started = time.perf_counter()
-        outcome = await self._infer(request, headers, timeout_s)
+        try:
+            outcome = await self._infer(request, headers, timeout_s)
+        except asyncio.CancelledError:  # the client went away; the worker call was cancelled with it
+            self.metrics.answered("_cancelled", "", grpc.StatusCode.CANCELLED.name, time.perf_counter() - started)
+            raise
         outcome.receive_unix_ns = receive_unix_ns
         outcome.latency_s = time.perf_counter() - started
         self.metrics.answered(outcome.model, outcome.version, outcome.code.name, outcome.latency_s)
