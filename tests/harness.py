@@ -247,7 +247,7 @@ def make_request(model: str, x: Any, *, request_id: str = "", version: str = "",
 
 
 class InferClient:
-    """A blocking Open Inference Protocol client that also returns the response metadata."""
+    """A blocking Open Inference Protocol client that also returns the response (trailing) metadata."""
 
     def __init__(self, address: str) -> None:
         from splitstream.common.proto.inference import grpc_service_pb2_grpc
@@ -255,10 +255,11 @@ class InferClient:
         self.channel = grpc.insecure_channel(address)
         self.stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
 
-    def infer(self, request: Any, *, metadata: Sequence[tuple[str, str]] = (), timeout_s: float = 10.0
-              ) -> tuple[Any, dict[str, str]]:
+    def infer(
+        self, request: Any, *, metadata: Sequence[tuple[str, str]] = (), timeout_s: float = 10.0
+    ) -> tuple[Any, dict[str, str]]:
         response, call = self.stub.ModelInfer.with_call(request, metadata=list(metadata), timeout=timeout_s)
-        return response, dict(call.initial_metadata())
+        return response, dict(call.trailing_metadata())
 
     def close(self) -> None:
         self.channel.close()
@@ -270,8 +271,9 @@ class SteadyLoad:
     Each outcome is ``(sent_monotonic, code_name, served_version)``.
     """
 
-    def __init__(self, address: str, model: str, *, threads: int = 4, key_prefix: str | None = None,
-                 pause_s: float = 0.0) -> None:
+    def __init__(
+        self, address: str, model: str, *, threads: int = 4, key_prefix: str | None = None, pause_s: float = 0.0
+    ) -> None:
         import threading
 
         import numpy as np
