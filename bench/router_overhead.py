@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from grpc import aio
@@ -166,7 +167,7 @@ def main() -> int:
             for _ in range(args.rounds):
                 for name, (address, pids) in paths.items():
                     merged[name].append(asyncio.run(drive(address, payload, concurrency, args.seconds, pids)))
-            summary = {}
+            summary: dict[str, dict[str, Any]] = {}
             for name, results in merged.items():
                 latencies = [x for r in results for x in r.latencies_s]
                 calls = len(latencies)

@@ -95,10 +95,10 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     stack.close()
 
 
-def served_version(client: InferClient, key: str | None = None, **request_args: str) -> str:
+def served_version(client: InferClient, key: str | None = None, version: str = "") -> str:
     x = np.arange(4, dtype=np.float32).reshape(1, 4)
     metadata = [("x-routing-key", key)] if key is not None else []
-    response, headers = client.infer(make_request(MODEL, x, **request_args), metadata=metadata)
+    response, headers = client.infer(make_request(MODEL, x, version=version), metadata=metadata)
     version = headers["x-splitstream-version"]
     assert response.model_version == version
     np.testing.assert_array_equal(tensors.output_arrays(response)["y"], expected(x, version))

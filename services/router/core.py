@@ -38,6 +38,15 @@ log = structlog.get_logger()
 REQUEST_ID_HEADER = "x-request-id"
 PIN_HEADER = "x-splitstream-version"
 VERSION_HEADER = "x-splitstream-version"
+_SERVER_FAILURES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
 
 
 @dataclass(slots=True)
@@ -76,6 +85,7 @@ class RouterCore:
         self.generation = 0
         self.applied_unix_ns = 0
         self._closing: set[asyncio.Task[None]] = set()
+        self._warned_at: dict[tuple[str, str, grpc.StatusCode], float] = {}
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -90,7 +100,33 @@ class RouterCore:
         outcome.receive_unix_ns = receive_unix_ns
         outcome.latency_s = time.perf_counter() - started
         self.metrics.answered(outcome.model, outcome.version, outcome.code.name, outcome.latency_s)
+        self._log(outcome)
         return outcome
+
+    def _log(self, outcome: CallOutcome) -> None:
+        """DEBUG for every call; WARNING for server-side failures, at most once a second per kind."""
+        log.debug(
+            "call",
+            request_id=outcome.request_id,
+            model=outcome.model,
+            version=outcome.version,
+            status=outcome.code.name,
+            latency_ms=round(outcome.latency_s * 1000, 3),
+        )
+        if outcome.code in _SERVER_FAILURES:
+            kind = (outcome.model, outcome.version, outcome.code)
+            now = time.monotonic()
+            if now - self._warned_at.get(kind, 0.0) >= 1.0:
+                self._warned_at[kind] = now
+                log.warning(
+                    "call failed",
+                    request_id=outcome.request_id,
+                    model=outcome.model,
+                    version=outcome.version,
+                    endpoint=outcome.endpoint,
+                    status=outcome.code.name,
+                    details=outcome.details,
+                )
 
     async def _infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
         request_id = headers.get(REQUEST_ID_HEADER, "")
@@ -116,8 +152,8 @@ class RouterCore:
         endpoint = route.pool.pick()
         if endpoint is None:
             return self._unavailable(outcome, route)
-        error = await self._forward(outcome, endpoint, request, deadline, metadata)
-        if error is None or error.code() != grpc.StatusCode.UNAVAILABLE:
+        failure = await self._forward(outcome, endpoint, request, deadline, metadata)
+        if failure is None or failure.code() != grpc.StatusCode.UNAVAILABLE:
             return outcome
         retry = self._retry_target(routes, route, endpoint)
         if retry is None:

@@ -106,6 +106,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
         return RouterConfig(**vars(args))
     except ValueError as error:
         parser.error(str(error))
+    raise AssertionError("unreachable: parser.error exits")
 
 
 def open_registry(spec: str) -> Registry:
