@@ -30,7 +30,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 if kwargs.get("action") == "store_true":
                     kwargs["default"] = raw.strip().lower() in {"1", "true", "yes", "on"}
                 else:
-                    kwargs["default"] = kwargs["type"](raw) if "type" in kwargs else raw
+                    try:
+                        kwargs["default"] = kwargs["type"](raw) if "type" in kwargs else raw
+                    except (TypeError, ValueError):
+                        self.error(f"{variable}: invalid value {raw!r} for {long_names[0]}")
                 kwargs["required"] = False
             kwargs["help"] = f"{kwargs['help']} [env {variable}]"
         return super().add_argument(*names, **kwargs)
