@@ -1,0 +1,1 @@
+"""The worker: serves one model version over the Open Inference Protocol with dynamic batching."""

@@ -1,0 +1,91 @@
+"""Prometheus metrics of one worker, in a registry the worker owns.
+
+The per-request signal lives here rather than in logs. Metric objects are
+created against the registry passed in (never prometheus_client's global
+one), so several workers or tests in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+#: Rows per backend run; powers of two up to the largest batch sizes in use.
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+#: From 50 µs to 10 s: CPU models answer in microseconds, big GPU batches in seconds.
+SECONDS_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
+
+
+class WorkerMetrics:
+    """The worker's metrics, each already labelled with its model and version."""
+
+    def __init__(self, registry: CollectorRegistry, *, model: str, version: str) -> None:
+        labels = ("model", "version")
+        self._requests = Counter(
+            "splitstream_worker_requests",
+            "ModelInfer calls answered, by gRPC status code name.",
+            (*labels, "status"),
+            registry=registry,
+        )
+        self._model = model
+        self._version = version
+        self._inference_seconds = Histogram(
+            "splitstream_worker_inference_seconds",
+            "Backend run time per batch.",
+            labels,
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        ).labels(model, version)
+        self._queue_seconds = Histogram(
+            "splitstream_worker_queue_seconds",
+            "Time a request waited before the backend run of its batch started.",
+            labels,
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        ).labels(model, version)
+        self._batch_size = Histogram(
+            "splitstream_worker_batch_size",
+            "Rows per backend run.",
+            labels,
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        ).labels(model, version)
+        self._queue_depth = Gauge(
+            "splitstream_worker_queue_depth",
+            "Requests waiting for a backend run.",
+            labels,
+            registry=registry,
+        ).labels(model, version)
+
+    def request_done(self, status: grpc.StatusCode) -> None:
+        self._requests.labels(self._model, self._version, status.name).inc()
+
+    def batch_ran(self, *, rows: int, seconds: float) -> None:
+        self._batch_size.observe(rows)
+        self._inference_seconds.observe(seconds)
+
+    def queued(self, seconds: float) -> None:
+        self._queue_seconds.observe(seconds)
+
+    def watch_queue_depth(self, depth: Callable[[], int]) -> None:
+        """Report ``depth()`` at each scrape, so the queue needs no bookkeeping per request."""
+        self._queue_depth.set_function(depth)
