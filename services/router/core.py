@@ -38,6 +38,8 @@ log = structlog.get_logger()
 REQUEST_ID_HEADER = "x-request-id"
 PIN_HEADER = "x-splitstream-version"
 VERSION_HEADER = "x-splitstream-version"
+#: The model label of calls whose model is not served (bounded metric cardinality; never recorded).
+UNKNOWN_MODEL = "_unknown"
 _SERVER_FAILURES = frozenset(
     {
         grpc.StatusCode.UNAVAILABLE,
@@ -63,8 +65,11 @@ class CallOutcome:
     endpoint: str = ""
     fallback: bool = False
     retried: bool = False
+    pinned: bool = False
     receive_unix_ns: int = 0
     latency_s: float = 0.0
+    routing_key: str | None = None  # kept for the recorder, which stores only its HMAC
+    routing_key_header: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,14 +135,16 @@ class RouterCore:
 
     async def _infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
         request_id = headers.get(REQUEST_ID_HEADER, "")
-        model = "_unknown"
+        model = UNKNOWN_MODEL
         try:
             head = _read_head(request)
             request_id = request_id or head.id or uuid.uuid4().hex
             routes = self.table.model(head.model_name)
             model = head.model_name
+            routing_key_header = routes.experiment.routing_key_header
+            routing_key = headers.get(routing_key_header)
             route = routes.route(
-                routing_key=headers.get(routes.experiment.routing_key_header),
+                routing_key=routing_key,
                 pinned_version=_pinned_version(headers.get(PIN_HEADER), head.model_version),
             )
         except SplitstreamError as error:
@@ -147,7 +154,17 @@ class RouterCore:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         metadata = ((REQUEST_ID_HEADER, request_id),)
         outcome = CallOutcome(
-            request_id, model, grpc.StatusCode.OK, "", None, route.version, route.arm, fallback=route.fallback
+            request_id,
+            model,
+            grpc.StatusCode.OK,
+            "",
+            None,
+            route.version,
+            route.arm,
+            fallback=route.fallback,
+            pinned=route.pinned,
+            routing_key=routing_key,
+            routing_key_header=routing_key_header,
         )
         endpoint = route.pool.pick()
         if endpoint is None:

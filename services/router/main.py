@@ -23,7 +23,9 @@ from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.registry import FileRegistry, Registry, RegistryUpdate
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.metrics import RouterMetrics
+from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.servicer import RouterServicer
+from splitstream.router.spool import Spool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +41,13 @@ class RouterConfig:
     drain_delay_s: float
     shutdown_grace_s: float
     log_level: str
+    recorder: str
+    spool_dir: str
+    spool_max_bytes: int
+    hmac_key: str
+    record_batch_size: int
+    record_batch_interval_ms: float
+    record_queue_size: int
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
@@ -47,6 +56,10 @@ class RouterConfig:
             raise ValueError("--eject-after-failures must be at least 1")
         if min(self.eject_duration_s, self.drain_delay_s, self.shutdown_grace_s) < 0:
             raise ValueError("durations must not be negative")
+        if self.recorder and not self.hmac_key:
+            raise ValueError("--recorder needs --hmac-key (or SPLITSTREAM_ROUTER_HMAC_KEY) for routing-key HMACs")
+        if min(self.record_batch_size, self.record_queue_size, self.spool_max_bytes) < 1:
+            raise ValueError("--record-batch-size, --record-queue-size and --spool-max-bytes must be positive")
 
 
 def parse_args(argv: Sequence[str] | None) -> RouterConfig:
@@ -100,6 +113,32 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
         "--shutdown-grace-s", type=float, default=30.0, help="on SIGTERM: seconds calls in flight get to finish"
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    recording = parser.add_argument_group("recording (off unless --recorder is set)")
+    recording.add_argument("--recorder", default="", help="recorder address host:port; every call is mirrored to it")
+    recording.add_argument(
+        "--spool-dir",
+        default="splitstream-spool",
+        help="where record batches wait on disk while the recorder is unreachable",
+    )
+    recording.add_argument(
+        "--spool-max-bytes",
+        type=int,
+        default=1 << 30,
+        help="spool cap; past it new records are dropped and counted, never blocking calls",
+    )
+    recording.add_argument(
+        "--hmac-key", default="", help="key for the routing-key HMAC stored in records (share it with the replayer)"
+    )
+    recording.add_argument("--record-batch-size", type=int, default=256, help="records per batch")
+    recording.add_argument(
+        "--record-batch-interval-ms", type=float, default=50.0, help="longest a record waits for its batch to fill"
+    )
+    recording.add_argument(
+        "--record-queue-size",
+        type=int,
+        default=100_000,
+        help="calls held in memory for recording; past it new ones are dropped and counted",
+    )
     args = parser.parse_args(argv)
     args.router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
     try:
@@ -163,6 +202,19 @@ class Router:
             metrics=self.metrics,
         )
         self.servicer = RouterServicer(self.core, router_id=config.router_id, registry_description=registry.description)
+        self.mirror: RecordMirror | None = None
+        if config.recorder:
+            settings = MirrorSettings(
+                recorder_address=config.recorder,
+                router_id=config.router_id,
+                hmac_key=config.hmac_key.encode(),
+                queue_size=config.record_queue_size,
+                batch_size=config.record_batch_size,
+                batch_interval_s=config.record_batch_interval_ms / 1000,
+            )
+            spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
+            self.mirror = RecordMirror(settings, spool, self.metrics.registry)
+            self.servicer.mirror = self.mirror
         self.health = health.aio.HealthServicer()
         self.server = aio.server(options=server_options(config.max_message_bytes))
         self._watch_task: asyncio.Task[None] | None = None
@@ -190,6 +242,8 @@ class Router:
         if self.config.metrics_port:
             start_http_server(self.config.metrics_port, registry=self.metrics.registry)
         self._watch_task = asyncio.create_task(self._follow(updates), name="registry-watch")
+        if self.mirror is not None:
+            self.mirror.start()
         self.servicer.ready = True
         for service in ("", "splitstream.v1.Router", "inference.GRPCInferenceService"):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -220,13 +274,15 @@ class Router:
 
     async def shutdown(self) -> None:
         """Stop in order: report NOT_SERVING; keep serving ``drain_delay_s`` so balancers move away;
-        stop accepting and give calls in flight ``shutdown_grace_s``; stop watching the registry;
-        close worker channels once their calls are done."""
+        stop accepting and give calls in flight ``shutdown_grace_s``; flush recorded calls to the
+        recorder or the spool; stop watching the registry; close worker channels once their calls are done."""
         self.log.info("router draining", drain_delay_s=self.config.drain_delay_s)
         self.servicer.ready = False
         await self.health.enter_graceful_shutdown()
         await asyncio.sleep(self.config.drain_delay_s)
         await self.server.stop(self.config.shutdown_grace_s)
+        if self.mirror is not None:
+            await self.mirror.close()  # every answered call is queued by now: flush to recorder or spool
         if self._watch_task is not None:
             self._watch_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -10,7 +10,7 @@ came. The other Open Inference Protocol methods answer for the router itself
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -20,7 +20,8 @@ import splitstream
 from splitstream.common.errors import ModelNotFound, ModelNotReady, SplitstreamError, status_of
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
-from splitstream.router.core import PIN_HEADER, REQUEST_ID_HEADER, VERSION_HEADER, RouterCore
+from splitstream.router.core import PIN_HEADER, REQUEST_ID_HEADER, UNKNOWN_MODEL, VERSION_HEADER, RouterCore
+from splitstream.router.mirror import RecordMirror
 
 #: Headers the core reads; everything else in the client's metadata is ignored.
 _WANTED_HEADERS = frozenset({REQUEST_ID_HEADER, PIN_HEADER})
@@ -33,6 +34,8 @@ class RouterServicer:
         self.registry_description = registry_description
         self.registry_error = ""
         self.ready = False
+        #: Set when recording is on; gets every finished call of a known model.
+        self.mirror: RecordMirror | None = None
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         raw_infer = grpc.unary_unary_rpc_method_handler(self.infer)  # bytes in, bytes out
@@ -55,8 +58,10 @@ class RouterServicer:
         ]
 
     async def infer(self, request: bytes, context: aio.ServicerContext[bytes, bytes]) -> bytes:
-        headers = self._headers(context)
-        outcome = await self.core.infer(request, headers, context.time_remaining())
+        metadata = context.invocation_metadata() or ()
+        outcome = await self.core.infer(request, self._headers(metadata), context.time_remaining())
+        if self.mirror is not None and outcome.model != UNKNOWN_MODEL:
+            self.mirror.offer(outcome, request, metadata)
         if outcome.response is not None:
             # Trailing, not initial, metadata: it rides with the status, while sending initial
             # metadata early costs an extra batch of operations (~0.1 ms a call, measured).
@@ -68,10 +73,10 @@ class RouterServicer:
         await context.abort(outcome.code, outcome.details, trailing_metadata=trailers)
         raise AssertionError("unreachable: abort raises")
 
-    def _headers(self, context: aio.ServicerContext[Any, Any]) -> dict[str, str]:
+    def _headers(self, metadata: Sequence[tuple[str, str | bytes]]) -> dict[str, str]:
         routing_headers = self.core.routing_key_headers
         headers: dict[str, str] = {}
-        for key, value in context.invocation_metadata() or ():
+        for key, value in metadata:
             if (key in _WANTED_HEADERS or key in routing_headers) and isinstance(value, str):
                 headers[key] = value
         return headers
