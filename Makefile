@@ -12,9 +12,12 @@ TRITON_VENV ?= .venv-triton
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
+# The stubs are part of the package, so they are generated before it is installed.
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet 'grpcio-tools>=1.80,<2' 'mypy-protobuf>=3.6,<6'
+	$(BIN)/python scripts/gen_protos.py
 	$(BIN)/pip install --quiet -e '.[dev]'
 	@touch $@
 
