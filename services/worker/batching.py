@@ -155,6 +155,18 @@ class DynamicBatcher:
 
     def start(self) -> None:
         self._former = asyncio.create_task(self._form_batches(), name="dynamic-batcher")
+        self._former.add_done_callback(self._former_ended)
+
+    def _former_ended(self, task: asyncio.Task[None]) -> None:
+        """The batch former only ends by cancellation; anything else is a bug that would hang every request."""
+        if task.cancelled():
+            return
+        self._logger.error("dynamic batcher stopped unexpectedly", exc_info=task.exception())
+        self._stopped = True
+        for request in self._pending:
+            if not request.future.done():
+                request.future.set_exception(BackendError("inference failed"))
+        self._pending.clear()
 
     async def submit(
         self, inputs: Mapping[str, np.ndarray], output_names: tuple[str, ...], rows: int

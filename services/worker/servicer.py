@@ -79,6 +79,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
         started = time.perf_counter()
+        request_id = _request_id(request, context)
         code = grpc.StatusCode.OK
         message = ""
         try:
@@ -87,17 +88,14 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             code, message = status_of(error)
         except Exception as error:  # a bug of ours: log it, tell the client nothing about internals
             code, message = status_of(error)
-            self._logger.exception("ModelInfer failed", request_id=_request_id(request, context))
+            self._logger.exception("ModelInfer failed", request_id=request_id)
         finally:
             # Cancellation lands here too: the client went away, so the call never finishes as OK.
             if code is grpc.StatusCode.OK and context.cancelled():
                 code = grpc.StatusCode.CANCELLED
             self._metrics.request_done(code)
             self._logger.debug(
-                "ModelInfer",
-                request_id=_request_id(request, context),
-                status=code.name,
-                seconds=round(time.perf_counter() - started, 6),
+                "ModelInfer", request_id=request_id, status=code.name, seconds=round(time.perf_counter() - started, 6)
             )
         await context.abort(code, message)
 
