@@ -19,7 +19,8 @@ import asyncio
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import structlog
@@ -70,6 +71,7 @@ class CallOutcome:
     latency_s: float = 0.0
     routing_key: str | None = None  # kept for the recorder, which stores only its HMAC
     routing_key_header: str = ""
+    shadows: list[Any] = field(default_factory=list)  # ShadowOutcome, filled after the client's answer
 
 
 @dataclass(frozen=True, kw_only=True)

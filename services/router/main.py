@@ -25,6 +25,7 @@ from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.servicer import RouterServicer
+from splitstream.router.shadows import ShadowRunner
 from splitstream.router.spool import Spool
 
 
@@ -48,6 +49,8 @@ class RouterConfig:
     record_batch_size: int
     record_batch_interval_ms: float
     record_queue_size: int
+    shadow_timeout_s: float
+    shadow_max_in_flight: int
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
@@ -113,6 +116,18 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
         "--shutdown-grace-s", type=float, default=30.0, help="on SIGTERM: seconds calls in flight get to finish"
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument(
+        "--shadow-timeout-s",
+        type=float,
+        default=5.0,
+        help="deadline of a shadow copy (shadows are set per experiment in the registry)",
+    )
+    parser.add_argument(
+        "--shadow-max-in-flight",
+        type=int,
+        default=256,
+        help="shadow copies in flight at most; past it new ones are skipped and counted",
+    )
     recording = parser.add_argument_group("recording (off unless --recorder is set)")
     recording.add_argument("--recorder", default="", help="recorder address host:port; every call is mirrored to it")
     recording.add_argument(
@@ -214,7 +229,14 @@ class Router:
             )
             spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
             self.mirror = RecordMirror(settings, spool, self.metrics.registry)
-            self.servicer.mirror = self.mirror
+        self.shadows = ShadowRunner(
+            self.core,
+            self.metrics,
+            self.mirror,
+            timeout_s=config.shadow_timeout_s,
+            max_in_flight=config.shadow_max_in_flight,
+        )
+        self.servicer.after_answer = self.shadows.after_answer
         self.health = health.aio.HealthServicer()
         self.server = aio.server(options=server_options(config.max_message_bytes))
         self._watch_task: asyncio.Task[None] | None = None
@@ -281,6 +303,7 @@ class Router:
         await self.health.enter_graceful_shutdown()
         await asyncio.sleep(self.config.drain_delay_s)
         await self.server.stop(self.config.shutdown_grace_s)
+        await self.shadows.close()  # shadows in flight finish, so their calls are recorded whole
         if self.mirror is not None:
             await self.mirror.close()  # every answered call is queued by now: flush to recorder or spool
         if self._watch_task is not None:

@@ -56,6 +56,25 @@ class RouterMetrics:
             "1 when the last registry read succeeded, else 0",
             registry=self.registry,
         )
+        self.shadow_requests = Counter(
+            "splitstream_router_shadow_requests",
+            "Shadow copies answered, by model, shadow version and status",
+            ["model", "version", "status"],
+            registry=self.registry,
+        )
+        self.shadow_latency = Histogram(
+            "splitstream_router_shadow_seconds",
+            "Latency of shadow copies",
+            ["model", "version"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.shadows_skipped = Counter(
+            "splitstream_router_shadows_skipped",
+            "Sampled shadow copies not sent",
+            ["model", "reason"],
+            registry=self.registry,
+        )
         self.in_flight = Gauge("splitstream_router_in_flight", "Calls being forwarded now", registry=self.registry)
         self._answered: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
 

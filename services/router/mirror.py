@@ -253,6 +253,17 @@ class RecordMirror:
         if outcome.response is not None:
             record.response.inline = outcome.response
             record.response.size_bytes = len(outcome.response)
+        for shadow in outcome.shadows:
+            result = record.shadows.add(
+                version=shadow.version,
+                endpoint=shadow.endpoint,
+                status_code=shadow.code.value[0],
+                status_message=shadow.details,
+                latency_ns=int(shadow.latency_s * 1e9),
+            )
+            if shadow.response is not None:
+                result.response.inline = shadow.response
+                result.response.size_bytes = len(shadow.response)
         if outcome.routing_key is not None:
             record.routing_key_hmac = routing_key_hmac(self.settings.hmac_key, outcome.routing_key)
         for key, value in metadata:

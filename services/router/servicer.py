@@ -20,8 +20,14 @@ import splitstream
 from splitstream.common.errors import ModelNotFound, ModelNotReady, SplitstreamError, status_of
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
-from splitstream.router.core import PIN_HEADER, REQUEST_ID_HEADER, UNKNOWN_MODEL, VERSION_HEADER, RouterCore
-from splitstream.router.mirror import RecordMirror
+from splitstream.router.core import (
+    PIN_HEADER,
+    REQUEST_ID_HEADER,
+    UNKNOWN_MODEL,
+    VERSION_HEADER,
+    CallOutcome,
+    RouterCore,
+)
 
 #: Headers the core reads; everything else in the client's metadata is ignored.
 _WANTED_HEADERS = frozenset({REQUEST_ID_HEADER, PIN_HEADER})
@@ -34,8 +40,8 @@ class RouterServicer:
         self.registry_description = registry_description
         self.registry_error = ""
         self.ready = False
-        #: Set when recording is on; gets every finished call of a known model.
-        self.mirror: RecordMirror | None = None
+        #: Gets every finished call of a known model (shadows, then recording); None when both are off.
+        self.after_answer: Callable[[CallOutcome, bytes, Sequence[tuple[str, str | bytes]]], None] | None = None
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         raw_infer = grpc.unary_unary_rpc_method_handler(self.infer)  # bytes in, bytes out
@@ -60,8 +66,8 @@ class RouterServicer:
     async def infer(self, request: bytes, context: aio.ServicerContext[bytes, bytes]) -> bytes:
         metadata = context.invocation_metadata() or ()
         outcome = await self.core.infer(request, self._headers(metadata), context.time_remaining())
-        if self.mirror is not None and outcome.model != UNKNOWN_MODEL:
-            self.mirror.offer(outcome, request, metadata)
+        if outcome.model != UNKNOWN_MODEL and self.after_answer is not None:
+            self.after_answer(outcome, request, metadata)
         if outcome.response is not None:
             # Trailing, not initial, metadata: it rides with the status, while sending initial
             # metadata early costs an extra batch of operations (~0.1 ms a call, measured).
