@@ -1,0 +1,150 @@
+"""Reading recorded calls back from Redis: the one place that knows the recorder's layout.
+
+The recorder writes each call to the stream ``splitstream:calls:<model>`` (fields
+``request_id``, ``time_ns``, ``model``, ``version``, ``status``, ``latency_ms`` and
+``record``, the serialized CallRecord), and payloads over its threshold once to
+``splitstream:blob:<sha256>``. The replayer, reports and tests read through these
+helpers so the layout lives in one module. Clients must use ``decode_responses=False``:
+records and blobs are binary.
+
+Delivery is at least once, so a stream may hold the same call twice;
+:func:`unique_by_request_id` drops the repeats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import cast
+
+from redis.asyncio import Redis
+
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
+
+STREAM_PREFIX = "splitstream:calls:"
+BLOB_PREFIX = "splitstream:blob:"
+#: The CallRecord layout this code reads and the recorder writes.
+SCHEMA_VERSION = 1
+
+#: gRPC status code numbers → names, as the ``status`` field of each stream entry spells them.
+STATUS_NAMES: tuple[str, ...] = (
+    "OK",
+    "CANCELLED",
+    "UNKNOWN",
+    "INVALID_ARGUMENT",
+    "DEADLINE_EXCEEDED",
+    "NOT_FOUND",
+    "ALREADY_EXISTS",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "FAILED_PRECONDITION",
+    "ABORTED",
+    "OUT_OF_RANGE",
+    "UNIMPLEMENTED",
+    "INTERNAL",
+    "UNAVAILABLE",
+    "DATA_LOSS",
+    "UNAUTHENTICATED",
+)
+
+
+class MissingBlob(LookupError):
+    """A record references a blob that is not in Redis (expired, evicted or deleted)."""
+
+
+class UnsupportedSchema(ValueError):
+    """A record was written in a newer layout than this code reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredRecord:
+    """A CallRecord and the id Redis gave its stream entry (``<ms>-<seq>``, usable as an XRANGE bound)."""
+
+    stream_id: str
+    record: recorder_pb2.CallRecord
+
+
+def stream_key(model: str) -> str:
+    return STREAM_PREFIX + model
+
+
+def blob_key(sha256_hex: str) -> str:
+    return BLOB_PREFIX + sha256_hex
+
+
+def stream_id_at(unix_ns: int) -> str:
+    """An XRANGE bound for a wall-clock time. Entry ids are the time Redis *wrote* a record, which is
+    at or after the call's ``receive_unix_ns`` (later still if the router spooled it during an outage),
+    so read a window with some slack past its end and filter on ``time_ns``/``receive_unix_ns``."""
+    return str(unix_ns // 1_000_000)
+
+
+def status_name(code: int) -> str:
+    """``3`` → ``"INVALID_ARGUMENT"``; numbers outside gRPC's table stay readable as ``CODE_<n>``."""
+    return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else f"CODE_{code}"
+
+
+async def read_records(
+    redis: Redis, model: str, *, start: str = "-", end: str = "+", page_size: int = 500
+) -> AsyncIterator[StoredRecord]:
+    """Yield the records of ``model``'s stream between stream ids ``start`` and ``end`` (inclusive), oldest first.
+
+    Reads in pages of ``page_size`` entries, so a long window never sits in memory at once.
+    Raises :class:`UnsupportedSchema` on a record of a newer layout rather than misreading it.
+    """
+    key = stream_key(model)
+    lower = start
+    while True:
+        page = cast(
+            list[tuple[bytes, dict[bytes, bytes]]], await redis.xrange(key, min=lower, max=end, count=page_size)
+        )
+        for raw_id, fields in page:
+            yield StoredRecord(raw_id.decode(), decode_record(fields[b"record"]))
+        if len(page) < page_size:
+            return
+        lower = "(" + page[-1][0].decode()
+
+
+def decode_record(data: bytes) -> recorder_pb2.CallRecord:
+    record = recorder_pb2.CallRecord.FromString(data)
+    if record.schema_version > SCHEMA_VERSION:
+        raise UnsupportedSchema(
+            f"record {record.request_id!r} has schema version {record.schema_version}; "
+            f"this reader knows up to {SCHEMA_VERSION}"
+        )
+    return record
+
+
+async def unique_by_request_id(records: AsyncIterator[StoredRecord]) -> AsyncIterator[StoredRecord]:
+    """Drop records whose request id was already seen (at-least-once delivery repeats some)."""
+    seen: set[str] = set()
+    async for stored in records:
+        if stored.record.request_id not in seen:
+            seen.add(stored.record.request_id)
+            yield stored
+
+
+async def payload_bytes(redis: Redis, payload: recorder_pb2.Payload) -> bytes:
+    """The payload's bytes, inline or fetched from its blob. Raises :class:`MissingBlob` if the blob is gone."""
+    if payload.WhichOneof("body") != "blob_sha256":
+        return payload.inline
+    data = cast(bytes | None, await redis.get(blob_key(payload.blob_sha256)))
+    if data is None:
+        raise MissingBlob(
+            f"blob {payload.blob_sha256} ({payload.size_bytes} bytes) is not in Redis; "
+            "it expired or was evicted (blob TTL shorter than the stream's retention?)"
+        )
+    return data
+
+
+async def request_of(redis: Redis, record: recorder_pb2.CallRecord) -> oip.ModelInferRequest:
+    """The recorded (redacted) request as the Open Inference Protocol message."""
+    return oip.ModelInferRequest.FromString(await payload_bytes(redis, record.request))
+
+
+async def response_of(redis: Redis, record: recorder_pb2.CallRecord) -> oip.ModelInferResponse | None:
+    """The recorded response, or None when the call failed (a failed call has no response)."""
+    if record.status_code != 0:
+        return None
+    return oip.ModelInferResponse.FromString(await payload_bytes(redis, record.response))

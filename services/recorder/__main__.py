@@ -1,0 +1,3 @@
+from splitstream.recorder.main import main
+
+raise SystemExit(main())

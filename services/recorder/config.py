@@ -1,0 +1,225 @@
+"""The recorder's configuration: one validated dataclass, parsed from flags and environment in ``main()``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+from urllib.parse import urlsplit
+
+from splitstream.common.cli import EnvArgumentParser
+
+PROG = "splitstream-recorder"
+#: The HMAC key is shared with the routers (they HMAC routing keys with it), hence a
+#: deployment-wide variable beside the recorder's own SPLITSTREAM_RECORDER_HMAC_KEY.
+SHARED_HMAC_KEY_ENV = "SPLITSTREAM_HMAC_KEY"
+DAY_S = 86400.0
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+class Action(Enum):
+    """What redaction does to a sensitive value."""
+
+    DROP = "drop"
+    #: Metadata: replaced by ``hmac:<hex>`` (equal values stay comparable). Inputs: data zeroed.
+    MASK = "mask"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    name: str
+    action: Action
+
+    @classmethod
+    def parse(cls, spec: str, *, what: str) -> Rule:
+        """``NAME``, ``NAME:drop`` or ``NAME:mask``; a bare name drops. Tensor names may contain ':'
+        (``input:0``), so only a trailing ``:drop``/``:mask`` is read as the action."""
+        name, sep, suffix = spec.strip().rpartition(":")
+        if sep and suffix in {a.value for a in Action}:
+            action = Action(suffix)
+        else:
+            name, action = spec.strip(), Action.DROP
+        if not name:
+            raise ValueError(f"{what} rule {spec!r} names nothing (expected NAME[:drop|mask])")
+        return cls(name, action)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecorderConfig:
+    host: str
+    port: int
+    metrics_port: int
+    redis_url: str
+    redis_timeout_s: float
+    health_interval_s: float
+    retention_maxlen: int
+    retention_age_s: float
+    blob_threshold_bytes: int
+    blob_ttl_s: int
+    redact_metadata: tuple[Rule, ...]
+    redact_input: tuple[Rule, ...]
+    hmac_key: bytes
+    max_message_bytes: int
+    shutdown_grace_s: float
+    log_level: str
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError("ports must be within 0..65535")
+        scheme = urlsplit(self.redis_url).scheme
+        if scheme not in REDIS_SCHEMES:
+            raise ValueError(
+                f"--redis-url must start with redis://, rediss:// or unix:// (got scheme {scheme or 'none'!r})"
+            )
+        if self.redis_timeout_s <= 0 or self.health_interval_s <= 0:
+            raise ValueError("--redis-timeout-s and --health-interval-s must be positive")
+        if self.retention_maxlen < 0 or self.retention_age_s < 0:
+            raise ValueError("--retention-maxlen and --retention-age-s must not be negative (0 = off)")
+        if self.blob_threshold_bytes < 0 or self.blob_ttl_s < 0:
+            raise ValueError("--blob-threshold-bytes and --blob-ttl-s must not be negative")
+        if self.max_message_bytes <= 0 or self.shutdown_grace_s < 0:
+            raise ValueError("--max-message-bytes must be positive and --shutdown-grace-s not negative")
+        masks = [r for r in (*self.redact_metadata, *self.redact_input) if r.action is Action.MASK]
+        if masks and not self.hmac_key:
+            raise ValueError(
+                f"masking ({', '.join(r.name for r in masks)}) needs an HMAC key: set {SHARED_HMAC_KEY_ENV} "
+                "or --hmac-key"
+            )
+
+    @property
+    def effective_blob_ttl_s(self) -> int:
+        """Blobs outlive the records that reference them: at least the age retention plus a day.
+
+        0 keeps blobs without expiry (only sensible when streams are not trimmed by age either)."""
+        if self.blob_ttl_s == 0:
+            return 0
+        if self.retention_age_s:
+            return max(self.blob_ttl_s, int(self.retention_age_s + DAY_S))
+        return self.blob_ttl_s
+
+    @property
+    def needs_request_decoding(self) -> bool:
+        return bool(self.redact_input)
+
+
+class _Repeatable(argparse.Action):
+    """Append each use of the flag; the first use on the command line replaces a value from the environment."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = current if isinstance(current, list) else []
+        setattr(namespace, self.dest, [*items, values])
+
+
+def _rules(value: str | list[str] | None, *, what: str) -> tuple[Rule, ...]:
+    """Rules from repeated flags or from one comma-separated environment value."""
+    specs = value if isinstance(value, list) else [value or ""]
+    parts = [part for spec in specs for part in spec.split(",") if part.strip()]
+    return tuple(Rule.parse(part, what=what) for part in parts)
+
+
+def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
+    """Parse flags (and SPLITSTREAM_RECORDER_* variables); usage errors exit 2 with one line."""
+    # Typed as the base class: its error() is known to exit (NoReturn).
+    parser: argparse.ArgumentParser = EnvArgumentParser(
+        prog=PROG,
+        env_prefix="SPLITSTREAM_RECORDER_",
+        description=(
+            "Receive batches of call records from routers (splitstream.v1.Recorder/Record), redact them, "
+            "and write them to Redis Streams (splitstream:calls:<model>), large payloads once by SHA-256."
+        ),
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8003, help="gRPC port (0 picks a free one)")
+    parser.add_argument("--metrics-port", type=int, default=8004, help="Prometheus /metrics port (0: off)")
+    parser.add_argument(
+        "--redis-url",
+        default="redis://127.0.0.1:6379/0",
+        help="Redis to write to: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... for TLS, unix:///PATH?db=N",
+    )
+    parser.add_argument(
+        "--redis-timeout-s",
+        type=float,
+        default=2.0,
+        help="connect and reply timeout for Redis; a dead Redis fails a batch within about this long",
+    )
+    parser.add_argument(
+        "--health-interval-s",
+        type=float,
+        default=1.0,
+        help="how often Redis is PINGed for the health status (NOT_SERVING while it does not answer)",
+    )
+    parser.add_argument(
+        "--retention-maxlen",
+        type=int,
+        default=0,
+        help="keep about this many records per model stream (XADD MAXLEN ~; 0: no count limit)",
+    )
+    parser.add_argument(
+        "--retention-age-s",
+        type=float,
+        default=0.0,
+        help="drop records older than this many seconds (XADD MINID ~; 0: no age limit)",
+    )
+    parser.add_argument(
+        "--blob-threshold-bytes",
+        type=int,
+        default=65536,
+        help="payloads larger than this are stored once at splitstream:blob:<sha256> and referenced",
+    )
+    parser.add_argument(
+        "--blob-ttl-s",
+        type=int,
+        default=7 * 86400,
+        help="blob expiry, refreshed on every reference; raised to --retention-age-s + 1 day if shorter "
+        "(0: never expire)",
+    )
+    parser.add_argument(
+        "--redact-metadata",
+        action=_Repeatable,
+        default=None,
+        metavar="KEY[:drop|mask]",
+        help="request metadata key to drop, or mask as hmac:<HMAC-SHA256 hex> (repeatable; "
+        "comma-separated in the environment)",
+    )
+    parser.add_argument(
+        "--redact-input",
+        action=_Repeatable,
+        default=None,
+        metavar="NAME[:drop|mask]",
+        help="input tensor to drop from recorded requests, or keep with its data zeroed (repeatable; "
+        "comma-separated in the environment)",
+    )
+    parser.add_argument(
+        "--hmac-key",
+        default=None,
+        help=f"key for masking (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
+    )
+    parser.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=128 * 1024 * 1024,
+        help="largest RecordBatch accepted",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=10.0,
+        help="on SIGTERM: seconds batches in flight get to finish writing",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    args = parser.parse_args(argv)
+    try:
+        values = vars(args)
+        values["redact_metadata"] = tuple(
+            Rule(rule.name.lower(), rule.action) for rule in _rules(args.redact_metadata, what="--redact-metadata")
+        )
+        values["redact_input"] = _rules(args.redact_input, what="--redact-input")
+        key = args.hmac_key if args.hmac_key is not None else os.environ.get(SHARED_HMAC_KEY_ENV, "")
+        values["hmac_key"] = key.encode()
+        return RecorderConfig(**values)
+    except ValueError as error:
+        parser.error(str(error))

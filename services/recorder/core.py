@@ -1,0 +1,112 @@
+"""The recorder's core: a serialized RecordBatch in, records in Redis, an acknowledgement out.
+
+It knows nothing of gRPC: the servicer hands it bytes and maps its errors
+(:class:`InvalidBatch`, :class:`StoreUnavailable`) to status codes. The CPU part
+(parse, check, redact, hash, serialize) runs in a small thread pool so the event
+loop keeps answering health checks and other routers' streams meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from splitstream.common.records import status_name, stream_key
+from splitstream.recorder.blobs import BlobCollector
+from splitstream.recorder.errors import InvalidBatch, StoreUnavailable
+from splitstream.recorder.metrics import RecorderMetrics
+from splitstream.recorder.redaction import Redactor
+from splitstream.recorder.validation import parse_batch
+from splitstream.recorder.writer import RedisWriter, StreamEntry, WriteBatch
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    sequence: int
+    written: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBatch:
+    sequence: int
+    write: WriteBatch
+    records_by_model: dict[str, int]
+
+
+class RecorderCore:
+    def __init__(
+        self,
+        *,
+        writer: RedisWriter,
+        redactor: Redactor,
+        blob_threshold_bytes: int,
+        decode_requests: bool,
+        metrics: RecorderMetrics,
+        executor: Executor,
+    ) -> None:
+        self.writer = writer
+        self.redactor = redactor
+        self.blob_threshold_bytes = blob_threshold_bytes
+        self.decode_requests = decode_requests
+        self.metrics = metrics
+        self._executor = executor
+
+    async def check(self, data: bytes) -> PreparedBatch:
+        """Parse, check and redact one serialized RecordBatch, off the event loop; nothing is written yet.
+
+        Raises :class:`InvalidBatch` when any record is bad (the whole batch is rejected)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._executor, self.prepare, data)
+        except InvalidBatch:
+            self.metrics.batches.labels("invalid").inc()
+            raise
+
+    async def write(self, prepared: PreparedBatch) -> Ack:
+        """Write a checked batch; return its ack once Redis confirmed every record.
+
+        Raises :class:`StoreUnavailable` (the batch must not be acknowledged)."""
+        started = time.perf_counter()
+        try:
+            result = await self.writer.write(prepared.write)
+        except StoreUnavailable:
+            self.metrics.batches.labels("redis_error").inc()
+            self.metrics.redis_errors.inc()
+            raise
+        self.metrics.write_seconds.observe(time.perf_counter() - started)
+        self.metrics.batches.labels("ok").inc()
+        for model, count in prepared.records_by_model.items():
+            self.metrics.records_written.labels(model).inc(count)
+        if result.blobs_written:
+            self.metrics.blobs_written.inc(result.blobs_written)
+        return Ack(prepared.sequence, result.records)
+
+    def prepare(self, data: bytes) -> PreparedBatch:
+        """The CPU half (runs in the executor): the whole batch is checked before anything else happens."""
+        batch, checked = parse_batch(data, decode_requests=self.decode_requests)
+        collector = BlobCollector(self.blob_threshold_bytes)
+        entries = []
+        by_model: collections.Counter[str] = collections.Counter()
+        for item in checked:
+            record = item.record
+            self.redactor.redact(record, item.request)
+            collector.externalize(record)
+            entries.append(
+                StreamEntry(
+                    stream_key(record.model),
+                    {
+                        "request_id": record.request_id,
+                        "time_ns": str(record.receive_unix_ns),
+                        "model": record.model,
+                        "version": record.version,
+                        "status": status_name(record.status_code),
+                        "latency_ms": f"{record.latency_ns / 1e6:.3f}",
+                        "record": record.SerializeToString(),
+                    },
+                )
+            )
+            by_model[record.model] += 1
+        return PreparedBatch(batch.sequence, WriteBatch(entries, collector.blobs), dict(by_model))

@@ -1,0 +1,22 @@
+"""The recorder's domain errors; :func:`splitstream.common.errors.status_of` maps them to gRPC codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from splitstream.common.errors import InvalidInput, SplitstreamError
+
+
+class InvalidBatch(InvalidInput):
+    """A batch (or one of its records) is malformed; nothing of it was written → INVALID_ARGUMENT.
+
+    Resending the same batch cannot succeed, so the router should drop it (and count it)."""
+
+
+class StoreUnavailable(SplitstreamError):
+    """Redis did not confirm the writes (unreachable, timed out, refused) → UNAVAILABLE.
+
+    The batch was not acknowledged; some of its records may have been written, and the
+    router's resend may duplicate them (readers drop duplicates by request id)."""
+
+    code = grpc.StatusCode.UNAVAILABLE

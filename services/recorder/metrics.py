@@ -1,0 +1,52 @@
+"""The recorder's Prometheus metrics, owned by one object (no module globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+WRITE_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+class RecorderMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.records_written = Counter(
+            "splitstream_recorder_records_written",
+            "Records Redis confirmed, by model",
+            ["model"],
+            registry=self.registry,
+        )
+        self.blobs_written = Counter(
+            "splitstream_recorder_blobs_written",
+            "New blobs stored (a payload seen before only has its TTL refreshed)",
+            registry=self.registry,
+        )
+        self.batches = Counter(
+            "splitstream_recorder_batches",
+            "Batches handled: ok (written and acknowledged), invalid (rejected whole), redis_error (not acknowledged)",
+            ["result"],
+            registry=self.registry,
+        )
+        self.redis_errors = Counter(
+            "splitstream_recorder_redis_errors",
+            "Redis commands or pings that failed (connection, timeout, error reply)",
+            registry=self.registry,
+        )
+        self.write_seconds = Histogram(
+            "splitstream_recorder_write_seconds",
+            "Time Redis took to confirm one batch (blob round, if any, plus the pipelined XADDs)",
+            buckets=WRITE_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.redis_up = Gauge(
+            "splitstream_recorder_redis_up",
+            "1 while Redis answers PING, else 0",
+            registry=self.registry,
+        )
+        self.streams = Gauge(
+            "splitstream_recorder_open_streams",
+            "Record streams (one per connected router) open now",
+            registry=self.registry,
+        )
+        for result in ("ok", "invalid", "redis_error"):
+            self.batches.labels(result)

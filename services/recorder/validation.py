@@ -1,0 +1,91 @@
+"""Checking a whole RecordBatch before any of it is written.
+
+A batch is all or nothing: one bad record rejects the batch, naming the record
+(index and request id) and the problem, so a router bug shows up at once instead
+of as silently missing calls. Checks are about what the recorder needs to store
+and key a record safely; the call's own content (a client's invalid request, an
+error status) is recorded as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import SCHEMA_VERSION
+from splitstream.recorder.errors import InvalidBatch
+
+#: Longest model name accepted: it becomes part of a Redis key.
+MAX_MODEL_CHARS = 200
+
+
+@dataclass(slots=True)
+class CheckedRecord:
+    record: recorder_pb2.CallRecord
+    #: The decoded request, when input redaction needs it (else None).
+    request: oip.ModelInferRequest | None
+
+
+def parse_batch(data: bytes, *, decode_requests: bool) -> tuple[recorder_pb2.RecordBatch, list[CheckedRecord]]:
+    """Parse and check every record of a serialized RecordBatch; raises :class:`InvalidBatch` on the first problem."""
+    try:
+        batch = recorder_pb2.RecordBatch.FromString(data)
+    except DecodeError as error:
+        raise InvalidBatch(f"the message is not a splitstream.v1.RecordBatch ({error})") from None
+    checked = []
+    for index, record in enumerate(batch.records):
+        try:
+            request = check_record(record, decode_request=decode_requests)
+        except ValueError as error:
+            raise InvalidBatch(
+                f"batch {batch.sequence}: record {index} (request_id {record.request_id!r}): {error}; "
+                "nothing of the batch was written"
+            ) from None
+        checked.append(CheckedRecord(record, request))
+    return batch, checked
+
+
+def check_record(record: recorder_pb2.CallRecord, *, decode_request: bool) -> oip.ModelInferRequest | None:
+    """Raise ValueError naming the problem; return the decoded request when ``decode_request``."""
+    if record.schema_version != SCHEMA_VERSION:
+        raise ValueError(f"schema_version is {record.schema_version}, this recorder writes {SCHEMA_VERSION}")
+    if not record.request_id:
+        raise ValueError("request_id is empty")
+    check_model_name(record.model)
+    if record.receive_unix_ns <= 0:
+        raise ValueError(f"receive_unix_ns is {record.receive_unix_ns}, expected unix time in ns (> 0)")
+    check_payload(record.request, "request")
+    check_payload(record.response, "response")
+    for index, shadow in enumerate(record.shadows):
+        check_payload(shadow.response, f"shadows[{index}].response")
+    if not decode_request:
+        return None
+    try:
+        return oip.ModelInferRequest.FromString(record.request.inline)
+    except DecodeError:
+        raise ValueError(
+            "the request payload is not an inference.ModelInferRequest (input redaction needs to read it)"
+        ) from None
+
+
+def check_model_name(model: str) -> None:
+    if not model:
+        raise ValueError("model is empty")
+    if len(model) > MAX_MODEL_CHARS:
+        raise ValueError(f"model name is {len(model)} characters, at most {MAX_MODEL_CHARS} fit in a stream key")
+    bad = next((ch for ch in model if ch.isspace() or not ch.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"model {model!r} contains {bad!r}; whitespace and control characters cannot be in a key")
+
+
+def check_payload(payload: recorder_pb2.Payload, what: str) -> None:
+    """Payloads arrive inline (or empty): only the recorder makes blob references, after redacting."""
+    body = payload.WhichOneof("body")
+    if body == "blob_sha256":
+        raise ValueError(f"{what} payload is a blob reference; send the bytes inline (the recorder stores blobs)")
+    size = len(payload.inline)
+    if payload.size_bytes and payload.size_bytes != size:
+        raise ValueError(f"{what} payload says size_bytes {payload.size_bytes} but carries {size} bytes")

@@ -1,0 +1,120 @@
+"""Redis writes: blobs, then one pipelined round of XADDs per batch, with retention applied on the way.
+
+Layout (see :mod:`splitstream.common.records`, which reads it back):
+
+- ``splitstream:calls:<model>``: a stream, one entry per call, id ``*`` (Redis time);
+  retention by ``MAXLEN ~`` and/or ``MINID ~`` so trimming stays O(1) amortized
+  (whole macro-nodes are dropped; the stream may hold a little more than the limit).
+- ``splitstream:blob:<sha256>``: a string with the payload bytes, ``SET NX`` with a TTL
+  that every new reference refreshes.
+
+Blob round: ``EXPIRE`` every blob of the batch (refreshes existing ones, and says which
+exist), then the missing blobs go out with ``SET NX EX`` in the same pipeline as the
+XADDs, ahead of them, so a record is never visible before its blob. Batches without
+blobs take one round trip. Pipelines are not transactions: if Redis fails midway, some
+records may be written and the router's resend duplicates them (at least once).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from splitstream.common.records import blob_key
+from splitstream.recorder.errors import StoreUnavailable
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    stream: str
+    fields: dict[str, bytes | str]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteBatch:
+    """What one RecordBatch becomes in Redis: stream entries in order, and the distinct blobs they reference."""
+
+    entries: list[StreamEntry]
+    blobs: dict[str, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    records: int
+    #: Blobs that were new (an existing blob only had its TTL refreshed).
+    blobs_written: int
+
+
+class RedisWriter:
+    def __init__(
+        self,
+        redis: Redis,
+        *,
+        retention_maxlen: int,
+        retention_age_s: float,
+        blob_ttl_s: int,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.redis = redis
+        self.retention_maxlen = retention_maxlen
+        self.retention_age_ms = int(retention_age_s * 1000)
+        self.blob_ttl_s = blob_ttl_s
+        self._clock = clock
+
+    async def ping(self) -> None:
+        """Raise :class:`StoreUnavailable` unless Redis answers."""
+        try:
+            await self.redis.ping()
+        except (RedisError, OSError, TimeoutError) as error:
+            raise StoreUnavailable(f"redis did not answer PING: {_describe(error)}") from error
+
+    async def write(self, batch: WriteBatch) -> WriteResult:
+        """Write ``batch``; returns only after Redis confirmed every command. Raises :class:`StoreUnavailable`."""
+        try:
+            return await self._write(batch)
+        except (RedisError, OSError, TimeoutError) as error:
+            raise StoreUnavailable(f"redis write failed: {_describe(error)}") from error
+
+    async def _write(self, batch: WriteBatch) -> WriteResult:
+        missing = await self._missing_blobs(list(batch.blobs)) if batch.blobs else []
+        pipe = self.redis.pipeline(transaction=False)
+        for digest in missing:
+            pipe.set(blob_key(digest), batch.blobs[digest], nx=True, ex=self.blob_ttl_s or None)
+        minid = str(int(self._clock() * 1000) - self.retention_age_ms) if self.retention_age_ms else None
+        maxlen = self.retention_maxlen or None
+        for entry in batch.entries:
+            # XADD takes one trim strategy; with both configured the count rides on XADD and the
+            # age is applied once per stream below.
+            pipe.xadd(
+                entry.stream,
+                cast(dict[Any, Any], entry.fields),
+                maxlen=maxlen,
+                minid=None if maxlen else minid,
+                approximate=True,
+            )
+        if maxlen and minid:
+            for stream in dict.fromkeys(entry.stream for entry in batch.entries):
+                pipe.xtrim(stream, minid=minid, approximate=True)
+        results = await pipe.execute()
+        created = sum(1 for result in results[: len(missing)] if result)
+        return WriteResult(records=len(batch.entries), blobs_written=created)
+
+    async def _missing_blobs(self, digests: list[str]) -> list[str]:
+        """Refresh the TTL of the blobs that exist; return the digests of those that do not."""
+        pipe = self.redis.pipeline(transaction=False)
+        for digest in digests:
+            if self.blob_ttl_s:
+                pipe.expire(blob_key(digest), self.blob_ttl_s)
+            else:
+                pipe.exists(blob_key(digest))
+        found = await pipe.execute()
+        return [digest for digest, hit in zip(digests, found, strict=True) if not hit]
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
