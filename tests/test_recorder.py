@@ -1,0 +1,529 @@
+"""The recorder end to end: a real recorder process, a real redis-server, real gRPC streams.
+
+Each test gets its own redis-server on a free port (small stream nodes, so
+approximate trimming is close to exact) and its own recorder. A few logic tests
+(validation, masking, configuration) run in-process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+import pytest
+from grpc import StatusCode, aio
+from grpc_health.v1 import health_pb2
+from redis.asyncio import Redis
+
+from splitstream.common import tensors
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.splitstream.v1 import recorder_pb2, recorder_pb2_grpc
+from splitstream.common.records import (
+    MissingBlob,
+    blob_key,
+    payload_bytes,
+    read_records,
+    request_of,
+    response_of,
+    stream_key,
+)
+from splitstream.recorder.config import Action, Rule, parse_args
+from splitstream.recorder.errors import InvalidBatch
+from splitstream.recorder.redaction import Redactor
+from splitstream.recorder.validation import parse_batch
+from tests.harness import ROOT, ServiceProcess, free_port, health_status, metric_samples, scrape_metrics, wait_for
+from tests.redis_server import RedisServer
+
+HMAC_KEY = "test-hmac-key"
+NODE_ENTRIES = 10
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+# --- fixtures and helpers -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    # Small macro-nodes with no byte limit: approximate trimming (MAXLEN ~ / MINID ~) drops whole
+    # nodes, so this keeps "about N" within NODE_ENTRIES and makes node boundaries predictable.
+    config = ("--stream-node-max-entries", str(NODE_ENTRIES), "--stream-node-max-bytes", "0")
+    server = RedisServer(tmp_path / "redis", config=config).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def redis(redis_server: RedisServer) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+RecorderFactory = Callable[..., ServiceProcess]
+
+
+@pytest.fixture
+def start_recorder(tmp_path: Path, redis_server: RedisServer) -> Iterator[RecorderFactory]:
+    """Start a recorder on free ports against this test's Redis; all are stopped at the end."""
+    started: list[ServiceProcess] = []
+
+    def start(*extra: str, wait_serving: bool = True) -> ServiceProcess:
+        port, metrics_port = free_port(), free_port()
+        args = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)]
+        args += ["--redis-url", redis_server.url, *extra]
+        process = ServiceProcess(
+            f"recorder-{port}",
+            "splitstream.recorder",
+            args,
+            log_dir=tmp_path,
+            port=port,
+            env={"SPLITSTREAM_HMAC_KEY": HMAC_KEY},
+        )
+        process.metrics_port = metrics_port  # type: ignore[attr-defined]
+        started.append(process)
+        return process.start(wait_serving=wait_serving)
+
+    yield start
+    for process in started:
+        process.stop()
+
+
+def request_bytes(request_id: str, **inputs: np.ndarray) -> bytes:
+    request = oip.ModelInferRequest(model_name="m", id=request_id)
+    for name, array in inputs.items():
+        tensors.add_raw_input(request, name, array)
+    return request.SerializeToString()
+
+
+def call_record(
+    request_id: str,
+    *,
+    model: str = "resnet",
+    version: str = "v1",
+    status_code: int = 0,
+    request: bytes = b"",
+    response: bytes = b"",
+    metadata: dict[str, str] | None = None,
+) -> recorder_pb2.CallRecord:
+    record = recorder_pb2.CallRecord(
+        schema_version=1,
+        request_id=request_id,
+        receive_unix_ns=time.time_ns(),
+        model=model,
+        version=version,
+        arm=version,
+        routing_key_hmac="ab" * 32,
+        status_code=status_code,
+        status_message="" if status_code == 0 else "bad input",
+        latency_ns=2_500_000,
+        endpoint="127.0.0.1:9000",
+        router_id="router-a",
+        metadata=metadata or {},
+    )
+    record.request.inline = request or request_bytes(request_id, x=np.arange(4, dtype=np.float32))
+    if response:
+        record.response.inline = response
+    return record
+
+
+def batch(sequence: int, *records: recorder_pb2.CallRecord) -> recorder_pb2.RecordBatch:
+    return recorder_pb2.RecordBatch(sequence=sequence, records=records)
+
+
+async def send(address: str, *batches: recorder_pb2.RecordBatch | bytes) -> list[recorder_pb2.RecordAck]:
+    """Send batches on one stream, each after the previous one's ack; raises AioRpcError if the stream fails."""
+    async with aio.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            "/splitstream.v1.Recorder/Record", response_deserializer=recorder_pb2.RecordAck.FromString
+        )()
+        acks = []
+        for item in batches:
+            await call.write(item if isinstance(item, bytes) else item.SerializeToString())
+            acks.append(await call.read())
+        await call.done_writing()
+        assert await call.code() == StatusCode.OK
+        return acks
+
+
+async def rpc_error(coroutine: object) -> aio.AioRpcError:
+    with pytest.raises(aio.AioRpcError) as info:
+        await coroutine  # type: ignore[misc]
+    return info.value
+
+
+def metric(process: ServiceProcess, name: str, **labels: str) -> float:
+    samples = metric_samples(scrape_metrics(process.metrics_port), name)  # type: ignore[attr-defined]
+    return sum(value for sample_labels, value in samples if labels.items() <= sample_labels.items())
+
+
+Entries = list[tuple[bytes, dict[bytes, bytes]]]
+
+
+async def xrange(redis: Redis, key: str | bytes) -> Entries:
+    """XRANGE with binary replies, typed (redis-py's own annotations cover every reply mode at once)."""
+    return cast(Entries, await redis.xrange(key))
+
+
+async def all_redis_bytes(redis: Redis) -> list[bytes]:
+    """Every key, field and value in Redis, as bytes: the whole haystack a leak would be in."""
+    found: list[bytes] = []
+    async for key in redis.scan_iter(count=1000):
+        found.append(key)
+        kind = cast(bytes, await redis.type(key)).decode()
+        if kind == "stream":
+            for entry_id, fields in await xrange(redis, key):
+                found.append(entry_id)
+                for field, value in fields.items():
+                    found += [field, value]
+        elif kind == "string":
+            found.append(cast(bytes, await redis.get(key)))
+        else:
+            raise AssertionError(f"unexpected {kind} key {key!r}: the recorder writes streams and strings only")
+    return found
+
+
+# --- end to end -------------------------------------------------------------------------------------
+
+
+async def test_records_arrive_in_their_model_stream_with_readable_fields_and_acks_carry_the_sequence(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    recorder = start_recorder()
+    response = oip.ModelInferResponse(model_name="resnet", model_version="v1", id="a-1")
+    sent = [
+        call_record("a-1", response=response.SerializeToString()),
+        call_record("a-2", status_code=3),
+        call_record("b-1", model="bert", version="v2"),
+    ]
+    shadow = sent[0].shadows.add(version="v2", endpoint="127.0.0.1:9001", status_code=0, latency_ns=3_000_000)
+    shadow.response.inline = response.SerializeToString()
+
+    acks = await send(recorder.address, batch(41, *sent[:2]), batch(42, sent[2]))
+
+    assert [(ack.sequence, ack.written) for ack in acks] == [(41, 2), (42, 1)]
+    entries = await xrange(redis, stream_key("resnet")) + await xrange(redis, stream_key("bert"))
+    readable = [{k.decode(): v.decode() for k, v in fields.items() if k != b"record"} for _, fields in entries]
+    assert readable == [
+        {"request_id": "a-1", "time_ns": str(sent[0].receive_unix_ns), "model": "resnet", "version": "v1"}
+        | {"status": "OK", "latency_ms": "2.500"},
+        {"request_id": "a-2", "time_ns": str(sent[1].receive_unix_ns), "model": "resnet", "version": "v1"}
+        | {"status": "INVALID_ARGUMENT", "latency_ms": "2.500"},
+        {"request_id": "b-1", "time_ns": str(sent[2].receive_unix_ns), "model": "bert", "version": "v2"}
+        | {"status": "OK", "latency_ms": "2.500"},
+    ]
+    stored = [item.record async for item in read_records(redis, "resnet")]
+    for original in sent[:2]:  # what was sent, plus the sizes the recorder fills in
+        original.request.size_bytes = len(original.request.inline)
+        if original.response.inline:
+            original.response.size_bytes = len(original.response.inline)
+        for each in original.shadows:
+            each.response.size_bytes = len(each.response.inline)
+    assert stored == sent[:2]
+    assert await response_of(redis, stored[0]) == response
+    assert await response_of(redis, stored[1]) is None
+    assert (await request_of(redis, stored[1])).id == "a-2"
+    assert metric(recorder, "splitstream_recorder_records_written_total", model="resnet") == 2
+    assert metric(recorder, "splitstream_recorder_records_written_total", model="bert") == 1
+    assert metric(recorder, "splitstream_recorder_batches_total", result="ok") == 2
+    assert metric(recorder, "splitstream_recorder_write_seconds_count") == 2
+
+
+async def test_a_large_input_sent_twice_is_stored_once_and_reads_back_byte_for_byte(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    recorder = start_recorder("--blob-ttl-s", "3600")
+    image = np.random.default_rng(7).integers(0, 256, size=1 << 20, dtype=np.uint8)
+    large = request_bytes("same", image=image)
+
+    await send(recorder.address, batch(1, call_record("first", request=large)))
+    await send(recorder.address, batch(1, call_record("second", request=large)))
+
+    blobs = [key async for key in redis.scan_iter(match=blob_key("*"))]
+    assert blobs == [blob_key(hashlib.sha256(large).hexdigest()).encode()]
+    stored = [item.record async for item in read_records(redis, "resnet")]
+    assert [r.request.blob_sha256 for r in stored] == [hashlib.sha256(large).hexdigest()] * 2
+    assert [r.request.size_bytes for r in stored] == [len(large)] * 2
+    assert await payload_bytes(redis, stored[1].request) == large
+    restored = tensors.input_arrays(await request_of(redis, stored[0]))["image"]
+    np.testing.assert_array_equal(restored, image)
+    assert 3500 < await redis.ttl(blobs[0]) <= 3600
+    assert metric(recorder, "splitstream_recorder_blobs_written_total") == 1
+
+    # Every new reference refreshes the blob's TTL, so it outlives the newest record using it.
+    await redis.expire(blobs[0], 30)
+    await send(recorder.address, batch(2, call_record("third", request=large)))
+    assert await redis.ttl(blobs[0]) > 3500
+    await redis.delete(blobs[0])
+    with pytest.raises(MissingBlob, match="expired or was evicted"):
+        await payload_bytes(redis, stored[0].request)
+
+
+async def test_redaction_leaves_no_sensitive_value_anywhere_in_redis(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    recorder = start_recorder(
+        "--redact-metadata",
+        "authorization",
+        "--redact-metadata",
+        "x-user-email:mask",
+        "--redact-input",
+        "account:drop",
+        "--redact-input",
+        "face:mask",
+    )
+    secret_token, email = "Bearer tok-5f0c9e27d1", "someone@example.org"
+    # Distinctive byte patterns that cannot occur by chance; the large face goes through the blob path.
+    account = np.frombuffer(b"ACCT-7731-SECRET" * 8, dtype=np.uint8)
+    faces = {"small": b"FACE-0423-SECRET" * 16, "large": b"FACE-0423-SECRET" * 8192}
+    x = np.arange(16, dtype=np.float32)
+    metadata = {"authorization": secret_token, "x-user-email": email, "x-trace": "trace-1"}
+    records = [
+        call_record(
+            name,
+            request=request_bytes(name, x=x, account=account, face=np.frombuffer(face, dtype=np.uint8)),
+            metadata=metadata,
+        )
+        for name, face in faces.items()
+    ]
+
+    await send(recorder.address, batch(1, *records))
+
+    haystack = await all_redis_bytes(redis)
+    assert any(key.startswith(b"splitstream:blob:") for key in haystack), "the large request should be a blob"
+    for needle in (secret_token.encode(), email.encode(), b"ACCT-7731", b"FACE-0423"):
+        assert not [item for item in haystack if needle in item], f"{needle!r} is stored in Redis"
+    for stored in [item.record async for item in read_records(redis, "resnet")]:
+        masked_email = "hmac:" + hmac.new(HMAC_KEY.encode(), email.encode(), hashlib.sha256).hexdigest()
+        assert dict(stored.metadata) == {"x-user-email": masked_email, "x-trace": "trace-1"}
+        request = await request_of(redis, stored)
+        assert [(t.name, t.datatype, list(t.shape)) for t in request.inputs] == [
+            ("x", "FP32", [16]),
+            ("face", "UINT8", [len(faces[stored.request_id])]),
+        ]
+        arrays = tensors.input_arrays(request)  # raw slots still line up with inputs
+        np.testing.assert_array_equal(arrays["x"], x)
+        assert not arrays["face"].any()
+
+
+async def test_retention_by_count_keeps_about_maxlen_records_per_stream(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    maxlen, total = 200, 2000
+    recorder = start_recorder("--retention-maxlen", str(maxlen))
+
+    batches = [batch(n, *(call_record(f"r-{n}-{i}") for i in range(100))) for n in range(total // 100)]
+    acks = await send(recorder.address, *batches)
+
+    assert sum(ack.written for ack in acks) == total
+    length = await redis.xlen(stream_key("resnet"))
+    assert maxlen <= length <= maxlen + NODE_ENTRIES  # MAXLEN ~ drops whole nodes only
+    newest = [item.record.request_id async for item in read_records(redis, "resnet")][-1]
+    assert newest == "r-19-99"
+
+
+@pytest.mark.parametrize("count_limit", [[], ["--retention-maxlen", "1000"]], ids=["age", "age-and-count"])
+async def test_retention_by_age_drops_records_older_than_the_limit(
+    start_recorder: RecorderFactory, redis: Redis, count_limit: list[str]
+) -> None:
+    recorder = start_recorder("--retention-age-s", "1", *count_limit)
+    # Two full macro-nodes of old records, so the newer records start a node of their own.
+    await send(recorder.address, batch(1, *(call_record(f"old-{i}") for i in range(2 * NODE_ENTRIES))))
+    written_at = time.time()
+    assert await redis.xlen(stream_key("resnet")) == 2 * NODE_ENTRIES
+
+    wait_for(lambda: time.time() > written_at + 1.1, timeout_s=5, what="the old records to pass the age limit")
+    await send(recorder.address, batch(2, *(call_record(f"new-{i}") for i in range(3))))
+
+    remaining = [item.record.request_id async for item in read_records(redis, "resnet")]
+    assert remaining == ["new-0", "new-1", "new-2"]
+
+
+async def test_malformed_batches_are_rejected_whole_and_the_recorder_keeps_serving(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    recorder = start_recorder()
+    garbage = np.random.default_rng(3).integers(0, 256, size=512, dtype=np.uint8).tobytes()
+
+    error = await rpc_error(send(recorder.address, garbage))
+    assert error.code() == StatusCode.INVALID_ARGUMENT
+    assert "not a splitstream.v1.RecordBatch" in (error.details() or "")
+
+    bad = call_record("bad-one", model="res net")
+    error = await rpc_error(send(recorder.address, batch(5, call_record("good-1"), bad, call_record("good-2"))))
+    assert error.code() == StatusCode.INVALID_ARGUMENT
+    assert "record 1 (request_id 'bad-one')" in (error.details() or "")
+    assert "whitespace" in (error.details() or "")
+    assert [key async for key in redis.scan_iter()] == []  # nothing partial
+
+    acks = await send(recorder.address, batch(6, call_record("good-1"), call_record("good-2")))
+    assert [(ack.sequence, ack.written) for ack in acks] == [(6, 2)]
+    assert await redis.xlen(stream_key("resnet")) == 2
+    assert metric(recorder, "splitstream_recorder_batches_total", result="invalid") == 2
+    assert health_status(recorder.address) == SERVING
+
+
+async def test_redis_outage_makes_writes_unavailable_and_health_not_serving_until_redis_returns(
+    start_recorder: RecorderFactory, redis_server: RedisServer, redis: Redis
+) -> None:
+    recorder = start_recorder("--redis-timeout-s", "1", "--health-interval-s", "0.2")
+    await send(recorder.address, batch(1, call_record("before")))
+
+    redis_server.stop()
+    started = time.monotonic()
+    error = await rpc_error(send(recorder.address, batch(2, call_record("during"))))
+    assert error.code() == StatusCode.UNAVAILABLE
+    assert "redis" in (error.details() or "")
+    assert time.monotonic() - started < 5, "a dead Redis must fail a batch fast"
+    wait_for(lambda: health_status(recorder.address) == NOT_SERVING, timeout_s=5, what="NOT_SERVING")
+    assert metric(recorder, "splitstream_recorder_batches_total", result="redis_error") == 1
+
+    redis_server.start()  # same port, empty (nothing is persisted)
+    wait_for(lambda: health_status(recorder.address) == SERVING, timeout_s=10, what="SERVING again")
+    acks = await send(recorder.address, batch(3, call_record("after")))
+    assert acks[0].written == 1
+    assert [item.record.request_id async for item in read_records(redis, "resnet")] == ["after"]
+
+
+async def test_a_password_in_the_redis_url_reaches_a_protected_redis_and_stays_out_of_the_log(
+    tmp_path: Path, start_recorder: RecorderFactory
+) -> None:
+    with RedisServer(tmp_path / "protected", password="s3cret-pw") as protected:
+        url = protected.url.replace("/0", "/2")
+        recorder = start_recorder("--redis-url", url)  # the later --redis-url wins
+        await send(recorder.address, batch(1, call_record("guarded")))
+
+        client = Redis.from_url(url)
+        try:
+            assert [item.record.request_id async for item in read_records(client, "resnet")] == ["guarded"]
+        finally:
+            await client.aclose()
+        assert "s3cret-pw" not in recorder.log()
+
+
+async def test_sigterm_ends_open_streams_with_unavailable_and_exits_zero(start_recorder: RecorderFactory) -> None:
+    recorder = start_recorder()
+    async with aio.insecure_channel(recorder.address) as channel:
+        call = recorder_pb2_grpc.RecorderStub(channel).Record()
+        await call.write(batch(1, call_record("one")))
+        assert (await call.read()).sequence == 1
+
+        recorder.signal(signal.SIGTERM)
+        error = await rpc_error(call.read())
+        assert error.code() == StatusCode.UNAVAILABLE
+        assert "shutting down" in (error.details() or "")
+    assert recorder.wait(timeout_s=15) == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "problem"),
+    [
+        (["--retention-maxlen", "-5"], {}, "must not be negative"),
+        (["--redact-metadata", "authorization:mask"], {}, "needs an HMAC key"),
+        (["--redis-url", "http://127.0.0.1:6379"], {}, "--redis-url must start with"),
+        (["--port", "eighty"], {}, "invalid int value"),
+        ([], {"SPLITSTREAM_RECORDER_BLOB_TTL_S": "a week"}, "SPLITSTREAM_RECORDER_BLOB_TTL_S"),
+        (["--log-level", "LOUD"], {}, "unknown log level"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(args: list[str], env: dict[str, str], problem: str) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "splitstream.recorder", "--redis-url", "redis://127.0.0.1:1/0", *args],
+        env={**clean, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("splitstream-recorder: error:")
+    assert problem in lines[0]
+
+
+# --- in-process logic -------------------------------------------------------------------------------
+
+
+def _bad(**changes: object) -> recorder_pb2.CallRecord:
+    record = call_record("bad-one")
+    for field, value in changes.items():
+        if field == "request_blob":
+            record.request.blob_sha256 = str(value)
+        elif field == "request_size":
+            record.request.size_bytes = int(value)  # type: ignore[call-overload]
+        elif field == "request_inline":
+            record.request.inline = value  # type: ignore[assignment]
+        else:
+            setattr(record, field, value)
+    return record
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        (_bad(schema_version=2), "schema_version is 2"),
+        (_bad(request_id=""), "request_id is empty"),
+        (_bad(model=""), "model is empty"),
+        (_bad(model="m" * 201), "at most 200"),
+        (_bad(model="m\x07"), "control characters"),
+        (_bad(receive_unix_ns=0), "receive_unix_ns is 0"),
+        (_bad(request_blob="ab" * 32), "blob reference"),
+        (_bad(request_size=99999), "size_bytes 99999"),
+        (_bad(request_inline=b"\xff\xff\xff"), "not an inference.ModelInferRequest"),
+    ],
+)
+def test_each_kind_of_bad_record_is_named_in_the_rejection(record: recorder_pb2.CallRecord, problem: str) -> None:
+    data = batch(9, call_record("fine"), record).SerializeToString()
+    with pytest.raises(InvalidBatch, match=r"batch 9: record 1 \(request_id '(bad-one)?'\): ") as info:
+        parse_batch(data, decode_requests=True)
+    assert problem in str(info.value)
+
+
+def test_masked_inputs_keep_name_type_and_shape_with_zeroed_data_raw_or_typed() -> None:
+    redactor = Redactor(metadata=(), inputs=(Rule("secret", Action.MASK), Rule("gone", Action.DROP)), hmac_key=b"k")
+    words = np.array([b"alpha", b"beta"], dtype=np.object_)
+    raw = oip.ModelInferRequest()
+    for name, array in (("gone", np.ones(3, np.int64)), ("secret", words), ("keep", np.arange(3, dtype=np.int32))):
+        tensors.add_raw_input(raw, name, array)
+    typed = oip.ModelInferRequest()
+    tensors.add_typed_input(typed, "secret", np.array([1.5, -2.0], dtype=np.float32))
+    tensors.add_typed_input(typed, "keep", np.array([7, 8], dtype=np.int64))
+
+    assert redactor.redact_request(raw)
+    assert redactor.redact_request(typed)
+
+    raw_arrays = tensors.input_arrays(raw)
+    assert list(raw_arrays) == ["secret", "keep"]
+    assert raw_arrays["secret"].tolist() == [b"", b""]
+    np.testing.assert_array_equal(raw_arrays["keep"], np.arange(3, dtype=np.int32))
+    typed_arrays = tensors.input_arrays(typed)
+    assert typed_arrays["secret"].tolist() == [0.0, 0.0]
+    assert typed_arrays["keep"].tolist() == [7, 8]
+
+
+def test_rules_come_comma_separated_from_the_environment_and_flags_replace_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SPLITSTREAM_RECORDER_REDACT_METADATA", "Authorization,cookie:mask")
+    monkeypatch.setenv("SPLITSTREAM_HMAC_KEY", "k")
+    from_env = parse_args(["--redact-input", "input:0", "--redact-input", "face:mask"])
+    assert from_env.redact_metadata == (Rule("authorization", Action.DROP), Rule("cookie", Action.MASK))
+    assert from_env.redact_input == (Rule("input:0", Action.DROP), Rule("face", Action.MASK))
+    assert parse_args(["--redact-metadata", "x-key"]).redact_metadata == (Rule("x-key", Action.DROP),)
+
+
+def test_blobs_outlive_the_age_retention_of_the_records_that_reference_them() -> None:
+    assert parse_args(["--blob-ttl-s", "3600"]).effective_blob_ttl_s == 3600
+    assert parse_args(["--blob-ttl-s", "3600", "--retention-age-s", "864000"]).effective_blob_ttl_s == 864000 + 86400
+    assert parse_args(["--blob-ttl-s", "0", "--retention-age-s", "60"]).effective_blob_ttl_s == 0
