@@ -47,6 +47,7 @@ format: install ## Apply ruff's fixes and formatting
 bench: install ## Run the benchmarks (prints tables; see README)
 	$(BIN)/python bench/router_overhead.py
 	$(BIN)/python bench/dynamic_batching.py
+	$(BIN)/python bench/recorder_throughput.py
 
 clean: ## Remove the virtual environments and generated files
 	rm -rf $(VENV) $(TRITON_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache
