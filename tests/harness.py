@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -268,7 +269,8 @@ class InferClient:
 class SteadyLoad:
     """Closed-loop load from ``threads`` threads until stopped; remembers every call's outcome.
 
-    Each outcome is ``(sent_monotonic, code_name, served_version)``.
+    Each outcome is ``(sent_monotonic, code_name, served_version, request_id)``; every call
+    carries its own ``x-request-id``.
     """
 
     def __init__(
@@ -285,8 +287,9 @@ class SteadyLoad:
         self._pause_s = pause_s
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._run_id = uuid.uuid4().hex[:8]
         self._x = np.ones((1, 4), dtype=np.float32)
-        self.outcomes: list[tuple[float, str, str]] = []
+        self.outcomes: list[tuple[float, str, str, str]] = []
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
 
     def __enter__(self) -> SteadyLoad:
@@ -308,15 +311,16 @@ class SteadyLoad:
         try:
             while not self._stop.is_set():
                 n += 1
-                metadata = []
+                request_id = f"load-{self._run_id}-{index}-{n}"
+                metadata = [("x-request-id", request_id)]
                 if self._key_prefix is not None:
                     metadata.append(("x-routing-key", f"{self._key_prefix}-{index}-{n}"))
                 sent = time.monotonic()
                 try:
                     _, headers = client.infer(make_request(self._model, self._x), metadata=metadata)
-                    outcome = (sent, "OK", headers.get("x-splitstream-version", ""))
+                    outcome = (sent, "OK", headers.get("x-splitstream-version", ""), request_id)
                 except grpc.RpcError as error:
-                    outcome = (sent, error.code().name, "")
+                    outcome = (sent, error.code().name, "", request_id)
                 with self._lock:
                     self.outcomes.append(outcome)
                 if self._pause_s:
@@ -328,7 +332,7 @@ class SteadyLoad:
         with self._lock:
             return len(self.outcomes)
 
-    def errors(self) -> list[tuple[float, str, str]]:
+    def errors(self) -> list[tuple[float, str, str, str]]:
         with self._lock:
             return [o for o in self.outcomes if o[1] != "OK"]
 

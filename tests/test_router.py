@@ -271,7 +271,7 @@ def test_a_worker_killed_under_load_fails_only_calls_in_flight_then_none(stack: 
     # At most the calls in flight on the killed worker (one per load thread) may fail...
     assert len(errors) <= threads
     # ...and only at the moment of the kill; afterwards every call succeeds.
-    assert all(sent <= killed + 0.5 for sent, _, _ in errors)
+    assert all(sent <= killed + 0.5 for sent, _, _, _ in errors)
     assert load.count() > 400
 
 

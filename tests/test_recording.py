@@ -1,0 +1,362 @@
+"""Recording through the router: real router, workers, recorder and redis-server processes.
+
+Every call the router answers is mirrored to the recorder off the hot path and
+lands in ``splitstream:calls:<model>``; outages of the recorder or of Redis lose
+nothing (the router spools to disk and sends later); shadows join the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from redis.asyncio import Redis
+
+from splitstream.common import tensors
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import read_records, request_of, response_of, stream_key, unique_by_request_id
+from splitstream.router.mirror import routing_key_hmac
+from tests.harness import (
+    InferClient,
+    ServiceProcess,
+    Stack,
+    SteadyLoad,
+    free_port,
+    make_request,
+    wait_for,
+    write_registry,
+)
+from tests.models import add_version
+from tests.redis_server import RedisServer
+
+MODEL = "affine"
+HMAC_KEY = "recording-tests-key"
+
+
+class RecordingStack:
+    """redis-server, a recorder, workers and a router with recording on."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        recorder_args: tuple[str, ...] = (),
+        versions: dict[str, dict] | None = None,
+        experiment: dict | None = None,
+    ) -> None:
+        self.tmp = tmp
+        # Persistent, as production Redis is: a stop and restart keeps what was written.
+        self.redis = RedisServer(tmp / "redis", config=("--appendonly", "yes", "--appendfsync", "always")).start()
+        self.stack = Stack(tmp)
+        self.recorder_port = free_port()
+        self.recorder_args = recorder_args
+        self.recorder = self._recorder()
+        repository = tmp / "models"
+        versions = versions or {"v1": {"scale": 2.0}}
+        self.workers = {}
+        for version, spec in versions.items():
+            add_version(repository, MODEL, version, scale=spec["scale"], config=spec.get("config"))
+            self.workers[version] = self.stack.worker(repository, MODEL, version)
+        registry = tmp / "registry.yaml"
+        model: dict = {"endpoints": {v: [w.address] for v, w in self.workers.items()}}
+        if experiment:
+            model["experiment"] = experiment
+        write_registry(registry, {MODEL: model})
+        self.router = self.stack.router(
+            registry,
+            "--recorder",
+            f"127.0.0.1:{self.recorder_port}",
+            "--hmac-key",
+            HMAC_KEY,
+            "--spool-dir",
+            str(tmp / "spool"),
+            "--record-batch-interval-ms",
+            "20",
+        )
+
+    def _recorder(self) -> ServiceProcess:
+        args = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.recorder_port),
+            "--metrics-port",
+            str(free_port()),
+            "--redis-url",
+            self.redis.url,
+            "--hmac-key",
+            HMAC_KEY,
+            "--redis-timeout-s",
+            "1",
+            *self.recorder_args,
+        ]
+        process = ServiceProcess(
+            f"recorder-{len(self.stack.processes)}",
+            "splitstream.recorder",
+            args,
+            log_dir=self.tmp,
+            port=self.recorder_port,
+        )
+        self.stack.processes.append(process)
+        return process.start()
+
+    def restart_recorder(self) -> None:
+        self.recorder = self._recorder()
+
+    def records(self) -> list[recorder_pb2.CallRecord]:
+        async def read() -> list[recorder_pb2.CallRecord]:
+            client = Redis.from_url(self.redis.url)
+            try:
+                return [s.record async for s in unique_by_request_id(read_records(client, MODEL))]
+            finally:
+                await client.aclose()
+
+        return asyncio.run(read())
+
+    def raw_count(self) -> int:
+        client = self.redis.client()
+        try:
+            return int(client.xlen(stream_key(MODEL)))
+        finally:
+            client.close()
+
+    def wait_recorded(self, request_ids: set[str], timeout_s: float = 30.0) -> list[recorder_pb2.CallRecord]:
+        def done() -> list[recorder_pb2.CallRecord] | None:
+            records = self.records()
+            return records if request_ids <= {r.request_id for r in records} else None
+
+        try:
+            return wait_for(done, timeout_s=timeout_s, interval_s=0.25, what="every call to be recorded")
+        except TimeoutError:
+            missing = request_ids - {r.request_id for r in self.records()}
+            raise AssertionError(
+                f"{len(missing)} of {len(request_ids)} calls never recorded, e.g. "
+                f"{sorted(missing)[:5]}\n{self.router.log()[-3000:]}"
+            ) from None
+
+    def close(self) -> None:
+        self.stack.close()
+        self.redis.stop()
+
+
+@pytest.fixture
+def recording(tmp_path: Path) -> Iterator[RecordingStack]:
+    stack = RecordingStack(tmp_path)
+    yield stack
+    stack.close()
+
+
+def test_every_call_is_recorded_once_and_decodes_to_what_the_client_sent_and_received(
+    recording: RecordingStack,
+) -> None:
+    client = InferClient(recording.router.address)
+    rng = np.random.default_rng(5)
+    sent = {}
+    latencies = {}
+    for i in range(120):
+        request_id = f"call-{i}"
+        x = rng.standard_normal((1 + i % 3, 4)).astype(np.float32)
+        request = make_request(MODEL, x, typed=i % 2 == 1)
+        started = time.perf_counter()
+        response, headers = client.infer(request, metadata=[("x-request-id", request_id), ("x-routing-key", f"u{i}")])
+        latencies[request_id] = time.perf_counter() - started
+        assert headers["x-request-id"] == request_id
+        sent[request_id] = (request, response)
+    bad = make_request(MODEL, np.ones((1, 5), np.float32))
+    with pytest.raises(grpc.RpcError) as caught:
+        client.infer(bad, metadata=[("x-request-id", "bad-call")])
+    client.close()
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    records = recording.wait_recorded({*sent, "bad-call"})
+    assert sorted(r.request_id for r in records) == sorted([*sent, "bad-call"])
+
+    async def decoded() -> dict[str, tuple[object, object]]:
+        redis = Redis.from_url(recording.redis.url)
+        try:
+            return {r.request_id: (await request_of(redis, r), await response_of(redis, r)) for r in records}
+        finally:
+            await redis.aclose()
+
+    stored = asyncio.run(decoded())
+    for record in records:
+        assert record.schema_version == 1
+        assert record.model == MODEL
+        assert record.version == "v1"
+        assert record.endpoint == recording.workers["v1"].address
+        if record.request_id == "bad-call":
+            assert record.status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "'x'" in record.status_message
+            assert stored["bad-call"][0] == bad
+            assert stored["bad-call"][1] is None
+            continue
+        request, response = sent[record.request_id]
+        assert record.status_code == 0
+        assert 0 < record.latency_ns / 1e9 <= latencies[record.request_id]
+        assert stored[record.request_id] == (request, response)
+        assert record.routing_key_hmac == routing_key_hmac(HMAC_KEY.encode(), f"u{record.request_id.split('-')[1]}")
+
+
+def test_a_recorder_killed_for_ten_seconds_under_load_loses_no_record(recording: RecordingStack) -> None:
+    with SteadyLoad(recording.router.address, MODEL, threads=2, pause_s=0.01) as load:
+        load.wait_calls(50)
+        recording.recorder.kill()
+        time.sleep(10)  # the outage itself: calls keep coming and are spooled
+        recording.restart_recorder()
+        load.wait_calls(50)
+    assert load.errors() == []
+    ids = {o[3] for o in load.outcomes}
+    records = recording.wait_recorded(ids)
+    assert {r.request_id for r in records} == ids
+
+
+def test_redis_stopped_for_ten_seconds_under_load_costs_no_call_and_no_record(recording: RecordingStack) -> None:
+    with SteadyLoad(recording.router.address, MODEL, threads=2, pause_s=0.01) as load:
+        load.wait_calls(50)
+        recording.redis.stop()
+        time.sleep(10)
+        recording.redis.start()
+        load.wait_calls(50)
+    assert load.errors() == []
+    ids = {o[3] for o in load.outcomes}
+    records = recording.wait_recorded(ids)
+    assert {r.request_id for r in records} == ids
+
+
+def test_a_1mib_input_sent_twice_is_stored_as_one_blob_referenced_by_both(tmp_path: Path) -> None:
+    stack = RecordingStack(
+        tmp_path,
+        versions={"v1": {"scale": 2.0, "config": {"max_batch_size": 0, "dynamic_batching": {"enabled": False}}}},
+    )
+    try:
+        x = np.random.default_rng(1).standard_normal((65536, 4)).astype(np.float32)  # 1 MiB
+        client = InferClient(stack.router.address)
+        for request_id in ("big-1", "big-2"):
+            client.infer(make_request(MODEL, x), metadata=[("x-request-id", request_id)])
+        client.close()
+        records = stack.wait_recorded({"big-1", "big-2"})
+        shas = {r.request.blob_sha256 for r in records}
+        assert len(shas) == 1
+        assert shas != {""}
+        blob_keys = stack.redis.client().keys("splitstream:blob:*")
+        assert len(blob_keys) == 2  # the shared request, and the shared response
+
+        async def first_input() -> np.ndarray:
+            redis = Redis.from_url(stack.redis.url)
+            try:
+                return tensors.input_arrays(await request_of(redis, records[0]))["x"]
+            finally:
+                await redis.aclose()
+
+        np.testing.assert_array_equal(asyncio.run(first_input()), x)
+    finally:
+        stack.close()
+
+
+def test_no_routing_key_or_sensitive_value_is_stored_anywhere_in_redis(tmp_path: Path) -> None:
+    stack = RecordingStack(
+        tmp_path,
+        recorder_args=(
+            "--redact-metadata",
+            "authorization",
+            "--redact-metadata",
+            "x-user-email:mask",
+            "--redact-input",
+            "x:mask",
+        ),
+    )
+    try:
+        secret_key = "routing-key-alice-7f3a"
+        token = "Bearer tok-5ecret-9q"
+        email = "alice@example.com"
+        pattern = np.full((2, 4), 1234.5678, dtype=np.float32)
+        client = InferClient(stack.router.address)
+        client.infer(
+            make_request(MODEL, pattern),
+            metadata=[
+                ("x-request-id", "sensitive"),
+                ("x-routing-key", secret_key),
+                ("authorization", token),
+                ("x-user-email", email),
+                ("x-tenant", "acme"),
+            ],
+        )
+        client.close()
+        (record,) = stack.wait_recorded({"sensitive"})
+        assert record.metadata["x-tenant"] == "acme"
+        assert "authorization" not in record.metadata
+        assert record.metadata["x-user-email"].startswith("hmac:")
+        assert record.routing_key_hmac == routing_key_hmac(HMAC_KEY.encode(), secret_key)
+
+        redis: Any = stack.redis.client()  # binary replies; redis-py's stubs cannot say so
+        everything = b""
+        for key in redis.scan_iter(count=1000):
+            everything += key
+            kind = redis.type(key)
+            if kind == b"stream":
+                for _, fields in redis.xrange(key):
+                    for field, value in fields.items():
+                        everything += field + value
+            elif kind == b"string":
+                everything += redis.get(key) or b""
+        redis.close()
+        for needle in (secret_key.encode(), token.encode(), email.encode(), pattern.tobytes()[:8]):
+            assert needle not in everything
+    finally:
+        stack.close()
+
+
+def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_path: Path) -> None:
+    # The shadow's batcher holds each request until 500 ms after the oldest waiting one arrived
+    # (the five one-row copies never fill its 64-row batch), so every shadow call takes >= ~450 ms.
+    slow = {"max_batch_size": 64, "dynamic_batching": {"max_queue_delay_us": 500_000}}
+    stack = RecordingStack(
+        tmp_path,
+        versions={"v1": {"scale": 2.0}, "v3": {"scale": 5.0, "config": slow}},
+        experiment={
+            "control": "v1",
+            "arms": [{"version": "v1", "weight": 100}],
+            "shadows": [{"version": "v3", "sample_rate": 1.0}],
+        },
+    )
+    try:
+        client = InferClient(stack.router.address)
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        worst = 0.0
+        for i in range(5):
+            started = time.perf_counter()
+            response, headers = client.infer(make_request(MODEL, x), metadata=[("x-request-id", f"s{i}")])
+            worst = max(worst, time.perf_counter() - started)
+            assert headers["x-splitstream-version"] == "v1"
+            np.testing.assert_array_equal(tensors.output_arrays(response)["y"], x * 2)
+        client.close()
+        assert worst < 0.25  # the shadow's ~500 ms are not in the client's latency
+        records = stack.wait_recorded({f"s{i}" for i in range(5)})
+        for record in records:
+            (shadow,) = record.shadows
+            assert shadow.version == "v3"
+            assert shadow.status_code == 0
+            assert shadow.latency_ns / 1e9 >= 0.3
+            from splitstream.common.proto.inference import grpc_service_pb2 as oip
+
+            output = tensors.output_arrays(oip.ModelInferResponse.FromString(shadow.response.inline))
+            np.testing.assert_array_equal(output["y"], x * 5)
+    finally:
+        stack.close()
+
+
+def test_the_router_flushes_recorded_calls_on_sigterm(recording: RecordingStack) -> None:
+    client = InferClient(recording.router.address)
+    for i in range(30):
+        client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", f"f{i}")])
+    client.close()
+    recording.router.signal(signal.SIGTERM)
+    assert recording.router.wait(timeout_s=30) == 0
+    recording.wait_recorded({f"f{i}" for i in range(30)}, timeout_s=10)
