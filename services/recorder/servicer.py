@@ -85,6 +85,8 @@ class RecorderServicer:
                 ack = await self._settle(self.core.write(prepared), context, peer)
                 await context.write(recorder_pb2.RecordAck(sequence=ack.sequence, written=ack.written))
         finally:
+            if upcoming.done() and not upcoming.cancelled():
+                upcoming.exception()  # the stream already ended on an earlier batch's failure
             upcoming.cancel()
             self.metrics.streams.dec()
 
@@ -112,7 +114,11 @@ class RecorderServicer:
         if drain.done():
             return _End.DRAINING
         read = asyncio.ensure_future(context.read())
-        await asyncio.wait((read, drain), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait((read, drain), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            read.cancel()  # the stream is ending: leave no read behind
+            raise
         if not read.done():
             # A batch that has not fully arrived is not ours yet: the router keeps it until acked.
             read.cancel()
