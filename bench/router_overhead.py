@@ -21,67 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-from grpc import aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from splitstream.common import tensors
-from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from bench.loadgen import Result, Summary, drive, infer_request
 from tests.harness import Stack, free_port, wait_for, write_registry
 from tests.models import add_version
 
 MODEL = "bench"
-METHOD = "/inference.GRPCInferenceService/ModelInfer"
-TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime + stime
-    return total / TICKS
-
-
-@dataclass
-class Result:
-    latencies_s: list[float] = field(default_factory=list)
-    wall_s: float = 0.0
-    cpu_s: float = 0.0
-
-    @property
-    def calls(self) -> int:
-        return len(self.latencies_s)
-
-    def pct(self, q: float) -> float:
-        return float(np.percentile(self.latencies_s, q)) * 1000
-
-
-async def drive(address: str, request: bytes, concurrency: int, seconds: float, pids: list[int]) -> Result:
-    result = Result()
-    async with aio.insecure_channel(address) as channel:
-        call = channel.unary_unary(METHOD)
-        for _ in range(50):  # warm the connection and the path
-            await call(request, timeout=10)
-        stop_at = time.perf_counter() + seconds
-        cpu_before = cpu_seconds(pids) if pids else 0.0
-
-        async def loop() -> None:
-            while time.perf_counter() < stop_at:
-                start = time.perf_counter()
-                await call(request, timeout=10)
-                result.latencies_s.append(time.perf_counter() - start)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
-        result.wall_s = time.perf_counter() - started
-        result.cpu_s = (cpu_seconds(pids) - cpu_before) if pids else 0.0
-    return result
 
 
 def start_nginx(tmp: Path, upstream: str) -> tuple[subprocess.Popen[bytes], str, list[int]] | None:
@@ -148,9 +96,7 @@ def main() -> int:
         if nginx is not None:
             paths["nginx"] = (nginx[1], nginx[2])
 
-        request = oip.ModelInferRequest(model_name=MODEL)
-        tensors.add_raw_input(request, "x", np.ones((1, 4), dtype=np.float32))
-        payload = request.SerializeToString()
+        payload = infer_request(MODEL)
 
         print(
             f"router overhead: {args.rounds} rounds x {args.seconds:g} s per path and load; "
@@ -167,27 +113,17 @@ def main() -> int:
             for _ in range(args.rounds):
                 for name, (address, pids) in paths.items():
                     merged[name].append(asyncio.run(drive(address, payload, concurrency, args.seconds, pids)))
-            summary: dict[str, dict[str, Any]] = {}
-            for name, results in merged.items():
-                latencies = [x for r in results for x in r.latencies_s]
-                calls = len(latencies)
-                summary[name] = {
-                    "rate": calls / sum(r.wall_s for r in results),
-                    "p50": float(np.percentile(latencies, 50)) * 1000,
-                    "p99": float(np.percentile(latencies, 99)) * 1000,
-                    "cpu": sum(r.cpu_s for r in results) / calls * 1e6 if paths[name][1] else float("nan"),
-                    "p50s": [r.pct(50) for r in results],
-                }
+            summary = {name: Summary.of(results) for name, results in merged.items()}
             direct = summary["direct"]
-            for name, s in summary.items():
-                added50 = "" if name == "direct" else f"{s['p50'] - direct['p50']:8.3f}"
-                added99 = "" if name == "direct" else f"{s['p99'] - direct['p99']:8.3f}"
-                cpu = "" if name == "direct" else f"{s['cpu']:12.0f}"
+            for name, x in summary.items():
+                added50 = "" if name == "direct" else f"{x.p50_ms - direct.p50_ms:8.3f}"
+                added99 = "" if name == "direct" else f"{x.p99_ms - direct.p99_ms:8.3f}"
+                cpu = "" if name == "direct" else f"{x.cpu_us_per_call:12.0f}"
                 print(
-                    f"{concurrency:>9} {name:<7} {s['rate']:9.0f} {s['p50']:8.3f} {s['p99']:8.3f} "
+                    f"{concurrency:>9} {name:<7} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "
                     f"{added50:>8} {added99:>8} {cpu:>12}"
                 )
-            spread = {n: statistics.pstdev(s["p50s"]) for n, s in summary.items()}
+            spread = {n: statistics.pstdev(x.round_p50s_ms) for n, x in summary.items()}
             print(f"{'':>9} p50 spread across rounds (ms): " + ", ".join(f"{n} {v:.3f}" for n, v in spread.items()))
             print()
     finally:

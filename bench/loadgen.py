@@ -1,0 +1,96 @@
+"""Open Inference Protocol load for the benchmark scripts: closed-loop callers, latencies, proxy CPU.
+
+Each caller sends the same serialized request as raw bytes (no per-call
+serialization in the client), so the client's own cost stays small and equal
+across the paths a benchmark compares.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from grpc import aio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from splitstream.common import tensors
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+
+METHOD = "/inference.GRPCInferenceService/ModelInfer"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of ``pids`` so far (from /proc)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total / TICKS
+
+
+def infer_request(model: str, rows: int = 1, features: int = 4) -> bytes:
+    request = oip.ModelInferRequest(model_name=model)
+    tensors.add_raw_input(request, "x", np.ones((rows, features), dtype=np.float32))
+    return request.SerializeToString()
+
+
+@dataclass
+class Result:
+    latencies_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies_s, q)) * 1000
+
+
+@dataclass
+class Summary:
+    """Several rounds of one path merged."""
+
+    rate: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us_per_call: float
+    round_p50s_ms: list[float]
+
+    @classmethod
+    def of(cls, results: list[Result]) -> Summary:
+        latencies = [x for r in results for x in r.latencies_s]
+        return cls(
+            rate=len(latencies) / sum(r.wall_s for r in results),
+            p50_ms=float(np.percentile(latencies, 50)) * 1000,
+            p99_ms=float(np.percentile(latencies, 99)) * 1000,
+            cpu_us_per_call=sum(r.cpu_s for r in results) / len(latencies) * 1e6,
+            round_p50s_ms=[r.pct(50) for r in results],
+        )
+
+
+async def drive(address: str, request: bytes, concurrency: int, seconds: float, pids: list[int]) -> Result:
+    """``concurrency`` callers, each sending the next call when the last returns, for ``seconds``."""
+    result = Result()
+    async with aio.insecure_channel(address) as channel:
+        call = channel.unary_unary(METHOD)
+        for _ in range(50):  # warm the connection and the path
+            await call(request, timeout=10)
+        stop_at = time.perf_counter() + seconds
+        cpu_before = cpu_seconds(pids) if pids else 0.0
+
+        async def loop() -> None:
+            while time.perf_counter() < stop_at:
+                start = time.perf_counter()
+                await call(request, timeout=10)
+                result.latencies_s.append(time.perf_counter() - start)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        result.wall_s = time.perf_counter() - started
+        result.cpu_s = (cpu_seconds(pids) - cpu_before) if pids else 0.0
+    return result

@@ -1,0 +1,118 @@
+"""What recording costs the client: the same load through a router with recording off and on.
+
+One run: a worker, a recorder on its own redis-server, and two routers in front
+of the worker, identical except that one mirrors every call to the recorder.
+Paths are measured in interleaved rounds so machine noise hits both alike; the
+table gives throughput, p50, p99, router CPU per call, and the on/off ratios
+(targets: p99 ratio <= 1.10, throughput ratio >= 0.90).
+
+    .venv/bin/python bench/recording_overhead.py [--seconds 3] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.loadgen import Result, Summary, drive, infer_request
+from tests.harness import ServiceProcess, Stack, free_port, write_registry
+from tests.models import add_version
+from tests.redis_server import RedisServer
+
+MODEL = "bench"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per path, round and load")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per load")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
+    redis = RedisServer(tmp / "redis").start()
+    stack = Stack(tmp)
+    try:
+        repository = tmp / "models"
+        add_version(repository, MODEL, "v1", scale=2.0, config={"dynamic_batching": {"enabled": False}})
+        worker = stack.worker(repository, MODEL, "v1")
+        recorder_port = free_port()
+        recorder = ServiceProcess(
+            "recorder",
+            "splitstream.recorder",
+            [
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(recorder_port),
+                "--metrics-port",
+                "0",
+                "--redis-url",
+                redis.url,
+                "--log-level",
+                "WARNING",
+            ],
+            log_dir=tmp,
+            port=recorder_port,
+        )
+        stack.processes.append(recorder)
+        recorder.start()
+        registry = tmp / "registry.yaml"
+        write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
+        plain = stack.router(registry, "--log-level", "WARNING", name="router-plain")
+        recording = stack.router(
+            registry,
+            "--log-level",
+            "WARNING",
+            "--recorder",
+            recorder.address,
+            "--hmac-key",
+            "bench",
+            "--spool-dir",
+            str(tmp / "spool"),
+            name="router-recording",
+        )
+        paths = {
+            "off": (plain.address, [plain.process.pid]),  # type: ignore[union-attr]
+            "on": (recording.address, [recording.process.pid]),  # type: ignore[union-attr]
+        }
+        payload = infer_request(MODEL)
+        print(
+            f"recording overhead: {args.rounds} rounds x {args.seconds:g} s per path and load; "
+            f"request {len(payload)} bytes\n"
+        )
+        header = f"{'in flight':>9} {'recording':<9} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/call':>12}"
+        print(header)
+        print("-" * len(header))
+        for concurrency in (1, 32):
+            merged: dict[str, list[Result]] = {name: [] for name in paths}
+            for _ in range(args.rounds):
+                for name, (address, pids) in paths.items():
+                    merged[name].append(asyncio.run(drive(address, payload, concurrency, args.seconds, pids)))
+            summary = {name: Summary.of(results) for name, results in merged.items()}
+            for name, x in summary.items():
+                print(
+                    f"{concurrency:>9} {name:<9} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "
+                    f"{x.cpu_us_per_call:12.0f}"
+                )
+            on, off = summary["on"], summary["off"]
+            print(
+                f"{'':>9} on/off: throughput {on.rate / off.rate:.2f}x, p50 {on.p50_ms / off.p50_ms:.2f}x, "
+                f"p99 {on.p99_ms / off.p99_ms:.2f}x\n"
+            )
+        written = redis.client().xlen(f"splitstream:calls:{MODEL}")
+        print(f"records in Redis after the run: {written}")
+    finally:
+        stack.close()
+        redis.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
