@@ -48,6 +48,7 @@ bench: install ## Run the benchmarks (prints tables; see README)
 	$(BIN)/python bench/router_overhead.py
 	$(BIN)/python bench/dynamic_batching.py
 	$(BIN)/python bench/recorder_throughput.py
+	$(BIN)/python bench/recording_overhead.py
 
 clean: ## Remove the virtual environments and generated files
 	rm -rf $(VENV) $(TRITON_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache

@@ -85,6 +85,8 @@ def test_registry_file_errors_name_the_model_and_field() -> None:
         parse_registry({"models": {"m": {"endpoints": {"v1": ["a:1"], "v2": ["b:2"]}}}})
     with pytest.raises(ConfigError, match="model 'm'.*unknown field"):
         parse_registry({"models": {"m": {"endpoints": {"v1": ["a:1"]}, "experimnt": {}}}})
+    with pytest.raises(ConfigError, match="whitespace and control characters"):
+        parse_registry({"models": {"bad model": {"endpoints": {"v1": ["a:1"]}}}})
     with pytest.raises(ConfigError, match="endpoints of version 'v1' must be a list of host:port"):
         parse_registry({"models": {"m": {"endpoints": {"v1": [123]}}}})
 

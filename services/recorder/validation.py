@@ -13,13 +13,11 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from splitstream.common.names import check_model_name
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import SCHEMA_VERSION
 from splitstream.recorder.errors import InvalidBatch
-
-#: Longest model name accepted: it becomes part of a Redis key.
-MAX_MODEL_CHARS = 200
 
 
 @dataclass(slots=True)
@@ -69,16 +67,6 @@ def check_record(record: recorder_pb2.CallRecord, *, decode_request: bool) -> oi
         raise ValueError(
             "the request payload is not an inference.ModelInferRequest (input redaction needs to read it)"
         ) from None
-
-
-def check_model_name(model: str) -> None:
-    if not model:
-        raise ValueError("model is empty")
-    if len(model) > MAX_MODEL_CHARS:
-        raise ValueError(f"model name is {len(model)} characters, at most {MAX_MODEL_CHARS} fit in a stream key")
-    bad = next((ch for ch in model if ch.isspace() or not ch.isprintable()), None)
-    if bad is not None:
-        raise ValueError(f"model {model!r} contains {bad!r}; whitespace and control characters cannot be in a key")
 
 
 def check_payload(payload: recorder_pb2.Payload, what: str) -> None:

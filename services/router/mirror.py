@@ -160,6 +160,10 @@ class RecordMirror:
                 reader.cancel()
                 with contextlib.suppress(BaseException):
                     await reader
+            if unacked and await _final_code(stream) == grpc.StatusCode.INVALID_ARGUMENT:
+                # The recorder refuses the oldest unacknowledged batch as malformed: sending it again would
+                # fail forever and block everything behind it, so it is dropped (and counted) instead.
+                await self._drop_rejected(unacked.popleft(), await stream.details())
             # Batches the recorder never acknowledged go to the spool (those from the spool are still there).
             for sent in unacked:
                 if sent.spool_position is None:
@@ -171,6 +175,14 @@ class RecordMirror:
                 return
             await self._sleep_spooling(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
+
+    async def _drop_rejected(self, sent: _Sent, details: str) -> None:
+        records = _count_records(sent.batch)
+        log.error("recorder rejected a record batch as invalid; dropping it", records=records, details=details[:300])
+        self.metrics.records_dropped.labels("rejected").inc(records)
+        if sent.spool_position is not None:
+            await asyncio.to_thread(self.spool.commit, sent.spool_position)
+            self._spool_bytes = self.spool.pending_bytes
 
     async def _sleep_spooling(self, seconds: float) -> None:
         """Wait before reconnecting, moving queued calls to the spool meanwhile so the queue never fills."""
@@ -280,6 +292,14 @@ def routing_key_hmac(key: bytes, routing_key: str) -> str:
 def _with_sequence(batch: bytes, sequence: int) -> bytes:
     # RecordBatch.sequence is field 1 (varint): prepending it to the serialized records is a valid message.
     return recorder_pb2.RecordBatch(sequence=sequence).SerializeToString() + batch
+
+
+async def _final_code(stream: aio.StreamStreamCall) -> grpc.StatusCode | None:
+    """The status the stream ended with, if it ended (a broken connection may leave it open)."""
+    try:
+        return await asyncio.wait_for(stream.code(), timeout=1.0)
+    except (TimeoutError, aio.AioRpcError):
+        return None
 
 
 def _count_records(batch: bytes) -> int:

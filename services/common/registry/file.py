@@ -32,6 +32,7 @@ import yaml
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
+from splitstream.common.names import check_model_name
 from splitstream.common.registry.base import ModelEntry, RegistryState, RegistryUpdate
 
 
@@ -91,6 +92,10 @@ def parse_registry(data: Any, *, source: str = "registry") -> RegistryState:
 
 def _parse_model(model: str, entry: Any, source: str) -> ModelEntry:
     where = f"{source}: model '{model}'"
+    try:
+        check_model_name(model)
+    except ValueError as error:
+        raise ConfigError(f"{source}: {error}") from None
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: must be a mapping with 'endpoints' and 'experiment'")
     unknown = sorted(set(entry) - {"endpoints", "experiment"})

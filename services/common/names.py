@@ -1,0 +1,23 @@
+"""What a model name may be, checked alike where names enter (registry) and where they are stored (recorder).
+
+A model name becomes part of Redis keys (``splitstream:calls:<model>``), metric
+labels and log fields, so it is bounded and free of whitespace and control
+characters. The registry refuses such a name up front, so a router never makes
+a record that the recorder would have to reject.
+"""
+
+from __future__ import annotations
+
+#: Longest model name accepted.
+MAX_MODEL_CHARS = 200
+
+
+def check_model_name(model: str) -> None:
+    """Raise ValueError saying what is wrong with ``model``."""
+    if not model:
+        raise ValueError("model is empty")
+    if len(model) > MAX_MODEL_CHARS:
+        raise ValueError(f"model name is {len(model)} characters, at most {MAX_MODEL_CHARS} fit in a stream key")
+    bad = next((ch for ch in model if ch.isspace() or not ch.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"model {model!r} contains {bad!r}; whitespace and control characters cannot be in a key")
