@@ -60,7 +60,7 @@ class RouterConfig:
         if min(self.eject_duration_s, self.drain_delay_s, self.shutdown_grace_s) < 0:
             raise ValueError("durations must not be negative")
         if self.recorder and not self.hmac_key:
-            raise ValueError("--recorder needs --hmac-key (or SPLITSTREAM_ROUTER_HMAC_KEY) for routing-key HMACs")
+            raise ValueError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         if min(self.record_batch_size, self.record_queue_size, self.spool_max_bytes) < 1:
             raise ValueError("--record-batch-size, --record-queue-size and --spool-max-bytes must be positive")
 
@@ -142,7 +142,9 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
         help="spool cap; past it new records are dropped and counted, never blocking calls",
     )
     recording.add_argument(
-        "--hmac-key", default="", help="key for the routing-key HMAC stored in records (share it with the replayer)"
+        "--hmac-key",
+        default="",
+        help="key for the routing-key HMAC in records; else SPLITSTREAM_HMAC_KEY (shared with recorder and replayer)",
     )
     recording.add_argument("--record-batch-size", type=int, default=256, help="records per batch")
     recording.add_argument(
@@ -156,6 +158,8 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
     )
     args = parser.parse_args(argv)
     args.router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
+    # One deployment-wide key serves router, recorder and replayer alike.
+    args.hmac_key = args.hmac_key or os.environ.get("SPLITSTREAM_HMAC_KEY", "")
     try:
         return RouterConfig(**vars(args))
     except ValueError as error:
