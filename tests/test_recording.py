@@ -30,6 +30,8 @@ from tests.harness import (
     SteadyLoad,
     free_port,
     make_request,
+    metric_samples,
+    scrape_metrics,
     wait_for,
     write_registry,
 )
@@ -50,6 +52,7 @@ class RecordingStack:
         recorder_args: tuple[str, ...] = (),
         versions: dict[str, dict] | None = None,
         experiment: dict | None = None,
+        router_args: tuple[str, ...] = (),
     ) -> None:
         self.tmp = tmp
         # Persistent, as production Redis is: a stop and restart keeps what was written.
@@ -69,16 +72,23 @@ class RecordingStack:
         if experiment:
             model["experiment"] = experiment
         write_registry(registry, {MODEL: model})
-        self.router = self.stack.router(
-            registry,
+        self.registry = registry
+        self.spool_dir = tmp / "spool"
+        self.router = self.start_router(*router_args)
+
+    def start_router(self, *extra: str) -> ServiceProcess:
+        """A router recording to this stack's recorder, spooling to this stack's spool directory."""
+        return self.stack.router(
+            self.registry,
             "--recorder",
             f"127.0.0.1:{self.recorder_port}",
             "--hmac-key",
             HMAC_KEY,
             "--spool-dir",
-            str(tmp / "spool"),
+            str(self.spool_dir),
             "--record-batch-interval-ms",
             "20",
+            *extra,
         )
 
     def _recorder(self) -> ServiceProcess:
@@ -360,3 +370,54 @@ def test_the_router_flushes_recorded_calls_on_sigterm(recording: RecordingStack)
     recording.router.signal(signal.SIGTERM)
     assert recording.router.wait(timeout_s=30) == 0
     recording.wait_recorded({f"f{i}" for i in range(30)}, timeout_s=10)
+
+
+def test_calls_recorded_while_the_recorder_is_down_survive_a_router_restart_in_the_spool(
+    recording: RecordingStack,
+) -> None:
+    recording.recorder.kill()
+    client = InferClient(recording.router.address)
+    ids = {f"spooled-{i}" for i in range(40)}
+    for request_id in sorted(ids):
+        client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
+    client.close()
+    recording.router.signal(signal.SIGTERM)
+    assert recording.router.wait(timeout_s=30) == 0  # the shutdown flush put the queue in the spool
+    assert any(recording.spool_dir.glob("*.spool"))
+    recording.restart_recorder()
+    recording.router = recording.start_router()  # a new router process finds the spool and sends it
+    records = recording.wait_recorded(ids)
+    assert ids <= {r.request_id for r in records}
+
+
+def test_a_full_spool_drops_and_counts_records_and_never_holds_up_calls(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, router_args=("--spool-max-bytes", "3000"))
+    try:
+        stack.recorder.kill()
+        client = InferClient(stack.router.address)
+        for i in range(300):
+            client.infer(
+                make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", f"d{i}")], timeout_s=2
+            )
+        client.close()
+        port = stack.router.metrics_port  # type: ignore[attr-defined]
+
+        def counted() -> tuple[float, float] | None:
+            text = scrape_metrics(port)
+            dropped = sum(
+                v
+                for labels, v in metric_samples(text, "splitstream_router_mirror_records_dropped_total")
+                if labels.get("reason") == "spool_full"
+            )
+            spooled = sum(v for _, v in metric_samples(text, "splitstream_router_mirror_records_spooled_total"))
+            return (dropped, spooled) if dropped + spooled == 300 else None
+
+        # Every call is accounted for: in the spool up to its cap, dropped (and counted) past it.
+        dropped, spooled = wait_for(counted, timeout_s=15, what="all 300 calls to be spooled or dropped")
+        assert dropped > 0
+        assert spooled > 0
+        text = scrape_metrics(port)
+        (spool_bytes,) = [v for _, v in metric_samples(text, "splitstream_router_mirror_spool_bytes")]
+        assert 0 < spool_bytes <= 3000
+    finally:
+        stack.close()

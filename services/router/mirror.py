@@ -156,8 +156,12 @@ class RecordMirror:
                             unacked.append(_Sent(sequence, entry[0], entry[1]))
                             await stream.write(_with_sequence(entry[0], sequence))
                     backoff_s = 0.1
-            except (aio.AioRpcError, ConnectionError, asyncio.InvalidStateError, grpc.RpcError) as error:
-                log.warning("recorder stream failed; spooling", error=str(error)[:200], unacked=len(unacked))
+            except Exception as error:  # any failure of the stream (grpc raises several kinds) means: spool
+                log.warning(
+                    "recorder stream failed; spooling",
+                    error=f"{type(error).__name__}: {error}"[:300],
+                    unacked=len(unacked),
+                )
             finally:
                 reader.cancel()
                 with contextlib.suppress(BaseException):
