@@ -107,6 +107,9 @@ class Endpoint:
                     backoff_s = 0.05
             except aio.AioRpcError as error:
                 if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    if poll:  # no health service at all: health stays UNKNOWN (eligible); the breaker guards
+                        log.warning("endpoint has no grpc.health.v1 service", endpoint=self.address)
+                        return
                     poll = True
                     continue
                 self._set_unreachable()
