@@ -443,3 +443,14 @@ def test_a_missing_registry_file_exits_2_with_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "absent.yaml" in result.stderr
+
+
+def test_the_healthcheck_command_exits_0_for_a_serving_router_and_1_for_a_closed_port(
+    deployment: Deployment,
+) -> None:
+    def check(address: str) -> int:
+        command = [sys.executable, "-m", "splitstream.common.healthcheck", address]
+        return subprocess.run(command, capture_output=True, timeout=30).returncode
+
+    assert check(deployment.router.address) == 0
+    assert check(f"127.0.0.1:{free_port()}") == 1
