@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TRITON_VENV ?= .venv-triton
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos test lint format bench clean
+.PHONY: help install protos test lint format bench clean up down
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet 'grpcio-tools>=1.80,<2' 'mypy-protobuf>=3.6,<6'
 	$(BIN)/python scripts/gen_protos.py
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,demo]'
 	@touch $@
 
 $(TRITON_VENV)/.installed:
@@ -38,7 +38,7 @@ test: install $(TRITON_VENV)/.installed ## Set up and run the whole test suite
 lint: install ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy services tests bench
+	$(BIN)/mypy services tests bench demo
 
 format: install ## Apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix .
@@ -49,6 +49,12 @@ bench: install ## Run the benchmarks (prints tables; see README)
 	$(BIN)/python bench/dynamic_batching.py
 	$(BIN)/python bench/recorder_throughput.py
 	$(BIN)/python bench/recording_overhead.py
+
+up: ## Start the docker-compose stack (needs a Docker engine): redis, consul, recorder, router, workers, prometheus, grafana
+	docker compose -f deploy/docker-compose.yml up --build --detach
+
+down: ## Stop the docker-compose stack
+	docker compose -f deploy/docker-compose.yml down
 
 clean: ## Remove the virtual environments and generated files
 	rm -rf $(VENV) $(TRITON_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,1 @@
+"""The one-command demo: a real digit classifier in two versions behind splitstream."""
