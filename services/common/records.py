@@ -13,9 +13,11 @@ Delivery is at least once, so a stream may hold the same call twice;
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import cast
+from typing import NoReturn, cast
 
 from redis.asyncio import Redis
 
@@ -57,6 +59,24 @@ class UnsupportedSchema(ValueError):
     """A record was written in a newer layout than this code reads."""
 
 
+class CorruptEntry(ValueError):
+    """A stream entry that is not a readable record (a field missing or malformed, undecodable bytes).
+
+    Streams are written by recorders only, but anyone with Redis access can XADD, and a
+    reader that meets such an entry skips and counts it rather than giving up on the window."""
+
+
+@dataclass(frozen=True, slots=True)
+class RawEntry:
+    """One stream entry as Redis returned it: its id and its fields, nothing decoded yet.
+
+    Readers that filter on the readable fields (``time_ns``, ``version``, ``status``) before
+    paying for the protobuf decode start here."""
+
+    stream_id: str
+    fields: dict[bytes, bytes]
+
+
 @dataclass(frozen=True, slots=True)
 class StoredRecord:
     """A CallRecord and the id Redis gave its stream entry (``<ms>-<seq>``, usable as an XRANGE bound)."""
@@ -80,18 +100,48 @@ def stream_id_at(unix_ns: int) -> str:
     return str(unix_ns // 1_000_000)
 
 
+def stream_id_ms(stream_id: str) -> int:
+    """The millisecond part of a stream id (``"1700000000123-4"`` → ``1700000000123``): when Redis wrote it."""
+    return int(stream_id.partition("-")[0])
+
+
 def status_name(code: int) -> str:
     """``3`` → ``"INVALID_ARGUMENT"``; numbers outside gRPC's table stay readable as ``CODE_<n>``."""
     return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else f"CODE_{code}"
 
 
-async def read_records(
-    redis: Redis, model: str, *, start: str = "-", end: str = "+", page_size: int = 500
-) -> AsyncIterator[StoredRecord]:
-    """Yield the records of ``model``'s stream between stream ids ``start`` and ``end`` (inclusive), oldest first.
+def status_code(name: str) -> int:
+    """The inverse of :func:`status_name` (case-insensitive; ``CODE_<n>`` and plain numbers too).
+    Raises ValueError for a name gRPC does not have."""
+    upper = name.strip().upper()
+    if upper in STATUS_NAMES:
+        return STATUS_NAMES.index(upper)
+    number = upper.removeprefix("CODE_")
+    if number.isdigit():
+        return int(number)
+    raise ValueError(f"unknown gRPC status {name!r} (expected a name such as INVALID_ARGUMENT, or a number)")
 
-    Reads in pages of ``page_size`` entries, so a long window never sits in memory at once.
-    Raises :class:`UnsupportedSchema` on a record of a newer layout rather than misreading it.
+
+def routing_key_hmac(key: bytes, routing_key: str) -> str:
+    """HMAC-SHA256 (hex) of a routing key: records and replay filters match on this, never on the key."""
+    return hmac.new(key, routing_key.encode(), hashlib.sha256).hexdigest()
+
+
+async def recorded_models(redis: Redis) -> list[str]:
+    """The models that have a stream, sorted (a SCAN, so cheap enough for an error message or a listing)."""
+    models = []
+    async for key in redis.scan_iter(match=STREAM_PREFIX + "*", count=1000, _type="stream"):
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        models.append(name.removeprefix(STREAM_PREFIX))
+    return sorted(models)
+
+
+async def read_entries(
+    redis: Redis, model: str, *, start: str = "-", end: str = "+", page_size: int = 500
+) -> AsyncIterator[RawEntry]:
+    """Yield the raw entries of ``model``'s stream between stream ids ``start`` and ``end`` (inclusive), oldest first.
+
+    Reads in pages of ``page_size`` entries (XRANGE ... COUNT), so a long window never sits in memory at once.
     """
     key = stream_key(model)
     lower = start
@@ -100,10 +150,55 @@ async def read_records(
             list[tuple[bytes, dict[bytes, bytes]]], await redis.xrange(key, min=lower, max=end, count=page_size)
         )
         for raw_id, fields in page:
-            yield StoredRecord(raw_id.decode(), decode_record(fields[b"record"]))
+            yield RawEntry(raw_id.decode(), fields)
         if len(page) < page_size:
             return
         lower = "(" + page[-1][0].decode()
+
+
+async def read_records(
+    redis: Redis, model: str, *, start: str = "-", end: str = "+", page_size: int = 500
+) -> AsyncIterator[StoredRecord]:
+    """Yield the records of ``model``'s stream between stream ids ``start`` and ``end`` (inclusive), oldest first.
+
+    Paged like :func:`read_entries`. Raises :class:`UnsupportedSchema` on a record of a newer layout rather
+    than misreading it, and :class:`CorruptEntry` on an entry that is not a record.
+    """
+    async for entry in read_entries(redis, model, start=start, end=end, page_size=page_size):
+        yield decode_entry(entry)
+
+
+def entry_time_ns(entry: RawEntry) -> int:
+    """The entry's ``time_ns`` field (router receive time), read without decoding the record.
+    Raises :class:`CorruptEntry` when it is missing or not an integer."""
+    raw = entry.fields.get(b"time_ns")
+    try:
+        return int(raw) if raw is not None else _missing(entry, "time_ns")
+    except ValueError:
+        raise CorruptEntry(f"entry {entry.stream_id}: time_ns {raw!r} is not an integer") from None
+
+
+def entry_text(entry: RawEntry, field: str) -> str:
+    """A readable field of the entry (``version``, ``status``, ``request_id``, ...); "" when absent."""
+    raw = entry.fields.get(field.encode())
+    return raw.decode(errors="replace") if raw is not None else ""
+
+
+def decode_entry(entry: RawEntry) -> StoredRecord:
+    """Decode the entry's ``record`` field. Raises :class:`CorruptEntry` or :class:`UnsupportedSchema`."""
+    data = entry.fields.get(b"record")
+    if data is None:
+        _missing(entry, "record")
+    try:
+        return StoredRecord(entry.stream_id, decode_record(data))
+    except UnsupportedSchema:
+        raise
+    except Exception as error:  # protobuf's DecodeError and friends: the bytes are not a CallRecord
+        raise CorruptEntry(f"entry {entry.stream_id}: record does not decode ({type(error).__name__})") from None
+
+
+def _missing(entry: RawEntry, field: str) -> NoReturn:
+    raise CorruptEntry(f"entry {entry.stream_id}: no {field} field")
 
 
 def decode_record(data: bytes) -> recorder_pb2.CallRecord:
