@@ -1,0 +1,139 @@
+"""A real recording stack for end-to-end tests: redis-server, a recorder, workers and a router.
+
+Shared by the recording tests and the replay tests (which record traffic through it first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import read_records, stream_key, unique_by_request_id
+from tests.harness import ServiceProcess, Stack, free_port, wait_for, write_registry
+from tests.models import add_version
+from tests.redis_server import RedisServer
+
+MODEL = "affine"
+HMAC_KEY = "recording-tests-key"
+
+
+class RecordingStack:
+    """redis-server, a recorder, workers and a router with recording on.
+
+    ``versions`` maps each version of model ``affine`` to its ``scale`` (and optional ``bias``
+    and worker ``config``); ``experiment`` goes into the registry as is."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        recorder_args: tuple[str, ...] = (),
+        versions: dict[str, dict] | None = None,
+        experiment: dict | None = None,
+        router_args: tuple[str, ...] = (),
+    ) -> None:
+        self.tmp = tmp
+        # Persistent, as production Redis is: a stop and restart keeps what was written.
+        self.redis = RedisServer(tmp / "redis", config=("--appendonly", "yes", "--appendfsync", "always")).start()
+        self.stack = Stack(tmp)
+        self.recorder_port = free_port()
+        self.recorder_args = recorder_args
+        self.recorder = self._recorder()
+        repository = tmp / "models"
+        versions = versions or {"v1": {"scale": 2.0}}
+        self.workers = {}
+        for version, spec in versions.items():
+            add_version(
+                repository, MODEL, version, scale=spec["scale"], bias=spec.get("bias", 0.0), config=spec.get("config")
+            )
+            self.workers[version] = self.stack.worker(repository, MODEL, version)
+        registry = tmp / "registry.yaml"
+        model: dict = {"endpoints": {v: [w.address] for v, w in self.workers.items()}}
+        if experiment:
+            model["experiment"] = experiment
+        write_registry(registry, {MODEL: model})
+        self.registry = registry
+        self.spool_dir = tmp / "spool"
+        self.router = self.start_router(*router_args)
+
+    def start_router(self, *extra: str) -> ServiceProcess:
+        """A router recording to this stack's recorder, spooling to this stack's spool directory."""
+        return self.stack.router(
+            self.registry,
+            "--recorder",
+            f"127.0.0.1:{self.recorder_port}",
+            "--hmac-key",
+            HMAC_KEY,
+            "--spool-dir",
+            str(self.spool_dir),
+            "--record-batch-interval-ms",
+            "20",
+            *extra,
+        )
+
+    def _recorder(self) -> ServiceProcess:
+        args = [
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.recorder_port),
+            "--metrics-port",
+            str(free_port()),
+            "--redis-url",
+            self.redis.url,
+            "--hmac-key",
+            HMAC_KEY,
+            "--redis-timeout-s",
+            "1",
+            *self.recorder_args,
+        ]
+        process = ServiceProcess(
+            f"recorder-{len(self.stack.processes)}",
+            "splitstream.recorder",
+            args,
+            log_dir=self.tmp,
+            port=self.recorder_port,
+        )
+        self.stack.processes.append(process)
+        return process.start()
+
+    def restart_recorder(self) -> None:
+        self.recorder = self._recorder()
+
+    def records(self) -> list[recorder_pb2.CallRecord]:
+        async def read() -> list[recorder_pb2.CallRecord]:
+            client = Redis.from_url(self.redis.url)
+            try:
+                return [s.record async for s in unique_by_request_id(read_records(client, MODEL))]
+            finally:
+                await client.aclose()
+
+        return asyncio.run(read())
+
+    def raw_count(self) -> int:
+        client = self.redis.client()
+        try:
+            return int(client.xlen(stream_key(MODEL)))
+        finally:
+            client.close()
+
+    def wait_recorded(self, request_ids: set[str], timeout_s: float = 30.0) -> list[recorder_pb2.CallRecord]:
+        def done() -> list[recorder_pb2.CallRecord] | None:
+            records = self.records()
+            return records if request_ids <= {r.request_id for r in records} else None
+
+        try:
+            return wait_for(done, timeout_s=timeout_s, interval_s=0.25, what="every call to be recorded")
+        except TimeoutError:
+            missing = request_ids - {r.request_id for r in self.records()}
+            raise AssertionError(
+                f"{len(missing)} of {len(request_ids)} calls never recorded, e.g. "
+                f"{sorted(missing)[:5]}\n{self.router.log()[-3000:]}"
+            ) from None
+
+    def close(self) -> None:
+        self.stack.close()
+        self.redis.stop()
