@@ -338,7 +338,7 @@ def test_a_dynamic_batching_section_turns_batching_on_and_its_absence_off() -> N
     ("settings", "message"),
     [
         ({}, "backend: is required"),
-        ({"backend": "tensorflow"}, "backend: must be one of ['onnxruntime']"),
+        ({"backend": "tensorflow"}, "backend: must be one of ['onnxruntime', 'tensorrt']"),
         ({"backend": "onnxruntime", "batch": 4}, "batch: unknown field"),
         ({"backend": "onnxruntime", "max_batch_size": "8"}, "max_batch_size: must be an integer >= 0, got '8'"),
         ({"backend": "onnxruntime", "max_batch_size": True}, "max_batch_size: must be an integer"),
