@@ -87,8 +87,52 @@ def convert_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
     converted = convert_float_to_float16(model, keep_io_types=True)
+    # The converter appends the casts it inserts after the nodes that read them; ONNX requires
+    # (and onnx.checker enforces) topological order.
+    sort_topologically(converted.graph)
     onnx.checker.check_model(converted)
     return converted
+
+
+def sort_topologically(graph: onnx.GraphProto) -> None:
+    """Reorder ``graph``'s nodes so each comes after the producers of its inputs, otherwise keeping their order.
+
+    Inputs a node's subgraphs read from the enclosing graph count as its
+    inputs. Raises ConfigError for a cycle or an input nothing produces.
+    """
+    available = {value.name for value in graph.input} | {init.name for init in graph.initializer} | {""}
+    available |= {init.values.name for init in graph.sparse_initializer}
+    pending = list(graph.node)
+    needs = [set(node.input) | _outer_names(node) for node in pending]
+    ordered: list[onnx.NodeProto] = []
+    while pending:
+        ready = [i for i, node in enumerate(pending) if needs[i] <= available]
+        if not ready:
+            missing = sorted(needs[0] - available)
+            raise ConfigError(f"the converted graph is not a DAG: node '{pending[0].name}' waits for {missing}")
+        for i in ready:
+            ordered.append(pending[i])
+            available.update(pending[i].output)
+        keep = set(range(len(pending))) - set(ready)
+        pending = [pending[i] for i in sorted(keep)]
+        needs = [needs[i] for i in sorted(keep)]
+    del graph.node[:]
+    graph.node.extend(ordered)
+
+
+def _outer_names(node: onnx.NodeProto) -> set[str]:
+    """Names a node's subgraphs use but do not define themselves (they come from the enclosing graph)."""
+    names: set[str] = set()
+    for attribute in node.attribute:
+        subgraphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+        for subgraph in subgraphs:
+            defined = {v.name for v in subgraph.input} | {i.name for i in subgraph.initializer}
+            for inner in subgraph.node:
+                defined.update(inner.output)
+            for inner in subgraph.node:
+                names.update(name for name in inner.input if name and name not in defined)
+                names.update(_outer_names(inner) - defined)
+    return names
 
 
 def prepare_onnx(source: Path, precision: str, destination: Path, *, precision_mode: str = "onnx") -> Path:
