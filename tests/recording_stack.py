@@ -6,12 +6,22 @@ Shared by the recording tests and the replay tests (which record traffic through
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from redis.asyncio import Redis
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import read_records, stream_key, unique_by_request_id
+from splitstream.common.records import (
+    CorruptEntry,
+    StoredRecord,
+    UnsupportedSchema,
+    decode_entry,
+    read_entries,
+    stream_key,
+    unique_by_request_id,
+)
 from tests.harness import ServiceProcess, Stack, free_port, wait_for, write_registry
 from tests.models import add_version
 from tests.redis_server import RedisServer
@@ -104,10 +114,17 @@ class RecordingStack:
         self.recorder = self._recorder()
 
     def records(self) -> list[recorder_pb2.CallRecord]:
+        """Every readable record, once per request id (entries a test wrote as garbage are left out)."""
+
+        async def readable(client: Redis) -> AsyncIterator[StoredRecord]:
+            async for entry in read_entries(client, MODEL):
+                with contextlib.suppress(CorruptEntry, UnsupportedSchema):
+                    yield decode_entry(entry)
+
         async def read() -> list[recorder_pb2.CallRecord]:
             client = Redis.from_url(self.redis.url)
             try:
-                return [s.record async for s in unique_by_request_id(read_records(client, MODEL))]
+                return [s.record async for s in unique_by_request_id(readable(client))]
             finally:
                 await client.aclose()
 

@@ -1,0 +1,3 @@
+from splitstream.replayer.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,379 @@
+"""``splitstream-replay``: re-send a recorded window to a router or a worker, diff the answers, gate CI.
+
+Exit codes: 0 done (and the gate, if any, passed); 1 the gate failed (the failed bounds are
+listed on stderr); 2 a usage or setup error, one line on stderr (bad time, ``--until`` not
+after ``--since``, unknown model, Redis or a target unreachable); 130 interrupted by Ctrl-C
+(SIGINT) or SIGTERM, after writing the partial results, summary and report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from splitstream.common.cli import EnvArgumentParser, fail
+from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
+from splitstream.replayer.compare import Tolerance
+from splitstream.replayer.gate import METRICS, Bound, GateResult, evaluate, parse_gate
+from splitstream.replayer.outputs import write_summary
+from splitstream.replayer.report import write_report
+from splitstream.replayer.runner import Replay, ReplaySettings
+from splitstream.replayer.selection import Selection, StatusFilter
+from splitstream.replayer.sender import Target, TargetUnreachable, TlsOptions
+from splitstream.replayer.timewindow import BadTime, parse_duration_ns, parse_instant_ns
+
+PROG = "splitstream-replay"
+EXIT_GATE_FAILED = 1
+EXIT_INTERRUPTED = 130
+
+
+class SetupError(Exception):
+    """Something outside the command line is wrong (Redis, a target, a model): exit 2 with one line."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig:
+    redis_url: str
+    selection: Selection
+    settings: ReplaySettings
+    tls: TlsOptions
+    gate: tuple[Bound, ...] | None
+    connect_timeout_s: float
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(
+        prog=PROG,
+        env_prefix="SPLITSTREAM_REPLAY_",
+        description=(
+            "Re-send recorded calls (selected by the time the router received them) to a router or a worker, "
+            "open loop at the recorded pace or faster, compare every answer with the recorded one (or with a "
+            "second target), and write results.jsonl, summary.json and report.html. Exit 0: done; 1: --gate "
+            "failed; 2: usage or setup error; 130: interrupted (partial outputs written)."
+        ),
+    )
+    source = parser.add_argument_group("source and selection")
+    source.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis")
+    source.add_argument(
+        "--model", action="append", required=True, help="model to replay (repeat or comma-separate for several)"
+    )
+    source.add_argument(
+        "--since",
+        required=True,
+        help="window start, by router receive time: ISO-8601 with timezone, -15m/-2h/-1d, epoch seconds, or now",
+    )
+    source.add_argument("--until", default="now", help="window end (exclusive), same forms as --since")
+    source.add_argument("--version", action="append", default=[], help="only calls the version answered (repeatable)")
+    statuses = source.add_mutually_exclusive_group()
+    statuses.add_argument(
+        "--status",
+        default="",
+        help="only calls that ended so: ok, error, or gRPC codes (INVALID_ARGUMENT,14), comma-separated",
+    )
+    statuses.add_argument("--errors-only", action="store_true", help="only calls that failed (same as --status error)")
+    source.add_argument(
+        "--routing-key",
+        action="append",
+        default=[],
+        help="only calls with this routing key (matched through its HMAC; repeatable)",
+    )
+    source.add_argument(
+        "--hmac-key", default="", help="the deployment's routing-key HMAC key; else SPLITSTREAM_HMAC_KEY"
+    )
+    source.add_argument(
+        "--sample", type=float, default=1.0, help="replay this fraction of the calls (fixed per request id)"
+    )
+    source.add_argument("--seed", type=int, default=0, help="seed of --sample's choice")
+    source.add_argument("--limit", type=int, default=None, help="replay at most this many calls (the earliest)")
+    source.add_argument(
+        "--max-lateness",
+        default="1h",
+        help="how long after the router received a call its record may reach Redis (spooled during an outage)",
+    )
+    source.add_argument("--clock-skew", default="5s", help="allowed clock difference between routers and Redis")
+    source.add_argument(
+        "--reorder-buffer",
+        type=int,
+        default=100_000,
+        help="calls held to restore receive-time order; past it order is kept approximately (counted)",
+    )
+    source.add_argument("--page-size", type=int, default=500, help="stream entries per XRANGE page")
+
+    target = parser.add_argument_group("targets")
+    target.add_argument("--target", required=True, help="host:port of a router or a worker")
+    target.add_argument(
+        "--compare-to", default="", help="host:port of a second target; its answers become the reference"
+    )
+    target.add_argument("--pin-version", default="", help="send x-splitstream-version: V (a router then serves V)")
+    target.add_argument("--tls", action="store_true", help="TLS to the targets")
+    target.add_argument("--tls-ca", default="", help="PEM CA bundle (default: the system's)")
+    target.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS)")
+    target.add_argument("--tls-key", default="", help="PEM client key (mutual TLS)")
+    target.add_argument("--tls-server-name", default="", help="expected server name, if not the target's host")
+    target.add_argument(
+        "--connect-timeout-s", type=float, default=5.0, help="how long Redis and targets get to answer at start"
+    )
+    target.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each replayed call")
+    target.add_argument("--id-suffix", default=":replay", help="replayed x-request-id = recorded id + this suffix")
+    target.add_argument(
+        "--no-forward-metadata",
+        action="store_true",
+        help="do not re-send the recorded request metadata (ids, pins and masked values never are)",
+    )
+
+    timing = parser.add_argument_group("timing (open loop)")
+    timing.add_argument(
+        "--speed", default="1", help="1: the recorded gaps; 4: four times faster; max: as fast as --concurrency allows"
+    )
+    timing.add_argument("--concurrency", type=int, default=64, help="calls in flight at most (per target)")
+
+    comparing = parser.add_argument_group("comparison and outputs")
+    comparing.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for float outputs")
+    comparing.add_argument("--atol", type=float, default=1e-6, help="absolute tolerance for float outputs")
+    comparing.add_argument("--top-k", type=int, default=5, help="k of the top-k agreement of class-score outputs")
+    comparing.add_argument(
+        "--output-dir", default="replay-out", help="where results.jsonl, summary.json, report.html go"
+    )
+    comparing.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (it is off anyway without a terminal)"
+    )
+    comparing.add_argument(
+        "--gate",
+        default="",
+        help="bounds that fail the run (exit 1), e.g. 'mismatch_rate<=0.01,p99_ratio<=1.2,error_rate<=0.001'; "
+        f"metrics: {', '.join(METRICS)}",
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
+    parser = build_parser()
+    args = parser.parse_args(_join_relative_times(sys.argv[1:] if argv is None else list(argv)))
+    now_ns = time.time_ns()
+    try:
+        models = tuple(dict.fromkeys(m.strip() for spec in args.model for m in spec.split(",") if m.strip()))
+        since_ns = parse_instant_ns(args.since, now_ns=now_ns)
+        until_ns = parse_instant_ns(args.until, now_ns=now_ns)
+        if until_ns <= since_ns:
+            raise ValueError(f"--until ({args.until}) must be after --since ({args.since})")
+        statuses = (
+            StatusFilter(any_error=True)
+            if args.errors_only
+            else (StatusFilter.parse(args.status) if args.status else None)
+        )
+        hmacs: frozenset[str] = frozenset()
+        if args.routing_key:
+            key = args.hmac_key or os.environ.get("SPLITSTREAM_HMAC_KEY", "")
+            if not key:
+                raise ValueError("--routing-key needs --hmac-key (or SPLITSTREAM_HMAC_KEY): records hold only its HMAC")
+            hmacs = frozenset(routing_key_hmac(key.encode(), routing_key) for routing_key in args.routing_key)
+        selection = Selection(
+            models=models,
+            since_ns=since_ns,
+            until_ns=until_ns,
+            versions=frozenset(args.version),
+            statuses=statuses,
+            routing_key_hmacs=hmacs,
+            sample=args.sample,
+            sample_seed=args.seed,
+            limit=args.limit,
+            max_lateness_ns=parse_duration_ns(args.max_lateness),
+            clock_skew_ns=parse_duration_ns(args.clock_skew),
+            reorder_capacity=args.reorder_buffer,
+            page_size=args.page_size,
+        )
+        speed = _speed(args.speed)
+        tls = TlsOptions(
+            enabled=args.tls or bool(args.tls_ca or args.tls_cert or args.tls_key),
+            ca_file=args.tls_ca,
+            cert_file=args.tls_cert,
+            key_file=args.tls_key,
+            server_name=args.tls_server_name,
+        )
+        for path in (args.tls_ca, args.tls_cert, args.tls_key):
+            if path and not os.path.isfile(path):
+                raise ValueError(f"TLS file {path!r} does not exist")
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise ValueError("--tls-cert and --tls-key go together")
+        targets = (args.target,) + ((args.compare_to,) if args.compare_to else ())
+        for address in targets:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"bad target {address!r} (expected host:port)")
+        settings = ReplaySettings(
+            targets=targets,
+            speed=speed,
+            concurrency=args.concurrency,
+            timeout_s=args.timeout_s,
+            pin_version=args.pin_version,
+            id_suffix=args.id_suffix,
+            forward_metadata=not args.no_forward_metadata,
+            tolerance=Tolerance(rtol=args.rtol, atol=args.atol, top_k=args.top_k),
+            output_dir=Path(args.output_dir),
+            progress=not args.no_progress,
+        )
+        gate = parse_gate(args.gate) if args.gate else None
+        if args.connect_timeout_s <= 0:
+            raise ValueError("--connect-timeout-s must be positive")
+    except (BadTime, ValueError) as error:
+        parser.error(str(error))
+    return ReplayConfig(
+        redis_url=args.redis_url,
+        selection=selection,
+        settings=settings,
+        tls=tls,
+        gate=gate,
+        connect_timeout_s=args.connect_timeout_s,
+    )
+
+
+def _join_relative_times(argv: list[str]) -> list[str]:
+    """``--since -15m`` → ``--since=-15m``: argparse would take ``-15m`` for an option, and relative
+    times are the common case."""
+    joined: list[str] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        following = argv[index + 1] if index + 1 < len(argv) else ""
+        if arg in ("--since", "--until") and following.startswith("-") and following[1:2].isdigit():
+            joined.append(f"{arg}={following}")
+            index += 2
+            continue
+        joined.append(arg)
+        index += 1
+    return joined
+
+
+def _speed(text: str) -> float | None:
+    if text.strip().lower() == "max":
+        return None
+    try:
+        speed = float(text.rstrip("xX"))
+    except ValueError:
+        raise ValueError(f"bad --speed {text!r} (a positive number such as 1 or 4, or max)") from None
+    if not speed > 0 or speed == float("inf"):
+        raise ValueError(f"bad --speed {text!r} (a positive number such as 1 or 4, or max)")
+    return speed
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    try:
+        return asyncio.run(run(config))
+    except SetupError as error:
+        fail(PROG, str(error))
+    except KeyboardInterrupt:  # before the replay installed its own handler: nothing to write yet
+        print(f"{PROG}: interrupted", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
+async def run(config: ReplayConfig) -> int:
+    redis = await _open_redis(config)
+    targets: list[Target] = []
+    try:
+        await _check_models(redis, config.selection.models)
+        for address in config.settings.targets:
+            target = Target(address, tls=config.tls)
+            targets.append(target)
+            try:
+                await asyncio.to_thread(target.wait_ready, config.connect_timeout_s)
+            except TargetUnreachable as error:
+                raise SetupError(str(error)) from None
+        replay = Replay(redis, config.selection, config.settings, targets)
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, replay.stop)
+        try:
+            await replay.run()
+        except RedisError as error:
+            # Redis went away mid-read: still write what finished, but say why the replay is short.
+            print(f"{PROG}: error: Redis failed while reading: {error}", file=sys.stderr)
+            replay.interrupted = True
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
+        return finish(replay, config)
+    finally:
+        for target in targets:
+            target.close()
+        await redis.aclose()
+
+
+def finish(replay: Replay, config: ReplayConfig) -> int:
+    """Write summary.json and report.html, print the outcome, and choose the exit code."""
+    summary = replay.summary()
+    result: GateResult | None = None
+    if config.gate is not None:
+        result = evaluate(config.gate, summary["metrics"])
+        summary["gate"] = {"passed": result.passed, "bounds": list(result.checked), "failures": list(result.failures)}
+    output_dir = config.settings.output_dir
+    write_summary(output_dir / "summary.json", summary)
+    write_report(output_dir / "report.html", summary, replay.histograms())
+    print(_one_line(summary, output_dir))
+    if replay.interrupted:
+        print(f"{PROG}: interrupted; partial results written to {output_dir}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if result is not None and not result.passed:
+        print(f"{PROG}: gate failed: " + "; ".join(result.failures), file=sys.stderr)
+        return EXIT_GATE_FAILED
+    if result is not None:
+        print(f"{PROG}: gate passed: " + ", ".join(str(b) for b in config.gate or ()))
+    return 0
+
+
+def _one_line(summary: dict[str, Any], output_dir: Path) -> str:
+    counts = summary["counts"]
+    outcomes = summary["outcomes"]
+    lag = summary.get("send_lag") or {}
+    lag_text = f", send lag p50 {lag['p50_ms']} ms p99 {lag['p99_ms']} ms" if lag else ""
+    return (
+        f"replayed {counts['completed']} of {counts['selected']} selected calls: {outcomes['match']} match, "
+        f"{outcomes['mismatch']} mismatch, {outcomes['status_change']} status change{lag_text}; "
+        f"outputs in {output_dir}/ ({json.dumps(summary['metrics']['mismatch_rate'])} mismatch rate)"
+    )
+
+
+async def _open_redis(config: ReplayConfig) -> Redis:
+    try:
+        redis = Redis.from_url(
+            config.redis_url,
+            socket_connect_timeout=config.connect_timeout_s,
+            socket_timeout=max(config.connect_timeout_s, 10.0),
+        )
+    except ValueError as error:
+        raise SetupError(f"bad --redis-url {config.redis_url!r}: {error}") from None
+    try:
+        await redis.ping()
+    except (RedisError, OSError) as error:
+        await redis.aclose()
+        raise SetupError(f"Redis at {_without_password(config.redis_url)} is unreachable: {error}") from None
+    return redis
+
+
+async def _check_models(redis: Redis, models: Sequence[str]) -> None:
+    for model in models:
+        kind = await redis.type(stream_key(model))
+        if kind not in (b"stream", "stream"):
+            known = await recorded_models(redis)
+            raise SetupError(
+                f"unknown model {model!r}: no stream {stream_key(model)} in Redis "
+                f"(recorded models: {', '.join(known) or 'none'})"
+            )
+
+
+def _without_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest

@@ -1,0 +1,54 @@
+"""Writing a replay's files: ``results.jsonl`` (one line per call, as calls finish) and ``summary.json``.
+
+Lines are written as calls complete, so an interrupted or crashed run keeps every call it
+finished. JSON has no NaN or Infinity, so non-finite numbers are written as null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def clean(value: Any) -> Any:
+    """``value`` with NaN/Inf floats replaced by None, recursively (strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean(v) for v in value]
+    return value
+
+
+class ResultsWriter:
+    """Appends one JSON object per line; flushed every ``flush_every`` lines and on close."""
+
+    def __init__(self, path: Path, *, flush_every: int = 256) -> None:
+        self.path = path
+        self._file = path.open("w", encoding="utf-8")
+        self._flush_every = flush_every
+        self._pending = 0
+        self.lines = 0
+
+    def write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(clean(line), separators=(",", ":"), allow_nan=False))
+        self._file.write("\n")
+        self.lines += 1
+        self._pending += 1
+        if self._pending >= self._flush_every:
+            self._file.flush()
+            self._pending = 0
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Write atomically (temp file + rename), so a reader never sees half a summary."""
+    staging = path.with_suffix(".json.tmp")
+    staging.write_text(json.dumps(clean(summary), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    staging.replace(path)

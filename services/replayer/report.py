@@ -1,0 +1,396 @@
+"""``report.html``: one self-contained page (inline CSS and SVG, no script, nothing fetched).
+
+It has to open from a CI artifact store, an e-mail attachment or an air-gapped laptop, so
+the charts are SVG drawn here from the summary's histograms rather than a charting library
+from a CDN. Sections: verdict and counts, latency distributions (reference vs candidate, as
+CDFs and as p50/p95/p99 bars), send lag, mismatches per output, the worst calls with their
+request ids, status changes, and the per-version breakdown.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from splitstream.replayer.stats import LogHistogram
+from splitstream.replayer.timewindow import format_instant
+
+REFERENCE_COLOR = "#4e79a7"
+CANDIDATE_COLOR = "#e15759"
+PALETTE = ("#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
+
+_CSS = """
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1100px;
+  color:#222;padding:0 16px}
+h1{font-size:22px;margin:0 0 4px}
+h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
+table{border-collapse:collapse;margin:6px 0 12px;font-size:13px}
+th,td{border:1px solid #ddd;padding:4px 8px;text-align:right}
+th{background:#f4f4f4}td.l,th.l{text-align:left}code{font-size:12px}.muted{color:#777}
+.pass{color:#1a7f37;font-weight:600}.fail{color:#cf222e;font-weight:600}
+.charts{display:flex;flex-wrap:wrap;gap:18px}
+figure{margin:0}figcaption{font-size:12px;color:#555;text-align:center}
+svg text{font:11px system-ui,sans-serif;fill:#333}
+"""
+
+
+def write_report(path: Path, summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram]) -> None:
+    path.write_text(render(summary, histograms), encoding="utf-8")
+
+
+def render(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram]) -> str:
+    reference_label = "compare-to" if summary.get("reference") == "compare_to" else "recorded"
+    parts = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width,initial-scale=1'>",
+        f"<title>splitstream replay: {escape(', '.join(summary['window']['models']))}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        _header(summary),
+        _overview(summary),
+        "<h2 id='latency'>Latency: " + escape(reference_label) + " vs replayed</h2>",
+        _latency_section(summary, histograms, reference_label),
+        "<h2 id='send-lag'>Send lag (actual minus planned send time)</h2>",
+        _send_lag_section(summary, histograms),
+        "<h2 id='mismatches'>Mismatches per output</h2>",
+        _outputs_section(summary),
+        "<h2 id='worst'>Worst calls</h2>",
+        _worst_section(summary),
+        "<h2 id='status'>Status changes</h2>",
+        _status_section(summary),
+        "<h2 id='versions'>Per-version breakdown</h2>",
+        _versions_section(summary, histograms, reference_label),
+        "</body></html>",
+    ]
+    return "\n".join(parts)
+
+
+# -- sections ------------------------------------------------------------------------------
+
+
+def _header(summary: Mapping[str, Any]) -> str:
+    window = summary["window"]
+    gate = summary.get("gate")
+    verdict = ""
+    if gate is not None:
+        if gate["passed"]:
+            verdict = "<p>Gate: <span class='pass'>passed</span> — " + escape(
+                ", ".join(b["bound"] for b in gate["bounds"])
+            )
+        else:
+            verdict = "<p>Gate: <span class='fail'>failed</span> — " + escape("; ".join(gate["failures"]))
+        verdict += "</p>"
+    interrupted = "<p class='fail'>Interrupted: partial results.</p>" if summary.get("interrupted") else ""
+    target = escape(str(summary["target"]))
+    compare = f" and <code>{escape(str(summary['compare_to']))}</code>" if summary.get("compare_to") else ""
+    pin = f", pinned to <code>{escape(str(summary['pin_version']))}</code>" if summary.get("pin_version") else ""
+    return (
+        f"<h1>Replay of {escape(', '.join(window['models']))}</h1>"
+        f"<p class='muted'>Window {escape(format_instant(window['since_unix_ns']))} → "
+        f"{escape(format_instant(window['until_unix_ns']))} (by router receive time); "
+        f"target <code>{target}</code>{compare}{pin}; speed {escape(str(summary['speed']))}, "
+        f"concurrency {summary['concurrency']}; rtol {summary['tolerance']['rtol']:g}, "
+        f"atol {summary['tolerance']['atol']:g}.</p>{interrupted}{verdict}"
+    )
+
+
+def _overview(summary: Mapping[str, Any]) -> str:
+    counts = summary["counts"]
+    outcomes = summary["outcomes"]
+    metrics = summary["metrics"]
+    selection = summary["selection"]
+    skipped = ", ".join(f"{k}: {v}" for k, v in counts["skipped"].items()) or "0"
+    rows = [
+        ("calls selected", counts["selected"]),
+        ("sent / completed / not sent", f"{counts['sent']} / {counts['completed']} / {counts['not_sent']}"),
+        (
+            "match / mismatch / status change",
+            f"{outcomes['match']} / {outcomes['mismatch']} / {outcomes['status_change']}",
+        ),
+        ("mismatch rate (of calls both answered OK)", _fmt_rate(metrics["mismatch_rate"])),
+        ("error rate (replayed)", _fmt_rate(metrics["error_rate"])),
+        ("p99 ratio (replayed / reference)", _fmt(metrics["p99_ratio"])),
+        ("entries skipped", skipped),
+        ("duplicates dropped", selection["duplicates"]),
+        ("released out of order", selection["out_of_order"]),
+        ("max calls in flight", summary["max_in_flight"]),
+        ("replay rate", f"{_fmt(summary['replay_rate_calls_per_s'])} calls/s"),
+    ]
+    body = "".join(f"<tr><th class='l'>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
+    return f"<h2 id='overview'>Overview</h2><table>{body}</table>"
+
+
+def _latency_section(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram], reference_label: str) -> str:
+    latency = summary["latency"]
+    cdf = cdf_chart(
+        [
+            (reference_label, REFERENCE_COLOR, histograms["reference_latency"]),
+            ("replayed", CANDIDATE_COLOR, histograms["candidate_latency"]),
+        ],
+        title="latency CDF",
+    )
+    bars = grouped_bars(
+        ["p50", "p95", "p99"],
+        [
+            (reference_label, REFERENCE_COLOR, [latency["reference"].get(f"{q}_ms") for q in ("p50", "p95", "p99")]),
+            ("replayed", CANDIDATE_COLOR, [latency["candidate"].get(f"{q}_ms") for q in ("p50", "p95", "p99")]),
+        ],
+        title="latency percentiles (ms)",
+    )
+    rows = "".join(
+        f"<tr><th class='l'>{q}</th><td>{_fmt(latency['reference'].get(f'{q}_ms'))}</td>"
+        f"<td>{_fmt(latency['candidate'].get(f'{q}_ms'))}</td><td>{_fmt(latency.get(f'{q}_ratio'))}</td></tr>"
+        for q in ("p50", "p95", "p99")
+    )
+    note = (
+        "<p class='muted'>Recorded latency is the router's receive-to-answer time; replayed latency is measured "
+        "by the replayer (send to answer), so it includes the network hop and client overhead.</p>"
+        if reference_label == "recorded"
+        else ""
+    )
+    table = (
+        f"<table><tr><th class='l'>quantile</th><th>{escape(reference_label)} ms</th><th>replayed ms</th>"
+        f"<th>ratio</th></tr>{rows}</table>"
+    )
+    return f"<div class='charts'>{cdf}{bars}</div>{table}{note}"
+
+
+def _send_lag_section(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram]) -> str:
+    lag = summary.get("send_lag")
+    if not lag:
+        return (
+            "<p class='muted'>Not timed (<code>--speed max</code>): calls left as fast as the concurrency allowed.</p>"
+        )
+    chart = cdf_chart([("send lag", CANDIDATE_COLOR, histograms["send_lag"])], title="send lag CDF")
+    table = (
+        "<table><tr><th>calls</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th><th>max ms</th></tr>"
+        f"<tr><td>{lag['count']}</td><td>{_fmt(lag['p50_ms'])}</td><td>{_fmt(lag['p95_ms'])}</td>"
+        f"<td>{_fmt(lag['p99_ms'])}</td><td>{_fmt(lag['max_ms'])}</td></tr></table>"
+    )
+    return f"<div class='charts'>{chart}</div>{table}"
+
+
+def _outputs_section(summary: Mapping[str, Any]) -> str:
+    outputs = summary["outputs"]
+    if not outputs:
+        return "<p class='muted'>No call was answered OK on both sides, so no output was compared.</p>"
+    rows = []
+    for name, o in outputs.items():
+        reasons = ", ".join(f"{k}: {v}" for k, v in o["reasons"].items())
+        rows.append(
+            f"<tr><td class='l'><code>{escape(name)}</code></td><td>{o['calls']}</td><td>{o['mismatched_calls']}</td>"
+            f"<td>{_fmt_rate(o['mismatch_rate'])}</td><td>{_fmt_rate(o['element_mismatch_rate'])}</td>"
+            f"<td>{_fmt(o['max_abs_error'])}</td><td>{_fmt(o.get('argmax_agreement'))}</td>"
+            f"<td>{_fmt(o.get('topk_agreement'))}</td><td class='l'>{escape(reasons)}</td></tr>"
+        )
+    chart = grouped_bars(
+        list(outputs),
+        [("mismatch rate", CANDIDATE_COLOR, [o["mismatch_rate"] for o in outputs.values()])],
+        title="share of calls mismatched, per output",
+    )
+    table = (
+        "<table><tr><th class='l'>output</th><th>calls</th><th>mismatched</th><th>mismatch rate</th>"
+        "<th>element mismatch rate</th><th>max abs error</th><th>argmax agreement</th><th>top-k agreement</th>"
+        f"<th class='l'>reasons</th></tr>{''.join(rows)}</table>"
+    )
+    return f"<div class='charts'>{chart}</div>{table}"
+
+
+def _worst_section(summary: Mapping[str, Any]) -> str:
+    worst = summary.get("worst_calls") or []
+    if not worst:
+        return "<p class='pass'>Every compared call matched.</p>"
+    rows = []
+    for line in worst:
+        outputs = line.get("outputs", {})
+        detail = "; ".join(
+            f"{name}: {o['mismatches']}/{o['elements']} differ, max abs {_fmt(o['max_abs_error'])}"
+            + (f" ({o['reason']}{': ' + o['detail'] if o.get('detail') else ''})" if o.get("reason") else "")
+            for name, o in outputs.items()
+            if not o["match"]
+        )
+        if line.get("status_change"):
+            message = line["replayed"].get("message", "")
+            detail = f"{line['status_change']} {message}".strip()
+        rows.append(
+            f"<tr><td class='l'><code>{escape(line['request_id'])}</code></td>"
+            f"<td class='l'><code>{escape(line['replay_request_id'])}</code></td>"
+            f"<td class='l'>{escape(line['outcome'])}</td>"
+            f"<td class='l'>{escape(line['recorded']['version'])} → {escape(line['replayed']['version'])}</td>"
+            f"<td class='l'>{escape(detail)}</td></tr>"
+        )
+    return (
+        "<table><tr><th class='l'>request id</th><th class='l'>replay request id</th><th class='l'>outcome</th>"
+        f"<th class='l'>versions</th><th class='l'>what differs</th></tr>{''.join(rows)}</table>"
+        "<p class='muted'>Every call is in <code>results.jsonl</code>; these are the ones that differ most.</p>"
+    )
+
+
+def _status_section(summary: Mapping[str, Any]) -> str:
+    changes = summary["status_changes"]
+    transitions = changes["transitions"]
+    head = (
+        f"<p>OK → error: <b>{changes['ok_to_error']}</b>, error → OK: <b>{changes['error_to_ok']}</b>, "
+        f"error → another error: <b>{changes['error_to_other_error']}</b>.</p>"
+    )
+    if not transitions:
+        return head
+    rows = "".join(f"<tr><td class='l'>{escape(k)}</td><td>{v}</td></tr>" for k, v in transitions.items())
+    return head + f"<table><tr><th class='l'>transition</th><th>calls</th></tr>{rows}</table>"
+
+
+def _versions_section(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram], reference_label: str) -> str:
+    versions = summary["versions"]
+    if not versions:
+        return "<p class='muted'>No completed calls.</p>"
+    rows = []
+    for version, group in versions.items():
+        served = ", ".join(f"{k}: {v}" for k, v in group["candidate_versions"].items())
+        lat = group["latency"]
+        rows.append(
+            f"<tr><td class='l'><code>{escape(version)}</code></td><td class='l'>{escape(served)}</td>"
+            f"<td>{group['completed']}</td><td>{group['matches']}</td><td>{group['mismatches']}</td>"
+            f"<td>{group['status_changes']}</td><td>{_fmt_rate(group['mismatch_rate'])}</td>"
+            f"<td>{_fmt_rate(group['candidate_error_rate'])}</td><td>{_fmt(lat['reference']['p99_ms'])}</td>"
+            f"<td>{_fmt(lat['candidate']['p99_ms'])}</td><td>{_fmt(lat['p99_ratio'])}</td></tr>"
+        )
+    series = [
+        (f"replayed ({version})", PALETTE[i % len(PALETTE)], histograms[f"candidate_latency:{version}"])
+        for i, version in enumerate(versions)
+        if f"candidate_latency:{version}" in histograms
+    ]
+    chart = cdf_chart(series, title="replayed latency CDF by reference version") if series else ""
+    table = (
+        f"<table><tr><th class='l'>{escape(reference_label)} version</th><th class='l'>replayed by</th>"
+        "<th>calls</th><th>match</th><th>mismatch</th><th>status change</th><th>mismatch rate</th>"
+        f"<th>error rate</th><th>{escape(reference_label)} p99 ms</th><th>replayed p99 ms</th><th>p99 ratio</th></tr>"
+        f"{''.join(rows)}</table>"
+    )
+    return f"<div class='charts'>{chart}</div>{table}"
+
+
+# -- charts --------------------------------------------------------------------------------
+
+_W, _H = 520, 300
+_LEFT, _RIGHT, _TOP, _BOTTOM = 56, 16, 28, 44
+
+
+def cdf_chart(series: Sequence[tuple[str, str, LogHistogram]], *, title: str) -> str:
+    """Cumulative distributions on a log time axis (ms), one polyline per series."""
+    populated = [(label, color, h) for label, color, h in series if h.count]
+    if not populated:
+        return f"<figure><svg width='{_W}' height='60' role='img'><text x='10' y='30'>no data</text></svg></figure>"
+    low = min(max(h.min, 1e-6) for _, _, h in populated) * 1000
+    high = max(h.max for _, _, h in populated) * 1000
+    lo_exp = math.floor(math.log10(low))
+    hi_exp = math.ceil(math.log10(high)) if high > low else lo_exp + 1
+    if hi_exp <= lo_exp:
+        hi_exp = lo_exp + 1
+    plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
+
+    def x_of(ms: float) -> float:
+        return _LEFT + (math.log10(max(ms, 10.0**lo_exp)) - lo_exp) / (hi_exp - lo_exp) * plot_w
+
+    def y_of(fraction: float) -> float:
+        return _TOP + (1 - fraction) * plot_h
+
+    out = [_svg_open(title)]
+    for exp in range(lo_exp, hi_exp + 1):
+        x = x_of(10.0**exp)
+        out.append(f"<line x1='{x:.1f}' y1='{_TOP}' x2='{x:.1f}' y2='{_TOP + plot_h}' stroke='#eee'/>")
+        out.append(f"<text x='{x:.1f}' y='{_TOP + plot_h + 14}' text-anchor='middle'>{_ms_label(10.0**exp)}</text>")
+    for fraction in (0, 0.5, 0.9, 0.99, 1):
+        y = y_of(fraction)
+        out.append(f"<line x1='{_LEFT}' y1='{y:.1f}' x2='{_LEFT + plot_w}' y2='{y:.1f}' stroke='#eee'/>")
+        out.append(f"<text x='{_LEFT - 6}' y='{y + 4:.1f}' text-anchor='end'>{fraction:g}</text>")
+    out.append(f"<text x='{_LEFT + plot_w / 2}' y='{_H - 8}' text-anchor='middle'>ms (log scale)</text>")
+    for index, (label, color, histogram) in enumerate(populated):
+        points = [(x_of(histogram.min * 1000), y_of(0.0))]
+        points += [(x_of(upper * 1000), y_of(fraction)) for upper, fraction in histogram.cdf_points()]
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+        out.append(
+            f"<polyline class='series' data-label='{escape(label)}' points='{path}' fill='none' "
+            f"stroke='{color}' stroke-width='2'/>"
+        )
+        out.append(_legend(index, label, color))
+    out.append("</svg>")
+    return f"<figure>{''.join(out)}<figcaption>{escape(title)}</figcaption></figure>"
+
+
+def grouped_bars(
+    categories: Sequence[str], series: Sequence[tuple[str, str, Sequence[float | None]]], *, title: str
+) -> str:
+    """Vertical bars, one group per category and one bar per series (missing values drawn as nothing)."""
+    values = [v for _, _, vs in series for v in vs if v is not None]
+    top = max(values, default=0.0) or 1.0
+    plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
+    group_w = plot_w / max(len(categories), 1)
+    bar_w = min(group_w * 0.8 / max(len(series), 1), 60)
+    out = [_svg_open(title)]
+    for tick in (0, 0.5, 1):
+        y = _TOP + (1 - tick) * plot_h
+        out.append(f"<line x1='{_LEFT}' y1='{y:.1f}' x2='{_LEFT + plot_w}' y2='{y:.1f}' stroke='#eee'/>")
+        out.append(f"<text x='{_LEFT - 6}' y='{y + 4:.1f}' text-anchor='end'>{_fmt(top * tick)}</text>")
+    for c, category in enumerate(categories):
+        start = _LEFT + c * group_w + (group_w - bar_w * len(series)) / 2
+        for s, (label, color, vs) in enumerate(series):
+            value = vs[c] if c < len(vs) else None
+            if value is None:
+                continue
+            height = value / top * plot_h
+            x = start + s * bar_w
+            out.append(
+                f"<rect class='bar' data-label='{escape(label)}' x='{x:.1f}' y='{_TOP + plot_h - height:.1f}' "
+                f"width='{bar_w - 2:.1f}' height='{height:.1f}' fill='{color}'><title>{escape(label)} "
+                f"{escape(category)}: {_fmt(value)}</title></rect>"
+            )
+        out.append(
+            f"<text x='{_LEFT + (c + 0.5) * group_w:.1f}' y='{_TOP + plot_h + 14}' text-anchor='middle'>"
+            f"{escape(category)}</text>"
+        )
+    for index, (label, color, _) in enumerate(series):
+        out.append(_legend(index, label, color))
+    out.append("</svg>")
+    return f"<figure>{''.join(out)}<figcaption>{escape(title)}</figcaption></figure>"
+
+
+def _svg_open(title: str) -> str:
+    return (
+        f"<svg width='{_W}' height='{_H}' viewBox='0 0 {_W} {_H}' "
+        f"role='img' aria-label='{escape(title)}'>"
+        f"<rect x='{_LEFT}' y='{_TOP}' width='{_W - _LEFT - _RIGHT}' height='{_H - _TOP - _BOTTOM}' "
+        "fill='none' stroke='#ccc'/>"
+    )
+
+
+def _legend(index: int, label: str, color: str) -> str:
+    x = _LEFT + 8 + index * 150
+    return (
+        f"<rect x='{x}' y='8' width='12' height='12' fill='{color}'/><text x='{x + 16}' y='18'>{escape(label)}</text>"
+    )
+
+
+def _ms_label(ms: float) -> str:
+    if ms >= 1000:
+        return f"{ms / 1000:g} s"
+    if ms >= 1:
+        return f"{ms:g}"
+    return f"{ms:g}".replace("e-0", "e-")
+
+
+def _fmt(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+def _fmt_rate(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.2f} %"

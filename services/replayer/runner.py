@@ -1,0 +1,482 @@
+"""One replay: read → schedule and send → compare and record, as three stages joined by bounded queues.
+
+- The **reader** (the asyncio loop, main thread) pages through Redis, selects calls, resolves
+  blob payloads and queues ready-to-send plans. It runs ahead of the sender by at most
+  ``_READ_AHEAD`` calls, so memory stays flat however long the window.
+- The **sender** (its own thread) waits for each call's planned time (sleep, then spin: see
+  :mod:`splitstream.replayer.schedule`), takes a slot of ``--concurrency`` and starts the call
+  on every target without waiting for it. Open loop: a slow target delays nothing but its own
+  answers, unless the concurrency cap is reached, which then shows as send lag.
+- The **collector** (its own thread) receives finished calls, diffs them, writes
+  ``results.jsonl`` and keeps the aggregates for the summary and the report.
+
+Stopping (Ctrl-C, :meth:`Replay.stop`): the reader stops reading, the sender stops starting
+calls (queued ones are counted as not sent), calls in flight finish (each has its deadline),
+and the collector writes what it has: a partial summary is still a summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.records import MissingBlob, payload_bytes, status_name
+from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_answers
+from splitstream.replayer.outputs import ResultsWriter
+from splitstream.replayer.progress import Progress
+from splitstream.replayer.schedule import OpenLoopClock, sleep_until
+from splitstream.replayer.selection import SelectedCall, Selection, SelectionStats, select_calls
+from splitstream.replayer.sender import VERSION_HEADER, Outcome, Target
+from splitstream.replayer.stats import GroupTotals, LogHistogram, OutputTotals, WorstCalls
+
+_READ_AHEAD = 2048
+#: Recorded metadata that is never re-sent: ids and pins are set by the replay itself, and
+#: masked values (``hmac:...``) are not what the client sent.
+_NOT_FORWARDED = frozenset({"x-request-id", "x-routing-key", VERSION_HEADER})
+_END = object()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplaySettings:
+    """How to send and compare (the selection is separate: see :class:`Selection`)."""
+
+    targets: tuple[str, ...]
+    #: None: as fast as ``concurrency`` allows.
+    speed: float | None
+    concurrency: int
+    timeout_s: float
+    pin_version: str = ""
+    id_suffix: str = ":replay"
+    forward_metadata: bool = True
+    tolerance: Tolerance = field(default_factory=Tolerance)
+    output_dir: Path = Path("replay-out")
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("--concurrency must be at least 1")
+        if self.timeout_s <= 0:
+            raise ValueError("--timeout-s must be positive")
+        if self.speed is not None and self.speed <= 0:
+            raise ValueError("--speed must be positive or 'max'")
+
+    @property
+    def compare_to(self) -> str:
+        return self.targets[1] if len(self.targets) > 1 else ""
+
+
+@dataclass(slots=True)
+class Plan:
+    """A selected call, ready to send: request bytes, headers, and the recorded answer."""
+
+    index: int
+    call: SelectedCall
+    request: bytes
+    metadata: list[tuple[str, str]]
+    recorded: Answer
+    replay_id: str
+
+
+@dataclass(slots=True)
+class Flight:
+    """A plan on its way to every target."""
+
+    plan: Plan
+    #: Order in which the sender started flights (0, 1, ...): receive-time order unless told otherwise.
+    sequence: int
+    planned_at: float | None
+    outcomes: list[Outcome | None]
+    remaining: int
+
+
+@dataclass
+class Aggregates:
+    """Everything the summary and the report are made of (fixed size: see :mod:`stats`)."""
+
+    overall: GroupTotals = field(default_factory=GroupTotals)
+    by_version: dict[str, GroupTotals] = field(default_factory=dict)
+    outputs: dict[str, OutputTotals] = field(default_factory=dict)
+    send_lag: LogHistogram = field(default_factory=lambda: LogHistogram(floor_s=1e-7))
+    status_changes: Counter[str] = field(default_factory=Counter)
+    transitions: Counter[str] = field(default_factory=Counter)
+    worst: WorstCalls = field(default_factory=WorstCalls)
+    max_in_flight: int = 0
+    not_sent: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    sent: int = 0
+    first_sent_at: float | None = None
+    last_done_at: float | None = None
+
+
+class Replay:
+    def __init__(self, redis: Redis, selection: Selection, settings: ReplaySettings, targets: list[Target]) -> None:
+        self.redis = redis
+        self.selection = selection
+        self.settings = settings
+        self.targets = targets
+        self.stats = SelectionStats()
+        self.aggregates = Aggregates()
+        self.stopping = threading.Event()
+        self.interrupted = False
+        self._send_queue: queue.Queue[Any] = queue.Queue(maxsize=_READ_AHEAD)
+        self._done_queue: queue.Queue[Any] = queue.Queue()
+        self._slots = threading.Semaphore(settings.concurrency)
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._idle = threading.Condition(self._lock)
+        self._clock = OpenLoopClock(settings.speed)
+        #: perf_counter time that results' ``planned_s``/``sent_s``/``done_s`` count from (set by the first send).
+        self._origin = 0.0
+        self.started_unix_ns = time.time_ns()
+        self.wall_s = 0.0
+
+    def stop(self) -> None:
+        """Stop cleanly (safe from a signal handler): no new calls; those in flight finish; outputs are written."""
+        self.interrupted = True
+        self.stopping.set()
+
+    async def run(self) -> Aggregates:
+        """Run the whole replay; returns when every started call has finished and been recorded."""
+        self.settings.output_dir.mkdir(parents=True, exist_ok=True)
+        results = ResultsWriter(self.settings.output_dir / "results.jsonl")
+        progress = Progress(self.selection, enabled=self.settings.progress)
+        sender = threading.Thread(target=self._send_loop, name="replay-sender", daemon=True)
+        collector = threading.Thread(
+            target=self._collect_loop, args=(results, progress), name="replay-collector", daemon=True
+        )
+        # The sender must get the GIL within a fraction of a millisecond when its time comes
+        # (CPython's default switch interval is 5 ms).
+        previous_interval = sys.getswitchinterval()
+        sys.setswitchinterval(0.0002)
+        started = time.perf_counter()
+        try:
+            sender.start()
+            collector.start()
+            try:
+                await self._read()
+            finally:
+                await self._put(_END, force=True)
+                await asyncio.to_thread(sender.join)
+                await asyncio.to_thread(collector.join)
+        finally:
+            sys.setswitchinterval(previous_interval)
+            self.wall_s = time.perf_counter() - started
+            results.close()
+            progress.close()
+        return self.aggregates
+
+    # -- reader (event loop) ---------------------------------------------------------------
+
+    async def _read(self) -> None:
+        index = 0
+        calls = select_calls(self.redis, self.selection, self.stats)
+        try:
+            async for call in calls:
+                if self.stopping.is_set():
+                    return
+                try:
+                    plan = await self._prepare(index, call)
+                except MissingBlob:
+                    self.aggregates.skipped["missing_blob"] += 1
+                    continue
+                index += 1
+                if not await self._put(plan):
+                    return
+        finally:
+            await calls.aclose()
+
+    async def _prepare(self, index: int, call: SelectedCall) -> Plan:
+        record = call.record
+        request = await payload_bytes(self.redis, record.request)
+        response = await payload_bytes(self.redis, record.response) if record.status_code == 0 else None
+        replay_id = record.request_id + self.settings.id_suffix
+        metadata = [("x-request-id", replay_id)]
+        if self.settings.forward_metadata:
+            metadata += [
+                (key, value)
+                for key, value in sorted(record.metadata.items())
+                if key.lower() not in _NOT_FORWARDED and not value.startswith("hmac:")
+            ]
+        if self.settings.pin_version:
+            metadata.append((VERSION_HEADER, self.settings.pin_version))
+        return Plan(index, call, request, metadata, Answer(record.status_code, response), replay_id)
+
+    async def _put(self, item: object, *, force: bool = False) -> bool:
+        """Queue for the sender, waiting while the queue is full; False if stopped first (unless ``force``)."""
+        while True:
+            if self.stopping.is_set() and not force:
+                return False
+            try:
+                self._send_queue.put_nowait(item)
+                return True
+            except queue.Full:
+                await asyncio.sleep(0.002)
+
+    # -- sender (thread) -------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        timeout_s = self.settings.timeout_s
+        while True:
+            item = self._send_queue.get()
+            if item is _END:
+                break
+            if self.stopping.is_set():
+                self.aggregates.not_sent += 1
+                continue
+            plan: Plan = item
+            planned = self._clock.planned(plan.call.receive_ns)
+            if planned is not None and not sleep_until(planned, stop=self.stopping):
+                self.aggregates.not_sent += 1
+                continue
+            if not self._take_slot():
+                self.aggregates.not_sent += 1
+                continue
+            if self.aggregates.sent == 0:
+                self._origin = self._clock.start if self._clock.start is not None else time.perf_counter()
+            flight = Flight(plan, self.aggregates.sent, planned, [None] * len(self.targets), len(self.targets))
+            self.aggregates.sent += 1
+            for position, target in enumerate(self.targets):
+                target.send(
+                    plan.request,
+                    plan.metadata,
+                    timeout_s=timeout_s,
+                    on_done=lambda outcome, f=flight, p=position: self._finished(f, p, outcome),
+                )
+        with self._idle:
+            self._idle.wait_for(lambda: self._in_flight == 0)
+        self._done_queue.put(_END)
+
+    def _take_slot(self) -> bool:
+        while not self._slots.acquire(timeout=0.05):
+            if self.stopping.is_set():
+                return False
+        with self._lock:
+            self._in_flight += 1
+            self.aggregates.max_in_flight = max(self.aggregates.max_in_flight, self._in_flight)
+        return True
+
+    def _finished(self, flight: Flight, position: int, outcome: Outcome) -> None:
+        """gRPC callback thread: the last target's answer completes the flight and frees its slot."""
+        with self._lock:
+            flight.outcomes[position] = outcome
+            flight.remaining -= 1
+            if flight.remaining:
+                return
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.notify_all()
+        self._slots.release()
+        self._done_queue.put(flight)
+
+    # -- collector (thread) ----------------------------------------------------------------
+
+    def _collect_loop(self, results: ResultsWriter, progress: Progress) -> None:
+        while True:
+            item = self._done_queue.get()
+            if item is _END:
+                return
+            flight: Flight = item
+            line, diff = self._judge(flight)
+            results.write(line)
+            progress.advance(flight.plan.call.receive_ns, diff)
+
+    def _judge(self, flight: Flight) -> tuple[dict[str, Any], CallDiff]:
+        plan = flight.plan
+        record = plan.call.record
+        replayed = flight.outcomes[0]
+        assert replayed is not None
+        compared = flight.outcomes[1] if len(flight.outcomes) > 1 else None
+        if compared is not None:
+            reference = Answer(compared.code, compared.response)
+            reference_latency_s = compared.latency_s
+            reference_version = _served_version(compared)
+        else:
+            reference = plan.recorded
+            reference_latency_s = record.latency_ns / 1e9
+            reference_version = record.version
+        diff = compare_answers(reference, Answer(replayed.code, replayed.response), self.settings.tolerance)
+        replayed_version = _served_version(replayed)
+
+        agg = self.aggregates
+        agg.overall.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
+        group = agg.by_version.setdefault(reference_version or "?", GroupTotals())
+        group.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
+        for output in diff.outputs:
+            agg.outputs.setdefault(output.name, OutputTotals()).add(output)
+        if diff.status_change_kind:
+            agg.status_changes[diff.status_change_kind] += 1
+            agg.transitions[diff.status_change or ""] += 1
+        lag_ms = None
+        if flight.planned_at is not None:
+            lag_s = replayed.sent_at - flight.planned_at
+            agg.send_lag.add(lag_s)
+            lag_ms = round(lag_s * 1000, 4)
+        origin = self._origin
+        if agg.first_sent_at is None:
+            agg.first_sent_at = replayed.sent_at
+        agg.last_done_at = max(agg.last_done_at or 0.0, *(o.done_at for o in flight.outcomes if o is not None))
+
+        line: dict[str, Any] = {
+            "request_id": record.request_id,
+            "replay_request_id": plan.replay_id,
+            "model": record.model,
+            "receive_unix_ns": plan.call.receive_ns,
+            "stream_id": plan.call.stream_id,
+            "sequence": flight.sequence,
+            "outcome": diff.outcome,
+            "status_change": diff.status_change,
+            "planned_s": None if flight.planned_at is None else round(flight.planned_at - origin, 6),
+            "sent_s": round(replayed.sent_at - origin, 6),
+            "done_s": round(replayed.done_at - origin, 6),
+            "send_lag_ms": lag_ms,
+            "recorded": {
+                "version": record.version,
+                "status": status_name(record.status_code),
+                "latency_ms": round(record.latency_ns / 1e6, 4),
+            },
+            "replayed": _side(self.targets[0].address, replayed),
+        }
+        if compared is not None:
+            line["compare_to"] = _side(self.targets[1].address, compared)
+            line["compare_to"]["sent_s"] = round(compared.sent_at - origin, 6)
+        if diff.outputs:
+            line["outputs"] = {o.name: o.as_dict() for o in diff.outputs}
+        agg.worst.offer(diff, line)
+        return line, diff
+
+    # -- summary -------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """The run as one JSON-able dict (also what the report and the gate read)."""
+        agg = self.aggregates
+        overall = agg.overall.as_dict()
+        latency = overall["latency"]
+        outputs = {name: totals.as_dict() for name, totals in sorted(agg.outputs.items())}
+        agreements = [o["argmax_agreement"] for o in outputs.values() if "argmax_agreement" in o]
+        topks = [o["topk_agreement"] for o in outputs.values() if "topk_agreement" in o]
+        completed = overall["completed"]
+        send_lag = agg.send_lag.summary_ms() if agg.send_lag.count else None
+        active_s = (
+            agg.last_done_at - agg.first_sent_at
+            if agg.first_sent_at is not None and agg.last_done_at is not None
+            else 0.0
+        )
+        skipped = dict(self.stats.skipped) | dict(agg.skipped)
+        divergent = overall["mismatches"] + overall["status_changes"]
+        metrics: dict[str, float | None] = {
+            "mismatch_rate": overall["mismatch_rate"],
+            "status_change_rate": _rate(overall["status_changes"], completed),
+            "divergence_rate": _rate(divergent, completed),
+            "error_rate": overall["candidate_error_rate"],
+            "reference_error_rate": overall["reference_error_rate"],
+            "p50_ratio": latency["p50_ratio"],
+            "p95_ratio": latency["p95_ratio"],
+            "p99_ratio": latency["p99_ratio"],
+            "p99_ms": latency["candidate"]["p99_ms"],
+            "max_abs_error": max((o["max_abs_error"] for o in outputs.values()), default=0.0),
+            "argmax_agreement": min(agreements) if agreements else None,
+            "topk_agreement": min(topks) if topks else None,
+            "send_lag_p99_ms": send_lag["p99_ms"] if send_lag else None,
+            "send_lag_max_ms": send_lag["max_ms"] if send_lag else None,
+            "completed": completed,
+            "failed_sends": self.stats.selected - completed,
+            "skipped": sum(self.stats.skipped.values()),
+        }
+        return {
+            "format": "splitstream-replay-summary/1",
+            "interrupted": self.interrupted,
+            "started_unix_ns": self.started_unix_ns,
+            "wall_s": round(self.wall_s, 3),
+            "window": {
+                "models": list(self.selection.models),
+                "since_unix_ns": self.selection.since_ns,
+                "until_unix_ns": self.selection.until_ns,
+                "max_lateness_s": self.selection.max_lateness_ns / 1e9,
+            },
+            "target": self.targets[0].address,
+            "compare_to": self.settings.compare_to or None,
+            "reference": "compare_to" if self.settings.compare_to else "recorded",
+            "pin_version": self.settings.pin_version or None,
+            "speed": self.settings.speed if self.settings.speed is not None else "max",
+            "concurrency": self.settings.concurrency,
+            "tolerance": {
+                "rtol": self.settings.tolerance.rtol,
+                "atol": self.settings.tolerance.atol,
+                "top_k": self.settings.tolerance.top_k,
+            },
+            "selection": self.stats.as_dict(),
+            "counts": {
+                "selected": self.stats.selected,
+                "sent": agg.sent,
+                "completed": completed,
+                "not_sent": agg.not_sent,
+                "skipped": skipped,
+            },
+            "outcomes": {
+                "match": overall["matches"],
+                "mismatch": overall["mismatches"],
+                "status_change": overall["status_changes"],
+            },
+            "status_changes": {
+                "ok_to_error": agg.status_changes["ok_to_error"],
+                "error_to_ok": agg.status_changes["error_to_ok"],
+                "error_to_other_error": agg.status_changes["error_to_other_error"],
+                "transitions": dict(sorted(agg.transitions.items())),
+            },
+            "latency": latency,
+            "outputs": outputs,
+            "versions": {version: group.as_dict() for version, group in sorted(agg.by_version.items())},
+            "send_lag": send_lag,
+            "max_in_flight": agg.max_in_flight,
+            "replay_rate_calls_per_s": round(completed / active_s, 1) if active_s > 0 else None,
+            "metrics": metrics,
+            "worst_calls": agg.worst.worst_first(),
+        }
+
+    def histograms(self) -> dict[str, LogHistogram]:
+        """The distributions the report draws."""
+        return {
+            "reference_latency": self.aggregates.overall.reference_latency,
+            "candidate_latency": self.aggregates.overall.candidate_latency,
+            "send_lag": self.aggregates.send_lag,
+            **{
+                f"candidate_latency:{version}": group.candidate_latency
+                for version, group in self.aggregates.by_version.items()
+            },
+        }
+
+
+def _served_version(outcome: Outcome) -> str:
+    """The version that answered: the router's trailing header, else the response's model_version."""
+    if outcome.version or outcome.response is None:
+        return outcome.version
+    with contextlib.suppress(Exception):
+        return oip.ModelInferResponse.FromString(outcome.response).model_version
+    return ""
+
+
+def _side(address: str, outcome: Outcome) -> dict[str, Any]:
+    side: dict[str, Any] = {
+        "target": address,
+        "version": _served_version(outcome),
+        "status": status_name(outcome.code),
+        "latency_ms": round(outcome.latency_s * 1000, 4),
+    }
+    if outcome.message:
+        side["message"] = outcome.message[:300]
+    return side
+
+
+def _rate(part: int, whole: int) -> float:
+    return round(part / whole, 6) if whole else 0.0

@@ -1,0 +1,65 @@
+"""Turning what users type for ``--since``/``--until`` into unix nanoseconds.
+
+Incidents are reported in wall-clock time ("14:02 to 14:05 UTC"), CI jobs think in
+relative terms ("the last 2 hours"), and scripts pass epoch seconds, so all three are
+accepted. ISO-8601 times must carry their timezone: a naive "14:02" means different
+instants on a laptop and on a CI runner, which would silently replay the wrong window.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime, timedelta
+
+_UNITS_NS = {"ms": 1_000_000, "s": 1_000_000_000, "m": 60_000_000_000, "h": 3_600_000_000_000, "d": 86_400_000_000_000}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+_EPOCH = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
+_UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+class BadTime(ValueError):
+    """A time or duration that cannot be read; the message says what forms are accepted."""
+
+
+def parse_duration_ns(text: str) -> int:
+    """``"90s"``, ``"15m"``, ``"2h"``, ``"1d"``, ``"250ms"`` → nanoseconds (``"0"`` is zero)."""
+    if text.strip() == "0":
+        return 0
+    match = _DURATION.match(text)
+    if match is None:
+        raise BadTime(f"bad duration {text!r} (expected a number and a unit: 250ms, 90s, 15m, 2h, 1d)")
+    return int(float(match.group(1)) * _UNITS_NS[match.group(2)])
+
+
+def parse_instant_ns(text: str, *, now_ns: int) -> int:
+    """One point in time as unix nanoseconds.
+
+    Accepted: ``now``; relative to ``now_ns`` (``-15m``, ``-2h``, ``-30s``, ``-1d``, also ``+5m``);
+    epoch seconds (``1767225600`` or ``1767225600.25``); ISO-8601 with a timezone
+    (``2026-01-01T14:02:00Z``, ``2026-01-01T14:02:00+01:00``).
+    """
+    stripped = text.strip()
+    if stripped.lower() == "now":
+        return now_ns
+    if stripped[:1] in "+-" and _DURATION.match(stripped[1:]):
+        offset = parse_duration_ns(stripped[1:])
+        return now_ns - offset if stripped[0] == "-" else now_ns + offset
+    if _EPOCH.match(stripped):
+        seconds, _, fraction = stripped.partition(".")
+        return int(seconds) * 1_000_000_000 + int((fraction + "000000000")[:9])
+    try:
+        moment = datetime.fromisoformat(stripped)
+    except ValueError:
+        raise BadTime(
+            f"bad time {text!r} (expected now, -15m/-2h/-1d, epoch seconds, or ISO-8601 with a timezone "
+            "such as 2026-01-01T14:02:00Z)"
+        ) from None
+    if moment.tzinfo is None:
+        raise BadTime(f"time {text!r} has no timezone; add one (Z, +00:00, +01:00, ...) so the window is unambiguous")
+    return (moment - _UNIX_EPOCH) // timedelta(microseconds=1) * 1000
+
+
+def format_instant(unix_ns: int) -> str:
+    """Unix nanoseconds as ISO-8601 UTC with milliseconds (for reports and error messages)."""
+    moment = _UNIX_EPOCH + timedelta(microseconds=unix_ns // 1000)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
