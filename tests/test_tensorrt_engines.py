@@ -427,3 +427,42 @@ def test_the_spec_comes_from_config_yaml_and_the_onnx_files_sha256(tmp_path: Pat
     changed = resolve_spec(directory, loaded, model="affine", version="v1")
     assert changed.spec.onnx_sha256 != resolved.spec.onnx_sha256
     json.dumps(engine_key(resolved.spec, L4).fields)  # the key is plain JSON
+
+
+# --- onnxruntime's TensorRT execution provider ------------------------------------------------------------------
+
+
+def test_the_onnxruntime_tensorrt_section_becomes_execution_provider_options(tmp_path: Path) -> None:
+    from splitstream.worker.backends.onnxruntime import tensorrt_provider_options
+
+    loaded = ModelConfig.from_mapping(
+        {
+            "backend": "onnxruntime",
+            "max_batch_size": 8,
+            "execution_providers": ["tensorrt", "cuda", "cpu"],
+            "onnxruntime": {
+                "tensorrt": {
+                    "engine_cache_path": "trt-ep-cache",
+                    "timing_cache_path": "trt-ep-timing",
+                    "fp16": True,
+                    "workspace_bytes": 1 << 30,
+                    "profile": {"min": {"x": [1, 4]}, "opt": {"x": [4, 4]}, "max": {"x": [8, 4]}},
+                }
+            },
+        }
+    )
+
+    options = tensorrt_provider_options(loaded.ort.tensorrt, tmp_path)
+
+    assert options == {
+        "trt_engine_cache_enable": "True",
+        "trt_engine_cache_path": str(tmp_path / "trt-ep-cache"),
+        "trt_timing_cache_enable": "True",
+        "trt_timing_cache_path": str(tmp_path / "trt-ep-timing"),
+        "trt_fp16_enable": "True",
+        "trt_max_workspace_size": str(1 << 30),
+        "trt_profile_min_shapes": "x:1x4",
+        "trt_profile_opt_shapes": "x:4x4",
+        "trt_profile_max_shapes": "x:8x4",
+    }
+    assert tensorrt_provider_options(ModelConfig.from_mapping({"backend": "onnxruntime"}).ort.tensorrt, tmp_path) == {}

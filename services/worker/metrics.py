@@ -7,7 +7,7 @@ one), so several workers or tests in one process do not collide.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -75,6 +75,26 @@ class WorkerMetrics:
             labels,
             registry=registry,
         ).labels(model, version)
+
+        self._engine_info = Gauge(
+            "splitstream_worker_engine_info",
+            "1 for the engine serving this version, labelled with its backend and human tag.",
+            (*labels, "backend", "engine_tag"),
+            registry=registry,
+        )
+        self._context_device_memory = Gauge(
+            "splitstream_worker_context_device_memory_bytes",
+            "Device memory one execution context holds (TensorRT: its activations plus its I/O buffers).",
+            (*labels, "context"),
+            registry=registry,
+        )
+
+    def engine_loaded(
+        self, *, backend: str, engine_tag: str, context_device_memory_bytes: Sequence[int]
+    ) -> None:
+        self._engine_info.labels(self._model, self._version, backend, engine_tag).set(1)
+        for index, nbytes in enumerate(context_device_memory_bytes):
+            self._context_device_memory.labels(self._model, self._version, str(index)).set(nbytes)
 
     def request_done(self, status: grpc.StatusCode) -> None:
         self._requests.labels(self._model, self._version, status.name).inc()

@@ -60,6 +60,15 @@ class ServedModel:
         return self._backend.platform
 
     @property
+    def engine_tag(self) -> str:
+        """A human tag of what serves this version, for registries and dashboards.
+
+        The TensorRT backend's engine tag once loaded (``<model>-<version>-<precision>-<dyn|static>``,
+        e.g. ``resnet-v2-fp16-dyn``); otherwise ``<model>-<version>-<backend>``.
+        """
+        return self._backend.engine_tag or f"{self.name}-{self.version}-{self.config.backend}"
+
+    @property
     def metadata(self) -> ModelMetadata:
         if self._metadata is None:
             raise ModelNotReady(f"model '{self.name}' version '{self.version}' is still loading")
@@ -92,6 +101,11 @@ class ServedModel:
             outputs=self.config.outputs,
             max_batch_size=self.config.max_batch_size,
             source=str(self._directory / "config.yaml"),
+        )
+        self._metrics.engine_loaded(
+            backend=self.config.backend,
+            engine_tag=self.engine_tag,
+            context_device_memory_bytes=self._backend.context_device_memory_bytes,
         )
         config = self.config
         scheduler: Scheduler
@@ -139,7 +153,9 @@ class ServedModel:
         """Validate a request's headers (InvalidInput) once the model is ready (else ModelNotReady)."""
         if not self._warm or self._metadata is None:
             raise ModelNotReady(f"model '{self.name}' version '{self.version}' is not ready")
-        return validate_request(inputs, requested_outputs, self._metadata, max_batch_size=self.config.max_batch_size)
+        plan = validate_request(inputs, requested_outputs, self._metadata, max_batch_size=self.config.max_batch_size)
+        self._backend.check_request({header.name: tuple(header.shape) for header in inputs})
+        return plan
 
     async def infer(self, inputs: Mapping[str, np.ndarray], plan: RequestPlan) -> dict[str, np.ndarray]:
         """The planned outputs for decoded, validated ``inputs``."""

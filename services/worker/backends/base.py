@@ -25,12 +25,20 @@ class Backend(Protocol):
 
     #: Written into ModelMetadata.platform (e.g. ``onnxruntime_onnx``, Triton's name).
     platform: str
+    #: A human tag of the engine serving the model (``resnet-v2-fp16-dyn``) once loaded; None when the
+    #: backend has no engine of its own (ONNX Runtime).
+    engine_tag: str | None
+    #: Device memory held per execution context once loaded (empty when the backend does not know it).
+    context_device_memory_bytes: tuple[int, ...]
 
     def load(self) -> None:
         """Build the engine; raises ConfigError when the model file cannot be served."""
 
     def metadata(self) -> ModelMetadata:
         """The tensors as the engine sees them (``-1`` for dynamic dims); only valid after :meth:`load`."""
+
+    def check_request(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise InvalidInput when the engine cannot take these input shapes (called before queueing a request)."""
 
     def run(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
         """Run one (possibly batched) inference and return exactly ``output_names``. Blocking."""

@@ -17,6 +17,8 @@ import onnxruntime as ort
 import structlog
 
 from splitstream.common.errors import ConfigError
+from splitstream.worker.config import TensorRTProviderConfig
+from splitstream.worker.engines.profiles import Profile
 from splitstream.worker.metadata import DYNAMIC, ModelMetadata, TensorSpec
 
 #: config.yaml's names for execution providers → ONNX Runtime's.
@@ -48,6 +50,8 @@ class OnnxRuntimeBackend:
     """Runs ``model.onnx`` with the first available execution providers of the configured preference."""
 
     platform = "onnxruntime_onnx"
+    engine_tag: str | None = None
+    context_device_memory_bytes: tuple[int, ...] = ()
 
     def __init__(
         self,
@@ -56,10 +60,12 @@ class OnnxRuntimeBackend:
         intra_op_threads: int,
         execution_providers: Sequence[str],
         logger: structlog.stdlib.BoundLogger,
+        tensorrt_options: TensorRTProviderConfig | None = None,
     ) -> None:
         self._path = path
         self._intra_op_threads = intra_op_threads
         self._execution_providers = tuple(execution_providers)
+        self._tensorrt_options = tensorrt_options or TensorRTProviderConfig()
         self._logger = logger
         self._session: ort.InferenceSession | None = None
         self._metadata: ModelMetadata | None = None
@@ -91,6 +97,9 @@ class OnnxRuntimeBackend:
             raise RuntimeError("metadata() called before load()")
         return self._metadata
 
+    def check_request(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """ONNX Runtime takes any shape the metadata allows."""
+
     def run(self, inputs: Mapping[str, np.ndarray], output_names: Sequence[str]) -> dict[str, np.ndarray]:
         if self._session is None:
             raise RuntimeError("run() called before load()")
@@ -104,20 +113,57 @@ class OnnxRuntimeBackend:
     def close(self) -> None:
         self._session = None
 
-    def _providers(self) -> list[str]:
-        """The configured providers onnxruntime has, in preference order; the rest are skipped with a warning."""
+    def _providers(self) -> list[str | tuple[str, dict[str, str]]]:
+        """The configured providers onnxruntime has, in preference order; the rest are skipped with a warning.
+
+        The TensorRT execution provider gets its options from ``onnxruntime.tensorrt``
+        (:func:`tensorrt_provider_options`).
+        """
         available = set(ort.get_available_providers())
-        chosen = []
+        chosen: list[str | tuple[str, dict[str, str]]] = []
         for name in self._execution_providers:
             provider = PROVIDERS[name]
-            if provider in available:
-                chosen.append(provider)
-            else:
+            if provider not in available:
                 self._logger.warning("execution provider not available, skipping it", provider=name)
+            elif name == "tensorrt":
+                chosen.append((provider, tensorrt_provider_options(self._tensorrt_options, self._path.parent)))
+            else:
+                chosen.append(provider)
         if not chosen:
             self._logger.warning("no configured execution provider is available, using cpu")
             chosen.append(PROVIDERS["cpu"])
         return chosen
+
+
+def tensorrt_provider_options(options: TensorRTProviderConfig, directory: Path) -> dict[str, str]:
+    """ONNX Runtime TensorRT execution provider options for ``onnxruntime.tensorrt``; paths relative to ``directory``.
+
+    A cache path turns its cache on (``trt_engine_cache_enable``, ``trt_timing_cache_enable``). The
+    provider keys its cached engines itself (by model, GPU and TensorRT version), so they live apart
+    from the native backend's ``engines/``. A profile gives all three of min/opt/max shapes for every
+    input it names, as the provider requires.
+    """
+    values: dict[str, str] = {}
+    if options.engine_cache_path is not None:
+        values["trt_engine_cache_enable"] = "True"
+        values["trt_engine_cache_path"] = str(directory / options.engine_cache_path)
+    if options.timing_cache_path is not None:
+        values["trt_timing_cache_enable"] = "True"
+        values["trt_timing_cache_path"] = str(directory / options.timing_cache_path)
+    if options.fp16:
+        values["trt_fp16_enable"] = "True"
+    if options.workspace_bytes is not None:
+        values["trt_max_workspace_size"] = str(options.workspace_bytes)
+    if options.profile is not None:
+        values.update(
+            Profile(
+                tuple(
+                    (name, (options.profile.min[name], options.profile.opt[name], options.profile.max[name]))
+                    for name in sorted(options.profile.min)
+                )
+            ).ort_options()
+        )
+    return values
 
 
 def _spec(arg: Any, kind: str, path: Path) -> TensorSpec:
