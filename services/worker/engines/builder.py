@@ -124,16 +124,16 @@ def build_serialized(
             f"{onnx_path}: TensorRT's ONNX parser failed with {len(errors)} error(s):\n"
             + "\n".join(f"  {line}" for line in errors or logger.errors or ["(no error reported)"])
         )
-    config = builder.create_builder_config()
+    builder_config = builder.create_builder_config()
     if workspace_bytes is not None:
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
+        builder_config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
     for index, profile in enumerate(profiles):
         if not profile.shapes:
             continue
         optimization_profile = builder.create_optimization_profile()
         for name, (low, opt, high) in profile.shapes:
             optimization_profile.set_shape(name, low, opt, high)
-        if config.add_optimization_profile(optimization_profile) < 0:
+        if builder_config.add_optimization_profile(optimization_profile) < 0:
             raise BuildError(f"TensorRT refused optimisation profile {index}: {'; '.join(logger.errors)}")
     if precision_mode == "builder_flags" and precision in LEGACY_PRECISION_FLAGS:
         flag = getattr(trt.BuilderFlag, LEGACY_PRECISION_FLAGS[precision], None)
@@ -142,7 +142,7 @@ def build_serialized(
                 f"tensorrt.precision_mode builder_flags: this TensorRT has no BuilderFlag."
                 f"{LEGACY_PRECISION_FLAGS[precision]}; use precision_mode: onnx"
             )
-        config.set_flag(flag)
+        builder_config.set_flag(flag)
     if hardware_compatibility != "none":
         level = getattr(trt.HardwareCompatibilityLevel, HARDWARE_LEVELS[hardware_compatibility], None)
         if level is None:
@@ -150,35 +150,35 @@ def build_serialized(
                 f"tensorrt.hardware_compatibility {hardware_compatibility}: TensorRT {env.device.tensorrt_version} "
                 f"has no HardwareCompatibilityLevel.{HARDWARE_LEVELS[hardware_compatibility]}"
             )
-        config.hardware_compatibility_level = level
+        builder_config.hardware_compatibility_level = level
     if version_compatible:
-        config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+        builder_config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
     if timing_cache_path is not None:
         previous = timing_cache_path.read_bytes() if timing_cache_path.is_file() else b""
-        timing_cache = config.create_timing_cache(previous)
-        if timing_cache is None or not config.set_timing_cache(timing_cache, False):
+        timing_cache = builder_config.create_timing_cache(previous)
+        if timing_cache is None or not builder_config.set_timing_cache(timing_cache, False):
             log.warning("timing cache unusable, starting a new one", path=str(timing_cache_path))
-            timing_cache = config.create_timing_cache(b"")
-            config.set_timing_cache(timing_cache, True)
-    plan = builder.build_serialized_network(network, config)
+            timing_cache = builder_config.create_timing_cache(b"")
+            builder_config.set_timing_cache(timing_cache, True)
+    plan = builder.build_serialized_network(network, builder_config)
     if not plan:
         raise BuildError(
             "TensorRT could not build the engine:\n"
             + "\n".join(f"  {line}" for line in logger.errors or ["(no error logged; run with --verbose)"])
         )
     if timing_cache_path is not None:
-        _write_atomically(timing_cache_path, bytes(memoryview(config.get_timing_cache().serialize())))
+        _write_atomically(timing_cache_path, bytes(memoryview(builder_config.get_timing_cache().serialize())))
     return bytes(memoryview(plan))
 
 
-def _parser_error(error: Any) -> str:
+def _parser_error(parser_error: Any) -> str:
     """One parser error with where it happened (node index, name and operator when TensorRT names them)."""
-    text = " ".join(str(error).split())
+    text = " ".join(str(parser_error).split())
     if text and not text.startswith("<"):
         return text
-    parts = [f"{error.code()}: {error.desc()}"]
-    if error.node() >= 0:
-        parts.append(f"node {error.node()} '{error.node_name()}' ({error.node_operator()})")
+    parts = [f"{parser_error.code()}: {parser_error.desc()}"]
+    if parser_error.node() >= 0:
+        parts.append(f"node {parser_error.node()} '{parser_error.node_name()}' ({parser_error.node_operator()})")
     return " in ".join(parts)
 
 

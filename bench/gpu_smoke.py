@@ -1,0 +1,216 @@
+"""GPU smoke test of the TensorRT backend: build, load, run, compare with ONNX Runtime, time it.
+
+Needs a machine with an NVIDIA GPU, TensorRT 10.8+ and cuda-python
+(``pip install -e '.[tensorrt]'``; ``onnxruntime-gpu`` adds the ONNX Runtime
+CUDA column). It is a script, not a test: ``make test`` runs without a GPU.
+
+For each precision (``--precisions fp32,fp16``) it
+
+1. writes a model repository with an MLP (``--layers`` MatMul+Relu of
+   ``--width``, FP32 in and out) and ``backend: tensorrt`` with a profile of
+   1..``--max-batch`` rows;
+2. builds the engine with :func:`~splitstream.worker.engines.builder.build_and_store`
+   (precision step, timing cache, engine cache) and builds it again, which
+   must find it cached;
+3. loads it with the worker's TensorRT backend (2 contexts, high stream
+   priority), runs batches of ``--batches`` rows plus one larger than the
+   profile (split into several engine calls), and compares every output with
+   ONNX Runtime on CPU (fp32: rtol 1e-2 because TensorRT may use TF32;
+   fp16: rtol 5e-2);
+4. times each batch size on TensorRT, ONNX Runtime CUDA (when
+   onnxruntime-gpu is installed) and ONNX Runtime CPU, and prints p50/p99
+   latency and rows/s side by side.
+
+Exit code 0 when every comparison passed, 1 otherwise, 2 when TensorRT,
+cuda-python or a GPU is missing (one line says which).
+
+    .venv/bin/python bench/gpu_smoke.py [--precisions fp32,fp16] [--batches 1,8,32,64] [--iterations 200]
+
+``--fake`` runs it on ``tests/fakegpu`` instead (ONNX Runtime pretending to be
+TensorRT): a dry run of this script's own code on a machine without a GPU;
+its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import structlog
+import yaml
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+MODEL, VERSION = "smoke-mlp", "v1"
+TOLERANCES = {"fp32": (1e-2, 1e-3), "fp16": (5e-2, 5e-3)}
+
+
+def mlp(path: Path, *, layers: int, width: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])
+    nodes, inits, previous = [], [], "x"
+    for layer in range(layers):
+        weight = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+        inits.append(numpy_helper.from_array(weight, f"w{layer}"))
+        output = "y" if layer == layers - 1 else f"h{layer}"
+        nodes.append(helper.make_node("MatMul", [previous, f"w{layer}"], [f"m{layer}"]))
+        nodes.append(helper.make_node("Relu", [f"m{layer}"], [output]))
+        previous = output
+    model = helper.make_model(
+        helper.make_graph(nodes, "mlp", [x], [y], initializer=inits), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path)
+
+
+def timed(run: Callable[[], object], iterations: int) -> tuple[float, float]:
+    """p50 and p99 milliseconds of ``run()`` after a few warm-up calls."""
+    for _ in range(min(10, iterations)):
+        run()
+    samples = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        run()
+        samples.append((time.perf_counter() - start) * 1000)
+    return float(np.percentile(samples, 50)), float(np.percentile(samples, 99))
+
+
+def _runner(backend: Any) -> Callable[[dict[str, np.ndarray]], object]:
+    return lambda feeds: backend.run(feeds, ["y"])
+
+
+def _session_runner(session: ort.InferenceSession) -> Callable[[dict[str, np.ndarray]], object]:
+    return lambda feeds: session.run(["y"], feeds)
+
+
+def _bound(run: Callable[[dict[str, np.ndarray]], object], feeds: dict[str, np.ndarray]) -> Callable[[], object]:
+    return lambda: run(feeds)
+
+
+def main() -> int:
+    cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("--precisions", default="fp32,fp16")
+    cli.add_argument("--batches", default="1,8,32,64")
+    cli.add_argument("--max-batch", type=int, default=64)
+    cli.add_argument("--layers", type=int, default=4)
+    cli.add_argument("--width", type=int, default=1024)
+    cli.add_argument("--iterations", type=int, default=200)
+    cli.add_argument("--keep", type=Path, default=None, help="build the repository here and keep it")
+    cli.add_argument("--fake", action="store_true", help="dry run on tests/fakegpu (no GPU; numbers mean nothing)")
+    args = cli.parse_args()
+    if args.fake:
+        sys.path.insert(0, str(ROOT / "tests" / "fakegpu"))
+
+    from splitstream.common.errors import ConfigError
+    from splitstream.worker.backends.tensorrt import TensorRTBackend
+    from splitstream.worker.config import ModelConfig
+    from splitstream.worker.engines.builder import build_and_store
+    from splitstream.worker.engines.environment import load_environment
+
+    log = structlog.get_logger("gpu_smoke")
+    try:
+        env = load_environment("gpu_smoke")
+    except ConfigError as error:
+        print(f"gpu_smoke: {error}", file=sys.stderr)
+        return 2
+    device = env.device
+    print(
+        f"{'FAKE GPU (tests/fakegpu), not TensorRT: ' if args.fake else ''}TensorRT {device.tensorrt_version} on "
+        f"{device.gpu_name} (sm {device.sm}); onnxruntime {ort.__version__} providers {ort.get_available_providers()}"
+    )
+    batches = [int(b) for b in args.batches.split(",")]
+    workdir = args.keep or Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
+    failures = 0
+    rows = []
+    try:
+        for precision in args.precisions.split(","):
+            directory = workdir / precision / MODEL / VERSION
+            mlp(directory / "model.onnx", layers=args.layers, width=args.width)
+            settings = {
+                "backend": "tensorrt",
+                "max_batch_size": args.max_batch,
+                "instance_count": 2,
+                "tensorrt": {
+                    "precision": precision,
+                    "contexts": 2,
+                    "stream_priority": "high",
+                    "workspace_bytes": 1 << 30,
+                    "profiles": [
+                        {
+                            "min": {"x": [1, args.width]},
+                            "opt": {"x": [max(batches), args.width]},
+                            "max": {"x": [args.max_batch, args.width]},
+                        }
+                    ],
+                },
+            }
+            (directory / "config.yaml").write_text(yaml.safe_dump(settings))
+            config = ModelConfig.from_file(directory / "config.yaml")
+            start = time.perf_counter()
+            outcome = build_and_store(env, directory, config, model=MODEL, version=VERSION, log=log)
+            build_s = time.perf_counter() - start
+            again = build_and_store(env, directory, config, model=MODEL, version=VERSION, log=log)
+            print(f"[{precision}] built {outcome.path.name} in {build_s:.1f} s; second build cached: {not again.built}")
+            if again.built:
+                failures += 1
+            cpu = ort.InferenceSession(str(directory / "model.onnx"), providers=["CPUExecutionProvider"])
+            gpu = None
+            if "CUDAExecutionProvider" in ort.get_available_providers() and not args.fake:
+                gpu = ort.InferenceSession(str(directory / "model.onnx"), providers=["CUDAExecutionProvider"])
+            backend = TensorRTBackend(directory, config, logger=log)
+            backend.load()
+            try:
+                memory = backend.context_device_memory_bytes
+                print(f"[{precision}] tag {backend.engine_tag}; device bytes per context {memory}")
+                rtol, atol = TOLERANCES.get(precision, (5e-2, 5e-3))
+                for count in [*batches, args.max_batch + args.max_batch // 2 + 1]:
+                    x = np.random.default_rng(count).standard_normal((count, args.width)).astype(np.float32)
+                    expected = cpu.run(["y"], {"x": x})[0]
+                    actual = backend.run({"x": x}, ["y"])["y"]
+                    worst = float(np.max(np.abs(actual - expected)))
+                    ok = actual.shape == expected.shape and np.allclose(actual, expected, rtol=rtol, atol=atol)
+                    failures += not ok
+                    note = " (split: beyond the profile)" if count > args.max_batch else ""
+                    verdict = "ok" if ok else "MISMATCH"
+                    print(f"[{precision}] batch {count}{note}: max |trt - ort cpu| = {worst:.2e} {verdict}")
+                for count in batches:
+                    x = np.random.default_rng(count).standard_normal((count, args.width)).astype(np.float32)
+                    engines: list[tuple[str, Callable[[dict[str, np.ndarray]], object]]] = [
+                        (f"tensorrt {precision}", _runner(backend)),
+                        ("onnxruntime cpu", _session_runner(cpu)),
+                    ]
+                    if gpu is not None:
+                        engines.insert(1, ("onnxruntime cuda", _session_runner(gpu)))
+                    for name, run in engines:
+                        p50, p99 = timed(_bound(run, {"x": x}), args.iterations)
+                        rows.append((name, count, p50, p99, count / (p50 / 1000)))
+            finally:
+                backend.close()
+    finally:
+        if args.keep is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print()
+    print("| engine | batch | p50 ms | p99 ms | rows/s at p50 |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, count, p50, p99, throughput in rows:
+        print(f"| {name} | {count} | {p50:.3f} | {p99:.3f} | {throughput:,.0f} |")
+    print(f"\n{'FAILED' if failures else 'OK'}: {failures} check(s) failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
