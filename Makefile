@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TRITON_VENV ?= .venv-triton
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos test lint format bench clean up down
+.PHONY: help install protos test lint format bench gpu-smoke clean up down
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -55,6 +55,10 @@ up: ## Start the docker-compose stack (needs a Docker engine): redis, consul, re
 
 down: ## Stop the docker-compose stack
 	docker compose -f deploy/docker-compose.yml down
+
+gpu-smoke: install ## On a GPU machine: build, load and time a TensorRT engine against ONNX Runtime
+	$(BIN)/pip install --quiet -e '.[tensorrt]'
+	$(BIN)/python bench/gpu_smoke.py
 
 clean: ## Remove the virtual environments and generated files
 	rm -rf $(VENV) $(TRITON_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache

@@ -123,7 +123,7 @@ def main() -> int:
 
     log = structlog.get_logger("gpu_smoke")
     try:
-        env = load_environment("gpu_smoke")
+        env = load_environment("the GPU smoke test")
     except ConfigError as error:
         print(f"gpu_smoke: {error}", file=sys.stderr)
         return 2
