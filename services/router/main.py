@@ -20,7 +20,7 @@ from splitstream.common.cli import EnvArgumentParser, fail, server_options
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
-from splitstream.common.registry import FileRegistry, Registry, RegistryUpdate
+from splitstream.common.registry import ConsulRegistry, FileRegistry, Registry, RegistryUpdate, parse_consul_spec
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.mirror import MirrorSettings, RecordMirror
@@ -78,7 +78,10 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
     parser.add_argument(
         "--registry",
         required=True,
-        help="where endpoints and experiments come from: file:PATH (a YAML file, re-read on change)",
+        help=(
+            "where endpoints and experiments come from: file:PATH (a YAML file, re-read on change) or "
+            "consul://HOST:PORT (watched with blocking queries; ACL token from CONSUL_HTTP_TOKEN)"
+        ),
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8001, help="gRPC port (Triton's default; 0 picks a free one)")
@@ -176,7 +179,9 @@ def open_registry(spec: str) -> Registry:
         if not os.path.isfile(location):
             raise ValueError(f"registry file '{location}' does not exist")
         return FileRegistry(location)
-    raise ValueError(f"unknown registry '{spec}' (expected file:PATH)")
+    if scheme == "consul":
+        return ConsulRegistry(parse_consul_spec(spec))
+    raise ValueError(f"unknown registry '{spec}' (expected file:PATH or consul://HOST:PORT)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -296,10 +301,12 @@ class Router:
             self.log.error("registry update rejected; keeping the last good state", error=update.error)
             return
         self.core.apply(update.state)
-        self.servicer.registry_error = ""
-        self.metrics.registry_updates.labels("ok").inc()
-        self.metrics.registry_healthy.set(1)
+        self.servicer.registry_error = update.error or ""
+        self.metrics.registry_updates.labels("partial" if update.error else "ok").inc()
+        self.metrics.registry_healthy.set(0 if update.error else 1)
         self.log.info("registry applied", generation=self.core.generation, models=sorted(update.state.models))
+        if update.error:
+            self.log.error("registry state applied with parts kept from before", error=update.error)
 
     async def shutdown(self) -> None:
         """Stop in order: report NOT_SERVING; keep serving ``drain_delay_s`` so balancers move away;

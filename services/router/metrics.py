@@ -47,13 +47,13 @@ class RouterMetrics:
         )
         self.registry_updates = Counter(
             "splitstream_router_registry_updates",
-            "Registry states applied (ok) or rejected (error)",
+            "Registry states applied (ok), applied with invalid parts kept from before (partial), or rejected (error)",
             ["result"],
             registry=self.registry,
         )
         self.registry_healthy = Gauge(
             "splitstream_router_registry_healthy",
-            "1 when the last registry read succeeded, else 0",
+            "1 when the last registry read succeeded and was valid throughout, else 0",
             registry=self.registry,
         )
         self.shadow_requests = Counter(

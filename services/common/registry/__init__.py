@@ -1,6 +1,16 @@
 """Where routers learn endpoints and experiments: one interface, several backends."""
 
 from splitstream.common.registry.base import ModelEntry, Registry, RegistryState, RegistryUpdate
+from splitstream.common.registry.consul import ConsulRegistry, parse_consul_spec
 from splitstream.common.registry.file import FileRegistry, parse_registry
 
-__all__ = ["FileRegistry", "ModelEntry", "Registry", "RegistryState", "RegistryUpdate", "parse_registry"]
+__all__ = [
+    "ConsulRegistry",
+    "FileRegistry",
+    "ModelEntry",
+    "Registry",
+    "RegistryState",
+    "RegistryUpdate",
+    "parse_consul_spec",
+    "parse_registry",
+]

@@ -24,9 +24,13 @@ class RegistryState:
 
 @dataclass(frozen=True, kw_only=True)
 class RegistryUpdate:
-    """Either a new state to apply, or the error that kept one from being read.
+    """A new state to apply, the error that kept one from being read, or both.
 
-    On an error the router keeps serving its last good state and reports the error.
+    - ``state`` only: apply it.
+    - ``error`` only: nothing could be read; the router keeps serving its last good
+      state and reports the error.
+    - both: apply ``state``, in which the parts the error names were kept from
+      before (e.g. one model's experiment in Consul is invalid); report the error.
     """
 
     state: RegistryState | None = None

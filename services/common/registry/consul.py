@@ -1,0 +1,471 @@
+"""The ``consul`` registry backend: workers register in Consul, routers watch it.
+
+Layout in Consul (ARCHITECTURE.md, Registry):
+
+- Each worker is one instance of service ``splitstream-<model>``, with meta
+  ``version``, ``engine_tag``, ``backend``, ``precision`` (the first two also as
+  tags) and a gRPC health check against its grpc.health.v1 service.
+- Each model's experiment is JSON in KV ``splitstream/experiments/<model>``, the
+  same mapping as the file backend's ``experiment:`` block
+  (:meth:`Experiment.from_mapping` / :meth:`Experiment.to_mapping`).
+
+A router watches with blocking queries (``index`` + ``wait``): the catalog's
+service list (to discover models), each model's *passing* instances, and the
+experiments prefix. A change reaches the router as soon as Consul answers the
+query it holds open, well within a second.
+
+Rules a router follows (one place, so every router derives the same table):
+
+- A model's endpoints are its passing instances, grouped by meta ``version``.
+- No experiment key: one version → it takes 100 %; several versions → the
+  lowest version in natural order (``v2`` < ``v10``) takes 100 % and the others
+  are reachable only by pin, until an experiment says otherwise. New versions
+  therefore get no traffic until someone gives them some (:func:`default_experiment`).
+- An experiment that is not JSON or fails validation is never applied: the
+  model keeps the last good experiment this router read (or the default rule if
+  it never read one), and the update carries the error.
+- Consul listing no passing instance at all for a model keeps the model's last
+  endpoints: an empty list is far more often a Consul restart or a check blip
+  than every worker gone, and the router's own health watch takes endpoints
+  that are really gone out of rotation.
+- Consul unreachable: the router keeps its last state and gets an error update;
+  each query retries with capped exponential backoff.
+
+py-consul's client is synchronous (requests). Every call runs in its own daemon
+thread (:func:`run_blocking`), so a blocking query held open never occupies the
+event loop or the default executor, and never delays process exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import os
+import random
+import re
+import threading
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import consul
+import requests
+import structlog
+
+from splitstream.common.errors import ConfigError
+from splitstream.common.experiment import Experiment
+from splitstream.common.names import check_model_name
+from splitstream.common.registry.base import ModelEntry, RegistryState, RegistryUpdate
+
+log = structlog.get_logger()
+
+SERVICE_PREFIX = "splitstream-"
+EXPERIMENT_PREFIX = "splitstream/experiments/"
+DEFAULT_ADDRESS = "127.0.0.1:8500"
+TOKEN_VARIABLE = "CONSUL_HTTP_TOKEN"
+
+T = TypeVar("T")
+
+
+def service_name(model: str) -> str:
+    return SERVICE_PREFIX + model
+
+
+def experiment_key(model: str) -> str:
+    return EXPERIMENT_PREFIX + model
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsulAddress:
+    """Where the Consul agent's HTTP API is; the ACL token comes from ``CONSUL_HTTP_TOKEN``."""
+
+    host: str
+    port: int
+    scheme: str = "http"
+    token: str | None = None
+
+    @property
+    def description(self) -> str:
+        return f"consul://{self.host}:{self.port}"
+
+    def client(self, *, timeout_s: float | None = 10.0) -> consul.Consul:
+        """A new client (one per thread of use: a requests session is not shared between threads).
+
+        ``timeout_s`` bounds connecting and answering; a blocking query adds its wait to it.
+        """
+        return consul.Consul(
+            host=self.host, port=self.port, scheme=self.scheme, token=self.token, connections_timeout=timeout_s
+        )
+
+
+def parse_consul_spec(spec: str) -> ConsulAddress:
+    """``consul://HOST:PORT``, ``consul:HOST:PORT`` or ``consul:`` (``CONSUL_HTTP_ADDR``, else 127.0.0.1:8500).
+
+    Raises ValueError saying what is wrong.
+    """
+    scheme, _, rest = spec.partition(":")
+    if scheme != "consul":
+        raise ValueError(f"not a consul registry: '{spec}'")
+    rest = rest.removeprefix("//").rstrip("/")
+    http_scheme = "http"
+    if not rest:
+        rest = os.environ.get("CONSUL_HTTP_ADDR", DEFAULT_ADDRESS)
+        if "://" in rest:
+            http_scheme, _, rest = rest.partition("://")
+    parsed = urllib.parse.urlsplit(f"//{rest}")
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if not parsed.hostname or port is None or parsed.path:
+        raise ValueError(f"registry '{spec}': expected consul://HOST:PORT")
+    return ConsulAddress(
+        host=parsed.hostname, port=port, scheme=http_scheme, token=os.environ.get(TOKEN_VARIABLE) or None
+    )
+
+
+def describe_error(error: BaseException) -> str:
+    """A one-line reason for a failed Consul call (requests' own messages run to several hundred characters)."""
+    if isinstance(error, requests.Timeout):
+        return "timed out"
+    if isinstance(error, requests.ConnectionError):
+        text = str(error)
+        return "connection refused" if "refused" in text.lower() else "cannot connect"
+    if isinstance(error, consul.ACLPermissionDenied):
+        return f"permission denied (is {TOKEN_VARIABLE} set?)"
+    return " ".join(str(error).split())[:300] or type(error).__name__
+
+
+#: What a Consul call can raise when Consul is down, slow or refuses.
+CONSUL_ERRORS = (consul.ConsulException, requests.RequestException)
+
+
+async def run_blocking(function: Callable[[], T]) -> T:
+    """Run ``function`` in a new daemon thread and await its result.
+
+    Cancelling the await abandons the thread: it finishes its HTTP call (a
+    blocking query ends at its wait) and its result is dropped.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result = function()
+        except BaseException as error:
+            outcome: tuple[T | None, BaseException | None] = (None, error)
+        else:
+            outcome = (result, None)
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="consul-call", daemon=True).start()
+    return await future
+
+
+# -- decoding ----------------------------------------------------------------------------------------
+
+
+def natural_key(version: str) -> tuple[Any, ...]:
+    """Sort key putting ``v2`` before ``v10``."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", version))
+
+
+def default_experiment(model: str, versions: Iterable[str]) -> Experiment | None:
+    """The experiment of a model with no experiment key: the lowest version takes 100 %; None without versions."""
+    ordered = sorted(set(versions), key=natural_key)
+    if not ordered:
+        return None
+    control = ordered[0]
+    return Experiment.build(
+        model=model, salt=model, control=control, arms=[(v, 100 if v == control else 0) for v in ordered]
+    )
+
+
+def decode_experiment(model: str, value: bytes | None) -> Experiment:
+    """Parse a KV value; raises ConfigError naming the key and what is wrong."""
+    where = f"experiment at {experiment_key(model)}"
+    if value is None:
+        raise ConfigError(f"{where}: the key has no value")
+    try:
+        data = json.loads(value)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{where} is not valid JSON: {error}") from None
+    try:
+        return Experiment.from_mapping(model, data)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def encode_experiment(experiment: Experiment) -> str:
+    return json.dumps(experiment.to_mapping(), sort_keys=True)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Instance:
+    """One registered worker as a health query returns it."""
+
+    service_id: str
+    model: str
+    version: str
+    address: str  # host:port
+    status: str  # passing, warning or critical: the worst of its checks
+    engine_tag: str = ""
+    backend: str = ""
+    precision: str = ""
+
+
+def decode_instance(model: str, entry: Mapping[str, Any]) -> Instance | None:
+    """An entry of ``/v1/health/service/<name>``; None when it carries no version (not ours)."""
+    service = entry.get("Service") or {}
+    meta = service.get("Meta") or {}
+    version = meta.get("version")
+    port = service.get("Port")
+    host = service.get("Address") or (entry.get("Node") or {}).get("Address")
+    if not version or not host or not port:
+        return None
+    statuses = [check.get("Status", "critical") for check in entry.get("Checks") or ()]
+    status = "passing"
+    for worse in ("warning", "critical", "maintenance"):
+        if worse in statuses:
+            status = "critical" if worse == "maintenance" else worse
+    return Instance(
+        service_id=str(service.get("ID", "")),
+        model=model,
+        version=str(version),
+        address=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+        status=status,
+        engine_tag=str(meta.get("engine_tag", "")),
+        backend=str(meta.get("backend", "")),
+        precision=str(meta.get("precision", "")),
+    )
+
+
+def group_endpoints(instances: Iterable[Instance]) -> dict[str, tuple[str, ...]]:
+    """version → sorted addresses."""
+    grouped: dict[str, set[str]] = {}
+    for instance in instances:
+        grouped.setdefault(instance.version, set()).add(instance.address)
+    return {version: tuple(sorted(addresses)) for version, addresses in sorted(grouped.items())}
+
+
+def model_of_service(name: str) -> str | None:
+    if not name.startswith(SERVICE_PREFIX):
+        return None
+    model = name[len(SERVICE_PREFIX) :]
+    try:
+        check_model_name(model)
+    except ValueError:
+        return None
+    return model
+
+
+# -- the router's watch ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class WatchSettings:
+    #: How long Consul may hold a blocking query open (it answers at once on a change).
+    wait_s: float = 5.0
+    #: First retry delay after a failed query; doubles up to ``retry_max_s`` (±20 % jitter).
+    retry_min_s: float = 0.2
+    retry_max_s: float = 2.0
+
+
+class ConsulRegistry:
+    """Registry backend for routers: :meth:`watch` yields a state whenever Consul's answer changes it."""
+
+    def __init__(self, address: ConsulAddress, settings: WatchSettings | None = None) -> None:
+        self.address = address
+        self.settings = settings or WatchSettings()
+        self.description = address.description
+
+    async def watch(self) -> AsyncIterator[RegistryUpdate]:
+        session = _WatchSession(self.address, self.settings)
+        try:
+            async for update in session.updates():
+                yield update
+        finally:
+            session.close()
+
+
+class _WatchSession:
+    """Blocking-query loops that fill in the latest answers, and one generator that turns them into updates."""
+
+    def __init__(self, address: ConsulAddress, settings: WatchSettings) -> None:
+        self.address = address
+        self.settings = settings
+        self.changed = asyncio.Event()
+        self.pending: set[str] = {"catalog", "kv"}  # sources that have not answered yet
+        self.errors: dict[str, str] = {}
+        self.instances: dict[str, list[Instance]] = {}
+        self.experiment_values: dict[str, bytes | None] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        # Kept across answers, per model: last good experiment (and the value it came from), last endpoints.
+        self.good_experiments: dict[str, tuple[bytes | None, Experiment]] = {}
+        self.last_endpoints: dict[str, dict[str, tuple[str, ...]]] = {}
+        self.defaulted: frozenset[str] = frozenset()
+
+    def close(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        self.tasks.clear()
+
+    async def updates(self) -> AsyncIterator[RegistryUpdate]:
+        self._start("catalog", self._fetch_catalog, self._on_catalog)
+        self._start("kv", self._fetch_experiments, self._on_experiments)
+        last: RegistryUpdate | None = None
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            if self.errors:
+                update = RegistryUpdate(error=f"Consul query failed: {sorted(set(self.errors.values()))[0]}")
+            elif self.pending:
+                continue
+            else:
+                state, problems = self._state()
+                update = RegistryUpdate(state=state, error="; ".join(problems) or None)
+            if update != last:
+                last = update
+                yield update
+
+    # -- the queries, each in its own loop ----------------------------------------------------------
+
+    def _start(self, source: str, fetch: Callable[[consul.Consul, int], Any], apply: Callable[[Any], None]) -> None:
+        self.pending.add(source)
+        self.tasks[source] = asyncio.create_task(self._poll(source, fetch, apply), name=f"consul-watch-{source}")
+
+    def _stop(self, source: str) -> None:
+        task = self.tasks.pop(source, None)
+        if task is not None:
+            task.cancel()
+        self.pending.discard(source)
+        self.errors.pop(source, None)
+
+    async def _poll(
+        self, source: str, fetch: Callable[[consul.Consul, int], Any], apply: Callable[[Any], None]
+    ) -> None:
+        client = self.address.client()
+        index = 0
+        delay = self.settings.retry_min_s
+        while True:
+            try:
+                new_index, data = await run_blocking(functools.partial(fetch, client, index))
+            except CONSUL_ERRORS as error:
+                reason = describe_error(error)
+                if self.errors.get(source) != reason:
+                    log.warning("consul query failed; retrying", source=source, error=reason)
+                self.errors[source] = reason
+                self.changed.set()
+                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                delay = min(delay * 2, self.settings.retry_max_s)
+                continue
+            delay = self.settings.retry_min_s
+            if self.errors.pop(source, None) is not None:
+                log.info("consul query answered again", source=source)
+            new = int(new_index)
+            # Consul's advice: an index that went backwards (a restored or rebuilt cluster) restarts
+            # the watch from 0; one that is not positive is taken as 1.
+            index = 0 if new < index else max(new, 1)
+            self.pending.discard(source)
+            apply(data)
+            self.changed.set()
+
+    def _wait(self) -> str:
+        return f"{self.settings.wait_s:g}s"
+
+    def _fetch_catalog(self, client: consul.Consul, index: int) -> Any:
+        return client.catalog.services(index=index or None, wait=self._wait())
+
+    def _fetch_experiments(self, client: consul.Consul, index: int) -> Any:
+        return client.kv.get(EXPERIMENT_PREFIX, recurse=True, index=index or None, wait=self._wait())
+
+    def _fetch_instances(self, model: str) -> Callable[[consul.Consul, int], Any]:
+        def fetch(client: consul.Consul, index: int) -> Any:
+            return client.health.service(service_name(model), passing=True, index=index or None, wait=self._wait())
+
+        return fetch
+
+    def _on_catalog(self, services: Mapping[str, Any] | None) -> None:
+        models = {m for m in map(model_of_service, services or {}) if m is not None}
+        watched = {source.partition(":")[2] for source in self.tasks if source.startswith("instances:")}
+        for model in sorted(models - watched):
+            self._start(f"instances:{model}", self._fetch_instances(model), self._instances_setter(model))
+        for model in watched - models:
+            self._stop(f"instances:{model}")
+            self.instances.pop(model, None)
+
+    def _instances_setter(self, model: str) -> Callable[[Any], None]:
+        def apply(entries: Sequence[Mapping[str, Any]] | None) -> None:
+            decoded = (decode_instance(model, entry) for entry in entries or ())
+            self.instances[model] = [i for i in decoded if i is not None]
+
+        return apply
+
+    def _on_experiments(self, entries: Sequence[Mapping[str, Any]] | None) -> None:
+        values: dict[str, bytes | None] = {}
+        for entry in entries or ():
+            model = str(entry.get("Key", ""))[len(EXPERIMENT_PREFIX) :]
+            try:
+                check_model_name(model)
+            except ValueError:
+                continue
+            if "/" not in model:
+                values[model] = entry.get("Value")
+        self.experiment_values = values
+
+    # -- the state they make --------------------------------------------------------------------------
+
+    def _state(self) -> tuple[RegistryState, list[str]]:
+        problems: list[str] = []
+        models: dict[str, ModelEntry] = {}
+        defaulted: set[str] = set()
+        for model in sorted({*self.instances, *self.experiment_values, *self.last_endpoints}):
+            endpoints = group_endpoints(self.instances.get(model, ()))
+            if endpoints:
+                self.last_endpoints[model] = endpoints
+            else:
+                endpoints = self.last_endpoints.get(model, {})
+            experiment = self._experiment(model, endpoints, problems)
+            if experiment is None:
+                continue
+            if model not in self.experiment_values and len(endpoints) > 1:
+                defaulted.add(model)
+            models[model] = ModelEntry(experiment=experiment, endpoints=endpoints)
+        if defaulted != self.defaulted:
+            self.defaulted = frozenset(defaulted)
+            if defaulted:
+                log.warning(
+                    "models with several versions and no experiment: the lowest version takes all traffic",
+                    models=sorted(defaulted),
+                    key_prefix=EXPERIMENT_PREFIX,
+                )
+        return RegistryState(models=models), problems
+
+    def _experiment(self, model: str, endpoints: Mapping[str, Sequence[str]], problems: list[str]) -> Experiment | None:
+        if model not in self.experiment_values:
+            self.good_experiments.pop(model, None)
+            return default_experiment(model, endpoints)
+        value = self.experiment_values[model]
+        good = self.good_experiments.get(model)
+        if good is not None and good[0] == value:
+            return good[1]
+        try:
+            experiment = decode_experiment(model, value)
+        except ConfigError as error:
+            kept = "keeping the last good one" if good is not None else "using the default rule"
+            problems.append(f"{error} ({kept})")
+            return good[1] if good is not None else default_experiment(model, endpoints)
+        self.good_experiments[model] = (value, experiment)
+        return experiment
