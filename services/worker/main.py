@@ -33,6 +33,12 @@ from splitstream.worker.config import ModelConfig
 from splitstream.worker.health import NOT_SERVING, SERVING, HealthServicer
 from splitstream.worker.metrics import WorkerMetrics
 from splitstream.worker.model import ServedModel
+from splitstream.worker.registration import (
+    ConsulRegistration,
+    RegistrationSettings,
+    add_registration_arguments,
+    registration_settings,
+)
 from splitstream.worker.servicer import InferenceServicer, add_to_server
 
 PROG = "splitstream-worker"
@@ -59,6 +65,7 @@ class WorkerSettings:
     log_level: str = "INFO"
     drain_delay_s: float = 0.5
     shutdown_grace_s: float = 30.0
+    registration: RegistrationSettings | None = None  # Consul registration; None: not registered
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -144,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="on shutdown, seconds in-flight calls get to finish before they are cancelled",
     )
+    add_registration_arguments(parser)
     return parser
 
 
@@ -168,6 +176,7 @@ class Worker:
         self._metrics_server: Any = None
         self._started = False
         self._shutting_down = False
+        self._registration: ConsulRegistration | None = None
         self.port = 0
 
     async def start(self) -> None:
@@ -219,12 +228,24 @@ class Worker:
         for service in ("", self._settings.model):
             await self._health.set(service, SERVING)
         self._logger.info("serving", batching=self.model.config.batching)
+        registration = self._settings.registration
+        if registration is not None and registration.consul is not None:
+            self._registration = ConsulRegistration(
+                registration,
+                model=self._settings.model,
+                version=self._settings.version,
+                backend=self.model.config.backend,
+                port=self.port,
+                logger=self._logger,
+            )
+            self._registration.start()
 
     async def shutdown(self) -> None:
         """Leave rotation, then stop, in this order (calling it again does nothing):
 
         1. Health turns NOT_SERVING for every service; ServerReady and
            ModelReady answer false. Routers and Consul stop picking this worker.
+           If registered in Consul, the worker deregisters (at most a few seconds).
         2. Calls keep being answered for ``drain_delay_s`` (skipped if the
            model never became ready), so calls routed before step 1 was seen
            still succeed.
@@ -243,6 +264,8 @@ class Worker:
         self._logger.info("shutting down", drain_delay_s=settings.drain_delay_s, grace_s=settings.shutdown_grace_s)
         await self._health.enter_graceful_shutdown()
         self.model.start_draining()
+        if self._registration is not None:
+            await self._registration.stop()
         if self._started:
             if was_ready and settings.drain_delay_s > 0:
                 await asyncio.sleep(settings.drain_delay_s)
@@ -306,6 +329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log_level=args.log_level,
             drain_delay_s=args.drain_delay_s,
             shutdown_grace_s=args.shutdown_grace_s,
+            registration=registration_settings(args, host=args.host),
         )
         if not settings.model_directory.is_dir():
             raise ConfigError(f"--model-repository: no directory {settings.model_directory} for this model version")
