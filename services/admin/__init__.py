@@ -1,0 +1,1 @@
+"""``splitstream``, the admin CLI: experiments, versions and rollouts on the file or Consul registry."""

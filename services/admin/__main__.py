@@ -1,0 +1,3 @@
+from splitstream.admin.main import main
+
+raise SystemExit(main())

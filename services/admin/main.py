@@ -1,0 +1,335 @@
+"""``splitstream``: the admin CLI for experiments, versions and rollouts, on either registry backend.
+
+    splitstream --registry consul://127.0.0.1:8500 experiment get resnet
+    splitstream --registry file:registry.yaml experiment set resnet --weights v1=90,v2=10
+    splitstream --registry consul://127.0.0.1:8500 versions resnet
+    splitstream --registry consul://127.0.0.1:8500 rollout resnet v2 --steps 10,50,100 --interval 60s \\
+        --max-error-rate 1% --max-p99-ratio 1.5 --metrics router-a:8002 --metrics router-b:8002
+
+Exit codes: 0 done (a rollout promoted, or held at its last step below 100 %);
+1 the registry or the routers' metrics could not be read or written, or the
+experiment changed meanwhile; 2 a usage error or input the registry refuses
+(one line on stderr; nothing written); 3 a rollout rolled back (a guard tripped,
+metrics became unreadable, or it was interrupted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from splitstream.admin import metrics
+from splitstream.admin.rollout import FAILED, ROLLED_BACK, USAGE, Rollout, RolloutPlan
+from splitstream.admin.store import (
+    AdminError,
+    Invalid,
+    ModelView,
+    Store,
+    check_versions_exist,
+    open_store,
+    weights_text,
+)
+from splitstream.common.cli import EnvArgumentParser
+from splitstream.common.errors import ConfigError
+from splitstream.common.experiment import Experiment
+
+PROG = "splitstream"
+ENV_PREFIX = "SPLITSTREAM_ADMIN_"
+_DURATION = re.compile(r"^\s*([\d.]+)\s*(ms|s|m|h)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def duration_s(text: str) -> float:
+    """``60s``, ``2m``, ``500ms``, or plain seconds."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 60s, 2m, 500ms)")
+    return float(match.group(1)) * _SECONDS[match.group(2) or "s"]
+
+
+def fraction(text: str) -> float:
+    """``0.01`` or ``1%``."""
+    try:
+        return float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 0.01 or 1%)") from None
+
+
+def steps(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of percentages: {text!r} (e.g. 10,50,100)") from None
+
+
+def weight_pairs(text: str) -> list[tuple[str, float]]:
+    """``v1=90,v2=10`` → [("v1", 90), ("v2", 10)]."""
+    pairs = []
+    for part in text.split(","):
+        version, sep, value = part.strip().partition("=")
+        if not sep or not version.strip():
+            raise argparse.ArgumentTypeError(f"expected VERSION=WEIGHT pairs like v1=90,v2=10, got {text!r}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"weight of '{version.strip()}' is not a number: {value!r}") from None
+        pairs.append((version.strip(), int(number) if number == int(number) else number))
+    return pairs
+
+
+def build_parser() -> EnvArgumentParser:
+    parser = EnvArgumentParser(
+        prog=PROG,
+        env_prefix=ENV_PREFIX,
+        description="Inspect and change splitstream experiments, list versions, and roll out new versions.",
+        epilog=(
+            "Exit codes: 0 done (rollout promoted or held); 1 registry or metrics unreadable/unwritable, or the "
+            "experiment changed meanwhile; 2 usage error or refused input (nothing written); 3 rollout rolled back."
+        ),
+    )
+    parser.add_argument(
+        "--registry",
+        required=True,
+        help="file:PATH (the routers' YAML file) or consul://HOST:PORT (ACL token from CONSUL_HTTP_TOKEN)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    experiment = commands.add_parser("experiment", env_prefix=ENV_PREFIX, help="show or change a model's experiment")
+    actions = experiment.add_subparsers(dest="action", required=True, metavar="ACTION")
+    get = actions.add_parser("get", env_prefix=ENV_PREFIX, help="print the experiment routers follow, as JSON")
+    get.add_argument("model")
+    put = actions.add_parser(
+        "set",
+        env_prefix=ENV_PREFIX,
+        help="change the experiment; fields not given keep their value",
+        description=(
+            "Validate, then write in one step: weights >= 0 summing to 100, exactly one control among the arms, "
+            "and every version taking traffic (and the control and shadows) registered."
+        ),
+    )
+    put.add_argument("model")
+    put.add_argument("--weights", type=weight_pairs, help="VERSION=PERCENT,... e.g. v1=90,v2=10 (replaces all arms)")
+    put.add_argument("--control", help="the control version (default: the current one)")
+    put.add_argument("--salt", help="hash salt; changing it reshuffles every key")
+    put.add_argument("--shadow", action="append", default=None, metavar="VERSION=RATE", help="shadow copies (repeat)")
+    put.add_argument("--no-shadows", action="store_true", help="remove every shadow")
+    put.add_argument("--routing-key-header", help="header carrying the sticky key (default x-routing-key)")
+    put.add_argument(
+        "--json", dest="json_text", metavar="JSON|@FILE|-", help="the whole experiment as JSON (replaces it)"
+    )
+
+    versions = commands.add_parser(
+        "versions", env_prefix=ENV_PREFIX, help="each version's endpoints, health and engine tag"
+    )
+    versions.add_argument("model")
+    versions.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    rollout = commands.add_parser(
+        "rollout",
+        env_prefix=ENV_PREFIX,
+        help="ramp a version up step by step; roll back when a guard trips",
+        description=(
+            "Between steps, read every router's /metrics and compare the new version with the control over the "
+            "step's interval; promote when the guards hold, set the new version back to 0 %% when one trips."
+        ),
+    )
+    rollout.add_argument("model")
+    rollout.add_argument("version")
+    rollout.add_argument("--steps", type=steps, default=(10.0, 50.0, 100.0), help="percentages, e.g. 10,50,100")
+    rollout.add_argument("--interval", type=duration_s, default=60.0, help="time per step, e.g. 60s or 2m")
+    rollout.add_argument("--max-error-rate", type=fraction, default=0.01, help="e.g. 0.01 or 1%%")
+    rollout.add_argument("--max-p99-ratio", type=float, default=1.5, help="new p99 / control p99 at most this")
+    rollout.add_argument(
+        "--metrics", action="append", default=[], metavar="URL", help="a router's /metrics (host:port or URL; repeat)"
+    )
+    rollout.add_argument("--min-calls", type=int, default=20, help="calls of the new version a step needs")
+    rollout.add_argument("--check-every", type=duration_s, default=1.0, help="how often metrics are read in a step")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        store = open_store(args.registry)
+        if args.command == "experiment" and args.action == "get":
+            return experiment_get(store, args.model)
+        if args.command == "experiment":
+            return experiment_set(store, args)
+        if args.command == "versions":
+            return list_versions(store, args.model, as_json=args.json)
+        return run_rollout(store, args)
+    except Invalid as error:
+        return _fail(USAGE, error)
+    except AdminError as error:
+        return _fail(FAILED, error)
+
+
+def _fail(code: int, error: Exception) -> int:
+    print(f"{PROG}: error: {error}", file=sys.stderr)
+    return code
+
+
+def experiment_get(store: Store, model: str) -> int:
+    view = store.read(model)
+    if view.problem:
+        raise AdminError(view.problem)
+    if view.effective is None:
+        raise AdminError(f"model '{model}' has no experiment and no passing instance to default to")
+    if view.stored is None:
+        print(
+            f"# no experiment stored for '{model}'; routers use the default: all traffic to the control",
+            file=sys.stderr,
+        )
+    print(json.dumps({"model": model, **view.effective.to_mapping()}, indent=2))
+    return 0
+
+
+def experiment_set(store: Store, args: argparse.Namespace) -> int:
+    view = store.read(args.model)
+    experiment = new_experiment(view, args)
+    check_versions_exist(view, experiment)
+    store.write(args.model, experiment, view.revision)
+    print(f"{args.model}: {weights_text(experiment)} written to {store.description}")
+    return 0
+
+
+def new_experiment(view: ModelView, args: argparse.Namespace) -> Experiment:
+    """The experiment ``set`` would write; raises Invalid naming the problem."""
+    model = view.model
+    if args.json_text is not None:
+        if any(v is not None for v in (args.weights, args.control, args.salt, args.shadow, args.routing_key_header)):
+            raise Invalid("--json replaces the whole experiment; give no other field with it")
+        data = _load_json(args.json_text)
+        if isinstance(data, dict) and data.get("model", model) != model:
+            raise Invalid(f"the JSON is for model '{data['model']}', not '{model}'")
+        if isinstance(data, dict) and not isinstance(data.get("control", ""), str):
+            raise Invalid("'control' must be one version name")
+        return _build(lambda: Experiment.from_mapping(model, data))
+    base = view.stored or view.effective
+    if base is None and (args.weights is None):
+        raise Invalid(f"model '{model}' has no experiment yet: give --weights")
+    mapping: dict[str, Any] = base.to_mapping() if base is not None else {"salt": model}
+    if args.weights is not None:
+        mapping["arms"] = [{"version": v, "weight": w} for v, w in args.weights]
+        if args.control is None and mapping.get("control") not in {v for v, _ in args.weights}:
+            mapping["control"] = args.weights[0][0]
+    if args.control is not None:
+        mapping["control"] = args.control
+    if args.salt is not None:
+        mapping["salt"] = args.salt
+    if args.no_shadows:
+        mapping["shadows"] = []
+    if args.shadow:
+        mapping["shadows"] = [{"version": v, "sample_rate": r} for v, r in map(_shadow_pair, args.shadow)]
+    if args.routing_key_header is not None:
+        mapping["routing_key_header"] = args.routing_key_header
+    return _build(lambda: Experiment.from_mapping(model, mapping))
+
+
+def _build(make: Any) -> Experiment:
+    try:
+        experiment: Experiment = make()
+    except ConfigError as error:
+        raise Invalid(str(error)) from None
+    return experiment
+
+
+def _shadow_pair(text: str) -> tuple[str, float]:
+    version, sep, rate = text.partition("=")
+    try:
+        return version.strip(), float(rate) if sep else 1.0
+    except ValueError:
+        raise Invalid(f"--shadow: expected VERSION=RATE, got {text!r}") from None
+
+
+def _load_json(source: str) -> Any:
+    if source == "-":
+        text = sys.stdin.read()
+    elif source.startswith("@"):
+        try:
+            text = Path(source[1:]).read_text()
+        except OSError as error:
+            raise Invalid(f"--json: {source[1:]}: {error.strerror or error}") from None
+    else:
+        text = source
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise Invalid(f"--json: not valid JSON: {error}") from None
+
+
+def list_versions(store: Store, model: str, *, as_json: bool) -> int:
+    view = store.read(model, probe_health=True)
+    weights = {a.version: a.weight for a in view.effective.arms} if view.effective is not None else {}
+    control = view.effective.control if view.effective is not None else ""
+    rows = [
+        {
+            "version": e.version,
+            "endpoint": e.address,
+            "health": e.health or "unknown",
+            "engine_tag": e.engine_tag,
+            "backend": e.backend,
+            "precision": e.precision,
+            "weight": weights.get(e.version, 0),
+            "control": e.version == control,
+        }
+        for e in view.endpoints
+    ]
+    for version in sorted(set(weights) - set(view.versions)):  # in the experiment, no endpoint registered
+        rows.append(
+            {
+                "version": version,
+                "endpoint": "",
+                "health": "no endpoint",
+                "engine_tag": "",
+                "backend": "",
+                "precision": "",
+                "weight": weights[version],
+                "control": version == control,
+            }
+        )
+    if as_json:
+        print(json.dumps({"model": model, "problem": view.problem, "versions": rows}, indent=2))
+        return 0
+    header = ("VERSION", "WEIGHT", "ENDPOINT", "HEALTH", "ENGINE TAG", "BACKEND", "PRECISION")
+    table = [header] + [
+        (
+            r["version"] + (" (control)" if r["control"] else ""),
+            f"{r['weight']:g} %",
+            r["endpoint"] or "-",
+            r["health"],
+            r["engine_tag"] or "-",
+            r["backend"] or "-",
+            r["precision"] or "-",
+        )
+        for r in rows
+    ]
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+    if view.problem:
+        print(f"warning: {view.problem}", file=sys.stderr)
+    return 0
+
+
+def run_rollout(store: Store, args: argparse.Namespace) -> int:
+    plan = RolloutPlan(
+        model=args.model,
+        version=args.version,
+        steps=args.steps,
+        interval_s=args.interval,
+        max_error_rate=args.max_error_rate,
+        max_p99_ratio=args.max_p99_ratio,
+        metrics_urls=tuple(metrics.metrics_url(url) for url in args.metrics),
+        min_calls=args.min_calls,
+        check_every_s=args.check_every,
+    )
+    verdict = Rollout(store, plan, out=lambda line: print(line, flush=True)).run()
+    stream = sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr
+    print(verdict.message, file=stream, flush=True)
+    return verdict.code

@@ -1,0 +1,276 @@
+"""``splitstream rollout``: ramp a new version step by step, judged by the routers' metrics.
+
+For each step (e.g. 10, 50, 100 %) the new version gets that weight, the control
+the rest (other arms keep theirs). During the step's interval the routers'
+``/metrics`` are read every ``check_every_s``; the step is judged on the calls of
+that interval only (deltas between scrapes, summed over routers):
+
+- error rate of the new version (statuses other than OK, INVALID_ARGUMENT,
+  NOT_FOUND, CANCELLED) at most ``max_error_rate`` — checked at every scrape, so a
+  failing version is pulled as soon as ``min_calls`` of its calls are in;
+- at least ``min_calls`` calls of the new version by the end of the step (else
+  there is nothing to judge);
+- p99 latency of the new version at most ``max_p99_ratio`` times the control's p99,
+  both from histogram buckets over the interval. When the control took too few
+  calls (its weight is 0 at the 100 % step) the control's p99 from the last step
+  that had them is the reference.
+
+A guard that trips, metrics that cannot be read, or an interrupt set the new
+version back to 0 % (its share goes to the control) and the rollout ends with
+:data:`ROLLED_BACK`. When every step held and the last one is 100 %, the new
+version is promoted: it becomes the control and the old control leaves the arms.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from splitstream.admin import metrics
+from splitstream.admin.store import AdminError, Conflict, Invalid, ModelView, Store, check_versions_exist, weights_text
+from splitstream.common.errors import ConfigError
+from splitstream.common.experiment import Experiment
+
+PROMOTED = 0
+FAILED = 1
+USAGE = 2
+ROLLED_BACK = 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutPlan:
+    model: str
+    version: str
+    steps: tuple[float, ...]
+    interval_s: float
+    max_error_rate: float
+    max_p99_ratio: float
+    metrics_urls: tuple[str, ...]
+    min_calls: int = 20
+    check_every_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise Invalid("--steps: give at least one step")
+        if any(not 0 < s <= 100 for s in self.steps):
+            raise Invalid(f"--steps: each step must be within (0, 100], got {list(self.steps)}")
+        if list(self.steps) != sorted(set(self.steps)):
+            raise Invalid(f"--steps: must increase, got {list(self.steps)}")
+        if self.interval_s <= 0 or self.check_every_s <= 0:
+            raise Invalid("--interval and --check-every must be positive")
+        if not 0 <= self.max_error_rate <= 1:
+            raise Invalid(
+                f"--max-error-rate: a fraction within 0..1 (or a percentage like 1%), got {self.max_error_rate}"
+            )
+        if self.max_p99_ratio <= 0:
+            raise Invalid(f"--max-p99-ratio: must be positive, got {self.max_p99_ratio}")
+        if not self.metrics_urls:
+            raise Invalid("--metrics: give the /metrics URL of every router (repeat the flag)")
+        if self.min_calls < 1:
+            raise Invalid("--min-calls: must be at least 1")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    code: int
+    message: str
+
+
+class Tripped(Exception):
+    """A guard failed; the message says which and by how much."""
+
+
+Scrape = Callable[[Iterable[str], str], metrics.Snapshot]
+
+
+class Rollout:
+    def __init__(
+        self,
+        store: Store,
+        plan: RolloutPlan,
+        *,
+        out: Callable[[str], None] = print,
+        scrape: Scrape = metrics.scrape,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.plan = plan
+        self.out = out
+        self.scrape = scrape
+        self.sleep = sleep
+        self.clock = clock
+        self._reference_p99: float | None = None
+        self.control = ""
+
+    def run(self) -> Verdict:
+        """Raises Invalid (nothing changed) for a plan the registry refuses; AdminError if it cannot be written."""
+        plan = self.plan
+        view = self.store.read(plan.model)
+        base = self._base(view)
+        self.control = base.control
+        try:
+            self.scrape(plan.metrics_urls, plan.model)
+        except OSError as error:
+            raise AdminError(f"{error}; nothing changed") from None
+        revision = view.revision
+        for number, weight in enumerate(plan.steps, start=1):
+            experiment = self._with_weight(base, weight)
+            try:
+                revision = self._write(experiment, revision)
+            except Conflict as error:
+                return Verdict(FAILED, f"{error}: someone else changed the experiment; rollout stopped, left as it is")
+            self.out(
+                f"step {number}/{len(plan.steps)}: {plan.model} {weights_text(experiment)}, "
+                f"judged over {plan.interval_s:g}s"
+            )
+            try:
+                self._judge_step()
+            except (Tripped, OSError, KeyboardInterrupt) as reason:
+                why = "interrupted" if isinstance(reason, KeyboardInterrupt) else str(reason)
+                return self._roll_back(why)
+        if plan.steps[-1] < 100:
+            return Verdict(PROMOTED, f"{plan.model} {plan.version} holds at {plan.steps[-1]:g} %; every guard held")
+        promoted = self._promoted(base)
+        try:
+            self._write(promoted, revision)
+        except Conflict as error:
+            return Verdict(FAILED, f"{error}: every step held, but the experiment changed before promotion")
+        return Verdict(PROMOTED, f"promoted: {plan.model} {weights_text(promoted)}; every guard held")
+
+    # -- experiments --------------------------------------------------------------------------------
+
+    def _base(self, view: ModelView) -> Experiment:
+        plan = self.plan
+        if view.problem:
+            raise AdminError(f"{view.problem}; fix it with `splitstream experiment set` first")
+        base = view.effective
+        if base is None:
+            raise Invalid(f"model '{plan.model}' has no experiment and no passing instance")
+        if plan.version == base.control:
+            raise Invalid(f"'{plan.version}' is already the control of '{plan.model}'")
+        others = sum(a.weight for a in base.arms if a.version not in {base.control, plan.version})
+        if plan.steps[-1] > 100 - others:
+            raise Invalid(
+                f"other arms hold {others:g} %, so {plan.version} can reach at most {100 - others:g} %; "
+                "lower --steps or those arms first"
+            )
+        check_versions_exist(view, self._with_weight(base, plan.steps[-1]))
+        return base
+
+    def _with_weight(self, base: Experiment, weight: float) -> Experiment:
+        version = self.plan.version
+        weights = {a.version: a.weight for a in base.arms}
+        others = sum(w for v, w in weights.items() if v not in {base.control, version})
+        weights[version] = weight
+        weights[base.control] = 100 - others - weight
+        return self._rebuilt(base, base.control, weights)
+
+    def _promoted(self, base: Experiment) -> Experiment:
+        weights = {a.version: a.weight for a in base.arms if a.version != base.control}
+        weights[self.plan.version] = 100
+        return self._rebuilt(base, self.plan.version, weights)
+
+    def _rebuilt(self, base: Experiment, control: str, weights: dict[str, float]) -> Experiment:
+        live = {v for v, w in weights.items() if w > 0}
+        try:
+            return Experiment.build(
+                model=base.model,
+                salt=base.salt,
+                control=control,
+                arms=[(v, _tidy(w)) for v, w in weights.items()],
+                shadows=[(s.version, s.sample_rate) for s in base.shadows if s.version not in live],
+                routing_key_header=base.routing_key_header,
+            )
+        except ConfigError as error:
+            raise Invalid(str(error)) from None
+
+    def _write(self, experiment: Experiment, revision: object) -> object:
+        self.store.write(self.plan.model, experiment, revision)
+        return self.store.read(self.plan.model).revision
+
+    def _roll_back(self, why: str) -> Verdict:
+        """Move the new version's share to the control in the experiment as it is now (retrying a conflict)."""
+        plan = self.plan
+        for _ in range(5):
+            try:
+                view = self.store.read(plan.model)
+                current = view.stored or view.effective
+                if current is None:
+                    break
+                weights = {a.version: a.weight for a in current.arms}
+                share = weights.get(plan.version, 0)
+                weights[plan.version] = 0
+                weights[current.control] = weights.get(current.control, 0) + share
+                rolled = self._rebuilt(current, current.control, weights)
+                self.store.write(plan.model, rolled, view.revision)
+            except Conflict:
+                continue
+            except (AdminError, Invalid) as error:
+                return Verdict(FAILED, f"{why}; and rolling back failed: {error}")
+            return Verdict(ROLLED_BACK, f"ROLLED BACK: {why}; {plan.model} now {weights_text(rolled)}")
+        return Verdict(FAILED, f"{why}; and rolling back failed: the experiment kept changing")
+
+    # -- judging ------------------------------------------------------------------------------------
+
+    def _judge_step(self) -> None:
+        plan = self.plan
+        before = self.scrape(plan.metrics_urls, plan.model)
+        end = self.clock() + plan.interval_s
+        while True:
+            remaining = end - self.clock()
+            if remaining > 0:
+                self.sleep(min(plan.check_every_s, remaining))
+            counts = metrics.interval(before, self.scrape(plan.metrics_urls, plan.model))
+            new = counts.get(plan.version, metrics.VersionCounts())
+            if new.calls >= plan.min_calls and new.error_rate > plan.max_error_rate:
+                raise Tripped(self._error_rate_text(new))
+            if remaining <= 0:
+                break
+        control = counts.get(self.control, metrics.VersionCounts())
+        if new.calls < plan.min_calls:
+            raise Tripped(
+                f"{plan.version} answered {new.calls:g} calls in the step, fewer than --min-calls {plan.min_calls}: "
+                "nothing to judge it on"
+            )
+        new_p99 = new.quantile(0.99)
+        control_p99 = control.quantile(0.99) if control.calls >= plan.min_calls else None
+        if control_p99 is not None:
+            self._reference_p99 = control_p99
+        reference = self._reference_p99
+        line = (
+            f"  {plan.version}: {new.calls:g} calls, {_percent(new.error_rate)} errors, p99 {_ms(new_p99)}"
+            f" | {self.control}: {control.calls:g} calls, p99 {_ms(control_p99)}"
+        )
+        if new_p99 is not None and reference:
+            ratio = new_p99 / reference
+            line += f" | p99 ratio {ratio:.2f}"
+            if ratio > plan.max_p99_ratio:
+                raise Tripped(
+                    f"{plan.version} p99 {_ms(new_p99)} is {ratio:.2f}x the control's {_ms(reference)}, "
+                    f"over --max-p99-ratio {plan.max_p99_ratio:g}"
+                )
+        else:
+            line += " | p99 ratio not judged (no control reference yet)"
+        self.out(line + ": guards hold")
+
+    def _error_rate_text(self, new: metrics.VersionCounts) -> str:
+        return (
+            f"{self.plan.version} error rate {_percent(new.error_rate)} ({new.errors:g} of {new.calls:g} calls) "
+            f"exceeds --max-error-rate {_percent(self.plan.max_error_rate)}"
+        )
+
+
+def _tidy(weight: float) -> float:
+    """Keep whole weights as ints in what is written (``90``, not ``90.0``)."""
+    rounded = round(weight, 2)
+    return int(rounded) if rounded == int(rounded) else rounded
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.2f} %"
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.1f} ms"

@@ -1,0 +1,270 @@
+"""The admin CLI in-process: metrics arithmetic, rollout decisions on scripted metrics, and input the file
+registry refuses. End-to-end rollouts on real processes are in test_hot_swap.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from splitstream.admin import metrics
+from splitstream.admin.main import main
+from splitstream.admin.rollout import PROMOTED, ROLLED_BACK, Rollout, RolloutPlan
+from splitstream.admin.store import Conflict, Endpoint, Invalid, ModelView
+from splitstream.common.experiment import Experiment
+from tests.harness import write_registry
+
+# -- metrics -----------------------------------------------------------------------------------------
+
+EXPOSITION = """
+# TYPE splitstream_router_requests_total counter
+splitstream_router_requests_total{model="m",version="v1",status="OK"} 90
+splitstream_router_requests_total{model="m",version="v2",status="OK"} 8
+splitstream_router_requests_total{model="m",version="v2",status="INTERNAL"} 2
+splitstream_router_requests_total{model="m",version="v2",status="INVALID_ARGUMENT"} 5
+splitstream_router_requests_total{model="other",version="v2",status="INTERNAL"} 50
+# TYPE splitstream_router_request_seconds histogram
+splitstream_router_request_seconds_bucket{model="m",version="v2",le="0.001"} 0
+splitstream_router_request_seconds_bucket{model="m",version="v2",le="0.002"} 10
+splitstream_router_request_seconds_bucket{model="m",version="v2",le="0.005"} 15
+splitstream_router_request_seconds_bucket{model="m",version="v2",le="+Inf"} 15
+splitstream_router_request_seconds_count{model="m",version="v2"} 15
+splitstream_router_request_seconds_sum{model="m",version="v2"} 0.03
+"""
+
+
+def test_client_errors_do_not_count_against_a_version_and_other_models_are_ignored() -> None:
+    counts = metrics.parse(EXPOSITION, "m")
+    assert counts["v2"].calls == 15
+    assert counts["v2"].errors == 2
+    assert counts["v1"].errors == 0
+
+
+def test_p99_interpolates_inside_the_histogram_bucket_like_promql() -> None:
+    counts = metrics.parse(EXPOSITION, "m")["v2"]
+    # rank 0.99 * 15 = 14.85 lies in (0.002, 0.005] holding counts 10..15.
+    assert counts.quantile(0.99) == pytest.approx(0.002 + 0.003 * (14.85 - 10) / 5)
+    assert metrics.VersionCounts().quantile(0.99) is None
+
+
+def test_a_step_counts_only_the_calls_between_two_scrapes_and_survives_a_router_restart() -> None:
+    before = {"a": {"v2": metrics.VersionCounts(100, 1, {0.01: 100, math.inf: 100})}}
+    after = {
+        "a": {"v2": metrics.VersionCounts(150, 6, {0.01: 140, math.inf: 150})},
+        "b": {"v2": metrics.VersionCounts(10, 0, {0.01: 10, math.inf: 10})},  # a router first seen now
+    }
+    step = metrics.interval(before, after)["v2"]
+    assert (step.calls, step.errors, step.buckets) == (60, 5, {0.01: 50, math.inf: 60})
+    restarted = metrics.interval(after, {"a": {"v2": metrics.VersionCounts(7, 0, {math.inf: 7})}})
+    assert restarted["v2"].calls == 7
+
+
+def test_router_addresses_become_metrics_urls() -> None:
+    assert metrics.metrics_url("127.0.0.1:8002") == "http://127.0.0.1:8002/metrics"
+    assert metrics.metrics_url("http://r:8002/custom") == "http://r:8002/custom"
+
+
+# -- rollout decisions on scripted metrics -------------------------------------------------------------
+
+
+class MemoryStore:
+    """A registry in memory with check-and-set revisions."""
+
+    description = "memory"
+
+    def __init__(self, experiment: Experiment, versions: list[str]) -> None:
+        self.experiment = experiment
+        self.revision = 1
+        self.versions = versions
+        self.history: list[dict[str, float]] = []
+
+    def read(self, model: str, *, probe_health: bool = False) -> ModelView:
+        endpoints = tuple(Endpoint(version=v, address=f"{v}:1", health="passing") for v in self.versions)
+        return ModelView(
+            model=model,
+            stored=self.experiment,
+            problem="",
+            effective=self.experiment,
+            endpoints=endpoints,
+            revision=self.revision,
+        )
+
+    def write(self, model: str, experiment: Experiment, revision: Any) -> None:
+        if revision != self.revision:
+            raise Conflict("changed")
+        self.experiment = experiment
+        self.revision += 1
+        self.history.append({a.version: a.weight for a in experiment.arms})
+
+
+class ScriptedRouters:
+    """Each scrape adds calls by the current weights: ``per_scrape`` calls, v2 failing at ``v2_error_rate``,
+    latencies v1 ≤ 2 ms and v2 ≤ ``v2_latency_s``."""
+
+    def __init__(self, store: MemoryStore, *, v2_error_rate: float = 0.0, v2_latency_s: float = 0.002) -> None:
+        self.store = store
+        self.v2_error_rate = v2_error_rate
+        self.v2_latency_s = v2_latency_s
+        self.totals = {v: metrics.VersionCounts() for v in ("v1", "v2")}
+
+    def __call__(self, urls: Any, model: str) -> metrics.Snapshot:
+        weights = {a.version: a.weight for a in self.store.experiment.arms}
+        for version, counts in self.totals.items():
+            calls = 200 * weights.get(version, 0) / 100
+            latency = self.v2_latency_s if version == "v2" else 0.002
+            counts.calls += calls
+            counts.errors += calls * (self.v2_error_rate if version == "v2" else 0)
+            for le in (0.002, 0.005, 0.01, math.inf):
+                counts.buckets[le] = counts.buckets.get(le, 0) + (calls if latency <= le else 0)
+        return {
+            "router": {v: metrics.VersionCounts(c.calls, c.errors, dict(c.buckets)) for v, c in self.totals.items()}
+        }
+
+
+def rollout(store: MemoryStore, routers: ScriptedRouters, **plan: Any) -> tuple[Any, list[str]]:
+    lines: list[str] = []
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    settings = {
+        "model": "m",
+        "version": "v2",
+        "steps": (10.0, 50.0, 100.0),
+        "interval_s": 3.0,
+        "max_error_rate": 0.01,
+        "max_p99_ratio": 1.5,
+        "metrics_urls": ("router",),
+        "min_calls": 10,
+        **plan,
+    }
+    verdict = Rollout(
+        store, RolloutPlan(**settings), out=lines.append, scrape=routers, sleep=sleep, clock=lambda: now[0]
+    ).run()
+    return verdict, lines
+
+
+def two_arms(v1: float = 100, v2: float = 0) -> Experiment:
+    return Experiment.build(model="m", salt="s", control="v1", arms=[("v1", v1), ("v2", v2)])
+
+
+def test_a_healthy_rollout_ramps_every_step_then_makes_the_new_version_the_control() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, lines = rollout(store, ScriptedRouters(store))
+    assert verdict.code == PROMOTED, verdict.message
+    assert store.history == [{"v1": 90, "v2": 10}, {"v1": 50, "v2": 50}, {"v1": 0, "v2": 100}, {"v2": 100}]
+    assert store.experiment.control == "v2"
+    assert store.experiment.salt == "s"
+    assert sum("guards hold" in line for line in lines) == 3
+
+
+def test_a_failing_version_is_set_back_to_zero_in_its_first_step() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, _ = rollout(store, ScriptedRouters(store, v2_error_rate=0.5))
+    assert verdict.code == ROLLED_BACK
+    assert "error rate 50.00 %" in verdict.message
+    assert store.history == [{"v1": 90, "v2": 10}, {"v1": 100, "v2": 0}]
+    assert store.experiment.control == "v1"
+
+
+def test_a_slow_version_trips_the_p99_guard_and_is_rolled_back() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, _ = rollout(store, ScriptedRouters(store, v2_latency_s=0.009))
+    assert verdict.code == ROLLED_BACK
+    assert "--max-p99-ratio" in verdict.message
+    assert store.history[-1] == {"v1": 100, "v2": 0}
+
+
+def test_a_step_without_enough_calls_cannot_be_judged_and_rolls_back() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, _ = rollout(store, ScriptedRouters(store), min_calls=10_000)
+    assert verdict.code == ROLLED_BACK
+    assert "nothing to judge" in verdict.message
+
+
+def test_a_rollout_of_an_unregistered_version_changes_nothing() -> None:
+    store = MemoryStore(two_arms(), ["v1"])
+    with pytest.raises(Invalid, match="no endpoint of version"):
+        rollout(store, ScriptedRouters(store))
+    assert store.history == []
+
+
+# -- the CLI on the file registry --------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry(tmp_path: Path) -> Path:
+    path = tmp_path / "registry.yaml"
+    write_registry(
+        path,
+        {
+            "m": {
+                "endpoints": {"v1": ["127.0.0.1:1"], "v2": ["127.0.0.1:2"]},
+                "experiment": {"salt": "s", "control": "v1", "arms": [{"version": "v1", "weight": 100}]},
+            },
+            "other": {"endpoints": {"v1": ["127.0.0.1:3"]}},
+        },
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--weights", "v1=80,v2=10"], "must sum to 100, got 90"),
+        (["--weights", "v1=90,v9=10"], "no endpoint of version(s) v9"),
+        (["--weights", "v1=110,v2=-10"], "weight must be a number >= 0"),
+        (["--weights", "v1=90,v2=10", "--control", "v3"], "control 'v3' is not one of the arms"),
+        (["--json", '{"control": "v1", "arms": [{"version": "v1", "weight": 100}'], "not valid JSON"),
+        (["--json", '{"control": ["v1", "v2"], "arms": []}'], "'control' must be one version name"),
+    ],
+)
+def test_bad_experiment_input_exits_2_with_one_line_and_leaves_the_file_untouched(
+    registry: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    before = registry.read_bytes()
+    assert main(["--registry", f"file:{registry}", "experiment", "set", "m", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.count("\n") == 1
+    assert registry.read_bytes() == before
+
+
+def test_experiment_set_rewrites_only_the_experiment_and_get_reads_it_back(
+    registry: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = yaml.safe_load(registry.read_text())
+    assert main(["--registry", f"file:{registry}", "experiment", "set", "m", "--weights", "v1=90,v2=10"]) == 0
+    after = yaml.safe_load(registry.read_text())
+    assert after["models"]["m"]["endpoints"] == before["models"]["m"]["endpoints"]
+    assert after["models"]["other"] == before["models"]["other"]
+    assert after["models"]["m"]["experiment"]["salt"] == "s"  # kept: fields not given keep their value
+    assert not list(registry.parent.glob(".registry.yaml.*"))  # no staging file left behind
+    capsys.readouterr()
+    assert main(["--registry", f"file:{registry}", "experiment", "get", "m"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["arms"] == [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}]
+
+
+def test_versions_lists_every_endpoint_with_its_probed_health_and_weight(
+    registry: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--registry", f"file:{registry}", "versions", "m", "--json"]) == 0
+    rows = yaml.safe_load(capsys.readouterr().out)["versions"]
+    assert [(r["version"], r["endpoint"], r["health"], r["weight"]) for r in rows] == [
+        ("v1", "127.0.0.1:1", "unreachable", 100),
+        ("v2", "127.0.0.1:2", "unreachable", 0),
+    ]
+
+
+def test_an_unknown_model_or_registry_scheme_is_a_usage_error(
+    registry: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["--registry", f"file:{registry}", "experiment", "get", "nope"]) == 2
+    assert "model 'nope' is not in" in capsys.readouterr().err
+    assert main(["--registry", "etcd://x", "versions", "m"]) == 2
+    assert "unknown registry" in capsys.readouterr().err
