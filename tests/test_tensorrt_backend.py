@@ -8,6 +8,7 @@ context pool, error checks, teardown order), not real TensorRT's behaviour.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ import pytest
 import structlog
 import yaml
 from onnx import TensorProto, helper
+from prometheus_client import CollectorRegistry
 
 from splitstream.common.errors import ConfigError, InvalidInput
 from splitstream.worker.backends.tensorrt import TensorRTBackend
@@ -29,6 +31,9 @@ from splitstream.worker.engines.builder import BuildError, build_and_store
 from splitstream.worker.engines.cache import EngineCache, EngineMismatch
 from splitstream.worker.engines.cuda import CudaError
 from splitstream.worker.engines.environment import load_environment
+from splitstream.worker.metrics import WorkerMetrics
+from splitstream.worker.model import ServedModel
+from splitstream.worker.validation import InputHeader
 from tests.fake_gpu import fake_gpu
 from tests.models import affine_model
 
@@ -293,9 +298,8 @@ def test_concurrent_runs_each_take_their_own_context_and_get_their_own_answers(
         np.testing.assert_array_equal(results[index]["y"], x * 2.0 + 0.5)
 
 
-def test_a_shape_outside_every_profile_is_refused_before_it_reaches_the_engine(
-    tmp_path: Path, gpu: tuple[ModuleType, ModuleType]
-) -> None:
+def relu_version(tmp_path: Path) -> Path:
+    """``y = relu(x)``, x [batch, n] with a profile of n in 2..8: a shape with n = 1 is outside the engine."""
     directory = tmp_path / "models" / "relu" / "v1"
     directory.mkdir(parents=True)
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])
@@ -309,12 +313,20 @@ def test_a_shape_outside_every_profile_is_refused_before_it_reaches_the_engine(
     settings = {
         "backend": "tensorrt",
         "max_batch_size": 8,
+        "dynamic_batching": {"max_queue_delay_us": 2000},
         "tensorrt": {
             "build_on_start": True,
             "profiles": [{"min": {"x": [1, 2]}, "opt": {"x": [8, 8]}, "max": {"x": [8, 8]}}],
         },
     }
     (directory / "config.yaml").write_text(yaml.safe_dump(settings))
+    return directory
+
+
+def test_a_shape_outside_every_profile_is_refused_before_it_reaches_the_engine(
+    tmp_path: Path, gpu: tuple[ModuleType, ModuleType]
+) -> None:
+    directory = relu_version(tmp_path)
     served = backend(directory)
     served.load()
     try:
@@ -385,3 +397,37 @@ def test_a_load_that_fails_half_way_releases_what_it_had_allocated(
 
     assert cudart.ALLOCATIONS == {}
     assert cudart.STREAMS == {}
+
+
+async def test_the_served_model_warms_up_within_the_profile_and_batches_requests_on_the_engine(
+    tmp_path: Path, gpu: tuple[ModuleType, ModuleType]
+) -> None:
+    """Warm-up with dynamic dims = 1 would be outside this profile (n >= 2): it uses the profile's min shapes."""
+    directory = relu_version(tmp_path)
+    registry = CollectorRegistry()
+    model = ServedModel(
+        name="relu",
+        version="v1",
+        directory=directory,
+        config=config_of(directory),
+        metrics=WorkerMetrics(registry, model="relu", version="v1"),
+        logger=LOG,
+    )
+    await model.load()
+    try:
+        await model.warm_up()
+        inputs = [rows(1 + i % 3, seed=i, features=3) for i in range(6)]
+        plans = [model.plan([InputHeader("x", "FP32", x.shape)], []) for x in inputs]
+        answers = await asyncio.gather(*(model.infer({"x": x}, plan) for x, plan in zip(inputs, plans, strict=True)))
+        with pytest.raises(InvalidInput, match="outside the engine's optimisation profiles"):
+            model.plan([InputHeader("x", "FP32", (1, 1))], [])
+    finally:
+        await model.stop()
+
+    assert model.ready is False  # stopped
+    assert model.engine_tag == "relu-v1-fp32-dyn"
+    for x, answer in zip(inputs, answers, strict=True):
+        np.testing.assert_array_equal(answer["y"], np.maximum(x, 0))
+    batches = registry.get_sample_value("splitstream_worker_batch_size_count", {"model": "relu", "version": "v1"})
+    assert batches is not None
+    assert batches < 6  # concurrent requests met in batches

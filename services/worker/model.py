@@ -131,10 +131,13 @@ class ServedModel:
 
         The first run is where engines allocate and compile, so it happens
         before any client waits on it. With a batch dimension it also checks
-        that every output keeps it, which batching relies on.
+        that every output keeps it, which batching relies on. A backend whose
+        engine takes only some shapes (TensorRT's profiles) names the shapes
+        to use in ``warm_up_shapes``.
         """
         metadata = self.metadata
-        inputs = {spec.name: _zeros(spec.shape, spec.datatype) for spec in metadata.inputs}
+        shapes = self._backend.warm_up_shapes
+        inputs = {spec.name: _zeros(shapes.get(spec.name, spec.shape), spec.datatype) for spec in metadata.inputs}
         outputs = await asyncio.to_thread(self._backend.run, inputs, metadata.output_names)
         if self.config.max_batch_size > 0:
             for name, array in outputs.items():

@@ -30,6 +30,8 @@ class Backend(Protocol):
     engine_tag: str | None
     #: Device memory held per execution context once loaded (empty when the backend does not know it).
     context_device_memory_bytes: tuple[int, ...]
+    #: Input shapes the warm-up run uses once loaded (batch of 1); inputs not named use 1 for dynamic dims.
+    warm_up_shapes: Mapping[str, tuple[int, ...]]
 
     def load(self) -> None:
         """Build the engine; raises ConfigError when the model file cannot be served."""

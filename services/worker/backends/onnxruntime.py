@@ -52,6 +52,7 @@ class OnnxRuntimeBackend:
     platform = "onnxruntime_onnx"
     engine_tag: str | None = None
     context_device_memory_bytes: tuple[int, ...] = ()
+    warm_up_shapes: Mapping[str, tuple[int, ...]] = {}
 
     def __init__(
         self,

@@ -126,6 +126,8 @@ class TensorRTBackend:
         self.engine_tag: str | None = None
         #: Device memory each execution context holds (TensorRT's activations + the I/O buffers), once loaded.
         self.context_device_memory_bytes: tuple[int, ...] = ()
+        #: A profile's min shapes (with a batch of 1): shapes the engine surely takes, for the warm-up run.
+        self.warm_up_shapes: dict[str, tuple[int, ...]] = {}
 
     # --- load ---------------------------------------------------------------------------------------------------
 
@@ -193,6 +195,7 @@ class TensorRTBackend:
         for slot in self._slots:
             self._pool.put(slot)
         self.engine_tag = str(record.get("tag") or spec.tag)
+        self.warm_up_shapes = _warm_up_shapes(self._profiles)
         device_memory = self._engine_device_memory()
         self.context_device_memory_bytes = tuple(device_memory + slot.buffer_bytes for slot in self._slots)
         self._logger.info(
@@ -448,3 +451,11 @@ class TensorRTBackend:
         self._env = None
         if problems:
             self._logger.warning("tensorrt teardown reported errors", problems=problems)
+
+
+def _warm_up_shapes(profiles: Sequence[Profile]) -> dict[str, tuple[int, ...]]:
+    """The min shapes of the first profile that takes a batch of one row (the config guarantees there is one)."""
+    profile = next((p for p in profiles if p.min_batch <= 1), profiles[0] if profiles else None)
+    if profile is None:
+        return {}
+    return {name: low for name, (low, _, _) in profile.shapes}
