@@ -145,6 +145,7 @@ class Stack:
         start: bool = True,
         name: str | None = None,
         port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> ServiceProcess:
         port = port or free_port()
         args = [
@@ -163,14 +164,19 @@ class Stack:
             *extra,
         ]
         process = ServiceProcess(
-            name or f"worker-{model}-{version}-{port}", "splitstream.worker", args, log_dir=self.tmp_path, port=port
+            name or f"worker-{model}-{version}-{port}",
+            "splitstream.worker",
+            args,
+            log_dir=self.tmp_path,
+            port=port,
+            env=env,
         )
         self.processes.append(process)
         return process.start() if start else process
 
     def router(
         self,
-        registry_path: Path,
+        registry: Path | str,
         *extra: str,
         start: bool = True,
         name: str | None = None,
@@ -180,7 +186,7 @@ class Stack:
         metrics_port = free_port()
         args = [
             "--registry",
-            f"file:{registry_path}",
+            registry if isinstance(registry, str) else f"file:{registry}",  # a Path is a file registry
             "--host",
             "127.0.0.1",
             "--port",

@@ -1,0 +1,641 @@
+"""A Consul HTTP API emulator for the tests: a test double, NOT Consul.
+
+Consul itself cannot be installed where the tests run, so this stands in for one
+Consul agent (and its servers) as seen through py-consul, for exactly the calls
+splitstream makes. It runs as a real separate process (``python -m
+tests.consul_emulator --port P``) speaking HTTP on 127.0.0.1, so routers, workers
+and the admin CLI talk to it over the network as they would to Consul.
+
+Consul behaviours it reproduces (where splitstream depends on them):
+
+- Agent services: ``PUT /v1/agent/service/register`` (ID, Name, Address, Port,
+  Tags, Meta, ``Check``/``Checks``; JSON keys case-insensitive as Consul decodes
+  them; registering an existing ID replaces it), ``PUT
+  /v1/agent/service/deregister/<id>`` (404 for an unknown ID), ``GET
+  /v1/agent/services``.
+- ``GET /v1/health/service/<name>[?passing]``: ``[{Node, Service, Checks}]`` with
+  the node's ``serfHealth`` check; ``passing`` keeps instances whose every check
+  passes; an instance without ``Address`` takes the node's address.
+- ``GET /v1/catalog/services``: ``{name: [tags]}``, ``consul`` included.
+- KV: ``GET /v1/kv/<key>[?recurse]`` (base64 ``Value``, ``CreateIndex``,
+  ``ModifyIndex``; 404 when nothing matches), ``PUT /v1/kv/<key>[?cas=N]`` (cas 0:
+  only if absent; else only if ModifyIndex equals N; answers ``true``/``false``),
+  ``DELETE /v1/kv/<key>[?recurse]``.
+- Blocking queries on every GET above: ``?index=N&wait=D`` holds the answer until
+  the result's index exceeds N or D passes (default 5m, at most 10m); every
+  answer carries ``X-Consul-Index``. One raft-like index counts every write.
+- gRPC health checks the emulator runs itself: ``grpc.health.v1.Health/Check`` on
+  the check's ``GRPC`` target (``host:port[/service]``) every ``Interval`` with
+  ``Timeout``; SERVING → passing, any other answer or no answer → critical, with
+  ``Output`` saying why. ``Status`` sets the initial state (critical by default).
+  So a worker that turns NOT_SERVING goes critical and drops out of ``?passing``.
+- ``DeregisterCriticalServiceAfter``: a service whose check has been critical that
+  long is deregistered.
+- ACL tokens, only if started with ``--token T``: a request without
+  ``X-Consul-Token: T`` gets 403 "Permission denied".
+- Restart: KV and the index persist in ``--state-file`` (they live in the servers'
+  raft log); services and checks do not, like an agent that lost its local state,
+  so workers must register again.
+
+Not reproduced (splitstream does not depend on it, or the tests must not):
+multiple nodes, datacenters and servers, gossip and leader election;
+consistency modes (``stale``/``consistent``) and ``X-Consul-KnownLeader``/
+``LastContact``; the blocking-query jitter (wait/16) and Consul's 1-minute
+minimum and 30-second reaper granularity for DeregisterCriticalServiceAfter
+(honoured to the check here); the initial random stagger of checks (the first
+check runs at once); HTTP/TCP/TTL/script checks, check ``SuccessBeforePassing``/
+``FailuresBeforeCritical``, maintenance mode, ``warning`` status; ACL policies
+(one token allows everything); KV sessions, locks, flags beyond storing them,
+transactions; tag/filter/near/node-meta query parameters; per-prefix index
+tracking (a recursive or missing-key KV query reports the whole KV index, so
+it may wake without a change, which Consul also allows); Connect, prepared
+queries, events, snapshots; gRPC checks over TLS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+NODE = "emulator"
+NODE_ADDRESS = "127.0.0.1"
+DEFAULT_WAIT_S = 300.0
+MAX_WAIT_S = 600.0
+_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str | int | float | None, default: float = 0.0) -> float:
+    """Go duration (``1m30s``, ``500ms``) or a number of seconds → seconds."""
+    if text is None or text == "":
+        return default
+    if isinstance(text, int | float):
+        return float(text)
+    parts = re.findall(r"([\d.]+)(ns|us|µs|ms|s|m|h)", text)
+    if not parts:
+        return float(text)
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+def _lower_keys(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {str(k).lower(): v for k, v in data.items()}
+    return data
+
+
+@dataclass
+class Check:
+    check_id: str
+    service_id: str
+    service_name: str
+    target: str  # host:port
+    grpc_service: str
+    interval_s: float
+    timeout_s: float
+    deregister_after_s: float | None
+    status: str
+    output: str = ""
+    critical_since: float | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Service:
+    service_id: str
+    name: str
+    address: str
+    port: int
+    tags: list[str]
+    meta: dict[str, str]
+    create_index: int
+    modify_index: int
+    checks: list[Check]
+
+
+class State:
+    """Everything the emulator knows, behind one lock; ``changed`` wakes blocking queries."""
+
+    def __init__(self, state_file: Path | None) -> None:
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.state_file = state_file
+        self.index = 1
+        self.kv: dict[str, dict[str, Any]] = {}  # key → {Value (bytes|None), CreateIndex, ModifyIndex, Flags}
+        self.kv_index = 1
+        self.services: dict[str, Service] = {}
+        self.service_index: dict[str, int] = {}  # service name → index of its last change
+        self.catalog_index = 1
+        if state_file is not None and state_file.exists():
+            saved = json.loads(state_file.read_text())
+            self.index = self.kv_index = self.catalog_index = int(saved["index"])
+            for key, entry in saved["kv"].items():
+                value = entry["Value"]
+                self.kv[key] = {**entry, "Value": None if value is None else base64.b64decode(value)}
+
+    # -- writes (caller holds the lock) ------------------------------------------------------------
+
+    def bump(self) -> int:
+        self.index += 1
+        return self.index
+
+    def save(self) -> None:
+        if self.state_file is None:
+            return
+        kv = {
+            key: {**entry, "Value": None if entry["Value"] is None else base64.b64encode(entry["Value"]).decode()}
+            for key, entry in self.kv.items()
+        }
+        staging = self.state_file.with_suffix(".tmp")
+        staging.write_text(json.dumps({"index": self.index, "kv": kv}))
+        staging.replace(self.state_file)
+
+    def touch_service(self, name: str) -> None:
+        self.service_index[name] = self.bump()
+
+    def register(self, body: dict[str, Any]) -> Service:
+        data = _lower_keys(body)
+        name = data.get("name")
+        if not name:
+            raise ValueError("Missing service name")
+        service_id = data.get("id") or name
+        old = self.services.get(service_id)
+        if old is not None:
+            self._drop(old)
+        index = self.bump()
+        raw_checks = list(data.get("checks") or [])
+        if data.get("check"):
+            raw_checks.append(data["check"])
+        service = Service(
+            service_id=service_id,
+            name=name,
+            address=data.get("address") or "",
+            port=int(data.get("port") or 0),
+            tags=list(data.get("tags") or []),
+            meta=dict(data.get("meta") or {}),
+            create_index=old.create_index if old is not None else index,
+            modify_index=index,
+            checks=[],
+        )
+        for number, raw in enumerate(raw_checks, start=1):
+            check = _lower_keys(raw)
+            target = check.get("grpc")
+            if not target:
+                raise ValueError("only gRPC checks are emulated")
+            host_port, _, grpc_service = target.partition("/")
+            service.checks.append(
+                Check(
+                    check_id=check.get("checkid") or check.get("id") or f"service:{service_id}:{number}",
+                    service_id=service_id,
+                    service_name=name,
+                    target=host_port,
+                    grpc_service=grpc_service,
+                    interval_s=parse_duration(check.get("interval"), 10.0),
+                    timeout_s=parse_duration(check.get("timeout"), 10.0),
+                    deregister_after_s=parse_duration(check.get("deregistercriticalserviceafter")) or None,
+                    status=(check.get("status") or "critical").lower(),
+                    output="initial status",
+                )
+            )
+            if service.checks[-1].status != "passing":
+                service.checks[-1].critical_since = time.monotonic()
+        self.services[service_id] = service
+        self.touch_service(name)
+        self.catalog_index = self.index
+        self.changed.notify_all()
+        return service
+
+    def deregister(self, service_id: str) -> bool:
+        service = self.services.pop(service_id, None)
+        if service is None:
+            return False
+        self._drop(service)
+        self.touch_service(service.name)
+        self.catalog_index = self.index
+        self.changed.notify_all()
+        return True
+
+    def _drop(self, service: Service) -> None:
+        for check in service.checks:
+            check.stop.set()
+
+    def set_check(self, check: Check, status: str, output: str) -> None:
+        service = self.services.get(check.service_id)
+        if service is None or check not in service.checks:
+            return
+        check.output = output
+        if status == check.status:
+            return
+        check.status = status
+        check.critical_since = time.monotonic() if status == "critical" else None
+        self.touch_service(check.service_name)
+        self.changed.notify_all()
+
+    def kv_put(self, key: str, value: bytes, cas: int | None) -> bool:
+        existing = self.kv.get(key)
+        if cas is not None:
+            if cas == 0 and existing is not None:
+                return False
+            if cas != 0 and (existing is None or existing["ModifyIndex"] != cas):
+                return False
+        index = self.bump()
+        self.kv[key] = {
+            "Value": value,
+            "CreateIndex": existing["CreateIndex"] if existing else index,
+            "ModifyIndex": index,
+            "LockIndex": 0,
+            "Flags": 0,
+        }
+        self.kv_index = index
+        self.save()
+        self.changed.notify_all()
+        return True
+
+    def kv_delete(self, key: str, recurse: bool) -> None:
+        keys = [k for k in self.kv if k.startswith(key)] if recurse else [key] if key in self.kv else []
+        for k in keys:
+            del self.kv[k]
+        self.kv_index = self.bump()
+        self.save()
+        self.changed.notify_all()
+
+    # -- reads (caller holds the lock): (index, status, body) --------------------------------------------
+
+    def read_health(self, name: str, passing: bool) -> tuple[int, int, Any]:
+        entries: list[dict[str, Any]] = []
+        for service in self.services.values():
+            if service.name != name:
+                continue
+            checks = [
+                {
+                    "Node": NODE,
+                    "CheckID": "serfHealth",
+                    "Name": "Serf Health Status",
+                    "Status": "passing",
+                    "Output": "Agent alive and reachable",
+                    "ServiceID": "",
+                    "ServiceName": "",
+                    "Type": "",
+                }
+            ] + [
+                {
+                    "Node": NODE,
+                    "CheckID": check.check_id,
+                    "Name": f"Service '{name}' check",
+                    "Status": check.status,
+                    "Output": check.output,
+                    "ServiceID": service.service_id,
+                    "ServiceName": name,
+                    "Type": "grpc",
+                }
+                for check in service.checks
+            ]
+            if passing and any(c["Status"] != "passing" for c in checks):
+                continue
+            entries.append(
+                {
+                    "Node": {"ID": "", "Node": NODE, "Address": NODE_ADDRESS, "Datacenter": "dc1", "Meta": {}},
+                    "Service": {
+                        "ID": service.service_id,
+                        "Service": name,
+                        "Tags": service.tags,
+                        "Address": service.address,
+                        "Meta": service.meta,
+                        "Port": service.port,
+                        "CreateIndex": service.create_index,
+                        "ModifyIndex": service.modify_index,
+                    },
+                    "Checks": checks,
+                }
+            )
+        entries.sort(key=lambda e: e["Service"]["ID"])
+        return self.service_index.get(name, self.catalog_index), 200, entries
+
+    def read_catalog(self) -> tuple[int, int, Any]:
+        services: dict[str, list[str]] = {"consul": []}
+        for service in self.services.values():
+            tags = services.setdefault(service.name, [])
+            tags.extend(t for t in service.tags if t not in tags)
+        return self.catalog_index, 200, services
+
+    def read_kv(self, key: str, recurse: bool) -> tuple[int, int, Any]:
+        keys = sorted(k for k in self.kv if k.startswith(key)) if recurse else [key] if key in self.kv else []
+        if not keys:
+            return self.kv_index, 404, None
+        entries = []
+        for k in keys:
+            entry = self.kv[k]
+            value = entry["Value"]
+            entries.append(
+                {
+                    "Key": k,
+                    "Value": None if value is None else base64.b64encode(value).decode(),
+                    "CreateIndex": entry["CreateIndex"],
+                    "ModifyIndex": entry["ModifyIndex"],
+                    "LockIndex": 0,
+                    "Flags": entry["Flags"],
+                }
+            )
+        index = self.kv_index if recurse else max(e["ModifyIndex"] for e in entries)
+        return index, 200, entries
+
+    def agent_services(self) -> dict[str, Any]:
+        return {
+            s.service_id: {
+                "ID": s.service_id,
+                "Service": s.name,
+                "Tags": s.tags,
+                "Meta": s.meta,
+                "Port": s.port,
+                "Address": s.address,
+                "Datacenter": "dc1",
+            }
+            for s in self.services.values()
+        }
+
+
+class Checker:
+    """Runs each registered gRPC check in its own thread, as the agent does."""
+
+    def __init__(self, state: State) -> None:
+        self.state = state
+
+    def start(self, check: Check) -> None:
+        threading.Thread(target=self._run, args=(check,), name=f"check-{check.check_id}", daemon=True).start()
+
+    def _run(self, check: Check) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+        with grpc.insecure_channel(check.target, options=options) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not check.stop.is_set():
+                try:
+                    answer = stub.Check(
+                        health_pb2.HealthCheckRequest(service=check.grpc_service), timeout=check.timeout_s
+                    )
+                    serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+                    status = "passing" if serving else "critical"
+                    name = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+                    output = f"gRPC check {check.target}/{check.grpc_service}: {name}"
+                except grpc.RpcError as error:
+                    status, output = "critical", f"gRPC check {check.target}: {error.code().name} {error.details()}"
+                with self.state.lock:
+                    self.state.set_check(check, status, output)
+                    expired = (
+                        check.deregister_after_s is not None
+                        and check.critical_since is not None
+                        and time.monotonic() - check.critical_since >= check.deregister_after_s
+                    )
+                    if expired and check.service_id in self.state.services:
+                        self.state.deregister(check.service_id)
+                        print(f"deregistered {check.service_id}: critical for {check.deregister_after_s}s", flush=True)
+                        return
+                check.stop.wait(check.interval_s)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: EmulatorServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: Any, index: int | None = None, *, raw: bool = False) -> None:
+        payload = body if raw else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain" if raw else "application/json")
+        self.send_header("Content-Length", str(len(payload)))
+        if index is not None:
+            self.send_header("X-Consul-Index", str(index))
+            self.send_header("X-Consul-KnownLeader", "true")
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _parse(self) -> tuple[str, dict[str, str], bytes]:
+        url = urllib.parse.urlsplit(self.path)
+        query = {k: v[-1] for k, v in urllib.parse.parse_qs(url.query, keep_blank_values=True).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        return urllib.parse.unquote(url.path), query, body
+
+    def _authorized(self) -> bool:
+        token = self.server.token
+        if token and self.headers.get("X-Consul-Token") != token:
+            self._send(403, b"Permission denied", raw=True)
+            return False
+        return True
+
+    def do_GET(self) -> None:
+        path, query, _ = self._parse()
+        if path == "/v1/status/leader":  # needs no token in Consul either
+            self._send(200, "127.0.0.1:8300")
+            return
+        if not self._authorized():
+            return
+        state = self.server.state
+        if path == "/v1/agent/services":
+            with state.lock:
+                self._send(200, state.agent_services())
+            return
+        if path.startswith("/v1/health/service/"):
+            name = path[len("/v1/health/service/") :]
+            passing = "passing" in query and query["passing"].lower() not in {"0", "false"}
+            self._blocking(query, lambda: state.read_health(name, passing))
+            return
+        if path == "/v1/catalog/services":
+            self._blocking(query, state.read_catalog)
+            return
+        if path.startswith("/v1/kv/"):
+            key = path[len("/v1/kv/") :]
+            self._blocking(query, lambda: state.read_kv(key, "recurse" in query))
+            return
+        self._send(404, b"unsupported by the emulator", raw=True)
+
+    def _blocking(self, query: dict[str, str], read: Any) -> None:
+        state = self.server.state
+        wanted = int(query.get("index") or 0)
+        wait_s = min(parse_duration(query.get("wait"), DEFAULT_WAIT_S), MAX_WAIT_S)
+        deadline = time.monotonic() + wait_s
+        with state.lock:
+            index, status, body = read()
+            while wanted and index <= wanted:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                state.changed.wait(remaining)
+                index, status, body = read()
+        if status == 404:
+            self._send(404, b"", index, raw=True)
+        else:
+            self._send(status, body, index)
+
+    def do_PUT(self) -> None:
+        path, query, body = self._parse()
+        if not self._authorized():
+            return
+        state = self.server.state
+        if path == "/v1/agent/service/register":
+            try:
+                payload = json.loads(body or b"{}")
+                with state.lock:
+                    service = state.register(payload)
+            except (ValueError, TypeError) as error:
+                self._send(400, str(error).encode(), raw=True)
+                return
+            for check in service.checks:
+                self.server.checker.start(check)
+            self._send(200, b"", raw=True)
+            return
+        if path.startswith("/v1/agent/service/deregister/"):
+            service_id = path[len("/v1/agent/service/deregister/") :]
+            with state.lock:
+                found = state.deregister(service_id)
+            if found:
+                self._send(200, b"", raw=True)
+            else:
+                self._send(404, f'Unknown service ID "{service_id}"'.encode(), raw=True)
+            return
+        if path.startswith("/v1/kv/"):
+            key = path[len("/v1/kv/") :]
+            cas = int(query["cas"]) if "cas" in query else None
+            with state.lock:
+                done = state.kv_put(key, body, cas)
+            self._send(200, done)
+            return
+        self._send(404, b"unsupported by the emulator", raw=True)
+
+    def do_DELETE(self) -> None:
+        path, query, _ = self._parse()
+        if not self._authorized():
+            return
+        if path.startswith("/v1/kv/"):
+            with self.server.state.lock:
+                self.server.state.kv_delete(path[len("/v1/kv/") :], "recurse" in query)
+            self._send(200, True)
+            return
+        self._send(404, b"unsupported by the emulator", raw=True)
+
+
+class EmulatorServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, port: int, state: State, token: str) -> None:
+        super().__init__(("127.0.0.1", port), Handler)
+        self.state = state
+        self.checker = Checker(state)
+        self.token = token
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Consul HTTP API emulator (a test double)")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--state-file", type=Path, default=None, help="where KV and the index survive a restart")
+    parser.add_argument("--token", default="", help="require this ACL token on every request")
+    args = parser.parse_args(argv)
+    server = EmulatorServer(args.port, State(args.state_file), args.token)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # an agent killed mid-query: connections just drop
+    print(f"consul emulator listening on 127.0.0.1:{args.port}", flush=True)
+    server.serve_forever()
+    return 0
+
+
+# -- the test-side handle -------------------------------------------------------------------------------
+
+
+class ConsulEmulator:
+    """Starts the emulator as a separate process on a free port; stop and start again on the same port.
+
+    ``spec`` is the registry spec (``consul://127.0.0.1:PORT``) for routers, workers and the CLI.
+    """
+
+    def __init__(self, directory: Path, *, port: int | None = None, token: str = "") -> None:
+        from tests.harness import free_port
+
+        directory.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.token = token
+        self.state_file = directory / f"consul-{self.port}.json"
+        self.log_path = directory / f"consul-{self.port}.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def spec(self) -> str:
+        return f"consul://127.0.0.1:{self.port}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Environment for processes using it (the standard token variable)."""
+        return {"CONSUL_HTTP_TOKEN": self.token} if self.token else {}
+
+    def start(self, timeout_s: float = 15.0) -> ConsulEmulator:
+        from tests.harness import ROOT
+
+        args = [sys.executable, "-m", "tests.consul_emulator", "--port", str(self.port)]
+        args += ["--state-file", str(self.state_file)]
+        if self.token:
+            args += ["--token", self.token]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"consul emulator exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                self.client(timeout_s=1).status.leader()
+                return self
+            except Exception:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"consul emulator did not answer within {timeout_s}s:\n{self.log()}") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        """Kill it; KV (and the index) come back on the next start, registered services do not."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=10)
+        self.process = None
+
+    @contextmanager
+    def stopped(self) -> Iterator[None]:
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
+
+    def client(self, timeout_s: float = 10.0) -> Any:
+        import consul
+
+        return consul.Consul(host="127.0.0.1", port=self.port, token=self.token or None, connections_timeout=timeout_s)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def __enter__(self) -> ConsulEmulator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
