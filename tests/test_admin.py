@@ -12,7 +12,7 @@ import yaml
 
 from splitstream.admin import metrics
 from splitstream.admin.main import main
-from splitstream.admin.rollout import PROMOTED, ROLLED_BACK, Rollout, RolloutPlan
+from splitstream.admin.rollout import FAILED, PROMOTED, ROLLED_BACK, Rollout, RolloutPlan
 from splitstream.admin.store import Conflict, Endpoint, Invalid, ModelView
 from splitstream.common.experiment import Experiment
 from tests.harness import write_registry
@@ -124,7 +124,7 @@ class ScriptedRouters:
         }
 
 
-def rollout(store: MemoryStore, routers: ScriptedRouters, **plan: Any) -> tuple[Any, list[str]]:
+def rollout(store: MemoryStore, routers: Any, **plan: Any) -> tuple[Any, list[str]]:
     lines: list[str] = []
     now = [0.0]
 
@@ -184,6 +184,40 @@ def test_a_step_without_enough_calls_cannot_be_judged_and_rolls_back() -> None:
     verdict, _ = rollout(store, ScriptedRouters(store), min_calls=10_000)
     assert verdict.code == ROLLED_BACK
     assert "nothing to judge" in verdict.message
+
+
+def test_an_interrupted_rollout_sets_the_new_version_back_to_zero() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    routers = ScriptedRouters(store)
+    scrapes = [0]
+
+    def scrape(urls: Any, model: str) -> metrics.Snapshot:
+        scrapes[0] += 1
+        if scrapes[0] == 4:  # in the first step
+            raise KeyboardInterrupt
+        return routers(urls, model)
+
+    verdict, _ = rollout(store, scrape)
+    assert verdict.code == ROLLED_BACK
+    assert "interrupted" in verdict.message
+    assert store.history[-1] == {"v1": 100, "v2": 0}
+
+
+def test_a_rollout_stops_without_touching_an_experiment_someone_else_changed() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    routers = ScriptedRouters(store)
+    scrapes = [0]
+
+    def scrape(urls: Any, model: str) -> metrics.Snapshot:
+        scrapes[0] += 1
+        if scrapes[0] == 5:  # an operator sets weights by hand during the first step
+            store.write("m", two_arms(70, 30), store.revision)
+        return routers(urls, model)
+
+    verdict, _ = rollout(store, scrape)
+    assert verdict.code == FAILED
+    assert "changed" in verdict.message
+    assert store.history[-1] == {"v1": 70, "v2": 30}
 
 
 def test_a_rollout_of_an_unregistered_version_changes_nothing() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -317,6 +318,10 @@ def list_versions(store: Store, model: str, *, as_json: bool) -> int:
     return 0
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
     plan = RolloutPlan(
         model=args.model,
@@ -329,6 +334,8 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         min_calls=args.min_calls,
         check_every_s=args.check_every,
     )
+    # SIGTERM (a CI job cancelled, a terminal closed) rolls back like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     verdict = Rollout(store, plan, out=lambda line: print(line, flush=True)).run()
     stream = sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr
     print(verdict.message, file=stream, flush=True)

@@ -115,21 +115,23 @@ class Rollout:
         except OSError as error:
             raise AdminError(f"{error}; nothing changed") from None
         revision = view.revision
-        for number, weight in enumerate(plan.steps, start=1):
-            experiment = self._with_weight(base, weight)
-            try:
-                revision = self._write(experiment, revision)
-            except Conflict as error:
-                return Verdict(FAILED, f"{error}: someone else changed the experiment; rollout stopped, left as it is")
-            self.out(
-                f"step {number}/{len(plan.steps)}: {plan.model} {weights_text(experiment)}, "
-                f"judged over {plan.interval_s:g}s"
-            )
-            try:
-                self._judge_step()
-            except (Tripped, OSError, KeyboardInterrupt) as reason:
-                why = "interrupted" if isinstance(reason, KeyboardInterrupt) else str(reason)
-                return self._roll_back(why)
+        try:
+            for number, weight in enumerate(plan.steps, start=1):
+                experiment = self._with_weight(base, weight)
+                try:
+                    revision = self._write(experiment, revision)
+                except Conflict as error:
+                    return Verdict(FAILED, f"{error}; rollout stopped, the experiment left as it is")
+                self.out(
+                    f"step {number}/{len(plan.steps)}: {plan.model} {weights_text(experiment)}, "
+                    f"judged over {plan.interval_s:g}s"
+                )
+                try:
+                    self._judge_step()
+                except (Tripped, OSError) as reason:
+                    return self._roll_back(str(reason))
+        except KeyboardInterrupt:
+            return self._roll_back("interrupted")
         if plan.steps[-1] < 100:
             return Verdict(PROMOTED, f"{plan.model} {plan.version} holds at {plan.steps[-1]:g} %; every guard held")
         promoted = self._promoted(base)
@@ -187,8 +189,12 @@ class Rollout:
             raise Invalid(str(error)) from None
 
     def _write(self, experiment: Experiment, revision: object) -> object:
+        """Write with check-and-set; return the new revision, read back with the experiment it must hold."""
         self.store.write(self.plan.model, experiment, revision)
-        return self.store.read(self.plan.model).revision
+        view = self.store.read(self.plan.model)
+        if view.stored != experiment:
+            raise Conflict("someone else changed the experiment right after our write")
+        return view.revision
 
     def _roll_back(self, why: str) -> Verdict:
         """Move the new version's share to the control in the experiment as it is now (retrying a conflict)."""
