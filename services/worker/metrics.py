@@ -89,9 +89,7 @@ class WorkerMetrics:
             registry=registry,
         )
 
-    def engine_loaded(
-        self, *, backend: str, engine_tag: str, context_device_memory_bytes: Sequence[int]
-    ) -> None:
+    def engine_loaded(self, *, backend: str, engine_tag: str, context_device_memory_bytes: Sequence[int]) -> None:
         self._engine_info.labels(self._model, self._version, backend, engine_tag).set(1)
         for index, nbytes in enumerate(context_device_memory_bytes):
             self._context_device_memory.labels(self._model, self._version, str(index)).set(nbytes)
