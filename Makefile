@@ -49,6 +49,7 @@ bench: install ## Run the benchmarks (prints tables; see README)
 	$(BIN)/python bench/dynamic_batching.py
 	$(BIN)/python bench/recorder_throughput.py
 	$(BIN)/python bench/recording_overhead.py
+	$(BIN)/python bench/replay_send_lag.py
 
 up: ## Start the docker-compose stack (needs a Docker engine): redis, consul, recorder, router, workers, prometheus, grafana
 	docker compose -f deploy/docker-compose.yml up --build --detach

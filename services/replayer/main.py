@@ -108,7 +108,12 @@ def build_parser() -> EnvArgumentParser:
         default=100_000,
         help="calls held to restore receive-time order; past it order is kept approximately (counted)",
     )
-    source.add_argument("--page-size", type=int, default=500, help="stream entries per XRANGE page")
+    source.add_argument(
+        "--page-size",
+        type=int,
+        default=200,
+        help="stream entries per XRANGE page (small pages keep each parse short, so sends stay on time)",
+    )
 
     target = parser.add_argument_group("targets")
     target.add_argument("--target", required=True, help="host:port of a router or a worker")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import queue
 import sys
 import threading
@@ -130,6 +131,9 @@ class Replay:
         self.stopping = threading.Event()
         self.interrupted = False
         self._send_queue: queue.Queue[Any] = queue.Queue(maxsize=_READ_AHEAD)
+        #: Set once the read-ahead queue is full (or reading is over): the clock starts then, so the
+        #: first calls do not compete with the reader's initial burst.
+        self._primed = threading.Event()
         self._done_queue: queue.Queue[Any] = queue.Queue()
         self._slots = threading.Semaphore(settings.concurrency)
         self._lock = threading.Lock()
@@ -145,6 +149,7 @@ class Replay:
         """Stop cleanly (safe from a signal handler): no new calls; those in flight finish; outputs are written."""
         self.interrupted = True
         self.stopping.set()
+        self._primed.set()
 
     async def run(self) -> Aggregates:
         """Run the whole replay; returns when every started call has finished and been recorded."""
@@ -156,9 +161,14 @@ class Replay:
             target=self._collect_loop, args=(results, progress), name="replay-collector", daemon=True
         )
         # The sender must get the GIL within a fraction of a millisecond when its time comes
-        # (CPython's default switch interval is 5 ms).
+        # (CPython's default switch interval is 5 ms), and a full garbage collection, which walks
+        # every tracked object (the read-ahead queue and the reorder buffer hold many), would stop
+        # it for milliseconds: young generations are still collected, full collections wait for the end.
         previous_interval = sys.getswitchinterval()
+        previous_thresholds = gc.get_threshold()
         sys.setswitchinterval(0.0002)
+        gc.freeze()
+        gc.set_threshold(previous_thresholds[0], previous_thresholds[1], 1_000_000_000)
         started = time.perf_counter()
         try:
             sender.start()
@@ -171,6 +181,8 @@ class Replay:
                 await asyncio.to_thread(collector.join)
         finally:
             sys.setswitchinterval(previous_interval)
+            gc.set_threshold(*previous_thresholds)
+            gc.unfreeze()
             self.wall_s = time.perf_counter() - started
             results.close()
             progress.close()
@@ -219,14 +231,19 @@ class Replay:
                 return False
             try:
                 self._send_queue.put_nowait(item)
+                if item is _END:
+                    self._primed.set()
                 return True
             except queue.Full:
+                self._primed.set()
                 await asyncio.sleep(0.002)
 
     # -- sender (thread) -------------------------------------------------------------------
 
     def _send_loop(self) -> None:
         timeout_s = self.settings.timeout_s
+        while not self._primed.wait(timeout=0.05) and not self.stopping.is_set():
+            pass
         while True:
             item = self._send_queue.get()
             if item is _END:

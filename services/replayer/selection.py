@@ -98,7 +98,7 @@ class Selection:
     max_lateness_ns: int = 3_600_000_000_000
     clock_skew_ns: int = 5_000_000_000
     reorder_capacity: int = 100_000
-    page_size: int = 500
+    page_size: int = 200
 
     def __post_init__(self) -> None:
         if not self.models:
