@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -579,3 +580,29 @@ def test_the_gate_exits_0_when_every_bound_holds_and_1_listing_those_that_fail(
     assert "completed=10 (bound completed>=11)" in line
     assert "error_rate" not in line
     assert failing.summary["gate"]["passed"] is False
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium is not installed")
+def test_the_report_renders_offline_in_headless_chromium(traffic: Traffic, tmp_path: Path) -> None:
+    run = replay(traffic, tmp_path, "--target", traffic.stack.workers["v2"].address, *traffic.window_args("B"))
+    assert run.code == 0, run.stderr
+    screenshot = tmp_path / "report.png"
+    subprocess.run(
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--screenshot={screenshot}",
+            "--window-size=1200,2600",
+            (tmp_path / "report.html").as_uri(),
+        ],
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
+    png = screenshot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert int.from_bytes(png[16:20], "big") == 1200  # IHDR width
+    assert len(png) > 50_000  # charts and tables, not a blank page

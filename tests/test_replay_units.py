@@ -110,6 +110,15 @@ def test_a_full_reorder_buffer_releases_early_and_counts_what_then_arrives_out_o
     assert buffer.max_buffered == 4
 
 
+def test_the_reorder_buffer_is_also_capped_in_bytes() -> None:
+    buffer: ReorderBuffer[int] = ReorderBuffer(horizon_ns=10**9, capacity=1000, max_bytes=100)
+    released = []
+    for receive in (10, 20, 30):
+        released += list(buffer.push(receive, receive, size=40))
+    assert released == [10]
+    assert buffer.bytes == 80
+
+
 def test_request_ids_are_remembered_for_the_lateness_horizon_and_then_forgotten() -> None:
     recent = RecentIds(horizon_ns=100, capacity=1000)
     assert not recent.seen_before("a", 0)

@@ -106,7 +106,13 @@ def build_parser() -> EnvArgumentParser:
         "--reorder-buffer",
         type=int,
         default=100_000,
-        help="calls held to restore receive-time order; past it order is kept approximately (counted)",
+        help="calls held to restore receive-time order; past it a late call may go out of order (counted)",
+    )
+    source.add_argument(
+        "--reorder-buffer-mb",
+        type=float,
+        default=256.0,
+        help="the same cap in MiB of records (inline payloads included)",
     )
     source.add_argument(
         "--page-size",
@@ -196,6 +202,7 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             max_lateness_ns=parse_duration_ns(args.max_lateness),
             clock_skew_ns=parse_duration_ns(args.clock_skew),
             reorder_capacity=args.reorder_buffer,
+            reorder_max_bytes=int(args.reorder_buffer_mb * 1024 * 1024),
             page_size=args.page_size,
         )
         speed = _speed(args.speed)

@@ -301,7 +301,7 @@ def cdf_chart(series: Sequence[tuple[str, str, LogHistogram]], *, title: str) ->
         x = x_of(10.0**exp)
         out.append(f"<line x1='{x:.1f}' y1='{_TOP}' x2='{x:.1f}' y2='{_TOP + plot_h}' stroke='#eee'/>")
         out.append(f"<text x='{x:.1f}' y='{_TOP + plot_h + 14}' text-anchor='middle'>{_ms_label(10.0**exp)}</text>")
-    for fraction in (0, 0.5, 0.9, 0.99, 1):
+    for fraction in (0, 0.25, 0.5, 0.75, 0.9, 1):
         y = y_of(fraction)
         out.append(f"<line x1='{_LEFT}' y1='{y:.1f}' x2='{_LEFT + plot_w}' y2='{y:.1f}' stroke='#eee'/>")
         out.append(f"<text x='{_LEFT - 6}' y='{y + 4:.1f}' text-anchor='end'>{fraction:g}</text>")

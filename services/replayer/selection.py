@@ -11,10 +11,12 @@ Ordering by receive time with bounded memory: a late record shows up in the stre
 calls the router received later, so calls wait in a :class:`ReorderBuffer` (a heap keyed by
 receive time) until the scan has passed ``receive + max_lateness``; after that no entry
 still to come can be older. Exact order therefore holds up to ``max_lateness`` of traffic in
-memory; the buffer's capacity caps that, and past it the oldest call is released early and
-any older call found afterwards is sent out of order (counted as ``out_of_order``, never
-dropped). ``--max-lateness 0`` releases calls as they are read (fast start, no late records);
-a larger capacity buys exact order for busier windows with memory.
+memory; the buffer's capacity (calls, and bytes of records) caps that, and past it the
+oldest call is released early and any older call found afterwards is sent out of order
+(counted as ``out_of_order``, never dropped). On-time calls arrive nearly sorted, so early
+release keeps their order; only a late call older than what already left goes out of order.
+``--max-lateness 0`` releases calls as they are read (fast start, no late records); a larger
+capacity buys exact order for busier windows with memory.
 
 Delivery is at least once, so the same request id can appear twice; a second copy reaches
 Redis within the lateness window of the first, so :class:`RecentIds` remembers ids for that
@@ -98,6 +100,7 @@ class Selection:
     max_lateness_ns: int = 3_600_000_000_000
     clock_skew_ns: int = 5_000_000_000
     reorder_capacity: int = 100_000
+    reorder_max_bytes: int = 256 * 1024 * 1024
     page_size: int = 200
 
     def __post_init__(self) -> None:
@@ -111,8 +114,8 @@ class Selection:
             raise ValueError("--limit must be at least 1")
         if self.max_lateness_ns < 0 or self.clock_skew_ns < 0:
             raise ValueError("--max-lateness and --clock-skew must not be negative")
-        if self.reorder_capacity < 1 or self.page_size < 1:
-            raise ValueError("--reorder-buffer and --page-size must be at least 1")
+        if self.reorder_capacity < 1 or self.page_size < 1 or self.reorder_max_bytes < 1:
+            raise ValueError("--reorder-buffer, --reorder-buffer-mb and --page-size must be positive")
 
     @property
     def scan_start(self) -> str:
@@ -172,13 +175,16 @@ class ReorderBuffer(Generic[T]):
     position ``position_ns`` yields every item received before ``position_ns - horizon_ns``
     (entries further on were written at or after ``position_ns`` and received at most
     ``horizon_ns`` before they were written). Past ``capacity`` items, the oldest is released
-    early; an item older than one already released is still released (counted as out of order).
+    early, and so past ``max_bytes`` of items (each pushed with its size); an item older than one
+    already released is still released (counted as out of order).
     """
 
-    def __init__(self, *, horizon_ns: int, capacity: int) -> None:
+    def __init__(self, *, horizon_ns: int, capacity: int, max_bytes: int = 1 << 62) -> None:
         self.horizon_ns = horizon_ns
         self.capacity = capacity
-        self._heap: list[tuple[int, int, T]] = []
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._heap: list[tuple[int, int, int, T]] = []
         self._sequence = 0
         self._last_released_ns: int | None = None
         self.released_early = 0
@@ -188,12 +194,13 @@ class ReorderBuffer(Generic[T]):
     def __len__(self) -> int:
         return len(self._heap)
 
-    def push(self, receive_ns: int, item: T) -> Iterator[T]:
+    def push(self, receive_ns: int, item: T, size: int = 0) -> Iterator[T]:
         """Add ``item``; yields what had to be released early to stay within capacity."""
-        heapq.heappush(self._heap, (receive_ns, self._sequence, item))
+        heapq.heappush(self._heap, (receive_ns, self._sequence, size, item))
         self._sequence += 1
+        self.bytes += size
         self.max_buffered = max(self.max_buffered, len(self._heap))
-        while len(self._heap) > self.capacity:
+        while len(self._heap) > self.capacity or (self.bytes > self.max_bytes and len(self._heap) > 1):
             self.released_early += 1
             yield self._pop()
 
@@ -208,7 +215,8 @@ class ReorderBuffer(Generic[T]):
             yield self._pop()
 
     def _pop(self) -> T:
-        receive_ns, _, item = heapq.heappop(self._heap)
+        receive_ns, _, size, item = heapq.heappop(self._heap)
+        self.bytes -= size
         if self._last_released_ns is not None and receive_ns < self._last_released_ns:
             self.out_of_order += 1
         else:
@@ -280,7 +288,9 @@ async def model_calls(
 ) -> AsyncGenerator[SelectedCall, None]:
     """One model's selected calls, de-duplicated, in receive-time order (see the module docstring)."""
     horizon = selection.max_lateness_ns + selection.clock_skew_ns
-    buffer: ReorderBuffer[SelectedCall] = ReorderBuffer(horizon_ns=horizon, capacity=selection.reorder_capacity)
+    buffer: ReorderBuffer[SelectedCall] = ReorderBuffer(
+        horizon_ns=horizon, capacity=selection.reorder_capacity, max_bytes=selection.reorder_max_bytes
+    )
     recent = RecentIds(horizon_ns=horizon, capacity=max(4 * selection.reorder_capacity, 100_000))
     try:
         async for entry in read_entries(
@@ -300,7 +310,7 @@ async def model_calls(
                 if recent.seen_before(call.record.request_id, position_ns):
                     stats.duplicates += 1
                 else:
-                    for early in buffer.push(call.receive_ns, call):
+                    for early in buffer.push(call.receive_ns, call, len(entry.fields.get(b"record", b""))):
                         yield early
             for ready in buffer.release(position_ns):
                 yield ready
