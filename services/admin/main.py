@@ -136,7 +136,7 @@ def build_parser() -> EnvArgumentParser:
         help="ramp a version up step by step; roll back when a guard trips",
         description=(
             "Between steps, read every router's /metrics and compare the new version with the control over the "
-            "step's interval; promote when the guards hold, set the new version back to 0 %% when one trips."
+            "step's interval; promote when the guards hold, set the new version back to 0 % when one trips."
         ),
     )
     rollout.add_argument("model")

@@ -66,38 +66,39 @@ class RegistrationSettings:
 
 
 def add_registration_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("registration (off unless --registry is set)")
-    group.add_argument(
+    """Registration flags, added to the parser itself (not a group) so each reads its environment variable too."""
+    parser.add_argument(
         "--registry",
         default="",
         metavar="consul://HOST:PORT",
-        help="register in this Consul agent once serving, deregister on shutdown (ACL token from CONSUL_HTTP_TOKEN)",
+        help="Consul registration: register in this Consul agent once serving, deregister on shutdown "
+        "(ACL token from CONSUL_HTTP_TOKEN); empty: do not register",
     )
-    group.add_argument(
+    parser.add_argument(
         "--advertise-address",
         default="",
         metavar="HOST[:PORT]",
         help="address routers use to reach this worker; default: --host unless it is a wildcard "
         "(then Consul uses its node's address), and the gRPC port",
     )
-    group.add_argument(
+    parser.add_argument(
         "--engine-tag",
         default="",
         metavar="TAG",
-        help="engine tag to publish, e.g. resnet-v2-fp16-dyn (default: MODEL-VERSION-PRECISION)",
+        help="engine tag to publish, e.g. resnet-v2-fp16-dyn; empty: MODEL-VERSION-PRECISION",
     )
-    group.add_argument("--precision", default="fp32", metavar="P", help="precision to publish: fp32, fp16, int8")
-    group.add_argument(
+    parser.add_argument("--precision", default="fp32", metavar="P", help="precision to publish: fp32, fp16, int8")
+    parser.add_argument(
         "--check-interval-s", type=float, default=1.0, metavar="S", help="how often Consul checks the worker's health"
     )
-    group.add_argument(
+    parser.add_argument(
         "--deregister-critical-after-s",
         type=float,
         default=60.0,
         metavar="S",
         help="Consul removes the worker after its check failed this long",
     )
-    group.add_argument(
+    parser.add_argument(
         "--reregister-interval-s",
         type=float,
         default=10.0,
