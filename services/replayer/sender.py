@@ -76,6 +76,10 @@ class Target:
             self.channel = grpc.insecure_channel(address, options=options)
         # No serializers: requests and responses stay bytes.
         self._call = self.channel.unary_unary(METHOD)
+        # gRPC cancels a call whose future is garbage-collected ("Cancelled upon garbage collection!"),
+        # and a future referenced only from its own done-callback is a cycle the collector frees while
+        # the call is still in flight. So every future is held here until its callback has run.
+        self._pending: set[grpc.Future] = set()
 
     def wait_ready(self, timeout_s: float) -> None:
         try:
@@ -99,6 +103,7 @@ class Target:
 
         def finished(call: grpc.Future) -> None:
             done_at = time.perf_counter()
+            self._pending.discard(call)
             rendezvous: grpc.Call = call  # type: ignore[assignment]  # the future is also the Call
             code = rendezvous.code()
             version = ""
@@ -110,6 +115,7 @@ class Target:
             else:
                 on_done(Outcome(code.value[0], rendezvous.details() or "", None, version, sent_at, done_at))
 
+        self._pending.add(future)
         future.add_done_callback(finished)
 
     def close(self) -> None:
