@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,15 @@ def clean(value: Any) -> Any:
 
 
 class ResultsWriter:
-    """Appends one JSON object per line; flushed every ``flush_every`` lines and on close."""
+    """Appends one JSON object per line; flushed every ``flush_every`` lines or ``flush_interval_s``
+    (so ``tail -f`` follows a slow replay), and on close."""
 
-    def __init__(self, path: Path, *, flush_every: int = 256) -> None:
+    def __init__(self, path: Path, *, flush_every: int = 256, flush_interval_s: float = 0.5) -> None:
         self.path = path
         self._file = path.open("w", encoding="utf-8")
         self._flush_every = flush_every
+        self._flush_interval_s = flush_interval_s
+        self._flushed_at = time.monotonic()
         self._pending = 0
         self.lines = 0
 
@@ -38,9 +42,11 @@ class ResultsWriter:
         self._file.write("\n")
         self.lines += 1
         self._pending += 1
-        if self._pending >= self._flush_every:
+        now = time.monotonic()
+        if self._pending >= self._flush_every or now - self._flushed_at >= self._flush_interval_s:
             self._file.flush()
             self._pending = 0
+            self._flushed_at = now
 
     def close(self) -> None:
         if not self._file.closed:
