@@ -22,21 +22,36 @@ class EnvArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
+        return super().add_argument(*names, **self._from_environment(names, kwargs))
+
+    def add_argument_group(self, *args: Any, **kwargs: Any) -> argparse._ArgumentGroup:
+        """Groups read the environment too (argparse's groups have their own ``add_argument``)."""
+        group = super().add_argument_group(*args, **kwargs)
+        add = group.add_argument
+
+        def add_argument(*names: Any, **options: Any) -> argparse.Action:
+            return add(*names, **self._from_environment(names, options))
+
+        group.add_argument = add_argument  # type: ignore[method-assign]
+        return group
+
+    def _from_environment(self, names: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         long_names = [n for n in names if isinstance(n, str) and n.startswith("--")]
-        if long_names and "help" in kwargs and kwargs.get("action") != "help":
-            variable = self.env_prefix + long_names[0][2:].upper().replace("-", "_")
-            if variable in os.environ:
-                raw = os.environ[variable]
-                if kwargs.get("action") == "store_true":
-                    kwargs["default"] = raw.strip().lower() in {"1", "true", "yes", "on"}
-                else:
-                    try:
-                        kwargs["default"] = kwargs["type"](raw) if "type" in kwargs else raw
-                    except (TypeError, ValueError):
-                        self.error(f"{variable}: invalid value {raw!r} for {long_names[0]}")
-                kwargs["required"] = False
-            kwargs["help"] = f"{kwargs['help']} [env {variable}]"
-        return super().add_argument(*names, **kwargs)
+        if not long_names or "help" not in kwargs or kwargs.get("action") == "help":
+            return kwargs
+        variable = self.env_prefix + long_names[0][2:].upper().replace("-", "_")
+        if variable in os.environ:
+            raw = os.environ[variable]
+            if kwargs.get("action") == "store_true":
+                kwargs["default"] = raw.strip().lower() in {"1", "true", "yes", "on"}
+            else:
+                try:
+                    kwargs["default"] = kwargs["type"](raw) if "type" in kwargs else raw
+                except (TypeError, ValueError):
+                    self.error(f"{variable}: invalid value {raw!r} for {long_names[0]}")
+            kwargs["required"] = False
+        kwargs["help"] = f"{kwargs['help']} [env {variable}]"
+        return kwargs
 
     def error(self, message: str) -> NoReturn:
         """Usage errors: one line on stderr and exit code 2."""

@@ -66,7 +66,7 @@ class RegistrationSettings:
 
 
 def add_registration_arguments(parser: argparse.ArgumentParser) -> None:
-    """Registration flags, added to the parser itself (not a group) so each reads its environment variable too."""
+    """Registration flags (each also read from its SPLITSTREAM_WORKER_* environment variable)."""
     parser.add_argument(
         "--registry",
         default="",
