@@ -164,6 +164,16 @@ def test_integer_bool_and_bytes_outputs_must_be_exactly_equal() -> None:
     assert by_name["text"].mismatches == 1
 
 
+def test_identical_responses_match_with_the_same_statistics_as_a_full_comparison() -> None:
+    outputs = {"y": np.array([[0.1, 0.7, 0.2]], np.float32), "label": np.array([1], np.int64)}
+    same = compare_answers(ok(**outputs), ok(**outputs), TOL)  # byte-identical: no tensor decoded
+    almost = {"y": np.nextafter(outputs["y"], np.float32(1)), "label": outputs["label"]}  # one ulp: the full path
+    full = compare_answers(ok(**outputs), ok(**almost), TOL)
+    assert same.outcome == full.outcome == "match"
+    for fast, slow in zip(same.outputs, full.outputs, strict=True):
+        assert fast.as_dict() == {**slow.as_dict(), "max_abs_error": pytest.approx(0.0, abs=1e-7)}
+
+
 def test_float_outputs_match_within_tolerance_and_nan_and_inf_compare_as_values() -> None:
     reference = ok(y=np.array([[1.0, np.nan, np.inf, -np.inf]], np.float32))
     close = ok(y=np.array([[1.0005, np.nan, np.inf, -np.inf]], np.float32))
