@@ -51,6 +51,9 @@ bench: install ## Run the benchmarks (prints tables; see README)
 	$(BIN)/python bench/recording_overhead.py
 	$(BIN)/python bench/replay_send_lag.py
 
+demo: install ## The whole story on this machine: train, split 90/10, record, ramp to 50/50, replay, report
+	$(BIN)/python -m demo.run
+
 up: ## Start the docker-compose stack (needs a Docker engine): redis, consul, recorder, router, workers, prometheus, grafana
 	docker compose -f deploy/docker-compose.yml up --build --detach
 

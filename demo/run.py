@@ -1,0 +1,403 @@
+"""``make demo``: the whole splitstream story on one machine, with a real model, in about a minute.
+
+1. Train a digit classifier in two versions (v2 better) and export both to ONNX.
+2. Start redis-server, the recorder, one worker per version and the router (file registry, 90/10).
+3. Simulated users (sticky routing keys) send held-out digits; every call is recorded.
+4. Ramp v2 to 50 % with ``splitstream rollout`` while traffic flows (guards: error rate, p99).
+5. Replay the last minute against v2 with ``--compare-to`` v1 and write the HTML report.
+6. Print per-version calls, accuracy against the true labels, latency, and the replay's mismatch rate.
+
+Everything it starts is stopped at the end, on an error or on Ctrl-C; a second run starts afresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+from grpc import aio
+
+from demo.processes import Supervisor, free_port
+from demo.train import MODEL, DemoData, train
+from splitstream.common import tensors
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.inference import grpc_service_pb2_grpc
+
+
+@dataclass
+class Observed:
+    """What the simulated users saw, per served version."""
+
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    correct: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    latencies_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    errors: int = 0
+
+    def share(self, version: str) -> float:
+        total = sum(self.calls.values())
+        return self.calls[version] / total if total else 0.0
+
+
+class Traffic:
+    """Simulated users: each call comes from one of ``users`` sticky keys and sends a held-out digit."""
+
+    def __init__(self, address: str, data: DemoData, *, users: int, concurrency: int, seed: int = 0) -> None:
+        self.address = address
+        self.data = data
+        self.users = users
+        self.concurrency = concurrency
+        self.random = random.Random(seed)
+
+    async def run(self, *, calls: int | None = None, stop: threading.Event | None = None) -> Observed:
+        observed = Observed()
+        sent = 0
+        async with aio.insecure_channel(self.address) as channel:
+            stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+            async def user_loop() -> None:
+                nonlocal sent
+                while (calls is None or sent < calls) and not (stop is not None and stop.is_set()):
+                    sent += 1
+                    index = self.random.randrange(len(self.data.labels))
+                    request = oip.ModelInferRequest(model_name=MODEL)
+                    tensors.add_raw_input(request, "x", self.data.images[index : index + 1])
+                    key = f"user-{self.random.randrange(self.users)}"
+                    started = time.perf_counter()
+                    call = stub.ModelInfer(request, metadata=(("x-routing-key", key),), timeout=10)
+                    try:
+                        response = await call
+                    except aio.AioRpcError:
+                        observed.errors += 1
+                        continue
+                    latency = time.perf_counter() - started
+                    version = dict(await call.trailing_metadata() or ()).get("x-splitstream-version", "?")
+                    label = int(tensors.output_arrays(response)["label"][0])
+                    observed.calls[version] += 1
+                    observed.correct[version] += label == int(self.data.labels[index])
+                    observed.latencies_s[version].append(latency)
+
+            await asyncio.gather(*(user_loop() for _ in range(self.concurrency)))
+        return observed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workdir", type=Path, default=Path(".demo"), help="where models, logs and reports go")
+    parser.add_argument("--calls", type=int, default=3000, help="calls before and after the ramp (each)")
+    parser.add_argument("--users", type=int, default=1000, help="simulated users (sticky routing keys)")
+    parser.add_argument("--concurrency", type=int, default=4, help="calls in flight")
+    parser.add_argument("--step-seconds", type=float, default=5.0, help="the rollout step's observation time")
+    args = parser.parse_args(argv)
+    try:
+        summary = run(args)
+    except KeyboardInterrupt:
+        print("\ninterrupted: everything the demo started has been stopped")
+        return 130
+    print_summary(summary, args.workdir)
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, object]:
+    workdir: Path = args.workdir.resolve()
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    step = _stepper()
+    step("training the digit classifier, v1 (150 images) and v2 (all 1078)")
+    data, trained_accuracy = train(workdir / "models")
+    os.environ["SPLITSTREAM_HMAC_KEY"] = secrets.token_hex(16)
+    with Supervisor(workdir) as supervisor:
+        step("starting redis-server, recorder, workers v1 and v2, router (90/10)")
+        redis_port = free_port()
+        redis_url = f"redis://127.0.0.1:{redis_port}/0"
+        supervisor.start(
+            "redis",
+            [
+                "redis-server",
+                "--port",
+                str(redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(workdir),
+            ],
+        )
+        recorder = f"127.0.0.1:{free_port()}"
+        supervisor.start(
+            "recorder",
+            [
+                "splitstream-recorder",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                recorder.split(":")[1],
+                "--metrics-port",
+                str(free_port()),
+                "--redis-url",
+                redis_url,
+            ],
+            grpc_address=recorder,
+        )
+        workers = {}
+        for version in ("v1", "v2"):
+            workers[version] = f"127.0.0.1:{free_port()}"
+            supervisor.start(
+                f"worker-{version}",
+                [
+                    "splitstream-worker",
+                    "--model-repository",
+                    str(workdir / "models"),
+                    "--model",
+                    MODEL,
+                    "--version",
+                    version,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    workers[version].split(":")[1],
+                    "--metrics-port",
+                    str(free_port()),
+                ],
+                grpc_address=workers[version],
+            )
+        registry = workdir / "registry.yaml"
+        registry.write_text(
+            yaml.safe_dump(
+                {
+                    "models": {
+                        MODEL: {
+                            "endpoints": {v: [a] for v, a in workers.items()},
+                            "experiment": {
+                                "salt": "demo",
+                                "control": "v1",
+                                "arms": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}],
+                            },
+                        }
+                    }
+                },
+                sort_keys=False,
+            )
+        )
+        router = f"127.0.0.1:{free_port()}"
+        router_metrics = free_port()
+        supervisor.start(
+            "router",
+            [
+                "splitstream-router",
+                "--registry",
+                f"file:{registry}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                router.split(":")[1],
+                "--metrics-port",
+                str(router_metrics),
+                "--recorder",
+                recorder,
+                "--spool-dir",
+                str(workdir / "spool"),
+                "--record-batch-interval-ms",
+                "100",
+            ],
+            grpc_address=router,
+        )
+
+        traffic = Traffic(router, data, users=args.users, concurrency=args.concurrency)
+        warm_up = asyncio.run(traffic.run(calls=100))  # warm connections and batchers; not in the table
+        step(f"sending {args.calls} calls from {args.users} users at 90/10")
+        before = asyncio.run(traffic.run(calls=args.calls))
+        replay_since = time.time()
+
+        step(f"ramping v2 to 50 % with `splitstream rollout` ({args.step_seconds:g} s step, traffic flowing)")
+        stop = threading.Event()
+        during: list[Observed] = []
+        background = threading.Thread(target=lambda: during.append(asyncio.run(traffic.run(stop=stop))))
+        background.start()
+        try:
+            rollout = subprocess.run(
+                [
+                    _script("splitstream"),
+                    "--registry",
+                    f"file:{registry}",
+                    "rollout",
+                    MODEL,
+                    "v2",
+                    "--steps",
+                    "50",
+                    "--interval",
+                    f"{args.step_seconds}s",
+                    "--metrics",
+                    f"127.0.0.1:{router_metrics}",
+                    "--max-error-rate",
+                    "0.01",
+                    "--max-p99-ratio",
+                    "5",
+                    "--min-calls",
+                    "10",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120 + args.step_seconds * 3,
+            )
+        finally:
+            stop.set()
+            background.join()
+        (workdir / "logs" / "rollout.log").write_text(rollout.stdout + rollout.stderr)
+        if rollout.returncode != 0:
+            raise RuntimeError(f"rollout exited {rollout.returncode}: {rollout.stdout}{rollout.stderr}")
+
+        step(f"sending {args.calls} calls at 50/50")
+        after = asyncio.run(traffic.run(calls=args.calls))
+        time.sleep(0.5)  # the router's last record batch reaches Redis
+
+        step("replaying the last minute against v2, compared with v1, and writing the report")
+        replay_dir = workdir / "replay"
+        replay = subprocess.run(
+            [
+                _script("splitstream-replay"),
+                "--redis-url",
+                redis_url,
+                "--model",
+                MODEL,
+                "--since",
+                f"{max(replay_since, time.time() - 60):.3f}",
+                "--until",
+                "now",
+                "--target",
+                workers["v2"],
+                "--compare-to",
+                workers["v1"],
+                "--speed",
+                "max",
+                "--concurrency",
+                "16",
+                "--output-dir",
+                str(replay_dir),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        (workdir / "logs" / "replay.log").write_text(replay.stdout + replay.stderr)
+        if replay.returncode != 0:
+            raise RuntimeError(f"replay exited {replay.returncode}: {replay.stderr.strip()[-500:]}")
+        replay_summary = json.loads((replay_dir / "summary.json").read_text())
+        recorded = _recorded_count(redis_url)
+        step("stopping everything")
+
+    summary = {
+        "trained_accuracy": trained_accuracy,
+        "phases": {"90/10": _phase(before), "50/50": _phase(after)},
+        "errors": sum(o.errors for o in (warm_up, before, after, *during)),
+        "calls_sent": sum(sum(o.calls.values()) + o.errors for o in (warm_up, before, after, *during)),
+        "recorded": recorded,
+        "replay": replay_summary,
+        "report": str(replay_dir / "report.html"),
+        "logs": str(workdir / "logs"),
+        "router_metrics": f"http://127.0.0.1:{router_metrics}/metrics (while running)",
+    }
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _phase(observed: Observed) -> dict[str, dict[str, float]]:
+    phase = {}
+    for version in sorted(observed.calls):
+        latencies = np.array(observed.latencies_s[version]) * 1000
+        phase[version] = {
+            "calls": observed.calls[version],
+            "share": observed.share(version),
+            "accuracy": observed.correct[version] / observed.calls[version],
+            "p50_ms": float(np.percentile(latencies, 50)),
+            "p99_ms": float(np.percentile(latencies, 99)),
+        }
+    return phase
+
+
+def _recorded_count(redis_url: str) -> int:
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return int(client.xlen(f"splitstream:calls:{MODEL}"))
+    finally:
+        client.close()
+
+
+def _script(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def _stepper():  # type: ignore[no-untyped-def]
+    started = time.monotonic()
+    count = 0
+
+    def step(message: str) -> None:
+        nonlocal count
+        count += 1
+        print(f"[{time.monotonic() - started:6.1f}s] {count}. {message}", flush=True)
+
+    return step
+
+
+def print_summary(summary: dict[str, object], workdir: Path) -> None:
+    replay = summary["replay"]
+    assert isinstance(replay, dict)
+    print("\nsplitstream demo: digits classifier, v1 (control) vs v2\n")
+    print(f"{'phase':<7} {'version':<8} {'calls':>6} {'share':>7} {'accuracy':>9} {'p50 ms':>8} {'p99 ms':>8}")
+    phases = summary["phases"]
+    assert isinstance(phases, dict)
+    for name, phase in phases.items():
+        for version, row in phase.items():
+            print(
+                f"{name:<7} {version:<8} {row['calls']:>6} {row['share']:>7.1%} {row['accuracy']:>9.1%} "
+                f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f}"
+            )
+    print()
+    print(
+        f"calls sent {summary['calls_sent']}, client errors {summary['errors']}, records in Redis {summary['recorded']}"
+    )
+    print(_replay_line(replay))
+    print(f"\nreport:  {summary['report']}")
+    print(f"logs:    {summary['logs']}")
+    print(f"summary: {workdir.resolve() / 'summary.json'}")
+
+
+def _replay_line(replay: dict[str, object]) -> str:
+    counts = replay.get("counts", {})
+    outputs = replay.get("outputs", {})
+    assert isinstance(counts, dict)
+    assert isinstance(outputs, dict)
+    label = outputs.get("label", {})
+    probabilities = outputs.get("probabilities", {})
+    return (
+        f"replay of the last minute, v2 against v1: {counts.get('completed', 0)} calls; v2's label differs from "
+        f"v1's on {label.get('mismatch_rate', 0):.1%} of them (argmax agreement of the probabilities "
+        f"{probabilities.get('argmax_agreement', 0):.1%})"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""`make demo`'s story, shortened: 90/10 then 50/50, every call recorded, a replay report, nothing left running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.harness import ROOT
+
+
+def test_the_demo_tells_the_whole_story_and_leaves_nothing_running(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    result = subprocess.run(
+        [sys.executable, "-m", "demo.run", "--calls", "400", "--step-seconds", "2", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((workdir / "summary.json").read_text())
+    before, after = summary["phases"]["90/10"], summary["phases"]["50/50"]
+    # 400 calls from 1000 sticky users: a standard deviation of about 2 points on each share.
+    assert abs(before["v2"]["share"] - 0.10) < 0.07
+    assert abs(after["v2"]["share"] - 0.50) < 0.10
+    assert after["v2"]["accuracy"] > after["v1"]["accuracy"]
+    assert summary["errors"] == 0
+    assert summary["recorded"] == summary["calls_sent"]
+    label = summary["replay"]["outputs"]["label"]
+    assert 0 < label["mismatch_rate"] < 0.3
+    report = Path(summary["report"]).read_text()
+    assert "<svg" in report
+    assert "digits" in report
+    assert "accuracy" in result.stdout
+    leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"processes still running: {leftover.stdout}"
