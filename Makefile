@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TRITON_VENV ?= .venv-triton
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos test lint format bench gpu-smoke clean up down
+.PHONY: help install protos test lint format bench gpu-smoke clean up down demo
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
