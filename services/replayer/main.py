@@ -148,6 +148,13 @@ def build_parser() -> EnvArgumentParser:
         "--speed", default="1", help="1: the recorded gaps; 4: four times faster; max: as fast as --concurrency allows"
     )
     timing.add_argument("--concurrency", type=int, default=64, help="calls in flight at most (per target)")
+    timing.add_argument(
+        "--sender-nice",
+        type=int,
+        default=-10,
+        help="niceness of the sending thread, so it wakes on time on a busy machine (needs CAP_SYS_NICE "
+        "to go below 0; without it the default stays); 0 leaves it alone",
+    )
 
     comparing = parser.add_argument_group("comparison and outputs")
     comparing.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance for float outputs")
@@ -234,6 +241,7 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             tolerance=Tolerance(rtol=args.rtol, atol=args.atol, top_k=args.top_k),
             output_dir=Path(args.output_dir),
             progress=not args.no_progress,
+            sender_nice=args.sender_nice,
         )
         gate = parse_gate(args.gate) if args.gate else None
         if args.connect_timeout_s <= 0:
