@@ -4,11 +4,13 @@ One run: a worker and a router in front of it, a redis-server holding synthetic 
 traffic (one window per rate, calls evenly spaced at 100, 1,000 and 3,000 calls/s, each the
 same small request with the worker's real answer recorded), and the real CLI replaying each
 window at ``--speed 1`` against the router. Send lag = actual minus planned send time, as the
-replayer measures it (summary.json). Then the router's capacity (closed loop, 64 in flight,
-``bench.loadgen``) against ``--speed max --concurrency 64`` on the largest window. Target:
-p99 send lag under 1 ms at 1,000 calls/s.
+replayer measures it (summary.json). Each row is followed by a "(bare)" row: the same
+sleep-then-spin wait in a process with nothing else to do, run right after, which shows how
+late this (shared, 2-core) machine wakes anyone at that moment. Then the router's capacity
+(closed loop, 64 in flight, ``bench.loadgen``) against ``--speed max --concurrency 64`` on
+the largest window. Target: p99 send lag under 1 ms at 1,000 calls/s.
 
-    .venv/bin/python bench/replay_send_lag.py [--seconds 3] [--rounds 1]
+    .venv/bin/python bench/replay_send_lag.py [--seconds 3] [--rounds 1] [--target router|worker]
 """
 
 from __future__ import annotations
