@@ -165,7 +165,7 @@ def test_integer_bool_and_bytes_outputs_must_be_exactly_equal() -> None:
 
 
 def test_identical_responses_match_with_the_same_statistics_as_a_full_comparison() -> None:
-    outputs = {"y": np.array([[0.1, 0.7, 0.2]], np.float32), "label": np.array([1], np.int64)}
+    outputs: dict[str, np.ndarray] = {"y": np.array([[0.1, 0.7, 0.2]], np.float32), "label": np.array([1], np.int64)}
     same = compare_answers(ok(**outputs), ok(**outputs), TOL)  # byte-identical: no tensor decoded
     almost = {"y": np.nextafter(outputs["y"], np.float32(1)), "label": outputs["label"]}  # one ulp: the full path
     full = compare_answers(ok(**outputs), ok(**almost), TOL)
