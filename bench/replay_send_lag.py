@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import METHOD, drive, infer_request
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import stream_key
+from splitstream.common.records import entry_fields, stream_key
 from tests.harness import ROOT, Stack, write_registry
 from tests.models import add_version
 from tests.redis_server import RedisServer
@@ -61,17 +61,8 @@ def write_window(client: redis.Redis, start_ns: int, rate: int, seconds: float, 
         record.request.size_bytes = len(request)
         record.response.inline = response
         record.response.size_bytes = len(response)
-        fields = {
-            "request_id": record.request_id,
-            "time_ns": str(receive_ns),
-            "model": MODEL,
-            "version": "v1",
-            "status": "OK",
-            "latency_ms": "1.000",
-            "record": record.SerializeToString(),
-        }
         # Stream id = receive time, as for a record that reached Redis on time.
-        pipe.xadd(stream_key(MODEL), fields, id=f"{receive_ns // 1_000_000}-{i}")  # type: ignore[arg-type]
+        pipe.xadd(stream_key(MODEL), entry_fields(record), id=f"{receive_ns // 1_000_000}-{i}")  # type: ignore[arg-type]
         if len(pipe) >= 1000:
             pipe.execute()
     pipe.execute()

@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import status_name, stream_key
+from splitstream.common.records import entry_fields, stream_key
 from splitstream.replayer.main import main as replay_main
 from splitstream.replayer.selection import Selection
 from tests.harness import ROOT, InferClient, free_port, make_request, wait_for
@@ -86,8 +86,8 @@ class Run:
         return {r["request_id"] for r in self.results if outcome is None or r["outcome"] == outcome}
 
 
-def replay(traffic: Traffic, out: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60) -> Run:
-    command = [
+def replay_command(traffic: Traffic, out: Path, *args: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "splitstream.replayer",
@@ -99,8 +99,11 @@ def replay(traffic: Traffic, out: Path, *args: str, env: dict[str, str] | None =
         str(out),
         *args,
     ]
+
+
+def replay(traffic: Traffic, out: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60) -> Run:
     done = subprocess.run(
-        command,
+        replay_command(traffic, out, *args),
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -115,18 +118,7 @@ def xadd_record(stack: RecordingStack, record: recorder_pb2.CallRecord) -> None:
     """Write ``record`` as the recorder lays it out (this is what a spooled record looks like when it lands)."""
     client = stack.redis.client()
     try:
-        client.xadd(
-            stream_key(MODEL),
-            {
-                "request_id": record.request_id,
-                "time_ns": str(record.receive_unix_ns),
-                "model": record.model,
-                "version": record.version,
-                "status": status_name(record.status_code),
-                "latency_ms": f"{record.latency_ns / 1e6:.3f}",
-                "record": record.SerializeToString(),
-            },
-        )
+        client.xadd(stream_key(MODEL), entry_fields(record))  # type: ignore[arg-type]
     finally:
         client.close()
 
@@ -487,22 +479,9 @@ def test_speed_max_never_has_more_than_the_concurrency_in_flight(traffic: Traffi
 
 def test_ctrl_c_stops_cleanly_and_still_writes_a_partial_summary(traffic: Traffic, tmp_path: Path) -> None:
     # The burst takes ~0.6 s; at speed 0.05 it would take ~12 s.
-    command = [
-        sys.executable,
-        "-m",
-        "splitstream.replayer",
-        "--redis-url",
-        traffic.stack.redis.url,
-        "--model",
-        MODEL,
-        "--target",
-        traffic.stack.workers["v1"].address,
-        "--output-dir",
-        str(tmp_path),
-        "--speed",
-        "0.05",
-        *traffic.window_args("C"),
-    ]
+    command = replay_command(
+        traffic, tmp_path, "--target", traffic.stack.workers["v1"].address, "--speed", "0.05", *traffic.window_args("C")
+    )
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = tmp_path / "results.jsonl"
     try:

@@ -105,6 +105,20 @@ def stream_id_ms(stream_id: str) -> int:
     return int(stream_id.partition("-")[0])
 
 
+def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
+    """The stream entry the recorder writes for ``record``: readable fields beside the serialized record.
+    (Tools and tests that write records, e.g. to stand in for a spooled record arriving late, use it too.)"""
+    return {
+        "request_id": record.request_id,
+        "time_ns": str(record.receive_unix_ns),
+        "model": record.model,
+        "version": record.version,
+        "status": status_name(record.status_code),
+        "latency_ms": f"{record.latency_ns / 1e6:.3f}",
+        "record": record.SerializeToString(),
+    }
+
+
 def status_name(code: int) -> str:
     """``3`` → ``"INVALID_ARGUMENT"``; numbers outside gRPC's table stay readable as ``CODE_<n>``."""
     return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else f"CODE_{code}"
