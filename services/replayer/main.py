@@ -9,7 +9,6 @@ after ``--since``, unknown model, Redis or a target unreachable); 130 interrupte
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
@@ -359,8 +358,8 @@ def _one_line(summary: dict[str, Any], output_dir: Path) -> str:
     lag_text = f", send lag p50 {lag['p50_ms']} ms p99 {lag['p99_ms']} ms" if lag else ""
     return (
         f"replayed {counts['completed']} of {counts['selected']} selected calls: {outcomes['match']} match, "
-        f"{outcomes['mismatch']} mismatch, {outcomes['status_change']} status change{lag_text}; "
-        f"outputs in {output_dir}/ ({json.dumps(summary['metrics']['mismatch_rate'])} mismatch rate)"
+        f"{outcomes['mismatch']} mismatch, {outcomes['status_change']} status change "
+        f"(mismatch rate {summary['metrics']['mismatch_rate']:.2%}){lag_text}; outputs in {output_dir}/"
     )
 
 

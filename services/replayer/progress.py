@@ -26,12 +26,16 @@ class Progress:
         total = selection.limit if self._by_calls else max(min(selection.until_ns / 1e9, now_s) - self._since_s, 1e-3)
         self._bar = tqdm(
             total=total,
-            unit="call" if self._by_calls else "s",
+            unit="calls" if self._by_calls else "s of the window",
             unit_scale=False,
             dynamic_ncols=True,
             file=sys.stderr,
             disable=None if enabled else True,  # None: only on a terminal
-            bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}] {postfix}",
+            bar_format=(
+                "{l_bar}{bar}| {n:.0f}/{total:.0f} {unit} [{elapsed}<{remaining}{postfix}]"
+                if self._by_calls
+                else "{l_bar}{bar}| {n:.1f}/{total:.1f} {unit} [{elapsed}<{remaining}{postfix}]"
+            ),
         )
         self._started = time.perf_counter()
         self._calls = 0
@@ -54,12 +58,17 @@ class Progress:
         now = time.perf_counter()
         if now - self._last_postfix > 0.25:
             self._last_postfix = now
-            rate = self._calls / max(now - self._started, 1e-9)
-            self._bar.set_postfix_str(
-                f"{self._calls} calls, {rate:.0f}/s, {self._mismatches} mismatched, "
-                f"{self._status_changes} status changes",
-                refresh=False,
-            )
+            self._show_counts(now, refresh=False)
+
+    def _show_counts(self, now: float, *, refresh: bool) -> None:
+        rate = self._calls / max(now - self._started, 1e-9)
+        self._bar.set_postfix_str(
+            f"{self._calls} calls, {rate:.0f} calls/s, {self._mismatches} mismatched, "
+            f"{self._status_changes} status changes",
+            refresh=refresh,
+        )
 
     def close(self) -> None:
+        if not self._bar.disable:
+            self._show_counts(time.perf_counter(), refresh=True)
         self._bar.close()
