@@ -121,8 +121,7 @@ def _rules(value: str | list[str] | None, *, what: str) -> tuple[Rule, ...]:
     return tuple(Rule.parse(part, what=what) for part in parts)
 
 
-def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
-    """Parse flags (and SPLITSTREAM_RECORDER_* variables); usage errors exit 2 with one line."""
+def build_parser() -> argparse.ArgumentParser:
     # Typed as the base class: its error() is known to exit (NoReturn).
     parser: argparse.ArgumentParser = EnvArgumentParser(
         prog=PROG,
@@ -211,6 +210,12 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
         help="on SIGTERM: seconds batches in flight get to finish writing",
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
+    """Parse flags (and SPLITSTREAM_RECORDER_* variables); usage errors exit 2 with one line."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         values = vars(args)

@@ -65,7 +65,7 @@ class RouterConfig:
             raise ValueError("--record-batch-size, --record-queue-size and --spool-max-bytes must be positive")
 
 
-def parse_args(argv: Sequence[str] | None) -> RouterConfig:
+def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(
         prog="splitstream-router",
         env_prefix="SPLITSTREAM_ROUTER_",
@@ -88,8 +88,8 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
     parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (0: off)")
     parser.add_argument(
         "--router-id",
-        default=f"{socket.gethostname()}-{os.getpid()}",
-        help="this router's name in logs, Status and records",
+        default="",
+        help="this router's name in logs, Status and records (empty: hostname-pid)",
     )
     parser.add_argument(
         "--eject-after-failures",
@@ -162,6 +162,11 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
         default=100_000,
         help="calls held in memory for recording; past it new ones are dropped and counted",
     )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> RouterConfig:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
     # One deployment-wide key serves router, recorder and replayer alike.
