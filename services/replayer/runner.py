@@ -43,9 +43,11 @@ from splitstream.replayer.sender import VERSION_HEADER, Outcome, Target
 from splitstream.replayer.stats import GroupTotals, LogHistogram, OutputTotals, WorstCalls
 
 _READ_AHEAD = 2048
-#: Recorded metadata that is never re-sent: ids and pins are set by the replay itself, and
-#: masked values (``hmac:...``) are not what the client sent.
-_NOT_FORWARDED = frozenset({"x-request-id", "x-routing-key", VERSION_HEADER})
+#: Recorded metadata that is never re-sent: ids and pins are set by the replay itself, transport
+#: headers are the replayer's own, and masked values (``hmac:...``) are not what the client sent.
+_NOT_FORWARDED = frozenset(
+    {"x-request-id", "x-routing-key", VERSION_HEADER, "user-agent", "content-type", "te", "host", "authority"}
+)
 _END = object()
 
 
