@@ -593,3 +593,52 @@ def test_the_report_renders_offline_in_headless_chromium(traffic: Traffic, tmp_p
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert int.from_bytes(png[16:20], "big") == 1200  # IHDR width
     assert len(png) > 50_000  # charts and tables, not a blank page
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
+def test_tls_targets_are_verified_against_the_given_ca_and_server_name(traffic: Traffic, tmp_path: Path) -> None:
+    from concurrent import futures
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=replay-target",
+         "-addext", "subjectAltName=DNS:replay-target", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )  # fmt: skip
+    method = "/inference.GRPCInferenceService/ModelInfer"
+    upstream = grpc.insecure_channel(traffic.stack.workers["v1"].address)
+    forward = upstream.unary_unary(method)  # bytes in, bytes out
+
+    class TlsFront(grpc.GenericRpcHandler):
+        """TLS in front of worker v1, forwarding the request bytes as they come."""
+
+        def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+            if details.method != method:  # type: ignore[attr-defined]
+                return None
+            return grpc.unary_unary_rpc_method_handler(lambda request, _: forward(request, timeout=10))
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), handlers=[TlsFront()])
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())]))
+    server.start()
+    try:
+        common = [
+            "--target",
+            f"127.0.0.1:{port}",
+            "--speed",
+            "max",
+            "--connect-timeout-s",
+            "2",
+            *traffic.window_args("A"),
+        ]
+        run = replay(traffic, tmp_path / "ok", *common, "--tls-ca", str(cert), "--tls-server-name", "replay-target")
+        assert run.code == 0, run.stderr
+        assert run.ids("match") == set(traffic.ids["A"])  # v1's own answers; the v2-answered calls differ
+        assert run.ids("mismatch") == set(traffic.ids["A-v2"])
+        untrusted = replay(traffic, tmp_path / "untrusted", *common, "--tls")  # system roots: not this CA
+        assert untrusted.code == 2
+        assert "is unreachable" in untrusted.stderr
+    finally:
+        server.stop(grace=None)
+        upstream.close()
