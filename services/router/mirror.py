@@ -20,8 +20,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hashlib
-import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +29,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import routing_key_hmac
 from splitstream.router.core import CallOutcome
 from splitstream.router.spool import Spool
 
@@ -294,11 +293,6 @@ class RecordMirror:
             if isinstance(value, str) and not key.startswith(_RESERVED_METADATA) and key != outcome.routing_key_header:
                 record.metadata[key] = value
         return record
-
-
-def routing_key_hmac(key: bytes, routing_key: str) -> str:
-    """HMAC-SHA256 (hex) of a routing key: records and replay filters match on this, never on the key."""
-    return hmac.new(key, routing_key.encode(), hashlib.sha256).hexdigest()
 
 
 def _with_sequence(batch: bytes, sequence: int) -> bytes:
