@@ -35,6 +35,12 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICKS
 
 
+def rotated(names: list[str], round_index: int) -> list[str]:
+    """The paths in a different order each round, so the order of measuring does not bias a path."""
+    shift = round_index % len(names)
+    return names[shift:] + names[:shift]
+
+
 def infer_request(model: str, rows: int = 1, features: int = 4) -> bytes:
     request = oip.ModelInferRequest(model_name=model)
     tensors.add_raw_input(request, "x", np.ones((rows, features), dtype=np.float32))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import Result, Summary, drive, infer_request
+from bench.loadgen import Result, Summary, drive, infer_request, rotated
 from tests.harness import Stack, free_port, wait_for, write_registry
 from tests.models import add_version
 
@@ -110,8 +110,9 @@ def main() -> int:
         print("-" * len(header))
         for concurrency in (1, 64):
             merged: dict[str, list[Result]] = {name: [] for name in paths}
-            for _ in range(args.rounds):
-                for name, (address, pids) in paths.items():
+            for round_index in range(args.rounds):
+                for name in rotated(list(paths), round_index):  # no path always runs first
+                    address, pids = paths[name]
                     merged[name].append(asyncio.run(drive(address, payload, concurrency, args.seconds, pids)))
             summary = {name: Summary.of(results) for name, results in merged.items()}
             direct = summary["direct"]
