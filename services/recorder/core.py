@@ -14,7 +14,7 @@ import time
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from splitstream.common.records import status_name, stream_key
+from splitstream.common.records import entry_fields, stream_key
 from splitstream.recorder.blobs import BlobCollector
 from splitstream.recorder.errors import InvalidBatch, StoreUnavailable
 from splitstream.recorder.metrics import RecorderMetrics
@@ -94,19 +94,6 @@ class RecorderCore:
             record = item.record
             self.redactor.redact(record, item.request)
             collector.externalize(record)
-            entries.append(
-                StreamEntry(
-                    stream_key(record.model),
-                    {
-                        "request_id": record.request_id,
-                        "time_ns": str(record.receive_unix_ns),
-                        "model": record.model,
-                        "version": record.version,
-                        "status": status_name(record.status_code),
-                        "latency_ms": f"{record.latency_ns / 1e6:.3f}",
-                        "record": record.SerializeToString(),
-                    },
-                )
-            )
+            entries.append(StreamEntry(stream_key(record.model), entry_fields(record)))
             by_model[record.model] += 1
         return PreparedBatch(batch.sequence, WriteBatch(entries, collector.blobs), dict(by_model))
