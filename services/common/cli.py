@@ -72,3 +72,17 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
+
+
+def add_health_and_reflection(server: Any, health_servicer: Any, *service_names: str) -> None:
+    """Register grpc.health.v1 and server reflection for ``service_names`` (full names) on ``server``.
+
+    Every splitstream server offers both: health for routers, Consul and container checks;
+    reflection so `grpcurl` and friends can call it without the .proto files.
+    """
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)

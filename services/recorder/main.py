@@ -10,15 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import start_http_server
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from splitstream.common.cli import fail, server_options
+from splitstream.common.cli import add_health_and_reflection, fail, server_options
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.recorder.config import PROG, RecorderConfig, parse_args
@@ -105,14 +104,8 @@ class Recorder:
         A Redis that is down at start is not a configuration error: the recorder waits for it,
         visibly NOT_SERVING. Exits 2 with one line if the ports cannot be bound."""
         self.server.add_generic_rpc_handlers(self.servicer.handlers())
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [
-                recorder_pb2.DESCRIPTOR.services_by_name["Recorder"].full_name,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self.server,
+        add_health_and_reflection(
+            self.server, self.health, recorder_pb2.DESCRIPTOR.services_by_name["Recorder"].full_name
         )
         for service in ("", SERVICE):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

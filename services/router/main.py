@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import structlog
 from grpc import aio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import start_http_server
 
-from splitstream.common.cli import EnvArgumentParser, fail, server_options
+from splitstream.common.cli import EnvArgumentParser, add_health_and_reflection, fail, server_options
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
@@ -266,15 +265,11 @@ class Router:
             fail("splitstream-router", f"registry {self.registry.description}: {first.error}")
         self._apply(first)
         self.server.add_generic_rpc_handlers(self.servicer.handlers())
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [
-                oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-                router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
+        add_health_and_reflection(
             self.server,
+            self.health,
+            oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+            router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
         )
         port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         await self.server.start()

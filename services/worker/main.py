@@ -21,11 +21,9 @@ from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from splitstream.common.cli import EnvArgumentParser, server_options
+from splitstream.common.cli import EnvArgumentParser, add_health_and_reflection, server_options
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
@@ -185,14 +183,8 @@ class Worker:
         for service in ("", settings.model):
             await self._health.set(service, NOT_SERVING)
         add_to_server(InferenceServicer(self.model, metrics=self._metrics, logger=self._logger), self._server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            [
-                oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self._server,
+        add_health_and_reflection(
+            self._server, self._health, oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
         )
         address = f"[{settings.host}]:{settings.port}" if ":" in settings.host else f"{settings.host}:{settings.port}"
         try:
