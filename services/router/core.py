@@ -196,24 +196,18 @@ class RouterCore:
         """Send the bytes to ``endpoint``; fill ``outcome``; return the error, if any."""
         outcome.endpoint = endpoint.address
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        endpoint.outstanding += 1
-        endpoint.calls += 1
         self.metrics.in_flight.inc()
         try:
-            outcome.response = await endpoint.infer(request, timeout=timeout, metadata=metadata)
+            outcome.response = await endpoint.call(request, timeout_s=timeout, metadata=metadata)
         except aio.AioRpcError as error:
             outcome.code = error.code()
             outcome.details = error.details() or ""
             outcome.response = None
-            if error.code() == grpc.StatusCode.UNAVAILABLE and endpoint.failed():
-                self.metrics.ejections.labels(outcome.model, outcome.version, endpoint.address).inc()
             return error
         finally:
-            endpoint.outstanding -= 1
             self.metrics.in_flight.dec()
         outcome.code = grpc.StatusCode.OK
         outcome.details = ""
-        endpoint.succeeded()
         return None
 
     @staticmethod
@@ -247,7 +241,7 @@ class RouterCore:
                 members = []
                 for address in entry.endpoints.get(version, ()):
                     key = (model, version, address)
-                    endpoint = old.get(key) or self._new_endpoint(address)
+                    endpoint = old.get(key) or self._new_endpoint(model, version, address)
                     endpoints[key] = endpoint
                     members.append(endpoint)
                 pools[version] = VersionPool(version, members)
@@ -260,12 +254,13 @@ class RouterCore:
             if key not in endpoints:
                 self._close_later(endpoint)
 
-    def _new_endpoint(self, address: str) -> Endpoint:
+    def _new_endpoint(self, model: str, version: str, address: str) -> Endpoint:
         endpoint = Endpoint(
             address,
             channel_options=self.settings.channel_options,
             eject_after_failures=self.settings.eject_after_failures,
             eject_duration_s=self.settings.eject_duration_s,
+            on_eject=self.metrics.ejections.labels(model, version, address).inc,
         )
         endpoint.start_health_watch()
         return endpoint

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import structlog
@@ -43,6 +43,7 @@ class Endpoint:
         channel_options: Sequence[tuple[str, int | str]],
         eject_after_failures: int,
         eject_duration_s: float,
+        on_eject: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
         self.channel = aio.insecure_channel(address, options=list(channel_options))
@@ -56,6 +57,7 @@ class Endpoint:
         self.ejected_until = 0.0
         self._eject_after_failures = eject_after_failures
         self._eject_duration_s = eject_duration_s
+        self._on_eject = on_eject
         self._watch_task: asyncio.Task[None] | None = None
 
     @property
@@ -67,6 +69,23 @@ class Endpoint:
     @property
     def ejected(self) -> bool:
         return self.ejected_until > time.monotonic()
+
+    async def call(self, request: bytes, *, timeout_s: float | None, metadata: tuple[tuple[str, str], ...]) -> bytes:
+        """Forward ``request`` and keep the books every caller relies on: calls in flight (for the
+        least-outstanding pick), call and failure counts, and the circuit breaker. Raises the
+        worker's AioRpcError unchanged."""
+        self.outstanding += 1
+        self.calls += 1
+        try:
+            response: bytes = await self.infer(request, timeout=timeout_s, metadata=metadata)
+        except aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE and self.failed() and self._on_eject is not None:
+                self._on_eject()
+            raise
+        finally:
+            self.outstanding -= 1
+        self.succeeded()
+        return response
 
     def succeeded(self) -> None:
         self.consecutive_failures = 0

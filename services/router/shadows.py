@@ -108,22 +108,17 @@ class ShadowRunner:
             )
         else:
             retargeted = request + router_pb2.InferRequestHead(model_version=version).SerializeToString()
-            endpoint.outstanding += 1
             try:
-                response = await endpoint.infer(
-                    retargeted, timeout=self.timeout_s, metadata=(("x-request-id", outcome.request_id),)
+                response = await endpoint.call(
+                    retargeted, timeout_s=self.timeout_s, metadata=(("x-request-id", outcome.request_id),)
                 )
                 result = ShadowOutcome(
                     version, endpoint.address, grpc.StatusCode.OK, "", time.perf_counter() - started, response
                 )
             except aio.AioRpcError as error:
-                if error.code() == grpc.StatusCode.UNAVAILABLE:
-                    endpoint.failed()
                 result = ShadowOutcome(
                     version, endpoint.address, error.code(), error.details() or "", time.perf_counter() - started, None
                 )
-            finally:
-                endpoint.outstanding -= 1
         self.metrics.shadow_requests.labels(outcome.model, version, result.code.name).inc()
         self.metrics.shadow_latency.labels(outcome.model, version).observe(result.latency_s)
         return result
