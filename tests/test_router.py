@@ -301,27 +301,39 @@ def test_the_router_drains_calls_in_flight_on_sigterm_and_exits_zero(stack: Stac
     channel = grpc.insecure_channel(router.address)
     stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
     futures = [stub.ModelInfer.future(make_request(MODEL, np.ones((1, 4), np.float32)), timeout=10) for _ in range(4)]
-    time.sleep(0.1)
+    port = router.metrics_port  # type: ignore[attr-defined]
+    in_flight = lambda: metric_samples(scrape_metrics(port), "splitstream_router_in_flight")[0][1]  # noqa: E731
+    wait_for(lambda: in_flight() == 4, timeout_s=5, what="the four calls to be in flight at the router")
     router.signal(signal.SIGTERM)
     assert all(f.result().model_version == "v1" for f in futures)
     assert router.wait(timeout_s=30) == 0
     channel.close()
 
 
-def test_the_client_deadline_reaches_the_worker(stack: Stack, tmp_path: Path) -> None:
+async def test_the_time_left_on_a_call_travels_to_the_worker(stack: Stack, tmp_path: Path) -> None:
+    """The router core is driven in-process, so no client-side deadline can end the call: only the
+    deadline the router forwards can (without it the worker answers after its 1 s batching delay).
+    Through a real client the client's own deadline would fire at the same moment and hide a router
+    that dropped it."""
+    from splitstream.common.registry import parse_registry
+    from splitstream.router.core import EndpointSettings, RouterCore
+    from splitstream.router.metrics import RouterMetrics
+
     repository = tmp_path / "models"
     add_version(repository, MODEL, "v1", scale=2.0, config={"dynamic_batching": {"max_queue_delay_us": 1_000_000}})
     worker = stack.worker(repository, MODEL, "v1")
-    registry = tmp_path / "registry.yaml"
-    write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
-    router = stack.router(registry)
-    client = InferClient(router.address)
-    started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as caught:
-        client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), timeout_s=0.2)
-    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 0.9
-    client.close()
+    settings = EndpointSettings(channel_options=(), eject_after_failures=3, eject_duration_s=5, drain_timeout_s=1)
+    core = RouterCore(settings=settings, metrics=RouterMetrics())
+    core.apply(parse_registry({"models": {MODEL: {"endpoints": {"v1": [worker.address]}}}}))
+    request = make_request(MODEL, np.ones((1, 4), np.float32)).SerializeToString()
+    try:
+        started = time.monotonic()
+        outcome = await core.infer(request, {}, timeout_s=0.2)
+        elapsed = time.monotonic() - started
+    finally:
+        await core.close()
+    assert outcome.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert elapsed < 0.9
 
 
 # -- bad input --------------------------------------------------------------------------------
