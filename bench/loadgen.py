@@ -100,3 +100,16 @@ async def drive(address: str, request: bytes, concurrency: int, seconds: float, 
         result.wall_s = time.perf_counter() - started
         result.cpu_s = (cpu_seconds(pids) - cpu_before) if pids else 0.0
     return result
+
+
+def measure(
+    paths: dict[str, tuple[str, list[int]]], request: bytes, *, concurrency: int, seconds: float, rounds: int
+) -> dict[str, Summary]:
+    """Drive every path (name → (address, pids whose CPU to count)) ``rounds`` times, in a rotated
+    order each round, and merge each path's rounds."""
+    merged: dict[str, list[Result]] = {name: [] for name in paths}
+    for round_index in range(rounds):
+        for name in rotated(list(paths), round_index):  # no path always runs first
+            address, pids = paths[name]
+            merged[name].append(asyncio.run(drive(address, request, concurrency, seconds, pids)))
+    return {name: Summary.of(results) for name, results in merged.items()}

@@ -15,7 +15,6 @@ shows in p99 although the router's own cost is small; ``--recorder-cpu idle``
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import Result, Summary, drive, infer_request, rotated
+from bench.loadgen import infer_request, measure
 from tests.harness import ServiceProcess, Stack, free_port, write_registry
 from tests.models import add_version
 from tests.redis_server import RedisServer
@@ -104,12 +103,7 @@ def main() -> int:
         print(header)
         print("-" * len(header))
         for concurrency in (1, 32):
-            merged: dict[str, list[Result]] = {name: [] for name in paths}
-            for round_index in range(args.rounds):
-                for name in rotated(list(paths), round_index):  # no path always runs first
-                    address, pids = paths[name]
-                    merged[name].append(asyncio.run(drive(address, payload, concurrency, args.seconds, pids)))
-            summary = {name: Summary.of(results) for name, results in merged.items()}
+            summary = measure(paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds)
             for name, x in summary.items():
                 print(
                     f"{concurrency:>9} {name:<9} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "

@@ -13,7 +13,6 @@ in interleaved rounds so machine noise hits them alike; compare ratios.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import Result, Summary, drive, infer_request, rotated
+from bench.loadgen import infer_request, measure
 from tests.harness import Stack, free_port, wait_for, write_registry
 from tests.models import add_version
 
@@ -109,12 +108,7 @@ def main() -> int:
         print(header)
         print("-" * len(header))
         for concurrency in (1, 64):
-            merged: dict[str, list[Result]] = {name: [] for name in paths}
-            for round_index in range(args.rounds):
-                for name in rotated(list(paths), round_index):  # no path always runs first
-                    address, pids = paths[name]
-                    merged[name].append(asyncio.run(drive(address, payload, concurrency, args.seconds, pids)))
-            summary = {name: Summary.of(results) for name, results in merged.items()}
+            summary = measure(paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds)
             direct = summary["direct"]
             for name, x in summary.items():
                 added50 = "" if name == "direct" else f"{x.p50_ms - direct.p50_ms:8.3f}"
