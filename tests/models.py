@@ -11,6 +11,17 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 
+def save_graph(graph: onnx.GraphProto, path: Path, *, check: bool = True) -> Path:
+    """Wrap ``graph`` in an opset-17 model (checked with onnx.checker unless told not to) and save it."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    if check:
+        onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, path)
+    return path
+
+
 def affine_model(path: Path, *, scale: float, bias: float, features: int = 4) -> Path:
     """``y = x * scale + bias`` and ``label = argmax(y, axis=1)``; x is FP32 [batch, features].
 
@@ -30,12 +41,7 @@ def affine_model(path: Path, *, scale: float, bias: float, features: int = 4) ->
         numpy_helper.from_array(np.array(bias, dtype=np.float32), "bias"),
     ]
     graph = helper.make_graph(nodes, "affine", [x], [y, label], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, path)
-    return path
+    return save_graph(graph, path)
 
 
 def add_version(
@@ -72,12 +78,7 @@ def faulty_affine_model(path: Path, *, scale: float, features: int = 4) -> Path:
         numpy_helper.from_array(np.zeros(1, dtype=np.float32), "zero"),
     ]
     graph = helper.make_graph(nodes, "faulty_affine", [x], [y, label], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, path)
-    return path
+    return save_graph(graph, path)
 
 
 def add_faulty_version(repository: Path, model: str, version: str, *, scale: float) -> Path:

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from splitstream.common.errors import ConfigError
 from splitstream.worker.engines.precision import has_qdq, prepare_onnx, source_onnx
-from tests.models import affine_model
+from tests.models import affine_model, save_graph
 
 FEATURES = 16
 
@@ -42,12 +42,7 @@ def mlp_model(path: Path, *, seed: int = 7) -> Path:
         numpy_helper.from_array(rng.standard_normal(8).astype(np.float32) / 4, "b2"),
     ]
     graph = helper.make_graph(nodes, "mlp", [x], [probs, label], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, path)
-    return path
+    return save_graph(graph, path)
 
 
 def run(path: Path, x: np.ndarray) -> dict[str, np.ndarray]:

@@ -20,7 +20,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-import onnx
 import onnxruntime as ort
 import pytest
 import yaml
@@ -40,7 +39,7 @@ from tests.harness import (
     scrape_metrics,
     wait_for,
 )
-from tests.models import add_version
+from tests.models import add_version, save_graph
 
 MODEL = "affine"
 VERSION = "v1"
@@ -386,10 +385,7 @@ def matmul_model(path: Path) -> None:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
     weights = numpy_helper.from_array(np.eye(4, dtype=np.float32), "w")
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "matmul", [x], [y], [weights])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, path)
+    save_graph(graph, path, check=False)
 
 
 def test_health_stays_not_serving_when_the_warm_up_inference_fails(tmp_path: Path) -> None:
