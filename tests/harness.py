@@ -77,6 +77,14 @@ class ServiceProcess:
         self._env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.process: subprocess.Popen[bytes] | None = None
 
+    @property
+    def metrics_port(self) -> int:
+        """The port of the last ``--metrics-port`` flag it was given (argparse's rule: the last one wins)."""
+        flags = [i for i, arg in enumerate(self._args) if arg == "--metrics-port"]
+        if not flags:
+            raise AttributeError(f"{self.name} was started without --metrics-port")
+        return int(self._args[flags[-1] + 1])
+
     def start(self, *, wait_serving: bool = True, timeout_s: float = 30.0) -> ServiceProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
@@ -198,7 +206,6 @@ class Stack:
         process = ServiceProcess(
             name or f"router-{port}", "splitstream.router", args, log_dir=self.tmp_path, port=port, env=env
         )
-        process.metrics_port = metrics_port  # type: ignore[attr-defined]
         self.processes.append(process)
         return process.start() if start else process
 

@@ -257,7 +257,7 @@ def test_a_router_applies_a_kv_change_within_a_second_and_never_an_invalid_exper
     wait_for(lambda: weights(router_status(router)) == {"v1": 90, "v2": 10}, timeout_s=3, interval_s=0.02)
     assert time.monotonic() - started < 1.0
     healthy = lambda: metric_samples(  # noqa: E731
-        scrape_metrics(router.metrics_port),  # type: ignore[attr-defined]
+        scrape_metrics(router.metrics_port),
         "splitstream_router_registry_healthy",
     )[0][1]
     assert healthy() == 1
@@ -330,7 +330,7 @@ def test_consul_stopped_for_ten_seconds_routers_keep_serving_then_converge(
                     timeout_s=5,
                     what="the router to report Consul unreachable",
                 )
-                samples = metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_registry_healthy")  # type: ignore[attr-defined]
+                samples = metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_registry_healthy")
                 assert samples[0][1] == 0
             # A v2 worker starts while Consul is away; it registers once Consul is back.
             v2 = consul_worker(stack, repository, "v2", emulator).start()

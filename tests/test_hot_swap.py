@@ -143,7 +143,7 @@ class RolloutRun:
     """``splitstream rollout`` in a subprocess; remembers when each line of its output arrived."""
 
     def __init__(self, deployment: Deployment, version: str, *flags: str) -> None:
-        metrics = [f"--metrics=127.0.0.1:{r.metrics_port}" for r in deployment.routers]  # type: ignore[attr-defined]
+        metrics = [f"--metrics=127.0.0.1:{r.metrics_port}" for r in deployment.routers]
         args = [sys.executable, "-m", "splitstream.admin", "--registry", deployment.spec, "rollout", MODEL, version]
         self.process = subprocess.Popen(
             [*args, *metrics, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT

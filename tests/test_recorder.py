@@ -89,7 +89,6 @@ def start_recorder(tmp_path: Path, redis_server: RedisServer) -> Iterator[Record
             port=port,
             env={"SPLITSTREAM_HMAC_KEY": HMAC_KEY},
         )
-        process.metrics_port = metrics_port  # type: ignore[attr-defined]
         started.append(process)
         return process.start(wait_serving=wait_serving)
 
@@ -162,7 +161,7 @@ async def rpc_error(coroutine: object) -> aio.AioRpcError:
 
 
 def metric(process: ServiceProcess, name: str, **labels: str) -> float:
-    samples = metric_samples(scrape_metrics(process.metrics_port), name)  # type: ignore[attr-defined]
+    samples = metric_samples(scrape_metrics(process.metrics_port), name)
     return sum(value for sample_labels, value in samples if labels.items() <= sample_labels.items())
 
 

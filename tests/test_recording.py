@@ -269,7 +269,7 @@ def test_a_full_spool_drops_and_counts_records_and_never_holds_up_calls(tmp_path
                 make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", f"d{i}")], timeout_s=2
             )
         client.close()
-        port = stack.router.metrics_port  # type: ignore[attr-defined]
+        port = stack.router.metrics_port
 
         def counted() -> tuple[float, float] | None:
             text = scrape_metrics(port)

@@ -247,7 +247,7 @@ def test_a_version_without_a_healthy_endpoint_spills_to_the_control(stack: Stack
     client = InferClient(router.address)
     assert [served_version(client, key=f"k{i}") for i in range(30)] == ["v1"] * 30
     client.close()
-    fallbacks = metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_fallbacks_total")  # type: ignore[attr-defined]
+    fallbacks = metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_fallbacks_total")
     assert any(labels == {"model": MODEL, "arm": "v2", "version": "v1"} and value > 0 for labels, value in fallbacks)
 
 
@@ -301,7 +301,7 @@ def test_the_router_drains_calls_in_flight_on_sigterm_and_exits_zero(stack: Stac
     channel = grpc.insecure_channel(router.address)
     stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
     futures = [stub.ModelInfer.future(make_request(MODEL, np.ones((1, 4), np.float32)), timeout=10) for _ in range(4)]
-    port = router.metrics_port  # type: ignore[attr-defined]
+    port = router.metrics_port
     in_flight = lambda: metric_samples(scrape_metrics(port), "splitstream_router_in_flight")[0][1]  # noqa: E731
     wait_for(lambda: in_flight() == 4, timeout_s=5, what="the four calls to be in flight at the router")
     router.signal(signal.SIGTERM)
@@ -417,7 +417,7 @@ def test_status_reports_the_experiment_and_endpoints_in_use(deployment: Deployme
 def test_metrics_count_calls_per_model_version_and_status(deployment: Deployment) -> None:
     for i in range(20):
         served_version(deployment.client, key=f"metrics-{i}")
-    samples = metric_samples(scrape_metrics(deployment.router.metrics_port), "splitstream_router_requests_total")  # type: ignore[attr-defined]
+    samples = metric_samples(scrape_metrics(deployment.router.metrics_port), "splitstream_router_requests_total")
     ok = {
         labels["version"]: value for labels, value in samples if labels["model"] == MODEL and labels["status"] == "OK"
     }

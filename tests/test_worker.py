@@ -65,7 +65,6 @@ def worker(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     with running_stack(tmp_path_factory.mktemp("logs")) as stack:
         metrics_port = free_port()
         process = stack.worker(repository, MODEL, VERSION, "--metrics-port", str(metrics_port))
-        process.metrics_port = metrics_port  # type: ignore[attr-defined]
         yield process
 
 
@@ -170,7 +169,7 @@ async def test_response_echoes_the_request_id_and_names_the_served_version(
 async def test_dynamic_batching_runs_concurrent_requests_together_and_answers_each_its_own(
     worker: ServiceProcess, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub, reference: Reference
 ) -> None:
-    port = worker.metrics_port  # type: ignore[attr-defined]
+    port = worker.metrics_port
     runs_before = metric(port, "splitstream_worker_batch_size_count")
     rows_before = metric(port, "splitstream_worker_batch_size_sum")
     single_row_runs_before = metric(port, "splitstream_worker_batch_size_bucket", le="1.0")
@@ -363,7 +362,7 @@ async def test_random_bytes_sent_to_model_infer_fail_and_the_worker_keeps_servin
 async def test_requests_are_counted_by_status_code(
     worker: ServiceProcess, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub
 ) -> None:
-    port = worker.metrics_port  # type: ignore[attr-defined]
+    port = worker.metrics_port
     labels = {"model": MODEL, "version": VERSION}
     ok_before = metric(port, "splitstream_worker_requests_total", status="OK", **labels)
     invalid_before = metric(port, "splitstream_worker_requests_total", status="INVALID_ARGUMENT", **labels)
