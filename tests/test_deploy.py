@@ -135,3 +135,19 @@ def test_every_metric_the_dashboard_plots_is_exported_by_a_running_service(tmp_p
 def _family(name: str) -> str:
     """``x_bucket`` / ``x_sum`` / ``x_count`` belong to the histogram family ``x``."""
     return re.sub(r"_(bucket|sum|count)$", "", name)
+
+
+def test_every_service_command_parses_with_the_services_own_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values too, not only flag names: the parsers validate ports, rules and registry specs."""
+    from splitstream.recorder.config import parse_args as recorder_args
+    from splitstream.router.main import open_registry
+    from splitstream.router.main import parse_args as router_args
+    from splitstream.worker.main import build_parser
+
+    monkeypatch.setenv("SPLITSTREAM_HMAC_KEY", "compose-check")
+    services = dict(splitstream_services())
+    router = router_args(services["router"][1:])
+    assert open_registry(router.registry).description.startswith("consul")
+    recorder_args(services["recorder"][1:])
+    for name in ("worker-v1", "worker-v2", "worker-v2-gpu"):
+        build_parser().parse_args(services[name][1:])
