@@ -200,3 +200,25 @@ def test_the_name_lists_were_generated_from_the_named_wheels() -> None:
         assert len(names("tensorrt", release)) > 1500
     for release in CUDA_RELEASES:
         assert len(names("cuda-bindings", release)) > 2000
+
+
+def test_the_fake_cuda_runtime_defines_only_names_both_releases_have() -> None:
+    """``tests/fakegpu`` stands in for cuda-python: a name the real one lacks would pass here and fail on a GPU."""
+    tree = ast.parse((ROOT / "tests" / "fakegpu" / "cuda" / "bindings" / "runtime.py").read_text())
+    defined: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign):
+            defined.update(target.id for target in node.targets if isinstance(target, ast.Name))
+        elif isinstance(node, ast.ClassDef):
+            defined.add(node.name)
+            for member in node.body:
+                if isinstance(member, ast.Assign):
+                    defined.update(f"{node.name}.{t.id}" for t in member.targets if isinstance(t, ast.Name))
+    # Test helpers: private names, UPPER_CASE tables and knobs, inside().
+    public = {name for name in defined if not name.startswith("_") and not name.isupper() and name != "inside"}
+
+    assert {"cudaMemcpy", "cudaMemcpyAsync", "cudaMemcpyKind.cudaMemcpyDeviceToHost"} <= public
+    for release in CUDA_RELEASES:
+        assert sorted(name for name in public if not in_cuda(name, release)) == [], release

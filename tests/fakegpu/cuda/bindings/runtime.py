@@ -1,4 +1,8 @@
-"""A fake ``cuda.bindings.runtime``: same call shapes ((error, *results)), host memory as "device" memory."""
+"""A fake ``cuda.bindings.runtime``: same call shapes ((error, *results)), host memory as "device" memory.
+
+Test helpers (``ALLOCATIONS``, ``STREAMS``, ``EVENTS``, ``FAIL``, :func:`inside`) aside, every name here
+exists in cuda-bindings 12.8 and 13.5 (``tests/test_tensorrt_api.py`` checks).
+"""
 
 from __future__ import annotations
 
@@ -110,6 +114,21 @@ def cudaStreamDestroy(stream: Any) -> tuple[cudaError_t]:
     return (cudaError_t.cudaSuccess,)
 
 
+def cudaDeviceSynchronize() -> tuple[cudaError_t]:
+    return (cudaError_t.cudaSuccess,)
+
+
+#: What cudaMemGetInfo reports as the card's memory.
+TOTAL_DEVICE_BYTES = 24 << 30
+
+
+def cudaMemGetInfo() -> tuple[cudaError_t, int, int]:
+    """(error, free, total): free is the total less the live device allocations."""
+    with _lock:
+        used = sum(ctypes.sizeof(buffer) for kind, buffer in ALLOCATIONS.values() if kind == "device")
+    return cudaError_t.cudaSuccess, TOTAL_DEVICE_BYTES - used, TOTAL_DEVICE_BYTES
+
+
 def _allocate(kind: str, nbytes: int) -> tuple[cudaError_t, int]:
     error = _failing("cudaMalloc" if kind == "device" else "cudaMallocHost")
     if error is not None:
@@ -167,6 +186,23 @@ def cudaMemcpyAsync(dst: int, src: int, nbytes: int, kind: cudaMemcpyKind, strea
         cudaMemcpyKind.cudaMemcpyDeviceToHost: ("device", "pinned"),
     }[kind]
     if not inside(src, nbytes, source_kind) or not inside(dst, nbytes, target_kind):
+        return (cudaError_t.cudaErrorInvalidValue,)
+    ctypes.memmove(dst, src, nbytes)
+    return (cudaError_t.cudaSuccess,)
+
+
+def cudaMemcpy(dst: int, src: int, nbytes: int, kind: cudaMemcpyKind) -> tuple[cudaError_t]:
+    """A synchronous copy: as in CUDA, its host side may be any host memory (pageable too), not only pinned."""
+    error = _failing("cudaMemcpy")
+    if error is not None:
+        return (error,)
+    if kind == cudaMemcpyKind.cudaMemcpyHostToDevice:
+        valid = inside(dst, nbytes, "device") and not inside(src, nbytes, "device")
+    elif kind == cudaMemcpyKind.cudaMemcpyDeviceToHost:
+        valid = inside(src, nbytes, "device") and not inside(dst, nbytes, "device")
+    else:
+        valid = False
+    if not valid:
         return (cudaError_t.cudaErrorInvalidValue,)
     ctypes.memmove(dst, src, nbytes)
     return (cudaError_t.cudaSuccess,)
