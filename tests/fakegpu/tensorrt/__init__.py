@@ -6,11 +6,14 @@ explicit batch), dynamic inputs need an optimisation profile, shapes outside
 the active profile are refused, ``execute_async_v3`` reads and writes only
 the bound device addresses, a plan deserializes only on the TensorRT version
 that built it (unless version compatible).
+
+Device memory is read and written through whichever ``cuda.bindings.runtime``
+is imported: the fake one next to this package, or cuda-python on a real GPU
+(``bench/gpu_smoke.py --fake-tensorrt``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import json
 import os
@@ -358,7 +361,7 @@ class IExecutionContext:
     def set_optimization_profile_async(self, profile_index: int, stream_handle: int) -> bool:
         if not 0 <= profile_index < self._engine.num_optimization_profiles:
             return False
-        if int(stream_handle) not in _cudart.STREAMS:
+        if not _stream_is_live(stream_handle):
             return False
         self._profile = profile_index
         self._shapes.clear()
@@ -399,24 +402,49 @@ class IExecutionContext:
         return True
 
     def execute_async_v3(self, stream_handle: int) -> bool:
-        if int(stream_handle) not in _cudart.STREAMS or self.infer_shapes():
+        """Run the model on the bound device buffers, through whichever ``cuda.bindings.runtime`` is imported.
+
+        TensorRT would enqueue the work on ``stream_handle``. This stand-in waits for that stream (the
+        caller enqueued its input copies there), copies the inputs device to host, runs ONNX Runtime, copies
+        the outputs host to device and waits for the device, so work the caller enqueues on the stream next
+        sees them. With the fake cudart that is a checked ``memmove``; with cuda-python, real GPU memory.
+        """
+        if not _stream_is_live(stream_handle) or self.infer_shapes():
             return False
+        if any(name not in self._addresses for name, *_ in self._engine._tensors):
+            return False
+        if not _ok(_cudart.cudaStreamSynchronize(stream_handle)):
+            return False
+        to_host = _cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
+        to_device = _cudart.cudaMemcpyKind.cudaMemcpyHostToDevice
         feeds = {}
         for name, mode, dtype, _ in self._engine._tensors:
-            if name not in self._addresses:
-                return False
             if mode != TensorIOMode.INPUT:
                 continue
-            shape = self._shapes[name]
-            itemsize = np.dtype(nptype(dtype)).itemsize
-            nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
-            if not _cudart.inside(self._addresses[name], nbytes, "device"):
+            array = np.empty(self._shapes[name], dtype=nptype(dtype))
+            if array.nbytes and not _ok(
+                _cudart.cudaMemcpy(array.ctypes.data, self._addresses[name], array.nbytes, to_host)
+            ):
                 return False
-            raw = np.ctypeslib.as_array((ctypes.c_byte * max(nbytes, 1)).from_address(self._addresses[name]))
-            feeds[name] = raw[:nbytes].view(nptype(dtype)).reshape(shape).copy()
+            feeds[name] = array
         for name, array in self._engine.run(feeds).items():
             array = np.ascontiguousarray(array)
-            if not _cudart.inside(self._addresses[name], array.nbytes, "device"):
+            if array.nbytes and not _ok(
+                _cudart.cudaMemcpy(self._addresses[name], array.ctypes.data, array.nbytes, to_device)
+            ):
                 return False
-            ctypes.memmove(self._addresses[name], array.ctypes.data, array.nbytes)
-        return True
+        # A pageable host-to-device cudaMemcpy may return before its DMA lands; the caller's stream does not
+        # wait for the legacy default stream it ran on, so wait here.
+        return _ok(_cudart.cudaDeviceSynchronize())
+
+
+def _ok(result: Any) -> bool:
+    """A cuda-python call's ``(error, *results)`` (or bare error) succeeded."""
+    error = result[0] if isinstance(result, tuple) else result
+    return int(error) == 0
+
+
+def _stream_is_live(handle: int) -> bool:
+    """The fake cudart keeps a table of live streams; the real one has none (its calls report bad handles)."""
+    streams = getattr(_cudart, "STREAMS", None)
+    return streams is None or int(handle) in streams
