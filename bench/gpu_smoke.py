@@ -29,11 +29,20 @@ cuda-python or a GPU is missing (one line says which).
 ``--fake`` runs it on ``tests/fakegpu`` instead (ONNX Runtime pretending to be
 TensorRT): a dry run of this script's own code on a machine without a GPU;
 its numbers mean nothing.
+
+``--fake-tensorrt`` fakes TensorRT alone: a GPU machine with cuda-python but no
+TensorRT runs everything else for real (device probe, stream priorities,
+non-blocking streams, device and pinned buffers, the copies, teardown) while
+``tests/fakegpu``'s engine runs the model with ONNX Runtime on CPU between a
+device-to-host and a host-to-device copy. Its "tensorrt" numbers are ONNX
+Runtime's (plus those copies); the outputs are still compared with ONNX Runtime
+on CPU, and the device's free memory before load and after close must match.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import shutil
 import sys
 import tempfile
@@ -101,6 +110,34 @@ def _bound(run: Callable[[dict[str, np.ndarray]], object], feeds: dict[str, np.n
     return lambda: run(feeds)
 
 
+class _FakeTensorRTFinder:
+    """Resolves ``import tensorrt`` to ``tests/fakegpu/tensorrt`` only; ``cuda`` stays the installed cuda-python."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != "tensorrt":
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, [str(ROOT / "tests" / "fakegpu")])
+
+
+def _free_device_bytes(cudart: Any) -> int | None:
+    """Free device memory (cudaMemGetInfo), or None where it cannot be read."""
+    from splitstream.worker.engines.cuda import CudaError, checked
+
+    try:
+        free, _total = checked(cudart.cudaMemGetInfo(), "cudaMemGetInfo")
+    except (CudaError, AttributeError):
+        return None
+    return int(free)
+
+
+def _cuda_bindings_version() -> str:
+    try:
+        import cuda.bindings
+    except ImportError:
+        return "none"
+    return str(getattr(cuda.bindings, "__version__", "unknown (fake)"))
+
+
 def main() -> int:
     cli = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--precisions", default="fp32,fp16")
@@ -110,15 +147,24 @@ def main() -> int:
     cli.add_argument("--width", type=int, default=1024)
     cli.add_argument("--iterations", type=int, default=200)
     cli.add_argument("--keep", type=Path, default=None, help="build the repository here and keep it")
-    cli.add_argument("--fake", action="store_true", help="dry run on tests/fakegpu (no GPU; numbers mean nothing)")
+    fakes = cli.add_mutually_exclusive_group()
+    fakes.add_argument("--fake", action="store_true", help="dry run on tests/fakegpu (no GPU; numbers mean nothing)")
+    fakes.add_argument(
+        "--fake-tensorrt",
+        action="store_true",
+        help="tests/fakegpu's TensorRT (ONNX Runtime on CPU) on real cuda-python and a real GPU",
+    )
     args = cli.parse_args()
     if args.fake:
         sys.path.insert(0, str(ROOT / "tests" / "fakegpu"))
+    elif args.fake_tensorrt:
+        sys.meta_path.insert(0, _FakeTensorRTFinder())
 
     from splitstream.common.errors import ConfigError
     from splitstream.worker.backends.tensorrt import TensorRTBackend
     from splitstream.worker.config import ModelConfig
     from splitstream.worker.engines.builder import build_and_store
+    from splitstream.worker.engines.cuda import stream_priority
     from splitstream.worker.engines.environment import load_environment
 
     log = structlog.get_logger("gpu_smoke")
@@ -128,10 +174,22 @@ def main() -> int:
         print(f"gpu_smoke: {error}", file=sys.stderr)
         return 2
     device = env.device
+    cudart = env.cudart
+    if args.fake:
+        print("FAKE GPU (tests/fakegpu): neither TensorRT nor CUDA; every number below means nothing")
+    elif args.fake_tensorrt:
+        print(
+            "FAKE TENSORRT (tests/fakegpu) on real cuda-python and a real GPU: the 'tensorrt' rows below are ONNX "
+            "Runtime on CPU plus real host/device copies, not TensorRT"
+        )
     print(
-        f"{'FAKE GPU (tests/fakegpu), not TensorRT: ' if args.fake else ''}TensorRT {device.tensorrt_version} on "
-        f"{device.gpu_name} (sm {device.sm}); onnxruntime {ort.__version__} providers {ort.get_available_providers()}"
+        f"TensorRT {device.tensorrt_version} on {device.gpu_name} (compute capability "
+        f"{device.compute_capability[0]}.{device.compute_capability[1]}, sm {device.sm}); cuda-bindings "
+        f"{_cuda_bindings_version()}; onnxruntime {ort.__version__} providers {ort.get_available_providers()}"
     )
+    high, (least, greatest) = stream_priority(cudart, "high")
+    print(f"stream priorities: least {least}, greatest {greatest}; 'high' is {high}")
+    engine_name = "fake tensorrt (onnxruntime cpu)" if args.fake or args.fake_tensorrt else "tensorrt"
     batches = [int(b) for b in args.batches.split(",")]
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="gpu-smoke-"))
     failures = 0
@@ -171,8 +229,10 @@ def main() -> int:
             gpu = None
             if "CUDAExecutionProvider" in ort.get_available_providers() and not args.fake:
                 gpu = ort.InferenceSession(str(directory / "model.onnx"), providers=["CUDAExecutionProvider"])
+            free_before = _free_device_bytes(cudart)
             backend = TensorRTBackend(directory, config, logger=log)
             backend.load()
+            free_loaded = _free_device_bytes(cudart)
             try:
                 memory = backend.context_device_memory_bytes
                 print(f"[{precision}] tag {backend.engine_tag}; device bytes per context {memory}")
@@ -190,7 +250,7 @@ def main() -> int:
                 for count in batches:
                     x = np.random.default_rng(count).standard_normal((count, args.width)).astype(np.float32)
                     engines: list[tuple[str, Callable[[dict[str, np.ndarray]], object]]] = [
-                        (f"tensorrt {precision}", _runner(backend)),
+                        (f"{engine_name} {precision}", _runner(backend)),
                         ("onnxruntime cpu", _session_runner(cpu)),
                     ]
                     if gpu is not None:
@@ -200,6 +260,17 @@ def main() -> int:
                         rows.append((name, count, p50, p99, count / (p50 / 1000)))
             finally:
                 backend.close()
+            free_after = _free_device_bytes(cudart)
+            if free_before is not None and free_loaded is not None and free_after is not None:
+                leaked = free_before - free_after
+                print(
+                    f"[{precision}] device memory free: {free_before:,} before load, {free_loaded:,} loaded "
+                    f"({free_before - free_loaded:,} in use), {free_after:,} after close: "
+                    f"{'ok' if leaked <= 0 else f'LEAK? {leaked:,} bytes did not come back'}"
+                )
+                failures += leaked > 0
+            else:
+                print(f"[{precision}] device memory: cudaMemGetInfo unavailable, no leak check")
     finally:
         if args.keep is None:
             shutil.rmtree(workdir, ignore_errors=True)
