@@ -4,10 +4,15 @@ One run: a worker, a recorder on its own redis-server, and two routers in front
 of the worker, identical except that one mirrors every call to the recorder.
 Paths are measured in interleaved rounds so machine noise hits both alike; the
 table gives throughput, p50, p99, router CPU per call, and the on/off ratios
-(targets: p99 ratio <= 1.10, throughput ratio >= 0.90). On a small machine the
-recorder's and Redis's CPU bursts delay the other processes' wake-ups, which
-shows in p99 although the router's own cost is small; ``--recorder-cpu idle``
-(the default) runs them under SCHED_IDLE to stand in for their own hosts.
+(targets: p99 ratio <= 1.10, throughput ratio >= 0.90).
+
+In production the recorder and Redis have hosts of their own. Here they would
+share the cores of client, router and worker, and their CPU bursts would show
+in the client's p99 although the router's own cost is small, so by default
+(``--recorder-cpu separate``) they run on a core of their own and everything
+else on the rest; ``idle`` and ``shared`` put them on the same cores under
+SCHED_IDLE or at equal priority. ``--intervals-ms 200,1000`` adds one recording
+router per batch interval, measured side by side.
 
     .venv/bin/python bench/recording_overhead.py [--seconds 3] [--rounds 3]
 """
@@ -37,12 +42,26 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per load")
     parser.add_argument(
         "--recorder-cpu",
-        choices=("idle", "shared"),
-        default="idle",
-        help="idle: run the recorder and redis-server under SCHED_IDLE, standing in for the separate hosts they "
-        "have in production (here they share two cores with client, router and worker); shared: equal priority",
+        choices=("separate", "idle", "shared"),
+        default="separate",
+        help="where the recorder and redis-server run. separate: on a core of their own (the last one), everything "
+        "else on the others, standing in for the separate hosts they have in production; idle: on the same cores "
+        "as client, router and worker but under SCHED_IDLE; shared: the same cores at equal priority",
+    )
+    parser.add_argument(
+        "--intervals-ms",
+        default="",
+        help="comma-separated --record-batch-interval-ms values: one recording router each, measured side by side "
+        "(default: the router's own default only)",
     )
     args = parser.parse_args()
+
+    cores = sorted(os.sched_getaffinity(0))
+    recorder_cores = set(cores[-1:])
+    if args.recorder_cpu == "separate":
+        if len(cores) < 2:
+            parser.error("--recorder-cpu separate needs at least two CPUs")
+        os.sched_setaffinity(0, set(cores[:-1]))  # inherited by every process started below
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
     redis = RedisServer(tmp / "redis").start()
@@ -72,48 +91,57 @@ def main() -> int:
         )
         stack.processes.append(recorder)
         recorder.start()
-        if args.recorder_cpu == "idle":
-            for pid in (recorder.process.pid, redis.process.pid):  # type: ignore[union-attr]
+        for pid in (recorder.process.pid, redis.process.pid):  # type: ignore[union-attr]
+            if args.recorder_cpu == "idle":
                 os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
+            elif args.recorder_cpu == "separate":
+                for thread in Path(f"/proc/{pid}/task").iterdir():  # affinity is per thread; theirs exist by now
+                    os.sched_setaffinity(int(thread.name), recorder_cores)
         registry = tmp / "registry.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
         plain = stack.router(registry, "--log-level", "WARNING", name="router-plain")
-        recording = stack.router(
-            registry,
-            "--log-level",
-            "WARNING",
-            "--recorder",
-            recorder.address,
-            "--hmac-key",
-            "bench",
-            "--spool-dir",
-            str(tmp / "spool"),
-            name="router-recording",
-        )
-        paths = {
-            "off": (plain.address, [plain.process.pid]),  # type: ignore[union-attr]
-            "on": (recording.address, [recording.process.pid]),  # type: ignore[union-attr]
-        }
+        paths = {"off": (plain.address, [plain.process.pid])}  # type: ignore[union-attr]
+        intervals = [float(x) for x in args.intervals_ms.split(",") if x.strip()] or [None]
+        for interval in intervals:
+            name = "on" if interval is None else f"on {interval:g}ms"
+            extra = [] if interval is None else ["--record-batch-interval-ms", str(interval)]
+            recording = stack.router(
+                registry,
+                "--log-level",
+                "WARNING",
+                "--recorder",
+                recorder.address,
+                "--hmac-key",
+                "bench",
+                "--spool-dir",
+                str(tmp / f"spool-{len(paths)}"),
+                *extra,
+                name=f"router-recording-{len(paths)}",
+            )
+            paths[name] = (recording.address, [recording.process.pid])  # type: ignore[union-attr]
         payload = infer_request(MODEL)
         print(
             f"recording overhead: {args.rounds} rounds x {args.seconds:g} s per path and load; "
             f"request {len(payload)} bytes; recorder and redis-server CPU: {args.recorder_cpu}\n"
         )
-        header = f"{'in flight':>9} {'recording':<9} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/call':>12}"
+        header = f"{'in flight':>9} {'recording':<11} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/call':>12}"
         print(header)
         print("-" * len(header))
         for concurrency in (1, 32):
             summary = measure(paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds)
             for name, x in summary.items():
                 print(
-                    f"{concurrency:>9} {name:<9} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "
+                    f"{concurrency:>9} {name:<11} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "
                     f"{x.cpu_us_per_call:12.0f}"
                 )
-            on, off = summary["on"], summary["off"]
-            print(
-                f"{'':>9} on/off: throughput {on.rate / off.rate:.2f}x, p50 {on.p50_ms / off.p50_ms:.2f}x, "
-                f"p99 {on.p99_ms / off.p99_ms:.2f}x\n"
-            )
+            off = summary["off"]
+            for name, on in summary.items():
+                if name != "off":
+                    print(
+                        f"{'':>9} {name}/off: throughput {on.rate / off.rate:.2f}x, p50 {on.p50_ms / off.p50_ms:.2f}x, "
+                        f"p99 {on.p99_ms / off.p99_ms:.2f}x"
+                    )
+            print()
         written = redis.client().xlen(f"splitstream:calls:{MODEL}")
         print(f"records in Redis after the run: {written}")
     finally:
