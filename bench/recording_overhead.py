@@ -54,6 +54,12 @@ def main() -> int:
         help="comma-separated --record-batch-interval-ms values: one recording router each, measured side by side "
         "(default: the router's own default only)",
     )
+    parser.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help='add a second router with recording off ("off\'"): its ratios to "off" show how far two identical '
+        "paths differ in this run, i.e. how much of an on/off ratio is noise",
+    )
     args = parser.parse_args()
 
     cores = sorted(os.sched_getaffinity(0))
@@ -101,6 +107,9 @@ def main() -> int:
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
         plain = stack.router(registry, "--log-level", "WARNING", name="router-plain")
         paths = {"off": (plain.address, [plain.process.pid])}  # type: ignore[union-attr]
+        if args.noise_floor:
+            twin = stack.router(registry, "--log-level", "WARNING", name="router-plain-twin")
+            paths["off'"] = (twin.address, [twin.process.pid])  # type: ignore[union-attr]
         intervals = [float(x) for x in args.intervals_ms.split(",") if x.strip()] or [None]
         for interval in intervals:
             name = "on" if interval is None else f"on {interval:g}ms"
