@@ -110,7 +110,7 @@ def main() -> int:
         if args.noise_floor:
             twin = stack.router(registry, "--log-level", "WARNING", name="router-plain-twin")
             paths["off'"] = (twin.address, [twin.process.pid])  # type: ignore[union-attr]
-        intervals = [float(x) for x in args.intervals_ms.split(",") if x.strip()] or [None]
+        intervals: list[float | None] = [float(x) for x in args.intervals_ms.split(",") if x.strip()] or [None]
         for interval in intervals:
             name = "on" if interval is None else f"on {interval:g}ms"
             extra = [] if interval is None else ["--record-batch-interval-ms", str(interval)]
