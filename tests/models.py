@@ -22,8 +22,10 @@ def save_graph(graph: onnx.GraphProto, path: Path, *, check: bool = True) -> Pat
     return path
 
 
-def affine_model(path: Path, *, scale: float, bias: float, features: int = 4) -> Path:
+def affine_model(path: Path, *, scale: float, bias: float, features: int = 4, score: bool = False) -> Path:
     """``y = x * scale + bias`` and ``label = argmax(y, axis=1)``; x is FP32 [batch, features].
+    With ``score``, a third output ``score = sum(y, axis=1)`` (FP32 [batch]), for tests that
+    need an output to treat apart from the other two (e.g. redact two, compare one).
 
     Two versions that differ only in ``scale``/``bias`` give outputs that differ in a
     known way, which routing and replay tests rely on.
@@ -40,16 +42,28 @@ def affine_model(path: Path, *, scale: float, bias: float, features: int = 4) ->
         numpy_helper.from_array(np.array(scale, dtype=np.float32), "scale"),
         numpy_helper.from_array(np.array(bias, dtype=np.float32), "bias"),
     ]
-    graph = helper.make_graph(nodes, "affine", [x], [y, label], initializer=inits)
+    outputs = [y, label]
+    if score:
+        nodes.append(helper.make_node("ReduceSum", ["y", "score_axes"], ["score"], keepdims=0))
+        inits.append(numpy_helper.from_array(np.array([1], dtype=np.int64), "score_axes"))
+        outputs.append(helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch"]))
+    graph = helper.make_graph(nodes, "affine", [x], outputs, initializer=inits)
     return save_graph(graph, path)
 
 
 def add_version(
-    repository: Path, model: str, version: str, *, scale: float, bias: float = 0.0, config: dict[str, Any] | None = None
+    repository: Path,
+    model: str,
+    version: str,
+    *,
+    scale: float,
+    bias: float = 0.0,
+    config: dict[str, Any] | None = None,
+    score: bool = False,
 ) -> Path:
     """Lay out ``<repository>/<model>/<version>/{model.onnx,config.yaml}``."""
     directory = repository / model / version
-    affine_model(directory / "model.onnx", scale=scale, bias=bias)
+    affine_model(directory / "model.onnx", scale=scale, bias=bias, score=score)
     settings = {"backend": "onnxruntime", "max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 500}}
     settings.update(config or {})
     (directory / "config.yaml").write_text(yaml.safe_dump(settings))

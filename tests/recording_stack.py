@@ -33,8 +33,9 @@ HMAC_KEY = "recording-tests-key"
 class RecordingStack:
     """redis-server, a recorder, workers and a router with recording on.
 
-    ``versions`` maps each version of model ``affine`` to its ``scale`` (and optional ``bias``
-    and worker ``config``); ``experiment`` goes into the registry as is."""
+    ``versions`` maps each version of model ``affine`` to its ``scale`` (and optional ``bias``,
+    worker ``config`` and ``score``: see :func:`tests.models.affine_model`); ``experiment`` goes
+    into the registry as is."""
 
     def __init__(
         self,
@@ -57,7 +58,13 @@ class RecordingStack:
         self.workers = {}
         for version, spec in versions.items():
             add_version(
-                repository, MODEL, version, scale=spec["scale"], bias=spec.get("bias", 0.0), config=spec.get("config")
+                repository,
+                MODEL,
+                version,
+                scale=spec["scale"],
+                bias=spec.get("bias", 0.0),
+                config=spec.get("config"),
+                score=spec.get("score", False),
             )
             self.workers[version] = self.stack.worker(repository, MODEL, version)
         registry = tmp / "registry.yaml"

@@ -28,10 +28,12 @@ from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2, recorder_pb2_grpc
 from splitstream.common.records import (
+    REDACTED_OUTPUTS_TAG,
     MissingBlob,
     blob_key,
     payload_bytes,
     read_records,
+    redacted_outputs,
     request_of,
     response_of,
     stream_key,
@@ -102,6 +104,14 @@ def request_bytes(request_id: str, **inputs: np.ndarray) -> bytes:
     for name, array in inputs.items():
         tensors.add_raw_input(request, name, array)
     return request.SerializeToString()
+
+
+def response_bytes(**outputs: np.ndarray) -> bytes:
+    response = oip.ModelInferResponse(model_name="resnet", model_version="v1")
+    for name, array in outputs.items():
+        response.outputs.add(name=name, datatype=tensors.datatype_of(array), shape=list(array.shape))
+        response.raw_output_contents.append(tensors.to_raw(array))
+    return response.SerializeToString()
 
 
 def call_record(
@@ -314,6 +324,82 @@ async def test_redaction_leaves_no_sensitive_value_anywhere_in_redis(
         assert not arrays["face"].any()
 
 
+async def test_output_redaction_leaves_no_sensitive_output_anywhere_in_redis_and_names_what_it_redacted(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    recorder = start_recorder("--redact-output", "embedding:drop", "--redact-output", "score:mask")
+    # Distinctive byte patterns that cannot occur by chance; the large score goes through the blob path.
+    embedding = np.frombuffer(b"EMBD-5521-SECRET" * 8, dtype=np.uint8)
+    scores = {"small": b"SCOR-9184-SECRET" * 4, "large": b"SCOR-9184-SECRET" * 8192}
+    label = np.array([3, 1], dtype=np.int64)
+    records = []
+    for name, score in scores.items():
+        sensitive = response_bytes(label=label, embedding=embedding, score=np.frombuffer(score, dtype="<f4"))
+        record = call_record(name, response=sensitive)
+        shadow = record.shadows.add(version="v2", endpoint="127.0.0.1:9001", status_code=0, latency_ns=1_000)
+        shadow.response.inline = sensitive
+        records.append(record)
+    # Nothing to redact: its bytes (fields out of the canonical order, as any other encoder may write
+    # them) must be stored as they came, not re-serialized.
+    untouched = response_bytes(label=label) + oip.ModelInferResponse(id="untouched").SerializeToString()
+    records.append(call_record("untouched", response=untouched))
+    failed = call_record("failed", status_code=3)
+    failed.shadows.add(version="v2", endpoint="127.0.0.1:9001", status_code=3, status_message="bad input")
+    records.append(failed)
+
+    await send(recorder.address, batch(1, *records))
+
+    haystack = await all_redis_bytes(redis)
+    assert any(key.startswith(b"splitstream:blob:") for key in haystack), "the large response should be a blob"
+    for needle in (b"EMBD-5521", b"SCOR-9184"):
+        assert not [item for item in haystack if needle in item], f"{needle!r} is stored in Redis"
+    stored = {item.record.request_id: item.record async for item in read_records(redis, "resnet")}
+    for name, score in scores.items():
+        record = stored[name]
+        assert dict(record.tags) == {REDACTED_OUTPUTS_TAG: "embedding,score"}
+        assert redacted_outputs(record) == {"embedding", "score"}
+        (shadow,) = record.shadows
+        shadow_bytes = await payload_bytes(redis, shadow.response)
+        assert shadow.response.size_bytes == len(shadow_bytes)
+        for response in (await response_of(redis, record), oip.ModelInferResponse.FromString(shadow_bytes)):
+            assert response is not None
+            assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
+                ("label", "INT64", [2]),
+                ("score", "FP32", [len(score) // 4]),
+            ]
+            arrays = tensors.output_arrays(response)  # raw slots still line up with outputs
+            np.testing.assert_array_equal(arrays["label"], label)
+            assert not arrays["score"].any()
+    assert await payload_bytes(redis, stored["untouched"].response) == untouched
+    assert not stored["untouched"].tags
+    assert not stored["failed"].tags
+    assert stored["failed"].shadows[0].status_message == "bad input"
+
+
+async def test_an_unreadable_response_under_output_rules_rejects_the_whole_batch(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    recorder = start_recorder("--redact-output", "score:mask")
+    fine = response_bytes(score=np.ones(3, np.float32))
+    unreadable = call_record("bad-one", response=b"\xff\xff\xff")
+    error = await rpc_error(send(recorder.address, batch(7, call_record("good-1", response=fine), unreadable)))
+    assert error.code() == StatusCode.INVALID_ARGUMENT
+    assert "record 1 (request_id 'bad-one')" in (error.details() or "")
+    assert "the response payload is not an inference.ModelInferResponse" in (error.details() or "")
+
+    bad_shadow = call_record("bad-shadow", response=fine)
+    bad_shadow.shadows.add(version="v2", status_code=0).response.inline = fine
+    bad_shadow.shadows.add(version="v3", status_code=0).response.inline = b"\xff\xff\xff"
+    error = await rpc_error(send(recorder.address, batch(8, bad_shadow)))
+    assert error.code() == StatusCode.INVALID_ARGUMENT
+    assert "shadows[1].response payload is not an inference.ModelInferResponse" in (error.details() or "")
+    assert [key async for key in redis.scan_iter()] == []  # nothing partial
+
+    acks = await send(recorder.address, batch(9, call_record("good-1", response=fine)))
+    assert [(ack.sequence, ack.written) for ack in acks] == [(9, 1)]
+    assert metric(recorder, "splitstream_recorder_batches_total", result="invalid") == 2
+
+
 async def test_retention_by_count_keeps_about_maxlen_records_per_stream(
     start_recorder: RecorderFactory, redis: Redis
 ) -> None:
@@ -511,6 +597,31 @@ def test_masked_inputs_keep_name_type_and_shape_with_zeroed_data_raw_or_typed() 
     assert typed_arrays["keep"].tolist() == [7, 8]
 
 
+def test_masked_outputs_keep_name_type_and_shape_with_zeroed_data_and_dropped_ones_leave_no_slot() -> None:
+    redactor = Redactor(
+        metadata=(), inputs=(), outputs=(Rule("secret", Action.MASK), Rule("gone", Action.DROP)), hmac_key=b""
+    )
+    words = np.array([b"alpha", b"beta"], dtype=np.object_)
+    raw = oip.ModelInferResponse.FromString(
+        response_bytes(gone=np.ones(3, np.int64), secret=words, keep=np.arange(3, dtype=np.int32))
+    )
+    typed = oip.ModelInferResponse()
+    typed.outputs.add(name="secret", datatype="FP32", shape=[2]).contents.fp32_contents.extend([1.5, -2.0])
+    typed.outputs.add(name="keep", datatype="INT64", shape=[2]).contents.int64_contents.extend([7, 8])
+
+    assert redactor.redact_response(raw) == ["gone", "secret"]
+    assert redactor.redact_response(typed) == ["secret"]
+    assert redactor.redact_response(oip.ModelInferResponse()) == []
+
+    raw_arrays = tensors.output_arrays(raw)
+    assert list(raw_arrays) == ["secret", "keep"]
+    assert raw_arrays["secret"].tolist() == [b"", b""]
+    np.testing.assert_array_equal(raw_arrays["keep"], np.arange(3, dtype=np.int32))
+    typed_arrays = tensors.output_arrays(typed)
+    assert typed_arrays["secret"].tolist() == [0.0, 0.0]
+    assert typed_arrays["keep"].tolist() == [7, 8]
+
+
 def test_rules_come_comma_separated_from_the_environment_and_flags_replace_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -520,6 +631,9 @@ def test_rules_come_comma_separated_from_the_environment_and_flags_replace_them(
     assert from_env.redact_metadata == (Rule("authorization", Action.DROP), Rule("cookie", Action.MASK))
     assert from_env.redact_input == (Rule("input:0", Action.DROP), Rule("face", Action.MASK))
     assert parse_args(["--redact-metadata", "x-key"]).redact_metadata == (Rule("x-key", Action.DROP),)
+    monkeypatch.setenv("SPLITSTREAM_RECORDER_REDACT_OUTPUT", "embedding,logits:0:mask")
+    assert parse_args([]).redact_output == (Rule("embedding", Action.DROP), Rule("logits:0", Action.MASK))
+    assert parse_args(["--redact-output", "score:mask"]).redact_output == (Rule("score", Action.MASK),)
 
 
 def test_blobs_outlive_the_age_retention_of_the_records_that_reference_them() -> None:

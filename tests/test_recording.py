@@ -20,7 +20,8 @@ import pytest
 from redis.asyncio import Redis
 
 from splitstream.common import tensors
-from splitstream.common.records import request_of, response_of, routing_key_hmac
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.records import redacted_outputs, request_of, response_of, routing_key_hmac
 from tests.harness import InferClient, SteadyLoad, make_request, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
 
@@ -174,22 +175,69 @@ def test_no_routing_key_or_sensitive_value_is_stored_anywhere_in_redis(tmp_path:
         assert record.metadata["x-user-email"].startswith("hmac:")
         assert record.routing_key_hmac == routing_key_hmac(HMAC_KEY.encode(), secret_key)
 
-        redis: Any = stack.redis.client()  # binary replies; redis-py's stubs cannot say so
-        everything = b""
-        for key in redis.scan_iter(count=1000):
-            everything += key
-            kind = redis.type(key)
-            if kind == b"stream":
-                for _, fields in redis.xrange(key):
-                    for field, value in fields.items():
-                        everything += field + value
-            elif kind == b"string":
-                everything += redis.get(key) or b""
-        redis.close()
+        everything = redis_bytes(stack)
         for needle in (secret_key.encode(), token.encode(), email.encode(), pattern.tobytes()[:8]):
             assert needle not in everything
     finally:
         stack.close()
+
+
+def test_redacted_outputs_are_stored_nowhere_in_redis_neither_answered_nor_shadowed(tmp_path: Path) -> None:
+    stack = RecordingStack(
+        tmp_path,
+        recorder_args=("--redact-output", "y:mask", "--redact-output", "label:drop"),
+        versions={"v1": {"scale": 2.0, "score": True}, "v3": {"scale": 5.0, "score": True}},
+        experiment={
+            "control": "v1",
+            "arms": [{"version": "v1", "weight": 100}],
+            "shadows": [{"version": "v3", "sample_rate": 1.0}],
+        },
+    )
+    try:
+        x = np.full((2, 4), 1234.5678, dtype=np.float32)
+        client = InferClient(stack.router.address)
+        for i in range(3):
+            response, _ = client.infer(make_request(MODEL, x), metadata=[("x-request-id", f"out-{i}")])
+            np.testing.assert_array_equal(tensors.output_arrays(response)["y"], x * 2)  # the client gets it all
+        client.close()
+        records = stack.wait_recorded({f"out-{i}" for i in range(3)})
+
+        everything = redis_bytes(stack)
+        assert x.tobytes()[:8] in everything  # the scan sees inside records: the unredacted input is there
+        for needle in ((x * 2).tobytes()[:8], (x * 5).tobytes()[:8]):
+            assert needle not in everything
+        for record in records:
+            assert redacted_outputs(record) == {"label", "y"}
+            (shadow,) = record.shadows
+            assert (shadow.version, shadow.status_code) == ("v3", 0)
+            for payload, scale in ((record.response, 2.0), (shadow.response, 5.0)):
+                response = oip.ModelInferResponse.FromString(payload.inline)
+                assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
+                    ("y", "FP32", [2, 4]),
+                    ("score", "FP32", [2]),
+                ]
+                arrays = tensors.output_arrays(response)
+                assert not arrays["y"].any()
+                np.testing.assert_allclose(arrays["score"], (x * scale).sum(axis=1))
+    finally:
+        stack.close()
+
+
+def redis_bytes(stack: RecordingStack) -> bytes:
+    """Every key, stream field and value, and string in the stack's Redis, concatenated: where a leak would be."""
+    redis: Any = stack.redis.client()  # binary replies; redis-py's stubs cannot say so
+    everything = b""
+    for key in redis.scan_iter(count=1000):
+        everything += key
+        kind = redis.type(key)
+        if kind == b"stream":
+            for _, fields in redis.xrange(key):
+                for field, value in fields.items():
+                    everything += field + value
+        elif kind == b"string":
+            everything += redis.get(key) or b""
+    redis.close()
+    return everything
 
 
 def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_path: Path) -> None:
@@ -223,8 +271,6 @@ def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_pa
             assert shadow.version == "v3"
             assert shadow.status_code == 0
             assert shadow.latency_ns / 1e9 >= 0.3
-            from splitstream.common.proto.inference import grpc_service_pb2 as oip
-
             output = tensors.output_arrays(oip.ModelInferResponse.FromString(shadow.response.inline))
             np.testing.assert_array_equal(output["y"], x * 5)
     finally:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import NoReturn, cast
 
@@ -26,6 +26,10 @@ from splitstream.common.proto.splitstream.v1 import recorder_pb2
 
 STREAM_PREFIX = "splitstream:calls:"
 BLOB_PREFIX = "splitstream:blob:"
+#: The tag (``CallRecord.tags``) in which the recorder names, comma-separated, the outputs it dropped
+#: or masked in the record's ``response``: their recorded values are not what the model answered, so a
+#: replay must not compare them. Deployment tags are free-form; ``splitstream.`` names are the recorder's.
+REDACTED_OUTPUTS_TAG = "splitstream.redacted-outputs"
 #: The CallRecord layout this code reads and the recorder writes.
 SCHEMA_VERSION = 1
 
@@ -117,6 +121,18 @@ def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
         "latency_ms": f"{record.latency_ns / 1e6:.3f}",
         "record": record.SerializeToString(),
     }
+
+
+def mark_redacted_outputs(record: recorder_pb2.CallRecord, names: Iterable[str]) -> None:
+    """Name ``names`` in the record's :data:`REDACTED_OUTPUTS_TAG` (nothing when there are none)."""
+    joined = ",".join(sorted(set(names)))
+    if joined:
+        record.tags[REDACTED_OUTPUTS_TAG] = joined
+
+
+def redacted_outputs(record: recorder_pb2.CallRecord) -> frozenset[str]:
+    """The outputs the recorder redacted in the record's response (empty for most records)."""
+    return frozenset(name for name in record.tags.get(REDACTED_OUTPUTS_TAG, "").split(",") if name)
 
 
 def status_name(code: int) -> str:

@@ -24,7 +24,7 @@ class Action(Enum):
     """What redaction does to a sensitive value."""
 
     DROP = "drop"
-    #: Metadata: replaced by ``hmac:<hex>`` (equal values stay comparable). Inputs: data zeroed.
+    #: Metadata: replaced by ``hmac:<hex>`` (equal values stay comparable). Inputs, outputs: data zeroed.
     MASK = "mask"
 
 
@@ -61,6 +61,7 @@ class RecorderConfig:
     blob_ttl_s: int
     redact_metadata: tuple[Rule, ...]
     redact_input: tuple[Rule, ...]
+    redact_output: tuple[Rule, ...]
     hmac_key: bytes
     max_message_bytes: int
     shutdown_grace_s: float
@@ -103,6 +104,10 @@ class RecorderConfig:
     @property
     def needs_request_decoding(self) -> bool:
         return bool(self.redact_input)
+
+    @property
+    def needs_response_decoding(self) -> bool:
+        return bool(self.redact_output)
 
 
 class _Repeatable(argparse.Action):
@@ -193,6 +198,14 @@ def build_parser() -> argparse.ArgumentParser:
         "comma-separated in the environment)",
     )
     parser.add_argument(
+        "--redact-output",
+        action=_Repeatable,
+        default=None,
+        metavar="NAME[:drop|mask]",
+        help="output tensor to drop from recorded responses (shadows' too), or keep with its data zeroed; "
+        "replay does not compare it (repeatable; comma-separated in the environment)",
+    )
+    parser.add_argument(
         "--hmac-key",
         default=None,
         help=f"key for masking (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
@@ -223,6 +236,7 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
             Rule(rule.name.lower(), rule.action) for rule in _rules(args.redact_metadata, what="--redact-metadata")
         )
         values["redact_input"] = _rules(args.redact_input, what="--redact-input")
+        values["redact_output"] = _rules(args.redact_output, what="--redact-output")
         key = args.hmac_key if args.hmac_key is not None else os.environ.get(SHARED_HMAC_KEY_ENV, "")
         values["hmac_key"] = key.encode()
         return RecorderConfig(**values)

@@ -44,6 +44,7 @@ class RecorderCore:
         redactor: Redactor,
         blob_threshold_bytes: int,
         decode_requests: bool,
+        decode_responses: bool,
         metrics: RecorderMetrics,
         executor: Executor,
     ) -> None:
@@ -51,6 +52,7 @@ class RecorderCore:
         self.redactor = redactor
         self.blob_threshold_bytes = blob_threshold_bytes
         self.decode_requests = decode_requests
+        self.decode_responses = decode_responses
         self.metrics = metrics
         self._executor = executor
 
@@ -86,13 +88,13 @@ class RecorderCore:
 
     def prepare(self, data: bytes) -> PreparedBatch:
         """The CPU half (runs in the executor): the whole batch is checked before anything else happens."""
-        batch, checked = parse_batch(data, decode_requests=self.decode_requests)
+        batch, checked = parse_batch(data, decode_requests=self.decode_requests, decode_responses=self.decode_responses)
         collector = BlobCollector(self.blob_threshold_bytes)
         entries = []
         by_model: collections.Counter[str] = collections.Counter()
         for item in checked:
             record = item.record
-            self.redactor.redact(record, item.request)
+            self.redactor.redact(record, item.request, item.response, item.shadow_responses)
             collector.externalize(record)
             entries.append(StreamEntry(stream_key(record.model), entry_fields(record)))
             by_model[record.model] += 1

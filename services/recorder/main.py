@@ -86,9 +86,15 @@ class Recorder:
         self.executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self.core = RecorderCore(
             writer=self.writer,
-            redactor=Redactor(metadata=config.redact_metadata, inputs=config.redact_input, hmac_key=config.hmac_key),
+            redactor=Redactor(
+                metadata=config.redact_metadata,
+                inputs=config.redact_input,
+                outputs=config.redact_output,
+                hmac_key=config.hmac_key,
+            ),
             blob_threshold_bytes=config.blob_threshold_bytes,
             decode_requests=config.needs_request_decoding,
+            decode_responses=config.needs_response_decoding,
             metrics=self.metrics,
             executor=self.executor,
         )
@@ -131,6 +137,7 @@ class Recorder:
             blob_ttl_s=self.config.effective_blob_ttl_s,
             redact_metadata=[f"{r.name}:{r.action.value}" for r in self.config.redact_metadata],
             redact_input=[f"{r.name}:{r.action.value}" for r in self.config.redact_input],
+            redact_output=[f"{r.name}:{r.action.value}" for r in self.config.redact_output],
         )
 
     async def _watch_redis(self) -> None:

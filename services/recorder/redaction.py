@@ -1,45 +1,62 @@
-"""Redaction: sensitive metadata and input tensors are dropped or masked before anything is stored.
+"""Redaction: sensitive metadata, input tensors and output tensors are dropped or masked before anything is stored.
 
 It runs before blobs are hashed, so not even a blob holds unredacted bytes.
 Masked metadata becomes ``hmac:<hex HMAC-SHA256(key, value)>``, so equal values
 stay comparable (and match the routers' routing_key_hmac under the same key)
-without being readable. A masked input keeps its name, datatype and shape with
-its data zeroed, so a replay still sends a well-formed request; a dropped input
-disappears with its raw_input_contents slot.
+without being readable. A masked tensor keeps its name, datatype and shape with
+its data zeroed, so a replay still sends a well-formed request and the recorded
+answer still decodes; a dropped tensor disappears with its raw contents slot.
+Output rules apply to the answer the client got and to every shadow's answer;
+the outputs redacted in the former are named in the record's tags, so a replay
+does not mistake the zeros (or the gap) for the model's answer.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Sequence
+from collections.abc import Mapping, MutableSequence, Sequence
+from typing import Protocol, TypeVar
+
+from google.protobuf.message import Message
 
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import mark_redacted_outputs
 from splitstream.recorder.config import Action, Rule
 
 _BYTES_LENGTH_PREFIX = 4
 
 
 class Redactor:
-    def __init__(self, *, metadata: Sequence[Rule], inputs: Sequence[Rule], hmac_key: bytes) -> None:
+    def __init__(
+        self, *, metadata: Sequence[Rule], inputs: Sequence[Rule], outputs: Sequence[Rule] = (), hmac_key: bytes
+    ) -> None:
         self._metadata = {rule.name.lower(): rule.action for rule in metadata}
         self._inputs = {rule.name: rule.action for rule in inputs}
+        self._outputs = {rule.name: rule.action for rule in outputs}
         self._key = hmac_key
 
     @property
     def active(self) -> bool:
-        return bool(self._metadata or self._inputs)
+        return bool(self._metadata or self._inputs or self._outputs)
 
     def mask_value(self, value: str) -> str:
         return "hmac:" + hmac.new(self._key, value.encode(), hashlib.sha256).hexdigest()
 
-    def redact(self, record: recorder_pb2.CallRecord, request: oip.ModelInferRequest | None) -> None:
-        """Redact ``record`` in place; ``request`` is its decoded request (needed when inputs are redacted).
+    def redact(
+        self,
+        record: recorder_pb2.CallRecord,
+        request: oip.ModelInferRequest | None,
+        response: oip.ModelInferResponse | None = None,
+        shadow_responses: Sequence[oip.ModelInferResponse] = (),
+    ) -> None:
+        """Redact ``record`` in place; ``request``, ``response`` and ``shadow_responses`` are its decoded
+        payloads (needed when inputs or outputs are redacted; the shadows' in the order of ``record.shadows``).
 
-        The request payload is re-serialized only when an input rule matched, so untouched requests
-        are stored byte for byte as the client sent them."""
+        A payload is re-serialized only when a rule matched one of its tensors, so untouched requests
+        and responses are stored byte for byte as they were sent and answered."""
         if self._metadata:
             for key in [k for k in record.metadata if k.lower() in self._metadata]:
                 if self._metadata[key.lower()] is Action.DROP:
@@ -47,35 +64,70 @@ class Redactor:
                 else:
                     record.metadata[key] = self.mask_value(record.metadata[key])
         if self._inputs and request is not None and self.redact_request(request):
-            data = request.SerializeToString()
-            record.request.inline = data
-            record.request.size_bytes = len(data)
+            _store(record.request, request)
+        if not self._outputs:
+            return
+        if response is not None:
+            names = self.redact_response(response)
+            if names:
+                _store(record.response, response)
+                mark_redacted_outputs(record, names)
+        for shadow, shadow_response in zip(record.shadows, shadow_responses, strict=True):
+            if self.redact_response(shadow_response):
+                _store(shadow.response, shadow_response)
 
     def redact_request(self, request: oip.ModelInferRequest) -> bool:
         """Drop or mask configured inputs in place; returns whether anything changed."""
-        matched = [(i, self._inputs[t.name]) for i, t in enumerate(request.inputs) if t.name in self._inputs]
-        if not matched:
-            return False
-        raw = request.raw_input_contents
-        # The protocol wants one raw slot per input (or none). If a client sent a mismatched
-        # count we cannot tell which slot is the sensitive tensor's, so no raw data is kept.
-        if raw and len(raw) != len(request.inputs):
-            del raw[:]
-        for index, action in matched:
-            if action is Action.MASK:
-                _zero(request, index)
-        for index, action in reversed(matched):
-            if action is Action.DROP:
-                del request.inputs[index]
-                if raw:
-                    del raw[index]
-        return True
+        return bool(_redact_tensors(request.inputs, request.raw_input_contents, self._inputs))
+
+    def redact_response(self, response: oip.ModelInferResponse) -> list[str]:
+        """Drop or mask configured outputs in place; returns the names of those redacted."""
+        return _redact_tensors(response.outputs, response.raw_output_contents, self._outputs)
 
 
-def _zero(request: oip.ModelInferRequest, index: int) -> None:
-    """Replace input ``index``'s data with zeros of the same element count (BYTES: empty elements)."""
-    tensor = request.inputs[index]
-    raw = request.raw_input_contents
+class _Tensor(Protocol):
+    """What inputs (InferInputTensor) and outputs (InferOutputTensor) share, and redaction needs."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def datatype(self) -> str: ...
+    @property
+    def shape(self) -> Sequence[int]: ...
+    @property
+    def contents(self) -> oip.InferTensorContents: ...
+
+
+_T = TypeVar("_T", bound=_Tensor)
+
+
+def _redact_tensors(items: MutableSequence[_T], raw: MutableSequence[bytes], rules: Mapping[str, Action]) -> list[str]:
+    """Drop or mask the tensors of ``items`` named in ``rules`` (with their slots of ``raw``, the message's
+    raw contents); returns the names redacted, in message order."""
+    if not rules:
+        return []
+    matched = [(i, rules[t.name]) for i, t in enumerate(items) if t.name in rules]
+    if not matched:
+        return []
+    names = [items[i].name for i, _ in matched]
+    # The protocol wants one raw slot per tensor (or none). If a message has a mismatched count
+    # we cannot tell which slot is the sensitive tensor's, so no raw data is kept.
+    if raw and len(raw) != len(items):
+        del raw[:]
+    for index, action in matched:
+        if action is Action.MASK:
+            _zero(items[index], raw, index)
+    for index, action in reversed(matched):
+        if action is Action.DROP:
+            del items[index]
+            if raw:
+                del raw[index]
+    return names
+
+
+def _zero(tensor: _Tensor, raw: MutableSequence[bytes], index: int) -> None:
+    """Replace the data of ``tensor`` (slot ``index`` of ``raw`` when the message has raw contents)
+    with zeros of the same element count (BYTES: empty elements)."""
     if raw:
         if tensor.datatype == "BYTES":
             count = max(tensors.element_count(tensor.shape), 0)
@@ -87,3 +139,9 @@ def _zero(request: oip.ModelInferRequest, index: int) -> None:
         count = len(values)
         tensor.contents.ClearField(field.name)  # type: ignore[arg-type]
         getattr(tensor.contents, field.name).extend([zero] * count)
+
+
+def _store(payload: recorder_pb2.Payload, message: Message) -> None:
+    data = message.SerializeToString()
+    payload.inline = data
+    payload.size_bytes = len(data)

@@ -25,10 +25,19 @@ class CheckedRecord:
     record: recorder_pb2.CallRecord
     #: The decoded request, when input redaction needs it (else None).
     request: oip.ModelInferRequest | None
+    #: The decoded response, when output redaction needs it (else None).
+    response: oip.ModelInferResponse | None = None
+    #: Each shadow's decoded response, in the order of ``record.shadows``, when output redaction needs them.
+    shadow_responses: tuple[oip.ModelInferResponse, ...] = ()
 
 
-def parse_batch(data: bytes, *, decode_requests: bool) -> tuple[recorder_pb2.RecordBatch, list[CheckedRecord]]:
-    """Parse and check every record of a serialized RecordBatch; raises :class:`InvalidBatch` on the first problem."""
+def parse_batch(
+    data: bytes, *, decode_requests: bool, decode_responses: bool = False
+) -> tuple[recorder_pb2.RecordBatch, list[CheckedRecord]]:
+    """Parse and check every record of a serialized RecordBatch; raises :class:`InvalidBatch` on the first problem.
+
+    ``decode_requests``/``decode_responses``: decode (and so require decodable) requests, or responses
+    and shadow responses, for the redaction that reads them."""
     try:
         batch = recorder_pb2.RecordBatch.FromString(data)
     except DecodeError as error:
@@ -37,12 +46,16 @@ def parse_batch(data: bytes, *, decode_requests: bool) -> tuple[recorder_pb2.Rec
     for index, record in enumerate(batch.records):
         try:
             request = check_record(record, decode_request=decode_requests)
+            responses = decode_record_responses(record) if decode_responses else None
         except ValueError as error:
             raise InvalidBatch(
                 f"batch {batch.sequence}: record {index} (request_id {record.request_id!r}): {error}; "
                 "nothing of the batch was written"
             ) from None
-        checked.append(CheckedRecord(record, request))
+        if responses is None:
+            checked.append(CheckedRecord(record, request))
+        else:
+            checked.append(CheckedRecord(record, request, responses[0], responses[1:]))
     return batch, checked
 
 
@@ -67,6 +80,23 @@ def check_record(record: recorder_pb2.CallRecord, *, decode_request: bool) -> oi
         raise ValueError(
             "the request payload is not an inference.ModelInferRequest (input redaction needs to read it)"
         ) from None
+
+
+def decode_record_responses(record: recorder_pb2.CallRecord) -> tuple[oip.ModelInferResponse, ...]:
+    """The response, then each shadow's, decoded (an empty payload, as on errors, is an empty response).
+    Raise ValueError naming the first that is not an inference.ModelInferResponse: storing it unread
+    could store an output the rules say must not be."""
+    payloads = [("response", record.response)]
+    payloads += [(f"shadows[{i}].response", shadow.response) for i, shadow in enumerate(record.shadows)]
+    decoded = []
+    for what, payload in payloads:
+        try:
+            decoded.append(oip.ModelInferResponse.FromString(payload.inline))
+        except DecodeError:
+            raise ValueError(
+                f"the {what} payload is not an inference.ModelInferResponse (output redaction needs to read it)"
+            ) from None
+    return tuple(decoded)
 
 
 def check_payload(payload: recorder_pb2.Payload, what: str) -> None:
