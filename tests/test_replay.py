@@ -329,6 +329,76 @@ def test_compare_to_diffs_two_targets_with_the_second_as_reference(traffic: Traf
     assert run.summary["reference"] == "compare_to"
 
 
+# -- outputs redacted at recording ------------------------------------------------------------
+
+
+def test_outputs_redacted_at_recording_are_not_compared_and_the_others_still_are(tmp_path: Path) -> None:
+    """Recorded with ``label`` dropped and ``score`` zeroed (the model's third output, sum(y)); ``y`` is kept.
+    v2 adds 0.5 to ``y`` and so to ``score``: against v2, ``y`` mismatches and ``score`` is still not compared."""
+    versions = {"v1": {"scale": 2.0, "score": True}, "v2": {"scale": 2.0, "bias": 0.5, "score": True}}
+    stack = RecordingStack(
+        tmp_path / "stack",
+        recorder_args=("--redact-output", "label:drop", "--redact-output", "score:mask"),
+        versions=versions,
+        experiment={"control": "v1", "arms": [{"version": "v1", "weight": 100}]},
+    )
+    try:
+        client = InferClient(stack.router.address)
+        rng = np.random.default_rng(3)
+        ids = [f"r-{i}" for i in range(6)]
+        start = time.time_ns()
+        for request_id in ids:
+            x = rng.uniform(0.5, 1.5, (1, 4)).astype(np.float32)
+            client.infer(make_request(MODEL, x), metadata=[("x-request-id", request_id)])
+        client.close()
+        time.sleep(0.05)
+        traffic = Traffic(stack, {"R": (start, time.time_ns())}, {"R": ids}, "", {})
+        stack.wait_recorded(set(ids))
+        router, window = ["--target", stack.router.address, "--speed", "max"], traffic.window_args("R")
+        redacted = {"label": "redacted_at_recording", "score": "redacted_at_recording"}
+
+        same = replay(traffic, tmp_path / "v1", *router, "--pin-version", "v1", *window, "--gate", "mismatch_rate<=0")
+        assert same.code == 0, same.stderr
+        assert same.summary["outcomes"] == {"match": 6, "mismatch": 0, "status_change": 0}
+        outputs = same.summary["outputs"]
+        assert (outputs["y"]["calls"], outputs["y"]["mismatched_calls"]) == (6, 0)
+        for name in redacted:
+            assert outputs[name]["calls"] == outputs[name]["mismatched_calls"] == 0
+            assert outputs[name]["not_compared"] == {"redacted_at_recording": 6}
+        for line in same.results:
+            assert list(line["outputs"]) == ["y"]
+            assert line["not_compared"] == redacted
+        assert "Not compared (redacted at recording)" in (tmp_path / "v1" / "report.html").read_text()
+
+        tolerance = ["--rtol", "0.01", "--atol", "0"]
+        other = replay(traffic, tmp_path / "v2", *router, "--pin-version", "v2", *tolerance, *window)
+        assert other.code == 0, other.stderr
+        assert other.ids("mismatch") == set(ids)
+        outputs = other.summary["outputs"]
+        assert outputs["y"]["mismatched_calls"] == 6
+        assert outputs["y"]["max_abs_error"] == pytest.approx(0.5, abs=1e-3)
+        assert outputs["score"] == outputs["label"] == same.summary["outputs"]["label"]
+        for line in other.results:
+            assert (line["outputs"]["y"]["reason"], line["not_compared"]) == ("values", redacted)
+
+        # Two live answers: nothing was redacted in them, so every output is compared.
+        workers = stack.workers
+        live = replay(
+            traffic,
+            tmp_path / "live",
+            *("--target", workers["v2"].address, "--compare-to", workers["v1"].address, "--speed", "max"),
+            *tolerance,
+            *window,
+        )
+        assert live.code == 0, live.stderr
+        outputs = live.summary["outputs"]
+        assert {name: o["mismatched_calls"] for name, o in outputs.items()} == {"label": 0, "score": 6, "y": 6}
+        assert not any("not_compared" in o for o in outputs.values())
+        assert not any("not_compared" in line for line in live.results)
+    finally:
+        stack.close()
+
+
 # -- selection ---------------------------------------------------------------------------------
 
 

@@ -207,6 +207,23 @@ def test_shape_dtype_and_missing_outputs_are_mismatches_with_a_reason_not_errors
     assert garbage.outputs[0].reason == "undecodable"
 
 
+def test_outputs_redacted_at_recording_are_left_out_on_both_sides_against_a_recording_only() -> None:
+    y = np.array([[0.1, 0.7, 0.2]], np.float32)
+    replayed = ok(y=y, face=np.array([[3.0, 4.0]], np.float32), token=np.array([42], np.int64))
+    masked_and_dropped = response(y=y, face=np.zeros((1, 2), np.float32))  # token dropped, face zeroed
+    recorded = Answer(0, masked_and_dropped, redacted=frozenset({"face", "token"}))
+
+    fast = compare_answers(recorded, replayed, TOL)  # y byte for byte the same: no tensor decoded
+    assert (fast.outcome, [o.name for o in fast.outputs], fast.not_compared) == ("match", ["y"], ("face", "token"))
+    drifted = ok(y=y + 0.5, face=np.array([[3.0, 4.0]], np.float32), token=np.array([42], np.int64))
+    full = compare_answers(recorded, drifted, TOL)
+    assert (full.outcome, [o.name for o in full.outputs], full.not_compared) == ("mismatch", ["y"], ("face", "token"))
+    # The same response as a live reference (--compare-to) is compared whole.
+    live = compare_answers(Answer(0, masked_and_dropped), replayed, TOL)
+    assert {o.name: o.reason for o in live.outputs} == {"y": "", "face": "values", "token": "extra"}
+    assert live.not_compared == ()
+
+
 def test_status_changes_are_told_apart_from_output_mismatches() -> None:
     good = ok(y=np.ones(2, np.float32))
     assert compare_answers(good, Answer(3), TOL).status_change_kind == "ok_to_error"
@@ -309,7 +326,16 @@ def test_the_report_is_one_offline_page_with_charts_and_tables() -> None:
                 "element_mismatch_rate": 0.1,
                 "max_abs_error": 0.5,
                 "reasons": {"values": 1},
-            }
+            },
+            "face": {
+                "calls": 0,
+                "mismatched_calls": 0,
+                "mismatch_rate": 0.0,
+                "element_mismatch_rate": 0.0,
+                "max_abs_error": 0.0,
+                "reasons": {},
+                "not_compared": {"redacted_at_recording": 3},
+            },
         },
         "worst_calls": [
             {
@@ -342,5 +368,9 @@ def test_the_report_is_one_offline_page_with_charts_and_tables() -> None:
     assert "req-&lt;7&gt;" in html  # escaped
     assert "req-<7>" not in html
     assert "mismatch_rate=0.33" in html
+    face_row = html.split("<code>face</code>")[1].split("</tr>")[0]
+    assert "<td>-</td><td>-</td><td>-</td>" in face_row  # never compared: no rates, no error
+    assert "3 (redacted at recording)" in face_row
+    assert "Not compared (redacted at recording)" in html
     for external in ("http://", "https://", "<script", "<link", "src="):
         assert external not in html

@@ -14,6 +14,9 @@ Rules, chosen so a gate means the same thing for every model:
   a mismatch of that output with a reason, never an exception.
 - Status: OK vs an error (either way), or two different error codes, is a status change,
   counted apart from output mismatches; the same error on both sides is a match.
+- Outputs the recorder redacted (dropped, or kept with zeroed data) in a recorded reference are
+  left out on both sides and listed as not compared: the recorded values are not what the model
+  answered. A live reference (``--compare-to``) is compared whole.
 """
 
 from __future__ import annotations
@@ -43,12 +46,18 @@ class Tolerance:
             raise ValueError("--top-k must be at least 1")
 
 
+#: Why an output was not compared: the recorder redacted it in the recorded reference.
+REDACTED_AT_RECORDING = "redacted_at_recording"
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """One side of a comparison: the gRPC status code and, when OK, the serialized response."""
 
     code: int
     response: bytes | None = None
+    #: Outputs whose values in ``response`` are not the model's (redacted at recording): never compared.
+    redacted: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +106,8 @@ class CallDiff:
     reference_code: int
     candidate_code: int
     outputs: tuple[OutputDiff, ...] = ()
+    #: Outputs left out because they were redacted at recording (only when both sides answered OK).
+    not_compared: tuple[str, ...] = ()
 
     @property
     def status_change(self) -> str | None:
@@ -127,11 +138,13 @@ def compare_answers(reference: Answer, candidate: Answer, tolerance: Tolerance) 
         return CallDiff("status_change", reference.code, candidate.code)
     if reference.code != 0:
         return CallDiff("match", reference.code, candidate.code)
-    identical = _identical_outputs(reference.response, candidate.response)
+    skip = reference.redacted | candidate.redacted
+    not_compared = tuple(sorted(skip))
+    identical = _identical_outputs(reference.response, candidate.response, skip)
     if identical is not None:
-        return CallDiff("match", 0, 0, identical)
-    ref_outputs, ref_problem = _decode(reference.response)
-    cand_outputs, cand_problem = _decode(candidate.response)
+        return CallDiff("match", 0, 0, identical, not_compared)
+    ref_outputs, ref_problem = _decode(reference.response, skip)
+    cand_outputs, cand_problem = _decode(candidate.response, skip)
     if ref_problem or cand_problem:
         diff = OutputDiff(
             name="*",
@@ -142,14 +155,14 @@ def compare_answers(reference: Answer, candidate: Answer, tolerance: Tolerance) 
             max_abs_error=None,
             detail=f"{'reference' if ref_problem else 'candidate'} response: {ref_problem or cand_problem}",
         )
-        return CallDiff("mismatch", 0, 0, (diff,))
+        return CallDiff("mismatch", 0, 0, (diff,), not_compared)
     diffs = [compare_output(name, ref_outputs[name], cand_outputs.get(name), tolerance) for name in ref_outputs]
     for name in cand_outputs:
         if name not in ref_outputs:
             array = cand_outputs[name][1]
             diffs.append(OutputDiff(name, False, "extra", array.size, array.size, None, detail="not in the reference"))
     outcome = "match" if all(d.match for d in diffs) else "mismatch"
-    return CallDiff(outcome, 0, 0, tuple(diffs))
+    return CallDiff(outcome, 0, 0, tuple(diffs), not_compared)
 
 
 Tensor = tuple[str, np.ndarray]  # (protocol datatype, array)
@@ -222,10 +235,12 @@ def _top_k(rows: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-scores, axis=1, kind="stable")[:, :k]
 
 
-def _identical_outputs(reference: bytes | None, candidate: bytes | None) -> tuple[OutputDiff, ...] | None:
-    """The diff of two responses whose outputs are byte for byte the same, without decoding a tensor
-    (the common case of a replay against the version that answered, and most of a replay's CPU
-    otherwise); None when they differ anywhere or do not parse, so the full comparison decides."""
+def _identical_outputs(
+    reference: bytes | None, candidate: bytes | None, skip: frozenset[str] = frozenset()
+) -> tuple[OutputDiff, ...] | None:
+    """The diff of two responses whose outputs (but those in ``skip``) are byte for byte the same, without
+    decoding a tensor (the common case of a replay against the version that answered, and most of a
+    replay's CPU otherwise); None when they differ anywhere or do not parse, so the full comparison decides."""
     if reference is None or candidate is None:
         return None
     try:
@@ -236,14 +251,18 @@ def _identical_outputs(reference: bytes | None, candidate: bytes | None) -> tupl
     ref = ref or cand
     if (
         not cand.raw_output_contents
-        or list(ref.raw_output_contents) != list(cand.raw_output_contents)
-        or [(o.name, o.datatype, list(o.shape)) for o in ref.outputs]
-        != [(o.name, o.datatype, list(o.shape)) for o in cand.outputs]
+        or len(ref.raw_output_contents) != len(ref.outputs)
         or len(cand.raw_output_contents) != len(cand.outputs)
     ):
         return None
+    kept_ref = _kept(ref, skip)
+    kept_cand = _kept(cand, skip)
+    if [(o.name, o.datatype, list(o.shape), raw) for o, raw in kept_ref] != [
+        (o.name, o.datatype, list(o.shape), raw) for o, raw in kept_cand
+    ]:
+        return None
     diffs = []
-    for output in cand.outputs:
+    for output, _ in kept_cand:
         elements = tensors.element_count(output.shape)
         scores = output.datatype in FLOAT_DATATYPES and len(output.shape) >= 1 and output.shape[-1] > 1
         diffs.append(
@@ -261,8 +280,17 @@ def _identical_outputs(reference: bytes | None, candidate: bytes | None) -> tupl
     return tuple(diffs)
 
 
-def _decode(response: bytes | None) -> tuple[dict[str, Tensor], str]:
-    """The response's outputs as ``{name: (datatype, array)}``, or ``({}, why)`` when it cannot be read."""
+def _kept(
+    response: oip.ModelInferResponse, skip: frozenset[str]
+) -> list[tuple[oip.ModelInferResponse.InferOutputTensor, bytes]]:
+    """(output, raw slot) pairs of a response whose raw slots line up with its outputs, but those in ``skip``."""
+    pairs = zip(response.outputs, response.raw_output_contents, strict=True)
+    return [(output, raw) for output, raw in pairs if output.name not in skip]
+
+
+def _decode(response: bytes | None, skip: frozenset[str] = frozenset()) -> tuple[dict[str, Tensor], str]:
+    """The response's outputs (but those in ``skip``) as ``{name: (datatype, array)}``, or ``({}, why)``
+    when it cannot be read."""
     if response is None:
         return {}, "no response bytes"
     try:
@@ -271,4 +299,4 @@ def _decode(response: bytes | None) -> tuple[dict[str, Tensor], str]:
     except Exception as error:  # DecodeError, InvalidInput (bad raw lengths, unknown dtype): report, never crash
         return {}, f"{type(error).__name__}: {error}"
     datatypes = {output.name: output.datatype for output in message.outputs}
-    return {name: (datatypes[name], array) for name, array in arrays.items()}, ""
+    return {name: (datatypes[name], array) for name, array in arrays.items() if name not in skip}, ""

@@ -15,8 +15,12 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
+from splitstream.replayer.compare import REDACTED_AT_RECORDING
 from splitstream.replayer.stats import LogHistogram
 from splitstream.replayer.timewindow import format_instant
+
+#: Why an output was not compared, as the report words it.
+_NOT_COMPARED = {REDACTED_AT_RECORDING: "redacted at recording"}
 
 REFERENCE_COLOR = "#4e79a7"
 CANDIDATE_COLOR = "#e15759"
@@ -176,26 +180,44 @@ def _outputs_section(summary: Mapping[str, Any]) -> str:
     outputs = summary["outputs"]
     if not outputs:
         return "<p class='muted'>No call was answered OK on both sides, so no output was compared.</p>"
+    # Outputs redacted at recording are listed with the calls they were left out of; an output
+    # never compared has no rates to show (a 0 % would read as "compared, all fine").
+    skipped = any(o.get("not_compared") for o in outputs.values())
     rows = []
     for name, o in outputs.items():
+        compared = o["calls"] > 0
         reasons = ", ".join(f"{k}: {v}" for k, v in o["reasons"].items())
+        not_compared = ", ".join(
+            f"{count} ({_NOT_COMPARED.get(why, why)})" for why, count in o.get("not_compared", {}).items()
+        )
         rows.append(
             f"<tr><td class='l'><code>{escape(name)}</code></td><td>{o['calls']}</td><td>{o['mismatched_calls']}</td>"
-            f"<td>{_fmt_rate(o['mismatch_rate'])}</td><td>{_fmt_rate(o['element_mismatch_rate'])}</td>"
-            f"<td>{_fmt(o['max_abs_error'])}</td><td>{_fmt(o.get('argmax_agreement'))}</td>"
-            f"<td>{_fmt(o.get('topk_agreement'))}</td><td class='l'>{escape(reasons)}</td></tr>"
+            f"<td>{_fmt_rate(o['mismatch_rate'] if compared else None)}</td>"
+            f"<td>{_fmt_rate(o['element_mismatch_rate'] if compared else None)}</td>"
+            f"<td>{_fmt(o['max_abs_error'] if compared else None)}</td><td>{_fmt(o.get('argmax_agreement'))}</td>"
+            f"<td>{_fmt(o.get('topk_agreement'))}</td><td class='l'>{escape(reasons)}</td>"
+            + (f"<td class='l'>{escape(not_compared)}</td>" if skipped else "")
+            + "</tr>"
         )
     chart = grouped_bars(
         list(outputs),
-        [("mismatch rate", CANDIDATE_COLOR, [o["mismatch_rate"] for o in outputs.values()])],
+        [("mismatch rate", CANDIDATE_COLOR, [o["mismatch_rate"] if o["calls"] else None for o in outputs.values()])],
         title="share of calls mismatched, per output",
     )
     table = (
         "<table><tr><th class='l'>output</th><th>calls</th><th>mismatched</th><th>mismatch rate</th>"
         "<th>element mismatch rate</th><th>max abs error</th><th>argmax agreement</th><th>top-k agreement</th>"
-        f"<th class='l'>reasons</th></tr>{''.join(rows)}</table>"
+        "<th class='l'>reasons</th>"
+        + ("<th class='l'>not compared</th>" if skipped else "")
+        + f"</tr>{''.join(rows)}</table>"
     )
-    return f"<div class='charts'>{chart}</div>{table}"
+    note = (
+        "<p class='muted'>Not compared (redacted at recording): the recorder dropped the output or zeroed its "
+        "data, so the recorded answer does not hold what the model said.</p>"
+        if skipped
+        else ""
+    )
+    return f"<div class='charts'>{chart}</div>{table}{note}"
 
 
 def _worst_section(summary: Mapping[str, Any]) -> str:

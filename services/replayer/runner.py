@@ -33,8 +33,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from splitstream.common.records import MissingBlob, payload_bytes, status_name
-from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_answers
+from splitstream.common.records import MissingBlob, payload_bytes, redacted_outputs, status_name
+from splitstream.replayer.compare import REDACTED_AT_RECORDING, Answer, CallDiff, Tolerance, compare_answers
 from splitstream.replayer.outputs import ResultsWriter
 from splitstream.replayer.progress import Progress
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
@@ -233,7 +233,8 @@ class Replay:
             ]
         if self.settings.pin_version:
             metadata.append((VERSION_HEADER, self.settings.pin_version))
-        return Plan(index, call, request, metadata, Answer(record.status_code, response), replay_id)
+        recorded = Answer(record.status_code, response, redacted_outputs(record))
+        return Plan(index, call, request, metadata, recorded, replay_id)
 
     async def _put(self, item: object, *, force: bool = False) -> bool:
         """Queue for the sender, waiting while the queue is full; False if stopped first (unless ``force``)."""
@@ -357,6 +358,8 @@ class Replay:
         group.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
         for output in diff.outputs:
             agg.outputs.setdefault(output.name, OutputTotals()).add(output)
+        for name in diff.not_compared:
+            agg.outputs.setdefault(name, OutputTotals()).not_compared[REDACTED_AT_RECORDING] += 1
         if diff.status_change_kind:
             agg.status_changes[diff.status_change_kind] += 1
             agg.transitions[diff.status_change or ""] += 1
@@ -395,6 +398,8 @@ class Replay:
             line["compare_to"]["sent_s"] = round(compared.sent_at - origin, 6)
         if diff.outputs:
             line["outputs"] = {o.name: o.as_dict() for o in diff.outputs}
+        if diff.not_compared:
+            line["not_compared"] = dict.fromkeys(diff.not_compared, REDACTED_AT_RECORDING)
         agg.worst.offer(diff, line)
         return line, diff
 

@@ -91,7 +91,8 @@ class LogHistogram:
 
 @dataclass
 class OutputTotals:
-    """One output name across every call where both sides answered OK."""
+    """One output name across every call where both sides answered OK: compared (``calls``), or left
+    out and counted by why in ``not_compared`` (``redacted_at_recording``)."""
 
     calls: int = 0
     mismatched_calls: int = 0
@@ -103,6 +104,7 @@ class OutputTotals:
     argmax_rows: float = 0.0
     argmax_calls: int = 0
     topk_rows: float = 0.0
+    not_compared: Counter[str] = field(default_factory=Counter)
 
     def add(self, diff: OutputDiff) -> None:
         self.calls += 1
@@ -130,6 +132,8 @@ class OutputTotals:
         }
         if self.nonfinite_mismatches:
             out["nonfinite_mismatches"] = self.nonfinite_mismatches
+        if self.not_compared:
+            out["not_compared"] = dict(sorted(self.not_compared.items()))
         if self.argmax_calls:
             out["argmax_agreement"] = round(self.argmax_rows / self.argmax_calls, 6)
             out["topk_agreement"] = round(self.topk_rows / self.argmax_calls, 6)
