@@ -640,3 +640,14 @@ def test_blobs_outlive_the_age_retention_of_the_records_that_reference_them() ->
     assert parse_args(["--blob-ttl-s", "3600"]).effective_blob_ttl_s == 3600
     assert parse_args(["--blob-ttl-s", "3600", "--retention-age-s", "864000"]).effective_blob_ttl_s == 864000 + 86400
     assert parse_args(["--blob-ttl-s", "0", "--retention-age-s", "60"]).effective_blob_ttl_s == 0
+
+
+def test_masking_tensors_needs_no_key_masking_metadata_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [k for k in os.environ if k.startswith("SPLITSTREAM_")]:
+        monkeypatch.delenv(name)
+    config = parse_args(["--redact-input", "face:mask", "--redact-output", "score:mask"])
+    assert config.redact_input == (Rule("face", Action.MASK),)
+    assert config.redact_output == (Rule("score", Action.MASK),)
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--redact-metadata", "cookie:mask"])
+    assert exited.value.code == 2

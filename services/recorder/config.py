@@ -83,10 +83,11 @@ class RecorderConfig:
             raise ValueError("--blob-threshold-bytes and --blob-ttl-s must not be negative")
         if self.max_message_bytes <= 0 or self.shutdown_grace_s < 0:
             raise ValueError("--max-message-bytes must be positive and --shutdown-grace-s not negative")
-        masks = [r for r in (*self.redact_metadata, *self.redact_input) if r.action is Action.MASK]
+        # Masked metadata becomes an HMAC of its value; masked tensors are zeroed and need no key.
+        masks = [r for r in self.redact_metadata if r.action is Action.MASK]
         if masks and not self.hmac_key:
             raise ValueError(
-                f"masking ({', '.join(r.name for r in masks)}) needs an HMAC key: set {SHARED_HMAC_KEY_ENV} "
+                f"masking metadata ({', '.join(r.name for r in masks)}) needs an HMAC key: set {SHARED_HMAC_KEY_ENV} "
                 "or --hmac-key"
             )
 
@@ -208,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--hmac-key",
         default=None,
-        help=f"key for masking (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
+        help=f"key for masking metadata (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
     )
     parser.add_argument(
         "--max-message-bytes",
