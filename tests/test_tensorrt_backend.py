@@ -34,7 +34,7 @@ from splitstream.worker.engines.environment import load_environment
 from splitstream.worker.metrics import WorkerMetrics
 from splitstream.worker.model import ServedModel
 from splitstream.worker.validation import InputHeader
-from tests.fake_gpu import fake_gpu
+from tests.fake_gpu import fake_gpu, needs_fake_cuda
 from tests.models import affine_model
 
 LOG = structlog.get_logger("test")
@@ -76,6 +76,7 @@ def rows(count: int, seed: int = 0, features: int = 4) -> np.ndarray:
 # --- builder -----------------------------------------------------------------------------------------------------
 
 
+@needs_fake_cuda("FAKE_GPU_NAME and FAKE_GPU_CC: the engine key and record name the fake L4")
 def test_the_builder_stores_the_engine_under_its_key_and_reuses_it_and_the_timing_cache(
     tmp_path: Path, gpu: tuple[ModuleType, ModuleType]
 ) -> None:
@@ -102,6 +103,7 @@ def test_the_builder_stores_the_engine_under_its_key_and_reuses_it_and_the_timin
     assert {init.data_type for init in model.graph.initializer} == {TensorProto.FLOAT16}
 
 
+@needs_fake_cuda("FAKE_GPU_CC: the engine key names sm 8.9")
 def test_on_tensorrt_10_the_graph_types_bind_through_strongly_typed_and_builder_flags_stay_possible(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -164,6 +166,7 @@ def test_every_parser_error_is_reported(tmp_path: Path, gpu: tuple[ModuleType, M
 # --- backend: load -----------------------------------------------------------------------------------------------
 
 
+@needs_fake_cuda("FAKE_GPU_NAME/FAKE_GPU_CC and its allocation log")
 def test_without_an_engine_for_this_gpu_the_backend_fails_naming_the_key_it_looked_for(
     tmp_path: Path, gpu: tuple[ModuleType, ModuleType]
 ) -> None:
@@ -229,6 +232,7 @@ def built(tmp_path: Path, gpu: tuple[ModuleType, ModuleType]) -> Path:
     return directory
 
 
+@needs_fake_cuda("its stream table and priority range")
 def test_the_loaded_engine_reports_its_tensors_tag_contexts_and_their_memory(
     built: Path, gpu: tuple[ModuleType, ModuleType]
 ) -> None:
@@ -343,6 +347,7 @@ def test_a_shape_outside_every_profile_is_refused_before_it_reaches_the_engine(
     np.testing.assert_array_equal(ok["y"], np.zeros((2, 5), np.float32))
 
 
+@needs_fake_cuda("injected failures (FAIL)")
 def test_a_failing_cuda_call_is_reported_by_name_and_the_context_goes_back_to_the_pool(
     built: Path, gpu: tuple[ModuleType, ModuleType]
 ) -> None:
@@ -364,6 +369,7 @@ def test_a_failing_cuda_call_is_reported_by_name_and_the_context_goes_back_to_th
 # --- backend: teardown ------------------------------------------------------------------------------------------
 
 
+@needs_fake_cuda("its allocation log")
 def test_close_releases_buffers_before_streams_and_leaves_nothing_allocated(
     built: Path, gpu: tuple[ModuleType, ModuleType]
 ) -> None:
@@ -385,6 +391,7 @@ def test_close_releases_buffers_before_streams_and_leaves_nothing_allocated(
     assert kinds.count("device-freed") == kinds.count("pinned-freed") == 6
 
 
+@needs_fake_cuda("injected failures (FAIL) and its allocation log")
 def test_a_load_that_fails_half_way_releases_what_it_had_allocated(
     built: Path, gpu: tuple[ModuleType, ModuleType]
 ) -> None:

@@ -3,6 +3,8 @@
 Without TensorRT or a GPU both fail at start with one clear line (exit 2).
 With the fake GPU of ``tests/fakegpu`` on PYTHONPATH the whole path runs:
 build the engines in "CI", then a worker loads them and serves over gRPC.
+Under ``SPLITSTREAM_TEST_REAL_CUDA=1`` the workers get the fake ``tensorrt``
+alone and run on cuda-python and a real GPU (see ``tests/fake_gpu.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import yaml
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.tensors import add_raw_input, output_arrays
-from tests.fake_gpu import FAKEGPU
+from tests.fake_gpu import fake_gpu_pythonpath, needs_fake_cuda
 from tests.harness import ROOT, ServiceProcess, free_port, metric_samples, scrape_metrics
 from tests.models import add_version
 
@@ -40,11 +42,12 @@ def no_tensorrt(tmp_path: Path) -> dict[str, str]:
     (shadow / "cuda").mkdir(parents=True)
     (shadow / "tensorrt.py").write_text("raise ImportError(\"No module named 'tensorrt'\", name='tensorrt')\n")
     (shadow / "cuda" / "__init__.py").write_text("raise ImportError(\"No module named 'cuda'\", name='cuda')\n")
-    return {**os.environ, "PYTHONPATH": str(shadow)}
+    inherited = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(shadow), *([inherited] if inherited else [])])}
 
 
 def fake_gpu_env(**settings: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(FAKEGPU), **settings}
+    return {**os.environ, "PYTHONPATH": fake_gpu_pythonpath(), **settings}
 
 
 def repository(tmp_path: Path, **tensorrt: Any) -> Path:
@@ -79,6 +82,7 @@ def test_a_tensorrt_worker_without_tensorrt_or_a_gpu_exits_2_with_one_line(
     assert result.stderr.strip().splitlines()[-1] == NO_TENSORRT_LINE
 
 
+@needs_fake_cuda("FAKE_CUDA_DEVICES=0")
 def test_a_tensorrt_worker_with_tensorrt_but_no_gpu_exits_2_naming_the_cuda_error(tmp_path: Path) -> None:
     result = run_module(
         "splitstream.worker", *worker_args(repository(tmp_path)), env=fake_gpu_env(FAKE_CUDA_DEVICES="0")
@@ -91,6 +95,7 @@ def test_a_tensorrt_worker_with_tensorrt_but_no_gpu_exits_2_naming_the_cuda_erro
     )
 
 
+@needs_fake_cuda("FAKE_GPU_CC: the key names sm 8.9")
 def test_a_gpu_worker_without_a_cached_engine_exits_2_naming_the_key_it_looked_for(tmp_path: Path) -> None:
     repo = repository(tmp_path, precision="fp16")
 
