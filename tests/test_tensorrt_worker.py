@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
+import onnxruntime as ort
 import pytest
 import yaml
 
@@ -24,8 +27,8 @@ from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.tensors import add_raw_input, output_arrays
 from tests.fake_gpu import fake_gpu_pythonpath, needs_fake_cuda
-from tests.harness import ROOT, ServiceProcess, free_port, metric_samples, scrape_metrics
-from tests.models import add_version
+from tests.harness import ROOT, ServiceProcess, free_port, make_request, metric_samples, scrape_metrics
+from tests.models import add_version, affine_model
 
 MODEL, VERSION = "affine", "v1"
 NO_TENSORRT_LINE = (
@@ -195,3 +198,90 @@ def test_engines_built_in_ci_are_served_by_a_worker_on_the_same_gpu(tmp_path: Pa
     assert sorted(labels["context"] for labels, _ in memory) == ["0", "1"]
     assert all(value > 0 for _, value in memory)
     assert '"tensorrt engine loaded"' in worker.log()
+
+
+# --- concurrent load: every answer is its own request's ----------------------------------------------------------
+
+HAMMER_CLIENTS = 32
+HAMMER_SECONDS = 3.0
+FEATURES = 512  # 2 KiB a row: copies large enough to take time on a real GPU
+
+
+def hammered_repository(tmp_path: Path) -> Path:
+    """affine [batch, 512] on TensorRT: 3 contexts for 4 executor threads, dynamic batching up to 16 rows and
+    two profiles (1..4 and 5..8 rows), so runs wait for contexts, switch profiles and split batches over 8 rows."""
+    directory = tmp_path / "models" / MODEL / VERSION
+    affine_model(directory / "model.onnx", scale=2.0, bias=0.5, features=FEATURES)
+    settings = {
+        "backend": "tensorrt",
+        "max_batch_size": 16,
+        "dynamic_batching": {"max_queue_delay_us": 1000},
+        "instance_count": 4,
+        "tensorrt": {
+            "build_on_start": True,
+            "contexts": 3,
+            "profiles": [
+                {"min": {"x": [1, FEATURES]}, "opt": {"x": [4, FEATURES]}, "max": {"x": [4, FEATURES]}},
+                {"min": {"x": [5, FEATURES]}, "opt": {"x": [8, FEATURES]}, "max": {"x": [8, FEATURES]}},
+            ],
+        },
+    }
+    (directory / "config.yaml").write_text(yaml.safe_dump(settings))
+    return tmp_path / "models"
+
+
+def test_concurrent_clients_each_get_the_answer_to_their_own_input(tmp_path: Path) -> None:
+    """32 clients send distinct random inputs of 1..4 rows for a few seconds; the worker batches them, splits the
+    batches over its profiles and runs them on 3 contexts at once. Each answer must be ONNX Runtime's (on CPU) for
+    that request's own input: a row from another request, or one read before its copy finished, is a wrong answer.
+    On the fake cudart this checks the batching and context logic; with SPLITSTREAM_TEST_REAL_CUDA=1 the copies
+    are really asynchronous."""
+    repo = hammered_repository(tmp_path)
+    reference = ort.InferenceSession(str(repo / MODEL / VERSION / "model.onnx"), providers=["CPUExecutionProvider"])
+    port, metrics_port = free_port(), free_port()
+    args = worker_args(repo, port)
+    args[args.index("--metrics-port") + 1] = str(metrics_port)
+    worker = ServiceProcess("worker-trt", "splitstream.worker", args, log_dir=tmp_path, port=port, env=fake_gpu_env())
+    worker.start(timeout_s=60)
+    stop = threading.Event()
+    answered = [0] * HAMMER_CLIENTS
+    wrong: list[str] = []
+    failed: list[str] = []
+
+    def client(index: int) -> None:
+        rng = np.random.default_rng(1000 + index)
+        with grpc.insecure_channel(worker.address) as channel:
+            stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            while not stop.is_set():
+                x = rng.standard_normal((int(rng.integers(1, 5)), FEATURES)).astype(np.float32)
+                x[:, int(rng.integers(FEATURES))] += 10.0  # a label that differs between rows and requests
+                try:
+                    outputs = output_arrays(stub.ModelInfer(make_request(MODEL, x), timeout=30))
+                except grpc.RpcError as error:
+                    failed.append(f"client {index}: {error.code().name} {error.details()}")
+                    return
+                y, label = reference.run(["y", "label"], {"x": x})
+                if not (np.array_equal(outputs["y"], y) and np.array_equal(outputs["label"], label)):
+                    wrong.append(f"client {index}, request {answered[index]}: {x.shape[0]} rows")
+                answered[index] += 1
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(HAMMER_CLIENTS)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(HAMMER_SECONDS)
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+        metrics = scrape_metrics(metrics_port)
+    finally:
+        stop.set()
+        worker.stop()
+
+    assert not failed, failed[:5]
+    assert not wrong, f"{len(wrong)} of {sum(answered)} answers were not their own request's: {wrong[:5]}"
+    assert all(count > 0 for count in answered), answered
+    runs = {labels["le"]: value for labels, value in metric_samples(metrics, "splitstream_worker_batch_size_bucket")}
+    assert runs["+Inf"] < sum(answered)  # requests met in batches
+    assert runs["+Inf"] > runs["8.0"]  # some batches were over 8 rows: split across the profiles
+    assert "Traceback" not in worker.log()
