@@ -1,9 +1,12 @@
-"""The admin CLI in-process: metrics arithmetic, rollout decisions on scripted metrics, and input the file
-registry refuses. End-to-end rollouts on real processes are in test_hot_swap.py."""
+"""The admin CLI in-process: metrics arithmetic, rollout decisions on scripted metrics, input the file
+registry refuses, and what its writes keep of the file (everything but the lines of the weights moved).
+End-to-end rollouts on real processes are in test_hot_swap.py."""
 
 from __future__ import annotations
 
+import difflib
 import math
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +16,9 @@ import yaml
 from splitstream.admin import metrics
 from splitstream.admin.main import main
 from splitstream.admin.rollout import FAILED, PROMOTED, ROLLED_BACK, Rollout, RolloutPlan
-from splitstream.admin.store import Conflict, Endpoint, Invalid, ModelView
+from splitstream.admin.store import Conflict, Endpoint, FileStore, Invalid, ModelView, Store
 from splitstream.common.experiment import Experiment
+from splitstream.common.registry import parse_registry
 from tests.harness import write_registry
 
 # -- metrics -----------------------------------------------------------------------------------------
@@ -104,14 +108,16 @@ class ScriptedRouters:
     """Each scrape adds calls by the current weights: ``per_scrape`` calls, v2 failing at ``v2_error_rate``,
     latencies v1 ≤ 2 ms and v2 ≤ ``v2_latency_s``."""
 
-    def __init__(self, store: MemoryStore, *, v2_error_rate: float = 0.0, v2_latency_s: float = 0.002) -> None:
+    def __init__(self, store: Store, *, v2_error_rate: float = 0.0, v2_latency_s: float = 0.002) -> None:
         self.store = store
         self.v2_error_rate = v2_error_rate
         self.v2_latency_s = v2_latency_s
         self.totals = {v: metrics.VersionCounts() for v in ("v1", "v2")}
 
     def __call__(self, urls: Any, model: str) -> metrics.Snapshot:
-        weights = {a.version: a.weight for a in self.store.experiment.arms}
+        experiment = self.store.read(model).effective
+        assert experiment is not None
+        weights = {a.version: a.weight for a in experiment.arms}
         for version, counts in self.totals.items():
             calls = 200 * weights.get(version, 0) / 100
             latency = self.v2_latency_s if version == "v2" else 0.002
@@ -124,7 +130,7 @@ class ScriptedRouters:
         }
 
 
-def rollout(store: MemoryStore, routers: Any, **plan: Any) -> tuple[Any, list[str]]:
+def rollout(store: Store, routers: Any, **plan: Any) -> tuple[Any, list[str]]:
     lines: list[str] = []
     now = [0.0]
 
@@ -302,3 +308,182 @@ def test_an_unknown_model_or_registry_scheme_is_a_usage_error(
     assert "model 'nope' is not in" in capsys.readouterr().err
     assert main(["--registry", "etcd://x", "versions", "m"]) == 2
     assert "unknown registry" in capsys.readouterr().err
+
+
+# -- the file registry keeps the operator's layout ----------------------------------------------------
+
+COMMENTED_REGISTRY = """\
+# Experiments of the digits service. Reviewed in git: keep the diffs small.
+
+models:
+  m:   # the model under test
+    endpoints:
+      v1: [127.0.0.1:1]
+      v2: ['127.0.0.1:2']
+    experiment:
+      salt: "s"
+      control: v1
+      arms:
+        - version: v1
+          weight: 100  # incumbent
+        - version: v2
+          weight: 0    # candidate
+      routing_key_header: x-user-id
+
+  other:   # one version, so no experiment
+    endpoints: {v1: [127.0.0.1:3]}
+"""
+
+
+def changed_lines(before: str, after: str) -> tuple[list[str], list[str]]:
+    """The lines difflib finds only in ``before`` and only in ``after``."""
+    old, new = before.splitlines(), after.splitlines()
+    removed: list[str] = []
+    added: list[str] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+        if tag != "equal":
+            removed += old[i1:i2]
+            added += new[j1:j2]
+    return removed, added
+
+
+class RecordingFileStore(FileStore):
+    """The file store, keeping the file's text after each write."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.texts: list[str] = []
+
+    def write(self, model: str, experiment: Experiment, revision: Any) -> None:
+        super().write(model, experiment, revision)
+        self.texts.append(self.path.read_text())
+
+
+@pytest.fixture
+def commented_registry(tmp_path: Path) -> Path:
+    path = tmp_path / "registry.yaml"
+    path.write_text(COMMENTED_REGISTRY)
+    path.chmod(0o640)
+    return path
+
+
+def test_experiment_set_and_a_rollout_change_only_the_lines_of_the_weights_they_change(
+    commented_registry: Path,
+) -> None:
+    path = commented_registry
+    assert main(["--registry", f"file:{path}", "experiment", "set", "m", "--weights", "v1=90,v2=10"]) == 0
+    after_set = path.read_text()
+    assert changed_lines(COMMENTED_REGISTRY, after_set) == (
+        ["          weight: 100  # incumbent", "          weight: 0    # candidate"],
+        ["          weight: 90   # incumbent", "          weight: 10   # candidate"],
+    )
+
+    store = RecordingFileStore(path)
+    verdict, _ = rollout(store, ScriptedRouters(store), steps=(10.0, 50.0, 100.0))
+    assert verdict.code == PROMOTED, verdict.message
+    at_10, at_50, at_100, promoted = store.texts
+    assert at_10 == after_set  # the weights it already had: not a byte changed
+    assert changed_lines(at_10, at_50) == (
+        ["          weight: 90   # incumbent", "          weight: 10   # candidate"],
+        ["          weight: 50   # incumbent", "          weight: 50   # candidate"],
+    )
+    assert changed_lines(at_50, at_100) == (
+        ["          weight: 50   # incumbent", "          weight: 50   # candidate"],
+        ["          weight: 0    # incumbent", "          weight: 100  # candidate"],
+    )
+    # Promotion: v2 becomes the control and v1's arm (its comment with it) goes.
+    assert changed_lines(at_100, promoted) == (
+        ["      control: v1", "        - version: v1", "          weight: 0    # incumbent"],
+        ["      control: v2"],
+    )
+
+    # Routers read it as the promoted experiment, the other model as it was.
+    before, after = (parse_registry(yaml.safe_load(text)) for text in (COMMENTED_REGISTRY, promoted))
+    assert after.models["m"].experiment == Experiment.build(
+        model="m", salt="s", control="v2", arms=[("v2", 100)], routing_key_header="x-user-id"
+    )
+    assert after.models["m"].endpoints == before.models["m"].endpoints
+    assert after.models["other"] == before.models["other"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert not list(path.parent.glob(".registry.yaml.*"))
+
+
+def test_a_rolled_back_rollout_leaves_the_file_as_it_was_byte_for_byte(commented_registry: Path) -> None:
+    path = commented_registry
+    assert main(["--registry", f"file:{path}", "experiment", "set", "m", "--weights", "v1=90,v2=10"]) == 0
+    store = FileStore(path)
+    verdict, _ = rollout(store, ScriptedRouters(store, v2_error_rate=0.5))
+    assert verdict.code == ROLLED_BACK, verdict.message
+    # Rolled back to v1 100 %, v2 0 %: the weights the file started with, in the file it started as.
+    assert path.read_text() == COMMENTED_REGISTRY
+
+
+def test_a_change_made_to_the_file_after_it_was_read_is_a_conflict_and_is_kept(commented_registry: Path) -> None:
+    store = FileStore(commented_registry)
+    view = store.read("m")
+    edited_meanwhile = COMMENTED_REGISTRY.replace("# the model under test", "# the model under test (v2 soon)")
+    commented_registry.write_text(edited_meanwhile)  # even a comment: the file is not what was read
+    with pytest.raises(Conflict, match="changed since it was read"):
+        store.write("m", two_arms(90, 10), view.revision)
+    assert commented_registry.read_text() == edited_meanwhile
+
+
+@pytest.mark.parametrize(
+    ("text", "removed", "added"),
+    [
+        pytest.param(
+            "models:\n"
+            "  m:\n"
+            "    endpoints: {v1: [127.0.0.1:1], v2: [127.0.0.1:2]}\n"
+            "    experiment: {salt: s, control: v1, arms: [{version: v1, weight: 100}, {version: v2, weight: 0}]}\n",
+            ["    experiment: {salt: s, control: v1, arms: [{version: v1, weight: 100}, {version: v2, weight: 0}]}"],
+            ["    experiment: {salt: s, control: v1, arms: [{version: v1, weight: 90}, {version: v2, weight: 10}]}"],
+            id="flow style",
+        ),
+        pytest.param(
+            "# header\n"
+            "---\n"
+            "models:\n"
+            "    m:\n"
+            "        endpoints:\n"
+            "            v1:\n"
+            "                - 127.0.0.1:1\n"
+            "            v2:\n"
+            "                - 127.0.0.1:2\n"
+            "        experiment:\n"
+            "            salt: s\n"
+            "            control: v1\n"
+            "            arms:\n"
+            "                - version: v1\n"
+            "                  weight: 100\n"
+            "...\n"
+            "# trailer\n",
+            ["                  weight: 100"],
+            ["                  weight: 90", "                - version: v2", "                  weight: 10"],
+            id="four spaces, document markers",
+        ),
+    ],
+)
+def test_other_layouts_are_kept_too(tmp_path: Path, text: str, removed: list[str], added: list[str]) -> None:
+    path = tmp_path / "registry.yaml"
+    path.write_text(text)
+    assert main(["--registry", f"file:{path}", "experiment", "set", "m", "--weights", "v1=90,v2=10"]) == 0
+    assert changed_lines(text, path.read_text()) == (removed, added)
+
+
+def test_an_experiment_shared_through_an_anchor_changes_for_its_model_alone(tmp_path: Path) -> None:
+    path = tmp_path / "registry.yaml"
+    path.write_text(
+        "models:\n"
+        "  m:\n"
+        "    endpoints: {v1: [127.0.0.1:1], v2: [127.0.0.1:2]}\n"
+        "    experiment: &shared {salt: s, control: v1, arms: [{version: v1, weight: 100}, {version: v2, weight: 0}]}\n"
+        "  n:\n"
+        "    endpoints: {v1: [127.0.0.1:3], v2: [127.0.0.1:4]}\n"
+        "    experiment: *shared\n"
+    )
+    before = parse_registry(yaml.safe_load(path.read_text()))
+    assert main(["--registry", f"file:{path}", "experiment", "set", "n", "--weights", "v1=90,v2=10"]) == 0
+    after = parse_registry(yaml.safe_load(path.read_text()))
+    assert after.models["m"] == before.models["m"]
+    assert {a.version: a.weight for a in after.models["n"].experiment.arms} == {"v1": 90, "v2": 10}

@@ -21,6 +21,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitstream.admin.yaml_edit import EditError, edit_experiment
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 from splitstream.common.registry import parse_registry
@@ -157,20 +158,20 @@ class FileStore:
         )
 
     def write(self, model: str, experiment: Experiment, revision: Any) -> None:
-        text, data = self._load()
+        text, _ = self._load()
         if hashlib.sha256(text.encode()).hexdigest() != revision:
             raise Conflict(f"{self.path} changed since it was read; nothing written, try again")
-        data["models"][model]["experiment"] = experiment.to_mapping()
+        # Only the experiment's changed lines change: comments, order and style stay as the operator wrote them.
         try:
-            parse_registry(data, source=str(self.path))
-        except ConfigError as error:
-            raise Invalid(str(error)) from None
+            edited = edit_experiment(text, model, experiment)
+        except EditError as error:
+            raise AdminError(f"{self.path}: {error}; nothing written") from None
         # Write a sibling file, then rename over the original: readers see the old or the new file, whole.
         directory = self.path.parent
         descriptor, staging = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
         try:
             with os.fdopen(descriptor, "w") as handle:
-                yaml.safe_dump(data, handle, sort_keys=False)
+                handle.write(edited)
                 handle.flush()
                 os.fsync(handle.fileno())
             os.chmod(staging, self.path.stat().st_mode & 0o777)
