@@ -158,9 +158,14 @@ class FileStore:
         )
 
     def write(self, model: str, experiment: Experiment, revision: Any) -> None:
-        text, _ = self._load()
+        text, data = self._load()
         if hashlib.sha256(text.encode()).hexdigest() != revision:
             raise Conflict(f"{self.path} changed since it was read; nothing written, try again")
+        data["models"][model]["experiment"] = experiment.to_mapping()
+        try:  # an experiment the routers would refuse is the user's mistake: say what is wrong with it
+            parse_registry(data, source=str(self.path))
+        except ConfigError as error:
+            raise Invalid(str(error)) from None
         # Only the experiment's changed lines change: comments, order and style stay as the operator wrote them.
         try:
             edited = edit_experiment(text, model, experiment)

@@ -139,22 +139,31 @@ def _update_items(node: CommentedMap, key: str, field: str, default: float | Non
 
 def _fresh(experiment: Experiment) -> CommentedMap:
     """The whole experiment as a new mapping (fields at their defaults left out)."""
-    fresh = CommentedMap()
-    fresh["salt"] = _string(experiment.salt)
-    fresh["control"] = _string(experiment.control)
-    fresh["arms"] = CommentedSeq(_item(a.version, "weight", a.weight) for a in experiment.arms)
-    if experiment.shadows:
-        fresh["shadows"] = CommentedSeq(_item(s.version, "sample_rate", s.sample_rate) for s in experiment.shadows)
-    if experiment.routing_key_header != DEFAULT_ROUTING_KEY_HEADER:
-        fresh["routing_key_header"] = _string(experiment.routing_key_header)
+    mapping = experiment.to_mapping()
+    if not mapping["shadows"]:
+        del mapping["shadows"]
+    if mapping["routing_key_header"] == DEFAULT_ROUTING_KEY_HEADER:
+        del mapping["routing_key_header"]
+    fresh: CommentedMap = _styled(mapping)
     return fresh
 
 
 def _item(version: str, field: str, value: float) -> CommentedMap:
-    item = CommentedMap()
-    item["version"] = _string(version)
-    item[field] = _number(value)
+    item: CommentedMap = _styled({"version": version, field: value})
     return item
+
+
+def _styled(value: Any) -> Any:
+    """Plain data as ruamel nodes, strings quoted where PyYAML would misread them and whole numbers as ints."""
+    if isinstance(value, dict):
+        return CommentedMap((key, _styled(item)) for key, item in value.items())
+    if isinstance(value, list):
+        return CommentedSeq(_styled(item) for item in value)
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, float):
+        return _number(value)
+    return value
 
 
 def _append(collection: CommentedMap | CommentedSeq, value: Any, *, key: Any = None) -> None:
