@@ -22,6 +22,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.common.cli import EnvArgumentParser, fail
+from splitstream.common.durations import parse_duration_ns
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import METRICS, Bound, GateResult, evaluate, parse_gate
@@ -30,7 +31,7 @@ from splitstream.replayer.report import write_report
 from splitstream.replayer.runner import Replay, ReplaySettings
 from splitstream.replayer.selection import Selection, StatusFilter
 from splitstream.replayer.sender import Target, TargetUnreachable, TlsOptions
-from splitstream.replayer.timewindow import BadTime, parse_duration_ns, parse_instant_ns
+from splitstream.replayer.timewindow import BadTime, parse_instant_ns
 
 PROG = "splitstream-replay"
 EXIT_GATE_FAILED = 1
