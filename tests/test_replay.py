@@ -712,3 +712,70 @@ def test_tls_targets_are_verified_against_the_given_ca_and_server_name(traffic: 
     finally:
         server.stop(grace=None)
         upstream.close()
+
+
+# -- what the replayer cannot send is its own failure, never the target's --------------------
+
+#: Request ids any protobuf string may be (KServe and Triton accept them), none a valid gRPC header value.
+UNPRINTABLE_IDS = ("ünïcode", "a\x01b", "tab\there")
+
+
+def write_window(traffic: Traffic, copies: dict[str, recorder_pb2.CallRecord]) -> list[str]:
+    """Write ``copies`` (request id → record to copy) as calls received now, one 1 ms apart; the window's args."""
+    start = time.time_ns()
+    for n, (request_id, original) in enumerate(copies.items()):
+        record = recorder_pb2.CallRecord()
+        record.CopyFrom(original)
+        record.request_id = request_id
+        record.receive_unix_ns = start + 1_000_000 * (n + 1)
+        xadd_record(traffic.stack, record)
+    until = start + 1_000_000 * (len(copies) + 1)
+    return ["--since", f"{start / 1e9:.9f}", "--until", f"{until / 1e9:.9f}"]
+
+
+def test_recorded_ids_that_are_not_printable_ascii_are_replayed_and_answered_not_counted_as_status_changes(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    answered_by_v1 = traffic.records[traffic.ids["A"][0]]
+    window = write_window(traffic, dict.fromkeys(UNPRINTABLE_IDS, answered_by_v1))
+    run = replay(
+        traffic,
+        tmp_path,
+        "--target",
+        traffic.stack.router.address,
+        "--speed",
+        "max",
+        "--id-suffix",
+        ":rëplay",
+        *window,
+        "--gate",
+        "status_change_rate<=0,mismatch_rate<=0,completed>=3",
+    )
+    assert run.code == 0, run.stderr
+    assert {r["request_id"]: r["outcome"] for r in run.results} == dict.fromkeys(UNPRINTABLE_IDS, "match")
+    assert {r["replay_request_id"] for r in run.results} == {i + ":rëplay" for i in UNPRINTABLE_IDS}
+    assert {r["replayed"]["status"] for r in run.results} == {"OK"}
+    assert run.summary["counts"]["send_errors"] == 0
+
+
+def test_metadata_grpc_refuses_to_send_is_a_send_error_of_the_replayer_not_a_status_change(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    answered_by_v1 = traffic.records[traffic.ids["A"][0]]
+    unsendable = recorder_pb2.CallRecord()
+    unsendable.CopyFrom(answered_by_v1)
+    unsendable.metadata["x-tenant"] = "acme\x01"  # as anyone with Redis access could have written it
+    window = write_window(traffic, {"sendable": answered_by_v1, "unsendable": unsendable})
+    run = replay(traffic, tmp_path, "--target", traffic.stack.router.address, "--speed", "max", *window)
+    assert run.code == 0, run.stderr
+    outcomes = {r["request_id"]: r for r in run.results}
+    assert outcomes["sendable"]["outcome"] == "match"
+    assert outcomes["unsendable"]["outcome"] == "send_error"
+    assert "'x-tenant'" in outcomes["unsendable"]["send_error"]
+    assert "not printable ASCII" in outcomes["unsendable"]["send_error"]
+    summary = run.summary
+    assert summary["counts"]["send_errors"] == 1
+    assert summary["counts"]["completed"] == 1
+    assert summary["outcomes"]["status_change"] == 0
+    assert summary["status_changes"]["transitions"] == {}
+    assert summary["metrics"]["failed_sends"] == 1

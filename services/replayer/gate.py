@@ -30,7 +30,7 @@ METRICS: Mapping[str, str] = {
     "send_lag_p99_ms": "p99 of actual minus planned send time, ms (timed replays)",
     "send_lag_max_ms": "largest send lag, ms (timed replays)",
     "completed": "calls that got an answer from every target",
-    "failed_sends": "calls selected but not completed (missing blobs, interrupted)",
+    "failed_sends": "calls selected but not completed (missing blobs, send errors, interrupted)",
     "skipped": "stream entries skipped as corrupt or of an unknown schema",
 }
 

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
+from splitstream.common.headers import header_value
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import METRICS, Bound, GateResult, evaluate, parse_gate
@@ -225,6 +226,9 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
                 raise ValueError(f"TLS file {path!r} does not exist")
         if bool(args.tls_cert) != bool(args.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if args.pin_version != header_value(args.pin_version):
+            # A version name is the registry's, never a client's: one gRPC would refuse is a typo, not a pin.
+            raise ValueError(f"--pin-version {args.pin_version!r} is not a version name (printable ASCII, no %)")
         targets = (args.target,) + ((args.compare_to,) if args.compare_to else ())
         for address in targets:
             host, _, port = address.rpartition(":")

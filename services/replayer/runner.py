@@ -32,6 +32,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER, REQUEST_ID_HEADER, VERSION_HEADER, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.records import MissingBlob, payload_bytes, redacted_outputs, status_name
 from splitstream.replayer.compare import REDACTED_AT_RECORDING, Answer, CallDiff, Tolerance, compare_answers
@@ -39,14 +40,23 @@ from splitstream.replayer.outputs import ResultsWriter
 from splitstream.replayer.progress import Progress
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
 from splitstream.replayer.selection import SelectedCall, Selection, SelectionStats, select_calls
-from splitstream.replayer.sender import VERSION_HEADER, Outcome, Target
+from splitstream.replayer.sender import Outcome, Target
 from splitstream.replayer.stats import GroupTotals, LogHistogram, OutputTotals, WorstCalls
 
 _READ_AHEAD = 2048
 #: Recorded metadata that is never re-sent: ids and pins are set by the replay itself, transport
 #: headers are the replayer's own, and masked values (``hmac:...``) are not what the client sent.
 _NOT_FORWARDED = frozenset(
-    {"x-request-id", "x-routing-key", VERSION_HEADER, "user-agent", "content-type", "te", "host", "authority"}
+    {
+        REQUEST_ID_HEADER,
+        DEFAULT_ROUTING_KEY_HEADER,
+        VERSION_HEADER,
+        "user-agent",
+        "content-type",
+        "te",
+        "host",
+        "authority",
+    }
 )
 _END = object()
 
@@ -121,6 +131,8 @@ class Aggregates:
     worst: WorstCalls = field(default_factory=WorstCalls)
     max_in_flight: int = 0
     not_sent: int = 0
+    #: Calls the replayer could not send (a header gRPC refuses, over the send limit): not the target's doing.
+    send_errors: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     sent: int = 0
     first_sent_at: float | None = None
@@ -224,7 +236,8 @@ class Replay:
         request = await payload_bytes(self.redis, record.request)
         response = await payload_bytes(self.redis, record.response) if record.status_code == 0 else None
         replay_id = record.request_id + self.settings.id_suffix
-        metadata = [("x-request-id", replay_id)]
+        # Recorded ids are any protobuf string ("ünïcode", "a\x01b"); gRPC refuses such a header value.
+        metadata = [(REQUEST_ID_HEADER, header_value(replay_id))]
         if self.settings.forward_metadata:
             metadata += [
                 (key, value)
@@ -335,11 +348,15 @@ class Replay:
             results.write(line)
             progress.advance(flight.plan.call.receive_ns, diff)
 
-    def _judge(self, flight: Flight) -> tuple[dict[str, Any], CallDiff]:
+    def _judge(self, flight: Flight) -> tuple[dict[str, Any], CallDiff | None]:
+        """The call's results line and diff; None for a call the replayer could not send (nothing to compare)."""
         plan = flight.plan
         record = plan.call.record
         replayed = flight.outcomes[0]
         assert replayed is not None
+        failed = [(position, o) for position, o in enumerate(flight.outcomes) if o is not None and o.send_error]
+        if failed:
+            return self._send_error(flight, failed), None
         compared = flight.outcomes[1] if len(flight.outcomes) > 1 else None
         if compared is not None:
             reference = Answer(compared.code, compared.response)
@@ -402,6 +419,25 @@ class Replay:
             line["not_compared"] = dict.fromkeys(diff.not_compared, REDACTED_AT_RECORDING)
         agg.worst.offer(diff, line)
         return line, diff
+
+    def _send_error(self, flight: Flight, failed: list[tuple[int, Outcome]]) -> dict[str, Any]:
+        """The results line of a call that never reached (one of) the targets: counted as a send error,
+        neither a status change nor a match, since the target did not answer it."""
+        plan = flight.plan
+        record = plan.call.record
+        errors = {self.targets[position].address: outcome.send_error for position, outcome in failed}
+        self.aggregates.send_errors += 1
+        return {
+            "request_id": record.request_id,
+            "replay_request_id": plan.replay_id,
+            "model": record.model,
+            "receive_unix_ns": plan.call.receive_ns,
+            "stream_id": plan.call.stream_id,
+            "sequence": flight.sequence,
+            "outcome": "send_error",
+            "send_error": "; ".join(f"{address}: {message}" for address, message in errors.items()),
+            "recorded": {"version": record.version, "status": status_name(record.status_code)},
+        }
 
     # -- summary -------------------------------------------------------------------------
 
@@ -469,6 +505,7 @@ class Replay:
                 "sent": agg.sent,
                 "completed": completed,
                 "not_sent": agg.not_sent,
+                "send_errors": agg.send_errors,
                 "skipped": skipped,
             },
             "outcomes": {
