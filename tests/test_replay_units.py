@@ -14,10 +14,12 @@ from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.replayer.compare import Answer, Tolerance, compare_answers
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
+from splitstream.replayer.main import build_parser
 from splitstream.replayer.report import render
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
 from splitstream.replayer.selection import RecentIds, ReorderBuffer, Selection, StatusFilter
 from splitstream.replayer.stats import LogHistogram
+from splitstream.replayer.summary import METRICS, Metrics, Summary
 from splitstream.replayer.timewindow import BadTime, parse_instant_ns
 
 NOW = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z
@@ -238,6 +240,13 @@ def test_histogram_quantiles_stay_within_two_percent_of_the_exact_ones() -> None
     assert histogram.quantile(1.0) == pytest.approx(values.max())
 
 
+def metrics(*, completed: int = 10, **values: float | None) -> Metrics:
+    """Gate metrics: ``values``, every other rate not measured."""
+    return Metrics.model_validate(
+        dict.fromkeys(METRICS) | {"completed": completed, "failed_sends": 0, "skipped": 0} | values
+    )
+
+
 def test_gate_bounds_parse_and_fail_on_a_broken_bound_or_an_unmeasured_metric() -> None:
     bounds = parse_gate("mismatch_rate<=0.01, p99_ratio<=1.2,error_rate<=0.001")
     assert bounds == (
@@ -245,18 +254,38 @@ def test_gate_bounds_parse_and_fail_on_a_broken_bound_or_an_unmeasured_metric() 
         Bound("p99_ratio", "<=", 1.2),
         Bound("error_rate", "<=", 0.001),
     )
-    passed = evaluate(bounds, {"mismatch_rate": 0.0, "p99_ratio": 1.1, "error_rate": 0.0})
+    passed = evaluate(bounds, metrics(mismatch_rate=0.0, p99_ratio=1.1, error_rate=0.0))
     assert passed.passed
-    failed = evaluate(bounds, {"mismatch_rate": 0.5, "p99_ratio": None, "error_rate": 0.0})
+    failed = evaluate(bounds, metrics(mismatch_rate=0.5, p99_ratio=None, error_rate=0.0))
     assert not failed.passed
-    assert failed.failures == (
+    assert failed.failures == [
         "mismatch_rate=0.5 (bound mismatch_rate<=0.01)",
         "p99_ratio=not measured (bound p99_ratio<=1.2)",
-    )
+    ]
+    assert [(b.bound, b.value, b.passed) for b in failed.bounds] == [
+        ("mismatch_rate<=0.01", 0.5, False),
+        ("p99_ratio<=1.2", None, False),
+        ("error_rate<=0.001", 0.0, True),
+    ]
     with pytest.raises(ValueError, match="unknown gate metric 'latency'"):
         parse_gate("latency<=3")
     with pytest.raises(ValueError, match="bad gate bound"):
         parse_gate("mismatch_rate=<0.1")
+
+
+def test_a_gate_fails_when_no_call_completed_whatever_it_bounds() -> None:
+    bounds = parse_gate("skipped<=0,failed_sends<=0")
+    nothing = evaluate(bounds, metrics(completed=0))
+    assert not nothing.passed
+    assert nothing.failures == ["no call completed, so nothing was measured"]
+    assert all(b.passed for b in nothing.bounds)  # each bound held; the verdict still has no evidence
+
+
+def test_the_gate_metrics_are_the_summary_metrics_fields_and_every_one_is_described() -> None:
+    assert list(METRICS) == list(Metrics.model_fields)
+    assert all(METRICS.values())
+    help_text = " ".join(build_parser().format_help().split())
+    assert all(name in help_text for name in METRICS)
 
 
 def test_planned_times_keep_the_recorded_gaps_divided_by_the_speed() -> None:
@@ -293,59 +322,86 @@ def test_the_report_is_one_offline_page_with_charts_and_tables() -> None:
         "candidate_versions": {"v2": 3},
         "latency": {"reference": latency, "candidate": latency, "p50_ratio": 1.0, "p95_ratio": 1.0, "p99_ratio": 1.0},
     }
-    summary: dict[str, Any] = {
-        "window": {"models": ["m<x>"], "since_unix_ns": NOW, "until_unix_ns": NOW + 10**9},
-        "target": "127.0.0.1:1",
-        "compare_to": None,
-        "reference": "recorded",
-        "pin_version": "v2",
-        "speed": 1.0,
-        "concurrency": 4,
-        "tolerance": {"rtol": 1e-5, "atol": 1e-6, "top_k": 5},
-        "counts": {"selected": 3, "sent": 3, "completed": 3, "not_sent": 0, "skipped": {"corrupt": 1}},
-        "outcomes": {"match": 2, "mismatch": 1, "status_change": 0},
-        "metrics": {"mismatch_rate": 0.33, "error_rate": 0.0, "p99_ratio": 1.0},
-        "selection": {"duplicates": 0, "out_of_order": 0},
-        "max_in_flight": 2,
-        "replay_rate_calls_per_s": 10.0,
-        "latency": group["latency"],
-        "send_lag": latency,
-        "outputs": {
-            "y": {
-                "calls": 3,
-                "mismatched_calls": 1,
-                "mismatch_rate": 0.33,
-                "element_mismatch_rate": 0.1,
-                "max_abs_error": 0.5,
-                "reasons": {"values": 1},
+    metrics = dict.fromkeys(METRICS) | {"mismatch_rate": 0.33, "error_rate": 0.0, "p99_ratio": 1.0}
+    summary = Summary.model_validate(
+        {
+            "interrupted": False,
+            "started_unix_ns": NOW,
+            "wall_s": 1.0,
+            "window": {"models": ["m<x>"], "since_unix_ns": NOW, "until_unix_ns": NOW + 10**9, "max_lateness_s": 1.0},
+            "target": "127.0.0.1:1",
+            "compare_to": None,
+            "reference": "recorded",
+            "pin_version": "v2",
+            "speed": 1.0,
+            "concurrency": 4,
+            "tolerance": {"rtol": 1e-5, "atol": 1e-6, "top_k": 5},
+            "counts": {
+                "selected": 3,
+                "sent": 3,
+                "completed": 3,
+                "not_sent": 0,
+                "send_errors": 0,
+                "skipped": {"corrupt": 1},
             },
-            "face": {
-                "calls": 0,
-                "mismatched_calls": 0,
-                "mismatch_rate": 0.0,
-                "element_mismatch_rate": 0.0,
-                "max_abs_error": 0.0,
-                "reasons": {},
-                "not_compared": {"redacted_at_recording": 3},
+            "outcomes": {"match": 2, "mismatch": 1, "status_change": 0},
+            "metrics": metrics | {"completed": 3, "failed_sends": 0, "skipped": 1},
+            "selection": {
+                "scanned": 4,
+                "in_window": 4,
+                "selected": 3,
+                "duplicates": 0,
+                "skipped": {"corrupt": 1},
+                "released_early": 0,
+                "out_of_order": 0,
+                "max_buffered": 1,
             },
-        },
-        "worst_calls": [
-            {
-                "request_id": "req-<7>",
-                "replay_request_id": "req-<7>:replay",
-                "outcome": "mismatch",
-                "status_change": None,
-                "recorded": {"version": "v1"},
-                "replayed": {"version": "v2"},
-                "outputs": {
-                    "y": {"match": False, "mismatches": 4, "elements": 4, "max_abs_error": 0.5, "reason": "values"}
+            "max_in_flight": 2,
+            "sender_nice": None,
+            "replay_rate_calls_per_s": 10.0,
+            "latency": group["latency"],
+            "send_lag": latency,
+            "outputs": {
+                "y": {
+                    "calls": 3,
+                    "mismatched_calls": 1,
+                    "mismatch_rate": 0.33,
+                    "element_mismatch_rate": 0.1,
+                    "max_abs_error": 0.5,
+                    "reasons": {"values": 1},
                 },
-            }
-        ],
-        "status_changes": {"ok_to_error": 0, "error_to_ok": 0, "error_to_other_error": 0, "transitions": {}},
-        "versions": {"v1": group},
-        "gate": {"passed": False, "bounds": [{"bound": "mismatch_rate<=0.01"}], "failures": ["mismatch_rate=0.33"]},
-    }
+                "face": {
+                    "calls": 0,
+                    "mismatched_calls": 0,
+                    "mismatch_rate": None,
+                    "element_mismatch_rate": None,
+                    "max_abs_error": None,
+                    "reasons": {},
+                    "not_compared": {"redacted_at_recording": 3},
+                },
+            },
+            "worst_calls": [
+                {
+                    "request_id": "req-<7>",
+                    "replay_request_id": "req-<7>:replay",
+                    "outcome": "mismatch",
+                    "status_change": None,
+                    "recorded": {"version": "v1"},
+                    "replayed": {"version": "v2"},
+                    "outputs": {
+                        "y": {"match": False, "mismatches": 4, "elements": 4, "max_abs_error": 0.5, "reason": "values"}
+                    },
+                }
+            ],
+            "status_changes": {"ok_to_error": 0, "error_to_ok": 0, "error_to_other_error": 0, "transitions": {}},
+            "versions": {"v1": group},
+            "gate": {
+                "passed": False,
+                "bounds": [{"bound": "mismatch_rate<=0.01", "value": 0.33, "passed": False}],
+                "failures": ["mismatch_rate=0.33"],
+            },
+        }
+    )
     html = render(
         summary,
         {
