@@ -74,7 +74,9 @@ class Traffic:
                     sent += 1
                     index = self.random.randrange(len(self.data.labels))
                     request = oip.ModelInferRequest(model_name=MODEL)
-                    tensors.add_raw_input(request, "x", self.data.images[index : index + 1])
+                    image = self.data.images[index : index + 1]
+                    request.inputs.add(name="x", datatype=tensors.datatype_of(image), shape=list(image.shape))
+                    request.raw_input_contents.append(tensors.to_raw(image))
                     key = f"user-{self.random.randrange(self.users)}"
                     started = time.perf_counter()
                     call = stub.ModelInfer(request, metadata=(("x-routing-key", key),), timeout=10)

@@ -145,25 +145,6 @@ def input_arrays(request: oip.ModelInferRequest) -> dict[str, np.ndarray]:
     return arrays
 
 
-def add_raw_input(request: oip.ModelInferRequest, name: str, array: np.ndarray) -> None:
-    """Append ``array`` to ``request`` as a raw input."""
-    request.inputs.add(name=name, datatype=datatype_of(array), shape=list(array.shape))
-    request.raw_input_contents.append(to_raw(array))
-
-
-def add_typed_input(request: oip.ModelInferRequest, name: str, array: np.ndarray) -> None:
-    """Append ``array`` to ``request`` as typed contents."""
-    datatype = datatype_of(array)
-    field = CONTENTS_FIELDS.get(datatype)
-    if field is None:
-        raise TypeError(f"{datatype} cannot be sent as typed contents")
-    tensor = request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
-    values = array.reshape(-1).tolist()
-    if datatype == "BYTES":
-        values = [v.encode() if isinstance(v, str) else bytes(v) for v in values]
-    getattr(tensor.contents, field).extend(values)
-
-
 def _dtype(name: str, datatype: str) -> np.dtype[Any]:
     dtype = NUMPY_DTYPES.get(datatype)
     if dtype is None:
