@@ -18,6 +18,7 @@ from splitstream.replayer.main import build_parser
 from splitstream.replayer.report import render
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
 from splitstream.replayer.selection import RecentIds, ReorderBuffer, Selection, StatusFilter
+from splitstream.replayer.sender import metadata_problem
 from splitstream.replayer.stats import LogHistogram
 from splitstream.replayer.summary import METRICS, Metrics, Summary
 from splitstream.replayer.timewindow import BadTime, parse_instant_ns
@@ -422,3 +423,30 @@ def test_the_report_is_one_offline_page_with_charts_and_tables() -> None:
     assert "Not compared (redacted at recording)" in html
     for external in ("http://", "https://", "<script", "<link", "src="):
         assert external not in html
+
+
+# -- what gRPC would refuse to send ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metadata", "problem"),
+    [
+        ([("x-request-id", "a-1:replay"), ("x-tenant", "acme corp ~!")], ""),
+        ([("x-trace-bin", b"\xff\x00")], ""),
+        ([("x-request-id", "\u00fcn\u00efcode")], "not printable ASCII"),
+        ([("x-request-id", "a\x01b")], "not printable ASCII"),
+        ([("x-request-id", "tab\there")], "not printable ASCII"),
+        ([("X-Tenant", "acme")], "not a valid gRPC header name"),
+        ([("x tenant", "acme")], "not a valid gRPC header name"),
+        ([("", "acme")], "not a valid gRPC header name"),
+        ([("x-trace-bin", "text")], "must be bytes"),
+    ],
+)
+def test_metadata_grpc_would_refuse_is_named_before_sending(
+    metadata: list[tuple[str, str | bytes]], problem: str
+) -> None:
+    found = metadata_problem(metadata)
+    if problem:
+        assert problem in found
+    else:
+        assert found == ""

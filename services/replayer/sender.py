@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from splitstream.common.headers import VERSION_HEADER
+from splitstream.common.headers import VERSION_HEADER, from_header_value
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 #: gRPC core's rule for metadata keys (validate_metadata.cc): lowercase letters, digits, ``-_.``.
@@ -147,7 +147,7 @@ class Target:
             version = ""
             for key, value in rendezvous.trailing_metadata() or ():
                 if key == VERSION_HEADER:
-                    version = str(value)
+                    version = from_header_value(str(value))
             if code is grpc.StatusCode.OK:
                 on_done(Outcome(0, "", call.result(), version, sent_at, done_at))
             else:
