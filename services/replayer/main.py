@@ -1,9 +1,11 @@
 """``splitstream-replay``: re-send a recorded window to a router or a worker, diff the answers, gate CI.
 
 Exit codes: 0 done (and the gate, if any, passed); 1 the gate failed (the failed bounds are
-listed on stderr); 2 a usage or setup error, one line on stderr (bad time, ``--until`` not
-after ``--since``, unknown model, Redis or a target unreachable); 130 interrupted by Ctrl-C
-(SIGINT) or SIGTERM, after writing the partial results, summary and report.
+listed on stderr; with no completed call a gate always fails: there is nothing to pass on);
+2 a usage or setup error, one line on stderr (bad time, ``--until`` not after ``--since``,
+unknown model, Redis or a target unreachable, an output directory or summary that cannot be
+written); 130 interrupted by Ctrl-C (SIGINT) or SIGTERM, after writing the partial results,
+summary and report. 1 means only "the gate failed", so CI can tell a verdict from a broken run.
 """
 
 from __future__ import annotations
