@@ -75,7 +75,10 @@ class Run:
 
     @property
     def summary(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.out / "summary.json").read_text())
+        """summary.json as plain JSON, after checking it is exactly the typed model (no key missing or extra)."""
+        text = (self.out / "summary.json").read_text()
+        Summary.model_validate_json(text)
+        data: dict[str, Any] = json.loads(text)
         return data
 
     @property
