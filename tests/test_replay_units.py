@@ -450,3 +450,45 @@ def test_metadata_grpc_would_refuse_is_named_before_sending(
         assert problem in found
     else:
         assert found == ""
+
+
+def test_the_report_of_a_run_with_no_calls_says_not_measured_instead_of_zero_rates() -> None:
+    nothing = LogHistogram().quantiles_ms()
+    no_latency = {"reference": nothing.model_dump(), "candidate": nothing.model_dump()}
+    summary = Summary.model_validate(
+        {
+            "interrupted": False,
+            "started_unix_ns": NOW,
+            "wall_s": 0.1,
+            "window": {"models": ["m"], "since_unix_ns": NOW, "until_unix_ns": NOW + 10**9, "max_lateness_s": 0.0},
+            "target": "127.0.0.1:1",
+            "compare_to": None,
+            "reference": "recorded",
+            "pin_version": None,
+            "speed": "max",
+            "concurrency": 4,
+            "tolerance": {"rtol": 1e-5, "atol": 1e-6, "top_k": 5},
+            "selection": dict.fromkeys(
+                ("scanned", "in_window", "selected", "duplicates", "released_early", "out_of_order", "max_buffered"), 0
+            )
+            | {"skipped": {}},
+            "counts": {"selected": 0, "sent": 0, "completed": 0, "not_sent": 0, "send_errors": 0, "skipped": {}},
+            "outcomes": {"match": 0, "mismatch": 0, "status_change": 0},
+            "status_changes": {"ok_to_error": 0, "error_to_ok": 0, "error_to_other_error": 0, "transitions": {}},
+            "latency": no_latency | {"p50_ratio": None, "p95_ratio": None, "p99_ratio": None},
+            "outputs": {},
+            "versions": {},
+            "send_lag": None,
+            "max_in_flight": 0,
+            "sender_nice": None,
+            "replay_rate_calls_per_s": None,
+            "metrics": metrics(completed=0),
+            "worst_calls": [],
+        }
+    )
+    empty = LogHistogram()
+    html = render(summary, {"reference_latency": empty, "candidate_latency": empty, "send_lag": empty})
+    overview = html.split("id='overview'")[1].split("</table>")[0]
+    assert overview.count("not measured") == 3  # mismatch rate, error rate, p99 ratio
+    assert "0.00 %" not in overview
+    assert "No call completed" in html

@@ -22,6 +22,9 @@ from splitstream.replayer.timewindow import format_instant
 #: Why an output was not compared, as the report words it.
 _NOT_COMPARED = {REDACTED_AT_RECORDING: "redacted at recording"}
 
+#: What the overview says of a metric with nothing to measure it on (tables show "-"): a 0 % would read
+#: as "compared, all fine".
+NOT_MEASURED = "not measured"
 REFERENCE_COLOR = "#4e79a7"
 CANDIDATE_COLOR = "#e15759"
 PALETTE = ("#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
@@ -113,9 +116,9 @@ def _overview(summary: Summary) -> str:
         ("sent / completed / not sent", f"{counts.sent} / {counts.completed} / {counts.not_sent}"),
         ("send errors (never reached the target)", counts.send_errors),
         ("match / mismatch / status change", f"{outcomes.match} / {outcomes.mismatch} / {outcomes.status_change}"),
-        ("mismatch rate (of calls both answered OK)", _fmt_rate(metrics.mismatch_rate)),
-        ("error rate (replayed)", _fmt_rate(metrics.error_rate)),
-        ("p99 ratio (replayed / reference)", _fmt(metrics.p99_ratio)),
+        ("mismatch rate (of calls both answered OK)", _fmt_rate(metrics.mismatch_rate, none=NOT_MEASURED)),
+        ("error rate (replayed)", _fmt_rate(metrics.error_rate, none=NOT_MEASURED)),
+        ("p99 ratio (replayed / reference)", _fmt(metrics.p99_ratio, none=NOT_MEASURED)),
         ("entries skipped", skipped),
         ("duplicates dropped", summary.selection.duplicates),
         ("released out of order", summary.selection.out_of_order),
@@ -405,9 +408,9 @@ def _ms(quantiles: Quantiles, q: str) -> float | None:
     return value
 
 
-def _fmt(value: float | int | None) -> str:
+def _fmt(value: float | int | None, *, none: str = "-") -> str:
     if value is None:
-        return "-"
+        return none
     if isinstance(value, int):
         return str(value)
     if value == 0:
@@ -417,5 +420,5 @@ def _fmt(value: float | int | None) -> str:
     return f"{value:.3g}"
 
 
-def _fmt_rate(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:.2f} %"
+def _fmt_rate(value: float | None, *, none: str = "-") -> str:
+    return none if value is None else f"{value * 100:.2f} %"
