@@ -33,9 +33,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from tests.harness import Stack, free_port, metric_samples, scrape_metrics
+from tests.tensors import add_raw_input
 
 MODEL = "mlp"
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -136,7 +136,7 @@ def main() -> int:
     for version, batching in variants.items():
         add_mlp_version(repository, version, width=args.width, layers=args.layers, batching=batching)
     request = oip.ModelInferRequest(model_name=MODEL)
-    tensors.add_raw_input(request, "x", np.ones((1, args.width), dtype=np.float32))
+    add_raw_input(request, "x", np.ones((1, args.width), dtype=np.float32))
     payload = request.SerializeToString()
 
     stack = Stack(tmp)

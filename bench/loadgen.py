@@ -19,8 +19,8 @@ from grpc import aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from tests.tensors import add_raw_input
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -43,7 +43,7 @@ def rotated(names: list[str], round_index: int) -> list[str]:
 
 def infer_request(model: str, rows: int = 1, features: int = 4) -> bytes:
     request = oip.ModelInferRequest(model_name=model)
-    tensors.add_raw_input(request, "x", np.ones((rows, features), dtype=np.float32))
+    add_raw_input(request, "x", np.ones((rows, features), dtype=np.float32))
     return request.SerializeToString()
 
 

@@ -38,12 +38,12 @@ from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import stream_key
 from tests.harness import ServiceProcess, free_port
 from tests.redis_server import RedisServer
+from tests.tensors import add_raw_input
 
 REQUEST_BYTES, RESPONSE_BYTES = 2048, 1024
 METHOD = "/splitstream.v1.Recorder/Record"
@@ -67,7 +67,7 @@ def template_record() -> recorder_pb2.CallRecord:
     """A realistic record: ~2 KiB request and ~1 KiB response, both inline."""
     rng = np.random.default_rng(0)
     request = oip.ModelInferRequest(model_name="bench", id="r")
-    tensors.add_raw_input(request, "x", rng.standard_normal(REQUEST_BYTES // 4 - 12).astype(np.float32))
+    add_raw_input(request, "x", rng.standard_normal(REQUEST_BYTES // 4 - 12).astype(np.float32))
     response = oip.ModelInferResponse(model_name="bench", model_version="v1", id="r")
     response.outputs.add(name="y", datatype="FP32", shape=[RESPONSE_BYTES // 4 - 12])
     response.raw_output_contents.append(rng.standard_normal(RESPONSE_BYTES // 4 - 12).astype(np.float32).tobytes())

@@ -74,7 +74,9 @@ class Traffic:
                     sent += 1
                     index = self.random.randrange(len(self.data.labels))
                     request = oip.ModelInferRequest(model_name=MODEL)
-                    tensors.add_raw_input(request, "x", self.data.images[index : index + 1])
+                    image = self.data.images[index : index + 1]
+                    request.inputs.add(name="x", datatype=tensors.datatype_of(image), shape=list(image.shape))
+                    request.raw_input_contents.append(tensors.to_raw(image))
                     key = f"user-{self.random.randrange(self.users)}"
                     started = time.perf_counter()
                     call = stub.ModelInfer(request, metadata=(("x-routing-key", key),), timeout=10)
@@ -392,10 +394,12 @@ def _replay_line(replay: dict[str, object]) -> str:
     assert isinstance(outputs, dict)
     label = outputs.get("label", {})
     probabilities = outputs.get("probabilities", {})
+    if label.get("mismatch_rate") is None:  # no call compared: summary.json says null, not 0 %
+        return f"replay of the last minute, v2 against v1: {counts.get('completed', 0)} calls, none compared"
     return (
         f"replay of the last minute, v2 against v1: {counts.get('completed', 0)} calls; v2's label differs from "
-        f"v1's on {label.get('mismatch_rate', 0):.1%} of them (argmax agreement of the probabilities "
-        f"{probabilities.get('argmax_agreement', 0):.1%})"
+        f"v1's on {label['mismatch_rate']:.1%} of them (argmax agreement of the probabilities "
+        f"{probabilities.get('argmax_agreement') or 0:.1%})"
     )
 
 

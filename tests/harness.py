@@ -252,11 +252,11 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 def make_request(model: str, x: Any, *, request_id: str = "", version: str = "", typed: bool = False) -> Any:
     """A ModelInferRequest carrying ``x`` as input 'x' (raw contents unless ``typed``)."""
-    from splitstream.common import tensors
     from splitstream.common.proto.inference import grpc_service_pb2 as oip
+    from tests.tensors import add_raw_input, add_typed_input
 
     request = oip.ModelInferRequest(model_name=model, model_version=version, id=request_id)
-    (tensors.add_typed_input if typed else tensors.add_raw_input)(request, "x", x)
+    (add_typed_input if typed else add_raw_input)(request, "x", x)
     return request
 
 

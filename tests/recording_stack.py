@@ -20,10 +20,10 @@ from splitstream.common.records import (
     decode_entry,
     read_entries,
     stream_key,
-    unique_by_request_id,
 )
 from tests.harness import ServiceProcess, Stack, free_port, wait_for, write_registry
 from tests.models import add_version
+from tests.records import unique_by_request_id
 from tests.redis_server import RedisServer
 
 MODEL = "affine"

@@ -32,10 +32,7 @@ from splitstream.common.records import (
     MissingBlob,
     blob_key,
     payload_bytes,
-    read_records,
     redacted_outputs,
-    request_of,
-    response_of,
     stream_key,
 )
 from splitstream.recorder.config import Action, Rule, parse_args
@@ -43,7 +40,9 @@ from splitstream.recorder.errors import InvalidBatch
 from splitstream.recorder.redaction import Redactor
 from splitstream.recorder.validation import parse_batch
 from tests.harness import ROOT, ServiceProcess, free_port, health_status, metric_samples, scrape_metrics, wait_for
+from tests.records import read_records, request_of, response_of
 from tests.redis_server import RedisServer
+from tests.tensors import add_raw_input, add_typed_input
 
 HMAC_KEY = "test-hmac-key"
 NODE_ENTRIES = 10
@@ -102,7 +101,7 @@ def start_recorder(tmp_path: Path, redis_server: RedisServer) -> Iterator[Record
 def request_bytes(request_id: str, **inputs: np.ndarray) -> bytes:
     request = oip.ModelInferRequest(model_name="m", id=request_id)
     for name, array in inputs.items():
-        tensors.add_raw_input(request, name, array)
+        add_raw_input(request, name, array)
     return request.SerializeToString()
 
 
@@ -580,10 +579,10 @@ def test_masked_inputs_keep_name_type_and_shape_with_zeroed_data_raw_or_typed() 
     words = np.array([b"alpha", b"beta"], dtype=np.object_)
     raw = oip.ModelInferRequest()
     for name, array in (("gone", np.ones(3, np.int64)), ("secret", words), ("keep", np.arange(3, dtype=np.int32))):
-        tensors.add_raw_input(raw, name, array)
+        add_raw_input(raw, name, array)
     typed = oip.ModelInferRequest()
-    tensors.add_typed_input(typed, "secret", np.array([1.5, -2.0], dtype=np.float32))
-    tensors.add_typed_input(typed, "keep", np.array([7, 8], dtype=np.int64))
+    add_typed_input(typed, "secret", np.array([1.5, -2.0], dtype=np.float32))
+    add_typed_input(typed, "keep", np.array([7, 8], dtype=np.int64))
 
     assert redactor.redact_request(raw)
     assert redactor.redact_request(typed)

@@ -21,9 +21,10 @@ from redis.asyncio import Redis
 
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from splitstream.common.records import redacted_outputs, request_of, response_of, routing_key_hmac
+from splitstream.common.records import redacted_outputs, routing_key_hmac
 from tests.harness import InferClient, SteadyLoad, make_request, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
+from tests.records import request_of, response_of
 
 
 @pytest.fixture

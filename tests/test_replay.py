@@ -39,6 +39,7 @@ from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import entry_fields, stream_key
 from splitstream.replayer.main import main as replay_main
 from splitstream.replayer.selection import Selection
+from splitstream.replayer.summary import Summary
 from tests.harness import ROOT, InferClient, free_port, make_request, wait_for
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
 
@@ -74,7 +75,10 @@ class Run:
 
     @property
     def summary(self) -> dict[str, Any]:
-        data: dict[str, Any] = json.loads((self.out / "summary.json").read_text())
+        """summary.json as plain JSON, after checking it is exactly the typed model (no key missing or extra)."""
+        text = (self.out / "summary.json").read_text()
+        Summary.model_validate_json(text)
+        data: dict[str, Any] = json.loads(text)
         return data
 
     @property
@@ -607,6 +611,18 @@ def test_usage_errors_exit_2_with_one_line(
             "is unreachable",
         ),
         "target down": ([*redis, "--target", closed, "--since", "-1m"], f"target {closed} is unreachable"),
+        "port out of range": ([*redis, "--target", "h:70000", "--since", "-1m"], "port 1..65535"),
+        "infinite buffer": ([*redis, *target, "--since", "-1m", "--reorder-buffer-mb", "inf"], "--reorder-buffer-mb"),
+        "NaN deadline": ([*redis, *target, "--since", "-1m", "--timeout-s", "nan"], "--timeout-s must be"),
+        "NaN connect": ([*redis, *target, "--since", "-1m", "--connect-timeout-s", "nan"], "--connect-timeout-s"),
+        "NaN tolerance": ([*redis, *target, "--since", "-1m", "--rtol", "nan"], "--rtol and --atol must be finite"),
+        "NaN lateness": ([*redis, *target, "--since", "-1m", "--max-lateness", "nan"], "bad duration 'nan'"),
+        "bare relative time": ([*redis, *target, "--since", "-10"], "bad time '-10'"),
+        "pin not a version": ([*redis, *target, "--since", "-1m", "--pin-version", "v\u00fc"], "not a version name"),
+        "password in a bad url": (
+            ["--redis-url", "redis://:s3cret@h:notaport/0", "--model", MODEL, *target, "--since", "-1m"],
+            "bad --redis-url 'redis://:***@h:notaport/0'",
+        ),
     }
     env_key = os.environ.pop("SPLITSTREAM_HMAC_KEY", None)
     try:
@@ -616,6 +632,7 @@ def test_usage_errors_exit_2_with_one_line(
             assert err.startswith("splitstream-replay: error: "), (name, err)
             assert message in err, (name, err)
             assert err.count("\n") == 1, (name, err)
+            assert "s3cret" not in err, (name, err)
     finally:
         if env_key is not None:
             os.environ["SPLITSTREAM_HMAC_KEY"] = env_key
@@ -637,6 +654,13 @@ def test_the_gate_exits_0_when_every_bound_holds_and_1_listing_those_that_fail(
     assert "completed=10 (bound completed>=11)" in line
     assert "error_rate" not in line
     assert failing.summary["gate"]["passed"] is False
+    typed = Summary.model_validate_json((failing.out / "summary.json").read_text())  # the whole file is the model
+    assert typed.gate is not None
+    assert [(b.bound, b.passed) for b in typed.gate.bounds] == [
+        ("mismatch_rate<=0.1", False),
+        ("error_rate<=0", True),
+        ("completed>=11", False),
+    ]
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium is not installed")
@@ -712,3 +736,133 @@ def test_tls_targets_are_verified_against_the_given_ca_and_server_name(traffic: 
     finally:
         server.stop(grace=None)
         upstream.close()
+
+
+# -- what the replayer cannot send is its own failure, never the target's --------------------
+
+#: Request ids any protobuf string may be (KServe and Triton accept them), none a valid gRPC header value.
+UNPRINTABLE_IDS = ("ünïcode", "a\x01b", "tab\there")
+
+
+def write_window(traffic: Traffic, copies: dict[str, recorder_pb2.CallRecord]) -> list[str]:
+    """Write ``copies`` (request id → record to copy) as calls received now, one 1 ms apart; the window's args."""
+    start = time.time_ns()
+    for n, (request_id, original) in enumerate(copies.items()):
+        record = recorder_pb2.CallRecord()
+        record.CopyFrom(original)
+        record.request_id = request_id
+        record.receive_unix_ns = start + 1_000_000 * (n + 1)
+        xadd_record(traffic.stack, record)
+    until = start + 1_000_000 * (len(copies) + 1)
+    return ["--since", f"{start / 1e9:.9f}", "--until", f"{until / 1e9:.9f}"]
+
+
+def test_recorded_ids_that_are_not_printable_ascii_are_replayed_and_answered_not_counted_as_status_changes(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    answered_by_v1 = traffic.records[traffic.ids["A"][0]]
+    window = write_window(traffic, dict.fromkeys(UNPRINTABLE_IDS, answered_by_v1))
+    run = replay(
+        traffic,
+        tmp_path,
+        "--target",
+        traffic.stack.router.address,
+        "--speed",
+        "max",
+        "--id-suffix",
+        ":rëplay",
+        *window,
+        "--gate",
+        "status_change_rate<=0,mismatch_rate<=0,completed>=3",
+    )
+    assert run.code == 0, run.stderr
+    assert {r["request_id"]: r["outcome"] for r in run.results} == dict.fromkeys(UNPRINTABLE_IDS, "match")
+    assert {r["replay_request_id"] for r in run.results} == {i + ":rëplay" for i in UNPRINTABLE_IDS}
+    assert {r["replayed"]["status"] for r in run.results} == {"OK"}
+    assert run.summary["counts"]["send_errors"] == 0
+
+
+def test_metadata_grpc_refuses_to_send_is_a_send_error_of_the_replayer_not_a_status_change(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    answered_by_v1 = traffic.records[traffic.ids["A"][0]]
+    unsendable = recorder_pb2.CallRecord()
+    unsendable.CopyFrom(answered_by_v1)
+    unsendable.metadata["x-tenant"] = "acme\x01"  # as anyone with Redis access could have written it
+    window = write_window(traffic, {"sendable": answered_by_v1, "unsendable": unsendable})
+    run = replay(traffic, tmp_path, "--target", traffic.stack.router.address, "--speed", "max", *window)
+    assert run.code == 0, run.stderr
+    outcomes = {r["request_id"]: r for r in run.results}
+    assert outcomes["sendable"]["outcome"] == "match"
+    assert outcomes["unsendable"]["outcome"] == "send_error"
+    assert "'x-tenant'" in outcomes["unsendable"]["send_error"]
+    assert "not printable ASCII" in outcomes["unsendable"]["send_error"]
+    summary = run.summary
+    assert summary["counts"]["send_errors"] == 1
+    assert summary["counts"]["completed"] == 1
+    assert summary["outcomes"]["status_change"] == 0
+    assert summary["status_changes"]["transitions"] == {}
+    assert summary["metrics"]["failed_sends"] == 1
+
+
+# -- nothing measured never passes; an unusable output directory is a setup error ---------------
+
+
+def test_an_empty_window_with_a_gate_fails_it_as_not_measured_instead_of_passing_on_zero_rates(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    first_call_ns = traffic.windows["A"][0]
+    empty = ["--since", f"{(first_call_ns - 20 * 10**9) / 1e9:.9f}", "--until", f"{(first_call_ns - 10**10) / 1e9:.9f}"]
+    common = ["--target", traffic.stack.workers["v1"].address, "--speed", "max", *empty]
+    run = replay(traffic, tmp_path / "gated", *common, "--gate", "mismatch_rate<=0.01,error_rate<=0.001")
+    assert run.code == 1, run.stderr
+    (line,) = [line for line in run.stderr.splitlines() if "gate failed" in line]
+    assert "no call completed" in line
+    assert "mismatch_rate=not measured (bound mismatch_rate<=0.01)" in line
+    assert "error_rate=not measured (bound error_rate<=0.001)" in line
+    assert "gate passed" not in run.stdout
+    assert "mismatch rate not measured" in run.stdout
+    summary = run.summary
+    assert summary["counts"]["selected"] == summary["counts"]["completed"] == 0
+    for metric in ("mismatch_rate", "status_change_rate", "divergence_rate", "error_rate", "max_abs_error"):
+        assert summary["metrics"][metric] is None, metric
+    assert summary["gate"]["passed"] is False
+    assert Summary.model_validate(summary).metrics.mismatch_rate is None
+    assert "No call completed" in (run.out / "report.html").read_text()
+
+    ungated = replay(traffic, tmp_path / "ungated", *common)
+    assert ungated.code == 0, ungated.stderr  # nothing to replay is a result; only a gate needs evidence
+    assert ungated.summary["metrics"]["mismatch_rate"] is None
+    assert "gate" not in ungated.summary
+
+
+def test_an_output_dir_that_cannot_be_written_exits_2_with_one_line_not_a_traceback(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    results_taken = tmp_path / "results-taken"
+    (results_taken / "results.jsonl").mkdir(parents=True)
+    cases = {
+        "under a file": (a_file / "out", "Not a directory"),
+        "a file": (a_file, "File exists"),
+        "results.jsonl a directory": (results_taken, "Is a directory"),
+    }
+    common = ["--target", traffic.stack.workers["v1"].address, "--speed", "max", *traffic.window_args("A")]
+    for name, (out, reason) in cases.items():
+        run = replay(traffic, out, *common)
+        assert run.code == 2, (name, run.stderr)
+        assert run.stderr.startswith("splitstream-replay: error: cannot write --output-dir"), (name, run.stderr)
+        assert reason in run.stderr, (name, run.stderr)
+        assert run.stderr.count("\n") == 1, (name, run.stderr)
+
+
+def test_a_summary_that_cannot_be_written_after_the_replay_exits_2_with_one_line_and_keeps_the_results(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    (tmp_path / "summary.json").mkdir()  # in the way of the atomic rename
+    run = replay(traffic, tmp_path, "--target", traffic.stack.workers["v1"].address, *traffic.window_args("A"))
+    assert run.code == 2, run.stderr
+    assert run.stderr.startswith("splitstream-replay: error: cannot write the summary or report"), run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert run.ids() == set(traffic.ids["A"] + traffic.ids["A-v2"])  # every finished call is kept

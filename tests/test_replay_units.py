@@ -14,11 +14,14 @@ from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.replayer.compare import Answer, Tolerance, compare_answers
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
+from splitstream.replayer.main import build_parser
 from splitstream.replayer.report import render
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
 from splitstream.replayer.selection import RecentIds, ReorderBuffer, Selection, StatusFilter
+from splitstream.replayer.sender import metadata_problem
 from splitstream.replayer.stats import LogHistogram
-from splitstream.replayer.timewindow import BadTime, parse_duration_ns, parse_instant_ns
+from splitstream.replayer.summary import METRICS, Metrics, Summary
+from splitstream.replayer.timewindow import BadTime, parse_instant_ns
 
 NOW = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z
 TOL = Tolerance(rtol=1e-3, atol=1e-6)
@@ -59,18 +62,10 @@ def test_every_accepted_time_form_names_the_same_instant(text: str, expected: in
     assert parse_instant_ns(text, now_ns=NOW) == expected
 
 
-@pytest.mark.parametrize("text", ["2026-01-01T00:00:00", "yesterday", "-15x", "", "14:02"])
+@pytest.mark.parametrize("text", ["2026-01-01T00:00:00", "yesterday", "-15x", "", "14:02", "-10", "-nanm"])
 def test_naive_or_unreadable_times_are_refused_with_the_accepted_forms(text: str) -> None:
     with pytest.raises(BadTime, match="timezone|expected"):
         parse_instant_ns(text, now_ns=NOW)
-
-
-def test_durations_read_units_and_refuse_bare_numbers() -> None:
-    assert parse_duration_ns("1h") == 3600 * 10**9
-    assert parse_duration_ns("250ms") == 250_000_000
-    assert parse_duration_ns("0") == 0
-    with pytest.raises(BadTime):
-        parse_duration_ns("10")
 
 
 # -- selection pieces ----------------------------------------------------------------------
@@ -246,6 +241,13 @@ def test_histogram_quantiles_stay_within_two_percent_of_the_exact_ones() -> None
     assert histogram.quantile(1.0) == pytest.approx(values.max())
 
 
+def metrics(*, completed: int = 10, **values: float | None) -> Metrics:
+    """Gate metrics: ``values``, every other rate not measured."""
+    return Metrics.model_validate(
+        dict.fromkeys(METRICS) | {"completed": completed, "failed_sends": 0, "skipped": 0} | values
+    )
+
+
 def test_gate_bounds_parse_and_fail_on_a_broken_bound_or_an_unmeasured_metric() -> None:
     bounds = parse_gate("mismatch_rate<=0.01, p99_ratio<=1.2,error_rate<=0.001")
     assert bounds == (
@@ -253,18 +255,38 @@ def test_gate_bounds_parse_and_fail_on_a_broken_bound_or_an_unmeasured_metric() 
         Bound("p99_ratio", "<=", 1.2),
         Bound("error_rate", "<=", 0.001),
     )
-    passed = evaluate(bounds, {"mismatch_rate": 0.0, "p99_ratio": 1.1, "error_rate": 0.0})
+    passed = evaluate(bounds, metrics(mismatch_rate=0.0, p99_ratio=1.1, error_rate=0.0))
     assert passed.passed
-    failed = evaluate(bounds, {"mismatch_rate": 0.5, "p99_ratio": None, "error_rate": 0.0})
+    failed = evaluate(bounds, metrics(mismatch_rate=0.5, p99_ratio=None, error_rate=0.0))
     assert not failed.passed
-    assert failed.failures == (
+    assert failed.failures == [
         "mismatch_rate=0.5 (bound mismatch_rate<=0.01)",
         "p99_ratio=not measured (bound p99_ratio<=1.2)",
-    )
+    ]
+    assert [(b.bound, b.value, b.passed) for b in failed.bounds] == [
+        ("mismatch_rate<=0.01", 0.5, False),
+        ("p99_ratio<=1.2", None, False),
+        ("error_rate<=0.001", 0.0, True),
+    ]
     with pytest.raises(ValueError, match="unknown gate metric 'latency'"):
         parse_gate("latency<=3")
     with pytest.raises(ValueError, match="bad gate bound"):
         parse_gate("mismatch_rate=<0.1")
+
+
+def test_a_gate_fails_when_no_call_completed_whatever_it_bounds() -> None:
+    bounds = parse_gate("skipped<=0,failed_sends<=0")
+    nothing = evaluate(bounds, metrics(completed=0))
+    assert not nothing.passed
+    assert nothing.failures == ["no call completed, so nothing was measured"]
+    assert all(b.passed for b in nothing.bounds)  # each bound held; the verdict still has no evidence
+
+
+def test_the_gate_metrics_are_the_summary_metrics_fields_and_every_one_is_described() -> None:
+    assert list(METRICS) == list(Metrics.model_fields)
+    assert all(METRICS.values())
+    help_text = " ".join(build_parser().format_help().split())
+    assert all(name in help_text for name in METRICS)
 
 
 def test_planned_times_keep_the_recorded_gaps_divided_by_the_speed() -> None:
@@ -301,59 +323,86 @@ def test_the_report_is_one_offline_page_with_charts_and_tables() -> None:
         "candidate_versions": {"v2": 3},
         "latency": {"reference": latency, "candidate": latency, "p50_ratio": 1.0, "p95_ratio": 1.0, "p99_ratio": 1.0},
     }
-    summary: dict[str, Any] = {
-        "window": {"models": ["m<x>"], "since_unix_ns": NOW, "until_unix_ns": NOW + 10**9},
-        "target": "127.0.0.1:1",
-        "compare_to": None,
-        "reference": "recorded",
-        "pin_version": "v2",
-        "speed": 1.0,
-        "concurrency": 4,
-        "tolerance": {"rtol": 1e-5, "atol": 1e-6, "top_k": 5},
-        "counts": {"selected": 3, "sent": 3, "completed": 3, "not_sent": 0, "skipped": {"corrupt": 1}},
-        "outcomes": {"match": 2, "mismatch": 1, "status_change": 0},
-        "metrics": {"mismatch_rate": 0.33, "error_rate": 0.0, "p99_ratio": 1.0},
-        "selection": {"duplicates": 0, "out_of_order": 0},
-        "max_in_flight": 2,
-        "replay_rate_calls_per_s": 10.0,
-        "latency": group["latency"],
-        "send_lag": latency,
-        "outputs": {
-            "y": {
-                "calls": 3,
-                "mismatched_calls": 1,
-                "mismatch_rate": 0.33,
-                "element_mismatch_rate": 0.1,
-                "max_abs_error": 0.5,
-                "reasons": {"values": 1},
+    metrics = dict.fromkeys(METRICS) | {"mismatch_rate": 0.33, "error_rate": 0.0, "p99_ratio": 1.0}
+    summary = Summary.model_validate(
+        {
+            "interrupted": False,
+            "started_unix_ns": NOW,
+            "wall_s": 1.0,
+            "window": {"models": ["m<x>"], "since_unix_ns": NOW, "until_unix_ns": NOW + 10**9, "max_lateness_s": 1.0},
+            "target": "127.0.0.1:1",
+            "compare_to": None,
+            "reference": "recorded",
+            "pin_version": "v2",
+            "speed": 1.0,
+            "concurrency": 4,
+            "tolerance": {"rtol": 1e-5, "atol": 1e-6, "top_k": 5},
+            "counts": {
+                "selected": 3,
+                "sent": 3,
+                "completed": 3,
+                "not_sent": 0,
+                "send_errors": 0,
+                "skipped": {"corrupt": 1},
             },
-            "face": {
-                "calls": 0,
-                "mismatched_calls": 0,
-                "mismatch_rate": 0.0,
-                "element_mismatch_rate": 0.0,
-                "max_abs_error": 0.0,
-                "reasons": {},
-                "not_compared": {"redacted_at_recording": 3},
+            "outcomes": {"match": 2, "mismatch": 1, "status_change": 0},
+            "metrics": metrics | {"completed": 3, "failed_sends": 0, "skipped": 1},
+            "selection": {
+                "scanned": 4,
+                "in_window": 4,
+                "selected": 3,
+                "duplicates": 0,
+                "skipped": {"corrupt": 1},
+                "released_early": 0,
+                "out_of_order": 0,
+                "max_buffered": 1,
             },
-        },
-        "worst_calls": [
-            {
-                "request_id": "req-<7>",
-                "replay_request_id": "req-<7>:replay",
-                "outcome": "mismatch",
-                "status_change": None,
-                "recorded": {"version": "v1"},
-                "replayed": {"version": "v2"},
-                "outputs": {
-                    "y": {"match": False, "mismatches": 4, "elements": 4, "max_abs_error": 0.5, "reason": "values"}
+            "max_in_flight": 2,
+            "sender_nice": None,
+            "replay_rate_calls_per_s": 10.0,
+            "latency": group["latency"],
+            "send_lag": latency,
+            "outputs": {
+                "y": {
+                    "calls": 3,
+                    "mismatched_calls": 1,
+                    "mismatch_rate": 0.33,
+                    "element_mismatch_rate": 0.1,
+                    "max_abs_error": 0.5,
+                    "reasons": {"values": 1},
                 },
-            }
-        ],
-        "status_changes": {"ok_to_error": 0, "error_to_ok": 0, "error_to_other_error": 0, "transitions": {}},
-        "versions": {"v1": group},
-        "gate": {"passed": False, "bounds": [{"bound": "mismatch_rate<=0.01"}], "failures": ["mismatch_rate=0.33"]},
-    }
+                "face": {
+                    "calls": 0,
+                    "mismatched_calls": 0,
+                    "mismatch_rate": None,
+                    "element_mismatch_rate": None,
+                    "max_abs_error": None,
+                    "reasons": {},
+                    "not_compared": {"redacted_at_recording": 3},
+                },
+            },
+            "worst_calls": [
+                {
+                    "request_id": "req-<7>",
+                    "replay_request_id": "req-<7>:replay",
+                    "outcome": "mismatch",
+                    "status_change": None,
+                    "recorded": {"version": "v1"},
+                    "replayed": {"version": "v2"},
+                    "outputs": {
+                        "y": {"match": False, "mismatches": 4, "elements": 4, "max_abs_error": 0.5, "reason": "values"}
+                    },
+                }
+            ],
+            "status_changes": {"ok_to_error": 0, "error_to_ok": 0, "error_to_other_error": 0, "transitions": {}},
+            "versions": {"v1": group},
+            "gate": {
+                "passed": False,
+                "bounds": [{"bound": "mismatch_rate<=0.01", "value": 0.33, "passed": False}],
+                "failures": ["mismatch_rate=0.33"],
+            },
+        }
+    )
     html = render(
         summary,
         {
@@ -374,3 +423,72 @@ def test_the_report_is_one_offline_page_with_charts_and_tables() -> None:
     assert "Not compared (redacted at recording)" in html
     for external in ("http://", "https://", "<script", "<link", "src="):
         assert external not in html
+
+
+# -- what gRPC would refuse to send ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("metadata", "problem"),
+    [
+        ([("x-request-id", "a-1:replay"), ("x-tenant", "acme corp ~!")], ""),
+        ([("x-trace-bin", b"\xff\x00")], ""),
+        ([("x-request-id", "\u00fcn\u00efcode")], "not printable ASCII"),
+        ([("x-request-id", "a\x01b")], "not printable ASCII"),
+        ([("x-request-id", "tab\there")], "not printable ASCII"),
+        ([("X-Tenant", "acme")], "not a valid gRPC header name"),
+        ([("x tenant", "acme")], "not a valid gRPC header name"),
+        ([("", "acme")], "not a valid gRPC header name"),
+        ([("x-trace-bin", "text")], "must be bytes"),
+    ],
+)
+def test_metadata_grpc_would_refuse_is_named_before_sending(
+    metadata: list[tuple[str, str | bytes]], problem: str
+) -> None:
+    found = metadata_problem(metadata)
+    if problem:
+        assert problem in found
+    else:
+        assert found == ""
+
+
+def test_the_report_of_a_run_with_no_calls_says_not_measured_instead_of_zero_rates() -> None:
+    nothing = LogHistogram().quantiles_ms()
+    no_latency = {"reference": nothing.model_dump(), "candidate": nothing.model_dump()}
+    summary = Summary.model_validate(
+        {
+            "interrupted": False,
+            "started_unix_ns": NOW,
+            "wall_s": 0.1,
+            "window": {"models": ["m"], "since_unix_ns": NOW, "until_unix_ns": NOW + 10**9, "max_lateness_s": 0.0},
+            "target": "127.0.0.1:1",
+            "compare_to": None,
+            "reference": "recorded",
+            "pin_version": None,
+            "speed": "max",
+            "concurrency": 4,
+            "tolerance": {"rtol": 1e-5, "atol": 1e-6, "top_k": 5},
+            "selection": dict.fromkeys(
+                ("scanned", "in_window", "selected", "duplicates", "released_early", "out_of_order", "max_buffered"), 0
+            )
+            | {"skipped": {}},
+            "counts": {"selected": 0, "sent": 0, "completed": 0, "not_sent": 0, "send_errors": 0, "skipped": {}},
+            "outcomes": {"match": 0, "mismatch": 0, "status_change": 0},
+            "status_changes": {"ok_to_error": 0, "error_to_ok": 0, "error_to_other_error": 0, "transitions": {}},
+            "latency": no_latency | {"p50_ratio": None, "p95_ratio": None, "p99_ratio": None},
+            "outputs": {},
+            "versions": {},
+            "send_lag": None,
+            "max_in_flight": 0,
+            "sender_nice": None,
+            "replay_rate_calls_per_s": None,
+            "metrics": metrics(completed=0),
+            "worst_calls": [],
+        }
+    )
+    empty = LogHistogram()
+    html = render(summary, {"reference_latency": empty, "candidate_latency": empty, "send_lag": empty})
+    overview = html.split("id='overview'")[1].split("</table>")[0]
+    assert overview.count("not measured") == 3  # mismatch rate, error rate, p99 ratio
+    assert "0.00 %" not in overview
+    assert "No call completed" in html

@@ -25,10 +25,11 @@ import yaml
 
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
-from splitstream.common.tensors import add_raw_input, output_arrays
+from splitstream.common.tensors import output_arrays
 from tests.fake_gpu import fake_gpu_pythonpath, needs_fake_cuda
 from tests.harness import ROOT, ServiceProcess, free_port, make_request, metric_samples, scrape_metrics
 from tests.models import add_version, affine_model
+from tests.tensors import add_raw_input
 
 MODEL, VERSION = "affine", "v1"
 NO_TENSORRT_LINE = (

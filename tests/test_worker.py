@@ -29,7 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 import splitstream
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
-from splitstream.common.tensors import add_raw_input, add_typed_input, output_arrays
+from splitstream.common.tensors import output_arrays
 from tests.harness import (
     ROOT,
     ServiceProcess,
@@ -40,6 +40,7 @@ from tests.harness import (
     wait_for,
 )
 from tests.models import add_version, save_graph
+from tests.tensors import add_raw_input, add_typed_input
 
 MODEL = "affine"
 VERSION = "v1"

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import sys
 from collections.abc import Sequence
@@ -36,21 +35,20 @@ from splitstream.admin.store import (
     weights_text,
 )
 from splitstream.common.cli import EnvArgumentParser
+from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 
 PROG = "splitstream"
 ENV_PREFIX = "SPLITSTREAM_ADMIN_"
-_DURATION = re.compile(r"^\s*([\d.]+)\s*(ms|s|m|h)?\s*$")
-_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 def duration_s(text: str) -> float:
-    """``60s``, ``2m``, ``500ms``, or plain seconds."""
-    match = _DURATION.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 60s, 2m, 500ms)")
-    return float(match.group(1)) * _SECONDS[match.group(2) or "s"]
+    """``60s``, ``2m``, ``500ms``, or plain seconds: the replayer's grammar (:mod:`splitstream.common.durations`)."""
+    try:
+        return parse_duration_s(text)
+    except BadDuration as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def fraction(text: str) -> float:

@@ -3,12 +3,10 @@
 The recorder writes each call to the stream ``splitstream:calls:<model>`` (fields
 ``request_id``, ``time_ns``, ``model``, ``version``, ``status``, ``latency_ms`` and
 ``record``, the serialized CallRecord), and payloads over its threshold once to
-``splitstream:blob:<sha256>``. The replayer, reports and tests read through these
-helpers so the layout lives in one module. Clients must use ``decode_responses=False``:
-records and blobs are binary.
-
-Delivery is at least once, so a stream may hold the same call twice;
-:func:`unique_by_request_id` drops the repeats.
+``splitstream:blob:<sha256>``. The recorder, the replayer and tests read and write through
+these helpers so the layout lives in one module. Clients must use ``decode_responses=False``:
+records and blobs are binary. (Helpers only tests need, such as reading whole records back,
+live in ``tests/records.py``.)
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from typing import NoReturn, cast
 
 from redis.asyncio import Redis
 
-from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 
 STREAM_PREFIX = "splitstream:calls:"
@@ -186,18 +183,6 @@ async def read_entries(
         lower = "(" + page[-1][0].decode()
 
 
-async def read_records(
-    redis: Redis, model: str, *, start: str = "-", end: str = "+", page_size: int = 500
-) -> AsyncIterator[StoredRecord]:
-    """Yield the records of ``model``'s stream between stream ids ``start`` and ``end`` (inclusive), oldest first.
-
-    Paged like :func:`read_entries`. Raises :class:`UnsupportedSchema` on a record of a newer layout rather
-    than misreading it, and :class:`CorruptEntry` on an entry that is not a record.
-    """
-    async for entry in read_entries(redis, model, start=start, end=end, page_size=page_size):
-        yield decode_entry(entry)
-
-
 def entry_time_ns(entry: RawEntry) -> int:
     """The entry's ``time_ns`` field (router receive time), read without decoding the record.
     Raises :class:`CorruptEntry` when it is missing or not an integer."""
@@ -241,15 +226,6 @@ def decode_record(data: bytes) -> recorder_pb2.CallRecord:
     return record
 
 
-async def unique_by_request_id(records: AsyncIterator[StoredRecord]) -> AsyncIterator[StoredRecord]:
-    """Drop records whose request id was already seen (at-least-once delivery repeats some)."""
-    seen: set[str] = set()
-    async for stored in records:
-        if stored.record.request_id not in seen:
-            seen.add(stored.record.request_id)
-            yield stored
-
-
 async def payload_bytes(redis: Redis, payload: recorder_pb2.Payload) -> bytes:
     """The payload's bytes, inline or fetched from its blob. Raises :class:`MissingBlob` if the blob is gone."""
     if payload.WhichOneof("body") != "blob_sha256":
@@ -261,15 +237,3 @@ async def payload_bytes(redis: Redis, payload: recorder_pb2.Payload) -> bytes:
             "it expired or was evicted (blob TTL shorter than the stream's retention?)"
         )
     return data
-
-
-async def request_of(redis: Redis, record: recorder_pb2.CallRecord) -> oip.ModelInferRequest:
-    """The recorded (redacted) request as the Open Inference Protocol message."""
-    return oip.ModelInferRequest.FromString(await payload_bytes(redis, record.request))
-
-
-async def response_of(redis: Redis, record: recorder_pb2.CallRecord) -> oip.ModelInferResponse | None:
-    """The recorded response, or None when the call failed (a failed call has no response)."""
-    if record.status_code != 0:
-        return None
-    return oip.ModelInferResponse.FromString(await payload_bytes(redis, record.response))

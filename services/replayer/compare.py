@@ -21,6 +21,7 @@ Rules, chosen so a gate means the same thing for every model:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,8 @@ class Tolerance:
     top_k: int = 5
 
     def __post_init__(self) -> None:
-        if self.rtol < 0 or self.atol < 0:
-            raise ValueError("--rtol and --atol must not be negative")
+        if not (0 <= self.rtol < math.inf and 0 <= self.atol < math.inf):  # NaN fails this too
+            raise ValueError("--rtol and --atol must be finite and not negative")
         if self.top_k < 1:
             raise ValueError("--top-k must be at least 1")
 

@@ -3,7 +3,9 @@
 ``--gate 'mismatch_rate<=0.01,p99_ratio<=1.2,error_rate<=0.001'`` fails (exit 1) when any
 bound does not hold, and lists which. A bound on a metric the run could not measure
 (``p99_ratio`` when nothing completed) fails too: a gate that passes on no evidence would let
-an empty or broken replay through CI.
+an empty or broken replay through CI. For the same reason a gate fails when no call completed
+at all (an empty window, every send refused), whatever it bounds: the run is exit 1, with that
+reason first on stderr, rather than a pass on nothing.
 """
 
 from __future__ import annotations
@@ -13,26 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-#: Every metric a gate can bound, with what it means (``--help`` and errors list them).
-METRICS: Mapping[str, str] = {
-    "mismatch_rate": "calls whose outputs differ / calls both sides answered OK",
-    "status_change_rate": "calls whose status changed (OK <-> error, or another error) / completed calls",
-    "divergence_rate": "calls that differ in outputs or status / completed calls",
-    "error_rate": "candidate errors / completed calls",
-    "reference_error_rate": "reference errors / completed calls",
-    "p50_ratio": "candidate p50 latency / reference p50 latency",
-    "p95_ratio": "candidate p95 latency / reference p95 latency",
-    "p99_ratio": "candidate p99 latency / reference p99 latency",
-    "p99_ms": "candidate p99 latency in ms",
-    "max_abs_error": "largest absolute error of any float or integer output element",
-    "argmax_agreement": "lowest share of rows whose argmax agrees, over the class-score outputs",
-    "topk_agreement": "lowest share of rows whose top-k sets agree, over the class-score outputs",
-    "send_lag_p99_ms": "p99 of actual minus planned send time, ms (timed replays)",
-    "send_lag_max_ms": "largest send lag, ms (timed replays)",
-    "completed": "calls that got an answer from every target",
-    "failed_sends": "calls selected but not completed (missing blobs, interrupted)",
-    "skipped": "stream entries skipped as corrupt or of an unknown schema",
-}
+from splitstream.replayer.summary import METRICS, BoundResult, GateSummary, Metrics
 
 _OPERATORS: Mapping[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
@@ -75,21 +58,17 @@ def parse_gate(text: str) -> tuple[Bound, ...]:
     return tuple(bounds)
 
 
-@dataclass(frozen=True, slots=True)
-class GateResult:
-    passed: bool
-    failures: tuple[str, ...]
-    checked: tuple[dict[str, object], ...]
-
-
-def evaluate(bounds: tuple[Bound, ...], metrics: Mapping[str, float | None]) -> GateResult:
+def evaluate(bounds: tuple[Bound, ...], metrics: Metrics) -> GateSummary:
+    """Check every bound; a metric that was not measured fails its bound, and no completed call fails the gate."""
     failures: list[str] = []
-    checked: list[dict[str, object]] = []
+    checked: list[BoundResult] = []
+    if metrics.completed == 0:
+        failures.append("no call completed, so nothing was measured")
     for bound in bounds:
-        value = metrics.get(bound.metric)
+        value = metrics.value(bound.metric)
         ok = bound.check(value)
-        checked.append({"bound": str(bound), "value": value, "passed": ok})
+        checked.append(BoundResult(bound=str(bound), value=value, passed=ok))
         if not ok:
             shown = "not measured" if value is None else f"{value:g}"
             failures.append(f"{bound.metric}={shown} (bound {bound})")
-    return GateResult(not failures, tuple(failures), tuple(checked))
+    return GateSummary(passed=not failures, bounds=checked, failures=failures)

@@ -1,14 +1,17 @@
 """``splitstream-replay``: re-send a recorded window to a router or a worker, diff the answers, gate CI.
 
 Exit codes: 0 done (and the gate, if any, passed); 1 the gate failed (the failed bounds are
-listed on stderr); 2 a usage or setup error, one line on stderr (bad time, ``--until`` not
-after ``--since``, unknown model, Redis or a target unreachable); 130 interrupted by Ctrl-C
-(SIGINT) or SIGTERM, after writing the partial results, summary and report.
+listed on stderr; with no completed call a gate always fails: there is nothing to pass on);
+2 a usage or setup error, one line on stderr (bad time, ``--until`` not after ``--since``,
+unknown model, Redis or a target unreachable, an output directory or summary that cannot be
+written); 130 interrupted by Ctrl-C (SIGINT) or SIGTERM, after writing the partial results,
+summary and report. 1 means only "the gate failed", so CI can tell a verdict from a broken run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -16,21 +19,24 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.common.cli import EnvArgumentParser, fail
+from splitstream.common.durations import parse_duration_ns
+from splitstream.common.headers import header_value
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
+from splitstream.common.secrets import redact_text, redact_url
 from splitstream.replayer.compare import Tolerance
-from splitstream.replayer.gate import METRICS, Bound, GateResult, evaluate, parse_gate
-from splitstream.replayer.outputs import write_summary
+from splitstream.replayer.gate import Bound, evaluate, parse_gate
+from splitstream.replayer.outputs import ResultsWriter, write_summary
 from splitstream.replayer.report import write_report
 from splitstream.replayer.runner import Replay, ReplaySettings
 from splitstream.replayer.selection import Selection, StatusFilter
 from splitstream.replayer.sender import Target, TargetUnreachable, TlsOptions
-from splitstream.replayer.timewindow import BadTime, parse_duration_ns, parse_instant_ns
+from splitstream.replayer.summary import METRICS, Summary
+from splitstream.replayer.timewindow import BadTime, parse_instant_ns
 
 PROG = "splitstream-replay"
 EXIT_GATE_FAILED = 1
@@ -208,7 +214,7 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             max_lateness_ns=parse_duration_ns(args.max_lateness),
             clock_skew_ns=parse_duration_ns(args.clock_skew),
             reorder_capacity=args.reorder_buffer,
-            reorder_max_bytes=int(args.reorder_buffer_mb * 1024 * 1024),
+            reorder_max_bytes=_mebibytes("--reorder-buffer-mb", args.reorder_buffer_mb),
             page_size=args.page_size,
         )
         speed = _speed(args.speed)
@@ -224,11 +230,14 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
                 raise ValueError(f"TLS file {path!r} does not exist")
         if bool(args.tls_cert) != bool(args.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
+        if args.pin_version != header_value(args.pin_version):
+            # A version name is the registry's, never a client's: one gRPC would refuse is a typo, not a pin.
+            raise ValueError(f"--pin-version {args.pin_version!r} is not a version name (printable ASCII, no %)")
         targets = (args.target,) + ((args.compare_to,) if args.compare_to else ())
         for address in targets:
             host, _, port = address.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"bad target {address!r} (expected host:port)")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"bad target {address!r} (expected host:port, port 1..65535)")
         settings = ReplaySettings(
             targets=targets,
             speed=speed,
@@ -243,8 +252,8 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             sender_nice=args.sender_nice,
         )
         gate = parse_gate(args.gate) if args.gate else None
-        if args.connect_timeout_s <= 0:
-            raise ValueError("--connect-timeout-s must be positive")
+        if not 0 < args.connect_timeout_s < math.inf:
+            raise ValueError("--connect-timeout-s must be a positive number of seconds")
     except (BadTime, ValueError) as error:
         parser.error(str(error))
     return ReplayConfig(
@@ -274,6 +283,12 @@ def _join_relative_times(argv: list[str]) -> list[str]:
     return joined
 
 
+def _mebibytes(flag: str, mib: float) -> int:
+    if not 0 < mib < math.inf:
+        raise ValueError(f"{flag} must be a positive number of MiB")
+    return int(mib * 1024 * 1024)
+
+
 def _speed(text: str) -> float | None:
     if text.strip().lower() == "max":
         return None
@@ -301,20 +316,27 @@ async def run(config: ReplayConfig) -> int:
     redis = await _open_redis(config)
     targets: list[Target] = []
     try:
-        await _check_models(redis, config.selection.models)
+        try:
+            await _check_models(redis, config.selection.models)
+        except RedisError as error:  # answered PING, refuses the rest (ACLs, a replica loading, ...)
+            raise SetupError(f"Redis at {redact_url(config.redis_url)} failed: {redact_text(str(error))}") from None
         for address in config.settings.targets:
-            target = Target(address, tls=config.tls)
+            try:
+                target = Target(address, tls=config.tls)
+            except OSError as error:  # a TLS file that cannot be read (permissions, gone since parsing)
+                raise SetupError(f"cannot read a TLS file: {_os_reason(error)}") from None
             targets.append(target)
             try:
                 await asyncio.to_thread(target.wait_ready, config.connect_timeout_s)
             except TargetUnreachable as error:
                 raise SetupError(str(error)) from None
+        results = _open_results(config.settings.output_dir)
         replay = Replay(redis, config.selection, config.settings, targets)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, replay.stop)
         try:
-            await replay.run()
+            await replay.run(results)
         except RedisError as error:
             # Redis went away mid-read: still write what finished, but say why the replay is short.
             print(f"{PROG}: error: Redis failed while reading: {error}", file=sys.stderr)
@@ -332,35 +354,57 @@ async def run(config: ReplayConfig) -> int:
 def finish(replay: Replay, config: ReplayConfig) -> int:
     """Write summary.json and report.html, print the outcome, and choose the exit code."""
     summary = replay.summary()
-    result: GateResult | None = None
     if config.gate is not None:
-        result = evaluate(config.gate, summary["metrics"])
-        summary["gate"] = {"passed": result.passed, "bounds": list(result.checked), "failures": list(result.failures)}
+        summary = summary.model_copy(update={"gate": evaluate(config.gate, summary.metrics)})
     output_dir = config.settings.output_dir
-    write_summary(output_dir / "summary.json", summary)
-    write_report(output_dir / "report.html", summary, replay.histograms())
+    try:
+        write_summary(output_dir / "summary.json", summary)
+        write_report(output_dir / "report.html", summary, replay.histograms())
+    except OSError as error:
+        # results.jsonl is complete by now; a disk that filled up (or a directory removed) mid-run is
+        # the environment's fault, not a gate verdict: exit 2 with one line, never a traceback.
+        raise SetupError(f"cannot write the summary or report in {output_dir}: {_os_reason(error)}") from None
     print(_one_line(summary, output_dir))
     if replay.interrupted:
         print(f"{PROG}: interrupted; partial results written to {output_dir}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    if result is not None and not result.passed:
-        print(f"{PROG}: gate failed: " + "; ".join(result.failures), file=sys.stderr)
+    if summary.gate is not None and not summary.gate.passed:
+        print(f"{PROG}: gate failed: " + "; ".join(summary.gate.failures), file=sys.stderr)
         return EXIT_GATE_FAILED
-    if result is not None:
+    if summary.gate is not None:
         print(f"{PROG}: gate passed: " + ", ".join(str(b) for b in config.gate or ()))
     return 0
 
 
-def _one_line(summary: dict[str, Any], output_dir: Path) -> str:
-    counts = summary["counts"]
-    outcomes = summary["outcomes"]
-    lag = summary.get("send_lag") or {}
-    lag_text = f", send lag p50 {lag['p50_ms']} ms p99 {lag['p99_ms']} ms" if lag else ""
+def _one_line(summary: Summary, output_dir: Path) -> str:
+    counts = summary.counts
+    outcomes = summary.outcomes
+    lag = summary.send_lag
+    lag_text = f", send lag p50 {lag.p50_ms} ms p99 {lag.p99_ms} ms" if lag else ""
+    rate = summary.metrics.mismatch_rate
+    rate_text = "not measured" if rate is None else f"{rate:.2%}"
+    errors_text = f", {counts.send_errors} not sent (send errors)" if counts.send_errors else ""
     return (
-        f"replayed {counts['completed']} of {counts['selected']} selected calls: {outcomes['match']} match, "
-        f"{outcomes['mismatch']} mismatch, {outcomes['status_change']} status change "
-        f"(mismatch rate {summary['metrics']['mismatch_rate']:.2%}){lag_text}; outputs in {output_dir}/"
+        f"replayed {counts.completed} of {counts.selected} selected calls: {outcomes.match} match, "
+        f"{outcomes.mismatch} mismatch, {outcomes.status_change} status change{errors_text} "
+        f"(mismatch rate {rate_text}){lag_text}; outputs in {output_dir}/"
     )
+
+
+def _open_results(output_dir: Path) -> ResultsWriter:
+    """Create ``--output-dir`` and open its results.jsonl; SetupError (exit 2, one line) when either fails:
+    a path under a file, a file in the way, no permission, a read-only disk."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        return ResultsWriter(output_dir / "results.jsonl")
+    except OSError as error:
+        raise SetupError(f"cannot write --output-dir {str(output_dir)!r}: {_os_reason(error)}") from None
+
+
+def _os_reason(error: OSError) -> str:
+    """``[Errno 20] Not a directory: 'x'`` → ``x: Not a directory`` (the path, then why)."""
+    where = error.filename if error.filename is not None else ""
+    return f"{where}: {error.strerror}" if where and error.strerror else str(error)
 
 
 async def _open_redis(config: ReplayConfig) -> Redis:
@@ -371,12 +415,12 @@ async def _open_redis(config: ReplayConfig) -> Redis:
             socket_timeout=max(config.connect_timeout_s, 10.0),
         )
     except ValueError as error:
-        raise SetupError(f"bad --redis-url {config.redis_url!r}: {error}") from None
+        raise SetupError(f"bad --redis-url {redact_url(config.redis_url)!r}: {redact_text(str(error))}") from None
     try:
         await redis.ping()
     except (RedisError, OSError) as error:
         await redis.aclose()
-        raise SetupError(f"Redis at {_without_password(config.redis_url)} is unreachable: {error}") from None
+        raise SetupError(f"Redis at {redact_url(config.redis_url)} is unreachable: {redact_text(str(error))}") from None
     return redis
 
 
@@ -389,10 +433,3 @@ async def _check_models(redis: Redis, models: Sequence[str]) -> None:
                 f"unknown model {model!r}: no stream {stream_key(model)} in Redis "
                 f"(recorded models: {', '.join(known) or 'none'})"
             )
-
-
-def _without_password(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest

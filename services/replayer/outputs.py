@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from splitstream.replayer.summary import Summary
+
 
 def clean(value: Any) -> Any:
     """``value`` with NaN/Inf floats replaced by None, recursively (strict JSON)."""
@@ -53,8 +55,8 @@ class ResultsWriter:
             self._file.close()
 
 
-def write_summary(path: Path, summary: dict[str, Any]) -> None:
+def write_summary(path: Path, summary: Summary) -> None:
     """Write atomically (temp file + rename), so a reader never sees half a summary."""
     staging = path.with_suffix(".json.tmp")
-    staging.write_text(json.dumps(clean(summary), indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    staging.write_text(summary.to_json(), encoding="utf-8")
     staging.replace(path)

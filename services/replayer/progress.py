@@ -41,12 +41,15 @@ class Progress:
         self._calls = 0
         self._mismatches = 0
         self._status_changes = 0
+        self._send_errors = 0
         self._last_postfix = 0.0
 
-    def advance(self, receive_ns: int, diff: CallDiff) -> None:
+    def advance(self, receive_ns: int, diff: CallDiff | None) -> None:
+        """One call done; ``diff`` None: the replayer could not send it."""
         self._calls += 1
-        self._mismatches += diff.outcome == "mismatch"
-        self._status_changes += diff.outcome == "status_change"
+        self._send_errors += diff is None
+        self._mismatches += diff is not None and diff.outcome == "mismatch"
+        self._status_changes += diff is not None and diff.outcome == "status_change"
         if self._bar.disable:
             return
         if self._by_calls:
@@ -64,7 +67,8 @@ class Progress:
         rate = self._calls / max(now - self._started, 1e-9)
         self._bar.set_postfix_str(
             f"{self._calls} calls, {rate:.0f} calls/s, {self._mismatches} mismatched, "
-            f"{self._status_changes} status changes",
+            f"{self._status_changes} status changes"
+            + (f", {self._send_errors} not sent (send errors)" if self._send_errors else ""),
             refresh=refresh,
         )
 

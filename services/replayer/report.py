@@ -13,15 +13,18 @@ import math
 from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
-from typing import Any
 
 from splitstream.replayer.compare import REDACTED_AT_RECORDING
 from splitstream.replayer.stats import LogHistogram
+from splitstream.replayer.summary import Quantiles, Summary
 from splitstream.replayer.timewindow import format_instant
 
 #: Why an output was not compared, as the report words it.
 _NOT_COMPARED = {REDACTED_AT_RECORDING: "redacted at recording"}
 
+#: What the overview says of a metric with nothing to measure it on (tables show "-"): a 0 % would read
+#: as "compared, all fine".
+NOT_MEASURED = "not measured"
 REFERENCE_COLOR = "#4e79a7"
 CANDIDATE_COLOR = "#e15759"
 PALETTE = ("#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
@@ -41,16 +44,16 @@ svg text{font:11px system-ui,sans-serif;fill:#333}
 """
 
 
-def write_report(path: Path, summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram]) -> None:
+def write_report(path: Path, summary: Summary, histograms: Mapping[str, LogHistogram]) -> None:
     path.write_text(render(summary, histograms), encoding="utf-8")
 
 
-def render(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram]) -> str:
-    reference_label = "compare-to" if summary.get("reference") == "compare_to" else "recorded"
+def render(summary: Summary, histograms: Mapping[str, LogHistogram]) -> str:
+    reference_label = "compare-to" if summary.reference == "compare_to" else "recorded"
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width,initial-scale=1'>",
-        f"<title>splitstream replay: {escape(', '.join(summary['window']['models']))}</title>",
+        f"<title>splitstream replay: {escape(', '.join(summary.window.models))}</title>",
         f"<style>{_CSS}</style></head><body>",
         _header(summary),
         _overview(summary),
@@ -74,60 +77,61 @@ def render(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram]) -
 # -- sections ------------------------------------------------------------------------------
 
 
-def _header(summary: Mapping[str, Any]) -> str:
-    window = summary["window"]
-    gate = summary.get("gate")
+def _header(summary: Summary) -> str:
+    window = summary.window
+    gate = summary.gate
     verdict = ""
     if gate is not None:
-        if gate["passed"]:
-            verdict = "<p>Gate: <span class='pass'>passed</span> — " + escape(
-                ", ".join(b["bound"] for b in gate["bounds"])
-            )
+        if gate.passed:
+            verdict = "<p>Gate: <span class='pass'>passed</span> — " + escape(", ".join(b.bound for b in gate.bounds))
         else:
-            verdict = "<p>Gate: <span class='fail'>failed</span> — " + escape("; ".join(gate["failures"]))
+            verdict = "<p>Gate: <span class='fail'>failed</span> — " + escape("; ".join(gate.failures))
         verdict += "</p>"
-    interrupted = "<p class='fail'>Interrupted: partial results.</p>" if summary.get("interrupted") else ""
-    target = escape(str(summary["target"]))
-    compare = f" and <code>{escape(str(summary['compare_to']))}</code>" if summary.get("compare_to") else ""
-    pin = f", pinned to <code>{escape(str(summary['pin_version']))}</code>" if summary.get("pin_version") else ""
+    interrupted = "<p class='fail'>Interrupted: partial results.</p>" if summary.interrupted else ""
+    nothing = (
+        "<p class='fail'>No call completed: every rate below is not measured.</p>"
+        if summary.counts.completed == 0
+        else ""
+    )
+    target = escape(summary.target)
+    compare = f" and <code>{escape(summary.compare_to)}</code>" if summary.compare_to else ""
+    pin = f", pinned to <code>{escape(summary.pin_version)}</code>" if summary.pin_version else ""
     return (
-        f"<h1>Replay of {escape(', '.join(window['models']))}</h1>"
-        f"<p class='muted'>Window {escape(format_instant(window['since_unix_ns']))} → "
-        f"{escape(format_instant(window['until_unix_ns']))} (by router receive time); "
-        f"target <code>{target}</code>{compare}{pin}; speed {escape(str(summary['speed']))}, "
-        f"concurrency {summary['concurrency']}; rtol {summary['tolerance']['rtol']:g}, "
-        f"atol {summary['tolerance']['atol']:g}.</p>{interrupted}{verdict}"
+        f"<h1>Replay of {escape(', '.join(window.models))}</h1>"
+        f"<p class='muted'>Window {escape(format_instant(window.since_unix_ns))} → "
+        f"{escape(format_instant(window.until_unix_ns))} (by router receive time); "
+        f"target <code>{target}</code>{compare}{pin}; speed {escape(str(summary.speed))}, "
+        f"concurrency {summary.concurrency}; rtol {summary.tolerance.rtol:g}, "
+        f"atol {summary.tolerance.atol:g}.</p>{interrupted}{nothing}{verdict}"
     )
 
 
-def _overview(summary: Mapping[str, Any]) -> str:
-    counts = summary["counts"]
-    outcomes = summary["outcomes"]
-    metrics = summary["metrics"]
-    selection = summary["selection"]
-    skipped = ", ".join(f"{k}: {v}" for k, v in counts["skipped"].items()) or "0"
-    rows = [
-        ("calls selected", counts["selected"]),
-        ("sent / completed / not sent", f"{counts['sent']} / {counts['completed']} / {counts['not_sent']}"),
-        (
-            "match / mismatch / status change",
-            f"{outcomes['match']} / {outcomes['mismatch']} / {outcomes['status_change']}",
-        ),
-        ("mismatch rate (of calls both answered OK)", _fmt_rate(metrics["mismatch_rate"])),
-        ("error rate (replayed)", _fmt_rate(metrics["error_rate"])),
-        ("p99 ratio (replayed / reference)", _fmt(metrics["p99_ratio"])),
+def _overview(summary: Summary) -> str:
+    counts = summary.counts
+    outcomes = summary.outcomes
+    metrics = summary.metrics
+    skipped = ", ".join(f"{k}: {v}" for k, v in counts.skipped.items()) or "0"
+    rows: list[tuple[str, object]] = [
+        ("calls selected", counts.selected),
+        ("sent / completed / not sent", f"{counts.sent} / {counts.completed} / {counts.not_sent}"),
+        ("send errors (never reached the target)", counts.send_errors),
+        ("match / mismatch / status change", f"{outcomes.match} / {outcomes.mismatch} / {outcomes.status_change}"),
+        ("mismatch rate (of calls both answered OK)", _fmt_rate(metrics.mismatch_rate, none=NOT_MEASURED)),
+        ("error rate (replayed)", _fmt_rate(metrics.error_rate, none=NOT_MEASURED)),
+        ("p99 ratio (replayed / reference)", _fmt(metrics.p99_ratio, none=NOT_MEASURED)),
         ("entries skipped", skipped),
-        ("duplicates dropped", selection["duplicates"]),
-        ("released out of order", selection["out_of_order"]),
-        ("max calls in flight", summary["max_in_flight"]),
-        ("replay rate", f"{_fmt(summary['replay_rate_calls_per_s'])} calls/s"),
+        ("duplicates dropped", summary.selection.duplicates),
+        ("released out of order", summary.selection.out_of_order),
+        ("max calls in flight", summary.max_in_flight),
+        ("replay rate", f"{_fmt(summary.replay_rate_calls_per_s)} calls/s"),
     ]
     body = "".join(f"<tr><th class='l'>{escape(k)}</th><td>{escape(str(v))}</td></tr>" for k, v in rows)
     return f"<h2 id='overview'>Overview</h2><table>{body}</table>"
 
 
-def _latency_section(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram], reference_label: str) -> str:
-    latency = summary["latency"]
+def _latency_section(summary: Summary, histograms: Mapping[str, LogHistogram], reference_label: str) -> str:
+    latency = summary.latency
+    quantiles = ("p50", "p95", "p99")
     cdf = cdf_chart(
         [
             (reference_label, REFERENCE_COLOR, histograms["reference_latency"]),
@@ -138,15 +142,15 @@ def _latency_section(summary: Mapping[str, Any], histograms: Mapping[str, LogHis
     bars = grouped_bars(
         ["p50", "p95", "p99"],
         [
-            (reference_label, REFERENCE_COLOR, [latency["reference"].get(f"{q}_ms") for q in ("p50", "p95", "p99")]),
-            ("replayed", CANDIDATE_COLOR, [latency["candidate"].get(f"{q}_ms") for q in ("p50", "p95", "p99")]),
+            (reference_label, REFERENCE_COLOR, [_ms(latency.reference, q) for q in quantiles]),
+            ("replayed", CANDIDATE_COLOR, [_ms(latency.candidate, q) for q in quantiles]),
         ],
         title="latency percentiles (ms)",
     )
     rows = "".join(
-        f"<tr><th class='l'>{q}</th><td>{_fmt(latency['reference'].get(f'{q}_ms'))}</td>"
-        f"<td>{_fmt(latency['candidate'].get(f'{q}_ms'))}</td><td>{_fmt(latency.get(f'{q}_ratio'))}</td></tr>"
-        for q in ("p50", "p95", "p99")
+        f"<tr><th class='l'>{q}</th><td>{_fmt(_ms(latency.reference, q))}</td>"
+        f"<td>{_fmt(_ms(latency.candidate, q))}</td><td>{_fmt(getattr(latency, f'{q}_ratio'))}</td></tr>"
+        for q in quantiles
     )
     note = (
         "<p class='muted'>Recorded latency is the router's receive-to-answer time; replayed latency is measured "
@@ -161,47 +165,43 @@ def _latency_section(summary: Mapping[str, Any], histograms: Mapping[str, LogHis
     return f"<div class='charts'>{cdf}{bars}</div>{table}{note}"
 
 
-def _send_lag_section(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram]) -> str:
-    lag = summary.get("send_lag")
-    if not lag:
+def _send_lag_section(summary: Summary, histograms: Mapping[str, LogHistogram]) -> str:
+    lag = summary.send_lag
+    if lag is None:
         return (
             "<p class='muted'>Not timed (<code>--speed max</code>): calls left as fast as the concurrency allowed.</p>"
         )
     chart = cdf_chart([("send lag", CANDIDATE_COLOR, histograms["send_lag"])], title="send lag CDF")
     table = (
         "<table><tr><th>calls</th><th>p50 ms</th><th>p95 ms</th><th>p99 ms</th><th>max ms</th></tr>"
-        f"<tr><td>{lag['count']}</td><td>{_fmt(lag['p50_ms'])}</td><td>{_fmt(lag['p95_ms'])}</td>"
-        f"<td>{_fmt(lag['p99_ms'])}</td><td>{_fmt(lag['max_ms'])}</td></tr></table>"
+        f"<tr><td>{lag.count}</td><td>{_fmt(lag.p50_ms)}</td><td>{_fmt(lag.p95_ms)}</td>"
+        f"<td>{_fmt(lag.p99_ms)}</td><td>{_fmt(lag.max_ms)}</td></tr></table>"
     )
     return f"<div class='charts'>{chart}</div>{table}"
 
 
-def _outputs_section(summary: Mapping[str, Any]) -> str:
-    outputs = summary["outputs"]
+def _outputs_section(summary: Summary) -> str:
+    outputs = summary.outputs
     if not outputs:
         return "<p class='muted'>No call was answered OK on both sides, so no output was compared.</p>"
     # Outputs redacted at recording are listed with the calls they were left out of; an output
     # never compared has no rates to show (a 0 % would read as "compared, all fine").
-    skipped = any(o.get("not_compared") for o in outputs.values())
+    skipped = any(o.not_compared for o in outputs.values())
     rows = []
     for name, o in outputs.items():
-        compared = o["calls"] > 0
-        reasons = ", ".join(f"{k}: {v}" for k, v in o["reasons"].items())
-        not_compared = ", ".join(
-            f"{count} ({_NOT_COMPARED.get(why, why)})" for why, count in o.get("not_compared", {}).items()
-        )
+        reasons = ", ".join(f"{k}: {v}" for k, v in o.reasons.items())
+        not_compared = ", ".join(f"{count} ({_NOT_COMPARED.get(why, why)})" for why, count in o.not_compared.items())
         rows.append(
-            f"<tr><td class='l'><code>{escape(name)}</code></td><td>{o['calls']}</td><td>{o['mismatched_calls']}</td>"
-            f"<td>{_fmt_rate(o['mismatch_rate'] if compared else None)}</td>"
-            f"<td>{_fmt_rate(o['element_mismatch_rate'] if compared else None)}</td>"
-            f"<td>{_fmt(o['max_abs_error'] if compared else None)}</td><td>{_fmt(o.get('argmax_agreement'))}</td>"
-            f"<td>{_fmt(o.get('topk_agreement'))}</td><td class='l'>{escape(reasons)}</td>"
+            f"<tr><td class='l'><code>{escape(name)}</code></td><td>{o.calls}</td><td>{o.mismatched_calls}</td>"
+            f"<td>{_fmt_rate(o.mismatch_rate)}</td><td>{_fmt_rate(o.element_mismatch_rate)}</td>"
+            f"<td>{_fmt(o.max_abs_error)}</td><td>{_fmt(o.argmax_agreement)}</td>"
+            f"<td>{_fmt(o.topk_agreement)}</td><td class='l'>{escape(reasons)}</td>"
             + (f"<td class='l'>{escape(not_compared)}</td>" if skipped else "")
             + "</tr>"
         )
     chart = grouped_bars(
         list(outputs),
-        [("mismatch rate", CANDIDATE_COLOR, [o["mismatch_rate"] if o["calls"] else None for o in outputs.values()])],
+        [("mismatch rate", CANDIDATE_COLOR, [o.mismatch_rate for o in outputs.values()])],
         title="share of calls mismatched, per output",
     )
     table = (
@@ -220,8 +220,8 @@ def _outputs_section(summary: Mapping[str, Any]) -> str:
     return f"<div class='charts'>{chart}</div>{table}{note}"
 
 
-def _worst_section(summary: Mapping[str, Any]) -> str:
-    worst = summary.get("worst_calls") or []
+def _worst_section(summary: Summary) -> str:
+    worst = summary.worst_calls
     if not worst:
         return "<p class='pass'>Every compared call matched.</p>"
     rows = []
@@ -250,12 +250,12 @@ def _worst_section(summary: Mapping[str, Any]) -> str:
     )
 
 
-def _status_section(summary: Mapping[str, Any]) -> str:
-    changes = summary["status_changes"]
-    transitions = changes["transitions"]
+def _status_section(summary: Summary) -> str:
+    changes = summary.status_changes
+    transitions = changes.transitions
     head = (
-        f"<p>OK → error: <b>{changes['ok_to_error']}</b>, error → OK: <b>{changes['error_to_ok']}</b>, "
-        f"error → another error: <b>{changes['error_to_other_error']}</b>.</p>"
+        f"<p>OK → error: <b>{changes.ok_to_error}</b>, error → OK: <b>{changes.error_to_ok}</b>, "
+        f"error → another error: <b>{changes.error_to_other_error}</b>.</p>"
     )
     if not transitions:
         return head
@@ -263,20 +263,20 @@ def _status_section(summary: Mapping[str, Any]) -> str:
     return head + f"<table><tr><th class='l'>transition</th><th>calls</th></tr>{rows}</table>"
 
 
-def _versions_section(summary: Mapping[str, Any], histograms: Mapping[str, LogHistogram], reference_label: str) -> str:
-    versions = summary["versions"]
+def _versions_section(summary: Summary, histograms: Mapping[str, LogHistogram], reference_label: str) -> str:
+    versions = summary.versions
     if not versions:
         return "<p class='muted'>No completed calls.</p>"
     rows = []
     for version, group in versions.items():
-        served = ", ".join(f"{k}: {v}" for k, v in group["candidate_versions"].items())
-        lat = group["latency"]
+        served = ", ".join(f"{k}: {v}" for k, v in group.candidate_versions.items())
+        lat = group.latency
         rows.append(
             f"<tr><td class='l'><code>{escape(version)}</code></td><td class='l'>{escape(served)}</td>"
-            f"<td>{group['completed']}</td><td>{group['matches']}</td><td>{group['mismatches']}</td>"
-            f"<td>{group['status_changes']}</td><td>{_fmt_rate(group['mismatch_rate'])}</td>"
-            f"<td>{_fmt_rate(group['candidate_error_rate'])}</td><td>{_fmt(lat['reference']['p99_ms'])}</td>"
-            f"<td>{_fmt(lat['candidate']['p99_ms'])}</td><td>{_fmt(lat['p99_ratio'])}</td></tr>"
+            f"<td>{group.completed}</td><td>{group.matches}</td><td>{group.mismatches}</td>"
+            f"<td>{group.status_changes}</td><td>{_fmt_rate(group.mismatch_rate)}</td>"
+            f"<td>{_fmt_rate(group.candidate_error_rate)}</td><td>{_fmt(lat.reference.p99_ms)}</td>"
+            f"<td>{_fmt(lat.candidate.p99_ms)}</td><td>{_fmt(lat.p99_ratio)}</td></tr>"
         )
     series = [
         (f"replayed ({version})", PALETTE[i % len(PALETTE)], histograms[f"candidate_latency:{version}"])
@@ -402,9 +402,15 @@ def _ms_label(ms: float) -> str:
     return f"{ms:g}".replace("e-0", "e-")
 
 
-def _fmt(value: float | int | None) -> str:
+def _ms(quantiles: Quantiles, q: str) -> float | None:
+    """``p50`` → the ``p50_ms`` field."""
+    value: float | None = getattr(quantiles, f"{q}_ms")
+    return value
+
+
+def _fmt(value: float | int | None, *, none: str = "-") -> str:
     if value is None:
-        return "-"
+        return none
     if isinstance(value, int):
         return str(value)
     if value == 0:
@@ -414,5 +420,5 @@ def _fmt(value: float | int | None) -> str:
     return f"{value:.3g}"
 
 
-def _fmt_rate(value: float | None) -> str:
-    return "-" if value is None else f"{value * 100:.2f} %"
+def _fmt_rate(value: float | None, *, none: str = "-") -> str:
+    return none if value is None else f"{value * 100:.2f} %"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import os
 import queue
 import sys
@@ -32,6 +33,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER, REQUEST_ID_HEADER, VERSION_HEADER, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.records import MissingBlob, payload_bytes, redacted_outputs, status_name
 from splitstream.replayer.compare import REDACTED_AT_RECORDING, Answer, CallDiff, Tolerance, compare_answers
@@ -39,14 +41,33 @@ from splitstream.replayer.outputs import ResultsWriter
 from splitstream.replayer.progress import Progress
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
 from splitstream.replayer.selection import SelectedCall, Selection, SelectionStats, select_calls
-from splitstream.replayer.sender import VERSION_HEADER, Outcome, Target
+from splitstream.replayer.sender import Outcome, Target
 from splitstream.replayer.stats import GroupTotals, LogHistogram, OutputTotals, WorstCalls
+from splitstream.replayer.summary import (
+    Counts,
+    Metrics,
+    Outcomes,
+    StatusChanges,
+    Summary,
+    ToleranceSummary,
+    Window,
+    rate,
+)
 
 _READ_AHEAD = 2048
 #: Recorded metadata that is never re-sent: ids and pins are set by the replay itself, transport
 #: headers are the replayer's own, and masked values (``hmac:...``) are not what the client sent.
 _NOT_FORWARDED = frozenset(
-    {"x-request-id", "x-routing-key", VERSION_HEADER, "user-agent", "content-type", "te", "host", "authority"}
+    {
+        REQUEST_ID_HEADER,
+        DEFAULT_ROUTING_KEY_HEADER,
+        VERSION_HEADER,
+        "user-agent",
+        "content-type",
+        "te",
+        "host",
+        "authority",
+    }
 )
 _END = object()
 
@@ -72,8 +93,8 @@ class ReplaySettings:
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
-        if self.timeout_s <= 0:
-            raise ValueError("--timeout-s must be positive")
+        if not 0 < self.timeout_s < math.inf:  # NaN fails this too
+            raise ValueError("--timeout-s must be a positive number of seconds")
         if self.speed is not None and self.speed <= 0:
             raise ValueError("--speed must be positive or 'max'")
         if not -20 <= self.sender_nice <= 19:
@@ -121,6 +142,8 @@ class Aggregates:
     worst: WorstCalls = field(default_factory=WorstCalls)
     max_in_flight: int = 0
     not_sent: int = 0
+    #: Calls the replayer could not send (a header gRPC refuses, over the send limit): not the target's doing.
+    send_errors: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     sent: int = 0
     first_sent_at: float | None = None
@@ -160,10 +183,10 @@ class Replay:
         self.stopping.set()
         self._primed.set()
 
-    async def run(self) -> Aggregates:
-        """Run the whole replay; returns when every started call has finished and been recorded."""
-        self.settings.output_dir.mkdir(parents=True, exist_ok=True)
-        results = ResultsWriter(self.settings.output_dir / "results.jsonl")
+    async def run(self, results: ResultsWriter) -> Aggregates:
+        """Run the whole replay, a line per call into ``results`` (opened by the caller, so an output
+        directory that cannot be written is a setup error before anything is sent; closed here);
+        returns when every started call has finished and been recorded."""
         progress = Progress(self.selection, enabled=self.settings.progress)
         sender = threading.Thread(target=self._send_loop, name="replay-sender", daemon=True)
         collector = threading.Thread(
@@ -224,7 +247,8 @@ class Replay:
         request = await payload_bytes(self.redis, record.request)
         response = await payload_bytes(self.redis, record.response) if record.status_code == 0 else None
         replay_id = record.request_id + self.settings.id_suffix
-        metadata = [("x-request-id", replay_id)]
+        # Recorded ids are any protobuf string ("ünïcode", "a\x01b"); gRPC refuses such a header value.
+        metadata = [(REQUEST_ID_HEADER, header_value(replay_id))]
         if self.settings.forward_metadata:
             metadata += [
                 (key, value)
@@ -335,11 +359,15 @@ class Replay:
             results.write(line)
             progress.advance(flight.plan.call.receive_ns, diff)
 
-    def _judge(self, flight: Flight) -> tuple[dict[str, Any], CallDiff]:
+    def _judge(self, flight: Flight) -> tuple[dict[str, Any], CallDiff | None]:
+        """The call's results line and diff; None for a call the replayer could not send (nothing to compare)."""
         plan = flight.plan
         record = plan.call.record
         replayed = flight.outcomes[0]
         assert replayed is not None
+        failed = [(position, o) for position, o in enumerate(flight.outcomes) if o is not None and o.send_error]
+        if failed:
+            return self._send_error(flight, failed), None
         compared = flight.outcomes[1] if len(flight.outcomes) > 1 else None
         if compared is not None:
             reference = Answer(compared.code, compared.response)
@@ -403,95 +431,106 @@ class Replay:
         agg.worst.offer(diff, line)
         return line, diff
 
+    def _send_error(self, flight: Flight, failed: list[tuple[int, Outcome]]) -> dict[str, Any]:
+        """The results line of a call that never reached (one of) the targets: counted as a send error,
+        neither a status change nor a match, since the target did not answer it."""
+        plan = flight.plan
+        record = plan.call.record
+        errors = {self.targets[position].address: outcome.send_error for position, outcome in failed}
+        self.aggregates.send_errors += 1
+        return {
+            "request_id": record.request_id,
+            "replay_request_id": plan.replay_id,
+            "model": record.model,
+            "receive_unix_ns": plan.call.receive_ns,
+            "stream_id": plan.call.stream_id,
+            "sequence": flight.sequence,
+            "outcome": "send_error",
+            "send_error": "; ".join(f"{address}: {message}" for address, message in errors.items()),
+            "recorded": {"version": record.version, "status": status_name(record.status_code)},
+        }
+
     # -- summary -------------------------------------------------------------------------
 
-    def summary(self) -> dict[str, Any]:
-        """The run as one JSON-able dict (also what the report and the gate read)."""
+    def summary(self) -> Summary:
+        """The run as the typed summary (``summary.json``; also what the report and the gate read)."""
         agg = self.aggregates
-        overall = agg.overall.as_dict()
-        latency = overall["latency"]
-        outputs = {name: totals.as_dict() for name, totals in sorted(agg.outputs.items())}
-        agreements = [o["argmax_agreement"] for o in outputs.values() if "argmax_agreement" in o]
-        topks = [o["topk_agreement"] for o in outputs.values() if "topk_agreement" in o]
-        completed = overall["completed"]
-        send_lag = agg.send_lag.summary_ms() if agg.send_lag.count else None
+        overall = agg.overall.summary()
+        latency = overall.latency
+        outputs = {name: totals.summary() for name, totals in sorted(agg.outputs.items())}
+        agreements = [o.argmax_agreement for o in outputs.values() if o.argmax_agreement is not None]
+        topks = [o.topk_agreement for o in outputs.values() if o.topk_agreement is not None]
+        errors = [o.max_abs_error for o in outputs.values() if o.max_abs_error is not None]
+        completed = overall.completed
+        send_lag = agg.send_lag.quantiles_ms() if agg.send_lag.count else None
         active_s = (
             agg.last_done_at - agg.first_sent_at
             if agg.first_sent_at is not None and agg.last_done_at is not None
             else 0.0
         )
-        skipped = dict(self.stats.skipped) | dict(agg.skipped)
-        divergent = overall["mismatches"] + overall["status_changes"]
-        metrics: dict[str, float | None] = {
-            "mismatch_rate": overall["mismatch_rate"],
-            "status_change_rate": _rate(overall["status_changes"], completed),
-            "divergence_rate": _rate(divergent, completed),
-            "error_rate": overall["candidate_error_rate"],
-            "reference_error_rate": overall["reference_error_rate"],
-            "p50_ratio": latency["p50_ratio"],
-            "p95_ratio": latency["p95_ratio"],
-            "p99_ratio": latency["p99_ratio"],
-            "p99_ms": latency["candidate"]["p99_ms"],
-            "max_abs_error": max((o["max_abs_error"] for o in outputs.values()), default=0.0),
-            "argmax_agreement": min(agreements) if agreements else None,
-            "topk_agreement": min(topks) if topks else None,
-            "send_lag_p99_ms": send_lag["p99_ms"] if send_lag else None,
-            "send_lag_max_ms": send_lag["max_ms"] if send_lag else None,
-            "completed": completed,
-            "failed_sends": self.stats.selected - completed,
-            "skipped": sum(self.stats.skipped.values()),
-        }
-        return {
-            "format": "splitstream-replay-summary/1",
-            "interrupted": self.interrupted,
-            "started_unix_ns": self.started_unix_ns,
-            "wall_s": round(self.wall_s, 3),
-            "window": {
-                "models": list(self.selection.models),
-                "since_unix_ns": self.selection.since_ns,
-                "until_unix_ns": self.selection.until_ns,
-                "max_lateness_s": self.selection.max_lateness_ns / 1e9,
-            },
-            "target": self.targets[0].address,
-            "compare_to": self.settings.compare_to or None,
-            "reference": "compare_to" if self.settings.compare_to else "recorded",
-            "pin_version": self.settings.pin_version or None,
-            "speed": self.settings.speed if self.settings.speed is not None else "max",
-            "concurrency": self.settings.concurrency,
-            "tolerance": {
-                "rtol": self.settings.tolerance.rtol,
-                "atol": self.settings.tolerance.atol,
-                "top_k": self.settings.tolerance.top_k,
-            },
-            "selection": self.stats.as_dict(),
-            "counts": {
-                "selected": self.stats.selected,
-                "sent": agg.sent,
-                "completed": completed,
-                "not_sent": agg.not_sent,
-                "skipped": skipped,
-            },
-            "outcomes": {
-                "match": overall["matches"],
-                "mismatch": overall["mismatches"],
-                "status_change": overall["status_changes"],
-            },
-            "status_changes": {
-                "ok_to_error": agg.status_changes["ok_to_error"],
-                "error_to_ok": agg.status_changes["error_to_ok"],
-                "error_to_other_error": agg.status_changes["error_to_other_error"],
-                "transitions": dict(sorted(agg.transitions.items())),
-            },
-            "latency": latency,
-            "outputs": outputs,
-            "versions": {version: group.as_dict() for version, group in sorted(agg.by_version.items())},
-            "send_lag": send_lag,
-            "max_in_flight": agg.max_in_flight,
-            "sender_nice": self.sender_nice_applied,
-            "replay_rate_calls_per_s": round(completed / active_s, 1) if active_s > 0 else None,
-            "metrics": metrics,
-            "worst_calls": agg.worst.worst_first(),
-        }
+        metrics = Metrics(
+            mismatch_rate=overall.mismatch_rate,
+            status_change_rate=rate(overall.status_changes, completed),
+            divergence_rate=rate(overall.mismatches + overall.status_changes, completed),
+            error_rate=overall.candidate_error_rate,
+            reference_error_rate=overall.reference_error_rate,
+            p50_ratio=latency.p50_ratio,
+            p95_ratio=latency.p95_ratio,
+            p99_ratio=latency.p99_ratio,
+            p99_ms=latency.candidate.p99_ms,
+            max_abs_error=max(errors, default=None),
+            argmax_agreement=min(agreements, default=None),
+            topk_agreement=min(topks, default=None),
+            send_lag_p99_ms=send_lag.p99_ms if send_lag else None,
+            send_lag_max_ms=send_lag.max_ms if send_lag else None,
+            completed=completed,
+            failed_sends=self.stats.selected - completed,
+            skipped=sum(self.stats.skipped.values()),
+        )
+        tolerance = self.settings.tolerance
+        return Summary(
+            interrupted=self.interrupted,
+            started_unix_ns=self.started_unix_ns,
+            wall_s=round(self.wall_s, 3),
+            window=Window(
+                models=list(self.selection.models),
+                since_unix_ns=self.selection.since_ns,
+                until_unix_ns=self.selection.until_ns,
+                max_lateness_s=self.selection.max_lateness_ns / 1e9,
+            ),
+            target=self.targets[0].address,
+            compare_to=self.settings.compare_to or None,
+            reference="compare_to" if self.settings.compare_to else "recorded",
+            pin_version=self.settings.pin_version or None,
+            speed=self.settings.speed if self.settings.speed is not None else "max",
+            concurrency=self.settings.concurrency,
+            tolerance=ToleranceSummary(rtol=tolerance.rtol, atol=tolerance.atol, top_k=tolerance.top_k),
+            selection=self.stats.summary(),
+            counts=Counts(
+                selected=self.stats.selected,
+                sent=agg.sent,
+                completed=completed,
+                not_sent=agg.not_sent,
+                send_errors=agg.send_errors,
+                skipped=dict(self.stats.skipped) | dict(agg.skipped),
+            ),
+            outcomes=Outcomes(match=overall.matches, mismatch=overall.mismatches, status_change=overall.status_changes),
+            status_changes=StatusChanges(
+                ok_to_error=agg.status_changes["ok_to_error"],
+                error_to_ok=agg.status_changes["error_to_ok"],
+                error_to_other_error=agg.status_changes["error_to_other_error"],
+                transitions=dict(sorted(agg.transitions.items())),
+            ),
+            latency=latency,
+            outputs=outputs,
+            versions={version: group.summary() for version, group in sorted(agg.by_version.items())},
+            send_lag=send_lag,
+            max_in_flight=agg.max_in_flight,
+            sender_nice=self.sender_nice_applied,
+            replay_rate_calls_per_s=round(completed / active_s, 1) if active_s > 0 else None,
+            metrics=metrics,
+            worst_calls=agg.worst.worst_first(),
+        )
 
     def histograms(self) -> dict[str, LogHistogram]:
         """The distributions the report draws."""
@@ -525,7 +564,3 @@ def _side(address: str, outcome: Outcome) -> dict[str, Any]:
     if outcome.message:
         side["message"] = outcome.message[:300]
     return side
-
-
-def _rate(part: int, whole: int) -> float:
-    return round(part / whole, 6) if whole else 0.0

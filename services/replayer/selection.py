@@ -47,6 +47,7 @@ from splitstream.common.records import (
     stream_id_at,
     stream_id_ms,
 )
+from splitstream.replayer.summary import SelectionSummary
 
 T = TypeVar("T")
 
@@ -155,17 +156,17 @@ class SelectionStats:
     out_of_order: int = 0
     max_buffered: int = 0
 
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "scanned": self.scanned,
-            "in_window": self.in_window,
-            "selected": self.selected,
-            "duplicates": self.duplicates,
-            "skipped": dict(sorted(self.skipped.items())),
-            "released_early": self.released_early,
-            "out_of_order": self.out_of_order,
-            "max_buffered": self.max_buffered,
-        }
+    def summary(self) -> SelectionSummary:
+        return SelectionSummary(
+            scanned=self.scanned,
+            in_window=self.in_window,
+            selected=self.selected,
+            duplicates=self.duplicates,
+            skipped=dict(sorted(self.skipped.items())),
+            released_early=self.released_early,
+            out_of_order=self.out_of_order,
+            max_buffered=self.max_buffered,
+        )
 
 
 class ReorderBuffer(Generic[T]):

@@ -5,10 +5,17 @@ generic unary method with no serializer, so what the target sees is byte for byt
 client sent (after redaction). Calls are started from the scheduler thread with the blocking
 API's ``future()``, which returns as soon as the call is on its way; completion arrives on a
 gRPC thread through a callback, so a slow call never holds the next one back.
+
+A call the replayer itself cannot send (gRPC refuses a header, the request is over the send
+limit, the channel is closed) never reaches the target, so it must not read as the target's
+answer: gRPC reports a refused header as an INTERNAL status of the call ("Invalid metadata"),
+indistinguishable from a target's INTERNAL, so headers are checked here first, by gRPC core's
+rules, and every such failure ends as an :class:`Outcome` with ``send_error`` set.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,8 +23,11 @@ from pathlib import Path
 
 import grpc
 
+from splitstream.common.headers import VERSION_HEADER, from_header_value
+
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
-VERSION_HEADER = "x-splitstream-version"
+#: gRPC core's rule for metadata keys (validate_metadata.cc): lowercase letters, digits, ``-_.``.
+_KEY = re.compile(r"^[0-9a-z_.-]+$")
 
 
 class TargetUnreachable(ConnectionError):
@@ -47,7 +57,8 @@ class TlsOptions:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """How one call ended. ``sent_at``/``done_at`` are perf_counter seconds."""
+    """How one call ended. ``sent_at``/``done_at`` are perf_counter seconds. ``send_error``: why the
+    replayer could not send it (then ``code`` means nothing: the target never saw the call)."""
 
     code: int
     message: str
@@ -55,15 +66,31 @@ class Outcome:
     version: str
     sent_at: float
     done_at: float
+    send_error: str = ""
 
     @property
     def latency_s(self) -> float:
         return self.done_at - self.sent_at
 
 
+def metadata_problem(metadata: Sequence[tuple[str, str | bytes]]) -> str:
+    """Why gRPC would refuse to send ``metadata`` ("" when it would not): a key outside ``[0-9a-z_.-]``,
+    a ``-bin`` value that is not bytes, or another value that is not a printable ASCII string."""
+    for key, value in metadata:
+        if not isinstance(key, str) or not _KEY.match(key):
+            return f"metadata key {key!r} is not a valid gRPC header name (lowercase letters, digits, -_.)"
+        if key.endswith("-bin"):
+            if not isinstance(value, bytes):
+                return f"metadata {key!r}: a -bin header's value must be bytes"
+        elif not isinstance(value, str) or not (value.isascii() and value.isprintable()):
+            return f"metadata {key!r}: value {value!r} is not printable ASCII"
+    return ""
+
+
 class Target:
     def __init__(self, address: str, *, tls: TlsOptions, max_message_bytes: int = 64 * 1024 * 1024) -> None:
         self.address = address
+        self.max_message_bytes = max_message_bytes
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -97,9 +124,22 @@ class Target:
         timeout_s: float,
         on_done: Callable[[Outcome], None],
     ) -> None:
-        """Start the call and return at once; ``on_done`` runs on a gRPC thread when it ends."""
+        """Start the call and return at once; ``on_done`` runs on a gRPC thread when it ends, or here,
+        before returning, with ``send_error`` set when the call could not be sent."""
         sent_at = time.perf_counter()
-        future = self._call.future(payload, metadata=metadata, timeout=timeout_s)
+        # ~0.9 µs for three headers (measured), beside tens of µs to start a gRPC call: cheap enough for the
+        # timed sender thread.
+        problem = metadata_problem(metadata)
+        if not problem and len(payload) > self.max_message_bytes:
+            problem = f"request is {len(payload)} bytes, over the {self.max_message_bytes}-byte send limit"
+        if not problem:
+            try:
+                future = self._call.future(payload, metadata=metadata, timeout=timeout_s)
+            except Exception as error:  # TypeError/ValueError from gRPC's checks, a closed channel: not the target's
+                problem = f"{type(error).__name__}: {error}"
+        if problem:
+            on_done(Outcome(-1, "", None, "", sent_at, time.perf_counter(), send_error=problem))
+            return
 
         def finished(call: grpc.Future) -> None:
             done_at = time.perf_counter()
@@ -109,7 +149,7 @@ class Target:
             version = ""
             for key, value in rendezvous.trailing_metadata() or ():
                 if key == VERSION_HEADER:
-                    version = str(value)
+                    version = from_header_value(str(value))
             if code is grpc.StatusCode.OK:
                 on_done(Outcome(0, "", call.result(), version, sent_at, done_at))
             else:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitstream.replayer.compare import CallDiff, OutputDiff
+from splitstream.replayer.summary import GroupSummary, LatencyComparison, OutputSummary, Quantiles, rate
 
 
 class LogHistogram:
@@ -75,18 +76,18 @@ class LogHistogram:
             points.append((min(self.bucket_bounds(bucket)[1], self.max), seen / self.count))
         return points
 
-    def summary_ms(self) -> dict[str, float | int | None]:
+    def quantiles_ms(self) -> Quantiles:
         def ms(value: float | None) -> float | None:
             return None if value is None else round(value * 1000, 4)
 
-        return {
-            "count": self.count,
-            "p50_ms": ms(self.quantile(0.50)),
-            "p95_ms": ms(self.quantile(0.95)),
-            "p99_ms": ms(self.quantile(0.99)),
-            "max_ms": ms(self.max if self.count else None),
-            "mean_ms": ms(self.total / self.count if self.count else None),
-        }
+        return Quantiles(
+            count=self.count,
+            p50_ms=ms(self.quantile(0.50)),
+            p95_ms=ms(self.quantile(0.95)),
+            p99_ms=ms(self.quantile(0.99)),
+            max_ms=ms(self.max if self.count else None),
+            mean_ms=ms(self.total / self.count if self.count else None),
+        )
 
 
 @dataclass
@@ -99,7 +100,8 @@ class OutputTotals:
     elements: int = 0
     mismatched_elements: int = 0
     nonfinite_mismatches: int = 0
-    max_abs_error: float = 0.0
+    #: None until a numeric element was compared (BOOL and BYTES outputs have no error size).
+    max_abs_error: float | None = None
     reasons: Counter[str] = field(default_factory=Counter)
     argmax_rows: float = 0.0
     argmax_calls: int = 0
@@ -115,29 +117,25 @@ class OutputTotals:
             self.mismatched_calls += 1
             self.reasons[diff.reason] += 1
         if diff.max_abs_error is not None:
-            self.max_abs_error = max(self.max_abs_error, diff.max_abs_error)
+            self.max_abs_error = max(self.max_abs_error or 0.0, diff.max_abs_error)
         if diff.argmax_agreement is not None:
             self.argmax_calls += 1
             self.argmax_rows += diff.argmax_agreement
             self.topk_rows += diff.topk_agreement or 0.0
 
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "calls": self.calls,
-            "mismatched_calls": self.mismatched_calls,
-            "mismatch_rate": _rate(self.mismatched_calls, self.calls),
-            "element_mismatch_rate": _rate(self.mismatched_elements, self.elements),
-            "max_abs_error": self.max_abs_error,
-            "reasons": dict(sorted(self.reasons.items())),
-        }
-        if self.nonfinite_mismatches:
-            out["nonfinite_mismatches"] = self.nonfinite_mismatches
-        if self.not_compared:
-            out["not_compared"] = dict(sorted(self.not_compared.items()))
-        if self.argmax_calls:
-            out["argmax_agreement"] = round(self.argmax_rows / self.argmax_calls, 6)
-            out["topk_agreement"] = round(self.topk_rows / self.argmax_calls, 6)
-        return out
+    def summary(self) -> OutputSummary:
+        return OutputSummary(
+            calls=self.calls,
+            mismatched_calls=self.mismatched_calls,
+            mismatch_rate=rate(self.mismatched_calls, self.calls),
+            element_mismatch_rate=rate(self.mismatched_elements, self.elements),
+            max_abs_error=self.max_abs_error,
+            reasons=dict(sorted(self.reasons.items())),
+            nonfinite_mismatches=self.nonfinite_mismatches,
+            not_compared=dict(sorted(self.not_compared.items())),
+            argmax_agreement=round(self.argmax_rows / self.argmax_calls, 6) if self.argmax_calls else None,
+            topk_agreement=round(self.topk_rows / self.argmax_calls, 6) if self.argmax_calls else None,
+        )
 
 
 @dataclass
@@ -173,30 +171,19 @@ class GroupTotals:
         self.reference_latency.add(reference_latency_s)
         self.candidate_latency.add(candidate_latency_s)
 
-    def as_dict(self) -> dict[str, Any]:
-        reference = self.reference_latency.summary_ms()
-        candidate = self.candidate_latency.summary_ms()
-        return {
-            "completed": self.completed,
-            "compared": self.both_ok,
-            "matches": self.matches,
-            "mismatches": self.mismatches,
-            "status_changes": self.status_changes,
-            "mismatch_rate": _rate(self.mismatches, self.both_ok),
-            "reference_error_rate": _rate(self.reference_errors, self.completed),
-            "candidate_error_rate": _rate(self.candidate_errors, self.completed),
-            "candidate_versions": dict(sorted(self.candidate_versions.items())),
-            "latency": {"reference": reference, "candidate": candidate, **latency_ratios(reference, candidate)},
-        }
-
-
-def latency_ratios(reference: dict[str, Any], candidate: dict[str, Any]) -> dict[str, float | None]:
-    """Candidate quantile / reference quantile for p50, p95, p99 (None when either side is missing)."""
-    ratios: dict[str, float | None] = {}
-    for q in ("p50", "p95", "p99"):
-        ref, cand = reference.get(f"{q}_ms"), candidate.get(f"{q}_ms")
-        ratios[f"{q}_ratio"] = round(cand / ref, 4) if ref and cand is not None else None
-    return ratios
+    def summary(self) -> GroupSummary:
+        return GroupSummary(
+            completed=self.completed,
+            compared=self.both_ok,
+            matches=self.matches,
+            mismatches=self.mismatches,
+            status_changes=self.status_changes,
+            mismatch_rate=rate(self.mismatches, self.both_ok),
+            reference_error_rate=rate(self.reference_errors, self.completed),
+            candidate_error_rate=rate(self.candidate_errors, self.completed),
+            candidate_versions=dict(sorted(self.candidate_versions.items())),
+            latency=LatencyComparison.of(self.reference_latency.quantiles_ms(), self.candidate_latency.quantiles_ms()),
+        )
 
 
 @dataclass(order=True)
@@ -226,7 +213,3 @@ class WorstCalls:
 
     def worst_first(self) -> list[dict[str, Any]]:
         return [item.line for item in sorted(self._heap, reverse=True)]
-
-
-def _rate(part: int, whole: int) -> float:
-    return round(part / whole, 6) if whole else 0.0

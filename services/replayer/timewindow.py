@@ -11,24 +11,14 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime, timedelta
 
-_UNITS_NS = {"ms": 1_000_000, "s": 1_000_000_000, "m": 60_000_000_000, "h": 3_600_000_000_000, "d": 86_400_000_000_000}
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
+from splitstream.common.durations import BadDuration, parse_duration_ns
+
 _EPOCH = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 _UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class BadTime(ValueError):
     """A time or duration that cannot be read; the message says what forms are accepted."""
-
-
-def parse_duration_ns(text: str) -> int:
-    """``"90s"``, ``"15m"``, ``"2h"``, ``"1d"``, ``"250ms"`` → nanoseconds (``"0"`` is zero)."""
-    if text.strip() == "0":
-        return 0
-    match = _DURATION.match(text)
-    if match is None:
-        raise BadTime(f"bad duration {text!r} (expected a number and a unit: 250ms, 90s, 15m, 2h, 1d)")
-    return int(float(match.group(1)) * _UNITS_NS[match.group(2)])
 
 
 def parse_instant_ns(text: str, *, now_ns: int) -> int:
@@ -41,8 +31,11 @@ def parse_instant_ns(text: str, *, now_ns: int) -> int:
     stripped = text.strip()
     if stripped.lower() == "now":
         return now_ns
-    if stripped[:1] in "+-" and _DURATION.match(stripped[1:]):
-        offset = parse_duration_ns(stripped[1:])
+    if stripped[:1] in "+-" and stripped[1:2].isdigit():
+        try:
+            offset = parse_duration_ns(stripped[1:], unit_required=True)
+        except BadDuration as error:
+            raise BadTime(f"bad time {text!r}: {error}") from None
         return now_ns - offset if stripped[0] == "-" else now_ns + offset
     if _EPOCH.match(stripped):
         seconds, _, fraction = stripped.partition(".")

@@ -12,15 +12,14 @@ import time
 from typing import Any
 
 import grpc
-import numpy as np
 import structlog
 from google.protobuf.message import DecodeError
 
 import splitstream
-from splitstream.common.errors import InvalidInput, SplitstreamError, status_of
+from splitstream.common.errors import SplitstreamError, status_of
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
-from splitstream.common.tensors import datatype_of, from_contents, from_raw, to_raw
+from splitstream.common.tensors import datatype_of, input_arrays, to_raw
 from splitstream.worker.metrics import WorkerMetrics
 from splitstream.worker.model import ServedModel
 from splitstream.worker.validation import InputHeader
@@ -115,7 +114,7 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             [InputHeader(t.name, t.datatype, tuple(t.shape)) for t in request.inputs],
             [o.name for o in request.outputs],
         )
-        outputs = await model.infer(_decode_inputs(request), plan)
+        outputs = await model.infer(input_arrays(request), plan)
         response = oip.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
         for name in plan.output_names:
             array = outputs[name]
@@ -146,28 +145,6 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
-
-
-def _decode_inputs(request: oip.ModelInferRequest) -> dict[str, np.ndarray]:
-    """Payloads → arrays, one way per request: all raw (Triton's default) or all typed contents."""
-    raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(
-            f"request has {len(raw)} raw_input_contents for {len(request.inputs)} inputs; "
-            "send one per input, in input order"
-        )
-    arrays: dict[str, np.ndarray] = {}
-    for index, tensor in enumerate(request.inputs):
-        if raw:
-            if tensor.contents.ListFields():
-                raise InvalidInput(
-                    f"input '{tensor.name}': sets typed contents while the request uses raw_input_contents; "
-                    "use one or the other"
-                )
-            arrays[tensor.name] = from_raw(tensor.name, tensor.datatype, tensor.shape, raw[index])
-        else:
-            arrays[tensor.name] = from_contents(tensor.name, tensor.datatype, tensor.shape, tensor.contents)
-    return arrays
 
 
 def _request_id(request: oip.ModelInferRequest, context: grpc.aio.ServicerContext) -> str:
