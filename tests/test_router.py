@@ -16,6 +16,7 @@ import onnxruntime
 import pytest
 
 from splitstream.common import tensors
+from splitstream.common.headers import header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
@@ -371,6 +372,46 @@ def test_bad_input_gets_the_right_status_and_a_message_naming_the_problem(deploy
     assert caught.value.code() == code, caught.value.details()
     assert fragment in caught.value.details()
     assert served_version(deployment.client, key="still-serving") in {"v1", "v2"}
+
+
+ODD_REQUEST_IDS = ["ünïcode", "a\x01b", "tab\there", "50%"]
+
+
+@pytest.mark.parametrize("request_id", ODD_REQUEST_IDS)
+def test_a_request_id_that_is_not_printable_ascii_is_answered_promptly_with_it_percent_encoded(
+    deployment: Deployment, request_id: str
+) -> None:
+    """Before the fix the router's forward to the worker carried the raw id, gRPC refused it, and the
+    call hung until the client's deadline: the short deadline turns that into DEADLINE_EXCEEDED."""
+    x = np.ones((1, 4), dtype=np.float32)
+    response, headers = deployment.client.infer(make_request(MODEL, x, request_id=request_id), timeout_s=3)
+    assert response.id == request_id
+    assert headers["x-request-id"] == header_value(request_id)
+    assert headers["x-splitstream-version"] in {"v1", "v2"}
+
+
+@pytest.mark.parametrize("request_id", ODD_REQUEST_IDS)
+def test_a_call_refused_at_routing_answers_its_status_with_the_request_id_percent_encoded(
+    deployment: Deployment, request_id: str
+) -> None:
+    x = np.ones((1, 4), dtype=np.float32)
+    with grpc.insecure_channel(deployment.router.address) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(
+                make_request(MODEL, x, request_id=request_id),
+                metadata=[("x-splitstream-version", "v9")],
+                timeout=3,
+            )
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+    assert dict(caught.value.trailing_metadata())["x-request-id"] == header_value(request_id)
+
+
+def test_a_percent_encoded_request_id_header_comes_back_unchanged(deployment: Deployment) -> None:
+    x = np.ones((1, 4), dtype=np.float32)
+    encoded = header_value("ünïcode")
+    _, headers = deployment.client.infer(make_request(MODEL, x), metadata=[("x-request-id", encoded)], timeout_s=3)
+    assert headers["x-request-id"] == encoded
 
 
 def test_random_bytes_sent_to_model_infer_are_rejected_and_the_router_keeps_serving(deployment: Deployment) -> None:
