@@ -252,6 +252,31 @@ def test_a_version_without_a_healthy_endpoint_spills_to_the_control(stack: Stack
     assert any(labels == {"model": MODEL, "arm": "v2", "version": "v1"} and value > 0 for labels, value in fallbacks)
 
 
+def test_an_arm_without_endpoints_is_shown_spilling_in_status_and_metrics_until_it_gets_one(
+    stack: Stack, tmp_path: Path
+) -> None:
+    repository = tmp_path / "models"
+    for version, scale in SCALES.items():
+        add_version(repository, MODEL, version, scale=scale)
+    v1 = stack.worker(repository, MODEL, "v1")
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [v1.address]}, "experiment": experiment(50, 50)}})
+    router = stack.router(registry)
+
+    def spilling() -> tuple[dict[str, bool], dict[str, float]]:
+        arms = {arm.version: arm.spilling for arm in router_status(router, MODEL).models[0].experiment.arms}
+        samples = metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_arm_spilling")
+        return arms, {labels["version"]: value for labels, value in samples if labels["model"] == MODEL}
+
+    wait_for(lambda: spilling() == ({"v1": False, "v2": True}, {"v1": 0.0, "v2": 1.0}), timeout_s=5, what="v2 spilling")
+    v2 = stack.worker(repository, MODEL, "v2")
+    write_registry(
+        registry,
+        {MODEL: {"endpoints": {"v1": [v1.address], "v2": [v2.address]}, "experiment": experiment(50, 50)}},
+    )
+    wait_for(lambda: spilling() == ({"v1": False, "v2": False}, {"v1": 0.0, "v2": 0.0}), timeout_s=5, what="v2 serving")
+
+
 # -- failures ---------------------------------------------------------------------------------
 
 
