@@ -450,6 +450,31 @@ def test_random_bytes_sent_to_model_infer_are_rejected_and_the_router_keeps_serv
     assert served_version(deployment.client, key="after-garbage") in {"v1", "v2"}
 
 
+def test_calls_grpc_refuses_before_the_router_sees_them_are_counted_as_received_only(
+    deployment: Deployment,
+) -> None:
+    """A message over the size limit is refused by gRPC itself (RESOURCE_EXHAUSTED): the router's
+    handler never runs, so only the calls-received counter can show it."""
+    router = deployment.stack.router(deployment.registry, "--max-message-bytes", "4096", name="small-messages")
+    client = InferClient(router.address)
+
+    def counts() -> tuple[float, float]:
+        text = scrape_metrics(router.metrics_port)
+        received = sum(value for _, value in metric_samples(text, "splitstream_router_calls_received_total"))
+        answered = sum(value for _, value in metric_samples(text, "splitstream_router_requests_total"))
+        return received, answered
+
+    try:
+        served_version(client, key="small")
+        with pytest.raises(grpc.RpcError) as caught:
+            client.infer(make_request(MODEL, np.ones((4, 400), dtype=np.float32)), timeout_s=5)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        wait_for(lambda: counts() == (2.0, 1.0), timeout_s=5, what="one call received and answered, one refused")
+    finally:
+        client.close()
+        router.stop()
+
+
 # -- introspection ----------------------------------------------------------------------------
 
 

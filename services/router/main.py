@@ -254,7 +254,9 @@ class Router:
         )
         self.servicer.after_answer = self.shadows.after_answer
         self.health = health.aio.HealthServicer()
-        self.server = aio.server(options=server_options(config.max_message_bytes))
+        self.server = aio.server(
+            interceptors=self.servicer.interceptors(), options=server_options(config.max_message_bytes)
+        )
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:

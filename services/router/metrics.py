@@ -80,6 +80,12 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.in_flight = Gauge("splitstream_router_in_flight", "Calls being forwarded now", registry=self.registry)
+        self.received = Counter(
+            "splitstream_router_calls_received",
+            "Inference calls as they arrive, before gRPC reads the message: those gRPC refuses itself "
+            "(too large, deadline gone) are counted here and in no requests_total",
+            registry=self.registry,
+        )
         self._answered: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
 
     def answered(self, model: str, version: str, status: str, latency_s: float) -> None:
