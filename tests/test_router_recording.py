@@ -164,3 +164,28 @@ def test_a_request_id_that_is_not_printable_ascii_is_recorded_as_the_client_sent
         client.close()
     assert (in_body["x-request-id"], in_header["x-request-id"]) == (header_value("bödy\tid"), header_value("hëader id"))
     recording.wait_recorded({"bödy\tid", "hëader id"})
+
+
+def test_a_shadow_of_a_call_whose_id_is_not_printable_ascii_is_answered_and_recorded(tmp_path: Path) -> None:
+    """The shadow copy carries the id in its metadata too: encoded, it is answered like the call."""
+    stack = RecordingStack(
+        tmp_path,
+        versions={"v1": {"scale": 2.0}, "v3": {"scale": 5.0}},
+        experiment={
+            "control": "v1",
+            "arms": [{"version": "v1", "weight": 100}],
+            "shadows": [{"version": "v3", "sample_rate": 1.0}],
+        },
+        router_args=("--shadow-timeout-s", "2"),
+    )
+    try:
+        client = InferClient(stack.router.address)
+        try:
+            client.infer(make_request(MODEL, np.ones((1, 4), dtype=np.float32), request_id="shädow"), timeout_s=5)
+        finally:
+            client.close()
+        (record,) = stack.wait_recorded({"shädow"})
+        (shadow,) = record.shadows
+        assert (shadow.version, shadow.status_code) == ("v3", grpc.StatusCode.OK.value[0]), shadow.status_message
+    finally:
+        stack.close()
