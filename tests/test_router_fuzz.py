@@ -24,7 +24,8 @@ from tests.harness import InferClient, ServiceProcess, Stack, make_request, writ
 from tests.models import add_version
 
 MODEL = "affine"
-INFER = "/inference.GRPCInferenceService/ModelInfer"
+#: The two names of the one handler.
+INFER_METHODS = ("/inference.GRPCInferenceService/ModelInfer", "/splitstream.v1.Router/Infer")
 #: The fuzzed call's deadline; the worker answers a valid call in milliseconds, so only a hang reaches it.
 DEADLINE_S = 3.0
 
@@ -40,7 +41,8 @@ class Fuzzed:
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}, "experiment": experiment}})
         self.router: ServiceProcess = self.stack.router(registry)
         self.channel = grpc.insecure_channel(self.router.address)
-        self.raw = self.channel.unary_unary(INFER)  # bytes in, bytes out: what the fuzzer sends is what arrives
+        # Bytes in, bytes out: what the fuzzer sends is what arrives.
+        self.raw = {method: self.channel.unary_unary(method) for method in INFER_METHODS}
 
     def close(self) -> None:
         self.channel.close()
@@ -105,13 +107,13 @@ metadata = st.lists(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(request=request_bytes, headers=metadata)
+@given(method=st.sampled_from(INFER_METHODS), request=request_bytes, headers=metadata)
 def test_any_bytes_and_metadata_end_within_the_deadline_with_a_status_other_than_unknown(
-    fuzzed: Fuzzed, request: bytes, headers: list[tuple[str, str | bytes]]
+    fuzzed: Fuzzed, method: str, request: bytes, headers: list[tuple[str, str | bytes]]
 ) -> None:
     started = time.monotonic()
     try:
-        fuzzed.raw(request, metadata=headers, timeout=DEADLINE_S)
+        fuzzed.raw[method](request, metadata=headers, timeout=DEADLINE_S)
         code = grpc.StatusCode.OK
     except grpc.RpcError as error:
         code = error.code()
