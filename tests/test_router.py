@@ -399,6 +399,31 @@ def test_bad_input_gets_the_right_status_and_a_message_naming_the_problem(deploy
     assert served_version(deployment.client, key="still-serving") in {"v1", "v2"}
 
 
+CORRUPT_TAG = b"\xff\xff\xff"
+#: Field 1 (a string in each message below but ServerLiveRequest) holding bytes that are not UTF-8.
+BAD_UTF8 = b"\x0a\x02\xc3\x28"
+
+
+@pytest.mark.parametrize(
+    ("method", "message", "garbage"),
+    [
+        ("/inference.GRPCInferenceService/ModelMetadata", "inference.ModelMetadataRequest", CORRUPT_TAG),
+        ("/inference.GRPCInferenceService/ModelMetadata", "inference.ModelMetadataRequest", BAD_UTF8),
+        ("/inference.GRPCInferenceService/ModelReady", "inference.ModelReadyRequest", BAD_UTF8),
+        ("/inference.GRPCInferenceService/ServerLive", "inference.ServerLiveRequest", CORRUPT_TAG),
+        ("/splitstream.v1.Router/Status", "splitstream.v1.StatusRequest", BAD_UTF8),
+    ],
+)
+def test_bytes_that_do_not_parse_get_invalid_argument_naming_the_message_from_every_method(
+    deployment: Deployment, method: str, message: str, garbage: bytes
+) -> None:
+    """grpc's own deserializer answered UNKNOWN with "Unexpected <class DecodeError>" (found by the fuzz test)."""
+    with grpc.insecure_channel(deployment.router.address) as channel, pytest.raises(grpc.RpcError) as caught:
+        channel.unary_unary(method)(garbage, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert message in caught.value.details()
+
+
 ODD_REQUEST_IDS = ["ünïcode", "a\x01b", "tab\there", "50%"]
 
 

@@ -129,6 +129,36 @@ def test_any_bytes_and_metadata_end_within_the_deadline_with_a_status_other_than
     assert elapsed < DEADLINE_S
 
 
+#: The router's other methods, whose requests it parses itself.
+TYPED_METHODS = (
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+    "/inference.GRPCInferenceService/ModelReady",
+    "/inference.GRPCInferenceService/ServerMetadata",
+    "/inference.GRPCInferenceService/ModelMetadata",
+    "/splitstream.v1.Router/Status",
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(method=st.sampled_from(TYPED_METHODS), request=st.binary(max_size=64) | mutated())
+def test_any_bytes_sent_to_the_other_methods_end_within_the_deadline_with_a_status_other_than_unknown(
+    fuzzed: Fuzzed, method: str, request: bytes
+) -> None:
+    started = time.monotonic()
+    try:
+        with grpc.insecure_channel(fuzzed.router.address) as channel:
+            channel.unary_unary(method)(request, timeout=DEADLINE_S)
+        code, details = grpc.StatusCode.OK, ""
+    except grpc.RpcError as error:
+        code, details = error.code(), error.details()
+    assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL), (
+        code,
+        details,
+    )
+    assert time.monotonic() - started < DEADLINE_S
+
+
 def test_the_router_still_serves_a_normal_call_after_the_fuzzing(fuzzed: Fuzzed) -> None:
     client = InferClient(fuzzed.router.address)
     try:

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 import splitstream
@@ -209,7 +210,17 @@ def _trailers(outcome: CallOutcome) -> tuple[tuple[str, str], ...]:
     return trailers
 
 
-def _typed(handler: Callable[..., Any], request_type: Any) -> grpc.RpcMethodHandler:
-    return grpc.unary_unary_rpc_method_handler(
-        handler, request_deserializer=request_type.FromString, response_serializer=lambda m: m.SerializeToString()
-    )
+def _typed(handler: Callable[[Any, Any], Awaitable[Any]], request_type: Any) -> grpc.RpcMethodHandler:
+    """A handler of ``request_type`` that takes the bytes and parses them itself: with grpc's own
+    deserializer, bytes that do not parse are answered UNKNOWN with a Python exception's name."""
+    what = f"request is not a valid {request_type.DESCRIPTOR.full_name}"
+
+    async def parse_then_handle(data: bytes, context: aio.ServicerContext[bytes, Any]) -> Any:
+        try:
+            request = request_type.FromString(data)
+        except DecodeError:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, what)
+            raise AssertionError("unreachable: abort raises") from None
+        return await handler(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(parse_then_handle, response_serializer=lambda m: m.SerializeToString())
