@@ -110,7 +110,8 @@ class RouterCore:
     def __init__(self, *, settings: EndpointSettings, metrics: RouterMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.table: RoutingTable = EMPTY_TABLE
+        #: Private: the servicer, the shadow runner and main ask the methods below instead of reading it.
+        self._table: RoutingTable = EMPTY_TABLE
         #: The routing-key header names the current experiments use (servicers read only these).
         self.routing_key_headers: frozenset[str] = frozenset()
         self.generation = 0
@@ -165,7 +166,7 @@ class RouterCore:
         try:
             head = _read_head(request)
             outcome.request_id = outcome.request_id or head.id
-            routes = self.table.model(head.model_name)
+            routes = self._table.model(head.model_name)
             outcome.model = head.model_name
             outcome.routing_key_header = routes.experiment.routing_key_header
             outcome.routing_key = headers.get(outcome.routing_key_header)
@@ -244,11 +245,11 @@ class RouterCore:
     # -- what the servicer and the shadow runner ask (they never read the table) ----------
 
     def model_names(self) -> list[str]:
-        return sorted(self.table.models)
+        return sorted(self._table.models)
 
     def is_ready(self, model: str, version: str = "") -> bool:
         """ModelReady: whether ``version`` (empty: the control) has an endpoint to serve it now."""
-        routes = self.table.models.get(model)
+        routes = self._table.models.get(model)
         if routes is None:
             return False
         pool = routes.pools.get(version or routes.experiment.control)
@@ -257,7 +258,7 @@ class RouterCore:
     def metadata_endpoint(self, model: str, version: str = "") -> tuple[Endpoint, str, list[str]]:
         """Where to ask ModelMetadata: an endpoint of ``version`` (empty: the control), that version, and
         every version the router knows for the model. Raises ModelNotFound / ModelNotReady."""
-        routes = self.table.model(model)
+        routes = self._table.model(model)
         version = version or routes.experiment.control
         pool = routes.pools.get(version)
         if pool is None:
@@ -269,12 +270,12 @@ class RouterCore:
 
     def shadows_of(self, model: str) -> Sequence[Shadow]:
         """The model's shadow versions and sample rates (none for a model no longer served)."""
-        routes = self.table.models.get(model)
+        routes = self._table.models.get(model)
         return () if routes is None else routes.experiment.shadows
 
     def shadow_endpoint(self, model: str, version: str) -> Endpoint | None:
         """The least-loaded eligible endpoint of a shadow version, if it has one now."""
-        routes = self.table.models.get(model)
+        routes = self._table.models.get(model)
         pool = None if routes is None else routes.pools.get(version)
         return None if pool is None else pool.pick()
 
@@ -282,14 +283,14 @@ class RouterCore:
         """Every model (or the one named), by name, for Status."""
         return [
             ModelView(name, routes.experiment, routes.pools, frozenset(_spilling(routes)))
-            for name, routes in sorted(self.table.models.items())
+            for name, routes in sorted(self._table.models.items())
             if not model or name == model
         ]
 
     def arm_spilling(self) -> Iterator[tuple[str, str, bool]]:
         """``(model, arm version, spilling)`` for every arm, read at each metrics scrape: eligibility
         changes with health and ejections, between registry states."""
-        for name, routes in self.table.models.items():
+        for name, routes in self._table.models.items():
             spilling = _spilling(routes)
             for arm in routes.experiment.arms:
                 yield name, arm.version, arm.version in spilling
@@ -298,7 +299,7 @@ class RouterCore:
 
     def apply(self, state: RegistryState) -> None:
         """Swap in a table for ``state``, keeping endpoints (and their connections) that remain."""
-        old = self.table.endpoints
+        old = self._table.endpoints
         endpoints: dict[tuple[str, str, str], Endpoint] = {}
         models: dict[str, ModelRoutes] = {}
         for model, entry in state.models.items():
@@ -314,7 +315,7 @@ class RouterCore:
                 pools[version] = VersionPool(version, members)
             models[model] = ModelRoutes(experiment=entry.experiment, pools=pools)
         self.routing_key_headers = frozenset(routes.experiment.routing_key_header for routes in models.values())
-        self.table = RoutingTable(models=models, endpoints=endpoints)
+        self._table = RoutingTable(models=models, endpoints=endpoints)
         self.generation += 1
         self.applied_unix_ns = time.time_ns()
         for key, endpoint in old.items():
@@ -340,9 +341,9 @@ class RouterCore:
 
     async def close(self) -> None:
         """Close every endpoint (after in-flight calls) and wait for earlier closes."""
-        for endpoint in self.table.endpoints.values():
+        for endpoint in self._table.endpoints.values():
             self._close_later(endpoint)
-        self.table = EMPTY_TABLE
+        self._table = EMPTY_TABLE
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 

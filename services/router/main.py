@@ -288,7 +288,7 @@ class Router:
             port=port,
             metrics_port=self.config.metrics_port,
             registry=self.registry.description,
-            models=sorted(self.core.table.models),
+            models=self.core.model_names(),
         )
 
     async def _follow(self, updates: AsyncIterator[RegistryUpdate]) -> None:
