@@ -16,6 +16,7 @@ import onnxruntime
 import pytest
 
 from splitstream.common import tensors
+from splitstream.common.headers import header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
@@ -251,6 +252,31 @@ def test_a_version_without_a_healthy_endpoint_spills_to_the_control(stack: Stack
     assert any(labels == {"model": MODEL, "arm": "v2", "version": "v1"} and value > 0 for labels, value in fallbacks)
 
 
+def test_an_arm_without_endpoints_is_shown_spilling_in_status_and_metrics_until_it_gets_one(
+    stack: Stack, tmp_path: Path
+) -> None:
+    repository = tmp_path / "models"
+    for version, scale in SCALES.items():
+        add_version(repository, MODEL, version, scale=scale)
+    v1 = stack.worker(repository, MODEL, "v1")
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [v1.address]}, "experiment": experiment(50, 50)}})
+    router = stack.router(registry)
+
+    def spilling() -> tuple[dict[str, bool], dict[str, float]]:
+        arms = {arm.version: arm.spilling for arm in router_status(router, MODEL).models[0].experiment.arms}
+        samples = metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_arm_spilling")
+        return arms, {labels["version"]: value for labels, value in samples if labels["model"] == MODEL}
+
+    wait_for(lambda: spilling() == ({"v1": False, "v2": True}, {"v1": 0.0, "v2": 1.0}), timeout_s=5, what="v2 spilling")
+    v2 = stack.worker(repository, MODEL, "v2")
+    write_registry(
+        registry,
+        {MODEL: {"endpoints": {"v1": [v1.address], "v2": [v2.address]}, "experiment": experiment(50, 50)}},
+    )
+    wait_for(lambda: spilling() == ({"v1": False, "v2": False}, {"v1": 0.0, "v2": 0.0}), timeout_s=5, what="v2 serving")
+
+
 # -- failures ---------------------------------------------------------------------------------
 
 
@@ -373,6 +399,71 @@ def test_bad_input_gets_the_right_status_and_a_message_naming_the_problem(deploy
     assert served_version(deployment.client, key="still-serving") in {"v1", "v2"}
 
 
+CORRUPT_TAG = b"\xff\xff\xff"
+#: Field 1 (a string in each message below but ServerLiveRequest) holding bytes that are not UTF-8.
+BAD_UTF8 = b"\x0a\x02\xc3\x28"
+
+
+@pytest.mark.parametrize(
+    ("method", "message", "garbage"),
+    [
+        ("/inference.GRPCInferenceService/ModelMetadata", "inference.ModelMetadataRequest", CORRUPT_TAG),
+        ("/inference.GRPCInferenceService/ModelMetadata", "inference.ModelMetadataRequest", BAD_UTF8),
+        ("/inference.GRPCInferenceService/ModelReady", "inference.ModelReadyRequest", BAD_UTF8),
+        ("/inference.GRPCInferenceService/ServerLive", "inference.ServerLiveRequest", CORRUPT_TAG),
+        ("/splitstream.v1.Router/Status", "splitstream.v1.StatusRequest", BAD_UTF8),
+    ],
+)
+def test_bytes_that_do_not_parse_get_invalid_argument_naming_the_message_from_every_method(
+    deployment: Deployment, method: str, message: str, garbage: bytes
+) -> None:
+    """grpc's own deserializer answered UNKNOWN with "Unexpected <class DecodeError>" (found by the fuzz test)."""
+    with grpc.insecure_channel(deployment.router.address) as channel, pytest.raises(grpc.RpcError) as caught:
+        channel.unary_unary(method)(garbage, timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert message in caught.value.details()
+
+
+ODD_REQUEST_IDS = ["ünïcode", "a\x01b", "tab\there", "50%"]
+
+
+@pytest.mark.parametrize("request_id", ODD_REQUEST_IDS)
+def test_a_request_id_that_is_not_printable_ascii_is_answered_promptly_with_it_percent_encoded(
+    deployment: Deployment, request_id: str
+) -> None:
+    """Before the fix the router's forward to the worker carried the raw id, gRPC refused it, and the
+    call hung until the client's deadline: the short deadline turns that into DEADLINE_EXCEEDED."""
+    x = np.ones((1, 4), dtype=np.float32)
+    response, headers = deployment.client.infer(make_request(MODEL, x, request_id=request_id), timeout_s=3)
+    assert response.id == request_id
+    assert headers["x-request-id"] == header_value(request_id)
+    assert headers["x-splitstream-version"] in {"v1", "v2"}
+
+
+@pytest.mark.parametrize("request_id", ODD_REQUEST_IDS)
+def test_a_call_refused_at_routing_answers_its_status_with_the_request_id_percent_encoded(
+    deployment: Deployment, request_id: str
+) -> None:
+    x = np.ones((1, 4), dtype=np.float32)
+    with grpc.insecure_channel(deployment.router.address) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.ModelInfer(
+                make_request(MODEL, x, request_id=request_id),
+                metadata=[("x-splitstream-version", "v9")],
+                timeout=3,
+            )
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND, caught.value.details()
+    assert dict(caught.value.trailing_metadata())["x-request-id"] == header_value(request_id)
+
+
+def test_a_percent_encoded_request_id_header_comes_back_unchanged(deployment: Deployment) -> None:
+    x = np.ones((1, 4), dtype=np.float32)
+    encoded = header_value("ünïcode")
+    _, headers = deployment.client.infer(make_request(MODEL, x), metadata=[("x-request-id", encoded)], timeout_s=3)
+    assert headers["x-request-id"] == encoded
+
+
 def test_random_bytes_sent_to_model_infer_are_rejected_and_the_router_keeps_serving(deployment: Deployment) -> None:
     rng = np.random.default_rng(11)
     with grpc.insecure_channel(deployment.router.address) as channel:
@@ -382,6 +473,31 @@ def test_random_bytes_sent_to_model_infer_are_rejected_and_the_router_keeps_serv
                 raw(rng.bytes(64), timeout=5)
             assert caught.value.code() in {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
     assert served_version(deployment.client, key="after-garbage") in {"v1", "v2"}
+
+
+def test_calls_grpc_refuses_before_the_router_sees_them_are_counted_as_received_only(
+    deployment: Deployment,
+) -> None:
+    """A message over the size limit is refused by gRPC itself (RESOURCE_EXHAUSTED): the router's
+    handler never runs, so only the calls-received counter can show it."""
+    router = deployment.stack.router(deployment.registry, "--max-message-bytes", "4096", name="small-messages")
+    client = InferClient(router.address)
+
+    def counts() -> tuple[float, float]:
+        text = scrape_metrics(router.metrics_port)
+        received = sum(value for _, value in metric_samples(text, "splitstream_router_calls_received_total"))
+        answered = sum(value for _, value in metric_samples(text, "splitstream_router_requests_total"))
+        return received, answered
+
+    try:
+        served_version(client, key="small")
+        with pytest.raises(grpc.RpcError) as caught:
+            client.infer(make_request(MODEL, np.ones((4, 400), dtype=np.float32)), timeout_s=5)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        wait_for(lambda: counts() == (2.0, 1.0), timeout_s=5, what="one call received and answered, one refused")
+    finally:
+        client.close()
+        router.stop()
 
 
 # -- introspection ----------------------------------------------------------------------------

@@ -11,6 +11,18 @@ tensors → pick the version (pin, or sticky split, or control when the arm has 
 healthy endpoint) → least-loaded endpoint → forward the bytes; on UNAVAILABLE
 retry once on another endpoint of that version (else the control, unless the
 call was pinned).
+
+The routing table is the core's own: the servicer (model readiness and
+metadata, Status) and the shadow runner ask the core's methods which endpoint
+or version to use, and never read the table themselves.
+
+Request ids: the core holds the original string (``CallOutcome.request_id``,
+which is what gets recorded): the request's ``id`` field as sent, or the
+``x-request-id`` header decoded with ``from_header_value`` (the header can
+only carry the encoded form of a non-ASCII id). Wherever an id goes into
+metadata (the forward, shadows, the trailers) it is encoded with
+``header_value``, so a client that sent the encoded form gets the same value
+back, and ``header_value(record.request_id)`` is what a replay should send.
 """
 
 from __future__ import annotations
@@ -18,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +39,9 @@ import structlog
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from splitstream.common.errors import InvalidInput, ModelNotReady, SplitstreamError
+from splitstream.common.errors import InvalidInput, ModelNotFound, ModelNotReady, SplitstreamError
+from splitstream.common.experiment import Experiment, Shadow
+from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.registry import RegistryState
 from splitstream.router.metrics import RouterMetrics
@@ -36,9 +50,6 @@ from splitstream.router.routing import EMPTY_TABLE, ModelRoutes, Route, RoutingT
 
 log = structlog.get_logger()
 
-REQUEST_ID_HEADER = "x-request-id"
-PIN_HEADER = "x-splitstream-version"
-VERSION_HEADER = "x-splitstream-version"
 #: The model label of calls whose model is not served (bounded metric cardinality; never recorded).
 UNKNOWN_MODEL = "_unknown"
 _SERVER_FAILURES = frozenset(
@@ -69,9 +80,22 @@ class CallOutcome:
     pinned: bool = False
     receive_unix_ns: int = 0
     latency_s: float = 0.0
-    routing_key: str | None = None  # kept for the recorder, which stores only its HMAC
+    # Kept for the recorder, which stores only the key's HMAC and never the header: set as soon as the
+    # model is known, so a call refused at routing (bad pin, no endpoint) is recorded without it too.
+    routing_key: str | None = None
     routing_key_header: str = ""
     shadows: list[Any] = field(default_factory=list)  # ShadowOutcome, filled after the client's answer
+
+
+@dataclass(frozen=True, slots=True)
+class ModelView:
+    """One model as Status shows it: its experiment, each version's endpoints, and the arms spilling now
+    (no eligible endpoint, so their traffic goes to the control, or fails when the arm is the control)."""
+
+    model: str
+    experiment: Experiment
+    pools: Mapping[str, VersionPool]
+    spilling: frozenset[str]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,13 +110,15 @@ class RouterCore:
     def __init__(self, *, settings: EndpointSettings, metrics: RouterMetrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.table: RoutingTable = EMPTY_TABLE
+        #: Private: the servicer, the shadow runner and main ask the methods below instead of reading it.
+        self._table: RoutingTable = EMPTY_TABLE
         #: The routing-key header names the current experiments use (servicers read only these).
         self.routing_key_headers: frozenset[str] = frozenset()
         self.generation = 0
         self.applied_unix_ns = 0
         self._closing: set[asyncio.Task[None]] = set()
         self._warned_at: dict[tuple[str, str, grpc.StatusCode], float] = {}
+        metrics.track_arms(self.arm_spilling)
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -136,53 +162,43 @@ class RouterCore:
                 )
 
     async def _infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
-        request_id = headers.get(REQUEST_ID_HEADER, "")
-        model = UNKNOWN_MODEL
+        outcome = CallOutcome(headers.get(REQUEST_ID_HEADER, ""), UNKNOWN_MODEL, grpc.StatusCode.OK, "", None)
         try:
             head = _read_head(request)
-            request_id = request_id or head.id or uuid.uuid4().hex
-            routes = self.table.model(head.model_name)
-            model = head.model_name
-            routing_key_header = routes.experiment.routing_key_header
-            routing_key = headers.get(routing_key_header)
+            outcome.request_id = outcome.request_id or head.id
+            routes = self._table.model(head.model_name)
+            outcome.model = head.model_name
+            outcome.routing_key_header = routes.experiment.routing_key_header
+            outcome.routing_key = headers.get(outcome.routing_key_header)
             route = routes.route(
-                routing_key=routing_key,
-                pinned_version=_pinned_version(headers.get(PIN_HEADER), head.model_version),
+                routing_key=outcome.routing_key,
+                pinned_version=_pinned_version(headers.get(VERSION_HEADER), head.model_version),
             )
         except SplitstreamError as error:
-            return CallOutcome(request_id or uuid.uuid4().hex, model, error.code, str(error), None)
+            outcome.request_id = outcome.request_id or uuid.uuid4().hex
+            outcome.code, outcome.details = error.code, str(error)
+            return outcome
+        outcome.request_id = outcome.request_id or uuid.uuid4().hex
         if route.fallback:
-            self.metrics.fallbacks.labels(model, route.arm, route.version).inc()
+            self.metrics.fallbacks.labels(outcome.model, route.arm, route.version).inc()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        metadata = ((REQUEST_ID_HEADER, request_id),)
-        outcome = CallOutcome(
-            request_id,
-            model,
-            grpc.StatusCode.OK,
-            "",
-            None,
-            route.version,
-            route.arm,
-            fallback=route.fallback,
-            pinned=route.pinned,
-            routing_key=routing_key,
-            routing_key_header=routing_key_header,
-        )
+        outcome.version, outcome.arm = route.version, route.arm
+        outcome.fallback, outcome.pinned = route.fallback, route.pinned
         endpoint = route.pool.pick()
         if endpoint is None:
             return self._unavailable(outcome, route)
-        failure = await self._forward(outcome, endpoint, request, deadline, metadata)
+        failure = await self._forward(outcome, endpoint, request, deadline)
         if failure is None or failure.code() != grpc.StatusCode.UNAVAILABLE:
             return outcome
         retry = self._retry_target(routes, route, endpoint)
         if retry is None:
             return outcome
         route, endpoint = retry
-        self.metrics.retries.labels(model, outcome.version).inc()
+        self.metrics.retries.labels(outcome.model, outcome.version).inc()
         outcome.retried = True
         outcome.version = route.version
         outcome.fallback = route.fallback
-        await self._forward(outcome, endpoint, request, deadline, metadata)
+        await self._forward(outcome, endpoint, request, deadline)
         return outcome
 
     async def _forward(
@@ -191,14 +207,13 @@ class RouterCore:
         endpoint: Endpoint,
         request: bytes,
         deadline: float | None,
-        metadata: tuple[tuple[str, str], ...],
     ) -> aio.AioRpcError | None:
         """Send the bytes to ``endpoint``; fill ``outcome``; return the error, if any."""
         outcome.endpoint = endpoint.address
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         self.metrics.in_flight.inc()
         try:
-            outcome.response = await endpoint.call(request, timeout_s=timeout, metadata=metadata)
+            outcome.response = await endpoint.call(request, timeout_s=timeout, request_id=outcome.request_id)
         except aio.AioRpcError as error:
             outcome.code = error.code()
             outcome.details = error.details() or ""
@@ -227,11 +242,64 @@ class RouterCore:
         outcome.code, outcome.details = error.code, str(error)
         return outcome
 
+    # -- what the servicer and the shadow runner ask (they never read the table) ----------
+
+    def model_names(self) -> list[str]:
+        return sorted(self._table.models)
+
+    def is_ready(self, model: str, version: str = "") -> bool:
+        """ModelReady: whether ``version`` (empty: the control) has an endpoint to serve it now."""
+        routes = self._table.models.get(model)
+        if routes is None:
+            return False
+        pool = routes.pools.get(version or routes.experiment.control)
+        return pool is not None and pool.has_eligible()
+
+    def metadata_endpoint(self, model: str, version: str = "") -> tuple[Endpoint, str, list[str]]:
+        """Where to ask ModelMetadata: an endpoint of ``version`` (empty: the control), that version, and
+        every version the router knows for the model. Raises ModelNotFound / ModelNotReady."""
+        routes = self._table.model(model)
+        version = version or routes.experiment.control
+        pool = routes.pools.get(version)
+        if pool is None:
+            raise ModelNotFound(f"model '{model}' has no version '{version}'")
+        endpoint = pool.pick()
+        if endpoint is None:
+            raise ModelNotReady(f"model '{model}' version '{version}' has no healthy endpoint")
+        return endpoint, version, sorted(routes.pools)
+
+    def shadows_of(self, model: str) -> Sequence[Shadow]:
+        """The model's shadow versions and sample rates (none for a model no longer served)."""
+        routes = self._table.models.get(model)
+        return () if routes is None else routes.experiment.shadows
+
+    def shadow_endpoint(self, model: str, version: str) -> Endpoint | None:
+        """The least-loaded eligible endpoint of a shadow version, if it has one now."""
+        routes = self._table.models.get(model)
+        pool = None if routes is None else routes.pools.get(version)
+        return None if pool is None else pool.pick()
+
+    def views(self, model: str = "") -> list[ModelView]:
+        """Every model (or the one named), by name, for Status."""
+        return [
+            ModelView(name, routes.experiment, routes.pools, frozenset(_spilling(routes)))
+            for name, routes in sorted(self._table.models.items())
+            if not model or name == model
+        ]
+
+    def arm_spilling(self) -> Iterator[tuple[str, str, bool]]:
+        """``(model, arm version, spilling)`` for every arm, read at each metrics scrape: eligibility
+        changes with health and ejections, between registry states."""
+        for name, routes in self._table.models.items():
+            spilling = _spilling(routes)
+            for arm in routes.experiment.arms:
+                yield name, arm.version, arm.version in spilling
+
     # -- registry --------------------------------------------------------------------------
 
     def apply(self, state: RegistryState) -> None:
         """Swap in a table for ``state``, keeping endpoints (and their connections) that remain."""
-        old = self.table.endpoints
+        old = self._table.endpoints
         endpoints: dict[tuple[str, str, str], Endpoint] = {}
         models: dict[str, ModelRoutes] = {}
         for model, entry in state.models.items():
@@ -247,7 +315,7 @@ class RouterCore:
                 pools[version] = VersionPool(version, members)
             models[model] = ModelRoutes(experiment=entry.experiment, pools=pools)
         self.routing_key_headers = frozenset(routes.experiment.routing_key_header for routes in models.values())
-        self.table = RoutingTable(models=models, endpoints=endpoints)
+        self._table = RoutingTable(models=models, endpoints=endpoints)
         self.generation += 1
         self.applied_unix_ns = time.time_ns()
         for key, endpoint in old.items():
@@ -273,11 +341,21 @@ class RouterCore:
 
     async def close(self) -> None:
         """Close every endpoint (after in-flight calls) and wait for earlier closes."""
-        for endpoint in self.table.endpoints.values():
+        for endpoint in self._table.endpoints.values():
             self._close_later(endpoint)
-        self.table = EMPTY_TABLE
+        self._table = EMPTY_TABLE
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _spilling(routes: ModelRoutes) -> set[str]:
+    """The arms with no eligible endpoint now (an arm without a pool has none)."""
+    pools = routes.pools
+    return {
+        arm.version
+        for arm in routes.experiment.arms
+        if (pool := pools.get(arm.version)) is None or not pool.has_eligible()
+    }
 
 
 def _read_head(request: bytes) -> router_pb2.InferRequestHead:
@@ -289,5 +367,5 @@ def _read_head(request: bytes) -> router_pb2.InferRequestHead:
 
 def _pinned_version(header: str | None, model_version: str) -> str | None:
     if header and model_version and header != model_version:
-        raise InvalidInput(f"{PIN_HEADER} '{header}' conflicts with the request's model_version '{model_version}'")
+        raise InvalidInput(f"{VERSION_HEADER} '{header}' conflicts with the request's model_version '{model_version}'")
     return header or model_version or None

@@ -254,7 +254,9 @@ class Router:
         )
         self.servicer.after_answer = self.shadows.after_answer
         self.health = health.aio.HealthServicer()
-        self.server = aio.server(options=server_options(config.max_message_bytes))
+        self.server = aio.server(
+            interceptors=self.servicer.interceptors(), options=server_options(config.max_message_bytes)
+        )
         self._watch_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -286,7 +288,7 @@ class Router:
             port=port,
             metrics_port=self.config.metrics_port,
             registry=self.registry.description,
-            models=sorted(self.core.table.models),
+            models=self.core.model_names(),
         )
 
     async def _follow(self, updates: AsyncIterator[RegistryUpdate]) -> None:

@@ -6,7 +6,11 @@ lock and a dict build, which adds up at thousands of calls a second.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
@@ -76,6 +80,12 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.in_flight = Gauge("splitstream_router_in_flight", "Calls being forwarded now", registry=self.registry)
+        self.received = Counter(
+            "splitstream_router_calls_received",
+            "Inference calls as they arrive, before gRPC reads the message: those gRPC refuses itself "
+            "(too large, deadline gone) are counted here and in no requests_total",
+            registry=self.registry,
+        )
         self._answered: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
 
     def answered(self, model: str, version: str, status: str, latency_s: float) -> None:
@@ -87,3 +97,26 @@ class RouterMetrics:
         counter, histogram = children
         counter.inc()
         histogram.observe(latency_s)
+
+    def track_arms(self, source: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        """Export ``splitstream_router_arm_spilling{model,version}``, read from ``source`` at each scrape.
+
+        Computed when scraped rather than set on changes: an arm starts spilling when its last endpoint
+        turns unhealthy or is ejected, and stops when an ejection simply runs out, with no event to hook."""
+        self.registry.register(_ArmSpilling(source))
+
+
+class _ArmSpilling(Collector):
+    def __init__(self, source: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "splitstream_router_arm_spilling",
+            "1 while an arm's version has no eligible endpoint, so its traffic goes to the control "
+            "(or fails, for the control itself)",
+            labels=["model", "version"],
+        )
+        for model, version, spilling in self._source():
+            family.add_metric([model, version], 1.0 if spilling else 0.0)
+        yield family

@@ -32,13 +32,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
 from splitstream.router.core import CallOutcome
+from splitstream.router.recorded_metadata import recorded_metadata
 from splitstream.router.spool import Spool
 
 log = structlog.get_logger()
 
 SCHEMA_VERSION = 1
 RECORD_METHOD = "/splitstream.v1.Recorder/Record"
-_RESERVED_METADATA = ("grpc-", ":")
 #: Event-loop time the batch builder takes before it yields to calls (a record costs ~3-10 µs).
 _SLICE_S = 50e-6
 
@@ -54,6 +54,8 @@ class MirrorSettings:
     max_unacked_batches: int = 8
     ack_timeout_s: float = 5.0
     flush_timeout_s: float = 5.0
+    #: Keep authorization, cookie, API-key headers in records (off: a replay would re-send someone's token).
+    record_credential_headers: bool = False
 
 
 @dataclass(slots=True)
@@ -300,9 +302,13 @@ class RecordMirror:
                 result.response.size_bytes = len(shadow.response)
         if outcome.routing_key is not None:
             record.routing_key_hmac = routing_key_hmac(self.settings.hmac_key, outcome.routing_key)
-        for key, value in metadata:
-            if isinstance(value, str) and not key.startswith(_RESERVED_METADATA) and key != outcome.routing_key_header:
-                record.metadata[key] = value
+        record.metadata.update(
+            recorded_metadata(
+                metadata,
+                routing_key_header=outcome.routing_key_header,
+                keep_credentials=self.settings.record_credential_headers,
+            )
+        )
         return record
 
 

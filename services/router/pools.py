@@ -19,6 +19,8 @@ import structlog
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitstream.common.headers import REQUEST_ID_HEADER, header_value
+
 log = structlog.get_logger()
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -70,10 +72,16 @@ class Endpoint:
     def ejected(self) -> bool:
         return self.ejected_until > time.monotonic()
 
-    async def call(self, request: bytes, *, timeout_s: float | None, metadata: tuple[tuple[str, str], ...]) -> bytes:
+    async def call(self, request: bytes, *, timeout_s: float | None, request_id: str) -> bytes:
         """Forward ``request`` and keep the books every caller relies on: calls in flight (for the
         least-outstanding pick), call and failure counts, and the circuit breaker. Raises the
-        worker's AioRpcError unchanged."""
+        worker's AioRpcError unchanged.
+
+        The metadata is built here, from the id, and nowhere else: a client's id that is not printable
+        ASCII in a header makes gRPC core refuse the call's start without ever finishing it, so the
+        forward hung until the client's deadline (for ever without one). :func:`header_value` makes any
+        id valid."""
+        metadata = ((REQUEST_ID_HEADER, header_value(request_id)),)
         self.outstanding += 1
         self.calls += 1
         try:

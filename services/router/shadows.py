@@ -72,12 +72,9 @@ class ShadowRunner:
     def _sample(self, outcome: CallOutcome) -> list[str]:
         if not outcome.version:  # never routed (bad request, unknown model): nothing to compare
             return []
-        routes = self.core.table.models.get(outcome.model)
-        if routes is None or not routes.experiment.shadows:
-            return []
         return [
             s.version
-            for s in routes.experiment.shadows
+            for s in self.core.shadows_of(outcome.model)
             if s.version != outcome.version and random.random() < s.sample_rate
         ]
 
@@ -94,9 +91,7 @@ class ShadowRunner:
 
     async def _shadow(self, outcome: CallOutcome, request: bytes, version: str) -> ShadowOutcome:
         started = time.perf_counter()
-        routes = self.core.table.models.get(outcome.model)
-        pool = routes.pools.get(version) if routes is not None else None
-        endpoint = pool.pick() if pool is not None else None
+        endpoint = self.core.shadow_endpoint(outcome.model, version)
         if endpoint is None:
             result = ShadowOutcome(
                 version,
@@ -109,9 +104,7 @@ class ShadowRunner:
         else:
             retargeted = request + router_pb2.InferRequestHead(model_version=version).SerializeToString()
             try:
-                response = await endpoint.call(
-                    retargeted, timeout_s=self.timeout_s, metadata=(("x-request-id", outcome.request_id),)
-                )
+                response = await endpoint.call(retargeted, timeout_s=self.timeout_s, request_id=outcome.request_id)
                 result = ShadowOutcome(
                     version, endpoint.address, grpc.StatusCode.OK, "", time.perf_counter() - started, response
                 )

@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 import splitstream
 from splitstream.common.errors import SplitstreamError, status_of
+from splitstream.common.headers import REQUEST_ID_HEADER, from_header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.tensors import datatype_of, input_arrays, to_raw
@@ -25,7 +26,6 @@ from splitstream.worker.model import ServedModel
 from splitstream.worker.validation import InputHeader
 
 SERVER_NAME = "splitstream-worker"
-REQUEST_ID_HEADER = "x-request-id"
 SERVICE = "inference.GRPCInferenceService"
 
 
@@ -148,7 +148,9 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
 
 
 def _request_id(request: oip.ModelInferRequest, context: grpc.aio.ServicerContext) -> str:
+    """The id for logs, as the router records it: the header decoded (the router percent-encodes ids
+    that are not printable ASCII), else the request's ``id``. The worker puts no id into metadata."""
     for key, value in context.invocation_metadata() or ():
-        if key == REQUEST_ID_HEADER:
-            return str(value)
+        if key == REQUEST_ID_HEADER and isinstance(value, str):
+            return from_header_value(value)
     return request.id
