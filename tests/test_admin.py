@@ -257,7 +257,7 @@ def registry(tmp_path: Path) -> Path:
     [
         (["--weights", "v1=80,v2=10"], "must sum to 100, got 90"),
         (["--weights", "v1=90,v9=10"], "no endpoint of version(s) v9"),
-        (["--weights", "v1=110,v2=-10"], "weight must be a number >= 0"),
+        (["--weights", "v1=110,v2=-10"], "arms[1].weight: Input should be greater than or equal to 0, got -10"),
         (["--weights", "v1=90,v2=10", "--control", "v3"], "control 'v3' is not one of the arms"),
         (["--json", '{"control": "v1", "arms": [{"version": "v1", "weight": 100}'], "not valid JSON"),
         (["--json", '{"control": ["v1", "v2"], "arms": []}'], "'control' must be one version name"),
