@@ -105,37 +105,41 @@ class Experiment:
         """Validate and lay out an experiment; raises ConfigError naming what is wrong."""
         where = f"experiment for model '{model}'"
         if not arms:
-            raise ConfigError(f"{where}: needs at least one arm")
+            raise ConfigError(f"{where}: arms: needs at least one arm")
         versions = [version for version, _ in arms]
         duplicates = sorted({v for v in versions if versions.count(v) > 1})
         if duplicates:
-            raise ConfigError(f"{where}: version(s) {duplicates} appear in more than one arm")
+            raise ConfigError(f"{where}: arms: version(s) {duplicates} appear in more than one arm")
         if control not in versions:
             raise ConfigError(f"{where}: control '{control}' is not one of the arms {versions}")
         buckets: dict[str, int] = {}
-        for version, weight in arms:
+        for index, (version, weight) in enumerate(arms):
             if (
                 isinstance(weight, bool)
                 or not isinstance(weight, int | float)
                 or not math.isfinite(weight)
                 or weight < 0
             ):
-                raise ConfigError(f"{where}: arm '{version}' weight must be a number >= 0, got {weight!r}")
+                raise ConfigError(f"{where}: arms[{index}].weight: arm '{version}' needs a number >= 0, got {weight!r}")
             share = round(weight * BUCKETS / 100)
             if abs(share - weight * BUCKETS / 100) > 1e-6:
-                raise ConfigError(f"{where}: arm '{version}' weight {weight} is finer than 0.01 %")
+                raise ConfigError(
+                    f"{where}: arms[{index}].weight: arm '{version}' weight {weight} is finer than 0.01 %"
+                )
             buckets[version] = share
         if sum(buckets.values()) != BUCKETS:
             total = sum(weight for _, weight in arms)
-            raise ConfigError(f"{where}: arm weights must sum to 100, got {total:g}")
-        for version, rate in shadows:
+            raise ConfigError(f"{where}: arms: arm weights must sum to 100, got {total:g}")
+        for index, (version, rate) in enumerate(shadows):
             if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
-                raise ConfigError(f"{where}: shadow '{version}' sample_rate must be within 0..1, got {rate!r}")
+                raise ConfigError(
+                    f"{where}: shadows[{index}].sample_rate: shadow '{version}' needs a rate within 0..1, got {rate!r}"
+                )
             if version in versions and dict(arms)[version] > 0:
-                raise ConfigError(f"{where}: shadow '{version}' also takes live traffic as an arm")
+                raise ConfigError(f"{where}: shadows[{index}].version: '{version}' also takes live traffic as an arm")
         header = routing_key_header.strip().lower()
         if not header:
-            raise ConfigError(f"{where}: routing_key_header must not be empty")
+            raise ConfigError(f"{where}: routing_key_header: must not be empty")
         ordered = [control, *sorted(v for v in versions if v != control)]
         laid: list[Arm] = []
         start = 0

@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 import structlog
 import yaml
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, model_validator
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment, ExperimentDocument, VersionName
@@ -76,11 +76,11 @@ class ModelDocument(Document):
 class RegistryDocument(Document):
     models: dict[ModelName, ModelDocument]
     #: Models the operator removes on purpose: the only way a serving model leaves the routers.
-    remove_models: list[ModelName] = Field(default_factory=list)
+    remove_models: list[ModelName] | None = None
 
     @model_validator(mode="after")
     def _removed_models_are_absent(self) -> RegistryDocument:
-        both = sorted(set(self.remove_models) & set(self.models))
+        both = sorted(set(self.remove_models or ()) & set(self.models))
         if both:
             raise ValueError(f"remove_models names {both}, which are also under models; keep them in one place")
         return self
@@ -159,7 +159,7 @@ def parse_registry_file(data: Any, *, source: str = "registry") -> tuple[Registr
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
         models[model] = ModelEntry(experiment=experiment, endpoints=endpoints)
-    return RegistryState(models=models), frozenset(document.remove_models)
+    return RegistryState(models=models), frozenset(document.remove_models or ())
 
 
 def _experiment(model: str, entry: ModelDocument, endpoints: dict[str, tuple[str, ...]]) -> Experiment:
