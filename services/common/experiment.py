@@ -32,32 +32,37 @@ VersionName = Annotated[str, StringConstraints(min_length=1)]
 
 
 class ArmDocument(Document):
-    """``{version, weight}``: ``weight`` is a percentage (int or float, not a bool or a string)."""
+    """One arm: a version and its share of the traffic."""
 
-    version: VersionName
-    weight: Annotated[float, Field(ge=0)]
+    version: VersionName = Field(description='a version of the model, e.g. `v2` (a string: quote `"2"`)')
+    weight: Annotated[float, Field(ge=0)] = Field(
+        description="percent of the traffic, >= 0, at most 2 decimals; the arms sum to 100 "
+        '(a number: `true`, `"10"`, `.nan` and `.inf` are refused)'
+    )
 
 
 class ShadowDocument(Document):
-    version: VersionName
-    #: Fraction of calls copied to the shadow; absent: every call.
-    sample_rate: Annotated[float, Field(ge=0, le=1)] = 1.0
+    """A version that gets a sampled copy of the calls after the client has its answer."""
+
+    version: VersionName = Field(description="the shadow version; it may not take live traffic (weight > 0)")
+    sample_rate: Annotated[float, Field(ge=0, le=1)] = Field(1.0, description="fraction of the calls copied, 0..1")
 
 
 class ExperimentDocument(Document):
     """An experiment as the file's ``experiment:`` block and Consul's KV JSON write it.
 
-    ``null`` means "the default" for the optional fields (salt: the model name; shadows: none;
-    routing_key_header: x-routing-key), as leaving the key out does.
+    ``null`` means "the default" for the optional fields, as leaving the key out does. In Consul, the
+    value ``{"remove": true}`` instead of an experiment takes the model out of every router.
     """
 
-    #: Consul's JSON may repeat the model name (``experiment get`` prints it); it is not used for routing.
-    model: str | None = None
-    salt: str | None = None
-    control: VersionName
-    arms: Annotated[list[ArmDocument], Field(min_length=1)]
-    shadows: list[ShadowDocument] | None = None
-    routing_key_header: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] | None = None
+    model: str | None = Field(None, description="the model's name (Consul's JSON may repeat it); not used")
+    salt: str | None = Field(None, description="hash salt; changing it reshuffles every key; null: the model name")
+    control: VersionName = Field(description="the arm that takes the traffic of versions without a healthy endpoint")
+    arms: Annotated[list[ArmDocument], Field(min_length=1)] = Field(description="the split, at least one arm")
+    shadows: list[ShadowDocument] | None = Field(None, description="shadow copies; null: none")
+    routing_key_header: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] | None = Field(
+        None, description="header carrying the sticky key; null: `x-routing-key`"
+    )
 
 
 def _number(value: float) -> float:

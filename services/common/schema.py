@@ -12,8 +12,10 @@ which :func:`validate` turns into a one-line ConfigError naming the field path
 
 from __future__ import annotations
 
+import json
+import types
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -70,3 +72,63 @@ def validate(schema: type[D], data: Any, *, where: str = "", prefix: str = "") -
     except ValidationError as error:
         line = describe(error, prefix=prefix)
         raise ConfigError(f"{where}: {line}" if where else line) from None
+
+
+# -- the reference (docs/configuration.md is generated from the schemas, so it cannot drift) ----------
+
+
+def _nested_document(annotation: Any) -> tuple[type[Document], str] | None:
+    """The Document inside ``annotation`` (through Annotated, Optional, list, dict) and the path step to it."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return _nested_document(args[0])
+    if origin in (Union, types.UnionType):
+        found = [n for n in (_nested_document(a) for a in args) if n is not None]
+        return found[0] if found else None
+    if origin is list:
+        inner = _nested_document(args[0])
+        return (inner[0], "[]" + inner[1]) if inner else None
+    if origin is dict:
+        inner = _nested_document(args[1])
+        return (inner[0], ".<key>" + inner[1]) if inner else None
+    if isinstance(annotation, type) and issubclass(annotation, Document):
+        return annotation, ""
+    return None
+
+
+_TYPE_NAMES = {str: "string", float: "number", int: "integer", bool: "true/false", type(None): "null"}
+
+
+def type_text(annotation: Any) -> str:
+    """A reader's name for a field's type: ``list of string``, ``number or null``."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return type_text(args[0])
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_text(arg) for arg in args)
+    if origin is list:
+        return f"list of {type_text(args[0])}"
+    if origin is dict:
+        return f"map of {type_text(args[0])} to {type_text(args[1])}"
+    if origin is Literal:
+        return " / ".join(f"`{arg}`" for arg in args)
+    if isinstance(annotation, type) and issubclass(annotation, Document):
+        return "mapping"
+    return _TYPE_NAMES.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def reference_rows(schema: type[Document], prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """``(field path, type, default, meaning)`` for every field of ``schema`` and the documents inside it."""
+    rows = []
+    for name, info in schema.model_fields.items():
+        path = f"{prefix}{name}"
+        if info.is_required():
+            default = "required"
+        else:
+            value = info.get_default(call_default_factory=True)
+            default = "null" if value is None else f"`{json.dumps(value)}`"
+        rows.append((path, type_text(info.annotation), default, " ".join((info.description or "").split())))
+        nested = _nested_document(info.annotation)
+        if nested is not None:
+            rows += reference_rows(nested[0], prefix=f"{path}{nested[1]}.")
+    return rows

@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 import structlog
 import yaml
-from pydantic import AfterValidator, BeforeValidator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment, ExperimentDocument, VersionName
@@ -67,16 +67,27 @@ Addresses = Annotated[list[Address], BeforeValidator(lambda value: [value] if is
 
 
 class ModelDocument(Document):
-    #: version → addresses; ``null`` or absent: none (the model is then reachable by nobody).
-    endpoints: dict[VersionName, Addresses] | None = None
-    #: Absent or ``null``: allowed for a one-version model, which then takes 100 %.
-    experiment: ExperimentDocument | None = None
+    """One model: where its versions run and how traffic splits between them."""
+
+    endpoints: dict[VersionName, Addresses] | None = Field(
+        None, description="version → list of `host:port` (one address may go without the list); null: none"
+    )
+    experiment: ExperimentDocument | None = Field(
+        None, description="the split; may be left out when the model has exactly one version (it takes 100 %)"
+    )
 
 
 class RegistryDocument(Document):
-    models: dict[ModelName, ModelDocument]
-    #: Models the operator removes on purpose: the only way a serving model leaves the routers.
-    remove_models: list[ModelName] | None = None
+    """The whole file. An empty or comment-only file is refused (it is what a poll sees mid-save)."""
+
+    models: dict[ModelName, ModelDocument] = Field(
+        description="model name → model; `{}` serves nothing (refused while models are routed, see remove_models)"
+    )
+    remove_models: list[ModelName] | None = Field(
+        None,
+        description="models taken out on purpose: a state that drops a serving model, or every model, is "
+        "refused unless each is named here; null: none",
+    )
 
     @model_validator(mode="after")
     def _removed_models_are_absent(self) -> RegistryDocument:
