@@ -263,7 +263,7 @@ def _arms_json(v1: str, v2: str) -> str:
     [
         (["--weights", "v1=80,v2=10"], "must sum to 100, got 90"),
         (["--weights", "v1=90,v9=10"], "no endpoint of version(s) v9"),
-        (["--weights", "v1=110,v2=-10"], "arms[1].weight: Input should be greater than or equal to 0, got -10"),
+        (["--weights", "v1=110,v2=-10"], "arms[1].weight: must not be negative, got -10"),
         (["--weights", "v1=90,v2=10", "--control", "v3"], "control 'v3' is not one of the arms"),
         (["--json", '{"control": "v1", "arms": [{"version": "v1", "weight": 100}'], "not valid JSON"),
         (["--json", '{"control": ["v1", "v2"], "arms": []}'], "'control' must be one version name"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -52,12 +52,23 @@ def _value_text(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def describe(error: ValidationError, *, prefix: str = "") -> str:
-    """One readable line: the first problem with its field path and the value found, and how many more."""
+def describe(error: ValidationError, *, prefix: str = "", rename: Callable[[str], str] | None = None) -> str:
+    """One readable line: the first problem with its field path and the value found, and how many more.
+
+    ``rename`` turns the path into the name the user knows (a flag, for settings read from a command line).
+    A rule across fields (a model validator) has no path: its message names the fields itself.
+    """
     problems = error.errors(include_url=False)
     first = problems[0]
-    message = _MESSAGES.get(first["type"]) or str(first["msg"]).removeprefix("Value error, ")
-    line = f"{field_path(first['loc'], prefix)}: {message}"
+    bound = (first.get("ctx") or {}).get("ge" if first["type"] == "greater_than_equal" else "gt")
+    if first["type"] in ("greater_than_equal", "greater_than") and bound == 0:
+        message = "must not be negative" if first["type"] == "greater_than_equal" else "must be positive"
+    else:
+        message = _MESSAGES.get(first["type"]) or str(first["msg"]).removeprefix("Value error, ")
+    path = field_path(first["loc"], prefix) if first["loc"] or prefix else ""
+    if rename is not None and path:
+        path = rename(path)
+    line = f"{path}: {message}" if path else message
     if first["type"] not in ("missing", "extra_forbidden") and "input" in first:
         line += f", got {_value_text(first['input'])}"
     if len(problems) > 1:
@@ -65,12 +76,14 @@ def describe(error: ValidationError, *, prefix: str = "") -> str:
     return line
 
 
-def validate(schema: type[D], data: Any, *, where: str = "", prefix: str = "") -> D:
+def validate(
+    schema: type[D], data: Any, *, where: str = "", prefix: str = "", rename: Callable[[str], str] | None = None
+) -> D:
     """``schema.model_validate(data)``; any problem is a ConfigError ``"<where>: <field path>: <problem>"``."""
     try:
         return schema.model_validate(data)
     except ValidationError as error:
-        line = describe(error, prefix=prefix)
+        line = describe(error, prefix=prefix, rename=rename)
         raise ConfigError(f"{where}: {line}" if where else line) from None
 
 
