@@ -38,6 +38,8 @@ def field_path(location: Sequence[int | str], prefix: str = "") -> str:
             path += f"[{part}]"
         elif part == "[key]":  # pydantic's marker for a mapping key that failed validation
             path += " (key)"
+        elif not part or not part.isprintable() or any(c.isspace() or c in ".[]" for c in part):
+            path += f"[{part!r}]"  # a key that could not be read back from a dotted path, or would break the line
         else:
             path += f".{part}" if path else str(part)
     return path or "(document)"
