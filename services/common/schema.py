@@ -17,7 +17,8 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError
+from pydantic_core import PydanticCustomError
 
 from splitstream.common.errors import ConfigError
 
@@ -45,6 +46,58 @@ def field_path(location: Sequence[int | str], prefix: str = "") -> str:
     return path or "(document)"
 
 
+# -- constrained types whose errors read as a rule, not as a type name ----------------------------------
+#
+# Pydantic's strict types say "Input should be a valid integer"; for a setting with a bound the reader
+# needs the rule ("must be an integer >= 1"). Each is declared once here and used as a field type.
+
+
+def _refuse(kind: str, message: str, **context: Any) -> PydanticCustomError:
+    return PydanticCustomError(kind, message, context or None)
+
+
+def int_at_least(minimum: int) -> Any:
+    """An ``int`` (never a bool) >= ``minimum``."""
+
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise _refuse("int_at_least", "must be an integer >= {minimum}", minimum=minimum)
+        return value
+
+    return Annotated[int, PlainValidator(check)]
+
+
+def one_of(*choices: str) -> Any:
+    """One of the given strings, exactly."""
+
+    def check(value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise _refuse("one_of", "must be one of {choices}", choices=list(choices))
+        return value
+
+    return Annotated[str, PlainValidator(check)]
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _refuse("flag", "must be true or false")
+    return value
+
+
+#: ``true`` or ``false`` (YAML's ``yes``, 1 and "true" are refused).
+Flag = Annotated[bool, PlainValidator(_flag)]
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(isinstance(d, int) and not isinstance(d, bool) for d in value):
+        raise _refuse("shape", "must be a list of integers (-1 = dynamic)")
+    return tuple(value)
+
+
+#: A tensor shape: a list of integers, kept as a tuple.
+Shape = Annotated[tuple[int, ...], PlainValidator(_shape)]
+
+
 #: Pydantic's wording where ours reads better to someone editing a file.
 _MESSAGES = {"extra_forbidden": "unknown field (a typo?)", "missing": "is required"}
 
@@ -67,7 +120,10 @@ def describe(error: ValidationError, *, prefix: str = "", rename: Callable[[str]
         message = "must not be negative" if first["type"] == "greater_than_equal" else "must be positive"
     else:
         message = _MESSAGES.get(first["type"]) or str(first["msg"]).removeprefix("Value error, ")
-    path = field_path(first["loc"], prefix) if first["loc"] or prefix else ""
+    location = tuple(first["loc"])
+    if first["type"] == "missing" and len(location) > 1:  # "inputs[0]: lacks ['shape']" reads better
+        location, message = location[:-1], f"lacks [{str(location[-1])!r}]"
+    path = field_path(location, prefix) if location or prefix else ""
     if rename is not None and path:
         path = rename(path)
     line = f"{path}: {message}" if path else message
