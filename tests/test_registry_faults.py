@@ -176,3 +176,16 @@ def test_dropping_one_serving_model_of_two_is_refused_unless_it_is_named_for_rem
     assert status(router).registry_error == ""
     assert healthy(router) == 1
     stop_cleanly(router)
+
+
+def test_a_router_started_on_an_empty_registry_file_exits_2_with_one_line(stack: Stack, tmp_path: Path) -> None:
+    """An empty file at start is the same half-saved file; a router serving nothing as healthy hides it."""
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("# to be filled in\n")
+    router = stack.router(registry, start=False)
+    router.start(wait_serving=False)
+    assert router.wait() == 2
+    lines = router.log().strip().splitlines()
+    assert len(lines) == 1, router.log()
+    assert lines[0].startswith("splitstream-router: error: registry file:")
+    assert "the file is empty" in lines[0]
