@@ -32,6 +32,7 @@ DOCUMENTS = [
         "splitstream.common.experiment",
         "ExperimentDocument",
     ),
+    ("Model `config.yaml` (`MODEL_REPOSITORY/MODEL/VERSION/config.yaml`)", "splitstream.worker.config", "ModelConfig"),
 ]
 _ENV = re.compile(r"\s*\[env (\w+)\]")
 

@@ -12,7 +12,9 @@ which :func:`validate` turns into a one-line ConfigError naming the field path
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 import types
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
@@ -183,22 +185,50 @@ def type_text(annotation: Any) -> str:
         return f"map of {type_text(args[0])} to {type_text(args[1])}"
     if origin is Literal:
         return " / ".join(f"`{arg}`" for arg in args)
-    if isinstance(annotation, type) and issubclass(annotation, Document):
-        return "mapping"
-    return _TYPE_NAMES.get(annotation, getattr(annotation, "__name__", str(annotation)))
+    if origin is tuple:  # written as a YAML list, kept as a tuple
+        return f"list of {type_text(args[0])}"
+    if annotation in _TYPE_NAMES:
+        return _TYPE_NAMES[annotation]
+    return "mapping"  # a Document, or a value type built from one (e.g. a tensor spec)
+
+
+def _field_comments(schema: type[Document]) -> dict[str, str]:
+    """The ``#:`` comments above each field in the class body (Sphinx's convention), for fields without a
+    ``description``: one text serves the code reader and the generated reference."""
+    try:
+        lines = inspect.getsource(schema).splitlines()
+    except (OSError, TypeError):
+        return {}
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    for line in lines:
+        text = line.strip()
+        if text.startswith("#:"):
+            pending.append(text[2:].strip())
+            continue
+        name, sep, _ = text.partition(":")
+        if sep and name.isidentifier() and pending:
+            comments[name] = " ".join(pending)
+        pending = []
+    return comments
 
 
 def reference_rows(schema: type[Document], prefix: str = "") -> list[tuple[str, str, str, str]]:
     """``(field path, type, default, meaning)`` for every field of ``schema`` and the documents inside it."""
     rows = []
+    comments = _field_comments(schema)
     for name, info in schema.model_fields.items():
         path = f"{prefix}{name}"
         if info.is_required():
             default = "required"
         else:
             value = info.get_default(call_default_factory=True)
+            if isinstance(value, BaseModel):
+                value = value.model_dump(mode="json", exclude_defaults=True)
             default = "null" if value is None else f"`{json.dumps(value)}`"
-        rows.append((path, type_text(info.annotation), default, " ".join((info.description or "").split())))
+        meaning = info.description or comments.get(name, "")
+        meaning = re.sub(r":\w+:`", "`", " ".join(meaning.split()).replace("``", "`"))  # Sphinx roles → code
+        rows.append((path, type_text(info.annotation), default, meaning))
         nested = _nested_document(info.annotation)
         if nested is not None:
             rows += reference_rows(nested[0], prefix=f"{path}{nested[1]}.")

@@ -98,8 +98,11 @@ class ProfileConfig(Document):
     checked against the ONNX graph (:mod:`splitstream.worker.engines.profiles`).
     """
 
+    #: Input name → its smallest shape.
     min: dict[str, Shape]
+    #: Input name → the shape TensorRT tunes for.
     opt: dict[str, Shape]
+    #: Input name → its largest shape.
     max: dict[str, Shape]
 
     @model_validator(mode="wrap")
@@ -146,7 +149,7 @@ def _stream_priority(value: Any) -> str | int:
 class TensorRTConfig(Document):
     """How the native TensorRT backend builds and runs engines (``backend: tensorrt``)."""
 
-    #: fp32, or fp16 / int8 made by the precision step (:mod:`splitstream.worker.engines.precision`).
+    #: ``fp32``, or ``fp16`` / ``int8`` made by the precision step (:mod:`splitstream.worker.engines.precision`).
     precision: one_of(*PRECISIONS) = "fp32"  # type: ignore[valid-type]
     #: ``onnx``: the prepared ONNX carries the precision (TensorRT 10.x and 11.x); ``builder_flags``:
     #: the FP32 graph plus TensorRT 10.x's FP16/INT8 builder flags (refused on 11+, where they are gone).
@@ -163,8 +166,11 @@ class TensorRTConfig(Document):
     stream_priority: Annotated[str | int, PlainValidator(_stream_priority)] = "normal"
     #: No engine for this GPU in the cache: build one at start (minutes) instead of failing.
     build_on_start: Flag = False
+    #: ``none``, ``ampere_plus`` (one engine for Ampere and later) or ``same_cc`` (same compute capability).
     hardware_compatibility: one_of(*HARDWARE_COMPATIBILITY) = "none"  # type: ignore[valid-type]
+    #: The engine runs on later TensorRT of the same major version.
     version_compatible: Flag = False
+    #: Reuse and save the builder's timing cache in ``engines/``.
     timing_cache: Flag = True
 
     @field_validator("quantized_model")
@@ -194,7 +200,9 @@ class TensorRTProviderConfig(Document):
     engine_cache_path: Annotated[str, AfterValidator(_directory)] | None = None
     #: Directory for the provider's timing cache; None: no timing cache.
     timing_cache_path: Annotated[str, AfterValidator(_directory)] | None = None
+    #: Let the provider build FP16 kernels.
     fp16: Flag = False
+    #: Provider workspace limit; None: the provider's default.
     workspace_bytes: int_at_least(1) | None = None  # type: ignore[valid-type]
     #: The provider's one optimisation profile; None: it builds for the shapes it sees.
     profile: ProfileConfig | None = None
@@ -203,6 +211,7 @@ class TensorRTProviderConfig(Document):
 class OnnxRuntimeConfig(Document):
     """ONNX Runtime backend options beyond ``execution_providers`` (``onnxruntime``)."""
 
+    #: Options of ONNX Runtime's TensorRT execution provider, used when it is among the providers.
     tensorrt: Annotated[TensorRTProviderConfig, BeforeValidator(_section_or_defaults)] = Field(
         default_factory=TensorRTProviderConfig
     )
@@ -211,6 +220,7 @@ class OnnxRuntimeConfig(Document):
 class DynamicBatchingConfig(Document):
     """Queue concurrent requests and run them as one batch (needs ``max_batch_size > 0``)."""
 
+    #: ``false`` keeps the section but runs each request alone.
     enabled: Flag = True
     #: How long the first request of a batch may wait for others to join it.
     max_queue_delay_us: int_at_least(0) = 0  # type: ignore[valid-type]
@@ -262,18 +272,27 @@ Tensors = Annotated[tuple[Tensor, ...] | None, _list_of("{name, datatype, shape}
 class ModelConfig(Document):
     """The validated content of one ``config.yaml``."""
 
+    #: ``onnxruntime`` or ``tensorrt`` (native engines; needs the [tensorrt] extra and a GPU).
     backend: one_of(*BACKENDS)  # type: ignore[valid-type]
+    #: >0: the first dimension of every tensor is the batch dimension; 0: no batch dimension.
     max_batch_size: int_at_least(0) = 0  # type: ignore[valid-type]
     #: Absent: off. Present (even empty): on, with its defaults.
     dynamic_batching: Annotated[DynamicBatchingConfig, BeforeValidator(_section_or_defaults)] = Field(
         default_factory=lambda: DynamicBatchingConfig(enabled=False)
     )
+    #: Concurrent backend runs.
     instance_count: int_at_least(1) = 1  # type: ignore[valid-type]
+    #: ONNX Runtime intra-op threads (0: ONNX Runtime decides).
     intra_op_threads: int_at_least(0) = 1  # type: ignore[valid-type]
+    #: Preference order among ``tensorrt``, ``cuda``, ``cpu`` (backend onnxruntime).
     execution_providers: Annotated[tuple[str, ...], _list_of("providers"), AfterValidator(_providers)] = ("cpu",)
+    #: ``[{name, datatype, shape}]`` (-1: a dynamic dimension); absent: read from the model.
     inputs: Tensors = None
+    #: Same as inputs, for the outputs.
     outputs: Tensors = None
+    #: Backend onnxruntime only: options of ONNX Runtime's TensorRT execution provider (``tensorrt:``).
     onnxruntime: Annotated[OnnxRuntimeConfig, BeforeValidator(_section_or_defaults)] | None = None
+    #: Backend tensorrt only; every field has a default.
     tensorrt: Annotated[TensorRTConfig, BeforeValidator(_section_or_defaults)] | None = None
 
     @model_validator(mode="before")
