@@ -128,6 +128,23 @@ def test_a_bad_value_in_the_file_is_reported_and_the_next_good_edit_still_applie
     stop_cleanly(router)
 
 
+def test_a_registry_file_that_is_not_text_is_reported_and_the_next_good_edit_applies(
+    stack: Stack, tmp_path: Path, workers: dict[str, str]
+) -> None:
+    """A UnicodeDecodeError is a ValueError, not an OSError: it too used to end the watch silently."""
+    registry = tmp_path / "registry.yaml"
+    edit_in_place(registry, registry_text("100", "0", workers=workers))
+    router = stack.router(registry)
+    assert served_version(router) == "v1"
+    registry.write_bytes(b"models:\n  \xff\xfe: {}\n")
+    wait_refused(router, "not UTF-8 text")
+    assert served_version(router) == "v1"
+    edit_in_place(registry, registry_text("0", "100", workers=workers))
+    wait_for(lambda: served_version(router) == "v2", timeout_s=10, what="the good edit to apply")
+    assert healthy(router) == 1
+    stop_cleanly(router)
+
+
 def test_a_file_that_would_drop_every_model_is_refused_until_the_removal_is_explicit(
     stack: Stack, tmp_path: Path, workers: dict[str, str]
 ) -> None:

@@ -128,6 +128,8 @@ class FileRegistry:
             except OSError as error:
                 last_signature = None  # read again once the file is back, even if it looks unchanged
                 update = RegistryUpdate(error=f"{self.path}: {error.strerror or error}")
+            except UnicodeDecodeError as error:
+                update = RegistryUpdate(error=f"{self.path}: not UTF-8 text (byte {error.start}: {error.reason})")
             except (ConfigError, yaml.YAMLError) as error:
                 update = RegistryUpdate(error=" ".join(str(error).split()))
             except Exception as error:  # a bug or a value no check foresaw: report it, keep watching
