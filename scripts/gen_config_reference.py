@@ -81,7 +81,7 @@ def _parser_section(title: str, parser: argparse.ArgumentParser, *, level: int) 
 
 
 def _documents_section() -> list[str]:
-    from splitstream.common.schema import reference_rows
+    from splitstream.common.schema_reference import reference_rows
 
     lines = [
         "## Configuration documents",
