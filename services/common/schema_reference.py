@@ -25,7 +25,7 @@ def _nested_document(annotation: Any) -> tuple[type[Document], str] | None:
     if origin in (Union, types.UnionType):
         found = [n for n in (_nested_document(a) for a in args) if n is not None]
         return found[0] if found else None
-    if origin is list:
+    if origin in (list, tuple):
         inner = _nested_document(args[0])
         return (inner[0], "[]" + inner[1]) if inner else None
     if origin is dict:
