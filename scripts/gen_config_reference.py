@@ -24,6 +24,16 @@ COMMANDS = [
     ("splitstream", "splitstream.admin.main", "build_parser"),
     ("splitstream-build-engine", "splitstream.worker.engines.build_cli", "build_parser"),
 ]
+#: (title, module, pydantic schema): the documents people edit, rendered from their schemas.
+DOCUMENTS = [
+    ("Registry file (`--registry file:PATH`)", "splitstream.common.registry.file", "RegistryDocument"),
+    (
+        "Experiment in Consul KV (`splitstream/experiments/<model>`, JSON)",
+        "splitstream.common.experiment",
+        "ExperimentDocument",
+    ),
+    ("Model `config.yaml` (`MODEL_REPOSITORY/MODEL/VERSION/config.yaml`)", "splitstream.worker.config", "ModelConfig"),
+]
 _ENV = re.compile(r"\s*\[env (\w+)\]")
 
 
@@ -39,6 +49,7 @@ def render() -> str:
     for command, module, function in COMMANDS:
         parser = getattr(importlib.import_module(module), function)()
         lines += _parser_section(command, parser, level=2)
+    lines += _documents_section()
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -66,6 +77,29 @@ def _parser_section(title: str, parser: argparse.ArgumentParser, *, level: int) 
         lines += ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |", *rows, ""]
     for name, sub in subcommands:
         lines += _parser_section(f"{title} {name}", sub, level=level + 1)
+    return lines
+
+
+def _documents_section() -> list[str]:
+    from splitstream.common.schema_reference import reference_rows
+
+    lines = [
+        "## Configuration documents",
+        "",
+        "Generated from each document's schema. Types are strict: YAML's `true` is not a number, `\"10\"` is",
+        'not 10, `2` is not the version `"2"`, `.nan` and `.inf` are refused, and so is any key not listed.',
+        "A document that breaks a rule is refused whole with one line naming the field path",
+        "(`models.m.experiment.arms[1].weight: ...`); a router keeps its last good state meanwhile.",
+        "",
+    ]
+    for title, module, name in DOCUMENTS:
+        schema = getattr(importlib.import_module(module), name)
+        lines += [f"### {title}", "", " ".join((schema.__doc__ or "").replace("``", "`").split()), ""]
+        lines += ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+        for path, kind, default, meaning in reference_rows(schema):
+            escaped = meaning.replace("|", "\\|")
+            lines.append(f"| `{path}` | {kind} | {default} | {escaped} |")
+        lines.append("")
     return lines
 
 

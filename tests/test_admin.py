@@ -252,22 +252,43 @@ def registry(tmp_path: Path) -> Path:
     return path
 
 
+def _arms_json(v1: str, v2: str) -> str:
+    """An experiment as JSON text with the two weights written verbatim (NaN, true, "100", ...)."""
+    arms = f'[{{"version": "v1", "weight": {v1}}}, {{"version": "v2", "weight": {v2}}}]'
+    return f'{{"salt": "s", "control": "v1", "arms": {arms}}}'
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--weights", "v1=80,v2=10"], "must sum to 100, got 90"),
         (["--weights", "v1=90,v9=10"], "no endpoint of version(s) v9"),
-        (["--weights", "v1=110,v2=-10"], "weight must be a number >= 0"),
+        (["--weights", "v1=110,v2=-10"], "arms[1].weight: must not be negative, got -10"),
         (["--weights", "v1=90,v2=10", "--control", "v3"], "control 'v3' is not one of the arms"),
         (["--json", '{"control": "v1", "arms": [{"version": "v1", "weight": 100}'], "not valid JSON"),
         (["--json", '{"control": ["v1", "v2"], "arms": []}'], "'control' must be one version name"),
+        # Issue 11, fault 2: NaN and infinity used to end in a traceback (exit 1), true was taken as 1 %.
+        (["--weights", "v1=nan,v2=100"], "weight of 'v1' must be a finite number, got 'nan'"),
+        (["--weights", "v1=100,v2=inf"], "weight of 'v2' must be a finite number, got 'inf'"),
+        (["--weights", "v1=1e400,v2=0"], "weight of 'v1' must be a finite number"),
+        (["--weights", "v1=90", "--shadow", "v2=nan"], "shadows[0].sample_rate: Input should be a finite number"),
+        (["--json", _arms_json("NaN", "100")], "arms[0].weight: Input should be a finite number, got nan"),
+        (["--json", _arms_json("Infinity", "0")], "arms[0].weight: Input should be a finite number, got inf"),
+        (["--json", _arms_json("99", "true")], "arms[1].weight: Input should be a valid number, got True"),
+        (["--json", _arms_json('"100"', "0")], "arms[0].weight: Input should be a valid number, got '100'"),
+        (["--json", _arms_json("100", "null")], "arms[1].weight: Input should be a valid number, got None"),
+        (["--json", _arms_json("100", "[0]")], "arms[1].weight: Input should be a valid number, got [0]"),
     ],
 )
 def test_bad_experiment_input_exits_2_with_one_line_and_leaves_the_file_untouched(
     registry: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
     before = registry.read_bytes()
-    assert main(["--registry", f"file:{registry}", "experiment", "set", "m", *args]) == 2
+    try:
+        code = main(["--registry", f"file:{registry}", "experiment", "set", "m", *args])
+    except SystemExit as usage_error:  # argparse's own usage errors exit instead of returning
+        code = usage_error.code  # type: ignore[assignment]
+    assert code == 2
     err = capsys.readouterr().err
     assert message in err, err
     assert err.count("\n") == 1

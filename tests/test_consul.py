@@ -354,3 +354,74 @@ def test_consul_stopped_for_ten_seconds_routers_keep_serving_then_converge(
         load.wait_calls(100)
     assert load.errors() == []
     assert {o[2] for o in load.outcomes[-50:]} == {"v1", "v2"}
+
+
+def test_a_kv_experiment_of_the_wrong_types_is_reported_and_the_next_good_value_still_applies(
+    emulator: ConsulEmulator, stack: Stack, health_servers: list[HealthServer]
+) -> None:
+    """Issue 11, fault 2: ``"weight": NaN`` in KV used to kill the router's watch without a word."""
+    for server, version in zip(health_servers, ("v1", "v2"), strict=True):
+        register(emulator, server, version)
+    wait_for(lambda: len(passing(emulator)) == 2, timeout_s=5, what="two passing instances")
+    client = emulator.client()
+    client.kv.put(KEY, experiment_json(90, 10))
+    router = consul_router(stack, emulator)
+    wait_for(lambda: weights(router_status(router)) == {"v1": 90, "v2": 10}, timeout_s=5)
+
+    def healthy() -> float:
+        return metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_registry_healthy")[0][1]
+
+    good = [(50, 50), (70, 30), (20, 80), (90, 10)]
+    for (weight, fragment), (v1, v2) in zip(
+        (
+            ("NaN", "arms[1].weight: Input should be a finite number"),
+            ("Infinity", "arms[1].weight: Input should be a finite number"),
+            ("true", "arms[1].weight: Input should be a valid number, got True"),
+            ('"10"', "arms[1].weight: Input should be a valid number, got '10'"),
+        ),
+        good,
+        strict=True,
+    ):
+        last_good = weights(router_status(router))
+        bad = '{"control": "v1", "arms": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": %s}]}'
+        client.kv.put(KEY, bad % weight)
+        wait_for(lambda: fragment in router_status(router).registry_error, timeout_s=5, what=fragment)  # noqa: B023
+        assert weights(router_status(router)) == last_good
+        assert healthy() == 0
+        client.kv.put(KEY, experiment_json(v1, v2))
+        wait_for(lambda: weights(router_status(router)) == {"v1": v1, "v2": v2}, timeout_s=5)  # noqa: B023
+        assert router_status(router).registry_error == ""
+        assert healthy() == 1
+    router.signal(signal.SIGTERM)
+    assert router.wait() == 0, router.log()
+    assert "Traceback" not in router.log()
+
+
+def test_a_model_whose_workers_all_deregister_stays_routed_until_its_key_says_remove(
+    emulator: ConsulEmulator, stack: Stack, health_servers: list[HealthServer]
+) -> None:
+    """Issue 11, fault 3: every worker gone is an outage, not a removal; ``{"remove": true}`` is one."""
+    ids = [register(emulator, server, version) for server, version in zip(health_servers, ("v1", "v2"), strict=True)]
+    wait_for(lambda: len(passing(emulator)) == 2, timeout_s=5, what="two passing instances")
+    client = emulator.client()
+    router = consul_router(stack, emulator)
+    wait_for(lambda: endpoints(router_status(router)).keys() == {"v1", "v2"}, timeout_s=5, what="both versions")
+    for service_id in ids:
+        client.agent.service.deregister(service_id)
+    wait_for(lambda: not passing(emulator), timeout_s=5, what="every instance deregistered")
+    client.kv.put(KEY, experiment_json(50, 50))  # a change after the deregistration, so the router has seen it
+    wait_for(lambda: weights(router_status(router)) == {"v1": 50, "v2": 50}, timeout_s=5, what="the new weights")
+    assert endpoints(router_status(router)) == {"v2": [health_servers[1].address]}  # the last ones Consul listed
+    client.kv.put(KEY, json.dumps({"remove": True}))
+
+    def routed_models() -> list[str]:
+        with grpc.insecure_channel(router.address) as channel:
+            answer = router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5)
+        assert answer.registry_error == ""
+        return [m.model for m in answer.models]
+
+    wait_for(lambda: routed_models() == [], timeout_s=5, what="the explicit removal")
+    register(emulator, health_servers[0], "v1")
+    wait_for(lambda: len(passing(emulator)) == 1, timeout_s=5, what="v1 registered again")
+    client.kv.delete(KEY)
+    wait_for(lambda: weights(router_status(router)) == {"v1": 100}, timeout_s=5, what="the model back by default")

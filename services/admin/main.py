@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 from collections.abc import Sequence
@@ -77,7 +78,9 @@ def weight_pairs(text: str) -> list[tuple[str, float]]:
             number = float(value)
         except ValueError:
             raise argparse.ArgumentTypeError(f"weight of '{version.strip()}' is not a number: {value!r}") from None
-        pairs.append((version.strip(), int(number) if number == int(number) else number))
+        if not math.isfinite(number):  # nan and inf parse as floats but split nothing
+            raise argparse.ArgumentTypeError(f"weight of '{version.strip()}' must be a finite number, got {value!r}")
+        pairs.append((version.strip(), int(number) if number.is_integer() else number))
     return pairs
 
 

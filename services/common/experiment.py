@@ -11,17 +11,63 @@ from the arm that grew. Same key → same arm on every router, across restarts.
 
 from __future__ import annotations
 
+import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import xxhash
+from pydantic import Field, StringConstraints
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.schema import Document, validate
 
 BUCKETS = 10_000
 DEFAULT_ROUTING_KEY_HEADER = "x-routing-key"
+
+#: A version name as written in a document: a non-empty string. ``version: 2`` is refused rather than
+#: coerced, because YAML reads ``1.10`` as the float 1.1 and coercion would silently name another version.
+VersionName = Annotated[str, StringConstraints(min_length=1)]
+
+
+class ArmDocument(Document):
+    """One arm: a version and its share of the traffic."""
+
+    version: VersionName = Field(description='a version of the model, e.g. `v2` (a string: quote `"2"`)')
+    weight: Annotated[float, Field(ge=0)] = Field(
+        description="percent of the traffic, >= 0, at most 2 decimals; the arms sum to 100 "
+        '(a number: `true`, `"10"`, `.nan` and `.inf` are refused)'
+    )
+
+
+class ShadowDocument(Document):
+    """A version that gets a sampled copy of the calls after the client has its answer."""
+
+    version: VersionName = Field(description="the shadow version; it may not take live traffic (weight > 0)")
+    sample_rate: Annotated[float, Field(ge=0, le=1)] = Field(1.0, description="fraction of the calls copied, 0..1")
+
+
+class ExperimentDocument(Document):
+    """An experiment as the file's ``experiment:`` block and Consul's KV JSON write it.
+
+    ``null`` means "the default" for the optional fields, as leaving the key out does. In Consul, the
+    value ``{"remove": true}`` instead of an experiment takes the model out of every router.
+    """
+
+    model: str | None = Field(None, description="the model's name (Consul's JSON may repeat it); not used")
+    salt: str | None = Field(None, description="hash salt; changing it reshuffles every key; null: the model name")
+    control: VersionName = Field(description="the arm that takes the traffic of versions without a healthy endpoint")
+    arms: Annotated[list[ArmDocument], Field(min_length=1)] = Field(description="the split, at least one arm")
+    shadows: list[ShadowDocument] | None = Field(None, description="shadow copies; null: none")
+    routing_key_header: Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)] | None = Field(
+        None, description="header carrying the sticky key; null: `x-routing-key`"
+    )
+
+
+def _number(value: float) -> float:
+    """90.0 → 90, so a weight read as an integer is written back as one (admin output, YAML edits)."""
+    return int(value) if value.is_integer() else value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,32 +110,41 @@ class Experiment:
         """Validate and lay out an experiment; raises ConfigError naming what is wrong."""
         where = f"experiment for model '{model}'"
         if not arms:
-            raise ConfigError(f"{where}: needs at least one arm")
+            raise ConfigError(f"{where}: arms: needs at least one arm")
         versions = [version for version, _ in arms]
         duplicates = sorted({v for v in versions if versions.count(v) > 1})
         if duplicates:
-            raise ConfigError(f"{where}: version(s) {duplicates} appear in more than one arm")
+            raise ConfigError(f"{where}: arms: version(s) {duplicates} appear in more than one arm")
         if control not in versions:
             raise ConfigError(f"{where}: control '{control}' is not one of the arms {versions}")
         buckets: dict[str, int] = {}
-        for version, weight in arms:
-            if not isinstance(weight, int | float) or weight < 0:
-                raise ConfigError(f"{where}: arm '{version}' weight must be a number >= 0, got {weight!r}")
+        for index, (version, weight) in enumerate(arms):
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, int | float)
+                or not math.isfinite(weight)
+                or weight < 0
+            ):
+                raise ConfigError(f"{where}: arms[{index}].weight: arm '{version}' needs a number >= 0, got {weight!r}")
             share = round(weight * BUCKETS / 100)
             if abs(share - weight * BUCKETS / 100) > 1e-6:
-                raise ConfigError(f"{where}: arm '{version}' weight {weight} is finer than 0.01 %")
+                raise ConfigError(
+                    f"{where}: arms[{index}].weight: arm '{version}' weight {weight} is finer than 0.01 %"
+                )
             buckets[version] = share
         if sum(buckets.values()) != BUCKETS:
             total = sum(weight for _, weight in arms)
-            raise ConfigError(f"{where}: arm weights must sum to 100, got {total:g}")
-        for version, rate in shadows:
-            if not 0 <= rate <= 1:
-                raise ConfigError(f"{where}: shadow '{version}' sample_rate must be within 0..1, got {rate!r}")
+            raise ConfigError(f"{where}: arms: arm weights must sum to 100, got {total:g}")
+        for index, (version, rate) in enumerate(shadows):
+            if isinstance(rate, bool) or not isinstance(rate, int | float) or not 0 <= rate <= 1:
+                raise ConfigError(
+                    f"{where}: shadows[{index}].sample_rate: shadow '{version}' needs a rate within 0..1, got {rate!r}"
+                )
             if version in versions and dict(arms)[version] > 0:
-                raise ConfigError(f"{where}: shadow '{version}' also takes live traffic as an arm")
+                raise ConfigError(f"{where}: shadows[{index}].version: '{version}' also takes live traffic as an arm")
         header = routing_key_header.strip().lower()
         if not header:
-            raise ConfigError(f"{where}: routing_key_header must not be empty")
+            raise ConfigError(f"{where}: routing_key_header: must not be empty")
         ordered = [control, *sorted(v for v in versions if v != control)]
         laid: list[Arm] = []
         start = 0
@@ -109,35 +164,22 @@ class Experiment:
         )
 
     @classmethod
-    def from_mapping(cls, model: str, data: Mapping[str, Any]) -> Experiment:
-        """Build from the registry's mapping form (YAML file or Consul KV JSON)."""
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"experiment for model '{model}': must be a mapping, got {type(data).__name__}")
-        known = {"salt", "control", "arms", "shadows", "routing_key_header", "model"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"experiment for model '{model}': unknown field(s) {unknown}")
-        raw_arms = data.get("arms")
-        if not isinstance(raw_arms, list) or not all(isinstance(a, Mapping) for a in raw_arms):
-            raise ConfigError(f"experiment for model '{model}': 'arms' must be a list of {{version, weight}}")
-        raw_shadows = data.get("shadows") or []
-        if not isinstance(raw_shadows, list) or not all(isinstance(s, Mapping) for s in raw_shadows):
-            raise ConfigError(f"experiment for model '{model}': 'shadows' must be a list of {{version, sample_rate}}")
-        try:
-            arms = [(str(a["version"]), a["weight"]) for a in raw_arms]
-            shadows = [(str(s["version"]), float(s.get("sample_rate", 1.0))) for s in raw_shadows]
-        except KeyError as missing:
-            raise ConfigError(f"experiment for model '{model}': an arm or shadow lacks {missing}") from None
-        control = data.get("control")
-        if control is None:
-            raise ConfigError(f"experiment for model '{model}': 'control' is required")
+    def from_mapping(cls, model: str, data: Any) -> Experiment:
+        """Build from the registry's mapping form (YAML file or Consul KV JSON); raises ConfigError
+        naming the field (``arms[1].weight: ...``) for any value of any type that does not fit."""
+        document = validate(ExperimentDocument, data, where=f"experiment for model '{model}'")
+        return cls.from_document(model, document)
+
+    @classmethod
+    def from_document(cls, model: str, document: ExperimentDocument) -> Experiment:
+        """Lay out a schema-valid experiment; the checks across fields (sum, control) raise ConfigError."""
         return cls.build(
             model=model,
-            salt=str(data.get("salt", model)),
-            control=str(control),
-            arms=arms,
-            shadows=shadows,
-            routing_key_header=str(data.get("routing_key_header", DEFAULT_ROUTING_KEY_HEADER)),
+            salt=document.salt if document.salt is not None else model,
+            control=document.control,
+            arms=[(arm.version, _number(arm.weight)) for arm in document.arms],
+            shadows=[(shadow.version, shadow.sample_rate) for shadow in document.shadows or ()],
+            routing_key_header=document.routing_key_header or DEFAULT_ROUTING_KEY_HEADER,
         )
 
     def to_mapping(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The recorder's configuration: one validated dataclass, parsed from flags and environment in ``main()``."""
+"""The recorder's configuration: one pydantic schema (:class:`RecorderConfig`), filled from flags and
+environment in ``main()``; any value it refuses is a usage error naming the flag (exit 2, one line)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
+from pydantic import Field, model_validator
+
 from splitstream.common.cli import EnvArgumentParser
+from splitstream.common.errors import ConfigError
+from splitstream.common.schema import Document, validate
 
 PROG = "splitstream-recorder"
 #: The HMAC key is shared with the routers (they HMAC routing keys with it), hence a
@@ -30,59 +35,57 @@ class Action(Enum):
 
 @dataclass(frozen=True, slots=True)
 class Rule:
+    """One redaction rule; a plain value (built positionally by the redactor's tests and callers)."""
+
     name: str
     action: Action
 
     @classmethod
     def parse(cls, spec: str, *, what: str) -> Rule:
         """``NAME``, ``NAME:drop`` or ``NAME:mask``; a bare name drops. Tensor names may contain ':'
-        (``input:0``), so only a trailing ``:drop``/``:mask`` is read as the action."""
+        (``input:0``), so only a trailing ``:drop``/``:mask`` is read as the action. Raises ConfigError."""
         name, sep, suffix = spec.strip().rpartition(":")
         if sep and suffix in {a.value for a in Action}:
             action = Action(suffix)
         else:
             name, action = spec.strip(), Action.DROP
         if not name:
-            raise ValueError(f"{what} rule {spec!r} names nothing (expected NAME[:drop|mask])")
+            raise ConfigError(f"{what} rule {spec!r} names nothing (expected NAME[:drop|mask])")
         return cls(name, action)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RecorderConfig:
+Port = Annotated[int, Field(ge=0, le=65535)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
+class RecorderConfig(Document):
+    """Validated settings; each field is the flag of the same name (``redis_url`` ← ``--redis-url``)."""
+
     host: str
-    port: int
-    metrics_port: int
+    port: Port
+    metrics_port: Port
     redis_url: str
-    redis_timeout_s: float
-    health_interval_s: float
-    retention_maxlen: int
-    retention_age_s: float
-    blob_threshold_bytes: int
-    blob_ttl_s: int
+    redis_timeout_s: Seconds
+    health_interval_s: Seconds
+    retention_maxlen: Annotated[int, Field(ge=0)]
+    retention_age_s: Annotated[float, Field(ge=0)]
+    blob_threshold_bytes: Annotated[int, Field(ge=0)]
+    blob_ttl_s: Annotated[int, Field(ge=0)]
     redact_metadata: tuple[Rule, ...]
     redact_input: tuple[Rule, ...]
     redact_output: tuple[Rule, ...]
     hmac_key: bytes
-    max_message_bytes: int
-    shutdown_grace_s: float
+    max_message_bytes: Annotated[int, Field(gt=0)]
+    shutdown_grace_s: Annotated[float, Field(ge=0)]
     log_level: str
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
-            raise ValueError("ports must be within 0..65535")
+    @model_validator(mode="after")
+    def _consistent(self) -> RecorderConfig:
         scheme = urlsplit(self.redis_url).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(
                 f"--redis-url must start with redis://, rediss:// or unix:// (got scheme {scheme or 'none'!r})"
             )
-        if self.redis_timeout_s <= 0 or self.health_interval_s <= 0:
-            raise ValueError("--redis-timeout-s and --health-interval-s must be positive")
-        if self.retention_maxlen < 0 or self.retention_age_s < 0:
-            raise ValueError("--retention-maxlen and --retention-age-s must not be negative (0 = off)")
-        if self.blob_threshold_bytes < 0 or self.blob_ttl_s < 0:
-            raise ValueError("--blob-threshold-bytes and --blob-ttl-s must not be negative")
-        if self.max_message_bytes <= 0 or self.shutdown_grace_s < 0:
-            raise ValueError("--max-message-bytes must be positive and --shutdown-grace-s not negative")
         # Masked metadata becomes an HMAC of its value; masked tensors are zeroed and need no key.
         masks = [r for r in self.redact_metadata if r.action is Action.MASK]
         if masks and not self.hmac_key:
@@ -90,6 +93,7 @@ class RecorderConfig:
                 f"masking metadata ({', '.join(r.name for r in masks)}) needs an HMAC key: set {SHARED_HMAC_KEY_ENV} "
                 "or --hmac-key"
             )
+        return self
 
     @property
     def effective_blob_ttl_s(self) -> int:
@@ -240,6 +244,11 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
         values["redact_output"] = _rules(args.redact_output, what="--redact-output")
         key = args.hmac_key if args.hmac_key is not None else os.environ.get(SHARED_HMAC_KEY_ENV, "")
         values["hmac_key"] = key.encode()
-        return RecorderConfig(**values)
-    except ValueError as error:
+        return validate(RecorderConfig, values, rename=_flag)
+    except ConfigError as error:
         parser.error(str(error))
+
+
+def _flag(field: str) -> str:
+    """``redis_timeout_s`` → ``--redis-timeout-s``: errors name what the user typed."""
+    return "--" + field.replace("_", "-")

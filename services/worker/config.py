@@ -37,14 +37,24 @@ start-up with a message naming the field instead of being silently ignored::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    ModelWrapValidatorHandler,
+    PlainValidator,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.schema import Document, Flag, Shape, int_at_least, one_of, validate
 from splitstream.worker.metadata import TensorSpec
 
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -55,8 +65,32 @@ HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_cc")
 STREAM_PRIORITIES = ("normal", "high")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ProfileConfig:
+def _section_or_defaults(value: Any) -> Any:
+    """A section written with nothing under it (``tensorrt:``) means "all defaults", as an empty mapping does."""
+    return {} if value is None else value
+
+
+def _non_empty_list(what: str) -> Any:
+    """A YAML list (kept as a tuple) with at least one item; items are validated by the field's item type."""
+
+    def check(value: Any) -> Any:
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"must be a non-empty list of {what}")
+        return tuple(value)
+
+    return BeforeValidator(check)
+
+
+def _list_of(what: str) -> Any:
+    def check(value: Any) -> Any:
+        if not isinstance(value, list):
+            raise ValueError(f"must be a list of {what}")
+        return tuple(value)
+
+    return BeforeValidator(check)
+
+
+class ProfileConfig(Document):
     """One TensorRT optimisation profile: per input name, its smallest, tuned-for and largest shape.
 
     Only the shapes themselves are checked here (same names and ranks in all
@@ -64,171 +98,219 @@ class ProfileConfig:
     checked against the ONNX graph (:mod:`splitstream.worker.engines.profiles`).
     """
 
-    min: Mapping[str, tuple[int, ...]]
-    opt: Mapping[str, tuple[int, ...]]
-    max: Mapping[str, tuple[int, ...]]
+    #: Input name → its smallest shape.
+    min: dict[str, Shape]
+    #: Input name → the shape TensorRT tunes for.
+    opt: dict[str, Shape]
+    #: Input name → its largest shape.
+    max: dict[str, Shape]
 
-    def __post_init__(self) -> None:
+    @model_validator(mode="wrap")
+    @classmethod
+    def _all_three(cls, data: Any, handler: ModelWrapValidatorHandler[ProfileConfig]) -> ProfileConfig:
+        """A missing shape set reads "lacks opt" (the names are the words of the rule), after any wrong value."""
+        try:
+            return handler(data)
+        except ValidationError as error:
+            first = error.errors()[0]
+            if first["type"] == "missing" and len(first["loc"]) == 1:
+                raise ValueError(f"lacks {first['loc'][0]}") from None
+            raise
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ProfileConfig:
         names = set(self.min)
         if not names:
-            raise ConfigError("min: must name at least one input")
+            raise ValueError("min: must name at least one input")
         for kind in ("opt", "max"):
             other = set(getattr(self, kind))
             if other != names:
-                raise ConfigError(f"{kind}: names {sorted(other)}, but min names {sorted(names)}")
+                raise ValueError(f"{kind}: names {sorted(other)}, but min names {sorted(names)}")
         for name in sorted(names):
             low, opt, high = self.min[name], self.opt[name], self.max[name]
             if not len(low) == len(opt) == len(high):
-                raise ConfigError(f"input '{name}': min, opt and max must have the same rank")
+                raise ValueError(f"input '{name}': min, opt and max must have the same rank")
             if any(dim < 0 for dim in low):
-                raise ConfigError(f"input '{name}': min {list(low)} has a negative dimension")
+                raise ValueError(f"input '{name}': min {list(low)} has a negative dimension")
             if not all(a <= b <= c for a, b, c in zip(low, opt, high, strict=True)):
-                raise ConfigError(
+                raise ValueError(
                     f"input '{name}': needs min <= opt <= max in every dimension, got "
                     f"min {list(low)}, opt {list(opt)}, max {list(high)}"
                 )
+        return self
 
 
-@dataclass(frozen=True, kw_only=True)
-class TensorRTConfig:
+def _stream_priority(value: Any) -> str | int:
+    if isinstance(value, bool) or not (isinstance(value, int) or value in STREAM_PRIORITIES):
+        raise ValueError(f"must be one of {list(STREAM_PRIORITIES)} or an integer CUDA priority")
+    return value  # type: ignore[no-any-return]
+
+
+class TensorRTConfig(Document):
     """How the native TensorRT backend builds and runs engines (``backend: tensorrt``)."""
 
-    #: fp32, or fp16 / int8 made by the precision step (:mod:`splitstream.worker.engines.precision`).
-    precision: str = "fp32"
+    #: ``fp32``, or ``fp16`` / ``int8`` made by the precision step (:mod:`splitstream.worker.engines.precision`).
+    precision: one_of(*PRECISIONS) = "fp32"  # type: ignore[valid-type]
     #: ``onnx``: the prepared ONNX carries the precision (TensorRT 10.x and 11.x); ``builder_flags``:
     #: the FP32 graph plus TensorRT 10.x's FP16/INT8 builder flags (refused on 11+, where they are gone).
-    precision_mode: str = "onnx"
+    precision_mode: one_of(*PRECISION_MODES) = "onnx"  # type: ignore[valid-type]
     #: For int8: the explicitly quantised (Q/DQ) ONNX file in the version directory; default model.onnx.
     quantized_model: str | None = None
     #: Optimisation profiles; empty: one derived from the model (batch 1..max_batch_size, opt = max).
-    profiles: tuple[ProfileConfig, ...] = ()
+    profiles: Annotated[tuple[ProfileConfig, ...], _non_empty_list("{min, opt, max}")] = ()
     #: Builder workspace limit (memory pool WORKSPACE); None: TensorRT's default.
-    workspace_bytes: int | None = None
+    workspace_bytes: int_at_least(1) | None = None  # type: ignore[valid-type]
     #: Execution contexts (each with its own CUDA stream and buffers); None: instance_count.
-    contexts: int | None = None
+    contexts: int_at_least(1) | None = None  # type: ignore[valid-type]
     #: ``normal``, ``high`` (the device's greatest priority) or a CUDA stream priority (lower = more urgent).
-    stream_priority: str | int = "normal"
+    stream_priority: Annotated[str | int, PlainValidator(_stream_priority)] = "normal"
     #: No engine for this GPU in the cache: build one at start (minutes) instead of failing.
-    build_on_start: bool = False
-    hardware_compatibility: str = "none"
-    version_compatible: bool = False
-    timing_cache: bool = True
+    build_on_start: Flag = False
+    #: ``none``, ``ampere_plus`` (one engine for Ampere and later) or ``same_cc`` (same compute capability).
+    hardware_compatibility: one_of(*HARDWARE_COMPATIBILITY) = "none"  # type: ignore[valid-type]
+    #: The engine runs on later TensorRT of the same major version.
+    version_compatible: Flag = False
+    #: Reuse and save the builder's timing cache in ``engines/``.
+    timing_cache: Flag = True
 
-    def __post_init__(self) -> None:
-        _check_choice("tensorrt.precision", self.precision, PRECISIONS)
-        _check_choice("tensorrt.precision_mode", self.precision_mode, PRECISION_MODES)
-        _check_choice("tensorrt.hardware_compatibility", self.hardware_compatibility, HARDWARE_COMPATIBILITY)
-        if self.quantized_model is not None:
-            if not isinstance(self.quantized_model, str) or not self.quantized_model:
-                raise ConfigError(f"tensorrt.quantized_model: must be a file name, got {self.quantized_model!r}")
-            if self.precision != "int8":
-                raise ConfigError("tensorrt.quantized_model: only used with precision: int8")
-            if Path(self.quantized_model).is_absolute() or ".." in Path(self.quantized_model).parts:
-                raise ConfigError(
-                    f"tensorrt.quantized_model: must name a file inside the version directory, got "
-                    f"{self.quantized_model!r}"
-                )
-        if self.workspace_bytes is not None:
-            _check_int("tensorrt.workspace_bytes", self.workspace_bytes, minimum=1)
-        if self.contexts is not None:
-            _check_int("tensorrt.contexts", self.contexts, minimum=1)
-        priority = self.stream_priority
-        if isinstance(priority, bool) or not (isinstance(priority, int) or priority in STREAM_PRIORITIES):
-            raise ConfigError(
-                f"tensorrt.stream_priority: must be one of {list(STREAM_PRIORITIES)} or an integer CUDA priority, "
-                f"got {priority!r}"
-            )
-        for name in ("build_on_start", "version_compatible", "timing_cache"):
-            _check_bool(f"tensorrt.{name}", getattr(self, name))
+    @field_validator("quantized_model")
+    @classmethod
+    def _quantized_model(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError("must be a file name")
+        if info.data.get("precision") != "int8":
+            raise ValueError("only used with precision: int8")
+        if Path(value).is_absolute() or ".." in Path(value).parts:
+            raise ValueError("must name a file inside the version directory")
+        return value
 
 
-@dataclass(frozen=True, kw_only=True)
-class TensorRTProviderConfig:
+def _directory(value: str) -> str:
+    if not value:
+        raise ValueError("must be a directory path")
+    return value
+
+
+class TensorRTProviderConfig(Document):
     """Options of ONNX Runtime's TensorRT execution provider (``onnxruntime.tensorrt``)."""
 
     #: Directory (relative to the version directory) where the provider keeps its engines; None: no cache.
-    engine_cache_path: str | None = None
+    engine_cache_path: Annotated[str, AfterValidator(_directory)] | None = None
     #: Directory for the provider's timing cache; None: no timing cache.
-    timing_cache_path: str | None = None
-    fp16: bool = False
-    workspace_bytes: int | None = None
+    timing_cache_path: Annotated[str, AfterValidator(_directory)] | None = None
+    #: Let the provider build FP16 kernels.
+    fp16: Flag = False
+    #: Provider workspace limit; None: the provider's default.
+    workspace_bytes: int_at_least(1) | None = None  # type: ignore[valid-type]
     #: The provider's one optimisation profile; None: it builds for the shapes it sees.
     profile: ProfileConfig | None = None
 
-    def __post_init__(self) -> None:
-        for name in ("engine_cache_path", "timing_cache_path"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"onnxruntime.tensorrt.{name}: must be a directory path, got {value!r}")
-        _check_bool("onnxruntime.tensorrt.fp16", self.fp16)
-        if self.workspace_bytes is not None:
-            _check_int("onnxruntime.tensorrt.workspace_bytes", self.workspace_bytes, minimum=1)
 
-
-@dataclass(frozen=True, kw_only=True)
-class OnnxRuntimeConfig:
+class OnnxRuntimeConfig(Document):
     """ONNX Runtime backend options beyond ``execution_providers`` (``onnxruntime``)."""
 
-    tensorrt: TensorRTProviderConfig = field(default_factory=TensorRTProviderConfig)
+    #: Options of ONNX Runtime's TensorRT execution provider, used when it is among the providers.
+    tensorrt: Annotated[TensorRTProviderConfig, BeforeValidator(_section_or_defaults)] = Field(
+        default_factory=TensorRTProviderConfig
+    )
 
 
-@dataclass(frozen=True, kw_only=True)
-class DynamicBatchingConfig:
+class DynamicBatchingConfig(Document):
     """Queue concurrent requests and run them as one batch (needs ``max_batch_size > 0``)."""
 
-    enabled: bool = True
+    #: ``false`` keeps the section but runs each request alone.
+    enabled: Flag = True
     #: How long the first request of a batch may wait for others to join it.
-    max_queue_delay_us: int = 0
-
-    def __post_init__(self) -> None:
-        _check_bool("dynamic_batching.enabled", self.enabled)
-        _check_int("dynamic_batching.max_queue_delay_us", self.max_queue_delay_us, minimum=0)
+    max_queue_delay_us: int_at_least(0) = 0  # type: ignore[valid-type]
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class TensorDocument(Document):
+    """``{name, datatype, shape}`` as written; becomes a :class:`TensorSpec` (which checks the datatype)."""
+
+    name: str
+    datatype: str
+    shape: Shape
+
+
+def _tensor_spec(document: TensorDocument) -> TensorSpec:
+    try:
+        return TensorSpec(name=document.name, datatype=document.datatype.upper(), shape=document.shape)
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+
+
+#: A tensor entry, validated as a document and delivered as the worker's own TensorSpec.
+Tensor = Annotated[TensorSpec, PlainValidator(lambda value: _tensor_spec(TensorDocument.model_validate(value)))]
+
+
+def _providers(value: tuple[str, ...]) -> tuple[str, ...]:
+    if not value:
+        raise ValueError(f"must list at least one of {list(EXECUTION_PROVIDERS)}")
+    for provider in value:
+        if provider not in EXECUTION_PROVIDERS:
+            raise ValueError(f"each must be one of {list(EXECUTION_PROVIDERS)}, got {provider!r}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{list(value)} lists a provider twice")
+    return value
+
+
+def _unique_names(value: tuple[TensorSpec, ...] | None) -> tuple[TensorSpec, ...] | None:
+    if value is not None:
+        names = [spec.name for spec in value]
+        if not names:
+            raise ValueError("must not be empty (leave it out to read it from the model)")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{names} names a tensor twice")
+    return value
+
+
+Tensors = Annotated[tuple[Tensor, ...] | None, _list_of("{name, datatype, shape}"), AfterValidator(_unique_names)]
+
+
+class ModelConfig(Document):
     """The validated content of one ``config.yaml``."""
 
-    backend: str
-    max_batch_size: int = 0
-    dynamic_batching: DynamicBatchingConfig = field(default_factory=lambda: DynamicBatchingConfig(enabled=False))
-    instance_count: int = 1
-    intra_op_threads: int = 1
-    execution_providers: tuple[str, ...] = ("cpu",)
-    inputs: tuple[TensorSpec, ...] | None = None
-    outputs: tuple[TensorSpec, ...] | None = None
-    onnxruntime: OnnxRuntimeConfig | None = None
-    tensorrt: TensorRTConfig | None = None
+    #: ``onnxruntime`` or ``tensorrt`` (native engines; needs the [tensorrt] extra and a GPU).
+    backend: one_of(*BACKENDS)  # type: ignore[valid-type]
+    #: >0: the first dimension of every tensor is the batch dimension; 0: no batch dimension.
+    max_batch_size: int_at_least(0) = 0  # type: ignore[valid-type]
+    #: Absent: off. Present (even empty): on, with its defaults.
+    dynamic_batching: Annotated[DynamicBatchingConfig, BeforeValidator(_section_or_defaults)] = Field(
+        default_factory=lambda: DynamicBatchingConfig(enabled=False)
+    )
+    #: Concurrent backend runs.
+    instance_count: int_at_least(1) = 1  # type: ignore[valid-type]
+    #: ONNX Runtime intra-op threads (0: ONNX Runtime decides).
+    intra_op_threads: int_at_least(0) = 1  # type: ignore[valid-type]
+    #: Preference order among ``tensorrt``, ``cuda``, ``cpu`` (backend onnxruntime).
+    execution_providers: Annotated[tuple[str, ...], _list_of("providers"), AfterValidator(_providers)] = ("cpu",)
+    #: ``[{name, datatype, shape}]`` (-1: a dynamic dimension); absent: read from the model.
+    inputs: Tensors = None
+    #: Same as inputs, for the outputs.
+    outputs: Tensors = None
+    #: Backend onnxruntime only: options of ONNX Runtime's TensorRT execution provider (``tensorrt:``).
+    onnxruntime: Annotated[OnnxRuntimeConfig, BeforeValidator(_section_or_defaults)] | None = None
+    #: Backend tensorrt only; every field has a default.
+    tensorrt: Annotated[TensorRTConfig, BeforeValidator(_section_or_defaults)] | None = None
 
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"backend: must be one of {list(BACKENDS)}, got {self.backend!r}")
-        _check_int("max_batch_size", self.max_batch_size, minimum=0)
-        _check_int("instance_count", self.instance_count, minimum=1)
-        _check_int("intra_op_threads", self.intra_op_threads, minimum=0)
-        if not self.execution_providers:
-            raise ConfigError(f"execution_providers: must list at least one of {list(EXECUTION_PROVIDERS)}")
-        for provider in self.execution_providers:
-            if provider not in EXECUTION_PROVIDERS:
-                raise ConfigError(
-                    f"execution_providers: each must be one of {list(EXECUTION_PROVIDERS)}, got {provider!r}"
-                )
-        if len(set(self.execution_providers)) != len(self.execution_providers):
-            raise ConfigError(f"execution_providers: {list(self.execution_providers)} lists a provider twice")
+    @model_validator(mode="before")
+    @classmethod
+    def _backend_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "backend" not in data:
+            raise ValueError(f"backend: is required (one of {list(BACKENDS)})")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
         if self.dynamic_batching.enabled and self.max_batch_size == 0:
-            raise ConfigError("dynamic_batching: needs max_batch_size > 0 (the batch dimension to stack requests on)")
-        for kind in ("inputs", "outputs"):
-            specs = getattr(self, kind)
-            if specs is not None:
-                names = [spec.name for spec in specs]
-                if not names:
-                    raise ConfigError(f"{kind}: must not be empty (leave it out to read it from the model)")
-                if len(set(names)) != len(names):
-                    raise ConfigError(f"{kind}: {names} names a tensor twice")
+            raise ValueError("dynamic_batching: needs max_batch_size > 0 (the batch dimension to stack requests on)")
         if self.tensorrt is not None and self.backend != "tensorrt":
-            raise ConfigError(f"tensorrt: configures backend tensorrt, but backend is {self.backend}")
+            raise ValueError(f"tensorrt: configures backend tensorrt, but backend is {self.backend}")
         if self.onnxruntime is not None and self.backend != "onnxruntime":
-            raise ConfigError(f"onnxruntime: configures backend onnxruntime, but backend is {self.backend}")
+            raise ValueError(f"onnxruntime: configures backend onnxruntime, but backend is {self.backend}")
+        return self
 
     @property
     def trt(self) -> TensorRTConfig:
@@ -252,8 +334,8 @@ class ModelConfig:
             text = path.read_text()
         except FileNotFoundError:
             raise ConfigError(f"{path}: no such file") from None
-        except OSError as error:
-            raise ConfigError(f"{path}: cannot read it ({error.strerror})") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{path}: cannot read it ({getattr(error, 'strerror', None) or error})") from None
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as error:
@@ -266,136 +348,7 @@ class ModelConfig:
 
     @classmethod
     def from_mapping(cls, data: Any) -> ModelConfig:
-        """Build from parsed YAML; raises ConfigError naming the field and the problem."""
-        if not isinstance(data, Mapping):
+        """Build from parsed YAML; raises ConfigError naming the field path and the problem."""
+        if not isinstance(data, dict):
             raise ConfigError(f"must be a mapping of settings, got {type(data).__name__}")
-        _reject_unknown("", data, {f.name for f in fields(cls)})
-        if "backend" not in data:
-            raise ConfigError(f"backend: is required (one of {list(BACKENDS)})")
-        values: dict[str, Any] = dict(data)
-        if "dynamic_batching" in values:
-            values["dynamic_batching"] = _dynamic_batching(values["dynamic_batching"])
-        if "execution_providers" in values:
-            providers = values["execution_providers"]
-            if not isinstance(providers, list):
-                raise ConfigError(f"execution_providers: must be a list, got {providers!r}")
-            values["execution_providers"] = tuple(providers)
-        for kind in ("inputs", "outputs"):
-            if kind in values:
-                values[kind] = _tensors(kind, values[kind])
-        if "tensorrt" in values:
-            values["tensorrt"] = _tensorrt(values["tensorrt"])
-        if "onnxruntime" in values:
-            values["onnxruntime"] = _onnxruntime(values["onnxruntime"])
-        return cls(**values)
-
-
-def _dynamic_batching(data: Any) -> DynamicBatchingConfig:
-    if data is None:  # `dynamic_batching:` with nothing under it turns batching on with defaults
-        return DynamicBatchingConfig()
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"dynamic_batching: must be a mapping, got {data!r}")
-    _reject_unknown("dynamic_batching.", data, {f.name for f in fields(DynamicBatchingConfig)})
-    return DynamicBatchingConfig(**data)
-
-
-def _tensorrt(data: Any) -> TensorRTConfig:
-    if data is None:
-        return TensorRTConfig()
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"tensorrt: must be a mapping, got {data!r}")
-    _reject_unknown("tensorrt.", data, {f.name for f in fields(TensorRTConfig)})
-    values = dict(data)
-    if "profiles" in values:
-        profiles = values["profiles"]
-        if not isinstance(profiles, list) or not profiles:
-            raise ConfigError(f"tensorrt.profiles: must be a non-empty list of {{min, opt, max}}, got {profiles!r}")
-        values["profiles"] = tuple(_profile(f"tensorrt.profiles[{i}]", item) for i, item in enumerate(profiles))
-    return TensorRTConfig(**values)
-
-
-def _onnxruntime(data: Any) -> OnnxRuntimeConfig:
-    if data is None:
-        return OnnxRuntimeConfig()
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"onnxruntime: must be a mapping, got {data!r}")
-    _reject_unknown("onnxruntime.", data, {f.name for f in fields(OnnxRuntimeConfig)})
-    provider = data.get("tensorrt")
-    if provider is None:
-        return OnnxRuntimeConfig()
-    if not isinstance(provider, Mapping):
-        raise ConfigError(f"onnxruntime.tensorrt: must be a mapping, got {provider!r}")
-    _reject_unknown("onnxruntime.tensorrt.", provider, {f.name for f in fields(TensorRTProviderConfig)})
-    values = dict(provider)
-    if values.get("profile") is not None:
-        values["profile"] = _profile("onnxruntime.tensorrt.profile", values["profile"])
-    return OnnxRuntimeConfig(tensorrt=TensorRTProviderConfig(**values))
-
-
-def _profile(where: str, data: Any) -> ProfileConfig:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: must be a mapping {{min, opt, max}}, got {data!r}")
-    _reject_unknown(f"{where}.", data, {"min", "opt", "max"})
-    shapes: dict[str, dict[str, tuple[int, ...]]] = {}
-    for kind in ("min", "opt", "max"):
-        if kind not in data:
-            raise ConfigError(f"{where}: lacks {kind}")
-        by_name = data[kind]
-        if not isinstance(by_name, Mapping):
-            raise ConfigError(f"{where}.{kind}: must map input names to shapes, got {by_name!r}")
-        shapes[kind] = {}
-        for name, shape in by_name.items():
-            if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-                raise ConfigError(f"{where}.{kind}.{name}: must be a list of integers, got {shape!r}")
-            shapes[kind][str(name)] = tuple(shape)
-    try:
-        return ProfileConfig(min=shapes["min"], opt=shapes["opt"], max=shapes["max"])
-    except ConfigError as error:
-        raise ConfigError(f"{where}: {error}") from None
-
-
-def _tensors(kind: str, data: Any) -> tuple[TensorSpec, ...]:
-    if not isinstance(data, list):
-        raise ConfigError(f"{kind}: must be a list of {{name, datatype, shape}}, got {data!r}")
-    specs = []
-    for index, item in enumerate(data):
-        where = f"{kind}[{index}]"
-        if not isinstance(item, Mapping):
-            raise ConfigError(f"{where}: must be a mapping {{name, datatype, shape}}, got {item!r}")
-        _reject_unknown(f"{where}.", item, {"name", "datatype", "shape"})
-        missing = [key for key in ("name", "datatype", "shape") if key not in item]
-        if missing:
-            raise ConfigError(f"{where}: lacks {missing}")
-        name, datatype, shape = item["name"], item["datatype"], item["shape"]
-        if not isinstance(name, str):
-            raise ConfigError(f"{where}.name: must be a string, got {name!r}")
-        if not isinstance(datatype, str):
-            raise ConfigError(f"{where}.datatype: must be a string such as FP32, got {datatype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-            raise ConfigError(f"{where}.shape: must be a list of integers (-1 = dynamic), got {shape!r}")
-        try:
-            specs.append(TensorSpec(name=name, datatype=datatype.upper(), shape=tuple(shape)))
-        except ConfigError as error:
-            raise ConfigError(f"{where}: {error}") from None
-    return tuple(specs)
-
-
-def _reject_unknown(prefix: str, data: Mapping[Any, Any], known: set[str]) -> None:
-    unknown = sorted(str(key) for key in data if key not in known)
-    if unknown:
-        raise ConfigError(f"{prefix}{unknown[0]}: unknown field (known: {sorted(known)})")
-
-
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name}: must be an integer >= {minimum}, got {value!r}")
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{name}: must be one of {list(choices)}, got {value!r}")
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}: must be true or false, got {value!r}")
+        return validate(cls, data)

@@ -30,6 +30,12 @@ Rules a router follows (one place, so every router derives the same table):
   that are really gone out of rotation.
 - Consul unreachable: the router keeps its last state and gets an error update;
   each query retries with capped exponential backoff.
+- A model leaves the routers only on purpose: its experiment key set to
+  ``{"remove": true}`` (:data:`REMOVAL_VALUE`). Its workers all deregistering is
+  an outage, not a removal (the last endpoints stay), and any state that would
+  drop a serving model otherwise is refused (:mod:`splitstream.common.registry.removal`).
+- Nothing an answer holds can end the watch: an exception while reading one is
+  logged and becomes an error update, and the queries go on.
 
 py-consul's client is synchronous (requests). Every call runs in its own daemon
 thread (:func:`run_blocking`), so a blocking query held open never occupies the
@@ -59,6 +65,7 @@ from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 from splitstream.common.names import check_model_name
 from splitstream.common.registry.base import ModelEntry, RegistryState, RegistryUpdate
+from splitstream.common.registry.removal import RemovalGuard
 
 log = structlog.get_logger()
 
@@ -208,6 +215,19 @@ def decode_experiment(model: str, value: bytes | None) -> Experiment:
         raise ConfigError(f"{where}: {error}") from None
 
 
+#: The experiment value that takes a model out of every router on purpose (docs: README, Registry).
+REMOVAL_VALUE = {"remove": True}
+HOW_TO_REMOVE = f"to remove a model on purpose, set its experiment key to {json.dumps(REMOVAL_VALUE)}"
+
+
+def is_removal(value: bytes | None) -> bool:
+    """True when a KV value is exactly :data:`REMOVAL_VALUE` (anything else is read as an experiment)."""
+    try:
+        return value is not None and json.loads(value) == REMOVAL_VALUE
+    except ValueError:  # not JSON (or not UTF-8): an invalid experiment, reported as such elsewhere
+        return False
+
+
 def encode_experiment(experiment: Experiment) -> str:
     return json.dumps(experiment.to_mapping(), sort_keys=True)
 
@@ -316,6 +336,7 @@ class _WatchSession:
         self.good_experiments: dict[str, tuple[bytes | None, Experiment]] = {}
         self.last_endpoints: dict[str, dict[str, tuple[str, ...]]] = {}
         self.defaulted: frozenset[str] = frozenset()
+        self.guard = RemovalGuard(how_to_remove=HOW_TO_REMOVE)
 
     def close(self) -> None:
         for task in self.tasks.values():
@@ -334,11 +355,23 @@ class _WatchSession:
             elif self.pending:
                 continue
             else:
-                state, problems = self._state()
-                update = RegistryUpdate(state=state, error="; ".join(problems) or None)
+                update = self._update()
             if update != last:
                 last = update
                 yield update
+
+    def _update(self) -> RegistryUpdate:
+        """The update the latest answers make; never raises (a watch that died would freeze the router)."""
+        try:
+            state, problems, removed = self._state()
+        except Exception as error:  # a bug or an answer no check foresaw: report it, keep watching
+            log.exception("consul answers could not be turned into a state; keeping the last good one")
+            return RegistryUpdate(error=f"Consul answers could not be read ({type(error).__name__}: {error})")
+        refused = self.guard.check(state, removable=removed)
+        if refused is not None:
+            return RegistryUpdate(error=f"Consul state {refused}")
+        self.guard.accept(state)
+        return RegistryUpdate(state=state, error="; ".join(problems) or None)
 
     # -- the queries, each in its own loop ----------------------------------------------------------
 
@@ -362,7 +395,7 @@ class _WatchSession:
         while True:
             try:
                 new_index, data = await run_blocking(functools.partial(fetch, client, index))
-            except CONSUL_ERRORS as error:
+            except Exception as error:  # CONSUL_ERRORS, and anything a garbled answer makes the client raise
                 reason = describe_error(error)
                 if self.errors.get(source) != reason:
                     log.warning("consul query failed; retrying", source=source, error=reason)
@@ -379,7 +412,11 @@ class _WatchSession:
             # the watch from 0; one that is not positive is taken as 1.
             index = 0 if new < index else max(new, 1)
             self.pending.discard(source)
-            apply(data)
+            try:
+                apply(data)
+            except Exception as error:  # an answer no check foresaw: report it; the next answer may mend it
+                log.exception("consul answer could not be read", source=source)
+                self.errors[source] = f"answer of {source} could not be read ({type(error).__name__}: {error})"
             self.changed.set()
 
     def _wait(self) -> str:
@@ -427,11 +464,16 @@ class _WatchSession:
 
     # -- the state they make --------------------------------------------------------------------------
 
-    def _state(self) -> tuple[RegistryState, list[str]]:
+    def _state(self) -> tuple[RegistryState, list[str], frozenset[str]]:
+        """The state, the problems kept out of it, and the models removed on purpose (``{"remove": true}``)."""
         problems: list[str] = []
         models: dict[str, ModelEntry] = {}
         defaulted: set[str] = set()
-        for model in sorted({*self.instances, *self.experiment_values, *self.last_endpoints}):
+        removed = frozenset(m for m, value in self.experiment_values.items() if is_removal(value))
+        for model in removed:
+            self.last_endpoints.pop(model, None)
+            self.good_experiments.pop(model, None)
+        for model in sorted({*self.instances, *self.experiment_values, *self.last_endpoints} - removed):
             endpoints = group_endpoints(self.instances.get(model, ()))
             if endpoints:
                 self.last_endpoints[model] = endpoints
@@ -451,7 +493,7 @@ class _WatchSession:
                     models=sorted(defaulted),
                     key_prefix=EXPERIMENT_PREFIX,
                 )
-        return RegistryState(models=models), problems
+        return RegistryState(models=models), problems, removed
 
     def _experiment(self, model: str, endpoints: Mapping[str, Sequence[str]], problems: list[str]) -> Experiment | None:
         if model not in self.experiment_values:

@@ -1,6 +1,6 @@
 """The ``file`` registry backend: one YAML file, re-read when it changes.
 
-Format::
+Format (schema: :class:`RegistryDocument`)::
 
     models:
       <model>:
@@ -13,27 +13,88 @@ Format::
           arms: [{version: v1, weight: 90}, {version: v2, weight: 10}]
           shadows: [{version: v3, sample_rate: 0.1}]
           routing_key_header: x-routing-key
+    remove_models: [<model>, ...]  # optional: models taken out on purpose (see below)
 
 The file is polled (stat every ``poll_interval_s``) rather than watched with
 inotify, because editors and config managers replace files by rename and
 inotify watches follow the old inode. A file that fails to parse or validate
-is reported and the previous state is kept.
+is reported and the previous state is kept; so is a file that drops a serving
+model (or every model) without naming it under ``remove_models``
+(:mod:`splitstream.common.registry.removal`): an editor saving in place
+truncates the file first, and a poll landing then must not unroute everything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import structlog
 import yaml
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from splitstream.common.errors import ConfigError
-from splitstream.common.experiment import Experiment
+from splitstream.common.experiment import Experiment, ExperimentDocument, VersionName
 from splitstream.common.names import check_model_name
 from splitstream.common.registry.base import ModelEntry, RegistryState, RegistryUpdate
+from splitstream.common.registry.removal import RemovalGuard
+from splitstream.common.schema import Document, validate
+
+log = structlog.get_logger()
+
+#: How an operator takes models out of a file registry on purpose; shown with every refused removal.
+HOW_TO_REMOVE = "to remove models on purpose, name them under the top-level 'remove_models:' list"
+
+
+def _model_name(name: str) -> str:
+    check_model_name(name)  # ValueError → a validation error at this key
+    return name
+
+
+def _address(address: str) -> str:
+    if ":" not in address:
+        raise ValueError("must be host:port")
+    return address
+
+
+ModelName = Annotated[str, AfterValidator(_model_name)]
+Address = Annotated[str, AfterValidator(_address)]
+#: One address may be written without the list around it (``v1: 127.0.0.1:9001``).
+Addresses = Annotated[list[Address], BeforeValidator(lambda value: [value] if isinstance(value, str) else value)]
+
+
+class ModelDocument(Document):
+    """One model: where its versions run and how traffic splits between them."""
+
+    endpoints: dict[VersionName, Addresses] | None = Field(
+        None, description="version → list of `host:port` (one address may go without the list); null: none"
+    )
+    experiment: ExperimentDocument | None = Field(
+        None, description="the split; may be left out when the model has exactly one version (it takes 100 %)"
+    )
+
+
+class RegistryDocument(Document):
+    """The whole file. An empty or comment-only file is refused (it is what a poll sees mid-save)."""
+
+    models: dict[ModelName, ModelDocument] = Field(
+        description="model name → model; `{}` serves nothing (refused while models are routed, see remove_models)"
+    )
+    remove_models: list[ModelName] | None = Field(
+        None,
+        description="models taken out on purpose: a state that drops a serving model, or every model, is "
+        "refused unless each is named here; null: none",
+    )
+
+    @model_validator(mode="after")
+    def _removed_models_are_absent(self) -> RegistryDocument:
+        both = sorted(set(self.remove_models or ()) & set(self.models))
+        if both:
+            raise ValueError(f"remove_models names {both}, which are also under models; keep them in one place")
+        return self
 
 
 class FileRegistry:
@@ -43,28 +104,40 @@ class FileRegistry:
         self.description = f"file:{self.path}"
 
     async def watch(self) -> AsyncIterator[RegistryUpdate]:
+        """Yield an update per change of the file; survives anything a file or its reading can do.
+
+        Any exception while reading or parsing (not only the ConfigError a bad value
+        should become) is logged and yielded as an error update, and polling goes on:
+        a watch that died would leave the router healthy on a state nobody can change.
+        """
         last_signature: tuple[int, int, int] | None = None
         last_error: str | None = None
+        guard = RemovalGuard(how_to_remove=HOW_TO_REMOVE)
         while True:
+            update: RegistryUpdate | None = None
             try:
                 signature, text = await asyncio.to_thread(self._read_if_changed, last_signature)
-            except OSError as error:
-                signature, text = None, None
-                message = f"{self.path}: {error.strerror or error}"
-                if message != last_error:
-                    last_error = message
-                    last_signature = None
-                    yield RegistryUpdate(error=message)
-            if text is not None:
                 last_signature = signature
-                try:
-                    state = parse_registry(yaml.safe_load(text), source=str(self.path))
-                except (ConfigError, yaml.YAMLError) as error:
-                    last_error = str(error)
-                    yield RegistryUpdate(error=last_error)
-                else:
-                    last_error = None
-                    yield RegistryUpdate(state=state)
+                if text is not None:
+                    state, removed = parse_registry_file(yaml.safe_load(text), source=str(self.path))
+                    refused = guard.check(state, removable=removed)
+                    if refused is not None:
+                        raise ConfigError(f"{self.path}: {refused}")
+                    guard.accept(state)
+                    update = RegistryUpdate(state=state)
+            except OSError as error:
+                last_signature = None  # read again once the file is back, even if it looks unchanged
+                update = RegistryUpdate(error=f"{self.path}: {error.strerror or error}")
+            except UnicodeDecodeError as error:
+                update = RegistryUpdate(error=f"{self.path}: not UTF-8 text (byte {error.start}: {error.reason})")
+            except (ConfigError, yaml.YAMLError) as error:
+                update = RegistryUpdate(error=" ".join(str(error).split()))
+            except Exception as error:  # a bug or a value no check foresaw: report it, keep watching
+                log.exception("registry file could not be read; keeping the last good state", path=str(self.path))
+                update = RegistryUpdate(error=f"{self.path}: cannot be read ({type(error).__name__}: {error})")
+            if update is not None and (update.error is None or update.error != last_error):
+                last_error = update.error
+                yield update
             await asyncio.sleep(self.poll_interval_s)
 
     def _read_if_changed(self, last: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], str | None]:
@@ -77,49 +150,37 @@ class FileRegistry:
 
 def parse_registry(data: Any, *, source: str = "registry") -> RegistryState:
     """Validate the registry mapping; raises ConfigError naming the model and field at fault."""
+    state, _ = parse_registry_file(data, source=source)
+    return state
+
+
+def parse_registry_file(data: Any, *, source: str = "registry") -> tuple[RegistryState, frozenset[str]]:
+    """The state a registry document describes and the models it removes on purpose (``remove_models``).
+
+    Raises ConfigError ``"<source>: <field path>: <problem>"`` for anything the schema or the
+    experiment rules refuse. An empty document (an empty or comment-only file) is refused:
+    it is what a poll sees in the middle of a non-atomic save, never a registry someone meant.
+    """
     if data is None:
-        return RegistryState()
-    if not isinstance(data, Mapping) or not isinstance(data.get("models", {}), Mapping):
-        raise ConfigError(f"{source}: expected a mapping with a 'models' mapping at the top")
-    unknown = sorted(set(data) - {"models"})
-    if unknown:
-        raise ConfigError(f"{source}: unknown top-level field(s) {unknown}")
+        raise ConfigError(f"{source}: the file is empty (a save in progress, or truncated); a registry needs 'models:'")
+    document = validate(RegistryDocument, data, where=source)
     models: dict[str, ModelEntry] = {}
-    for model, entry in (data.get("models") or {}).items():
-        models[str(model)] = _parse_model(str(model), entry or {}, source)
-    return RegistryState(models=models)
-
-
-def _parse_model(model: str, entry: Any, source: str) -> ModelEntry:
-    where = f"{source}: model '{model}'"
-    try:
-        check_model_name(model)
-    except ValueError as error:
-        raise ConfigError(f"{source}: {error}") from None
-    if not isinstance(entry, Mapping):
-        raise ConfigError(f"{where}: must be a mapping with 'endpoints' and 'experiment'")
-    unknown = sorted(set(entry) - {"endpoints", "experiment"})
-    if unknown:
-        raise ConfigError(f"{where}: unknown field(s) {unknown}")
-    raw_endpoints = entry.get("endpoints") or {}
-    if not isinstance(raw_endpoints, Mapping):
-        raise ConfigError(f"{where}: 'endpoints' must map version → list of host:port")
-    endpoints: dict[str, tuple[str, ...]] = {}
-    for version, addresses in raw_endpoints.items():
-        if isinstance(addresses, str):
-            addresses = [addresses]
-        if not isinstance(addresses, list) or not all(isinstance(a, str) and ":" in a for a in addresses):
-            raise ConfigError(f"{where}: endpoints of version '{version}' must be a list of host:port")
-        endpoints[str(version)] = tuple(dict.fromkeys(addresses))
-    raw_experiment = entry.get("experiment")
-    if raw_experiment is None:
-        if len(endpoints) != 1:
-            raise ConfigError(f"{where}: has {len(endpoints)} versions but no experiment; add one saying how to split")
-        (only,) = endpoints
-        experiment = Experiment.build(model=model, salt=model, control=only, arms=[(only, 100)])
-    else:
+    for model, entry in document.models.items():
+        endpoints = {version: tuple(dict.fromkeys(addresses)) for version, addresses in (entry.endpoints or {}).items()}
         try:
-            experiment = Experiment.from_mapping(model, raw_experiment)
+            experiment = _experiment(model, entry, endpoints)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
-    return ModelEntry(experiment=experiment, endpoints=endpoints)
+        models[model] = ModelEntry(experiment=experiment, endpoints=endpoints)
+    return RegistryState(models=models), frozenset(document.remove_models or ())
+
+
+def _experiment(model: str, entry: ModelDocument, endpoints: dict[str, tuple[str, ...]]) -> Experiment:
+    if entry.experiment is not None:
+        return Experiment.from_document(model, entry.experiment)
+    if len(endpoints) != 1:
+        raise ConfigError(
+            f"model '{model}' has {len(endpoints)} versions but no experiment; add one saying how to split"
+        )
+    (only,) = endpoints
+    return Experiment.build(model=model, salt=model, control=only, arms=[(only, 100)])

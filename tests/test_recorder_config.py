@@ -1,0 +1,43 @@
+"""The recorder's settings are one pydantic schema: any value it refuses is exit 2 and one line naming the flag.
+
+NaN and infinity used to pass every hand-written bound (``nan <= 0`` is false): a recorder given
+``--redis-timeout-s nan`` started and then waited on Redis for ever.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--redis-timeout-s", "nan"], "--redis-timeout-s: Input should be a finite number, got nan"),
+        (["--health-interval-s", "inf"], "--health-interval-s: Input should be a finite number, got inf"),
+        (["--shutdown-grace-s", "nan"], "--shutdown-grace-s: Input should be a finite number, got nan"),
+        (["--retention-age-s=-inf"], "--retention-age-s: Input should be a finite number, got -inf"),
+        (["--port", "70000"], "--port: Input should be less than or equal to 65535, got 70000"),
+        (["--redis-timeout-s", "0"], "--redis-timeout-s: must be positive, got 0.0"),
+        (["--redact-input", ":mask"], "--redact-input rule ':mask' names nothing"),
+    ],
+)
+def test_a_recorder_given_a_value_its_schema_refuses_exits_2_naming_the_flag(args: list[str], problem: str) -> None:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "splitstream.recorder", "--redis-url", "redis://127.0.0.1:1/0", "--port", "0", *args],
+        env={**clean, "SPLITSTREAM_RECORDER_METRICS_PORT": "0"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"splitstream-recorder: error: {lines[0].split('error: ', 1)[1]}"]
+    assert problem in lines[0]
