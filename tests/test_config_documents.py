@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitstream.common.errors import ConfigError
-from splitstream.common.experiment import DEFAULT_ROUTING_KEY_HEADER
+from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 from splitstream.common.registry import RegistryState, parse_registry
 from splitstream.common.registry.consul import decode_experiment
 from splitstream.common.registry.file import parse_registry_file

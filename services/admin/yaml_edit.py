@@ -28,7 +28,8 @@ from ruamel.yaml.scalarstring import DoubleQuotedScalarString, SingleQuotedScala
 from ruamel.yaml.tokens import CommentToken
 
 from splitstream.common.errors import ConfigError
-from splitstream.common.experiment import DEFAULT_ROUTING_KEY_HEADER, Experiment
+from splitstream.common.experiment import Experiment
+from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 from splitstream.common.registry import parse_registry
 from splitstream.common.registry.base import RegistryState
 

@@ -21,10 +21,10 @@ import xxhash
 from pydantic import Field, StringConstraints
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 from splitstream.common.schema import Document, validate
 
 BUCKETS = 10_000
-DEFAULT_ROUTING_KEY_HEADER = "x-routing-key"
 
 #: A version name as written in a document: a non-empty string. ``version: 2`` is refused rather than
 #: coerced, because YAML reads ``1.10`` as the float 1.1 and coercion would silently name another version.
