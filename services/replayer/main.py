@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
+from splitstream.common.secrets import redact_text, redact_url
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import METRICS, Bound, GateResult, evaluate, parse_gate
 from splitstream.replayer.outputs import write_summary
@@ -63,7 +64,7 @@ def build_parser() -> EnvArgumentParser:
         ),
     )
     source = parser.add_argument_group("source and selection")
-    source.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis")
+    source.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
     source.add_argument(
         "--model", action="append", required=True, help="model to replay (repeat or comma-separate for several)"
     )
@@ -88,7 +89,7 @@ def build_parser() -> EnvArgumentParser:
         help="only calls with this routing key (matched through its HMAC; repeatable)",
     )
     source.add_argument(
-        "--hmac-key", default="", help="the deployment's routing-key HMAC key; else SPLITSTREAM_HMAC_KEY"
+        "--hmac-key", default="", help="the deployment's routing-key HMAC key; else SPLITSTREAM_HMAC_KEY", secret=True
     )
     source.add_argument(
         "--sample", type=float, default=1.0, help="replay this fraction of the calls (fixed per request id)"
@@ -371,12 +372,12 @@ async def _open_redis(config: ReplayConfig) -> Redis:
             socket_timeout=max(config.connect_timeout_s, 10.0),
         )
     except ValueError as error:
-        raise SetupError(f"bad --redis-url {config.redis_url!r}: {error}") from None
+        raise SetupError(f"bad --redis-url {redact_url(config.redis_url)!r}: {redact_text(str(error))}") from None
     try:
         await redis.ping()
     except (RedisError, OSError) as error:
         await redis.aclose()
-        raise SetupError(f"Redis at {_without_password(config.redis_url)} is unreachable: {error}") from None
+        raise SetupError(f"Redis at {redact_url(config.redis_url)} is unreachable: {redact_text(str(error))}") from None
     return redis
 
 
@@ -389,10 +390,3 @@ async def _check_models(redis: Redis, models: Sequence[str]) -> None:
                 f"unknown model {model!r}: no stream {stream_key(model)} in Redis "
                 f"(recorded models: {', '.join(known) or 'none'})"
             )
-
-
-def _without_password(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest
