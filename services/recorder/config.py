@@ -11,6 +11,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from splitstream.common.cli import EnvArgumentParser
+from splitstream.common.errors import ConfigError
+from splitstream.common.runtime import SERVER_ARGUMENTS, ServerDefaults, ServerSettings, add_server_arguments
 
 PROG = "splitstream-recorder"
 #: The HMAC key is shared with the routers (they HMAC routing keys with it), hence a
@@ -49,9 +51,7 @@ class Rule:
 
 @dataclass(frozen=True, kw_only=True)
 class RecorderConfig:
-    host: str
-    port: int
-    metrics_port: int
+    server: ServerSettings
     redis_url: str
     redis_timeout_s: float
     health_interval_s: float
@@ -63,13 +63,8 @@ class RecorderConfig:
     redact_input: tuple[Rule, ...]
     redact_output: tuple[Rule, ...]
     hmac_key: bytes
-    max_message_bytes: int
-    shutdown_grace_s: float
-    log_level: str
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
-            raise ValueError("ports must be within 0..65535")
         scheme = urlsplit(self.redis_url).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(
@@ -81,8 +76,6 @@ class RecorderConfig:
             raise ValueError("--retention-maxlen and --retention-age-s must not be negative (0 = off)")
         if self.blob_threshold_bytes < 0 or self.blob_ttl_s < 0:
             raise ValueError("--blob-threshold-bytes and --blob-ttl-s must not be negative")
-        if self.max_message_bytes <= 0 or self.shutdown_grace_s < 0:
-            raise ValueError("--max-message-bytes must be positive and --shutdown-grace-s not negative")
         # Masked metadata becomes an HMAC of its value; masked tensors are zeroed and need no key.
         masks = [r for r in self.redact_metadata if r.action is Action.MASK]
         if masks and not self.hmac_key:
@@ -137,13 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
             "and write them to Redis Streams (splitstream:calls:<model>), large payloads once by SHA-256."
         ),
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8003, help="gRPC port (0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=8004, help="Prometheus /metrics port (0: off)")
+    # No drain delay by default: routers stream to the recorder and retry or spool, they do not balance on health.
+    add_server_arguments(
+        parser,
+        ServerDefaults(
+            port=8003, metrics_port=8004, max_message_bytes=128 * 1024 * 1024, drain_delay_s=0.0, shutdown_grace_s=10.0
+        ),
+    )
     parser.add_argument(
         "--redis-url",
         default="redis://127.0.0.1:6379/0",
         help="Redis to write to: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... for TLS, unix:///PATH?db=N",
+        secret=True,
     )
     parser.add_argument(
         "--redis-timeout-s",
@@ -210,20 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hmac-key",
         default=None,
         help=f"key for masking metadata (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
+        secret=True,
     )
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=128 * 1024 * 1024,
-        help="largest RecordBatch accepted",
-    )
-    parser.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=10.0,
-        help="on SIGTERM: seconds batches in flight get to finish writing",
-    )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return parser
 
 
@@ -232,7 +218,8 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        values = vars(args)
+        values = {name: value for name, value in vars(args).items() if name not in SERVER_ARGUMENTS}
+        values["server"] = ServerSettings.from_args(args)
         values["redact_metadata"] = tuple(
             Rule(rule.name.lower(), rule.action) for rule in _rules(args.redact_metadata, what="--redact-metadata")
         )
@@ -241,5 +228,5 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
         key = args.hmac_key if args.hmac_key is not None else os.environ.get(SHARED_HMAC_KEY_ENV, "")
         values["hmac_key"] = key.encode()
         return RecorderConfig(**values)
-    except ValueError as error:
+    except (ConfigError, ValueError) as error:
         parser.error(str(error))
