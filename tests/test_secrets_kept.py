@@ -153,3 +153,23 @@ def test_the_recorder_never_logs_or_exports_its_redis_password(tmp_path: Path, r
     assert str(redis.port) in log  # the URL is logged, without its password
     assert password not in log
     assert password not in metrics
+
+
+def test_a_log_line_that_quotes_a_url_or_a_password_pair_is_masked_whatever_logged_it() -> None:
+    """Library errors quote URLs that no call site redacted; the last log processor masks them."""
+    script = (
+        "from splitstream.common.logs import configure_logging\n"
+        "log = configure_logging('INFO', service='test')\n"
+        "log.info('connecting', url='rediss://user:log-secret-1@h:6380/0', args=['x?password=log-secret-2'])\n"
+        "try:\n"
+        "    raise ConnectionError('cannot reach redis://:log-secret-3@h:6379/0')\n"
+        "except ConnectionError:\n"
+        "    log.exception('failed', detail={'dsn': 'h?token=log-secret-4&db=0'})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2
+    assert "log-secret" not in result.stderr
+    assert "rediss://***@h:6380/0" in lines[0]
+    assert "redis://***@h:6379/0" in lines[1]
