@@ -28,11 +28,17 @@ def is_secret(action: argparse.Action) -> bool:
     return bool(getattr(action, _SECRET, False))
 
 
+def hides_default(action: argparse.Action) -> bool:
+    """Whether ``action``'s default must not be shown: a secret flag's default that came from the
+    environment (the code's own defaults are no secret, and showing them helps)."""
+    return is_secret(action) and bool(getattr(action, _FROM_ENVIRONMENT, False))
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Defaults shown for every flag but secret ones set by the environment (the code's own defaults are no secret)."""
+    """Defaults shown for every flag but :func:`hides_default` ones."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if is_secret(action) and getattr(action, _FROM_ENVIRONMENT, False):
+        if hides_default(action):
             return action.help
         return super()._get_help_string(action)
 

@@ -30,6 +30,7 @@ from splitstream.common.runtime import (
     add_server_arguments,
     run_service,
 )
+from splitstream.common.secrets import redact_text, redact_url
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.mirror import MirrorSettings, RecordMirror
@@ -209,8 +210,8 @@ def open_registry(spec: str) -> Registry:
         try:
             return ConsulRegistry(parse_consul_spec(spec))
         except ValueError as error:
-            raise ConfigError(f"--registry: {error}") from None
-    raise ConfigError(f"--registry: unknown registry '{spec}' (expected file:PATH or consul://HOST:PORT)")
+            raise ConfigError(f"--registry: {redact_text(str(error))}") from None
+    raise ConfigError(f"--registry: unknown registry '{redact_url(spec)}' (expected file:PATH or consul://HOST:PORT)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
