@@ -273,3 +273,12 @@ def test_metrics_host_puts_the_metrics_endpoint_on_its_own_address(
     assert wait_for(lambda: accepts("127.0.0.3", process.metrics_port), timeout_s=5, what="metrics on 127.0.0.3")
     assert not accepts("127.0.0.1", process.metrics_port)
     assert accepts("127.0.0.1", process.port)
+
+
+def test_a_router_whose_spool_dir_cannot_be_made_exits_2_with_one_line(services: Services, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the spool directory should be\n")
+    extra = ("--recorder", f"127.0.0.1:{free_port()}", "--hmac-key", "k", "--spool-dir", str(blocker / "spool"))
+    args = services.args("router", port=free_port(), metrics_port=free_port(), extra=extra)
+    line = one_error_line(services.run("router", args), "router")
+    assert "--spool-dir" in line

@@ -246,6 +246,9 @@ def run_service(settings: ServerSettings, build: Callable[[], Service], *, prog:
     except ConfigError as error:
         print(f"{runner.prog}: error: {error}", file=sys.stderr)
         return EXIT_CONFIG
+    except Exception:
+        runner.log.exception("could not start")
+        return EXIT_FAILED
 
 
 class _Runner:

@@ -268,7 +268,10 @@ class Router(Service):
                 batch_size=config.record_batch_size,
                 batch_interval_s=config.record_batch_interval_ms / 1000,
             )
-            spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
+            try:
+                spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
+            except OSError as error:  # a directory that cannot be created or read is the operator's to fix
+                raise ConfigError(f"--spool-dir {config.spool_dir}: {error.strerror or error}") from None
             self.mirror = RecordMirror(settings, spool, self.metrics)
         self.shadows = ShadowRunner(
             self.core,
