@@ -259,7 +259,6 @@ class _Runner:
         self.log = structlog.get_logger()
         self.health = HealthServicer()
         self.metrics_server: Any = None
-        self.stopping = False
 
     async def serve(self) -> int:
         settings = self.settings
