@@ -346,7 +346,7 @@ class Router(Service):
             self._report_error(f"cannot apply the registry state: {type(error).__name__}: {error}")
             self.log.exception("registry state could not be applied; keeping the last good state")
             return
-        self.servicer.registry_error = update.error or ""
+        self.servicer.registry_error = redact_text(update.error or "")
         self.router_metrics.registry_updates.labels("partial" if update.error else "ok").inc()
         self.router_metrics.registry_healthy.set(0 if update.error else 1)
         self.log.info("registry applied", generation=self.core.generation, models=sorted(update.state.models))
@@ -354,7 +354,7 @@ class Router(Service):
             self.log.error("registry state applied with parts kept from before", error=update.error)
 
     def _report_error(self, error: str) -> None:
-        self.servicer.registry_error = error
+        self.servicer.registry_error = redact_text(error)  # Status is read by anyone who can call the router
         self.router_metrics.registry_updates.labels("error").inc()
         self.router_metrics.registry_healthy.set(0)
 
