@@ -12,6 +12,8 @@ import re
 import sys
 from pathlib import Path
 
+from splitstream.common.cli import hides_default
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = ROOT / "docs" / "configuration.md"
 
@@ -34,7 +36,7 @@ DOCUMENTS = [
     ),
     ("Model `config.yaml` (`MODEL_REPOSITORY/MODEL/VERSION/config.yaml`)", "splitstream.worker.config", "ModelConfig"),
 ]
-_ENV = re.compile(r"\s*\[env (\w+)\]")
+_ENV = re.compile(r"\s*\[env (\w+)(?: set)?\]")
 
 
 def render() -> str:
@@ -69,9 +71,8 @@ def _parser_section(title: str, parser: argparse.ArgumentParser, *, level: int) 
         env = _ENV.search(help_text)
         help_text = " ".join(_ENV.sub("", help_text).split()).replace("|", "\\|")
         names = ", ".join(f"`{n}`" for n in action.option_strings) or f"`{action.dest}` (positional)"
-        default = (
-            "" if action.default in (None, argparse.SUPPRESS, [], "") or action.required else f"`{action.default}`"
-        )
+        hidden = action.default in (None, argparse.SUPPRESS, [], "") or action.required or hides_default(action)
+        default = "" if hidden else f"`{action.default}`"
         rows.append(f"| {names} | {f'`{env.group(1)}`' if env else ''} | {default} | {help_text} |")
     if rows:
         lines += ["| flag | environment | default | meaning |", "| --- | --- | --- | --- |", *rows, ""]

@@ -20,9 +20,9 @@ from tests.harness import ROOT
     [
         (["--redis-timeout-s", "nan"], "--redis-timeout-s: Input should be a finite number, got nan"),
         (["--health-interval-s", "inf"], "--health-interval-s: Input should be a finite number, got inf"),
-        (["--shutdown-grace-s", "nan"], "--shutdown-grace-s: Input should be a finite number, got nan"),
+        (["--shutdown-grace-s", "nan"], "--shutdown-grace-s: must be a number of seconds >= 0, got nan"),
         (["--retention-age-s=-inf"], "--retention-age-s: Input should be a finite number, got -inf"),
-        (["--port", "70000"], "--port: Input should be less than or equal to 65535, got 70000"),
+        (["--port", "70000"], "--port: must be within 0..65535, got 70000"),
         (["--redis-timeout-s", "0"], "--redis-timeout-s: must be positive, got 0.0"),
         (["--redact-input", ":mask"], "--redact-input rule ':mask' names nothing"),
     ],

@@ -11,7 +11,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -508,25 +507,6 @@ def test_bad_config_yaml_leaves_exactly_one_line_on_stderr(tmp_path: Path) -> No
         f"splitstream-worker: error: {tmp_path / MODEL / VERSION / 'config.yaml'}: "
         "instance_count: must be an integer >= 1, got 0"
     ]
-
-
-def test_a_port_already_in_use_exits_1_with_a_line_saying_so(repository: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-
-        result = run_worker_cli(
-            "--model-repository", str(repository), "--model", MODEL, "--version", VERSION,
-            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
-        )  # fmt: skip
-
-    assert result.returncode == 1
-    assert (
-        result.stderr.strip()
-        .splitlines()[-1]
-        .startswith(f"splitstream-worker: error: cannot listen for gRPC on 127.0.0.1:{port}")
-    )
 
 
 def test_flags_can_come_from_the_environment(tmp_path: Path) -> None:

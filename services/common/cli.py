@@ -1,8 +1,12 @@
-"""Command-line helpers shared by every service's entry point.
+"""Command-line helpers shared by every command's entry point.
 
 Each flag can also come from an environment variable ``SPLITSTREAM_<SERVICE>_<FLAG>``
 (``--metrics-port`` of the router → ``SPLITSTREAM_ROUTER_METRICS_PORT``), which is
 how containers are configured. A flag given on the command line wins.
+
+Flags that carry secrets (HMAC keys, URLs that may hold a password) are marked once,
+``add_argument(..., secret=True)``: their help says whether the variable is set but
+never shows its value, and no error message quotes it.
 """
 
 from __future__ import annotations
@@ -12,34 +16,71 @@ import os
 import sys
 from typing import Any, NoReturn
 
+from splitstream.common.secrets import REDACTED
+
+#: Attributes set on a secret flag's argparse Action: it is secret; its default came from the environment.
+_SECRET = "splitstream_secret"
+_FROM_ENVIRONMENT = "splitstream_from_environment"
+
+
+def is_secret(action: argparse.Action) -> bool:
+    """Whether ``action`` was added with ``secret=True`` (its value must never be shown)."""
+    return bool(getattr(action, _SECRET, False))
+
+
+def hides_default(action: argparse.Action) -> bool:
+    """Whether ``action``'s default must not be shown: a secret flag's default that came from the
+    environment (the code's own defaults are no secret, and showing them helps)."""
+    return is_secret(action) and bool(getattr(action, _FROM_ENVIRONMENT, False))
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown for every flag but :func:`hides_default` ones."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if hides_default(action):
+            return action.help
+        return super()._get_help_string(action)
+
 
 class EnvArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose options default to ``SPLITSTREAM_<SERVICE>_<FLAG>`` when set."""
 
     def __init__(self, *args: Any, env_prefix: str, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _HelpFormatter)
         self.env_prefix = env_prefix
         super().__init__(*args, **kwargs)
 
-    def add_argument(self, *names: Any, **kwargs: Any) -> argparse.Action:
-        return super().add_argument(*names, **self._from_environment(names, kwargs))
+    def add_argument(self, *names: Any, secret: bool = False, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*names, **self._from_environment(names, kwargs, secret=secret))
+        return self._marked(action, names, secret)
 
     def add_argument_group(self, *args: Any, **kwargs: Any) -> argparse._ArgumentGroup:
         """Groups read the environment too (argparse's groups have their own ``add_argument``)."""
         group = super().add_argument_group(*args, **kwargs)
         add = group.add_argument
 
-        def add_argument(*names: Any, **options: Any) -> argparse.Action:
-            return add(*names, **self._from_environment(names, options))
+        def add_argument(*names: Any, secret: bool = False, **options: Any) -> argparse.Action:
+            return self._marked(add(*names, **self._from_environment(names, options, secret=secret)), names, secret)
 
         group.add_argument = add_argument  # type: ignore[method-assign]
         return group
 
-    def _from_environment(self, names: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _variable(self, names: tuple[Any, ...]) -> str | None:
         long_names = [n for n in names if isinstance(n, str) and n.startswith("--")]
-        if not long_names or "help" not in kwargs or kwargs.get("action") == "help":
+        return self.env_prefix + long_names[0][2:].upper().replace("-", "_") if long_names else None
+
+    def _marked(self, action: argparse.Action, names: tuple[Any, ...], secret: bool) -> argparse.Action:
+        variable = self._variable(names)
+        setattr(action, _SECRET, secret)
+        setattr(action, _FROM_ENVIRONMENT, variable is not None and variable in os.environ)
+        return action
+
+    def _from_environment(self, names: tuple[Any, ...], kwargs: dict[str, Any], *, secret: bool) -> dict[str, Any]:
+        variable = self._variable(names)
+        if variable is None or "help" not in kwargs or kwargs.get("action") == "help":
             return kwargs
-        variable = self.env_prefix + long_names[0][2:].upper().replace("-", "_")
+        flag = "--" + variable.removeprefix(self.env_prefix).lower().replace("_", "-")
         if variable in os.environ:
             raw = os.environ[variable]
             if kwargs.get("action") == "store_true":
@@ -48,9 +89,14 @@ class EnvArgumentParser(argparse.ArgumentParser):
                 try:
                     kwargs["default"] = kwargs["type"](raw) if "type" in kwargs else raw
                 except (TypeError, ValueError):
-                    self.error(f"{variable}: invalid value {raw!r} for {long_names[0]}")
+                    shown = REDACTED if secret else repr(raw)
+                    self.error(f"{variable}: invalid value {shown} for {flag}")
             kwargs["required"] = False
-        kwargs["help"] = f"{kwargs['help']} [env {variable}]"
+        if secret:
+            # Whether it is set, never what it is: --help output ends up in tickets and CI logs.
+            kwargs["help"] = f"{kwargs['help']} [env {variable}{' set' if variable in os.environ else ''}]"
+        else:
+            kwargs["help"] = f"{kwargs['help']} [env {variable}]"
         return kwargs
 
     def error(self, message: str) -> NoReturn:
@@ -62,27 +108,3 @@ def fail(prog: str, message: str) -> NoReturn:
     """Exit 2 with one clear line (configuration errors found after parsing)."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
-
-
-#: Server options every splitstream gRPC server uses. SO_REUSEPORT off: two
-#: processes must never silently share a port.
-def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.so_reuseport", 0),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-    ]
-
-
-def add_health_and_reflection(server: Any, health_servicer: Any, *service_names: str) -> None:
-    """Register grpc.health.v1 and server reflection for ``service_names`` (full names) on ``server``.
-
-    Every splitstream server offers both: health for routers, Consul and container checks;
-    reflection so `grpcurl` and friends can call it without the .proto files.
-    """
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
-
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)

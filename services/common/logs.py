@@ -2,14 +2,43 @@
 
 Per-request events are logged at DEBUG only; at production request rates the
 metrics carry the per-request signal.
+
+Every string in every event (the rendered exception included) passes through
+:func:`~splitstream.common.secrets.redact_text` last: a URL with a password, or
+``password=...``, can reach a log line from a library's error message that no
+call site knew would quote it.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
+
+from splitstream.common.secrets import redact_text
+
+#: Cheap tests before the regular expressions: most log strings contain neither.
+_MAYBE_SECRET = ("@", "=")
+
+
+def redact_secrets(_logger: WrappedLogger, _method: str, event: EventDict) -> EventDict:
+    """A structlog processor: credentials in URLs and ``password=``-style pairs become ``***``."""
+    for key, value in event.items():
+        event[key] = _scrubbed(value)
+    return event
+
+
+def _scrubbed(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_text(value) if any(mark in value for mark in _MAYBE_SECRET) else value
+    if isinstance(value, list | tuple):
+        return [_scrubbed(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _scrubbed(item) for key, item in value.items()}
+    return value
 
 
 def configure_logging(level: str = "INFO", *, service: str) -> structlog.stdlib.BoundLogger:
@@ -23,6 +52,7 @@ def configure_logging(level: str = "INFO", *, service: str) -> structlog.stdlib.
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            redact_secrets,
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),

@@ -11,10 +11,11 @@ from enum import Enum
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import Field, model_validator
+from pydantic import Field, InstanceOf, model_validator
 
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
+from splitstream.common.runtime import SERVER_ARGUMENTS, ServerDefaults, ServerSettings, add_server_arguments
 from splitstream.common.schema import Document, validate
 
 PROG = "splitstream-recorder"
@@ -54,16 +55,14 @@ class Rule:
         return cls(name, action)
 
 
-Port = Annotated[int, Field(ge=0, le=65535)]
 Seconds = Annotated[float, Field(gt=0)]
 
 
 class RecorderConfig(Document):
-    """Validated settings; each field is the flag of the same name (``redis_url`` ← ``--redis-url``)."""
+    """Validated settings; each field is the flag of the same name (``redis_url`` ← ``--redis-url``); the
+    flags every server shares are validated by the runtime's :class:`ServerSettings`."""
 
-    host: str
-    port: Port
-    metrics_port: Port
+    server: InstanceOf[ServerSettings]
     redis_url: str
     redis_timeout_s: Seconds
     health_interval_s: Seconds
@@ -75,9 +74,6 @@ class RecorderConfig(Document):
     redact_input: tuple[Rule, ...]
     redact_output: tuple[Rule, ...]
     hmac_key: bytes
-    max_message_bytes: Annotated[int, Field(gt=0)]
-    shutdown_grace_s: Annotated[float, Field(ge=0)]
-    log_level: str
 
     @model_validator(mode="after")
     def _consistent(self) -> RecorderConfig:
@@ -141,13 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
             "and write them to Redis Streams (splitstream:calls:<model>), large payloads once by SHA-256."
         ),
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8003, help="gRPC port (0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=8004, help="Prometheus /metrics port (0: off)")
+    # No drain delay by default: routers stream to the recorder and retry or spool, they do not balance on health.
+    add_server_arguments(
+        parser,
+        ServerDefaults(
+            port=8003, metrics_port=8004, max_message_bytes=128 * 1024 * 1024, drain_delay_s=0.0, shutdown_grace_s=10.0
+        ),
+    )
     parser.add_argument(
         "--redis-url",
         default="redis://127.0.0.1:6379/0",
         help="Redis to write to: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... for TLS, unix:///PATH?db=N",
+        secret=True,
     )
     parser.add_argument(
         "--redis-timeout-s",
@@ -214,20 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--hmac-key",
         default=None,
         help=f"key for masking metadata (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
+        secret=True,
     )
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=128 * 1024 * 1024,
-        help="largest RecordBatch accepted",
-    )
-    parser.add_argument(
-        "--shutdown-grace-s",
-        type=float,
-        default=10.0,
-        help="on SIGTERM: seconds batches in flight get to finish writing",
-    )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return parser
 
 
@@ -236,7 +225,8 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        values = vars(args)
+        values = {name: value for name, value in vars(args).items() if name not in SERVER_ARGUMENTS}
+        values["server"] = ServerSettings.from_args(args)
         values["redact_metadata"] = tuple(
             Rule(rule.name.lower(), rule.action) for rule in _rules(args.redact_metadata, what="--redact-metadata")
         )

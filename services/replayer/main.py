@@ -69,7 +69,7 @@ def build_parser() -> EnvArgumentParser:
         ),
     )
     source = parser.add_argument_group("source and selection")
-    source.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis")
+    source.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
     source.add_argument(
         "--model", action="append", required=True, help="model to replay (repeat or comma-separate for several)"
     )
@@ -94,7 +94,7 @@ def build_parser() -> EnvArgumentParser:
         help="only calls with this routing key (matched through its HMAC; repeatable)",
     )
     source.add_argument(
-        "--hmac-key", default="", help="the deployment's routing-key HMAC key; else SPLITSTREAM_HMAC_KEY"
+        "--hmac-key", default="", help="the deployment's routing-key HMAC key; else SPLITSTREAM_HMAC_KEY", secret=True
     )
     source.add_argument(
         "--sample", type=float, default=1.0, help="replay this fraction of the calls (fixed per request id)"

@@ -1,25 +1,36 @@
-"""``splitstream-router``: serve the Open Inference Protocol and split traffic between model versions."""
+"""``splitstream-router``: serve the Open Inference Protocol and split traffic between model versions.
+
+Wiring only: flags → :class:`RouterConfig`, the registry, and a :class:`Router` that the shared
+runtime (:mod:`splitstream.common.runtime`) serves, drains and stops.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import math
 import os
-import signal
 import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import structlog
 from grpc import aio
-from grpc_health.v1 import health, health_pb2
-from prometheus_client import start_http_server
 
-from splitstream.common.cli import EnvArgumentParser, add_health_and_reflection, fail, server_options
+from splitstream.common.cli import EnvArgumentParser, fail
+from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.registry import ConsulRegistry, FileRegistry, Registry, RegistryUpdate, parse_consul_spec
+from splitstream.common.runtime import (
+    Runtime,
+    ServerDefaults,
+    ServerSettings,
+    Service,
+    add_server_arguments,
+    run_service,
+)
+from splitstream.common.secrets import redact_text, redact_url
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.mirror import MirrorSettings, RecordMirror
@@ -27,20 +38,22 @@ from splitstream.router.servicer import RouterServicer
 from splitstream.router.shadows import ShadowRunner
 from splitstream.router.spool import Spool
 
+PROG = "splitstream-router"
+#: After the registry watch failed in a way its backend did not report as an update (an exception,
+#: or the watch ending), wait this long before watching again: long enough not to spin on a file
+#: that keeps failing the same way, short next to the time an operator takes to fix it.
+WATCH_RESTART_DELAY_S = 1.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class RouterConfig:
+    """The router's flags, validated (ConfigError naming the flag). ``server`` holds the shared ones."""
+
+    server: ServerSettings
     registry: str
-    host: str
-    port: int
-    metrics_port: int
     router_id: str
     eject_after_failures: int
     eject_duration_s: float
-    max_message_bytes: int
-    drain_delay_s: float
-    shutdown_grace_s: float
-    log_level: str
     recorder: str
     spool_dir: str
     spool_max_bytes: int
@@ -52,16 +65,25 @@ class RouterConfig:
     shadow_max_in_flight: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
-            raise ValueError("ports must be within 0..65535")
         if self.eject_after_failures < 1:
-            raise ValueError("--eject-after-failures must be at least 1")
-        if min(self.eject_duration_s, self.drain_delay_s, self.shutdown_grace_s) < 0:
-            raise ValueError("durations must not be negative")
+            raise ConfigError("--eject-after-failures must be at least 1")
+        for flag, value in (
+            ("--eject-duration-s", self.eject_duration_s),
+            ("--shadow-timeout-s", self.shadow_timeout_s),
+            ("--record-batch-interval-ms", self.record_batch_interval_ms),
+        ):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{flag}: must be a finite number >= 0, got {value}")
         if self.recorder and not self.hmac_key:
-            raise ValueError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
-        if min(self.record_batch_size, self.record_queue_size, self.spool_max_bytes) < 1:
-            raise ValueError("--record-batch-size, --record-queue-size and --spool-max-bytes must be positive")
+            raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
+        for flag, count in (
+            ("--record-batch-size", self.record_batch_size),
+            ("--record-queue-size", self.record_queue_size),
+            ("--spool-max-bytes", self.spool_max_bytes),
+            ("--shadow-max-in-flight", self.shadow_max_in_flight),
+        ):
+            if count < 1:
+                raise ConfigError(f"{flag}: must be positive, got {count}")
 
 
 def build_parser() -> EnvArgumentParser:
@@ -82,9 +104,8 @@ def build_parser() -> EnvArgumentParser:
             "consul://HOST:PORT (watched with blocking queries; ACL token from CONSUL_HTTP_TOKEN)"
         ),
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8001, help="gRPC port (Triton's default; 0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port (0: off)")
+    # Triton's ports, so Triton clients work with defaults.
+    add_server_arguments(parser, ServerDefaults(port=8001, metrics_port=8002))
     parser.add_argument(
         "--router-id",
         default="",
@@ -102,22 +123,6 @@ def build_parser() -> EnvArgumentParser:
         default=5.0,
         help="how long an ejected endpoint stays out before it is tried again",
     )
-    parser.add_argument(
-        "--max-message-bytes",
-        type=int,
-        default=64 * 1024 * 1024,
-        help="largest request or response accepted and forwarded",
-    )
-    parser.add_argument(
-        "--drain-delay-s",
-        type=float,
-        default=0.5,
-        help="on SIGTERM: seconds to keep serving after reporting NOT_SERVING, for balancers to notice",
-    )
-    parser.add_argument(
-        "--shutdown-grace-s", type=float, default=30.0, help="on SIGTERM: seconds calls in flight get to finish"
-    )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     parser.add_argument(
         "--shadow-timeout-s",
         type=float,
@@ -147,6 +152,7 @@ def build_parser() -> EnvArgumentParser:
         "--hmac-key",
         default="",
         help="key for the routing-key HMAC in records; else SPLITSTREAM_HMAC_KEY (shared with recorder and replayer)",
+        secret=True,
     )
     recording.add_argument("--record-batch-size", type=int, default=256, help="records per batch")
     recording.add_argument(
@@ -165,72 +171,91 @@ def build_parser() -> EnvArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None) -> RouterConfig:
+    """Flags (and SPLITSTREAM_ROUTER_* variables) → config; a usage error exits 2 with one line.
+
+    The one place flags map to settings: a new flag is added in :func:`build_parser` and here."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
-    # One deployment-wide key serves router, recorder and replayer alike.
-    args.hmac_key = args.hmac_key or os.environ.get("SPLITSTREAM_HMAC_KEY", "")
     try:
-        return RouterConfig(**vars(args))
-    except ValueError as error:
+        return RouterConfig(
+            server=ServerSettings.from_args(args),
+            registry=args.registry,
+            router_id=args.router_id or f"{socket.gethostname()}-{os.getpid()}",
+            eject_after_failures=args.eject_after_failures,
+            eject_duration_s=args.eject_duration_s,
+            recorder=args.recorder,
+            spool_dir=args.spool_dir,
+            spool_max_bytes=args.spool_max_bytes,
+            # One deployment-wide key serves router, recorder and replayer alike.
+            hmac_key=args.hmac_key or os.environ.get("SPLITSTREAM_HMAC_KEY", ""),
+            record_batch_size=args.record_batch_size,
+            record_batch_interval_ms=args.record_batch_interval_ms,
+            record_queue_size=args.record_queue_size,
+            shadow_timeout_s=args.shadow_timeout_s,
+            shadow_max_in_flight=args.shadow_max_in_flight,
+        )
+    except ConfigError as error:
         parser.error(str(error))
     raise AssertionError("unreachable: parser.error exits")
 
 
 def open_registry(spec: str) -> Registry:
+    """The registry ``spec`` names; ConfigError when it names none that can be opened."""
     scheme, _, location = spec.partition(":")
     if scheme == "file" and location:
         if not os.path.isfile(location):
-            raise ValueError(f"registry file '{location}' does not exist")
+            raise ConfigError(f"--registry: file '{location}' does not exist")
         return FileRegistry(location)
     if scheme == "consul":
-        return ConsulRegistry(parse_consul_spec(spec))
-    raise ValueError(f"unknown registry '{spec}' (expected file:PATH or consul://HOST:PORT)")
+        try:
+            return ConsulRegistry(parse_consul_spec(spec))
+        except ValueError as error:
+            raise ConfigError(f"--registry: {redact_text(str(error))}") from None
+    raise ConfigError(f"--registry: unknown registry '{redact_url(spec)}' (expected file:PATH or consul://HOST:PORT)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``splitstream-router``; exit codes as :mod:`splitstream.common.runtime` says."""
     config = parse_args(argv)
+    configure_logging(config.server.log_level, service="router")
     try:
-        configure_logging(config.log_level, service="router")
         registry = open_registry(config.registry)
-    except ValueError as error:
-        fail("splitstream-router", str(error))
-    return asyncio.run(serve(config, registry))
+    except ConfigError as error:
+        fail(PROG, str(error))
+    return run_service(config.server, lambda: Router(config, registry), prog=PROG)
 
 
-async def serve(config: RouterConfig, registry: Registry) -> int:
-    """Run until SIGTERM/SIGINT, then shut down in order (see :meth:`Router.shutdown`)."""
-    router = Router(config, registry)
-    await router.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
-    await router.shutdown()
-    return 0
+class Router(Service):
+    """The router's parts, wired for the shared runtime: the registry feeds the routing core; calls go
+    through the servicer; answered calls go to shadows and the recording mirror."""
 
+    prog = PROG
+    grpc_services = (
+        oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+        router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+    )
 
-class Router:
     def __init__(self, config: RouterConfig, registry: Registry) -> None:
         self.config = config
         self.registry = registry
         self.log = structlog.get_logger().bind(router_id=config.router_id)
-        self.metrics = RouterMetrics()
+        self.router_metrics = RouterMetrics()
+        self.metrics = self.router_metrics.registry
+        server = config.server
         self.core = RouterCore(
             settings=EndpointSettings(
                 channel_options=(
-                    ("grpc.max_receive_message_length", config.max_message_bytes),
-                    ("grpc.max_send_message_length", config.max_message_bytes),
+                    ("grpc.max_receive_message_length", server.max_message_bytes),
+                    ("grpc.max_send_message_length", server.max_message_bytes),
                     ("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.min_reconnect_backoff_ms", 100),
                     ("grpc.max_reconnect_backoff_ms", 2000),
                 ),
                 eject_after_failures=config.eject_after_failures,
                 eject_duration_s=config.eject_duration_s,
-                drain_timeout_s=config.shutdown_grace_s,
+                drain_timeout_s=server.shutdown_grace_s,
             ),
-            metrics=self.metrics,
+            metrics=self.router_metrics,
         )
         self.servicer = RouterServicer(self.core, router_id=config.router_id, registry_description=registry.description)
         self.mirror: RecordMirror | None = None
@@ -243,88 +268,110 @@ class Router:
                 batch_size=config.record_batch_size,
                 batch_interval_s=config.record_batch_interval_ms / 1000,
             )
-            spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
-            self.mirror = RecordMirror(settings, spool, self.metrics.registry)
+            try:
+                spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
+            except OSError as error:  # a directory that cannot be created or read is the operator's to fix
+                raise ConfigError(f"--spool-dir {config.spool_dir}: {error.strerror or error}") from None
+            self.mirror = RecordMirror(settings, spool, self.metrics)
         self.shadows = ShadowRunner(
             self.core,
-            self.metrics,
+            self.router_metrics,
             self.mirror,
             timeout_s=config.shadow_timeout_s,
             max_in_flight=config.shadow_max_in_flight,
         )
         self.servicer.after_answer = self.shadows.after_answer
-        self.health = health.aio.HealthServicer()
-        self.server = aio.server(
-            interceptors=self.servicer.interceptors(), options=server_options(config.max_message_bytes)
-        )
-        self._watch_task: asyncio.Task[None] | None = None
+        self._updates: AsyncIterator[RegistryUpdate] | None = None
 
-    async def start(self) -> None:
-        """Load the registry, then listen. Exits 2 with one line if the registry is unusable at start."""
-        updates = self.registry.watch()
-        first = await anext(updates)
+    def interceptors(self) -> list[aio.ServerInterceptor]:
+        return self.servicer.interceptors()
+
+    def register(self, server: aio.Server) -> None:
+        server.add_generic_rpc_handlers(self.servicer.handlers())
+
+    async def prepare(self, runtime: Runtime) -> None:
+        """Load the registry before the first call can arrive; unusable at start → ConfigError (exit 2)."""
+        self._updates = self.registry.watch()
+        try:
+            first = await anext(self._updates)
+        except Exception as error:  # a backend bug must still be one line, not a traceback
+            raise ConfigError(f"registry {self.registry.description}: {error}") from None
         if first.state is None:
-            fail("splitstream-router", f"registry {self.registry.description}: {first.error}")
+            raise ConfigError(f"registry {self.registry.description}: {first.error}")
         self._apply(first)
-        self.server.add_generic_rpc_handlers(self.servicer.handlers())
-        add_health_and_reflection(
-            self.server,
-            self.health,
-            oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
-            router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
-        )
-        port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        await self.server.start()
-        if self.config.metrics_port:
-            start_http_server(self.config.metrics_port, registry=self.metrics.registry)
-        self._watch_task = asyncio.create_task(self._follow(updates), name="registry-watch")
         if self.mirror is not None:
             self.mirror.start()
-        self.servicer.ready = True
-        for service in ("", "splitstream.v1.Router", "inference.GRPCInferenceService"):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self.log.info(
-            "router serving",
-            port=port,
-            metrics_port=self.config.metrics_port,
-            registry=self.registry.description,
-            models=self.core.model_names(),
-        )
 
-    async def _follow(self, updates: AsyncIterator[RegistryUpdate]) -> None:
-        async for update in updates:
-            self._apply(update)
+    async def run(self, runtime: Runtime) -> None:
+        self.servicer.ready = True
+        await runtime.set_serving(True)
+        self.log.info("router serving", registry=self.registry.description, models=self.core.model_names())
+        await self._follow()
+
+    async def _follow(self) -> None:
+        """Apply registry updates until cancelled, whatever goes wrong.
+
+        An exception out of the backend's watch (or the watch ending) is logged, marks the registry
+        unhealthy, shows in Status, keeps the last good state, and the watch starts again after
+        :data:`WATCH_RESTART_DELAY_S` (its first update is the whole current state)."""
+        last_problem = ""
+        while True:
+            if self._updates is None:
+                self._updates = self.registry.watch()
+            try:
+                async for update in self._updates:
+                    self._apply(update)
+                    last_problem = ""
+                problem = "the registry watch ended"
+                trace = False
+            except Exception as error:
+                problem = f"the registry watch failed: {type(error).__name__}: {error}"
+                trace = True
+            self._updates = None
+            self._report_error(problem)
+            if problem != last_problem:  # once per distinct failure, not once a second while it lasts
+                self.log.error(
+                    "registry watch stopped; keeping the last good state and watching again",
+                    error=problem,
+                    exc_info=trace,
+                )
+            last_problem = problem
+            await asyncio.sleep(WATCH_RESTART_DELAY_S)
 
     def _apply(self, update: RegistryUpdate) -> None:
         if update.state is None:
-            self.servicer.registry_error = update.error or "unknown error"
-            self.metrics.registry_updates.labels("error").inc()
-            self.metrics.registry_healthy.set(0)
+            self._report_error(update.error or "unknown error")
             self.log.error("registry update rejected; keeping the last good state", error=update.error)
             return
-        self.core.apply(update.state)
-        self.servicer.registry_error = update.error or ""
-        self.metrics.registry_updates.labels("partial" if update.error else "ok").inc()
-        self.metrics.registry_healthy.set(0 if update.error else 1)
+        try:
+            self.core.apply(update.state)
+        except Exception as error:
+            self._report_error(f"cannot apply the registry state: {type(error).__name__}: {error}")
+            self.log.exception("registry state could not be applied; keeping the last good state")
+            return
+        self.servicer.registry_error = redact_text(update.error or "")
+        self.router_metrics.registry_updates.labels("partial" if update.error else "ok").inc()
+        self.router_metrics.registry_healthy.set(0 if update.error else 1)
         self.log.info("registry applied", generation=self.core.generation, models=sorted(update.state.models))
         if update.error:
             self.log.error("registry state applied with parts kept from before", error=update.error)
 
-    async def shutdown(self) -> None:
-        """Stop in order: report NOT_SERVING; keep serving ``drain_delay_s`` so balancers move away;
-        stop accepting and give calls in flight ``shutdown_grace_s``; flush recorded calls to the
-        recorder or the spool; stop watching the registry; close worker channels once their calls are done."""
-        self.log.info("router draining", drain_delay_s=self.config.drain_delay_s)
-        self.servicer.ready = False
-        await self.health.enter_graceful_shutdown()
-        await asyncio.sleep(self.config.drain_delay_s)
-        await self.server.stop(self.config.shutdown_grace_s)
-        await self.shadows.close()  # shadows in flight finish, so their calls are recorded whole
+    def _report_error(self, error: str) -> None:
+        self.servicer.registry_error = redact_text(error)  # Status is read by anyone who can call the router
+        self.router_metrics.registry_updates.labels("error").inc()
+        self.router_metrics.registry_healthy.set(0)
+
+    async def draining(self) -> None:
+        self.servicer.ready = False  # ServerReady/ModelReady say false, beside health's NOT_SERVING
+
+    async def teardown(self) -> None:
+        """After the server stopped: shadows in flight finish (so their calls are recorded whole);
+        every answered call is queued by now, so the mirror flushes to the recorder or the spool;
+        worker channels close once their calls are done."""
+        await self.shadows.close()
         if self.mirror is not None:
-            await self.mirror.close()  # every answered call is queued by now: flush to recorder or spool
-        if self._watch_task is not None:
-            self._watch_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch_task
+            await self.mirror.close()
+        if self._updates is not None and hasattr(self._updates, "aclose"):
+            await self._updates.aclose()
         await self.core.close()
         self.log.info("router stopped")

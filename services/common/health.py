@@ -2,7 +2,8 @@
 
 The library's aio servicer keeps every ``Watch`` stream open forever. During
 shutdown that would hold ``server.stop(grace)`` for the whole grace period
-whenever a router watches this worker. :meth:`HealthServicer.end_watches`
+whenever anything watches the server (routers watch workers; Consul, balancers
+and other routers may watch any splitstream server). :meth:`HealthServicer.end_watches`
 closes those streams (with OK, after they have seen NOT_SERVING), so only
 inference calls are waited for.
 """

@@ -1,0 +1,415 @@
+"""One runtime for every splitstream server: shared flags, listeners, health, signals and an ordered drain.
+
+Router, recorder and worker differ in what they serve, not in how they start or stop.
+Each ``main`` parses its flags (the shared ones added by :func:`add_server_arguments`),
+builds a :class:`Service` and hands it to :func:`run_service`, which:
+
+1. binds the gRPC port on ``--host`` and the Prometheus port on ``--metrics-host``
+   (default ``--host``); a taken port or a bad address is a configuration error;
+2. registers the service's handlers, grpc.health.v1 (every name NOT_SERVING until the
+   service says otherwise) and server reflection, runs :meth:`Service.prepare`, starts
+   serving and runs :meth:`Service.run` in the background;
+3. on SIGTERM or SIGINT drains in this order (a second signal is logged and ignored):
+   health NOT_SERVING for every name (for good) and :meth:`Service.run` cancelled →
+   :meth:`Service.draining` → ``--drain-delay-s`` of serving on, so balancers and routers
+   move away (skipped if the service never reported SERVING: nobody sends to it) →
+   health Watch streams end → :meth:`Service.before_stop` → the server stops accepting
+   and calls in flight get ``--shutdown-grace-s`` → :meth:`Service.teardown` → the
+   metrics endpoint closes.
+
+Exit codes, the same for every service: 0 after a clean SIGTERM/SIGINT; 2 and one line on
+stderr for a configuration error (bad flag value, taken port, unusable address,
+:class:`ConfigError` from the service's construction, ``prepare`` or ``run``); 1 when the
+service failed otherwise (logged with its traceback) or a teardown step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import math
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from splitstream.common.errors import ConfigError
+from splitstream.common.health import NOT_SERVING, SERVING, HealthServicer
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: gRPC takes message limits as a C int.
+_MAX_GRPC_INT = 2**31 - 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerDefaults:
+    """A service's defaults for the shared flags (ports differ per service; the rest rarely does)."""
+
+    port: int
+    metrics_port: int
+    max_message_bytes: int = 64 * 1024 * 1024
+    drain_delay_s: float = 0.5
+    shutdown_grace_s: float = 30.0
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaults) -> None:
+    """The flags every splitstream server has, in one group, with the same names, help and checks everywhere.
+
+    Each reads its ``SPLITSTREAM_<SERVICE>_<FLAG>`` variable when ``parser`` is an EnvArgumentParser."""
+    group = parser.add_argument_group("server (the same for every splitstream server)")
+    group.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
+    group.add_argument(
+        "--port", type=int, default=defaults.port, help="gRPC port (0 picks a free one; the log says which)"
+    )
+    group.add_argument(
+        "--metrics-host",
+        default="",
+        help="address the Prometheus /metrics endpoint listens on (empty: the same as --host)",
+    )
+    group.add_argument(
+        "--metrics-port", type=int, default=defaults.metrics_port, help="Prometheus /metrics port (0: off)"
+    )
+    group.add_argument(
+        "--log-level", type=str.upper, default="INFO", help=f"level of the JSON log on stderr: {', '.join(LOG_LEVELS)}"
+    )
+    group.add_argument(
+        "--drain-delay-s",
+        type=float,
+        default=defaults.drain_delay_s,
+        help="on SIGTERM: seconds to keep serving after reporting NOT_SERVING, so balancers and routers move away",
+    )
+    group.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=defaults.shutdown_grace_s,
+        help="on SIGTERM: seconds calls in flight get to finish before they are cancelled",
+    )
+    group.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=defaults.max_message_bytes,
+        help="largest gRPC message received or sent",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """The shared server flags, validated; a bad value raises ConfigError naming the flag.
+
+    A frozen dataclass rather than a pydantic model: the values arrive typed from argparse,
+    the checks are ranges whose messages must name the *flag* (``--port``), not a field, and
+    the services' own settings are dataclasses of the same shape."""
+
+    host: str = "0.0.0.0"
+    port: int
+    metrics_host: str = ""  # empty: the same as host
+    metrics_port: int
+    log_level: str = "INFO"
+    drain_delay_s: float = 0.5
+    shutdown_grace_s: float = 30.0
+    max_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.host.strip():
+            raise ConfigError("--host: must not be empty")
+        if not self.metrics_host:
+            object.__setattr__(self, "metrics_host", self.host)
+        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{flag}: must be within 0..65535, got {port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"--log-level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        for flag, seconds in (("--drain-delay-s", self.drain_delay_s), ("--shutdown-grace-s", self.shutdown_grace_s)):
+            if not (math.isfinite(seconds) and seconds >= 0):  # NaN passes a plain `< 0` check
+                raise ConfigError(f"{flag}: must be a number of seconds >= 0, got {seconds}")
+        if not 0 < self.max_message_bytes <= _MAX_GRPC_INT:
+            raise ConfigError(f"--max-message-bytes: must be within 1..{_MAX_GRPC_INT}, got {self.max_message_bytes}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        """The settings from flags added by :func:`add_server_arguments`."""
+        return cls(
+            host=args.host,
+            port=args.port,
+            metrics_host=args.metrics_host,
+            metrics_port=args.metrics_port,
+            log_level=args.log_level,
+            drain_delay_s=args.drain_delay_s,
+            shutdown_grace_s=args.shutdown_grace_s,
+            max_message_bytes=args.max_message_bytes,
+        )
+
+    @property
+    def grpc_address(self) -> str:
+        return _host_port(self.host, self.port)
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """SO_REUSEPORT off: two processes must never silently share a port (the second must fail to start)."""
+        return [
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        ]
+
+
+#: The argparse destinations :func:`add_server_arguments` adds (what :meth:`ServerSettings.from_args` reads).
+SERVER_ARGUMENTS = frozenset(
+    (
+        "host",
+        "port",
+        "metrics_host",
+        "metrics_port",
+        "log_level",
+        "drain_delay_s",
+        "shutdown_grace_s",
+        "max_message_bytes",
+    )
+)
+
+
+class Runtime:
+    """What a running service may ask of the runtime: its settings, and its health status."""
+
+    def __init__(self, settings: ServerSettings, health: HealthServicer, health_names: Sequence[str]) -> None:
+        self.settings = settings
+        self.port = 0  # the gRPC port bound (differs from settings.port when that is 0)
+        self.served = False  # whether health ever said SERVING
+        self._health = health
+        self._health_names = tuple(dict.fromkeys(["", *health_names]))
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health for every name the service offers; ignored once the drain has begun (it stays NOT_SERVING)."""
+        for name in self._health_names:
+            await self._health.set(name, SERVING if serving else NOT_SERVING)
+        self.served = self.served or serving
+
+
+class Service:
+    """What a service plugs into :func:`run_service`; every hook but :meth:`register` may be left as it is.
+
+    ``prog`` names the command in error lines; ``grpc_services`` are the full names of the
+    gRPC services it serves (reflection, and health names beside ``""``); ``metrics`` is the
+    registry its Prometheus endpoint exposes."""
+
+    prog: str = "splitstream"
+    grpc_services: Sequence[str] = ()
+    metrics: CollectorRegistry | None = None
+
+    def health_names(self) -> Sequence[str]:
+        """Names health reports on besides ``""`` (default: the gRPC services)."""
+        return self.grpc_services
+
+    def interceptors(self) -> Sequence[aio.ServerInterceptor]:
+        """Server interceptors, outermost first (none by default)."""
+        return ()
+
+    def register(self, server: aio.Server) -> None:
+        """Add the service's handlers to ``server`` (not started yet)."""
+        raise NotImplementedError
+
+    async def prepare(self, runtime: Runtime) -> None:
+        """Ports are bound, nothing is served yet: load what calls need (ConfigError: exit 2)."""
+
+    async def run(self, runtime: Runtime) -> None:
+        """Serving: the service's own long-lived work (it reports SERVING through ``runtime``).
+
+        Cancelled when the drain begins. Returning is fine; ConfigError ends the process with
+        exit 2, any other exception with 1 (after the drain, in both cases)."""
+
+    async def draining(self) -> None:
+        """Health is NOT_SERVING: stop taking new work where the protocol cannot say so (ready flags, Consul)."""
+
+    async def before_stop(self) -> None:
+        """The drain delay is over; the server is about to stop accepting (end long streams politely)."""
+
+    async def teardown(self) -> None:
+        """The server has stopped: flush and release what the service holds."""
+
+
+def run_service(settings: ServerSettings, build: Callable[[], Service], *, prog: str) -> int:
+    """Run the service ``build()`` makes (called inside the event loop) until a signal; the exit code.
+
+    ``prog`` names the command in the one-line error of a configuration problem found before
+    the service exists (a taken gRPC port)."""
+    runner = _Runner(settings, build, prog=prog)
+    try:
+        return asyncio.run(runner.serve())
+    except ConfigError as error:
+        print(f"{runner.prog}: error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    except Exception:
+        runner.log.exception("could not start")
+        return EXIT_FAILED
+
+
+class _Runner:
+    def __init__(self, settings: ServerSettings, build: Callable[[], Service], *, prog: str) -> None:
+        self.settings = settings
+        self.build = build
+        self.prog = prog
+        self.log = structlog.get_logger()
+        self.health = HealthServicer()
+        self.metrics_server: Any = None
+
+    async def serve(self) -> int:
+        settings = self.settings
+        # Signals are caught from the start, so one during startup ends in the same ordered drain.
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+
+        def on_signal(signum: signal.Signals) -> None:
+            if stop.is_set():
+                self.log.warning("signal ignored, already shutting down", signal=signum.name)
+                return
+            self.log.info("signal received, shutting down", signal=signum.name)
+            stop.set()
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, on_signal, signum)
+        service = self.build()
+        self.prog = service.prog
+        # The server is made after the service, which may intercept calls (interceptors are fixed at creation).
+        server = aio.server(interceptors=service.interceptors(), options=settings.server_options())
+        port = _bind_grpc(server, settings)
+        try:
+            runtime = Runtime(settings, self.health, service.health_names())
+            runtime.port = port
+            if settings.metrics_port and service.metrics is not None:
+                self.metrics_server = _bind_metrics(settings, service.metrics)
+            service.register(server)
+            _add_health_and_reflection(server, self.health, service.grpc_services)
+            await runtime.set_serving(False)
+            await service.prepare(runtime)
+        except BaseException:
+            await server.stop(None)
+            self._close_metrics()
+            raise
+        await server.start()
+        self.log.info(
+            "listening",
+            host=settings.host,
+            port=port,
+            metrics_host=settings.metrics_host,
+            metrics_port=settings.metrics_port or None,
+        )
+        running = asyncio.create_task(service.run(runtime), name="service-run")
+        stopping = asyncio.create_task(stop.wait(), name="wait-for-signal")
+        await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if running.done() and not running.cancelled() and running.exception() is None:
+            await stopping  # the service's own work is done; it serves on until told to stop
+        code = EXIT_OK
+        failure = running.exception() if running.done() and not running.cancelled() else None
+        if isinstance(failure, ConfigError):
+            code = EXIT_CONFIG
+        elif failure is not None:
+            self.log.error("service failed; shutting down", exc_info=failure)
+            code = EXIT_FAILED
+        code = max(code, await self._drain(server, service, runtime, running, stopping))
+        self.log.info("stopped", exit_code=code)
+        if isinstance(failure, ConfigError):
+            # Last, so the line that says what to fix is the one a person reads first.
+            print(f"{self.prog}: error: {failure}", file=sys.stderr)
+        return code
+
+    async def _drain(self, server: aio.Server, service: Service, runtime: Runtime, *tasks: asyncio.Task[Any]) -> int:
+        settings = self.settings
+        self.log.info("draining", drain_delay_s=settings.drain_delay_s, shutdown_grace_s=settings.shutdown_grace_s)
+        await self.health.enter_graceful_shutdown()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        code = await self._step("draining", service.draining())
+        if runtime.served and settings.drain_delay_s > 0:
+            await asyncio.sleep(settings.drain_delay_s)
+        self.health.end_watches()
+        code = max(code, await self._step("before_stop", service.before_stop()))
+        await server.stop(settings.shutdown_grace_s)
+        code = max(code, await self._step("teardown", service.teardown()))
+        await asyncio.to_thread(self._close_metrics)
+        return code
+
+    async def _step(self, name: str, step: Any) -> int:
+        """One service hook; a failure is logged and the drain goes on (the rest must still be released)."""
+        try:
+            await step
+        except Exception:
+            self.log.exception("shutdown step failed", step=name)
+            return EXIT_FAILED
+        return EXIT_OK
+
+    def _close_metrics(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _bind_grpc(server: aio.Server, settings: ServerSettings) -> int:
+    """Bind the gRPC port (not serving yet); ConfigError when the port is taken or the address unusable.
+
+    The port is tried with a plain socket first: gRPC's own failure is a vague RuntimeError
+    plus a line of its C core on stderr, and the contract is one line saying what is wrong."""
+    address = settings.grpc_address
+    problem = _bind_problem(settings.host, settings.port)
+    if problem:
+        raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {problem}")
+    try:
+        return int(server.add_insecure_port(address))
+    except RuntimeError as error:
+        raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {error}") from None
+
+
+def _bind_metrics(settings: ServerSettings, registry: CollectorRegistry) -> Any:
+    address = _host_port(settings.metrics_host, settings.metrics_port)
+    try:
+        metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ConfigError(f"cannot serve metrics on {address} (--metrics-host/--metrics-port): {reason}") from None
+    return metrics_server
+
+
+def _bind_problem(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be listened on, or "" (port 0 always can). SO_REUSEADDR as gRPC sets it,
+    so a port left in TIME_WAIT by a previous run is not refused."""
+    if port == 0:
+        return ""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except socket.gaierror as error:
+        return f"cannot resolve {host!r}: {error.strerror}"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(sockaddr)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return f"port {port} is already in use"
+            return error.strerror or str(error)
+    return ""
+
+
+def _add_health_and_reflection(server: aio.Server, health: HealthServicer, service_names: Sequence[str]) -> None:
+    """grpc.health.v1 for routers, Consul and container checks; reflection so grpcurl needs no .proto files."""
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
