@@ -6,7 +6,6 @@ recorded unless the deployment asks, and request ids are recorded as the client 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,15 +13,9 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
 
 from splitstream.common.headers import header_value
-from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
-from splitstream.router import mirror as mirror_module
-from splitstream.router.core import CallOutcome
-from splitstream.router.mirror import MirrorSettings, RecordMirror
-from splitstream.router.spool import Spool
 from tests.harness import InferClient, make_request
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
 
@@ -136,18 +129,22 @@ def test_credential_headers_are_not_recorded_by_default_on_served_or_refused_cal
         assert value.encode() not in everything
 
 
-@pytest.mark.parametrize("keep", [False, True])
-def test_the_mirror_keeps_credential_headers_only_when_the_deployment_opts_in(tmp_path: Path, keep: bool) -> None:
-    settings = MirrorSettings(
-        recorder_address="127.0.0.1:1", router_id="router-a", hmac_key=b"key", record_credential_headers=keep
-    )
-    mirror = RecordMirror(settings, Spool(tmp_path, max_bytes=1 << 20), CollectorRegistry())
-    outcome = CallOutcome(request_id="r", model=MODEL, code=grpc.StatusCode.OK, details="", response=b"")
-    mirror.offer(outcome, b"", [*CREDENTIALS.items(), ("x-tenant", "acme"), ("trace-bin", b"\x00")])
-    batch = asyncio.run(mirror._take_batch())
-    assert batch is not None
-    (record,) = recorder_pb2.RecordBatch.FromString(mirror_module._with_sequence(batch, 1)).records
-    assert dict(record.metadata) == ({**CREDENTIALS, "x-tenant": "acme"} if keep else {"x-tenant": "acme"})
+def test_a_router_started_with_record_credential_headers_keeps_them_in_the_record(tmp_path: Path) -> None:
+    """The opt-in, through the router's flag: the same headers the default drops reach Redis as sent."""
+    stack = RecordingStack(tmp_path, router_args=("--record-credential-headers",))
+    try:
+        client = InferClient(stack.router.address)
+        try:
+            client.infer(
+                make_request(MODEL, np.ones((1, 4), dtype=np.float32), request_id="kept-credentials"),
+                metadata=[*CREDENTIALS.items(), ("x-tenant", "acme")],
+            )
+        finally:
+            client.close()
+        (record,) = [r for r in stack.wait_recorded({"kept-credentials"}) if r.request_id == "kept-credentials"]
+    finally:
+        stack.close()
+    assert dict(record.metadata).items() >= {**CREDENTIALS, "x-tenant": "acme"}.items()
 
 
 def test_a_request_id_that_is_not_printable_ascii_is_recorded_as_the_client_sent_it(

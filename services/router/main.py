@@ -61,6 +61,7 @@ class RouterConfig:
     record_batch_size: int
     record_batch_interval_ms: float
     record_queue_size: int
+    record_credential_headers: bool
     shadow_timeout_s: float
     shadow_max_in_flight: int
 
@@ -167,6 +168,12 @@ def build_parser() -> EnvArgumentParser:
         default=100_000,
         help="calls held in memory for recording; past it new ones are dropped and counted",
     )
+    recording.add_argument(
+        "--record-credential-headers",
+        action="store_true",
+        help="keep authorization, cookie, x-api-key and other credential headers in recorded metadata "
+        "(dropped by default, so a replay never re-sends someone's token)",
+    )
     return parser
 
 
@@ -191,6 +198,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             record_batch_size=args.record_batch_size,
             record_batch_interval_ms=args.record_batch_interval_ms,
             record_queue_size=args.record_queue_size,
+            record_credential_headers=args.record_credential_headers,
             shadow_timeout_s=args.shadow_timeout_s,
             shadow_max_in_flight=args.shadow_max_in_flight,
         )
@@ -267,6 +275,7 @@ class Router(Service):
                 queue_size=config.record_queue_size,
                 batch_size=config.record_batch_size,
                 batch_interval_s=config.record_batch_interval_ms / 1000,
+                record_credential_headers=config.record_credential_headers,
             )
             try:
                 spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
