@@ -360,6 +360,37 @@ async def test_random_bytes_sent_to_model_infer_fail_and_the_worker_keeps_servin
     await assert_still_serves(stub, reference)
 
 
+CORRUPT_TAG = b"\xff\xff\xff"
+#: Field 1 (a string in each message below but ServerLiveRequest) holding bytes that are not UTF-8.
+BAD_UTF8 = b"\x0a\x02\xc3\x28"
+#: Every method of the worker with its request message and bytes that do not parse as it.
+GARBAGE_BY_METHOD = [
+    ("ServerLive", "inference.ServerLiveRequest", CORRUPT_TAG),
+    ("ServerReady", "inference.ServerReadyRequest", CORRUPT_TAG),
+    ("ModelReady", "inference.ModelReadyRequest", BAD_UTF8),
+    ("ServerMetadata", "inference.ServerMetadataRequest", CORRUPT_TAG),
+    ("ModelMetadata", "inference.ModelMetadataRequest", BAD_UTF8),
+    ("ModelMetadata", "inference.ModelMetadataRequest", CORRUPT_TAG),
+    ("ModelInfer", "inference.ModelInferRequest", BAD_UTF8),
+    ("ModelInfer", "inference.ModelInferRequest", CORRUPT_TAG),
+]
+
+
+@pytest.mark.parametrize(("method", "message", "garbage"), GARBAGE_BY_METHOD)
+async def test_bytes_that_do_not_parse_get_invalid_argument_naming_the_message_from_every_method(
+    worker: ServiceProcess, method: str, message: str, garbage: bytes
+) -> None:
+    """grpc's own deserializer answered UNKNOWN with "Unexpected <class DecodeError>"."""
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call(garbage, timeout=5)
+
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert f"not a valid {message}" in (caught.value.details() or "")
+    assert "Traceback" not in worker.log()
+
+
 async def test_requests_are_counted_by_status_code(
     worker: ServiceProcess, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub
 ) -> None:
