@@ -391,6 +391,23 @@ async def test_bytes_that_do_not_parse_get_invalid_argument_naming_the_message_f
     assert "Traceback" not in worker.log()
 
 
+#: Percent-escapes that no id encoded by header_value can contain: bytes that are not UTF-8.
+NOT_UTF8_ESCAPES = ["%80", "%c3", "%ff%zz"]
+
+
+@pytest.mark.parametrize("header", NOT_UTF8_ESCAPES)
+async def test_a_request_id_header_whose_escapes_are_not_utf8_is_served(
+    worker: ServiceProcess, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub, reference: Reference, header: str
+) -> None:
+    """Decoding the header for the log line raised UnicodeDecodeError outside the handler's error
+    handling, and grpc answered UNKNOWN with the exception's name (found by the fuzz test)."""
+    x = features(1, seed=17)
+    response = await stub.ModelInfer(infer_request(x), metadata=[("x-request-id", header)], timeout=5)
+
+    assert_matches(response, reference(x))
+    assert "Traceback" not in worker.log()
+
+
 async def test_requests_are_counted_by_status_code(
     worker: ServiceProcess, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub
 ) -> None:
