@@ -79,10 +79,11 @@ class InferenceServicer:
         """Takes the request as bytes and parses it here, inside the counted call: bytes that are not a
         ModelInferRequest are INVALID_ARGUMENT in the status counts like any other bad input."""
         started = time.perf_counter()
-        request_id = _header_request_id(context)
+        request_id = ""
         code = grpc.StatusCode.OK
         message = ""
         try:
+            request_id = _header_request_id(context)
             request = parse(oip.ModelInferRequest, data)
             request_id = request_id or request.id
             return await self._infer(request)
