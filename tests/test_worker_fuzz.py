@@ -113,6 +113,26 @@ def test_any_bytes_sent_to_the_other_methods_end_within_the_deadline_with_neithe
     call(fuzzed.channel.unary_unary(method), request, headers)
 
 
+@settings(FUZZ_SETTINGS, max_examples=15)
+@given(requests=st.lists(structured, min_size=6, max_size=6))
+def test_fuzzed_calls_batched_with_valid_ones_end_well_and_leave_the_valid_answers_right(
+    fuzzed: Fuzzed, requests: list[bytes]
+) -> None:
+    """All in flight at once, so the scheduler (2 ms queue delay) puts fuzzed and valid calls in one batch."""
+    started = time.monotonic()
+    valid = [np.full((rows, 4), rows, dtype=np.float32) for rows in (1, 2, 3)]
+    valid_calls = [
+        fuzzed.model_infer.future(make_request(MODEL, x).SerializeToString(), timeout=DEADLINE_S) for x in valid
+    ]
+    fuzzed_calls = [fuzzed.model_infer.future(request, timeout=DEADLINE_S) for request in requests]
+    for future in fuzzed_calls:
+        error = future.exception()
+        assert error is None or error.code() not in FAULTS, (error.code(), error.details())
+    for x, future in zip(valid, valid_calls, strict=True):
+        np.testing.assert_array_equal(output_arrays(oip.ModelInferResponse.FromString(future.result()))["y"], 2.0 * x)
+    assert time.monotonic() - started < DEADLINE_S
+
+
 def test_the_worker_still_serves_a_normal_call_after_the_fuzzing(fuzzed: Fuzzed) -> None:
     x = np.ones((2, 4), dtype=np.float32)
     answer = fuzzed.model_infer(make_request(MODEL, x, request_id="after-fuzz").SerializeToString(), timeout=5)
