@@ -1,15 +1,20 @@
-"""Unary gRPC handlers that parse their request bytes themselves.
+"""gRPC handlers that parse their request bytes themselves.
 
 With grpc's own ``request_deserializer`` the bytes are parsed before any handler
 runs, and a ``DecodeError`` there is answered UNKNOWN with a Python exception's
 name ("Unexpected <class DecodeError>"): a status a client cannot tell from a
 server bug. A handler that receives bytes and parses them can answer
 INVALID_ARGUMENT naming the message it expected, as for any other bad input.
+
+Our own methods are registered that way (:func:`typed_unary`); handlers that
+libraries register with their own deserializers (grpc.health.v1, server
+reflection) become such handlers through the :class:`ParseRequests` interceptor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -21,14 +26,16 @@ from splitstream.common.errors import InvalidInput, status_of
 RequestT = TypeVar("RequestT", bound=Message)
 ResponseT = TypeVar("ResponseT", bound=Message)
 
+#: A handler's behaviour: (request or request iterator, context) → response, or an async generator of them.
+Behavior = Callable[[Any, Any], Any]
+#: What a parsing handler does to the first argument before the behaviour sees it.
+Convert = Callable[[Any, Any], Awaitable[Any]]
+
 
 def parse(request_type: type[RequestT], data: bytes) -> RequestT:
     """``data`` as a ``request_type``, or :class:`InvalidInput` naming the message when it is not one
     (a corrupt wire format, a string field that is not UTF-8, nesting past protobuf's recursion limit)."""
-    try:
-        return request_type.FromString(data)
-    except DecodeError:
-        raise InvalidInput(f"request is not a valid {request_type.DESCRIPTOR.full_name}") from None
+    return _parse(request_type.FromString, request_type.DESCRIPTOR.full_name, data)
 
 
 def typed_unary(
@@ -37,16 +44,91 @@ def typed_unary(
 ) -> grpc.RpcMethodHandler:
     """A unary handler that hands ``handler`` its request parsed from bytes, and answers bytes that do not
     parse INVALID_ARGUMENT naming ``request_type`` without calling ``handler``."""
+    return parsing_in_handler(
+        grpc.unary_unary_rpc_method_handler(
+            handler, request_deserializer=request_type.FromString, response_serializer=_serialize
+        )
+    )
 
-    async def parse_then_handle(data: bytes, context: aio.ServicerContext[bytes, ResponseT]) -> ResponseT:
+
+class ParseRequests(aio.ServerInterceptor):
+    """Every handler of the server with a ``request_deserializer`` parses its requests itself
+    (:func:`parsing_in_handler`): bytes that do not parse are INVALID_ARGUMENT naming the message on
+    every method, those of library servicers included (health's Check and Watch, reflection)."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        return parsing_in_handler(handler) if handler is not None else handler
+
+
+def parsing_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """``handler`` receiving bytes and parsing them with its own deserializer (each message of a request
+    stream too), aborting INVALID_ARGUMENT naming the message when they do not parse. ``handler`` as it is
+    when it has no deserializer, or is neither a coroutine nor an async generator (a sync servicer, which
+    grpc runs in its thread pool: none of ours)."""
+    deserialize = handler.request_deserializer
+    if deserialize is None:
+        return handler
+    # A message class's FromString, as generated code and typed_unary pass it, names its message.
+    message = getattr(getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None), "full_name", None)
+    name = message or "the method's request message"
+
+    async def parsed(data: bytes, context: aio.ServicerContext[Any, Any]) -> Any:
         try:
-            request = parse(request_type, data)
+            return _parse(deserialize, name, data)
         except InvalidInput as error:
             await context.abort(*status_of(error))
             raise AssertionError("unreachable: abort raises") from error
-        return await handler(request, context)
 
-    return grpc.unary_unary_rpc_method_handler(parse_then_handle, response_serializer=_serialize)
+    async def each_parsed(requests: AsyncIterator[bytes], context: aio.ServicerContext[Any, Any]) -> Any:
+        async def iterate() -> AsyncIterator[Any]:
+            async for data in requests:
+                yield await parsed(data, context)
+
+        return iterate()
+
+    kinds: tuple[tuple[Behavior | None, Callable[..., grpc.RpcMethodHandler], Convert], ...] = (
+        (handler.unary_unary, grpc.unary_unary_rpc_method_handler, parsed),
+        (handler.unary_stream, grpc.unary_stream_rpc_method_handler, parsed),
+        (handler.stream_unary, grpc.stream_unary_rpc_method_handler, each_parsed),
+        (handler.stream_stream, grpc.stream_stream_rpc_method_handler, each_parsed),
+    )
+    for behavior, make, convert in kinds:
+        if behavior is not None:
+            adapted = _converting(behavior, convert)
+            if adapted is None:
+                return handler
+            return make(adapted, response_serializer=handler.response_serializer)
+    return handler
+
+
+def _converting(behavior: Behavior, convert: Convert) -> Behavior | None:
+    """``behavior`` of the same kind (grpc's aio server tells them apart) with its first argument converted."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(first: Any, context: Any) -> AsyncIterator[Any]:
+            async for response in behavior(await convert(first, context), context):
+                yield response
+
+        return stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def call(first: Any, context: Any) -> Any:
+            return await behavior(await convert(first, context), context)
+
+        return call
+    return None
+
+
+def _parse(deserialize: Callable[[bytes], Any], name: str, data: bytes) -> Any:
+    try:
+        return deserialize(data)
+    except DecodeError:
+        raise InvalidInput(f"request is not a valid {name}") from None
 
 
 def _serialize(message: Any) -> bytes:
