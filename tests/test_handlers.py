@@ -1,4 +1,5 @@
-"""ParseRequests on a real grpc.aio server (in-process) with the library servicers every service registers.
+"""ParseRequests on a real grpc.aio server (in-process) with the library servicers every service registers,
+and on a real router process.
 
 grpc.health.v1 and server reflection come with their own deserializers, so bytes that do not parse
 were answered UNKNOWN "Unexpected <class DecodeError>"; through the interceptor they are
@@ -8,6 +9,7 @@ INVALID_ARGUMENT naming the message, and well-formed calls are served as before.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +20,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from splitstream.common.cli import add_health_and_reflection
 from splitstream.common.handlers import ParseRequests
 from splitstream.worker.health import SERVING, HealthServicer
+from tests.harness import health_status, running_stack, write_registry
+from tests.models import add_version
 
 SERVICE = "test.Service"
 CORRUPT_TAG = b"\xff\xff\xff"
@@ -87,3 +91,21 @@ async def test_health_and_reflection_still_serve_well_formed_calls(address: str)
     assert checked.status == SERVING
     assert first.status == SERVING
     assert SERVICE in {service.name for service in answers[0].list_services_response.service}
+
+
+def test_a_real_router_answers_bytes_that_do_not_parse_sent_to_health_invalid_argument(tmp_path: Path) -> None:
+    """The router installs ParseRequests with its other interceptors; health answered UNKNOWN before."""
+    add_version(tmp_path / "models", "affine", "v1", scale=2.0)
+    with running_stack(tmp_path) as stack:
+        worker = stack.worker(tmp_path / "models", "affine", "v1")
+        experiment = {"salt": "parse", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+        write_registry(
+            tmp_path / "registry.yaml", {"affine": {"endpoints": {"v1": [worker.address]}, "experiment": experiment}}
+        )
+        router = stack.router(tmp_path / "registry.yaml")
+        with grpc.insecure_channel(router.address) as channel, pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary("/grpc.health.v1.Health/Check")(BAD_UTF8, timeout=5)
+        assert health_status(router.address) == SERVING  # a well-formed check still answers
+
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert "not a valid grpc.health.v1.HealthCheckRequest" in (caught.value.details() or "")

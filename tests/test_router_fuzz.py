@@ -85,7 +85,7 @@ def test_any_bytes_and_metadata_end_within_the_deadline_with_a_status_other_than
     assert elapsed < DEADLINE_S
 
 
-#: The router's other methods, whose requests it parses itself.
+#: The router's other methods, whose requests it parses itself (health's through ParseRequests).
 TYPED_METHODS = (
     "/inference.GRPCInferenceService/ServerLive",
     "/inference.GRPCInferenceService/ServerReady",
@@ -93,6 +93,7 @@ TYPED_METHODS = (
     "/inference.GRPCInferenceService/ServerMetadata",
     "/inference.GRPCInferenceService/ModelMetadata",
     "/splitstream.v1.Router/Status",
+    "/grpc.health.v1.Health/Check",
 )
 
 
