@@ -8,7 +8,6 @@ takes seconds and a failure reproduces.
 
 from __future__ import annotations
 
-import string
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER, REQUEST_ID_HEADER, VERSION_HEADER
+from splitstream.common.headers import VERSION_HEADER
+from tests.fuzzing import metadata, mutated, request_bytes
 from tests.harness import InferClient, ServiceProcess, Stack, make_request, write_registry
 from tests.models import add_version
 
@@ -56,50 +56,6 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     target.close()
 
 
-def valid_request(model: str, version: str, request_id: str, rows: int) -> bytes:
-    x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4)
-    return bytes(make_request(model, x, version=version, request_id=request_id).SerializeToString())
-
-
-# Mostly the served model and a servable version, so most calls get past routing to the worker.
-valid_requests = st.builds(
-    valid_request,
-    model=st.just(MODEL) | st.just(MODEL) | st.just(MODEL) | st.sampled_from(["", "other"]) | st.text(max_size=12),
-    version=st.just("") | st.just("v1") | st.just("v2") | st.text(max_size=8),
-    request_id=st.text(max_size=16),
-    rows=st.integers(min_value=1, max_value=3),
-)
-
-
-@st.composite
-def mutated(draw: st.DrawFn) -> bytes:
-    data = bytearray(draw(valid_requests))
-    for _ in range(draw(st.integers(min_value=1, max_value=8))):
-        position = draw(st.integers(min_value=0, max_value=len(data) - 1))
-        data[position] = draw(st.integers(min_value=0, max_value=255))
-    return bytes(data)
-
-
-request_bytes = st.one_of(
-    valid_requests,
-    mutated(),
-    st.tuples(valid_requests, st.integers(min_value=0, max_value=200)).map(lambda pair: pair[0][: pair[1]]),
-    st.tuples(valid_requests, st.binary(min_size=1, max_size=64)).map(lambda pair: pair[0] + pair[1]),
-    st.binary(max_size=256),
-)
-
-#: What a gRPC client lets through: lowercase keys of [a-z0-9-_.], printable-ASCII values.
-header_keys = st.sampled_from(
-    [DEFAULT_ROUTING_KEY_HEADER, VERSION_HEADER, REQUEST_ID_HEADER, "x-tenant", "authorization"]
-) | st.text(alphabet=string.ascii_lowercase + string.digits + "-_.", min_size=1, max_size=12).filter(
-    lambda key: not key.startswith("grpc-") and not key.endswith("-bin")
-)
-header_values = st.text(alphabet=[chr(code) for code in range(0x20, 0x7F)], max_size=24).map(str.strip)
-metadata = st.lists(
-    st.tuples(header_keys, header_values) | st.tuples(st.just("trace-bin"), st.binary(max_size=16)), max_size=5
-)
-
-
 @settings(
     max_examples=150,
     deadline=None,  # each example is bounded by the call's own deadline, asserted below
@@ -107,7 +63,7 @@ metadata = st.lists(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(method=st.sampled_from(INFER_METHODS), request=request_bytes, headers=metadata)
+@given(method=st.sampled_from(INFER_METHODS), request=request_bytes(MODEL), headers=metadata)
 def test_any_bytes_and_metadata_end_within_the_deadline_with_a_status_other_than_unknown(
     fuzzed: Fuzzed, method: str, request: bytes, headers: list[tuple[str, str | bytes]]
 ) -> None:
@@ -129,7 +85,7 @@ def test_any_bytes_and_metadata_end_within_the_deadline_with_a_status_other_than
     assert elapsed < DEADLINE_S
 
 
-#: The router's other methods, whose requests it parses itself.
+#: The router's other methods, whose requests it parses itself (health's through ParseRequests).
 TYPED_METHODS = (
     "/inference.GRPCInferenceService/ServerLive",
     "/inference.GRPCInferenceService/ServerReady",
@@ -137,11 +93,12 @@ TYPED_METHODS = (
     "/inference.GRPCInferenceService/ServerMetadata",
     "/inference.GRPCInferenceService/ModelMetadata",
     "/splitstream.v1.Router/Status",
+    "/grpc.health.v1.Health/Check",
 )
 
 
 @settings(max_examples=60, deadline=None, derandomize=True, database=None)
-@given(method=st.sampled_from(TYPED_METHODS), request=st.binary(max_size=64) | mutated())
+@given(method=st.sampled_from(TYPED_METHODS), request=st.binary(max_size=64) | mutated(MODEL))
 def test_any_bytes_sent_to_the_other_methods_end_within_the_deadline_with_a_status_other_than_unknown(
     fuzzed: Fuzzed, method: str, request: bytes
 ) -> None:

@@ -359,6 +359,54 @@ async def test_random_bytes_sent_to_model_infer_fail_and_the_worker_keeps_servin
     await assert_still_serves(stub, reference)
 
 
+CORRUPT_TAG = b"\xff\xff\xff"
+#: Field 1 (a string in each message below but ServerLiveRequest) holding bytes that are not UTF-8.
+BAD_UTF8 = b"\x0a\x02\xc3\x28"
+#: Every method of the worker with its request message and bytes that do not parse as it.
+GARBAGE_BY_METHOD = [
+    ("ServerLive", "inference.ServerLiveRequest", CORRUPT_TAG),
+    ("ServerReady", "inference.ServerReadyRequest", CORRUPT_TAG),
+    ("ModelReady", "inference.ModelReadyRequest", BAD_UTF8),
+    ("ServerMetadata", "inference.ServerMetadataRequest", CORRUPT_TAG),
+    ("ModelMetadata", "inference.ModelMetadataRequest", BAD_UTF8),
+    ("ModelMetadata", "inference.ModelMetadataRequest", CORRUPT_TAG),
+    ("ModelInfer", "inference.ModelInferRequest", BAD_UTF8),
+    ("ModelInfer", "inference.ModelInferRequest", CORRUPT_TAG),
+]
+
+
+@pytest.mark.parametrize(("method", "message", "garbage"), GARBAGE_BY_METHOD)
+async def test_bytes_that_do_not_parse_get_invalid_argument_naming_the_message_from_every_method(
+    worker: ServiceProcess, method: str, message: str, garbage: bytes
+) -> None:
+    """grpc's own deserializer answered UNKNOWN with "Unexpected <class DecodeError>"."""
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call(garbage, timeout=5)
+
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+    assert f"not a valid {message}" in (caught.value.details() or "")
+    assert "Traceback" not in worker.log()
+
+
+#: Percent-escapes that no id encoded by header_value can contain: bytes that are not UTF-8.
+NOT_UTF8_ESCAPES = ["%80", "%c3", "%ff%zz"]
+
+
+@pytest.mark.parametrize("header", NOT_UTF8_ESCAPES)
+async def test_a_request_id_header_whose_escapes_are_not_utf8_is_served(
+    worker: ServiceProcess, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub, reference: Reference, header: str
+) -> None:
+    """Decoding the header for the log line raised UnicodeDecodeError outside the handler's error
+    handling, and grpc answered UNKNOWN with the exception's name (found by the fuzz test)."""
+    x = features(1, seed=17)
+    response = await stub.ModelInfer(infer_request(x), metadata=[("x-request-id", header)], timeout=5)
+
+    assert_matches(response, reference(x))
+    assert "Traceback" not in worker.log()
+
+
 async def test_requests_are_counted_by_status_code(
     worker: ServiceProcess, stub: grpc_service_pb2_grpc.GRPCInferenceServiceStub
 ) -> None:

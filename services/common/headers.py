@@ -34,5 +34,12 @@ def header_value(text: str) -> str:
 
 
 def from_header_value(value: str) -> str:
-    """The string :func:`header_value` encoded."""
-    return unquote(value, encoding="utf-8", errors="surrogatepass") if "%" in value else value
+    """The string :func:`header_value` encoded. A value it cannot have made, whose escapes are not UTF-8
+    (``"%80"``, a cut ``"%c3"``: a client may send anything printable), is taken as sent, so a header
+    never fails a call."""
+    if "%" not in value:
+        return value
+    try:
+        return unquote(value, encoding="utf-8", errors="surrogatepass")
+    except UnicodeDecodeError:
+        return value

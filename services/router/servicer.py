@@ -15,11 +15,11 @@ from typing import Any
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 from grpc import aio
 
 import splitstream
 from splitstream.common.errors import SplitstreamError, status_of
+from splitstream.common.handlers import ParseRequests, typed_unary
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER, from_header_value, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
@@ -44,8 +44,9 @@ class RouterServicer:
         self.after_answer: Callable[[CallOutcome, bytes, Sequence[tuple[str, str | bytes]]], None] | None = None
 
     def interceptors(self) -> list[aio.ServerInterceptor]:
-        """For the server this servicer is added to: they count what gRPC refuses before ``infer``."""
-        return [CountReceived(self.core.metrics)]
+        """For the server this servicer is added to: they count what gRPC refuses before ``infer``, and
+        make health and reflection parse their own requests (bytes that do not parse: INVALID_ARGUMENT)."""
+        return [CountReceived(self.core.metrics), ParseRequests()]
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         raw_infer = grpc.unary_unary_rpc_method_handler(self.infer)  # bytes in, bytes out
@@ -54,16 +55,16 @@ class RouterServicer:
                 "inference.GRPCInferenceService",
                 {
                     "ModelInfer": raw_infer,
-                    "ServerLive": _typed(self.server_live, oip.ServerLiveRequest),
-                    "ServerReady": _typed(self.server_ready, oip.ServerReadyRequest),
-                    "ModelReady": _typed(self.model_ready, oip.ModelReadyRequest),
-                    "ServerMetadata": _typed(self.server_metadata, oip.ServerMetadataRequest),
-                    "ModelMetadata": _typed(self.model_metadata, oip.ModelMetadataRequest),
+                    "ServerLive": typed_unary(self.server_live, oip.ServerLiveRequest),
+                    "ServerReady": typed_unary(self.server_ready, oip.ServerReadyRequest),
+                    "ModelReady": typed_unary(self.model_ready, oip.ModelReadyRequest),
+                    "ServerMetadata": typed_unary(self.server_metadata, oip.ServerMetadataRequest),
+                    "ModelMetadata": typed_unary(self.model_metadata, oip.ModelMetadataRequest),
                 },
             ),
             grpc.method_handlers_generic_handler(
                 "splitstream.v1.Router",
-                {"Infer": raw_infer, "Status": _typed(self.status, router_pb2.StatusRequest)},
+                {"Infer": raw_infer, "Status": typed_unary(self.status, router_pb2.StatusRequest)},
             ),
         ]
 
@@ -208,19 +209,3 @@ def _trailers(outcome: CallOutcome) -> tuple[tuple[str, str], ...]:
     if outcome.version:
         trailers = ((VERSION_HEADER, header_value(outcome.version)), *trailers)
     return trailers
-
-
-def _typed(handler: Callable[[Any, Any], Awaitable[Any]], request_type: Any) -> grpc.RpcMethodHandler:
-    """A handler of ``request_type`` that takes the bytes and parses them itself: with grpc's own
-    deserializer, bytes that do not parse are answered UNKNOWN with a Python exception's name."""
-    what = f"request is not a valid {request_type.DESCRIPTOR.full_name}"
-
-    async def parse_then_handle(data: bytes, context: aio.ServicerContext[bytes, Any]) -> Any:
-        try:
-            request = request_type.FromString(data)
-        except DecodeError:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, what)
-            raise AssertionError("unreachable: abort raises") from None
-        return await handler(request, context)
-
-    return grpc.unary_unary_rpc_method_handler(parse_then_handle, response_serializer=lambda m: m.SerializeToString())

@@ -9,17 +9,15 @@ become status codes (``common.errors.status_of``). Everything else is asked of
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 
 import splitstream
 from splitstream.common.errors import SplitstreamError, status_of
+from splitstream.common.handlers import parse, typed_unary
 from splitstream.common.headers import REQUEST_ID_HEADER, from_header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.tensors import datatype_of, input_arrays, to_raw
 from splitstream.worker.metrics import WorkerMetrics
 from splitstream.worker.model import ServedModel
@@ -29,8 +27,11 @@ SERVER_NAME = "splitstream-worker"
 SERVICE = "inference.GRPCInferenceService"
 
 
-class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Answers the Open Inference Protocol for ``model``; counts ModelInfer outcomes in ``metrics``."""
+class InferenceServicer:
+    """Answers the Open Inference Protocol for ``model``; counts ModelInfer outcomes in ``metrics``.
+
+    Register it with :func:`add_to_server`, not the generated ``add_..._to_server``: ModelInfer takes
+    the request as bytes, so a request that does not parse is counted like any other bad input."""
 
     def __init__(self, model: ServedModel, *, metrics: WorkerMetrics, logger: structlog.stdlib.BoundLogger) -> None:
         self._model = model
@@ -74,14 +75,17 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             outputs=[TensorMetadata(name=s.name, datatype=s.datatype, shape=s.shape) for s in metadata.outputs],
         )
 
-    async def ModelInfer(
-        self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
-    ) -> oip.ModelInferResponse:
+    async def ModelInfer(self, data: bytes, context: grpc.aio.ServicerContext) -> oip.ModelInferResponse:
+        """Takes the request as bytes and parses it here, inside the counted call: bytes that are not a
+        ModelInferRequest are INVALID_ARGUMENT in the status counts like any other bad input."""
         started = time.perf_counter()
-        request_id = _request_id(request, context)
+        request_id = ""
         code = grpc.StatusCode.OK
         message = ""
         try:
+            request_id = _header_request_id(context)
+            request = parse(oip.ModelInferRequest, data)
+            request_id = request_id or request.id
             return await self._infer(request)
         except SplitstreamError as error:
             code, message = status_of(error)
@@ -97,15 +101,6 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
                 "ModelInfer", request_id=request_id, status=code.name, seconds=round(time.perf_counter() - started, 6)
             )
         await context.abort(code, message)
-
-    async def model_infer_bytes(self, data: bytes, context: grpc.aio.ServicerContext) -> oip.ModelInferResponse:
-        """ModelInfer on the wire: parse here, so a corrupt message is INVALID_ARGUMENT (and counted)."""
-        try:
-            request = oip.ModelInferRequest.FromString(data)
-        except DecodeError:
-            self._metrics.request_done(grpc.StatusCode.INVALID_ARGUMENT)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid inference.ModelInferRequest")
-        return await self.ModelInfer(request, context)
 
     async def _infer(self, request: oip.ModelInferRequest) -> oip.ModelInferResponse:
         model = self._model
@@ -124,33 +119,28 @@ class InferenceServicer(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """Register ``servicer`` as the generated ``add_GRPCInferenceServiceServicer_to_server`` does, but with
-    ModelInfer taking raw bytes: grpc answers a message it cannot parse with UNKNOWN and the name of a
-    Python exception, where a client deserves INVALID_ARGUMENT."""
-
-    def unary(method: Any, request_type: Any, response_type: Any) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(
-            method, request_deserializer=request_type.FromString, response_serializer=response_type.SerializeToString
-        )
-
+    """Register ``servicer`` under the Open Inference Protocol's names. Every method receives bytes and
+    parses them itself (see :mod:`splitstream.common.handlers`), so bytes that do not parse are
+    INVALID_ARGUMENT naming the message, never grpc's UNKNOWN with a Python exception's name."""
     handlers = {
-        "ServerLive": unary(servicer.ServerLive, oip.ServerLiveRequest, oip.ServerLiveResponse),
-        "ServerReady": unary(servicer.ServerReady, oip.ServerReadyRequest, oip.ServerReadyResponse),
-        "ModelReady": unary(servicer.ModelReady, oip.ModelReadyRequest, oip.ModelReadyResponse),
-        "ServerMetadata": unary(servicer.ServerMetadata, oip.ServerMetadataRequest, oip.ServerMetadataResponse),
-        "ModelMetadata": unary(servicer.ModelMetadata, oip.ModelMetadataRequest, oip.ModelMetadataResponse),
+        "ServerLive": typed_unary(servicer.ServerLive, oip.ServerLiveRequest),
+        "ServerReady": typed_unary(servicer.ServerReady, oip.ServerReadyRequest),
+        "ModelReady": typed_unary(servicer.ModelReady, oip.ModelReadyRequest),
+        "ServerMetadata": typed_unary(servicer.ServerMetadata, oip.ServerMetadataRequest),
+        "ModelMetadata": typed_unary(servicer.ModelMetadata, oip.ModelMetadataRequest),
         "ModelInfer": grpc.unary_unary_rpc_method_handler(
-            servicer.model_infer_bytes, response_serializer=oip.ModelInferResponse.SerializeToString
+            servicer.ModelInfer, response_serializer=oip.ModelInferResponse.SerializeToString
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
 
 
-def _request_id(request: oip.ModelInferRequest, context: grpc.aio.ServicerContext) -> str:
+def _header_request_id(context: grpc.aio.ServicerContext) -> str:
     """The id for logs, as the router records it: the header decoded (the router percent-encodes ids
-    that are not printable ASCII), else the request's ``id``. The worker puts no id into metadata."""
+    that are not printable ASCII); empty when there is none, and then the request's ``id`` is used.
+    The worker puts no id into metadata."""
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_HEADER and isinstance(value, str):
             return from_header_value(value)
-    return request.id
+    return ""
