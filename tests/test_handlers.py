@@ -1,5 +1,5 @@
 """ParseRequests on a real grpc.aio server (in-process) with the library servicers every service registers,
-and on a real router process.
+and on real router, worker and recorder processes (the shared runtime installs it on every server).
 
 grpc.health.v1 and server reflection come with their own deserializers, so bytes that do not parse
 were answered UNKNOWN "Unexpected <class DecodeError>"; through the interceptor they are
@@ -17,11 +17,12 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from splitstream.common.cli import add_health_and_reflection
 from splitstream.common.handlers import ParseRequests
-from splitstream.worker.health import SERVING, HealthServicer
-from tests.harness import health_status, running_stack, write_registry
+from splitstream.common.health import SERVING, HealthServicer
+from splitstream.common.runtime import add_health_and_reflection
+from tests.harness import ServiceProcess, free_port, health_status, running_stack, write_registry
 from tests.models import add_version
+from tests.redis_server import RedisServer
 
 SERVICE = "test.Service"
 CORRUPT_TAG = b"\xff\xff\xff"
@@ -34,7 +35,7 @@ async def address() -> AsyncIterator[str]:
     server = aio.server(interceptors=[ParseRequests()])
     health = HealthServicer()
     await health.set(SERVICE, SERVING)
-    add_health_and_reflection(server, health, SERVICE)
+    add_health_and_reflection(server, health, [SERVICE])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     yield f"127.0.0.1:{port}"
@@ -93,19 +94,40 @@ async def test_health_and_reflection_still_serve_well_formed_calls(address: str)
     assert SERVICE in {service.name for service in answers[0].list_services_response.service}
 
 
-def test_a_real_router_answers_bytes_that_do_not_parse_sent_to_health_invalid_argument(tmp_path: Path) -> None:
-    """The router installs ParseRequests with its other interceptors; health answered UNKNOWN before."""
+def health_check_of_bytes_that_do_not_parse(address: str) -> grpc.RpcError:
+    with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
+        channel.unary_unary("/grpc.health.v1.Health/Check")(BAD_UTF8, timeout=5)
+    assert health_status(address) == SERVING  # a well-formed check still answers
+    return caught.value
+
+
+def test_real_router_worker_and_recorder_answer_bytes_that_do_not_parse_sent_to_health_invalid_argument(
+    tmp_path: Path,
+) -> None:
+    """Every service's server gets ParseRequests from the runtime; grpc answered UNKNOWN before."""
     add_version(tmp_path / "models", "affine", "v1", scale=2.0)
-    with running_stack(tmp_path) as stack:
+    errors: dict[str, grpc.RpcError] = {}
+    with running_stack(tmp_path) as stack, RedisServer(tmp_path / "redis") as redis_server:
         worker = stack.worker(tmp_path / "models", "affine", "v1")
         experiment = {"salt": "parse", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
         write_registry(
             tmp_path / "registry.yaml", {"affine": {"endpoints": {"v1": [worker.address]}, "experiment": experiment}}
         )
         router = stack.router(tmp_path / "registry.yaml")
-        with grpc.insecure_channel(router.address) as channel, pytest.raises(grpc.RpcError) as caught:
-            channel.unary_unary("/grpc.health.v1.Health/Check")(BAD_UTF8, timeout=5)
-        assert health_status(router.address) == SERVING  # a well-formed check still answers
+        port = free_port()
+        recorder = ServiceProcess(
+            "recorder",
+            "splitstream.recorder",
+            ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--redis-url", redis_server.url],
+            log_dir=tmp_path,
+            port=port,
+        ).start()
+        try:
+            for name, process in (("router", router), ("worker", worker), ("recorder", recorder)):
+                errors[name] = health_check_of_bytes_that_do_not_parse(process.address)
+        finally:
+            recorder.stop()
 
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
-    assert "not a valid grpc.health.v1.HealthCheckRequest" in (caught.value.details() or "")
+    for name, error in errors.items():
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, error.details())
+        assert "not a valid grpc.health.v1.HealthCheckRequest" in (error.details() or ""), name

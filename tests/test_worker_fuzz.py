@@ -34,6 +34,7 @@ TYPED_METHODS = (
     "/inference.GRPCInferenceService/ModelReady",
     "/inference.GRPCInferenceService/ServerMetadata",
     "/inference.GRPCInferenceService/ModelMetadata",
+    "/grpc.health.v1.Health/Check",
 )
 #: The fuzzed call's deadline; the worker answers a valid call in milliseconds, so only a hang reaches it.
 DEADLINE_S = 3.0

@@ -43,6 +43,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.handlers import ParseRequests
 from splitstream.common.health import NOT_SERVING, SERVING, HealthServicer
 
 EXIT_OK = 0
@@ -282,7 +283,9 @@ class _Runner:
         service = self.build()
         self.prog = service.prog
         # The server is made after the service, which may intercept calls (interceptors are fixed at creation).
-        server = aio.server(interceptors=service.interceptors(), options=settings.server_options())
+        # ParseRequests last (innermost): every handler, health's and reflection's too, answers bytes that
+        # do not parse INVALID_ARGUMENT naming the message, where grpc itself answers UNKNOWN.
+        server = aio.server(interceptors=[*service.interceptors(), ParseRequests()], options=settings.server_options())
         port = _bind_grpc(server, settings)
         try:
             runtime = Runtime(settings, self.health, service.health_names())
@@ -290,7 +293,7 @@ class _Runner:
             if settings.metrics_port and service.metrics is not None:
                 self.metrics_server = _bind_metrics(settings, service.metrics)
             service.register(server)
-            _add_health_and_reflection(server, self.health, service.grpc_services)
+            add_health_and_reflection(server, self.health, service.grpc_services)
             await runtime.set_serving(False)
             await service.prepare(runtime)
         except BaseException:
@@ -408,7 +411,7 @@ def _bind_problem(host: str, port: int) -> str:
     return ""
 
 
-def _add_health_and_reflection(server: aio.Server, health: HealthServicer, service_names: Sequence[str]) -> None:
+def add_health_and_reflection(server: aio.Server, health: HealthServicer, service_names: Sequence[str]) -> None:
     """grpc.health.v1 for routers, Consul and container checks; reflection so grpcurl needs no .proto files."""
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

@@ -19,7 +19,7 @@ from grpc import aio
 
 import splitstream
 from splitstream.common.errors import SplitstreamError, status_of
-from splitstream.common.handlers import ParseRequests, typed_unary
+from splitstream.common.handlers import typed_unary
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER, from_header_value, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
@@ -46,7 +46,7 @@ class RouterServicer:
     def interceptors(self) -> list[aio.ServerInterceptor]:
         """For the server this servicer is added to: they count what gRPC refuses before ``infer``, and
         make health and reflection parse their own requests (bytes that do not parse: INVALID_ARGUMENT)."""
-        return [CountReceived(self.core.metrics), ParseRequests()]
+        return [CountReceived(self.core.metrics)]
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         raw_infer = grpc.unary_unary_rpc_method_handler(self.infer)  # bytes in, bytes out
