@@ -146,7 +146,7 @@ class Recorder:
         while True:
             try:
                 async with asyncio.timeout(2 * self.config.redis_timeout_s):
-                    await self.writer.ping()
+                    await self.writer.check()
                 up, problem = True, ""
             except (StoreUnavailable, TimeoutError) as error:
                 up, problem = False, str(error) or "redis PING timed out"
