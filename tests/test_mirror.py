@@ -42,8 +42,8 @@ def test_batches_built_in_slices_parse_as_one_record_batch_in_order(
 
     async def take_all() -> list[bytes]:
         batches = []
-        while (batch := await mirror._take_batch()) is not None:
-            batches.append(batch)
+        while (taken := await mirror._take_batch()) is not None:
+            batches.append(taken[0])
         return batches
 
     batches = asyncio.run(take_all())
