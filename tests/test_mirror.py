@@ -1,20 +1,27 @@
-"""The router's record mirror, in process: how batches are built from queued calls."""
+"""The router's record mirror, in process: how batches are built from queued calls and cut when refused,
+and (against a real recorder and redis-server) that one odd call costs no other record."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import read_records
 from splitstream.router import mirror as mirror_module
 from splitstream.router.core import CallOutcome
 from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.spool import Spool
+from tests.harness import ServiceProcess, free_port
+from tests.redis_server import RedisServer
 
 
 def mirror_with_calls(tmp_path: Path, calls: int) -> RecordMirror:
@@ -81,3 +88,107 @@ def test_building_a_batch_lets_calls_run_between_slices(tmp_path: Path, monkeypa
         assert during >= 49, f"the event loop ran other tasks only {during} times while 50 records were built"
 
     asyncio.run(build())
+
+
+# --- the mirror in process against a real recorder and redis-server ---------------------------------
+
+
+@dataclass(frozen=True)
+class Backend:
+    recorder_address: str
+    redis_url: str
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[Backend]:
+    """A real redis-server and recorder on free ports."""
+    redis = RedisServer(tmp_path / "redis").start()
+    port = free_port()
+    args = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port())]
+    recorder = ServiceProcess(
+        "recorder",
+        "splitstream.recorder",
+        [*args, "--redis-url", redis.url],
+        log_dir=tmp_path,
+        port=port,
+        env={"SPLITSTREAM_HMAC_KEY": "key"},
+    ).start()
+    yield Backend(recorder.address, redis.url)
+    recorder.stop()
+    redis.stop()
+
+
+def outcome(request_id: str, *, latency_s: float = 0.001) -> CallOutcome:
+    return CallOutcome(
+        request_id=request_id,
+        model="affine",
+        code=grpc.StatusCode.OK,
+        details="",
+        response=b"response",
+        version="v1",
+        receive_unix_ns=time.time_ns(),
+        latency_s=latency_s,
+    )
+
+
+async def stored_ids(redis_url: str) -> list[str]:
+    client = Redis.from_url(redis_url)
+    try:
+        return [item.record.request_id async for item in read_records(client, "affine")]
+    finally:
+        await client.aclose()
+
+
+async def wait_stored(redis_url: str, expected: list[str], timeout_s: float = 20.0) -> list[str]:
+    """What the stream holds once it is ``expected`` or ``timeout_s`` passed (polled every 50 ms)."""
+    for _ in range(int(timeout_s / 0.05)):
+        found = await stored_ids(redis_url)
+        if found == expected:
+            break
+        await asyncio.sleep(0.05)
+    return found
+
+
+async def test_a_call_that_cannot_be_recorded_is_dropped_alone_and_the_mirror_goes_on(
+    tmp_path: Path, backend: Backend
+) -> None:
+    settings = MirrorSettings(
+        recorder_address=backend.recorder_address, router_id="r", hmac_key=b"key", batch_interval_s=0.05
+    )
+    registry = CollectorRegistry()
+    mirror = RecordMirror(settings, Spool(tmp_path / "spool", max_bytes=1 << 20), registry)
+    for i in range(10):
+        if i == 5:  # a NaN latency cannot become latency_ns: building its record raises
+            mirror.offer(outcome("odd", latency_s=float("nan")), b"request", ())
+        mirror.offer(outcome(f"first-{i}"), b"request", ())
+    mirror.start()
+    url = backend.redis_url
+    first = [f"first-{i}" for i in range(10)]
+    assert await wait_stored(url, first) == first
+    mirror.offer(outcome("later"), b"request", ())
+    assert await wait_stored(url, [*first, "later"]) == [*first, "later"]
+    await mirror.close()
+    assert registry.get_sample_value("splitstream_router_mirror_records_dropped_total", {"reason": "unrecordable"}) == 1
+
+
+def test_a_batch_refused_repeatedly_is_resent_in_halves_down_to_the_record_at_fault(tmp_path: Path) -> None:
+    mirror = mirror_with_calls(tmp_path, 8)
+    batch, count = asyncio.run(mirror._take_batch()) or (b"", 0)
+    assert count == 8
+    assert mirror._parts(batch, count) == [(batch, 8)]
+    mirror._bisect.add(mirror_module._key(batch))
+    halves = mirror._parts(batch, count)
+    assert [n for _, n in halves] == [4, 4]
+    # The half holding the bad record is refused in turn: it is halved again; the other half stays whole.
+    mirror._bisect.add(mirror_module._key(halves[0][0]))
+    quarters = mirror._parts(batch, count)
+    assert [n for _, n in quarters] == [2, 2, 4]
+    ids = [
+        record.request_id
+        for part, _ in quarters
+        for record in recorder_pb2.RecordBatch.FromString(mirror_module._with_sequence(part, 1)).records
+    ]
+    assert ids == [f"call-{i}" for i in range(8)]
+    # A part dropped (after its one record was refused) is skipped when the spool entry is resent.
+    mirror._dropped.add(mirror_module._key(quarters[0][0]))
+    assert [n for _, n in mirror._parts(batch, count)] == [2, 4]

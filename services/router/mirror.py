@@ -81,6 +81,18 @@ _OUTAGE_CODES = frozenset(
 )
 
 
+_DROP_REASONS = (
+    "queue_full",
+    "spool_full",
+    "spool_error",
+    "spool_corrupt",
+    "rejected",
+    "refused",
+    "too_large",
+    "unrecordable",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class MirrorSettings:
     recorder_address: str
@@ -123,7 +135,8 @@ class MirrorMetrics:
             "splitstream_router_mirror_records_dropped",
             "Calls not recorded: queue_full, spool_full, spool_error (spool not writable), spool_corrupt "
             "(damaged spool entry), rejected (the recorder refused the record or its batch as malformed), "
-            "refused (a batch the recorder kept failing on), too_large (over batch_max_bytes even without payloads)",
+            "refused (a batch the recorder kept failing on), too_large (over batch_max_bytes even without payloads), "
+            "unrecordable (a call the mirror could not turn into a record)",
             ["reason"],
             registry=registry,
         )
@@ -152,7 +165,7 @@ class MirrorMetrics:
         self.spool_bytes = Gauge(
             "splitstream_router_mirror_spool_bytes", "Bytes in the spool not yet acknowledged", registry=registry
         )
-        for reason in ("queue_full", "spool_full", "spool_error", "spool_corrupt", "rejected", "refused", "too_large"):
+        for reason in _DROP_REASONS:
             self.records_dropped.labels(reason)
 
 
@@ -528,7 +541,7 @@ class RecordMirror:
             while True:  # at least one record per slice, however slow the machine
                 record, self._carry = self._carry, None
                 if record is None:
-                    record = self._fit(self._record(*self._queue.popleft()).SerializeToString())
+                    record = self._build(*self._queue.popleft())
                 if record is not None:
                     if count and size + len(record) + _RECORD_OVERHEAD > self._max_bytes:
                         self._carry, full = record, True  # it opens the next batch
@@ -543,6 +556,16 @@ class RecordMirror:
             if records:
                 slices.append(recorder_pb2.EncodedRecordBatch(records=records).SerializeToString())
         return (b"".join(slices), count) if count else None
+
+    def _build(self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]]) -> bytes | None:
+        """One call as a serialized record under the byte cap; None (logged, counted: unrecordable) if it
+        cannot be built, so one odd call (a NaN latency, say) never costs the calls batched with it."""
+        try:
+            return self._fit(self._record(outcome, request, metadata).SerializeToString())
+        except Exception:
+            log.exception("call not recordable; dropped", request_id=str(outcome.request_id)[:200])
+            self.metrics.records_dropped.labels("unrecordable").inc()
+            return None
 
     async def _to_spool(self, batch: bytes, records: int) -> None:
         try:
