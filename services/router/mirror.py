@@ -219,6 +219,7 @@ class RecordMirror:
         self._wake.set()
         if self._task is not None:
             await self._task
+        await asyncio.to_thread(self.spool.flush)
 
     async def _run(self) -> None:
         """Keep :meth:`_stream` running whatever it raises: an exception escaping a background task ends

@@ -2,8 +2,8 @@
 
 The router spools record batches here while the recorder is unreachable or slow,
 and sends them, oldest first, when it is back. Layout: a directory of segment
-files (``00000001.seg`` …) and a ``cursor`` file (replaced atomically) saying how
-far entries were acknowledged.
+files (``00000001.seg`` …) and a ``cursor`` file (replaced atomically, at most every
+0.1 s and at :meth:`Spool.flush`) saying how far entries were acknowledged.
 
 Entry framing, chosen so that damage costs only the entries it touches::
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ _SUFFIX = ".seg"
 #: The previous layout's segments: read (so an old spool is delivered), never written.
 _LEGACY_SUFFIX = ".spool"
 _LEGACY_HEADER = struct.Struct("<II")
+#: Longest the cursor file lags the acknowledged position (see ``_set_cursor``).
+CURSOR_WRITE_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,7 @@ class Spool:
         self._segments = sorted(self._legacy | current)
         self._sizes = {s: self._path(s).stat().st_size for s in self._segments}
         self._cursor = self._read_cursor()
+        self._cursor_written = time.monotonic()
         self._drop_consumed_segments()
 
     # -- writing ---------------------------------------------------------------------------
@@ -181,10 +185,23 @@ class Spool:
         if self.on_damage is not None:
             self.on_damage(damage)
 
+    def flush(self) -> None:
+        """Write the cursor now (at shutdown), so a restart resends nothing already acknowledged."""
+        with self._lock:
+            self._write_cursor()
+
     def _set_cursor(self, position: tuple[int, int]) -> None:
         self._cursor = position
-        atomic_write(self.directory / "cursor", f"{position[0]} {position[1]}\n")
+        # A durable cursor costs ~3 ms (two fsyncs, measured here) and draining commits once per batch;
+        # one lagging at most CURSOR_WRITE_S behind only makes a crash resend a few batches (readers
+        # drop duplicates), so it is written at most that often, and before segments are deleted.
+        if time.monotonic() - self._cursor_written >= CURSOR_WRITE_S or self._consumed_segments():
+            self._write_cursor()
         self._drop_consumed_segments()
+
+    def _write_cursor(self) -> None:
+        atomic_write(self.directory / "cursor", f"{self._cursor[0]} {self._cursor[1]}\n")
+        self._cursor_written = time.monotonic()
 
     def _pending_bytes(self) -> int:
         segment, offset = self._cursor
@@ -200,16 +217,22 @@ class Spool:
         except (OSError, ValueError):  # none yet, or unreadable: resend from the start (at least once)
             return (self._segments[0] if self._segments else 1), 0
 
-    def _drop_consumed_segments(self) -> None:
-        """Delete segments wholly before the cursor, and the cursor's segment once fully read and not last."""
+    def _consumed_segments(self) -> list[int]:
+        """Segments wholly before the cursor, and the cursor's segment once fully read and not last."""
         segment, offset = self._cursor
-        for candidate in list(self._segments):
-            finished = candidate == segment and offset >= self._sizes[candidate]
-            if candidate < segment or (finished and candidate != self._segments[-1]):
-                self._path(candidate).unlink(missing_ok=True)
-                self._segments.remove(candidate)
-                self._sizes.pop(candidate)
-                self._legacy.discard(candidate)
+        return [
+            candidate
+            for candidate in self._segments
+            if candidate < segment
+            or (candidate == segment and offset >= self._sizes[candidate] and candidate != self._segments[-1])
+        ]
+
+    def _drop_consumed_segments(self) -> None:
+        for candidate in self._consumed_segments():
+            self._path(candidate).unlink(missing_ok=True)
+            self._segments.remove(candidate)
+            self._sizes.pop(candidate)
+            self._legacy.discard(candidate)
 
 
 def _read(file: BinaryIO, segment: int, offset: int, size: int) -> tuple[bytes, tuple[int, int]] | Damage:
