@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import struct
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import grpc
 import numpy as np
 
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.router.mirror import PAYLOAD_DROPPED_TAG
 from tests.harness import InferClient, SteadyLoad, make_request, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import MODEL, RecordingStack
@@ -73,6 +76,35 @@ def test_a_batch_over_the_recorders_limit_is_split_and_a_record_too_large_alone_
         assert mirror_metric(stack, "payloads_dropped_total", reason="too_large") == 1
         assert mirror_metric(stack, "records_dropped_total") == 0
         assert stack.router.log().count("refused a batch as too large") <= 2
+    finally:
+        stack.close()
+
+
+def test_an_oversized_batch_left_in_the_spool_by_an_older_router_no_longer_blocks_recording(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, recorder_args=("--max-message-bytes", str(4 << 20)))
+    try:
+        stack.router.stop()
+        # What a router before the byte cap spooled: one 4.5 MiB batch in the previous layout
+        # (<u32 length><u32 crc32><payload>), which the recorder refuses as too large.
+        records = []
+        for i in range(3):
+            record = recorder_pb2.CallRecord(
+                schema_version=1, request_id=f"old-{i}", model=MODEL, version="v1", receive_unix_ns=time.time_ns()
+            )
+            record.request.inline = bytes([i]) * (3 << 19)
+            records.append(record.SerializeToString())
+        batch = recorder_pb2.EncodedRecordBatch(records=records).SerializeToString()
+        for stale in stack.spool_dir.iterdir():
+            stale.unlink()
+        (stack.spool_dir / "00000001.spool").write_bytes(struct.pack("<II", len(batch), zlib.crc32(batch)) + batch)
+
+        stack.router = stack.start_router()
+        client = InferClient(stack.router.address)
+        call(client, "new-call")
+        client.close()
+        stored = {r.request_id: r for r in stack.wait_recorded({"old-0", "old-1", "old-2", "new-call"})}
+        assert stored["old-2"].request.size_bytes == 3 << 19
+        assert mirror_metric(stack, "records_dropped_total") == 0
     finally:
         stack.close()
 
