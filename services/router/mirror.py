@@ -102,8 +102,10 @@ class MirrorSettings:
     batch_size: int = 256
     #: Largest batch sent. Keep it well below the recorder's receive limit (its ``--max-message-bytes``,
     #: 128 MiB by default), which refuses a larger batch whole; a record larger than this alone is sent
-    #: without its largest payloads (tagged :data:`PAYLOAD_DROPPED_TAG`).
-    batch_max_bytes: int = 32 << 20
+    #: without its largest payloads (tagged :data:`PAYLOAD_DROPPED_TAG`). 64 MiB: half the recorder's
+    #: limit, and a call as large as the router takes (its own 64 MiB limit) with a small answer is
+    #: still recorded whole; up to ``max_unacked_batches`` of them may be in flight.
+    batch_max_bytes: int = 64 << 20
     batch_interval_s: float = 0.2
     max_unacked_batches: int = 8
     ack_timeout_s: float = 5.0
