@@ -192,3 +192,28 @@ def test_a_batch_refused_repeatedly_is_resent_in_halves_down_to_the_record_at_fa
     # A part dropped (after its one record was refused) is skipped when the spool entry is resent.
     mirror._dropped.add(mirror_module._key(quarters[0][0]))
     assert [n for _, n in mirror._parts(batch, count)] == [2, 4]
+
+
+async def test_reaping_the_ack_reader_never_swallows_the_mirrors_own_cancellation() -> None:
+    reaping = asyncio.Event()
+
+    async def slow_to_stop() -> None:  # an ack reader still finishing a commit when it is cancelled
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            reaping.set()
+            await asyncio.sleep(0.5)
+            raise
+
+    async def mirror_loop() -> str:
+        reader = asyncio.create_task(slow_to_stop())
+        await asyncio.sleep(0)
+        reader.cancel()
+        await mirror_module._reap(reader)
+        return "went on"  # what suppressing BaseException did: the loop carried on, cancelled or not
+
+    loop_task = asyncio.create_task(mirror_loop())
+    await reaping.wait()
+    loop_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await loop_task
