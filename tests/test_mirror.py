@@ -17,6 +17,7 @@ from redis.asyncio import Redis
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import read_records
 from splitstream.router import mirror as mirror_module
+from splitstream.router.batch_cutter import BATCH_OVERHEAD, PAYLOAD_DROPPED_TAG, BatchCutter, count_records, frame
 from splitstream.router.core import CallOutcome
 from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.spool import Spool
@@ -62,7 +63,7 @@ def test_batches_built_in_slices_parse_as_one_record_batch_in_order(
     assert records[599].request.inline == b"request-599"
     assert records[599].response.inline == b"response-599"
     assert dict(records[0].metadata) == {"x-tenant": "t1"}
-    assert mirror_module._count_records(batches[2]) == 88
+    assert count_records(batches[2]) == 88
 
 
 def test_building_a_batch_lets_calls_run_between_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,27 +172,73 @@ async def test_a_call_that_cannot_be_recorded_is_dropped_alone_and_the_mirror_go
     assert registry.get_sample_value("splitstream_router_mirror_records_dropped_total", {"reason": "unrecordable"}) == 1
 
 
-def test_a_batch_refused_repeatedly_is_resent_in_halves_down_to_the_record_at_fault(tmp_path: Path) -> None:
-    mirror = mirror_with_calls(tmp_path, 8)
-    batch, count = asyncio.run(mirror._take_batch()) or (b"", 0)
-    assert count == 8
-    assert mirror._parts(batch, count) == [(batch, 8)]
-    mirror._bisect.add(mirror_module._key(batch))
-    halves = mirror._parts(batch, count)
+def call_records(n: int, size: int = 10) -> list[bytes]:
+    records = []
+    for i in range(n):
+        record = recorder_pb2.CallRecord(schema_version=1, request_id=f"call-{i}", model="affine")
+        record.request.inline = b"x" * size
+        records.append(record.SerializeToString())
+    return records
+
+
+def ids_of(parts: list[tuple[bytes, int]]) -> list[str]:
+    return [
+        recorder_pb2.CallRecord.FromString(raw).request_id
+        for part, _ in parts
+        for raw in recorder_pb2.EncodedRecordBatch.FromString(part).records
+    ]
+
+
+def test_a_batch_refused_repeatedly_is_resent_in_halves_down_to_the_record_at_fault() -> None:
+    cutter = BatchCutter(1 << 20)
+    batch = frame(call_records(8))
+    assert cutter.as_is(batch)
+    assert cutter.parts(batch) == [(batch, 8)]
+    cutter.halve(batch)
+    assert not cutter.as_is(batch)
+    halves = cutter.parts(batch)
     assert [n for _, n in halves] == [4, 4]
     # The half holding the bad record is refused in turn: it is halved again; the other half stays whole.
-    mirror._bisect.add(mirror_module._key(halves[0][0]))
-    quarters = mirror._parts(batch, count)
+    cutter.halve(halves[0][0])
+    quarters = cutter.parts(batch)
     assert [n for _, n in quarters] == [2, 2, 4]
-    ids = [
-        record.request_id
-        for part, _ in quarters
-        for record in recorder_pb2.RecordBatch.FromString(mirror_module._with_sequence(part, 1)).records
-    ]
-    assert ids == [f"call-{i}" for i in range(8)]
+    assert ids_of(quarters) == [f"call-{i}" for i in range(8)]
     # A part dropped (after its one record was refused) is skipped when the spool entry is resent.
-    mirror._dropped.add(mirror_module._key(quarters[0][0]))
-    assert [n for _, n in mirror._parts(batch, count)] == [2, 4]
+    cutter.drop(quarters[0][0])
+    assert ids_of(cutter.parts(batch)) == [f"call-{i}" for i in range(2, 8)]
+    cutter.forget()
+    assert cutter.parts(batch) == [(batch, 8)]
+
+
+def test_a_batch_over_the_cap_is_cut_under_it_and_a_record_over_it_alone_loses_its_largest_payload() -> None:
+    counted: list[str] = []
+    cutter = BatchCutter(
+        4096, on_payloads_dropped=lambda: counted.append("payload"), on_too_large=lambda: counted.append("record")
+    )
+    big = recorder_pb2.CallRecord(schema_version=1, request_id="big", model="affine")
+    big.request.inline = b"q" * 100
+    big.response.inline = b"r" * 6000
+    batch = frame([*call_records(3, 1000), big.SerializeToString(), *call_records(2, 1000)])
+    parts = cutter.parts(batch)
+    assert all(len(part) + BATCH_OVERHEAD <= 4096 for part, _ in parts)
+    assert ids_of(parts) == ["call-0", "call-1", "call-2", "big", "call-0", "call-1"]
+    (kept,) = [
+        recorder_pb2.CallRecord.FromString(raw)
+        for part, _ in parts
+        for raw in recorder_pb2.EncodedRecordBatch.FromString(part).records
+        if b"big" in raw
+    ]
+    assert kept.tags[PAYLOAD_DROPPED_TAG] == "response:6000"
+    assert kept.request.inline == b"q" * 100
+    assert counted == ["payload"]
+    # A recorder that says its limit is lower: the cap follows it (with room for framing), never below 64 KiB.
+    cutter.refused_as_too_large("SERVER: Received message larger than max (9000000 vs. 4194304)", 9_000_000)
+    assert cutter.max_bytes == 4096  # already lower
+    wide = BatchCutter(64 << 20)
+    wide.refused_as_too_large("SERVER: Received message larger than max (9000000 vs. 4194304)", 9_000_000)
+    assert 4_000_000 < wide.max_bytes < 4194304
+    wide.refused_as_too_large("Internal error", 2_000_000)  # no limit named: half the largest in flight
+    assert wide.max_bytes == 1_000_000
 
 
 async def test_reaping_the_ack_reader_never_swallows_the_mirrors_own_cancellation() -> None:

@@ -31,9 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import re
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
+from splitstream.router.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_records
 from splitstream.router.core import CallOutcome
 from splitstream.router.spool import Damage, Spool
 
@@ -51,20 +50,9 @@ log = structlog.get_logger()
 
 SCHEMA_VERSION = 1
 RECORD_METHOD = "/splitstream.v1.Recorder/Record"
-#: Tag on a record sent without some of its payloads: ``name:bytes`` of each, comma-separated.
-PAYLOAD_DROPPED_TAG = "splitstream.payload-dropped"
 _RESERVED_METADATA = ("grpc-", ":")
 #: Event-loop time the batch builder takes before it yields to calls (a record costs ~3-10 µs).
 _SLICE_S = 50e-6
-#: Framing bytes around a record in a batch (field tag + length varint) and for the sequence, at most.
-_RECORD_OVERHEAD = 6
-_BATCH_OVERHEAD = 16
-#: gRPC's refusal of a message over the receiver's limit names the limit.
-_LIMIT = re.compile(r"larger than max \(\d+ vs\. (\d+)\)")
-#: Kept under a limit learned that way: the batch cap is an estimate of framing bytes, not exact.
-_LIMIT_MARGIN = 4096
-#: A learned cap never goes below this: a recorder taking less is misconfigured, not a batch problem.
-_MIN_BATCH_BYTES = 64 << 10
 #: Final statuses that say the recorder (or the way to it) is down, not that it refuses this batch.
 _OUTAGE_CODES = frozenset(
     {
@@ -102,7 +90,7 @@ class MirrorSettings:
     batch_size: int = 256
     #: Largest batch sent. Keep it well below the recorder's receive limit (its ``--max-message-bytes``,
     #: 128 MiB by default), which refuses a larger batch whole; a record larger than this alone is sent
-    #: without its largest payloads (tagged :data:`PAYLOAD_DROPPED_TAG`). 64 MiB: half the recorder's
+    #: without its largest payloads (tagged ``splitstream.payload-dropped``). 64 MiB: half the recorder's
     #: limit, and a call as large as the router takes (its own 64 MiB limit) with a small answer is
     #: still recorded whole; up to ``max_unacked_batches`` of them may be in flight.
     batch_max_bytes: int = 64 << 20
@@ -189,12 +177,11 @@ class RecordMirror:
         self._spool_bytes = spool.pending_bytes
         self._task: asyncio.Task[None] | None = None
         self._sequence = 0
-        #: Lowered below a batch the recorder refused as too large (its limit is under ours).
-        self._max_bytes = settings.batch_max_bytes
-        #: Keys of batches dropped while still in the spool (parts of a split entry): skipped when resent.
-        self._dropped: set[int] = set()
-        #: Keys of batches refused ``max_refusals`` times: resent in halves.
-        self._bisect: set[int] = set()
+        self._cutter = BatchCutter(
+            settings.batch_max_bytes,
+            on_payloads_dropped=self.metrics.payloads_dropped.labels("too_large").inc,
+            on_too_large=self.metrics.records_dropped.labels("too_large").inc,
+        )
         #: (key of the oldest unacknowledged batch, times the recorder refused it).
         self._refusals: tuple[int, int] = (0, 0)
         self._outage = False
@@ -318,21 +305,19 @@ class RecordMirror:
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             # Over the recorder's receive limit. gRPC names the limit ("larger than max (N vs. LIMIT)");
             # else the refused batch is one of those in flight, so halving the largest makes progress.
-            match = _LIMIT.search(details)
             largest = max(len(sent.batch) for sent in unacked)
-            lowered = int(match.group(1)) - _LIMIT_MARGIN if match else largest // 2
-            self._max_bytes = max(min(self._max_bytes, lowered), _MIN_BATCH_BYTES)
+            self._cutter.refused_as_too_large(details, largest)
             log.error(
                 "recorder refused a batch as too large; sending smaller batches",
                 details=details[:300],
                 batch_bytes=largest,
-                batch_max_bytes=self._max_bytes,
+                batch_max_bytes=self._cutter.max_bytes,
             )
         # Any other refusal (INTERNAL, UNKNOWN, ...; a large message is sometimes refused as INTERNAL)
         # may be the oldest batch's doing: after max_refusals it is cut in halves, each resent on its
         # own, down to the one record at fault, which alone is dropped.
         oldest = unacked[0]
-        key = _key(oldest.batch)
+        key = batch_key(oldest.batch)
         count = self._refusals[1] + 1 if self._refusals[0] == key else 1
         self._refusals = (key, count)
         if count < self.settings.max_refusals:
@@ -340,7 +325,7 @@ class RecordMirror:
         self._refusals = (0, 0)
         if oldest.records > 1:
             log.warning("recorder keeps refusing a batch; resending it in halves", records=oldest.records)
-            self._bisect.add(key)
+            self._cutter.halve(oldest.batch)
         else:
             await self._drop(unacked.popleft(), "refused", f"{code.name}: {details}")
 
@@ -350,7 +335,7 @@ class RecordMirror:
         )
         self.metrics.records_dropped.labels(reason).inc(sent.records)
         if sent.from_spool:
-            self._dropped.add(_key(sent.batch))  # a part of a spool entry: skip it when the entry is resent
+            self._cutter.drop(sent.batch)  # a part of a spool entry: skip it when the entry is resent
         if sent.spool_position is not None:
             await asyncio.to_thread(self.spool.commit, sent.spool_position)
             self._spool_bytes = self.spool.pending_bytes
@@ -366,10 +351,10 @@ class RecordMirror:
         """Write one batch (cut in parts first if over the byte cap or refused before); the last part
         carries the spool position."""
         from_spool = spool_position is not None
-        if not (self._dropped or self._bisect) and len(batch) + _BATCH_OVERHEAD <= self._max_bytes:
-            parts = [(batch, records if records is not None else _count_records(batch))]
+        if self._cutter.as_is(batch):
+            parts = [(batch, records if records is not None else count_records(batch))]
         else:
-            parts = await asyncio.to_thread(self._parts, batch, records)
+            parts = await asyncio.to_thread(self._cutter.parts, batch, records)
         if not parts and spool_position is not None:  # nothing left worth sending of this entry
             await asyncio.to_thread(self.spool.commit, spool_position)
             self._spool_bytes = self.spool.pending_bytes
@@ -386,77 +371,6 @@ class RecordMirror:
             if stream.done():  # writing would raise InvalidStateError, hiding the stream's own status
                 raise ConnectionError("the recorder stream ended")
             await stream.write(_with_sequence(item.batch, item.sequence))
-
-    def _parts(self, batch: bytes, records: int | None) -> list[tuple[bytes, int]]:
-        """``batch`` as the batches to send (runs in a thread): without parts dropped before, halved if
-        refused ``max_refusals`` times, cut under the byte cap. Deterministic, so a spool entry resent
-        is cut the same way and its parts keep their identity."""
-        key = _key(batch)
-        if key in self._dropped:
-            return []
-        if key in self._bisect:
-            items = list(recorder_pb2.EncodedRecordBatch.FromString(batch).records)
-            if len(items) > 1:
-                half = len(items) // 2
-                return [*self._parts(_frame(items[:half]), half), *self._parts(_frame(items[half:]), None)]
-        if len(batch) + _BATCH_OVERHEAD > self._max_bytes:
-            return [part for piece, count in self._split(batch) for part in self._parts(piece, count)]
-        return [(batch, records if records is not None else _count_records(batch))]
-
-    def _split(self, batch: bytes) -> list[tuple[bytes, int]]:
-        """``batch`` cut into batches under the byte cap, records in order (runs in a thread)."""
-        parts: list[tuple[bytes, int]] = []
-        records: list[bytes] = []
-        size = _BATCH_OVERHEAD
-        for record in recorder_pb2.EncodedRecordBatch.FromString(batch).records:
-            fitted = self._fit(record)
-            if fitted is None:
-                continue
-            if records and size + len(fitted) + _RECORD_OVERHEAD > self._max_bytes:
-                parts.append((_frame(records), len(records)))
-                records, size = [], _BATCH_OVERHEAD
-            records.append(fitted)
-            size += len(fitted) + _RECORD_OVERHEAD
-        if records:
-            parts.append((_frame(records), len(records)))
-        return parts
-
-    def _fit(self, record: bytes) -> bytes | None:
-        """``record`` as it can be sent alone: itself if under the cap, else without its largest payloads
-        (named in :data:`PAYLOAD_DROPPED_TAG`), else None (dropped and counted: too_large)."""
-        limit = self._max_bytes - _BATCH_OVERHEAD - _RECORD_OVERHEAD
-        if len(record) <= limit:
-            return record
-        message = recorder_pb2.CallRecord.FromString(record)
-        holders: list[tuple[str, recorder_pb2.CallRecord | recorder_pb2.ShadowResult, str]] = [
-            ("request", message, "request"),
-            ("response", message, "response"),
-        ]
-        holders += [(f"shadows[{i}].response", shadow, "response") for i, shadow in enumerate(message.shadows)]
-        holders.sort(key=lambda h: -len(getattr(h[1], h[2]).inline))
-        dropped = []
-        for name, holder, field in holders:
-            if message.ByteSize() <= limit:
-                break
-            size = len(getattr(holder, field).inline)
-            if not size:
-                break
-            holder.ClearField(field)  # type: ignore[arg-type]
-            dropped.append(f"{name}:{size}")
-        message.tags[PAYLOAD_DROPPED_TAG] = ",".join(dropped)
-        fitted = message.SerializeToString()
-        if len(fitted) > limit:
-            log.error("record too large even without payloads; dropped", request_id=message.request_id[:200])
-            self.metrics.records_dropped.labels("too_large").inc()
-            return None
-        log.warning(
-            "record over batch_max_bytes; recorded without its largest payloads",
-            request_id=message.request_id[:200],
-            dropped=dropped,
-            batch_max_bytes=self._max_bytes,
-        )
-        self.metrics.payloads_dropped.labels("too_large").inc()
-        return fitted
 
     def _count_damage(self, damage: Damage) -> None:
         """Called by the spool (in a reading thread) for each damaged range it skips."""
@@ -495,8 +409,7 @@ class RecordMirror:
                 await asyncio.to_thread(self.spool.commit, sent.spool_position)
                 self._spool_bytes = self.spool.pending_bytes
                 if not self._spool_bytes:
-                    self._dropped.clear()
-                    self._bisect.clear()
+                    self._cutter.forget()
             self.metrics.batches_sent.labels("spool" if sent.from_spool else "queue").inc()
             if self._spool_bytes:  # a backlog waits for this ack: send its next batch now
                 self._wake.set()
@@ -534,7 +447,7 @@ class RecordMirror:
             return None
         slices: list[bytes] = []
         count = 0
-        size = _BATCH_OVERHEAD
+        size = BATCH_OVERHEAD
         full = False
         while not full and count < self.settings.batch_size and self._has_queued():
             if slices:
@@ -546,11 +459,11 @@ class RecordMirror:
                 if record is None:
                     record = self._build(*self._queue.popleft())
                 if record is not None:
-                    if count and size + len(record) + _RECORD_OVERHEAD > self._max_bytes:
+                    if count and self._cutter.overflows(size, record):
                         self._carry, full = record, True  # it opens the next batch
                         break
                     records.append(record)
-                    size += len(record) + _RECORD_OVERHEAD
+                    size = size + len(record) + RECORD_OVERHEAD
                     count += 1
                 if count >= self.settings.batch_size or not self._has_queued():
                     break
@@ -564,7 +477,7 @@ class RecordMirror:
         """One call as a serialized record under the byte cap; None (logged, counted: unrecordable) if it
         cannot be built, so one odd call (a NaN latency, say) never costs the calls batched with it."""
         try:
-            return self._fit(self._record(outcome, request, metadata).SerializeToString())
+            return self._cutter.fit(self._record(outcome, request, metadata).SerializeToString())
         except Exception:
             log.exception("call not recordable; dropped", request_id=str(outcome.request_id)[:200])
             self.metrics.records_dropped.labels("unrecordable").inc()
@@ -657,16 +570,3 @@ async def _final_details(stream: aio.StreamStreamCall) -> str:
         return await asyncio.wait_for(stream.details(), timeout=1.0) or ""
     except (TimeoutError, aio.AioRpcError):
         return ""
-
-
-def _key(batch: bytes) -> int:
-    """Identifies a batch across resends (crc32 runs at GB/s: cheap beside sending it)."""
-    return zlib.crc32(batch) ^ (len(batch) << 32)
-
-
-def _frame(records: Sequence[bytes]) -> bytes:
-    return recorder_pb2.EncodedRecordBatch(records=records).SerializeToString()
-
-
-def _count_records(batch: bytes) -> int:
-    return len(recorder_pb2.EncodedRecordBatch.FromString(batch).records)  # records stay bytes: no parse
