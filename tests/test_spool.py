@@ -56,6 +56,19 @@ def test_after_a_crash_the_cursor_lags_at_most_a_tenth_of_a_second_of_acknowledg
     assert drain(Spool(tmp_path, max_bytes=1 << 20))[0] == b"entry-2"
 
 
+def test_segments_removed_by_hand_leave_no_cursor_that_hides_new_entries(tmp_path: Path) -> None:
+    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=10)
+    for i in range(5):
+        assert spool.append(b"entry-%d" % i)
+    drain(spool)
+    spool.flush()
+    for segment in tmp_path.glob("*.seg"):
+        segment.unlink()
+    reopened = Spool(tmp_path, max_bytes=1 << 20)
+    assert reopened.append(b"after")
+    assert drain(reopened) == [b"after"]
+
+
 def test_a_full_spool_refuses_without_writing_and_frees_space_when_drained(tmp_path: Path) -> None:
     entry = HEADER.size + 40
     spool = Spool(tmp_path, max_bytes=2 * entry + 10, segment_bytes=1000)

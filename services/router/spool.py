@@ -211,11 +211,16 @@ class Spool:
         return self.directory / f"{segment:08d}{_LEGACY_SUFFIX if segment in self._legacy else _SUFFIX}"
 
     def _read_cursor(self) -> tuple[int, int]:
+        start = (self._segments[0] if self._segments else 1), 0
         try:
-            segment, offset = (self.directory / "cursor").read_text().split()
-            return int(segment), int(offset)
+            segment, offset = (int(part) for part in (self.directory / "cursor").read_text().split())
         except (OSError, ValueError):  # none yet, or unreadable: resend from the start (at least once)
-            return (self._segments[0] if self._segments else 1), 0
+            return start
+        if not self._segments or segment > self._segments[-1]:
+            # Past every segment there is (files removed by hand): new segments start again at 1,
+            # and a cursor beyond them would hide them.
+            return start
+        return segment, offset
 
     def _consumed_segments(self) -> list[int]:
         """Segments wholly before the cursor, and the cursor's segment once fully read and not last."""
