@@ -509,6 +509,7 @@ async def test_redis_refusing_writes_at_maxmemory_makes_the_recorder_not_serving
         assert refusal.code() == StatusCode.UNAVAILABLE
         assert "refuses writes" in (refusal.details() or "")
         assert "maxmemory" in (refusal.details() or "")
+        assert "fill-" not in (refusal.details() or "")  # no record field (request id) in the status
         wait_for(lambda: health_status(recorder.address) == NOT_SERVING, timeout_s=5, what="NOT_SERVING")
         assert metric(recorder, "splitstream_recorder_redis_writable") == 0
         assert metric(recorder, "splitstream_recorder_redis_up") == 0

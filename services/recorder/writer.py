@@ -149,4 +149,11 @@ class RedisWriter:
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    text = str(error)
+    # redis-py prefixes a pipeline's error with the failed command and its first arguments (a
+    # record's request id, model, ...): client data that has no place in logs or in the status
+    # routers get. Redis's own reply says what is wrong.
+    command, sep, reply = text.partition(" of pipeline caused error: ")
+    if sep and command.startswith("Command # "):
+        text = f"{command.split(' (', 1)[0]} of pipeline: {reply}"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
