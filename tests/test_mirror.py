@@ -1,20 +1,28 @@
-"""The router's record mirror, in process: how batches are built from queued calls."""
+"""The router's record mirror, in process: how batches are built from queued calls and cut when refused,
+and (against a real recorder and redis-server) that one odd call costs no other record."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
+from redis.asyncio import Redis
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import read_records
 from splitstream.router import mirror as mirror_module
+from splitstream.router.batch_cutter import BATCH_OVERHEAD, PAYLOAD_DROPPED_TAG, BatchCutter, count_records, frame
 from splitstream.router.core import CallOutcome
 from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.spool import Spool
+from tests.harness import ServiceProcess, free_port
+from tests.redis_server import RedisServer
 
 
 def mirror_with_calls(tmp_path: Path, calls: int) -> RecordMirror:
@@ -42,8 +50,8 @@ def test_batches_built_in_slices_parse_as_one_record_batch_in_order(
 
     async def take_all() -> list[bytes]:
         batches = []
-        while (batch := await mirror._take_batch()) is not None:
-            batches.append(batch)
+        while (taken := await mirror._take_batch()) is not None:
+            batches.append(taken[0])
         return batches
 
     batches = asyncio.run(take_all())
@@ -55,7 +63,7 @@ def test_batches_built_in_slices_parse_as_one_record_batch_in_order(
     assert records[599].request.inline == b"request-599"
     assert records[599].response.inline == b"response-599"
     assert dict(records[0].metadata) == {"x-tenant": "t1"}
-    assert mirror_module._count_records(batches[2]) == 88
+    assert count_records(batches[2]) == 88
 
 
 def test_building_a_batch_lets_calls_run_between_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,3 +89,178 @@ def test_building_a_batch_lets_calls_run_between_slices(tmp_path: Path, monkeypa
         assert during >= 49, f"the event loop ran other tasks only {during} times while 50 records were built"
 
     asyncio.run(build())
+
+
+# --- the mirror in process against a real recorder and redis-server ---------------------------------
+
+
+@dataclass(frozen=True)
+class Backend:
+    recorder_address: str
+    redis_url: str
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[Backend]:
+    """A real redis-server and recorder on free ports."""
+    redis = RedisServer(tmp_path / "redis").start()
+    port = free_port()
+    args = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port())]
+    recorder = ServiceProcess(
+        "recorder",
+        "splitstream.recorder",
+        [*args, "--redis-url", redis.url],
+        log_dir=tmp_path,
+        port=port,
+        env={"SPLITSTREAM_HMAC_KEY": "key"},
+    ).start()
+    yield Backend(recorder.address, redis.url)
+    recorder.stop()
+    redis.stop()
+
+
+def outcome(request_id: str, *, latency_s: float = 0.001) -> CallOutcome:
+    return CallOutcome(
+        request_id=request_id,
+        model="affine",
+        code=grpc.StatusCode.OK,
+        details="",
+        response=b"response",
+        version="v1",
+        receive_unix_ns=time.time_ns(),
+        latency_s=latency_s,
+    )
+
+
+async def stored_ids(redis_url: str) -> list[str]:
+    client = Redis.from_url(redis_url)
+    try:
+        return [item.record.request_id async for item in read_records(client, "affine")]
+    finally:
+        await client.aclose()
+
+
+async def wait_stored(redis_url: str, expected: list[str], timeout_s: float = 20.0) -> list[str]:
+    """What the stream holds once it is ``expected`` or ``timeout_s`` passed (polled every 50 ms)."""
+    for _ in range(int(timeout_s / 0.05)):
+        found = await stored_ids(redis_url)
+        if found == expected:
+            break
+        await asyncio.sleep(0.05)
+    return found
+
+
+async def test_a_call_that_cannot_be_recorded_is_dropped_alone_and_the_mirror_goes_on(
+    tmp_path: Path, backend: Backend
+) -> None:
+    settings = MirrorSettings(
+        recorder_address=backend.recorder_address, router_id="r", hmac_key=b"key", batch_interval_s=0.05
+    )
+    registry = CollectorRegistry()
+    mirror = RecordMirror(settings, Spool(tmp_path / "spool", max_bytes=1 << 20), registry)
+    for i in range(10):
+        if i == 5:  # a NaN latency cannot become latency_ns: building its record raises
+            mirror.offer(outcome("odd", latency_s=float("nan")), b"request", ())
+        mirror.offer(outcome(f"first-{i}"), b"request", ())
+    mirror.start()
+    url = backend.redis_url
+    first = [f"first-{i}" for i in range(10)]
+    assert await wait_stored(url, first) == first
+    mirror.offer(outcome("later"), b"request", ())
+    assert await wait_stored(url, [*first, "later"]) == [*first, "later"]
+    await mirror.close()
+    assert registry.get_sample_value("splitstream_router_mirror_records_dropped_total", {"reason": "unrecordable"}) == 1
+
+
+def call_records(n: int, size: int = 10) -> list[bytes]:
+    records = []
+    for i in range(n):
+        record = recorder_pb2.CallRecord(schema_version=1, request_id=f"call-{i}", model="affine")
+        record.request.inline = b"x" * size
+        records.append(record.SerializeToString())
+    return records
+
+
+def ids_of(parts: list[tuple[bytes, int]]) -> list[str]:
+    return [
+        recorder_pb2.CallRecord.FromString(raw).request_id
+        for part, _ in parts
+        for raw in recorder_pb2.EncodedRecordBatch.FromString(part).records
+    ]
+
+
+def test_a_batch_refused_repeatedly_is_resent_in_halves_down_to_the_record_at_fault() -> None:
+    cutter = BatchCutter(1 << 20)
+    batch = frame(call_records(8))
+    assert cutter.as_is(batch)
+    assert cutter.parts(batch) == [(batch, 8)]
+    cutter.halve(batch)
+    assert not cutter.as_is(batch)
+    halves = cutter.parts(batch)
+    assert [n for _, n in halves] == [4, 4]
+    # The half holding the bad record is refused in turn: it is halved again; the other half stays whole.
+    cutter.halve(halves[0][0])
+    quarters = cutter.parts(batch)
+    assert [n for _, n in quarters] == [2, 2, 4]
+    assert ids_of(quarters) == [f"call-{i}" for i in range(8)]
+    # A part dropped (after its one record was refused) is skipped when the spool entry is resent.
+    cutter.drop(quarters[0][0])
+    assert ids_of(cutter.parts(batch)) == [f"call-{i}" for i in range(2, 8)]
+    cutter.forget()
+    assert cutter.parts(batch) == [(batch, 8)]
+
+
+def test_a_batch_over_the_cap_is_cut_under_it_and_a_record_over_it_alone_loses_its_largest_payload() -> None:
+    counted: list[str] = []
+    cutter = BatchCutter(
+        4096, on_payloads_dropped=lambda: counted.append("payload"), on_too_large=lambda: counted.append("record")
+    )
+    big = recorder_pb2.CallRecord(schema_version=1, request_id="big", model="affine")
+    big.request.inline = b"q" * 100
+    big.response.inline = b"r" * 6000
+    batch = frame([*call_records(3, 1000), big.SerializeToString(), *call_records(2, 1000)])
+    parts = cutter.parts(batch)
+    assert all(len(part) + BATCH_OVERHEAD <= 4096 for part, _ in parts)
+    assert ids_of(parts) == ["call-0", "call-1", "call-2", "big", "call-0", "call-1"]
+    (kept,) = [
+        recorder_pb2.CallRecord.FromString(raw)
+        for part, _ in parts
+        for raw in recorder_pb2.EncodedRecordBatch.FromString(part).records
+        if b"big" in raw
+    ]
+    assert kept.tags[PAYLOAD_DROPPED_TAG] == "response:6000"
+    assert kept.request.inline == b"q" * 100
+    assert counted == ["payload"]
+    # A recorder that says its limit is lower: the cap follows it (with room for framing), never below 64 KiB.
+    cutter.refused_as_too_large("SERVER: Received message larger than max (9000000 vs. 4194304)", 9_000_000)
+    assert cutter.max_bytes == 4096  # already lower
+    wide = BatchCutter(64 << 20)
+    wide.refused_as_too_large("SERVER: Received message larger than max (9000000 vs. 4194304)", 9_000_000)
+    assert 4_000_000 < wide.max_bytes < 4194304
+    wide.refused_as_too_large("Internal error", 2_000_000)  # no limit named: half the largest in flight
+    assert wide.max_bytes == 1_000_000
+
+
+async def test_reaping_the_ack_reader_never_swallows_the_mirrors_own_cancellation() -> None:
+    reaping = asyncio.Event()
+
+    async def slow_to_stop() -> None:  # an ack reader still finishing a commit when it is cancelled
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            reaping.set()
+            await asyncio.sleep(0.5)
+            raise
+
+    async def mirror_loop() -> str:
+        reader = asyncio.create_task(slow_to_stop())
+        await asyncio.sleep(0)
+        reader.cancel()
+        await mirror_module._reap(reader)
+        return "went on"  # what suppressing BaseException did: the loop carried on, cancelled or not
+
+    loop_task = asyncio.create_task(mirror_loop())
+    await reaping.wait()
+    loop_task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await loop_task

@@ -36,7 +36,6 @@ from splitstream.common.records import (
     stream_key,
 )
 from splitstream.recorder.config import Action, Rule, parse_args
-from splitstream.recorder.errors import InvalidBatch
 from splitstream.recorder.redaction import Redactor
 from splitstream.recorder.validation import parse_batch
 from tests.harness import ROOT, ServiceProcess, free_port, health_status, metric_samples, scrape_metrics, wait_for
@@ -375,28 +374,26 @@ async def test_output_redaction_leaves_no_sensitive_output_anywhere_in_redis_and
     assert stored["failed"].shadows[0].status_message == "bad input"
 
 
-async def test_an_unreadable_response_under_output_rules_rejects_the_whole_batch(
+async def test_an_unreadable_response_under_output_rules_is_rejected_alone_and_named_in_the_ack(
     start_recorder: RecorderFactory, redis: Redis
 ) -> None:
     recorder = start_recorder("--redact-output", "score:mask")
     fine = response_bytes(score=np.ones(3, np.float32))
     unreadable = call_record("bad-one", response=b"\xff\xff\xff")
-    error = await rpc_error(send(recorder.address, batch(7, call_record("good-1", response=fine), unreadable)))
-    assert error.code() == StatusCode.INVALID_ARGUMENT
-    assert "record 1 (request_id 'bad-one')" in (error.details() or "")
-    assert "the response payload is not an inference.ModelInferResponse" in (error.details() or "")
-
     bad_shadow = call_record("bad-shadow", response=fine)
     bad_shadow.shadows.add(version="v2", status_code=0).response.inline = fine
     bad_shadow.shadows.add(version="v3", status_code=0).response.inline = b"\xff\xff\xff"
-    error = await rpc_error(send(recorder.address, batch(8, bad_shadow)))
-    assert error.code() == StatusCode.INVALID_ARGUMENT
-    assert "shadows[1].response payload is not an inference.ModelInferResponse" in (error.details() or "")
-    assert [key async for key in redis.scan_iter()] == []  # nothing partial
-
-    acks = await send(recorder.address, batch(9, call_record("good-1", response=fine)))
-    assert [(ack.sequence, ack.written) for ack in acks] == [(9, 1)]
-    assert metric(recorder, "splitstream_recorder_batches_total", result="invalid") == 2
+    (ack,) = await send(
+        recorder.address, batch(7, call_record("good-1", response=fine), unreadable, bad_shadow, call_record("good-2"))
+    )
+    assert (ack.sequence, ack.written) == (7, 2)
+    assert [(r.index, r.request_id) for r in ack.rejected] == [(1, "bad-one"), (2, "bad-shadow")]
+    assert "the response payload is not an inference.ModelInferResponse" in ack.rejected[0].reason
+    assert "shadows[1].response payload is not an inference.ModelInferResponse" in ack.rejected[1].reason
+    stored = [item.record.request_id async for item in read_records(redis, "resnet")]
+    assert stored == ["good-1", "good-2"]
+    assert metric(recorder, "splitstream_recorder_records_rejected_total") == 2
+    assert metric(recorder, "splitstream_recorder_batches_total", result="invalid") == 0
 
 
 async def test_retention_by_count_keeps_about_maxlen_records_per_stream(
@@ -432,7 +429,7 @@ async def test_retention_by_age_drops_records_older_than_the_limit(
     assert remaining == ["new-0", "new-1", "new-2"]
 
 
-async def test_malformed_batches_are_rejected_whole_and_the_recorder_keeps_serving(
+async def test_a_message_that_is_no_batch_is_refused_and_a_bad_record_is_rejected_alone(
     start_recorder: RecorderFactory, redis: Redis
 ) -> None:
     recorder = start_recorder()
@@ -443,16 +440,17 @@ async def test_malformed_batches_are_rejected_whole_and_the_recorder_keeps_servi
     assert "not a splitstream.v1.RecordBatch" in (error.details() or "")
 
     bad = call_record("bad-one", model="res net")
-    error = await rpc_error(send(recorder.address, batch(5, call_record("good-1"), bad, call_record("good-2"))))
-    assert error.code() == StatusCode.INVALID_ARGUMENT
-    assert "record 1 (request_id 'bad-one')" in (error.details() or "")
-    assert "whitespace" in (error.details() or "")
-    assert [key async for key in redis.scan_iter()] == []  # nothing partial
-
-    acks = await send(recorder.address, batch(6, call_record("good-1"), call_record("good-2")))
-    assert [(ack.sequence, ack.written) for ack in acks] == [(6, 2)]
-    assert await redis.xlen(stream_key("resnet")) == 2
-    assert metric(recorder, "splitstream_recorder_batches_total", result="invalid") == 2
+    unparsable = recorder_pb2.EncodedRecordBatch(records=[b"\x12\xff"]).SerializeToString()
+    data = batch(5, call_record("good-1"), bad).SerializeToString() + unparsable
+    data += batch(0, call_record("good-2")).SerializeToString()  # concatenated messages merge: 4 records
+    (ack,) = await send(recorder.address, data)
+    assert (ack.sequence, ack.written) == (5, 2)
+    assert [(r.index, r.request_id) for r in ack.rejected] == [(1, "bad-one"), (2, "")]
+    assert "whitespace" in ack.rejected[0].reason
+    assert "not a splitstream.v1.CallRecord" in ack.rejected[1].reason
+    assert [item.record.request_id async for item in read_records(redis, "resnet")] == ["good-1", "good-2"]
+    assert metric(recorder, "splitstream_recorder_batches_total", result="invalid") == 1
+    assert metric(recorder, "splitstream_recorder_records_rejected_total") == 2
     assert health_status(recorder.address) == SERVING
 
 
@@ -476,6 +474,57 @@ async def test_redis_outage_makes_writes_unavailable_and_health_not_serving_unti
     acks = await send(recorder.address, batch(3, call_record("after")))
     assert acks[0].written == 1
     assert [item.record.request_id async for item in read_records(redis, "resnet")] == ["after"]
+
+
+async def test_redis_refusing_writes_at_maxmemory_makes_the_recorder_not_serving_until_a_batch_is_written_again(
+    tmp_path: Path,
+) -> None:
+    # A tiny maxmemory under noeviction: Redis answers PING but refuses writes once full.
+    server = RedisServer(tmp_path / "full-redis", config=("--maxmemory", "3mb", "--maxmemory-policy", "noeviction"))
+    server.start()
+    port, metrics_port = free_port(), free_port()
+    recorder = ServiceProcess(
+        f"recorder-{port}",
+        "splitstream.recorder",
+        [
+            *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)),
+            *("--redis-url", server.url, "--health-interval-s", "0.2", "--blob-threshold-bytes", str(1 << 20)),
+        ],
+        log_dir=tmp_path,
+        port=port,
+        env={"SPLITSTREAM_HMAC_KEY": HMAC_KEY},
+    ).start()
+    client = Redis.from_url(server.url)
+    try:
+        payload = request_bytes("filler", x=np.random.default_rng(0).standard_normal(25_000).astype(np.float32))
+        refusal = None
+        for n in range(1, 200):  # ~100 KiB a record: Redis is full within a few dozen
+            try:
+                await send(recorder.address, batch(n, call_record(f"fill-{n}", request=payload)))
+            except aio.AioRpcError as error:
+                refusal = error
+                break
+        assert refusal is not None, "Redis never refused a write"
+        assert refusal.code() == StatusCode.UNAVAILABLE
+        assert "refuses writes" in (refusal.details() or "")
+        assert "maxmemory" in (refusal.details() or "")
+        assert "fill-" not in (refusal.details() or "")  # no record field (request id) in the status
+        wait_for(lambda: health_status(recorder.address) == NOT_SERVING, timeout_s=5, what="NOT_SERVING")
+        assert metric(recorder, "splitstream_recorder_redis_writable") == 0
+        assert metric(recorder, "splitstream_recorder_redis_up") == 0
+        assert await client.ping()  # Redis itself answers all along
+
+        await client.config_set("maxmemory", "0")  # the operator makes room
+        # A router's resend is what finds out: NOT_SERVING does not stop streams, and a small probe
+        # write would pass while batches do not.
+        (ack,) = await send(recorder.address, batch(999, call_record("after")))
+        assert ack.written == 1
+        wait_for(lambda: health_status(recorder.address) == SERVING, timeout_s=10, what="SERVING again")
+        assert metric(recorder, "splitstream_recorder_redis_writable") == 1
+    finally:
+        recorder.stop()
+        await client.aclose()
+        server.stop()
 
 
 async def test_a_password_in_the_redis_url_reaches_a_protected_redis_and_stays_out_of_the_log(
@@ -569,9 +618,11 @@ def _bad(**changes: object) -> recorder_pb2.CallRecord:
 )
 def test_each_kind_of_bad_record_is_named_in_the_rejection(record: recorder_pb2.CallRecord, problem: str) -> None:
     data = batch(9, call_record("fine"), record).SerializeToString()
-    with pytest.raises(InvalidBatch, match=r"batch 9: record 1 \(request_id '(bad-one)?'\): ") as info:
-        parse_batch(data, decode_requests=True)
-    assert problem in str(info.value)
+    parsed = parse_batch(data, decode_requests=True)
+    assert [item.record.request_id for item in parsed.checked] == ["fine"]
+    (rejection,) = parsed.rejected
+    assert (rejection.index, rejection.request_id) == (1, record.request_id)
+    assert problem in rejection.reason
 
 
 def test_masked_inputs_keep_name_type_and_shape_with_zeroed_data_raw_or_typed() -> None:

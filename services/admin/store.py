@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitstream.admin.yaml_edit import EditError, edit_experiment
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
+from splitstream.common.files import atomic_write
 from splitstream.common.registry import parse_registry
 from splitstream.common.registry.consul import (
     CONSUL_ERRORS,
@@ -171,19 +170,8 @@ class FileStore:
             edited = edit_experiment(text, model, experiment)
         except EditError as error:
             raise AdminError(f"{self.path}: {error}; nothing written") from None
-        # Write a sibling file, then rename over the original: readers see the old or the new file, whole.
-        directory = self.path.parent
-        descriptor, staging = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=directory)
-        try:
-            with os.fdopen(descriptor, "w") as handle:
-                handle.write(edited)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(staging, self.path.stat().st_mode & 0o777)
-            os.replace(staging, self.path)
-        except BaseException:
-            Path(staging).unlink(missing_ok=True)
-            raise
+        # Readers see the old or the new file, whole, even after a crash (see atomic_write).
+        atomic_write(self.path, edited, mode=self.path.stat().st_mode & 0o777)
 
 
 def _probe(addresses: Any, timeout_s: float = 1.0) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """The recorder's core: a serialized RecordBatch in, records in Redis, an acknowledgement out.
 
 It knows nothing of gRPC: the servicer hands it bytes and maps its errors
-(:class:`InvalidBatch`, :class:`StoreUnavailable`) to status codes. The CPU part
+(:class:`InvalidBatch`, :class:`StoreUnavailable`) to status codes. A bad record
+is rejected alone (named in the ack), never its batch. The CPU part
 (parse, check, redact, hash, serialize) runs in a small thread pool so the event
 loop keeps answering health checks and other routers' streams meanwhile.
 """
@@ -12,21 +13,26 @@ import asyncio
 import collections
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import structlog
 
 from splitstream.common.records import entry_fields, stream_key
 from splitstream.recorder.blobs import BlobCollector
 from splitstream.recorder.errors import InvalidBatch, StoreUnavailable
 from splitstream.recorder.metrics import RecorderMetrics
 from splitstream.recorder.redaction import Redactor
-from splitstream.recorder.validation import parse_batch
+from splitstream.recorder.validation import Rejection, parse_batch
 from splitstream.recorder.writer import RedisWriter, StreamEntry, WriteBatch
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True, slots=True)
 class Ack:
     sequence: int
     written: int
+    rejected: tuple[Rejection, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +40,7 @@ class PreparedBatch:
     sequence: int
     write: WriteBatch
     records_by_model: dict[str, int]
+    rejected: tuple[Rejection, ...] = field(default=())
 
 
 class RecorderCore:
@@ -55,11 +62,13 @@ class RecorderCore:
         self.decode_responses = decode_responses
         self.metrics = metrics
         self._executor = executor
+        metrics.redis_writable.set(1)
+        writer.on_writable = lambda writable: metrics.redis_writable.set(1 if writable else 0)
 
     async def check(self, data: bytes) -> PreparedBatch:
         """Parse, check and redact one serialized RecordBatch, off the event loop; nothing is written yet.
 
-        Raises :class:`InvalidBatch` when any record is bad (the whole batch is rejected)."""
+        Raises :class:`InvalidBatch` only when the message is not a RecordBatch; bad records are set aside."""
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, self.prepare, data)
@@ -71,6 +80,17 @@ class RecorderCore:
         """Write a checked batch; return its ack once Redis confirmed every record.
 
         Raises :class:`StoreUnavailable` (the batch must not be acknowledged)."""
+        if prepared.rejected:
+            self.metrics.records_rejected.inc(len(prepared.rejected))
+            log.warning(
+                "records rejected; the rest of their batch is written",
+                sequence=prepared.sequence,
+                rejected=len(prepared.rejected),
+                first=[f"{r.index} ({r.request_id!r}): {r.reason}"[:300] for r in prepared.rejected[:3]],
+            )
+        if not prepared.write.entries:
+            self.metrics.batches.labels("ok").inc()
+            return Ack(prepared.sequence, 0, prepared.rejected)
         started = time.perf_counter()
         try:
             result = await self.writer.write(prepared.write)
@@ -84,18 +104,25 @@ class RecorderCore:
             self.metrics.records_written.labels(model).inc(count)
         if result.blobs_written:
             self.metrics.blobs_written.inc(result.blobs_written)
-        return Ack(prepared.sequence, result.records)
+        return Ack(prepared.sequence, result.records, prepared.rejected)
 
     def prepare(self, data: bytes) -> PreparedBatch:
-        """The CPU half (runs in the executor): the whole batch is checked before anything else happens."""
-        batch, checked = parse_batch(data, decode_requests=self.decode_requests, decode_responses=self.decode_responses)
+        """The CPU half (runs in the executor): every record is checked and redacted before anything is
+        written; one that fails either is rejected alone."""
+        parsed = parse_batch(data, decode_requests=self.decode_requests, decode_responses=self.decode_responses)
+        rejected = list(parsed.rejected)
         collector = BlobCollector(self.blob_threshold_bytes)
         entries = []
         by_model: collections.Counter[str] = collections.Counter()
-        for item in checked:
+        for item in parsed.checked:
             record = item.record
-            self.redactor.redact(record, item.request, item.response, item.shadow_responses)
+            try:
+                self.redactor.redact(record, item.request, item.response, item.shadow_responses)
+            except Exception as error:  # a record redaction cannot handle is not stored unredacted
+                rejected.append(Rejection(item.index, record.request_id, f"redaction failed: {error!r}"[:300]))
+                continue
             collector.externalize(record)
             entries.append(StreamEntry(stream_key(record.model), entry_fields(record)))
             by_model[record.model] += 1
-        return PreparedBatch(batch.sequence, WriteBatch(entries, collector.blobs), dict(by_model))
+        rejected.sort(key=lambda r: r.index)
+        return PreparedBatch(parsed.sequence, WriteBatch(entries, collector.blobs), dict(by_model), tuple(rejected))

@@ -126,7 +126,7 @@ class Recorder(Service):
         while True:
             try:
                 async with asyncio.timeout(2 * self.config.redis_timeout_s):
-                    await self.writer.ping()
+                    await self.writer.check()
                 up, problem = True, ""
             except (StoreUnavailable, TimeoutError) as error:
                 up, problem = False, redact_text(str(error)) or "redis PING timed out"

@@ -23,13 +23,20 @@ class RecorderMetrics:
         )
         self.batches = Counter(
             "splitstream_recorder_batches",
-            "Batches handled: ok (written and acknowledged), invalid (rejected whole), redis_error (not acknowledged)",
+            "Batches handled: ok (written and acknowledged, rejected records named), invalid (not a RecordBatch), "
+            "redis_error (not acknowledged)",
             ["result"],
             registry=self.registry,
         )
         self.redis_errors = Counter(
             "splitstream_recorder_redis_errors",
             "Redis commands or pings that failed (connection, timeout, error reply)",
+            registry=self.registry,
+        )
+        self.records_rejected = Counter(
+            "splitstream_recorder_records_rejected",
+            "Records refused alone (malformed, or unreadable where a redaction rule must read them); "
+            "named in the batch's ack, the rest of the batch is written",
             registry=self.registry,
         )
         self.write_seconds = Histogram(
@@ -40,7 +47,13 @@ class RecorderMetrics:
         )
         self.redis_up = Gauge(
             "splitstream_recorder_redis_up",
-            "1 while Redis answers PING, else 0",
+            "1 while Redis answers PING and took the last batch written, else 0; health follows it",
+            registry=self.registry,
+        )
+        self.redis_writable = Gauge(
+            "splitstream_recorder_redis_writable",
+            "0 after Redis refused a write (maxmemory with noeviction, read-only replica, MISCONF) until a "
+            "batch is written again, else 1; health is NOT_SERVING meanwhile",
             registry=self.registry,
         )
         self.streams = Gauge(

@@ -2,13 +2,14 @@
 
 The method is registered without a request deserializer: the core parses each
 batch itself, so a message that is not a RecordBatch at all gets the same
-INVALID_ARGUMENT (naming the problem) as a batch with one bad record, instead of
-grpc's generic deserialization failure.
+INVALID_ARGUMENT (naming the problem), instead of grpc's generic deserialization
+failure, and a record that does not parse is rejected alone.
 
 Per stream, batches are written and acknowledged in order, one at a time; the next
-batch is read and checked while the current one is in Redis. A failed batch ends
-the stream with its status (INVALID_ARGUMENT or UNAVAILABLE) and no ack, after the
-batches before it were acknowledged; the router reconnects and resends (or spools)
+batch is read and checked while the current one is in Redis. A bad record is
+rejected alone and named in its batch's ack. A failed batch (not a RecordBatch at
+all: INVALID_ARGUMENT; Redis: UNAVAILABLE) ends the stream with its status and no
+ack, after the batches before it were acknowledged; the router reconnects and resends (or spools)
 what was not acknowledged.
 """
 
@@ -83,7 +84,16 @@ class RecorderServicer:
                 # N+1 overlaps Redis's work on batch N. Acks still go out in order, one per batch.
                 upcoming = asyncio.ensure_future(self._receive(context))
                 ack = await self._settle(self.core.write(prepared), context, peer)
-                await context.write(recorder_pb2.RecordAck(sequence=ack.sequence, written=ack.written))
+                await context.write(
+                    recorder_pb2.RecordAck(
+                        sequence=ack.sequence,
+                        written=ack.written,
+                        rejected=[
+                            recorder_pb2.RejectedRecord(index=r.index, request_id=r.request_id, reason=r.reason)
+                            for r in ack.rejected
+                        ],
+                    )
+                )
         finally:
             if upcoming.done() and not upcoming.cancelled():
                 upcoming.exception()  # the stream already ended on an earlier batch's failure

@@ -1,10 +1,12 @@
-"""Checking a whole RecordBatch before any of it is written.
+"""Checking each record of a RecordBatch before any of it is written.
 
-A batch is all or nothing: one bad record rejects the batch, naming the record
-(index and request id) and the problem, so a router bug shows up at once instead
-of as silently missing calls. Checks are about what the recorder needs to store
-and key a record safely; the call's own content (a client's invalid request, an
-error status) is recorded as it was.
+A bad record is rejected alone, naming it (index and request id) and the problem,
+and the rest of its batch is written: one malformed call (say, a request whose
+head parses but whose tensors do not, under an input rule) must not cost other
+callers' records. Only a message that is not a RecordBatch at all is refused
+whole. Checks are about what the recorder needs to store and key a record safely;
+the call's own content (a client's invalid request, an error status) is recorded
+as it was.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from splitstream.recorder.errors import InvalidBatch
 
 @dataclass(slots=True)
 class CheckedRecord:
+    #: Position in the batch (what a rejection names).
+    index: int
     record: recorder_pb2.CallRecord
     #: The decoded request, when input redaction needs it (else None).
     request: oip.ModelInferRequest | None
@@ -31,32 +35,49 @@ class CheckedRecord:
     shadow_responses: tuple[oip.ModelInferResponse, ...] = ()
 
 
-def parse_batch(
-    data: bytes, *, decode_requests: bool, decode_responses: bool = False
-) -> tuple[recorder_pb2.RecordBatch, list[CheckedRecord]]:
-    """Parse and check every record of a serialized RecordBatch; raises :class:`InvalidBatch` on the first problem.
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    index: int
+    request_id: str
+    reason: str
 
+
+@dataclass(slots=True)
+class ParsedBatch:
+    sequence: int
+    checked: list[CheckedRecord]
+    rejected: list[Rejection]
+
+
+def parse_batch(data: bytes, *, decode_requests: bool, decode_responses: bool = False) -> ParsedBatch:
+    """Parse and check every record of a serialized RecordBatch; bad records are set aside as rejections.
+
+    Raises :class:`InvalidBatch` only when ``data`` is not a RecordBatch at all. The batch is framed
+    first with records left as bytes, so even a record that does not parse is rejected alone.
     ``decode_requests``/``decode_responses``: decode (and so require decodable) requests, or responses
     and shadow responses, for the redaction that reads them."""
     try:
-        batch = recorder_pb2.RecordBatch.FromString(data)
+        framed = recorder_pb2.EncodedRecordBatch.FromString(data)
     except DecodeError as error:
         raise InvalidBatch(f"the message is not a splitstream.v1.RecordBatch ({error})") from None
-    checked = []
-    for index, record in enumerate(batch.records):
+    parsed = ParsedBatch(framed.sequence, [], [])
+    for index, raw in enumerate(framed.records):
+        try:
+            record = recorder_pb2.CallRecord.FromString(raw)
+        except DecodeError as error:
+            parsed.rejected.append(Rejection(index, "", f"the record is not a splitstream.v1.CallRecord ({error})"))
+            continue
         try:
             request = check_record(record, decode_request=decode_requests)
             responses = decode_record_responses(record) if decode_responses else None
         except ValueError as error:
-            raise InvalidBatch(
-                f"batch {batch.sequence}: record {index} (request_id {record.request_id!r}): {error}; "
-                "nothing of the batch was written"
-            ) from None
+            parsed.rejected.append(Rejection(index, record.request_id, str(error)))
+            continue
         if responses is None:
-            checked.append(CheckedRecord(record, request))
+            parsed.checked.append(CheckedRecord(index, record, request))
         else:
-            checked.append(CheckedRecord(record, request, responses[0], responses[1:]))
-    return batch, checked
+            parsed.checked.append(CheckedRecord(index, record, request, responses[0], responses[1:]))
+    return parsed
 
 
 def check_record(record: recorder_pb2.CallRecord, *, decode_request: bool) -> oip.ModelInferRequest | None:

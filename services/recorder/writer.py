@@ -13,6 +13,11 @@ exist), then the missing blobs go out with ``SET NX EX`` in the same pipeline as
 XADDs, ahead of them, so a record is never visible before its blob. Batches without
 blobs take one round trip. Pipelines are not transactions: if Redis fails midway, some
 records may be written and the router's resend duplicates them (at least once).
+
+Redis can be up and still refuse writes (maxmemory under ``noeviction``: OOM; a read-only
+replica; MISCONF after a failed save). PING cannot tell: after a write refused with an
+error reply, :meth:`check` fails too, so the recorder's health stays NOT_SERVING (and
+``redis_writable`` 0) until a batch is written again.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from splitstream.common.records import blob_key
 from splitstream.recorder.errors import StoreUnavailable
@@ -65,6 +70,10 @@ class RedisWriter:
         self.retention_age_ms = int(retention_age_s * 1000)
         self.blob_ttl_s = blob_ttl_s
         self._clock = clock
+        #: Why Redis last refused a write with an error reply; None once a write succeeds again.
+        self.refused: str | None = None
+        #: Told whether Redis takes writes, whenever a write or probe says (the metrics hook).
+        self.on_writable: Callable[[bool], None] = lambda writable: None
 
     async def ping(self) -> None:
         """Raise :class:`StoreUnavailable` unless Redis answers."""
@@ -73,12 +82,35 @@ class RedisWriter:
         except (RedisError, OSError, TimeoutError) as error:
             raise StoreUnavailable(f"redis did not answer PING: {_describe(error)}") from error
 
+    async def check(self) -> None:
+        """Raise :class:`StoreUnavailable` unless Redis answers and took the last write it was sent.
+
+        No small probe write stands in for a batch: at maxmemory, a 1-byte SET is taken while every
+        ~100 KiB batch is refused (the batch's own query buffer tips Redis over), so a probe would make
+        health flap. Routers resend refused batches every few seconds; the first one written clears this."""
+        await self.ping()
+        if self.refused is not None:
+            raise StoreUnavailable(f"redis refuses writes: {self.refused}")
+
     async def write(self, batch: WriteBatch) -> WriteResult:
         """Write ``batch``; returns only after Redis confirmed every command. Raises :class:`StoreUnavailable`."""
         try:
-            return await self._write(batch)
+            result = await self._write(batch)
+        except ResponseError as error:  # an error reply: Redis is up, but refuses (OOM, READONLY, MISCONF)
+            self._refusing(error)
         except (RedisError, OSError, TimeoutError) as error:
             raise StoreUnavailable(f"redis write failed: {_describe(error)}") from error
+        self._accepting()
+        return result
+
+    def _refusing(self, error: ResponseError) -> NoReturn:
+        self.refused = _describe(error)
+        self.on_writable(False)
+        raise StoreUnavailable(f"redis refuses writes: {self.refused}") from error
+
+    def _accepting(self) -> None:
+        self.refused = None
+        self.on_writable(True)
 
     async def _write(self, batch: WriteBatch) -> WriteResult:
         missing = await self._missing_blobs(list(batch.blobs)) if batch.blobs else []
@@ -117,4 +149,11 @@ class RedisWriter:
 
 
 def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    text = str(error)
+    # redis-py prefixes a pipeline's error with the failed command and its first arguments (a
+    # record's request id, model, ...): client data that has no place in logs or in the status
+    # routers get. Redis's own reply says what is wrong.
+    command, sep, reply = text.partition(" of pipeline caused error: ")
+    if sep and command.startswith("Command # "):
+        text = f"{command.split(' (', 1)[0]} of pipeline: {reply}"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -61,6 +61,7 @@ class RouterConfig:
     record_batch_size: int
     record_batch_interval_ms: float
     record_queue_size: int
+    record_batch_max_bytes: int
     record_credential_headers: bool
     shadow_timeout_s: float
     shadow_max_in_flight: int
@@ -80,6 +81,7 @@ class RouterConfig:
         for flag, count in (
             ("--record-batch-size", self.record_batch_size),
             ("--record-queue-size", self.record_queue_size),
+            ("--record-batch-max-bytes", self.record_batch_max_bytes),
             ("--spool-max-bytes", self.spool_max_bytes),
             ("--shadow-max-in-flight", self.shadow_max_in_flight),
         ):
@@ -169,6 +171,14 @@ def build_parser() -> EnvArgumentParser:
         help="calls held in memory for recording; past it new ones are dropped and counted",
     )
     recording.add_argument(
+        "--record-batch-max-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="largest record batch sent to the recorder; keep it below the recorder's --max-message-bytes "
+        "(128 MiB); a call whose record is larger alone is recorded without its largest payloads "
+        "(tag splitstream.payload-dropped)",
+    )
+    recording.add_argument(
         "--record-credential-headers",
         action="store_true",
         help="keep authorization, cookie, x-api-key and other credential headers in recorded metadata "
@@ -198,6 +208,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             record_batch_size=args.record_batch_size,
             record_batch_interval_ms=args.record_batch_interval_ms,
             record_queue_size=args.record_queue_size,
+            record_batch_max_bytes=args.record_batch_max_bytes,
             record_credential_headers=args.record_credential_headers,
             shadow_timeout_s=args.shadow_timeout_s,
             shadow_max_in_flight=args.shadow_max_in_flight,
@@ -275,6 +286,7 @@ class Router(Service):
                 queue_size=config.record_queue_size,
                 batch_size=config.record_batch_size,
                 batch_interval_s=config.record_batch_interval_ms / 1000,
+                batch_max_bytes=config.record_batch_max_bytes,
                 record_credential_headers=config.record_credential_headers,
             )
             try:

@@ -3,7 +3,7 @@
 ``offer()`` is what the request path calls after the client has its answer: an
 O(1) append to a bounded deque that never blocks (a full queue drops the call and
 counts it). A background task turns queued calls into CallRecords, batches them
-by size or time and streams the batches to the recorder on one long-lived
+by count, bytes or time and streams the batches to the recorder on one long-lived
 ``Recorder/Record`` stream, keeping each batch until its ack arrives.
 
 When the recorder is unreachable, slow (too many batches unacknowledged) or
@@ -13,6 +13,17 @@ the recorder in the order they were made. Once the recorder acknowledges again,
 the spool is sent oldest first. Delivery is at least once: a batch sent but not
 acknowledged when the stream broke is spooled again, and readers drop
 duplicates by request id.
+
+Nothing may block the rest for ever. A batch is at most ``batch_max_bytes``; a
+record larger than that alone keeps its exposure (metadata, status, timings) but
+loses its largest payloads, named in the ``splitstream.payload-dropped`` tag. A
+batch the recorder refuses as too large (RESOURCE_EXHAUSTED: its receive limit is
+below our cap) lowers the cap to that limit and is split when resent, which also
+drains a spool written before the cap existed. A batch refused as malformed is
+dropped at once; one refused otherwise (INTERNAL, ...) ``max_refusals`` times is
+resent in halves until the one record at fault is found and dropped. Records the
+recorder rejects one by one are named in its ack.
+Every such loss is counted in ``records_dropped{reason}``.
 """
 
 from __future__ import annotations
@@ -31,9 +42,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
+from splitstream.router.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_records
 from splitstream.router.core import CallOutcome
 from splitstream.router.recorded_metadata import recorded_metadata
-from splitstream.router.spool import Spool
+from splitstream.router.spool import Damage, Spool
 
 log = structlog.get_logger()
 
@@ -41,6 +53,32 @@ SCHEMA_VERSION = 1
 RECORD_METHOD = "/splitstream.v1.Recorder/Record"
 #: Event-loop time the batch builder takes before it yields to calls (a record costs ~3-10 µs).
 _SLICE_S = 50e-6
+#: Final statuses that say the recorder (or the way to it) is down, not that it refuses this batch.
+_OUTAGE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.ABORTED,
+        # A wrong address or credentials refuse every batch alike: keep spooling until it is fixed.
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.OK,
+    }
+)
+
+
+_DROP_REASONS = (
+    "queue_full",
+    "spool_full",
+    "spool_error",
+    "spool_corrupt",
+    "rejected",
+    "refused",
+    "too_large",
+    "unrecordable",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,19 +88,31 @@ class MirrorSettings:
     hmac_key: bytes
     queue_size: int = 100_000
     batch_size: int = 256
+    #: Largest batch sent. Keep it well below the recorder's receive limit (its ``--max-message-bytes``,
+    #: 128 MiB by default), which refuses a larger batch whole; a record larger than this alone is sent
+    #: without its largest payloads (tagged ``splitstream.payload-dropped``). 64 MiB: half the recorder's
+    #: limit, and a call as large as the router takes (its own 64 MiB limit) with a small answer is
+    #: still recorded whole; up to ``max_unacked_batches`` of them may be in flight.
+    batch_max_bytes: int = 64 << 20
     batch_interval_s: float = 0.2
     max_unacked_batches: int = 8
     ack_timeout_s: float = 5.0
     flush_timeout_s: float = 5.0
     #: Keep authorization, cookie, API-key headers in records (off: a replay would re-send someone's token).
     record_credential_headers: bool = False
+    #: Times the recorder may end the stream on the same oldest batch with a status that is no outage
+    #: (INTERNAL, UNKNOWN, ...) before that batch is dropped and counted, so it cannot block the rest.
+    max_refusals: int = 3
 
 
 @dataclass(slots=True)
 class _Sent:
     sequence: int
     batch: bytes  # serialized RecordBatch without sequence (what the spool stores)
-    spool_position: tuple[int, int] | None  # set when the batch came from the spool
+    records: int
+    #: Set on the last part of a spool entry: acknowledging it commits the entry.
+    spool_position: tuple[int, int] | None
+    from_spool: bool
 
 
 class MirrorMetrics:
@@ -74,10 +124,32 @@ class MirrorMetrics:
             registry=registry,
         )
         self.records_dropped = Counter(
-            "splitstream_router_mirror_records_dropped", "Calls not recorded", ["reason"], registry=registry
+            "splitstream_router_mirror_records_dropped",
+            "Calls not recorded: queue_full, spool_full, spool_error (spool not writable), spool_corrupt "
+            "(damaged spool entry), rejected (the recorder refused the record or its batch as malformed), "
+            "refused (a batch the recorder kept failing on), too_large (over batch_max_bytes even without payloads), "
+            "unrecordable (a call the mirror could not turn into a record)",
+            ["reason"],
+            registry=registry,
+        )
+        self.payloads_dropped = Counter(
+            "splitstream_router_mirror_payloads_dropped",
+            "Records recorded without their largest payloads (tag splitstream.payload-dropped), by reason",
+            ["reason"],
+            registry=registry,
         )
         self.records_spooled = Counter(
             "splitstream_router_mirror_records_spooled", "Records written to the spool", registry=registry
+        )
+        self.spool_damage = Counter(
+            "splitstream_router_mirror_spool_damaged_entries",
+            "Damaged spool ranges skipped (their records, when known, count as dropped: spool_corrupt)",
+            registry=registry,
+        )
+        self.errors = Counter(
+            "splitstream_router_mirror_errors",
+            "Unexpected errors in the mirror's loop (logged; the loop restarts)",
+            registry=registry,
         )
         self.queue_depth = Gauge(
             "splitstream_router_mirror_queue_depth", "Calls waiting to be batched", registry=registry
@@ -85,6 +157,8 @@ class MirrorMetrics:
         self.spool_bytes = Gauge(
             "splitstream_router_mirror_spool_bytes", "Bytes in the spool not yet acknowledged", registry=registry
         )
+        for reason in _DROP_REASONS:
+            self.records_dropped.labels(reason)
 
 
 class RecordMirror:
@@ -94,13 +168,25 @@ class RecordMirror:
         self.metrics = MirrorMetrics(registry)
         self.metrics.queue_depth.set_function(lambda: len(self._queue))
         self.metrics.spool_bytes.set_function(lambda: self._spool_bytes)
+        spool.on_damage = self._count_damage
         self._queue: collections.deque[tuple[CallOutcome, bytes, Sequence[tuple[str, str | bytes]]]] = (
             collections.deque()
         )
+        #: A record taken from the queue that did not fit in the last batch: it opens the next one.
+        self._carry: bytes | None = None
         self._wake = asyncio.Event()
         self._closing = False
         self._spool_bytes = spool.pending_bytes
         self._task: asyncio.Task[None] | None = None
+        self._sequence = 0
+        self._cutter = BatchCutter(
+            settings.batch_max_bytes,
+            on_payloads_dropped=self.metrics.payloads_dropped.labels("too_large").inc,
+            on_too_large=self.metrics.records_dropped.labels("too_large").inc,
+        )
+        #: (key of the oldest unacknowledged batch, times the recorder refused it).
+        self._refusals: tuple[int, int] = (0, 0)
+        self._outage = False
 
     # -- the request path ------------------------------------------------------------------
 
@@ -124,9 +210,29 @@ class RecordMirror:
         self._wake.set()
         if self._task is not None:
             await self._task
+        try:
+            await asyncio.to_thread(self.spool.flush)
+        except OSError as error:  # shutdown goes on: a stale cursor only resends acknowledged batches
+            log.error("spool cursor not written at shutdown", error=str(error)[:300])
 
     async def _run(self) -> None:
-        sequence = 0
+        """Keep :meth:`_stream` running whatever it raises: an exception escaping a background task ends
+        it silently, and recording would stop for good (ARCHITECTURE, "Pitfalls")."""
+        while True:
+            try:
+                await self._stream()
+                return
+            except Exception:
+                self.metrics.errors.inc()
+                log.exception("record mirror failed; restarting it")
+                if self._closing:
+                    with contextlib.suppress(Exception):
+                        while (taken := await self._take_batch()) is not None:
+                            await self._to_spool(*taken)
+                    return
+                await asyncio.sleep(1.0)
+
+    async def _stream(self) -> None:
         backoff_s = 0.1
         while True:
             channel = aio.insecure_channel(self.settings.recorder_address)
@@ -134,72 +240,157 @@ class RecordMirror:
             stream = channel.stream_stream(RECORD_METHOD, response_deserializer=recorder_pb2.RecordAck.FromString)()
             unacked: collections.deque[_Sent] = collections.deque()
             reader = asyncio.create_task(self._read_acks(stream, unacked))
+            failure: Exception | None = None
             try:
                 while True:
                     if reader.done():
                         reader.result()  # raises the stream's error
                         raise ConnectionError("recorder closed the stream")
-                    batch = await self._next_batch()
-                    if batch is None and self._closing and not self._queue:
+                    taken = await self._next_batch()
+                    if taken is None and self._closing and not self._has_queued():
                         await self._finish(stream, reader, unacked)
                         return
                     # Spool first while a backlog exists or the recorder is slow.
-                    if batch is not None:
+                    if taken is not None:
                         if not self.spool.empty() or len(unacked) >= self.settings.max_unacked_batches:
-                            await self._to_spool(batch)
+                            await self._to_spool(*taken)
                         else:
-                            sequence += 1
-                            unacked.append(_Sent(sequence, batch, None))
-                            await stream.write(_with_sequence(batch, sequence))
+                            await self._send(stream, unacked, taken[0], taken[1], None)
                     if not unacked and not self.spool.empty():
                         entry = await asyncio.to_thread(self.spool.peek)
                         if entry is not None:
-                            sequence += 1
-                            unacked.append(_Sent(sequence, entry[0], entry[1]))
-                            await stream.write(_with_sequence(entry[0], sequence))
+                            await self._send(stream, unacked, entry[0], None, entry[1])
+                        self._spool_bytes = self.spool.pending_bytes
                     backoff_s = 0.1
             except Exception as error:  # any failure of the stream (grpc raises several kinds) means: spool
-                log.warning(
-                    "recorder stream failed; spooling",
-                    error=f"{type(error).__name__}: {error}"[:300],
-                    unacked=len(unacked),
-                )
+                failure = error
             finally:
                 reader.cancel()
-                with contextlib.suppress(BaseException):
-                    await reader
-            if unacked and await _final_code(stream) == grpc.StatusCode.INVALID_ARGUMENT:
-                # The recorder refuses the oldest unacknowledged batch as malformed: sending it again would
-                # fail forever and block everything behind it, so it is dropped (and counted) instead.
-                await self._drop_rejected(unacked.popleft(), await stream.details())
+                await _reap(reader)
+            code = await _final_code(stream)
+            details = (await _final_details(stream)) if code is not None else ""
+            self._log_failure(code, details, failure, len(unacked))
+            if unacked:
+                await self._handle_refusal(code, details, unacked)
             # Batches the recorder never acknowledged go to the spool (those from the spool are still there).
             for sent in unacked:
-                if sent.spool_position is None:
-                    await self._to_spool(sent.batch)
+                if not sent.from_spool:
+                    await self._to_spool(sent.batch, sent.records)
             await channel.close(grace=None)
             if self._closing:
-                while (batch := await self._take_batch()) is not None:
-                    await self._to_spool(batch)
+                while (taken := await self._take_batch()) is not None:
+                    await self._to_spool(*taken)
                 return
             await self._sleep_spooling(backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
 
-    async def _drop_rejected(self, sent: _Sent, details: str) -> None:
-        records = _count_records(sent.batch)
-        log.error("recorder rejected a record batch as invalid; dropping it", records=records, details=details[:300])
-        self.metrics.records_dropped.labels("rejected").inc(records)
+    def _log_failure(self, code: grpc.StatusCode | None, details: str, failure: Exception | None, unacked: int) -> None:
+        """One warning per outage, naming the stream's own status (a write on a finished stream raises
+        InvalidStateError "RPC already finished", which says nothing of why); retries log at DEBUG."""
+        if code is not None:
+            reason = f"{code.name}: {details}"
+        elif failure is not None:
+            reason = f"{type(failure).__name__}: {failure}"
+        else:
+            reason = "stream ended"
+        emit = log.debug if self._outage else log.warning
+        emit("recorder stream failed; spooling", error=reason[:300], unacked=unacked)
+        self._outage = True
+
+    async def _handle_refusal(
+        self, code: grpc.StatusCode | None, details: str, unacked: collections.deque[_Sent]
+    ) -> None:
+        """Make sure no batch the recorder refuses can be resent for ever (see the module docstring)."""
+        if code is None or code in _OUTAGE_CODES:
+            return
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            # The recorder refuses the oldest unacknowledged batch as no RecordBatch: it would fail forever.
+            await self._drop(unacked.popleft(), "rejected", details)
+            return
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            # Over the recorder's receive limit. gRPC names the limit ("larger than max (N vs. LIMIT)");
+            # else the refused batch is one of those in flight, so halving the largest makes progress.
+            largest = max(len(sent.batch) for sent in unacked)
+            self._cutter.refused_as_too_large(details, largest)
+            log.error(
+                "recorder refused a batch as too large; sending smaller batches",
+                details=details[:300],
+                batch_bytes=largest,
+                batch_max_bytes=self._cutter.max_bytes,
+            )
+        # Any other refusal (INTERNAL, UNKNOWN, ...; a large message is sometimes refused as INTERNAL)
+        # may be the oldest batch's doing: after max_refusals it is cut in halves, each resent on its
+        # own, down to the one record at fault, which alone is dropped.
+        oldest = unacked[0]
+        key = batch_key(oldest.batch)
+        count = self._refusals[1] + 1 if self._refusals[0] == key else 1
+        self._refusals = (key, count)
+        if count < self.settings.max_refusals:
+            return
+        self._refusals = (0, 0)
+        if oldest.records > 1:
+            log.warning("recorder keeps refusing a batch; resending it in halves", records=oldest.records)
+            self._cutter.halve(oldest.batch)
+        else:
+            await self._drop(unacked.popleft(), "refused", f"{code.name}: {details}")
+
+    async def _drop(self, sent: _Sent, reason: str, details: str) -> None:
+        log.error(
+            "recorder refused a record batch; dropping it", reason=reason, records=sent.records, details=details[:300]
+        )
+        self.metrics.records_dropped.labels(reason).inc(sent.records)
+        if sent.from_spool:
+            self._cutter.drop(sent.batch)  # a part of a spool entry: skip it when the entry is resent
         if sent.spool_position is not None:
             await asyncio.to_thread(self.spool.commit, sent.spool_position)
             self._spool_bytes = self.spool.pending_bytes
+
+    async def _send(
+        self,
+        stream: aio.StreamStreamCall,
+        unacked: collections.deque[_Sent],
+        batch: bytes,
+        records: int | None,
+        spool_position: tuple[int, int] | None,
+    ) -> None:
+        """Write one batch (cut in parts first if over the byte cap or refused before); the last part
+        carries the spool position."""
+        from_spool = spool_position is not None
+        if self._cutter.as_is(batch):
+            parts = [(batch, records if records is not None else count_records(batch))]
+        else:
+            parts = await asyncio.to_thread(self._cutter.parts, batch, records)
+        if not parts and spool_position is not None:  # nothing left worth sending of this entry
+            await asyncio.to_thread(self.spool.commit, spool_position)
+            self._spool_bytes = self.spool.pending_bytes
+            return
+        # Every part is in ``unacked`` before the first write: if the stream fails meanwhile, they are
+        # spooled again (queue batches) or stay in the spool, never lost between the two.
+        sent = []
+        for index, (part, count) in enumerate(parts):
+            self._sequence += 1
+            last = index == len(parts) - 1
+            sent.append(_Sent(self._sequence, part, count, spool_position if last else None, from_spool))
+        unacked.extend(sent)
+        for item in sent:
+            if stream.done():  # writing would raise InvalidStateError, hiding the stream's own status
+                raise ConnectionError("the recorder stream ended")
+            await stream.write(_with_sequence(item.batch, item.sequence))
+
+    def _count_damage(self, damage: Damage) -> None:
+        """Called by the spool (in a reading thread) for each damaged range it skips."""
+        self.metrics.spool_damage.inc()
+        if damage.records:
+            self.metrics.records_dropped.labels("spool_corrupt").inc(damage.records)
 
     async def _sleep_spooling(self, seconds: float) -> None:
         """Wait before reconnecting, moving queued calls to the spool meanwhile so the queue never fills."""
         loop = asyncio.get_running_loop()
         until = loop.time() + seconds
         while loop.time() < until and not self._closing:
-            batch = await self._take_batch()
-            if batch is not None:
-                await self._to_spool(batch)
+            taken = await self._take_batch()
+            if taken is not None:
+                await self._to_spool(*taken)
             else:
                 await asyncio.sleep(min(self.settings.batch_interval_s, max(until - loop.time(), 0)))
 
@@ -208,12 +399,23 @@ class RecordMirror:
             if not unacked or ack.sequence != unacked[0].sequence:
                 raise ConnectionError(f"recorder acknowledged an unexpected batch {ack.sequence}")
             sent = unacked.popleft()
+            if self._outage:
+                log.info("recorder acknowledging again")
+                self._outage = False
+            self._refusals = (0, 0)
+            if ack.rejected:
+                self.metrics.records_dropped.labels("rejected").inc(len(ack.rejected))
+                log.warning(
+                    "recorder rejected records; the rest of their batch was written",
+                    rejected=len(ack.rejected),
+                    first=[f"{r.index} ({r.request_id[:100]!r}): {r.reason[:200]}" for r in ack.rejected[:3]],
+                )
             if sent.spool_position is not None:
                 await asyncio.to_thread(self.spool.commit, sent.spool_position)
                 self._spool_bytes = self.spool.pending_bytes
-                self.metrics.batches_sent.labels("spool").inc()
-            else:
-                self.metrics.batches_sent.labels("queue").inc()
+                if not self._spool_bytes:
+                    self._cutter.forget()
+            self.metrics.batches_sent.labels("spool" if sent.from_spool else "queue").inc()
             if self._spool_bytes:  # a backlog waits for this ack: send its next batch now
                 self._wake.set()
 
@@ -227,42 +429,76 @@ class RecordMirror:
         if unacked:
             raise ConnectionError("recorder did not acknowledge every batch before shutdown")
 
-    async def _next_batch(self) -> bytes | None:
-        """A serialized batch once ``batch_size`` calls are queued or ``batch_interval_s`` passed."""
+    def _has_queued(self) -> bool:
+        return bool(self._queue) or self._carry is not None
+
+    async def _next_batch(self) -> tuple[bytes, int] | None:
+        """A serialized batch and its record count once ``batch_size`` calls are queued or
+        ``batch_interval_s`` passed."""
         if len(self._queue) < self.settings.batch_size and not self._closing:
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.settings.batch_interval_s)
         return await self._take_batch()
 
-    async def _take_batch(self) -> bytes | None:
-        """Build the next batch in slices of ~50 µs of event-loop time, so a call arriving meanwhile waits
-        that long at most (a 256-record batch built and serialized in one go held calls up by over 1 ms).
+    async def _take_batch(self) -> tuple[bytes, int] | None:
+        """Build the next batch (at most ``batch_size`` records and the byte cap) in slices of ~50 µs of
+        event-loop time, so a call arriving meanwhile waits that long at most (a 256-record batch built
+        and serialized in one go held calls up by over 1 ms).
 
         Each record is serialized as it is built and each slice framed on its own: serialized messages
         concatenate into one message, so the slices joined are the batch, with no copy of a record."""
-        if not self._queue:
+        if not self._has_queued():
             return None
         slices: list[bytes] = []
-        remaining = min(len(self._queue), self.settings.batch_size)
-        while remaining and self._queue:
+        count = 0
+        size = BATCH_OVERHEAD
+        full = False
+        while not full and count < self.settings.batch_size and self._has_queued():
             if slices:
                 await asyncio.sleep(0)
             records: list[bytes] = []
             started = time.perf_counter()
             while True:  # at least one record per slice, however slow the machine
-                records.append(self._record(*self._queue.popleft()).SerializeToString())
-                remaining -= 1
-                if not (remaining and self._queue) or time.perf_counter() - started >= _SLICE_S:
+                record, self._carry = self._carry, None
+                if record is None:
+                    record = self._build(*self._queue.popleft())
+                if record is not None:
+                    if count and self._cutter.overflows(size, record):
+                        self._carry, full = record, True  # it opens the next batch
+                        break
+                    records.append(record)
+                    size = size + len(record) + RECORD_OVERHEAD
+                    count += 1
+                if count >= self.settings.batch_size or not self._has_queued():
                     break
-            slices.append(recorder_pb2.EncodedRecordBatch(records=records).SerializeToString())
-        return b"".join(slices)
+                if time.perf_counter() - started >= _SLICE_S:
+                    break
+            if records:
+                slices.append(recorder_pb2.EncodedRecordBatch(records=records).SerializeToString())
+        return (b"".join(slices), count) if count else None
 
-    async def _to_spool(self, batch: bytes) -> None:
-        if await asyncio.to_thread(self.spool.append, batch):
-            self.metrics.records_spooled.inc(_count_records(batch))
+    def _build(self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]]) -> bytes | None:
+        """One call as a serialized record under the byte cap; None (logged, counted: unrecordable) if it
+        cannot be built, so one odd call (a NaN latency, say) never costs the calls batched with it."""
+        try:
+            return self._cutter.fit(self._record(outcome, request, metadata).SerializeToString())
+        except Exception:
+            log.exception("call not recordable; dropped", request_id=str(outcome.request_id)[:200])
+            self.metrics.records_dropped.labels("unrecordable").inc()
+            return None
+
+    async def _to_spool(self, batch: bytes, records: int) -> None:
+        try:
+            appended = await asyncio.to_thread(self.spool.append, batch, records)
+        except OSError as error:  # a full or failing disk must not stop the mirror: drop and count
+            log.error("spool append failed; records dropped", error=str(error)[:300], records=records)
+            self.metrics.records_dropped.labels("spool_error").inc(records)
+            return
+        if appended:
+            self.metrics.records_spooled.inc(records)
         else:
-            self.metrics.records_dropped.labels("spool_full").inc(_count_records(batch))
+            self.metrics.records_dropped.labels("spool_full").inc(records)
         self._spool_bytes = self.spool.pending_bytes
 
     def _record(
@@ -317,6 +553,19 @@ def _with_sequence(batch: bytes, sequence: int) -> bytes:
     return recorder_pb2.EncodedRecordBatch(sequence=sequence).SerializeToString() + batch
 
 
+async def _reap(task: asyncio.Task[None]) -> None:
+    """Wait for a task we cancelled. Its own cancellation and errors are expected; ours must propagate
+    (suppressing BaseException here once swallowed the mirror's own cancellation)."""
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # the stream's error: already handled through the stream's status
+        pass
+
+
 async def _final_code(stream: aio.StreamStreamCall) -> grpc.StatusCode | None:
     """The status the stream ended with, if it ended (a broken connection may leave it open)."""
     try:
@@ -325,5 +574,8 @@ async def _final_code(stream: aio.StreamStreamCall) -> grpc.StatusCode | None:
         return None
 
 
-def _count_records(batch: bytes) -> int:
-    return len(recorder_pb2.EncodedRecordBatch.FromString(batch).records)  # records stay bytes: no parse
+async def _final_details(stream: aio.StreamStreamCall) -> str:
+    try:
+        return await asyncio.wait_for(stream.details(), timeout=1.0) or ""
+    except (TimeoutError, aio.AioRpcError):
+        return ""

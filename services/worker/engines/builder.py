@@ -27,7 +27,6 @@ the plan with its ``engine.json``.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from collections.abc import Sequence
@@ -38,6 +37,7 @@ from typing import Any
 import structlog
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.files import atomic_write
 from splitstream.worker.config import ModelConfig
 from splitstream.worker.engines.cache import EngineCache, build_record, engine_key
 from splitstream.worker.engines.environment import TensorRTEnvironment
@@ -167,7 +167,7 @@ def build_serialized(
             + "\n".join(f"  {line}" for line in logger.errors or ["(no error logged; run with --verbose)"])
         )
     if timing_cache_path is not None:
-        _write_atomically(timing_cache_path, bytes(memoryview(builder_config.get_timing_cache().serialize())))
+        atomic_write(timing_cache_path, bytes(memoryview(builder_config.get_timing_cache().serialize())))
     return bytes(memoryview(plan))
 
 
@@ -180,18 +180,6 @@ def _parser_error(parser_error: Any) -> str:
     if parser_error.node() >= 0:
         parts.append(f"node {parser_error.node()} '{parser_error.node_name()}' ({parser_error.node_operator()})")
     return " in ".join(parts)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-        os.replace(staging, path)
-    except BaseException:
-        Path(staging).unlink(missing_ok=True)
-        raise
 
 
 def build_and_store(
