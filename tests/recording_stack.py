@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -157,6 +158,22 @@ class RecordingStack:
                 f"{len(missing)} of {len(request_ids)} calls never recorded, e.g. "
                 f"{sorted(missing)[:5]}\n{self.router.log()[-3000:]}"
             ) from None
+
+    def redis_bytes(self) -> bytes:
+        """Every key, stream field and value, and string in this stack's Redis, concatenated: where a leak would be."""
+        redis: Any = self.redis.client()  # binary replies; redis-py's stubs cannot say so
+        everything = b""
+        for key in redis.scan_iter(count=1000):
+            everything += key
+            kind = redis.type(key)
+            if kind == b"stream":
+                for _, fields in redis.xrange(key):
+                    for field, value in fields.items():
+                        everything += field + value
+            elif kind == b"string":
+                everything += redis.get(key) or b""
+        redis.close()
+        return everything
 
     def close(self) -> None:
         self.stack.close()

@@ -12,7 +12,6 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -183,7 +182,7 @@ def test_no_routing_key_or_sensitive_value_is_stored_anywhere_in_redis(tmp_path:
         assert record.metadata["x-user-email"].startswith("hmac:")
         assert record.routing_key_hmac == routing_key_hmac(HMAC_KEY.encode(), secret_key)
 
-        everything = redis_bytes(stack)
+        everything = stack.redis_bytes()
         for needle in (secret_key.encode(), token.encode(), email.encode(), pattern.tobytes()[:8]):
             assert needle not in everything
     finally:
@@ -210,7 +209,7 @@ def test_redacted_outputs_are_stored_nowhere_in_redis_neither_answered_nor_shado
         client.close()
         records = stack.wait_recorded({f"out-{i}" for i in range(3)})
 
-        everything = redis_bytes(stack)
+        everything = stack.redis_bytes()
         assert x.tobytes()[:8] in everything  # the scan sees inside records: the unredacted input is there
         for needle in ((x * 2).tobytes()[:8], (x * 5).tobytes()[:8]):
             assert needle not in everything
@@ -229,23 +228,6 @@ def test_redacted_outputs_are_stored_nowhere_in_redis_neither_answered_nor_shado
                 np.testing.assert_allclose(arrays["score"], (x * scale).sum(axis=1))
     finally:
         stack.close()
-
-
-def redis_bytes(stack: RecordingStack) -> bytes:
-    """Every key, stream field and value, and string in the stack's Redis, concatenated: where a leak would be."""
-    redis: Any = stack.redis.client()  # binary replies; redis-py's stubs cannot say so
-    everything = b""
-    for key in redis.scan_iter(count=1000):
-        everything += key
-        kind = redis.type(key)
-        if kind == b"stream":
-            for _, fields in redis.xrange(key):
-                for field, value in fields.items():
-                    everything += field + value
-        elif kind == b"string":
-            everything += redis.get(key) or b""
-    redis.close()
-    return everything
 
 
 def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_path: Path) -> None:

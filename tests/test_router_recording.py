@@ -44,23 +44,6 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecordingSta
     stack.close()
 
 
-def redis_bytes(stack: RecordingStack) -> bytes:
-    """Every key, stream field and value, and string in the stack's Redis: where a leak would be."""
-    redis: Any = stack.redis.client()  # binary replies; redis-py's stubs cannot say so
-    everything = b""
-    for key in redis.scan_iter(count=1000):
-        everything += key
-        kind = redis.type(key)
-        if kind == b"stream":
-            for _, fields in redis.xrange(key):
-                for field, value in fields.items():
-                    everything += field + value
-        elif kind == b"string":
-            everything += redis.get(key) or b""
-    redis.close()
-    return everything
-
-
 def refused(client: InferClient, request: Any, metadata: list[tuple[str, str]]) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as caught:
         client.infer(request, metadata=metadata, timeout_s=5)
@@ -99,7 +82,7 @@ def test_calls_refused_at_routing_are_recorded_with_the_routing_key_only_as_its_
     for record in records.values():
         assert KEY_HEADER not in record.metadata
         assert "x-routing-key" not in record.metadata
-    everything = redis_bytes(recording)
+    everything = recording.redis_bytes()
     for raw in ("key-pin-7d1e", "key-default-7d1e", "key-conflict-7d1e", "key-served-7d1e", "key-served-default-7d1e"):
         assert raw.encode() not in everything
 
@@ -124,7 +107,7 @@ def test_credential_headers_are_not_recorded_by_default_on_served_or_refused_cal
         if record.request_id in {"with-credentials", "refused-with-credentials"}:
             assert dict(record.metadata).keys() & CREDENTIALS.keys() == set()
             assert record.metadata["x-tenant"] == "acme"
-    everything = redis_bytes(recording)
+    everything = recording.redis_bytes()
     for value in CREDENTIALS.values():
         assert value.encode() not in everything
 

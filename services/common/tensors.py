@@ -91,7 +91,7 @@ def to_raw(array: np.ndarray) -> bytes:
 Kind = Literal["input", "output"]
 
 
-class _Tensor(Protocol):
+class Tensor(Protocol):
     """What a request's input and a response's output share (InferInputTensor, InferOutputTensor)."""
 
     @property
@@ -155,7 +155,7 @@ def output_arrays(response: oip.ModelInferResponse) -> dict[str, np.ndarray]:
     return _arrays("output", response.outputs, response.raw_output_contents)
 
 
-def _arrays(kind: Kind, tensors: Sequence[_Tensor], raw: Sequence[bytes]) -> dict[str, np.ndarray]:
+def _arrays(kind: Kind, tensors: Sequence[Tensor], raw: Sequence[bytes]) -> dict[str, np.ndarray]:
     """Payloads → arrays, one way per message: all raw (Triton's default) or all typed contents. A raw slot
     per tensor, in order, or none: with any other count no slot can be matched to its tensor."""
     if raw and len(raw) != len(tensors):

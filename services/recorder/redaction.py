@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Mapping, MutableSequence, Sequence
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from google.protobuf.message import Message
 
@@ -24,6 +24,7 @@ from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import mark_redacted_outputs
+from splitstream.common.tensors import Tensor
 from splitstream.recorder.config import Action, Rule
 
 _BYTES_LENGTH_PREFIX = 4
@@ -85,20 +86,7 @@ class Redactor:
         return _redact_tensors(response.outputs, response.raw_output_contents, self._outputs)
 
 
-class _Tensor(Protocol):
-    """What inputs (InferInputTensor) and outputs (InferOutputTensor) share, and redaction needs."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def datatype(self) -> str: ...
-    @property
-    def shape(self) -> Sequence[int]: ...
-    @property
-    def contents(self) -> oip.InferTensorContents: ...
-
-
-_T = TypeVar("_T", bound=_Tensor)
+_T = TypeVar("_T", bound=Tensor)
 
 
 def _redact_tensors(items: MutableSequence[_T], raw: MutableSequence[bytes], rules: Mapping[str, Action]) -> list[str]:
@@ -125,7 +113,7 @@ def _redact_tensors(items: MutableSequence[_T], raw: MutableSequence[bytes], rul
     return names
 
 
-def _zero(tensor: _Tensor, raw: MutableSequence[bytes], index: int) -> None:
+def _zero(tensor: Tensor, raw: MutableSequence[bytes], index: int) -> None:
     """Replace the data of ``tensor`` (slot ``index`` of ``raw`` when the message has raw contents)
     with zeros of the same element count (BYTES: empty elements)."""
     if raw:
