@@ -139,3 +139,19 @@ def test_a_gate_fails_on_the_calls_it_could_compare_and_not_on_those_it_could_no
     assert summary["counts"]["not_replayed"] == {"request_not_recorded": 3}
     assert run.ids("mismatch") == set(SMALL)
     assert {line["request_id"] for line in summary["worst_calls"]} == set(SMALL)
+
+
+def test_against_a_live_reference_calls_without_a_recorded_response_are_compared_whole(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    """With ``--compare-to`` the reference is the second target's answer, so a response missing from the
+    record does not matter; a request missing from it still leaves nothing to send."""
+    workers = traffic.stack.workers
+    live = ("--target", workers["v2"].address, "--compare-to", workers["v1"].address, "--speed", "max")
+    run = replay(traffic, tmp_path / "live", *live, *TOLERANCE, *traffic.window_args("P"))
+    assert run.code == 0, run.stderr
+    summary = run.summary
+    assert summary["outcomes"] == {"match": 0, "mismatch": 6, "status_change": 0}
+    assert summary["counts"]["not_replayed"] == {"request_not_recorded": 3}
+    assert run.ids("mismatch") == {*SMALL, *RESPONSE_DROPPED}
+    assert not any("not_compared" in line for line in run.results)
