@@ -27,6 +27,11 @@ BLOB_PREFIX = "splitstream:blob:"
 #: or masked in the record's ``response``: their recorded values are not what the model answered, so a
 #: replay must not compare them. Deployment tags are free-form; ``splitstream.`` names are the recorder's.
 REDACTED_OUTPUTS_TAG = "splitstream.redacted-outputs"
+#: The tag in which the router names the payloads it left out of a record too large to send whole
+#: (over its ``--record-batch-max-bytes`` alone): ``name:bytes`` of each, comma-separated, names being
+#: ``request``, ``response`` and ``shadows[<i>].response``. A replay cannot send a request that is not
+#: there, nor compare an answer that is not.
+PAYLOAD_DROPPED_TAG = "splitstream.payload-dropped"
 #: The CallRecord layout this code reads and the recorder writes.
 SCHEMA_VERSION = 1
 
@@ -130,6 +135,18 @@ def mark_redacted_outputs(record: recorder_pb2.CallRecord, names: Iterable[str])
 def redacted_outputs(record: recorder_pb2.CallRecord) -> frozenset[str]:
     """The outputs the recorder redacted in the record's response (empty for most records)."""
     return frozenset(name for name in record.tags.get(REDACTED_OUTPUTS_TAG, "").split(",") if name)
+
+
+def dropped_payloads(record: recorder_pb2.CallRecord) -> dict[str, int]:
+    """The payloads left out of the record for size (:data:`PAYLOAD_DROPPED_TAG`), by name, with their sizes
+    (empty for most records). An item that does not parse keeps its name with size -1: it was dropped all
+    the same, and a reader must not take the payload's absence for an empty one."""
+    dropped: dict[str, int] = {}
+    for item in record.tags.get(PAYLOAD_DROPPED_TAG, "").split(","):
+        name, _, size = item.strip().partition(":")
+        if name:
+            dropped[name] = int(size) if size.isdigit() else -1
+    return dropped
 
 
 def status_name(code: int) -> str:

@@ -17,6 +17,10 @@ Rules, chosen so a gate means the same thing for every model:
 - Outputs the recorder redacted (dropped, or kept with zeroed data) in a recorded reference are
   left out on both sides and listed as not compared: the recorded values are not what the model
   answered. A live reference (``--compare-to``) is compared whole.
+- A recorded reference whose response the router left out for size (tag ``splitstream.payload-dropped``)
+  has no values to compare: the call's status is still compared, its outputs are all listed as not
+  compared, and a call both sides answered OK is ``not_compared``, neither a match nor a mismatch, so
+  it weighs in no mismatch rate.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class Tolerance:
 
 #: Why an output was not compared: the recorder redacted it in the recorded reference.
 REDACTED_AT_RECORDING = "redacted_at_recording"
+#: Why outputs were not compared: the recorded reference has no response (left out for size).
+RESPONSE_NOT_RECORDED = "response_not_recorded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,8 @@ class Answer:
     response: bytes | None = None
     #: Outputs whose values in ``response`` are not the model's (redacted at recording): never compared.
     redacted: frozenset[str] = frozenset()
+    #: False when the call was answered OK but its response was left out of the record for size.
+    response_recorded: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +110,15 @@ class OutputDiff:
 
 @dataclass(frozen=True, slots=True)
 class CallDiff:
-    #: ``match``, ``mismatch`` (an output differs) or ``status_change``.
+    #: ``match``, ``mismatch`` (an output differs), ``status_change``, or ``not_compared`` (both answered
+    #: OK and the recorded response is not there to compare with).
     outcome: str
     reference_code: int
     candidate_code: int
     outputs: tuple[OutputDiff, ...] = ()
-    #: Outputs left out because they were redacted at recording (only when both sides answered OK).
+    #: Outputs left out (only when both sides answered OK), all for the one reason ``not_compared_why``.
     not_compared: tuple[str, ...] = ()
+    not_compared_why: str = REDACTED_AT_RECORDING
 
     @property
     def status_change(self) -> str | None:
@@ -139,6 +149,9 @@ def compare_answers(reference: Answer, candidate: Answer, tolerance: Tolerance) 
         return CallDiff("status_change", reference.code, candidate.code)
     if reference.code != 0:
         return CallDiff("match", reference.code, candidate.code)
+    if not (reference.response_recorded and candidate.response_recorded):
+        answered = reference.response if reference.response_recorded else candidate.response
+        return CallDiff("not_compared", 0, 0, (), _output_names(answered), RESPONSE_NOT_RECORDED)
     skip = reference.redacted | candidate.redacted
     not_compared = tuple(sorted(skip))
     identical = _identical_outputs(reference.response, candidate.response, skip)
@@ -287,6 +300,14 @@ def _kept(
     """(output, raw slot) pairs of a response whose raw slots line up with its outputs, but those in ``skip``."""
     pairs = zip(response.outputs, response.raw_output_contents, strict=True)
     return [(output, raw) for output, raw in pairs if output.name not in skip]
+
+
+def _output_names(response: bytes | None) -> tuple[str, ...]:
+    """The names of the response's outputs, sorted (none when it does not parse): what was not compared."""
+    try:
+        return tuple(sorted({output.name for output in oip.ModelInferResponse.FromString(response or b"").outputs}))
+    except Exception:  # DecodeError: nothing to name
+        return ()
 
 
 def _decode(response: bytes | None, skip: frozenset[str] = frozenset()) -> tuple[dict[str, Tensor], str]:

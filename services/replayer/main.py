@@ -384,6 +384,9 @@ def _one_line(summary: Summary, output_dir: Path) -> str:
     rate = summary.metrics.mismatch_rate
     rate_text = "not measured" if rate is None else f"{rate:.2%}"
     errors_text = f", {counts.send_errors} not sent (send errors)" if counts.send_errors else ""
+    not_compared = f", {outcomes.not_compared} not compared (response not recorded)" if outcomes.not_compared else ""
+    not_replayed = sum(counts.not_replayed.values())
+    errors_text += not_compared + (f", {not_replayed} not replayed (request not recorded)" if not_replayed else "")
     return (
         f"replayed {counts.completed} of {counts.selected} selected calls: {outcomes.match} match, "
         f"{outcomes.mismatch} mismatch, {outcomes.status_change} status change{errors_text} "

@@ -14,13 +14,18 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 
-from splitstream.replayer.compare import REDACTED_AT_RECORDING
+from splitstream.replayer.compare import REDACTED_AT_RECORDING, RESPONSE_NOT_RECORDED
 from splitstream.replayer.stats import LogHistogram
-from splitstream.replayer.summary import Quantiles, Summary
+from splitstream.replayer.summary import REQUEST_NOT_RECORDED, Quantiles, Summary
 from splitstream.replayer.timewindow import format_instant
 
 #: Why an output was not compared, as the report words it.
-_NOT_COMPARED = {REDACTED_AT_RECORDING: "redacted at recording"}
+_NOT_COMPARED = {
+    REDACTED_AT_RECORDING: "redacted at recording",
+    RESPONSE_NOT_RECORDED: "response not recorded (too large)",
+}
+#: Why a call was not replayed, as the report words it.
+_NOT_REPLAYED = {REQUEST_NOT_RECORDED: "request not recorded (too large)"}
 
 #: What the overview says of a metric with nothing to measure it on (tables show "-"): a 0 % would read
 #: as "compared, all fine".
@@ -116,6 +121,12 @@ def _overview(summary: Summary) -> str:
         ("sent / completed / not sent", f"{counts.sent} / {counts.completed} / {counts.not_sent}"),
         ("send errors (never reached the target)", counts.send_errors),
         ("match / mismatch / status change", f"{outcomes.match} / {outcomes.mismatch} / {outcomes.status_change}"),
+    ]
+    # Records the router stored without a payload for size: shown only when there are some.
+    rows += [(f"not replayed: {_NOT_REPLAYED.get(why, why)}", count) for why, count in counts.not_replayed.items()]
+    if outcomes.not_compared:
+        rows.append(("not compared: response not recorded (too large)", outcomes.not_compared))
+    rows += [
         ("mismatch rate (of calls both answered OK)", _fmt_rate(metrics.mismatch_rate, none=NOT_MEASURED)),
         ("error rate (replayed)", _fmt_rate(metrics.error_rate, none=NOT_MEASURED)),
         ("p99 ratio (replayed / reference)", _fmt(metrics.p99_ratio, none=NOT_MEASURED)),
@@ -211,11 +222,23 @@ def _outputs_section(summary: Summary) -> str:
         + ("<th class='l'>not compared</th>" if skipped else "")
         + f"</tr>{''.join(rows)}</table>"
     )
-    note = (
-        "<p class='muted'>Not compared (redacted at recording): the recorder dropped the output or zeroed its "
-        "data, so the recorded answer does not hold what the model said.</p>"
-        if skipped
-        else ""
+    reasons_seen = {why for o in outputs.values() for why in o.not_compared}
+    note = "".join(
+        f"<p class='muted'>{text}</p>"
+        for why, text in (
+            (
+                REDACTED_AT_RECORDING,
+                "Not compared (redacted at recording): the recorder dropped the output or zeroed its data, "
+                "so the recorded answer does not hold what the model said.",
+            ),
+            (
+                RESPONSE_NOT_RECORDED,
+                "Not compared (response not recorded): the record was too large for the router's "
+                "<code>--record-batch-max-bytes</code>, so it was stored without its response; the status "
+                "is still compared.",
+            ),
+        )
+        if why in reasons_seen
     )
     return f"<div class='charts'>{chart}</div>{table}{note}"
 

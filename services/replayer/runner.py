@@ -35,8 +35,8 @@ from redis.asyncio import Redis
 
 from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER, REQUEST_ID_HEADER, VERSION_HEADER, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from splitstream.common.records import MissingBlob, payload_bytes, redacted_outputs, status_name
-from splitstream.replayer.compare import REDACTED_AT_RECORDING, Answer, CallDiff, Tolerance, compare_answers
+from splitstream.common.records import MissingBlob, dropped_payloads, payload_bytes, redacted_outputs, status_name
+from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_answers
 from splitstream.replayer.outputs import ResultsWriter
 from splitstream.replayer.progress import Progress
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
@@ -44,6 +44,7 @@ from splitstream.replayer.selection import SelectedCall, Selection, SelectionSta
 from splitstream.replayer.sender import Outcome, Target
 from splitstream.replayer.stats import GroupTotals, LogHistogram, OutputTotals, WorstCalls
 from splitstream.replayer.summary import (
+    REQUEST_NOT_RECORDED,
     Counts,
     Metrics,
     Outcomes,
@@ -117,6 +118,14 @@ class Plan:
     replay_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class NotReplayed:
+    """A selected call the reader could not plan: it goes to the collector for its results line."""
+
+    call: SelectedCall
+    why: str
+
+
 @dataclass(slots=True)
 class Flight:
     """A plan on its way to every target."""
@@ -145,6 +154,8 @@ class Aggregates:
     #: Calls the replayer could not send (a header gRPC refuses, over the send limit): not the target's doing.
     send_errors: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
+    #: Selected calls that cannot be replayed, by why (:data:`REQUEST_NOT_RECORDED`).
+    not_replayed: Counter[str] = field(default_factory=Counter)
     sent: int = 0
     first_sent_at: float | None = None
     last_done_at: float | None = None
@@ -231,6 +242,11 @@ class Replay:
             async for call in calls:
                 if self.stopping.is_set():
                     return
+                if "request" in dropped_payloads(call.record):
+                    # Straight to the collector (unbounded queue; it only writes a line): the sender has
+                    # nothing to send, and _END reaches the collector after this through the sender.
+                    self._done_queue.put(NotReplayed(call, REQUEST_NOT_RECORDED))
+                    continue
                 try:
                     plan = await self._prepare(index, call)
                 except MissingBlob:
@@ -245,7 +261,9 @@ class Replay:
     async def _prepare(self, index: int, call: SelectedCall) -> Plan:
         record = call.record
         request = await payload_bytes(self.redis, record.request)
-        response = await payload_bytes(self.redis, record.response) if record.status_code == 0 else None
+        answered = record.status_code == 0
+        response_recorded = not (answered and "response" in dropped_payloads(record))
+        response = await payload_bytes(self.redis, record.response) if answered and response_recorded else None
         replay_id = record.request_id + self.settings.id_suffix
         # Recorded ids are any protobuf string ("ünïcode", "a\x01b"); gRPC refuses such a header value.
         metadata = [(REQUEST_ID_HEADER, header_value(replay_id))]
@@ -257,7 +275,7 @@ class Replay:
             ]
         if self.settings.pin_version:
             metadata.append((VERSION_HEADER, self.settings.pin_version))
-        recorded = Answer(record.status_code, response, redacted_outputs(record))
+        recorded = Answer(record.status_code, response, redacted_outputs(record), response_recorded)
         return Plan(index, call, request, metadata, recorded, replay_id)
 
     async def _put(self, item: object, *, force: bool = False) -> bool:
@@ -354,6 +372,9 @@ class Replay:
             item = self._done_queue.get()
             if item is _END:
                 return
+            if isinstance(item, NotReplayed):
+                results.write(self._not_replayed(item))
+                continue
             flight: Flight = item
             line, diff = self._judge(flight)
             results.write(line)
@@ -387,7 +408,7 @@ class Replay:
         for output in diff.outputs:
             agg.outputs.setdefault(output.name, OutputTotals()).add(output)
         for name in diff.not_compared:
-            agg.outputs.setdefault(name, OutputTotals()).not_compared[REDACTED_AT_RECORDING] += 1
+            agg.outputs.setdefault(name, OutputTotals()).not_compared[diff.not_compared_why] += 1
         if diff.status_change_kind:
             agg.status_changes[diff.status_change_kind] += 1
             agg.transitions[diff.status_change or ""] += 1
@@ -427,9 +448,25 @@ class Replay:
         if diff.outputs:
             line["outputs"] = {o.name: o.as_dict() for o in diff.outputs}
         if diff.not_compared:
-            line["not_compared"] = dict.fromkeys(diff.not_compared, REDACTED_AT_RECORDING)
+            line["not_compared"] = dict.fromkeys(diff.not_compared, diff.not_compared_why)
         agg.worst.offer(diff, line)
         return line, diff
+
+    def _not_replayed(self, item: NotReplayed) -> dict[str, Any]:
+        """The results line of a call that was not sent, counted apart: neither a send error (nothing
+        was tried) nor a status change (the target never saw it)."""
+        record = item.call.record
+        self.aggregates.not_replayed[item.why] += 1
+        return {
+            "request_id": record.request_id,
+            "model": record.model,
+            "receive_unix_ns": item.call.receive_ns,
+            "stream_id": item.call.stream_id,
+            "outcome": "not_replayed",
+            "not_replayed": item.why,
+            "payloads_dropped": dropped_payloads(record),
+            "recorded": {"version": record.version, "status": status_name(record.status_code)},
+        }
 
     def _send_error(self, flight: Flight, failed: list[tuple[int, Outcome]]) -> dict[str, Any]:
         """The results line of a call that never reached (one of) the targets: counted as a send error,
@@ -484,7 +521,7 @@ class Replay:
             send_lag_p99_ms=send_lag.p99_ms if send_lag else None,
             send_lag_max_ms=send_lag.max_ms if send_lag else None,
             completed=completed,
-            failed_sends=self.stats.selected - completed,
+            failed_sends=self.stats.selected - completed - sum(agg.not_replayed.values()),
             skipped=sum(self.stats.skipped.values()),
         )
         tolerance = self.settings.tolerance
@@ -513,8 +550,14 @@ class Replay:
                 not_sent=agg.not_sent,
                 send_errors=agg.send_errors,
                 skipped=dict(self.stats.skipped) | dict(agg.skipped),
+                not_replayed=dict(sorted(agg.not_replayed.items())),
             ),
-            outcomes=Outcomes(match=overall.matches, mismatch=overall.mismatches, status_change=overall.status_changes),
+            outcomes=Outcomes(
+                match=overall.matches,
+                mismatch=overall.mismatches,
+                status_change=overall.status_changes,
+                not_compared=overall.not_compared,
+            ),
             status_changes=StatusChanges(
                 ok_to_error=agg.status_changes["ok_to_error"],
                 error_to_ok=agg.status_changes["error_to_ok"],

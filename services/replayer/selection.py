@@ -40,6 +40,7 @@ from splitstream.common.records import (
     RawEntry,
     UnsupportedSchema,
     decode_entry,
+    dropped_payloads,
     entry_text,
     entry_time_ns,
     read_entries,
@@ -273,7 +274,9 @@ def admit(entry: RawEntry, selection: Selection, stats: SelectionStats) -> Selec
     if request_id and not selection.sampled(request_id):
         return None
     record = decode_entry(entry).record
-    if not record.request_id or not record.HasField("request"):
+    # A request left out for size is named in the record's tags: a call the replay counts as not
+    # replayed, not a corrupt entry.
+    if not record.request_id or not (record.HasField("request") or "request" in dropped_payloads(record)):
         raise CorruptEntry(f"entry {entry.stream_id}: record has no request id or no request payload")
     if not request_id and not selection.sampled(record.request_id):
         return None

@@ -93,7 +93,7 @@ class LogHistogram:
 @dataclass
 class OutputTotals:
     """One output name across every call where both sides answered OK: compared (``calls``), or left
-    out and counted by why in ``not_compared`` (``redacted_at_recording``)."""
+    out and counted by why in ``not_compared`` (``redacted_at_recording``, ``response_not_recorded``)."""
 
     calls: int = 0
     mismatched_calls: int = 0
@@ -148,6 +148,8 @@ class GroupTotals:
     matches: int = 0
     mismatches: int = 0
     status_changes: int = 0
+    #: Calls both answered OK with no recorded response to compare: not in ``both_ok``, so in no mismatch rate.
+    not_compared: int = 0
     reference_errors: int = 0
     candidate_errors: int = 0
     candidate_versions: Counter[str] = field(default_factory=Counter)
@@ -162,9 +164,11 @@ class GroupTotals:
             self.matches += 1
         elif diff.outcome == "mismatch":
             self.mismatches += 1
+        elif diff.outcome == "not_compared":
+            self.not_compared += 1
         else:
             self.status_changes += 1
-        self.both_ok += diff.reference_code == 0 and diff.candidate_code == 0
+        self.both_ok += diff.reference_code == 0 and diff.candidate_code == 0 and diff.outcome != "not_compared"
         self.reference_errors += diff.reference_code != 0
         self.candidate_errors += diff.candidate_code != 0
         self.candidate_versions[candidate_version or "?"] += 1
@@ -178,6 +182,7 @@ class GroupTotals:
             matches=self.matches,
             mismatches=self.mismatches,
             status_changes=self.status_changes,
+            not_compared=self.not_compared,
             mismatch_rate=rate(self.mismatches, self.both_ok),
             reference_error_rate=rate(self.reference_errors, self.completed),
             candidate_error_rate=rate(self.candidate_errors, self.completed),
@@ -202,7 +207,7 @@ class WorstCalls:
         self._sequence = 0
 
     def offer(self, diff: CallDiff, line: dict[str, Any]) -> None:
-        if diff.outcome == "match":
+        if diff.outcome in ("match", "not_compared"):
             return
         self._sequence += 1
         item = _Worst(diff.severity(), -self._sequence, line)

@@ -77,7 +77,7 @@ class OutputSummary(_Model):
     max_abs_error: float | None
     reasons: dict[str, int]
     nonfinite_mismatches: int = Field(default=0, exclude_if=lambda count: count == 0)
-    #: Calls in which this output was left out, by why (``redacted_at_recording``).
+    #: Calls in which this output was left out, by why (``redacted_at_recording``, ``response_not_recorded``).
     not_compared: dict[str, int] = Field(default_factory=dict, exclude_if=lambda counts: not counts)
     argmax_agreement: float | None = Field(default=None, exclude_if=lambda value: value is None)
     topk_agreement: float | None = Field(default=None, exclude_if=lambda value: value is None)
@@ -92,6 +92,8 @@ class GroupSummary(_Model):
     matches: int
     mismatches: int
     status_changes: int
+    #: Calls both answered OK whose recorded response was left out for size (written only when there are some).
+    not_compared: int = Field(default=0, exclude_if=lambda count: count == 0)
     mismatch_rate: float | None
     reference_error_rate: float | None
     candidate_error_rate: float | None
@@ -123,7 +125,10 @@ class Metrics(_Model):
     send_lag_p99_ms: float | None = Field(description="p99 of actual minus planned send time, ms (timed replays)")
     send_lag_max_ms: float | None = Field(description="largest send lag, ms (timed replays)")
     completed: int = Field(description="calls that got an answer from every target")
-    failed_sends: int = Field(description="calls selected but not completed (missing blobs, send errors, interrupted)")
+    failed_sends: int = Field(
+        description="calls selected but not completed (missing blobs, send errors, interrupted); "
+        "calls not replayed because their request was not recorded are counted apart"
+    )
     skipped: int = Field(description="stream entries skipped as corrupt or of an unknown schema")
 
     def value(self, name: str) -> float | None:
@@ -162,6 +167,11 @@ class SelectionSummary(_Model):
     max_buffered: int
 
 
+#: Why a selected call was not replayed (``Counts.not_replayed``): the router left its request out of the
+#: record for size (``splitstream.payload-dropped``), so there is nothing to send.
+REQUEST_NOT_RECORDED = "request_not_recorded"
+
+
 class Counts(_Model):
     selected: int
     sent: int
@@ -170,12 +180,18 @@ class Counts(_Model):
     #: Calls the replayer could not send (a header gRPC refuses, over the send limit): the target never saw them.
     send_errors: int
     skipped: dict[str, int]
+    #: Selected calls that cannot be replayed, by why (``request_not_recorded``: the router left the
+    #: request out of the record for size). Written only when there are some.
+    not_replayed: dict[str, int] = Field(default_factory=dict, exclude_if=lambda counts: not counts)
 
 
 class Outcomes(_Model):
     match: int
     mismatch: int
     status_change: int
+    #: Both answered OK, but the recorded response was left out for size: nothing to compare with.
+    #: Written only when there are some, so a summary without such records reads as before.
+    not_compared: int = Field(default=0, exclude_if=lambda count: count == 0)
 
 
 class StatusChanges(_Model):

@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import PAYLOAD_DROPPED_TAG
 
 log = structlog.get_logger()
 
-#: Tag on a record sent without some of its payloads: ``name:bytes`` of each, comma-separated.
-PAYLOAD_DROPPED_TAG = "splitstream.payload-dropped"
 #: Framing bytes around a record in a batch (field tag + length varint) and for the sequence, at most.
 RECORD_OVERHEAD = 6
 BATCH_OVERHEAD = 16
