@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import PAYLOAD_DROPPED_TAG
 from splitstream.router import mirror as mirror_module
-from splitstream.router.batch_cutter import BATCH_OVERHEAD, PAYLOAD_DROPPED_TAG, BatchCutter, count_records, frame
+from splitstream.router.batch_cutter import BATCH_OVERHEAD, BatchCutter, count_records, frame
 from splitstream.router.core import CallOutcome
 from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.spool import Spool
