@@ -27,9 +27,11 @@ truncates the file first, and a poll landing then must not unroute everything.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from stat import S_ISREG
 from typing import Annotated, Any
 
 import structlog
@@ -141,11 +143,17 @@ class FileRegistry:
             await asyncio.sleep(self.poll_interval_s)
 
     def _read_if_changed(self, last: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], str | None]:
-        stat = self.path.stat()
-        signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        if signature == last:
-            return signature, None
-        return signature, self.path.read_text()
+        # O_NONBLOCK: opening a FIFO put in the file's place would wait for a writer for ever, in a thread
+        # no later poll replaces and that kept the router from exiting after SIGTERM (found by probing).
+        # For a regular file the flag changes nothing.
+        with open(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+            stat = os.fstat(file.fileno())
+            if not S_ISREG(stat.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            if signature == last:
+                return signature, None
+            return signature, file.read().decode("utf-8")
 
 
 def parse_registry(data: Any, *, source: str = "registry") -> RegistryState:
