@@ -866,3 +866,17 @@ def test_a_summary_that_cannot_be_written_after_the_replay_exits_2_with_one_line
     assert run.stderr.startswith("splitstream-replay: error: cannot write the summary or report"), run.stderr
     assert run.stderr.count("\n") == 1, run.stderr
     assert run.ids() == set(traffic.ids["A"] + traffic.ids["A-v2"])  # every finished call is kept
+
+
+def test_a_recorded_id_too_long_for_a_header_is_replayed_and_answered_not_counted_as_a_status_change(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    """The replayer sent every id in x-request-id; gRPC refuses metadata past 16 KiB (past 8 KiB at random),
+    so a long id (the router records it whole) came back RESOURCE_EXHAUSTED, counted as the target's change."""
+    answered_by_v1 = traffic.records[traffic.ids["A"][0]]
+    long_ids = [f"{n}-" + "ü" * 20_000 for n in range(3)]
+    window = write_window(traffic, dict.fromkeys(long_ids, answered_by_v1))
+    run = replay(traffic, tmp_path, "--target", traffic.stack.router.address, "--speed", "max", *window)
+    assert run.code == 0, run.stderr
+    assert {r["request_id"]: r["outcome"] for r in run.results} == dict.fromkeys(long_ids, "match")
+    assert run.summary["counts"]["send_errors"] == 0

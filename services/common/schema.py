@@ -125,7 +125,9 @@ def describe(error: ValidationError, *, prefix: str = "", rename: Callable[[str]
     if rename is not None and path:
         path = rename(path)
     line = f"{path}: {message}" if path else message
-    if first["type"] not in ("missing", "extra_forbidden") and "input" in first:
+    # A rule across fields has no path and its input is the whole document, which may hold secrets
+    # (a recorder's Redis URL with its password); its message names the fields itself.
+    if location and first["type"] not in ("missing", "extra_forbidden") and "input" in first:
         line += f", got {_value_text(first['input'])}"
     if len(problems) > 1:
         line += f" (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"

@@ -28,6 +28,10 @@ def redact_url(url: str) -> str:
     cannot be parsed is exactly the one an error message will quote."""
     try:
         parts = urlsplit(url)
+        if not parts.netloc and "@" in url:
+            # No ``//`` (``:PW@host:6379``, a scheme forgotten): urlsplit finds no userinfo, yet the
+            # text before the last ``@`` is exactly where the password was typed.
+            return redact_text(f"{REDACTED}@{url.rpartition('@')[2]}")
         netloc = parts.netloc
         if "@" in netloc:
             userinfo, _, host = netloc.rpartition("@")

@@ -21,6 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.redis_url import check_connection_options
 from splitstream.common.runtime import Runtime, Service, run_service
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.recorder.config import PROG, RecorderConfig, parse_args
@@ -47,13 +48,15 @@ def connect_redis(config: RecorderConfig) -> Redis:
     """A client that fails fast: connect and reply timeouts of ``redis_timeout_s``, and one immediate
     reconnect on a broken connection (a Redis restart leaves stale pooled connections), never a retry
     on a timeout. Raises ValueError for a URL redis-py cannot use."""
-    return Redis.from_url(
+    client = Redis.from_url(
         config.redis_url,
         socket_timeout=config.redis_timeout_s,
         socket_connect_timeout=config.redis_timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         client_name="splitstream-recorder",
     )
+    check_connection_options(client)
+    return client
 
 
 class Recorder(Service):

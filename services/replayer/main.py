@@ -27,6 +27,7 @@ from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
 from splitstream.common.headers import header_value
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
+from splitstream.common.redis_url import check_connection_options
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
@@ -417,6 +418,7 @@ async def _open_redis(config: ReplayConfig) -> Redis:
             socket_connect_timeout=config.connect_timeout_s,
             socket_timeout=max(config.connect_timeout_s, 10.0),
         )
+        check_connection_options(redis)
     except ValueError as error:
         raise SetupError(f"bad --redis-url {redact_url(config.redis_url)!r}: {redact_text(str(error))}") from None
     try:

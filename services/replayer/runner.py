@@ -33,7 +33,12 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER, REQUEST_ID_HEADER, VERSION_HEADER, header_value
+from splitstream.common.headers import (
+    DEFAULT_ROUTING_KEY_HEADER,
+    REQUEST_ID_HEADER,
+    VERSION_HEADER,
+    request_id_metadata,
+)
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.records import MissingBlob, dropped_payloads, payload_bytes, redacted_outputs, status_name
 from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_answers
@@ -266,7 +271,7 @@ class Replay:
         response = await payload_bytes(self.redis, record.response) if answered and response_recorded else None
         replay_id = record.request_id + self.settings.id_suffix
         # Recorded ids are any protobuf string ("ünïcode", "a\x01b"); gRPC refuses such a header value.
-        metadata = [(REQUEST_ID_HEADER, header_value(replay_id))]
+        metadata = list(request_id_metadata(replay_id))
         if self.settings.forward_metadata:
             metadata += [
                 (key, value)

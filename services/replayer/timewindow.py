@@ -15,6 +15,8 @@ from splitstream.common.durations import BadDuration, parse_duration_ns
 
 _EPOCH = re.compile(r"^\s*\d+(?:\.\d+)?\s*$")
 _UNIX_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: The first instant :func:`format_instant` cannot write (year 10000).
+_LAST_NS = (datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC) - _UNIX_EPOCH) // timedelta(seconds=1) * 1_000_000_000
 
 
 class BadTime(ValueError):
@@ -26,8 +28,17 @@ def parse_instant_ns(text: str, *, now_ns: int) -> int:
 
     Accepted: ``now``; relative to ``now_ns`` (``-15m``, ``-2h``, ``-30s``, ``-1d``, also ``+5m``);
     epoch seconds (``1767225600`` or ``1767225600.25``); ISO-8601 with a timezone
-    (``2026-01-01T14:02:00Z``, ``2026-01-01T14:02:00+01:00``).
+    (``2026-01-01T14:02:00Z``, ``2026-01-01T14:02:00+01:00``). Refused outside 1970..9999: stream ids
+    start at the epoch, and a time past either end (``-999999d``) was replayed, then failed the report
+    with a traceback and exit 1 (found by probing).
     """
+    unix_ns = _parse_instant_ns(text, now_ns=now_ns)
+    if not 0 <= unix_ns < _LAST_NS:
+        raise BadTime(f"bad time {text!r}: outside 1970-01-01 .. 9999-12-31")
+    return unix_ns
+
+
+def _parse_instant_ns(text: str, *, now_ns: int) -> int:
     stripped = text.strip()
     if stripped.lower() == "now":
         return now_ns

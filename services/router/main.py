@@ -76,6 +76,12 @@ class RouterConfig:
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{flag}: must be a finite number >= 0, got {value}")
+        if self.recorder:
+            # A typo here ("recorder:80o3", "a b") was accepted: the router served, spooled every call
+            # and only logged that the recorder was unreachable (found by probing).
+            host, colon, port = self.recorder.rpartition(":")
+            if not (colon and host and not any(c.isspace() for c in host) and port.isdigit() and 0 < int(port) < 65536):
+                raise ConfigError(f"--recorder: expected host:port with a port within 1..65535, got {self.recorder!r}")
         if self.recorder and not self.hmac_key:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         for flag, count in (

@@ -19,7 +19,7 @@ import structlog
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitstream.common.headers import REQUEST_ID_HEADER, header_value
+from splitstream.common.headers import request_id_metadata
 
 log = structlog.get_logger()
 
@@ -79,9 +79,9 @@ class Endpoint:
 
         The metadata is built here, from the id, and nowhere else: a client's id that is not printable
         ASCII in a header makes gRPC core refuse the call's start without ever finishing it, so the
-        forward hung until the client's deadline (for ever without one). :func:`header_value` makes any
-        id valid."""
-        metadata = ((REQUEST_ID_HEADER, header_value(request_id)),)
+        forward hung until the client's deadline (for ever without one). :func:`request_id_metadata`
+        makes any id valid, and leaves out one too long for a header."""
+        metadata = request_id_metadata(request_id)
         self.outstanding += 1
         self.calls += 1
         try:

@@ -20,7 +20,13 @@ from grpc import aio
 import splitstream
 from splitstream.common.errors import SplitstreamError, status_of
 from splitstream.common.handlers import typed_unary
-from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER, from_header_value, header_value
+from splitstream.common.headers import (
+    REQUEST_ID_HEADER,
+    VERSION_HEADER,
+    from_header_value,
+    header_value,
+    request_id_metadata,
+)
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
@@ -204,8 +210,9 @@ class CountReceived(aio.ServerInterceptor):
 
 def _trailers(outcome: CallOutcome) -> tuple[tuple[str, str], ...]:
     """The response's trailers, every value through :func:`header_value`: gRPC core refuses a value that
-    is not printable ASCII, and a refused trailer turns the answer into INTERNAL "Invalid metadata"."""
-    trailers: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, header_value(outcome.request_id)),)
+    is not printable ASCII, and a refused trailer turns the answer into INTERNAL "Invalid metadata"; an id
+    too long for a header is left out (the response's ``id`` field has it)."""
+    trailers = request_id_metadata(outcome.request_id)
     if outcome.version:
         trailers = ((VERSION_HEADER, header_value(outcome.version)), *trailers)
     return trailers

@@ -27,9 +27,11 @@ truncates the file first, and a poll landing then must not unroute everything.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from stat import S_ISREG
 from typing import Annotated, Any
 
 import structlog
@@ -119,7 +121,9 @@ class FileRegistry:
                 signature, text = await asyncio.to_thread(self._read_if_changed, last_signature)
                 last_signature = signature
                 if text is not None:
-                    state, removed = parse_registry_file(yaml.safe_load(text), source=str(self.path))
+                    # In a thread: YAML parsing is pure Python, and on the event loop a 10 MB file held
+                    # every call for 2.3 s (measured by probing a running router).
+                    state, removed = await asyncio.to_thread(_parse_text, text, str(self.path))
                     refused = guard.check(state, removable=removed)
                     if refused is not None:
                         raise ConfigError(f"{self.path}: {refused}")
@@ -141,11 +145,21 @@ class FileRegistry:
             await asyncio.sleep(self.poll_interval_s)
 
     def _read_if_changed(self, last: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], str | None]:
-        stat = self.path.stat()
-        signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-        if signature == last:
-            return signature, None
-        return signature, self.path.read_text()
+        # O_NONBLOCK: opening a FIFO put in the file's place would wait for a writer for ever, in a thread
+        # no later poll replaces and that kept the router from exiting after SIGTERM (found by probing).
+        # For a regular file the flag changes nothing.
+        with open(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+            stat = os.fstat(file.fileno())
+            if not S_ISREG(stat.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+            if signature == last:
+                return signature, None
+            return signature, file.read().decode("utf-8")
+
+
+def _parse_text(text: str, source: str) -> tuple[RegistryState, frozenset[str]]:
+    return parse_registry_file(yaml.safe_load(text), source=source)
 
 
 def parse_registry(data: Any, *, source: str = "registry") -> RegistryState:
