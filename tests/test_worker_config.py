@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -135,3 +137,35 @@ def test_a_worker_given_a_config_yaml_that_is_not_utf8_exits_2_with_one_line(tmp
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("splitstream-worker: error: ")
     assert "config.yaml: cannot read it" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("max_batch_size",), 10**20, "max_batch_size: must be an integer within 0..65536"),
+        (
+            ("dynamic_batching", "max_queue_delay_us"),
+            99_999_999_999_999,
+            "dynamic_batching.max_queue_delay_us: must be an integer within 0..10000000",
+        ),
+    ],
+)
+def test_huge_batch_sizes_and_queue_delays_are_refused_naming_the_field_and_its_bounds(
+    path: tuple[str, ...], value: int, message: str
+) -> None:
+    """Found by probing: ``max_queue_delay_us: 99999999999999`` and a batch size of 10**20 were accepted."""
+    document = copy.deepcopy(FULL)
+    target = document
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_mapping(document)
+
+
+def test_the_largest_batch_size_and_queue_delay_are_accepted() -> None:
+    document = copy.deepcopy(FULL)
+    document["max_batch_size"] = 65_536
+    document["dynamic_batching"]["max_queue_delay_us"] = 10_000_000
+    config = ModelConfig.from_mapping(document)
+    assert (config.max_batch_size, config.dynamic_batching.max_queue_delay_us) == (65_536, 10_000_000)

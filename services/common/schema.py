@@ -54,12 +54,20 @@ def _refuse(kind: str, message: str, **context: Any) -> PydanticCustomError:
     return PydanticCustomError(kind, message, context or None)
 
 
-def int_at_least(minimum: int) -> Any:
-    """An ``int`` (never a bool) >= ``minimum``."""
+def int_at_least(minimum: int, maximum: int | None = None) -> Any:
+    """An ``int`` (never a bool) >= ``minimum`` (and <= ``maximum`` when given)."""
 
     def check(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            if maximum is not None:
+                raise _refuse(
+                    "int_within", "must be an integer within {minimum}..{maximum}", minimum=minimum, maximum=maximum
+                )
             raise _refuse("int_at_least", "must be an integer >= {minimum}", minimum=minimum)
+        if maximum is not None and value > maximum:
+            raise _refuse(
+                "int_within", "must be an integer within {minimum}..{maximum}", minimum=minimum, maximum=maximum
+            )
         return value
 
     return Annotated[int, PlainValidator(check)]

@@ -217,13 +217,19 @@ class OnnxRuntimeConfig(Document):
     )
 
 
+#: Upper bounds of config.yaml fields whose huge values are typos, not settings.
+MAX_QUEUE_DELAY_US = 10_000_000
+MAX_BATCH_SIZE = 65_536
+
+
 class DynamicBatchingConfig(Document):
     """Queue concurrent requests and run them as one batch (needs ``max_batch_size > 0``)."""
 
     #: ``false`` keeps the section but runs each request alone.
     enabled: Flag = True
-    #: How long the first request of a batch may wait for others to join it.
-    max_queue_delay_us: int_at_least(0) = 0  # type: ignore[valid-type]
+    #: How long the first request of a batch may wait for others to join it (at most 10 s: a batch that
+    #: waits longer holds its first caller past any sensible deadline).
+    max_queue_delay_us: int_at_least(0, MAX_QUEUE_DELAY_US) = 0  # type: ignore[valid-type]
 
 
 class TensorDocument(Document):
@@ -274,8 +280,9 @@ class ModelConfig(Document):
 
     #: ``onnxruntime`` or ``tensorrt`` (native engines; needs the [tensorrt] extra and a GPU).
     backend: one_of(*BACKENDS)  # type: ignore[valid-type]
-    #: >0: the first dimension of every tensor is the batch dimension; 0: no batch dimension.
-    max_batch_size: int_at_least(0) = 0  # type: ignore[valid-type]
+    #: >0: the first dimension of every tensor is the batch dimension; 0: no batch dimension. At most
+    #: 65,536: buffers and profiles are sized for it, so a typo must not ask for a petabyte.
+    max_batch_size: int_at_least(0, MAX_BATCH_SIZE) = 0  # type: ignore[valid-type]
     #: Absent: off. Present (even empty): on, with its defaults.
     dynamic_batching: Annotated[DynamicBatchingConfig, BeforeValidator(_section_or_defaults)] = Field(
         default_factory=lambda: DynamicBatchingConfig(enabled=False)
