@@ -340,7 +340,10 @@ def test_a_dynamic_batching_section_turns_batching_on_and_its_absence_off() -> N
         ({}, "backend: is required"),
         ({"backend": "tensorflow"}, "backend: must be one of ['onnxruntime', 'tensorrt']"),
         ({"backend": "onnxruntime", "batch": 4}, "batch: unknown field"),
-        ({"backend": "onnxruntime", "max_batch_size": "8"}, "max_batch_size: must be an integer within 0..65536, got '8'"),
+        (
+            {"backend": "onnxruntime", "max_batch_size": "8"},
+            "max_batch_size: must be an integer within 0..65536, got '8'",
+        ),
         ({"backend": "onnxruntime", "max_batch_size": True}, "max_batch_size: must be an integer"),
         ({"backend": "onnxruntime", "instance_count": 0}, "instance_count: must be an integer >= 1"),
         ({"backend": "onnxruntime", "dynamic_batching": {}}, "dynamic_batching: needs max_batch_size > 0"),
