@@ -2,8 +2,8 @@
 
 The router spools record batches here while the recorder is unreachable or slow,
 and sends them, oldest first, when it is back. Layout: a directory of segment
-files (``00000001.seg`` …) and a ``cursor`` file (replaced atomically, at most every
-0.1 s and at :meth:`Spool.flush`) saying how far entries were acknowledged.
+files (``00000001.seg`` …) and a cursor saying how far entries were acknowledged,
+written at most every 0.1 s and at :meth:`Spool.flush`.
 
 Entry framing, chosen so that damage costs only the entries it touches::
 
@@ -26,6 +26,20 @@ past: the rest of that segment is reported damaged.
 
 The cap is on bytes not yet acknowledged; a full spool refuses the append (the
 caller drops and counts), it never blocks. Each append is fsync'd before it counts.
+
+A full disk must cost only the entries that did not fit. An append that fails part
+way (ENOSPC, EFBIG, EIO) truncates its segment back to where the entry began and
+fsyncs, so no torn entry is left for a restart to count a second time as damage;
+the caller counts the records once, as not spooled. The cursor must stay writable
+when segments have taken every free block, or every restart would resend all that
+was acknowledged: it lives in ``cursor.slots``, a 64-byte file allocated when the
+spool opens and from then on only overwritten in place (no new blocks, so no
+ENOSPC, on any file system that does not copy on write). It holds two slots of
+``magic | u64 sequence | u64 segment | u64 offset | u32 crc32``, written
+alternately with fsync; a torn slot write fails its checksum and the reader takes
+the other slot, the newer of the two that check, so a crash mid-write costs at
+most the previous 0.1 s of acknowledgements. A text ``cursor`` file left by an
+older router is read when no slot checks, and removed once a slot is written.
 All methods block on file I/O: call them off the event loop (``asyncio.to_thread``).
 """
 
@@ -43,7 +57,7 @@ from typing import BinaryIO
 
 import structlog
 
-from splitstream.common.files import atomic_write, fsync_directory
+from splitstream.common.files import fsync_directory
 
 log = structlog.get_logger()
 
@@ -57,6 +71,13 @@ _LEGACY_SUFFIX = ".spool"
 _LEGACY_HEADER = struct.Struct("<II")
 #: Longest the cursor file lags the acknowledged position (see ``_set_cursor``).
 CURSOR_WRITE_S = 0.1
+#: magic, sequence (the newer valid slot wins), segment, offset, crc32 of the 28 bytes before it.
+CURSOR_SLOT = struct.Struct("<4sQQQI")
+_CURSOR_MAGIC = b"\xf0CUR"
+_CURSOR_CHECKED = struct.Struct("<4sQQQ")
+CURSOR_FILE = "cursor.slots"
+#: The previous layout's cursor (text ``segment offset``, replaced by rename): read, never written.
+_LEGACY_CURSOR_FILE = "cursor"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +117,14 @@ class Spool:
         current = {int(p.stem) for p in self.directory.glob(f"*{_SUFFIX}") if p.stem.isdigit()}
         self._segments = sorted(self._legacy | current)
         self._sizes = {s: self._path(s).stat().st_size for s in self._segments}
+        self._cursor_sequence = 0
+        self._cursor_allocated = False
         self._cursor = self._read_cursor()
         self._cursor_written = time.monotonic()
+        try:
+            self._allocate_cursor()
+        except OSError as error:  # a disk already full: retried at each cursor write
+            log.error("spool: cursor file not allocated", error=str(error)[:300])
         self._drop_consumed_segments()
 
     # -- writing ---------------------------------------------------------------------------
@@ -115,10 +142,14 @@ class Spool:
             segment = self._segments[-1]
             path = self._path(segment)
             created = not path.exists()
-            with open(path, "ab") as file:
-                file.write(entry)
-                file.flush()
-                os.fsync(file.fileno())
+            try:
+                _append_whole(path, self._sizes[segment], entry)
+            except OSError:
+                if created:  # nothing of it is worth keeping, not even its name
+                    path.unlink(missing_ok=True)
+                    self._segments.remove(segment)
+                    self._sizes.pop(segment)
+                raise
             if created:
                 fsync_directory(self.directory)  # the new segment's name must survive a crash too
             self._sizes[segment] += len(entry)
@@ -192,16 +223,62 @@ class Spool:
 
     def _set_cursor(self, position: tuple[int, int]) -> None:
         self._cursor = position
-        # A durable cursor costs ~3 ms (two fsyncs, measured here) and draining commits once per batch;
-        # one lagging at most CURSOR_WRITE_S behind only makes a crash resend a few batches (readers
-        # drop duplicates), so it is written at most that often, and before segments are deleted.
+        # A durable cursor costs an fsync (0.35 ms on ext4 here; ~3 ms as a write and rename) and a drain
+        # commits once per batch; one lagging at most CURSOR_WRITE_S behind only makes a crash resend a
+        # few batches (readers drop duplicates), so it is written at most that often, and before
+        # segments are deleted.
         if time.monotonic() - self._cursor_written >= CURSOR_WRITE_S or self._consumed_segments():
-            self._write_cursor()
+            try:
+                self._write_cursor()
+            except OSError as error:
+                # Only when the cursor file could never be allocated. Segments are deleted all the same:
+                # a restart then resumes at the start of the first one left, which resends less, and
+                # their space is what the cursor file needs.
+                log.error("spool: cursor not written", error=str(error)[:300])
         self._drop_consumed_segments()
 
+    def _allocate_cursor(self) -> None:
+        """Create ``cursor.slots`` at its full size, so that writing it never needs a free block."""
+        if self._cursor_allocated:
+            return
+        path = self.directory / CURSOR_FILE
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(descriptor).st_size >= 2 * CURSOR_SLOT.size:
+                self._cursor_allocated = True
+                return
+            # Zeros check as no slot: the cursor read before stays in memory until the first write.
+            _write_all(descriptor, bytes(2 * CURSOR_SLOT.size), 0)
+            os.fsync(descriptor)
+        except OSError:
+            path.unlink(missing_ok=True)  # a short file would need new blocks later: try again then
+            raise
+        finally:
+            os.close(descriptor)
+        fsync_directory(self.directory)
+        self._cursor_allocated = True
+
     def _write_cursor(self) -> None:
-        atomic_write(self.directory / "cursor", f"{self._cursor[0]} {self._cursor[1]}\n")
+        self._allocate_cursor()
+        sequence = self._cursor_sequence + 1
+        checked = _CURSOR_CHECKED.pack(_CURSOR_MAGIC, sequence, *self._cursor)
+        slot = checked + struct.pack("<I", zlib.crc32(checked))
+        try:
+            descriptor = os.open(self.directory / CURSOR_FILE, os.O_WRONLY)
+        except FileNotFoundError:
+            self._cursor_allocated = False  # removed by hand: allocated again at the next write
+            raise
+        try:
+            _write_all(descriptor, slot, (sequence % 2) * CURSOR_SLOT.size)
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        self._cursor_sequence = sequence
         self._cursor_written = time.monotonic()
+        legacy = self.directory / _LEGACY_CURSOR_FILE
+        if legacy.exists():
+            legacy.unlink()
+            fsync_directory(self.directory)
 
     def _pending_bytes(self) -> int:
         segment, offset = self._cursor
@@ -212,10 +289,14 @@ class Spool:
 
     def _read_cursor(self) -> tuple[int, int]:
         start = (self._segments[0] if self._segments else 1), 0
-        try:
-            segment, offset = (int(part) for part in (self.directory / "cursor").read_text().split())
-        except (OSError, ValueError):  # none yet, or unreadable: resend from the start (at least once)
-            return start
+        slots = _read_cursor_slots(self.directory / CURSOR_FILE)
+        if slots is not None:
+            self._cursor_sequence, segment, offset = slots
+        else:
+            try:
+                segment, offset = (int(p) for p in (self.directory / _LEGACY_CURSOR_FILE).read_text().split())
+            except (OSError, ValueError):  # none yet, or unreadable: resend from the start (at least once)
+                return start
         if not self._segments or segment > self._segments[-1]:
             # Past every segment there is (files removed by hand): new segments start again at 1,
             # and a cursor beyond them would hide them.
@@ -238,6 +319,52 @@ class Spool:
             self._segments.remove(candidate)
             self._sizes.pop(candidate)
             self._legacy.discard(candidate)
+
+
+def _append_whole(path: Path, size: int, entry: bytes) -> None:
+    """Append ``entry`` at ``size`` and fsync it, or leave the file at ``size`` and raise.
+
+    A write that fails part way (a full disk) would leave a torn entry that a restart reports as
+    damage, counting records the caller already counted as not spooled; so the file is cut back."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        try:
+            _write_all(descriptor, entry, size)
+            os.fsync(descriptor)
+        except OSError:
+            os.ftruncate(descriptor, size)  # shrinking needs no free block
+            os.fsync(descriptor)
+            raise
+    finally:
+        os.close(descriptor)
+
+
+def _write_all(descriptor: int, data: bytes, offset: int) -> None:
+    """``pwrite`` all of ``data``: a short write is retried, so its error (ENOSPC, EFBIG) is raised."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(descriptor, view, offset)
+        view = view[written:]
+        offset += written
+
+
+def _read_cursor_slots(path: Path) -> tuple[int, int, int] | None:
+    """(sequence, segment, offset) of the newer slot that checks; None if none does or there is no file."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    best: tuple[int, int, int] | None = None
+    for start in (0, CURSOR_SLOT.size):
+        slot = data[start : start + CURSOR_SLOT.size]
+        if len(slot) < CURSOR_SLOT.size:
+            continue
+        magic, sequence, segment, offset, checksum = CURSOR_SLOT.unpack(slot)
+        if magic != _CURSOR_MAGIC or zlib.crc32(slot[: _CURSOR_CHECKED.size]) != checksum:
+            continue  # never written, or torn by a crash mid-write: the other slot holds the cursor
+        if best is None or sequence > best[0]:
+            best = sequence, segment, offset
+    return best
 
 
 def _read(file: BinaryIO, segment: int, offset: int, size: int) -> tuple[bytes, tuple[int, int]] | Damage:

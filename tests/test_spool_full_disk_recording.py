@@ -1,0 +1,93 @@
+"""The router spooling onto a full disk while the recorder is down, on real router, worker, recorder
+and redis-server processes, with the spool on a real 1 MiB tmpfs (the probe that found the faults)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from pathlib import Path
+
+from redis.asyncio import Redis
+
+from splitstream.common.records import decode_entry, read_entries
+from tests.harness import InferClient, metric_samples, scrape_metrics, wait_for
+from tests.recording_stack import MODEL, RecordingStack
+from tests.test_recording_faults import UNBATCHED, call, mirror_metric
+from tests.tmpfs import small_tmpfs
+
+
+def times_recorded(stack: RecordingStack) -> collections.Counter[str]:
+    """How many entries each request id has in the stream: not de-duplicated, as readers would."""
+
+    async def read() -> collections.Counter[str]:
+        client = Redis.from_url(stack.redis.url)
+        try:
+            return collections.Counter([decode_entry(e).record.request_id async for e in read_entries(client, MODEL)])
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())
+
+
+def dropped(stack: RecordingStack) -> dict[str, float]:
+    samples = metric_samples(
+        scrape_metrics(stack.router.metrics_port), "splitstream_router_mirror_records_dropped_total"
+    )
+    return {labels["reason"]: value for labels, value in samples if value and "reason" in labels}
+
+
+def test_calls_spooled_onto_a_full_disk_arrive_exactly_once_across_restarts_and_are_counted_once(
+    tmp_path: Path,
+) -> None:
+    with small_tmpfs(tmp_path / "spool", "1m"):
+        stack = RecordingStack(tmp_path, versions={"v1": {"scale": 2.0, "config": UNBATCHED}})
+        try:
+            stack.recorder.kill()
+            client = InferClient(stack.router.address)
+            ids: list[str] = []
+            # 32 rows of 4 floats in and out: records of about 1 KiB, so the 1 MiB disk fills within ~1000 calls.
+            while mirror_metric(stack, "records_dropped_total", reason="spool_error") == 0:
+                assert len(ids) < 5000, "the spool never filled its disk"
+                ids.append(f"call-{len(ids):05d}")
+                call(client, ids[-1], rows=32)
+            for _ in range(20):  # more calls on the full disk, each dropped and counted
+                ids.append(f"call-{len(ids):05d}")
+                call(client, ids[-1], rows=32)
+            client.close()
+            wait_for(
+                lambda: (
+                    mirror_metric(stack, "records_spooled_total")
+                    + mirror_metric(stack, "records_dropped_total", reason="spool_error")
+                    == len(ids)
+                ),
+                timeout_s=30,
+                what="every call to be spooled or dropped",
+            )
+            spooled = mirror_metric(stack, "records_spooled_total")
+            assert set(dropped(stack)) == {"spool_error"}
+            stack.router.stop()  # SIGTERM: the cursor is written at shutdown
+
+            stack.restart_recorder()
+            stack.router = stack.start_router()
+            wait_for(lambda: mirror_metric(stack, "spool_bytes") == 0, timeout_s=60, what="the spool to drain")
+            wait_for(lambda: sum(times_recorded(stack).values()) >= spooled, timeout_s=30, what="the spool in Redis")
+            assert dropped(stack) == {}  # none counted a second time (as spool_corrupt)
+            assert mirror_metric(stack, "spool_damaged_entries_total") == 0  # no torn entry was left
+            stack.router.stop()
+
+            # A second restart: the cursor written on the full disk says everything was delivered.
+            stack.router = stack.start_router()
+            assert mirror_metric(stack, "spool_bytes") == 0
+            client = InferClient(stack.router.address)
+            call(client, "after-restarts")  # recorded after anything the spool would resend
+            client.close()
+            stack.wait_recorded({"after-restarts"})
+            recorded = times_recorded(stack)
+            repeated = {rid: n for rid, n in recorded.items() if n > 1}
+            assert repeated == {}, f"{len(repeated)} records stored more than once"
+            assert len(set(recorded) & set(ids)) == spooled
+            assert set(recorded) - set(ids) == {"after-restarts"}
+            assert dropped(stack) == {}
+            assert "cursor not written" not in stack.router.log()
+        finally:
+            stack.close()
