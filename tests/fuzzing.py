@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import string
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 from hypothesis import strategies as st
@@ -194,3 +194,15 @@ def _sizes(shape: tuple[int, ...]) -> st.SearchStrategy[list[int]]:
 def _elements(shape: Sequence[int]) -> int:
     """What ``shape`` holds, negative dimensions counted as 0 (Python ints: int64 extremes do not overflow)."""
     return math.prod(max(dim, 0) for dim in shape)
+
+
+def all_paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every key path in a nested document (mappings and lists), for tests that try values in every field."""
+    paths = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for key, child in value.items():
+            paths += all_paths(child, (*prefix, key))
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            paths += all_paths(child, (*prefix, index))
+    return paths

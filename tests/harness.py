@@ -22,6 +22,8 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.models import add_version
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -352,3 +354,19 @@ class SteadyLoad:
     def wait_calls(self, n: int, timeout_s: float = 30.0) -> None:
         start = self.count()
         wait_for(lambda: self.count() >= start + n, timeout_s=timeout_s, what=f"{n} more calls")
+
+
+@contextlib.contextmanager
+def one_version_router(tmp: Path, model: str, *, salt: str) -> Iterator[ServiceProcess]:
+    """A router in front of one worker serving ``model`` v1 (``y = 2x``), all versions' traffic on v1."""
+    add_version(tmp / "models", model, "v1", scale=2.0)
+    stack = Stack(tmp)
+    try:
+        worker = stack.worker(tmp / "models", model, "v1")
+        experiment = {"salt": salt, "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+        write_registry(
+            tmp / "registry.yaml", {model: {"endpoints": {"v1": [worker.address]}, "experiment": experiment}}
+        )
+        yield stack.router(tmp / "registry.yaml")
+    finally:
+        stack.close()

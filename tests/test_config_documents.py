@@ -24,6 +24,7 @@ from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 from splitstream.common.registry import RegistryState, parse_registry
 from splitstream.common.registry.consul import decode_experiment
 from splitstream.common.registry.file import parse_registry_file
+from tests.fuzzing import all_paths
 
 MODEL = "m"
 T = TypeVar("T")
@@ -213,17 +214,6 @@ json_values = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=8,
 )
-
-
-def all_paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    paths = [prefix] if prefix else []
-    if isinstance(value, dict):
-        for key, child in value.items():
-            paths += all_paths(child, (*prefix, key))
-    elif isinstance(value, list):
-        for index, child in enumerate(value):
-            paths += all_paths(child, (*prefix, index))
-    return paths
 
 
 REGISTRY_PATHS = all_paths(registry())

@@ -14,26 +14,15 @@ import numpy as np
 import pytest
 
 from splitstream.common.headers import MAX_ID_HEADER_BYTES, REQUEST_ID_HEADER, from_header_value
-from tests.harness import InferClient, ServiceProcess, Stack, make_request, write_registry
-from tests.models import add_version
+from tests.harness import InferClient, ServiceProcess, make_request, one_version_router
 
 MODEL = "affine"
 
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    tmp = tmp_path_factory.mktemp("long-ids")
-    add_version(tmp / "models", MODEL, "v1", scale=2.0)
-    stack = Stack(tmp)
-    try:
-        worker = stack.worker(tmp / "models", MODEL, "v1")
-        experiment = {"salt": "long-ids", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
-        write_registry(
-            tmp / "registry.yaml", {MODEL: {"endpoints": {"v1": [worker.address]}, "experiment": experiment}}
-        )
-        yield stack.router(tmp / "registry.yaml")
-    finally:
-        stack.close()
+    with one_version_router(tmp_path_factory.mktemp("long-ids"), MODEL, salt="long-ids") as router:
+        yield router
 
 
 @pytest.mark.parametrize("length", [9_000, 12_000, 15_000, 40_000])

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from splitstream.common.errors import ConfigError
 from splitstream.worker.config import ModelConfig
+from tests.fuzzing import all_paths
 from tests.harness import ROOT
 from tests.models import add_version
 
@@ -58,17 +59,6 @@ ONNXRUNTIME: dict[str, Any] = {
         }
     },
 }
-
-
-def all_paths(value: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-    paths = [prefix] if prefix else []
-    if isinstance(value, dict):
-        for key, child in value.items():
-            paths += all_paths(child, (*prefix, key))
-    elif isinstance(value, list):
-        for index, child in enumerate(value):
-            paths += all_paths(child, (*prefix, index))
-    return paths
 
 
 def replaced(document: dict[str, Any], path: tuple[Any, ...], value: Any) -> dict[str, Any]:
