@@ -370,3 +370,16 @@ def one_version_router(tmp: Path, model: str, *, salt: str) -> Iterator[ServiceP
         yield stack.router(tmp / "registry.yaml")
     finally:
         stack.close()
+
+
+def router_status(router: ServiceProcess, model: str = "") -> Any:
+    """The router's splitstream.v1.Router/Status (one model's when ``model`` is given: NOT_FOUND if it has none)."""
+    from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
+
+    with grpc.insecure_channel(router.address) as channel:
+        return router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(model=model), timeout=5)
+
+
+def registry_healthy(router: ServiceProcess) -> float:
+    """``splitstream_router_registry_healthy`` as the router's /metrics shows it now."""
+    return metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_registry_healthy")[0][1]

@@ -20,13 +20,15 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitstream.admin.main import main as admin
-from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
+from splitstream.common.proto.splitstream.v1 import router_pb2
 from tests.consul_emulator import ConsulEmulator
 from tests.harness import (
     ServiceProcess,
     Stack,
     SteadyLoad,
     metric_samples,
+    registry_healthy,
+    router_status,
     scrape_metrics,
     wait_for,
 )
@@ -100,14 +102,6 @@ def passing(emulator: ConsulEmulator) -> list[str]:
 def experiment_json(v1: float, v2: float) -> str:
     arms = [{"version": "v1", "weight": v1}, {"version": "v2", "weight": v2}]
     return json.dumps({"salt": "consul-tests", "control": "v1", "arms": arms})
-
-
-def router_status(router: ServiceProcess) -> router_pb2.StatusResponse:
-    with grpc.insecure_channel(router.address) as channel:
-        response: router_pb2.StatusResponse = router_pb2_grpc.RouterStub(channel).Status(
-            router_pb2.StatusRequest(model=MODEL), timeout=5
-        )
-        return response
 
 
 def weights(status: router_pb2.StatusResponse) -> dict[str, float]:
@@ -249,27 +243,23 @@ def test_a_router_applies_a_kv_change_within_a_second_and_never_an_invalid_exper
     client = emulator.client()
     router = consul_router(stack, emulator)
     # Two versions and no experiment: the lowest version takes everything; both are routable by pin.
-    status = router_status(router)
+    status = router_status(router, MODEL)
     assert weights(status) == {"v1": 100, "v2": 0}
     assert endpoints(status) == {"v1": [health_servers[0].address], "v2": [health_servers[1].address]}
     client.kv.put(KEY, experiment_json(90, 10))
     started = time.monotonic()
-    wait_for(lambda: weights(router_status(router)) == {"v1": 90, "v2": 10}, timeout_s=3, interval_s=0.02)
+    wait_for(lambda: weights(router_status(router, MODEL)) == {"v1": 90, "v2": 10}, timeout_s=3, interval_s=0.02)
     assert time.monotonic() - started < 1.0
-    healthy = lambda: metric_samples(  # noqa: E731
-        scrape_metrics(router.metrics_port),
-        "splitstream_router_registry_healthy",
-    )[0][1]
-    assert healthy() == 1
+    assert registry_healthy(router) == 1
     for bad, fragment in (("{not json", "not valid JSON"), (experiment_json(80, 10), "must sum to 100, got 90")):
         client.kv.put(KEY, bad)
-        wait_for(lambda: fragment in router_status(router).registry_error, timeout_s=3, what=fragment)  # noqa: B023
-        assert weights(router_status(router)) == {"v1": 90, "v2": 10}  # the last good one, still applied
-        assert healthy() == 0
+        wait_for(lambda: fragment in router_status(router, MODEL).registry_error, timeout_s=3, what=fragment)  # noqa: B023
+        assert weights(router_status(router, MODEL)) == {"v1": 90, "v2": 10}  # the last good one, still applied
+        assert registry_healthy(router) == 0
     client.kv.put(KEY, experiment_json(50, 50))
-    wait_for(lambda: weights(router_status(router)) == {"v1": 50, "v2": 50}, timeout_s=3)
-    assert router_status(router).registry_error == ""
-    assert healthy() == 1
+    wait_for(lambda: weights(router_status(router, MODEL)) == {"v1": 50, "v2": 50}, timeout_s=3)
+    assert router_status(router, MODEL).registry_error == ""
+    assert registry_healthy(router) == 1
 
 
 def test_the_admin_cli_refuses_bad_input_against_consul_and_writes_nothing(
@@ -366,10 +356,7 @@ def test_a_kv_experiment_of_the_wrong_types_is_reported_and_the_next_good_value_
     client = emulator.client()
     client.kv.put(KEY, experiment_json(90, 10))
     router = consul_router(stack, emulator)
-    wait_for(lambda: weights(router_status(router)) == {"v1": 90, "v2": 10}, timeout_s=5)
-
-    def healthy() -> float:
-        return metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_registry_healthy")[0][1]
+    wait_for(lambda: weights(router_status(router, MODEL)) == {"v1": 90, "v2": 10}, timeout_s=5)
 
     good = [(50, 50), (70, 30), (20, 80), (90, 10)]
     for (weight, fragment), (v1, v2) in zip(
@@ -382,16 +369,16 @@ def test_a_kv_experiment_of_the_wrong_types_is_reported_and_the_next_good_value_
         good,
         strict=True,
     ):
-        last_good = weights(router_status(router))
+        last_good = weights(router_status(router, MODEL))
         bad = '{"control": "v1", "arms": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": %s}]}'
         client.kv.put(KEY, bad % weight)
-        wait_for(lambda: fragment in router_status(router).registry_error, timeout_s=5, what=fragment)  # noqa: B023
-        assert weights(router_status(router)) == last_good
-        assert healthy() == 0
+        wait_for(lambda: fragment in router_status(router, MODEL).registry_error, timeout_s=5, what=fragment)  # noqa: B023
+        assert weights(router_status(router, MODEL)) == last_good
+        assert registry_healthy(router) == 0
         client.kv.put(KEY, experiment_json(v1, v2))
-        wait_for(lambda: weights(router_status(router)) == {"v1": v1, "v2": v2}, timeout_s=5)  # noqa: B023
-        assert router_status(router).registry_error == ""
-        assert healthy() == 1
+        wait_for(lambda: weights(router_status(router, MODEL)) == {"v1": v1, "v2": v2}, timeout_s=5)  # noqa: B023
+        assert router_status(router, MODEL).registry_error == ""
+        assert registry_healthy(router) == 1
     router.signal(signal.SIGTERM)
     assert router.wait() == 0, router.log()
     assert "Traceback" not in router.log()
@@ -405,15 +392,15 @@ def test_a_model_whose_workers_all_deregister_stays_routed_until_its_key_says_re
     wait_for(lambda: len(passing(emulator)) == 2, timeout_s=5, what="two passing instances")
     client = emulator.client()
     router = consul_router(stack, emulator)
-    wait_for(lambda: endpoints(router_status(router)).keys() == {"v1", "v2"}, timeout_s=5, what="both versions")
+    wait_for(lambda: endpoints(router_status(router, MODEL)).keys() == {"v1", "v2"}, timeout_s=5, what="both versions")
     for service_id in ids:
         client.agent.service.deregister(service_id)
     wait_for(lambda: not passing(emulator), timeout_s=5, what="every instance deregistered")
     client.kv.put(KEY, experiment_json(50, 50))  # a change after the deregistration, so the router has seen it
-    wait_for(lambda: weights(router_status(router)) == {"v1": 50, "v2": 50}, timeout_s=5, what="the new weights")
+    wait_for(lambda: weights(router_status(router, MODEL)) == {"v1": 50, "v2": 50}, timeout_s=5, what="the new weights")
     # Still routed, to the last endpoints the router saw listed: v2's alone, or both when one blocking query
     # answered after both deregistrations (a loaded machine).
-    kept = endpoints(router_status(router))
+    kept = endpoints(router_status(router, MODEL))
     assert kept in (
         {"v2": [health_servers[1].address]},
         {"v1": [health_servers[0].address], "v2": [health_servers[1].address]},
@@ -421,8 +408,7 @@ def test_a_model_whose_workers_all_deregister_stays_routed_until_its_key_says_re
     client.kv.put(KEY, json.dumps({"remove": True}))
 
     def routed_models() -> list[str]:
-        with grpc.insecure_channel(router.address) as channel:
-            answer = router_pb2_grpc.RouterStub(channel).Status(router_pb2.StatusRequest(), timeout=5)
+        answer = router_status(router)
         assert answer.registry_error == ""
         return [m.model for m in answer.models]
 
@@ -430,4 +416,6 @@ def test_a_model_whose_workers_all_deregister_stays_routed_until_its_key_says_re
     register(emulator, health_servers[0], "v1")
     wait_for(lambda: len(passing(emulator)) == 1, timeout_s=5, what="v1 registered again")
     client.kv.delete(KEY)
-    wait_for(lambda: weights(router_status(router)) == {"v1": 100}, timeout_s=5, what="the model back by default")
+    wait_for(
+        lambda: weights(router_status(router, MODEL)) == {"v1": 100}, timeout_s=5, what="the model back by default"
+    )

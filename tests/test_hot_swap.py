@@ -24,7 +24,7 @@ import yaml
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
 from tests.consul_emulator import ConsulEmulator
-from tests.harness import ROOT, ServiceProcess, Stack, SteadyLoad, wait_for, write_registry
+from tests.harness import ROOT, ServiceProcess, Stack, SteadyLoad, router_status, wait_for, write_registry
 from tests.models import add_faulty_version, add_version
 
 MODEL = "affine"
@@ -277,18 +277,21 @@ def test_a_router_never_applies_an_invalid_experiment_from_the_registry_file(tmp
     try:
         router = stack.router(registry)
 
-        def status() -> router_pb2.StatusResponse:
-            with grpc.insecure_channel(router.address) as channel:
-                answer: router_pb2.StatusResponse = router_pb2_grpc.RouterStub(channel).Status(
-                    router_pb2.StatusRequest(model=MODEL), timeout=5
-                )
-                return answer
-
         write(80, 10)
-        wait_for(lambda: "must sum to 100, got 90" in status().registry_error, timeout_s=5, what="the rejection")
-        assert [(a.version, a.weight) for a in status().models[0].experiment.arms] == [("v1", 90), ("v2", 10)]
+        wait_for(
+            lambda: "must sum to 100, got 90" in router_status(router, MODEL).registry_error,
+            timeout_s=5,
+            what="the rejection",
+        )
+        assert [(a.version, a.weight) for a in router_status(router, MODEL).models[0].experiment.arms] == [
+            ("v1", 90),
+            ("v2", 10),
+        ]
         write(50, 50)
-        wait_for(lambda: status().registry_error == "", timeout_s=5, what="the valid file to apply")
-        assert [(a.version, a.weight) for a in status().models[0].experiment.arms] == [("v1", 50), ("v2", 50)]
+        wait_for(lambda: router_status(router, MODEL).registry_error == "", timeout_s=5, what="the valid file to apply")
+        assert [(a.version, a.weight) for a in router_status(router, MODEL).models[0].experiment.arms] == [
+            ("v1", 50),
+            ("v2", 50),
+        ]
     finally:
         stack.close()

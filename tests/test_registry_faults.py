@@ -18,8 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
-from tests.harness import InferClient, ServiceProcess, Stack, make_request, metric_samples, scrape_metrics, wait_for
+from tests.harness import InferClient, ServiceProcess, Stack, make_request, registry_healthy, router_status, wait_for
 from tests.models import add_version
 
 MODEL = "affine"
@@ -58,19 +57,6 @@ def workers(stack: Stack, tmp_path: Path) -> dict[str, str]:
     return {version: stack.worker(repository, MODEL, version).address for version in ("v1", "v2")}
 
 
-def status(router: ServiceProcess) -> router_pb2.StatusResponse:
-    with grpc.insecure_channel(router.address) as channel:
-        answer: router_pb2.StatusResponse = router_pb2_grpc.RouterStub(channel).Status(
-            router_pb2.StatusRequest(), timeout=5
-        )
-        return answer
-
-
-def healthy(router: ServiceProcess) -> float:
-    samples = metric_samples(scrape_metrics(router.metrics_port), "splitstream_router_registry_healthy")
-    return samples[0][1]
-
-
 def served_version(router: ServiceProcess, model: str = MODEL) -> str:
     client = InferClient(router.address)
     try:
@@ -87,8 +73,10 @@ def edit_in_place(path: Path, text: str) -> None:
 
 
 def wait_refused(router: ServiceProcess, fragment: str) -> None:
-    wait_for(lambda: fragment in status(router).registry_error, timeout_s=10, what=f"the error naming {fragment!r}")
-    assert healthy(router) == 0
+    wait_for(
+        lambda: fragment in router_status(router).registry_error, timeout_s=10, what=f"the error naming {fragment!r}"
+    )
+    assert registry_healthy(router) == 0
 
 
 def stop_cleanly(router: ServiceProcess) -> None:
@@ -104,7 +92,7 @@ def test_a_bad_value_in_the_file_is_reported_and_the_next_good_edit_still_applie
     edit_in_place(registry, registry_text("100", "0", workers=workers))
     router = stack.router(registry)
     assert served_version(router) == "v1"
-    assert healthy(router) == 1
+    assert registry_healthy(router) == 1
     good = {"v1": ("100", "0"), "v2": ("0", "100")}
     expect = "v2"
     bad_edits = [
@@ -122,8 +110,8 @@ def test_a_bad_value_in_the_file_is_reported_and_the_next_good_edit_still_applie
         # The next good edit (here a full switch of the split) applies: the watch survived.
         edit_in_place(registry, registry_text(*good[expect], workers=workers))
         wait_for(lambda: served_version(router) == expect, timeout_s=10, what=f"the split to move to {expect}")  # noqa: B023
-        assert status(router).registry_error == ""
-        assert healthy(router) == 1
+        assert router_status(router).registry_error == ""
+        assert registry_healthy(router) == 1
         expect = before
     stop_cleanly(router)
 
@@ -141,7 +129,7 @@ def test_a_registry_file_that_is_not_text_is_reported_and_the_next_good_edit_app
     assert served_version(router) == "v1"
     edit_in_place(registry, registry_text("0", "100", workers=workers))
     wait_for(lambda: served_version(router) == "v2", timeout_s=10, what="the good edit to apply")
-    assert healthy(router) == 1
+    assert registry_healthy(router) == 1
     stop_cleanly(router)
 
 
@@ -162,11 +150,11 @@ def test_a_file_that_would_drop_every_model_is_refused_until_the_removal_is_expl
         wait_refused(router, fragment)
         assert served_version(router) == "v1"  # calls keep working on the last good state
         edit_in_place(registry, text)
-        wait_for(lambda: status(router).registry_error == "", timeout_s=10, what="the full file to apply again")
+        wait_for(lambda: router_status(router).registry_error == "", timeout_s=10, what="the full file to apply again")
     edit_in_place(registry, f"models: {{}}\nremove_models: [{MODEL}]\n")
-    wait_for(lambda: not status(router).models, timeout_s=10, what="the explicit removal to apply")
-    assert status(router).registry_error == ""
-    assert healthy(router) == 1
+    wait_for(lambda: not router_status(router).models, timeout_s=10, what="the explicit removal to apply")
+    assert router_status(router).registry_error == ""
+    assert registry_healthy(router) == 1
     with pytest.raises(grpc.RpcError) as failure:
         served_version(router)
     assert failure.value.code() == grpc.StatusCode.NOT_FOUND
@@ -182,7 +170,7 @@ def test_dropping_one_serving_model_of_two_is_refused_unless_it_is_named_for_rem
     both = only_model + f"  {OTHER}: {{endpoints: {{v1: ['127.0.0.1:1']}}}}\n"
     edit_in_place(registry, both)
     router = stack.router(registry)
-    routed = lambda: sorted(m.model for m in status(router).models)  # noqa: E731
+    routed = lambda: sorted(m.model for m in router_status(router).models)  # noqa: E731
     assert routed() == [MODEL, OTHER]
     edit_in_place(registry, only_model)
     wait_refused(router, f"would drop model(s) {OTHER}, which are serving")
@@ -190,8 +178,8 @@ def test_dropping_one_serving_model_of_two_is_refused_unless_it_is_named_for_rem
     assert served_version(router) == "v1"
     edit_in_place(registry, only_model + f"remove_models: [{OTHER}]\n")
     wait_for(lambda: routed() == [MODEL], timeout_s=10, what="the explicit removal to apply")
-    assert status(router).registry_error == ""
-    assert healthy(router) == 1
+    assert router_status(router).registry_error == ""
+    assert registry_healthy(router) == 1
     stop_cleanly(router)
 
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.harness import InferClient, Stack, make_request, wait_for, write_registry
+from tests.harness import InferClient, Stack, make_request, router_status, wait_for, write_registry
 from tests.models import add_version
-from tests.test_router_registry_watch import status
 
 MODEL = "affine"
 
@@ -51,7 +50,7 @@ def test_calls_are_served_without_a_stall_while_the_router_parses_a_large_regist
             staging = tmp_path / "registry.tmp"
             staging.write_text("a" * 20_000_000)  # one 20 MB scalar: valid YAML, no registry
             staging.replace(registry)
-            wait_for(lambda: status(router.address).registry_error, timeout_s=120, what="the file to be refused")
+            wait_for(lambda: router_status(router).registry_error, timeout_s=120, what="the file to be refused")
             count = len(latencies)
             wait_for(lambda: len(latencies) >= count + 20, timeout_s=10, what="calls to go on")
         finally:

@@ -19,15 +19,15 @@ from splitstream.common import tensors
 from splitstream.common.headers import header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
-from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
+from splitstream.common.proto.splitstream.v1 import router_pb2
 from tests.harness import (
     InferClient,
-    ServiceProcess,
     Stack,
     SteadyLoad,
     free_port,
     make_request,
     metric_samples,
+    router_status,
     scrape_metrics,
     wait_for,
     write_registry,
@@ -501,14 +501,6 @@ def test_calls_grpc_refuses_before_the_router_sees_them_are_counted_as_received_
 
 
 # -- introspection ----------------------------------------------------------------------------
-
-
-def router_status(router: ServiceProcess, model: str = "") -> router_pb2.StatusResponse:
-    with grpc.insecure_channel(router.address) as channel:
-        response: router_pb2.StatusResponse = router_pb2_grpc.RouterStub(channel).Status(
-            router_pb2.StatusRequest(model=model), timeout=5
-        )
-        return response
 
 
 def test_status_reports_the_experiment_and_endpoints_in_use(deployment: Deployment) -> None:

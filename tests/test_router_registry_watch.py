@@ -12,11 +12,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
-from tests.harness import Stack, free_port, metric_samples, scrape_metrics, wait_for, write_registry
+from tests.harness import ServiceProcess, Stack, free_port, registry_healthy, router_status, wait_for, write_registry
 
 MODEL = "affine"
 
@@ -39,16 +37,22 @@ def models(*, v2_weight: Any, sample_rate: Any = 0.5) -> dict[str, Any]:
     }
 
 
-def status(address: str) -> router_pb2.StatusResponse:
-    with grpc.insecure_channel(address) as channel:
-        response: router_pb2.StatusResponse = router_pb2_grpc.RouterStub(channel).Status(
-            router_pb2.StatusRequest(), timeout=5
-        )
-        return response
+def a_good_edit_applies_then_sigterm_exits_0(router: ServiceProcess, registry: Path) -> None:
+    """The watch survived: the next good edit (a 50/50 split) is applied and healthy, and SIGTERM exits 0."""
+    good = models(v2_weight=10)
+    good[MODEL]["experiment"]["arms"] = [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}]
+    write_registry(registry, good)
 
+    def applied() -> bool:
+        response = router_status(router)
+        weights = {arm.version: arm.weight for arm in response.models[0].experiment.arms}
+        return response.registry_error == "" and weights == {"v1": 50, "v2": 50}
 
-def registry_healthy(metrics_port: int) -> float:
-    return metric_samples(scrape_metrics(metrics_port), "splitstream_router_registry_healthy")[0][1]
+    wait_for(applied, timeout_s=15, what="the good edit to be applied")
+    assert registry_healthy(router) == 1
+
+    router.signal(signal.SIGTERM)
+    assert router.wait(timeout_s=30) == 0, router.log()
 
 
 @pytest.fixture
@@ -71,27 +75,14 @@ def test_a_bad_registry_value_keeps_the_last_good_state_is_reported_and_the_next
     registry = tmp_path / "registry.yaml"
     write_registry(registry, models(v2_weight=10))
     router = stack.router(registry)
-    assert status(router.address).registry_error == ""
-    assert registry_healthy(router.metrics_port) == 1
+    assert router_status(router).registry_error == ""
+    assert registry_healthy(router) == 1
 
     write_registry(registry, models(**bad))
-    wait_for(lambda: status(router.address).registry_error, timeout_s=10, what="Status to show the registry error")
-    assert registry_healthy(router.metrics_port) == 0
-    arms = {arm.version: arm.weight for arm in status(router.address).models[0].experiment.arms}
+    wait_for(lambda: router_status(router).registry_error, timeout_s=10, what="Status to show the registry error")
+    assert registry_healthy(router) == 0
+    arms = {arm.version: arm.weight for arm in router_status(router).models[0].experiment.arms}
     assert arms == {"v1": 90, "v2": 10}  # the last good state, still served
 
-    good = models(v2_weight=10)
-    good[MODEL]["experiment"]["arms"] = [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}]
-    write_registry(registry, good)
-
-    def applied() -> bool:
-        response = status(router.address)
-        weights = {arm.version: arm.weight for arm in response.models[0].experiment.arms}
-        return response.registry_error == "" and weights == {"v1": 50, "v2": 50}
-
-    wait_for(applied, timeout_s=15, what="the good edit to be applied")
-    assert registry_healthy(router.metrics_port) == 1
-
-    router.signal(signal.SIGTERM)
-    assert router.wait(timeout_s=30) == 0, router.log()
+    a_good_edit_applies_then_sigterm_exits_0(router, registry)
     assert "Traceback" not in router.log().split('"signal received')[-1]
