@@ -464,6 +464,14 @@ def test_a_percent_encoded_request_id_header_comes_back_unchanged(deployment: De
     assert headers["x-request-id"] == encoded
 
 
+@pytest.mark.parametrize("sent", ["a%41", "100%", "req%2F1", "50%ok"])
+def test_an_ascii_request_id_header_holding_a_percent_sign_is_kept_as_sent(deployment: Deployment, sent: str) -> None:
+    """Only what header_value() makes is decoded: a client's own ``%`` (a URL-encoded id, say) means itself."""
+    x = np.ones((1, 4), dtype=np.float32)
+    _, headers = deployment.client.infer(make_request(MODEL, x), metadata=[("x-request-id", sent)], timeout_s=3)
+    assert headers["x-request-id"] == sent
+
+
 def test_random_bytes_sent_to_model_infer_are_rejected_and_the_router_keeps_serving(deployment: Deployment) -> None:
     rng = np.random.default_rng(11)
     with grpc.insecure_channel(deployment.router.address) as channel:

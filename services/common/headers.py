@@ -41,15 +41,17 @@ def header_value(text: str) -> str:
 
 
 def from_header_value(value: str) -> str:
-    """The string :func:`header_value` encoded. A value it cannot have made, whose escapes are not UTF-8
-    (``"%80"``, a cut ``"%c3"``: a client may send anything printable), is taken as sent, so a header
-    never fails a call."""
+    """The string :func:`header_value` encoded. A value it cannot have made is taken as sent: escapes that
+    are not UTF-8 (``"%80"``, a cut ``"%c3"``), and ASCII ids that merely contain ``%`` (``"a%41"``,
+    ``"100%"``, a URL-encoded ``"req%2F1"``), which a client means literally. So a header never fails a
+    call, and an id is only ever decoded when decoding and re-encoding gives back exactly what was sent."""
     if "%" not in value:
         return value
     try:
-        return unquote(value, encoding="utf-8", errors="surrogatepass")
+        decoded = unquote(value, encoding="utf-8", errors="surrogatepass")
     except UnicodeDecodeError:
         return value
+    return decoded if header_value(decoded) == value else value
 
 
 def request_id_metadata(request_id: str) -> tuple[tuple[str, str], ...]:

@@ -37,6 +37,9 @@ log = structlog.get_logger()
 _INFER_METHODS = frozenset({"/inference.GRPCInferenceService/ModelInfer", "/splitstream.v1.Router/Infer"})
 #: Headers the core reads; everything else in the client's metadata is ignored.
 _WANTED_HEADERS = frozenset({REQUEST_ID_HEADER, VERSION_HEADER})
+#: Where :meth:`RouterServicer._headers` keeps the ``x-request-id`` value as the client sent it (for the
+#: trailer), beside the decoded id the core reads; not a header name a client can send (upper case).
+_SENT_ID = "X-SENT-REQUEST-ID"
 
 
 class RouterServicer:
@@ -78,15 +81,16 @@ class RouterServicer:
         """Every call ends with a status: a bug of ours is INTERNAL (never grpc's UNKNOWN with a Python
         class name), and trailers gRPC could refuse are never set (see :func:`_trailers`)."""
         metadata = context.invocation_metadata() or ()
+        headers = self._headers(metadata)
         try:
-            outcome = await self.core.infer(request, self._headers(metadata), context.time_remaining())
+            outcome = await self.core.infer(request, headers, context.time_remaining())
         except Exception:
             log.exception("router call failed")
             await context.abort(*status_of(RuntimeError()))
             raise AssertionError("unreachable: abort raises") from None
         if outcome.model != UNKNOWN_MODEL and self.after_answer is not None:
             self.after_answer(outcome, request, metadata)
-        trailers = _trailers(outcome)
+        trailers = _trailers(outcome, headers.get(_SENT_ID))
         if outcome.response is not None:
             # Trailing, not initial, metadata: it rides with the status, while sending initial
             # metadata early costs an extra batch of operations (~0.1 ms a call, measured).
@@ -104,7 +108,8 @@ class RouterServicer:
             if (key in _WANTED_HEADERS or key in routing_headers) and isinstance(value, str):
                 headers[key] = value
         if REQUEST_ID_HEADER in headers:
-            headers[REQUEST_ID_HEADER] = from_header_value(headers[REQUEST_ID_HEADER])
+            headers[_SENT_ID] = sent = headers[REQUEST_ID_HEADER]
+            headers[REQUEST_ID_HEADER] = from_header_value(sent)
         return headers
 
     async def server_live(self, request: oip.ServerLiveRequest, context: Any) -> oip.ServerLiveResponse:
@@ -208,11 +213,15 @@ class CountReceived(aio.ServerInterceptor):
         return await continuation(handler_call_details)
 
 
-def _trailers(outcome: CallOutcome) -> tuple[tuple[str, str], ...]:
+def _trailers(outcome: CallOutcome, sent_id: str | None) -> tuple[tuple[str, str], ...]:
     """The response's trailers, every value through :func:`header_value`: gRPC core refuses a value that
     is not printable ASCII, and a refused trailer turns the answer into INTERNAL "Invalid metadata"; an id
-    too long for a header is left out (the response's ``id`` field has it)."""
-    trailers = request_id_metadata(outcome.request_id)
+    too long for a header is left out (the response's ``id`` field has it). An id the client sent as a
+    header comes back as sent (it is valid metadata already), so ``a%41`` is echoed as ``a%41``."""
+    if sent_id is not None and from_header_value(sent_id) == outcome.request_id:
+        trailers: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, sent_id),)
+    else:
+        trailers = request_id_metadata(outcome.request_id)
     if outcome.version:
         trailers = ((VERSION_HEADER, header_value(outcome.version)), *trailers)
     return trailers
