@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from splitstream.common.experiment import Experiment
-from splitstream.common.registry import ModelEntry, RegistryState
+from splitstream.common.registry import FileRegistry, ModelEntry, RegistryState
 from splitstream.common.registry.removal import refused_removal
 
 
@@ -46,3 +48,22 @@ def test_models_named_for_removal_may_go_serving_or_not() -> None:
 def test_adding_models_or_changing_endpoints_is_no_removal() -> None:
     assert refused_removal(state(a=("h:1",)), state(a=("h:9",), b=("h:2",))) is None
     assert refused_removal(state(a=("h:1",)), state(a=())) is None  # endpoints gone is an outage, not a removal
+
+
+async def test_a_watch_started_again_still_refuses_a_file_that_drops_every_model(tmp_path: Path) -> None:
+    """The router starts a new watch after one fails; the last accepted state must outlive the old watch,
+    or the new watch's first read of a half-saved file would drop every model (issue 11, fault 3)."""
+    path = tmp_path / "registry.yaml"
+    path.write_text("models:\n  m:\n    endpoints: {v1: ['127.0.0.1:9001']}\n")
+    registry = FileRegistry(path, poll_interval_s=0.01)
+    first = registry.watch()
+    assert (await anext(first)).state is not None
+    await first.aclose()
+    path.write_text("models: {}\n")
+    again = registry.watch()
+    try:
+        update = await anext(again)
+    finally:
+        await again.aclose()
+    assert update.state is None
+    assert "remove_models" in (update.error or "")

@@ -310,9 +310,12 @@ class ConsulRegistry:
         self.address = address
         self.settings = settings or WatchSettings()
         self.description = address.description
+        # The registry's, not one watch's: a watch the router restarts must still refuse dropping a
+        # serving model, so the last accepted state outlives the watch that accepted it.
+        self._guard = RemovalGuard(how_to_remove=HOW_TO_REMOVE)
 
     async def watch(self) -> AsyncIterator[RegistryUpdate]:
-        session = _WatchSession(self.address, self.settings)
+        session = _WatchSession(self.address, self.settings, self._guard)
         try:
             async for update in session.updates():
                 yield update
@@ -323,7 +326,7 @@ class ConsulRegistry:
 class _WatchSession:
     """Blocking-query loops that fill in the latest answers, and one generator that turns them into updates."""
 
-    def __init__(self, address: ConsulAddress, settings: WatchSettings) -> None:
+    def __init__(self, address: ConsulAddress, settings: WatchSettings, guard: RemovalGuard) -> None:
         self.address = address
         self.settings = settings
         self.changed = asyncio.Event()
@@ -336,7 +339,7 @@ class _WatchSession:
         self.good_experiments: dict[str, tuple[bytes | None, Experiment]] = {}
         self.last_endpoints: dict[str, dict[str, tuple[str, ...]]] = {}
         self.defaulted: frozenset[str] = frozenset()
-        self.guard = RemovalGuard(how_to_remove=HOW_TO_REMOVE)
+        self.guard = guard
 
     def close(self) -> None:
         for task in self.tasks.values():

@@ -104,6 +104,9 @@ class FileRegistry:
         self.path = Path(path)
         self.poll_interval_s = poll_interval_s
         self.description = f"file:{self.path}"
+        # The registry's, not one watch's: a watch the router restarts must still refuse dropping a
+        # serving model, so the last accepted state outlives the watch that accepted it.
+        self._guard = RemovalGuard(how_to_remove=HOW_TO_REMOVE)
 
     async def watch(self) -> AsyncIterator[RegistryUpdate]:
         """Yield an update per change of the file; survives anything a file or its reading can do.
@@ -114,7 +117,7 @@ class FileRegistry:
         """
         last_signature: tuple[int, int, int] | None = None
         last_error: str | None = None
-        guard = RemovalGuard(how_to_remove=HOW_TO_REMOVE)
+        guard = self._guard
         while True:
             update: RegistryUpdate | None = None
             try:
