@@ -27,7 +27,7 @@ MODEL = "affine"
 #: The two names of the one handler.
 INFER_METHODS = ("/inference.GRPCInferenceService/ModelInfer", "/splitstream.v1.Router/Infer")
 #: The fuzzed call's deadline; the worker answers a valid call in milliseconds, so only a hang reaches it.
-DEADLINE_S = 3.0
+DEADLINE_S = 10.0
 
 
 class Fuzzed:

@@ -37,7 +37,7 @@ TYPED_METHODS = (
     "/grpc.health.v1.Health/Check",
 )
 #: The fuzzed call's deadline; the worker answers a valid call in milliseconds, so only a hang reaches it.
-DEADLINE_S = 3.0
+DEADLINE_S = 10.0
 #: No client input is a server fault: UNKNOWN is an exception grpc caught, INTERNAL one we caught,
 #: DEADLINE_EXCEEDED a call left unanswered.
 FAULTS = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
