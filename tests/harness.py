@@ -97,7 +97,11 @@ class ServiceProcess:
                 cwd=ROOT,
             )
         if wait_serving:
-            self.wait_serving(timeout_s=timeout_s)
+            try:
+                self.wait_serving(timeout_s=timeout_s)
+            except BaseException:
+                self.stop()  # a start that failed leaves no process behind
+                raise
         return self
 
     def wait_serving(self, *, timeout_s: float = 30.0) -> None:

@@ -51,31 +51,35 @@ class RecordingStack:
         # Persistent, as production Redis is: a stop and restart keeps what was written.
         self.redis = RedisServer(tmp / "redis", config=("--appendonly", "yes", "--appendfsync", "always")).start()
         self.stack = Stack(tmp)
-        self.recorder_port = free_port()
-        self.recorder_args = recorder_args
-        self.recorder = self._recorder()
-        repository = tmp / "models"
-        versions = versions or {"v1": {"scale": 2.0}}
-        self.workers = {}
-        for version, spec in versions.items():
-            add_version(
-                repository,
-                MODEL,
-                version,
-                scale=spec["scale"],
-                bias=spec.get("bias", 0.0),
-                config=spec.get("config"),
-                score=spec.get("score", False),
-            )
-            self.workers[version] = self.stack.worker(repository, MODEL, version)
-        registry = tmp / "registry.yaml"
-        model: dict = {"endpoints": {v: [w.address] for v, w in self.workers.items()}}
-        if experiment:
-            model["experiment"] = experiment
-        write_registry(registry, {MODEL: model})
-        self.registry = registry
-        self.spool_dir = tmp / "spool"
-        self.router = self.start_router(*router_args)
+        try:
+            self.recorder_port = free_port()
+            self.recorder_args = recorder_args
+            self.recorder = self._recorder()
+            repository = tmp / "models"
+            versions = versions or {"v1": {"scale": 2.0}}
+            self.workers = {}
+            for version, spec in versions.items():
+                add_version(
+                    repository,
+                    MODEL,
+                    version,
+                    scale=spec["scale"],
+                    bias=spec.get("bias", 0.0),
+                    config=spec.get("config"),
+                    score=spec.get("score", False),
+                )
+                self.workers[version] = self.stack.worker(repository, MODEL, version)
+            registry = tmp / "registry.yaml"
+            model: dict = {"endpoints": {v: [w.address] for v, w in self.workers.items()}}
+            if experiment:
+                model["experiment"] = experiment
+            write_registry(registry, {MODEL: model})
+            self.registry = registry
+            self.spool_dir = tmp / "spool"
+            self.router = self.start_router(*router_args)
+        except BaseException:
+            self.close()  # a part that failed to start leaves none of the others running
+            raise
 
     def start_router(self, *extra: str) -> ServiceProcess:
         """A router recording to this stack's recorder, spooling to this stack's spool directory."""
