@@ -7,6 +7,7 @@ approximate trimming is close to exact) and its own recorder. A few logic tests
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import os
@@ -525,6 +526,24 @@ async def test_redis_refusing_writes_at_maxmemory_makes_the_recorder_not_serving
         recorder.stop()
         await client.aclose()
         server.stop()
+
+
+async def test_a_stream_key_of_the_wrong_type_fails_that_batch_and_leaves_the_recorder_serving(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    """WRONGTYPE is about one key, not about Redis: every other model's records are still written, and
+    health stays SERVING (it had gone NOT_SERVING for every model, as if Redis refused all writes)."""
+    recorder = start_recorder("--health-interval-s", "0.2")
+    await redis.set("splitstream:calls:broken", "not a stream")
+    error = await rpc_error(send(recorder.address, batch(1, call_record("to-broken", model="broken"))))
+    assert error.code() == StatusCode.INTERNAL
+    assert "WRONGTYPE" in (error.details() or "")
+    (ack,) = await send(recorder.address, batch(2, call_record("to-resnet")))
+    assert ack.written == 1
+    for _ in range(5):  # several health intervals: it never goes NOT_SERVING
+        assert health_status(recorder.address) == SERVING
+        assert metric(recorder, "splitstream_recorder_redis_writable") == 1
+        await asyncio.sleep(0.2)
 
 
 async def test_a_password_in_the_redis_url_reaches_a_protected_redis_and_stays_out_of_the_log(

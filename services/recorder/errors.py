@@ -20,3 +20,9 @@ class StoreUnavailable(SplitstreamError):
     router's resend may duplicate them (readers drop duplicates by request id)."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class StoreRefused(SplitstreamError):
+    """Redis answered an error reply about this batch's own keys (WRONGTYPE on one stream, say), while it
+    still takes other writes → INTERNAL: the router resends it, then halves it down to the records at
+    fault; the recorder stays SERVING for every other model."""

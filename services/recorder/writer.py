@@ -28,10 +28,20 @@ from dataclasses import dataclass
 from typing import Any, NoReturn, cast
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from splitstream.common.records import blob_key
-from splitstream.recorder.errors import StoreUnavailable
+from splitstream.recorder.errors import StoreRefused, StoreUnavailable
+
+#: Error codes (beside redis-py's OutOfMemoryError and ReadOnlyError, whose code it strips from the
+#: message) that mean Redis takes no write at all now: failed persistence, too few replicas, no master.
+_REFUSAL_CODES = ("MISCONF", "NOREPLICAS", "MASTERDOWN")
+
+
+def _refuses_every_write(error: ResponseError) -> bool:
+    """Redis refuses every write (full under noeviction, a read-only replica, ...): NOT_SERVING until a
+    write succeeds. Any other error reply (WRONGTYPE on one stream key) is about the batch, not Redis."""
+    return isinstance(error, OutOfMemoryError | ReadOnlyError) or any(code in str(error) for code in _REFUSAL_CODES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +106,10 @@ class RedisWriter:
         """Write ``batch``; returns only after Redis confirmed every command. Raises :class:`StoreUnavailable`."""
         try:
             result = await self._write(batch)
-        except ResponseError as error:  # an error reply: Redis is up, but refuses (OOM, READONLY, MISCONF)
-            self._refusing(error)
+        except ResponseError as error:  # an error reply: Redis is up, but refuses
+            if _refuses_every_write(error):
+                self._refusing(error)
+            raise StoreRefused(f"redis refused this batch: {_describe(error)}") from error
         except (RedisError, OSError, TimeoutError) as error:
             raise StoreUnavailable(f"redis write failed: {_describe(error)}") from error
         self._accepting()
