@@ -77,10 +77,15 @@ class BatchCutter:
             return [part for piece, count in self._split(batch) for part in self.parts(piece, count)]
         return [(batch, records if records is not None else count_records(batch))]
 
+    @property
+    def record_limit(self) -> int:
+        """The largest serialized record a batch of one can hold under the cap."""
+        return self.max_bytes - BATCH_OVERHEAD - RECORD_OVERHEAD
+
     def fit(self, record: bytes) -> bytes | None:
         """``record`` as it can be sent alone: itself if under the cap, else without its largest payloads
         (named in :data:`PAYLOAD_DROPPED_TAG`), else None (dropped: too large even so)."""
-        limit = self.max_bytes - BATCH_OVERHEAD - RECORD_OVERHEAD
+        limit = self.record_limit
         if len(record) <= limit:
             return record
         message = recorder_pb2.CallRecord.FromString(record)
