@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import math
 import signal
@@ -142,16 +143,7 @@ class ServerSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
         """The settings from flags added by :func:`add_server_arguments`."""
-        return cls(
-            host=args.host,
-            port=args.port,
-            metrics_host=args.metrics_host,
-            metrics_port=args.metrics_port,
-            log_level=args.log_level,
-            drain_delay_s=args.drain_delay_s,
-            shutdown_grace_s=args.shutdown_grace_s,
-            max_message_bytes=args.max_message_bytes,
-        )
+        return cls(**{name: getattr(args, name) for name in SERVER_ARGUMENTS})
 
     @property
     def grpc_address(self) -> str:
@@ -166,19 +158,8 @@ class ServerSettings:
         ]
 
 
-#: The argparse destinations :func:`add_server_arguments` adds (what :meth:`ServerSettings.from_args` reads).
-SERVER_ARGUMENTS = frozenset(
-    (
-        "host",
-        "port",
-        "metrics_host",
-        "metrics_port",
-        "log_level",
-        "drain_delay_s",
-        "shutdown_grace_s",
-        "max_message_bytes",
-    )
-)
+#: The argparse destinations :func:`add_server_arguments` adds: one per :class:`ServerSettings` field.
+SERVER_ARGUMENTS = frozenset(field.name for field in dataclasses.fields(ServerSettings))
 
 
 class Runtime:

@@ -17,6 +17,9 @@ REDACTED = "***"
 #: Query parameters that carry credentials in connection URLs (redis-py reads ``password`` and ``username``).
 _SECRET_QUERY_KEYS = frozenset({"password", "pass", "pwd", "token", "secret", "access_token", "auth"})
 
+#: ``password=…`` (any of the keys above) anywhere in a text: one list of names for URLs and messages alike.
+_SECRET_ASSIGNMENT = re.compile(rf"(?i)\b({'|'.join(sorted(_SECRET_QUERY_KEYS, key=len, reverse=True))})=[^&\s'\"]*")
+
 #: ``scheme://user:password@`` anywhere in a text, for messages that embed a URL (library errors quote them).
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/@\s]*)@")
 
@@ -58,4 +61,4 @@ def redact_url(url: str) -> str:
 def redact_text(text: str) -> str:
     """``text`` with the userinfo of every URL in it and every ``password=…`` value replaced by ``***``."""
     text = _USERINFO.sub(lambda match: f"{match['scheme']}{REDACTED}@", text)
-    return re.sub(r"(?i)\b(password|pass|pwd|token|secret|access_token|auth)=[^&\s'\"]*", rf"\1={REDACTED}", text)
+    return _SECRET_ASSIGNMENT.sub(rf"\1={REDACTED}", text)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
@@ -306,7 +307,7 @@ def _output_names(response: bytes | None) -> tuple[str, ...]:
     """The names of the response's outputs, sorted (none when it does not parse): what was not compared."""
     try:
         return tuple(sorted({output.name for output in oip.ModelInferResponse.FromString(response or b"").outputs}))
-    except Exception:  # DecodeError: nothing to name
+    except DecodeError:  # nothing to name
         return ()
 
 

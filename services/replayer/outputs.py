@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from splitstream.common.files import atomic_write
 from splitstream.replayer.summary import Summary
 
 
@@ -56,7 +57,5 @@ class ResultsWriter:
 
 
 def write_summary(path: Path, summary: Summary) -> None:
-    """Write atomically (temp file + rename), so a reader never sees half a summary."""
-    staging = path.with_suffix(".json.tmp")
-    staging.write_text(summary.to_json(), encoding="utf-8")
-    staging.replace(path)
+    """Write atomically, so a reader (or a CI step after a crash) never sees half a summary."""
+    atomic_write(path, summary.to_json())

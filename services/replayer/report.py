@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 
+from splitstream.common.files import atomic_write
 from splitstream.replayer.compare import REDACTED_AT_RECORDING, RESPONSE_NOT_RECORDED
 from splitstream.replayer.stats import LogHistogram
 from splitstream.replayer.summary import REQUEST_NOT_RECORDED, Quantiles, Summary
@@ -50,7 +51,7 @@ svg text{font:11px system-ui,sans-serif;fill:#333}
 
 
 def write_report(path: Path, summary: Summary, histograms: Mapping[str, LogHistogram]) -> None:
-    path.write_text(render(summary, histograms), encoding="utf-8")
+    atomic_write(path, render(summary, histograms))
 
 
 def render(summary: Summary, histograms: Mapping[str, LogHistogram]) -> str:

@@ -179,7 +179,7 @@ def build_parser() -> EnvArgumentParser:
     recording.add_argument(
         "--record-batch-max-bytes",
         type=int,
-        default=64 * 1024 * 1024,
+        default=MirrorSettings.batch_max_bytes,
         help="largest record batch sent to the recorder; keep it below the recorder's --max-message-bytes "
         "(128 MiB); a call whose record is larger alone is recorded without its largest payloads "
         "(tag splitstream.payload-dropped)",

@@ -133,7 +133,6 @@ class Worker(Service):
             logger=logger,
         )
         self._registration: ConsulRegistration | None = None
-        self._draining = False
 
     def health_names(self) -> Sequence[str]:
         return (self._settings.model,)
@@ -154,8 +153,6 @@ class Worker(Service):
         except Exception:
             self._logger.exception("warm-up inference failed; health stays NOT_SERVING")
             return
-        if self._draining:
-            return
         await runtime.set_serving(True)
         self._logger.info("serving", batching=self.model.config.batching)
         registration = self._settings.registration
@@ -174,7 +171,6 @@ class Worker(Service):
         """Leave rotation: ServerReady and ModelReady answer false (health is NOT_SERVING already);
         if registered in Consul, deregister (at most a few seconds), so routers drop this worker
         before it stops taking calls."""
-        self._draining = True
         self.model.start_draining()
         if self._registration is not None:
             await self._registration.stop()
