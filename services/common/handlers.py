@@ -60,13 +60,22 @@ class ParseRequests(aio.ServerInterceptor):
     server with one interceptor already, the cost was within the noise of an echo call (0.41 against
     0.43 ms CPU at best, client and server in one process, 5 rounds of 3000 calls, measured)."""
 
+    def __init__(self) -> None:
+        # Registered handlers are the same objects call after call: each is adapted once, not per call.
+        self._adapted: dict[grpc.RpcMethodHandler, grpc.RpcMethodHandler] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        return parsing_in_handler(handler) if handler is not None else handler
+        if handler is None:
+            return handler
+        adapted = self._adapted.get(handler)
+        if adapted is None:
+            adapted = self._adapted[handler] = parsing_in_handler(handler)
+        return adapted
 
 
 def parsing_in_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
