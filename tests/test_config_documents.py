@@ -229,3 +229,17 @@ def test_any_json_value_anywhere_in_a_registry_is_a_state_or_a_config_error(path
         text = json.dumps(replaced(experiment(), path[3:], value)).encode()
         _, error = attempt(lambda: decode_experiment(MODEL, text))
         assert error is None or "\n" not in str(error)
+
+
+@pytest.mark.parametrize("address", ["bad host:9001", "host:99999", "host:0", "host:80o3", ":9001", "host", "unix:"])
+def test_an_endpoint_that_is_no_address_to_dial_is_refused_naming_it(address: str) -> None:
+    """Found by probing: ``"bad host:99999"`` was accepted (only a colon was checked) and dialled for ever."""
+    document = {"models": {"m": {"endpoints": {"v1": [address]}}}}
+    with pytest.raises(ConfigError, match=r"models\.m\.endpoints\.v1\[0\]: .*expected host:port"):
+        parse_registry(document)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:9001", "worker-a:9001", "[::1]:9001", "unix:/run/worker.sock"])
+def test_addresses_grpc_dials_are_accepted_as_endpoints(address: str) -> None:
+    state = parse_registry({"models": {"m": {"endpoints": {"v1": [address]}}}})
+    assert state.models["m"].endpoints["v1"] == (address,)

@@ -23,6 +23,7 @@ from pathlib import Path
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from splitstream.common.addresses import check_address
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
 from splitstream.common.headers import header_value
@@ -236,9 +237,10 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             raise ValueError(f"--pin-version {args.pin_version!r} is not a version name (printable ASCII, no %)")
         targets = (args.target,) + ((args.compare_to,) if args.compare_to else ())
         for address in targets:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"bad target {address!r} (expected host:port, port 1..65535)")
+            try:
+                check_address(address)
+            except ValueError:
+                raise ValueError(f"bad target {address!r} (expected host:port, port 1..65535, or unix:PATH)") from None
         settings = ReplaySettings(
             targets=targets,
             speed=speed,

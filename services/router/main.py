@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import structlog
 from grpc import aio
 
+from splitstream.common.addresses import check_address
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
@@ -79,9 +80,10 @@ class RouterConfig:
         if self.recorder:
             # A typo here ("recorder:80o3", "a b") was accepted: the router served, spooled every call
             # and only logged that the recorder was unreachable (found by probing).
-            host, colon, port = self.recorder.rpartition(":")
-            if not (colon and host and not any(c.isspace() for c in host) and port.isdigit() and 0 < int(port) < 65536):
-                raise ConfigError(f"--recorder: expected host:port with a port within 1..65535, got {self.recorder!r}")
+            try:
+                check_address(self.recorder)
+            except ValueError as error:
+                raise ConfigError(f"--recorder: {error}") from None
         if self.recorder and not self.hmac_key:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         for flag, count in (

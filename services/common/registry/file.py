@@ -38,6 +38,7 @@ import structlog
 import yaml
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
+from splitstream.common.addresses import check_address
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment, ExperimentDocument, VersionName
 from splitstream.common.names import check_model_name
@@ -56,14 +57,8 @@ def _model_name(name: str) -> str:
     return name
 
 
-def _address(address: str) -> str:
-    if ":" not in address:
-        raise ValueError("must be host:port")
-    return address
-
-
 ModelName = Annotated[str, AfterValidator(_model_name)]
-Address = Annotated[str, AfterValidator(_address)]
+Address = Annotated[str, AfterValidator(check_address)]
 #: One address may be written without the list around it (``v1: 127.0.0.1:9001``).
 Addresses = Annotated[list[Address], BeforeValidator(lambda value: [value] if isinstance(value, str) else value)]
 
