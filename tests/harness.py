@@ -27,11 +27,23 @@ from tests.models import add_version
 ROOT = Path(__file__).resolve().parent.parent
 
 
+_PORTS_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port nothing listens on, never the same one twice in a test run.
+
+    The kernel may give the same ephemeral port to two binds in a row once the first socket is
+    closed, so a worker asked for a gRPC port and a metrics port could be handed one port twice
+    and fail to start (seen in CI).
+    """
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port: int = sock.getsockname()[1]
+        if port not in _PORTS_HANDED_OUT:
+            _PORTS_HANDED_OUT.add(port)
+            return port
 
 
 def wait_for(condition: Any, *, timeout_s: float, interval_s: float = 0.05, what: str = "condition") -> Any:
