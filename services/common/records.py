@@ -1,9 +1,12 @@
 """Reading recorded calls back from Redis: the one place that knows the recorder's layout.
 
 The recorder writes each call to the stream ``splitstream:calls:<model>`` (fields
-``request_id``, ``time_ns``, ``model``, ``version``, ``status``, ``latency_ms`` and
-``record``, the serialized CallRecord), and payloads over its threshold once to
-``splitstream:blob:<sha256>``. The recorder, the replayer and tests read and write through
+``request_id``, ``time_ns``, ``model``, ``version``, ``status``, ``latency_ms``, ``arm``,
+``assignment``, ``phase``, ``unit`` and ``record``, the serialized CallRecord), payloads over
+its threshold once to ``splitstream:blob:<sha256>``, and each outcome event to the stream
+``splitstream:feedback:<model>`` (fields of :func:`feedback_entry_fields`, no protobuf: the
+analysis reads them column by column). The readable fields let readers filter and analyse
+without parsing records. The recorder, the replayer and tests read and write through
 these helpers so the layout lives in one module. Clients must use ``decode_responses=False``:
 records and blobs are binary. (Helpers only tests need, such as reading whole records back,
 live in ``tests/records.py``.)
@@ -19,9 +22,10 @@ from typing import NoReturn, cast
 
 from redis.asyncio import Redis
 
-from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 
 STREAM_PREFIX = "splitstream:calls:"
+FEEDBACK_PREFIX = "splitstream:feedback:"
 BLOB_PREFIX = "splitstream:blob:"
 #: The tag (``CallRecord.tags``) in which the recorder names, comma-separated, the outputs it dropped
 #: or masked in the record's ``response``: their recorded values are not what the model answered, so a
@@ -95,6 +99,15 @@ def stream_key(model: str) -> str:
     return STREAM_PREFIX + model
 
 
+def feedback_key(model: str) -> str:
+    return FEEDBACK_PREFIX + model
+
+
+def assignment_name(assignment: int) -> str:
+    """``ASSIGNMENT_HASH`` → ``"hash"``; records older than the field read ``"unspecified"``."""
+    return recorder_pb2.Assignment.Name(assignment).removeprefix("ASSIGNMENT_").lower()
+
+
 def blob_key(sha256_hex: str) -> str:
     return BLOB_PREFIX + sha256_hex
 
@@ -121,7 +134,25 @@ def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
         "version": record.version,
         "status": status_name(record.status_code),
         "latency_ms": f"{record.latency_ns / 1e6:.3f}",
+        "arm": record.arm,
+        "assignment": assignment_name(record.assignment),
+        "phase": record.phase.id,
+        # The unit of analysis: the routing key's HMAC; empty for a call without a key.
+        "unit": record.routing_key_hmac,
         "record": record.SerializeToString(),
+    }
+
+
+def feedback_entry_fields(event: feedback_pb2.FeedbackEvent) -> dict[str, str | bytes]:
+    """The stream entry the recorder writes for one outcome event (its routing key already an HMAC)."""
+    return {
+        "request_id": event.request_id,
+        "unit": event.routing_key_hmac,
+        "metric": event.metric,
+        "value": repr(event.value),
+        "event_ns": str(event.event_unix_ns or event.receive_unix_ns),
+        "receive_ns": str(event.receive_unix_ns),
+        "idempotency_key": event.idempotency_key,
     }
 
 
