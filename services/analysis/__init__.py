@@ -1,0 +1,1 @@
+"""A/B verdicts: exposures from the call records joined with outcome feedback, analysed per unit."""
