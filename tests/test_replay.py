@@ -38,8 +38,10 @@ import pytest
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import entry_fields, stream_key
 from splitstream.replayer.main import main as replay_main
+from splitstream.replayer.report import CANDIDATE_COLOR, REFERENCE_COLOR
 from splitstream.replayer.selection import Selection
 from splitstream.replayer.summary import Summary
+from tests.browser import needs_chromium, pixels_of, screenshot
 from tests.harness import ROOT, InferClient, free_port, make_request, wait_for
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
 
@@ -663,30 +665,18 @@ def test_the_gate_exits_0_when_every_bound_holds_and_1_listing_those_that_fail(
     ]
 
 
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="headless Chromium is not installed")
-def test_the_report_renders_offline_in_headless_chromium(traffic: Traffic, tmp_path: Path) -> None:
+@needs_chromium
+def test_the_report_renders_offline_in_headless_chromium_with_its_charts_drawn(
+    traffic: Traffic, tmp_path: Path
+) -> None:
     run = replay(traffic, tmp_path, "--target", traffic.stack.workers["v2"].address, *traffic.window_args("B"))
     assert run.code == 0, run.stderr
-    screenshot = tmp_path / "report.png"
-    subprocess.run(
-        [
-            "chromium",
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--hide-scrollbars",
-            f"--screenshot={screenshot}",
-            "--window-size=1200,2600",
-            (tmp_path / "report.html").as_uri(),
-        ],
-        capture_output=True,
-        timeout=60,
-        check=True,
-    )
-    png = screenshot.read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    assert int.from_bytes(png[16:20], "big") == 1200  # IHDR width
-    assert len(png) > 50_000  # charts and tables, not a blank page
+    image = screenshot(tmp_path / "report.html", tmp_path / "report.png")
+    assert image.shape == (2600, 1200, 3)
+    # The latency charts draw the recorded calls in the reference colour and the replayed ones in the
+    # candidate colour: a page whose SVG did not render has (almost) none of either.
+    assert pixels_of(image, REFERENCE_COLOR) > 500
+    assert pixels_of(image, CANDIDATE_COLOR) > 500
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
