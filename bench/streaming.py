@@ -1,0 +1,213 @@
+"""Token streams: time to first token, inter-token latency and tokens/s, direct to a worker and through the router.
+
+One run, one worker serving the demo's bigram (v1 of demo/language.py, stepped by in-flight
+batching) and a router in front of it on a file registry. For 1 and 16 concurrent streams, each
+caller opens a ``ModelStreamInfer`` stream, sends one request for 64 tokens (greedy), reads its
+64 responses and starts over, for ``--seconds``; paths are measured in rotated rounds so machine
+noise hits them alike. Printed per path: TTFT p50/p99 (request sent → first token), ITL p50/p99
+(gap between consecutive tokens of a stream), tokens/s, the router's CPU per token (from /proc),
+and the ratios the targets are stated in: router TTFT p50 minus direct at 1 stream (target <= 1 ms)
+and router tokens/s over direct at 16 streams (target >= 0.8). The direct rows' tokens/s from 1 to
+16 streams is what in-flight batching buys.
+
+When the router does not serve ModelStreamInfer (it answers UNIMPLEMENTED), its rows are skipped
+and the script says so.
+
+    .venv/bin/python bench/streaming.py [--seconds 3] [--rounds 3] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc import aio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.loadgen import cpu_seconds, rotated
+from demo import language
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from tests.harness import Stack, write_registry
+from tests.streams import generation_request
+
+MODEL = "writer"
+METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+
+
+@dataclass
+class Result:
+    ttfts_s: list[float] = field(default_factory=list)
+    itls_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+async def one_stream(call_factory: aio.StreamStreamMultiCallable, request: bytes, tokens: int, into: Result) -> None:
+    """One stream, one request; its TTFT and ITLs go ``into`` the result."""
+    call = call_factory(timeout=60)
+    sent = time.perf_counter()
+    await call.write(request)
+    await call.done_writing()
+    last = sent
+    count = 0
+    async for data in call:
+        now = time.perf_counter()
+        response = oip.ModelStreamInferResponse.FromString(data)
+        if response.error_message:
+            raise RuntimeError(f"stream answered an error: {response.error_message}")
+        if count == 0:
+            into.ttfts_s.append(now - sent)
+        else:
+            into.itls_s.append(now - last)
+        last = now
+        count += 1
+    if count != tokens:
+        raise RuntimeError(f"expected {tokens} responses, got {count}")
+    into.tokens += count
+
+
+async def drive(address: str, request: bytes, tokens: int, concurrency: int, seconds: float, pids: list[int]) -> Result:
+    """``concurrency`` callers, each opening the next stream when the last ended, for ``seconds``."""
+    result = Result()
+    async with aio.insecure_channel(address) as channel:
+        call_factory = channel.stream_stream(METHOD)
+        for _ in range(3):  # warm the connection and the path
+            await one_stream(call_factory, request, tokens, Result())
+        stop_at = time.perf_counter() + seconds
+        cpu_before = cpu_seconds(pids) if pids else 0.0
+
+        async def caller() -> None:
+            while time.perf_counter() < stop_at:
+                await one_stream(call_factory, request, tokens, result)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        result.wall_s = time.perf_counter() - started
+        result.cpu_s = (cpu_seconds(pids) - cpu_before) if pids else 0.0
+    return result
+
+
+@dataclass
+class Summary:
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    cpu_us_per_token: float
+    round_ttft_p50s_ms: list[float]
+
+    @classmethod
+    def of(cls, results: list[Result]) -> Summary:
+        ttfts = [x for r in results for x in r.ttfts_s]
+        itls = [x for r in results for x in r.itls_s]
+        tokens = sum(r.tokens for r in results)
+        return cls(
+            tokens_per_s=tokens / sum(r.wall_s for r in results),
+            ttft_p50_ms=float(np.percentile(ttfts, 50)) * 1000,
+            ttft_p99_ms=float(np.percentile(ttfts, 99)) * 1000,
+            itl_p50_ms=float(np.percentile(itls, 50)) * 1000,
+            itl_p99_ms=float(np.percentile(itls, 99)) * 1000,
+            cpu_us_per_token=sum(r.cpu_s for r in results) / tokens * 1e6,
+            round_ttft_p50s_ms=[float(np.percentile(r.ttfts_s, 50)) * 1000 for r in results],
+        )
+
+
+def router_streams(address: str, request: bytes) -> str | None:
+    """None when the router serves ModelStreamInfer; otherwise why not."""
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(METHOD)
+        try:
+            for data in call(iter([request]), timeout=10):
+                response = oip.ModelStreamInferResponse.FromString(data)
+                if response.error_message:
+                    return f"it answered error_message {response.error_message!r}"
+        except grpc.RpcError as error:
+            return f"it answered {error.code().name}: {error.details()}"
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per path, round and load")
+    parser.add_argument("--rounds", type=int, default=3, help="rotated rounds per load")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens per stream (max_tokens)")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
+    repository = tmp / "models"
+    language.write_version(repository, MODEL, "v1", order=language.ORDERS["v1"])
+    stack = Stack(tmp)
+    try:
+        worker = stack.worker(repository, MODEL, "v1", "--log-level", "WARNING")
+        registry = tmp / "registry.yaml"
+        write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
+        router = stack.router(registry, "--log-level", "WARNING")
+        request = generation_request(MODEL, "The ", args.tokens).SerializeToString()
+        paths: dict[str, tuple[str, list[int]]] = {"direct": (worker.address, [])}
+        skipped = router_streams(router.address, request)
+        if skipped is None:
+            paths["router"] = (router.address, [router.process.pid])  # type: ignore[union-attr]
+
+        print(
+            f"token streams: {args.rounds} rounds x {args.seconds:g} s per path and load; {args.tokens} tokens a "
+            f"stream, greedy, byte bigram (v1); {os.cpu_count()} CPUs"
+        )
+        if skipped is not None:
+            print(f"router rows skipped: the router does not serve ModelStreamInfer ({skipped})")
+        print()
+        header = (
+            f"{'streams':>7} {'path':<7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
+            f"{'ITL p99':>8} {'+TTFT p50':>10} {'x direct':>9} {'CPU us/token':>13}"
+        )
+        print("latencies in ms; x direct: tokens/s over the direct path's; CPU: the router process's")
+        print(header)
+        print("-" * len(header))
+        direct_rates: dict[int, float] = {}
+        for concurrency in (1, 16):
+            merged: dict[str, list[Result]] = {name: [] for name in paths}
+            for round_index in range(args.rounds):
+                for name in rotated(list(paths), round_index):
+                    address, pids = paths[name]
+                    merged[name].append(
+                        asyncio.run(drive(address, request, args.tokens, concurrency, args.seconds, pids))
+                    )
+            summary = {name: Summary.of(results) for name, results in merged.items()}
+            direct = summary["direct"]
+            direct_rates[concurrency] = direct.tokens_per_s
+            for name, x in summary.items():
+                added = "" if name == "direct" else f"{x.ttft_p50_ms - direct.ttft_p50_ms:10.3f}"
+                ratio = "" if name == "direct" else f"{x.tokens_per_s / direct.tokens_per_s:9.2f}"
+                cpu = "" if name == "direct" else f"{x.cpu_us_per_token:13.0f}"
+                print(
+                    f"{concurrency:>7} {name:<7} {x.tokens_per_s:9.0f} {x.ttft_p50_ms:9.3f} {x.ttft_p99_ms:9.3f} "
+                    f"{x.itl_p50_ms:8.3f} {x.itl_p99_ms:8.3f} {added:>10} {ratio:>9} {cpu:>13}"
+                )
+            spread = {n: statistics.pstdev(x.round_ttft_p50s_ms) for n, x in summary.items()}
+            spreads = ", ".join(f"{n} {v:.3f}" for n, v in spread.items())
+            print(f"{'':>7} TTFT p50 spread across rounds (ms): {spreads}")
+            print()
+        print(
+            f"in-flight batching: direct tokens/s at 16 streams is {direct_rates[16] / direct_rates[1]:.1f}x "
+            "that at 1 stream"
+        )
+    finally:
+        stack.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
