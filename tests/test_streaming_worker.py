@@ -310,3 +310,37 @@ print(json.dumps(seen))
     assert [final for _, final in tokens] == [False] * 11 + [True]
     assert len(seen["t2"]) == 1
     assert "max_tokens" in seen["t2"][0][0]
+
+
+# -- the TensorRT backend path ----------------------------------------------------------------------
+
+
+def test_a_generative_model_on_the_tensorrt_backend_streams_the_same_text(tmp_path: Path) -> None:
+    """The same next-token graph through the native TensorRT backend (engine built at start; on the fake GPU of
+    tests/fakegpu, so this proves the backend's side of the step interface, not that real TensorRT builds it)."""
+    from tests.fake_gpu import fake_gpu_pythonpath
+
+    language.write_version(
+        tmp_path / "models",
+        MODEL,
+        "v2",
+        order=language.ORDERS["v2"],
+        backend="tensorrt",
+        max_batch_size=8,
+        tensorrt={"build_on_start": True},
+    )
+    stack = Stack(tmp_path)
+    try:
+        env = {**os.environ, "PYTHONPATH": fake_gpu_pythonpath()}
+        worker = stack.worker(tmp_path / "models", MODEL, "v2", env=env)
+        client = StreamClient(worker.address)
+        try:
+            requests = [generation_request(MODEL, f"{n} The ", 24, request_id=f"t{n}") for n in range(10)]
+            answers = client.answers(requests)
+        finally:
+            client.close()
+    finally:
+        stack.close()
+    for n in range(10):
+        assert answers[f"t{n}"].text == greedy_reference("v2", f"{n} The ".encode(), 24)
+        assert answers[f"t{n}"].finals == 1
