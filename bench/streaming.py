@@ -1,14 +1,16 @@
 """Token streams: time to first token, inter-token latency and tokens/s, direct to a worker and through the router.
 
 One run, one worker serving the demo's bigram (v1 of demo/language.py, stepped by in-flight
-batching) and a router in front of it on a file registry. For 1 and 16 concurrent streams, each
-caller opens a ``ModelStreamInfer`` stream, sends one request for 64 tokens (greedy), reads its
-64 responses and starts over, for ``--seconds``; paths are measured in rotated rounds so machine
-noise hits them alike. Printed per path: TTFT p50/p99 (request sent → first token), ITL p50/p99
-(gap between consecutive tokens of a stream), tokens/s, the router's CPU per token (from /proc),
-and the ratios the targets are stated in: router TTFT p50 minus direct at 1 stream (target <= 1 ms)
-and router tokens/s over direct at 16 streams (target >= 0.8). The direct rows' tokens/s from 1 to
-16 streams is what in-flight batching buys.
+batching, up to 64 sequences a step) and a router in front of it on a file registry; beside them a
+worker serving the same model with ``max_batch_size: 1`` ("1 row": one sequence stepped at a time).
+For 1 and 16 concurrent streams, each caller opens a ``ModelStreamInfer`` stream, sends one
+request for 64 tokens (greedy), reads its 64 responses and starts over, for ``--seconds``; paths
+are measured in rotated rounds so machine noise hits them alike. Printed per path: TTFT p50/p99
+(request sent → first token), ITL p50/p99 (gap between consecutive tokens of a stream), tokens/s,
+the router's CPU per token (from /proc), and the ratios the targets are stated in: router TTFT p50
+minus direct at 1 stream (target <= 1 ms) and router tokens/s over direct at 16 streams (target
+>= 0.8). The direct rows' tokens/s from 1 to 16 streams, and direct over "1 row" at 16 streams,
+is what in-flight batching buys.
 
 When the router does not serve ModelStreamInfer (it answers UNIMPLEMENTED), its rows are skipped
 and the script says so.
@@ -149,14 +151,17 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
     repository = tmp / "models"
     language.write_version(repository, MODEL, "v1", order=language.ORDERS["v1"])
+    # The same model on a worker that steps one sequence at a time: what in-flight batching is measured against.
+    language.write_version(repository, MODEL, "one", order=language.ORDERS["v1"], max_batch_size=1)
     stack = Stack(tmp)
     try:
         worker = stack.worker(repository, MODEL, "v1", "--log-level", "WARNING")
+        unbatched = stack.worker(repository, MODEL, "one", "--log-level", "WARNING")
         registry = tmp / "registry.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
         router = stack.router(registry, "--log-level", "WARNING")
         request = generation_request(MODEL, "The ", args.tokens).SerializeToString()
-        paths: dict[str, tuple[str, list[int]]] = {"direct": (worker.address, [])}
+        paths: dict[str, tuple[str, list[int]]] = {"direct": (worker.address, []), "1 row": (unbatched.address, [])}
         skipped = router_streams(router.address, request)
         if skipped is None:
             paths["router"] = (router.address, [router.process.pid])  # type: ignore[union-attr]
@@ -172,7 +177,10 @@ def main() -> int:
             f"{'streams':>7} {'path':<7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} "
             f"{'ITL p99':>8} {'+TTFT p50':>10} {'x direct':>9} {'CPU us/token':>13}"
         )
-        print("latencies in ms; x direct: tokens/s over the direct path's; CPU: the router process's")
+        print(
+            "latencies in ms; x direct: tokens/s over the direct path's; CPU: the router process's; 1 row: direct to "
+            "a worker with max_batch_size 1 (one sequence stepped at a time, the others wait)"
+        )
         print(header)
         print("-" * len(header))
         direct_rates: dict[int, float] = {}
@@ -187,10 +195,11 @@ def main() -> int:
             summary = {name: Summary.of(results) for name, results in merged.items()}
             direct = summary["direct"]
             direct_rates[concurrency] = direct.tokens_per_s
+            unbatched_rate = summary["1 row"].tokens_per_s
             for name, x in summary.items():
                 added = "" if name == "direct" else f"{x.ttft_p50_ms - direct.ttft_p50_ms:10.3f}"
                 ratio = "" if name == "direct" else f"{x.tokens_per_s / direct.tokens_per_s:9.2f}"
-                cpu = "" if name == "direct" else f"{x.cpu_us_per_token:13.0f}"
+                cpu = f"{x.cpu_us_per_token:13.0f}" if name == "router" else ""
                 print(
                     f"{concurrency:>7} {name:<7} {x.tokens_per_s:9.0f} {x.ttft_p50_ms:9.3f} {x.ttft_p99_ms:9.3f} "
                     f"{x.itl_p50_ms:8.3f} {x.itl_p99_ms:8.3f} {added:>10} {ratio:>9} {cpu:>13}"
@@ -201,7 +210,8 @@ def main() -> int:
             print()
         print(
             f"in-flight batching: direct tokens/s at 16 streams is {direct_rates[16] / direct_rates[1]:.1f}x "
-            "that at 1 stream"
+            f"that at 1 stream, and {direct_rates[16] / unbatched_rate:.1f}x that of the worker stepping one "
+            "sequence at a time (1 row) at 16 streams"
         )
     finally:
         stack.close()

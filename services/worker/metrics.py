@@ -42,7 +42,7 @@ class WorkerMetrics:
         labels = ("model", "version")
         self._requests = Counter(
             "splitstream_worker_requests",
-            "ModelInfer calls answered, by gRPC status code name.",
+            "ModelInfer calls and ModelStreamInfer requests answered, by gRPC status code name.",
             (*labels, "status"),
             registry=registry,
         )

@@ -172,6 +172,8 @@ class InferenceServicer:
                     task = asyncio.create_task(self._stream_one(data, header_id, outgoing.put_nowait))
                     served.add(task)
                     task.add_done_callback(served.discard)
+            except Exception:  # the client's side broke off: answer what was asked, then end
+                self._logger.debug("reading a request stream failed", request_id=header_id, exc_info=True)
             finally:
                 if served:
                     await asyncio.wait(set(served))
