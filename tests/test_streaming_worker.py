@@ -280,6 +280,7 @@ def test_nvidia_tritonclient_streams_tokens_with_start_stream_and_async_stream_i
     script = f"""
 import json, queue, numpy as np, tritonclient.grpc as tc
 client = tc.InferenceServerClient("{deployment.workers["v2"].address}")
+assert [i.name for i in client.get_model_metadata("{MODEL}").inputs][:2] == ["text_input", "max_tokens"]
 results = queue.Queue()
 client.start_stream(callback=lambda result, error: results.put((result, error)))
 def inputs(prompt, max_tokens):
