@@ -6,6 +6,7 @@ tmp dir; each worker steps its active sequences together (in-flight batching).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import threading
@@ -20,7 +21,9 @@ import pytest
 from demo import language
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from tests.harness import InferClient, ServiceProcess, Stack, metric_samples, scrape_metrics, wait_for
+from tests.fake_gpu import fake_gpu_pythonpath
+from tests.harness import InferClient, ServiceProcess, Stack, make_request, metric_samples, scrape_metrics, wait_for
+from tests.models import add_version
 from tests.streams import StreamClient, generation_request, is_final, token_text
 from tests.tensors import add_raw_input
 
@@ -303,8 +306,6 @@ client.stop_stream()
 print(json.dumps(seen))
 """
     done = subprocess.run([triton_python, "-c", script], check=True, timeout=90, capture_output=True, text=True)
-    import json
-
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     tokens = seen["t1"]
     assert "".join(text for text, _ in tokens) == greedy_reference("v2", b"The ", 12)
@@ -319,8 +320,6 @@ print(json.dumps(seen))
 def test_a_generative_model_on_the_tensorrt_backend_streams_the_same_text(tmp_path: Path) -> None:
     """The same next-token graph through the native TensorRT backend (engine built at start; on the fake GPU of
     tests/fakegpu, so this proves the backend's side of the step interface, not that real TensorRT builds it)."""
-    from tests.fake_gpu import fake_gpu_pythonpath
-
     language.write_version(
         tmp_path / "models",
         MODEL,
@@ -345,3 +344,26 @@ def test_a_generative_model_on_the_tensorrt_backend_streams_the_same_text(tmp_pa
     for n in range(10):
         assert answers[f"t{n}"].text == greedy_reference("v2", f"{n} The ".encode(), 24)
         assert answers[f"t{n}"].finals == 1
+
+
+def test_a_tensor_model_answers_each_streamed_request_once_marked_final(tmp_path: Path) -> None:
+    add_version(tmp_path / "models", "affine", "v1", scale=2.0)
+    stack = Stack(tmp_path)
+    try:
+        worker = stack.worker(tmp_path / "models", "affine", "v1")
+        client = StreamClient(worker.address)
+        try:
+            x = np.arange(8, dtype=np.float32).reshape(2, 4)
+            good = make_request("affine", x, request_id="good")
+            bad = make_request("affine", np.ones((1, 5), dtype=np.float32), request_id="bad")
+            answers = client.answers([good, bad])
+        finally:
+            client.close()
+    finally:
+        stack.close()
+    assert len(answers["good"].responses) == 1
+    response = answers["good"].responses[0]
+    assert is_final(response)
+    np.testing.assert_array_equal(tensors.output_arrays(response.infer_response)["y"], x * 2)
+    assert len(answers["bad"].errors) == 1
+    assert "input 'x': wrong shape" in answers["bad"].errors[0]
