@@ -17,13 +17,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import yaml
+from onnx import TensorProto, helper, numpy_helper
 
 from demo import language
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from tests.fake_gpu import fake_gpu_pythonpath
 from tests.harness import InferClient, ServiceProcess, Stack, make_request, metric_samples, scrape_metrics, wait_for
-from tests.models import add_version
+from tests.models import add_version, save_graph
 from tests.streams import StreamClient, generation_request, is_final, token_text
 from tests.tensors import add_raw_input
 
@@ -367,3 +369,41 @@ def test_a_tensor_model_answers_each_streamed_request_once_marked_final(tmp_path
     np.testing.assert_array_equal(tensors.output_arrays(response.infer_response)["y"], x * 2)
     assert len(answers["bad"].errors) == 1
     assert "input 'x': wrong shape" in answers["bad"].errors[0]
+
+
+def test_a_step_the_backend_fails_ends_its_requests_with_an_error_and_the_worker_goes_on(tmp_path: Path) -> None:
+    """A next-token graph with rows for tokens 0..149 only: a prompt ending in a byte >= 150 (€ ends in 0xac) fails
+    (a real onnxruntime error), as a model that breaks on some inputs does."""
+    table = np.full((150, 256), -10.0, dtype=np.float32)
+    table[:, ord("a")] = 0.0  # every known token is followed by 'a'
+    graph = helper.make_graph(
+        [
+            helper.make_node("Squeeze", ["tokens", "axes"], ["last"]),
+            helper.make_node("Gather", ["table", "last"], ["logits"], axis=0),
+        ],
+        "partial",
+        [helper.make_tensor_value_info("tokens", TensorProto.INT64, ["batch", 1])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 256])],
+        initializer=[
+            numpy_helper.from_array(table, "table"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "axes"),
+        ],
+    )
+    directory = tmp_path / "models" / "partial" / "v1"
+    save_graph(graph, directory / "model.onnx")
+    (directory / "config.yaml").write_text(yaml.safe_dump(language.generation_config()))
+    stack = Stack(tmp_path)
+    try:
+        worker = stack.worker(tmp_path / "models", "partial", "v1")
+        client = StreamClient(worker.address)
+        try:
+            failing = client.generate(generation_request("partial", "price in €", 4, request_id="f"))
+            after = client.generate(generation_request("partial", "b", 3, request_id="ok"))
+        finally:
+            client.close()
+        assert metric(worker, "splitstream_worker_generations_total", outcome="error") == 1
+    finally:
+        stack.close()
+    assert failing.errors == ["inference failed"]
+    assert failing.finals == 1
+    assert after.text == "aaa"

@@ -352,28 +352,29 @@ class GenerationScheduler:
                 room = self._max_sequences - len(active)
                 active.extend(self._waiting[:room])
                 del self._waiting[:room]
-            for sequence in active:
-                if sequence.cancelled:
-                    self._finish(sequence, "cancelled")
-            active = [sequence for sequence in active if not sequence.done]
-            self._active = len(active)
-            if active:
-                active = self._step(active)
+            try:
+                for sequence in active:
+                    if sequence.cancelled:
+                        self._finish(sequence, "cancelled")
+                active = [sequence for sequence in active if not sequence.done]
+                self._active = len(active)
+                if active:
+                    active = self._step(active)
+            except Exception:  # a failed step fails its sequences, never the thread every stream waits on
+                self._logger.exception("generation step failed", sequences=len(active))
+                for sequence in active:
+                    if not sequence.done:
+                        self._finish(sequence, "error")
+                self._fail(active, BackendError("inference failed"))
+                active = []
 
     def _step(self, active: list[_Sequence]) -> list[_Sequence]:
         """One backend run over ``active``; returns the sequences that go on."""
         tokens = np.array([sequence.context for sequence in active], dtype=np.int64)
         began = time.perf_counter()
-        try:
-            logits = self._run({self._input: tokens}, [self._output])[self._output]
-            if logits.shape != (len(active), VOCABULARY):
-                raise ValueError(f"logits of shape {list(logits.shape)} for {len(active)} sequences")
-        except Exception:
-            self._logger.exception("generation step failed", sequences=len(active))
-            for sequence in active:
-                self._finish(sequence, "error")
-            self._fail(active, BackendError("inference failed"))
-            return []
+        logits = self._run({self._input: tokens}, [self._output])[self._output]
+        if logits.shape != (len(active), VOCABULARY):
+            raise ValueError(f"logits of shape {list(logits.shape)} for {len(active)} sequences")
         seconds = time.perf_counter() - began
         events: list[tuple[_Sequence, Token]] = []
         going_on = []
