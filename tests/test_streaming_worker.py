@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -407,3 +408,25 @@ def test_a_step_the_backend_fails_ends_its_requests_with_an_error_and_the_worker
     assert failing.errors == ["inference failed"]
     assert failing.finals == 1
     assert after.text == "aaa"
+
+
+def test_a_worker_given_sigterm_during_a_long_generation_ends_it_and_exits_0(tmp_path: Path) -> None:
+    language.write_version(tmp_path / "models", MODEL, "v1", order=2, generation={"max_tokens_limit": LIMIT})
+    stack = Stack(tmp_path)
+    try:
+        worker = stack.worker(tmp_path / "models", MODEL, "v1", "--drain-delay-s", "0", "--shutdown-grace-s", "0.5")
+        client = StreamClient(worker.address)
+        try:
+            call = client.stub.ModelStreamInfer(
+                iter([generation_request(MODEL, "The ", LIMIT, request_id="long")]), timeout=60
+            )
+            next(call)  # generating
+            worker.signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError):
+                for _ in call:
+                    pass
+        finally:
+            client.close()
+        assert worker.wait(timeout_s=30) == 0
+    finally:
+        stack.close()
