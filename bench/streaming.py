@@ -33,14 +33,16 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import onnx
 from grpc import aio
+from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import cpu_seconds, rotated
 from demo import language
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from tests.harness import Stack, write_registry
+from tests.harness import ServiceProcess, Stack, metric_samples, scrape_metrics, write_registry
 from tests.streams import generation_request
 
 MODEL = "writer"
@@ -127,6 +129,47 @@ class Summary:
         )
 
 
+def with_ballast(directory: Path, *, layers: int, width: int) -> None:
+    """Give the version's next-token graph a step cost like a real language model's: ``layers`` MatMuls of
+    [width, width] FP32 weights computed from the tokens and added to the logits times 1e-30 (nothing an
+    argmax or a sampler can see). Like a transformer's decode step it reads every weight whatever the
+    batch, so rows stepped together share that cost; the bigram alone costs microseconds a step, far
+    less than streaming its token does."""
+    path = directory / "model.onnx"
+    model = onnx.load(path)
+    graph = model.graph
+    rng = np.random.default_rng(0)
+    context = graph.input[0].type.tensor_type.shape.dim[1].dim_value
+    scale = 1.0 / np.sqrt(width)
+    weights = [rng.standard_normal((context, width)).astype(np.float32)]
+    weights += [(rng.standard_normal((width, width)) * scale).astype(np.float32) for _ in range(layers)]
+    nodes = [helper.make_node("Cast", ["tokens"], ["ballast_0"], to=TensorProto.FLOAT)]
+    for index, weight in enumerate(weights):
+        graph.initializer.append(numpy_helper.from_array(weight, f"ballast_w{index}"))
+        nodes.append(helper.make_node("MatMul", [f"ballast_{index}", f"ballast_w{index}"], [f"ballast_m{index}"]))
+        nodes.append(helper.make_node("Tanh", [f"ballast_m{index}"], [f"ballast_{index + 1}"]))
+    last = f"ballast_{len(weights)}"
+    graph.initializer.append(numpy_helper.from_array(np.array([1], dtype=np.int64), "ballast_axes"))
+    graph.initializer.append(numpy_helper.from_array(np.array(1e-30, dtype=np.float32), "ballast_scale"))
+    nodes.append(helper.make_node("ReduceSum", [last, "ballast_axes"], ["ballast_sum"], keepdims=1))
+    nodes.append(helper.make_node("Mul", ["ballast_sum", "ballast_scale"], ["ballast_tiny"]))
+    logits = graph.output[0].name
+    for node in graph.node:
+        node.output[:] = ["ngram_logits" if name == logits else name for name in node.output]
+    nodes.append(helper.make_node("Add", ["ngram_logits", "ballast_tiny"], [logits]))
+    graph.node.extend(nodes)
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+
+
+def step_totals(worker: ServiceProcess) -> tuple[float, float]:
+    """The worker's (sequences stepped, steps) so far, from its step-size histogram."""
+    text = scrape_metrics(worker.metrics_port)
+    total = sum(value for _, value in metric_samples(text, "splitstream_worker_step_sequences_sum"))
+    count = sum(value for _, value in metric_samples(text, "splitstream_worker_step_sequences_count"))
+    return total, count
+
+
 def router_streams(address: str, request: bytes) -> str | None:
     """None when the router serves ModelStreamInfer; otherwise why not."""
     with grpc.insecure_channel(address) as channel:
@@ -146,6 +189,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per path, round and load")
     parser.add_argument("--rounds", type=int, default=3, help="rotated rounds per load")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per stream (max_tokens)")
+    parser.add_argument(
+        "--ballast-layers",
+        type=int,
+        default=0,
+        help="give each step a language model's cost: this many [width, width] MatMuls (0: the bare bigram)",
+    )
+    parser.add_argument("--ballast-width", type=int, default=1024, help="width of the ballast MatMuls")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
@@ -153,6 +203,9 @@ def main() -> int:
     language.write_version(repository, MODEL, "v1", order=language.ORDERS["v1"])
     # The same model on a worker that steps one sequence at a time: what in-flight batching is measured against.
     language.write_version(repository, MODEL, "one", order=language.ORDERS["v1"], max_batch_size=1)
+    if args.ballast_layers:
+        for version in ("v1", "one"):
+            with_ballast(repository / MODEL / version, layers=args.ballast_layers, width=args.ballast_width)
     stack = Stack(tmp)
     try:
         worker = stack.worker(repository, MODEL, "v1", "--log-level", "WARNING")
@@ -166,9 +219,14 @@ def main() -> int:
         if skipped is None:
             paths["router"] = (router.address, [router.process.pid])  # type: ignore[union-attr]
 
+        ballast = (
+            f" plus {args.ballast_layers} ballast MatMuls of {args.ballast_width}x{args.ballast_width} a step"
+            if args.ballast_layers
+            else ""
+        )
         print(
             f"token streams: {args.rounds} rounds x {args.seconds:g} s per path and load; {args.tokens} tokens a "
-            f"stream, greedy, byte bigram (v1); {os.cpu_count()} CPUs"
+            f"stream, greedy, byte bigram (v1){ballast}; {os.cpu_count()} CPUs"
         )
         if skipped is not None:
             print(f"router rows skipped: the router does not serve ModelStreamInfer ({skipped})")
@@ -186,6 +244,7 @@ def main() -> int:
         direct_rates: dict[int, float] = {}
         for concurrency in (1, 16):
             merged: dict[str, list[Result]] = {name: [] for name in paths}
+            stepped_before, steps_before = step_totals(worker)
             for round_index in range(args.rounds):
                 for name in rotated(list(paths), round_index):
                     address, pids = paths[name]
@@ -204,6 +263,9 @@ def main() -> int:
                     f"{concurrency:>7} {name:<7} {x.tokens_per_s:9.0f} {x.ttft_p50_ms:9.3f} {x.ttft_p99_ms:9.3f} "
                     f"{x.itl_p50_ms:8.3f} {x.itl_p99_ms:8.3f} {added:>10} {ratio:>9} {cpu:>13}"
                 )
+            stepped, steps = step_totals(worker)
+            mean_step = (stepped - stepped_before) / max(steps - steps_before, 1)
+            print(f"{'':>7} the batched worker stepped {mean_step:.1f} sequences a step on average")
             spread = {n: statistics.pstdev(x.round_ttft_p50s_ms) for n, x in summary.items()}
             spreads = ", ".join(f"{n} {v:.3f}" for n, v in spread.items())
             print(f"{'':>7} TTFT p50 spread across rounds (ms): {spreads}")
