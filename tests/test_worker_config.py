@@ -96,6 +96,7 @@ def test_both_full_configs_are_valid() -> None:
     [
         ({"dynamic_batching": {}}, "generation: replaces dynamic_batching"),
         ({"max_batch_size": 0}, "generation: needs max_batch_size > 0"),
+        ({"instance_count": 2}, "generation: steps every sequence in one backend run at a time; instance_count must"),
         ({"generation": {"max_tokens_limit": 0}}, "generation.max_tokens_limit: must be an integer within 1..1000000"),
         ({"generation": {"pad_id": 256}}, "generation.pad_id: must be an integer within 0..255"),
     ],

@@ -349,6 +349,10 @@ class ModelConfig(Document):
                 raise ValueError(
                     "generation: replaces dynamic_batching (every active sequence joins the next step); remove it"
                 )
+            if self.instance_count != 1:
+                raise ValueError(
+                    "generation: steps every sequence in one backend run at a time; instance_count must be 1"
+                )
         return self
 
     @property
