@@ -184,8 +184,12 @@ class InferenceServicer:
             while (data := await outgoing.get()) is not None:
                 await context.write(data)
         finally:
-            for task in (reader, *served):
+            # The client went away or the server is stopping: withdraw every generation (each leaves at its
+            # next step) and let them finish counting before the call ends.
+            pending = (reader, *served)
+            for task in pending:
                 task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     async def _stream_one(self, data: bytes, header_id: str, emit: Callable[[bytes], None]) -> None:
         """Serve one request of a stream; every response goes to ``emit`` serialized."""
