@@ -75,12 +75,56 @@ yaml_values = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
     max_leaves=8,
 )
-PATHS = [(FULL, path) for path in all_paths(FULL)] + [(ONNXRUNTIME, path) for path in all_paths(ONNXRUNTIME)]
+GENERATION: dict[str, Any] = {
+    "backend": "onnxruntime",
+    "max_batch_size": 64,
+    "generation": {"max_tokens_limit": 512, "pad_id": 32},
+}
+PATHS = [(document, path) for document in (FULL, ONNXRUNTIME, GENERATION) for path in all_paths(document)]
 
 
 def test_both_full_configs_are_valid() -> None:
     assert ModelConfig.from_mapping(FULL).trt.contexts == 2
     assert ModelConfig.from_mapping(ONNXRUNTIME).ort.tensorrt.profile is not None
+    generation = ModelConfig.from_mapping(GENERATION).generation
+    assert generation is not None
+    assert generation.max_tokens_limit == 512
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"dynamic_batching": {}}, "generation: replaces dynamic_batching"),
+        ({"max_batch_size": 0}, "generation: needs max_batch_size > 0"),
+        ({"instance_count": 2}, "generation: steps every sequence in one backend run at a time; instance_count must"),
+        ({"generation": {"max_tokens_limit": 0}}, "generation.max_tokens_limit: must be an integer within 1..1000000"),
+        ({"generation": {"pad_id": 256}}, "generation.pad_id: must be an integer within 0..255"),
+    ],
+)
+def test_a_generation_config_that_cannot_work_is_refused_naming_the_field(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ModelConfig.from_mapping({**GENERATION, **change})
+
+
+def test_a_worker_told_to_generate_with_a_graph_that_is_no_next_token_model_exits_2_naming_the_interface(
+    tmp_path: Path,
+) -> None:
+    directory = add_version(tmp_path, "m", "v1", scale=1.0)
+    (directory / "config.yaml").write_text("backend: onnxruntime\nmax_batch_size: 8\ngeneration: {}\n")
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
+    flags = ["--model-repository", str(tmp_path), "--model", "m", "--version", "v1", "--port", "0"]
+    result = subprocess.run(
+        [sys.executable, "-m", "splitstream.worker", *flags, "--metrics-port", "0"],
+        env=clean,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()  # the model loads after logging started: the error is the last line
+    assert lines[-1].startswith("splitstream-worker: error: "), result.stderr
+    assert "generation: needs a graph with one input (INT64 [batch, n]" in lines[-1]
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -21,6 +21,9 @@ start-up with a message naming the field instead of being silently ignored::
         fp16: false
         workspace_bytes: 1073741824
         profile: {min: {x: [1, 4]}, opt: {x: [8, 4]}, max: {x: [8, 4]}}
+    generation:                   # optional; present: a generative (decoupled) model, see GenerationConfig
+      max_tokens_limit: 4096      # the most tokens one request may ask for
+      pad_id: 10                  # token a prompt shorter than the model's context is padded with on the left
     tensorrt:                     # optional, backend tensorrt only (every field has a default)
       precision: fp16             # fp32 | fp16 | int8 (int8: a Q/DQ model, see quantized_model)
       precision_mode: onnx        # onnx: the graph carries the precision | builder_flags: TensorRT 10.x only
@@ -232,6 +235,26 @@ class DynamicBatchingConfig(Document):
     max_queue_delay_us: int_at_least(0, MAX_QUEUE_DELAY_US) = 0  # type: ignore[valid-type]
 
 
+#: The most tokens a generation config may allow one request: beyond it a typo, not a setting.
+MAX_TOKENS_LIMIT = 1_000_000
+
+
+class GenerationConfig(Document):
+    """A generative model (``generation:``): the graph predicts the next token, the worker streams tokens.
+
+    The graph takes the last tokens (INT64 [batch, n]) and returns logits (FP32 [batch, 256]) over
+    a byte vocabulary (token id = byte value). Clients call it as they call TensorRT-LLM's ensemble
+    (``text_input``, ``max_tokens``, ...; see the README's "Token streams: the worker"); every active
+    sequence is stepped in one backend run of up to ``max_batch_size`` rows (in-flight batching).
+    """
+
+    #: The most tokens one request may ask for (``max_tokens``); more is refused naming the input.
+    max_tokens_limit: int_at_least(1, MAX_TOKENS_LIMIT) = 4096  # type: ignore[valid-type]
+    #: The token a prompt shorter than the model's context is padded with, on the left (newline: the
+    #: separator the demo's models were counted with, so an empty prompt starts "a new text").
+    pad_id: int_at_least(0, 255) = 10  # type: ignore[valid-type]
+
+
 class TensorDocument(Document):
     """``{name, datatype, shape}`` as written; becomes a :class:`TensorSpec` (which checks the datatype)."""
 
@@ -301,6 +324,8 @@ class ModelConfig(Document):
     onnxruntime: Annotated[OnnxRuntimeConfig, BeforeValidator(_section_or_defaults)] | None = None
     #: Backend tensorrt only; every field has a default.
     tensorrt: Annotated[TensorRTConfig, BeforeValidator(_section_or_defaults)] | None = None
+    #: Present (even empty): a generative model whose graph predicts the next token; absent: a tensor model.
+    generation: Annotated[GenerationConfig, BeforeValidator(_section_or_defaults)] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -317,6 +342,17 @@ class ModelConfig(Document):
             raise ValueError(f"tensorrt: configures backend tensorrt, but backend is {self.backend}")
         if self.onnxruntime is not None and self.backend != "onnxruntime":
             raise ValueError(f"onnxruntime: configures backend onnxruntime, but backend is {self.backend}")
+        if self.generation is not None:
+            if self.max_batch_size == 0:
+                raise ValueError("generation: needs max_batch_size > 0 (the most sequences stepped together)")
+            if self.dynamic_batching.enabled:
+                raise ValueError(
+                    "generation: replaces dynamic_batching (every active sequence joins the next step); remove it"
+                )
+            if self.instance_count != 1:
+                raise ValueError(
+                    "generation: steps every sequence in one backend run at a time; instance_count must be 1"
+                )
         return self
 
     @property

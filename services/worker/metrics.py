@@ -42,7 +42,7 @@ class WorkerMetrics:
         labels = ("model", "version")
         self._requests = Counter(
             "splitstream_worker_requests",
-            "ModelInfer calls answered, by gRPC status code name.",
+            "ModelInfer calls and ModelStreamInfer requests answered, by gRPC status code name.",
             (*labels, "status"),
             registry=registry,
         )
@@ -76,6 +76,48 @@ class WorkerMetrics:
             registry=registry,
         ).labels(model, version)
 
+        # Generative models (``generation:``): one backend run per step over every active sequence.
+        self._step_sequences = Histogram(
+            "splitstream_worker_step_sequences",
+            "Sequences stepped together in one backend run (in-flight batching): > 1 means shared steps.",
+            labels,
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        ).labels(model, version)
+        self._step_seconds = Histogram(
+            "splitstream_worker_step_seconds",
+            "Backend run time of one generation step.",
+            labels,
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        ).labels(model, version)
+        self._tokens = Counter(
+            "splitstream_worker_tokens_generated",
+            "Tokens generated (end tokens, which are not sent, not counted).",
+            labels,
+            registry=registry,
+        ).labels(model, version)
+        self._generations = Counter(
+            "splitstream_worker_generations",
+            "Generations ended, by why: length (max_tokens), stop_word, end_id, cancelled (the client went "
+            "away or cancelled), error.",
+            (*labels, "outcome"),
+            registry=registry,
+        )
+        self._generation_tokens = Histogram(
+            "splitstream_worker_generation_tokens",
+            "Tokens one generation produced before it ended (a cancelled one: how far it got).",
+            (*labels, "outcome"),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
+            registry=registry,
+        )
+        self._active_sequences = Gauge(
+            "splitstream_worker_active_sequences",
+            "Sequences being stepped now.",
+            labels,
+            registry=registry,
+        ).labels(model, version)
+
         self._engine_info = Gauge(
             "splitstream_worker_engine_info",
             "1 for the engine serving this version, labelled with its backend and human tag.",
@@ -103,6 +145,18 @@ class WorkerMetrics:
 
     def queued(self, seconds: float) -> None:
         self._queue_seconds.observe(seconds)
+
+    def step_ran(self, *, sequences: int, tokens: int, seconds: float) -> None:
+        self._step_sequences.observe(sequences)
+        self._step_seconds.observe(seconds)
+        self._tokens.inc(tokens)
+
+    def generation_ended(self, *, outcome: str, tokens: int) -> None:
+        self._generations.labels(self._model, self._version, outcome).inc()
+        self._generation_tokens.labels(self._model, self._version, outcome).observe(tokens)
+
+    def watch_active_sequences(self, active: Callable[[], int]) -> None:
+        self._active_sequences.set_function(active)
 
     def watch_queue_depth(self, depth: Callable[[], int]) -> None:
         """Report ``depth()`` at each scrape, so the queue needs no bookkeeping per request."""

@@ -13,7 +13,7 @@ loaded but never ready, so health stays NOT_SERVING and the log says why.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,15 @@ from splitstream.worker.backends import create_backend
 from splitstream.worker.backends.base import Backend
 from splitstream.worker.batching import DirectScheduler, DynamicBatcher, Scheduler
 from splitstream.worker.config import ModelConfig
+from splitstream.worker.generation import (
+    METADATA,
+    GenerationRequest,
+    GenerationScheduler,
+    Token,
+    check_headers,
+    read_request,
+    step_interface,
+)
 from splitstream.worker.metadata import DYNAMIC, ModelMetadata, resolve
 from splitstream.worker.metrics import WorkerMetrics
 from splitstream.worker.validation import InputHeader, RequestPlan, validate_request
@@ -52,6 +61,9 @@ class ServedModel:
         self._backend: Backend = create_backend(config, directory, logger=logger)
         self._metadata: ModelMetadata | None = None
         self._scheduler: Scheduler | None = None
+        self._generator: GenerationScheduler | None = None
+        #: A generative model's next-token graph: input name, output name, context length.
+        self._step: tuple[str, str, int] | None = None
         self._warm = False
         self._draining = False
 
@@ -75,6 +87,11 @@ class ServedModel:
         return self._metadata
 
     @property
+    def generative(self) -> bool:
+        """A ``generation:`` model: answers ModelStreamInfer with one response per token."""
+        return self.config.generation is not None
+
+    @property
     def ready(self) -> bool:
         """Warmed up and not draining: new work is welcome."""
         return self._warm and not self._draining
@@ -95,6 +112,9 @@ class ServedModel:
     async def load(self) -> None:
         """Build the engine off the event loop and resolve metadata; raises ConfigError."""
         await asyncio.to_thread(self._backend.load)
+        if self.config.generation is not None:
+            self._load_generation()
+            return
         self._metadata = resolve(
             self._backend.metadata(),
             inputs=self.config.inputs,
@@ -126,6 +146,41 @@ class ServedModel:
         self._metrics.watch_queue_depth(scheduler.depth)
         self._scheduler = scheduler
 
+    def _load_generation(self) -> None:
+        """Clients see the request interface (text_input, max_tokens, ...) as metadata; the graph's own
+        tensors are the step interface only the scheduler uses."""
+        source = str(self._directory / "config.yaml")
+        engine = resolve(
+            self._backend.metadata(),
+            inputs=self.config.inputs,
+            outputs=self.config.outputs,
+            max_batch_size=self.config.max_batch_size,
+            source=source,
+        )
+        self._step = step_interface(engine, source)
+        self._metadata = METADATA
+        self._metrics.engine_loaded(
+            backend=self.config.backend,
+            engine_tag=self.engine_tag,
+            context_device_memory_bytes=self._backend.context_device_memory_bytes,
+        )
+        assert self.config.generation is not None
+        input_name, output_name, context = self._step
+        generator = GenerationScheduler(
+            self._backend.run,
+            input_name=input_name,
+            output_name=output_name,
+            context=context,
+            max_sequences=self.config.max_batch_size,
+            pad_id=self.config.generation.pad_id,
+            metrics=self._metrics,
+            logger=self._logger,
+        )
+        generator.start()
+        self._metrics.watch_queue_depth(generator.depth)
+        self._metrics.watch_active_sequences(generator.active)
+        self._generator = generator
+
     async def warm_up(self) -> None:
         """Run zeros of the input shapes (dynamic dims = 1) once; the model is ready only if this succeeds.
 
@@ -135,6 +190,14 @@ class ServedModel:
         engine takes only some shapes (TensorRT's profiles) names the shapes
         to use in ``warm_up_shapes``.
         """
+        if self._step is not None:
+            input_name, output_name, context = self._step
+            tokens = np.zeros((1, context), dtype=np.int64)
+            outputs = await asyncio.to_thread(self._backend.run, {input_name: tokens}, [output_name])
+            if outputs[output_name].shape != (1, 256):
+                raise ValueError(f"output '{output_name}' has shape {list(outputs[output_name].shape)} for one row")
+            self._warm = True
+            return
         metadata = self.metadata
         shapes = self._backend.warm_up_shapes
         inputs = {spec.name: _zeros(shapes.get(spec.name, spec.shape), spec.datatype) for spec in metadata.inputs}
@@ -166,11 +229,30 @@ class ServedModel:
             raise ModelNotReady(f"model '{self.name}' version '{self.version}' is not ready")
         return await self._scheduler.submit(inputs, plan.output_names, plan.rows)
 
+    def check_generation(self, inputs: Sequence[InputHeader], requested_outputs: Sequence[str]) -> None:
+        """A generation request's headers (InvalidInput) once the model is ready (else ModelNotReady)."""
+        if not self._warm or self._generator is None:
+            raise ModelNotReady(f"model '{self.name}' version '{self.version}' is not ready")
+        check_headers(inputs, requested_outputs)
+
+    def generation_request(self, arrays: Mapping[str, np.ndarray]) -> GenerationRequest:
+        """Decoded inputs whose headers passed :meth:`check_generation` → a request (InvalidInput naming a value)."""
+        assert self.config.generation is not None
+        return read_request(arrays, max_tokens_limit=self.config.generation.max_tokens_limit)
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Token]:
+        """The request's tokens as the scheduler steps them; the last one is ``final``."""
+        if self._generator is None:
+            raise ModelNotReady(f"model '{self.name}' version '{self.version}' is not ready")
+        return self._generator.generate(request)
+
     async def stop(self) -> None:
         """Finish running batches, fail queued requests, release threads and the engine."""
         self._draining = True
         if self._scheduler is not None:
             await self._scheduler.stop()
+        if self._generator is not None:
+            await self._generator.stop()
         self._backend.close()
 
 

@@ -8,7 +8,11 @@ become status codes (``common.errors.status_of``). Everything else is asked of
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import struct
 import time
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
@@ -19,12 +23,18 @@ from splitstream.common.handlers import parse, typed_unary
 from splitstream.common.headers import REQUEST_ID_HEADER, from_header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.tensors import datatype_of, input_arrays, to_raw
+from splitstream.worker.generation import TEXT_OUTPUT, GenerationRequest
 from splitstream.worker.metrics import WorkerMetrics
 from splitstream.worker.model import ServedModel
 from splitstream.worker.validation import InputHeader
 
 SERVER_NAME = "splitstream-worker"
 SERVICE = "inference.GRPCInferenceService"
+#: Triton's decoupled-model conventions: set on every streamed response (true on a request's last one),
+#: and a request parameter asking for an empty final response when the end comes after the last token.
+FINAL_RESPONSE = "triton_final_response"
+ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"
+_LENGTH = struct.Struct("<I")
 
 
 class InferenceServicer:
@@ -105,6 +115,8 @@ class InferenceServicer:
     async def _infer(self, request: oip.ModelInferRequest) -> oip.ModelInferResponse:
         model = self._model
         model.check(request.model_name, request.model_version)
+        if model.generative:
+            return await self._generate_whole(request)
         plan = model.plan(
             [InputHeader(t.name, t.datatype, tuple(t.shape)) for t in request.inputs],
             [o.name for o in request.outputs],
@@ -116,6 +128,137 @@ class InferenceServicer:
             response.outputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
             response.raw_output_contents.append(to_raw(array))
         return response
+
+    async def _generate_whole(self, request: oip.ModelInferRequest) -> oip.ModelInferResponse:
+        """ModelInfer on a generative model: the whole generation in one response (``text_output`` holds
+        every token's text), for clients that cannot stream; the same scheduler steps it."""
+        generation = self._generation_request(request)
+        text = bytearray()
+        async with contextlib.aclosing(self._model.generate(generation)) as tokens:
+            async for token in tokens:
+                text += token.text or b""
+        response = self._response_head(request)
+        response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=generation.text_shape)
+        response.raw_output_contents.append(_LENGTH.pack(len(text)) + bytes(text))
+        return response
+
+    def _generation_request(self, request: oip.ModelInferRequest) -> GenerationRequest:
+        model = self._model
+        model.check_generation(
+            [InputHeader(t.name, t.datatype, tuple(t.shape)) for t in request.inputs],
+            [o.name for o in request.outputs],
+        )
+        return model.generation_request(input_arrays(request))
+
+    def _response_head(self, request: oip.ModelInferRequest) -> oip.ModelInferResponse:
+        return oip.ModelInferResponse(model_name=self._model.name, model_version=self._model.version, id=request.id)
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+        """Triton's bidirectional stream: each request read is served concurrently with the others, its
+        responses written as they come (a generative model: one per token, ``triton_final_response`` true
+        on the last; a tensor model: one). A request that fails gets one response with ``error_message``
+        and the stream goes on. The call ends OK once the client has closed its side and every request is
+        answered; a client that cancels stops every generation of the stream at its next step.
+
+        Requests arrive as bytes (no deserializer), so one that does not parse is an ``error_message``
+        in the stream, like any other bad request, instead of aborting the stream."""
+        outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
+        served: set[asyncio.Task[None]] = set()
+        header_id = _header_request_id(context)
+
+        async def read_requests() -> None:
+            try:
+                async for data in requests:
+                    task = asyncio.create_task(self._stream_one(data, header_id, outgoing.put_nowait))
+                    served.add(task)
+                    task.add_done_callback(served.discard)
+            except Exception:  # the client's side broke off: answer what was asked, then end
+                self._logger.debug("reading a request stream failed", request_id=header_id, exc_info=True)
+            finally:
+                if served:
+                    await asyncio.wait(set(served))
+                outgoing.put_nowait(None)
+
+        reader = asyncio.create_task(read_requests())
+        try:
+            while (data := await outgoing.get()) is not None:
+                await context.write(data)
+        finally:
+            # The client went away or the server is stopping: withdraw every generation (each leaves at its
+            # next step) and let them finish counting before the call ends.
+            pending = (reader, *served)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _stream_one(self, data: bytes, header_id: str, emit: Callable[[bytes], None]) -> None:
+        """Serve one request of a stream; every response goes to ``emit`` serialized."""
+        started = time.perf_counter()
+        request = oip.ModelInferRequest()
+        code = grpc.StatusCode.OK
+        try:
+            request = parse(oip.ModelInferRequest, data)
+            self._model.check(request.model_name, request.model_version)
+            if not self._model.generative:
+                response = await self._infer(request)
+                response.parameters[FINAL_RESPONSE].bool_param = True
+                emit(oip.ModelStreamInferResponse(infer_response=response).SerializeToString())
+                return
+            generation = self._generation_request(request)
+            empty_final = _bool_parameter(request, ENABLE_EMPTY_FINAL)
+            async with contextlib.aclosing(self._model.generate(generation)) as tokens:
+                async for token in tokens:
+                    emit(self._token_response(request, generation, token.text, token.final, empty_final))
+        except SplitstreamError as error:
+            code, message = status_of(error)
+            emit(self._error_response(request, message))
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as error:  # a bug of ours: log it, tell the client nothing about internals
+            code, message = status_of(error)
+            self._logger.exception("ModelStreamInfer request failed", request_id=header_id or request.id)
+            emit(self._error_response(request, message))
+        finally:
+            self._metrics.request_done(code)
+            self._logger.debug(
+                "ModelStreamInfer request",
+                request_id=header_id or request.id,
+                status=code.name,
+                seconds=round(time.perf_counter() - started, 6),
+            )
+
+    def _token_response(
+        self,
+        request: oip.ModelInferRequest,
+        generation: GenerationRequest,
+        text: bytes | None,
+        final: bool,
+        empty_final: bool,
+    ) -> bytes:
+        """One token's response. ``text`` None (the end token was picked after the last token was sent):
+        an empty final response (no outputs) when the request set ``triton_enable_empty_final_response``,
+        as Triton sends one; otherwise a final response whose ``text_output`` is empty, as TensorRT-LLM's
+        last response is, so a client never waits for a final flag that does not come."""
+        response = self._response_head(request)
+        if text is not None or not empty_final:
+            response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=generation.text_shape)
+            response.raw_output_contents.append(_LENGTH.pack(len(text or b"")) + (text or b""))
+        response.parameters[FINAL_RESPONSE].bool_param = final
+        return oip.ModelStreamInferResponse(infer_response=response).SerializeToString()
+
+    def _error_response(self, request: oip.ModelInferRequest, message: str) -> bytes:
+        """``error_message`` with the failed request's id (and the final flag: nothing else will come for it)."""
+        response = self._response_head(request)
+        response.parameters[FINAL_RESPONSE].bool_param = True
+        return oip.ModelStreamInferResponse(error_message=message, infer_response=response).SerializeToString()
+
+
+def _bool_parameter(request: oip.ModelInferRequest, name: str) -> bool:
+    if name not in request.parameters:
+        return False
+    parameter = request.parameters[name]
+    return parameter.WhichOneof("parameter_choice") == "bool_param" and parameter.bool_param
 
 
 def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
@@ -131,6 +274,8 @@ def add_to_server(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
         "ModelInfer": grpc.unary_unary_rpc_method_handler(
             servicer.ModelInfer, response_serializer=oip.ModelInferResponse.SerializeToString
         ),
+        # Requests and responses as bytes: the servicer parses each request and serializes each response.
+        "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(servicer.ModelStreamInfer),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

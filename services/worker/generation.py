@@ -1,0 +1,412 @@
+"""Generative models: a next-token graph stepped for every active sequence at once (in-flight batching).
+
+A generative model (``generation:`` in config.yaml) is a graph that maps the last ``n`` tokens of
+each row (INT64 [batch, n]) to next-token logits (FP32 [batch, 256]) over a byte vocabulary: token
+id = byte value, so a UTF-8 prompt is its own token sequence and a token's text is one byte.
+
+Requests follow TensorRT-LLM's Triton ensemble (``all_models/inflight_batcher_llm/ensemble``), so
+clients written for it work unchanged: ``text_input`` (BYTES, one element), ``max_tokens``, and the
+optional ``temperature``, ``top_k``, ``random_seed``, ``stop_words``, ``end_id`` and ``stream``;
+the answer is ``text_output`` (BYTES). :func:`read_request` turns decoded tensors into a
+:class:`GenerationRequest`, raising InvalidInput that names the input.
+
+:class:`GenerationScheduler` owns one thread that loops: admit waiting sequences (up to
+``max_sequences``), run the backend once over all active rows, pick each row's token (greedy, or
+sampled with the sequence's own seeded generator, so a sequence's text does not depend on which
+others share its steps), hand the step's tokens to the event loop in one callback, drop finished
+and cancelled sequences. A new request therefore joins at the next step and a cancelled one leaves
+at the next step; the event loop never waits on the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+from splitstream.common.errors import ConfigError, InvalidInput, ModelNotReady
+from splitstream.worker.batching import BackendError, RunFn
+from splitstream.worker.metadata import DYNAMIC, ModelMetadata, TensorSpec
+from splitstream.worker.metrics import WorkerMetrics
+from splitstream.worker.validation import InputHeader
+
+#: Byte vocabulary: the graph's logits have one column per byte value.
+VOCABULARY = 256
+TEXT_INPUT = "text_input"
+TEXT_OUTPUT = "text_output"
+
+_INTEGERS = ("INT32", "INT64", "UINT32", "UINT64")
+_FLOATS = ("FP32", "FP64")
+#: Input name → datatypes accepted. TensorRT-LLM's ensemble has declared max_tokens as UINT32 and
+#: later INT32, random_seed as UINT64, top_k as UINT32 or INT32: any integer type is taken for them.
+INPUT_DATATYPES: Mapping[str, tuple[str, ...]] = {
+    TEXT_INPUT: ("BYTES",),
+    "max_tokens": _INTEGERS,
+    "temperature": _FLOATS,
+    "top_k": _INTEGERS,
+    "random_seed": _INTEGERS,
+    "stop_words": ("BYTES",),
+    "end_id": _INTEGERS,
+    "stream": ("BOOL",),
+}
+#: Inputs that hold exactly one value (``stop_words`` holds any number).
+_SCALARS = tuple(name for name in INPUT_DATATYPES if name != "stop_words")
+
+#: What ModelMetadata shows for a generative model: the request interface, not the graph's tensors.
+METADATA = ModelMetadata(
+    inputs=(
+        TensorSpec(name=TEXT_INPUT, datatype="BYTES", shape=(DYNAMIC, 1)),
+        TensorSpec(name="max_tokens", datatype="INT32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="temperature", datatype="FP32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="top_k", datatype="INT32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="random_seed", datatype="UINT64", shape=(DYNAMIC, 1)),
+        TensorSpec(name="stop_words", datatype="BYTES", shape=(DYNAMIC, DYNAMIC)),
+        TensorSpec(name="end_id", datatype="INT32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="stream", datatype="BOOL", shape=(DYNAMIC, 1)),
+    ),
+    outputs=(TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=(DYNAMIC, 1)),),
+)
+
+#: Why a generation ended, as the generations metric counts it.
+OUTCOMES = ("length", "stop_word", "end_id", "cancelled", "error")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationRequest:
+    """A validated request: what to continue, how far, and how to pick tokens."""
+
+    prompt: bytes
+    max_tokens: int
+    #: 0: greedy (the most likely token); > 0: sample from softmax(logits / temperature).
+    temperature: float = 0.0
+    #: Sampling only: draw from the ``top_k`` most likely tokens; 0: from all of them.
+    top_k: int = 0
+    #: Sampling only: the same seed gives the same text.
+    seed: int = 0
+    #: Generation stops once its text ends with one of these (the stop word is part of the text).
+    stop_words: tuple[bytes, ...] = ()
+    #: Generation stops when this token is picked (it is not sent).
+    end_id: int | None = None
+    #: ``text_input``'s shape, so ``text_output`` has the same rank ([1] or [1, 1]).
+    text_shape: tuple[int, ...] = (1, 1)
+
+
+def check_headers(inputs: Sequence[InputHeader], requested_outputs: Sequence[str]) -> None:
+    """Names, datatypes and element counts, before any payload is decoded; InvalidInput naming the input."""
+    seen: set[str] = set()
+    for header in inputs:
+        accepted = INPUT_DATATYPES.get(header.name)
+        if accepted is None:
+            raise InvalidInput(f"unknown input '{header.name}'; a generative model takes {list(INPUT_DATATYPES)}")
+        if header.name in seen:
+            raise InvalidInput(f"input '{header.name}' appears more than once")
+        seen.add(header.name)
+        if header.datatype not in accepted:
+            raise InvalidInput(
+                f"input '{header.name}': wrong datatype, expected {' or '.join(accepted)}, "
+                f"got {header.datatype or '(empty)'}"
+            )
+        if any(dim < 0 for dim in header.shape):
+            raise InvalidInput(f"input '{header.name}': shape {list(header.shape)} has a negative dimension")
+        if header.name in _SCALARS and math.prod(header.shape) != 1:
+            raise InvalidInput(
+                f"input '{header.name}': needs exactly one value (shape [1] or [1, 1]), got shape {list(header.shape)}"
+            )
+    for required in (TEXT_INPUT, "max_tokens"):
+        if required not in seen:
+            raise InvalidInput(f"missing input '{required}'; a generative model needs {TEXT_INPUT} and max_tokens")
+    for name in requested_outputs:
+        if name != TEXT_OUTPUT:
+            raise InvalidInput(f"unknown requested output '{name}'; a generative model returns ['{TEXT_OUTPUT}']")
+
+
+def read_request(arrays: Mapping[str, np.ndarray], *, max_tokens_limit: int) -> GenerationRequest:
+    """Decoded inputs (headers already checked) → a GenerationRequest; InvalidInput naming a bad value."""
+    prompt = bytes(arrays[TEXT_INPUT].reshape(-1)[0])
+    try:
+        prompt.decode("utf-8")
+    except UnicodeDecodeError as error:
+        bad = f"byte {error.start} is {prompt[error.start]:#04x}"
+        raise InvalidInput(f"input '{TEXT_INPUT}': not UTF-8 text ({bad})") from None
+    max_tokens = _integer(arrays, "max_tokens")
+    if not 1 <= max_tokens <= max_tokens_limit:
+        raise InvalidInput(f"input 'max_tokens': must be between 1 and {max_tokens_limit}, got {max_tokens}")
+    temperature = 0.0
+    if "temperature" in arrays:
+        temperature = float(arrays["temperature"].reshape(-1)[0])
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidInput(f"input 'temperature': must be a finite number >= 0, got {temperature}")
+    top_k = _integer(arrays, "top_k") if "top_k" in arrays else 0
+    if top_k < 0:
+        raise InvalidInput(f"input 'top_k': must be >= 0 (0: no limit), got {top_k}")
+    seed = _integer(arrays, "random_seed") if "random_seed" in arrays else 0
+    if seed < 0:
+        raise InvalidInput(f"input 'random_seed': must be >= 0, got {seed}")
+    end_id = None
+    if "end_id" in arrays:
+        end_id = _integer(arrays, "end_id")
+        if not 0 <= end_id < VOCABULARY:
+            raise InvalidInput(f"input 'end_id': must be a token id between 0 and {VOCABULARY - 1}, got {end_id}")
+    stop_words: list[bytes] = []
+    if "stop_words" in arrays:
+        for index, word in enumerate(arrays["stop_words"].reshape(-1)):
+            word = bytes(word)
+            if not word:
+                raise InvalidInput(f"input 'stop_words': element {index} is empty")
+            stop_words.append(word)
+    return GenerationRequest(
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        stop_words=tuple(stop_words),
+        end_id=end_id,
+        text_shape=tuple(int(dim) for dim in arrays[TEXT_INPUT].shape),
+    )
+
+
+def _integer(arrays: Mapping[str, np.ndarray], name: str) -> int:
+    return int(arrays[name].reshape(-1)[0])
+
+
+def step_interface(engine: ModelMetadata, source: str) -> tuple[str, str, int]:
+    """The next-token graph's input name, output name and context length; ConfigError when it is not one."""
+    if len(engine.inputs) != 1 or len(engine.outputs) != 1:
+        raise ConfigError(
+            f"{source}: generation: needs a graph with one input (INT64 [batch, n]: the last n tokens) and one "
+            f"output (FP32 [batch, {VOCABULARY}]: next-token logits), got inputs {list(engine.input_names)} and "
+            f"outputs {list(engine.output_names)}"
+        )
+    tokens, logits = engine.inputs[0], engine.outputs[0]
+    if tokens.datatype != "INT64" or len(tokens.shape) != 2 or tokens.shape[1] < 1:
+        raise ConfigError(
+            f"{source}: generation: input '{tokens.name}' must be INT64 [batch, n] with a fixed n >= 1 (the last n "
+            f"tokens), got {tokens.datatype} {list(tokens.shape)}"
+        )
+    if logits.datatype != "FP32" or len(logits.shape) != 2 or logits.shape[1] != VOCABULARY:
+        raise ConfigError(
+            f"{source}: generation: output '{logits.name}' must be FP32 [batch, {VOCABULARY}] (one logit per byte), "
+            f"got {logits.datatype} {list(logits.shape)}"
+        )
+    return tokens.name, logits.name, tokens.shape[1]
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One step's result for one sequence. ``text`` None: the generation ended without a new token
+    (its end token was picked), ``final`` is then True."""
+
+    text: bytes | None
+    final: bool
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One generation's state; after admission only the step thread touches it (``cancelled`` aside)."""
+
+    request: GenerationRequest
+    context: list[int]
+    deliver: Callable[[Token | BaseException], None]
+    rng: np.random.Generator
+    generated: int = 0
+    tail: bytes = b""
+    cancelled: bool = False
+    done: bool = False
+    admitted_at: float = field(default_factory=time.monotonic)
+
+    def pick(self, logits: np.ndarray) -> int:
+        request = self.request
+        if request.temperature == 0:
+            return int(np.argmax(logits))
+        scaled = logits.astype(np.float64) / request.temperature
+        candidates: np.ndarray | None = None
+        if 0 < request.top_k < len(scaled):
+            candidates = np.argpartition(scaled, -request.top_k)[-request.top_k :]
+            scaled = scaled[candidates]
+        weights = np.exp(scaled - scaled.max())
+        cumulative = np.cumsum(weights)
+        drawn = self.rng.random() * cumulative[-1]
+        chosen = min(int(np.searchsorted(cumulative, drawn, side="right")), len(scaled) - 1)
+        return int(candidates[chosen]) if candidates is not None else chosen
+
+    def advance(self, token: int) -> tuple[Token, str | None]:
+        """The event for ``token`` and, when the generation ends with it, why."""
+        request = self.request
+        if request.end_id is not None and token == request.end_id:
+            return Token(text=None, final=True), "end_id"
+        self.generated += 1
+        self.context.append(token)
+        del self.context[0]
+        text = bytes((token,))
+        if request.stop_words:
+            longest = max(len(word) for word in request.stop_words)
+            self.tail = (self.tail + text)[-longest:]
+            if any(self.tail.endswith(word) for word in request.stop_words):
+                return Token(text=text, final=True), "stop_word"
+        if self.generated >= request.max_tokens:
+            return Token(text=text, final=True), "length"
+        return Token(text=text, final=False), None
+
+
+class GenerationScheduler:
+    """Steps every active sequence in one backend run per step, in a thread of its own.
+
+    Life cycle: :meth:`start` once inside the event loop; :meth:`generate` per request; :meth:`stop`
+    once: the running step finishes, every sequence still active or waiting fails ModelNotReady.
+    """
+
+    def __init__(
+        self,
+        run: RunFn,
+        *,
+        input_name: str,
+        output_name: str,
+        context: int,
+        max_sequences: int,
+        pad_id: int,
+        metrics: WorkerMetrics,
+        logger: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self._run = run
+        self._input = input_name
+        self._output = output_name
+        self._context = context
+        self._max_sequences = max_sequences
+        self._pad_id = pad_id
+        self._metrics = metrics
+        self._logger = logger
+        self._condition = threading.Condition()
+        self._waiting: list[_Sequence] = []
+        self._active = 0
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._step_forever, name="generation-steps", daemon=True)
+        self._thread.start()
+
+    def depth(self) -> int:
+        """Sequences waiting to join a step (read from the metrics thread)."""
+        return len(self._waiting)
+
+    def active(self) -> int:
+        """Sequences being stepped (read from the metrics thread)."""
+        return self._active
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Token]:
+        """The request's tokens as they are made, the last one ``final``. Leaving the iteration early (the
+        caller cancelled, or closed it) withdraws the sequence: it leaves at the next step."""
+        if self._stopped or self._loop is None:
+            raise ModelNotReady("the worker is shutting down")
+        queue: asyncio.Queue[Token | BaseException] = asyncio.Queue()
+        prompt = list(request.prompt[-self._context :])
+        sequence = _Sequence(
+            request=request,
+            context=[self._pad_id] * (self._context - len(prompt)) + prompt,
+            deliver=queue.put_nowait,
+            rng=np.random.default_rng(request.seed),
+        )
+        with self._condition:
+            self._waiting.append(sequence)
+            self._condition.notify()
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.final:
+                    return
+        finally:
+            sequence.cancelled = True  # a no-op once the sequence is done
+
+    async def stop(self) -> None:
+        with self._condition:
+            self._stopped = True
+            self._condition.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    def _step_forever(self) -> None:
+        active: list[_Sequence] = []
+        while True:
+            with self._condition:
+                while not self._stopped and not self._waiting and not active:
+                    self._condition.wait()
+                if self._stopped:
+                    self._fail(active + self._waiting, ModelNotReady("the worker is shutting down"))
+                    self._waiting.clear()
+                    self._active = 0
+                    return
+                room = self._max_sequences - len(active)
+                active.extend(self._waiting[:room])
+                del self._waiting[:room]
+            try:
+                for sequence in active:
+                    if sequence.cancelled:
+                        self._finish(sequence, "cancelled")
+                active = [sequence for sequence in active if not sequence.done]
+                self._active = len(active)
+                if active:
+                    active = self._step(active)
+            except Exception:  # a failed step fails its sequences, never the thread every stream waits on
+                self._logger.exception("generation step failed", sequences=len(active))
+                for sequence in active:
+                    if not sequence.done:
+                        self._finish(sequence, "error")
+                self._fail(active, BackendError("inference failed"))
+                active = []
+
+    def _step(self, active: list[_Sequence]) -> list[_Sequence]:
+        """One backend run over ``active``; returns the sequences that go on."""
+        tokens = np.array([sequence.context for sequence in active], dtype=np.int64)
+        began = time.perf_counter()
+        logits = self._run({self._input: tokens}, [self._output])[self._output]
+        if logits.shape != (len(active), VOCABULARY):
+            raise ValueError(f"logits of shape {list(logits.shape)} for {len(active)} sequences")
+        seconds = time.perf_counter() - began
+        events: list[tuple[_Sequence, Token]] = []
+        going_on = []
+        for row, sequence in enumerate(active):
+            token, ended = sequence.advance(sequence.pick(logits[row]))
+            events.append((sequence, token))
+            if ended is None:
+                going_on.append(sequence)
+            else:
+                self._finish(sequence, ended)
+        made = sum(token.text is not None for _, token in events)
+        self._metrics.step_ran(sequences=len(active), tokens=made, seconds=seconds)
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
+            self._loop.call_soon_threadsafe(_deliver, events)
+        return going_on
+
+    def _finish(self, sequence: _Sequence, outcome: str) -> None:
+        sequence.done = True
+        self._metrics.generation_ended(outcome=outcome, tokens=sequence.generated)
+        if outcome == "cancelled":
+            self._logger.debug("generation cancelled", tokens=sequence.generated, asked=sequence.request.max_tokens)
+
+    def _fail(self, sequences: list[_Sequence], error: BaseException) -> None:
+        if self._loop is None or not sequences:
+            return
+        failed = [(sequence, error) for sequence in sequences]
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(_deliver, failed)
+
+
+def _deliver(events: Sequence[tuple[_Sequence, Any]]) -> None:
+    """On the event loop: each step's tokens to their consumers, in one callback per step."""
+    for sequence, event in events:
+        sequence.deliver(event)
