@@ -317,7 +317,7 @@ client.async_stream_infer("{MODEL}", inputs(b"The ", 12), request_id="t1", enabl
 client.async_stream_infer("{MODEL}", inputs(b"The ", 0), request_id="t2")
 seen = {{"t1": [], "t2": []}}
 while len(seen["t1"]) == 0 or not seen["t1"][-1][1] or not seen["t2"]:
-    result, error = results.get(timeout=30)
+    result, error = results.get(timeout=60)
     if error is not None:
         seen["t2"].append((str(error), True))
         continue
@@ -328,7 +328,7 @@ while len(seen["t1"]) == 0 or not seen["t1"][-1][1] or not seen["t2"]:
 client.stop_stream()
 print(json.dumps(seen))
 """
-    done = subprocess.run([triton_python, "-c", script], check=True, timeout=90, capture_output=True, text=True)
+    done = subprocess.run([triton_python, "-c", script], check=True, timeout=180, capture_output=True, text=True)
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     tokens = seen["t1"]
     assert "".join(text for text, _ in tokens) == greedy_reference("v2", b"The ", 12)
