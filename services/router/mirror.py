@@ -45,6 +45,7 @@ from splitstream.common.records import routing_key_hmac
 from splitstream.router.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_records
 from splitstream.router.core import CallOutcome
 from splitstream.router.recorded_metadata import recorded_metadata
+from splitstream.router.routing import Assignment
 from splitstream.router.spool import Damage, Spool
 
 log = structlog.get_logger()
@@ -79,6 +80,9 @@ _DROP_REASONS = (
     "too_large",
     "unrecordable",
 )
+
+#: The routing core's assignments as CallRecord spells them.
+_ASSIGNMENTS = {kind: recorder_pb2.Assignment.Value(f"ASSIGNMENT_{kind.name}") for kind in Assignment}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -554,6 +558,12 @@ class RecordMirror:
             if shadow.response is not None:
                 result.response.inline = shadow.response
                 result.response.size_bytes = len(shadow.response)
+        if outcome.phase is not None:
+            record.phase.id = outcome.phase.id
+            record.phase.control = outcome.phase.control
+            record.phase.weights.update(outcome.phase.weights)
+        if outcome.assignment is not None:
+            record.assignment = _ASSIGNMENTS[outcome.assignment]
         if outcome.routing_key is not None:
             record.routing_key_hmac = routing_key_hmac(self.settings.hmac_key, outcome.routing_key)
         record.metadata.update(
