@@ -254,6 +254,9 @@ class RouterCore:
     def model_names(self) -> list[str]:
         return sorted(self._table.models)
 
+    def serves(self, model: str) -> bool:
+        return model in self._table.models
+
     def is_ready(self, model: str, version: str = "") -> bool:
         """ModelReady: whether ``version`` (empty: the control) has an endpoint to serve it now."""
         routes = self._table.models.get(model)
