@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 
+from splitstream.admin.main import main as admin_main
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, feedback_pb2_grpc
 from splitstream.common.records import feedback_key, routing_key_hmac
 from tests.harness import (
@@ -269,3 +270,127 @@ def test_a_router_without_a_recorder_refuses_feedback_with_failed_precondition(t
             report(router, [Event(model=MODEL, request_id="r", metric="click", value=1.0)])
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "--recorder" in (caught.value.details() or "")
+
+
+# -- splitstream feedback import ---------------------------------------------------------------------
+
+CSV_EVENTS = """model,request_id,routing_key,metric,value,event_time,idempotency_key
+affine,imp-1,,conversion,1,2026-01-15T08:00:00+01:00,imp-k1
+affine,,{user},conversion,0,1767225600.5,imp-k2
+,imp-3,,conversion,1,1767225600000000001,imp-k3
+"""
+
+
+def import_file(router: ServiceProcess, path: Path, *extra: str) -> int:
+    return admin_main(["feedback", "import", str(path), "--router", router.address, *extra])
+
+
+def test_import_sends_csv_and_json_lines_and_a_second_import_counts_nothing_twice(
+    stack: RecordingStack, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    user = "dave-imported-user-id"
+    events = tmp_path / "outcomes.csv"
+    events.write_text(CSV_EVENTS.format(user=user))
+    assert import_file(stack.router, events, "--model", MODEL) == 0
+    assert capsys.readouterr().out.strip() == f"{events}: 3 events read, 3 accepted, 0 rejected"
+    recorded = {e["idempotency_key"]: e for e in wait_entries(stack, "conversion", 3)}
+    assert int(recorded["imp-k1"]["event_ns"]) == 1768460400 * 10**9  # 07:00 UTC
+    assert int(recorded["imp-k2"]["event_ns"]) == 1767225600_500_000_000
+    assert int(recorded["imp-k3"]["event_ns"]) == 1767225600_000_000_001
+    assert recorded["imp-k2"]["unit"] == routing_key_hmac(HMAC_KEY.encode(), user)
+    assert recorded["imp-k3"]["request_id"] == "imp-3"
+
+    lines = tmp_path / "more.jsonl"
+    lines.write_text(
+        '{"model": "affine", "request_id": "imp-4", "metric": "conversion", "value": 2.5, '
+        '"idempotency_key": "imp-k4"}\n'
+        "\n"
+        '{"model": "elsewhere", "request_id": "imp-5", "metric": "conversion", "value": 1}\n'
+    )
+    assert import_file(stack.router, lines) == 1  # one event rejected
+    captured = capsys.readouterr()
+    assert f"{lines}:3: rejected: model: 'elsewhere' is not served by this router" in captured.err
+    assert captured.out.strip() == f"{lines}: 2 events read, 1 accepted, 1 rejected"
+
+    duplicates_before = metric_total(
+        stack.router.metrics_port, "splitstream_router_feedback_recorded_total", result="duplicate"
+    )
+    assert import_file(stack.router, events, "--model", MODEL, "--batch-size", "2") == 0
+    wait_for(
+        lambda: (
+            metric_total(stack.router.metrics_port, "splitstream_router_feedback_recorded_total", result="duplicate")
+            >= duplicates_before + 3
+        ),
+        timeout_s=20,
+        what="the re-imported events to be acknowledged as duplicates",
+    )
+    assert sorted(e["idempotency_key"] for e in entries(stack) if e["metric"] == "conversion") == [
+        "imp-k1",
+        "imp-k2",
+        "imp-k3",
+        "imp-k4",
+    ]
+    assert user.encode() not in stack.redis_bytes()
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "where", "problem"),
+    [
+        ("bad.csv", "request_id,metric,value\nr1,click,1\nr2,click,lots\n", ":3:", "value"),
+        ("bad.csv", "request_id,metric,value,colour\nr1,click,1,red\n", ":1:", "'colour'"),
+        ("bad.csv", "request_id,metric,value\nr1,click,1,extra\n", ":2:", "more cells"),
+        ("bad.csv", "request_id,metric,value\nr1,click,nan\n", ":2:", "value"),
+        ("bad.csv", "request_id,metric,value\nr1,two words,1\n", ":2:", "metric"),
+        ("bad.csv", "metric,value\nclick,1\n", ":2:", "request_id"),
+        (
+            "bad.jsonl",
+            '{"request_id": "r1", "metric": "click", "value": 1}\n{"request_id": "r2", "metric"\n',
+            ":2:",
+            "JSON",
+        ),
+        ("bad.jsonl", '["r1", "click", 1]\n', ":1:", "JSON object"),
+        ("bad.jsonl", '{"request_id": 7, "metric": "click", "value": 1}\n', ":1:", "request_id"),
+        (
+            "bad.jsonl",
+            '{"request_id": "r", "metric": "click", "value": 1, "event_time": 1767225600000}\n',
+            ":1:",
+            "event_time",
+        ),
+        (
+            "bad.jsonl",
+            '{"request_id": "r", "metric": "click", "value": 1, "event_time": "yesterday"}\n',
+            ":1:",
+            "event_time",
+        ),
+        (
+            "bad.jsonl",
+            '{"request_id": "r", "metric": "click", "value": 1, "event_time": "2026-01-01T00:00:00"}\n',
+            ":1:",
+            "time zone",
+        ),
+        ("bad.jsonl", b'{"request_id": "r\xff", "metric": "click", "value": 1}\n', ":1:", "UTF-8"),
+        ("outcomes.txt", "request_id,metric,value\n", ":", "--format"),
+    ],
+)
+def test_a_malformed_file_exits_2_with_one_line_naming_file_line_and_field_and_sends_nothing(
+    stack: RecordingStack,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    content: str | bytes,
+    where: str,
+    problem: str,
+) -> None:
+    path = tmp_path / name
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    received = metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total")
+    assert import_file(stack.router, path, "--model", MODEL) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert f"{path.name}{where}" in line
+    assert problem in line
+    assert captured.out == ""
+    assert metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total") == received
