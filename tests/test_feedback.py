@@ -394,3 +394,20 @@ def test_a_malformed_file_exits_2_with_one_line_naming_file_line_and_field_and_s
     assert problem in line
     assert captured.out == ""
     assert metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total") == received
+
+
+def test_a_report_the_feedback_queue_has_no_room_for_is_refused_whole_and_counted(
+    stack: RecordingStack, tmp_path: Path
+) -> None:
+    small = stack.start_router("--record-queue-size", "5", "--spool-dir", str(tmp_path / "spool"))
+    try:
+        events = [Event(model=MODEL, request_id=f"q{i}", metric="queue", value=1.0) for i in range(6)]
+        with pytest.raises(grpc.RpcError) as caught:
+            report(small, events)
+        assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "none of the 6 events was queued" in (caught.value.details() or "")
+        assert metric_total(small.metrics_port, "splitstream_router_feedback_dropped_total", reason="queue_full") == 6
+        assert report(small, events[:5]).accepted == 5  # what fits is taken
+        wait_entries(stack, "queue", 5)
+    finally:
+        small.stop()
