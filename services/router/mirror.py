@@ -45,6 +45,7 @@ import structlog
 from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from splitstream.common.experiment import Phase
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
 from splitstream.router.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_items
@@ -220,6 +221,8 @@ class RecordMirror:
             on_too_large=self.metrics.records_dropped.labels("too_large").inc,
             on_event_too_large=self.metrics.feedback_dropped.labels("too_large").inc,
         )
+        #: Serialized ``CallRecord.phase`` fields by phase id (see :meth:`_phase_field`).
+        self._phases: dict[str, bytes] = {}
         #: (key of the oldest unacknowledged batch, times the recorder refused it).
         self._refusals: tuple[int, int] = (0, 0)
         self._outage = False
@@ -575,7 +578,8 @@ class RecordMirror:
         """One call as a serialized record; None (logged, counted: unrecordable) if it cannot be built, so
         one odd call (a NaN latency, say) never costs the calls batched with it."""
         try:
-            return self._record(outcome, request, metadata).SerializeToString()
+            data = self._record(outcome, request, metadata).SerializeToString()
+            return data if outcome.phase is None else data + self._phase_field(outcome.phase)
         except Exception:
             log.exception("call not recordable; dropped", request_id=str(outcome.request_id)[:200])
             self.metrics.records_dropped.labels("unrecordable").inc()
@@ -608,9 +612,23 @@ class RecordMirror:
             self.metrics.feedback_dropped.labels("spool_full").inc(events)
         self._spool_bytes = self.spool.pending_bytes
 
+    def _phase_field(self, phase: Phase) -> bytes:
+        """``CallRecord.phase`` serialized, once per phase: appended to a serialized record it sets the field
+        (serialized messages concatenate into one). Filling the message in every record took a record from 3.1 to
+        5.5 µs (best of 15 rounds), copying a built one no less; appending its bytes, 3.6 µs."""
+        field = self._phases.get(phase.id)
+        if field is None:
+            if len(self._phases) >= 64:  # phases change with registry edits: keep the recent ones
+                self._phases.clear()
+            message = recorder_pb2.Phase(id=phase.id, control=phase.control)
+            message.weights.update(phase.weights)
+            field = self._phases[phase.id] = recorder_pb2.CallRecord(phase=message).SerializeToString()
+        return field
+
     def _record(
         self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]]
     ) -> recorder_pb2.CallRecord:
+        """The call's record but for its phase, which :meth:`_build` appends already serialized."""
         record = recorder_pb2.CallRecord(
             schema_version=SCHEMA_VERSION,
             request_id=outcome.request_id,
@@ -643,10 +661,6 @@ class RecordMirror:
             if shadow.response is not None:
                 result.response.inline = shadow.response
                 result.response.size_bytes = len(shadow.response)
-        if outcome.phase is not None:
-            record.phase.id = outcome.phase.id
-            record.phase.control = outcome.phase.control
-            record.phase.weights.update(outcome.phase.weights)
         if outcome.assignment is not None:
             record.assignment = _ASSIGNMENTS[outcome.assignment]
         if outcome.routing_key is not None:
