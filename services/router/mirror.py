@@ -110,6 +110,9 @@ class MirrorSettings:
     flush_timeout_s: float = 5.0
     #: Keep authorization, cookie, API-key headers in records (off: a replay would re-send someone's token).
     record_credential_headers: bool = False
+    #: Bytes of serialized events the feedback queue holds at most (beside ``queue_size`` events): events are
+    #: small (~100 bytes) but a request id may be 16 KiB, and 100,000 of those would be 1.6 GB.
+    feedback_queue_max_bytes: int = 64 << 20
     #: Times the recorder may end the stream on the same oldest batch with a status that is no outage
     #: (INTERNAL, UNKNOWN, ...) before that batch is dropped and counted, so it cannot block the rest.
     max_refusals: int = 3
@@ -208,6 +211,7 @@ class RecordMirror:
         )
         #: Serialized FeedbackEvents (routing keys already HMACs), bounded like the call queue.
         self._feedback: collections.deque[bytes] = collections.deque()
+        self._feedback_bytes = 0
         #: A record taken from the queue that did not fit in the last batch: it opens the next one.
         self._carry: bytes | None = None
         self._wake = asyncio.Event()
@@ -248,12 +252,14 @@ class RecordMirror:
         return 0 if self._closing else max(self.settings.queue_size - len(self._feedback), 0)
 
     def offer_feedback(self, events: Sequence[bytes]) -> bool:
-        """Queue serialized events, all or none: False (counted: queue_full) when they do not all fit.
-        O(len(events)); never blocks. The caller replaced every routing key by its HMAC."""
-        if len(events) > self.feedback_room():
+        """Queue serialized events, all or none: False (counted: queue_full) when they do not all fit, in
+        count or in bytes. O(len(events)); never blocks. The caller replaced every routing key by its HMAC."""
+        size = sum(len(event) for event in events)
+        if len(events) > self.feedback_room() or self._feedback_bytes + size > self.settings.feedback_queue_max_bytes:
             self.metrics.feedback_dropped.labels("queue_full").inc(len(events))
             return False
         self._feedback.extend(events)
+        self._feedback_bytes += size
         if len(self._feedback) >= self.settings.batch_size:
             self._wake.set()
         return True
@@ -569,6 +575,7 @@ class RecordMirror:
             if (count or events) and self._cutter.overflows(size, event):
                 break
             events.append(self._feedback.popleft())
+            self._feedback_bytes -= len(event)
             size += len(event) + RECORD_OVERHEAD
         if events:
             slices.append(recorder_pb2.EncodedRecordBatch(feedback=events).SerializeToString())
