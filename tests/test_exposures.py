@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -87,6 +88,9 @@ def test_each_way_of_choosing_an_arm_is_recorded_as_such_with_the_phase_in_force
     assert call(client, "hashed", ("x-routing-key", on_v1)) == "v1"
     call(client, "random")  # no key: either arm, by weight
     assert call(client, "pinned", ("x-splitstream-version", "v1")) == "v1"
+    with pytest.raises(grpc.RpcError) as refused:
+        call(client, "pinned-nowhere", ("x-splitstream-version", "v9"))
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
 
     # A call on its way to v2 when v2 dies (SIGKILL: UNAVAILABLE) is retried on the control.
     served: list[str] = []
@@ -111,11 +115,13 @@ def test_each_way_of_choosing_an_arm_is_recorded_as_such_with_the_phase_in_force
     assert call(client, "spilled", ("x-routing-key", key_on("v2", 50, 50, avoid=frozenset({on_v2})))) == "v1"
     client.close()
 
-    records = {r.request_id: r for r in stack.wait_recorded({"hashed", "random", "pinned", "retried", "spilled"})}
+    ids = {"hashed", "random", "pinned", "pinned-nowhere", "retried", "spilled"}
+    records = {r.request_id: r for r in stack.wait_recorded(ids)}
     got = {rid: (r.assignment, r.arm, r.version) for rid, r in records.items()}
     assert got["hashed"] == (HASH, "v1", "v1")
     assert got["random"][0] == RANDOM
     assert got["pinned"] == (PIN, "v1", "v1")
+    assert got["pinned-nowhere"] == (PIN, "", "")  # refused, and still counted apart from the split
     assert got["retried"] == (RETRY, "v2", "v1")
     assert got["spilled"] == (SPILL, "v2", "v1")
     assert records["retried"].retried

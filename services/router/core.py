@@ -175,10 +175,10 @@ class RouterCore:
             outcome.phase = routes.experiment.phase
             outcome.routing_key_header = routes.experiment.routing_key_header
             outcome.routing_key = headers.get(outcome.routing_key_header)
-            route = routes.route(
-                routing_key=outcome.routing_key,
-                pinned_version=_pinned_version(headers.get(VERSION_HEADER), head.model_version),
-            )
+            pinned = _pinned_version(headers.get(VERSION_HEADER), head.model_version)
+            if pinned:  # a pin refused (no such version) is still no randomized exposure
+                outcome.assignment = Assignment.PIN
+            route = routes.route(routing_key=outcome.routing_key, pinned_version=pinned)
         except SplitstreamError as error:
             outcome.request_id = outcome.request_id or uuid.uuid4().hex
             outcome.code, outcome.details = error.code, str(error)
