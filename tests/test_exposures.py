@@ -37,8 +37,8 @@ RANDOM = recorder_pb2.ASSIGNMENT_RANDOM
 PIN = recorder_pb2.ASSIGNMENT_PIN
 SPILL = recorder_pb2.ASSIGNMENT_SPILL
 RETRY = recorder_pb2.ASSIGNMENT_RETRY
-#: v2's batcher holds a lone request for 3 s, so a call routed there is still in flight when v2 is killed.
-SLOW = {"max_batch_size": 64, "dynamic_batching": {"max_queue_delay_us": 3_000_000}}
+#: v2's batcher holds a lone request for 5 s, so a call routed there is still in flight when v2 is killed.
+SLOW = {"max_batch_size": 64, "dynamic_batching": {"max_queue_delay_us": 5_000_000}}
 
 
 def experiment(v1: float, v2: float) -> dict:
