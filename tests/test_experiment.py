@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 
 from splitstream.common.errors import ConfigError
@@ -94,3 +96,32 @@ def test_registry_file_errors_name_the_model_and_field() -> None:
 def test_a_model_with_one_version_needs_no_experiment() -> None:
     state = parse_registry({"models": {"m": {"endpoints": {"v1": ["127.0.0.1:1"]}}}})
     assert state.models["m"].experiment.assign("anyone") == "v1"
+
+
+def test_the_phase_is_the_same_for_the_same_experiment_however_it_is_written() -> None:
+    written = Experiment.build(model="m", salt="s", control="v1", arms=[("v1", 90), ("v2", 10)])
+    reordered = Experiment.build(model="m", salt="s", control="v1", arms=[("v2", 10.0), ("v1", 90.0)])
+    assert written.phase == reordered.phase
+    assert len(written.phase.id) == 16
+    assert written.phase.weights == (("v1", 90), ("v2", 10))
+    # The documented encoding, recomputed by hand: another tool can derive the same id.
+    encoded = '["splitstream-phase/1","s","v1",[["v1",9000],["v2",1000]]]'
+    assert written.phase.id == hashlib.sha256(encoded.encode()).hexdigest()[:16]
+
+
+def test_any_change_of_salt_control_arms_or_weights_starts_a_new_phase() -> None:
+    base = Experiment.build(model="m", salt="s", control="v1", arms=[("v1", 90), ("v2", 10)])
+    changed = [
+        Experiment.build(model="m", salt="s2", control="v1", arms=[("v1", 90), ("v2", 10)]),
+        Experiment.build(model="m", salt="s", control="v2", arms=[("v1", 90), ("v2", 10)]),
+        Experiment.build(model="m", salt="s", control="v1", arms=[("v1", 89.99), ("v2", 10.01)]),
+        Experiment.build(model="m", salt="s", control="v1", arms=[("v1", 90), ("v2", 10), ("v3", 0)]),
+    ]
+    ids = {base.phase.id, *(e.phase.id for e in changed)}
+    assert len(ids) == 5
+    # Shadows and the routing-key header do not randomize anything: same phase.
+    arms = [("v1", 90), ("v2", 10)]
+    same = Experiment.build(
+        model="m", salt="s", control="v1", arms=arms, shadows=[("v3", 0.5)], routing_key_header="x-u"
+    )
+    assert same.phase.id == base.phase.id

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
-from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 from splitstream.common.records import PAYLOAD_DROPPED_TAG
 from splitstream.router import mirror as mirror_module
 from splitstream.router.batch_cutter import BATCH_OVERHEAD, BatchCutter, count_records, frame
@@ -182,10 +182,10 @@ def call_records(n: int, size: int = 10) -> list[bytes]:
     return records
 
 
-def ids_of(parts: list[tuple[bytes, int]]) -> list[str]:
+def ids_of(parts: list[tuple[bytes, int, int]]) -> list[str]:
     return [
         recorder_pb2.CallRecord.FromString(raw).request_id
-        for part, _ in parts
+        for part, _, _ in parts
         for raw in recorder_pb2.EncodedRecordBatch.FromString(part).records
     ]
 
@@ -194,21 +194,21 @@ def test_a_batch_refused_repeatedly_is_resent_in_halves_down_to_the_record_at_fa
     cutter = BatchCutter(1 << 20)
     batch = frame(call_records(8))
     assert cutter.as_is(batch)
-    assert cutter.parts(batch) == [(batch, 8)]
+    assert cutter.parts(batch) == [(batch, 8, 0)]
     cutter.halve(batch)
     assert not cutter.as_is(batch)
     halves = cutter.parts(batch)
-    assert [n for _, n in halves] == [4, 4]
+    assert [n for _, n, _ in halves] == [4, 4]
     # The half holding the bad record is refused in turn: it is halved again; the other half stays whole.
     cutter.halve(halves[0][0])
     quarters = cutter.parts(batch)
-    assert [n for _, n in quarters] == [2, 2, 4]
+    assert [n for _, n, _ in quarters] == [2, 2, 4]
     assert ids_of(quarters) == [f"call-{i}" for i in range(8)]
     # A part dropped (after its one record was refused) is skipped when the spool entry is resent.
     cutter.drop(quarters[0][0])
     assert ids_of(cutter.parts(batch)) == [f"call-{i}" for i in range(2, 8)]
     cutter.forget()
-    assert cutter.parts(batch) == [(batch, 8)]
+    assert cutter.parts(batch) == [(batch, 8, 0)]
 
 
 def test_a_batch_over_the_cap_is_cut_under_it_and_a_record_over_it_alone_loses_its_largest_payload() -> None:
@@ -221,11 +221,11 @@ def test_a_batch_over_the_cap_is_cut_under_it_and_a_record_over_it_alone_loses_i
     big.response.inline = b"r" * 6000
     batch = frame([*call_records(3, 1000), big.SerializeToString(), *call_records(2, 1000)])
     parts = cutter.parts(batch)
-    assert all(len(part) + BATCH_OVERHEAD <= 4096 for part, _ in parts)
+    assert all(len(part) + BATCH_OVERHEAD <= 4096 for part, _, _ in parts)
     assert ids_of(parts) == ["call-0", "call-1", "call-2", "big", "call-0", "call-1"]
     (kept,) = [
         recorder_pb2.CallRecord.FromString(raw)
-        for part, _ in parts
+        for part, _, _ in parts
         for raw in recorder_pb2.EncodedRecordBatch.FromString(part).records
         if b"big" in raw
     ]
@@ -265,3 +265,28 @@ async def test_reaping_the_ack_reader_never_swallows_the_mirrors_own_cancellatio
     loop_task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await loop_task
+
+
+def test_outcome_events_in_a_batch_are_halved_and_cut_with_its_records_and_counted_apart() -> None:
+    events = [
+        feedback_pb2.FeedbackEvent(
+            model="affine", request_id=f"call-{i}", metric="click", value=1.0
+        ).SerializeToString()
+        for i in range(4)
+    ]
+    batch = frame(call_records(2), events)
+    cutter = BatchCutter(1 << 20)
+    assert cutter.parts(batch) == [(batch, 2, 4)]
+    cutter.halve(batch)
+    halves = cutter.parts(batch)
+    assert [(r, e) for _, r, e in halves] == [(2, 1), (0, 3)]
+    small = BatchCutter(4096)
+    parts = small.parts(frame(call_records(3, 1000), events))
+    assert sum(r for _, r, _ in parts) == 3
+    assert sum(e for _, _, e in parts) == 4
+    assert all(len(part) + BATCH_OVERHEAD <= 4096 for part, _, _ in parts)
+    assert [
+        feedback_pb2.FeedbackEvent.FromString(raw).request_id
+        for part, _, _ in parts
+        for raw in recorder_pb2.EncodedRecordBatch.FromString(part).feedback
+    ] == [f"call-{i}" for i in range(4)]

@@ -27,7 +27,7 @@ from redis.asyncio import Redis
 
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from splitstream.common.proto.splitstream.v1 import recorder_pb2, recorder_pb2_grpc
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2, recorder_pb2_grpc
 from splitstream.common.records import (
     REDACTED_OUTPUTS_TAG,
     MissingBlob,
@@ -727,3 +727,54 @@ def test_masking_tensors_needs_no_key_masking_metadata_does(monkeypatch: pytest.
     with pytest.raises(SystemExit) as exited:
         parse_args(["--redact-metadata", "cookie:mask"])
     assert exited.value.code == 2
+
+
+def feedback_event(metric: str = "click", **fields: object) -> bytes:
+    event = feedback_pb2.FeedbackEvent(
+        model="resnet", request_id="a-1", metric=metric, value=1.0, receive_unix_ns=time.time_ns()
+    )
+    for name, value in fields.items():
+        setattr(event, name, value)
+    return event.SerializeToString()
+
+
+async def test_feedback_events_are_checked_alone_written_once_per_idempotency_key_and_retained_like_calls(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    recorder = start_recorder("--retention-maxlen", "20")
+    user = "carol-plain-user-id"
+    framed = recorder_pb2.EncodedRecordBatch(
+        sequence=7,
+        records=[call_record("with-feedback").SerializeToString()],
+        feedback=[
+            feedback_event(idempotency_key="k1"),
+            feedback_event(routing_key=user),  # a router must have replaced it by its HMAC
+            feedback_event(metric="two words"),
+            feedback_event(routing_key_hmac="ab" * 32, request_id=""),
+            feedback_event(idempotency_key="k1"),  # the same event twice in one batch
+            b"\x0a\x02\xff\xfe",  # model: bytes that are not UTF-8
+            feedback_event(value=float("nan")),
+        ],
+    )
+    (ack,) = await send(recorder.address, framed.SerializeToString())
+    assert (ack.sequence, ack.written, ack.feedback_written, ack.feedback_duplicates) == (7, 1, 2, 1)
+    reasons = {r.index: r.reason for r in ack.rejected_feedback}
+    assert sorted(reasons) == [1, 2, 5, 6]
+    assert reasons[1].startswith("routing_key:")
+    assert reasons[2].startswith("metric:")
+    assert "FeedbackEvent" in reasons[5]
+    assert reasons[6].startswith("value:")
+    stored = await xrange(redis, "splitstream:feedback:resnet")
+    assert [(f[b"idempotency_key"], f[b"unit"]) for _, f in stored] == [(b"k1", b""), (b"", b"ab" * 32)]
+    assert not any(user.encode() in item for item in await all_redis_bytes(redis))
+    assert metric(recorder, "splitstream_recorder_feedback_written_total", model="resnet") == 2
+    assert metric(recorder, "splitstream_recorder_feedback_duplicates_total", model="resnet") == 1
+    assert metric(recorder, "splitstream_recorder_feedback_rejected_total") == 4
+
+    # Resent (the router never saw the ack): the keyed event is not written again.
+    (again,) = await send(recorder.address, framed.SerializeToString())
+    assert (again.feedback_written, again.feedback_duplicates) == (1, 2)
+    # Retention as for the call streams: about --retention-maxlen entries per model.
+    many = recorder_pb2.EncodedRecordBatch(sequence=8, feedback=[feedback_event() for _ in range(200)])
+    await send(recorder.address, many.SerializeToString())
+    assert 20 <= await redis.xlen("splitstream:feedback:resnet") <= 20 + NODE_ENTRIES

@@ -5,12 +5,14 @@
     splitstream --registry consul://127.0.0.1:8500 versions resnet
     splitstream --registry consul://127.0.0.1:8500 rollout resnet v2 --steps 10,50,100 --interval 60s \\
         --max-error-rate 1% --max-p99-ratio 1.5 --metrics router-a:8002 --metrics router-b:8002
+    splitstream feedback import outcomes.csv --router router-a:8001 --model resnet
 
 Exit codes: 0 done (a rollout promoted, or held at its last step below 100 %);
 1 the registry or the routers' metrics could not be read or written, or the
 experiment changed meanwhile; 2 a usage error or input the registry refuses
 (one line on stderr; nothing written); 3 a rollout rolled back (a guard tripped,
-metrics became unreadable, or it was interrupted).
+metrics became unreadable, or it was interrupted). ``feedback import`` has its own
+(:mod:`splitstream.admin.feedback_import`): 0 all accepted, 1 some rejected, 2 a malformed file.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitstream.admin import metrics
+from splitstream.admin import feedback_import, metrics
 from splitstream.admin.rollout import FAILED, ROLLED_BACK, USAGE, Rollout, RolloutPlan
 from splitstream.admin.store import (
     AdminError,
@@ -96,8 +98,8 @@ def build_parser() -> EnvArgumentParser:
     )
     parser.add_argument(
         "--registry",
-        required=True,
-        help="file:PATH (the routers' YAML file) or consul://HOST:PORT (ACL token from CONSUL_HTTP_TOKEN)",
+        help="file:PATH (the routers' YAML file) or consul://HOST:PORT (ACL token from CONSUL_HTTP_TOKEN); "
+        "needed by experiment, versions and rollout",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -151,11 +153,17 @@ def build_parser() -> EnvArgumentParser:
     )
     rollout.add_argument("--min-calls", type=int, default=20, help="calls of the new version a step needs")
     rollout.add_argument("--check-every", type=duration_s, default=1.0, help="how often metrics are read in a step")
+    feedback_import.add_parser(commands, env_prefix=ENV_PREFIX)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "feedback":
+        return feedback_import.run(args)
+    if not args.registry:
+        parser.error("the following arguments are required: --registry")
     try:
         store = open_store(args.registry)
         if args.command == "experiment" and args.action == "get":

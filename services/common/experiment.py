@@ -11,6 +11,8 @@ from the arm that grew. Same key → same arm on every router, across restarts.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import random
 from collections.abc import Sequence
@@ -85,6 +87,31 @@ class Shadow:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Phase:
+    """The experiment as an A/B analysis sees it: units are compared only within one phase.
+
+    ``id`` is :func:`phase_id` of the salt, control and weights, so every router (and every restart)
+    names the same experiment alike, and any change of salt, control, arms or weights starts a new one."""
+
+    id: str
+    weights: tuple[tuple[str, float], ...]  # (version, percent) in version order, weight-0 arms included
+    control: str
+
+
+def phase_id(salt: str, control: str, weights: Sequence[tuple[str, float]]) -> str:
+    """First 16 hex digits of SHA-256 over a fixed encoding of the experiment's randomization.
+
+    The encoding (documented, so other tools can recompute it) is the UTF-8 of the compact JSON array
+    ``["splitstream-phase/1", salt, control, [[version, basis_points], ...]]``: arms sorted by version
+    (code point order), each weight as an integer number of basis points (``round(percent * 100)``,
+    so 50, 50.0 and 50.00 are one weight), arms at weight 0 included (adding one at 0 % changes
+    nothing a unit sees, but it is a different experiment to the people running it)."""
+    arms = sorted((version, round(weight * 100)) for version, weight in weights)
+    encoded = json.dumps(["splitstream-phase/1", salt, control, [list(arm) for arm in arms]], separators=(",", ":"))
+    return hashlib.sha256(encoded.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, kw_only=True)
 class Experiment:
     """A validated experiment with its bucket layout computed once."""
 
@@ -95,6 +122,8 @@ class Experiment:
     shadows: tuple[Shadow, ...] = ()
     routing_key_header: str = DEFAULT_ROUTING_KEY_HEADER
     _bucket_ends: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    #: Computed once by :meth:`build` (every record a router writes carries it).
+    phase: Phase = field(default=Phase(id="", weights=(), control=""), compare=False)
 
     @classmethod
     def build(
@@ -161,6 +190,11 @@ class Experiment:
             shadows=tuple(Shadow(version=v, sample_rate=r) for v, r in shadows),
             routing_key_header=header,
             _bucket_ends=tuple(arm.bucket_end for arm in laid),
+            phase=Phase(
+                id=phase_id(salt, control, list(weights.items())),
+                weights=tuple(sorted(weights.items())),
+                control=control,
+            ),
         )
 
     @classmethod

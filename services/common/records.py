@@ -26,6 +26,9 @@ from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 
 STREAM_PREFIX = "splitstream:calls:"
 FEEDBACK_PREFIX = "splitstream:feedback:"
+#: ``splitstream:feedback-seen:<model>:<metric>:<idempotency_key>``: set (NX, with a TTL) by the recorder
+#: with the entry it writes, so an event re-sent with the same key is not written twice.
+FEEDBACK_SEEN_PREFIX = "splitstream:feedback-seen:"
 BLOB_PREFIX = "splitstream:blob:"
 #: The tag (``CallRecord.tags``) in which the recorder names, comma-separated, the outputs it dropped
 #: or masked in the record's ``response``: their recorded values are not what the model answered, so a
@@ -101,6 +104,14 @@ def stream_key(model: str) -> str:
 
 def feedback_key(model: str) -> str:
     return FEEDBACK_PREFIX + model
+
+
+def feedback_seen_key(model: str, metric: str, idempotency_key: str) -> str:
+    """The key that marks an idempotency key as seen, readable in ``redis-cli``. Model and metric names may
+    hold ``:``, so two triples can share a key only when one's model ends where the other's metric
+    begins (model ``a:b`` metric ``c`` against model ``a`` metric ``b:c``, same idempotency key):
+    the later event then counts as a duplicate."""
+    return f"{FEEDBACK_SEEN_PREFIX}{model}:{metric}:{idempotency_key}"
 
 
 def assignment_name(assignment: int) -> str:

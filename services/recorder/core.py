@@ -17,13 +17,19 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from splitstream.common.records import entry_fields, stream_key
+from splitstream.common.records import (
+    entry_fields,
+    feedback_entry_fields,
+    feedback_key,
+    feedback_seen_key,
+    stream_key,
+)
 from splitstream.recorder.blobs import BlobCollector
 from splitstream.recorder.errors import InvalidBatch, StoreUnavailable
 from splitstream.recorder.metrics import RecorderMetrics
 from splitstream.recorder.redaction import Redactor
 from splitstream.recorder.validation import Rejection, parse_batch
-from splitstream.recorder.writer import RedisWriter, StreamEntry, WriteBatch
+from splitstream.recorder.writer import FeedbackEntry, RedisWriter, StreamEntry, WriteBatch
 
 log = structlog.get_logger()
 
@@ -33,6 +39,9 @@ class Ack:
     sequence: int
     written: int
     rejected: tuple[Rejection, ...] = ()
+    feedback_written: int = 0
+    feedback_duplicates: int = 0
+    rejected_feedback: tuple[Rejection, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +50,7 @@ class PreparedBatch:
     write: WriteBatch
     records_by_model: dict[str, int]
     rejected: tuple[Rejection, ...] = field(default=())
+    rejected_feedback: tuple[Rejection, ...] = field(default=())
 
 
 class RecorderCore:
@@ -77,7 +87,7 @@ class RecorderCore:
             raise
 
     async def write(self, prepared: PreparedBatch) -> Ack:
-        """Write a checked batch; return its ack once Redis confirmed every record.
+        """Write a checked batch; return its ack once Redis confirmed every record and event.
 
         Raises :class:`StoreUnavailable` (the batch must not be acknowledged)."""
         if prepared.rejected:
@@ -88,9 +98,17 @@ class RecorderCore:
                 rejected=len(prepared.rejected),
                 first=[f"{r.index} ({r.request_id!r}): {r.reason}"[:300] for r in prepared.rejected[:3]],
             )
-        if not prepared.write.entries:
+        if prepared.rejected_feedback:
+            self.metrics.feedback_rejected.inc(len(prepared.rejected_feedback))
+            log.warning(
+                "feedback events rejected; the rest of their batch is written",
+                sequence=prepared.sequence,
+                rejected=len(prepared.rejected_feedback),
+                first=[f"{r.index}: {r.reason}"[:300] for r in prepared.rejected_feedback[:3]],
+            )
+        if not prepared.write.entries and not prepared.write.feedback:
             self.metrics.batches.labels("ok").inc()
-            return Ack(prepared.sequence, 0, prepared.rejected)
+            return Ack(prepared.sequence, 0, prepared.rejected, rejected_feedback=prepared.rejected_feedback)
         started = time.perf_counter()
         try:
             result = await self.writer.write(prepared.write)
@@ -104,7 +122,18 @@ class RecorderCore:
             self.metrics.records_written.labels(model).inc(count)
         if result.blobs_written:
             self.metrics.blobs_written.inc(result.blobs_written)
-        return Ack(prepared.sequence, result.records, prepared.rejected)
+        for model, count in result.feedback_written.items():
+            self.metrics.feedback_written.labels(model).inc(count)
+        for model, count in result.feedback_duplicates.items():
+            self.metrics.feedback_duplicates.labels(model).inc(count)
+        return Ack(
+            prepared.sequence,
+            result.records,
+            prepared.rejected,
+            feedback_written=sum(result.feedback_written.values()),
+            feedback_duplicates=sum(result.feedback_duplicates.values()),
+            rejected_feedback=prepared.rejected_feedback,
+        )
 
     def prepare(self, data: bytes) -> PreparedBatch:
         """The CPU half (runs in the executor): every record is checked and redacted before anything is
@@ -125,4 +154,21 @@ class RecorderCore:
             entries.append(StreamEntry(stream_key(record.model), entry_fields(record)))
             by_model[record.model] += 1
         rejected.sort(key=lambda r: r.index)
-        return PreparedBatch(parsed.sequence, WriteBatch(entries, collector.blobs), dict(by_model), tuple(rejected))
+        feedback = [
+            FeedbackEntry(
+                stream=feedback_key(item.event.model),
+                fields=feedback_entry_fields(item.event),
+                seen_key=feedback_seen_key(item.event.model, item.event.metric, item.event.idempotency_key)
+                if item.event.idempotency_key
+                else None,
+                model=item.event.model,
+            )
+            for item in parsed.events
+        ]
+        return PreparedBatch(
+            parsed.sequence,
+            WriteBatch(entries, collector.blobs, feedback),
+            dict(by_model),
+            tuple(rejected),
+            tuple(parsed.rejected_events),
+        )

@@ -39,6 +39,23 @@ class RecorderMetrics:
             "named in the batch's ack, the rest of the batch is written",
             registry=self.registry,
         )
+        self.feedback_written = Counter(
+            "splitstream_recorder_feedback_written",
+            "Outcome events written to splitstream:feedback:<model>, by model",
+            ["model"],
+            registry=self.registry,
+        )
+        self.feedback_duplicates = Counter(
+            "splitstream_recorder_feedback_duplicates",
+            "Outcome events not written because their idempotency key (per model and metric) was seen before",
+            ["model"],
+            registry=self.registry,
+        )
+        self.feedback_rejected = Counter(
+            "splitstream_recorder_feedback_rejected",
+            "Outcome events refused alone (malformed, a plain routing key, a bad metric name, ...); named in the ack",
+            registry=self.registry,
+        )
         self.write_seconds = Histogram(
             "splitstream_recorder_write_seconds",
             "Time Redis took to confirm one batch (blob round, if any, plus the pipelined XADDs)",

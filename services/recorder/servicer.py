@@ -92,6 +92,12 @@ class RecorderServicer:
                             recorder_pb2.RejectedRecord(index=r.index, request_id=r.request_id, reason=r.reason)
                             for r in ack.rejected
                         ],
+                        feedback_written=ack.feedback_written,
+                        feedback_duplicates=ack.feedback_duplicates,
+                        rejected_feedback=[
+                            recorder_pb2.RejectedRecord(index=r.index, request_id=r.request_id, reason=r.reason)
+                            for r in ack.rejected_feedback
+                        ],
                     )
                 )
         finally:

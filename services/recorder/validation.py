@@ -11,13 +11,14 @@ as it was.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from splitstream.common.feedback import EventProblem, check_event
 from splitstream.common.names import check_model_name
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 from splitstream.common.records import SCHEMA_VERSION
 from splitstream.recorder.errors import InvalidBatch
 
@@ -42,11 +43,20 @@ class Rejection:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedEvent:
+    #: Position in the batch's ``feedback`` (what a rejection names).
+    index: int
+    event: feedback_pb2.FeedbackEvent
+
+
 @dataclass(slots=True)
 class ParsedBatch:
     sequence: int
     checked: list[CheckedRecord]
     rejected: list[Rejection]
+    events: list[CheckedEvent] = field(default_factory=list)
+    rejected_events: list[Rejection] = field(default_factory=list)
 
 
 def parse_batch(data: bytes, *, decode_requests: bool, decode_responses: bool = False) -> ParsedBatch:
@@ -77,7 +87,32 @@ def parse_batch(data: bytes, *, decode_requests: bool, decode_responses: bool = 
             parsed.checked.append(CheckedRecord(index, record, request))
         else:
             parsed.checked.append(CheckedRecord(index, record, request, responses[0], responses[1:]))
+    for index, raw in enumerate(framed.feedback):
+        try:
+            event = feedback_pb2.FeedbackEvent.FromString(raw)
+        except DecodeError as error:
+            parsed.rejected_events.append(
+                Rejection(index, "", f"the event is not a splitstream.v1.FeedbackEvent ({error})")
+            )
+            continue
+        try:
+            check_stored_event(event)
+        except EventProblem as error:
+            parsed.rejected_events.append(Rejection(index, event.request_id[:200], str(error)))
+            continue
+        parsed.events.append(CheckedEvent(index, event))
     return parsed
+
+
+def check_stored_event(event: feedback_pb2.FeedbackEvent) -> None:
+    """Raise :class:`EventProblem` unless ``event`` can be stored as it is: routers send the routing key's
+    HMAC only, so an event that still carries the key itself is refused rather than stored or hashed here
+    (whoever sent it may hash under another key, and the user id must not reach Redis either way)."""
+    if event.routing_key:
+        raise EventProblem("routing_key", "is set: routers send only routing_key_hmac, never the key itself")
+    if event.receive_unix_ns <= 0:
+        raise EventProblem("receive_unix_ns", f"is {event.receive_unix_ns}, expected unix time in ns (> 0)")
+    check_event(event, receive_unix_ns=event.receive_unix_ns)
 
 
 def check_record(record: recorder_pb2.CallRecord, *, decode_request: bool) -> oip.ModelInferRequest | None:

@@ -7,6 +7,11 @@ Layout (see :mod:`splitstream.common.records`, which reads it back):
   (whole macro-nodes are dropped; the stream may hold a little more than the limit).
 - ``splitstream:blob:<sha256>``: a string with the payload bytes, ``SET NX`` with a TTL
   that every new reference refreshes.
+- ``splitstream:feedback:<model>``: a stream, one entry per outcome event, same retention as
+  the call streams. An event with an idempotency key is written by a small Lua script that sets
+  ``splitstream:feedback-seen:<model>:<metric>:<key>`` (NX, TTL ``dedup_ttl_s``) and adds the
+  entry only if the key was new: atomic, so a resend after a failure can neither lose the event
+  (marked seen, never written) nor write it twice. It rides in the same pipeline as the XADDs.
 
 Blob round: ``EXPIRE`` every blob of the batch (refreshes existing ones, and says which
 exist), then the missing blobs go out with ``SET NX EX`` in the same pipeline as the
@@ -23,8 +28,9 @@ error reply, :meth:`check` fails too, so the recorder's health stays NOT_SERVING
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
 from redis.asyncio import Redis
@@ -51,11 +57,22 @@ class StreamEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class FeedbackEntry:
+    stream: str
+    fields: dict[str, bytes | str]
+    #: The key marking its idempotency key seen; None: no idempotency key, always written.
+    seen_key: str | None
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
 class WriteBatch:
-    """What one RecordBatch becomes in Redis: stream entries in order, and the distinct blobs they reference."""
+    """What one RecordBatch becomes in Redis: stream entries in order, the distinct blobs they reference,
+    and the batch's outcome events."""
 
     entries: list[StreamEntry]
     blobs: dict[str, bytes]
+    feedback: list[FeedbackEntry] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +80,32 @@ class WriteResult:
     records: int
     #: Blobs that were new (an existing blob only had its TTL refreshed).
     blobs_written: int
+    #: Events written, and those skipped as already seen, by model.
+    feedback_written: dict[str, int] = field(default_factory=dict)
+    feedback_duplicates: dict[str, int] = field(default_factory=dict)
+
+
+#: KEYS: the seen key, the feedback stream. ARGV: TTL s (0: none), MAXLEN (0: none), MINID ("": none),
+#: then the entry's field/value pairs. Returns 1 when written, 0 when the key was seen before.
+_ADD_ONCE = """
+local set
+if ARGV[1] ~= '0' then
+  set = redis.call('SET', KEYS[1], '1', 'NX', 'EX', ARGV[1])
+else
+  set = redis.call('SET', KEYS[1], '1', 'NX')
+end
+if not set then return 0 end
+local args = {KEYS[2]}
+if ARGV[2] ~= '0' then
+  table.insert(args, 'MAXLEN'); table.insert(args, '~'); table.insert(args, ARGV[2])
+elseif ARGV[3] ~= '' then
+  table.insert(args, 'MINID'); table.insert(args, '~'); table.insert(args, ARGV[3])
+end
+table.insert(args, '*')
+for i = 4, #ARGV do table.insert(args, ARGV[i]) end
+redis.call('XADD', unpack(args))
+return 1
+"""
 
 
 class RedisWriter:
@@ -73,12 +116,16 @@ class RedisWriter:
         retention_maxlen: int,
         retention_age_s: float,
         blob_ttl_s: int,
+        dedup_ttl_s: int | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``dedup_ttl_s``: how long an idempotency key is remembered (None: as long as blobs; 0: for ever)."""
         self.redis = redis
         self.retention_maxlen = retention_maxlen
         self.retention_age_ms = int(retention_age_s * 1000)
         self.blob_ttl_s = blob_ttl_s
+        self.dedup_ttl_s = blob_ttl_s if dedup_ttl_s is None else dedup_ttl_s
+        self._add_once = redis.register_script(_ADD_ONCE)
         self._clock = clock
         #: Why Redis last refused a write with an error reply; None once a write succeeds again.
         self.refused: str | None = None
@@ -141,12 +188,40 @@ class RedisWriter:
                 minid=None if maxlen else minid,
                 approximate=True,
             )
+        for event in batch.feedback:
+            if event.seen_key is None:
+                pipe.xadd(
+                    event.stream,
+                    cast(dict[Any, Any], event.fields),
+                    maxlen=maxlen,
+                    minid=None if maxlen else minid,
+                    approximate=True,
+                )
+            else:
+                pairs = [part for item in event.fields.items() for part in item]
+                args = [self.dedup_ttl_s, maxlen or 0, "" if maxlen or not minid else minid, *pairs]
+                await self._add_once(keys=[event.seen_key, event.stream], args=args, client=pipe)
         if maxlen and minid:
-            for stream in dict.fromkeys(entry.stream for entry in batch.entries):
+            streams = [entry.stream for entry in batch.entries] + [event.stream for event in batch.feedback]
+            for stream in dict.fromkeys(streams):
                 pipe.xtrim(stream, minid=minid, approximate=True)
         results = await pipe.execute()
         created = sum(1 for result in results[: len(missing)] if result)
-        return WriteResult(records=len(batch.entries), blobs_written=created)
+        start = len(missing) + len(batch.entries)
+        written: Counter[str] = Counter()
+        duplicates: Counter[str] = Counter()
+        for event, result in zip(batch.feedback, results[start : start + len(batch.feedback)], strict=True):
+            # XADD answers the entry's id; the script 1 (written) or 0 (seen before).
+            if event.seen_key is not None and result == 0:
+                duplicates[event.model] += 1
+            else:
+                written[event.model] += 1
+        return WriteResult(
+            records=len(batch.entries),
+            blobs_written=created,
+            feedback_written=dict(written),
+            feedback_duplicates=dict(duplicates),
+        )
 
     async def _missing_blobs(self, digests: list[str]) -> list[str]:
         """Refresh the TTL of the blobs that exist; return the digests of those that do not."""

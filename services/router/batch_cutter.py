@@ -9,7 +9,9 @@ way, so its parts keep their identity (:func:`batch_key`) across resends and res
 the stream.
 
 Batches and records stay serialized throughout (``EncodedRecordBatch``): only a record
-over the cap is parsed.
+over the cap is parsed. A batch also carries outcome events (``feedback``); they are cut,
+halved and dropped like records (items in order: records, then events), and every part is
+counted as ``(bytes, records, events)``.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class BatchCutter:
         *,
         on_payloads_dropped: Callable[[], None] = lambda: None,
         on_too_large: Callable[[], None] = lambda: None,
+        on_event_too_large: Callable[[], None] = lambda: None,
     ) -> None:
         """``on_payloads_dropped``/``on_too_large``: told of each record sent without payloads, or
         dropped because even that is over the cap (the mirror counts them)."""
@@ -50,6 +53,7 @@ class BatchCutter:
         self.max_bytes = max_bytes
         self._on_payloads_dropped = on_payloads_dropped
         self._on_too_large = on_too_large
+        self._on_event_too_large = on_event_too_large
         self._dropped: set[int] = set()
         self._halved: set[int] = set()
 
@@ -62,20 +66,25 @@ class BatchCutter:
         key = batch_key(batch)
         return key not in self._dropped and key not in self._halved
 
-    def parts(self, batch: bytes, records: int | None = None) -> list[tuple[bytes, int]]:
-        """``batch`` as the batches to send, each with its record count (may be none at all).
+    def parts(
+        self, batch: bytes, records: int | None = None, events: int | None = None
+    ) -> list[tuple[bytes, int, int]]:
+        """``batch`` as the batches to send, each with its record and event counts (may be none at all).
         CPU-bound on large batches: call it off the event loop."""
         key = batch_key(batch)
         if key in self._dropped:
             return []
         if key in self._halved:
-            items = list(recorder_pb2.EncodedRecordBatch.FromString(batch).records)
+            framed = recorder_pb2.EncodedRecordBatch.FromString(batch)
+            items = [*((False, r) for r in framed.records), *((True, e) for e in framed.feedback)]
             if len(items) > 1:
                 half = len(items) // 2
-                return [*self.parts(frame(items[:half]), half), *self.parts(frame(items[half:]), None)]
+                return [*self.parts(frame_items(items[:half])), *self.parts(frame_items(items[half:]))]
         if len(batch) + BATCH_OVERHEAD > self.max_bytes:
-            return [part for piece, count in self._split(batch) for part in self.parts(piece, count)]
-        return [(batch, records if records is not None else count_records(batch))]
+            return [part for piece, r, e in self._split(batch) for part in self.parts(piece, r, e)]
+        if records is None or events is None:
+            records, events = count_items(batch)
+        return [(batch, records, events)]
 
     @property
     def record_limit(self) -> int:
@@ -143,23 +152,32 @@ class BatchCutter:
         self._dropped.clear()
         self._halved.clear()
 
-    def _split(self, batch: bytes) -> list[tuple[bytes, int]]:
-        """``batch`` cut into batches under the cap, records in order."""
-        parts: list[tuple[bytes, int]] = []
-        records: list[bytes] = []
+    def _split(self, batch: bytes) -> list[tuple[bytes, int, int]]:
+        """``batch`` cut into batches under the cap, records (then events) in order."""
+        parts: list[tuple[bytes, int, int]] = []
+        items: list[tuple[bool, bytes]] = []
         size = BATCH_OVERHEAD
-        for record in recorder_pb2.EncodedRecordBatch.FromString(batch).records:
-            fitted = self.fit(record)
+        framed = recorder_pb2.EncodedRecordBatch.FromString(batch)
+        for is_event, raw in [*((False, r) for r in framed.records), *((True, e) for e in framed.feedback)]:
+            fitted = self._fit_event(raw) if is_event else self.fit(raw)
             if fitted is None:
                 continue
-            if records and self.overflows(size, fitted):
-                parts.append((frame(records), len(records)))
-                records, size = [], BATCH_OVERHEAD
-            records.append(fitted)
+            if items and self.overflows(size, fitted):
+                parts.append(_counted(items))
+                items, size = [], BATCH_OVERHEAD
+            items.append((is_event, fitted))
             size += len(fitted) + RECORD_OVERHEAD
-        if records:
-            parts.append((frame(records), len(records)))
+        if items:
+            parts.append(_counted(items))
         return parts
+
+    def _fit_event(self, event: bytes) -> bytes | None:
+        """An event alone over the cap (its fields are bounded at a few KiB: only a cap set absurdly low)."""
+        if len(event) <= self.record_limit:
+            return event
+        log.error("feedback event larger than batch_max_bytes; dropped", event_bytes=len(event))
+        self._on_event_too_large()
+        return None
 
 
 def batch_key(batch: bytes) -> int:
@@ -167,10 +185,26 @@ def batch_key(batch: bytes) -> int:
     return zlib.crc32(batch) ^ (len(batch) << 32)
 
 
-def frame(records: Sequence[bytes]) -> bytes:
-    """A batch (without sequence) of serialized records."""
-    return recorder_pb2.EncodedRecordBatch(records=records).SerializeToString()
+def frame(records: Sequence[bytes], feedback: Sequence[bytes] = ()) -> bytes:
+    """A batch (without sequence) of serialized records and events."""
+    return recorder_pb2.EncodedRecordBatch(records=records, feedback=feedback).SerializeToString()
+
+
+def frame_items(items: Sequence[tuple[bool, bytes]]) -> bytes:
+    """A batch of ``(is_event, serialized)`` items."""
+    return frame([raw for is_event, raw in items if not is_event], [raw for is_event, raw in items if is_event])
+
+
+def _counted(items: Sequence[tuple[bool, bytes]]) -> tuple[bytes, int, int]:
+    events = sum(1 for is_event, _ in items if is_event)
+    return frame_items(items), len(items) - events, events
 
 
 def count_records(batch: bytes) -> int:
     return len(recorder_pb2.EncodedRecordBatch.FromString(batch).records)  # records stay bytes: no parse
+
+
+def count_items(batch: bytes) -> tuple[int, int]:
+    """The records and the events a serialized batch holds (framing parsed, items left as bytes)."""
+    framed = recorder_pb2.EncodedRecordBatch.FromString(batch)
+    return len(framed.records), len(framed.feedback)

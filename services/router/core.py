@@ -40,13 +40,13 @@ from google.protobuf.message import DecodeError
 from grpc import aio
 
 from splitstream.common.errors import InvalidInput, ModelNotFound, ModelNotReady, SplitstreamError
-from splitstream.common.experiment import Experiment, Shadow
+from splitstream.common.experiment import Experiment, Phase, Shadow
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.registry import RegistryState
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.pools import Endpoint, VersionPool
-from splitstream.router.routing import EMPTY_TABLE, ModelRoutes, Route, RoutingTable
+from splitstream.router.routing import EMPTY_TABLE, Assignment, ModelRoutes, Route, RoutingTable
 
 log = structlog.get_logger()
 
@@ -80,6 +80,10 @@ class CallOutcome:
     pinned: bool = False
     receive_unix_ns: int = 0
     latency_s: float = 0.0
+    #: The experiment in force when the call was routed (None: the model is not served).
+    phase: Phase | None = None
+    #: How the arm was chosen; None when the call was refused before an arm was (bad pin, no endpoint).
+    assignment: Assignment | None = None
     # Kept for the recorder, which stores only the key's HMAC and never the header: set as soon as the
     # model is known, so a call refused at routing (bad pin, no endpoint) is recorded without it too.
     routing_key: str | None = None
@@ -168,12 +172,13 @@ class RouterCore:
             outcome.request_id = outcome.request_id or head.id
             routes = self._table.model(head.model_name)
             outcome.model = head.model_name
+            outcome.phase = routes.experiment.phase
             outcome.routing_key_header = routes.experiment.routing_key_header
             outcome.routing_key = headers.get(outcome.routing_key_header)
-            route = routes.route(
-                routing_key=outcome.routing_key,
-                pinned_version=_pinned_version(headers.get(VERSION_HEADER), head.model_version),
-            )
+            pinned = _pinned_version(headers.get(VERSION_HEADER), head.model_version)
+            if pinned:  # a pin refused (no such version) is still no randomized exposure
+                outcome.assignment = Assignment.PIN
+            route = routes.route(routing_key=outcome.routing_key, pinned_version=pinned)
         except SplitstreamError as error:
             outcome.request_id = outcome.request_id or uuid.uuid4().hex
             outcome.code, outcome.details = error.code, str(error)
@@ -184,6 +189,7 @@ class RouterCore:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         outcome.version, outcome.arm = route.version, route.arm
         outcome.fallback, outcome.pinned = route.fallback, route.pinned
+        outcome.assignment = route.assignment
         endpoint = route.pool.pick()
         if endpoint is None:
             return self._unavailable(outcome, route)
@@ -198,6 +204,7 @@ class RouterCore:
         outcome.retried = True
         outcome.version = route.version
         outcome.fallback = route.fallback
+        outcome.assignment = route.assignment  # RETRY when it went to the control; the split's otherwise
         await self._forward(outcome, endpoint, request, deadline)
         return outcome
 
@@ -246,6 +253,9 @@ class RouterCore:
 
     def model_names(self) -> list[str]:
         return sorted(self._table.models)
+
+    def serves(self, model: str) -> bool:
+        return model in self._table.models
 
     def is_ready(self, model: str, version: str = "") -> bool:
         """ModelReady: whether ``version`` (empty: the control) has an endpoint to serve it now."""

@@ -21,7 +21,7 @@ from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from splitstream.common.proto.splitstream.v1 import router_pb2
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, router_pb2
 from splitstream.common.registry import ConsulRegistry, FileRegistry, Registry, RegistryUpdate, parse_consul_spec
 from splitstream.common.runtime import (
     Runtime,
@@ -33,6 +33,7 @@ from splitstream.common.runtime import (
 )
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.router.core import EndpointSettings, RouterCore
+from splitstream.router.feedback import FeedbackService
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.servicer import RouterServicer
@@ -147,7 +148,11 @@ def build_parser() -> EnvArgumentParser:
         help="shadow copies in flight at most; past it new ones are skipped and counted",
     )
     recording = parser.add_argument_group("recording (off unless --recorder is set)")
-    recording.add_argument("--recorder", default="", help="recorder address host:port; every call is mirrored to it")
+    recording.add_argument(
+        "--recorder",
+        default="",
+        help="recorder address host:port; every call, and every event reported to Feedback/Report, is mirrored to it",
+    )
     recording.add_argument(
         "--spool-dir",
         default="splitstream-spool",
@@ -176,7 +181,8 @@ def build_parser() -> EnvArgumentParser:
         "--record-queue-size",
         type=int,
         default=100_000,
-        help="calls held in memory for recording; past it new ones are dropped and counted",
+        help="calls held in memory for recording, and as many feedback events apart; past it new ones are "
+        "dropped and counted (a feedback report that does not fit is refused whole: RESOURCE_EXHAUSTED)",
     )
     recording.add_argument(
         "--record-batch-max-bytes",
@@ -260,6 +266,7 @@ class Router(Service):
     grpc_services = (
         oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
         router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+        feedback_pb2.DESCRIPTOR.services_by_name["Feedback"].full_name,
     )
 
     def __init__(self, config: RouterConfig, registry: Registry) -> None:
@@ -310,6 +317,12 @@ class Router(Service):
             max_in_flight=config.shadow_max_in_flight,
         )
         self.servicer.after_answer = self.shadows.after_answer
+        self.feedback = FeedbackService(
+            mirror=self.mirror,
+            hmac_key=config.hmac_key.encode(),
+            serves=self.core.serves,
+            registry=self.metrics,
+        )
         self._updates: AsyncIterator[RegistryUpdate] | None = None
 
     def interceptors(self) -> list[aio.ServerInterceptor]:
@@ -317,6 +330,7 @@ class Router(Service):
 
     def register(self, server: aio.Server) -> None:
         server.add_generic_rpc_handlers(self.servicer.handlers())
+        server.add_generic_rpc_handlers(self.feedback.handlers())
 
     async def prepare(self, runtime: Runtime) -> None:
         """Load the registry before the first call can arrive; unusable at start → ConfigError (exit 2)."""

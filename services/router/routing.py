@@ -8,12 +8,24 @@ tables by address, so a reload drops no connection and no call in flight.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from splitstream.common.errors import ModelNotFound, ModelNotReady
 from splitstream.common.experiment import Experiment
 from splitstream.router.pools import Endpoint, VersionPool
+
+
+class Assignment(enum.Enum):
+    """How a call's arm was chosen (``CallRecord.assignment``). Only HASH and RANDOM are randomized:
+    an A/B analysis compares arms on those alone, and counts pins, spills and retries apart."""
+
+    HASH = "hash"  # the split, on the call's routing key
+    RANDOM = "random"  # the split, for a call without a routing key
+    PIN = "pin"  # the client pinned the version
+    SPILL = "spill"  # the arm had no eligible endpoint: the control served
+    RETRY = "retry"  # the arm answered UNAVAILABLE: retried on the control
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +37,7 @@ class Route:
     pool: VersionPool
     pinned: bool
     fallback: bool  # served by the control because the arm had no eligible endpoint
+    assignment: Assignment
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +53,32 @@ class ModelRoutes:
             if pool is None:
                 known = sorted(self.pools)
                 raise ModelNotFound(f"model '{model}' has no version '{pinned_version}' (known: {known})")
-            return Route(version=pinned_version, arm=pinned_version, pool=pool, pinned=True, fallback=False)
+            return Route(
+                version=pinned_version,
+                arm=pinned_version,
+                pool=pool,
+                pinned=True,
+                fallback=False,
+                assignment=Assignment.PIN,
+            )
         arm = self.experiment.assign(routing_key)
+        split = Assignment.RANDOM if routing_key is None else Assignment.HASH
         pool = self.pools.get(arm)
         if pool is not None and pool.has_eligible():
-            return Route(version=arm, arm=arm, pool=pool, pinned=False, fallback=False)
+            return Route(version=arm, arm=arm, pool=pool, pinned=False, fallback=False, assignment=split)
         control = self.experiment.control
         control_pool = self.pools.get(control)
         if control_pool is None or not control_pool.has_eligible():
             raise ModelNotReady(f"model '{model}': no healthy endpoint for version '{arm}' or control '{control}'")
-        return Route(version=control, arm=arm, pool=control_pool, pinned=False, fallback=arm != control)
+        spilled = arm != control
+        return Route(
+            version=control,
+            arm=arm,
+            pool=control_pool,
+            pinned=False,
+            fallback=spilled,
+            assignment=Assignment.SPILL if spilled else split,
+        )
 
     def fallback_after_failure(self, route: Route) -> Route | None:
         """Where to retry when the routed version has no other endpoint: the control, unless pinned."""
@@ -59,7 +88,9 @@ class ModelRoutes:
         pool = self.pools.get(control)
         if pool is None or not pool.has_eligible():
             return None
-        return Route(version=control, arm=route.arm, pool=pool, pinned=False, fallback=True)
+        return Route(
+            version=control, arm=route.arm, pool=pool, pinned=False, fallback=True, assignment=Assignment.RETRY
+        )
 
 
 @dataclass(frozen=True, slots=True)
