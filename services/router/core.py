@@ -85,6 +85,8 @@ class CallOutcome:
     routing_key: str | None = None
     routing_key_header: str = ""
     shadows: list[Any] = field(default_factory=list)  # ShadowOutcome, filled after the client's answer
+    #: A ModelStreamInfer stream's messages (``splitstream.router.streams.StreamTrace``); None for unary calls.
+    stream: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,34 @@ class RouterCore:
     async def _infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
         outcome = CallOutcome(headers.get(REQUEST_ID_HEADER, ""), UNKNOWN_MODEL, grpc.StatusCode.OK, "", None)
         try:
+            routes, route = self.route(outcome, request, headers)
+        except SplitstreamError as error:
+            outcome.code, outcome.details = error.code, str(error)
+            return outcome
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        endpoint = route.pool.pick()
+        if endpoint is None:
+            return self.unavailable(outcome, route)
+        failure = await self._forward(outcome, endpoint, request, deadline)
+        if failure is None or failure.code() != grpc.StatusCode.UNAVAILABLE:
+            return outcome
+        retry = self.retry_target(routes, route, endpoint)
+        if retry is None:
+            return outcome
+        route, endpoint = retry
+        self.metrics.retries.labels(outcome.model, outcome.version).inc()
+        outcome.retried = True
+        outcome.version = route.version
+        outcome.fallback = route.fallback
+        await self._forward(outcome, endpoint, request, deadline)
+        return outcome
+
+    def route(self, outcome: CallOutcome, request: bytes, headers: Mapping[str, str]) -> tuple[ModelRoutes, Route]:
+        """Read the request head (no tensors decoded) and pick the version: pin, sticky split, or the
+        control when the arm has no eligible endpoint. Fills ``outcome`` (id, model, key, version, arm)
+        as far as it gets; raises SplitstreamError (InvalidInput, ModelNotFound, ModelNotReady) with the
+        id always set. Unary calls and the first request of a token stream route alike."""
+        try:
             head = _read_head(request)
             outcome.request_id = outcome.request_id or head.id
             routes = self._table.model(head.model_name)
@@ -174,32 +204,13 @@ class RouterCore:
                 routing_key=outcome.routing_key,
                 pinned_version=_pinned_version(headers.get(VERSION_HEADER), head.model_version),
             )
-        except SplitstreamError as error:
+        finally:
             outcome.request_id = outcome.request_id or uuid.uuid4().hex
-            outcome.code, outcome.details = error.code, str(error)
-            return outcome
-        outcome.request_id = outcome.request_id or uuid.uuid4().hex
         if route.fallback:
             self.metrics.fallbacks.labels(outcome.model, route.arm, route.version).inc()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         outcome.version, outcome.arm = route.version, route.arm
         outcome.fallback, outcome.pinned = route.fallback, route.pinned
-        endpoint = route.pool.pick()
-        if endpoint is None:
-            return self._unavailable(outcome, route)
-        failure = await self._forward(outcome, endpoint, request, deadline)
-        if failure is None or failure.code() != grpc.StatusCode.UNAVAILABLE:
-            return outcome
-        retry = self._retry_target(routes, route, endpoint)
-        if retry is None:
-            return outcome
-        route, endpoint = retry
-        self.metrics.retries.labels(outcome.model, outcome.version).inc()
-        outcome.retried = True
-        outcome.version = route.version
-        outcome.fallback = route.fallback
-        await self._forward(outcome, endpoint, request, deadline)
-        return outcome
+        return routes, route
 
     async def _forward(
         self,
@@ -226,7 +237,7 @@ class RouterCore:
         return None
 
     @staticmethod
-    def _retry_target(routes: ModelRoutes, route: Route, failed: Endpoint) -> tuple[Route, Endpoint] | None:
+    def retry_target(routes: ModelRoutes, route: Route, failed: Endpoint) -> tuple[Route, Endpoint] | None:
         other = route.pool.pick(exclude=failed)
         if other is not None:
             return route, other
@@ -237,7 +248,7 @@ class RouterCore:
         return None if endpoint is None else (fallback, endpoint)
 
     @staticmethod
-    def _unavailable(outcome: CallOutcome, route: Route) -> CallOutcome:
+    def unavailable(outcome: CallOutcome, route: Route) -> CallOutcome:
         error = ModelNotReady(f"model '{outcome.model}' version '{route.version}' has no healthy endpoint")
         outcome.code, outcome.details = error.code, str(error)
         return outcome
