@@ -8,11 +8,11 @@ the router's relay is tested against the protocol and not against our own worker
 - ``inference.GRPCInferenceService/ModelStreamInfer``: each request (a ``ModelInferRequest`` with
   the TensorRT-LLM ensemble's ``max_tokens`` INT32 input) is answered by ``max_tokens`` responses,
   one per token, in order, each a ``ModelStreamInferResponse`` whose ``infer_response`` carries the
-  request's id, the model name and version, output ``text_output`` (BYTES ``[1]``, the token's text
-  ``"<version>:<request id>:<n>"``) and the bool parameter ``triton_final_response``: true on the
-  last. With ``triton_enable_empty_final_response`` set on the request, every token response says
-  false and one more response, empty, says true (Triton's way of ending a request whose final flag
-  came without data).
+  request's id, the model name and version, outputs ``text_output`` (BYTES ``[1]``, the token's text
+  ``"<version>:<request id>:<n>"``) and ``cum_log_probs`` (FP32 ``[1]``), and the bool parameter
+  ``triton_final_response``: true on the last. With ``triton_enable_empty_final_response`` set on
+  the request, every token response says false and one more response, empty, says true (Triton's
+  way of ending a request whose final flag came without data).
 - A request that cannot be served (no or bad ``max_tokens``) gets one response with
   ``error_message`` set (and its id in ``infer_response``); the stream stays open for the others.
 - Requests of one stream run concurrently, as Triton's decoupled models do; their responses may
@@ -34,6 +34,7 @@ import asyncio
 import hashlib
 import json
 import signal
+import struct
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -112,10 +113,12 @@ class DecoupledModel:
             message = oip.ModelStreamInferResponse()
             response = message.infer_response
             response.model_name, response.model_version, response.id = self.model, self.version, request.id
-            output = response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
-            del output  # the data goes in raw_output_contents, as Triton sends it
+            # The data goes in raw_output_contents, as Triton sends it.
+            response.outputs.add(name="text_output", datatype="BYTES", shape=[1])
             text = f"{self.version}:{request.id}:{n}".encode()
             response.raw_output_contents.append(len(text).to_bytes(4, "little") + text)
+            response.outputs.add(name="cum_log_probs", datatype="FP32", shape=[1])
+            response.raw_output_contents.append(struct.pack("<f", -0.5 * (n + 1)))
             response.parameters[FINAL].bool_param = n == tokens - 1 and not empty_final
             await send(message)
         if empty_final:
@@ -137,10 +140,15 @@ def _max_tokens(request: oip.ModelInferRequest) -> int | None:
     return None
 
 
-def stream_request(request_id: str, max_tokens: int, *, model: str = "llm", version: str = "", **bools: bool) -> bytes:
-    """A serialized request for the stand-in: ``max_tokens`` as TensorRT-LLM's INT32 input, ``bools`` as
-    bool parameters (``triton_enable_empty_final_response=True``, say)."""
+def stream_request(
+    request_id: str, max_tokens: int, *, model: str = "llm", version: str = "", text: bytes = b"", **bools: bool
+) -> bytes:
+    """A serialized request for the stand-in: ``max_tokens`` as TensorRT-LLM's INT32 input, ``text`` (if
+    any) as its ``text_input`` (BYTES), ``bools`` as bool parameters (``triton_enable_empty_final_response``)."""
     request = oip.ModelInferRequest(model_name=model, model_version=version, id=request_id)
+    if text:
+        request.inputs.add(name="text_input", datatype="BYTES", shape=[1, 1])
+        request.raw_input_contents.append(len(text).to_bytes(4, "little") + text)
     request.inputs.add(name="max_tokens", datatype="INT32", shape=[1, 1])
     request.raw_input_contents.append(max_tokens.to_bytes(4, "little", signed=True))
     for key, value in bools.items():

@@ -97,7 +97,7 @@ class StreamTrace:
         index = self.responses_total
         self.responses_total += 1
         if index == 0:
-            self.first_response_ns = max(offset_ns, 1)  # 0 means "no response"
+            offset_ns = self.first_response_ns = max(offset_ns, 1)  # 0 means "no response"
         if self._keeps(payload):
             self.responses.append((index, offset_ns, payload))
 
