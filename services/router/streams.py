@@ -45,6 +45,7 @@ from splitstream.common.headers import REQUEST_ID_HEADER, request_id_metadata
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2, router_pb2
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
+from splitstream.router.metrics import StreamChildren
 from splitstream.router.pools import Endpoint
 from splitstream.router.routing import ModelRoutes, Route
 
@@ -230,9 +231,8 @@ class _Relay:
         self.write_lock = asyncio.Lock()
         self.relayed = 0
         self.last_ns = 0
-        self.active_version = ""
+        self.active: StreamChildren | None = None  # the metrics of the version the stream is open on
         self.pinned_version = ""
-        self.gap: Callable[[float], None] = lambda _: None
 
     # -- the stream ------------------------------------------------------------------------
 
@@ -304,12 +304,11 @@ class _Relay:
 
     async def _relay(self, response: bytes) -> None:
         now = time.monotonic_ns()
+        assert self.active is not None  # responses come only from a routed stream
         if self.relayed:
-            self.gap((now - self.last_ns) / 1e9)
+            self.active.gap.observe((now - self.last_ns) / 1e9)
         else:
-            self.metrics.stream_ttft.labels(self.outcome.model, self.outcome.version).observe(
-                (now - self.started_ns) / 1e9
-            )
+            self.active.ttft.observe((now - self.started_ns) / 1e9)
             self.log.keep = False  # no retry after a response: what was forwarded can go
         self.relayed += 1
         self.last_ns = now
@@ -381,12 +380,10 @@ class _Relay:
 
     def _activate(self, version: str) -> None:
         """Count the stream as open on ``version`` (moving it from the version it was open on, if any)."""
-        model = self.outcome.model
-        if self.active_version:
-            self.metrics.streams_active.labels(model, self.active_version).dec()
-        self.active_version = version
-        self.metrics.streams_active.labels(model, version).inc()
-        self.gap = self.metrics.stream_gap.labels(model, version).observe
+        if self.active is not None:
+            self.active.active.dec()
+        self.active = self.metrics.stream_children(self.outcome.model, version)
+        self.active.active.inc()
 
     def cancelled(self) -> None:
         outcome = self.outcome
@@ -400,12 +397,13 @@ class _Relay:
         duration_s = (time.monotonic_ns() - self.started_ns) / 1e9
         outcome.latency_s = duration_s
         model, version = outcome.model, outcome.version
-        if self.active_version:
-            self.metrics.streams_active.labels(model, self.active_version).dec()
-        self.metrics.streams.labels(model, version, outcome.code.name).inc()
-        if version:
-            self.metrics.stream_seconds.labels(model, version).observe(duration_s)
-            self.metrics.stream_responses.labels(model, version).observe(self.relayed)
+        if self.active is None:  # refused before it was routed: counted, nothing to time
+            self.metrics.streams.labels(model, version, outcome.code.name).inc()
+        else:
+            self.active.active.dec()
+            self.metrics.stream_ended(self.active, model, version, outcome.code.name)
+            self.active.seconds.observe(duration_s)
+            self.active.responses.observe(self.relayed)
         log.debug(
             "stream",
             request_id=outcome.request_id,
