@@ -1,6 +1,8 @@
 """What the router adds to token streams (ModelStreamInfer), side by side with the direct path.
 
-One run, same streams, same backend: client → stand-in; client → router → stand-in. The backend is
+One run, same streams, same backend: client → stand-in; client → router → stand-in; and client →
+a bare grpc.aio pass-through (twenty lines, no routing, metrics or recording) → stand-in, the floor
+of any Python gRPC hop on this machine. The backend is
 the Triton decoupled-model stand-in of the tests (``tests/triton_decoupled.py``: Triton cannot run
 here), answering each request with ``--tokens`` responses ``--delay-ms`` apart, so what differs
 between the paths is the router alone. For 1 and 16 concurrent streams (each a closed loop: a
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import shutil
 import sys
@@ -24,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -32,7 +36,7 @@ from grpc import aio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import cpu_seconds, rotated
-from tests.harness import Stack, write_registry
+from tests.harness import Stack, free_port, wait_for, write_registry
 from tests.triton_decoupled import start_standin, stream_request
 
 MODEL = "llm"
@@ -85,8 +89,52 @@ async def drive(address: str, request: bytes, streams: int, seconds: float, pids
         into.cpu_s += cpu_seconds(pids) - cpu_before
 
 
+def bare_proxy(port: int, upstream: str) -> None:
+    """A bare ``ModelStreamInfer`` pass-through (run in its own process): the least a Python hop costs."""
+
+    async def serve() -> None:
+        channel = aio.insecure_channel(upstream)
+        open_stream = channel.stream_stream(STREAM_METHOD)
+
+        async def relay(requests: Any, context: Any) -> None:
+            call = open_stream()
+
+            async def forward() -> None:
+                async for request in requests:
+                    await call.write(request)
+                await call.done_writing()
+
+            forwarder = asyncio.create_task(forward())
+            async for response in call:
+                await context.write(response)
+            await forwarder
+
+        server = aio.server()
+        server.add_generic_rpc_handlers(
+            [
+                grpc.method_handlers_generic_handler(
+                    "inference.GRPCInferenceService", {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(relay)}
+                )
+            ]
+        )
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
 def ms(values: list[float], q: float) -> float:
     return float(np.quantile(values, q)) * 1000 if values else float("nan")
+
+
+def _serves(address: str) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=1)
+        except grpc.FutureTimeoutError:
+            return False
+    return True
 
 
 def main() -> int:
@@ -99,13 +147,23 @@ def main() -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
     stack = Stack(tmp)
+    bare: multiprocessing.process.BaseProcess | None = None
     try:
         backend = start_standin(stack, MODEL, "v1", "--delay-ms", str(args.delay_ms))
         registry = tmp / "registry.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": [backend.address]}}})
         router = stack.router(registry, "--log-level", "WARNING")
         assert router.process is not None
-        paths = {"direct": (backend.address, []), "router": (router.address, [router.process.pid])}
+        bare_port = free_port()
+        bare = multiprocessing.get_context("spawn").Process(target=bare_proxy, args=(bare_port, backend.address))
+        bare.start()
+        wait_for(lambda: _serves(f"127.0.0.1:{bare_port}"), timeout_s=30, what="the bare pass-through")
+        assert bare.pid is not None
+        paths = {
+            "direct": (backend.address, []),
+            "router": (router.address, [router.process.pid]),
+            "bare": (f"127.0.0.1:{bare_port}", [bare.pid]),
+        }
         request = stream_request("bench", args.tokens, model=MODEL)
         print(
             f"token streams through the router: {args.rounds} rounds x {args.seconds:g} s per path and load; "
@@ -130,16 +188,28 @@ def main() -> int:
                     f"{streams:>7} {name:<7} {t.rate():8.0f} {ms(t.ttft_s, 0.5):9.3f} {ms(t.ttft_s, 0.99):9.3f} "
                     f"{ms(t.gaps_s, 0.5):8.3f} {ms(t.gaps_s, 0.99):8.3f} {added:>10} {cpu:>12} {t.errors:>6}"
                 )
-            ratio = totals["router"].rate() / direct.rate() if direct.rate() else float("nan")
-            added_ttft = ms(totals["router"].ttft_s, 0.5) - ms(direct.ttft_s, 0.5)
+            router_totals, bare_totals = totals["router"], totals["bare"]
             if streams == 1:
+                added_ttft = ms(router_totals.ttft_s, 0.5) - ms(direct.ttft_s, 0.5)
+                floor = ms(bare_totals.ttft_s, 0.5) - ms(direct.ttft_s, 0.5)
                 verdict = "ok" if added_ttft <= 1.0 else "OVER the 1 ms target"
-                print(f"{'':>7} router adds {added_ttft:.3f} ms to TTFT p50 at 1 stream ({verdict})")
+                print(
+                    f"{'':>7} router adds {added_ttft:.3f} ms to TTFT p50 at 1 stream ({verdict}); "
+                    f"the bare pass-through {floor:.3f} ms"
+                )
             else:
+                ratio = router_totals.rate() / direct.rate() if direct.rate() else float("nan")
+                floor = bare_totals.rate() / direct.rate() if direct.rate() else float("nan")
                 verdict = "ok" if ratio >= 0.8 else "UNDER the 0.8x target"
-                print(f"{'':>7} responses/s through the router: {ratio:.2f}x direct at {streams} streams ({verdict})")
+                print(
+                    f"{'':>7} responses/s through the router: {ratio:.2f}x direct at {streams} streams ({verdict}); "
+                    f"the bare pass-through {floor:.2f}x"
+                )
             print()
     finally:
+        if bare is not None:
+            bare.terminate()
+            bare.join(timeout=10)
         stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
