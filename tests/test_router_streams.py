@@ -278,6 +278,16 @@ def test_a_worker_killed_mid_stream_ends_the_client_stream_with_its_status_and_i
     assert read_events(events[1 - index]) == []  # tokens had gone out: nothing was resent elsewhere
 
 
+def test_a_worker_failing_mid_stream_ends_the_client_stream_with_its_status_and_details(
+    stack: Stack, tmp_path: Path
+) -> None:
+    slow_stack(stack, tmp_path, endpoints=2, extra=("--fail-after", "3"))
+    router = stack.router(tmp_path / "registry.yaml")
+    result = run_stream(router.address, [stream_request("fails", 10, model=MODEL)])
+    assert (result.code, result.details) == (grpc.StatusCode.INTERNAL, "stand-in: failed after 3 responses")
+    assert len(result.responses) == 3
+
+
 def test_a_worker_failing_before_the_first_response_is_retried_on_another_endpoint(
     stack: Stack, tmp_path: Path
 ) -> None:

@@ -22,6 +22,8 @@ the router's relay is tested against the protocol and not against our own worker
 
 Test controls (not Triton's): ``--delay-ms`` before each token; ``--abort-streams N`` ends the first
 N streams with UNAVAILABLE before any response (a worker failing before the first token);
+``--fail-after N`` ends every stream with INTERNAL once it sent N responses (a backend failing
+mid-generation);
 ``--events FILE`` appends one JSON line per event (``request`` with the SHA-256 of its bytes and its
 parameters, ``response`` with the SHA-256 of the bytes sent, ``cancelled``, ``stream_end``), so a
 test sees what the worker got, sent and whether it saw a cancel.
@@ -51,8 +53,11 @@ EMPTY_FINAL = "triton_enable_empty_final_response"
 
 
 class DecoupledModel:
-    def __init__(self, *, model: str, version: str, delay_s: float, abort_streams: int, events: Path | None) -> None:
+    def __init__(
+        self, *, model: str, version: str, delay_s: float, abort_streams: int, fail_after: int, events: Path | None
+    ) -> None:
         self.model = model
+        self.fail_after = fail_after
         self.version = version
         self.delay_s = delay_s
         self.abort_streams = abort_streams
@@ -70,10 +75,16 @@ class DecoupledModel:
         lock = asyncio.Lock()
         tasks: list[asyncio.Task[None]] = []
 
+        sent = 0
+
         async def send(message: oip.ModelStreamInferResponse) -> None:
+            nonlocal sent
             payload = message.SerializeToString()
             async with lock:
+                if self.fail_after and sent >= self.fail_after:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"stand-in: failed after {sent} responses")
                 await context.write(payload)
+                sent += 1
             self.event(event="response", stream=number, sha256=hashlib.sha256(payload).hexdigest())
 
         try:
@@ -162,6 +173,7 @@ async def serve(args: argparse.Namespace) -> None:
         version=args.version,
         delay_s=args.delay_ms / 1000,
         abort_streams=args.abort_streams,
+        fail_after=args.fail_after,
         events=Path(args.events) if args.events else None,
     )
     server = aio.server()
@@ -192,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--version", default="1")
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--abort-streams", type=int, default=0)
+    parser.add_argument("--fail-after", type=int, default=0)
     parser.add_argument("--events", default="")
     asyncio.run(serve(parser.parse_args(argv)))
 

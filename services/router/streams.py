@@ -338,6 +338,12 @@ class _Relay:
         """Take the client's later requests: forward those for the stream's model and version; answer any
         other with an in-stream error (the stream is bound to one worker of one version)."""
         try:
+            await self._take_requests()
+        finally:
+            self.log.end()  # whatever ended the client's side, the worker's is half-closed
+
+    async def _take_requests(self) -> None:
+        try:
             async for request in self.requests:
                 self.trace.request(time.monotonic_ns() - self.started_ns, request)
                 problem, request_id = self._misfit(request)
@@ -353,7 +359,6 @@ class _Relay:
                     await self._write(payload)
         except aio.AioRpcError:  # the client's side broke: the handler is being cancelled too
             pass
-        self.log.end()
 
     def _misfit(self, request: bytes) -> tuple[str, str]:
         """Why a later request cannot go on this stream ('' if it can), and its id."""
