@@ -391,7 +391,7 @@ print(json.dumps(seen))
 # -- shutdown ----------------------------------------------------------------------------------------
 
 
-def test_a_draining_router_finishes_streams_in_flight(stack: Stack, tmp_path: Path) -> None:
+def test_a_draining_router_finishes_streams_in_flight_and_refuses_new_ones(stack: Stack, tmp_path: Path) -> None:
     slow_stack(stack, tmp_path)
     router = stack.router(tmp_path / "registry.yaml", "--drain-delay-s", "0", "--shutdown-grace-s", "20")
     stream = OpenStream(router.address)
@@ -400,6 +400,13 @@ def test_a_draining_router_finishes_streams_in_flight(stack: Stack, tmp_path: Pa
         stream.close_sending()
         stream.next()
         router.signal(signal.SIGTERM)
+        wait_for(
+            lambda: (
+                run_stream(router.address, [stream_request("late", 1, model=MODEL)]).code == grpc.StatusCode.UNAVAILABLE
+            ),
+            timeout_s=10,
+            what="new streams to be refused",
+        )
         code, details = stream.finish(timeout_s=30)
         assert code == grpc.StatusCode.OK, details
         assert router.wait() == 0
