@@ -25,7 +25,7 @@ from tests.streams import OpenStream, is_final, run_stream
 from tests.triton_decoupled import start_standin, stream_request
 
 STREAM_CAP = 2000
-BLOB_THRESHOLD = 512
+BLOB_THRESHOLD = 100  # a token's response (~150 bytes) is over it: stored by reference
 
 
 def standin(stack: Stack, version: str) -> ServiceProcess:
@@ -36,7 +36,14 @@ def standin(stack: Stack, version: str) -> ServiceProcess:
 def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecordingStack]:
     stack = RecordingStack(
         tmp_path_factory.mktemp("stream-recording"),
-        recorder_args=("--blob-threshold-bytes", str(BLOB_THRESHOLD), "--redact-output", "cum_log_probs:mask"),
+        recorder_args=(
+            "--blob-threshold-bytes",
+            str(BLOB_THRESHOLD),
+            "--redact-output",
+            "cum_log_probs:mask",
+            "--redact-input",
+            "text_input:mask",
+        ),
         router_args=("--record-stream-max-bytes", str(STREAM_CAP)),
         worker=standin,
     )
@@ -56,7 +63,7 @@ def read_stream(recording: RecordingStack, record: recorder_pb2.CallRecord) -> R
 
 
 def test_a_stream_is_one_record_with_every_message_in_order_its_offsets_and_ttft(recording: RecordingStack) -> None:
-    prompt = b"p" * (BLOB_THRESHOLD + 100)  # over the blob threshold: stored once, by reference
+    prompt = b"secret prompt " * 50
     first = stream_request("rec-1", 3, model=MODEL, text=prompt)
     second = stream_request("rec-1b", 2, model=MODEL)
     result = run_stream(recording.router.address, [first, second], metadata=[("x-routing-key", "user-rec")])
@@ -64,7 +71,6 @@ def test_a_stream_is_one_record_with_every_message_in_order_its_offsets_and_ttft
     (record,) = [r for r in recording.wait_recorded({"rec-1"}) if r.request_id == "rec-1"]
     assert (record.status_code, record.version, record.response.size_bytes) == (0, "v1", 0)
     assert record.routing_key_hmac == routing_key_hmac(HMAC_KEY.encode(), "user-rec")
-    assert record.request.WhichOneof("body") == "blob_sha256"
     stream = record.stream
     assert (stream.responses_total, stream.truncated) == (5, False)
     assert [m.index for m in stream.requests] == [0, 1]
@@ -74,8 +80,13 @@ def test_a_stream_is_one_record_with_every_message_in_order_its_offsets_and_ttft
     assert stream.requests[0].offset_ns == 0
     assert stream.first_response_ns == offsets[0] > 0
     assert record.latency_ns >= offsets[-1]  # the duration covers every response
+    assert {m.payload.WhichOneof("body") for m in stream.responses} == {"blob_sha256"}
     recorded = read_stream(recording, record)
-    assert [r.SerializeToString() for _, _, r in recorded.requests] == [first, second]
+    # Input redaction applies to every request: the prompt is kept masked (zeroed, same length), the rest as sent.
+    masked = oip.ModelInferRequest.FromString(first)
+    masked.raw_input_contents[0] = b"\x00" * 4  # one BYTES element, zeroed: an empty string
+    assert [r.SerializeToString() for _, _, r in recorded.requests] == [masked.SerializeToString(), second]
+    assert prompt not in recording.redis_bytes()
     client_got = result.decoded()
     assert [r.infer_response.id for _, _, r in recorded.responses] == [r.infer_response.id for r in client_got]
     assert [is_final(r) for _, _, r in recorded.responses] == [is_final(r) for r in client_got]
@@ -113,8 +124,8 @@ def test_a_stream_the_client_cancels_is_recorded_as_cancelled_with_what_was_sent
     (record,) = [r for r in recording.wait_recorded({"rec-cancel"}) if r.request_id == "rec-cancel"]
     assert record.status_code == grpc.StatusCode.CANCELLED.value[0]
     assert 3 <= record.stream.responses_total < 1000
-    kept = [m.payload.inline for m in record.stream.responses[:3]]
-    assert [oip.ModelStreamInferResponse.FromString(k).infer_response.id for k in kept] == ["rec-cancel"] * 3
+    kept = read_stream(recording, record).responses[:3]
+    assert [r.infer_response.id for _, _, r in kept] == ["rec-cancel"] * 3
     assert len(got) == 3
 
 
