@@ -15,7 +15,7 @@ import pytest
 
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from tests.harness import Stack, metric_samples, scrape_metrics, wait_for, write_registry
-from tests.streams import OpenStream, is_final, run_stream
+from tests.stream_client import OpenStream, is_final, run_stream
 from tests.triton_decoupled import read_events, start_standin, stream_request
 
 MODEL = "llm"

@@ -21,7 +21,7 @@ from splitstream.recorder.validation import check_stream
 from tests.harness import ServiceProcess, Stack
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
 from tests.records import RecordedStream, stream_of
-from tests.streams import OpenStream, is_final, run_stream
+from tests.stream_client import OpenStream, is_final, run_stream
 from tests.triton_decoupled import start_standin, stream_request
 
 STREAM_CAP = 2000
