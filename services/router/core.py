@@ -135,11 +135,12 @@ class RouterCore:
         outcome.receive_unix_ns = receive_unix_ns
         outcome.latency_s = time.perf_counter() - started
         self.metrics.answered(outcome.model, outcome.version, outcome.code.name, outcome.latency_s)
-        self._log(outcome)
+        self.log_call(outcome)
         return outcome
 
-    def _log(self, outcome: CallOutcome) -> None:
-        """DEBUG for every call; WARNING for server-side failures, at most once a second per kind."""
+    def log_call(self, outcome: CallOutcome) -> None:
+        """DEBUG for every call (and token stream); WARNING for server-side failures, at most once a second
+        per kind."""
         log.debug(
             "call",
             request_id=outcome.request_id,

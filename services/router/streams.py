@@ -154,6 +154,9 @@ class StreamProxy:
         except asyncio.CancelledError:
             relay.cancelled()
             raise
+        except Exception:  # a bug of ours: the servicer ends the stream INTERNAL, and so says the record
+            relay.outcome.code, relay.outcome.details = grpc.StatusCode.INTERNAL, "internal error"
+            raise
         finally:
             relay.end()
             if relay.outcome.model != UNKNOWN_MODEL and self.on_end is not None:
@@ -409,15 +412,7 @@ class _Relay:
             self.metrics.stream_ended(self.active, model, version, outcome.code.name)
             self.active.seconds.observe(duration_s)
             self.active.responses.observe(self.relayed)
-        log.debug(
-            "stream",
-            request_id=outcome.request_id,
-            model=model,
-            version=version,
-            status=outcome.code.name,
-            responses=self.trace.responses_total,
-            duration_ms=round(duration_s * 1000, 3),
-        )
+        self.proxy.core.log_call(outcome)
 
 
 async def _reap(task: asyncio.Task[None]) -> None:
