@@ -7,6 +7,7 @@ import hashlib
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import grpc
 import pytest
 
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from tests.harness import Stack, metric_samples, scrape_metrics, wait_for, write_registry
+from tests.harness import ROOT, Stack, metric_samples, scrape_metrics, wait_for, write_registry
 from tests.stream_client import OpenStream, is_final, run_stream
 from tests.triton_decoupled import read_events, start_standin, stream_request
 
@@ -413,3 +414,30 @@ def test_a_draining_router_finishes_streams_in_flight_and_refuses_new_ones(stack
     finally:
         stream.close()
     assert 1 + len(stream.remaining()) == 30  # every token, though the router was told to stop after the first
+
+
+# -- flags -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [("0", "must be positive"), ("40000000", "at most half of --record-batch-max-bytes (67108864)")],
+)
+def test_a_stream_record_cap_that_cannot_work_is_refused_with_exit_2_naming_the_flag(
+    tmp_path: Path, value: str, named: str
+) -> None:
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
+            "--metrics-port", "0", "--recorder", "127.0.0.1:1", "--hmac-key", "k",
+            "--record-stream-max-bytes", value,
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=20,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("splitstream-router: error: --record-stream-max-bytes")
+    assert named in line
