@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,8 @@ class RecordingStack:
 
     ``versions`` maps each version of model ``affine`` to its ``scale`` (and optional ``bias``,
     worker ``config`` and ``score``: see :func:`tests.models.affine_model`); ``experiment`` goes
-    into the registry as is."""
+    into the registry as is. ``worker(stack, version)`` starts something else in a version's place (a
+    stand-in for Triton, say) instead of a worker serving the affine model."""
 
     def __init__(
         self,
@@ -46,6 +47,7 @@ class RecordingStack:
         versions: dict[str, dict] | None = None,
         experiment: dict | None = None,
         router_args: tuple[str, ...] = (),
+        worker: Callable[[Stack, str], ServiceProcess] | None = None,
     ) -> None:
         self.tmp = tmp
         # Persistent, as production Redis is: a stop and restart keeps what was written.
@@ -59,6 +61,9 @@ class RecordingStack:
             versions = versions or {"v1": {"scale": 2.0}}
             self.workers = {}
             for version, spec in versions.items():
+                if worker is not None:
+                    self.workers[version] = worker(self.stack, version)
+                    continue
                 add_version(
                     repository,
                     MODEL,

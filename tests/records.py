@@ -7,6 +7,7 @@ These lived in ``splitstream.common.records`` though only tests used them; the l
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
@@ -47,3 +48,24 @@ async def response_of(redis: Redis, record: recorder_pb2.CallRecord) -> oip.Mode
     if record.status_code != 0:
         return None
     return oip.ModelInferResponse.FromString(await payload_bytes(redis, record.response))
+
+
+@dataclass(frozen=True)
+class RecordedStream:
+    """A token stream's record read back: each kept request and response with its index and offset (ns)."""
+
+    requests: list[tuple[int, int, oip.ModelInferRequest]]
+    responses: list[tuple[int, int, oip.ModelStreamInferResponse]]
+
+
+async def stream_of(redis: Redis, record: recorder_pb2.CallRecord) -> RecordedStream:
+    """The messages of a stream record (``record.stream``), payloads fetched from their blobs when stored so."""
+    requests = [
+        (m.index, m.offset_ns, oip.ModelInferRequest.FromString(await payload_bytes(redis, m.payload)))
+        for m in record.stream.requests
+    ]
+    responses = [
+        (m.index, m.offset_ns, oip.ModelStreamInferResponse.FromString(await payload_bytes(redis, m.payload)))
+        for m in record.stream.responses
+    ]
+    return RecordedStream(requests, responses)

@@ -66,6 +66,34 @@ def test_a_step_counts_only_the_calls_between_two_scrapes_and_survives_a_router_
     assert restarted["v2"].calls == 7
 
 
+STREAM_EXPOSITION = """
+# TYPE splitstream_router_streams_total counter
+splitstream_router_streams_total{model="m",version="v2",status="OK"} 7
+splitstream_router_streams_total{model="m",version="v2",status="UNAVAILABLE"} 1
+splitstream_router_streams_total{model="m",version="v2",status="CANCELLED"} 2
+# TYPE splitstream_router_stream_ttft_seconds histogram
+splitstream_router_stream_ttft_seconds_bucket{model="m",version="v2",le="0.05"} 4
+splitstream_router_stream_ttft_seconds_bucket{model="m",version="v2",le="0.1"} 8
+splitstream_router_stream_ttft_seconds_bucket{model="m",version="v2",le="+Inf"} 8
+splitstream_router_stream_ttft_seconds_count{model="m",version="v2"} 8
+splitstream_router_stream_ttft_seconds_sum{model="m",version="v2"} 0.5
+# TYPE splitstream_router_stream_gap_seconds histogram
+splitstream_router_stream_gap_seconds_bucket{model="m",version="v2",le="0.01"} 90
+splitstream_router_stream_gap_seconds_bucket{model="m",version="v2",le="+Inf"} 100
+splitstream_router_stream_gap_seconds_count{model="m",version="v2"} 100
+splitstream_router_stream_gap_seconds_sum{model="m",version="v2"} 1.2
+"""
+
+
+def test_streams_count_as_calls_and_their_token_histograms_are_read() -> None:
+    counts = metrics.parse(EXPOSITION + STREAM_EXPOSITION, "m")["v2"]
+    assert (counts.calls, counts.errors) == (15 + 10, 2 + 1)  # a cancelled stream is the client's doing
+    assert counts.ttft == {0.05: 4, 0.1: 8, math.inf: 8}
+    assert metrics.quantile(counts.ttft, 0.5) == pytest.approx(0.05)
+    assert metrics.observations(counts.gaps) == 100
+    assert counts.quantile(0.99) == pytest.approx(0.002 + 0.003 * (14.85 - 10) / 5)  # unary p99 unchanged
+
+
 def test_router_addresses_become_metrics_urls() -> None:
     assert metrics.metrics_url("127.0.0.1:8002") == "http://127.0.0.1:8002/metrics"
     assert metrics.metrics_url("http://r:8002/custom") == "http://r:8002/custom"
@@ -108,10 +136,23 @@ class ScriptedRouters:
     """Each scrape adds calls by the current weights: ``per_scrape`` calls, v2 failing at ``v2_error_rate``,
     latencies v1 ≤ 2 ms and v2 ≤ ``v2_latency_s``."""
 
-    def __init__(self, store: Store, *, v2_error_rate: float = 0.0, v2_latency_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        v2_error_rate: float = 0.0,
+        v2_latency_s: float = 0.002,
+        v2_ttft_s: float | None = None,
+        v2_gap_s: float | None = None,
+    ) -> None:
+        """With ``v2_ttft_s`` or ``v2_gap_s`` the routers also serve token streams, each stream 10 tokens:
+        v1's first token within 50 ms and gaps within 10 ms, v2's as given (the other as fast as v1)."""
         self.store = store
         self.v2_error_rate = v2_error_rate
         self.v2_latency_s = v2_latency_s
+        self.streams = v2_ttft_s is not None or v2_gap_s is not None
+        self.v2_ttft_s = 0.05 if v2_ttft_s is None else v2_ttft_s
+        self.v2_gap_s = 0.01 if v2_gap_s is None else v2_gap_s
         self.totals = {v: metrics.VersionCounts() for v in ("v1", "v2")}
 
     def __call__(self, urls: Any, model: str) -> metrics.Snapshot:
@@ -125,8 +166,19 @@ class ScriptedRouters:
             counts.errors += calls * (self.v2_error_rate if version == "v2" else 0)
             for le in (0.002, 0.005, 0.01, math.inf):
                 counts.buckets[le] = counts.buckets.get(le, 0) + (calls if latency <= le else 0)
+            if self.streams:
+                streams = 50 * weights.get(version, 0) / 100
+                counts.calls += streams
+                ttft = self.v2_ttft_s if version == "v2" else 0.05
+                gap = self.v2_gap_s if version == "v2" else 0.01
+                for le in (0.01, 0.02, 0.05, 0.1, 0.2, math.inf):
+                    counts.ttft[le] = counts.ttft.get(le, 0) + (streams if ttft <= le else 0)
+                    counts.gaps[le] = counts.gaps.get(le, 0) + (9 * streams if gap <= le else 0)
         return {
-            "router": {v: metrics.VersionCounts(c.calls, c.errors, dict(c.buckets)) for v, c in self.totals.items()}
+            "router": {
+                v: metrics.VersionCounts(c.calls, c.errors, dict(c.buckets), dict(c.ttft), dict(c.gaps))
+                for v, c in self.totals.items()
+            }
         }
 
 
@@ -183,6 +235,42 @@ def test_a_slow_version_trips_the_p99_guard_and_is_rolled_back() -> None:
     assert verdict.code == ROLLED_BACK
     assert "--max-p99-ratio" in verdict.message
     assert store.history[-1] == {"v1": 100, "v2": 0}
+
+
+def test_stream_guards_hold_for_a_version_as_fast_as_the_control_and_show_their_ratios() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, lines = rollout(
+        store, ScriptedRouters(store, v2_ttft_s=0.05, v2_gap_s=0.01), max_ttft_p99_ratio=1.5, max_itl_p99_ratio=1.5
+    )
+    assert verdict.code == PROMOTED, verdict.message
+    judged = [line for line in lines if "guards hold" in line]
+    assert len(judged) == 3
+    assert all("TTFT p99" in line and "ITL p99" in line for line in judged)
+    assert "ratio 1.00" in judged[0]
+
+
+def test_a_version_slow_to_its_first_token_trips_the_ttft_guard_and_is_rolled_back() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, _ = rollout(store, ScriptedRouters(store, v2_ttft_s=0.2), max_ttft_p99_ratio=1.5)
+    assert verdict.code == ROLLED_BACK
+    assert "TTFT p99" in verdict.message
+    assert "--max-ttft-p99-ratio 1.5" in verdict.message
+    assert store.history[-1] == {"v1": 100, "v2": 0}
+
+
+def test_a_version_with_slow_tokens_trips_the_itl_guard_and_is_rolled_back() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, _ = rollout(store, ScriptedRouters(store, v2_gap_s=0.1), max_ttft_p99_ratio=1.5, max_itl_p99_ratio=2)
+    assert verdict.code == ROLLED_BACK
+    assert "ITL p99" in verdict.message
+    assert "--max-itl-p99-ratio 2" in verdict.message
+
+
+def test_stream_guards_are_not_judged_unless_asked() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, lines = rollout(store, ScriptedRouters(store, v2_ttft_s=0.2, v2_gap_s=0.1))
+    assert verdict.code == PROMOTED, verdict.message
+    assert not any("TTFT" in line for line in lines)
 
 
 def test_a_step_without_enough_calls_cannot_be_judged_and_rolls_back() -> None:
@@ -508,3 +596,14 @@ def test_an_experiment_shared_through_an_anchor_changes_for_its_model_alone(tmp_
     after = parse_registry(yaml.safe_load(path.read_text()))
     assert after.models["m"] == before.models["m"]
     assert {a.version: a.weight for a in after.models["n"].experiment.arms} == {"v1": 90, "v2": 10}
+
+
+def test_a_stream_guard_ratio_that_is_not_positive_is_a_usage_error_naming_the_flag(
+    registry: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flag in ("--max-ttft-p99-ratio", "--max-itl-p99-ratio"):
+        argv = ["--registry", f"file:{registry}", "rollout", "m", "v2", "--metrics", "127.0.0.1:1", flag, "0"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{flag}: must be positive" in err
+        assert len(err.strip().splitlines()) == 1

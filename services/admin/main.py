@@ -149,6 +149,18 @@ def build_parser() -> EnvArgumentParser:
     rollout.add_argument("--max-error-rate", type=fraction, default=0.01, help="e.g. 0.01 or 1%%")
     rollout.add_argument("--max-p99-ratio", type=float, default=1.5, help="new p99 / control p99 at most this")
     rollout.add_argument(
+        "--max-ttft-p99-ratio",
+        type=float,
+        default=None,
+        help="token streams: new / control p99 time to first token at most this (default: not judged)",
+    )
+    rollout.add_argument(
+        "--max-itl-p99-ratio",
+        type=float,
+        default=None,
+        help="token streams: new / control p99 gap between tokens at most this (default: not judged)",
+    )
+    rollout.add_argument(
         "--metrics", action="append", default=[], metavar="URL", help="a router's /metrics (host:port or URL; repeat)"
     )
     rollout.add_argument("--min-calls", type=int, default=20, help="calls of the new version a step needs")
@@ -339,6 +351,8 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         interval_s=args.interval,
         max_error_rate=args.max_error_rate,
         max_p99_ratio=args.max_p99_ratio,
+        max_ttft_p99_ratio=args.max_ttft_p99_ratio,
+        max_itl_p99_ratio=args.max_itl_p99_ratio,
         metrics_urls=tuple(metrics.metrics_url(url) for url in args.metrics),
         min_calls=args.min_calls,
         check_every_s=args.check_every,

@@ -1,7 +1,9 @@
 """Reading the routers' Prometheus metrics for one model, as a rollout judges a step.
 
 Per router and version it reads ``splitstream_router_requests_total{model,version,status}``
-and the ``splitstream_router_request_seconds`` histogram buckets. A step is judged
+and the ``splitstream_router_request_seconds`` histogram buckets; for token streams,
+``splitstream_router_streams_total{model,version,status}`` (a stream counts as one call, its
+final status as the call's) and the time-to-first-token and inter-token gap histograms. A step is judged
 on the *difference* between two scrapes of each router (so only the calls of that
 interval count), summed over routers. A counter that went down means the router
 restarted; its new value is the whole delta, as Prometheus' ``rate()`` assumes.
@@ -18,59 +20,85 @@ from prometheus_client.parser import text_string_to_metric_families
 
 REQUESTS = "splitstream_router_requests_total"
 BUCKETS = "splitstream_router_request_seconds_bucket"
+STREAMS = "splitstream_router_streams_total"
+TTFT_BUCKETS = "splitstream_router_stream_ttft_seconds_bucket"
+GAP_BUCKETS = "splitstream_router_stream_gap_seconds_bucket"
 #: Statuses that say the client sent something wrong (or gave up), not that the version failed.
 CLIENT_STATUSES = frozenset({"OK", "INVALID_ARGUMENT", "NOT_FOUND", "CANCELLED"})
 
 
 @dataclass
 class VersionCounts:
-    """Calls of one version: answered, failed, and the cumulative latency histogram (``le`` → count)."""
+    """Calls of one version: answered (unary calls and streams), failed, and cumulative histograms
+    (``le`` → count) of unary latency, time to first token and inter-token gaps."""
 
     calls: float = 0.0
     errors: float = 0.0
     buckets: dict[float, float] = field(default_factory=dict)
+    ttft: dict[float, float] = field(default_factory=dict)
+    gaps: dict[float, float] = field(default_factory=dict)
 
     @property
     def error_rate(self) -> float:
         return self.errors / self.calls if self.calls else 0.0
 
     def quantile(self, q: float) -> float | None:
-        """Like PromQL's ``histogram_quantile``: linear inside the bucket; the highest finite bound if in +Inf."""
-        bounds = sorted(self.buckets)
-        if not bounds:
-            return None
-        total = self.buckets[bounds[-1]]
-        if total <= 0:
-            return None
-        rank = q * total
-        lower_bound, lower_count = 0.0, 0.0
-        for bound in bounds:
-            count = self.buckets[bound]
-            if count >= rank:
-                if math.isinf(bound):
-                    finite = [b for b in bounds if not math.isinf(b)]
-                    return finite[-1] if finite else None
-                if count == lower_count:
-                    return bound
-                return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
-            lower_bound, lower_count = bound, count
-        return None
+        """Of unary latency; like PromQL's ``histogram_quantile`` (see :func:`quantile`)."""
+        return quantile(self.buckets, q)
 
     def minus(self, earlier: VersionCounts) -> VersionCounts:
         if self.calls < earlier.calls:  # the router restarted: everything it counted is new
-            return VersionCounts(self.calls, self.errors, dict(self.buckets))
+            return VersionCounts(self.calls, self.errors, dict(self.buckets), dict(self.ttft), dict(self.gaps))
         return VersionCounts(
             self.calls - earlier.calls,
             self.errors - earlier.errors,
-            {le: count - earlier.buckets.get(le, 0.0) for le, count in self.buckets.items()},
+            _minus(self.buckets, earlier.buckets),
+            _minus(self.ttft, earlier.ttft),
+            _minus(self.gaps, earlier.gaps),
         )
 
     def add(self, other: VersionCounts) -> None:
         self.calls += other.calls
         self.errors += other.errors
-        for le, count in other.buckets.items():
-            self.buckets[le] = self.buckets.get(le, 0.0) + count
+        for mine, theirs in ((self.buckets, other.buckets), (self.ttft, other.ttft), (self.gaps, other.gaps)):
+            for le, count in theirs.items():
+                mine[le] = mine.get(le, 0.0) + count
 
+
+def quantile(buckets: Mapping[float, float], q: float) -> float | None:
+    """Like PromQL's ``histogram_quantile``: linear inside the bucket; the highest finite bound if in +Inf.
+    None for an empty histogram."""
+    bounds = sorted(buckets)
+    if not bounds:
+        return None
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                finite = [b for b in bounds if not math.isinf(b)]
+                return finite[-1] if finite else None
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    return None
+
+
+def observations(buckets: Mapping[float, float]) -> float:
+    """How many values a cumulative histogram holds (its +Inf bucket)."""
+    return buckets.get(math.inf, 0.0)
+
+
+def _minus(later: Mapping[float, float], earlier: Mapping[float, float]) -> dict[float, float]:
+    return {le: count - earlier.get(le, 0.0) for le, count in later.items()}
+
+
+_HISTOGRAMS = {BUCKETS: "buckets", TTFT_BUCKETS: "ttft", GAP_BUCKETS: "gaps"}
 
 #: One scrape: router URL → version → counts.
 Snapshot = dict[str, dict[str, VersionCounts]]
@@ -85,13 +113,14 @@ def parse(text: str, model: str) -> dict[str, VersionCounts]:
             if labels.get("model") != model or "version" not in labels:
                 continue
             counts = versions.setdefault(labels["version"], VersionCounts())
-            if sample.name == REQUESTS:
+            if sample.name in (REQUESTS, STREAMS):
                 counts.calls += sample.value
                 if labels.get("status") not in CLIENT_STATUSES:
                     counts.errors += sample.value
-            elif sample.name == BUCKETS:
+            elif sample.name in _HISTOGRAMS:
+                histogram = getattr(counts, _HISTOGRAMS[sample.name])
                 le = float(labels["le"])
-                counts.buckets[le] = counts.buckets.get(le, 0.0) + sample.value
+                histogram[le] = histogram.get(le, 0.0) + sample.value
     return versions
 
 

@@ -13,7 +13,12 @@ that interval only (deltas between scrapes, summed over routers):
 - p99 latency of the new version at most ``max_p99_ratio`` times the control's p99,
   both from histogram buckets over the interval. When the control took too few
   calls (its weight is 0 at the 100 % step) the control's p99 from the last step
-  that had them is the reference.
+  that had them is the reference;
+- for token streams (``ModelStreamInfer``; a stream counts as one call above),
+  when asked: the p99 time to first token at most ``max_ttft_p99_ratio`` times the
+  control's, and the p99 inter-token gap at most ``max_itl_p99_ratio`` times the
+  control's, judged the same way from the routers' stream histograms (a version
+  with no streams in the step is not judged on them).
 
 A guard that trips, metrics that cannot be read, or an interrupt set the new
 version back to 0 % (its share goes to the control) and the rollout ends with
@@ -24,7 +29,7 @@ version is promoted: it becomes the control and the old control leaves the arms.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from splitstream.admin import metrics
@@ -49,6 +54,9 @@ class RolloutPlan:
     metrics_urls: tuple[str, ...]
     min_calls: int = 20
     check_every_s: float = 1.0
+    #: Token-stream guards (None: not judged).
+    max_ttft_p99_ratio: float | None = None
+    max_itl_p99_ratio: float | None = None
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -63,8 +71,13 @@ class RolloutPlan:
             raise Invalid(
                 f"--max-error-rate: a fraction within 0..1 (or a percentage like 1%), got {self.max_error_rate}"
             )
-        if self.max_p99_ratio <= 0:
-            raise Invalid(f"--max-p99-ratio: must be positive, got {self.max_p99_ratio}")
+        for flag, ratio in (
+            ("--max-p99-ratio", self.max_p99_ratio),
+            ("--max-ttft-p99-ratio", self.max_ttft_p99_ratio),
+            ("--max-itl-p99-ratio", self.max_itl_p99_ratio),
+        ):
+            if ratio is not None and not ratio > 0:
+                raise Invalid(f"{flag}: must be positive, got {ratio}")
         if not self.metrics_urls:
             raise Invalid("--metrics: give the /metrics URL of every router (repeat the flag)")
         if self.min_calls < 1:
@@ -75,6 +88,16 @@ class RolloutPlan:
 class Verdict:
     code: int
     message: str
+
+
+@dataclass(frozen=True)
+class _LatencyGuard:
+    """A p99 ratio guard: the new version's p99 of one histogram against the control's."""
+
+    name: str  # as the output line shows it
+    flag: str
+    limit: float
+    histogram: Callable[[metrics.VersionCounts], Mapping[float, float]]
 
 
 class Tripped(Exception):
@@ -101,8 +124,18 @@ class Rollout:
         self.scrape = scrape
         self.sleep = sleep
         self.clock = clock
-        self._reference_p99: float | None = None
+        #: Per guard, the control's p99 from the last step in which it had enough calls.
+        self._references: dict[str, float] = {}
         self.control = ""
+        self._guards = [_LatencyGuard("p99", "--max-p99-ratio", plan.max_p99_ratio, lambda c: c.buckets)]
+        if plan.max_ttft_p99_ratio is not None:
+            self._guards.append(
+                _LatencyGuard("TTFT p99", "--max-ttft-p99-ratio", plan.max_ttft_p99_ratio, lambda c: c.ttft)
+            )
+        if plan.max_itl_p99_ratio is not None:
+            self._guards.append(
+                _LatencyGuard("ITL p99", "--max-itl-p99-ratio", plan.max_itl_p99_ratio, lambda c: c.gaps)
+            )
 
     def run(self) -> Verdict:
         """Raises Invalid (nothing changed) for a plan the registry refuses; AdminError if it cannot be written."""
@@ -240,26 +273,38 @@ class Rollout:
                 f"{plan.version} answered {new.calls:g} calls in the step, fewer than --min-calls {plan.min_calls}: "
                 "nothing to judge it on"
             )
-        new_p99 = new.quantile(0.99)
-        control_p99 = control.quantile(0.99) if control.calls >= plan.min_calls else None
-        if control_p99 is not None:
-            self._reference_p99 = control_p99
-        reference = self._reference_p99
         line = (
-            f"  {plan.version}: {new.calls:g} calls, {_percent(new.error_rate)} errors, p99 {_ms(new_p99)}"
-            f" | {self.control}: {control.calls:g} calls, p99 {_ms(control_p99)}"
+            f"  {plan.version}: {new.calls:g} calls, {_percent(new.error_rate)} errors"
+            f" | {self.control}: {control.calls:g} calls"
         )
-        if new_p99 is not None and reference:
-            ratio = new_p99 / reference
-            line += f" | p99 ratio {ratio:.2f}"
-            if ratio > plan.max_p99_ratio:
-                raise Tripped(
-                    f"{plan.version} p99 {_ms(new_p99)} is {ratio:.2f}x the control's {_ms(reference)}, "
-                    f"over --max-p99-ratio {plan.max_p99_ratio:g}"
-                )
-        else:
-            line += " | p99 ratio not judged (no control reference yet)"
+        for guard in self._guards:
+            line += self._judge(guard, new, control)
         self.out(line + ": guards hold")
+
+    def _judge(self, guard: _LatencyGuard, new: metrics.VersionCounts, control: metrics.VersionCounts) -> str:
+        """One guard's part of the step's line; raises Tripped when the ratio is over its limit."""
+        plan = self.plan
+        new_histogram, control_histogram = guard.histogram(new), guard.histogram(control)
+        new_p99 = metrics.quantile(new_histogram, 0.99)
+        control_p99 = (
+            metrics.quantile(control_histogram, 0.99)
+            if metrics.observations(control_histogram) >= plan.min_calls
+            else None
+        )
+        if control_p99 is not None:
+            self._references[guard.name] = control_p99
+        reference = self._references.get(guard.name)
+        text = f" | {guard.name} {_ms(new_p99)} vs {self.control} {_ms(control_p99)}"
+        if new_p99 is None or not reference:
+            reason = "none measured for this version" if new_p99 is None else "no control reference yet"
+            return text + f" ({guard.name} ratio not judged: {reason})"
+        ratio = new_p99 / reference
+        if ratio > guard.limit:
+            raise Tripped(
+                f"{plan.version} {guard.name} {_ms(new_p99)} is {ratio:.2f}x the control's {_ms(reference)}, "
+                f"over {guard.flag} {guard.limit:g}"
+            )
+        return text + f", ratio {ratio:.2f}"
 
     def _error_rate_text(self, new: metrics.VersionCounts) -> str:
         return (

@@ -27,6 +27,11 @@ class BlobCollector:
         self._payload(record.response)
         for shadow in record.shadows:
             self._payload(shadow.response)
+        if record.HasField("stream"):  # a long prompt, or a large response, of a token stream
+            for message in record.stream.requests:
+                self._payload(message.payload)
+            for message in record.stream.responses:
+                self._payload(message.payload)
 
     def _payload(self, payload: recorder_pb2.Payload) -> None:
         data = payload.inline

@@ -146,7 +146,14 @@ class RecorderCore:
         for item in parsed.checked:
             record = item.record
             try:
-                self.redactor.redact(record, item.request, item.response, item.shadow_responses)
+                self.redactor.redact(
+                    record,
+                    item.request,
+                    item.response,
+                    item.shadow_responses,
+                    item.stream_requests,
+                    item.stream_responses,
+                )
             except Exception as error:  # a record redaction cannot handle is not stored unredacted
                 rejected.append(Rejection(item.index, record.request_id, f"redaction failed: {error!r}"[:300]))
                 continue

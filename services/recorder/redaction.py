@@ -52,9 +52,13 @@ class Redactor:
         request: oip.ModelInferRequest | None,
         response: oip.ModelInferResponse | None = None,
         shadow_responses: Sequence[oip.ModelInferResponse] = (),
+        stream_requests: Sequence[oip.ModelInferRequest] = (),
+        stream_responses: Sequence[oip.ModelStreamInferResponse] = (),
     ) -> None:
         """Redact ``record`` in place; ``request``, ``response`` and ``shadow_responses`` are its decoded
-        payloads (needed when inputs or outputs are redacted; the shadows' in the order of ``record.shadows``).
+        payloads (needed when inputs or outputs are redacted; the shadows' in the order of ``record.shadows``;
+        a token stream's in the order of ``record.stream``: input rules apply to each request of the stream,
+        output rules to each response's ``infer_response``, and the outputs redacted are named in the tags).
 
         A payload is re-serialized only when a rule matched one of its tensors, so untouched requests
         and responses are stored byte for byte as they were sent and answered."""
@@ -66,8 +70,20 @@ class Redactor:
                     record.metadata[key] = self.mask_value(record.metadata[key])
         if self._inputs and request is not None and self.redact_request(request):
             _store(record.request, request)
+        if self._inputs:
+            for message, stream_request in zip(record.stream.requests, stream_requests, strict=True):
+                if self.redact_request(stream_request):
+                    _store(message.payload, stream_request)
         if not self._outputs:
             return
+        redacted: list[str] = []
+        for message, stream_response in zip(record.stream.responses, stream_responses, strict=True):
+            names = self.redact_response(stream_response.infer_response)
+            if names:
+                _store(message.payload, stream_response)
+                redacted += names
+        if redacted:
+            mark_redacted_outputs(record, redacted)
         if response is not None:
             names = self.redact_response(response)
             if names:

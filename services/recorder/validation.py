@@ -34,6 +34,10 @@ class CheckedRecord:
     response: oip.ModelInferResponse | None = None
     #: Each shadow's decoded response, in the order of ``record.shadows``, when output redaction needs them.
     shadow_responses: tuple[oip.ModelInferResponse, ...] = ()
+    #: A token stream's requests and responses decoded, in the order of ``record.stream``, when input
+    #: (requests) or output (responses) redaction needs them.
+    stream_requests: tuple[oip.ModelInferRequest, ...] = ()
+    stream_responses: tuple[oip.ModelStreamInferResponse, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +84,18 @@ def parse_batch(data: bytes, *, decode_requests: bool, decode_responses: bool = 
         try:
             request = check_record(record, decode_request=decode_requests)
             responses = decode_record_responses(record) if decode_responses else None
+            stream_requests, stream_responses = decode_stream(
+                record, requests=decode_requests, responses=decode_responses
+            )
         except ValueError as error:
             parsed.rejected.append(Rejection(index, record.request_id, str(error)))
             continue
-        if responses is None:
-            parsed.checked.append(CheckedRecord(index, record, request))
-        else:
-            parsed.checked.append(CheckedRecord(index, record, request, responses[0], responses[1:]))
+        checked = CheckedRecord(
+            index, record, request, stream_requests=stream_requests, stream_responses=stream_responses
+        )
+        if responses is not None:
+            checked.response, checked.shadow_responses = responses[0], responses[1:]
+        parsed.checked.append(checked)
     for index, raw in enumerate(framed.feedback):
         try:
             event = feedback_pb2.FeedbackEvent.FromString(raw)
@@ -128,6 +137,8 @@ def check_record(record: recorder_pb2.CallRecord, *, decode_request: bool) -> oi
     check_payload(record.response, "response")
     for index, shadow in enumerate(record.shadows):
         check_payload(shadow.response, f"shadows[{index}].response")
+    if record.HasField("stream"):
+        check_stream(record)
     if not decode_request:
         return None
     try:
@@ -153,6 +164,58 @@ def decode_record_responses(record: recorder_pb2.CallRecord) -> tuple[oip.ModelI
                 f"the {what} payload is not an inference.ModelInferResponse (output redaction needs to read it)"
             ) from None
     return tuple(decoded)
+
+
+def check_stream(record: recorder_pb2.CallRecord) -> None:
+    """A token stream's record: its messages in order (indices increasing, offsets from the stream's start
+    never going back), its responses in ``stream`` (``response`` stays empty), counts that add up."""
+    stream = record.stream
+    if record.response.inline:
+        raise ValueError("a stream record carries its responses in stream.responses; response must be empty")
+    for what, messages in (("requests", stream.requests), ("responses", stream.responses)):
+        last_index, last_offset = -1, 0
+        for position, message in enumerate(messages):
+            name = f"stream.{what}[{position}]"
+            if message.index <= last_index:
+                raise ValueError(f"{name}.index is {message.index}, after index {last_index}: indices must increase")
+            if message.offset_ns < last_offset:
+                raise ValueError(f"{name}.offset_ns is {message.offset_ns}, before the previous {last_offset}")
+            last_index, last_offset = message.index, message.offset_ns
+            check_payload(message.payload, f"{name}.payload")
+    if stream.responses_total < len(stream.responses):
+        raise ValueError(
+            f"stream.responses_total is {stream.responses_total} but {len(stream.responses)} responses are kept"
+        )
+    if (
+        stream.responses
+        and stream.responses[0].index == 0
+        and stream.first_response_ns != stream.responses[0].offset_ns
+    ):
+        raise ValueError(
+            f"stream.first_response_ns is {stream.first_response_ns}, not the first response's offset "
+            f"{stream.responses[0].offset_ns}"
+        )
+
+
+def decode_stream(
+    record: recorder_pb2.CallRecord, *, requests: bool, responses: bool
+) -> tuple[tuple[oip.ModelInferRequest, ...], tuple[oip.ModelStreamInferResponse, ...]]:
+    """A stream's requests (when ``requests``) and responses (when ``responses``) decoded, for redaction;
+    ValueError naming the first that does not decode (storing it unread could keep what must not be)."""
+    if not record.HasField("stream"):
+        return (), ()
+    decoded_requests = []
+    decoded_responses = []
+    try:
+        for position, message in enumerate(record.stream.requests if requests else ()):
+            what = f"stream.requests[{position}]"
+            decoded_requests.append(oip.ModelInferRequest.FromString(message.payload.inline))
+        for position, message in enumerate(record.stream.responses if responses else ()):
+            what = f"stream.responses[{position}]"
+            decoded_responses.append(oip.ModelStreamInferResponse.FromString(message.payload.inline))
+    except DecodeError:
+        raise ValueError(f"the {what} payload does not decode (redaction needs to read it)") from None
+    return tuple(decoded_requests), tuple(decoded_responses)
 
 
 def check_payload(payload: recorder_pb2.Payload, what: str) -> None:

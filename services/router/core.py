@@ -89,6 +89,8 @@ class CallOutcome:
     routing_key: str | None = None
     routing_key_header: str = ""
     shadows: list[Any] = field(default_factory=list)  # ShadowOutcome, filled after the client's answer
+    #: A ModelStreamInfer stream's messages (``splitstream.router.streams.StreamTrace``); None for unary calls.
+    stream: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +139,12 @@ class RouterCore:
         outcome.receive_unix_ns = receive_unix_ns
         outcome.latency_s = time.perf_counter() - started
         self.metrics.answered(outcome.model, outcome.version, outcome.code.name, outcome.latency_s)
-        self._log(outcome)
+        self.log_call(outcome)
         return outcome
 
-    def _log(self, outcome: CallOutcome) -> None:
-        """DEBUG for every call; WARNING for server-side failures, at most once a second per kind."""
+    def log_call(self, outcome: CallOutcome) -> None:
+        """DEBUG for every call (and token stream); WARNING for server-side failures, at most once a second
+        per kind."""
         log.debug(
             "call",
             request_id=outcome.request_id,
@@ -168,6 +171,35 @@ class RouterCore:
     async def _infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
         outcome = CallOutcome(headers.get(REQUEST_ID_HEADER, ""), UNKNOWN_MODEL, grpc.StatusCode.OK, "", None)
         try:
+            routes, route = self.route(outcome, request, headers)
+        except SplitstreamError as error:
+            outcome.code, outcome.details = error.code, str(error)
+            return outcome
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        endpoint = route.pool.pick()
+        if endpoint is None:
+            return self.unavailable(outcome, route)
+        failure = await self._forward(outcome, endpoint, request, deadline)
+        if failure is None or failure.code() != grpc.StatusCode.UNAVAILABLE:
+            return outcome
+        retry = self.retry_target(routes, route, endpoint)
+        if retry is None:
+            return outcome
+        route, endpoint = retry
+        self.metrics.retries.labels(outcome.model, outcome.version).inc()
+        outcome.retried = True
+        outcome.version = route.version
+        outcome.fallback = route.fallback
+        outcome.assignment = route.assignment  # RETRY when it went to the control; the split's otherwise
+        await self._forward(outcome, endpoint, request, deadline)
+        return outcome
+
+    def route(self, outcome: CallOutcome, request: bytes, headers: Mapping[str, str]) -> tuple[ModelRoutes, Route]:
+        """Read the request head (no tensors decoded) and pick the version: pin, sticky split, or the
+        control when the arm has no eligible endpoint. Fills ``outcome`` (id, model, key, version, arm)
+        as far as it gets; raises SplitstreamError (InvalidInput, ModelNotFound, ModelNotReady) with the
+        id always set. Unary calls and the first request of a token stream route alike."""
+        try:
             head = _read_head(request)
             outcome.request_id = outcome.request_id or head.id
             routes = self._table.model(head.model_name)
@@ -179,34 +211,14 @@ class RouterCore:
             if pinned:  # a pin refused (no such version) is still no randomized exposure
                 outcome.assignment = Assignment.PIN
             route = routes.route(routing_key=outcome.routing_key, pinned_version=pinned)
-        except SplitstreamError as error:
+        finally:
             outcome.request_id = outcome.request_id or uuid.uuid4().hex
-            outcome.code, outcome.details = error.code, str(error)
-            return outcome
-        outcome.request_id = outcome.request_id or uuid.uuid4().hex
         if route.fallback:
             self.metrics.fallbacks.labels(outcome.model, route.arm, route.version).inc()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         outcome.version, outcome.arm = route.version, route.arm
         outcome.fallback, outcome.pinned = route.fallback, route.pinned
         outcome.assignment = route.assignment
-        endpoint = route.pool.pick()
-        if endpoint is None:
-            return self._unavailable(outcome, route)
-        failure = await self._forward(outcome, endpoint, request, deadline)
-        if failure is None or failure.code() != grpc.StatusCode.UNAVAILABLE:
-            return outcome
-        retry = self._retry_target(routes, route, endpoint)
-        if retry is None:
-            return outcome
-        route, endpoint = retry
-        self.metrics.retries.labels(outcome.model, outcome.version).inc()
-        outcome.retried = True
-        outcome.version = route.version
-        outcome.fallback = route.fallback
-        outcome.assignment = route.assignment  # RETRY when it went to the control; the split's otherwise
-        await self._forward(outcome, endpoint, request, deadline)
-        return outcome
+        return routes, route
 
     async def _forward(
         self,
@@ -233,7 +245,7 @@ class RouterCore:
         return None
 
     @staticmethod
-    def _retry_target(routes: ModelRoutes, route: Route, failed: Endpoint) -> tuple[Route, Endpoint] | None:
+    def retry_target(routes: ModelRoutes, route: Route, failed: Endpoint) -> tuple[Route, Endpoint] | None:
         other = route.pool.pick(exclude=failed)
         if other is not None:
             return route, other
@@ -244,7 +256,7 @@ class RouterCore:
         return None if endpoint is None else (fallback, endpoint)
 
     @staticmethod
-    def _unavailable(outcome: CallOutcome, route: Route) -> CallOutcome:
+    def unavailable(outcome: CallOutcome, route: Route) -> CallOutcome:
         error = ModelNotReady(f"model '{outcome.model}' version '{route.version}' has no healthy endpoint")
         outcome.code, outcome.details = error.code, str(error)
         return outcome

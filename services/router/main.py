@@ -39,6 +39,7 @@ from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.servicer import RouterServicer
 from splitstream.router.shadows import ShadowRunner
 from splitstream.router.spool import Spool
+from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES, StreamProxy
 
 PROG = "splitstream-router"
 #: After the registry watch failed in a way its backend did not report as an update (an exception,
@@ -67,6 +68,7 @@ class RouterConfig:
     record_credential_headers: bool
     shadow_timeout_s: float
     shadow_max_in_flight: int
+    record_stream_max_bytes: int
 
     def __post_init__(self) -> None:
         if self.eject_after_failures < 1:
@@ -96,6 +98,15 @@ class RouterConfig:
         ):
             if count < 1:
                 raise ConfigError(f"{flag}: must be positive, got {count}")
+        if self.record_stream_max_bytes < 1:
+            raise ConfigError(f"--record-stream-max-bytes: must be positive, got {self.record_stream_max_bytes}")
+        if self.record_stream_max_bytes > self.record_batch_max_bytes // 2:
+            # A stream record over the batch cap could only be dropped (the mirror's fitting keeps unary
+            # payloads, not stream messages): keep it well inside.
+            raise ConfigError(
+                f"--record-stream-max-bytes {self.record_stream_max_bytes} must be at most half of "
+                f"--record-batch-max-bytes ({self.record_batch_max_bytes})"
+            )
 
 
 def build_parser() -> EnvArgumentParser:
@@ -193,6 +204,13 @@ def build_parser() -> EnvArgumentParser:
         "(tag splitstream.payload-dropped)",
     )
     recording.add_argument(
+        "--record-stream-max-bytes",
+        type=int,
+        default=DEFAULT_RECORD_STREAM_MAX_BYTES,
+        help="payload bytes kept per recorded token stream (ModelStreamInfer); later messages are counted, "
+        "not kept, and the record is flagged truncated; at most half of --record-batch-max-bytes",
+    )
+    recording.add_argument(
         "--record-credential-headers",
         action="store_true",
         help="keep authorization, cookie, x-api-key and other credential headers in recorded metadata "
@@ -226,6 +244,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             record_credential_headers=args.record_credential_headers,
             shadow_timeout_s=args.shadow_timeout_s,
             shadow_max_in_flight=args.shadow_max_in_flight,
+            record_stream_max_bytes=args.record_stream_max_bytes,
         )
     except ConfigError as error:
         parser.error(str(error))
@@ -291,7 +310,10 @@ class Router(Service):
             ),
             metrics=self.router_metrics,
         )
-        self.servicer = RouterServicer(self.core, router_id=config.router_id, registry_description=registry.description)
+        self.streams = StreamProxy(self.core, record_max_bytes=config.record_stream_max_bytes)
+        self.servicer = RouterServicer(
+            self.core, router_id=config.router_id, registry_description=registry.description, streams=self.streams
+        )
         self.mirror: RecordMirror | None = None
         if config.recorder:
             settings = MirrorSettings(
@@ -323,6 +345,8 @@ class Router(Service):
             serves=self.core.serves,
             registry=self.metrics,
         )
+        if self.mirror is not None:
+            self.streams.on_end = self.mirror.offer  # streams have no shadows: recorded as they end
         self._updates: AsyncIterator[RegistryUpdate] | None = None
 
     def interceptors(self) -> list[aio.ServerInterceptor]:

@@ -7,12 +7,19 @@ lock and a dict build, which adds up at thousands of calls a second.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+#: Time to first token reaches seconds on a loaded LLM (queueing, long prompts): the tail needs buckets there.
+TTFT_BUCKETS_S = (*LATENCY_BUCKETS_S, 10, 30, 60)
+#: Gaps between tokens are milliseconds to tens of them (one decoding step each).
+GAP_BUCKETS_S = (0.0001, 0.00025, *LATENCY_BUCKETS_S)
+STREAM_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+RESPONSES_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class RouterMetrics:
@@ -87,6 +94,50 @@ class RouterMetrics:
             registry=self.registry,
         )
         self._answered: dict[tuple[str, str, str], tuple[Counter, Histogram]] = {}
+        # Token streams (ModelStreamInfer), per model and served version. Times are the router's own: a
+        # stream starts when its first request arrives, and a response counts when it is handed to gRPC
+        # for the client (see splitstream.router.streams).
+        self.streams = Counter(
+            "splitstream_router_streams",
+            "ModelStreamInfer streams ended, by model, served version and final gRPC status",
+            ["model", "version", "status"],
+            registry=self.registry,
+        )
+        self.streams_active = Gauge(
+            "splitstream_router_streams_active",
+            "ModelStreamInfer streams open now (routed to a version, not yet ended)",
+            ["model", "version"],
+            registry=self.registry,
+        )
+        self.stream_ttft = Histogram(
+            "splitstream_router_stream_ttft_seconds",
+            "Time to first token: from the router receiving a stream's first request to relaying its first response",
+            ["model", "version"],
+            buckets=TTFT_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.stream_gap = Histogram(
+            "splitstream_router_stream_gap_seconds",
+            "Inter-token latency: time between two responses relayed on one stream",
+            ["model", "version"],
+            buckets=GAP_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.stream_responses = Histogram(
+            "splitstream_router_stream_responses",
+            "Responses relayed per stream",
+            ["model", "version"],
+            buckets=RESPONSES_BUCKETS,
+            registry=self.registry,
+        )
+        self.stream_seconds = Histogram(
+            "splitstream_router_stream_seconds",
+            "Stream duration: from the first request to the final status",
+            ["model", "version"],
+            buckets=STREAM_SECONDS_BUCKETS,
+            registry=self.registry,
+        )
+        self._streams: dict[tuple[str, str], StreamChildren] = {}
 
     def answered(self, model: str, version: str, status: str, latency_s: float) -> None:
         key = (model, version, status)
@@ -98,12 +149,47 @@ class RouterMetrics:
         counter.inc()
         histogram.observe(latency_s)
 
+    def stream_children(self, model: str, version: str) -> StreamChildren:
+        """The per-version stream metrics, cached: ``labels()`` costs ~9 µs a call here, and a stream
+        needs six of them."""
+        key = (model, version)
+        children = self._streams.get(key)
+        if children is None:
+            children = StreamChildren(
+                active=self.streams_active.labels(model, version),
+                ttft=self.stream_ttft.labels(model, version),
+                gap=self.stream_gap.labels(model, version),
+                responses=self.stream_responses.labels(model, version),
+                seconds=self.stream_seconds.labels(model, version),
+                ended={},
+            )
+            self._streams[key] = children
+        return children
+
+    def stream_ended(self, children: StreamChildren, model: str, version: str, status: str) -> None:
+        counter = children.ended.get(status)
+        if counter is None:
+            counter = children.ended[status] = self.streams.labels(model, version, status)
+        counter.inc()
+
     def track_arms(self, source: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
         """Export ``splitstream_router_arm_spilling{model,version}``, read from ``source`` at each scrape.
 
         Computed when scraped rather than set on changes: an arm starts spilling when its last endpoint
         turns unhealthy or is ejected, and stops when an ejection simply runs out, with no event to hook."""
         self.registry.register(_ArmSpilling(source))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChildren:
+    """One (model, version)'s stream metrics; ``ended`` caches the outcome counter per status."""
+
+    active: Gauge
+    ttft: Histogram
+    gap: Histogram
+    responses: Histogram
+    seconds: Histogram
+    ended: dict[str, Counter]
 
 
 class _ArmSpilling(Collector):

@@ -679,6 +679,8 @@ class RecordMirror:
                 keep_credentials=self.settings.record_credential_headers,
             )
         )
+        if outcome.stream is not None:  # a token stream: its messages (splitstream.router.streams.StreamTrace)
+            outcome.stream.fill(record.stream)
         return record
 
 

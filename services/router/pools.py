@@ -24,6 +24,7 @@ from splitstream.common.headers import request_id_metadata
 log = structlog.get_logger()
 
 INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_INFER_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 
 class Health(enum.IntEnum):
@@ -51,6 +52,7 @@ class Endpoint:
         self.channel = aio.insecure_channel(address, options=list(channel_options))
         # Raw bytes in and out: the router forwards request bytes without decoding tensors.
         self.infer = self.channel.unary_unary(INFER_METHOD)
+        self.stream_infer = self.channel.stream_stream(STREAM_INFER_METHOD)
         self.health = Health.UNKNOWN
         self.outstanding = 0
         self.calls = 0
@@ -87,13 +89,18 @@ class Endpoint:
         try:
             response: bytes = await self.infer(request, timeout=timeout_s, metadata=metadata)
         except aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE and self.failed() and self._on_eject is not None:
-                self._on_eject()
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self.transport_failed()
             raise
         finally:
             self.outstanding -= 1
         self.succeeded()
         return response
+
+    def transport_failed(self) -> None:
+        """Count an UNAVAILABLE answer for the circuit breaker (and the ejection metric when it ejects)."""
+        if self.failed() and self._on_eject is not None:
+            self._on_eject()
 
     def succeeded(self) -> None:
         self.consecutive_failures = 0

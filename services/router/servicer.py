@@ -10,7 +10,7 @@ came. The other Open Inference Protocol methods answer for the router itself
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -31,6 +31,7 @@ from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.metrics import RouterMetrics
+from splitstream.router.streams import StreamProxy
 
 log = structlog.get_logger()
 
@@ -43,8 +44,11 @@ _SENT_ID = "X-SENT-REQUEST-ID"
 
 
 class RouterServicer:
-    def __init__(self, core: RouterCore, *, router_id: str, registry_description: str) -> None:
+    def __init__(
+        self, core: RouterCore, *, router_id: str, registry_description: str, streams: StreamProxy | None = None
+    ) -> None:
         self.core = core
+        self.streams = streams or StreamProxy(core)
         self.router_id = router_id
         self.registry_description = registry_description
         self.registry_error = ""
@@ -64,6 +68,8 @@ class RouterServicer:
                 "inference.GRPCInferenceService",
                 {
                     "ModelInfer": raw_infer,
+                    # Bytes both ways too: tokens are relayed as the worker sent them.
+                    "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(self.stream_infer),
                     "ServerLive": typed_unary(self.server_live, oip.ServerLiveRequest),
                     "ServerReady": typed_unary(self.server_ready, oip.ServerReadyRequest),
                     "ModelReady": typed_unary(self.model_ready, oip.ModelReadyRequest),
@@ -98,6 +104,26 @@ class RouterServicer:
             return outcome.response
         await context.abort(outcome.code, outcome.details, trailing_metadata=trailers)
         raise AssertionError("unreachable: abort raises")
+
+    async def stream_infer(self, requests: AsyncIterator[bytes], context: aio.ServicerContext[bytes, bytes]) -> None:
+        """A token stream (see :mod:`splitstream.router.streams`). It ends like a unary call would: the
+        routing errors with the same codes, the worker's status as it sent it, a bug of ours as INTERNAL;
+        the trailers name the served version and the request id."""
+        metadata = context.invocation_metadata() or ()
+        headers = self._headers(metadata)
+        try:
+            outcome = await self.streams.relay(requests, context.write, headers, metadata, context.time_remaining())
+        except Exception:
+            log.exception("router stream failed")
+            await context.abort(*status_of(RuntimeError()))
+            raise AssertionError("unreachable: abort raises") from None
+        if outcome is None:  # the client closed without a request: nothing to route, nothing to say
+            return
+        trailers = _trailers(outcome, headers.get(_SENT_ID))
+        if outcome.code == grpc.StatusCode.OK:
+            context.set_trailing_metadata(trailers)
+            return
+        await context.abort(outcome.code, outcome.details, trailing_metadata=trailers)
 
     def _headers(self, metadata: Sequence[tuple[str, str | bytes]]) -> dict[str, str]:
         """The headers the core reads. The request id is decoded (a header can only carry a non-ASCII id
