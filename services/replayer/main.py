@@ -26,9 +26,16 @@ from redis.exceptions import RedisError
 from splitstream.common.addresses import check_address
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
+from splitstream.common.errors import ConfigError
 from splitstream.common.headers import header_value
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
-from splitstream.common.redis_url import check_connection_options
+from splitstream.common.redis_url import (
+    NO_REDIS_SECURITY,
+    RedisSecurity,
+    add_redis_security_arguments,
+    check_connection_options,
+    redis_security_from_args,
+)
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
@@ -57,6 +64,7 @@ class ReplayConfig:
     tls: TlsOptions
     gate: tuple[Bound, ...] | None
     connect_timeout_s: float
+    redis_security: RedisSecurity = NO_REDIS_SECURITY
 
 
 def build_parser() -> EnvArgumentParser:
@@ -72,6 +80,7 @@ def build_parser() -> EnvArgumentParser:
     )
     source = parser.add_argument_group("source and selection")
     source.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
+    add_redis_security_arguments(source)
     source.add_argument(
         "--model", action="append", required=True, help="model to replay (repeat or comma-separate for several)"
     )
@@ -257,7 +266,8 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
         gate = parse_gate(args.gate) if args.gate else None
         if not 0 < args.connect_timeout_s < math.inf:
             raise ValueError("--connect-timeout-s must be a positive number of seconds")
-    except (BadTime, ValueError) as error:
+        redis_security = redis_security_from_args(args, url=args.redis_url, env_prefix=parser.env_prefix)
+    except (BadTime, ValueError, ConfigError) as error:
         parser.error(str(error))
     return ReplayConfig(
         redis_url=args.redis_url,
@@ -266,6 +276,7 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
         tls=tls,
         gate=gate,
         connect_timeout_s=args.connect_timeout_s,
+        redis_security=redis_security,
     )
 
 
@@ -419,6 +430,7 @@ async def _open_redis(config: ReplayConfig) -> Redis:
             config.redis_url,
             socket_connect_timeout=config.connect_timeout_s,
             socket_timeout=max(config.connect_timeout_s, 10.0),
+            **config.redis_security.client_options(),
         )
         check_connection_options(redis)
     except ValueError as error:

@@ -1,0 +1,312 @@
+"""TLS and mutual TLS on every hop, certificate rotation, Redis over TLS with least-privilege ACL users.
+
+Real processes and a real ``redis-server`` (built with TLS); certificates are made here with
+``cryptography`` (``tests/certs.py``): a CA, server and client certificates, an expired one, one
+from another CA.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import redis
+from grpc_health.v1 import health_pb2
+
+from splitstream.common.records import stream_key
+from splitstream.common.tls import ClientTls
+from tests.certs import Issued, Pki, served_serial
+from tests.harness import ROOT, InferClient, Stack, free_port, health_status, make_request, wait_for, write_registry
+from tests.models import add_version
+from tests.redis_server import RedisServer, RedisTls
+
+MODEL = "affine"
+HMAC_KEY = "tls-tests-key"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+#: The README's ACL lines (Security → Redis), with test passwords: each component gets only what it uses.
+RECORDER_ACL = (
+    "splitstream-recorder on >recorder-pw resetkeys ~splitstream:calls:* ~splitstream:blob:* "
+    "~splitstream:feedback:* ~splitstream:feedback-seen:* resetchannels -@all "
+    "+ping +client|setname +xadd +xtrim +set +expire +exists"
+)
+READER_ACL = (
+    "splitstream-reader on >reader-pw resetkeys ~splitstream:* resetchannels -@all +ping +client|setname +@read -keys"
+)
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    return Pki(tmp_path / "pki")
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    stack = Stack(tmp_path)
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
+def tls_server_args(issued: Issued, *, mutual_ca: Path | None = None) -> list[str]:
+    args = ["--grpc-use-ssl", "--grpc-server-cert", str(issued.cert), "--grpc-server-key", str(issued.key)]
+    if mutual_ca is not None:
+        args += ["--grpc-use-ssl-mutual", "--grpc-root-cert", str(mutual_ca)]
+    return args
+
+
+def health_code(address: str, tls: ClientTls) -> grpc.StatusCode | int:
+    """SERVING's number, or the status code the call failed with (a refused handshake: UNAVAILABLE)."""
+    try:
+        return health_status(address, timeout_s=3.0, tls=tls)
+    except grpc.RpcError as error:
+        return error.code()
+
+
+def trusting(pki: Pki, client: Issued | None = None, **options: str) -> ClientTls:
+    return ClientTls(
+        enabled=True,
+        ca_file=str(pki.ca),
+        cert_file=str(client.cert) if client else "",
+        key_file=str(client.key) if client else "",
+        **options,
+    )
+
+
+def rotate(target: Issued, new: Issued) -> None:
+    """Replace ``target``'s files by ``new``'s the way renewal tools do: a write beside, then a rename."""
+    for source, destination in ((new.key, target.key), (new.cert, target.cert)):
+        staging = destination.with_suffix(".new")
+        staging.write_bytes(source.read_bytes())
+        os.replace(staging, destination)
+
+
+def test_a_tls_worker_answers_clients_that_trust_its_ca_and_refuses_plaintext_and_other_cas(
+    tmp_path: Path, pki: Pki, stack: Stack
+) -> None:
+    repository = tmp_path / "models"
+    add_version(repository, MODEL, "v1", scale=2.0)
+    # Named only worker.internal: dialling 127.0.0.1 verifies only with the server-name override.
+    cert = pki.issue("worker", names=("worker.internal",))
+    good = trusting(pki, server_name="worker.internal")
+    worker = stack.worker(repository, MODEL, "v1", *tls_server_args(cert), tls=good)
+
+    assert health_code(worker.address, good) == SERVING
+    assert health_code(worker.address, replace(good, server_name="")) == grpc.StatusCode.UNAVAILABLE
+    other = Pki(tmp_path / "other", name="other")
+    assert health_code(worker.address, trusting(other, server_name="worker.internal")) == grpc.StatusCode.UNAVAILABLE
+    assert health_code(worker.address, ClientTls()) == grpc.StatusCode.UNAVAILABLE  # plaintext
+
+
+def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(
+    tmp_path: Path, pki: Pki, stack: Stack
+) -> None:
+    repository = tmp_path / "models"
+    add_version(repository, MODEL, "v1", scale=2.0)
+    live = pki.issue("live")
+    tls = trusting(pki)
+    worker = stack.worker(repository, MODEL, "v1", *tls_server_args(live), tls=tls)
+    assert worker.process is not None
+    pid = worker.process.pid
+    assert served_serial("127.0.0.1", worker.port, ca=pki.ca) == live.serial
+
+    renewed = pki.issue("renewed")
+    rotate(live, renewed)
+    wait_for(
+        lambda: served_serial("127.0.0.1", worker.port, ca=pki.ca) == renewed.serial,
+        timeout_s=10,
+        what="the renewed certificate to be served",
+    )
+    assert health_code(worker.address, tls) == SERVING
+
+    # Half a rotation (a new certificate beside the old key) is refused; the last good pair is served.
+    (tmp_path / "pki" / "live.pem").write_bytes(pki.issue("half").cert.read_bytes())
+    assert served_serial("127.0.0.1", worker.port, ca=pki.ca) == renewed.serial
+    assert "rotated TLS files not usable" in worker.log()
+
+    # A certificate rotated to an expired one is served (the files are what they are) and clients refuse it.
+    rotate(live, pki.issue("expired", expired=True))
+    wait_for(
+        lambda: health_code(worker.address, tls) == grpc.StatusCode.UNAVAILABLE,
+        timeout_s=10,
+        what="clients to refuse the expired certificate",
+    )
+    assert worker.process.pid == pid
+    assert worker.process.poll() is None
+
+
+@pytest.fixture
+def redis_tls(tmp_path: Path, pki: Pki) -> Iterator[RedisServer]:
+    """redis-server on a TLS port only, requiring client certificates, with the README's ACL users."""
+    server = pki.issue("redis")
+    harness = pki.issue("redis-admin")
+    tls = RedisTls(server.cert, server.key, pki.ca, auth_clients=True, client_cert=harness.cert, client_key=harness.key)
+    with RedisServer(tmp_path / "redis", password="admin-pw", tls=tls, users=(RECORDER_ACL, READER_ACL)) as running:
+        yield running
+
+
+def test_mutual_tls_at_the_recorder_refuses_clients_without_a_valid_certificate(
+    tmp_path: Path, pki: Pki, stack: Stack, redis_tls: RedisServer
+) -> None:
+    recorder_cert = pki.issue("recorder")
+    router_cert = pki.issue("router-client", server=False)
+    redis_client = pki.issue("recorder-redis-client", server=False)
+    password_file = tmp_path / "recorder-redis-password"
+    password_file.write_text("recorder-pw\n")
+    port = free_port()
+    good = trusting(pki, router_cert)
+    recorder = stack.service(
+        "recorder",
+        "splitstream.recorder",
+        [
+            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+            "--redis-url", redis_tls.url_for(), "--redis-username", "splitstream-recorder",
+            "--redis-password-file", str(password_file),
+            "--redis-tls-ca", str(pki.ca), "--redis-tls-cert", str(redis_client.cert),
+            "--redis-tls-key", str(redis_client.key),
+            "--hmac-key", HMAC_KEY,
+            *tls_server_args(recorder_cert, mutual_ca=pki.ca),
+        ],
+        port=port,
+        tls=good,
+    )  # fmt: skip
+    assert health_code(recorder.address, good) == SERVING  # and so Redis answered its PING over TLS, as its user
+
+    assert health_code(recorder.address, trusting(pki)) == grpc.StatusCode.UNAVAILABLE  # no client certificate
+    expired = pki.issue("expired-client", expired=True, server=False)
+    assert health_code(recorder.address, trusting(pki, expired)) == grpc.StatusCode.UNAVAILABLE
+    other = Pki(tmp_path / "other", name="other")
+    stranger = other.issue("stranger", server=False)
+    assert health_code(recorder.address, trusting(pki, stranger)) == grpc.StatusCode.UNAVAILABLE
+    assert "recorder-pw" not in recorder.log()
+
+
+def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_cannot_overwrite(
+    tmp_path: Path, pki: Pki, stack: Stack, redis_tls: RedisServer
+) -> None:
+    """client →TLS→ router →TLS→ worker; router →mTLS→ recorder →TLS→ Redis (recorder's ACL user);
+    then the replayer reads with the read-only user over TLS and re-sends to the router over TLS."""
+    repository = tmp_path / "models"
+    add_version(repository, MODEL, "v1", scale=2.0)
+    tls = trusting(pki)
+    worker = stack.worker(repository, MODEL, "v1", *tls_server_args(pki.issue("worker")), tls=tls)
+
+    recorder_port = free_port()
+    router_client = pki.issue("router-client", server=False)
+    redis_client = pki.issue("redis-client", server=False)
+    redis_files = ["--redis-tls-ca", str(pki.ca), "--redis-tls-cert", str(redis_client.cert)]
+    redis_files += ["--redis-tls-key", str(redis_client.key)]
+    stack.service(
+        "recorder",
+        "splitstream.recorder",
+        [
+            "--host", "127.0.0.1", "--port", str(recorder_port), "--metrics-port", "0",
+            "--redis-url", redis_tls.url_for(), "--redis-username", "splitstream-recorder", *redis_files,
+            "--hmac-key", HMAC_KEY,
+            *tls_server_args(pki.issue("recorder"), mutual_ca=pki.ca),
+        ],
+        port=recorder_port,
+        tls=trusting(pki, router_client),
+        env={"SPLITSTREAM_RECORDER_REDIS_PASSWORD": "recorder-pw"},  # the password never in argv
+    )  # fmt: skip
+
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
+    router = stack.router(
+        registry,
+        *tls_server_args(pki.issue("router")),
+        "--upstream-tls-ca", str(pki.ca),
+        "--recorder", f"127.0.0.1:{recorder_port}",
+        "--recorder-tls-ca", str(pki.ca),
+        "--recorder-tls-cert", str(router_client.cert),
+        "--recorder-tls-key", str(router_client.key),
+        "--hmac-key", HMAC_KEY,
+        "--spool-dir", str(tmp_path / "spool"),
+        "--record-batch-interval-ms", "20",
+        tls=tls,
+    )  # fmt: skip
+
+    client = InferClient(router.address, tls=tls)
+    try:
+        response, _ = client.infer(make_request(MODEL, np.ones((1, 4), dtype=np.float32), request_id="tls-call-1"))
+    finally:
+        client.close()
+    assert response.model_version == "v1"
+
+    reader_options = {"ssl_ca_certs": str(pki.ca), "ssl_certfile": str(redis_client.cert)}
+    reader_options["ssl_keyfile"] = str(redis_client.key)
+    reader = redis.Redis.from_url(redis_tls.url_for("splitstream-reader", "reader-pw"), **reader_options)  # type: ignore[arg-type]
+    try:
+        entries = wait_for(
+            lambda: reader.xrange(stream_key(MODEL)), timeout_s=30, interval_s=0.2, what="the call's record"
+        )
+        assert entries[0][1][b"request_id"] == b"tls-call-1"
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            reader.xadd(stream_key(MODEL), {"request_id": "forged"})
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            reader.set("splitstream:blob:forged", b"x")
+    finally:
+        reader.close()
+
+    out = tmp_path / "replay"
+    replayed = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.replayer",
+            "--redis-url", redis_tls.url_for(), "--redis-username", "splitstream-reader", *redis_files,
+            "--model", MODEL, "--since", "-10m", "--target", router.address, "--tls-ca", str(pki.ca),
+            "--output-dir", str(out),
+        ],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+        env={**os.environ, "SPLITSTREAM_REPLAY_REDIS_PASSWORD": "reader-pw", "SPLITSTREAM_HMAC_KEY": HMAC_KEY},
+    )  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr
+    assert (out / "summary.json").exists()
+
+
+def test_a_bad_certificate_or_key_is_exit_2_with_one_line_naming_the_flag(tmp_path: Path, pki: Pki) -> None:
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {})
+    good = pki.issue("router")
+    other = pki.issue("other")
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello")
+    cases = [
+        (["--grpc-use-ssl"], "--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key"),
+        (["--grpc-use-ssl", "--grpc-server-cert", str(tmp_path / "gone.pem"), "--grpc-server-key", str(good.key)],
+         "--grpc-server-cert"),
+        (["--grpc-use-ssl", "--grpc-server-cert", str(good.cert), "--grpc-server-key", str(other.key)],
+         "not the private key of --grpc-server-cert"),
+        (["--grpc-use-ssl", "--grpc-server-cert", str(not_pem), "--grpc-server-key", str(good.key)], "not a PEM file"),
+        ([*tls_server_args(good), "--grpc-use-ssl-mutual"], "--grpc-use-ssl-mutual needs --grpc-root-cert"),
+        (["--grpc-server-cert", str(good.cert)], "--grpc-server-cert needs --grpc-use-ssl"),
+        (["--upstream-tls-cert", str(good.cert)], "--upstream-tls-cert and --upstream-tls-key go together"),
+        (["--recorder-tls-ca", str(not_pem)], "--recorder-tls-ca"),
+    ]  # fmt: skip
+    for flags, expected in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            check=False,
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, (flags, done.stderr)
+        assert len(lines) == 1, (flags, done.stderr)
+        assert expected in lines[0], (flags, done.stderr)
+
+
+def test_plaintext_stays_the_default(tmp_path: Path, stack: Stack) -> None:
+    repository = tmp_path / "models"
+    add_version(repository, MODEL, "v1", scale=2.0)
+    worker = stack.worker(repository, MODEL, "v1")
+    assert health_code(worker.address, ClientTls()) == SERVING
