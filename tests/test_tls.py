@@ -18,11 +18,13 @@ import grpc
 import numpy as np
 import pytest
 import redis
+import requests
 from grpc_health.v1 import health_pb2
 
 from splitstream.common.records import stream_key
 from splitstream.common.tls import ClientTls
 from tests.certs import Issued, Pki, served_serial
+from tests.consul_emulator import ConsulEmulator
 from tests.harness import ROOT, InferClient, Stack, free_port, health_status, make_request, wait_for, write_registry
 from tests.models import add_version
 from tests.redis_server import RedisServer, RedisTls
@@ -310,3 +312,53 @@ def test_plaintext_stays_the_default(tmp_path: Path, stack: Stack) -> None:
     add_version(repository, MODEL, "v1", scale=2.0)
     worker = stack.worker(repository, MODEL, "v1")
     assert health_code(worker.address, ClientTls()) == SERVING
+
+
+def test_workers_and_routers_use_consul_over_https_with_a_client_certificate_and_the_token_as_a_header(
+    tmp_path: Path, pki: Pki, stack: Stack
+) -> None:
+    """Consul with verify_incoming: HTTPS only, client certificates required, an ACL token. The worker
+    registers over HTTPS with a TLS gRPC check (which passes), the router discovers it over HTTPS and
+    calls it over TLS; no request carries the token in its query string."""
+    consul_cert = pki.issue("consul")
+    token = "consul-acl-token"
+    with ConsulEmulator(tmp_path / "consul", token=token, tls=(pki.ca, consul_cert.cert, consul_cert.key)) as consul:
+        with pytest.raises(requests.exceptions.ConnectionError):  # no client certificate: refused
+            requests.get(f"https://127.0.0.1:{consul.port}/v1/status/leader", verify=str(pki.ca), timeout=5)
+
+        repository = tmp_path / "models"
+        add_version(repository, MODEL, "v1", scale=2.0)
+        tls = trusting(pki)
+        stack.worker(
+            repository,
+            MODEL,
+            "v1",
+            *tls_server_args(pki.issue("worker")),
+            "--registry",
+            consul.spec,
+            "--check-interval-s",
+            "0.2",
+            env=consul.env,
+            tls=tls,
+        )
+        client = consul.client()
+        wait_for(
+            lambda: client.health.service(f"splitstream-{MODEL}", passing=True)[1],
+            timeout_s=30,
+            what="the worker's TLS gRPC check to pass",
+        )
+        router = stack.router(consul.spec, "--upstream-tls-ca", str(pki.ca), env=consul.env)
+
+        def answered() -> bool:
+            infer = InferClient(router.address)
+            try:
+                response, _ = infer.infer(make_request(MODEL, np.ones((1, 4), dtype=np.float32)))
+                return response.model_version == "v1"
+            except grpc.RpcError:
+                return False
+            finally:
+                infer.close()
+
+        wait_for(answered, timeout_s=30, what="a call through the router to the worker found in Consul")
+    assert "token in query string" not in consul.log()
+    assert token not in router.log()
