@@ -7,6 +7,7 @@ from another CA.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import redis
 import requests
 from grpc_health.v1 import health_pb2
 
+from splitstream.admin.main import main as admin
 from splitstream.common.records import stream_key
 from splitstream.common.tls import ClientTls
 from tests.certs import Issued, Pki, served_serial
@@ -92,7 +94,7 @@ def rotate(target: Issued, new: Issued) -> None:
 
 
 def test_a_tls_worker_answers_clients_that_trust_its_ca_and_refuses_plaintext_and_other_cas(
-    tmp_path: Path, pki: Pki, stack: Stack
+    tmp_path: Path, pki: Pki, stack: Stack, capsys: pytest.CaptureFixture[str]
 ) -> None:
     repository = tmp_path / "models"
     add_version(repository, MODEL, "v1", scale=2.0)
@@ -106,6 +108,18 @@ def test_a_tls_worker_answers_clients_that_trust_its_ca_and_refuses_plaintext_an
     other = Pki(tmp_path / "other", name="other")
     assert health_code(worker.address, trusting(other, server_name="worker.internal")) == grpc.StatusCode.UNAVAILABLE
     assert health_code(worker.address, ClientTls()) == grpc.StatusCode.UNAVAILABLE  # plaintext
+
+    # The admin CLI's shared --tls flags: it probes the worker's health over TLS, and says so without them.
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
+    common = ["--registry", f"file:{registry}"]
+    tls_flags = ["--tls-ca", str(pki.ca), "--tls-server-name", "worker.internal"]
+    assert admin([*common, *tls_flags, "versions", MODEL, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["versions"][0]["health"] == "serving"
+    assert admin([*common, "versions", MODEL, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["versions"][0]["health"] == "unreachable"
+    assert admin([*common, "--tls-ca", str(tmp_path / "missing.pem"), "versions", MODEL]) == 2
+    assert "--tls-ca" in capsys.readouterr().err
 
 
 def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(
