@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,15 +36,19 @@ MODEL = "affine"
 HMAC_KEY = "tls-tests-key"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
-#: The README's ACL lines (Security → Redis), with test passwords: each component gets only what it uses.
-RECORDER_ACL = (
-    "splitstream-recorder on >recorder-pw resetkeys ~splitstream:calls:* ~splitstream:blob:* "
-    "~splitstream:feedback:* ~splitstream:feedback-seen:* resetchannels -@all "
-    "+ping +client|setname +xadd +xtrim +set +expire +exists"
-)
-READER_ACL = (
-    "splitstream-reader on >reader-pw resetkeys ~splitstream:* resetchannels -@all +ping +client|setname +@read -keys"
-)
+
+def readme_acl(user: str, password: str) -> str:
+    """The README's ``ACL SETUSER`` line for ``user`` (Security → Redis), with ``password``: the tests use
+    the documented lines themselves, so the documentation cannot drift from what works."""
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith(f"ACL SETUSER {user} "):
+            rules = line.removeprefix("ACL SETUSER ")
+            return re.sub(r">[A-Z_]+_PASSWORD", f">{password}", rules)
+    raise AssertionError(f"README has no ACL SETUSER line for {user}")
+
+
+RECORDER_ACL = readme_acl("splitstream-recorder", "recorder-pw")
+READER_ACL = readme_acl("splitstream-reader", "reader-pw")
 
 
 @pytest.fixture
