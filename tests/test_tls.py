@@ -15,6 +15,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import cast
 
 import grpc
 import numpy as np
@@ -28,7 +29,18 @@ from splitstream.common.records import stream_key
 from splitstream.common.tls import ClientTls
 from tests.certs import Issued, Pki, served_serial
 from tests.consul_emulator import ConsulEmulator
-from tests.harness import ROOT, InferClient, Stack, free_port, health_status, make_request, wait_for, write_registry
+from tests.harness import (
+    ROOT,
+    InferClient,
+    Stack,
+    free_port,
+    health_status,
+    make_request,
+    metric_samples,
+    scrape_metrics,
+    wait_for,
+    write_registry,
+)
 from tests.models import add_version
 from tests.redis_server import RedisServer, RedisTls
 
@@ -276,6 +288,37 @@ def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_can
             reader.set("splitstream:blob:forged", b"x")
     finally:
         reader.close()
+
+    # A router without a client certificate is refused by the recorder: its client is answered, its
+    # records wait in its spool, and nothing it sends reaches Redis.
+    certless = stack.router(
+        registry,
+        "--upstream-tls-ca", str(pki.ca),
+        "--recorder", f"127.0.0.1:{recorder_port}",
+        "--recorder-tls-ca", str(pki.ca),
+        "--hmac-key", HMAC_KEY,
+        "--spool-dir", str(tmp_path / "spool-certless"),
+        "--record-batch-interval-ms", "20",
+    )  # fmt: skip
+    plain = InferClient(certless.address)
+    try:
+        plain.infer(make_request(MODEL, np.ones((1, 4), dtype=np.float32), request_id="tls-certless-1"))
+    finally:
+        plain.close()
+
+    def spooled() -> float:
+        samples = metric_samples(
+            scrape_metrics(certless.metrics_port), "splitstream_router_mirror_records_spooled_total"
+        )
+        return sum(value for _, value in samples)
+
+    wait_for(lambda: spooled() >= 1, timeout_s=30, what="the refused router to spool its record")
+    admin = redis_tls.client()
+    try:
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], admin.xrange(stream_key(MODEL)))
+    finally:
+        admin.close()
+    assert b"tls-certless-1" not in {fields[b"request_id"] for _, fields in entries}
 
     out = tmp_path / "replay"
     replayed = subprocess.run(
