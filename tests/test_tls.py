@@ -369,6 +369,31 @@ def test_a_bad_certificate_or_key_is_exit_2_with_one_line_naming_the_flag(tmp_pa
         assert expected in lines[0], (flags, done.stderr)
 
 
+def test_bad_redis_and_consul_tls_settings_are_exit_2_with_one_line(tmp_path: Path, pki: Pki) -> None:
+    client = pki.issue("client")
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {})
+    recorder = [sys.executable, "-m", "splitstream.recorder", "--port", "0", "--hmac-key", "k"]
+    router = [sys.executable, "-m", "splitstream.router", "--port", "0", "--registry", "consul://127.0.0.1:1"]
+    cases: list[tuple[list[str], dict[str, str], str]] = [
+        ([*recorder, "--redis-tls-ca", str(pki.ca)], {}, "need a rediss:// --redis-url"),
+        ([*recorder, "--redis-url", "rediss://h:1/0", "--redis-tls-cert", str(client.cert)], {}, "go together"),
+        ([*recorder, "--redis-url", "rediss://h:1/0", "--redis-password-file", str(tmp_path / "nope")], {},
+         "--redis-password-file"),
+        (router, {"CONSUL_HTTP_SSL": "true", "CONSUL_CACERT": str(tmp_path / "nope.pem")}, "CONSUL_CACERT"),
+        (router, {"CONSUL_CACERT": str(pki.ca)}, "CONSUL_HTTP_SSL=true"),
+        (router, {"CONSUL_HTTP_TOKEN_FILE": str(tmp_path / "nope")}, "CONSUL_HTTP_TOKEN_FILE"),
+    ]  # fmt: skip
+    for command, env, expected in cases:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False, env={**os.environ, **env}
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, (command, env, done.stderr)
+        assert len(lines) == 1, (command, env, done.stderr)
+        assert expected in lines[0], (command, env, done.stderr)
+
+
 def test_plaintext_stays_the_default(tmp_path: Path, stack: Stack) -> None:
     repository = tmp_path / "models"
     add_version(repository, MODEL, "v1", scale=2.0)
@@ -409,7 +434,11 @@ def test_workers_and_routers_use_consul_over_https_with_a_client_certificate_and
             timeout_s=30,
             what="the worker's TLS gRPC check to pass",
         )
-        router = stack.router(consul.spec, "--upstream-tls-ca", str(pki.ca), env=consul.env)
+        token_file = tmp_path / "consul-token"
+        token_file.write_text(token + "\n")
+        from_file = {k: v for k, v in consul.env.items() if k != "CONSUL_HTTP_TOKEN"}
+        from_file["CONSUL_HTTP_TOKEN_FILE"] = str(token_file)  # the router reads its token from a file
+        router = stack.router(consul.spec, "--upstream-tls-ca", str(pki.ca), env=from_file)
 
         def answered() -> bool:
             infer = InferClient(router.address)

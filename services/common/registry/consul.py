@@ -74,6 +74,8 @@ SERVICE_PREFIX = "splitstream-"
 EXPERIMENT_PREFIX = "splitstream/experiments/"
 DEFAULT_ADDRESS = "127.0.0.1:8500"
 TOKEN_VARIABLE = "CONSUL_HTTP_TOKEN"
+#: Consul's own variable for a token kept in a file (read once, at start).
+TOKEN_FILE_VARIABLE = "CONSUL_HTTP_TOKEN_FILE"
 #: Consul's own variables for HTTPS, read as the ``consul`` CLI reads them.
 SSL_VARIABLE = "CONSUL_HTTP_SSL"
 SSL_VERIFY_VARIABLE = "CONSUL_HTTP_SSL_VERIFY"
@@ -176,12 +178,27 @@ def parse_consul_spec(spec: str) -> ConsulAddress:
         host=parsed.hostname,
         port=port,
         scheme=http_scheme,
-        token=os.environ.get(TOKEN_VARIABLE) or None,
+        token=os.environ.get(TOKEN_VARIABLE) or _token_from_file(),
         ca_file=ca,
         cert_file=cert,
         key_file=key,
         verify=os.environ.get(SSL_VERIFY_VARIABLE, "true").strip().lower() not in {"0", "false", "no", "off"},
     )
+
+
+def _token_from_file() -> str | None:
+    """The token in ``CONSUL_HTTP_TOKEN_FILE``, or None; ValueError (never quoting the file's content)."""
+    path = os.environ.get(TOKEN_FILE_VARIABLE, "")
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            token = handle.read().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{TOKEN_FILE_VARIABLE} {path}: {getattr(error, 'strerror', None) or error}") from None
+    if not token:
+        raise ValueError(f"{TOKEN_FILE_VARIABLE} {path}: the file is empty")
+    return token
 
 
 def describe_error(error: BaseException) -> str:
