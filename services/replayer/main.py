@@ -37,13 +37,14 @@ from splitstream.common.redis_url import (
     redis_security_from_args,
 )
 from splitstream.common.secrets import redact_text, redact_url
+from splitstream.common.tls import ClientTls, client_tls_from_args
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
 from splitstream.replayer.outputs import ResultsWriter, write_summary
 from splitstream.replayer.report import write_report
 from splitstream.replayer.runner import Replay, ReplaySettings
 from splitstream.replayer.selection import Selection, StatusFilter
-from splitstream.replayer.sender import Target, TargetUnreachable, TlsOptions
+from splitstream.replayer.sender import Target, TargetUnreachable
 from splitstream.replayer.summary import METRICS, Summary
 from splitstream.replayer.timewindow import BadTime, parse_instant_ns
 
@@ -61,7 +62,7 @@ class ReplayConfig:
     redis_url: str
     selection: Selection
     settings: ReplaySettings
-    tls: TlsOptions
+    tls: ClientTls
     gate: tuple[Bound, ...] | None
     connect_timeout_s: float
     redis_security: RedisSecurity = NO_REDIS_SECURITY
@@ -229,18 +230,8 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             page_size=args.page_size,
         )
         speed = _speed(args.speed)
-        tls = TlsOptions(
-            enabled=args.tls or bool(args.tls_ca or args.tls_cert or args.tls_key),
-            ca_file=args.tls_ca,
-            cert_file=args.tls_cert,
-            key_file=args.tls_key,
-            server_name=args.tls_server_name,
-        )
-        for path in (args.tls_ca, args.tls_cert, args.tls_key):
-            if path and not os.path.isfile(path):
-                raise ValueError(f"TLS file {path!r} does not exist")
-        if bool(args.tls_cert) != bool(args.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
+        # The same client TLS (and checks: readable PEM, a key that is the certificate's) as every client.
+        tls = client_tls_from_args(args, flag="--tls")
         if args.pin_version != header_value(args.pin_version):
             # A version name is the registry's, never a client's: one gRPC would refuse is a typo, not a pin.
             raise ValueError(f"--pin-version {args.pin_version!r} is not a version name (printable ASCII, no %)")
@@ -339,6 +330,8 @@ async def run(config: ReplayConfig) -> int:
                 target = Target(address, tls=config.tls)
             except OSError as error:  # a TLS file that cannot be read (permissions, gone since parsing)
                 raise SetupError(f"cannot read a TLS file: {_os_reason(error)}") from None
+            except ConfigError as error:  # the same, as the shared TLS module words it (names the flag)
+                raise SetupError(f"cannot read a TLS file: {error}") from None
             targets.append(target)
             try:
                 await asyncio.to_thread(target.wait_ready, config.connect_timeout_s)
