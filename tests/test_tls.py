@@ -126,6 +126,16 @@ def test_a_tls_worker_answers_clients_that_trust_its_ca_and_refuses_plaintext_an
     assert health_code(worker.address, trusting(other, server_name="worker.internal")) == grpc.StatusCode.UNAVAILABLE
     assert health_code(worker.address, ClientTls()) == grpc.StatusCode.UNAVAILABLE  # plaintext
 
+    # The container healthcheck speaks TLS from its variables (the compose TLS stack relies on it).
+    check = [sys.executable, "-m", "splitstream.common.healthcheck", worker.address]
+    tls_env = {
+        "SPLITSTREAM_HEALTHCHECK_TLS_CA": str(pki.ca),
+        "SPLITSTREAM_HEALTHCHECK_TLS_SERVER_NAME": "worker.internal",
+    }
+    run = subprocess.run(check, capture_output=True, text=True, timeout=30, env={**os.environ, **tls_env}, check=False)
+    assert run.returncode == 0, run.stderr
+    assert subprocess.run(check, capture_output=True, timeout=30, check=False).returncode == 1
+
     # The admin CLI's shared --tls flags: it probes the worker's health over TLS, and says so without them.
     registry = tmp_path / "registry.yaml"
     write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})

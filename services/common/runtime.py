@@ -348,6 +348,7 @@ class _Runner:
             port=port,
             metrics_host=settings.metrics_host,
             metrics_port=settings.metrics_port or None,
+            tls="mutual" if settings.grpc_use_ssl_mutual else ("on" if settings.grpc_use_ssl else "off"),
         )
         running = asyncio.create_task(service.run(runtime), name="service-run")
         stopping = asyncio.create_task(stop.wait(), name="wait-for-signal")
