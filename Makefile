@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TRITON_VENV ?= .venv-triton
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos test lint format bench gpu-smoke clean up down demo
+.PHONY: help install protos test lint format bench gpu-smoke clean up down up-tls down-tls demo
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -61,6 +61,12 @@ up: ## Start the docker-compose stack (needs a Docker engine): redis, consul, re
 
 down: ## Stop the docker-compose stack
 	docker compose -f deploy/docker-compose.yml down
+
+up-tls: ## The same stack with TLS on every hop (certificates made at start by a one-shot container)
+	docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.tls.yml up --build --detach
+
+down-tls: ## Stop the TLS stack
+	docker compose -f deploy/docker-compose.yml -f deploy/docker-compose.tls.yml down
 
 gpu-smoke: install ## On a GPU machine: build, load and time a TensorRT engine against ONNX Runtime
 	$(BIN)/pip install --quiet -e '.[tensorrt]'

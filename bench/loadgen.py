@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from grpc import aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.tls import PLAINTEXT, ClientTls
 from tests.tensors import add_raw_input
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -79,10 +79,13 @@ class Summary:
         )
 
 
-async def drive(address: str, request: bytes, concurrency: int, seconds: float, pids: list[int]) -> Result:
-    """``concurrency`` callers, each sending the next call when the last returns, for ``seconds``."""
+async def drive(
+    address: str, request: bytes, concurrency: int, seconds: float, pids: list[int], tls: ClientTls = PLAINTEXT
+) -> Result:
+    """``concurrency`` callers, each sending the next call when the last returns, for ``seconds``
+    (over one channel, so a TLS path pays its handshake once, in the warm-up, as a real client does)."""
     result = Result()
-    async with aio.insecure_channel(address) as channel:
+    async with tls.aio_channel(address) as channel:
         call = channel.unary_unary(METHOD)
         for _ in range(50):  # warm the connection and the path
             await call(request, timeout=10)
@@ -103,13 +106,20 @@ async def drive(address: str, request: bytes, concurrency: int, seconds: float, 
 
 
 def measure(
-    paths: dict[str, tuple[str, list[int]]], request: bytes, *, concurrency: int, seconds: float, rounds: int
+    paths: dict[str, tuple[str, list[int]]],
+    request: bytes,
+    *,
+    concurrency: int,
+    seconds: float,
+    rounds: int,
+    tls: dict[str, ClientTls] | None = None,
 ) -> dict[str, Summary]:
     """Drive every path (name → (address, pids whose CPU to count)) ``rounds`` times, in a rotated
-    order each round, and merge each path's rounds."""
+    order each round, and merge each path's rounds. ``tls``: the client TLS of the paths that need it."""
     merged: dict[str, list[Result]] = {name: [] for name in paths}
     for round_index in range(rounds):
         for name in rotated(list(paths), round_index):  # no path always runs first
             address, pids = paths[name]
-            merged[name].append(asyncio.run(drive(address, request, concurrency, seconds, pids)))
+            security = (tls or {}).get(name, PLAINTEXT)
+            merged[name].append(asyncio.run(drive(address, request, concurrency, seconds, pids, security)))
     return {name: Summary.of(results) for name, results in merged.items()}

@@ -2,7 +2,11 @@
 
 One run, same load, same worker: client → worker; client → router → worker;
 and, when nginx is installed, client → nginx (grpc_pass, upstream keepalive) →
-worker, the reference a user would otherwise pick. For 1 and 64 calls in
+worker, the reference a user would otherwise pick. With TLS on both sides of the
+router (certificates made at start): client →TLS→ worker (``direct-tls``) and
+client →TLS→ router →TLS→ worker (``router-tls``), the same model on a second
+worker that serves TLS; the last lines give TLS's cost to the router as ratios
+against the plaintext router, measured in the same rounds. For 1 and 64 calls in
 flight it prints throughput, p50, p99, each path's added latency over direct,
 and the proxy's CPU time per forwarded call (from /proc). Paths are measured
 in interleaved rounds so machine noise hits them alike; compare ratios.
@@ -25,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import infer_request, measure
+from splitstream.common.tls import ClientTls
+from tests.certs import Pki
 from tests.harness import Stack, free_port, wait_for, write_registry
 from tests.models import add_version
 
@@ -87,10 +93,33 @@ def main() -> int:
         registry = tmp / "registry.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
         router = stack.router(registry, "--log-level", "WARNING")
+        pki = Pki(tmp / "pki")
+        client_tls = ClientTls(enabled=True, ca_file=str(pki.ca))
+        worker_cert, router_cert = pki.issue("worker"), pki.issue("router")
+        tls_worker = stack.worker(
+            repository,
+            MODEL,
+            "v1",
+            *("--grpc-use-ssl", "--grpc-server-cert", str(worker_cert.cert), "--grpc-server-key", str(worker_cert.key)),
+            tls=client_tls,
+        )
+        tls_registry = tmp / "registry-tls.yaml"
+        write_registry(tls_registry, {MODEL: {"endpoints": {"v1": [tls_worker.address]}}})
+        tls_router = stack.router(
+            tls_registry,
+            "--log-level",
+            "WARNING",
+            *("--grpc-use-ssl", "--grpc-server-cert", str(router_cert.cert), "--grpc-server-key", str(router_cert.key)),
+            *("--upstream-tls-ca", str(pki.ca)),
+            tls=client_tls,
+        )
         paths: dict[str, tuple[str, list[int]]] = {
             "direct": (worker.address, []),
             "router": (router.address, [router.process.pid]),  # type: ignore[union-attr]
+            "direct-tls": (tls_worker.address, []),
+            "router-tls": (tls_router.address, [tls_router.process.pid]),  # type: ignore[union-attr]
         }
+        tls = {"direct-tls": client_tls, "router-tls": client_tls}
         nginx = start_nginx(tmp, worker.address)
         if nginx is not None:
             paths["nginx"] = (nginx[1], nginx[2])
@@ -102,24 +131,36 @@ def main() -> int:
             f"{os.cpu_count()} CPUs; nginx {'on' if nginx else 'not installed'}\n"
         )
         header = (
-            f"{'in flight':>9} {'path':<7} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+            f"{'in flight':>9} {'path':<10} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
             f"{'+p50 ms':>8} {'+p99 ms':>8} {'CPU us/call':>12}"
         )
         print(header)
         print("-" * len(header))
         for concurrency in (1, 64):
-            summary = measure(paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds)
-            direct = summary["direct"]
+            summary = measure(
+                paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds, tls=tls
+            )
             for name, x in summary.items():
-                added50 = "" if name == "direct" else f"{x.p50_ms - direct.p50_ms:8.3f}"
-                added99 = "" if name == "direct" else f"{x.p99_ms - direct.p99_ms:8.3f}"
-                cpu = "" if name == "direct" else f"{x.cpu_us_per_call:12.0f}"
+                direct = summary["direct-tls" if name.endswith("-tls") else "direct"]  # TLS paths against TLS
+                first_hop = name.startswith("direct")
+                added50 = "" if first_hop else f"{x.p50_ms - direct.p50_ms:8.3f}"
+                added99 = "" if first_hop else f"{x.p99_ms - direct.p99_ms:8.3f}"
+                cpu = "" if first_hop else f"{x.cpu_us_per_call:12.0f}"
                 print(
-                    f"{concurrency:>9} {name:<7} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "
+                    f"{concurrency:>9} {name:<10} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "
                     f"{added50:>8} {added99:>8} {cpu:>12}"
                 )
             spread = {n: statistics.pstdev(x.round_p50s_ms) for n, x in summary.items()}
             print(f"{'':>9} p50 spread across rounds (ms): " + ", ".join(f"{n} {v:.3f}" for n, v in spread.items()))
+            plain, secure = summary["router"], summary["router-tls"]
+            added_plain = plain.p50_ms - summary["direct"].p50_ms
+            added_tls = secure.p50_ms - summary["direct-tls"].p50_ms
+            print(
+                f"{'':>9} TLS on both sides of the router / plaintext: CPU per call x"
+                f"{secure.cpu_us_per_call / plain.cpu_us_per_call:.2f}, added p50 x"
+                f"{added_tls / added_plain if added_plain > 0 else float('nan'):.2f}, "
+                f"end-to-end p50 x{secure.p50_ms / plain.p50_ms:.2f}"
+            )
             print()
     finally:
         if nginx is not None:

@@ -33,6 +33,13 @@ Consul behaviours it reproduces (where splitstream depends on them):
   long is deregistered.
 - ACL tokens, only if started with ``--token T``: a request without
   ``X-Consul-Token: T`` gets 403 "Permission denied".
+- HTTPS, only if started with ``--tls-cert/--tls-key``: the API is served over TLS only (a
+  plaintext request gets no answer, as with Consul's ``ports.http = -1``); with ``--tls-ca`` a
+  client without a certificate from that CA is refused in the handshake (``verify_incoming``).
+  A token sent as a ``?token=`` query parameter is logged ("token in query string"), so tests can
+  prove clients send it only as the header.
+- gRPC checks with ``GRPCUseTLS``: dialled over TLS with the agent's own ``--tls-ca`` and
+  ``--tls-cert/--tls-key`` (Consul's checks use the agent's outgoing TLS settings).
 - Restart: KV and the index persist in ``--state-file`` (they live in the servers'
   raft log); services and checks do not, like an agent that lost its local state,
   so workers must register again.
@@ -49,7 +56,7 @@ check runs at once); HTTP/TCP/TTL/script checks, check ``SuccessBeforePassing``/
 transactions; tag/filter/near/node-meta query parameters; per-prefix index
 tracking (a recursive or missing-key KV query reports the whole KV index, so
 it may wake without a change, which Consul also allows); Connect, prepared
-queries, events, snapshots; gRPC checks over TLS.
+queries, events, snapshots; ``TLSSkipVerify``/``TLSServerName`` on checks; HTTP/2 on the API.
 """
 
 from __future__ import annotations
@@ -110,6 +117,7 @@ class Check:
     status: str
     output: str = ""
     critical_since: float | None = None
+    use_tls: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
 
 
@@ -208,6 +216,7 @@ class State:
                     deregister_after_s=parse_duration(check.get("deregistercriticalserviceafter")) or None,
                     status=(check.get("status") or "critical").lower(),
                     output="initial status",
+                    use_tls=bool(check.get("grpcusetls")),
                 )
             )
             if service.checks[-1].status != "passing":
@@ -370,8 +379,9 @@ class State:
 class Checker:
     """Runs each registered gRPC check in its own thread, as the agent does."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, tls: tuple[str, str, str] | None = None) -> None:
         self.state = state
+        self.tls = tls  # (ca, cert, key): the agent's outgoing TLS, for GRPCUseTLS checks
 
     def start(self, check: Check) -> None:
         threading.Thread(target=self._run, args=(check,), name=f"check-{check.check_id}", daemon=True).start()
@@ -381,7 +391,17 @@ class Checker:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         options = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
-        with grpc.insecure_channel(check.target, options=options) as channel:
+        if check.use_tls:
+            ca, cert, key = self.tls or ("", "", "")
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=Path(ca).read_bytes() if ca else None,
+                private_key=Path(key).read_bytes() if key else None,
+                certificate_chain=Path(cert).read_bytes() if cert else None,
+            )
+            channel = grpc.secure_channel(check.target, credentials, options=options)
+        else:
+            channel = grpc.insecure_channel(check.target, options=options)
+        with channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while not check.stop.is_set():
                 try:
@@ -434,6 +454,8 @@ class Handler(BaseHTTPRequestHandler):
         return urllib.parse.unquote(url.path), query, body
 
     def _authorized(self) -> bool:
+        if "token" in urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query):
+            print(f"token in query string: {self.command} {urllib.parse.urlsplit(self.path).path}", flush=True)
         token = self.server.token
         if token and self.headers.get("X-Consul-Token") != token:
             self._send(403, b"Permission denied", raw=True)
@@ -535,11 +557,26 @@ class EmulatorServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, port: int, state: State, token: str) -> None:
+    def __init__(self, port: int, state: State, token: str, tls: tuple[str, str, str] | None = None) -> None:
         super().__init__(("127.0.0.1", port), Handler)
         self.state = state
-        self.checker = Checker(state)
+        self.checker = Checker(state, tls)
         self.token = token
+        if tls is not None:
+            import ssl
+
+            ca, cert, key = tls
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(cert, key)
+            if ca:
+                context.load_verify_locations(cafile=ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+            # The handshake happens in the request's thread, so a silent client never stalls accept().
+            self.socket = context.wrap_socket(self.socket, server_side=True, do_handshake_on_connect=False)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A refused TLS handshake is a line, not a traceback (Consul logs one line too)."""
+        print(f"connection from {client_address} failed: {sys.exc_info()[1]}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -547,8 +584,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--state-file", type=Path, default=None, help="where KV and the index survive a restart")
     parser.add_argument("--token", default="", help="require this ACL token on every request")
+    parser.add_argument("--tls-cert", default="", help="serve HTTPS only, with this certificate")
+    parser.add_argument("--tls-key", default="", help="private key of --tls-cert")
+    parser.add_argument("--tls-ca", default="", help="require client certificates from this CA (verify_incoming)")
     args = parser.parse_args(argv)
-    server = EmulatorServer(args.port, State(args.state_file), args.token)
+    tls = (args.tls_ca, args.tls_cert, args.tls_key) if args.tls_cert else None
+    server = EmulatorServer(args.port, State(args.state_file), args.token, tls)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # an agent killed mid-query: connections just drop
     print(f"consul emulator listening on 127.0.0.1:{args.port}", flush=True)
     server.serve_forever()
@@ -564,9 +605,18 @@ class ConsulEmulator:
     ``spec`` is the registry spec (``consul://127.0.0.1:PORT``) for routers, workers and the CLI.
     """
 
-    def __init__(self, directory: Path, *, port: int | None = None, token: str = "") -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        token: str = "",
+        tls: tuple[Path, Path, Path] | None = None,
+    ) -> None:
+        """``tls``: (CA, certificate, key): HTTPS only, client certificates from the CA required."""
         from tests.harness import free_port
 
+        self.tls = tls
         directory.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.token = token
@@ -580,8 +630,18 @@ class ConsulEmulator:
 
     @property
     def env(self) -> dict[str, str]:
-        """Environment for processes using it (the standard token variable)."""
-        return {"CONSUL_HTTP_TOKEN": self.token} if self.token else {}
+        """Environment for processes using it (the standard token variable). With TLS, the standard
+        HTTPS variables too; the client certificate is the emulator's own (issued for client use too)."""
+        env = {"CONSUL_HTTP_TOKEN": self.token} if self.token else {}
+        if self.tls is not None:
+            ca, cert, key = self.tls
+            env |= {
+                "CONSUL_HTTP_SSL": "true",
+                "CONSUL_CACERT": str(ca),
+                "CONSUL_CLIENT_CERT": str(cert),
+                "CONSUL_CLIENT_KEY": str(key),
+            }
+        return env
 
     def start(self, timeout_s: float = 15.0) -> ConsulEmulator:
         from tests.harness import ROOT
@@ -590,6 +650,8 @@ class ConsulEmulator:
         args += ["--state-file", str(self.state_file)]
         if self.token:
             args += ["--token", self.token]
+        if self.tls is not None:
+            args += ["--tls-ca", str(self.tls[0]), "--tls-cert", str(self.tls[1]), "--tls-key", str(self.tls[2])]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + timeout_s
@@ -625,7 +687,20 @@ class ConsulEmulator:
     def client(self, timeout_s: float = 10.0) -> Any:
         import consul
 
-        return consul.Consul(host="127.0.0.1", port=self.port, token=self.token or None, connections_timeout=timeout_s)
+        if self.tls is None:
+            return consul.Consul(
+                host="127.0.0.1", port=self.port, token=self.token or None, connections_timeout=timeout_s
+            )
+        ca, cert, key = self.tls
+        return consul.Consul(
+            host="127.0.0.1",
+            port=self.port,
+            scheme="https",
+            verify=str(ca),
+            cert=(str(cert), str(key)),
+            token=self.token or None,
+            connections_timeout=timeout_s,
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

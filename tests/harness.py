@@ -22,6 +22,7 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitstream.common.tls import PLAINTEXT, ClientTls
 from tests.models import add_version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,8 +63,8 @@ def wait_for(condition: Any, *, timeout_s: float, interval_s: float = 0.05, what
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last error: {last_error!r})")
 
 
-def health_status(address: str, service: str = "", timeout_s: float = 1.0) -> int:
-    with grpc.insecure_channel(address) as channel:
+def health_status(address: str, service: str = "", timeout_s: float = 1.0, *, tls: ClientTls = PLAINTEXT) -> int:
+    with tls.channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
         return int(response.status)
@@ -81,8 +82,11 @@ class ServiceProcess:
         log_dir: Path,
         port: int,
         env: dict[str, str] | None = None,
+        tls: ClientTls = PLAINTEXT,
     ) -> None:
+        """``tls``: how the harness reaches it (its health while starting) when it serves TLS."""
         self.name = name
+        self.tls = tls
         self.port = port
         self.address = f"127.0.0.1:{port}"
         self.log_path = log_dir / f"{name}.log"
@@ -120,7 +124,7 @@ class ServiceProcess:
         def serving() -> bool:
             if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log()}")
-            return health_status(self.address) == health_pb2.HealthCheckResponse.SERVING
+            return health_status(self.address, tls=self.tls) == health_pb2.HealthCheckResponse.SERVING
 
         try:
             wait_for(serving, timeout_s=timeout_s, what=f"{self.name} to serve")
@@ -172,6 +176,7 @@ class Stack:
         name: str | None = None,
         port: int | None = None,
         env: dict[str, str] | None = None,
+        tls: ClientTls = PLAINTEXT,
     ) -> ServiceProcess:
         port = port or free_port()
         args = [
@@ -196,6 +201,7 @@ class Stack:
             log_dir=self.tmp_path,
             port=port,
             env=env,
+            tls=tls,
         )
         self.processes.append(process)
         return process.start() if start else process
@@ -207,6 +213,7 @@ class Stack:
         start: bool = True,
         name: str | None = None,
         env: dict[str, str] | None = None,
+        tls: ClientTls = PLAINTEXT,
     ) -> ServiceProcess:
         port = free_port()
         metrics_port = free_port()
@@ -222,8 +229,24 @@ class Stack:
             *extra,
         ]
         process = ServiceProcess(
-            name or f"router-{port}", "splitstream.router", args, log_dir=self.tmp_path, port=port, env=env
+            name or f"router-{port}", "splitstream.router", args, log_dir=self.tmp_path, port=port, env=env, tls=tls
         )
+        self.processes.append(process)
+        return process.start() if start else process
+
+    def service(
+        self,
+        name: str,
+        module: str,
+        args: Sequence[str],
+        *,
+        port: int,
+        env: dict[str, str] | None = None,
+        tls: ClientTls = PLAINTEXT,
+        start: bool = True,
+    ) -> ServiceProcess:
+        """Any splitstream server (a recorder, say) started with exactly ``args``."""
+        process = ServiceProcess(name, module, args, log_dir=self.tmp_path, port=port, env=env, tls=tls)
         self.processes.append(process)
         return process.start() if start else process
 
@@ -281,10 +304,10 @@ def make_request(model: str, x: Any, *, request_id: str = "", version: str = "",
 class InferClient:
     """A blocking Open Inference Protocol client that also returns the response (trailing) metadata."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, tls: ClientTls = PLAINTEXT) -> None:
         from splitstream.common.proto.inference import grpc_service_pb2_grpc
 
-        self.channel = grpc.insecure_channel(address)
+        self.channel = tls.channel(address)
         self.stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
 
     def infer(

@@ -151,3 +151,67 @@ def test_every_service_command_parses_with_the_services_own_parser(monkeypatch: 
     recorder_args(services["recorder"][1:])
     for name in ("worker-v1", "worker-v2", "worker-v2-gpu"):
         build_parser().parse_args(services[name][1:])
+
+
+def tls_overlay() -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((DEPLOY / "docker-compose.tls.yml").read_text())
+    return data
+
+
+def test_the_tls_stack_sets_only_variables_and_flags_its_services_have(
+    help_texts: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``make up-tls`` switches TLS on with each service's own SPLITSTREAM_* variables: a misspelt one
+    would be ignored silently and that hop would stay plaintext, so every name must be a real flag's."""
+    from splitstream.recorder.config import build_parser as recorder_parser
+
+    base = compose()["services"]
+    overlay = tls_overlay()["services"]
+    for name, service in overlay.items():
+        if name not in base:
+            continue
+        command = service.get("command") or base[name].get("command")
+        if not (isinstance(command, list) and command[0] in ENTRY_POINTS):
+            continue
+        help_text = help_texts[command[0]]
+        for variable in service.get("environment", {}):
+            if variable.startswith("SPLITSTREAM_HEALTHCHECK_"):
+                continue
+            assert variable in help_text.replace("\n", " ").replace("  ", ""), f"{name}: {variable} is no flag"
+        if "command" in service:
+            known = {flag for flag in re.findall(r"--[a-z][a-z0-9-]*", help_text)}
+            assert set(flags(service["command"])) <= known, name
+    monkeypatch.setenv("SPLITSTREAM_HMAC_KEY", "compose-check")
+    recorder = overlay["recorder"]["command"]
+    args = recorder_parser().parse_args(recorder[1:])
+    assert args.redis_url.startswith("rediss://")
+
+
+def test_make_certs_makes_a_ca_and_per_service_certificates_the_services_accept(tmp_path: Path) -> None:
+    from cryptography import x509
+
+    from splitstream.common.tls import ClientTls, ServerTls
+
+    overlay = tls_overlay()["services"]["certs"]["command"]
+    services = [part.split("=", 1)[1] for part in overlay if part.startswith("--service=")]
+    out = tmp_path / "certs"
+    done = subprocess.run(
+        [sys.executable, "scripts/make_certs.py", f"--out={out}", *(f"--service={s}" for s in services)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    for service in services:
+        cert, key = str(out / f"{service}.pem"), str(out / f"{service}-key.pem")
+        ServerTls(cert_file=cert, key_file=key, client_ca_file=str(out / "ca.pem"), mutual=True).check()
+        ClientTls(enabled=True, ca_file=str(out / "ca.pem"), cert_file=cert, key_file=key).check()
+        names = x509.load_pem_x509_certificate(Path(cert).read_bytes()).extensions.get_extension_for_class(
+            x509.SubjectAlternativeName
+        )
+        assert service in names.value.get_values_for_type(x509.DNSName)  # the name other containers dial
+    before = (out / "router.pem").read_bytes()
+    subprocess.run([sys.executable, "scripts/make_certs.py", f"--out={out}", "--service=router"], cwd=ROOT, check=True)
+    assert (out / "router.pem").read_bytes() == before  # kept across restarts of the certs container

@@ -41,6 +41,7 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
+from splitstream.common.tls import ClientTls, add_client_tls_arguments, client_tls_from_args
 
 PROG = "splitstream"
 ENV_PREFIX = "SPLITSTREAM_ADMIN_"
@@ -100,6 +101,13 @@ def build_parser() -> EnvArgumentParser:
         "--registry",
         help="file:PATH (the routers' YAML file) or consul://HOST:PORT (ACL token from CONSUL_HTTP_TOKEN); "
         "needed by experiment, versions and rollout",
+    )
+    # One TLS group for every command that dials a splitstream process (health probes of workers
+    # today; commands that call routers or the recorder reuse it through admin_tls()).
+    add_client_tls_arguments(
+        parser.add_argument_group("TLS to splitstream processes (workers' health, routers, the recorder)"),
+        flag="--tls",
+        what="splitstream's servers",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -177,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.registry:
         parser.error("the following arguments are required: --registry")
     try:
-        store = open_store(args.registry)
+        store = open_store(args.registry, tls=admin_tls(args))
         if args.command == "experiment" and args.action == "get":
             return experiment_get(store, args.model)
         if args.command == "experiment":
@@ -189,6 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(USAGE, error)
     except AdminError as error:
         return _fail(FAILED, error)
+
+
+def admin_tls(args: argparse.Namespace) -> ClientTls:
+    """The TLS the shared ``--tls*`` flags describe; Invalid (exit 2) for a file that cannot be used."""
+    try:
+        return client_tls_from_args(args, flag="--tls")
+    except ConfigError as error:
+        raise Invalid(str(error)) from None
 
 
 def _fail(code: int, error: Exception) -> int:

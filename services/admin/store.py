@@ -36,6 +36,7 @@ from splitstream.common.registry.consul import (
     parse_consul_spec,
     service_name,
 )
+from splitstream.common.tls import PLAINTEXT, ClientTls
 
 
 class AdminError(Exception):
@@ -87,11 +88,12 @@ class Store(Protocol):
     def write(self, model: str, experiment: Experiment, revision: Any) -> None: ...
 
 
-def open_store(spec: str) -> Store:
-    """``file:PATH`` or ``consul://HOST:PORT``; raises Invalid for anything else."""
+def open_store(spec: str, *, tls: ClientTls = PLAINTEXT) -> Store:
+    """``file:PATH`` or ``consul://HOST:PORT``; raises Invalid for anything else. ``tls``: how the
+    workers' health is probed (the TLS the routers use to reach them)."""
     scheme, _, location = spec.partition(":")
     if scheme == "file" and location:
-        return FileStore(Path(location))
+        return FileStore(Path(location), tls=tls)
     if scheme == "consul":
         try:
             return ConsulStore(parse_consul_spec(spec))
@@ -118,8 +120,9 @@ def check_versions_exist(view: ModelView, experiment: Experiment) -> None:
 
 
 class FileStore:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, tls: ClientTls = PLAINTEXT) -> None:
         self.path = path
+        self.tls = tls
         self.description = f"file:{path}"
 
     def _load(self) -> tuple[str, Any]:
@@ -145,7 +148,7 @@ class FileStore:
         raw = (data.get("models") or {}).get(model) or {}
         stored = entry.experiment if raw.get("experiment") is not None else None
         pairs = [(version, address) for version, addresses in entry.endpoints.items() for address in addresses]
-        health = _probe(a for _, a in pairs) if probe_health else {}
+        health = _probe((a for _, a in pairs), tls=self.tls) if probe_health else {}
         endpoints = tuple(Endpoint(version=v, address=a, health=health.get(a, "")) for v, a in pairs)
         return ModelView(
             model=model,
@@ -174,12 +177,12 @@ class FileStore:
         atomic_write(self.path, edited, mode=self.path.stat().st_mode & 0o777)
 
 
-def _probe(addresses: Any, timeout_s: float = 1.0) -> dict[str, str]:
+def _probe(addresses: Any, timeout_s: float = 1.0, *, tls: ClientTls = PLAINTEXT) -> dict[str, str]:
     """grpc.health.v1 Check on each address, concurrently."""
 
     def check(address: str) -> str:
         try:
-            with grpc.insecure_channel(address) as channel:
+            with tls.channel(address) as channel:
                 answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
         except grpc.RpcError:
             return "unreachable"

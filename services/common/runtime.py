@@ -4,7 +4,8 @@ Router, recorder and worker differ in what they serve, not in how they start or 
 Each ``main`` parses its flags (the shared ones added by :func:`add_server_arguments`),
 builds a :class:`Service` and hands it to :func:`run_service`, which:
 
-1. binds the gRPC port on ``--host`` and the Prometheus port on ``--metrics-host``
+1. binds the gRPC port on ``--host`` (TLS with ``--grpc-use-ssl``, mutual with
+   ``--grpc-use-ssl-mutual``; :mod:`splitstream.common.tls`) and the Prometheus port on ``--metrics-host``
    (default ``--host``); a taken port or a bad address is a configuration error;
 2. registers the service's handlers, grpc.health.v1 (every name NOT_SERVING until the
    service says otherwise) and server reflection, runs :meth:`Service.prepare`, starts
@@ -46,6 +47,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from splitstream.common.errors import ConfigError
 from splitstream.common.handlers import ParseRequests
 from splitstream.common.health import NOT_SERVING, SERVING, HealthServicer
+from splitstream.common.tls import ServerTls
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -105,6 +107,23 @@ def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaul
         default=defaults.max_message_bytes,
         help="largest gRPC message received or sent",
     )
+    # Triton's names where they mean the same; the files are re-read when they change (no restart).
+    tls = parser.add_argument_group("server TLS (plaintext unless --grpc-use-ssl; Triton's flag names)")
+    tls.add_argument(
+        "--grpc-use-ssl",
+        action="store_true",
+        help="serve gRPC over TLS with --grpc-server-cert/--grpc-server-key (re-read when they change)",
+    )
+    tls.add_argument(
+        "--grpc-use-ssl-mutual",
+        action="store_true",
+        help="mutual TLS (implies --grpc-use-ssl): refuse clients without a certificate from --grpc-root-cert",
+    )
+    tls.add_argument("--grpc-server-cert", default="", help="PEM certificate (chain) this server presents")
+    tls.add_argument("--grpc-server-key", default="", help="PEM private key of --grpc-server-cert")
+    tls.add_argument(
+        "--grpc-root-cert", default="", help="PEM CA bundle client certificates must chain to (mutual TLS)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +142,11 @@ class ServerSettings:
     drain_delay_s: float = 0.5
     shutdown_grace_s: float = 30.0
     max_message_bytes: int = 64 * 1024 * 1024
+    grpc_use_ssl: bool = False
+    grpc_use_ssl_mutual: bool = False
+    grpc_server_cert: str = ""
+    grpc_server_key: str = ""
+    grpc_root_cert: str = ""
 
     def __post_init__(self) -> None:
         if not self.host.strip():
@@ -139,6 +163,42 @@ class ServerSettings:
                 raise ConfigError(f"{flag}: must be a number of seconds >= 0, got {seconds}")
         if not 0 < self.max_message_bytes <= _MAX_GRPC_INT:
             raise ConfigError(f"--max-message-bytes: must be within 1..{_MAX_GRPC_INT}, got {self.max_message_bytes}")
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        """Files are checked here, at start, so a typo is exit 2 and one line, never a server that
+        listens and then fails every handshake."""
+        use_ssl = self.grpc_use_ssl or self.grpc_use_ssl_mutual
+        if not use_ssl:
+            for flag, value in (
+                ("--grpc-server-cert", self.grpc_server_cert),
+                ("--grpc-server-key", self.grpc_server_key),
+                ("--grpc-root-cert", self.grpc_root_cert),
+            ):
+                if value:
+                    raise ConfigError(f"{flag} needs --grpc-use-ssl (or --grpc-use-ssl-mutual); plaintext otherwise")
+            return
+        if not (self.grpc_server_cert and self.grpc_server_key):
+            raise ConfigError("--grpc-use-ssl needs --grpc-server-cert and --grpc-server-key")
+        if self.grpc_use_ssl_mutual and not self.grpc_root_cert:
+            raise ConfigError("--grpc-use-ssl-mutual needs --grpc-root-cert (the CA client certificates chain to)")
+        if self.grpc_root_cert and not self.grpc_use_ssl_mutual:
+            raise ConfigError("--grpc-root-cert is for mutual TLS: add --grpc-use-ssl-mutual")
+        tls = self.tls
+        assert tls is not None
+        tls.check()
+
+    @property
+    def tls(self) -> ServerTls | None:
+        """The server's TLS, or None for plaintext."""
+        if not (self.grpc_use_ssl or self.grpc_use_ssl_mutual):
+            return None
+        return ServerTls(
+            cert_file=self.grpc_server_cert,
+            key_file=self.grpc_server_key,
+            client_ca_file=self.grpc_root_cert,
+            mutual=self.grpc_use_ssl_mutual,
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
@@ -288,6 +348,7 @@ class _Runner:
             port=port,
             metrics_host=settings.metrics_host,
             metrics_port=settings.metrics_port or None,
+            tls="mutual" if settings.grpc_use_ssl_mutual else ("on" if settings.grpc_use_ssl else "off"),
         )
         running = asyncio.create_task(service.run(runtime), name="service-run")
         stopping = asyncio.create_task(stop.wait(), name="wait-for-signal")
@@ -354,7 +415,10 @@ def _bind_grpc(server: aio.Server, settings: ServerSettings) -> int:
     problem = _bind_problem(settings.host, settings.port)
     if problem:
         raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {problem}")
+    tls = settings.tls
     try:
+        if tls is not None:
+            return int(server.add_secure_port(address, tls.credentials()))
         return int(server.add_insecure_port(address))
     except RuntimeError as error:
         raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {error}") from None

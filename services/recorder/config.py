@@ -15,6 +15,7 @@ from pydantic import Field, InstanceOf, model_validator
 
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
+from splitstream.common.redis_url import RedisSecurity, add_redis_security_arguments, redis_security_from_args
 from splitstream.common.runtime import SERVER_ARGUMENTS, ServerDefaults, ServerSettings, add_server_arguments
 from splitstream.common.schema import Document, validate
 
@@ -74,6 +75,7 @@ class RecorderConfig(Document):
     redact_input: tuple[Rule, ...]
     redact_output: tuple[Rule, ...]
     hmac_key: bytes
+    redis_security: InstanceOf[RedisSecurity] = RedisSecurity()
 
     @model_validator(mode="after")
     def _consistent(self) -> RecorderConfig:
@@ -127,11 +129,14 @@ def _rules(value: str | list[str] | None, *, what: str) -> tuple[Rule, ...]:
     return tuple(Rule.parse(part, what=what) for part in parts)
 
 
+ENV_PREFIX = "SPLITSTREAM_RECORDER_"
+
+
 def build_parser() -> argparse.ArgumentParser:
     # Typed as the base class: its error() is known to exit (NoReturn).
     parser: argparse.ArgumentParser = EnvArgumentParser(
         prog=PROG,
-        env_prefix="SPLITSTREAM_RECORDER_",
+        env_prefix=ENV_PREFIX,
         description=(
             "Receive batches of call records from routers (splitstream.v1.Recorder/Record), redact them, "
             "and write them to Redis Streams (splitstream:calls:<model>), large payloads once by SHA-256."
@@ -150,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Redis to write to: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... for TLS, unix:///PATH?db=N",
         secret=True,
     )
+    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see README, Security)"))
     parser.add_argument(
         "--redis-timeout-s",
         type=float,
@@ -225,7 +231,11 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        values = {name: value for name, value in vars(args).items() if name not in SERVER_ARGUMENTS}
+        security = {"redis_tls_ca", "redis_tls_cert", "redis_tls_key", "redis_username", "redis_password_file"}
+        values = {
+            name: value for name, value in vars(args).items() if name not in SERVER_ARGUMENTS and name not in security
+        }
+        values["redis_security"] = redis_security_from_args(args, url=args.redis_url, env_prefix=ENV_PREFIX)
         values["server"] = ServerSettings.from_args(args)
         values["redact_metadata"] = tuple(
             Rule(rule.name.lower(), rule.action) for rule in _rules(args.redact_metadata, what="--redact-metadata")

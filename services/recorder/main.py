@@ -54,6 +54,7 @@ def connect_redis(config: RecorderConfig) -> Redis:
         socket_connect_timeout=config.redis_timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         client_name="splitstream-recorder",
+        **config.redis_security.client_options(),
     )
     check_connection_options(client)
     return client

@@ -26,17 +26,25 @@ from redis.exceptions import RedisError
 from splitstream.common.addresses import check_address
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
+from splitstream.common.errors import ConfigError
 from splitstream.common.headers import header_value
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
-from splitstream.common.redis_url import check_connection_options
+from splitstream.common.redis_url import (
+    NO_REDIS_SECURITY,
+    RedisSecurity,
+    add_redis_security_arguments,
+    check_connection_options,
+    redis_security_from_args,
+)
 from splitstream.common.secrets import redact_text, redact_url
+from splitstream.common.tls import ClientTls, client_tls_from_args
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
 from splitstream.replayer.outputs import ResultsWriter, write_summary
 from splitstream.replayer.report import write_report
 from splitstream.replayer.runner import Replay, ReplaySettings
 from splitstream.replayer.selection import Selection, StatusFilter
-from splitstream.replayer.sender import Target, TargetUnreachable, TlsOptions
+from splitstream.replayer.sender import Target, TargetUnreachable
 from splitstream.replayer.summary import METRICS, Summary
 from splitstream.replayer.timewindow import BadTime, parse_instant_ns
 
@@ -54,9 +62,10 @@ class ReplayConfig:
     redis_url: str
     selection: Selection
     settings: ReplaySettings
-    tls: TlsOptions
+    tls: ClientTls
     gate: tuple[Bound, ...] | None
     connect_timeout_s: float
+    redis_security: RedisSecurity = NO_REDIS_SECURITY
 
 
 def build_parser() -> EnvArgumentParser:
@@ -72,6 +81,7 @@ def build_parser() -> EnvArgumentParser:
     )
     source = parser.add_argument_group("source and selection")
     source.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
+    add_redis_security_arguments(source)
     source.add_argument(
         "--model", action="append", required=True, help="model to replay (repeat or comma-separate for several)"
     )
@@ -220,18 +230,8 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             page_size=args.page_size,
         )
         speed = _speed(args.speed)
-        tls = TlsOptions(
-            enabled=args.tls or bool(args.tls_ca or args.tls_cert or args.tls_key),
-            ca_file=args.tls_ca,
-            cert_file=args.tls_cert,
-            key_file=args.tls_key,
-            server_name=args.tls_server_name,
-        )
-        for path in (args.tls_ca, args.tls_cert, args.tls_key):
-            if path and not os.path.isfile(path):
-                raise ValueError(f"TLS file {path!r} does not exist")
-        if bool(args.tls_cert) != bool(args.tls_key):
-            raise ValueError("--tls-cert and --tls-key go together")
+        # The same client TLS (and checks: readable PEM, a key that is the certificate's) as every client.
+        tls = client_tls_from_args(args, flag="--tls")
         if args.pin_version != header_value(args.pin_version):
             # A version name is the registry's, never a client's: one gRPC would refuse is a typo, not a pin.
             raise ValueError(f"--pin-version {args.pin_version!r} is not a version name (printable ASCII, no %)")
@@ -257,7 +257,8 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
         gate = parse_gate(args.gate) if args.gate else None
         if not 0 < args.connect_timeout_s < math.inf:
             raise ValueError("--connect-timeout-s must be a positive number of seconds")
-    except (BadTime, ValueError) as error:
+        redis_security = redis_security_from_args(args, url=args.redis_url, env_prefix=parser.env_prefix)
+    except (BadTime, ValueError, ConfigError) as error:
         parser.error(str(error))
     return ReplayConfig(
         redis_url=args.redis_url,
@@ -266,6 +267,7 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
         tls=tls,
         gate=gate,
         connect_timeout_s=args.connect_timeout_s,
+        redis_security=redis_security,
     )
 
 
@@ -328,6 +330,8 @@ async def run(config: ReplayConfig) -> int:
                 target = Target(address, tls=config.tls)
             except OSError as error:  # a TLS file that cannot be read (permissions, gone since parsing)
                 raise SetupError(f"cannot read a TLS file: {_os_reason(error)}") from None
+            except ConfigError as error:  # the same, as the shared TLS module words it (names the flag)
+                raise SetupError(f"cannot read a TLS file: {error}") from None
             targets.append(target)
             try:
                 await asyncio.to_thread(target.wait_ready, config.connect_timeout_s)
@@ -419,6 +423,7 @@ async def _open_redis(config: ReplayConfig) -> Redis:
             config.redis_url,
             socket_connect_timeout=config.connect_timeout_s,
             socket_timeout=max(config.connect_timeout_s, 10.0),
+            **config.redis_security.client_options(),
         )
         check_connection_options(redis)
     except ValueError as error:

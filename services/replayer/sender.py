@@ -19,11 +19,11 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from splitstream.common.headers import VERSION_HEADER, from_header_value
+from splitstream.common.tls import ClientTls
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 #: gRPC core's rule for metadata keys (validate_metadata.cc): lowercase letters, digits, ``-_.``.
@@ -32,27 +32,6 @@ _KEY = re.compile(r"^[0-9a-z_.-]+$")
 
 class TargetUnreachable(ConnectionError):
     """The target did not accept a connection within the connect timeout."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TlsOptions:
-    """TLS for the target channels (off unless ``enabled``); files are PEM."""
-
-    enabled: bool = False
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
-    server_name: str = ""
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        def read(path: str) -> bytes | None:
-            return Path(path).read_bytes() if path else None
-
-        return grpc.ssl_channel_credentials(
-            root_certificates=read(self.ca_file),
-            private_key=read(self.key_file),
-            certificate_chain=read(self.cert_file),
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,19 +67,14 @@ def metadata_problem(metadata: Sequence[tuple[str, str | bytes]]) -> str:
 
 
 class Target:
-    def __init__(self, address: str, *, tls: TlsOptions, max_message_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, address: str, *, tls: ClientTls, max_message_bytes: int = 64 * 1024 * 1024) -> None:
         self.address = address
         self.max_message_bytes = max_message_bytes
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-        if tls.enabled:
-            if tls.server_name:
-                options.append(("grpc.ssl_target_name_override", tls.server_name))
-            self.channel = grpc.secure_channel(address, tls.credentials(), options=options)
-        else:
-            self.channel = grpc.insecure_channel(address, options=options)
+        self.channel = tls.channel(address, options)
         # No serializers: requests and responses stay bytes.
         self._call = self.channel.unary_unary(METHOD)
         # gRPC cancels a call whose future is garbage-collected ("Cancelled upon garbage collection!"),

@@ -44,6 +44,7 @@ from splitstream.common.experiment import Experiment, Phase, Shadow
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.registry import RegistryState
+from splitstream.common.tls import PLAINTEXT, ClientTls
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.pools import Endpoint, VersionPool
 from splitstream.router.routing import EMPTY_TABLE, Assignment, ModelRoutes, Route, RoutingTable
@@ -110,6 +111,8 @@ class EndpointSettings:
     eject_after_failures: int
     eject_duration_s: float
     drain_timeout_s: float
+    #: TLS to every worker (arms and shadows alike): one setting for all of a router's upstreams.
+    tls: ClientTls = PLAINTEXT
 
 
 class RouterCore:
@@ -348,6 +351,7 @@ class RouterCore:
         endpoint = Endpoint(
             address,
             channel_options=self.settings.channel_options,
+            tls=self.settings.tls,
             eject_after_failures=self.settings.eject_after_failures,
             eject_duration_s=self.settings.eject_duration_s,
             on_eject=self.metrics.ejections.labels(model, version, address).inc,

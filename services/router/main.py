@@ -32,6 +32,7 @@ from splitstream.common.runtime import (
     run_service,
 )
 from splitstream.common.secrets import redact_text, redact_url
+from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.feedback import FeedbackService
 from splitstream.router.metrics import RouterMetrics
@@ -69,6 +70,8 @@ class RouterConfig:
     shadow_timeout_s: float
     shadow_max_in_flight: int
     record_stream_max_bytes: int
+    upstream_tls: ClientTls = PLAINTEXT
+    recorder_tls: ClientTls = PLAINTEXT
 
     def __post_init__(self) -> None:
         if self.eject_after_failures < 1:
@@ -158,6 +161,11 @@ def build_parser() -> EnvArgumentParser:
         default=256,
         help="shadow copies in flight at most; past it new ones are skipped and counted",
     )
+    add_client_tls_arguments(
+        parser.add_argument_group("TLS to workers (every endpoint and shadow the registry lists)"),
+        flag="--upstream-tls",
+        what="the workers",
+    )
     recording = parser.add_argument_group("recording (off unless --recorder is set)")
     recording.add_argument(
         "--recorder",
@@ -216,6 +224,9 @@ def build_parser() -> EnvArgumentParser:
         help="keep authorization, cookie, x-api-key and other credential headers in recorded metadata "
         "(dropped by default, so a replay never re-sends someone's token)",
     )
+    add_client_tls_arguments(
+        parser.add_argument_group("TLS to the recorder"), flag="--recorder-tls", what="the recorder"
+    )
     return parser
 
 
@@ -245,6 +256,8 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             shadow_timeout_s=args.shadow_timeout_s,
             shadow_max_in_flight=args.shadow_max_in_flight,
             record_stream_max_bytes=args.record_stream_max_bytes,
+            upstream_tls=client_tls_from_args(args, flag="--upstream-tls"),
+            recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
         )
     except ConfigError as error:
         parser.error(str(error))
@@ -307,6 +320,7 @@ class Router(Service):
                 eject_after_failures=config.eject_after_failures,
                 eject_duration_s=config.eject_duration_s,
                 drain_timeout_s=server.shutdown_grace_s,
+                tls=config.upstream_tls,
             ),
             metrics=self.router_metrics,
         )
@@ -325,6 +339,7 @@ class Router(Service):
                 batch_interval_s=config.record_batch_interval_ms / 1000,
                 batch_max_bytes=config.record_batch_max_bytes,
                 record_credential_headers=config.record_credential_headers,
+                recorder_tls=config.recorder_tls,
             )
             try:
                 spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)

@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from splitstream.common.experiment import Phase
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
+from splitstream.common.tls import PLAINTEXT, ClientTls
 from splitstream.router.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_items
 from splitstream.router.core import CallOutcome
 from splitstream.router.recorded_metadata import recorded_metadata
@@ -116,6 +117,8 @@ class MirrorSettings:
     #: Times the recorder may end the stream on the same oldest batch with a status that is no outage
     #: (INTERNAL, UNKNOWN, ...) before that batch is dropped and counted, so it cannot block the rest.
     max_refusals: int = 3
+    #: TLS to the recorder; its files are read again for every new stream (a rotated client certificate).
+    recorder_tls: ClientTls = PLAINTEXT
 
 
 @dataclass(slots=True)
@@ -300,7 +303,7 @@ class RecordMirror:
     async def _stream(self) -> None:
         backoff_s = 0.1
         while True:
-            channel = aio.insecure_channel(self.settings.recorder_address)
+            channel = self.settings.recorder_tls.aio_channel(self.settings.recorder_address)
             # Batches are serialized once (the spool stores the same bytes), so the stream takes raw bytes.
             stream = channel.stream_stream(RECORD_METHOD, response_deserializer=recorder_pb2.RecordAck.FromString)()
             unacked: collections.deque[_Sent] = collections.deque()

@@ -20,6 +20,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitstream.common.headers import request_id_metadata
+from splitstream.common.tls import PLAINTEXT, ClientTls
 
 log = structlog.get_logger()
 
@@ -44,12 +45,13 @@ class Endpoint:
         address: str,
         *,
         channel_options: Sequence[tuple[str, int | str]],
+        tls: ClientTls = PLAINTEXT,
         eject_after_failures: int,
         eject_duration_s: float,
         on_eject: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
-        self.channel = aio.insecure_channel(address, options=list(channel_options))
+        self.channel = tls.aio_channel(address, channel_options)
         # Raw bytes in and out: the router forwards request bytes without decoding tensors.
         self.infer = self.channel.unary_unary(INFER_METHOD)
         self.stream_infer = self.channel.stream_stream(STREAM_INFER_METHOD)

@@ -164,6 +164,7 @@ class Worker(Service):
                 backend=self.model.config.backend,
                 port=runtime.port,
                 logger=self._logger,
+                use_tls=runtime.settings.tls is not None,
             )
             self._registration.start()
 

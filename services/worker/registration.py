@@ -169,7 +169,10 @@ class ConsulRegistration:
         backend: str,
         port: int,
         logger: structlog.stdlib.BoundLogger,
+        use_tls: bool = False,
     ) -> None:
+        """``use_tls``: the worker serves TLS, so Consul's gRPC check must dial it over TLS (the agent
+        verifies it with its own CA and presents its own certificate where the worker wants one)."""
         assert settings.consul is not None
         self.settings = settings
         self.consul = settings.consul
@@ -194,6 +197,7 @@ class ConsulRegistration:
             "Timeout": _duration(min(settings.check_interval_s, 5.0)),
             "DeregisterCriticalServiceAfter": _duration(settings.deregister_critical_after_s),
             "Status": "passing",
+            **({"GRPCUseTLS": True} if use_tls else {}),
         }
         self._logger = logger.bind(consul=self.consul.description, service_id=self.service_id)
         self._task: asyncio.Task[None] | None = None
