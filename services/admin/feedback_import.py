@@ -37,9 +37,11 @@ import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from splitstream.common.addresses import check_address
+from splitstream.common.errors import ConfigError
 from splitstream.common.feedback import EventProblem, check_event
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, feedback_pb2_grpc
 from splitstream.common.schema import describe
+from splitstream.common.tls import client_tls_from_args
 
 FIELDS = ("model", "request_id", "routing_key", "metric", "value", "event_time", "idempotency_key")
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
@@ -132,6 +134,11 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     if not 1 <= args.batch_size <= MAX_BATCH:
         print(f"{prog}: error: --batch-size: must be within 1..{MAX_BATCH}, got {args.batch_size}", file=err)
         return EXIT_USAGE
+    try:
+        tls = client_tls_from_args(args, flag="--tls")  # the admin CLI's shared --tls* flags
+    except ConfigError as error:
+        print(f"{prog}: error: {error}", file=err)
+        return EXIT_USAGE
     path = Path(args.file)
     try:
         fmt = file_format(path, args.format)
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     outcome = Outcome(read=count)
     shown = 0
     try:
-        with grpc.insecure_channel(args.router) as channel:
+        with tls.channel(args.router) as channel:
             stub = feedback_pb2_grpc.FeedbackStub(channel)
             for batch in _batches(read_rows(path, fmt, args.model, time.time_ns()), args.batch_size):
                 reply = _report(stub, batch, args.timeout_s)
