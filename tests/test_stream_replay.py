@@ -36,6 +36,7 @@ from tests.stream_client import OpenStream, run_stream
 from tests.streams import generation_request, token_text
 
 TOKENS = 24
+UNARY_METHOD = "/inference.GRPCInferenceService/ModelInfer"
 PROMPTS = [
     "Hello, how are you today? ",
     "Tell me about the sea. ",
@@ -78,6 +79,8 @@ class Traffic:
     records: dict[str, recorder_pb2.CallRecord]
     #: request id → the version that served the same user's next stream.
     again: dict[str, str]
+    #: A unary ModelInfer call to the same model in the same window: (prompt, version that served it).
+    unary: tuple[str, str]
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +114,14 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
                 metadata=[(DEFAULT_ROUTING_KEY_HEADER, f"user-{user}")],
             )
             again[f"chat-{user}"] = result.version
+        # A unary call in the same window (the worker answers ModelInfer with the whole text): mixed with streams.
+        with grpc.insecure_channel(stack.router.address) as channel:
+            _, call = channel.unary_unary(UNARY_METHOD).with_call(
+                generation_request(MODEL, PROMPTS[1], TOKENS, request_id="unary-1").SerializeToString(),
+                metadata=[(DEFAULT_ROUTING_KEY_HEADER, "user-unary")],
+                timeout=20,
+            )
+            unary = (PROMPTS[1], dict(call.trailing_metadata() or ())[VERSION_HEADER])
         # A stream its client leaves after three tokens, pinned to v2: recorded CANCELLED, with a prefix.
         cancelled = OpenStream(stack.router.address, metadata=[(VERSION_HEADER, "v2")])
         cancelled.send(generation_request(MODEL, PROMPTS[0], 2000, request_id="left-early").SerializeToString())
@@ -119,13 +130,13 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
         cancelled.cancel()
         cancelled.finish()
         cancelled.close()
-        wanted = {*streams, "left-early", *(f"again-{user}" for user in range(len(PROMPTS)))}
+        wanted = {*streams, "left-early", "unary-1", *(f"again-{user}" for user in range(len(PROMPTS)))}
         records = wait_for(
             lambda: (found := {r.request_id: r for r in stack.records()}).keys() >= wanted and found,
             timeout_s=30,
             what="every stream recorded",
         )
-        yield Traffic(stack, since_ns, time.time_ns(), streams, "left-early", records, again)
+        yield Traffic(stack, since_ns, time.time_ns(), streams, "left-early", records, again, unary)
     finally:
         stack.close()
 
@@ -247,6 +258,17 @@ def test_replayed_against_v2_v2_streams_match_exactly_and_v1_streams_diverge_whe
     assert 0 < metrics["token_match_rate"] < 1
     for name in ("ttft_p50_ratio", "ttft_p99_ratio", "itl_p50_ratio", "itl_p99_ratio", "tokens_per_s"):
         assert (metrics[name] or 0) > 0, name
+
+
+def test_a_unary_call_in_the_same_window_is_replayed_and_compared_as_a_call(traffic: Traffic, against_v2: Run) -> None:
+    prompt, version = traffic.unary
+    line = against_v2.results["unary-1"]
+    assert "kind" not in line
+    assert "stream" not in line
+    same_text = greedy(version, prompt, TOKENS) == greedy("v2", prompt, TOKENS)
+    assert line["outcome"] == ("match" if same_text else "mismatch"), line
+    if not same_text:
+        assert line["outputs"]["text_output"]["reason"] == "values"
 
 
 def test_a_stream_the_client_cancelled_is_replayed_as_far_as_it_went_and_compared_on_that_prefix(
