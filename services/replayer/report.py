@@ -268,6 +268,13 @@ def _worst_section(summary: Summary) -> str:
             for name, o in outputs.items()
             if not o["match"]
         )
+        if line.get("kind") == "stream" and "stream" in line:
+            stream = line["stream"]
+            detail = (
+                f"token stream: first divergence at token {_fmt(stream.get('first_divergence'))}, "
+                f"edit distance {_fmt(stream.get('edit_distance'))}, "
+                f"{stream.get('reference_tokens')} vs {stream.get('candidate_tokens')} tokens"
+            )
         if line.get("status_change"):
             message = line["replayed"].get("message", "")
             detail = f"{line['status_change']} {message}".strip()
