@@ -25,8 +25,9 @@ OK = 0
 INTERNAL = 13
 
 
-def token(text: bytes, *, final: bool = False) -> bytes:
+def token(text: bytes, *, final: bool = False, request_id: str = "") -> bytes:
     response = oip.ModelStreamInferResponse()
+    response.infer_response.id = request_id
     output = response.infer_response.outputs.add(name="text_output", datatype="BYTES", shape=[1, 1])
     response.infer_response.raw_output_contents.append(tensors.to_raw(np.array([[text]], dtype=np.object_)))
     del output
@@ -105,6 +106,24 @@ def test_non_utf8_bytes_are_compared_as_tokens_and_read_as_replacement_character
     assert diff.reference_text == diff.candidate_text == "a\ufffdb"  # the texts read the same ...
     assert diff.text_edit_distance == 0.0
     assert diff.edit_distance == pytest.approx(1 / 3)  # ... the tokens do not
+
+
+def test_two_requests_of_one_stream_interleaved_differently_still_match_request_by_request() -> None:
+    def interleaved(order: str) -> StreamAnswer:
+        counters = {"a": 0, "b": 0}
+        texts = {"a": b"hello", "b": b"world"}
+        responses = []
+        for request in order:
+            responses.append(token(texts[request][counters[request] : counters[request] + 1], request_id=request))
+            counters[request] += 1
+        return StreamAnswer(OK, tuple(responses))
+
+    recorded = interleaved("aabbabbaab")
+    assert compare_streams(recorded, interleaved("ababababab")).outcome == "match"
+    assert compare_streams(recorded, interleaved("bbbbbaaaaa")).outcome == "match"
+    changed = StreamAnswer(OK, (*interleaved("aaaaabbbb").responses, token(b"X", request_id="b")))
+    diff = compare_streams(recorded, changed)
+    assert (diff.outcome, diff.first_divergence) == ("mismatch", 9)
 
 
 def test_a_truncated_record_is_compared_on_its_prefix_only() -> None:

@@ -122,6 +122,16 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
                 timeout=20,
             )
             unary = (PROMPTS[1], dict(call.trailing_metadata() or ())[VERSION_HEADER])
+        # Two requests on one stream, sent at once (pinned to v2): their responses interleave.
+        pair = run_stream(
+            stack.router.address,
+            [
+                generation_request(MODEL, prompt, TOKENS, request_id=request_id).SerializeToString()
+                for request_id, prompt in (("pair-a", PROMPTS[2]), ("pair-b", PROMPTS[3]))
+            ],
+            metadata=[(VERSION_HEADER, "v2")],
+        )
+        assert pair.code == grpc.StatusCode.OK, pair.details
         # A stream its client leaves after three tokens, pinned to v2: recorded CANCELLED, with a prefix.
         cancelled = OpenStream(stack.router.address, metadata=[(VERSION_HEADER, "v2")])
         cancelled.send(generation_request(MODEL, PROMPTS[0], 2000, request_id="left-early").SerializeToString())
@@ -130,7 +140,7 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
         cancelled.cancel()
         cancelled.finish()
         cancelled.close()
-        wanted = {*streams, "left-early", "unary-1", *(f"again-{user}" for user in range(len(PROMPTS)))}
+        wanted = {*streams, "left-early", "unary-1", "pair-a", *(f"again-{user}" for user in range(len(PROMPTS)))}
         records = wait_for(
             lambda: (found := {r.request_id: r for r in stack.records()}).keys() >= wanted and found,
             timeout_s=30,
@@ -269,6 +279,16 @@ def test_a_unary_call_in_the_same_window_is_replayed_and_compared_as_a_call(traf
     assert line["outcome"] == ("match" if same_text else "mismatch"), line
     if not same_text:
         assert line["outputs"]["text_output"]["reason"] == "values"
+
+
+def test_a_stream_of_two_requests_is_replayed_with_both_and_compared_request_by_request(
+    traffic: Traffic, against_v2: Run
+) -> None:
+    record = traffic.records["pair-a"]
+    assert [m.index for m in record.stream.requests] == [0, 1]
+    line = against_v2.results["pair-a"]
+    assert line["outcome"] == "match", line
+    assert line["stream"]["reference_tokens"] == line["stream"]["candidate_tokens"] == 2 * TOKENS
 
 
 def test_a_stream_the_client_cancelled_is_replayed_as_far_as_it_went_and_compared_on_that_prefix(

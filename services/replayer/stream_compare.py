@@ -10,6 +10,9 @@ and two streams whose error messages differ do not match.
 
 Rules:
 
+- Tokens are taken request by request: a stream carrying several requests (each response names
+  its request in ``id``) may interleave their responses differently on replay, so the candidate's
+  are put in the order the reference's requests first answered; within a request, arrival order.
 - Exact match: same tokens, in the same order, and the same error messages. The first divergence
   is the index of the first token that differs, or the shorter length when one is a prefix of the
   other; None when they match.
@@ -69,15 +72,26 @@ class Tokens:
     #: True when every token came from ``text_output``: the tokens are text, and the texts are compared.
     text: bool
     undecodable: int = 0
+    #: The tokens of each request of the stream (by the responses' ``id``), requests in order of first response.
+    by_request: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
 
-    def decoded(self) -> str:
-        return b"".join(self.tokens).decode("utf-8", errors="replace")
+    def ordered_as(self, reference: Tokens) -> tuple[bytes, ...]:
+        """These tokens, request by request in the order ``reference``'s requests first answered (then any
+        request the reference has not): two requests of one stream answered at once interleave their
+        responses differently from run to run, and that is no divergence of either's text."""
+        if len(self.by_request) <= 1 and len(reference.by_request) <= 1:
+            return self.tokens
+        mine = dict(self.by_request)
+        order = [request for request, _ in reference.by_request if request in mine]
+        order += [request for request, _ in self.by_request if request not in order]
+        return tuple(token for request in order for token in mine[request])
 
 
 def read_tokens(responses: Iterable[bytes], skip: frozenset[str] = frozenset()) -> Tokens:
     """The tokens of serialized ``ModelStreamInferResponse`` messages; outputs in ``skip`` are left out."""
     tokens: list[bytes] = []
     errors: list[str] = []
+    by_request: dict[str, list[bytes]] = {}
     text = True
     undecodable = 0
     for raw in responses:
@@ -93,14 +107,19 @@ def read_tokens(responses: Iterable[bytes], skip: frozenset[str] = frozenset()) 
         names = [output.name for output in response.outputs if output.name not in skip]
         if not names:
             continue
-        if TEXT_OUTPUT in names:
-            token = _text_output(response)
-            if token is not None:
-                tokens.append(token)
-                continue
-        text = False
-        tokens.append(b"".join(_raw_outputs(response, skip)))
-    return Tokens(tuple(tokens), tuple(errors), text and bool(tokens), undecodable)
+        token = _text_output(response) if TEXT_OUTPUT in names else None
+        if token is None:
+            text = False
+            token = b"".join(_raw_outputs(response, skip))
+        tokens.append(token)
+        by_request.setdefault(response.id, []).append(token)
+    return Tokens(
+        tuple(tokens),
+        tuple(errors),
+        text and bool(tokens),
+        undecodable,
+        tuple((request, tuple(kept)) for request, kept in by_request.items()),
+    )
 
 
 def _text_output(response: oip.ModelInferResponse) -> bytes | None:
@@ -184,23 +203,25 @@ def compare_streams(reference: StreamAnswer, candidate: StreamAnswer) -> StreamD
     ref = read_tokens(reference.responses, skip)
     cand = read_tokens(candidate.responses, skip)
     prefix = reference.prefix_only or cancelled
-    cand_tokens = cand.tokens[: len(ref.tokens)] if prefix else cand.tokens
-    divergence = first_divergence(ref.tokens, cand_tokens)
+    ref_tokens = ref.ordered_as(ref)
+    ordered = cand.ordered_as(ref)
+    cand_tokens = ordered[: len(ref_tokens)] if prefix else ordered
+    divergence = first_divergence(ref_tokens, cand_tokens)
     errors_differ = ref.errors != (cand.errors[: len(ref.errors)] if prefix else cand.errors)
     if divergence is None and errors_differ:
-        divergence = len(ref.tokens)
-    edit = Levenshtein.normalized_distance(list(ref.tokens), list(cand_tokens))
+        divergence = len(ref_tokens)
+    edit = Levenshtein.normalized_distance(list(ref_tokens), list(cand_tokens))
     text_edit = None
     ref_text = cand_text = ""
-    if ref.text or cand.text or not (ref.tokens or cand_tokens):
-        ref_text = ref.decoded()
+    if ref.text or cand.text or not (ref_tokens or cand_tokens):
+        ref_text = b"".join(ref_tokens).decode("utf-8", errors="replace")
         cand_text = b"".join(cand_tokens).decode("utf-8", errors="replace")
         text_edit = Levenshtein.normalized_distance(ref_text, cand_text)
     return StreamDiff(
         "match" if divergence is None else "mismatch",
         reference.code,
         candidate.code,
-        reference_tokens=len(ref.tokens),
+        reference_tokens=len(ref_tokens),
         candidate_tokens=len(cand_tokens),
         first_divergence=divergence,
         edit_distance=edit,
