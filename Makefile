@@ -70,4 +70,4 @@ gpu-smoke: install ## On a GPU machine: build, load and time a TensorRT engine a
 	$(BIN)/python bench/gpu_smoke.py
 
 clean: ## Remove the virtual environments and generated files
-	rm -rf $(VENV) $(TRITON_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache .demo .demo-llm
+	rm -rf $(VENV) $(TRITON_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache
