@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TRITON_VENV ?= .venv-triton
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos test lint format bench gpu-smoke clean up down up-tls down-tls demo
+.PHONY: help install protos test lint format bench gpu-smoke clean up down up-tls down-tls demo demo-llm
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -55,6 +55,9 @@ bench: install ## Run the benchmarks (prints tables; see README)
 
 demo: install ## The whole story on this machine: train, split 90/10, record, ramp to 50/50, replay, report
 	$(BIN)/python -m demo.run
+
+demo-llm: install ## Token streams: bigram v1 and trigram v2 behind a 50/50 router, recorded, replayed against v2
+	$(BIN)/python -m demo.llm
 
 up: ## Start the docker-compose stack (needs a Docker engine): redis, consul, recorder, router, workers, prometheus, grafana
 	docker compose -f deploy/docker-compose.yml up --build --detach

@@ -9,8 +9,10 @@ are measured in rotated rounds so machine noise hits them alike. Printed per pat
 (request sent → first token), ITL p50/p99 (gap between consecutive tokens of a stream), tokens/s,
 the router's CPU per token (from /proc), and the ratios the targets are stated in: router TTFT p50
 minus direct at 1 stream (target <= 1 ms) and router tokens/s over direct at 16 streams (target
->= 0.8). The direct rows' tokens/s from 1 to 16 streams, and direct over "1 row" at 16 streams,
-is what in-flight batching buys.
+>= 0.8). Beside the router, "bare" is a bare grpc.aio pass-through in its own process (no routing,
+metrics or recording: ``bench/stream_router.py``'s), the floor of any Python gRPC hop here, measured
+in the same rounds so the router's figures can be read against it. The direct rows' tokens/s from
+1 to 16 streams, and direct over "1 row" at 16 streams, is what in-flight batching buys.
 
 When the router does not serve ModelStreamInfer (it answers UNIMPLEMENTED), its rows are skipped
 and the script says so.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -40,9 +43,10 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.loadgen import cpu_seconds, rotated
+from bench.stream_router import bare_proxy
 from demo import language
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from tests.harness import ServiceProcess, Stack, metric_samples, scrape_metrics, write_registry
+from tests.harness import ServiceProcess, Stack, free_port, metric_samples, scrape_metrics, wait_for, write_registry
 from tests.streams import generation_request
 
 MODEL = "writer"
@@ -207,6 +211,7 @@ def main() -> int:
         for version in ("v1", "one"):
             with_ballast(repository / MODEL / version, layers=args.ballast_layers, width=args.ballast_width)
     stack = Stack(tmp)
+    bare: multiprocessing.process.BaseProcess | None = None
     try:
         worker = stack.worker(repository, MODEL, "v1", "--log-level", "WARNING")
         unbatched = stack.worker(repository, MODEL, "one", "--log-level", "WARNING")
@@ -218,6 +223,12 @@ def main() -> int:
         skipped = router_streams(router.address, request)
         if skipped is None:
             paths["router"] = (router.address, [router.process.pid])  # type: ignore[union-attr]
+            bare_port = free_port()
+            bare = multiprocessing.get_context("spawn").Process(target=bare_proxy, args=(bare_port, worker.address))
+            bare.start()
+            wait_for(lambda: router_streams(f"127.0.0.1:{bare_port}", request) is None, timeout_s=30, what="bare")
+            assert bare.pid is not None
+            paths["bare"] = (f"127.0.0.1:{bare_port}", [bare.pid])
 
         ballast = (
             f" plus {args.ballast_layers} ballast MatMuls of {args.ballast_width}x{args.ballast_width} a step"
@@ -236,8 +247,9 @@ def main() -> int:
             f"{'ITL p99':>8} {'+TTFT p50':>10} {'x direct':>9} {'CPU us/token':>13}"
         )
         print(
-            "latencies in ms; x direct: tokens/s over the direct path's; CPU: the router process's; 1 row: direct to "
-            "a worker with max_batch_size 1 (one sequence stepped at a time, the others wait)"
+            "latencies in ms; x direct: tokens/s over the direct path's; CPU: the router's (bare: the pass-through's) "
+            "process; 1 row: direct to a worker with max_batch_size 1 (one sequence stepped at a time, the others "
+            "wait); bare: a bare Python gRPC pass-through"
         )
         print(header)
         print("-" * len(header))
@@ -258,11 +270,27 @@ def main() -> int:
             for name, x in summary.items():
                 added = "" if name == "direct" else f"{x.ttft_p50_ms - direct.ttft_p50_ms:10.3f}"
                 ratio = "" if name == "direct" else f"{x.tokens_per_s / direct.tokens_per_s:9.2f}"
-                cpu = f"{x.cpu_us_per_token:13.0f}" if name == "router" else ""
+                cpu = f"{x.cpu_us_per_token:13.0f}" if name in ("router", "bare") else ""
                 print(
                     f"{concurrency:>7} {name:<7} {x.tokens_per_s:9.0f} {x.ttft_p50_ms:9.3f} {x.ttft_p99_ms:9.3f} "
                     f"{x.itl_p50_ms:8.3f} {x.itl_p99_ms:8.3f} {added:>10} {ratio:>9} {cpu:>13}"
                 )
+            if "router" in summary:
+                router_row, bare_row = summary["router"], summary["bare"]
+                if concurrency == 1:
+                    added_ms = router_row.ttft_p50_ms - direct.ttft_p50_ms
+                    verdict = "met" if added_ms <= 1.0 else "MISSED"
+                    print(
+                        f"{'':>7} target: the router adds at most 1 ms to TTFT p50 at 1 stream: {added_ms:.3f} ms "
+                        f"({verdict}); the bare pass-through adds {bare_row.ttft_p50_ms - direct.ttft_p50_ms:.3f} ms"
+                    )
+                else:
+                    times = router_row.tokens_per_s / direct.tokens_per_s
+                    verdict = "met" if times >= 0.8 else "MISSED"
+                    print(
+                        f"{'':>7} target: router tokens/s at 16 streams at least 0.8x direct: {times:.2f}x "
+                        f"({verdict}); the bare pass-through {bare_row.tokens_per_s / direct.tokens_per_s:.2f}x"
+                    )
             stepped, steps = step_totals(worker)
             mean_step = (stepped - stepped_before) / max(steps - steps_before, 1)
             print(f"{'':>7} the batched worker stepped {mean_step:.1f} sequences a step on average")
@@ -276,6 +304,9 @@ def main() -> int:
             "sequence at a time (1 row) at 16 streams"
         )
     finally:
+        if bare is not None:
+            bare.terminate()
+            bare.join(timeout=10)
         stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -36,3 +36,33 @@ def test_the_demo_tells_the_whole_story_and_leaves_nothing_running(tmp_path: Pat
     assert "accuracy" in result.stdout
     leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", f"processes still running: {leftover.stdout}"
+
+
+def test_the_llm_demo_records_streams_split_50_50_and_replays_them_against_v2_leaving_nothing_running(
+    tmp_path: Path,
+) -> None:
+    workdir = tmp_path / "demo-llm"
+    result = subprocess.run(
+        [sys.executable, "-m", "demo.llm", "--streams", "24", "--tokens", "24", "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert set(summary["users"]) == {"v1", "v2"}, "a 50/50 split of 24 streams reaches both versions"
+    assert summary["errors"] == 0
+    assert summary["recorded"] == summary["streams_sent"] == 24
+    for row in summary["users"].values():
+        assert row["ttft_p50_ms"] is not None
+        assert row["itl_p50_ms"] is not None
+    versions = summary["replay"]["versions"]
+    assert versions["v2"]["token_match_rate"] == 1.0
+    assert versions["v1"]["token_match_rate"] < 1.0
+    assert versions["v1"]["mean_edit_distance"] > 0
+    report = Path(summary["report"]).read_text()
+    assert "Token streams" in report
+    assert "TTFT" in result.stdout
+    leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"processes still running: {leftover.stdout}"

@@ -152,7 +152,12 @@ def build_parser() -> EnvArgumentParser:
     target.add_argument(
         "--connect-timeout-s", type=float, default=5.0, help="how long Redis and targets get to answer at start"
     )
-    target.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each replayed call")
+    target.add_argument(
+        "--timeout-s",
+        type=float,
+        default=10.0,
+        help="deadline of each replayed call (of a token stream: the whole stream)",
+    )
     target.add_argument("--id-suffix", default=":replay", help="replayed x-request-id = recorded id + this suffix")
     target.add_argument(
         "--no-forward-metadata",

@@ -4,7 +4,9 @@ It has to open from a CI artifact store, an e-mail attachment or an air-gapped l
 the charts are SVG drawn here from the summary's histograms rather than a charting library
 from a CDN. Sections: verdict and counts, latency distributions (reference vs candidate, as
 CDFs and as p50/p95/p99 bars), send lag, mismatches per output, the worst calls with their
-request ids, status changes, and the per-version breakdown.
+request ids, status changes, the per-version breakdown, and (when the window held token streams)
+the streams: token match rate, edit-distance histogram, TTFT and inter-token-gap CDFs, and a few
+diverging streams with both texts side by side.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ _NOT_REPLAYED = {REQUEST_NOT_RECORDED: "request not recorded (too large)"}
 NOT_MEASURED = "not measured"
 REFERENCE_COLOR = "#4e79a7"
 CANDIDATE_COLOR = "#e15759"
+#: The streams section's own colours, so a test can tell its charts were drawn.
+STREAM_REFERENCE_COLOR = "#17becf"
+STREAM_CANDIDATE_COLOR = "#bcbd22"
 PALETTE = ("#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
 
 _CSS = """
@@ -47,6 +52,7 @@ th{background:#f4f4f4}td.l,th.l{text-align:left}code{font-size:12px}.muted{color
 .charts{display:flex;flex-wrap:wrap;gap:18px}
 figure{margin:0}figcaption{font-size:12px;color:#555;text-align:center}
 svg text{font:11px system-ui,sans-serif;fill:#333}
+table.texts pre{white-space:pre-wrap;max-width:380px;margin:0;font-size:12px}
 """
 
 
@@ -75,6 +81,11 @@ def render(summary: Summary, histograms: Mapping[str, LogHistogram]) -> str:
         _status_section(summary),
         "<h2 id='versions'>Per-version breakdown</h2>",
         _versions_section(summary, histograms, reference_label),
+        *(
+            ["<h2 id='streams'>Token streams</h2>", _streams_section(summary, histograms, reference_label)]
+            if summary.streams is not None
+            else []
+        ),
         "</body></html>",
     ]
     return "\n".join(parts)
@@ -257,6 +268,13 @@ def _worst_section(summary: Summary) -> str:
             for name, o in outputs.items()
             if not o["match"]
         )
+        if line.get("kind") == "stream" and "stream" in line:
+            stream = line["stream"]
+            detail = (
+                f"token stream: first divergence at token {_fmt(stream.get('first_divergence'))}, "
+                f"edit distance {_fmt(stream.get('edit_distance'))}, "
+                f"{stream.get('reference_tokens')} vs {stream.get('candidate_tokens')} tokens"
+            )
         if line.get("status_change"):
             message = line["replayed"].get("message", "")
             detail = f"{line['status_change']} {message}".strip()
@@ -315,6 +333,87 @@ def _versions_section(summary: Summary, histograms: Mapping[str, LogHistogram], 
         f"{''.join(rows)}</table>"
     )
     return f"<div class='charts'>{chart}</div>{table}"
+
+
+#: Diverging streams shown with their texts side by side.
+STREAM_EXAMPLES = 5
+
+
+def _streams_section(summary: Summary, histograms: Mapping[str, LogHistogram], reference_label: str) -> str:
+    streams = summary.streams
+    assert streams is not None
+    rows = []
+    for version, group in streams.versions.items():
+        rows.append(
+            f"<tr><td class='l'><code>{escape(version)}</code></td><td>{group.streams}</td><td>{group.compared}</td>"
+            f"<td>{group.exact_matches}</td><td>{_fmt_rate(group.token_match_rate)}</td>"
+            f"<td>{_fmt(group.mean_edit_distance)}</td><td>{_fmt(group.mean_text_edit_distance)}</td>"
+            f"<td>{_fmt(group.first_divergence_p50)}</td>"
+            f"<td>{_fmt(group.ttft.reference.p50_ms)} / {_fmt(group.ttft.candidate.p50_ms)}</td>"
+            f"<td>{_fmt(group.ttft.reference.p99_ms)} / {_fmt(group.ttft.candidate.p99_ms)}</td>"
+            f"<td>{_fmt(group.itl.reference.p50_ms)} / {_fmt(group.itl.candidate.p50_ms)}</td>"
+            f"<td>{_fmt(group.itl.reference.p99_ms)} / {_fmt(group.itl.candidate.p99_ms)}</td></tr>"
+        )
+    head = (
+        f"<p>Streams: <b>{streams.streams}</b>, compared <b>{streams.compared}</b>, exact token match "
+        f"<b>{_fmt_rate(streams.token_match_rate, none=NOT_MEASURED)}</b>, mean edit distance "
+        f"<b>{_fmt(streams.mean_edit_distance, none=NOT_MEASURED)}</b>, TTFT p99 ratio "
+        f"<b>{_fmt(streams.ttft.p99_ratio, none=NOT_MEASURED)}</b>, ITL p99 ratio "
+        f"<b>{_fmt(streams.itl.p99_ratio, none=NOT_MEASURED)}</b>, "
+        f"{_fmt(streams.tokens_per_s)} tokens/s replayed.</p>"
+    )
+    edges = streams.edit_distance_edges
+    labels = ["0"] + [f"≤{upper:g}" for upper in edges[2:]]
+    histogram = grouped_bars(
+        labels,
+        [("streams", STREAM_CANDIDATE_COLOR, [float(count) for count in streams.edit_distance_bins])],
+        title="streams by normalized edit distance",
+    )
+    ttft = cdf_chart(
+        [
+            (reference_label, STREAM_REFERENCE_COLOR, histograms["reference_ttft"]),
+            ("replayed", STREAM_CANDIDATE_COLOR, histograms["candidate_ttft"]),
+        ],
+        title="time to first token CDF",
+    )
+    itl = cdf_chart(
+        [
+            (reference_label, STREAM_REFERENCE_COLOR, histograms["reference_itl"]),
+            ("replayed", STREAM_CANDIDATE_COLOR, histograms["candidate_itl"]),
+        ],
+        title="inter-token gap CDF",
+    )
+    table = (
+        f"<table><tr><th class='l'>{escape(reference_label)} version</th><th>streams</th><th>compared</th>"
+        "<th>exact</th><th>token match rate</th><th>edit distance</th><th>text edit distance</th>"
+        f"<th>first divergence p50</th><th>TTFT p50 ms ({escape(reference_label)} / replayed)</th>"
+        "<th>TTFT p99 ms</th><th>ITL p50 ms</th><th>ITL p99 ms</th></tr>"
+        f"{''.join(rows)}</table>"
+    )
+    examples = [line for line in summary.worst_calls if line.get("kind") == "stream" and "stream" in line]
+    shown = []
+    for line in examples[:STREAM_EXAMPLES]:
+        diff = line["stream"]
+        shown.append(
+            f"<tr><td class='l'><code>{escape(line['request_id'])}</code></td>"
+            f"<td class='l'>{escape(line['recorded']['version'])} → {escape(line['replayed']['version'])}</td>"
+            f"<td>{_fmt(diff.get('first_divergence'))}</td><td>{_fmt(diff.get('edit_distance'))}</td>"
+            f"<td class='l'><pre>{escape(str(diff.get('reference_text', '')))}</pre></td>"
+            f"<td class='l'><pre>{escape(str(diff.get('candidate_text', '')))}</pre></td></tr>"
+        )
+    diverging = (
+        "<h3>Diverging streams</h3><table class='texts'><tr><th class='l'>request id</th><th class='l'>versions</th>"
+        f"<th>first divergence</th><th>edit distance</th><th class='l'>{escape(reference_label)} text</th>"
+        f"<th class='l'>replayed text</th></tr>{''.join(shown)}</table>"
+        if shown
+        else "<p class='pass'>Every compared stream matched token for token.</p>"
+    )
+    note = (
+        "<p class='muted'>A stream is compared token by token (a token: one response's <code>text_output</code>); "
+        "a record cut by the per-stream cap, or cancelled by its client, is compared on its recorded prefix. "
+        "Recorded TTFT and gaps are the router's clock; replayed ones the replayer's (they include the hop).</p>"
+    )
+    return f"{head}<div class='charts'>{histogram}{ttft}{itl}</div>{table}{diverging}{note}"
 
 
 # -- charts --------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ from splitstream.replayer.progress import Progress
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
 from splitstream.replayer.selection import SelectedCall, Selection, SelectionStats, select_calls
 from splitstream.replayer.sender import Outcome, Target
-from splitstream.replayer.stats import GroupTotals, LogHistogram, OutputTotals, WorstCalls
+from splitstream.replayer.stats import GroupTotals, LogHistogram, OutputTotals, StreamTotals, WorstCalls
+from splitstream.replayer.stream_compare import CANCELLED, StreamAnswer, compare_streams
 from splitstream.replayer.summary import (
     REQUEST_NOT_RECORDED,
     Counts,
@@ -111,6 +112,19 @@ class ReplaySettings:
         return self.targets[1] if len(self.targets) > 1 else ""
 
 
+@dataclass(frozen=True, slots=True)
+class StreamPlan:
+    """What a recorded token stream adds to its plan: every request kept, when each went out, and the
+    recorded answer. Requests keep their recorded offsets from the stream's start, divided by
+    ``--speed`` (all at once with ``--speed max``)."""
+
+    requests: tuple[bytes, ...]
+    offsets_s: tuple[float, ...] | None
+    recorded: StreamAnswer
+    #: Cancel the replayed stream after this many responses (a stream the client cancelled).
+    stop_after: int | None
+
+
 @dataclass(slots=True)
 class Plan:
     """A selected call, ready to send: request bytes, headers, and the recorded answer."""
@@ -121,6 +135,7 @@ class Plan:
     metadata: list[tuple[str, str]]
     recorded: Answer
     replay_id: str
+    stream: StreamPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +169,8 @@ class Aggregates:
     status_changes: Counter[str] = field(default_factory=Counter)
     transitions: Counter[str] = field(default_factory=Counter)
     worst: WorstCalls = field(default_factory=WorstCalls)
+    #: Token streams (none in a replay of unary calls only).
+    streams: StreamTotals = field(default_factory=StreamTotals)
     max_in_flight: int = 0
     not_sent: int = 0
     #: Calls the replayer could not send (a header gRPC refuses, over the send limit): not the target's doing.
@@ -281,7 +298,33 @@ class Replay:
         if self.settings.pin_version:
             metadata.append((VERSION_HEADER, self.settings.pin_version))
         recorded = Answer(record.status_code, response, redacted_outputs(record), response_recorded)
-        return Plan(index, call, request, metadata, recorded, replay_id)
+        stream = await self._prepare_stream(record, request) if record.HasField("stream") else None
+        return Plan(index, call, request, metadata, recorded, replay_id, stream)
+
+    async def _prepare_stream(self, record: Any, first_request: bytes) -> StreamPlan:
+        """The requests and recorded responses of a stream record (payloads fetched from blobs)."""
+        stream = record.stream
+        requests = [await payload_bytes(self.redis, m.payload) for m in stream.requests]
+        offsets = [m.offset_ns / 1e9 for m in stream.requests]
+        if not requests:  # the cap kept none: the record's ``request`` is the first one
+            requests, offsets = [first_request], [0.0]
+        speed = self.settings.speed
+        responses = tuple([await payload_bytes(self.redis, m.payload) for m in stream.responses])
+        recorded = StreamAnswer(
+            record.status_code,
+            responses,
+            tuple(m.offset_ns / 1e9 for m in stream.responses),
+            stream.first_response_ns / 1e9 if stream.first_response_ns else None,
+            prefix_only=stream.truncated,
+            redacted=redacted_outputs(record),
+        )
+        cancelled = record.status_code == CANCELLED
+        return StreamPlan(
+            tuple(requests),
+            None if speed is None else tuple(offset / speed for offset in offsets),
+            recorded,
+            max(int(stream.responses_total), 1) if cancelled else None,
+        )
 
     async def _put(self, item: object, *, force: bool = False) -> bool:
         """Queue for the sender, waiting while the queue is full; False if stopped first (unless ``force``)."""
@@ -324,6 +367,16 @@ class Replay:
             flight = Flight(plan, self.aggregates.sent, planned, [None] * len(self.targets), len(self.targets))
             self.aggregates.sent += 1
             for position, target in enumerate(self.targets):
+                if plan.stream is not None:
+                    target.send_stream(
+                        plan.stream.requests,
+                        plan.stream.offsets_s,
+                        plan.metadata,
+                        timeout_s=timeout_s,
+                        stop_after=plan.stream.stop_after,
+                        on_done=lambda outcome, f=flight, p=position: self._finished(f, p, outcome),
+                    )
+                    continue
                 target.send(
                     plan.request,
                     plan.metadata,
@@ -395,6 +448,8 @@ class Replay:
         if failed:
             return self._send_error(flight, failed), None
         compared = flight.outcomes[1] if len(flight.outcomes) > 1 else None
+        if plan.stream is not None:
+            return self._judge_stream(flight, plan.stream, replayed, compared)
         if compared is not None:
             reference = Answer(compared.code, compared.response)
             reference_latency_s = compared.latency_s
@@ -457,6 +512,73 @@ class Replay:
         agg.worst.offer(diff, line)
         return line, diff
 
+    def _judge_stream(
+        self, flight: Flight, stream: StreamPlan, replayed: Outcome, compared: Outcome | None
+    ) -> tuple[dict[str, Any], CallDiff]:
+        """A token stream's results line: the token comparison (:mod:`stream_compare`) and TTFT/ITL on
+        both sides. It counts as one call in the overall outcomes and latencies (its duration)."""
+        plan = flight.plan
+        record = plan.call.record
+        candidate = _stream_answer(replayed)
+        if compared is not None:
+            reference = _stream_answer(compared)
+            reference_latency_s = compared.latency_s
+            reference_version = _served_version(compared)
+        else:
+            reference = stream.recorded
+            reference_latency_s = record.latency_ns / 1e9
+            reference_version = record.version
+        sdiff = compare_streams(reference, candidate)
+        diff = CallDiff(sdiff.outcome, sdiff.reference_code, sdiff.candidate_code)
+        replayed_version = _served_version(replayed)
+        agg = self.aggregates
+        agg.overall.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
+        group = agg.by_version.setdefault(reference_version or "?", GroupTotals())
+        group.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
+        agg.streams.add(reference_version or "?", sdiff, reference, candidate)
+        if diff.status_change_kind:
+            agg.status_changes[diff.status_change_kind] += 1
+            agg.transitions[diff.status_change or ""] += 1
+        lag_ms = None
+        if flight.planned_at is not None:
+            lag_s = replayed.sent_at - flight.planned_at
+            agg.send_lag.add(lag_s)
+            lag_ms = round(lag_s * 1000, 4)
+        origin = self._origin
+        if agg.first_sent_at is None:
+            agg.first_sent_at = replayed.sent_at
+        agg.last_done_at = max(agg.last_done_at or 0.0, *(o.done_at for o in flight.outcomes if o is not None))
+        line: dict[str, Any] = {
+            "request_id": record.request_id,
+            "replay_request_id": plan.replay_id,
+            "model": record.model,
+            "receive_unix_ns": plan.call.receive_ns,
+            "stream_id": plan.call.stream_id,
+            "sequence": flight.sequence,
+            "kind": "stream",
+            "outcome": sdiff.outcome,
+            "status_change": diff.status_change,
+            "planned_s": None if flight.planned_at is None else round(flight.planned_at - origin, 6),
+            "sent_s": round(replayed.sent_at - origin, 6),
+            "done_s": round(replayed.done_at - origin, 6),
+            "send_lag_ms": lag_ms,
+            "recorded": {
+                "version": record.version,
+                "status": status_name(record.status_code),
+                "latency_ms": round(record.latency_ns / 1e6, 4),
+                "ttft_ms": _ms(stream.recorded.ttft_s),
+                "responses_total": int(record.stream.responses_total),
+                "truncated": record.stream.truncated,
+            },
+            "replayed": _side(self.targets[0].address, replayed) | {"ttft_ms": _ms(candidate.ttft_s)},
+            "stream": sdiff.as_dict(),
+        }
+        if compared is not None:
+            line["compare_to"] = _side(self.targets[1].address, compared) | {"ttft_ms": _ms(reference.ttft_s)}
+            line["compare_to"]["sent_s"] = round(compared.sent_at - origin, 6)
+        agg.worst.offer_stream(sdiff, line)
+        return line, diff
+
     def _not_replayed(self, item: NotReplayed) -> dict[str, Any]:
         """The results line of a call that was not sent, counted apart: neither a send error (nothing
         was tried) nor a status change (the target never saw it)."""
@@ -510,6 +632,7 @@ class Replay:
             if agg.first_sent_at is not None and agg.last_done_at is not None
             else 0.0
         )
+        streams = agg.streams.summary(active_s)
         metrics = Metrics(
             mismatch_rate=overall.mismatch_rate,
             status_change_rate=rate(overall.status_changes, completed),
@@ -528,6 +651,15 @@ class Replay:
             completed=completed,
             failed_sends=self.stats.selected - completed - sum(agg.not_replayed.values()),
             skipped=sum(self.stats.skipped.values()),
+            token_match_rate=streams.token_match_rate if streams else None,
+            mean_edit_distance=streams.mean_edit_distance if streams else None,
+            mean_text_edit_distance=streams.mean_text_edit_distance if streams else None,
+            first_divergence_p50=streams.first_divergence_p50 if streams else None,
+            ttft_p50_ratio=streams.ttft.p50_ratio if streams else None,
+            ttft_p99_ratio=streams.ttft.p99_ratio if streams else None,
+            itl_p50_ratio=streams.itl.p50_ratio if streams else None,
+            itl_p99_ratio=streams.itl.p99_ratio if streams else None,
+            tokens_per_s=streams.tokens_per_s if streams else None,
         )
         tolerance = self.settings.tolerance
         return Summary(
@@ -577,6 +709,7 @@ class Replay:
             sender_nice=self.sender_nice_applied,
             replay_rate_calls_per_s=round(completed / active_s, 1) if active_s > 0 else None,
             metrics=metrics,
+            streams=streams,
             worst_calls=agg.worst.worst_first(),
         )
 
@@ -590,7 +723,21 @@ class Replay:
                 f"candidate_latency:{version}": group.candidate_latency
                 for version, group in self.aggregates.by_version.items()
             },
+            **self._stream_histograms(),
         }
+
+    def _stream_histograms(self) -> dict[str, LogHistogram]:
+        streams = self.aggregates.streams
+        if not streams.overall.streams:
+            return {}
+        groups = {"": streams.overall} | {f":{version}": group for version, group in streams.by_version.items()}
+        out: dict[str, LogHistogram] = {}
+        for suffix, group in groups.items():
+            out[f"reference_ttft{suffix}"] = group.reference_ttft
+            out[f"candidate_ttft{suffix}"] = group.candidate_ttft
+            out[f"reference_itl{suffix}"] = group.reference_itl
+            out[f"candidate_itl{suffix}"] = group.candidate_itl
+        return out
 
 
 def _served_version(outcome: Outcome) -> str:
@@ -600,6 +747,17 @@ def _served_version(outcome: Outcome) -> str:
     with contextlib.suppress(Exception):
         return oip.ModelInferResponse.FromString(outcome.response).model_version
     return ""
+
+
+def _stream_answer(outcome: Outcome) -> StreamAnswer:
+    """A replayed stream's answer, its times counted from its first request."""
+    received = outcome.stream_responses or ()
+    times = tuple(at - outcome.sent_at for at, _ in received)
+    return StreamAnswer(outcome.code, tuple(raw for _, raw in received), times, times[0] if times else None)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 4)
 
 
 def _side(address: str, outcome: Outcome) -> dict[str, Any]:

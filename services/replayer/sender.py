@@ -16,8 +16,9 @@ rules, and every such failure ends as an :class:`Outcome` with ``send_error`` se
 from __future__ import annotations
 
 import re
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +27,7 @@ from splitstream.common.headers import VERSION_HEADER, from_header_value
 from splitstream.common.tls import ClientTls
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 #: gRPC core's rule for metadata keys (validate_metadata.cc): lowercase letters, digits, ``-_.``.
 _KEY = re.compile(r"^[0-9a-z_.-]+$")
 
@@ -46,6 +48,8 @@ class Outcome:
     sent_at: float
     done_at: float
     send_error: str = ""
+    #: A token stream's responses as they came: (perf_counter time, serialized ModelStreamInferResponse).
+    stream_responses: tuple[tuple[float, bytes], ...] | None = None
 
     @property
     def latency_s(self) -> float:
@@ -77,6 +81,7 @@ class Target:
         self.channel = tls.channel(address, options)
         # No serializers: requests and responses stay bytes.
         self._call = self.channel.unary_unary(METHOD)
+        self._stream_call = self.channel.stream_stream(STREAM_METHOD)
         # gRPC cancels a call whose future is garbage-collected ("Cancelled upon garbage collection!"),
         # and a future referenced only from its own done-callback is a cycle the collector frees while
         # the call is still in flight. So every future is held here until its callback has run.
@@ -131,6 +136,86 @@ class Target:
 
         self._pending.add(future)
         future.add_done_callback(finished)
+
+    def send_stream(
+        self,
+        requests: Sequence[bytes],
+        offsets_s: Sequence[float] | None,
+        metadata: Sequence[tuple[str, str]],
+        *,
+        timeout_s: float,
+        stop_after: int | None,
+        on_done: Callable[[Outcome], None],
+    ) -> None:
+        """Start a token stream and return at once: its requests go out at ``offsets_s`` from the start
+        (all at once when None), its responses are read, timed, as they come, on a thread of its own (the
+        blocking API reads a stream by iterating it; the ``--concurrency`` slots bound these threads).
+        ``stop_after``: cancel the stream once that many responses came (a recorded stream the client
+        cancelled is replayed as far as it went). ``on_done`` runs on that thread at the end."""
+        sent_at = time.perf_counter()
+        problem = metadata_problem(metadata)
+        if not problem and any(len(request) > self.max_message_bytes for request in requests):
+            problem = f"a request of the stream is over the {self.max_message_bytes}-byte send limit"
+        if problem:
+            on_done(Outcome(-1, "", None, "", sent_at, time.perf_counter(), send_error=problem))
+            return
+        thread = threading.Thread(
+            target=self._run_stream,
+            args=(requests, offsets_s, metadata, timeout_s, stop_after, on_done, sent_at),
+            name="replay-stream",
+            daemon=True,
+        )
+        thread.start()
+
+    def _run_stream(
+        self,
+        requests: Sequence[bytes],
+        offsets_s: Sequence[float] | None,
+        metadata: Sequence[tuple[str, str]],
+        timeout_s: float,
+        stop_after: int | None,
+        on_done: Callable[[Outcome], None],
+        sent_at: float,
+    ) -> None:
+        ended = threading.Event()
+
+        def outgoing() -> Iterator[bytes]:
+            for position, request in enumerate(requests):
+                if offsets_s is not None and position:
+                    wait_s = sent_at + offsets_s[position] - time.perf_counter()
+                    if wait_s > 0 and ended.wait(wait_s):
+                        return
+                yield request
+
+        responses: list[tuple[float, bytes]] = []
+        stopped_by_us = False
+        try:
+            call = self._stream_call(outgoing(), metadata=metadata, timeout=timeout_s)
+        except Exception as error:  # a closed channel, gRPC's own checks: not the target's answer
+            why = f"{type(error).__name__}: {error}"
+            on_done(Outcome(-1, "", None, "", sent_at, time.perf_counter(), send_error=why))
+            return
+        rendezvous: grpc.Call = call  # type: ignore[assignment]  # the iterator is also the Call
+        try:
+            for response in call:
+                responses.append((time.perf_counter(), response))
+                if stop_after is not None and len(responses) >= stop_after:
+                    stopped_by_us = True
+                    call.cancel()  # type: ignore[attr-defined]
+                    break
+        except grpc.RpcError:
+            pass  # the status is read below
+        finally:
+            ended.set()
+        done_at = time.perf_counter()
+        code = rendezvous.code()
+        version = ""
+        for key, value in rendezvous.trailing_metadata() or ():
+            if key == VERSION_HEADER:
+                version = from_header_value(str(value))
+        number = 1 if stopped_by_us else (code.value[0] if code is not None else 2)
+        message = "" if stopped_by_us or code is grpc.StatusCode.OK else rendezvous.details() or ""
+        on_done(Outcome(number, message, None, version, sent_at, done_at, stream_responses=tuple(responses)))
 
     def close(self) -> None:
         self.channel.close()

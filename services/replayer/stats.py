@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitstream.replayer.compare import CallDiff, OutputDiff
-from splitstream.replayer.summary import GroupSummary, LatencyComparison, OutputSummary, Quantiles, rate
+from splitstream.replayer.stream_compare import StreamAnswer, StreamDiff, gaps_s
+from splitstream.replayer.summary import (
+    GroupSummary,
+    LatencyComparison,
+    OutputSummary,
+    Quantiles,
+    StreamGroupSummary,
+    StreamsSummary,
+    rate,
+)
 
 
 class LogHistogram:
@@ -216,5 +225,122 @@ class WorstCalls:
         elif item > self._heap[0]:
             heapq.heapreplace(self._heap, item)
 
+    def offer_stream(self, diff: StreamDiff, line: dict[str, Any]) -> None:
+        """A diverging stream, ranked by its edit distance (status changes first, as for calls)."""
+        if diff.outcome in ("match", "not_compared"):
+            return
+        severity = (2, 1.0, 0.0) if diff.outcome == "status_change" else (1, diff.edit_distance or 0.0, 0.0)
+        self._sequence += 1
+        item = _Worst(severity, -self._sequence, line)
+        if len(self._heap) < self.capacity:
+            heapq.heappush(self._heap, item)
+        elif item > self._heap[0]:
+            heapq.heapreplace(self._heap, item)
+
     def worst_first(self) -> list[dict[str, Any]]:
         return [item.line for item in sorted(self._heap, reverse=True)]
+
+
+#: Edges of the edit-distance histogram the report draws (normalized distance, 0..1).
+EDIT_DISTANCE_EDGES = (0.0, 0.001, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class StreamGroupTotals:
+    """Token streams of one slice (all, or those one recorded version answered): how the tokens agree,
+    and TTFT / inter-token gaps on both sides."""
+
+    streams: int = 0
+    #: Streams whose tokens were compared (both ended with the same status, text not redacted).
+    compared: int = 0
+    exact: int = 0
+    edit_distance_total: float = 0.0
+    text_edit_distance_total: float = 0.0
+    text_compared: int = 0
+    reference_tokens: int = 0
+    candidate_tokens: int = 0
+    prefix_compared: int = 0
+    #: Responses the candidate streams received (the tokens/s numerator).
+    candidate_responses: int = 0
+    #: First-divergence indices of the streams that diverge (a few numbers each: small and exact).
+    divergences: list[int] = field(default_factory=list)
+    #: Streams per edit-distance bin (:data:`EDIT_DISTANCE_EDGES`).
+    edit_bins: list[int] = field(default_factory=lambda: [0] * (len(EDIT_DISTANCE_EDGES) - 1))
+    reference_ttft: LogHistogram = field(default_factory=LogHistogram)
+    candidate_ttft: LogHistogram = field(default_factory=LogHistogram)
+    reference_itl: LogHistogram = field(default_factory=LogHistogram)
+    candidate_itl: LogHistogram = field(default_factory=LogHistogram)
+
+    def add(self, diff: StreamDiff, reference: StreamAnswer, candidate: StreamAnswer) -> None:
+        self.streams += 1
+        self.candidate_responses += len(candidate.responses)
+        if reference.ttft_s is not None:
+            self.reference_ttft.add(reference.ttft_s)
+        if candidate.ttft_s is not None:
+            self.candidate_ttft.add(candidate.ttft_s)
+        for gap in gaps_s(reference.response_times_s):
+            self.reference_itl.add(gap)
+        for gap in gaps_s(candidate.response_times_s):
+            self.candidate_itl.add(gap)
+        if diff.edit_distance is None:
+            return
+        self.compared += 1
+        self.exact += diff.exact
+        self.edit_distance_total += diff.edit_distance
+        if diff.text_edit_distance is not None:
+            self.text_compared += 1
+            self.text_edit_distance_total += diff.text_edit_distance
+        self.reference_tokens += diff.reference_tokens
+        self.candidate_tokens += diff.candidate_tokens
+        self.prefix_compared += diff.prefix_compared
+        if diff.first_divergence is not None and len(self.divergences) < 100_000:
+            self.divergences.append(diff.first_divergence)
+        for position, upper in enumerate(EDIT_DISTANCE_EDGES[1:]):
+            if diff.edit_distance <= upper or position == len(self.edit_bins) - 1:
+                self.edit_bins[position] += 1
+                break
+
+    def summary(self) -> StreamGroupSummary:
+        ordered = sorted(self.divergences)
+        ttft = LatencyComparison.of(self.reference_ttft.quantiles_ms(), self.candidate_ttft.quantiles_ms())
+        itl = LatencyComparison.of(self.reference_itl.quantiles_ms(), self.candidate_itl.quantiles_ms())
+        return StreamGroupSummary(
+            streams=self.streams,
+            compared=self.compared,
+            exact_matches=self.exact,
+            token_match_rate=rate(self.exact, self.compared),
+            mean_edit_distance=round(self.edit_distance_total / self.compared, 6) if self.compared else None,
+            mean_text_edit_distance=(
+                round(self.text_edit_distance_total / self.text_compared, 6) if self.text_compared else None
+            ),
+            first_divergence_p50=float(ordered[(len(ordered) - 1) // 2]) if ordered else None,
+            reference_tokens=self.reference_tokens,
+            candidate_tokens=self.candidate_tokens,
+            prefix_compared=self.prefix_compared,
+            edit_distance_bins=list(self.edit_bins),
+            ttft=ttft,
+            itl=itl,
+        )
+
+
+@dataclass
+class StreamTotals:
+    """Every replayed token stream, overall and by recorded version."""
+
+    overall: StreamGroupTotals = field(default_factory=StreamGroupTotals)
+    by_version: dict[str, StreamGroupTotals] = field(default_factory=dict)
+
+    def add(self, version: str, diff: StreamDiff, reference: StreamAnswer, candidate: StreamAnswer) -> None:
+        self.overall.add(diff, reference, candidate)
+        self.by_version.setdefault(version, StreamGroupTotals()).add(diff, reference, candidate)
+
+    def summary(self, active_s: float) -> StreamsSummary | None:
+        if not self.overall.streams:
+            return None
+        tokens = self.overall.candidate_responses
+        return StreamsSummary(
+            **self.overall.summary().model_dump(),
+            edit_distance_edges=list(EDIT_DISTANCE_EDGES),
+            tokens_per_s=round(tokens / active_s, 1) if active_s > 0 and tokens else None,
+            versions={version: group.summary() for version, group in sorted(self.by_version.items())},
+        )

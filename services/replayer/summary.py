@@ -130,6 +130,25 @@ class Metrics(_Model):
         "calls not replayed because their request was not recorded are counted apart"
     )
     skipped: int = Field(description="stream entries skipped as corrupt or of an unknown schema")
+    token_match_rate: float | None = Field(
+        default=None, description="token streams whose tokens match exactly / token streams compared"
+    )
+    mean_edit_distance: float | None = Field(
+        default=None, description="mean normalized edit distance of the token sequences (0 same, 1 all different)"
+    )
+    mean_text_edit_distance: float | None = Field(
+        default=None, description="mean normalized edit distance of the decoded texts (text_output streams)"
+    )
+    first_divergence_p50: float | None = Field(
+        default=None, description="median index of the first differing token, over the streams that diverge"
+    )
+    ttft_p50_ratio: float | None = Field(default=None, description="replayed p50 time to first token / reference's")
+    ttft_p99_ratio: float | None = Field(default=None, description="replayed p99 time to first token / reference's")
+    itl_p50_ratio: float | None = Field(default=None, description="replayed p50 inter-token gap / reference's")
+    itl_p99_ratio: float | None = Field(default=None, description="replayed p99 inter-token gap / reference's")
+    tokens_per_s: float | None = Field(
+        default=None, description="tokens (responses) the replayed streams received per second"
+    )
 
     def value(self, name: str) -> float | None:
         """The metric called ``name`` (one of :data:`METRICS`)."""
@@ -139,6 +158,33 @@ class Metrics(_Model):
 
 #: Every metric a gate can bound, with what it means (``--help`` and errors list them).
 METRICS: dict[str, str] = {name: field.description or "" for name, field in Metrics.model_fields.items()}
+
+
+class StreamGroupSummary(_Model):
+    """Token streams of one slice: agreement of the tokens, and TTFT / inter-token gaps, reference vs replayed."""
+
+    streams: int
+    #: Streams whose tokens were compared (same final status, ``text_output`` not redacted).
+    compared: int
+    exact_matches: int
+    token_match_rate: float | None
+    mean_edit_distance: float | None
+    mean_text_edit_distance: float | None
+    first_divergence_p50: float | None
+    reference_tokens: int
+    candidate_tokens: int
+    #: Streams compared on the recorded prefix only (recorded truncated or cancelled).
+    prefix_compared: int
+    #: Streams per edit-distance bin (edges in :class:`StreamsSummary`).
+    edit_distance_bins: list[int]
+    ttft: LatencyComparison
+    itl: LatencyComparison
+
+
+class StreamsSummary(StreamGroupSummary):
+    edit_distance_edges: list[float]
+    tokens_per_s: float | None
+    versions: dict[str, StreamGroupSummary]
 
 
 class Window(_Model):
@@ -241,6 +287,8 @@ class Summary(_Model):
     sender_nice: int | None
     replay_rate_calls_per_s: float | None
     metrics: Metrics
+    #: Token streams (written only when the window held some).
+    streams: StreamsSummary | None = Field(default=None, exclude_if=lambda streams: streams is None)
     #: The calls that differ most, as their ``results.jsonl`` lines.
     worst_calls: list[dict[str, Any]]
     #: Written only with ``--gate``.
