@@ -42,8 +42,7 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
         tmp_path_factory.mktemp("payload-dropped-stack"),
         versions={"v1": {"scale": 2.0, "config": UNBATCHED}, "v2": {"scale": 2.0, "bias": 0.5, "config": UNBATCHED}},
         experiment={"control": "v1", "arms": [{"version": "v1", "weight": 100}]},
-        # The per-stream cap must fit in half a batch (the router refuses it otherwise); no streams here.
-        router_args=("--record-batch-max-bytes", str(256 << 10), "--record-stream-max-bytes", str(64 << 10)),
+        router_args=("--record-batch-max-bytes", str(256 << 10)),  # the stream cap follows: half of it
     )
     try:
         client = InferClient(stack.router.address)

@@ -214,9 +214,10 @@ def build_parser() -> EnvArgumentParser:
     recording.add_argument(
         "--record-stream-max-bytes",
         type=int,
-        default=DEFAULT_RECORD_STREAM_MAX_BYTES,
+        default=None,
         help="payload bytes kept per recorded token stream (ModelStreamInfer); later messages are counted, "
-        "not kept, and the record is flagged truncated; at most half of --record-batch-max-bytes",
+        "not kept, and the record is flagged truncated; at most half of --record-batch-max-bytes "
+        f"(default: {DEFAULT_RECORD_STREAM_MAX_BYTES >> 20} MiB, or half the batch cap when that is smaller)",
     )
     recording.add_argument(
         "--record-credential-headers",
@@ -255,7 +256,11 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             record_credential_headers=args.record_credential_headers,
             shadow_timeout_s=args.shadow_timeout_s,
             shadow_max_in_flight=args.shadow_max_in_flight,
-            record_stream_max_bytes=args.record_stream_max_bytes,
+            record_stream_max_bytes=(
+                args.record_stream_max_bytes
+                if args.record_stream_max_bytes is not None
+                else min(DEFAULT_RECORD_STREAM_MAX_BYTES, args.record_batch_max_bytes // 2)
+            ),
             upstream_tls=client_tls_from_args(args, flag="--upstream-tls"),
             recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
         )
