@@ -85,6 +85,8 @@ class CallOutcome:
     routing_key: str | None = None
     routing_key_header: str = ""
     shadows: list[Any] = field(default_factory=list)  # ShadowOutcome, filled after the client's answer
+    #: The authenticated caller's name ("" when the router does not authenticate callers); never a credential.
+    principal: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,11 +124,19 @@ class RouterCore:
 
     # -- calls -----------------------------------------------------------------------------
 
-    async def infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
+    async def infer(
+        self,
+        request: bytes,
+        headers: Mapping[str, str],
+        timeout_s: float | None,
+        head: router_pb2.InferRequestHead | None = None,
+    ) -> CallOutcome:
+        """``head``: the request's head when the caller parsed it already (authorization reads the model),
+        so a large request is not parsed twice."""
         receive_unix_ns = time.time_ns()
         started = time.perf_counter()
         try:
-            outcome = await self._infer(request, headers, timeout_s)
+            outcome = await self._infer(request, headers, timeout_s, head)
         except asyncio.CancelledError:  # the client went away; the worker call was cancelled with it
             self.metrics.answered("_cancelled", "", grpc.StatusCode.CANCELLED.name, time.perf_counter() - started)
             raise
@@ -161,10 +171,16 @@ class RouterCore:
                     details=outcome.details,
                 )
 
-    async def _infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
+    async def _infer(
+        self,
+        request: bytes,
+        headers: Mapping[str, str],
+        timeout_s: float | None,
+        head: router_pb2.InferRequestHead | None,
+    ) -> CallOutcome:
         outcome = CallOutcome(headers.get(REQUEST_ID_HEADER, ""), UNKNOWN_MODEL, grpc.StatusCode.OK, "", None)
         try:
-            head = _read_head(request)
+            head = head or _read_head(request)
             outcome.request_id = outcome.request_id or head.id
             routes = self._table.model(head.model_name)
             outcome.model = head.model_name

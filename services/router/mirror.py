@@ -33,7 +33,7 @@ import collections
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -42,6 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
+from splitstream.common.service_auth import token_metadata
 from splitstream.router.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_records
 from splitstream.router.core import CallOutcome
 from splitstream.router.recorded_metadata import recorded_metadata
@@ -103,6 +104,8 @@ class MirrorSettings:
     #: Times the recorder may end the stream on the same oldest batch with a status that is no outage
     #: (INTERNAL, UNKNOWN, ...) before that batch is dropped and counted, so it cannot block the rest.
     max_refusals: int = 3
+    #: Sent on the Record stream so a recorder that checks it takes our records ("": none sent).
+    service_token: str = field(default="", repr=False)
 
 
 @dataclass(slots=True)
@@ -237,7 +240,9 @@ class RecordMirror:
         while True:
             channel = aio.insecure_channel(self.settings.recorder_address)
             # Batches are serialized once (the spool stores the same bytes), so the stream takes raw bytes.
-            stream = channel.stream_stream(RECORD_METHOD, response_deserializer=recorder_pb2.RecordAck.FromString)()
+            stream = channel.stream_stream(RECORD_METHOD, response_deserializer=recorder_pb2.RecordAck.FromString)(
+                metadata=token_metadata(self.settings.service_token)
+            )
             unacked: collections.deque[_Sent] = collections.deque()
             reader = asyncio.create_task(self._read_acks(stream, unacked))
             failure: Exception | None = None
@@ -537,6 +542,7 @@ class RecordMirror:
             fallback=outcome.fallback,
             pinned=outcome.pinned,
             retried=outcome.retried,
+            principal=outcome.principal,
         )
         record.request.inline = request
         record.request.size_bytes = len(request)
