@@ -66,21 +66,35 @@ def _model(value: str) -> str:
 
 
 class RateLimitDocument(Document):
-    per_s: Annotated[float, Field(gt=0)]
-    burst: Annotated[int, Field(ge=1)]
+    """A token bucket: ``burst`` calls at once, then ``per_s`` a second."""
+
+    per_s: Annotated[float, Field(gt=0, description="calls a second, on average (refill rate)")]
+    burst: Annotated[int, Field(ge=1, description="calls allowed at once (bucket size)")]
 
 
 class PrincipalDocument(Document):
-    api_keys_sha256: list[Annotated[str, AfterValidator(_digest)]] = []
-    models: list[Annotated[str, AfterValidator(_model)]] = []
-    pin: Flag = False
-    status: Flag = False
-    feedback: Flag = False
-    rate_limit: RateLimitDocument | None = None
+    """One caller: how it authenticates (API keys; a JWT names it by its principal claim) and what it may do."""
+
+    api_keys_sha256: list[Annotated[str, AfterValidator(_digest)]] = Field(
+        [], description="SHA-256 (64 lower-case hex digits) of each API key it may send in `x-api-key`"
+    )
+    models: list[Annotated[str, AfterValidator(_model)]] = Field(
+        [], description="models it may call (ModelInfer, ModelMetadata, ModelReady): names, or `*` for every one"
+    )
+    pin: Flag = Field(False, description="may pin a version (`x-splitstream-version` or `model_version`)")
+    status: Flag = Field(False, description="may call `splitstream.v1.Router/Status` (salts, worker addresses)")
+    feedback: Flag = Field(False, description="may call `splitstream.v1.Feedback/Report`")
+    rate_limit: RateLimitDocument | None = Field(
+        None, description="calls refused RESOURCE_EXHAUSTED past it (per router); null: no limit"
+    )
 
 
 class PrincipalsDocument(Document):
-    principals: dict[Annotated[str, AfterValidator(check_principal_name)], PrincipalDocument]
+    """Every principal the router knows, by name (its name is what records, logs and metrics show)."""
+
+    principals: dict[Annotated[str, AfterValidator(check_principal_name)], PrincipalDocument] = Field(
+        description="principal name (1-128 of letters, digits, `._@:/+-`) → its credentials and grants"
+    )
 
     @model_validator(mode="after")
     def _keys_are_unique(self) -> PrincipalsDocument:
