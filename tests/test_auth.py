@@ -616,3 +616,21 @@ def test_a_service_token_too_short_to_be_a_secret_is_refused(tmp_path: Path) -> 
     assert done.returncode == 2
     assert "at least 16" in done.stderr
     assert "changeme" not in done.stderr
+
+
+def test_principals_from_a_consul_kv_key_follow_its_changes_without_restart(auth: AuthStack, tmp_path: Path) -> None:
+    from tests.consul_emulator import ConsulEmulator
+
+    key = "splitstream/auth/principals"
+    with ConsulEmulator(tmp_path / "consul", token="consul-acl-token") as consul:
+        client = consul.client()
+        client.kv.put(key, json.dumps(principals_document({"web": [KEYS["web"]]})))
+        router = auth.stack.stack.router(
+            auth.stack.registry, "--auth-principals", f"{consul.spec}/{key}", env=consul.env
+        )
+        assert call(router, key=KEYS["web"]) == (grpc.StatusCode.OK, "")
+        assert call(router, key=KEYS["ops"])[0] == grpc.StatusCode.UNAUTHENTICATED
+        client.kv.put(key, json.dumps(principals_document({"ops": [KEYS["ops"]]})))
+        wait_for(lambda: call(router, key=KEYS["ops"])[0] == grpc.StatusCode.OK, timeout_s=20, what="the new key")
+        assert call(router, key=KEYS["web"])[0] == grpc.StatusCode.UNAUTHENTICATED
+        router.stop()
