@@ -107,13 +107,17 @@ class JwksKeys:
             raise ConfigError(f"--jwt-jwks {self.description}: {redact_text(str(error))}") from None
 
     async def key_for(self, kid: str | None) -> jwt.PyJWK | None:
-        """The key a token's ``kid`` names, refreshing the set when it is stale or lacks that kid."""
+        """The key a token's ``kid`` names. A set that lacks it is re-read before answering (the call
+        waits for the read); a stale set that has it is re-read in the background (the call does not)."""
         now = time.monotonic()
-        stale = now - self._loaded_s >= self.settings.refresh_s
-        missing = self._find(kid) is None
-        if (stale or missing) and now - self._attempted_s >= self.settings.min_refresh_s:
+        key = self._find(kid)
+        may_read = now - self._attempted_s >= self.settings.min_refresh_s
+        if key is None and may_read:
             await self._refresh_shared()
-        return self._find(kid)
+            return self._find(kid)
+        if key is not None and may_read and now - self._loaded_s >= self.settings.refresh_s:
+            self._start_refresh()
+        return key
 
     def _find(self, kid: str | None) -> jwt.PyJWK | None:
         if kid is None and len(self._keys) == 1:
@@ -122,9 +126,15 @@ class JwksKeys:
 
     async def _refresh_shared(self) -> None:
         """One read at a time: calls that need it while it runs wait for the same read."""
+        await asyncio.shield(self._start_refresh())
+
+    def _start_refresh(self) -> asyncio.Task[None]:
+        """The read in progress, or a new one; kept in ``_refreshing`` (a task nobody holds could be
+        collected mid-read)."""
         if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.create_task(self._refresh_logged())
-        await asyncio.shield(self._refreshing)
+            self._attempted_s = time.monotonic()  # at once, so calls arriving meanwhile do not start another
+            self._refreshing = asyncio.create_task(self._refresh_logged(), name="jwks-refresh")
+        return self._refreshing
 
     async def _refresh_logged(self) -> None:
         try:
