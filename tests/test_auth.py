@@ -382,10 +382,16 @@ def test_a_jwks_served_over_http_with_credentials_verifies_tokens_and_follows_ro
             "--jwks-min-refresh-s", "0",
             "--log-level", "DEBUG",
         )  # fmt: skip
-        assert call(router, token=key_c.token()) == (grpc.StatusCode.OK, "")
+        token_c = key_c.token()
+        assert call(router, token=token_c) == (grpc.StatusCode.OK, "")
+        assert call(router, token=token_c) == (grpc.StatusCode.OK, "")  # remembered: no second signature check
         assert call(router, token=key_d.token())[0] == grpc.StatusCode.UNAUTHENTICATED
         handler.keys = jwks(key_d)  # key-c retired, key-d published
         assert call(router, token=key_d.token()) == (grpc.StatusCode.OK, "")
+        # The set was re-read: the token key-c signed is no longer taken, remembered or not.
+        code, details = call(router, token=token_c)
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert "unknown kid" in details
         router.stop()
         assert password not in router.log()
     finally:

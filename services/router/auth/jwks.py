@@ -109,15 +109,22 @@ class JwksKeys:
     async def key_for(self, kid: str | None) -> jwt.PyJWK | None:
         """The key a token's ``kid`` names. A set that lacks it is re-read before answering (the call
         waits for the read); a stale set that has it is re-read in the background (the call does not)."""
-        now = time.monotonic()
         key = self._find(kid)
-        may_read = now - self._attempted_s >= self.settings.min_refresh_s
-        if key is None and may_read:
+        if key is None and time.monotonic() - self._attempted_s >= self.settings.min_refresh_s:
             await self._refresh_shared()
             return self._find(kid)
-        if key is not None and may_read and now - self._loaded_s >= self.settings.refresh_s:
-            self._start_refresh()
+        self.refresh_if_stale()
         return key
+
+    def refresh_if_stale(self) -> None:
+        """Start a background re-read once the set is ``refresh_s`` old (none while one may not start)."""
+        now = time.monotonic()
+        if now - self._loaded_s >= self.settings.refresh_s and now - self._attempted_s >= self.settings.min_refresh_s:
+            self._start_refresh()
+
+    def holds(self, key: jwt.PyJWK) -> bool:
+        """Whether ``key`` (the object) is in the current set: false after any re-read of the JWKS."""
+        return self._keys.get(key.key_id) is key
 
     def _find(self, kid: str | None) -> jwt.PyJWK | None:
         if kid is None and len(self._keys) == 1:
@@ -171,12 +178,38 @@ class JwksKeys:
 
 
 class JwtVerifier:
-    def __init__(self, settings: JwtSettings) -> None:
+    """Verifies tokens, remembering the ones it verified.
+
+    A client sends the same token with every call until it expires, and verifying an ES256
+    signature cost the router ~35 % more CPU a call than no authentication (bench/auth_overhead.py).
+    So a verified token is remembered by its exact text with the key that verified it and its
+    ``exp``: it is accepted again without the signature check while ``exp`` (plus leeway) has not
+    passed and that very key object is still in the set (any re-read of the JWKS builds new key
+    objects, so a rotation or removal forgets every remembered token). At most ``cache_size``
+    tokens are kept, the oldest dropped first."""
+
+    def __init__(self, settings: JwtSettings, *, cache_size: int = 10_000) -> None:
         self.settings = settings
         self.keys = JwksKeys(settings)
+        self._cache_size = cache_size
+        self._verified: dict[str, tuple[str, float, jwt.PyJWK]] = {}
 
     async def verify(self, token: str) -> str:
         """The principal's name the token carries; :class:`TokenRejected` saying why it is refused."""
+        remembered = self._verified.get(token)
+        if remembered is not None:
+            principal, valid_until, key = remembered
+            if time.time() < valid_until and self.keys.holds(key):
+                self.keys.refresh_if_stale()
+                return principal
+            del self._verified[token]
+        principal, expires, key = await self._verify(token)
+        if len(self._verified) >= self._cache_size:
+            del self._verified[next(iter(self._verified))]
+        self._verified[token] = (principal, expires + self.settings.leeway_s, key)
+        return principal
+
+    async def _verify(self, token: str) -> tuple[str, float, jwt.PyJWK]:
         settings = self.settings
         try:
             header = jwt.get_unverified_header(token)
@@ -220,7 +253,7 @@ class JwtVerifier:
         principal = claims.get(settings.principal_claim)
         if not isinstance(principal, str) or not principal:
             raise TokenRejected(f"the JWT's '{settings.principal_claim}' claim is not a name", "missing_claim")
-        return principal
+        return principal, float(claims["exp"]), key
 
 
 def _url_and_headers(url: str) -> tuple[str, dict[str, str]]:
