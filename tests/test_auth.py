@@ -640,3 +640,71 @@ def test_principals_from_a_consul_kv_key_follow_its_changes_without_restart(auth
         wait_for(lambda: call(router, key=KEYS["ops"])[0] == grpc.StatusCode.OK, timeout_s=20, what="the new key")
         assert call(router, key=KEYS["web"])[0] == grpc.StatusCode.UNAUTHENTICATED
         router.stop()
+
+
+async def test_each_request_of_a_token_stream_is_checked_for_its_model_and_pin(tmp_path: Path) -> None:
+    """The router's interceptor in front of a stream handler that answers each request with its bytes:
+    ModelStreamInfer is admitted as a whole, then every request is checked before the handler sees it."""
+    from prometheus_client import CollectorRegistry
+
+    from splitstream.router.auth.credentials import FilePrincipals, PrincipalsStore
+    from splitstream.router.auth.interceptor import Authenticator, AuthInterceptor, AuthMetrics
+    from splitstream.router.auth.ratelimit import RateLimiter
+
+    principals = tmp_path / "principals.yaml"
+    principals.write_text(yaml.safe_dump(principals_document({"web": [KEYS["web"]]})))
+    store = PrincipalsStore(FilePrincipals(str(principals)), on_update=lambda policy, error: None)
+    await store.load()
+    interceptor = AuthInterceptor(
+        Authenticator(store, jwt=None, api_keys=True, limiter=RateLimiter()), AuthMetrics(CollectorRegistry())
+    )
+    seen: list[bytes] = []
+
+    async def echo(requests: Any, context: aio.ServicerContext[bytes, bytes]) -> Any:
+        async for request in requests:
+            seen.append(request)
+            yield request
+
+    server = aio.server(interceptors=[interceptor])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "inference.GRPCInferenceService", {"ModelStreamInfer": grpc.stream_stream_rpc_method_handler(echo)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            method = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
+
+            async def stream(metadata: tuple[tuple[str, str], ...], *requests: Any) -> tuple[int, Any, str]:
+                call = method((r.SerializeToString() for r in requests), metadata=metadata)
+                answered = 0
+                try:
+                    async for _ in call:
+                        answered += 1
+                except aio.AioRpcError as error:
+                    return answered, error.code(), error.details() or ""
+                return answered, grpc.StatusCode.OK, ""
+
+            allowed = oip.ModelInferRequest(model_name=MODEL)
+            key = (("x-api-key", KEYS["web"]),)
+            answered, code, details = await stream((), allowed)
+            assert (answered, code) == (0, grpc.StatusCode.UNAUTHENTICATED)
+            assert "x-api-key" in details
+            assert await stream(key, allowed, allowed) == (2, grpc.StatusCode.OK, "")
+            answered, code, details = await stream(key, allowed, oip.ModelInferRequest(model_name="other-model"))
+            assert (answered, code) == (1, grpc.StatusCode.PERMISSION_DENIED)
+            assert "'other-model'" in details
+            answered, code, details = await stream(
+                key, allowed, oip.ModelInferRequest(model_name=MODEL, model_version="v1")
+            )
+            assert (answered, code) == (1, grpc.StatusCode.PERMISSION_DENIED)
+            assert "pin" in details
+        assert all(router_pb2.InferRequestHead.FromString(r).model_name == MODEL for r in seen)
+        assert not any(router_pb2.InferRequestHead.FromString(r).model_version for r in seen)
+    finally:
+        await server.stop(None)
+        await store.close()
