@@ -469,22 +469,49 @@ def forged(request_id: str, *, model: str = "evil:model", **tags: str) -> record
     return record
 
 
-async def send_records(address: str, token: str | None, *batches: recorder_pb2.RecordBatch) -> list[Any]:
+async def send_records(
+    address: str, token: str | None, *batches: recorder_pb2.RecordBatch
+) -> tuple[list[Any], grpc.StatusCode]:
+    """Send batches on one stream, each after the previous one's ack; the acks and the stream's final status.
+
+    A stream the recorder ends while the client is still writing fails the write on the client's side
+    (INTERNAL "Failed execute_batch"): the status the recorder gave is the call's, read after it."""
     metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
     async with aio.insecure_channel(address) as channel:
         stream = channel.stream_stream(
             "/splitstream.v1.Recorder/Record", response_deserializer=recorder_pb2.RecordAck.FromString
         )(metadata=metadata)
         acks = []
-        for item in batches:
-            await stream.write(item.SerializeToString())
-            acks.append(await stream.read())
-        await stream.done_writing()
-        return acks
+        try:
+            for item in batches:
+                await stream.write(item.SerializeToString())
+                ack = await stream.read()
+                if ack is aio.EOF:
+                    break
+                acks.append(ack)
+            await stream.done_writing()
+        except (aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        return acks, await stream.code()
+
+
+async def status_without_writing(address: str, token: str | None) -> grpc.StatusCode:
+    metadata = (("authorization", f"Bearer {token}"),) if token is not None else ()
+    async with aio.insecure_channel(address) as channel:
+        stream = channel.stream_stream("/splitstream.v1.Recorder/Record")(metadata=metadata)
+        code: grpc.StatusCode = await stream.code()
+        return code
 
 
 @pytest.mark.parametrize("token", [None, "wrong-token-" + "x" * 20, SERVICE_TOKEN[:-1]], ids=["none", "wrong", "near"])
 def test_forged_records_are_refused_before_a_byte_reaches_redis(auth: AuthStack, token: str | None) -> None:
+    """The status is read on a stream that sends nothing (one that is still writing when the recorder ends
+    it may see its own write fail, INTERNAL, instead); the forged stream's refusal shows in the recorder's
+    count and in Redis, where nothing of it is."""
+    recorder = auth.stack.recorder
+    reason = "missing" if token is None else "invalid"
+    refused_before = metric(recorder, "splitstream_recorder_unauthenticated_calls_total", reason=reason)
+    assert asyncio.run(status_without_writing(recorder.address, token)) == grpc.StatusCode.UNAUTHENTICATED
     client = auth.stack.redis.client()
     try:
         keys_before = client.dbsize()
@@ -492,17 +519,17 @@ def test_forged_records_are_refused_before_a_byte_reaches_redis(auth: AuthStack,
             recorder_pb2.RecordBatch(sequence=n, records=[forged(f"forged-{n}-{i}") for i in range(500)])
             for n in range(1, 5)
         ]
-        with pytest.raises(aio.AioRpcError) as refused:
-            asyncio.run(send_records(auth.stack.recorder.address, token, *batches))
-        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        acks, code = asyncio.run(send_records(recorder.address, token, *batches))
+        assert acks == []
+        assert code != grpc.StatusCode.OK
         assert client.dbsize() == keys_before
         assert not client.exists(stream_key("evil:model"))
     finally:
         client.close()
     # The router's own records keep arriving meanwhile, so the model's stream is searched, not counted.
     assert b"forged-" not in auth.stack.redis_bytes()
-    reason = "missing" if token is None else "invalid"
-    assert metric(auth.stack.recorder, "splitstream_recorder_unauthenticated_calls_total", reason=reason) >= 1
+    refused = metric(recorder, "splitstream_recorder_unauthenticated_calls_total", reason=reason) - refused_before
+    assert refused == 2
 
 
 def test_with_the_token_reserved_tags_and_impossible_records_are_rejected_one_by_one(auth: AuthStack) -> None:
@@ -516,13 +543,9 @@ def test_with_the_token_reserved_tags_and_impossible_records_are_rejected_one_by
     late.receive_unix_ns = time.time_ns() + 30 * 86_400 * 10**9
     negative = forged("negative-latency", model=MODEL)
     negative.latency_ns = -5
-    (ack,) = asyncio.run(
-        send_records(
-            auth.stack.recorder.address,
-            SERVICE_TOKEN,
-            recorder_pb2.RecordBatch(sequence=7, records=[good, *bad, late, negative]),
-        )
-    )
+    batch = recorder_pb2.RecordBatch(sequence=7, records=[good, *bad, late, negative])
+    (ack,), code = asyncio.run(send_records(auth.stack.recorder.address, SERVICE_TOKEN, batch))
+    assert code == grpc.StatusCode.OK
     assert ack.written == 1
     reasons = {r.request_id: r.reason for r in ack.rejected}
     assert REDACTED_OUTPUTS_TAG in reasons["reserved-tag"]
