@@ -731,3 +731,19 @@ async def test_each_request_of_a_token_stream_is_checked_for_its_model_and_pin(t
     finally:
         await server.stop(None)
         await store.close()
+
+
+def test_a_router_without_the_recorder_s_token_spools_its_records_and_says_why(auth: AuthStack, tmp_path: Path) -> None:
+    """A token missing on one router is an outage to fix, not a reason to lose its records."""
+    router = auth.stack.start_router("--spool-dir", str(tmp_path / "spool"))
+    for n in range(5):
+        assert call(router, rid=f"untokened-{n}")[0] == grpc.StatusCode.OK
+    wait_for(
+        lambda: metric(router, "splitstream_router_mirror_records_spooled_total") == 5,
+        timeout_s=30,
+        what="the records to be spooled",
+    )
+    assert metric(router, "splitstream_router_mirror_records_dropped_total") == 0
+    assert "UNAUTHENTICATED: no service token" in router.log()
+    assert b"untokened-" not in auth.stack.redis_bytes()
+    router.stop()
