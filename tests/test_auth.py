@@ -747,3 +747,16 @@ def test_a_router_without_the_recorder_s_token_spools_its_records_and_says_why(a
     assert "UNAUTHENTICATED: no service token" in router.log()
     assert b"untokened-" not in auth.stack.redis_bytes()
     router.stop()
+
+
+def test_bytes_that_are_no_request_are_unauthenticated_without_a_key_and_invalid_with_one(auth: AuthStack) -> None:
+    """Authentication comes first: an anonymous caller learns nothing, not even what the router parses."""
+    with grpc.insecure_channel(auth.router.address) as channel:
+        raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as anonymous:
+            raw(b"\xff\xff\xff", timeout=10)
+        assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as known:
+            raw(b"\xff\xff\xff", metadata=[("x-api-key", KEYS["web"])], timeout=10)
+        assert known.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "inference.ModelInferRequest" in (known.value.details() or "")

@@ -205,14 +205,15 @@ def check_model(
         raise _denied(f"principal '{principal.name}' may not pin a version ({VERSION_HEADER} or model_version)", "pin")
 
 
-def read_head(request: bytes) -> router_pb2.InferRequestHead:
+def read_head(request: bytes, method: str = "") -> router_pb2.InferRequestHead:
     """The head of a ModelInferRequest, ModelMetadataRequest or ModelReadyRequest (name and version are
-    fields 1 and 2 of all three)."""
+    fields 1 and 2 of all three); INVALID_ARGUMENT naming the message, as the handler itself would."""
     try:
         return router_pb2.InferRequestHead.FromString(request)
     except DecodeError:
+        message = f"inference.{method.rpartition('/')[2]}Request" if method in _MODEL else "inference.ModelInferRequest"
         raise Refused(
-            Refusal(grpc.StatusCode.INVALID_ARGUMENT, "request is not a valid inference request", "bad_request")
+            Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"request is not a valid {message}", "bad_request")
         ) from None
 
 
@@ -260,7 +261,7 @@ class AuthInterceptor(aio.ServerInterceptor):
             if method == _FEEDBACK and not principal.feedback:
                 raise _denied(f"principal '{principal.name}' may not report feedback", "feedback")
             if request is not None and (method in _INFER or method in _MODEL):
-                head = read_head(request)
+                head = read_head(request, method)
                 pinned = _header(metadata, VERSION_HEADER)
                 check_model(principal, head, pinned_header=pinned, infer=method in _INFER)
                 CALL_HEAD.set(head if method in _INFER else None)
