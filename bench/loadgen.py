@@ -80,22 +80,29 @@ class Summary:
 
 
 async def drive(
-    address: str, request: bytes, concurrency: int, seconds: float, pids: list[int], tls: ClientTls = PLAINTEXT
+    address: str,
+    request: bytes,
+    concurrency: int,
+    seconds: float,
+    pids: list[int],
+    tls: ClientTls = PLAINTEXT,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> Result:
     """``concurrency`` callers, each sending the next call when the last returns, for ``seconds``
-    (over one channel, so a TLS path pays its handshake once, in the warm-up, as a real client does)."""
+    (over one channel, so a TLS path pays its handshake once, in the warm-up, as a real client does;
+    every call with ``metadata``: a caller's credentials, say)."""
     result = Result()
     async with tls.aio_channel(address) as channel:
         call = channel.unary_unary(METHOD)
         for _ in range(50):  # warm the connection and the path
-            await call(request, timeout=10)
+            await call(request, timeout=10, metadata=metadata)
         stop_at = time.perf_counter() + seconds
         cpu_before = cpu_seconds(pids) if pids else 0.0
 
         async def loop() -> None:
             while time.perf_counter() < stop_at:
                 start = time.perf_counter()
-                await call(request, timeout=10)
+                await call(request, timeout=10, metadata=metadata)
                 result.latencies_s.append(time.perf_counter() - start)
 
         started = time.perf_counter()
@@ -113,13 +120,16 @@ def measure(
     seconds: float,
     rounds: int,
     tls: dict[str, ClientTls] | None = None,
+    metadata: dict[str, tuple[tuple[str, str], ...]] | None = None,
 ) -> dict[str, Summary]:
     """Drive every path (name → (address, pids whose CPU to count)) ``rounds`` times, in a rotated
-    order each round, and merge each path's rounds. ``tls``: the client TLS of the paths that need it."""
+    order each round, and merge each path's rounds. ``tls``: the client TLS of the paths that need it;
+    ``metadata`` per path name, if any."""
     merged: dict[str, list[Result]] = {name: [] for name in paths}
     for round_index in range(rounds):
         for name in rotated(list(paths), round_index):  # no path always runs first
             address, pids = paths[name]
             security = (tls or {}).get(name, PLAINTEXT)
-            merged[name].append(asyncio.run(drive(address, request, concurrency, seconds, pids, security)))
+            headers = (metadata or {}).get(name, ())
+            merged[name].append(asyncio.run(drive(address, request, concurrency, seconds, pids, security, headers)))
     return {name: Summary.of(results) for name, results in merged.items()}

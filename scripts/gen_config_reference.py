@@ -35,6 +35,7 @@ DOCUMENTS = [
         "ExperimentDocument",
     ),
     ("Model `config.yaml` (`MODEL_REPOSITORY/MODEL/VERSION/config.yaml`)", "splitstream.worker.config", "ModelConfig"),
+    ("Router principals (`--auth-principals`, YAML or JSON)", "splitstream.router.auth.policy", "PrincipalsDocument"),
 ]
 _ENV = re.compile(r"\s*\[env (\w+)(?: set)?\]")
 

@@ -215,6 +215,7 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
     ]
     sent[2].arm, sent[2].assignment, sent[2].routing_key_hmac = "v1", recorder_pb2.ASSIGNMENT_SPILL, ""
     sent[2].phase.id, sent[2].phase.control = "0123456789abcdef", "v1"
+    sent[2].principal = "web-frontend"
     shadow = sent[0].shadows.add(version="v2", endpoint="127.0.0.1:9001", status_code=0, latency_ns=3_000_000)
     shadow.response.inline = response.SerializeToString()
 
@@ -223,7 +224,7 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
     assert [(ack.sequence, ack.written) for ack in acks] == [(41, 2), (42, 1)]
     entries = await xrange(redis, stream_key("resnet")) + await xrange(redis, stream_key("bert"))
     readable = [{k.decode(): v.decode() for k, v in fields.items() if k != b"record"} for _, fields in entries]
-    unit = {"unit": "ab" * 32}
+    unit = {"unit": "ab" * 32, "principal": ""}
     assert readable == [
         {"request_id": "a-1", "time_ns": str(sent[0].receive_unix_ns), "model": "resnet", "version": "v1"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v1", "assignment": "unspecified", "phase": ""}
@@ -234,7 +235,7 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
         | unit,
         {"request_id": "b-1", "time_ns": str(sent[2].receive_unix_ns), "model": "bert", "version": "v2"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v1", "assignment": "spill", "phase": "0123456789abcdef"}
-        | {"unit": ""},
+        | {"unit": "", "principal": "web-frontend"},
     ]
     stored = [item.record async for item in read_records(redis, "resnet")]
     for original in sent[:2]:  # what was sent, plus the sizes the recorder fills in

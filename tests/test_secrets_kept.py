@@ -26,6 +26,8 @@ SECRET_ENV = {
     "SPLITSTREAM_RECORDER_REDIS_URL": "redis://:recorder-redis-secret-4@127.0.0.1:6390/0",
     "SPLITSTREAM_REPLAY_HMAC_KEY": "replay-hmac-secret-5",
     "SPLITSTREAM_REPLAY_REDIS_URL": "redis://127.0.0.1:6390/0?password=replay-redis-secret-6",
+    "SPLITSTREAM_SERVICE_TOKEN": "shared-service-token-secret-7",
+    "SPLITSTREAM_ROUTER_JWT_JWKS": "https://reader:router-jwks-secret-8@issuer.example/jwks.json",
 }
 SECRETS = [
     "shared-hmac-secret-1",
@@ -34,10 +36,12 @@ SECRETS = [
     "recorder-redis-secret-4",
     "replay-hmac-secret-5",
     "replay-redis-secret-6",
+    "shared-service-token-secret-7",
+    "router-jwks-secret-8",
 ]
 
 COMMANDS = {
-    "router": ("splitstream.router", ["SPLITSTREAM_ROUTER_HMAC_KEY"]),
+    "router": ("splitstream.router", ["SPLITSTREAM_ROUTER_HMAC_KEY", "SPLITSTREAM_ROUTER_JWT_JWKS"]),
     "recorder": ("splitstream.recorder", ["SPLITSTREAM_RECORDER_HMAC_KEY", "SPLITSTREAM_RECORDER_REDIS_URL"]),
     "replay": ("splitstream.replayer", ["SPLITSTREAM_REPLAY_HMAC_KEY", "SPLITSTREAM_REPLAY_REDIS_URL"]),
     "worker": ("splitstream.worker", []),
@@ -173,3 +177,20 @@ def test_a_log_line_that_quotes_a_url_or_a_password_pair_is_masked_whatever_logg
     assert "log-secret" not in result.stderr
     assert "rediss://***@h:6380/0" in lines[0]
     assert "redis://***@h:6379/0" in lines[1]
+
+
+def test_an_unreachable_jwks_url_s_error_hides_its_password(tmp_path: Path) -> None:
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: {}\n")
+    principals = tmp_path / "principals.yaml"
+    principals.write_text("principals: {}\n")
+    result = run(
+        "splitstream.router",
+        "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
+        "--auth-principals", f"file:{principals}", "--jwt-audience", "a", "--jwt-issuer", "i",
+        env={"SPLITSTREAM_ROUTER_JWT_JWKS": f"http://reader:jwks-url-secret@127.0.0.1:{free_port()}/jwks.json"},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "jwks-url-secret" not in result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("splitstream-router: error: --jwt-jwks http://reader:***@127.0.0.1:")

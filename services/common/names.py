@@ -18,6 +18,10 @@ def check_model_name(model: str) -> None:
         raise ValueError("model is empty")
     if len(model) > MAX_MODEL_CHARS:
         raise ValueError(f"model name is {len(model)} characters, at most {MAX_MODEL_CHARS} fit in a stream key")
+    if "*" in model:
+        # The wildcard of the router's grants (models: ["*"]) and of stream-key patterns
+        # (splitstream:calls:*): a model of that name could be neither granted alone nor listed apart.
+        raise ValueError(f"model {model!r} contains '*', which means 'every model' in grants and key patterns")
     bad = next((ch for ch in model if ch.isspace() or not ch.isprintable()), None)
     if bad is not None:
         raise ValueError(f"model {model!r} contains {bad!r}; whitespace and control characters cannot be in a key")

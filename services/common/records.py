@@ -150,6 +150,8 @@ def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
         "phase": record.phase.id,
         # The unit of analysis: the routing key's HMAC; empty for a call without a key.
         "unit": record.routing_key_hmac,
+        # The authenticated caller (a configured principal's name; empty when callers are not authenticated).
+        "principal": record.principal,
         "record": record.SerializeToString(),
     }
 

@@ -18,6 +18,7 @@ from splitstream.common.errors import ConfigError
 from splitstream.common.redis_url import RedisSecurity, add_redis_security_arguments, redis_security_from_args
 from splitstream.common.runtime import SERVER_ARGUMENTS, ServerDefaults, ServerSettings, add_server_arguments
 from splitstream.common.schema import Document, validate
+from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 
 PROG = "splitstream-recorder"
 #: The HMAC key is shared with the routers (they HMAC routing keys with it), hence a
@@ -76,6 +77,8 @@ class RecorderConfig(Document):
     redact_output: tuple[Rule, ...]
     hmac_key: bytes
     redis_security: InstanceOf[RedisSecurity] = RedisSecurity()
+    #: The routers' shared service token ("": the recorder takes records from anyone who can reach it).
+    service_token: str = Field(default="", repr=False)
 
     @model_validator(mode="after")
     def _consistent(self) -> RecorderConfig:
@@ -223,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"key for masking metadata (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
         secret=True,
     )
+    parser.add_argument(
+        "--service-token-file",
+        default="",
+        help=f"file holding the routers' shared service token; records are then taken only from calls that "
+        f"carry it (else {SERVICE_TOKEN_ENV}; neither: records are taken from anyone who can connect)",
+    )
     return parser
 
 
@@ -244,6 +253,7 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
         values["redact_output"] = _rules(args.redact_output, what="--redact-output")
         key = args.hmac_key if args.hmac_key is not None else os.environ.get(SHARED_HMAC_KEY_ENV, "")
         values["hmac_key"] = key.encode()
+        values["service_token"] = read_service_token(values.pop("service_token_file"))
         return validate(RecorderConfig, values, rename=_flag)
     except ConfigError as error:
         parser.error(str(error))

@@ -24,6 +24,8 @@ from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.redis_url import check_connection_options
 from splitstream.common.runtime import Runtime, Service, run_service
 from splitstream.common.secrets import redact_text, redact_url
+from splitstream.common.service_auth import ServiceAuth
+from splitstream.recorder.access import RouterAccess
 from splitstream.recorder.config import PROG, RecorderConfig, parse_args
 from splitstream.recorder.core import RecorderCore
 from splitstream.recorder.errors import StoreUnavailable
@@ -103,6 +105,11 @@ class Recorder(Service):
     def health_names(self) -> Sequence[str]:
         return (SERVICE,)
 
+    def interceptors(self) -> Sequence[aio.ServerInterceptor]:
+        """Routers authenticate with the service token when one is set (refused before a message is read)."""
+        auth = ServiceAuth(token=self.config.service_token)
+        return [RouterAccess(auth, self.recorder_metrics)] if auth.enabled else []
+
     def register(self, server: aio.Server) -> None:
         server.add_generic_rpc_handlers(self.servicer.handlers())
 
@@ -121,7 +128,12 @@ class Recorder(Service):
             redact_metadata=[f"{r.name}:{r.action.value}" for r in self.config.redact_metadata],
             redact_input=[f"{r.name}:{r.action.value}" for r in self.config.redact_input],
             redact_output=[f"{r.name}:{r.action.value}" for r in self.config.redact_output],
+            routers_authenticated=bool(self.config.service_token),
         )
+        if not self.config.service_token:
+            self.log.warning(
+                "no service token: records are taken from anyone who can connect (set --service-token-file)"
+            )
         await self._watch_redis(runtime)
 
     async def _watch_redis(self, runtime: Runtime) -> None:

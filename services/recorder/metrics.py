@@ -78,5 +78,14 @@ class RecorderMetrics:
             "Record streams (one per connected router) open now",
             registry=self.registry,
         )
+        self.unauthenticated = Counter(
+            "splitstream_recorder_unauthenticated_calls",
+            "Calls refused UNAUTHENTICATED before any of their messages was read: missing or invalid service "
+            "token (or client certificate not allowed)",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in ("missing", "invalid", "identity"):
+            self.unauthenticated.labels(reason)
         for result in ("ok", "invalid", "redis_error"):
             self.batches.labels(result)

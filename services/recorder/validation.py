@@ -11,6 +11,7 @@ as it was.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
@@ -19,8 +20,17 @@ from splitstream.common.feedback import EventProblem, check_event
 from splitstream.common.names import check_model_name
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
-from splitstream.common.records import SCHEMA_VERSION
+from splitstream.common.records import PAYLOAD_DROPPED_TAG, SCHEMA_VERSION
 from splitstream.recorder.errors import InvalidBatch
+
+#: Tags under ``splitstream.`` are the system's own; a router may set only these, the rest (such as
+#: ``splitstream.redacted-outputs``, which tells the replayer not to compare an output) are the recorder's.
+ROUTER_TAGS = frozenset({PAYLOAD_DROPPED_TAG})
+RESERVED_TAG_PREFIX = "splitstream."
+#: Receive times a router's clock cannot give: before 2000, or more than a day ahead of this recorder's
+#: clock (spooled records arrive late, never early; a day covers any clock a router could be allowed).
+EARLIEST_RECEIVE_NS = 946_684_800 * 10**9
+MAX_AHEAD_NS = 86_400 * 10**9
 
 
 @dataclass(slots=True)
@@ -133,6 +143,18 @@ def check_record(record: recorder_pb2.CallRecord, *, decode_request: bool) -> oi
     check_model_name(record.model)
     if record.receive_unix_ns <= 0:
         raise ValueError(f"receive_unix_ns is {record.receive_unix_ns}, expected unix time in ns (> 0)")
+    if record.receive_unix_ns < EARLIEST_RECEIVE_NS:
+        raise ValueError(f"receive_unix_ns is {record.receive_unix_ns}, before the year 2000: no router received it")
+    if record.receive_unix_ns > time.time_ns() + MAX_AHEAD_NS:
+        raise ValueError(f"receive_unix_ns is {record.receive_unix_ns}, more than a day ahead of the recorder's clock")
+    if record.latency_ns < 0:
+        raise ValueError(f"latency_ns is {record.latency_ns}, a latency cannot be negative")
+    for index, shadow in enumerate(record.shadows):
+        if shadow.latency_ns < 0:
+            raise ValueError(f"shadows[{index}].latency_ns is {shadow.latency_ns}, a latency cannot be negative")
+    for tag in record.tags:
+        if tag.startswith(RESERVED_TAG_PREFIX) and tag not in ROUTER_TAGS:
+            raise ValueError(f"tag {tag!r} is reserved to the recorder; a router cannot set it")
     check_payload(record.request, "request")
     check_payload(record.response, "response")
     for index, shadow in enumerate(record.shadows):

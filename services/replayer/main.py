@@ -106,6 +106,12 @@ def build_parser() -> EnvArgumentParser:
         help="only calls with this routing key (matched through its HMAC; repeatable)",
     )
     source.add_argument(
+        "--principal",
+        action="append",
+        default=[],
+        help="only calls made by this authenticated caller (the router's principal name; repeatable)",
+    )
+    source.add_argument(
         "--hmac-key", default="", help="the deployment's routing-key HMAC key; else SPLITSTREAM_HMAC_KEY", secret=True
     )
     source.add_argument(
@@ -163,6 +169,12 @@ def build_parser() -> EnvArgumentParser:
         "--no-forward-metadata",
         action="store_true",
         help="do not re-send the recorded request metadata (ids, pins and masked values never are)",
+    )
+    target.add_argument(
+        "--api-key-file",
+        default="",
+        help="file holding the replayer's own API key, sent as x-api-key on every call (for a router that "
+        "authenticates callers; recorded credentials are then never re-sent)",
     )
 
     timing = parser.add_argument_group("timing (open loop)")
@@ -225,6 +237,7 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             versions=frozenset(args.version),
             statuses=statuses,
             routing_key_hmacs=hmacs,
+            principals=frozenset(args.principal),
             sample=args.sample,
             sample_seed=args.seed,
             limit=args.limit,
@@ -258,6 +271,7 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             output_dir=Path(args.output_dir),
             progress=not args.no_progress,
             sender_nice=args.sender_nice,
+            credentials=_credentials(args.api_key_file),
         )
         gate = parse_gate(args.gate) if args.gate else None
         if not 0 < args.connect_timeout_s < math.inf:
@@ -291,6 +305,20 @@ def _join_relative_times(argv: list[str]) -> list[str]:
         joined.append(arg)
         index += 1
     return joined
+
+
+def _credentials(path: str) -> tuple[tuple[str, str], ...]:
+    """The x-api-key header from ``path`` (none without a path); ValueError naming the flag, never the key."""
+    if not path:
+        return ()
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else "cannot be read as text"
+        raise ValueError(f"--api-key-file {path}: {reason}") from None
+    if not key or not key.isascii() or not key.isprintable():
+        raise ValueError(f"--api-key-file {path}: the key must be one line of printable ASCII")
+    return (("x-api-key", key),)
 
 
 def _mebibytes(flag: str, mib: float) -> int:

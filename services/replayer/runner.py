@@ -76,6 +76,8 @@ _NOT_FORWARDED = frozenset(
         "authority",
     }
 )
+#: A recorded credential is not forwarded when the replayer sends its own (a call carrying two is refused).
+_CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
 _END = object()
 
 
@@ -96,6 +98,9 @@ class ReplaySettings:
     progress: bool = True
     #: Niceness asked for the sender thread (best effort; 0 leaves it alone).
     sender_nice: int = -10
+    #: The replayer's own credential headers (``x-api-key``), sent on every call to a router that
+    #: authenticates callers; recorded credential headers are then never forwarded.
+    credentials: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -289,12 +294,16 @@ class Replay:
         replay_id = record.request_id + self.settings.id_suffix
         # Recorded ids are any protobuf string ("ünïcode", "a\x01b"); gRPC refuses such a header value.
         metadata = list(request_id_metadata(replay_id))
+        own = {key for key, _ in self.settings.credentials}
         if self.settings.forward_metadata:
             metadata += [
                 (key, value)
                 for key, value in sorted(record.metadata.items())
-                if key.lower() not in _NOT_FORWARDED and not value.startswith("hmac:")
+                if key.lower() not in _NOT_FORWARDED
+                and not value.startswith("hmac:")
+                and not (own and key.lower() in _CREDENTIAL_HEADERS)
             ]
+        metadata += self.settings.credentials
         if self.settings.pin_version:
             metadata.append((VERSION_HEADER, self.settings.pin_version))
         recorded = Answer(record.status_code, response, redacted_outputs(record), response_recorded)

@@ -88,7 +88,7 @@ class StatusFilter:
 class Selection:
     """What to read: a receive-time window ``[since_ns, until_ns)`` of some models, and filters.
 
-    Empty ``versions``/``routing_key_hmacs`` and ``statuses=None`` mean "any"."""
+    Empty ``versions``/``routing_key_hmacs``/``principals`` and ``statuses=None`` mean "any"."""
 
     models: tuple[str, ...]
     since_ns: int
@@ -96,6 +96,8 @@ class Selection:
     versions: frozenset[str] = frozenset()
     statuses: StatusFilter | None = None
     routing_key_hmacs: frozenset[str] = frozenset()
+    #: Authenticated callers' names (``CallRecord.principal``); empty: any caller, unauthenticated ones too.
+    principals: frozenset[str] = frozenset()
     sample: float = 1.0
     sample_seed: int = 0
     limit: int | None = None
@@ -270,6 +272,9 @@ def admit(entry: RawEntry, selection: Selection, stats: SelectionStats) -> Selec
             raise CorruptEntry(f"entry {entry.stream_id}: unknown status {status!r}") from None
         if not selection.statuses.matches(code):
             return None
+    principal = entry_text(entry, "principal")
+    if selection.principals and principal and principal not in selection.principals:
+        return None
     request_id = entry_text(entry, "request_id")
     if request_id and not selection.sampled(request_id):
         return None
@@ -283,6 +288,8 @@ def admit(entry: RawEntry, selection: Selection, stats: SelectionStats) -> Selec
     if selection.statuses is not None and not status and not selection.statuses.matches(record.status_code):
         return None
     if selection.routing_key_hmacs and record.routing_key_hmac not in selection.routing_key_hmacs:
+        return None
+    if selection.principals and record.principal not in selection.principals:
         return None
     return SelectedCall(model=record.model, stream_id=entry.stream_id, receive_ns=receive_ns, record=record)
 

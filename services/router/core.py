@@ -92,6 +92,8 @@ class CallOutcome:
     shadows: list[Any] = field(default_factory=list)  # ShadowOutcome, filled after the client's answer
     #: A ModelStreamInfer stream's messages (``splitstream.router.streams.StreamTrace``); None for unary calls.
     stream: Any = None
+    #: The authenticated caller's name ("" when the router does not authenticate callers); never a credential.
+    principal: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,11 +133,19 @@ class RouterCore:
 
     # -- calls -----------------------------------------------------------------------------
 
-    async def infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
+    async def infer(
+        self,
+        request: bytes,
+        headers: Mapping[str, str],
+        timeout_s: float | None,
+        head: router_pb2.InferRequestHead | None = None,
+    ) -> CallOutcome:
+        """``head``: the request's head when the caller parsed it already (authorization reads the model),
+        so a large request is not parsed twice."""
         receive_unix_ns = time.time_ns()
         started = time.perf_counter()
         try:
-            outcome = await self._infer(request, headers, timeout_s)
+            outcome = await self._infer(request, headers, timeout_s, head)
         except asyncio.CancelledError:  # the client went away; the worker call was cancelled with it
             self.metrics.answered("_cancelled", "", grpc.StatusCode.CANCELLED.name, time.perf_counter() - started)
             raise
@@ -171,10 +181,16 @@ class RouterCore:
                     details=outcome.details,
                 )
 
-    async def _infer(self, request: bytes, headers: Mapping[str, str], timeout_s: float | None) -> CallOutcome:
+    async def _infer(
+        self,
+        request: bytes,
+        headers: Mapping[str, str],
+        timeout_s: float | None,
+        head: router_pb2.InferRequestHead | None,
+    ) -> CallOutcome:
         outcome = CallOutcome(headers.get(REQUEST_ID_HEADER, ""), UNKNOWN_MODEL, grpc.StatusCode.OK, "", None)
         try:
-            routes, route = self.route(outcome, request, headers)
+            routes, route = self.route(outcome, request, headers, head)
         except SplitstreamError as error:
             outcome.code, outcome.details = error.code, str(error)
             return outcome
@@ -197,13 +213,19 @@ class RouterCore:
         await self._forward(outcome, endpoint, request, deadline)
         return outcome
 
-    def route(self, outcome: CallOutcome, request: bytes, headers: Mapping[str, str]) -> tuple[ModelRoutes, Route]:
+    def route(
+        self,
+        outcome: CallOutcome,
+        request: bytes,
+        headers: Mapping[str, str],
+        head: router_pb2.InferRequestHead | None = None,
+    ) -> tuple[ModelRoutes, Route]:
         """Read the request head (no tensors decoded) and pick the version: pin, sticky split, or the
         control when the arm has no eligible endpoint. Fills ``outcome`` (id, model, key, version, arm)
         as far as it gets; raises SplitstreamError (InvalidInput, ModelNotFound, ModelNotReady) with the
         id always set. Unary calls and the first request of a token stream route alike."""
         try:
-            head = _read_head(request)
+            head = head or _read_head(request)
             outcome.request_id = outcome.request_id or head.id
             routes = self._table.model(head.model_name)
             outcome.model = head.model_name

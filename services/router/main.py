@@ -6,12 +6,13 @@ runtime (:mod:`splitstream.common.runtime`) serves, drains and stops.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import os
 import socket
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from grpc import aio
@@ -32,7 +33,13 @@ from splitstream.common.runtime import (
     run_service,
 )
 from splitstream.common.secrets import redact_text, redact_url
+from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
+from splitstream.router.auth.credentials import PrincipalsStore, open_principals
+from splitstream.router.auth.interceptor import Authenticator, AuthInterceptor, AuthMetrics
+from splitstream.router.auth.jwks import JwtSettings, JwtVerifier, parse_algorithms
+from splitstream.router.auth.policy import Policy
+from splitstream.router.auth.ratelimit import RateLimiter
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.feedback import FeedbackService
 from splitstream.router.metrics import RouterMetrics
@@ -72,6 +79,11 @@ class RouterConfig:
     record_stream_max_bytes: int
     upstream_tls: ClientTls = PLAINTEXT
     recorder_tls: ClientTls = PLAINTEXT
+    #: Where the principals document is ("": callers are not authenticated).
+    auth_principals: str = ""
+    jwt: JwtSettings | None = None
+    #: Sent to the recorder on the Record stream ("": none).
+    service_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.eject_after_failures < 1:
@@ -92,6 +104,13 @@ class RouterConfig:
                 raise ConfigError(f"--recorder: {error}") from None
         if self.recorder and not self.hmac_key:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
+        if self.jwt is not None and not self.auth_principals:
+            raise ConfigError("--jwt-jwks needs --auth-principals: a JWT's principal takes its grants from it")
+        if self.auth_principals and self.record_credential_headers:
+            raise ConfigError(
+                "--record-credential-headers cannot be used with --auth-principals: records would keep callers' "
+                "keys and tokens"
+            )
         for flag, count in (
             ("--record-batch-size", self.record_batch_size),
             ("--record-queue-size", self.record_queue_size),
@@ -228,6 +247,47 @@ def build_parser() -> EnvArgumentParser:
     add_client_tls_arguments(
         parser.add_argument_group("TLS to the recorder"), flag="--recorder-tls", what="the recorder"
     )
+    recording.add_argument(
+        "--service-token-file",
+        default="",
+        help=f"file holding the service token sent to the recorder (else {SERVICE_TOKEN_ENV}); needed when the "
+        "recorder checks one",
+    )
+    auth = parser.add_argument_group(
+        "caller authentication (off unless --auth-principals is set; grpc health and reflection stay open)"
+    )
+    auth.add_argument(
+        "--auth-principals",
+        default="",
+        help="the principals document (API key hashes and grants per principal): file:PATH (YAML or JSON, "
+        "re-read on change) or consul://HOST:PORT/KEY (a KV key, watched; ACL token from CONSUL_HTTP_TOKEN); "
+        "callers then send x-api-key: KEY or authorization: Bearer JWT",
+    )
+    auth.add_argument(
+        "--jwt-jwks",
+        default="",
+        help="accept JWTs signed by a key of this JWKS: file:PATH or an http(s):// URL (re-read on an unknown kid "
+        "and every --jwks-refresh-s)",
+        secret=True,
+    )
+    auth.add_argument("--jwt-audience", default="", help="the aud a JWT must carry (required with --jwt-jwks)")
+    auth.add_argument("--jwt-issuer", default="", help="the iss a JWT must carry (required with --jwt-jwks)")
+    auth.add_argument(
+        "--jwt-algorithms",
+        default="RS256,ES256",
+        help="signature algorithms accepted, comma-separated (asymmetric only: none and HS* are refused)",
+    )
+    auth.add_argument(
+        "--jwt-principal-claim", default="sub", help="the claim naming the principal (an entry of --auth-principals)"
+    )
+    auth.add_argument("--jwt-leeway-s", type=float, default=10.0, help="clock skew allowed on exp and nbf")
+    auth.add_argument("--jwks-refresh-s", type=float, default=300.0, help="how often the JWKS is re-read")
+    auth.add_argument(
+        "--jwks-min-refresh-s",
+        type=float,
+        default=10.0,
+        help="shortest time between two reads of the JWKS (a token with an unknown kid triggers one)",
+    )
     return parser
 
 
@@ -263,10 +323,35 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             ),
             upstream_tls=client_tls_from_args(args, flag="--upstream-tls"),
             recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
+            auth_principals=args.auth_principals,
+            jwt=_jwt_settings(args),
+            service_token=read_service_token(args.service_token_file),
         )
     except ConfigError as error:
         parser.error(str(error))
     raise AssertionError("unreachable: parser.error exits")
+
+
+def _jwt_settings(args: argparse.Namespace) -> JwtSettings | None:
+    if not args.jwt_jwks:
+        return None
+    for flag, value in (
+        ("--jwt-leeway-s", args.jwt_leeway_s),
+        ("--jwks-refresh-s", args.jwks_refresh_s),
+        ("--jwks-min-refresh-s", args.jwks_min_refresh_s),
+    ):
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{flag}: must be a finite number >= 0, got {value}")
+    return JwtSettings(
+        jwks=args.jwt_jwks,
+        audience=args.jwt_audience,
+        issuer=args.jwt_issuer,
+        algorithms=parse_algorithms(args.jwt_algorithms),
+        principal_claim=args.jwt_principal_claim,
+        leeway_s=args.jwt_leeway_s,
+        refresh_s=args.jwks_refresh_s,
+        min_refresh_s=args.jwks_min_refresh_s,
+    )
 
 
 def open_registry(spec: str) -> Registry:
@@ -345,6 +430,7 @@ class Router(Service):
                 batch_max_bytes=config.record_batch_max_bytes,
                 record_credential_headers=config.record_credential_headers,
                 recorder_tls=config.recorder_tls,
+                service_token=config.service_token,
             )
             try:
                 spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
@@ -368,9 +454,28 @@ class Router(Service):
         if self.mirror is not None:
             self.streams.on_end = self.mirror.offer  # streams have no shadows: recorded as they end
         self._updates: AsyncIterator[RegistryUpdate] | None = None
+        self.principals: PrincipalsStore | None = None
+        self.jwt: JwtVerifier | None = None
+        self.auth: AuthInterceptor | None = None
+        if config.auth_principals:
+            self.auth_metrics = AuthMetrics(self.metrics)
+            self.limiter = RateLimiter()
+            self.principals = PrincipalsStore(open_principals(config.auth_principals), on_update=self._on_principals)
+            self.jwt = JwtVerifier(config.jwt) if config.jwt is not None else None
+            authenticator = Authenticator(self.principals, jwt=self.jwt, api_keys=True, limiter=self.limiter)
+            self.auth = AuthInterceptor(authenticator, self.auth_metrics)
 
     def interceptors(self) -> list[aio.ServerInterceptor]:
-        return self.servicer.interceptors()
+        """Calls are counted first (refused ones too), then authenticated and authorized."""
+        return [*self.servicer.interceptors(), *([self.auth] if self.auth is not None else [])]
+
+    def _on_principals(self, policy: Policy | None, error: str) -> None:
+        if policy is None:
+            self.auth_metrics.reloads.labels("error").inc()
+            return
+        self.auth_metrics.reloads.labels("ok").inc()
+        self.auth_metrics.principals.set(len(policy.principals))
+        self.limiter.forget_except(frozenset(policy.principals))
 
     def register(self, server: aio.Server) -> None:
         server.add_generic_rpc_handlers(self.servicer.handlers())
@@ -386,6 +491,11 @@ class Router(Service):
         if first.state is None:
             raise ConfigError(f"registry {self.registry.description}: {first.error}")
         self._apply(first)
+        if self.principals is not None:
+            await self.principals.load()
+            if self.jwt is not None:
+                await self.jwt.keys.load()
+            self.principals.start()
         if self.mirror is not None:
             self.mirror.start()
 
@@ -456,6 +566,8 @@ class Router(Service):
         every answered call is queued by now, so the mirror flushes to the recorder or the spool;
         worker channels close once their calls are done."""
         await self.shadows.close()
+        if self.principals is not None:
+            await self.principals.close()
         if self.mirror is not None:
             await self.mirror.close()
         if self._updates is not None and hasattr(self._updates, "aclose"):

@@ -38,7 +38,7 @@ import collections
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -48,6 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from splitstream.common.experiment import Phase
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
+from splitstream.common.service_auth import token_metadata
 from splitstream.common.tls import PLAINTEXT, ClientTls
 from splitstream.router.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_items
 from splitstream.router.core import CallOutcome
@@ -119,6 +120,8 @@ class MirrorSettings:
     max_refusals: int = 3
     #: TLS to the recorder; its files are read again for every new stream (a rotated client certificate).
     recorder_tls: ClientTls = PLAINTEXT
+    #: Sent on the Record stream so a recorder that checks it takes our records ("": none sent).
+    service_token: str = field(default="", repr=False)
 
 
 @dataclass(slots=True)
@@ -305,7 +308,9 @@ class RecordMirror:
         while True:
             channel = self.settings.recorder_tls.aio_channel(self.settings.recorder_address)
             # Batches are serialized once (the spool stores the same bytes), so the stream takes raw bytes.
-            stream = channel.stream_stream(RECORD_METHOD, response_deserializer=recorder_pb2.RecordAck.FromString)()
+            stream = channel.stream_stream(RECORD_METHOD, response_deserializer=recorder_pb2.RecordAck.FromString)(
+                metadata=token_metadata(self.settings.service_token)
+            )
             unacked: collections.deque[_Sent] = collections.deque()
             reader = asyncio.create_task(self._read_acks(stream, unacked))
             failure: Exception | None = None
@@ -654,6 +659,7 @@ class RecordMirror:
             fallback=outcome.fallback,
             pinned=outcome.pinned,
             retried=outcome.retried,
+            principal=outcome.principal,
         )
         record.request.inline = request
         record.request.size_bytes = len(request)

@@ -29,6 +29,7 @@ from splitstream.common.headers import (
 )
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
+from splitstream.router.auth.interceptor import CALL_HEAD, CALL_PRINCIPAL
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.streams import StreamProxy
@@ -89,11 +90,12 @@ class RouterServicer:
         metadata = context.invocation_metadata() or ()
         headers = self._headers(metadata)
         try:
-            outcome = await self.core.infer(request, headers, context.time_remaining())
+            outcome = await self.core.infer(request, headers, context.time_remaining(), CALL_HEAD.get())
         except Exception:
             log.exception("router call failed")
             await context.abort(*status_of(RuntimeError()))
             raise AssertionError("unreachable: abort raises") from None
+        outcome.principal = CALL_PRINCIPAL.get()
         if outcome.model != UNKNOWN_MODEL and self.after_answer is not None:
             self.after_answer(outcome, request, metadata)
         trailers = _trailers(outcome, headers.get(_SENT_ID))

@@ -44,6 +44,7 @@ from splitstream.common.errors import SplitstreamError
 from splitstream.common.headers import REQUEST_ID_HEADER, request_id_metadata
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2, router_pb2
+from splitstream.router.auth.interceptor import CALL_PRINCIPAL
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.metrics import StreamChildren
 from splitstream.router.pools import Endpoint
@@ -224,7 +225,13 @@ class _Relay:
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request_id = headers.get(REQUEST_ID_HEADER, "")
         self.outcome = CallOutcome(
-            request_id, UNKNOWN_MODEL, grpc.StatusCode.OK, "", None, receive_unix_ns=time.time_ns()
+            request_id,
+            UNKNOWN_MODEL,
+            grpc.StatusCode.OK,
+            "",
+            None,
+            receive_unix_ns=time.time_ns(),
+            principal=CALL_PRINCIPAL.get(),  # set by the auth interceptor in this task ("" when auth is off)
         )
         self.trace = StreamTrace(proxy.record_max_bytes)
         self.outcome.stream = self.trace

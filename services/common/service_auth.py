@@ -1,0 +1,96 @@
+"""Service-to-service authentication: which routers the recorder takes records from.
+
+Two ways, either or both:
+
+- a shared **service token**: the same secret on every router and recorder, read from a file
+  (``--service-token-file``) or the ``SPLITSTREAM_SERVICE_TOKEN`` variable, never from argv. The
+  router sends it as ``authorization: Bearer <token>`` on its Record stream; the recorder compares
+  it in constant time and refuses anything else UNAUTHENTICATED before reading a message;
+- a verified **client-certificate identity** (mTLS): :func:`peer_identities` reads the subject
+  common name and subject alternative names gRPC verified (``context.auth_context()``), and
+  :meth:`ServiceAuth.identity_allowed` checks them against an allow-list. The TLS setup that makes
+  gRPC verify client certificates is the transport's; with it, an allow-list is one more setting.
+
+The token is high-entropy (``openssl rand -hex 32``): at least 16 characters are required, so a
+placeholder like ``changeme`` is refused at startup rather than trusted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitstream.common.errors import ConfigError
+
+#: The deployment-wide variable both routers and recorders read when ``--service-token-file`` is not given.
+SERVICE_TOKEN_ENV = "SPLITSTREAM_SERVICE_TOKEN"
+AUTHORIZATION_HEADER = "authorization"
+MIN_TOKEN_CHARS = 16
+#: The auth-context properties gRPC fills from a verified client certificate.
+_IDENTITY_PROPERTIES = ("x509_common_name", "x509_subject_alternative_name")
+
+
+def read_service_token(path: str, *, flag: str = "--service-token-file") -> str:
+    """The token in ``path`` (surrounding whitespace, such as the file's final newline, removed), or
+    the environment's when ``path`` is empty ("" when neither is set). ConfigError, never quoting the
+    token, when it cannot be read or is too short to be a secret."""
+    if path:
+        try:
+            token = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else "cannot be read as text"
+            raise ConfigError(f"{flag} {path}: {reason}") from None
+        where = f"{flag} {path}"
+    else:
+        token = os.environ.get(SERVICE_TOKEN_ENV, "").strip()
+        where = SERVICE_TOKEN_ENV
+    if token and (len(token) < MIN_TOKEN_CHARS or not token.isascii() or not token.isprintable() or " " in token):
+        raise ConfigError(
+            f"{where}: the service token must be at least {MIN_TOKEN_CHARS} printable ASCII characters without "
+            "spaces (e.g. openssl rand -hex 32)"
+        )
+    return token
+
+
+def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """The metadata a router sends on its Record stream (none without a token)."""
+    return ((AUTHORIZATION_HEADER, f"Bearer {token}"),) if token else ()
+
+
+def peer_identities(auth_context: Mapping[str, Iterable[bytes]]) -> frozenset[str]:
+    """The names a verified client certificate carries (empty without mTLS)."""
+    names: set[str] = set()
+    for prop in _IDENTITY_PROPERTIES:
+        for value in auth_context.get(prop, ()):
+            names.add(value.decode("utf-8", "replace"))
+    return frozenset(names)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceAuth:
+    """What the recorder accepts: a token (empty: none configured) and certificate identities."""
+
+    token: str = ""
+    allowed_identities: frozenset[str] = frozenset()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.token or self.allowed_identities)
+
+    def token_problem(self, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+        """Why the call's credentials are refused, or None when the token matches. The message never
+        quotes what was sent."""
+        values = [v for k, v in metadata if k == AUTHORIZATION_HEADER and isinstance(v, str)]
+        if not values:
+            return "missing"
+        scheme, _, sent = values[0].strip().partition(" ")
+        if scheme.lower() != "bearer" or not sent:
+            return "invalid"
+        # Constant time: how long the comparison takes says nothing of how much of the token was right.
+        return None if hmac.compare_digest(sent.strip().encode(), self.token.encode()) else "invalid"
+
+    def identity_allowed(self, auth_context: Mapping[str, Iterable[bytes]]) -> bool:
+        return bool(peer_identities(auth_context) & self.allowed_identities)
