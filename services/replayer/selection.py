@@ -18,6 +18,12 @@ release keeps their order; only a late call older than what already left goes ou
 ``--max-lateness 0`` releases calls as they are read (fast start, no late records); a larger
 capacity buys exact order for busier windows with memory.
 
+Calls can also come from the archive (:mod:`splitstream.common.archive`): ``--source archive:URL``
+reads the whole window there (partition pruning, receive time and version pushed down to Parquet);
+with an archive configured beside Redis, the part of a window older than the stream's oldest entry
+(trimmed by retention) is read from the archive and the rest from Redis, merged in receive-time
+order, a request id the archive gave never taken again from Redis.
+
 Delivery is at least once, so the same request id can appear twice; a second copy reaches
 Redis within the lateness window of the first, so :class:`RecentIds` remembers ids for that
 long (and at most a capacity's worth) and drops repeats.
@@ -25,21 +31,24 @@ long (and at most a capacity's worth) and drops repeats.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import xxhash
 from redis.asyncio import Redis
 
+from splitstream.common.archive import Archive, ArchiveQuery, read_calls
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import (
     CorruptEntry,
     RawEntry,
     UnsupportedSchema,
     decode_entry,
+    decode_record,
     dropped_payloads,
     entry_text,
     entry_time_ns,
@@ -47,6 +56,7 @@ from splitstream.common.records import (
     status_code,
     stream_id_at,
     stream_id_ms,
+    stream_key,
 )
 from splitstream.replayer.summary import SelectionSummary
 
@@ -326,9 +336,114 @@ async def model_calls(
         stats.max_buffered = max(stats.max_buffered, buffer.max_buffered)
 
 
-async def select_calls(redis: Redis, selection: Selection, stats: SelectionStats) -> AsyncGenerator[SelectedCall, None]:
-    """Every model's selected calls merged in receive-time order, up to ``selection.limit``."""
-    sources = [model_calls(redis, model, selection, stats) for model in selection.models]
+async def archived_calls(
+    archive: Archive, model: str, selection: Selection, stats: SelectionStats, *, since_ns: int, until_ns: int
+) -> list[SelectedCall]:
+    """``model``'s selected calls received in ``[since_ns, until_ns)`` from the archive, de-duplicated, in
+    receive-time order. Reads the window in one go (in a thread): an archive hour is the unit of reading."""
+    statuses = selection.statuses
+    pushed: frozenset[int] | None = None
+    if statuses is not None and not statuses.any_error:
+        pushed = statuses.codes | ({0} if statuses.ok else frozenset())
+    query = ArchiveQuery(
+        model=model, since_ns=since_ns, until_ns=until_ns, versions=selection.versions, status_codes=pushed
+    )
+    table = await asyncio.to_thread(read_calls, archive, query, columns=["stream_id", "receive_time", "record"])
+    calls: list[SelectedCall] = []
+    receive = table["receive_time"].cast("int64").to_pylist()
+    for stream_id, receive_ns, data in zip(
+        table["stream_id"].to_pylist(), receive, table["record"].to_pylist(), strict=True
+    ):
+        stats.scanned += 1
+        stats.in_window += 1
+        try:
+            record = decode_record(data)
+        except UnsupportedSchema:
+            stats.skipped["unsupported_schema"] += 1
+            continue
+        except Exception:  # protobuf's DecodeError: archived as the raw bytes Redis held
+            stats.skipped["corrupt"] += 1
+            continue
+        if not record.request_id or not (record.HasField("request") or "request" in dropped_payloads(record)):
+            stats.skipped["corrupt"] += 1
+            continue
+        if not selection.sampled(record.request_id):
+            continue
+        if statuses is not None and not statuses.matches(record.status_code):
+            continue
+        if selection.routing_key_hmacs and record.routing_key_hmac not in selection.routing_key_hmacs:
+            continue
+        calls.append(SelectedCall(model=model, stream_id=stream_id, receive_ns=receive_ns, record=record))
+    return calls
+
+
+async def archive_model_calls(
+    archive: Archive, model: str, selection: Selection, stats: SelectionStats
+) -> AsyncGenerator[SelectedCall, None]:
+    """``--source archive:URL``: the whole window from the archive."""
+    for call in await archived_calls(
+        archive, model, selection, stats, since_ns=selection.since_ns, until_ns=selection.until_ns
+    ):
+        yield call
+
+
+async def straddling_model_calls(
+    redis: Redis, archive: Archive, model: str, selection: Selection, stats: SelectionStats
+) -> AsyncGenerator[SelectedCall, None]:
+    """Redis, with the part of the window older than the stream's oldest entry read from the archive.
+
+    Entries retention removed were written before the oldest one left, so received before its id's time
+    (plus clock skew): the archive is read up to there, and Redis for the whole window, a request id the
+    archive gave skipped in Redis (the two overlap where the archive also holds what Redis still has)."""
+    oldest = cast(list[tuple[bytes, Any]], await redis.xrange(stream_key(model), min="-", max="+", count=1))
+    boundary_ns = (
+        stream_id_ms(oldest[0][0].decode()) * 1_000_000 + selection.clock_skew_ns if oldest else selection.until_ns
+    )
+    older: list[SelectedCall] = []
+    if selection.since_ns < boundary_ns:
+        older = await archived_calls(
+            archive, model, selection, stats, since_ns=selection.since_ns, until_ns=min(selection.until_ns, boundary_ns)
+        )
+    archived_ids = {call.record.request_id for call in older}
+    pending = iter(older)
+    head = next(pending, None)
+    recent = model_calls(redis, model, selection, stats)
+    try:
+        async for call in recent:
+            if call.record.request_id in archived_ids:
+                stats.duplicates += 1
+                continue
+            while head is not None and head.receive_ns <= call.receive_ns:
+                yield head
+                head = next(pending, None)
+            yield call
+        while head is not None:
+            yield head
+            head = next(pending, None)
+    finally:
+        await recent.aclose()
+
+
+async def select_calls(
+    redis: Redis | None,
+    selection: Selection,
+    stats: SelectionStats,
+    *,
+    archive: Archive | None = None,
+    archive_only: bool = False,
+) -> AsyncGenerator[SelectedCall, None]:
+    """Every model's selected calls merged in receive-time order, up to ``selection.limit``: from Redis,
+    from the archive alone (``archive_only``), or from Redis with the archive behind it (``archive``)."""
+
+    def source_of(model: str) -> AsyncGenerator[SelectedCall, None]:
+        if archive is not None and (archive_only or redis is None):
+            return archive_model_calls(archive, model, selection, stats)
+        assert redis is not None
+        if archive is not None:
+            return straddling_model_calls(redis, archive, model, selection, stats)
+        return model_calls(redis, model, selection, stats)
+
+    sources = [source_of(model) for model in selection.models]
     heads: list[tuple[int, int, SelectedCall]] = []
     try:
         for index, source in enumerate(sources):
