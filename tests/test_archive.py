@@ -1,0 +1,571 @@
+"""The archive: splitstream-archive writes the streams as Parquet (a directory, or a real S3 API server);
+replay and analysis read it back; a crash, a dead archiver or a store outage loses and duplicates nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pytest
+from redis.asyncio import Redis
+
+from splitstream.common.archive import ArchiveQuery, open_archive, read_calls, read_feedback, stored_records
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
+from splitstream.common.records import (
+    ARCHIVE_GROUP,
+    archive_mark_key,
+    blob_key,
+    entry_fields,
+    feedback_entry_fields,
+    feedback_key,
+    stream_key,
+)
+from splitstream.replayer.selection import Selection, SelectionStats, select_calls
+from tests.harness import ROOT, InferClient, ServiceProcess, free_port, make_request, metric_samples, scrape_metrics
+from tests.harness import wait_for as wait_until
+from tests.recording_stack import MODEL, RecordingStack
+from tests.redis_server import RedisServer
+from tests.s3_server import S3_ENV, S3Server
+
+SYNTHETIC = "synth"
+HOUR_NS = 3600 * 10**9
+
+
+def start_archiver(
+    tmp: Path, redis_url: str, archive: str, *extra: str, consumer: str = "a", wait: bool = True
+) -> ServiceProcess:
+    port = free_port()
+    args = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(free_port()),
+        "--redis-url",
+        redis_url,
+        "--archive",
+        archive,
+        "--consumer",
+        consumer,
+        "--flush-interval-s",
+        "0.3",
+        "--claim-idle-s",
+        "30",
+        "--scan-interval-s",
+        "0.3",
+        *extra,
+    ]
+    process = ServiceProcess(
+        f"archiver-{consumer}-{port}", "splitstream.archiver", args, log_dir=tmp, port=port, env=S3_ENV
+    )
+    return process.start(wait_serving=wait)
+
+
+def synthetic_record(i: int, receive_ns: int, *, payload_bytes: int = 40) -> recorder_pb2.CallRecord:
+    record = recorder_pb2.CallRecord(
+        schema_version=1,
+        request_id=f"r-{i}",
+        receive_unix_ns=receive_ns,
+        model=SYNTHETIC,
+        version="v1" if i % 3 else "v2",
+        arm="v1" if i % 3 else "v2",
+        status_code=0 if i % 5 else 14,
+        latency_ns=1_000_000 + i,
+        principal=f"tenant-{i % 2}",
+    )
+    record.tags["team"] = "search"
+    record.request.inline = bytes([i % 251]) * payload_bytes
+    record.request.size_bytes = payload_bytes
+    return record
+
+
+def write_synthetic(client: Any, first: int, count: int, *, start_ns: int, gap_ns: int = 1_000_000) -> list[str]:
+    """XADD ``count`` records as the recorder lays them out, every third request stored as a blob."""
+    pipe = client.pipeline(transaction=False)
+    ids = []
+    for i in range(first, first + count):
+        record = synthetic_record(i, start_ns + (i - first) * gap_ns)
+        if i % 3 == 0:
+            body = record.request.inline
+            digest = hashlib.sha256(body).hexdigest()
+            pipe.set(blob_key(digest), body)
+            record.request.blob_sha256 = digest
+        pipe.xadd(stream_key(SYNTHETIC), entry_fields(record))
+        ids.append(record.request_id)
+    pipe.execute()
+    return ids
+
+
+def raw_rows(archive_url: str, endpoint: str = "", kind: str = "calls") -> pa.Table:
+    """Every row of every file, duplicates included (what a careless reader would see)."""
+    archive = open_archive(archive_url, endpoint=endpoint)
+    base = archive.path(kind)
+    try:
+        dataset = ds.dataset(base, filesystem=archive.filesystem, format="parquet", partitioning="hive")
+        return dataset.to_table()
+    except (FileNotFoundError, pa.ArrowInvalid):
+        return pa.table({"request_id": pa.array([], pa.string())})
+
+
+def archived_everything(client: Any, stream: str) -> bool:
+    """The archive mark is past the stream's last entry: every entry is in a file."""
+    last = client.xrevrange(stream, count=1)
+    mark = client.get(archive_mark_key(stream))
+    if not last or mark is None:
+        return False
+    last_ms, last_seq = (int(part) for part in last[0][0].decode().split("-"))
+    mark_ms, mark_seq = (int(part) for part in mark.decode().split("-"))
+    return (mark_ms, mark_seq) > (last_ms, last_seq)
+
+
+def metric(process: ServiceProcess, name: str) -> float:
+    return sum(value for _, value in metric_samples(scrape_metrics(process.metrics_port), name))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    server = S3Server(tmp_path / "s3").start()
+    server.create_bucket("archive")
+    yield server
+    server.stop()
+
+
+# -- end to end: record, archive, replay from both -------------------------------------------------
+
+
+def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_redis_is_flushed(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, recorder_args=("--blob-threshold-bytes", "16"))
+    archive_dir = tmp_path / "archive"
+    archiver = None
+    try:
+        client = InferClient(stack.router.address)
+        rng = np.random.default_rng(3)
+        since = time.time_ns()
+        ids = set()
+        for i in range(24):
+            request_id = f"call-{i}"
+            features = 5 if i % 8 == 7 else 4  # a few bad inputs: recorded failures replay as failures
+            with contextlib.suppress(grpc.RpcError):
+                client.infer(
+                    make_request(MODEL, rng.uniform(0, 1, (1, features)).astype(np.float32)),
+                    metadata=[("x-request-id", request_id)],
+                )
+            ids.add(request_id)
+        until = time.time_ns()
+        client.close()
+        stack.wait_recorded(ids)
+        window = ["--since", f"{since / 1e9:.9f}", "--until", f"{until / 1e9:.9f}"]
+
+        def replay(out: Path, *args: str) -> dict[str, str]:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "splitstream.replayer",
+                    "--redis-url",
+                    stack.redis.url,
+                    "--model",
+                    MODEL,
+                    "--target",
+                    stack.router.address,
+                    "--speed",
+                    "max",
+                    "--no-progress",
+                    "--output-dir",
+                    str(out),
+                    *window,
+                    *list(args),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=ROOT,
+                check=False,
+            )
+            assert done.returncode == 0, done.stderr
+            import json
+
+            lines = (out / "results.jsonl").read_text().splitlines()
+            return {row["request_id"]: row["outcome"] for row in map(json.loads, lines)}
+
+        from_redis = replay(tmp_path / "from-redis")
+        archiver = start_archiver(tmp_path, stack.redis.url, archive_dir.as_uri())
+        redis = stack.redis.client()
+        wait_until(lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive to catch up")
+
+        # The files: partitioned model=/date=/hour=, zstd, readable columns beside the record.
+        files = sorted(archive_dir.glob("calls/model=affine/date=*/hour=*/*.parquet"))
+        assert files, list(archive_dir.rglob("*"))
+        import pyarrow.parquet as pq
+
+        metadata = pq.ParquetFile(files[0]).metadata
+        assert metadata.row_group(0).column(0).compression == "ZSTD"
+        assert metadata.metadata[b"splitstream.archive_schema"] == b"1"
+        columns = set(pq.read_schema(files[0]).names)
+        assert {
+            "request_id",
+            "receive_time",
+            "version",
+            "arm",
+            "assignment",
+            "phase",
+            "status",
+            "latency_ms",
+        } <= columns
+        assert {"routing_key_hmac", "principal", "tags", "record"} <= columns
+        assert pq.read_schema(files[0]).field("record").type == pa.binary()
+
+        # Redis forgets everything, blobs included: the archive stands alone.
+        redis.flushall()
+        redis.close()
+        archived = read_calls(
+            open_archive(archive_dir.as_uri()), ArchiveQuery(model=MODEL, since_ns=since, until_ns=until)
+        )
+        assert set(archived["request_id"].to_pylist()) == ids
+        for stored in stored_records(archived):
+            assert stored.record.request.WhichOneof("body") == "inline"
+            assert len(stored.record.request.inline) == stored.record.request.size_bytes
+        from_archive = replay(tmp_path / "from-archive", "--source", f"archive:{archive_dir.as_uri()}")
+        assert from_archive == from_redis
+        assert set(from_archive) == ids
+        assert "match" in from_archive.values()
+        assert "error" not in from_archive.values()
+    finally:
+        if archiver is not None:
+            archiver.stop()
+        stack.close()
+
+
+# -- S3 ---------------------------------------------------------------------------------------------
+
+
+def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    client = redis_server.client()
+    start = time.time_ns() - 2 * HOUR_NS  # two hours ago: files land in two or three hour partitions
+    ids = write_synthetic(client, 0, 300, start_ns=start, gap_ns=HOUR_NS // 150)
+    event = feedback_pb2.FeedbackEvent(
+        request_id="r-1", routing_key_hmac="u", metric="click", value=1.0, receive_unix_ns=start
+    )
+    client.xadd(feedback_key(SYNTHETIC), feedback_entry_fields(event))  # type: ignore[arg-type]
+    url = "s3://archive/splitstream"
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--s3-endpoint", s3.endpoint)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="calls archived")
+        wait_until(lambda: archived_everything(client, feedback_key(SYNTHETIC)), timeout_s=60, what="events archived")
+        assert metric(archiver, "splitstream_archive_records_total") == 301
+        assert metric(archiver, "splitstream_archive_upload_errors_total") == 0
+    finally:
+        archiver.stop()
+    os.environ.update(S3_ENV)
+    archive = open_archive(url, endpoint=s3.endpoint)
+    keys = [
+        info.path for info in archive.filesystem.get_file_info(pafs.FileSelector("archive/splitstream", recursive=True))
+    ]
+    hours = {key.split("/hour=")[1][:2] for key in keys if key.endswith(".parquet") and "/calls/" in key}
+    assert len(hours) >= 2
+    table = read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns()))
+    assert table["request_id"].to_pylist() == ids  # in receive-time order
+    assert set(table["principal"].to_pylist()) == {"tenant-0", "tenant-1"}
+    records = stored_records(table)
+    assert all(stored.record.request.inline == bytes([i % 251]) * 40 for i, stored in enumerate(records))
+    # Push-down filters: only v2's failed calls, in the first hour.
+    failed = read_calls(
+        archive,
+        ArchiveQuery(
+            model=SYNTHETIC,
+            since_ns=start,
+            until_ns=start + HOUR_NS,
+            versions=frozenset({"v2"}),
+            status_codes=frozenset({14}),
+        ),
+    )
+    expected = [f"r-{i}" for i in range(150) if i % 3 == 0 and i % 5 == 0]
+    assert failed["request_id"].to_pylist() == expected
+    feedback = read_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())
+    assert feedback["request_id"].to_pylist() == ["r-1"]
+    assert feedback["metric"].to_pylist() == ["click"]
+
+
+def test_upload_errors_are_counted_and_retried_until_the_store_is_back(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    client = redis_server.client()
+    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/x", "--s3-endpoint", s3.endpoint)
+    try:
+        write_synthetic(client, 0, 50, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="first batch")
+        s3.stop()
+        ids = write_synthetic(client, 50, 100, start_ns=time.time_ns())
+        wait_until(
+            lambda: metric(archiver, "splitstream_archive_upload_errors_total") >= 2, timeout_s=60, what="upload errors"
+        )
+        assert not archived_everything(client, stream_key(SYNTHETIC))  # nothing acknowledged while failing
+        s3.start()
+        s3.create_bucket("archive")  # moto forgets its buckets on restart
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the retry")
+    finally:
+        archiver.stop()
+    archive = open_archive("s3://archive/x", endpoint=s3.endpoint)
+    table = read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns() + HOUR_NS))
+    assert set(ids) <= set(table["request_id"].to_pylist())
+
+
+def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    cases = [
+        (["--archive", "s3:///no-bucket"], "names no bucket"),
+        (["--archive", "s3://missing/prefix", "--s3-endpoint", s3.endpoint], "bucket 'missing' does not exist"),
+        (["--archive", "s3://archive/p", "--s3-endpoint", "ftp://x"], "S3 endpoint"),
+        (["--archive", "s3://archive/p?colour=red"], "unknown option 'colour'"),
+        (["--archive", "nosuchscheme://x/y"], "archive URL"),
+        (["--archive", "file:///dev/null/archive"], "archive"),
+    ]
+    for args, expected in cases:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "splitstream.archiver",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--redis-url",
+                redis_server.url,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            check=False,
+            env={**os.environ, **S3_ENV},
+        )
+        assert done.returncode == 2, (args, done.stderr)
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("splitstream-archive: error:"), done.stderr
+        assert expected in last, (args, last)
+
+
+# -- sharing, crashes, dead archivers ---------------------------------------------------------------
+
+
+def test_two_archivers_share_a_stream_and_write_every_entry_once(tmp_path: Path, redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    url = (tmp_path / "archive").as_uri()
+    first = start_archiver(tmp_path, redis_server.url, url, "--read-count", "25", consumer="one")
+    second = start_archiver(tmp_path, redis_server.url, url, "--read-count", "25", consumer="two")
+    try:
+        ids: list[str] = []
+        for batch in range(20):
+            ids += write_synthetic(client, batch * 100, 100, start_ns=time.time_ns())
+            time.sleep(0.02)
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="both archivers")
+        counts = [metric(p, "splitstream_archive_records_total") for p in (first, second)]
+    finally:
+        first.stop()
+        second.stop()
+    assert sum(counts) == 2000
+    rows = raw_rows(url)["request_id"].to_pylist()
+    assert sorted(rows) == sorted(ids)  # every entry once, before any de-duplication
+
+
+def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_call_exactly_once(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    client = redis_server.client()
+    url = "s3://archive/crash"
+    stop = threading.Event()
+    written: list[str] = []
+
+    def load() -> None:
+        writer = redis_server.client()
+        index = 0
+        while not stop.is_set():
+            written.extend(write_synthetic(writer, index, 50, start_ns=time.time_ns()))
+            index += 50
+            time.sleep(0.01)
+        writer.close()
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    args = ("--s3-endpoint", s3.endpoint, "--max-file-rows", "400")
+    archiver = start_archiver(tmp_path, redis_server.url, url, *args)
+    try:
+        wait_until(lambda: metric(archiver, "splitstream_archive_files_total") >= 3, timeout_s=60, what="some files")
+        # Kill it while it holds entries it has read and not acknowledged (a file on its way).
+        wait_until(lambda: client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] > 0, timeout_s=30)
+        archiver.kill()
+        pending = client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"]
+        archiver = start_archiver(tmp_path, redis_server.url, url, *args)
+        time.sleep(1.0)
+        stop.set()
+        thread.join()
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the restart")
+    finally:
+        stop.set()
+        archiver.stop()
+    assert pending > 0
+    table = read_calls(
+        open_archive(url, endpoint=s3.endpoint),
+        ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns() + HOUR_NS),
+    )
+    archived = table["request_id"].to_pylist()
+    assert len(archived) == len(set(archived))
+    assert set(archived) == set(written), f"missing {len(set(written) - set(archived))}"
+
+
+def test_entries_a_dead_archiver_left_pending_are_claimed_and_archived(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    ids = write_synthetic(client, 0, 120, start_ns=time.time_ns())
+    stream = stream_key(SYNTHETIC)
+    client.xgroup_create(stream, ARCHIVE_GROUP, id="0")
+    # A consumer that reads and dies before writing its file: its entries stay pending under its name.
+    client.xreadgroup(ARCHIVE_GROUP, "dead", {stream: ">"}, count=80)
+    assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 80
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--claim-idle-s", "1.5", consumer="alive")
+    try:
+        wait_until(lambda: archived_everything(client, stream), timeout_s=60, what="the claim")
+        assert metric(archiver, "splitstream_archive_claimed_total") == 80
+    finally:
+        archiver.stop()
+    assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 0
+    assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
+
+
+def test_sigterm_writes_and_acknowledges_the_buffered_entries_then_exits_0(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--flush-interval-s", "600", "--claim-idle-s", "1200")
+    ids = write_synthetic(client, 0, 70, start_ns=time.time_ns())
+    wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 70, timeout_s=30)
+    assert raw_rows(url).num_rows == 0
+    archiver.signal(signal.SIGTERM)
+    assert archiver.wait() == 0
+    assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
+    assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 0
+
+
+# -- retention and straddling windows ---------------------------------------------------------------
+
+
+def test_trim_archived_keeps_every_unarchived_call_and_trims_once_archived(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, recorder_args=("--retention-maxlen", "20", "--trim-archived"))
+    archiver = None
+    try:
+        client = InferClient(stack.router.address)
+
+        def send(prefix: str, count: int) -> set[str]:
+            sent = set()
+            for i in range(count):
+                request_id = f"{prefix}-{i}"
+                client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
+                sent.add(request_id)
+            return sent
+
+        before = send("before", 250)
+        stack.wait_recorded(before)
+        assert stack.raw_count() >= 250  # no archiver yet: retention trims nothing
+        url = (tmp_path / "archive").as_uri()
+        archiver = start_archiver(tmp_path, stack.redis.url, url)
+        redis = stack.redis.client()
+        wait_until(lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive")
+        after = send("after", 30)
+        wait_until(lambda: stack.raw_count() < 200, timeout_s=30, what="the recorder to trim what is archived")
+        in_redis = {r.request_id for r in stack.records()}
+        assert after <= in_redis | {r for r in raw_rows(url)["request_id"].to_pylist()}
+        assert before - in_redis <= set(raw_rows(url)["request_id"].to_pylist())
+        assert metric(stack.recorder, "splitstream_recorder_trims_held_by_archive_total") > 0
+        client.close()
+    finally:
+        if archiver is not None:
+            archiver.stop()
+        stack.close()
+
+
+def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_repeats(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    start = time.time_ns()
+    ids = write_synthetic(client, 0, 100, start_ns=start)
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
+    finally:
+        archiver.stop()
+    entries = client.xrange(stream_key(SYNTHETIC))
+    client.xtrim(stream_key(SYNTHETIC), minid=entries[60][0])  # retention took the first 60
+    ids += write_synthetic(client, 100, 20, start_ns=time.time_ns())  # and new calls came, not archived yet
+
+    async def read() -> list[str]:
+        redis = Redis.from_url(redis_server.url)
+        selection = Selection(
+            models=(SYNTHETIC,),
+            since_ns=start - 1,
+            until_ns=time.time_ns() + 1,
+            max_lateness_ns=10**9,
+            clock_skew_ns=10**9,
+        )
+        stats = SelectionStats()
+        calls = [c.record.request_id async for c in select_calls(redis, selection, stats, archive=open_archive(url))]
+        await redis.aclose()
+        return calls
+
+    calls = asyncio.run(read())
+    assert calls == ids  # each once, in receive-time order
+
+
+def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Path, redis_server: RedisServer) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    client = redis_server.client()
+    write_synthetic(client, 0, 90, start_ns=time.time_ns())
+    archive_dir = tmp_path / "archive"
+    archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri())
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
+    finally:
+        archiver.stop()
+    rows = duckdb.sql(
+        f"""
+        SELECT model, version, date_trunc('hour', receive_time) AS hour,
+               count(DISTINCT request_id) AS calls,
+               avg(CASE WHEN status <> 'OK' THEN 1 ELSE 0 END) AS error_rate
+        FROM read_parquet('{archive_dir}/calls/*/*/*/*.parquet', hive_partitioning = true)
+        GROUP BY ALL ORDER BY version
+        """
+    ).fetchall()
+    assert [(row[0], row[1], row[3]) for row in rows] == [(SYNTHETIC, "v1", 60), (SYNTHETIC, "v2", 30)]
+    assert rows[1][4] == pytest.approx(6 / 30)
