@@ -526,7 +526,7 @@ def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_rep
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
     finally:
         archiver.stop()
-    entries = client.xrange(stream_key(SYNTHETIC))
+    entries: Any = client.xrange(stream_key(SYNTHETIC))
     client.xtrim(stream_key(SYNTHETIC), minid=entries[60][0])  # retention took the first 60
     ids += write_synthetic(client, 100, 20, start_ns=time.time_ns() - 50_000_000)  # new calls, not archived yet
 

@@ -38,7 +38,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from splitstream.archiver.metrics import ArchiverMetrics
-from splitstream.archiver.tables import Entry, PlannedFile, call_files, decode_calls, feedback_files
+from splitstream.archiver.tables import Entry, PlannedFile, call_files, decode_calls, feedback_files, id_key
 from splitstream.common.archive import Archive, write_file
 from splitstream.common.records import (
     FEEDBACK_PREFIX,
@@ -272,6 +272,8 @@ class Archiver:
                     if stream_id not in known:  # our own entries are claimed back to us too
                         self.buffers[stream].add(Entry(stream_id, fields))
                         self.metrics.claimed.inc()
+                if claimed:  # older than what was read already: files hold entries in stream id order
+                    self.buffers[stream].entries.sort(key=lambda entry: id_key(entry.stream_id))
                 deleted = reply[2] if len(reply) > 2 else []
                 if deleted:  # trimmed away while pending: nothing left to archive
                     await self.redis.xack(stream, self.settings.group, *deleted)

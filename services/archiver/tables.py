@@ -13,17 +13,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from splitstream.common.archive import CALL_SCHEMA, CALLS, FEEDBACK, FEEDBACK_SCHEMA, file_name, partition_dir
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import (
-    UnsupportedSchema,
-    assignment_name,
-    decode_record,
-    status_code,
-    status_name,
-    stream_id_ms,
-)
+from splitstream.common.records import STATUS_NAMES, UnsupportedSchema, decode_record, status_code, stream_id_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +27,8 @@ class Entry:
 
     @property
     def size(self) -> int:
-        return sum(len(key) + len(value) for key, value in self.fields.items())
+        """About the bytes it adds to a file: its record (the readable fields are a few dozen bytes)."""
+        return len(self.fields.get(b"record", b"")) + 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,79 +56,171 @@ def blob_payloads(record: recorder_pb2.CallRecord) -> Iterator[recorder_pb2.Payl
             yield payload
 
 
+#: A blob reference inside a serialized Payload: field 2 (length-delimited), 64 bytes of hex digest.
+#: A record without this byte pair references no blob (a fast test in C); one with it is checked properly.
+_BLOB_TAG = b"\x12\x40"
+#: The wire tags of CallRecord.tags (17) and CallRecord.stream (23), both length-delimited. Reading a field
+#: of a decoded message costs ~1 µs (a Python object per access) where a byte search in the serialized
+#: record costs ~0.1: a record without the tag's bytes has no such field, one with them is read properly.
+_TAGS_TAG = bytes([17 << 3 | 2, 1])
+_STREAM_TAG = bytes([23 << 3 | 2, 1])
+
+
 @dataclass(slots=True)
 class DecodedCalls:
     entries: list[Entry]
     records: list[recorder_pb2.CallRecord | None]
-    #: Digests of the blobs the records reference.
+    #: Per entry, what only the record holds: the readable columns the entry's fields lack.
+    principals: list[str]
+    tags: list[list[tuple[str, str]]]
+    streamed: list[bool]
+    #: Indexes of the records that reference blobs, and the digests they reference.
+    with_blobs: list[int]
     blobs: set[str]
     corrupt: int
 
 
 def decode_calls(entries: Sequence[Entry]) -> DecodedCalls:
-    ordered = sorted(entries, key=lambda entry: id_key(entry.stream_id))
-    records: list[recorder_pb2.CallRecord | None] = []
-    blobs: set[str] = set()
-    corrupt = 0
-    for entry in ordered:
+    """Decode ``entries`` (in stream id order: the buffer keeps them so), one pass."""
+    ordered = list(entries)
+    decoded = DecodedCalls(ordered, [], [], [], [], [], set(), 0)
+    records, principals, tags, streamed = decoded.records, decoded.principals, decoded.tags, decoded.streamed
+    for index, entry in enumerate(ordered):
+        data = entry.fields.get(b"record", b"")
         try:
-            record: recorder_pb2.CallRecord | None = decode_record(entry.fields.get(b"record", b""))
+            record: recorder_pb2.CallRecord | None = decode_record(data)
         except UnsupportedSchema:
             record = None  # newer than this code: archived as is, readable columns from the entry
         except Exception:  # protobuf's DecodeError and friends
             record = None
-            corrupt += 1
+            decoded.corrupt += 1
         if record is not None and not record.request_id:
-            record, corrupt = None, corrupt + 1
-        if record is not None:
-            blobs.update(payload.blob_sha256 for payload in blob_payloads(record))
+            record = None
+            decoded.corrupt += 1
         records.append(record)
-    return DecodedCalls(ordered, records, blobs, corrupt)
+        if record is None:
+            principals.append("")
+            tags.append([])
+            streamed.append(False)
+            continue
+        principals.append(record.principal)
+        tags.append(list(record.tags.items()) if _TAGS_TAG in data else [])
+        streamed.append(_STREAM_TAG in data and record.HasField("stream"))
+        if _BLOB_TAG in data:
+            digests = [payload.blob_sha256 for payload in blob_payloads(record)]
+            if digests:
+                decoded.with_blobs.append(index)
+                decoded.blobs.update(digests)
+    return decoded
 
 
 def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) -> tuple[list[PlannedFile], int]:
-    """The files for ``model``'s decoded calls, and how many blob references could not be inlined."""
+    """The files for ``model``'s decoded calls, and how many blob references could not be inlined.
+
+    Column by column: the readable columns come from the entry's own fields (the recorder wrote them
+    from the record) and are converted by pyarrow in one pass each; only ``principal``, ``tags``,
+    ``streamed`` and blob references are taken from the decoded record. Measured: a row-by-row
+    loop cost ~60 µs a record, this a few. An entry whose record does not decode, or whose fields
+    do not convert, takes the slow path alone (:func:`_row_from_fields`)."""
     missing = 0
-    columns: dict[str, dict[str, list]] = defaultdict(lambda: {name: [] for name in CALL_SCHEMA.names})
-    for entry, record in zip(decoded.entries, decoded.records, strict=True):
-        if record is None:
-            row = _row_from_fields(entry)
-        else:
-            data = entry.fields[b"record"]
-            references = list(blob_payloads(record))
-            if references:
-                for payload in references:
-                    body = blob_bytes.get(payload.blob_sha256)
-                    if body is None:
-                        missing += 1
-                    else:
-                        payload.inline = body
-                data = record.SerializeToString()
-            row = (
-                record.request_id,
-                record.receive_unix_ns,
-                record.version,
-                record.arm,
-                assignment_name(record.assignment),
-                record.phase.id,
-                status_name(record.status_code),
-                record.status_code,
-                record.latency_ns / 1e6,
-                record.routing_key_hmac,
-                record.principal,
-                list(record.tags.items()),
-                record.HasField("stream"),
-                entry.stream_id,
-                data,
-            )
-        target = columns[partition_dir(CALLS, model, int(row[1]))]
-        for name, value in zip(CALL_SCHEMA.names, row, strict=True):
-            target[name].append(value)
-    return [_planned(directory, CALL_SCHEMA, values) for directory, values in columns.items()], missing
+    data = [entry.fields.get(b"record", b"") for entry in decoded.entries]
+    for index in decoded.with_blobs:
+        record = decoded.records[index]
+        assert record is not None
+        for payload in blob_payloads(record):
+            content = blob_bytes.get(payload.blob_sha256)
+            if content is None:
+                missing += 1
+            else:
+                payload.inline = content
+        data[index] = record.SerializeToString()
+    slow = [index for index, record in enumerate(decoded.records) if record is None]
+    good = range(len(decoded.entries))
+    if slow:
+        bad = set(slow)
+        good = [index for index in good if index not in bad]  # type: ignore[assignment]
+    principals, tags, streamed = decoded.principals, decoded.tags, decoded.streamed
+    entries = decoded.entries
+    if slow:
+        entries = [entries[i] for i in good]
+        data = [data[i] for i in good]
+        principals = [principals[i] for i in good]
+        tags = [tags[i] for i in good]
+        streamed = [streamed[i] for i in good]
+    tables: list[pa.Table] = []
+    if good:
+        try:
+            tables.append(_fast_table(entries, data, principals, tags, streamed))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
+            slow += list(good)  # a field that does not convert: row by row, with the entry's own fallbacks
+    if slow:
+        rows = [_row_from_fields(decoded.entries[i], decoded.records[i]) for i in sorted(slow)]
+        tables.append(
+            pa.Table.from_pylist([dict(zip(CALL_SCHEMA.names, row, strict=True)) for row in rows], CALL_SCHEMA)
+        )
+    table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    return _split_by_hour(CALLS, model, table, CALL_SCHEMA), missing
 
 
-def _row_from_fields(entry: Entry) -> tuple:
-    """A row for an entry whose record does not decode: what its readable fields say, the raw bytes kept."""
+_HOUR_NS = 3600 * 10**9
+
+
+def _text_column(values: list[bytes]) -> pa.Array:
+    return pa.array(values, type=pa.binary()).cast(pa.string())
+
+
+def _fast_table(
+    entries: list[Entry],
+    data: list[bytes],
+    principals: list[str],
+    tags: list[list[tuple[str, str]]],
+    streamed: list[bool],
+) -> pa.Table:
+    fields = [entry.fields for entry in entries]
+
+    def column(name: bytes) -> pa.Array:
+        return _text_column([f.get(name, b"") for f in fields])
+
+    status = column(b"status")
+    codes = pc.index_in(status, value_set=pa.array(STATUS_NAMES))
+    receive = _text_column([f[b"time_ns"] for f in fields]).cast(pa.int64())
+    columns = {
+        "request_id": column(b"request_id"),
+        "receive_time": receive.cast(pa.timestamp("ns", tz="UTC")),
+        "version": column(b"version"),
+        "arm": column(b"arm"),
+        "assignment": column(b"assignment"),
+        "phase": column(b"phase"),
+        "status": status,
+        "status_code": pc.fill_null(codes, -1).cast(pa.int32()),
+        "latency_ms": _text_column([f[b"latency_ms"] for f in fields]).cast(pa.float64()),
+        "routing_key_hmac": column(b"unit"),
+        "principal": pa.array(principals, type=pa.string()),
+        "tags": pa.array(tags, type=CALL_SCHEMA.field("tags").type),
+        "streamed": pa.array(streamed, type=pa.bool_()),
+        "stream_id": pa.array([entry.stream_id for entry in entries], type=pa.string()),
+        "record": pa.array(data, type=pa.binary()),
+    }
+    return pa.table(columns, schema=CALL_SCHEMA)
+
+
+def _split_by_hour(kind: str, model: str, table: pa.Table, schema: pa.Schema) -> list[PlannedFile]:
+    """One file per hour partition of the table's receive times, each named by its stream id range."""
+    hours = pc.divide(table["receive_time"].cast(pa.int64()), _HOUR_NS)
+    files = []
+    distinct = pc.unique(hours).to_pylist()
+    for hour in distinct:
+        part = table.filter(pc.equal(hours, hour)) if len(distinct) > 1 else table
+        ids = part["stream_id"].to_pylist()
+        first, last = ids[0], ids[-1]  # rows are in stream id order
+        directory = partition_dir(kind, model, int(hour) * _HOUR_NS)
+        files.append(PlannedFile(f"{directory}/{file_name(first, last)}", part.cast(schema), tuple(ids)))
+    return files
+
+
+def _row_from_fields(entry: Entry, record: recorder_pb2.CallRecord | None = None) -> tuple:
+    """A row for an entry whose record does not decode (or whose fields do not convert): what its
+    readable fields say, with every conversion's own fallback, and the record's bytes kept."""
 
     def text(name: str) -> str:
         return entry.fields.get(name.encode(), b"").decode(errors="replace")
@@ -161,17 +248,18 @@ def _row_from_fields(entry: Entry) -> tuple:
         code,
         latency_ms,
         text("unit"),
-        "",
-        [],
-        False,
+        record.principal if record is not None else "",
+        list(record.tags.items()) if record is not None else [],
+        record.HasField("stream") if record is not None else False,
         entry.stream_id,
-        entry.fields.get(b"record", b""),
+        record.SerializeToString() if record is not None else entry.fields.get(b"record", b""),
     )
 
 
 def feedback_files(model: str, entries: Sequence[Entry]) -> list[PlannedFile]:
+    """Outcome events (in stream id order) row by row: their volume is a fraction of the calls'."""
     columns: dict[str, dict[str, list]] = defaultdict(lambda: {name: [] for name in FEEDBACK_SCHEMA.names})
-    for entry in sorted(entries, key=lambda item: id_key(item.stream_id)):
+    for entry in entries:
         fields = entry.fields
 
         def text(name: str, fields: dict[bytes, bytes] = fields) -> str:
@@ -208,5 +296,5 @@ def _int(text: str, default: int) -> int:
 def _planned(directory: str, schema: pa.Schema, values: dict[str, list]) -> PlannedFile:
     ids = tuple(values["stream_id"])
     table = pa.table({field.name: pa.array(values[field.name], type=field.type) for field in schema}, schema=schema)
-    first, last = min(ids, key=id_key), max(ids, key=id_key)
+    first, last = ids[0], ids[-1]
     return PlannedFile(f"{directory}/{file_name(first, last)}", table, ids)
