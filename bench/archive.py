@@ -5,6 +5,8 @@ demo's traffic (an 8x8 digit as 64 float32 pixels in, 10 float32 class scores ou
 a routing-key HMAC, tags). Measured side by side in one run:
 
 - raw XRANGE: redis-py's asyncio client reads every entry in pages of 1000 (nothing decoded);
+- XREADGROUP + XACK only: the same through a consumer group, acknowledged, nothing decoded (the floor
+  of any reader that may not lose an entry);
 - archive → directory: the archiver's own loop (consumer group, decode, Parquet zstd, XACK, mark)
   until the archive mark passes the last entry, writing to a temporary directory;
 - archive → S3: the same into a real S3 API server (moto's server mode, a local process).
@@ -96,6 +98,25 @@ async def raw_read(redis: Redis) -> float:
     return count / (time.perf_counter() - started)
 
 
+async def group_read(redis: Redis, count: int) -> float:
+    """XREADGROUP + XACK of every entry, nothing decoded or written: the floor of any consumer-group reader
+    (Redis adds each entry to the group's pending list and removes it again)."""
+    stream = stream_key(MODEL)
+    with contextlib.suppress(Exception):
+        await redis.xgroup_destroy(stream, "bench-floor")
+    await redis.xgroup_create(stream, "bench-floor", id="0")
+    started = time.perf_counter()
+    done = 0
+    while done < count:
+        reply: Any = await redis.xreadgroup("bench-floor", "c", {stream: ">"}, count=1000)
+        if not reply:
+            break
+        ids = [entry_id for entry_id, _ in reply[0][1]]
+        await redis.xack(stream, "bench-floor", *ids)
+        done += len(ids)
+    return done / (time.perf_counter() - started)
+
+
 async def archive_all(redis: Redis, archive: Archive, count: int) -> float:
     stream = stream_key(MODEL)
     await redis.delete(archive_mark_key(stream))
@@ -136,14 +157,15 @@ async def main_async(args: argparse.Namespace) -> None:
             memory: Any = await redis.memory_usage(stream_key(MODEL), samples=0)
             # Interleaved rounds, so machine noise (other processes on a shared machine) hits each path alike;
             # each round writes a fresh archive (the group and mark are reset).
-            raws, to_dirs, to_s3s = [], [], []
+            raws, floors, to_dirs, to_s3s = [], [], [], []
             for round_ in range(args.rounds):
                 raws.append(await raw_read(redis))
+                floors.append(await group_read(redis, args.records))
                 local = open_archive(str(Path(tmp) / f"archive-{round_}"))
                 to_dirs.append(await archive_all(redis, local, args.records))
                 remote = open_archive(f"s3://bench/archive-{round_}", endpoint=s3.endpoint)
                 to_s3s.append(await archive_all(redis, remote, args.records))
-            raw, to_dir, to_s3 = (sorted(rates)[len(rates) // 2] for rates in (raws, to_dirs, to_s3s))
+            raw, floor, to_dir, to_s3 = (sorted(rates)[len(rates) // 2] for rates in (raws, floors, to_dirs, to_s3s))
             on_disk = parquet_bytes(local)
             in_s3 = parquet_bytes(remote)
         finally:
@@ -154,6 +176,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"{args.records} demo-shaped call records (64 float32 in, 10 float32 out, inline); median of {args.rounds}\n")
     print(f"{'path':<28}{'records/s':>12}{'vs raw XRANGE':>16}")
     print(f"{'raw XRANGE (no decode)':<28}{raw_rate:>12,.0f}{1.0:>15.2f}x")
+    print(f"{'XREADGROUP + XACK only':<28}{floor:>12,.0f}{floor / raw_rate:>15.2f}x")
     print(f"{'archive -> directory':<28}{to_dir:>12,.0f}{to_dir / raw_rate:>15.2f}x")
     print(f"{'archive -> S3 (moto)':<28}{to_s3:>12,.0f}{to_s3 / raw_rate:>15.2f}x")
     print()
