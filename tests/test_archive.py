@@ -24,7 +24,14 @@ import pyarrow.fs as pafs
 import pytest
 from redis.asyncio import Redis
 
-from splitstream.common.archive import ArchiveQuery, open_archive, read_calls, read_feedback, stored_records
+from splitstream.common.archive import (
+    ArchiveError,
+    ArchiveQuery,
+    open_archive,
+    read_calls,
+    read_feedback,
+    stored_records,
+)
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 from splitstream.common.records import (
     ARCHIVE_GROUP,
@@ -306,6 +313,14 @@ def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     )
     expected = [f"r-{i}" for i in range(150) if i % 3 == 0 and i % 5 == 0]
     assert failed["request_id"].to_pylist() == expected
+    # Partition pruning: a window opens only the hours it overlaps (an unreadable file elsewhere is never read).
+    with archive.filesystem.open_output_stream(
+        "archive/splitstream/calls/model=synth/date=2001-01-01/hour=00/x.parquet"
+    ) as bad:
+        bad.write(b"not parquet")
+    assert read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns())).num_rows == 300
+    with pytest.raises(ArchiveError, match="cannot be read"):
+        read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=978307200 * 10**9, until_ns=978310800 * 10**9))
     feedback = read_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())
     assert feedback["request_id"].to_pylist() == ["r-1"]
     assert feedback["metric"].to_pylist() == ["click"]
