@@ -22,7 +22,10 @@ S3_ENV = {"AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-secret
 
 
 class S3Server:
-    def __init__(self, directory: Path, *, port: int | None = None) -> None:
+    def __init__(self, directory: Path, *, port: int | None = None, check_credentials: bool = False) -> None:
+        """``check_credentials``: refuse every request whose access key moto's IAM does not know (all of
+        them: none is created), as a store refuses wrong credentials."""
+        self.check_credentials = check_credentials
         self.directory = directory
         self.directory.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
@@ -38,7 +41,11 @@ class S3Server:
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **S3_ENV},
+                env={
+                    **os.environ,
+                    **S3_ENV,
+                    **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if self.check_credentials else {}),
+                },
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -25,11 +25,14 @@ import pytest
 from redis.asyncio import Redis
 
 from splitstream.common.archive import (
+    ENTRY_COLUMNS,
     ArchiveError,
     ArchiveQuery,
     open_archive,
     read_calls,
     read_feedback,
+    readable_calls,
+    readable_feedback,
     stored_records,
 )
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
@@ -324,6 +327,11 @@ def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     feedback = read_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())
     assert feedback["request_id"].to_pylist() == ["r-1"]
     assert feedback["metric"].to_pylist() == ["click"]
+    # What the analysis reads: the columns of a stream entry, from the archive.
+    columns = readable_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns()))
+    assert columns.column_names[:10] == list(ENTRY_COLUMNS)
+    assert columns["time_ns"].to_pylist() == [start + i * (HOUR_NS // 150) for i in range(300)]
+    assert readable_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())["receive_ns"].to_pylist() == [start]
 
 
 def test_upload_errors_are_counted_and_retried_until_the_store_is_back(
@@ -361,31 +369,46 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
         (["--archive", "nosuchscheme://x/y"], "archive URL"),
         (["--archive", "file:///dev/null/archive"], "archive"),
     ]
-    for args, expected in cases:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "splitstream.archiver",
-                "--port",
-                "0",
-                "--metrics-port",
-                "0",
-                "--redis-url",
-                redis_server.url,
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-            check=False,
-            env={**os.environ, **S3_ENV},
-        )
-        assert done.returncode == 2, (args, done.stderr)
-        last = done.stderr.strip().splitlines()[-1]
-        assert last.startswith("splitstream-archive: error:"), done.stderr
-        assert expected in last, (args, last)
+    strict = S3Server(tmp_path / "strict-s3", check_credentials=True).start()
+    cases.append((["--archive", "s3://archive/p", "--s3-endpoint", strict.endpoint], "ACCESS_DENIED"))
+    try:
+        for args, expected in cases:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "splitstream.archiver",
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    "0",
+                    "--redis-url",
+                    redis_server.url,
+                    *args,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=ROOT,
+                check=False,
+                env={**os.environ, **S3_ENV},
+            )
+            assert done.returncode == 2, (args, done.stderr)
+            last = done.stderr.strip().splitlines()[-1]
+            assert last.startswith("splitstream-archive: error:"), done.stderr
+            assert expected in last, (args, last)
+        # The replayer says the same about an archive it is to read.
+        for source, expected in (
+            (f"archive:{tmp_path / 'none'}", "is not a directory"),
+            ("archive:s3:///x", "no bucket"),
+        ):
+            replay = [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--model", "m"]
+            replay += ["--since", "-1h", "--target", "127.0.0.1:1", "--source", source]
+            done = subprocess.run(replay, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+            assert done.returncode == 2, done.stderr
+            assert expected in done.stderr.strip().splitlines()[-1], done.stderr
+    finally:
+        strict.stop()
 
 
 # -- sharing, crashes, dead archivers ---------------------------------------------------------------

@@ -372,3 +372,59 @@ def read_feedback(archive: Archive, model: str, since_ns: int, until_ns: int) ->
     except (OSError, pa.ArrowException) as error:
         raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
     return _with_model(_unique_first(table, "stream_id"), model)
+
+
+#: The readable fields of a call stream entry (:func:`splitstream.common.records.entry_fields`), as columns.
+ENTRY_COLUMNS = (
+    "request_id",
+    "time_ns",
+    "model",
+    "version",
+    "status",
+    "latency_ms",
+    "arm",
+    "assignment",
+    "phase",
+    "unit",
+)
+
+
+def readable_calls(archive: Archive, query: ArchiveQuery) -> pa.Table:
+    """The archived calls of ``query`` as the columns a call stream entry has (:data:`ENTRY_COLUMNS`:
+    ``time_ns`` an int64, ``unit`` the routing-key HMAC) plus ``principal``: what an analysis that reads
+    Redis column by column gets, so it can read the archive the same way. One row per request id. Blocking."""
+    columns = ["request_id", "receive_time", "version", "status", "latency_ms", "arm", "assignment", "phase"]
+    table = read_calls(archive, query, columns=[*columns, "routing_key_hmac", "principal"])
+    return pa.table(
+        {
+            "request_id": table["request_id"],
+            "time_ns": table["receive_time"].cast(pa.int64()),
+            "model": table["model"],
+            "version": table["version"],
+            "status": table["status"],
+            "latency_ms": table["latency_ms"],
+            "arm": table["arm"],
+            "assignment": table["assignment"],
+            "phase": table["phase"],
+            "unit": table["routing_key_hmac"],
+            "principal": table["principal"],
+        }
+    )
+
+
+def readable_feedback(archive: Archive, model: str, since_ns: int, until_ns: int) -> pa.Table:
+    """The archived outcome events as the columns a feedback stream entry has
+    (:func:`splitstream.common.records.feedback_entry_fields`; times as int64 ns, ``value`` a float). Blocking."""
+    table = read_feedback(archive, model, since_ns, until_ns)
+    return pa.table(
+        {
+            "request_id": table["request_id"],
+            "unit": table["unit"],
+            "metric": table["metric"],
+            "value": table["value"],
+            "event_ns": table["event_time"].cast(pa.int64()),
+            "receive_ns": table["receive_time"].cast(pa.int64()),
+            "idempotency_key": table["idempotency_key"],
+            "model": table["model"],
+        }
+    )
