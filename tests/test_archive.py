@@ -614,3 +614,50 @@ def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Pat
     ).fetchall()
     assert [(row[0], row[1], row[4]) for row in rows] == [(SYNTHETIC, "v1", 60), (SYNTHETIC, "v2", 30)]
     assert rows[1][5] == pytest.approx(6 / 30)
+
+
+@pytest.mark.parametrize("retention", ["count", "age"])
+async def test_the_recorders_trim_never_passes_the_archive_mark(tmp_path: Path, retention: str) -> None:
+    """The writer's --trim-archived, in process against a real redis-server with small stream nodes (so
+    approximate trimming shows): no mark, nothing trimmed; a mark, trimmed up to it and never past."""
+    from splitstream.recorder.writer import RedisWriter, StreamEntry, WriteBatch
+
+    server = RedisServer(tmp_path / "redis", config=("--stream-node-max-entries", "5")).start()
+    redis: Any = Redis.from_url(server.url)  # binary replies; redis-py's stubs cannot say so
+    now_s = [time.time()]
+    writer = RedisWriter(
+        redis,
+        retention_maxlen=10 if retention == "count" else 0,
+        retention_age_s=1.0 if retention == "age" else 0.0,
+        blob_ttl_s=0,
+        trim_archived=True,
+        clock=lambda: now_s[0],
+    )
+    stream = stream_key(SYNTHETIC)
+    try:
+
+        async def write(first: int, count: int) -> None:
+            records = [synthetic_record(i, time.time_ns()) for i in range(first, first + count)]
+            entries = [StreamEntry(stream, entry_fields(record)) for record in records]
+            await writer.write(WriteBatch(entries=entries, blobs={}))
+
+        await write(0, 100)
+        now_s[0] += 60  # every entry is past the age retention too
+        result = await writer.write(
+            WriteBatch(entries=[StreamEntry(stream, entry_fields(synthetic_record(100, 0)))], blobs={})
+        )
+        assert await redis.xlen(stream) == 101  # nothing archived: nothing trimmed
+        assert result.trims_held == 1
+        ids = [entry_id.decode() for entry_id, _ in await redis.xrange(stream)]
+        await redis.set(archive_mark_key(stream), ids[60])  # entries 0..59 archived
+        await write(101, 1)
+        kept = [entry_id.decode() for entry_id, _ in await redis.xrange(stream)]
+        assert ids[60:] == kept[: len(ids) - 60]  # the unarchived ones all kept
+        assert len(kept) < 102 - 50  # and (approximately: whole nodes) the archived ones trimmed
+        await redis.set(archive_mark_key(stream), "99999999999999-0")  # everything archived
+        await write(102, 1)
+        remaining = await redis.xlen(stream)
+        assert (remaining <= 15) if retention == "count" else (remaining <= 5)
+    finally:
+        await redis.aclose()
+        server.stop()

@@ -244,14 +244,25 @@ class Archiver:
                 block=max(1, int(block_s * 1000)),
             )
         except ResponseError as error:
-            if "NOGROUP" in str(error):  # a stream deleted (or its group destroyed): find them again
-                self.buffers = {s: b for s, b in self.buffers.items() if b.entries}
-                self._next_scan = 0.0
+            if "NOGROUP" in str(error):  # a stream deleted (or its group destroyed): forget it, find it again
+                await self._forget_lost_streams()
                 return
             raise
         for stream, entry in self._entries(reply):
             self.buffers[stream].add(entry)
         self.metrics.buffered.set(sum(len(b.entries) for b in self.buffers.values()) + len(self._in_flight))
+
+    async def _forget_lost_streams(self) -> None:
+        """Streams whose group is gone (the stream deleted, or the group destroyed by hand) leave the
+        read; their buffered entries cannot be acknowledged any more and are dropped (a stream recreated
+        later, or a group created again, is found by the next scan and read from its start)."""
+        for stream in list(self.buffers):
+            groups = []
+            with contextlib.suppress(ResponseError):
+                groups = cast(list[dict[Any, Any]], await self.redis.xinfo_groups(stream))
+            if not any(_text(g.get("name", b"")) == self.settings.group for g in groups):
+                del self.buffers[stream]
+        self._next_scan = 0.0
 
     async def claim_stale(self) -> None:
         """Take over entries another archiver read and left unacknowledged for ``claim_idle_s`` (it died)."""

@@ -130,20 +130,26 @@ _TRIM_ARCHIVED = (
 local want = nil
 if ARGV[1] ~= '' then want = ARGV[1] end
 local maxlen = tonumber(ARGV[2])
-if maxlen > 0 then
-  local excess = redis.call('XLEN', KEYS[1]) - maxlen
-  if excess > 0 then
-    local step = math.min(excess, tonumber(ARGV[3]))
-    local page = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', step + 1)
-    if #page > step then
-      local cut = page[#page][1]
-      if want == nil or id_less(want, cut) then want = cut end
-    end
+local excess = 0
+if maxlen > 0 then excess = redis.call('XLEN', KEYS[1]) - maxlen end
+if want == nil and excess <= 0 then return {0, 0} end
+local mark = redis.call('GET', KEYS[2])
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+if #first == 0 then return {0, 0} end
+if want ~= nil and not id_less(first[1][1], want) then want = nil end
+if want == nil and excess <= 0 then return {0, 0} end
+-- Retention wants to trim. Nothing archived is left in the stream (no mark yet, or the oldest entry
+-- is at or past it): held back, without looking for the count's cut (an XRANGE of the excess).
+if not mark or not id_less(first[1][1], mark) then return {0, 1} end
+if excess > 0 then
+  local step = math.min(excess, tonumber(ARGV[3]))
+  local page = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', step + 1)
+  if #page > step then
+    local cut = page[#page][1]
+    if want == nil or id_less(want, cut) then want = cut end
   end
 end
 if want == nil then return {0, 0} end
-local mark = redis.call('GET', KEYS[2])
-if not mark then return {0, 1} end
 local held = 0
 if id_less(mark, want) then want = mark; held = 1 end
 return {redis.call('XTRIM', KEYS[1], 'MINID', '~', want), held}
