@@ -348,9 +348,12 @@ def test_upload_errors_are_counted_and_retried_until_the_store_is_back(
             lambda: metric(archiver, "splitstream_archive_upload_errors_total") >= 2, timeout_s=60, what="upload errors"
         )
         assert not archived_everything(client, stream_key(SYNTHETIC))  # nothing acknowledged while failing
+        wait_until(lambda: metric(archiver, "splitstream_archive_lag_entries") == 100, timeout_s=30, what="lag")
+        assert metric(archiver, "splitstream_archive_lag_seconds") > 0
         s3.start()
         s3.create_bucket("archive")  # moto forgets its buckets on restart
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the retry")
+        wait_until(lambda: metric(archiver, "splitstream_archive_lag_entries") == 0, timeout_s=30, what="no lag")
     finally:
         archiver.stop()
     archive = open_archive("s3://archive/x", endpoint=s3.endpoint)
