@@ -2,7 +2,7 @@
 
 One run, one redis-server (own, on a free port) holding ``--records`` call records shaped like the
 demo's traffic (an 8x8 digit as 64 float32 pixels in, 10 float32 class scores out, readable fields,
-a routing-key HMAC, tags). Measured side by side in one run:
+a routing-key HMAC, the experiment phase, request metadata). Measured side by side in one run:
 
 - raw XRANGE: redis-py's asyncio client reads every entry in pages of 1000 (nothing decoded);
 - XREADGROUP + XACK only: the same through a consumer group, acknowledged, nothing decoded (the floor
@@ -71,8 +71,14 @@ def demo_record(i: int, rng: np.random.Generator, now_ns: int) -> recorder_pb2.C
         router_id="router-a",
         assignment=recorder_pb2.ASSIGNMENT_HASH,
     )
+    # As the router records a demo call: the experiment's phase, the request's metadata, no tags (the
+    # recorder tags only records it redacted outputs from or the router cut payloads from).
     record.phase.id = "a1b2c3d4"
-    record.tags["team"] = "digits"
+    record.phase.weights["v1"] = 50.0
+    record.phase.weights["v2"] = 50.0
+    record.phase.control = "v1"
+    record.metadata["user-agent"] = "grpc-python/1.80.0 grpc-c/50.0.0 (linux; chttp2)"
+    record.metadata["x-routing-key"] = "hmac:" + record.routing_key_hmac
     record.request.inline = request.SerializeToString()
     record.request.size_bytes = len(record.request.inline)
     record.response.inline = response.SerializeToString()
