@@ -664,3 +664,36 @@ async def test_the_recorders_trim_never_passes_the_archive_mark(tmp_path: Path, 
     finally:
         await redis.aclose()
         server.stop()
+
+
+def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    now = time.time_ns()
+    write_synthetic(client, 0, 5, start_ns=now)
+    garbage = dict(entry_fields(synthetic_record(99, now + 10_000_000)))
+    garbage["record"] = b"\xff\xff not a CallRecord"
+    client.xadd(stream_key(SYNTHETIC), garbage)  # type: ignore[arg-type]
+    write_synthetic(client, 5, 5, start_ns=now + 20_000_000)
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
+        assert metric(archiver, "splitstream_archive_corrupt_entries_total") == 1
+    finally:
+        archiver.stop()
+    rows = raw_rows(url).sort_by("receive_time")
+    assert rows["request_id"].to_pylist() == [f"r-{i}" for i in range(5)] + ["r-99"] + [f"r-{i}" for i in range(5, 10)]
+    bad = rows.filter(pa.compute.equal(rows["request_id"], "r-99")).drop_columns(["receive_time"]).to_pylist()[0]
+    assert bad["record"] == b"\xff\xff not a CallRecord"
+    assert (bad["version"], bad["status"], bad["status_code"]) == ("v2", "OK", 0)
+    # A replay from the archive skips it as corrupt, as one from Redis does.
+    selection = Selection(models=(SYNTHETIC,), since_ns=now - 1, until_ns=time.time_ns())
+    stats = SelectionStats()
+
+    async def read() -> list[str]:
+        return [c.record.request_id async for c in select_calls(None, selection, stats, archive=open_archive(url))]
+
+    assert asyncio.run(read()) == [f"r-{i}" for i in range(10)]
+    assert stats.skipped["corrupt"] == 1

@@ -56,60 +56,56 @@ def blob_payloads(record: recorder_pb2.CallRecord) -> Iterator[recorder_pb2.Payl
             yield payload
 
 
-#: A blob reference inside a serialized Payload: field 2 (length-delimited), 64 bytes of hex digest.
-#: A record without this byte pair references no blob (a fast test in C); one with it is checked properly.
-_BLOB_TAG = b"\x12\x40"
-#: The wire tags of CallRecord.tags (17) and CallRecord.stream (23), both length-delimited. Reading a field
-#: of a decoded message costs ~1 µs (a Python object per access) where a byte search in the serialized
-#: record costs ~0.1: a record without the tag's bytes has no such field, one with them is read properly.
-_TAGS_TAG = bytes([17 << 3 | 2, 1])
-_STREAM_TAG = bytes([23 << 3 | 2, 1])
-
-
 @dataclass(slots=True)
 class DecodedCalls:
     entries: list[Entry]
-    records: list[recorder_pb2.CallRecord | None]
     #: Per entry, what only the record holds: the readable columns the entry's fields lack.
     principals: list[str]
     tags: list[list[tuple[str, str]]]
     streamed: list[bool]
-    #: Indexes of the records that reference blobs, and the digests they reference.
-    with_blobs: list[int]
+    #: The records that reference blobs, by index (only these are kept decoded: holding every decoded
+    #: record of a file alive made the garbage collector walk them all, several µs a record, measured),
+    #: and the digests they reference.
+    with_blobs: dict[int, recorder_pb2.CallRecord]
     blobs: set[str]
+    #: Indexes of the entries whose record does not decode, has no request id or is of a newer layout:
+    #: archived with what their readable fields say and the bytes as they are.
+    unreadable: list[int]
     corrupt: int
 
 
 def decode_calls(entries: Sequence[Entry]) -> DecodedCalls:
     """Decode ``entries`` (in stream id order: the buffer keeps them so), one pass."""
-    ordered = list(entries)
-    decoded = DecodedCalls(ordered, [], [], [], [], [], set(), 0)
-    records, principals, tags, streamed = decoded.records, decoded.principals, decoded.tags, decoded.streamed
-    for index, entry in enumerate(ordered):
-        data = entry.fields.get(b"record", b"")
+    decoded = DecodedCalls(list(entries), [], [], [], {}, set(), [], 0)
+    principals, tags, streamed = decoded.principals, decoded.tags, decoded.streamed
+    for index, entry in enumerate(decoded.entries):
         try:
-            record: recorder_pb2.CallRecord | None = decode_record(data)
-        except UnsupportedSchema:
-            record = None  # newer than this code: archived as is, readable columns from the entry
+            record = decode_record(entry.fields.get(b"record", b""))
+        except UnsupportedSchema:  # newer than this code: archived as is
+            record = None
         except Exception:  # protobuf's DecodeError and friends
             record = None
             decoded.corrupt += 1
         if record is not None and not record.request_id:
             record = None
             decoded.corrupt += 1
-        records.append(record)
         if record is None:
+            decoded.unreadable.append(index)
             principals.append("")
             tags.append([])
             streamed.append(False)
             continue
+        # Field reads, cheapest first (~1 µs together, measured; a byte search of the serialized record
+        # for a field's tag costs about as much per search): only a record that can hold a blob
+        # reference has its payloads looked at one by one.
         principals.append(record.principal)
-        tags.append(list(record.tags.items()) if _TAGS_TAG in data else [])
-        streamed.append(_STREAM_TAG in data and record.HasField("stream"))
-        if _BLOB_TAG in data:
+        tags.append(list(record.tags.items()) if len(record.tags) else [])
+        is_stream = record.HasField("stream")
+        streamed.append(is_stream)
+        if record.request.blob_sha256 or record.response.blob_sha256 or len(record.shadows) or is_stream:
             digests = [payload.blob_sha256 for payload in blob_payloads(record)]
             if digests:
-                decoded.with_blobs.append(index)
+                decoded.with_blobs[index] = record
                 decoded.blobs.update(digests)
     return decoded
 
@@ -124,9 +120,7 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
     do not convert, takes the slow path alone (:func:`_row_from_fields`)."""
     missing = 0
     data = [entry.fields.get(b"record", b"") for entry in decoded.entries]
-    for index in decoded.with_blobs:
-        record = decoded.records[index]
-        assert record is not None
+    for index, record in decoded.with_blobs.items():
         for payload in blob_payloads(record):
             content = blob_bytes.get(payload.blob_sha256)
             if content is None:
@@ -134,32 +128,38 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
             else:
                 payload.inline = content
         data[index] = record.SerializeToString()
-    slow = [index for index, record in enumerate(decoded.records) if record is None]
-    good = range(len(decoded.entries))
+    columns = (decoded.entries, data, decoded.principals, decoded.tags, decoded.streamed)
+    slow = list(decoded.unreadable)
     if slow:
         bad = set(slow)
-        good = [index for index in good if index not in bad]  # type: ignore[assignment]
-    principals, tags, streamed = decoded.principals, decoded.tags, decoded.streamed
-    entries = decoded.entries
-    if slow:
-        entries = [entries[i] for i in good]
-        data = [data[i] for i in good]
-        principals = [principals[i] for i in good]
-        tags = [tags[i] for i in good]
-        streamed = [streamed[i] for i in good]
+        keep = [index for index in range(len(data)) if index not in bad]
+        columns = tuple([values[i] for i in keep] for values in columns)  # type: ignore[assignment]
     tables: list[pa.Table] = []
-    if good:
+    if columns[0]:
         try:
-            tables.append(_fast_table(entries, data, principals, tags, streamed))
+            tables.append(_fast_table(*columns))
         except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
-            slow += list(good)  # a field that does not convert: row by row, with the entry's own fallbacks
+            slow = list(range(len(data)))  # a field that does not convert: row by row, with its own fallbacks
+            tables = []
     if slow:
-        rows = [_row_from_fields(decoded.entries[i], decoded.records[i]) for i in sorted(slow)]
-        tables.append(
-            pa.Table.from_pylist([dict(zip(CALL_SCHEMA.names, row, strict=True)) for row in rows], CALL_SCHEMA)
-        )
+        rows = [
+            _row_from_fields(decoded.entries[i], data[i], decoded.principals[i], decoded.tags[i], decoded.streamed[i])
+            for i in slow
+        ]
+        named = [dict(zip(CALL_SCHEMA.names, row, strict=True)) for row in rows]
+        tables.append(pa.Table.from_pylist(named, CALL_SCHEMA))
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+    if len(tables) > 1:  # the slow rows came last: back to stream id order
+        order = pc.sort_indices(_id_order(table["stream_id"]), sort_keys=[("ms", "ascending"), ("seq", "ascending")])
+        table = table.take(order)
     return _split_by_hour(CALLS, model, table, CALL_SCHEMA), missing
+
+
+def _id_order(stream_ids: pa.ChunkedArray) -> pa.Table:
+    parts = pc.split_pattern(stream_ids, "-")
+    ms = pc.cast(pc.list_element(parts, 0), pa.int64())
+    seq = pc.cast(pc.list_element(parts, 1), pa.int64())
+    return pa.table({"ms": ms, "seq": seq})
 
 
 _HOUR_NS = 3600 * 10**9
@@ -218,7 +218,7 @@ def _split_by_hour(kind: str, model: str, table: pa.Table, schema: pa.Schema) ->
     return files
 
 
-def _row_from_fields(entry: Entry, record: recorder_pb2.CallRecord | None = None) -> tuple:
+def _row_from_fields(entry: Entry, data: bytes, principal: str, tags: list[tuple[str, str]], streamed: bool) -> tuple:
     """A row for an entry whose record does not decode (or whose fields do not convert): what its
     readable fields say, with every conversion's own fallback, and the record's bytes kept."""
 
@@ -248,11 +248,11 @@ def _row_from_fields(entry: Entry, record: recorder_pb2.CallRecord | None = None
         code,
         latency_ms,
         text("unit"),
-        record.principal if record is not None else "",
-        list(record.tags.items()) if record is not None else [],
-        record.HasField("stream") if record is not None else False,
+        principal,
+        tags,
+        streamed,
         entry.stream_id,
-        record.SerializeToString() if record is not None else entry.fields.get(b"record", b""),
+        data,
     )
 
 
