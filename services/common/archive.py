@@ -27,7 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, urlsplit
 
@@ -257,13 +257,15 @@ def _hours(since_ns: int, until_ns: int) -> set[tuple[str, int]]:
     return hours
 
 
-def _partition_files(archive: Archive, kind: str, model: str, since_ns: int, until_ns: int) -> list[str]:
-    """The Parquet files of the hours the window overlaps: only their directories are listed (one
-    listing of the model's dates, then one per date in the window), never the whole archive."""
+def _partition_files(
+    archive: Archive, kind: str, model: str, since_ns: int, until_ns: int
+) -> dict[tuple[str, int], list[str]]:
+    """The Parquet files of the hours the window overlaps, by (date, hour): only their directories are
+    listed (one listing of the model's dates, then one per date in the window), never the whole archive."""
     base = archive.path(kind, f"model={_escape(model)}")
     wanted = _hours(max(since_ns, 0), max(until_ns, 1))
     dates = {date for date, _ in wanted}
-    files: list[str] = []
+    files: dict[tuple[str, int], list[str]] = {}
     try:
         day_dirs = archive.filesystem.get_file_info(pafs.FileSelector(base, allow_not_found=True))
         for day in day_dirs:
@@ -277,10 +279,10 @@ def _partition_files(archive: Archive, kind: str, model: str, since_ns: int, unt
                 for entry in archive.filesystem.get_file_info(pafs.FileSelector(hour_dir.path)):
                     name = entry.base_name
                     if entry.type == pafs.FileType.File and name.endswith(".parquet") and not name.startswith("."):
-                        files.append(entry.path)
+                        files.setdefault((date, int(hour)), []).append(entry.path)
     except (OSError, pa.ArrowException) as error:
         raise ArchiveError(f"archive {archive.url!r} cannot be listed: {_one_line(error)}") from None
-    return sorted(files)
+    return {key: sorted(paths) for key, paths in sorted(files.items())}
 
 
 def _time_filter(since_ns: int, until_ns: int) -> ds.Expression:
@@ -294,34 +296,47 @@ def read_calls(archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] 
     sorted by receive time. Partition pruning picks the hours; receive time, version and status are
     pushed down to the Parquet reader (row groups whose statistics exclude them are skipped).
     Columns: :data:`CALL_SCHEMA`'s (or ``columns``) plus ``model``. Blocking: run it in a thread.
-    Raises :class:`ArchiveError` when the store fails."""
-    files = _partition_files(archive, CALLS, query.model, query.since_ns, query.until_ns)
+    Raises :class:`ArchiveError` when the store fails. A long window is better read hour by hour
+    (:func:`read_calls_by_hour`): this holds it all in memory."""
     wanted = list(columns) if columns is not None else [field.name for field in CALL_SCHEMA]
-    read_columns = list(dict.fromkeys([*wanted, "request_id", "stream_id", "receive_time"]))
-    if not files:
-        return _with_model(CALL_SCHEMA.empty_table().select(read_columns), query.model).select(
-            [*wanted, "model"] if "model" not in wanted else wanted
-        )
+    hours = list(read_calls_by_hour(archive, query, columns=columns))
+    if not hours:
+        empty = CALL_SCHEMA.empty_table().select([c for c in wanted if c != "model"])
+        return _with_model(empty, query.model).select([*wanted, "model"] if "model" not in wanted else wanted)
+    return pa.concat_tables(hours)
+
+
+def read_calls_by_hour(
+    archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None
+) -> Iterator[pa.Table]:
+    """:func:`read_calls`, one table per hour partition, oldest first, so a month's window never sits in
+    memory at once. Complete de-duplication all the same: copies of a call share its receive time, so
+    its hour. Each ``next`` blocks (reads the hour): call it in a thread."""
+    wanted = list(columns) if columns is not None else [field.name for field in CALL_SCHEMA]
+    read_columns = list(
+        dict.fromkeys([c for c in wanted if c != "model"] + ["request_id", "stream_id", "receive_time"])
+    )
     expression = _time_filter(query.since_ns, query.until_ns)
     if query.versions:
         expression &= ds.field("version").isin(sorted(query.versions))
     if query.status_codes is not None:
         expression &= ds.field("status_code").isin(sorted(query.status_codes))
-    try:
-        dataset = ds.dataset(
-            files,
-            schema=CALL_SCHEMA,
-            filesystem=archive.filesystem,
-            format="parquet",
-            partitioning=_PARTITIONING,
-            partition_base_dir=archive.path(CALLS),
-        )
-        table = dataset.to_table(columns=read_columns, filter=expression)
-    except (OSError, pa.ArrowException) as error:
-        raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
-    table = _unique_first(table)
-    table = _with_model(table, query.model)
-    return table.select([*wanted, "model"] if "model" not in wanted else wanted)
+    for files in _partition_files(archive, CALLS, query.model, query.since_ns, query.until_ns).values():
+        try:
+            dataset = ds.dataset(
+                files,
+                schema=CALL_SCHEMA,
+                filesystem=archive.filesystem,
+                format="parquet",
+                partitioning=_PARTITIONING,
+                partition_base_dir=archive.path(CALLS),
+            )
+            table = dataset.to_table(columns=read_columns, filter=expression)
+        except (OSError, pa.ArrowException) as error:
+            raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
+        if table.num_rows:
+            table = _with_model(_unique_first(table), query.model)
+            yield table.select([*wanted, "model"] if "model" not in wanted else wanted)
 
 
 def _with_model(table: pa.Table, model: str) -> pa.Table:
@@ -356,7 +371,9 @@ def stored_records(table: pa.Table) -> list[StoredRecord]:
 def read_feedback(archive: Archive, model: str, since_ns: int, until_ns: int) -> pa.Table:
     """The archived outcome events of ``model`` received in ``[since_ns, until_ns)``, de-duplicated by
     stream id (an event is written once per id; a re-archived file repeats ids), by receive time. Blocking."""
-    files = _partition_files(archive, FEEDBACK, model, since_ns, until_ns)
+    files = [
+        path for paths in _partition_files(archive, FEEDBACK, model, since_ns, until_ns).values() for path in paths
+    ]
     if not files:
         return _with_model(FEEDBACK_SCHEMA.empty_table(), model)
     try:

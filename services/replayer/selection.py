@@ -38,10 +38,11 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
+import pyarrow as pa
 import xxhash
 from redis.asyncio import Redis
 
-from splitstream.common.archive import Archive, ArchiveQuery, read_calls
+from splitstream.common.archive import Archive, ArchiveQuery, read_calls_by_hour
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import (
     CorruptEntry,
@@ -336,19 +337,9 @@ async def model_calls(
         stats.max_buffered = max(stats.max_buffered, buffer.max_buffered)
 
 
-async def archived_calls(
-    archive: Archive, model: str, selection: Selection, stats: SelectionStats, *, since_ns: int, until_ns: int
-) -> list[SelectedCall]:
-    """``model``'s selected calls received in ``[since_ns, until_ns)`` from the archive, de-duplicated, in
-    receive-time order. Reads the window in one go (in a thread): an archive hour is the unit of reading."""
+def _archived_selection(table: pa.Table, model: str, selection: Selection, stats: SelectionStats) -> list[SelectedCall]:
+    """The selected calls of one hour of the archive (rows de-duplicated and in receive-time order)."""
     statuses = selection.statuses
-    pushed: frozenset[int] | None = None
-    if statuses is not None and not statuses.any_error:
-        pushed = statuses.codes | ({0} if statuses.ok else frozenset())
-    query = ArchiveQuery(
-        model=model, since_ns=since_ns, until_ns=until_ns, versions=selection.versions, status_codes=pushed
-    )
-    table = await asyncio.to_thread(read_calls, archive, query, columns=["stream_id", "receive_time", "record"])
     calls: list[SelectedCall] = []
     receive = table["receive_time"].cast("int64").to_pylist()
     for stream_id, receive_ns, data in zip(
@@ -378,13 +369,37 @@ async def archived_calls(
 
 
 async def archive_model_calls(
-    archive: Archive, model: str, selection: Selection, stats: SelectionStats
+    archive: Archive,
+    model: str,
+    selection: Selection,
+    stats: SelectionStats,
+    *,
+    since_ns: int | None = None,
+    until_ns: int | None = None,
 ) -> AsyncGenerator[SelectedCall, None]:
-    """``--source archive:URL``: the whole window from the archive."""
-    for call in await archived_calls(
-        archive, model, selection, stats, since_ns=selection.since_ns, until_ns=selection.until_ns
-    ):
-        yield call
+    """``model``'s selected calls received in ``[since_ns, until_ns)`` (default: the selection's window)
+    from the archive, de-duplicated, in receive-time order, read one hour partition at a time (in a
+    thread), so a long window never sits in memory at once."""
+    statuses = selection.statuses
+    pushed: frozenset[int] | None = None
+    if statuses is not None and not statuses.any_error:
+        pushed = statuses.codes | ({0} if statuses.ok else frozenset())
+    query = ArchiveQuery(
+        model=model,
+        since_ns=selection.since_ns if since_ns is None else since_ns,
+        until_ns=selection.until_ns if until_ns is None else until_ns,
+        versions=selection.versions,
+        status_codes=pushed,
+    )
+    hours = read_calls_by_hour(archive, query, columns=["stream_id", "receive_time", "record"])
+
+    def next_hour() -> list[SelectedCall] | None:
+        table = next(hours, None)
+        return None if table is None else _archived_selection(table, model, selection, stats)
+
+    while (calls := await asyncio.to_thread(next_hour)) is not None:
+        for call in calls:
+            yield call
 
 
 async def straddling_model_calls(
@@ -393,35 +408,42 @@ async def straddling_model_calls(
     """Redis, with the part of the window older than the stream's oldest entry read from the archive.
 
     Entries retention removed were written before the oldest one left, so received before its id's time
-    (plus clock skew): the archive is read up to there, and Redis for the whole window, a request id the
-    archive gave skipped in Redis (the two overlap where the archive also holds what Redis still has)."""
+    (plus clock skew): the archive is read up to there, and Redis for the whole window, the two merged
+    in receive-time order. A call in both (the archive also holds what Redis still has) shares its
+    receive time in both, so the archive's copy comes first and the Redis copy is dropped; the ids are
+    remembered for the last ``max_lateness + clock_skew`` before the boundary, where Redis's calls can be."""
     oldest = cast(list[tuple[bytes, Any]], await redis.xrange(stream_key(model), min="-", max="+", count=1))
     boundary_ns = (
         stream_id_ms(oldest[0][0].decode()) * 1_000_000 + selection.clock_skew_ns if oldest else selection.until_ns
     )
-    older: list[SelectedCall] = []
-    if selection.since_ns < boundary_ns:
-        older = await archived_calls(
-            archive, model, selection, stats, since_ns=selection.since_ns, until_ns=min(selection.until_ns, boundary_ns)
-        )
-    archived_ids = {call.record.request_id for call in older}
-    pending = iter(older)
-    head = next(pending, None)
+    horizon_ns = boundary_ns - selection.max_lateness_ns - selection.clock_skew_ns
+    older = (
+        archive_model_calls(archive, model, selection, stats, until_ns=min(selection.until_ns, boundary_ns))
+        if selection.since_ns < boundary_ns
+        else None
+    )
     recent = model_calls(redis, model, selection, stats)
+    archived_ids: set[str] = set()
     try:
-        async for call in recent:
+        head = await anext(older, None) if older is not None else None
+        call = await anext(recent, None)
+        while head is not None or call is not None:
+            if head is not None and (call is None or head.receive_ns <= call.receive_ns):
+                if head.receive_ns >= horizon_ns:
+                    archived_ids.add(head.record.request_id)
+                yield head
+                head = await anext(older, None) if older is not None else None
+                continue
+            assert call is not None
             if call.record.request_id in archived_ids:
                 stats.duplicates += 1
-                continue
-            while head is not None and head.receive_ns <= call.receive_ns:
-                yield head
-                head = next(pending, None)
-            yield call
-        while head is not None:
-            yield head
-            head = next(pending, None)
+            else:
+                yield call
+            call = await anext(recent, None)
     finally:
         await recent.aclose()
+        if older is not None:
+            await older.aclose()
 
 
 async def select_calls(
