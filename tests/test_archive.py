@@ -486,6 +486,10 @@ def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_ca
     archived = table["request_id"].to_pylist()
     assert len(archived) == len(set(archived))
     assert set(archived) == set(written), f"missing {len(set(written) - set(archived))}"
+    # Restarted under the same name, it rewrote what it had uploaded and not acknowledged under the same
+    # names: not a row twice even before de-duplication.
+    raw = raw_rows(url, s3.endpoint)["request_id"].to_pylist()
+    assert sorted(raw) == sorted(written)
 
 
 def test_entries_a_dead_archiver_left_pending_are_claimed_and_archived(
@@ -703,3 +707,34 @@ def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
 
     assert asyncio.run(read()) == [f"r-{i}" for i in range(10)]
     assert stats.skipped["corrupt"] == 1
+
+
+def test_a_file_uploaded_but_never_acknowledged_is_rewritten_under_its_name_after_a_crash(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The narrowest crash: the file is in the archive, the XACK never reached Redis. Redis's CLIENT PAUSE
+    holds the acknowledgement (a write) while the upload completes; the archiver is killed then."""
+    client = redis_server.client()
+    archive_dir = tmp_path / "archive"
+    args = ("--flush-interval-s", "1", "--claim-idle-s", "60")
+    archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri(), *args)
+    try:
+        ids = write_synthetic(client, 0, 40, start_ns=time.time_ns())
+        wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 40, timeout_s=30)
+        client.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+        try:
+            wait_until(lambda: list(archive_dir.rglob("*.parquet")), timeout_s=30, what="the upload")
+            first_upload = sorted(path.name for path in archive_dir.rglob("*.parquet"))
+            archiver.kill()
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+        assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 40  # never acknowledged
+        archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri(), *args)
+        ids += write_synthetic(client, 40, 10, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the restart")
+        assert "rewriting a file uploaded but not acknowledged" in archiver.log()
+    finally:
+        archiver.stop()
+    files = sorted(path.name for path in archive_dir.rglob("*.parquet"))
+    assert set(first_upload) <= set(files)  # the same object, rewritten
+    assert sorted(raw_rows(archive_dir.as_uri())["request_id"].to_pylist()) == sorted(ids)  # no row twice

@@ -34,13 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
 from splitstream.archiver.metrics import ArchiverMetrics
 from splitstream.archiver.tables import Entry, PlannedFile, call_files, decode_calls, feedback_files, id_key
-from splitstream.common.archive import Archive, write_file
+from splitstream.common.archive import Archive, partition_dir, write_file
 from splitstream.common.records import (
     FEEDBACK_PREFIX,
     LUA_ID_LESS,
@@ -209,9 +210,12 @@ class Archiver:
         return new
 
     async def read_own_pending(self, streams: Sequence[str]) -> None:
-        """Entries this consumer read before a crash and never acknowledged: first, in id order, so the
-        files they belonged to are written again under the same names."""
+        """Entries this consumer read before a crash and never acknowledged, first, in id order. A file
+        whose upload completed before the crash (but whose entries were never acknowledged) starts at
+        the oldest of them: it is found by that name and its entries are written again as one file, so
+        the object is replaced rather than copied; the rest go on to files as usual."""
         for stream in streams:
+            buffer = self.buffers[stream]
             cursor = "0"
             while True:
                 reply = await self.redis.xreadgroup(
@@ -221,12 +225,42 @@ class Archiver:
                 if not entries:
                     break
                 for _, entry in entries:
-                    self.buffers[stream].add(entry)
+                    buffer.add(entry)
                 cursor = entries[-1][1].stream_id
-                await self.flush(due_only=True, rows_only=True)
-        total = sum(len(self.buffers[stream].entries) for stream in streams)
-        if total:
-            self.log.info("re-archiving entries left pending by this consumer", entries=total)
+            if buffer.entries:
+                self.log.info(
+                    "re-archiving entries left pending by this consumer", stream=stream, entries=len(buffer.entries)
+                )
+            while buffer.entries:
+                last = await asyncio.to_thread(self._uploaded_file_end, stream, buffer.entries[0])
+                if last is None:
+                    break
+                end = id_key(last)
+                batch = [entry for entry in buffer.entries if id_key(entry.stream_id) <= end]
+                self.log.info("rewriting a file uploaded but not acknowledged", stream=stream, entries=len(batch))
+                await self._write_entries(stream, batch)
+                buffer.entries = buffer.entries[len(batch) :]
+                buffer.bytes = sum(entry.size for entry in buffer.entries)
+
+    def _uploaded_file_end(self, stream: str, first: Entry) -> str | None:
+        """The last stream id of an archived file that starts at ``first`` (an upload a crash left
+        unacknowledged), or None. One listing of ``first``'s partition. Blocking."""
+        kind, model = stream_model(stream)
+        field = b"time_ns" if kind == "calls" else b"receive_ns"
+        try:
+            receive_ns = int(first.fields.get(field, b""))
+        except ValueError:
+            receive_ns = stream_id_ms(first.stream_id) * 1_000_000
+        directory = self.archive.path(partition_dir(kind, model, receive_ns))
+        prefix = f"{first.stream_id}_"
+        try:
+            infos = self.archive.filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+        except (OSError, pa.ArrowException) as error:
+            raise UploadFailed(f"{directory} cannot be listed: {error}") from error
+        for info in infos:
+            if info.base_name.startswith(prefix) and info.base_name.endswith(".parquet"):
+                return info.base_name.removeprefix(prefix).removesuffix(".parquet")
+        return None
 
     async def read_new(self) -> None:
         room = min(self.settings.max_file_rows - len(b.entries) for b in self.buffers.values())
