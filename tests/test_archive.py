@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,9 +168,18 @@ def s3(tmp_path: Path) -> Iterator[S3Server]:
 # -- end to end: record, archive, replay from both -------------------------------------------------
 
 
-def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_redis_is_flushed(tmp_path: Path) -> None:
-    stack = RecordingStack(tmp_path, recorder_args=("--blob-threshold-bytes", "16"))
-    archive_dir = tmp_path / "archive"
+@pytest.mark.parametrize("store", ["directory", "s3"])
+def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_redis_is_flushed(
+    tmp_path: Path, store: str
+) -> None:
+    stack = RecordingStack(tmp_path, recorder_args=("--blob-threshold-bytes", "16"))  # every payload a blob
+    s3 = S3Server(tmp_path / "s3").start() if store == "s3" else None
+    endpoint_args: tuple[str, ...] = ()
+    if s3 is not None:
+        s3.create_bucket("archive")
+        url, endpoint_args = "s3://archive/recorded", ("--s3-endpoint", s3.endpoint)
+    else:
+        url = (tmp_path / "archive").as_uri()
     archiver = None
     try:
         client = InferClient(stack.router.address)
@@ -215,6 +225,7 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
                 timeout=120,
                 cwd=ROOT,
                 check=False,
+                env={**os.environ, **S3_ENV},
             )
             assert done.returncode == 0, done.stderr
             import json
@@ -223,19 +234,26 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
             return {row["request_id"]: row["outcome"] for row in map(json.loads, lines)}
 
         from_redis = replay(tmp_path / "from-redis")
-        archiver = start_archiver(tmp_path, stack.redis.url, archive_dir.as_uri())
+        archiver = start_archiver(tmp_path, stack.redis.url, url, *endpoint_args)
         redis = stack.redis.client()
         wait_until(lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive to catch up")
 
         # The files: partitioned model=/date=/hour=, zstd, readable columns beside the record.
-        files = sorted(archive_dir.glob("calls/model=affine/date=*/hour=*/*.parquet"))
-        assert files, list(archive_dir.rglob("*"))
+        os.environ.update(S3_ENV)
+        archive = open_archive(url, endpoint=s3.endpoint if s3 else "")
+        listing = archive.filesystem.get_file_info(pafs.FileSelector(archive.base, recursive=True))
+        files = sorted(info.path for info in listing if info.path.endswith(".parquet"))
+        assert files
+        assert all(
+            re.search(r"/calls/model=affine/date=\d{4}-\d\d-\d\d/hour=\d\d/[\d-]+_[\d-]+\.parquet$", f) for f in files
+        )
         import pyarrow.parquet as pq
 
-        metadata = pq.ParquetFile(files[0]).metadata
+        parquet = pq.ParquetFile(archive.filesystem.open_input_file(files[0]))
+        metadata = parquet.metadata
         assert metadata.row_group(0).column(0).compression == "ZSTD"
         assert metadata.metadata[b"splitstream.archive_schema"] == b"1"
-        columns = set(pq.read_schema(files[0]).names)
+        columns = set(parquet.schema_arrow.names)
         assert {
             "request_id",
             "receive_time",
@@ -247,19 +265,17 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
             "latency_ms",
         } <= columns
         assert {"routing_key_hmac", "principal", "tags", "record"} <= columns
-        assert pq.read_schema(files[0]).field("record").type == pa.binary()
+        assert parquet.schema_arrow.field("record").type == pa.binary()
 
         # Redis forgets everything, blobs included: the archive stands alone.
         redis.flushall()
         redis.close()
-        archived = read_calls(
-            open_archive(archive_dir.as_uri()), ArchiveQuery(model=MODEL, since_ns=since, until_ns=until)
-        )
+        archived = read_calls(archive, ArchiveQuery(model=MODEL, since_ns=since, until_ns=until))
         assert set(archived["request_id"].to_pylist()) == ids
         for stored in stored_records(archived):
             assert stored.record.request.WhichOneof("body") == "inline"
             assert len(stored.record.request.inline) == stored.record.request.size_bytes
-        from_archive = replay(tmp_path / "from-archive", "--source", f"archive:{archive_dir.as_uri()}")
+        from_archive = replay(tmp_path / "from-archive", "--source", f"archive:{url}", *endpoint_args)
         assert from_archive == from_redis
         assert set(from_archive) == ids
         assert "match" in from_archive.values()
@@ -267,6 +283,8 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
     finally:
         if archiver is not None:
             archiver.stop()
+        if s3 is not None:
+            s3.stop()
         stack.close()
 
 
