@@ -22,10 +22,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 from redis.asyncio import Redis
 
 from splitstream.common.archive import (
+    CALL_SCHEMA,
     ENTRY_COLUMNS,
     ArchiveError,
     ArchiveQuery,
@@ -247,8 +249,6 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
         assert all(
             re.search(r"/calls/model=affine/date=\d{4}-\d\d-\d\d/hour=\d\d/[\d-]+_[\d-]+\.parquet$", f) for f in files
         )
-        import pyarrow.parquet as pq
-
         parquet = pq.ParquetFile(archive.filesystem.open_input_file(files[0]))
         metadata = parquet.metadata
         assert metadata.row_group(0).column(0).compression == "ZSTD"
@@ -277,6 +277,9 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
             assert len(stored.record.request.inline) == stored.record.request.size_bytes
         from_archive = replay(tmp_path / "from-archive", "--source", f"archive:{url}", *endpoint_args)
         assert from_archive == from_redis
+        # The default source with the archive configured behind Redis: a window older than anything in
+        # Redis (here Redis holds nothing at all) comes from the archive.
+        assert replay(tmp_path / "behind-redis", "--archive", url, *endpoint_args) == from_redis
         assert set(from_archive) == ids
         assert "match" in from_archive.values()
         assert "error" not in from_archive.values()
@@ -348,6 +351,13 @@ def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     assert read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns())).num_rows == 300
     with pytest.raises(ArchiveError, match="cannot be read"):
         read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=978307200 * 10**9, until_ns=978310800 * 10**9))
+    # A file a newer splitstream wrote is refused, not misread.
+    newer = CALL_SCHEMA.with_metadata({b"splitstream.archive_schema": b"2"})
+    path = "archive/splitstream/calls/model=synth/date=2001-01-02/hour=00/1-0_1-0.parquet"
+    with archive.filesystem.open_output_stream(path) as sink:
+        pq.write_table(newer.empty_table(), sink)
+    with pytest.raises(ArchiveError, match="archive schema 2; this reader knows up to 1"):
+        read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=978393600 * 10**9, until_ns=978397200 * 10**9))
     feedback = read_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())
     assert feedback["request_id"].to_pylist() == ["r-1"]
     assert feedback["metric"].to_pylist() == ["click"]

@@ -331,12 +331,26 @@ def read_calls_by_hour(
                 partitioning=_PARTITIONING,
                 partition_base_dir=archive.path(CALLS),
             )
+            _check_versions(archive, dataset)
             table = dataset.to_table(columns=read_columns, filter=expression)
         except (OSError, pa.ArrowException) as error:
             raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
         if table.num_rows:
             table = _with_model(_unique_first(table), query.model)
             yield table.select([*wanted, "model"] if "model" not in wanted else wanted)
+
+
+def _check_versions(archive: Archive, dataset: ds.FileSystemDataset) -> None:
+    """Refuse files a newer splitstream wrote (their layout may mean something else), as records of a
+    newer ``schema_version`` are refused. Reads each file's footer, which the scan then reuses."""
+    for fragment in dataset.get_fragments():
+        metadata = fragment.physical_schema.metadata or {}
+        version = int(metadata.get(SCHEMA_METADATA_KEY, b"0") or 0)
+        if version > ARCHIVE_SCHEMA_VERSION:
+            raise ArchiveError(
+                f"archive {archive.url!r}: {fragment.path} has archive schema {version}; "
+                f"this reader knows up to {ARCHIVE_SCHEMA_VERSION}"
+            )
 
 
 def _with_model(table: pa.Table, model: str) -> pa.Table:
