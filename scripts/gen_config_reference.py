@@ -23,6 +23,7 @@ COMMANDS = [
     ("splitstream-worker", "splitstream.worker.main", "build_parser"),
     ("splitstream-recorder", "splitstream.recorder.config", "build_parser"),
     ("splitstream-replay", "splitstream.replayer.main", "build_parser"),
+    ("splitstream-archive", "splitstream.archiver.main", "build_parser"),
     ("splitstream", "splitstream.admin.main", "build_parser"),
     ("splitstream-build-engine", "splitstream.worker.engines.build_cli", "build_parser"),
 ]

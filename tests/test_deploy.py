@@ -27,6 +27,7 @@ ENTRY_POINTS = {
     "splitstream-router": "splitstream.router",
     "splitstream-worker": "splitstream.worker",
     "splitstream-recorder": "splitstream.recorder",
+    "splitstream-archive": "splitstream.archiver",
 }
 
 
@@ -139,6 +140,7 @@ def _family(name: str) -> str:
 
 def test_every_service_command_parses_with_the_services_own_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     """Values too, not only flag names: the parsers validate ports, rules and registry specs."""
+    from splitstream.archiver.main import parse_args as archiver_args
     from splitstream.recorder.config import parse_args as recorder_args
     from splitstream.router.main import open_registry
     from splitstream.router.main import parse_args as router_args
@@ -149,6 +151,7 @@ def test_every_service_command_parses_with_the_services_own_parser(monkeypatch: 
     router = router_args(services["router"][1:])
     assert open_registry(router.registry).description.startswith("consul")
     recorder_args(services["recorder"][1:])
+    archiver_args(services["archiver"][1:])
     for name in ("worker-v1", "worker-v2", "worker-v2-gpu"):
         build_parser().parse_args(services[name][1:])
 

@@ -30,6 +30,13 @@ FEEDBACK_PREFIX = "splitstream:feedback:"
 #: with the entry it writes, so an event re-sent with the same key is not written twice.
 FEEDBACK_SEEN_PREFIX = "splitstream:feedback-seen:"
 BLOB_PREFIX = "splitstream:blob:"
+#: ``splitstream:archived:<stream key>``: the archive's low-water mark of one stream, a stream id such
+#: that every entry with a smaller id is in the archive. Archivers only ever raise it (computed from the
+#: consumer group's own state, so several archivers agree); the recorder's ``--trim-archived`` retention
+#: never trims at or past it.
+ARCHIVED_PREFIX = "splitstream:archived:"
+#: The consumer group archivers read the call and feedback streams with.
+ARCHIVE_GROUP = "splitstream-archive"
 #: The tag (``CallRecord.tags``) in which the recorder names, comma-separated, the outputs it dropped
 #: or masked in the record's ``response``: their recorded values are not what the model answered, so a
 #: replay must not compare them. Deployment tags are free-form; ``splitstream.`` names are the recorder's.
@@ -112,6 +119,27 @@ def feedback_seen_key(model: str, metric: str, idempotency_key: str) -> str:
     begins (model ``a:b`` metric ``c`` against model ``a`` metric ``b:c``, same idempotency key):
     the later event then counts as a duplicate."""
     return f"{FEEDBACK_SEEN_PREFIX}{model}:{metric}:{idempotency_key}"
+
+
+def archive_mark_key(stream: str) -> str:
+    """The key holding the archive's low-water mark of stream key ``stream`` (:data:`ARCHIVED_PREFIX`)."""
+    return ARCHIVED_PREFIX + stream
+
+
+#: Lua: whether stream id ARGV-style ``a`` sorts before ``b`` (``ms`` alone reads as ``ms-0``). Shared by
+#: the scripts that compare ids inside Redis (the archiver's mark, the recorder's archive-aware trim).
+LUA_ID_LESS = """
+local function parse_id(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  if not ms then return tonumber(id) or 0, 0 end
+  return tonumber(ms), tonumber(seq)
+end
+local function id_less(a, b)
+  local am, as = parse_id(a)
+  local bm, bs = parse_id(b)
+  return am < bm or (am == bm and as < bs)
+end
+"""
 
 
 def assignment_name(assignment: int) -> str:

@@ -72,6 +72,7 @@ class RecorderConfig(Document):
     retention_age_s: Annotated[float, Field(ge=0)]
     blob_threshold_bytes: Annotated[int, Field(ge=0)]
     blob_ttl_s: Annotated[int, Field(ge=0)]
+    trim_archived: bool = False
     redact_metadata: tuple[Rule, ...]
     redact_input: tuple[Rule, ...]
     redact_output: tuple[Rule, ...]
@@ -182,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         help="drop records older than this many seconds (XADD MINID ~; 0: no age limit)",
+    )
+    parser.add_argument(
+        "--trim-archived",
+        action="store_true",
+        help="retention trims only what splitstream-archive has archived (its mark in Redis); with the "
+        "archiver down, Redis keeps everything past the retention (trims held back are counted)",
     )
     parser.add_argument(
         "--blob-threshold-bytes",

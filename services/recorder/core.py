@@ -122,6 +122,8 @@ class RecorderCore:
             self.metrics.records_written.labels(model).inc(count)
         if result.blobs_written:
             self.metrics.blobs_written.inc(result.blobs_written)
+        if result.trims_held:
+            self.metrics.trims_held_by_archive.inc(result.trims_held)
         for model, count in result.feedback_written.items():
             self.metrics.feedback_written.labels(model).inc(count)
         for model, count in result.feedback_duplicates.items():

@@ -83,6 +83,7 @@ class Recorder(Service):
             retention_maxlen=config.retention_maxlen,
             retention_age_s=config.retention_age_s,
             blob_ttl_s=config.effective_blob_ttl_s,
+            trim_archived=config.trim_archived,
         )
         self.executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self.core = RecorderCore(
@@ -123,6 +124,7 @@ class Recorder(Service):
             redis=redact_url(self.config.redis_url),
             retention_maxlen=self.config.retention_maxlen,
             retention_age_s=self.config.retention_age_s,
+            trim_archived=self.config.trim_archived,
             blob_threshold_bytes=self.config.blob_threshold_bytes,
             blob_ttl_s=self.config.effective_blob_ttl_s,
             redact_metadata=[f"{r.name}:{r.action.value}" for r in self.config.redact_metadata],

@@ -51,6 +51,12 @@ class RecorderMetrics:
             ["model"],
             registry=self.registry,
         )
+        self.trims_held_by_archive = Counter(
+            "splitstream_recorder_trims_held_by_archive",
+            "Retention trims (one per stream per batch) that --trim-archived held back because the archive "
+            "had not caught up; rising steadily: the archiver is down or behind, and Redis grows",
+            registry=self.registry,
+        )
         self.feedback_rejected = Counter(
             "splitstream_recorder_feedback_rejected",
             "Outcome events refused alone (malformed, a plain routing key, a bad metric name, ...); named in the ack",

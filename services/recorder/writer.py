@@ -13,6 +13,15 @@ Layout (see :mod:`splitstream.common.records`, which reads it back):
   entry only if the key was new: atomic, so a resend after a failure can neither lose the event
   (marked seen, never written) nor write it twice. It rides in the same pipeline as the XADDs.
 
+With ``trim_archived`` (``--trim-archived``), XADD trims nothing; after a batch's entries, one small
+script per stream trims it to what retention asks *and* the archive holds: it reads the stream's
+archive mark (``splitstream:archived:<stream>``, see :func:`splitstream.common.records.archive_mark_key`)
+and trims (``MINID ~``) below ``min(retention bound, mark)``. No mark yet (no archiver has run):
+nothing is trimmed. An archiver down for long therefore makes Redis grow past its retention, by the
+traffic of the outage; each trim the mark held back is counted (``trims_held_by_archive``). A count
+retention (MAXLEN) finds its bound with an XRANGE of the excess, at most ``_MAXLEN_CUT_STEP`` entries a
+batch, so the catch-up after an outage is spread over batches rather than one long script.
+
 Blob round: ``EXPIRE`` every blob of the batch (refreshes existing ones, and says which
 exist), then the missing blobs go out with ``SET NX EX`` in the same pipeline as the
 XADDs, ahead of them, so a record is never visible before its blob. Batches without
@@ -36,7 +45,7 @@ from typing import Any, NoReturn, cast
 from redis.asyncio import Redis
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
-from splitstream.common.records import blob_key
+from splitstream.common.records import LUA_ID_LESS, archive_mark_key, blob_key
 from splitstream.recorder.errors import StoreRefused, StoreUnavailable
 
 #: Error codes (beside redis-py's OutOfMemoryError and ReadOnlyError, whose code it strips from the
@@ -83,6 +92,8 @@ class WriteResult:
     #: Events written, and those skipped as already seen, by model.
     feedback_written: dict[str, int] = field(default_factory=dict)
     feedback_duplicates: dict[str, int] = field(default_factory=dict)
+    #: Streams whose retention trim the archive's mark held back (``--trim-archived``).
+    trims_held: int = 0
 
 
 #: KEYS: the seen key, the feedback stream. ARGV: TTL s (0: none), MAXLEN (0: none), MINID ("": none),
@@ -108,6 +119,44 @@ return 1
 """
 
 
+#: The most entries one archive-aware trim cuts for a count retention (MAXLEN) per batch.
+_MAXLEN_CUT_STEP = 10_000
+
+#: KEYS: the stream, its archive mark. ARGV: MINID bound ("": none), MAXLEN (0: none), cut step.
+#: Returns {entries trimmed, 1 if retention wanted more than the archive allowed else 0}.
+_TRIM_ARCHIVED = (
+    LUA_ID_LESS
+    + """
+local want = nil
+if ARGV[1] ~= '' then want = ARGV[1] end
+local maxlen = tonumber(ARGV[2])
+local excess = 0
+if maxlen > 0 then excess = redis.call('XLEN', KEYS[1]) - maxlen end
+if want == nil and excess <= 0 then return {0, 0} end
+local mark = redis.call('GET', KEYS[2])
+local first = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
+if #first == 0 then return {0, 0} end
+if want ~= nil and not id_less(first[1][1], want) then want = nil end
+if want == nil and excess <= 0 then return {0, 0} end
+-- Retention wants to trim. Nothing archived is left in the stream (no mark yet, or the oldest entry
+-- is at or past it): held back, without looking for the count's cut (an XRANGE of the excess).
+if not mark or not id_less(first[1][1], mark) then return {0, 1} end
+if excess > 0 then
+  local step = math.min(excess, tonumber(ARGV[3]))
+  local page = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', step + 1)
+  if #page > step then
+    local cut = page[#page][1]
+    if want == nil or id_less(want, cut) then want = cut end
+  end
+end
+if want == nil then return {0, 0} end
+local held = 0
+if id_less(mark, want) then want = mark; held = 1 end
+return {redis.call('XTRIM', KEYS[1], 'MINID', '~', want), held}
+"""
+)
+
+
 class RedisWriter:
     def __init__(
         self,
@@ -117,15 +166,19 @@ class RedisWriter:
         retention_age_s: float,
         blob_ttl_s: int,
         dedup_ttl_s: int | None = None,
+        trim_archived: bool = False,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        """``dedup_ttl_s``: how long an idempotency key is remembered (None: as long as blobs; 0: for ever)."""
+        """``dedup_ttl_s``: how long an idempotency key is remembered (None: as long as blobs; 0: for ever).
+        ``trim_archived``: retention never trims what the archive does not hold yet (module docstring)."""
         self.redis = redis
         self.retention_maxlen = retention_maxlen
         self.retention_age_ms = int(retention_age_s * 1000)
         self.blob_ttl_s = blob_ttl_s
         self.dedup_ttl_s = blob_ttl_s if dedup_ttl_s is None else dedup_ttl_s
         self._add_once = redis.register_script(_ADD_ONCE)
+        self.trim_archived = trim_archived
+        self._trim_archived = redis.register_script(_TRIM_ARCHIVED)
         self._clock = clock
         #: Why Redis last refused a write with an error reply; None once a write succeeds again.
         self.refused: str | None = None
@@ -178,6 +231,9 @@ class RedisWriter:
             pipe.set(blob_key(digest), batch.blobs[digest], nx=True, ex=self.blob_ttl_s or None)
         minid = str(int(self._clock() * 1000) - self.retention_age_ms) if self.retention_age_ms else None
         maxlen = self.retention_maxlen or None
+        archive_bounds = (minid, maxlen)
+        if self.trim_archived:
+            minid = maxlen = None  # trimmed below, stream by stream, no further than the archive
         for entry in batch.entries:
             # XADD takes one trim strategy; with both configured the count rides on XADD and the
             # age is applied once per stream below.
@@ -201,11 +257,17 @@ class RedisWriter:
                 pairs = [part for item in event.fields.items() for part in item]
                 args = [self.dedup_ttl_s, maxlen or 0, "" if maxlen or not minid else minid, *pairs]
                 await self._add_once(keys=[event.seen_key, event.stream], args=args, client=pipe)
+        streams = list(dict.fromkeys([entry.stream for entry in batch.entries] + [e.stream for e in batch.feedback]))
         if maxlen and minid:
-            streams = [entry.stream for entry in batch.entries] + [event.stream for event in batch.feedback]
-            for stream in dict.fromkeys(streams):
+            for stream in streams:
                 pipe.xtrim(stream, minid=minid, approximate=True)
+        trimmed_from = len(pipe.command_stack)
+        if self.trim_archived and any(archive_bounds):
+            for stream in streams:
+                args = [archive_bounds[0] or "", archive_bounds[1] or 0, _MAXLEN_CUT_STEP]
+                await self._trim_archived(keys=[stream, archive_mark_key(stream)], args=args, client=pipe)
         results = await pipe.execute()
+        trims_held = sum(int(result[1]) for result in results[trimmed_from:])
         created = sum(1 for result in results[: len(missing)] if result)
         start = len(missing) + len(batch.entries)
         written: Counter[str] = Counter()
@@ -221,6 +283,7 @@ class RedisWriter:
             blobs_written=created,
             feedback_written=dict(written),
             feedback_duplicates=dict(duplicates),
+            trims_held=trims_held,
         )
 
     async def _missing_blobs(self, digests: list[str]) -> list[str]:

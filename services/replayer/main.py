@@ -24,6 +24,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.common.addresses import check_address
+from splitstream.common.archive import Archive, ArchiveError, check_archive, open_archive
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
 from splitstream.common.errors import ConfigError
@@ -60,6 +61,11 @@ class SetupError(Exception):
 @dataclass(frozen=True, kw_only=True)
 class ReplayConfig:
     redis_url: str
+    #: ``--source archive:URL``: the archive's URL, and Redis is not used at all.
+    source_archive: str
+    #: ``--archive URL``: where calls older than Redis's retention are read from.
+    archive: str
+    s3_endpoint: str
     selection: Selection
     settings: ReplaySettings
     tls: ClientTls
@@ -82,6 +88,21 @@ def build_parser() -> EnvArgumentParser:
     source = parser.add_argument_group("source and selection")
     source.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
     add_redis_security_arguments(source)
+    source.add_argument(
+        "--source",
+        default="redis",
+        help="where calls are read: redis (older parts of the window from --archive, if set), or archive:URL "
+        "(only the archive written by splitstream-archive: a directory, s3://bucket/prefix, ...)",
+    )
+    source.add_argument(
+        "--archive",
+        default="",
+        help="the archive behind Redis: a window older than the stream's oldest entry is read from it, one "
+        "straddling both from both (de-duplicated)",
+    )
+    source.add_argument(
+        "--s3-endpoint", default="", help="endpoint of an S3-compatible archive store: http://host:port"
+    )
     source.add_argument(
         "--model", action="append", required=True, help="model to replay (repeat or comma-separate for several)"
     )
@@ -274,6 +295,16 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             credentials=_credentials(args.api_key_file),
         )
         gate = parse_gate(args.gate) if args.gate else None
+        source = args.source.strip()
+        if source != "redis" and not source.startswith("archive:"):
+            raise ValueError(f"bad --source {source!r} (expected redis or archive:URL)")
+        source_archive = source.removeprefix("archive:") if source != "redis" else ""
+        for url in (source_archive, args.archive):
+            if url:
+                try:
+                    open_archive(url, endpoint=args.s3_endpoint)
+                except ArchiveError as error:
+                    raise ValueError(str(error)) from None
         if not 0 < args.connect_timeout_s < math.inf:
             raise ValueError("--connect-timeout-s must be a positive number of seconds")
         redis_security = redis_security_from_args(args, url=args.redis_url, env_prefix=parser.env_prefix)
@@ -281,6 +312,9 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
         parser.error(str(error))
     return ReplayConfig(
         redis_url=args.redis_url,
+        source_archive=source_archive,
+        archive=args.archive,
+        s3_endpoint=args.s3_endpoint,
         selection=selection,
         settings=settings,
         tls=tls,
@@ -351,11 +385,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def run(config: ReplayConfig) -> int:
-    redis = await _open_redis(config)
+    archive = await _open_archive(config)
+    redis = None if config.source_archive else await _open_redis(config)
     targets: list[Target] = []
     try:
         try:
-            await _check_models(redis, config.selection.models)
+            if redis is not None:
+                await _check_models(redis, config.selection.models, archived=archive is not None)
         except RedisError as error:  # answered PING, refuses the rest (ACLs, a replica loading, ...)
             raise SetupError(f"Redis at {redact_url(config.redis_url)} failed: {redact_text(str(error))}") from None
         for address in config.settings.targets:
@@ -371,12 +407,15 @@ async def run(config: ReplayConfig) -> int:
             except TargetUnreachable as error:
                 raise SetupError(str(error)) from None
         results = _open_results(config.settings.output_dir)
-        replay = Replay(redis, config.selection, config.settings, targets)
+        replay = Replay(redis, config.selection, config.settings, targets, archive=archive, archive_only=redis is None)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, replay.stop)
         try:
             await replay.run(results)
+        except ArchiveError as error:
+            print(f"{PROG}: error: the archive failed while reading: {error}", file=sys.stderr)
+            replay.interrupted = True
         except RedisError as error:
             # Redis went away mid-read: still write what finished, but say why the replay is short.
             print(f"{PROG}: error: Redis failed while reading: {error}", file=sys.stderr)
@@ -388,7 +427,8 @@ async def run(config: ReplayConfig) -> int:
     finally:
         for target in targets:
             target.close()
-        await redis.aclose()
+        if redis is not None:
+            await redis.aclose()
 
 
 def finish(replay: Replay, config: ReplayConfig) -> int:
@@ -469,7 +509,24 @@ async def _open_redis(config: ReplayConfig) -> Redis:
     return redis
 
 
-async def _check_models(redis: Redis, models: Sequence[str]) -> None:
+async def _open_archive(config: ReplayConfig) -> Archive | None:
+    """The archive to read (``--source archive:URL``, else ``--archive``), checked: SetupError when it
+    cannot be listed (no such bucket, credentials refused, a directory that does not exist)."""
+    url = config.source_archive or config.archive
+    if not url:
+        return None
+    try:
+        archive = open_archive(url, endpoint=config.s3_endpoint)
+        await asyncio.to_thread(check_archive, archive, create=False)
+    except ArchiveError as error:
+        raise SetupError(str(error)) from None
+    return archive
+
+
+async def _check_models(redis: Redis, models: Sequence[str], *, archived: bool = False) -> None:
+    """Each model has a stream; with an archive behind Redis, a model may live only there."""
+    if archived:
+        return
     for model in models:
         kind = await redis.type(stream_key(model))
         if kind not in (b"stream", "stream"):

@@ -33,6 +33,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from splitstream.common.archive import Archive
 from splitstream.common.headers import (
     DEFAULT_ROUTING_KEY_HEADER,
     REQUEST_ID_HEADER,
@@ -40,6 +41,7 @@ from splitstream.common.headers import (
     request_id_metadata,
 )
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import MissingBlob, dropped_payloads, payload_bytes, redacted_outputs, status_name
 from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_answers
 from splitstream.replayer.outputs import ResultsWriter
@@ -189,8 +191,21 @@ class Aggregates:
 
 
 class Replay:
-    def __init__(self, redis: Redis, selection: Selection, settings: ReplaySettings, targets: list[Target]) -> None:
+    def __init__(
+        self,
+        redis: Redis | None,
+        selection: Selection,
+        settings: ReplaySettings,
+        targets: list[Target],
+        *,
+        archive: Archive | None = None,
+        archive_only: bool = False,
+    ) -> None:
+        """``redis`` None: every call comes from ``archive`` (``--source archive:URL``); else ``archive``,
+        when given, holds what retention trimmed from Redis."""
         self.redis = redis
+        self.archive = archive
+        self.archive_only = archive_only
         self.selection = selection
         self.settings = settings
         self.targets = targets
@@ -264,7 +279,9 @@ class Replay:
 
     async def _read(self) -> None:
         index = 0
-        calls = select_calls(self.redis, self.selection, self.stats)
+        calls = select_calls(
+            self.redis, self.selection, self.stats, archive=self.archive, archive_only=self.archive_only
+        )
         try:
             async for call in calls:
                 if self.stopping.is_set():
@@ -287,10 +304,10 @@ class Replay:
 
     async def _prepare(self, index: int, call: SelectedCall) -> Plan:
         record = call.record
-        request = await payload_bytes(self.redis, record.request)
+        request = await self._payload(record.request)
         answered = record.status_code == 0
         response_recorded = not (answered and "response" in dropped_payloads(record))
-        response = await payload_bytes(self.redis, record.response) if answered and response_recorded else None
+        response = await self._payload(record.response) if answered and response_recorded else None
         replay_id = record.request_id + self.settings.id_suffix
         # Recorded ids are any protobuf string ("ünïcode", "a\x01b"); gRPC refuses such a header value.
         metadata = list(request_id_metadata(replay_id))
@@ -334,6 +351,15 @@ class Replay:
             recorded,
             max(int(stream.responses_total), 1) if cancelled else None,
         )
+
+    async def _payload(self, payload: recorder_pb2.Payload) -> bytes:
+        """Archived records carry their payloads inline; one whose blob was already gone when it was
+        archived has no Redis to ask when replaying from the archive alone."""
+        if self.redis is None:
+            if payload.WhichOneof("body") == "blob_sha256":
+                raise MissingBlob(f"blob {payload.blob_sha256} was not archived with its record")
+            return payload.inline
+        return await payload_bytes(self.redis, payload)
 
     async def _put(self, item: object, *, force: bool = False) -> bool:
         """Queue for the sender, waiting while the queue is full; False if stopped first (unless ``force``)."""

@@ -18,6 +18,12 @@ release keeps their order; only a late call older than what already left goes ou
 ``--max-lateness 0`` releases calls as they are read (fast start, no late records); a larger
 capacity buys exact order for busier windows with memory.
 
+Calls can also come from the archive (:mod:`splitstream.common.archive`): ``--source archive:URL``
+reads the whole window there (partition pruning, receive time and version pushed down to Parquet);
+with an archive configured beside Redis, the part of a window older than the stream's oldest entry
+(trimmed by retention) is read from the archive and the rest from Redis, merged in receive-time
+order, a request id the archive gave never taken again from Redis.
+
 Delivery is at least once, so the same request id can appear twice; a second copy reaches
 Redis within the lateness window of the first, so :class:`RecentIds` remembers ids for that
 long (and at most a capacity's worth) and drops repeats.
@@ -25,21 +31,25 @@ long (and at most a capacity's worth) and drops repeats.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
+import pyarrow as pa
 import xxhash
 from redis.asyncio import Redis
 
+from splitstream.common.archive import Archive, ArchiveQuery, read_calls_by_hour
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import (
     CorruptEntry,
     RawEntry,
     UnsupportedSchema,
     decode_entry,
+    decode_record,
     dropped_payloads,
     entry_text,
     entry_time_ns,
@@ -47,6 +57,7 @@ from splitstream.common.records import (
     status_code,
     stream_id_at,
     stream_id_ms,
+    stream_key,
 )
 from splitstream.replayer.summary import SelectionSummary
 
@@ -333,9 +344,135 @@ async def model_calls(
         stats.max_buffered = max(stats.max_buffered, buffer.max_buffered)
 
 
-async def select_calls(redis: Redis, selection: Selection, stats: SelectionStats) -> AsyncGenerator[SelectedCall, None]:
-    """Every model's selected calls merged in receive-time order, up to ``selection.limit``."""
-    sources = [model_calls(redis, model, selection, stats) for model in selection.models]
+def _archived_selection(table: pa.Table, model: str, selection: Selection, stats: SelectionStats) -> list[SelectedCall]:
+    """The selected calls of one hour of the archive (rows de-duplicated and in receive-time order)."""
+    statuses = selection.statuses
+    calls: list[SelectedCall] = []
+    receive = table["receive_time"].cast("int64").to_pylist()
+    for stream_id, receive_ns, data in zip(
+        table["stream_id"].to_pylist(), receive, table["record"].to_pylist(), strict=True
+    ):
+        stats.scanned += 1
+        stats.in_window += 1
+        try:
+            record = decode_record(data)
+        except UnsupportedSchema:
+            stats.skipped["unsupported_schema"] += 1
+            continue
+        except Exception:  # protobuf's DecodeError: archived as the raw bytes Redis held
+            stats.skipped["corrupt"] += 1
+            continue
+        if not record.request_id or not (record.HasField("request") or "request" in dropped_payloads(record)):
+            stats.skipped["corrupt"] += 1
+            continue
+        if not selection.sampled(record.request_id):
+            continue
+        if statuses is not None and not statuses.matches(record.status_code):
+            continue
+        if selection.routing_key_hmacs and record.routing_key_hmac not in selection.routing_key_hmacs:
+            continue
+        calls.append(SelectedCall(model=model, stream_id=stream_id, receive_ns=receive_ns, record=record))
+    return calls
+
+
+async def archive_model_calls(
+    archive: Archive,
+    model: str,
+    selection: Selection,
+    stats: SelectionStats,
+    *,
+    since_ns: int | None = None,
+    until_ns: int | None = None,
+) -> AsyncGenerator[SelectedCall, None]:
+    """``model``'s selected calls received in ``[since_ns, until_ns)`` (default: the selection's window)
+    from the archive, de-duplicated, in receive-time order, read one hour partition at a time (in a
+    thread), so a long window never sits in memory at once."""
+    statuses = selection.statuses
+    pushed: frozenset[int] | None = None
+    if statuses is not None and not statuses.any_error:
+        pushed = statuses.codes | ({0} if statuses.ok else frozenset())
+    query = ArchiveQuery(
+        model=model,
+        since_ns=selection.since_ns if since_ns is None else since_ns,
+        until_ns=selection.until_ns if until_ns is None else until_ns,
+        versions=selection.versions,
+        status_codes=pushed,
+    )
+    hours = read_calls_by_hour(archive, query, columns=["stream_id", "receive_time", "record"])
+
+    def next_hour() -> list[SelectedCall] | None:
+        table = next(hours, None)
+        return None if table is None else _archived_selection(table, model, selection, stats)
+
+    while (calls := await asyncio.to_thread(next_hour)) is not None:
+        for call in calls:
+            yield call
+
+
+async def straddling_model_calls(
+    redis: Redis, archive: Archive, model: str, selection: Selection, stats: SelectionStats
+) -> AsyncGenerator[SelectedCall, None]:
+    """Redis, with the part of the window older than the stream's oldest entry read from the archive.
+
+    Entries retention removed were written before the oldest one left, so received before its id's time
+    (plus clock skew): the archive is read up to there, and Redis for the whole window, the two merged
+    in receive-time order. A call in both (the archive also holds what Redis still has) shares its
+    receive time in both, so the archive's copy comes first and the Redis copy is dropped; the ids are
+    remembered for the last ``max_lateness + clock_skew`` before the boundary, where Redis's calls can be."""
+    oldest = cast(list[tuple[bytes, Any]], await redis.xrange(stream_key(model), min="-", max="+", count=1))
+    boundary_ns = (
+        stream_id_ms(oldest[0][0].decode()) * 1_000_000 + selection.clock_skew_ns if oldest else selection.until_ns
+    )
+    horizon_ns = boundary_ns - selection.max_lateness_ns - selection.clock_skew_ns
+    older = (
+        archive_model_calls(archive, model, selection, stats, until_ns=min(selection.until_ns, boundary_ns))
+        if selection.since_ns < boundary_ns
+        else None
+    )
+    recent = model_calls(redis, model, selection, stats)
+    archived_ids: set[str] = set()
+    try:
+        head = await anext(older, None) if older is not None else None
+        call = await anext(recent, None)
+        while head is not None or call is not None:
+            if head is not None and (call is None or head.receive_ns <= call.receive_ns):
+                if head.receive_ns >= horizon_ns:
+                    archived_ids.add(head.record.request_id)
+                yield head
+                head = await anext(older, None) if older is not None else None
+                continue
+            assert call is not None
+            if call.record.request_id in archived_ids:
+                stats.duplicates += 1
+            else:
+                yield call
+            call = await anext(recent, None)
+    finally:
+        await recent.aclose()
+        if older is not None:
+            await older.aclose()
+
+
+async def select_calls(
+    redis: Redis | None,
+    selection: Selection,
+    stats: SelectionStats,
+    *,
+    archive: Archive | None = None,
+    archive_only: bool = False,
+) -> AsyncGenerator[SelectedCall, None]:
+    """Every model's selected calls merged in receive-time order, up to ``selection.limit``: from Redis,
+    from the archive alone (``archive_only``), or from Redis with the archive behind it (``archive``)."""
+
+    def source_of(model: str) -> AsyncGenerator[SelectedCall, None]:
+        if archive is not None and (archive_only or redis is None):
+            return archive_model_calls(archive, model, selection, stats)
+        assert redis is not None
+        if archive is not None:
+            return straddling_model_calls(redis, archive, model, selection, stats)
+        return model_calls(redis, model, selection, stats)
+
+    sources = [source_of(model) for model in selection.models]
     heads: list[tuple[int, int, SelectedCall]] = []
     try:
         for index, source in enumerate(sources):

@@ -1,0 +1,203 @@
+"""How fast the archiver drains a stream, next to how fast the same entries can merely be read.
+
+One run, one redis-server (own, on a free port) holding ``--records`` call records shaped like the
+demo's traffic (an 8x8 digit as 64 float32 pixels in, 10 float32 class scores out, readable fields,
+a routing-key HMAC, the experiment phase, request metadata). Measured side by side in one run:
+
+- raw XRANGE: redis-py's asyncio client reads every entry in pages of 1000 (nothing decoded);
+- XREADGROUP + XACK only: the same through a consumer group, acknowledged, nothing decoded (the floor
+  of any reader that may not lose an entry);
+- archive → directory: the archiver's own loop (consumer group, decode, Parquet zstd, XACK, mark)
+  until the archive mark passes the last entry, writing to a temporary directory;
+- archive → S3: the same into a real S3 API server (moto's server mode, a local process).
+
+Then bytes per record: the Parquet files' size against Redis's own ``MEMORY USAGE`` of the stream.
+Targets: archiving at least half the raw read rate; Parquet at most half the bytes of the entries.
+
+    .venv/bin/python bench/archive.py [--records 50000] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from redis.asyncio import Redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import contextlib
+
+from splitstream.archiver.core import Archiver, ArchiverSettings
+from splitstream.archiver.metrics import ArchiverMetrics
+from splitstream.common.archive import Archive, open_archive
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import ARCHIVE_GROUP, archive_mark_key, entry_fields, read_entries, stream_key
+from tests.redis_server import RedisServer
+from tests.s3_server import S3_ENV, S3Server
+
+MODEL = "digits"
+
+
+def demo_record(i: int, rng: np.random.Generator, now_ns: int) -> recorder_pb2.CallRecord:
+    pixels = rng.integers(0, 17, 64).astype(np.float32)
+    request = oip.ModelInferRequest(model_name=MODEL, id=f"req-{i:08d}")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 64])
+    del tensor  # raw contents carry the data
+    request.raw_input_contents.append(pixels.tobytes())
+    scores = rng.dirichlet(np.ones(10)).astype(np.float32)
+    response = oip.ModelInferResponse(model_name=MODEL, model_version="v1", id=request.id)
+    response.outputs.add(name="probabilities", datatype="FP32", shape=[1, 10])
+    response.raw_output_contents.append(scores.tobytes())
+    record = recorder_pb2.CallRecord(
+        schema_version=1,
+        request_id=request.id,
+        receive_unix_ns=now_ns + i * 1000,
+        model=MODEL,
+        version="v1" if i % 2 else "v2",
+        arm="v1" if i % 2 else "v2",
+        routing_key_hmac=f"{rng.integers(0, 2**63):032x}{rng.integers(0, 2**63):032x}",
+        status_code=0,
+        latency_ns=int(rng.integers(500_000, 3_000_000)),
+        endpoint="127.0.0.1:9001",
+        router_id="router-a",
+        assignment=recorder_pb2.ASSIGNMENT_HASH,
+    )
+    # As the router records a demo call: the experiment's phase, the request's metadata, no tags (the
+    # recorder tags only records it redacted outputs from or the router cut payloads from).
+    record.phase.id = "a1b2c3d4"
+    record.phase.weights["v1"] = 50.0
+    record.phase.weights["v2"] = 50.0
+    record.phase.control = "v1"
+    record.metadata["user-agent"] = "grpc-python/1.80.0 grpc-c/50.0.0 (linux; chttp2)"
+    record.metadata["x-routing-key"] = "hmac:" + record.routing_key_hmac
+    record.request.inline = request.SerializeToString()
+    record.request.size_bytes = len(record.request.inline)
+    record.response.inline = response.SerializeToString()
+    record.response.size_bytes = len(record.response.inline)
+    return record
+
+
+async def fill(redis: Redis, count: int) -> None:
+    rng = np.random.default_rng(7)
+    now_ns = time.time_ns() - count * 1000
+    for start in range(0, count, 1000):
+        pipe = redis.pipeline(transaction=False)
+        for i in range(start, min(start + 1000, count)):
+            pipe.xadd(stream_key(MODEL), entry_fields(demo_record(i, rng, now_ns)))  # type: ignore[arg-type]
+        await pipe.execute()
+
+
+async def raw_read(redis: Redis) -> float:
+    started = time.perf_counter()
+    count = 0
+    async for _ in read_entries(redis, MODEL, page_size=1000):
+        count += 1
+    return count / (time.perf_counter() - started)
+
+
+async def group_read(redis: Redis, count: int) -> float:
+    """XREADGROUP + XACK of every entry, nothing decoded or written: the floor of any consumer-group reader
+    (Redis adds each entry to the group's pending list and removes it again)."""
+    stream = stream_key(MODEL)
+    with contextlib.suppress(Exception):
+        await redis.xgroup_destroy(stream, "bench-floor")
+    await redis.xgroup_create(stream, "bench-floor", id="0")
+    started = time.perf_counter()
+    done = 0
+    while done < count:
+        reply: Any = await redis.xreadgroup("bench-floor", "c", {stream: ">"}, count=1000)
+        if not reply:
+            break
+        ids = [entry_id for entry_id, _ in reply[0][1]]
+        await redis.xack(stream, "bench-floor", *ids)
+        done += len(ids)
+    return done / (time.perf_counter() - started)
+
+
+async def archive_all(redis: Redis, archive: Archive, count: int) -> float:
+    stream = stream_key(MODEL)
+    await redis.delete(archive_mark_key(stream))
+    with contextlib.suppress(Exception):
+        await redis.xgroup_destroy(stream, ARCHIVE_GROUP)
+    settings = ArchiverSettings(
+        group=ARCHIVE_GROUP, consumer="bench", max_file_rows=10_000, flush_interval_s=30, claim_idle_s=600
+    )
+    archiver = Archiver(redis, archive, settings, ArchiverMetrics())
+    newest: Any = await redis.xrevrange(stream, count=1)
+    last = newest[0][0].decode()
+    last_key = tuple(int(p) for p in last.split("-"))
+    started = time.perf_counter()
+    while True:
+        await archiver.step()
+        mark: Any = await redis.get(archive_mark_key(stream))
+        if mark is not None and tuple(int(p) for p in mark.decode().split("-")) > last_key:
+            break  # checked after every step: the step after the last file would wait for new entries
+    return count / (time.perf_counter() - started)
+
+
+def parquet_bytes(archive: Archive) -> int:
+    import pyarrow.fs as pafs
+
+    infos = archive.filesystem.get_file_info(pafs.FileSelector(archive.base, recursive=True))
+    return sum(info.size or 0 for info in infos if info.path.endswith(".parquet"))
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    os.environ.update(S3_ENV)
+    with tempfile.TemporaryDirectory() as tmp:
+        server = RedisServer(Path(tmp) / "redis").start()
+        s3 = S3Server(Path(tmp) / "s3").start()
+        redis = Redis.from_url(server.url, socket_timeout=30)
+        try:
+            s3.create_bucket("bench")
+            await fill(redis, args.records)
+            memory: Any = await redis.memory_usage(stream_key(MODEL), samples=0)
+            # Interleaved rounds, so machine noise (other processes on a shared machine) hits each path alike;
+            # each round writes a fresh archive (the group and mark are reset).
+            raws, floors, to_dirs, to_s3s = [], [], [], []
+            for round_ in range(args.rounds):
+                raws.append(await raw_read(redis))
+                floors.append(await group_read(redis, args.records))
+                local = open_archive(str(Path(tmp) / f"archive-{round_}"))
+                to_dirs.append(await archive_all(redis, local, args.records))
+                remote = open_archive(f"s3://bench/archive-{round_}", endpoint=s3.endpoint)
+                to_s3s.append(await archive_all(redis, remote, args.records))
+            raw, floor, to_dir, to_s3 = (sorted(rates)[len(rates) // 2] for rates in (raws, floors, to_dirs, to_s3s))
+            on_disk = parquet_bytes(local)
+            in_s3 = parquet_bytes(remote)
+        finally:
+            await redis.aclose()
+            s3.stop()
+            server.stop()
+    raw_rate = raw
+    print(f"{args.records} demo-shaped call records (64 float32 in, 10 float32 out, inline); median of {args.rounds}\n")
+    print(f"{'path':<28}{'records/s':>12}{'vs raw XRANGE':>16}")
+    print(f"{'raw XRANGE (no decode)':<28}{raw_rate:>12,.0f}{1.0:>15.2f}x")
+    print(f"{'XREADGROUP + XACK only':<28}{floor:>12,.0f}{floor / raw_rate:>15.2f}x")
+    print(f"{'archive -> directory':<28}{to_dir:>12,.0f}{to_dir / raw_rate:>15.2f}x")
+    print(f"{'archive -> S3 (moto)':<28}{to_s3:>12,.0f}{to_s3 / raw_rate:>15.2f}x")
+    print()
+    print(f"{'storage':<28}{'bytes/record':>12}{'vs Redis':>16}")
+    print(f"{'Redis stream (MEMORY USAGE)':<28}{memory / args.records:>12,.1f}{1.0:>15.2f}x")
+    print(f"{'Parquet, directory':<28}{on_disk / args.records:>12,.1f}{on_disk / memory:>15.2f}x")
+    print(f"{'Parquet, S3':<28}{in_s3 / args.records:>12,.1f}{in_s3 / memory:>15.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=50_000)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is shown")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

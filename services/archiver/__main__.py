@@ -1,0 +1,3 @@
+from splitstream.archiver.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,458 @@
+"""The archive loop: read the streams as a consumer group, write Parquet, acknowledge, raise the mark.
+
+Delivery, step by step, and why nothing is lost or kept twice:
+
+1. Every call and feedback stream is read with ``XREADGROUP`` in the group ``splitstream-archive``
+   (created at id 0: a new archive starts from the oldest entry Redis still holds). Several archivers
+   share the work; each entry goes to one of them and stays *pending* for it until acknowledged.
+2. Entries wait in a per-stream buffer until it holds ``max_file_rows`` entries or ``max_file_bytes``,
+   or its oldest entry has waited ``flush_interval_s``. The buffer becomes one file per hour partition,
+   named after the first and last stream id it holds.
+3. Only after every file of the buffer is written (an object store's upload complete) are its entries
+   acknowledged (``XACK``). A crash before that leaves them pending: the same archiver, restarted
+   under the same ``--consumer`` name, reads its own pending entries first and writes the same files
+   under the same names again; any other archiver takes them over (``XAUTOCLAIM``) once they have
+   been idle ``claim_idle_s``, and writes them under its own batching, so a reader may meet a request
+   id twice: readers de-duplicate by request id.
+4. After acknowledging, the stream's mark (``splitstream:archived:<stream>``) is raised by a script
+   that reads the group's state inside Redis: the oldest pending entry, or past the last delivered
+   one when none is pending. Computed from the group, not from this archiver's own progress, so with
+   several archivers it is never past an entry another one holds; the script only ever raises it.
+
+A failed write is counted and retried with backoff, and nothing new is read meanwhile: Redis holds the
+backlog (and with ``--trim-archived`` the recorder keeps it). On SIGTERM the loop stops reading,
+the buffered entries are written and acknowledged, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
+
+from splitstream.archiver.metrics import ArchiverMetrics
+from splitstream.archiver.tables import Entry, PlannedFile, call_files, decode_calls, feedback_files, id_key
+from splitstream.common.archive import Archive, partition_dir, write_file
+from splitstream.common.records import (
+    FEEDBACK_PREFIX,
+    LUA_ID_LESS,
+    STREAM_PREFIX,
+    archive_mark_key,
+    blob_key,
+    stream_id_ms,
+)
+
+#: KEYS: the stream, its mark. ARGV: the group. Raises the mark to the group's low-water mark (oldest
+#: pending id, else the id after the last delivered); returns the mark, or false without the group.
+_RAISE_MARK = (
+    LUA_ID_LESS
+    + """
+local ok, groups = pcall(redis.call, 'XINFO', 'GROUPS', KEYS[1])
+if not ok then return false end
+local last = nil
+for _, g in ipairs(groups) do
+  local name, delivered
+  for i = 1, #g, 2 do
+    if g[i] == 'name' then name = g[i + 1] end
+    if g[i] == 'last-delivered-id' then delivered = g[i + 1] end
+  end
+  if name == ARGV[1] then last = delivered end
+end
+if not last then return false end
+local mark
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1])
+if pending[1] > 0 then
+  mark = pending[2]
+else
+  local ms, seq = parse_id(last)
+  mark = string.format('%d-%d', ms, seq + 1)
+end
+local current = redis.call('GET', KEYS[2])
+if current and not id_less(current, mark) then return current end
+redis.call('SET', KEYS[2], mark)
+return mark
+"""
+)
+
+
+class UploadFailed(Exception):
+    """A file could not be written to the archive (the store refused or did not answer)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchiverSettings:
+    group: str
+    consumer: str
+    models: frozenset[str] = frozenset()  # empty: every model
+    max_file_rows: int = 100_000
+    max_file_bytes: int = 128 * 1024 * 1024
+    flush_interval_s: float = 30.0
+    claim_idle_s: float = 300.0
+    read_count: int = 1000
+    scan_interval_s: float = 5.0
+    retry_max_s: float = 30.0
+
+
+@dataclass(slots=True)
+class Buffer:
+    entries: list[Entry] = field(default_factory=list)
+    bytes: int = 0
+    since: float = 0.0  # monotonic time the oldest entry was read
+
+    def add(self, entry: Entry) -> None:
+        if not self.entries:
+            self.since = time.monotonic()
+        self.entries.append(entry)
+        self.bytes += entry.size
+
+
+def stream_model(stream: str) -> tuple[str, str]:
+    """``splitstream:calls:m`` → ``("calls", "m")``; ``splitstream:feedback:m`` → ``("feedback", "m")``."""
+    if stream.startswith(STREAM_PREFIX):
+        return "calls", stream.removeprefix(STREAM_PREFIX)
+    return "feedback", stream.removeprefix(FEEDBACK_PREFIX)
+
+
+class Archiver:
+    def __init__(self, redis: Redis, archive: Archive, settings: ArchiverSettings, metrics: ArchiverMetrics) -> None:
+        self.redis = redis
+        self.archive = archive
+        self.settings = settings
+        self.metrics = metrics
+        self.log = structlog.get_logger()
+        self.buffers: dict[str, Buffer] = {}
+        self._raise_mark = redis.register_script(_RAISE_MARK)
+        self._next_scan = 0.0
+        self._next_claim = 0.0
+        self._retry_s = 0.0
+        #: The file being written in the background while the next one's entries are read (at most one).
+        self._flushing: asyncio.Task[None] | None = None
+        self._in_flight: set[str] = set()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Archive until cancelled; Redis and store failures are counted, logged and retried."""
+        while True:
+            try:
+                await self.step()
+                self._retry_s = 0.0
+            except (RedisError, OSError) as error:
+                self.metrics.redis_errors.inc()
+                await self._back_off("redis failed", error)
+            except UploadFailed as error:
+                self.metrics.upload_errors.inc()
+                await self._back_off("archive write failed", error)
+
+    async def _back_off(self, event: str, error: BaseException) -> None:
+        self._retry_s = min(max(self._retry_s * 2, 0.5), self.settings.retry_max_s)
+        self.log.warning(event, error=str(error)[:300], retry_in_s=self._retry_s)
+        await asyncio.sleep(self._retry_s)
+
+    async def step(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_scan:
+            new = await self.discover()
+            if new:
+                await self.read_own_pending(new)
+            await self.update_lag()
+            self._next_scan = now + self.settings.scan_interval_s
+        if now >= self._next_claim:
+            await self.claim_stale()
+            self._next_claim = now + max(self.settings.claim_idle_s / 4, 0.2)
+        if self._flushing is not None and self._flushing.done():
+            await self._settle()  # a failed write raises here (its entries are back in their buffer)
+        if await self.flush(due_only=True, wait=False):
+            return  # the next step reads (a caller watching the mark sees each file's progress first)
+        if not self.buffers:
+            await asyncio.sleep(min(self.settings.scan_interval_s, 1.0))
+            return
+        await self.read_new()
+
+    async def drain(self) -> None:
+        """On SIGTERM: finish the write in progress, write and acknowledge what is buffered. A store that
+        fails now leaves the entries pending: the next archiver writes them."""
+        with contextlib.suppress(UploadFailed, RedisError, OSError):
+            await self._settle()  # a failure put its entries back in their buffer: written below
+        try:
+            await self.flush(due_only=False)
+        except (UploadFailed, RedisError, OSError) as error:
+            self.log.warning("could not write the buffered entries on shutdown; they stay pending", error=str(error))
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def discover(self) -> list[str]:
+        """Find the call and feedback streams (SCAN) and create the group on new ones (at id 0); the new ones."""
+        new = []
+        for prefix in (STREAM_PREFIX, FEEDBACK_PREFIX):
+            async for raw in self.redis.scan_iter(match=prefix + "*", count=1000, _type="stream"):
+                stream = raw.decode() if isinstance(raw, bytes) else str(raw)
+                if stream in self.buffers:
+                    continue
+                if self.settings.models and stream_model(stream)[1] not in self.settings.models:
+                    continue
+                try:
+                    await self.redis.xgroup_create(stream, self.settings.group, id="0")
+                except ResponseError as error:
+                    if "BUSYGROUP" not in str(error):
+                        raise
+                self.buffers[stream] = Buffer()
+                new.append(stream)
+        return new
+
+    async def read_own_pending(self, streams: Sequence[str]) -> None:
+        """Entries this consumer read before a crash and never acknowledged, first, in id order. A file
+        whose upload completed before the crash (but whose entries were never acknowledged) starts at
+        the oldest of them: it is found by that name and its entries are written again as one file, so
+        the object is replaced rather than copied; the rest go on to files as usual."""
+        for stream in streams:
+            buffer = self.buffers[stream]
+            cursor = "0"
+            while True:
+                reply = await self.redis.xreadgroup(
+                    self.settings.group, self.settings.consumer, {stream: cursor}, count=self.settings.read_count
+                )
+                entries = self._entries(reply)
+                if not entries:
+                    break
+                for _, entry in entries:
+                    buffer.add(entry)
+                cursor = entries[-1][1].stream_id
+            if buffer.entries:
+                self.log.info(
+                    "re-archiving entries left pending by this consumer", stream=stream, entries=len(buffer.entries)
+                )
+            while buffer.entries:
+                last = await asyncio.to_thread(self._uploaded_file_end, stream, buffer.entries[0])
+                if last is None:
+                    break
+                end = id_key(last)
+                batch = [entry for entry in buffer.entries if id_key(entry.stream_id) <= end]
+                self.log.info("rewriting a file uploaded but not acknowledged", stream=stream, entries=len(batch))
+                await self._write_entries(stream, batch)
+                buffer.entries = buffer.entries[len(batch) :]
+                buffer.bytes = sum(entry.size for entry in buffer.entries)
+
+    def _uploaded_file_end(self, stream: str, first: Entry) -> str | None:
+        """The last stream id of an archived file that starts at ``first`` (an upload a crash left
+        unacknowledged), or None. One listing of ``first``'s partition. Blocking."""
+        kind, model = stream_model(stream)
+        field = b"time_ns" if kind == "calls" else b"receive_ns"
+        try:
+            receive_ns = int(first.fields.get(field, b""))
+        except ValueError:
+            receive_ns = stream_id_ms(first.stream_id) * 1_000_000
+        directory = self.archive.path(partition_dir(kind, model, receive_ns))
+        prefix = f"{first.stream_id}_"
+        try:
+            infos = self.archive.filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+        except (OSError, pa.ArrowException) as error:
+            raise UploadFailed(f"{directory} cannot be listed: {error}") from error
+        for info in infos:
+            if info.base_name.startswith(prefix) and info.base_name.endswith(".parquet"):
+                return info.base_name.removeprefix(prefix).removesuffix(".parquet")
+        return None
+
+    async def read_new(self) -> None:
+        room = min(self.settings.max_file_rows - len(b.entries) for b in self.buffers.values())
+        count = max(1, min(self.settings.read_count, room))
+        waiting = [b.since for b in self.buffers.values() if b.entries]
+        block_s = 0.05 if self._flushing is not None else 1.0  # soon back to see the write in flight end
+        if waiting:
+            block_s = max(0.0, min(block_s, min(waiting) + self.settings.flush_interval_s - time.monotonic()))
+        try:
+            reply = await self.redis.xreadgroup(
+                self.settings.group,
+                self.settings.consumer,
+                dict.fromkeys(self.buffers, ">"),
+                count=count,
+                block=max(1, int(block_s * 1000)),
+            )
+        except ResponseError as error:
+            if "NOGROUP" in str(error):  # a stream deleted (or its group destroyed): forget it, find it again
+                await self._forget_lost_streams()
+                return
+            raise
+        for stream, entry in self._entries(reply):
+            self.buffers[stream].add(entry)
+        self.metrics.buffered.set(sum(len(b.entries) for b in self.buffers.values()) + len(self._in_flight))
+
+    async def _forget_lost_streams(self) -> None:
+        """Streams whose group is gone (the stream deleted, or the group destroyed by hand) leave the
+        read; their buffered entries cannot be acknowledged any more and are dropped (a stream recreated
+        later, or a group created again, is found by the next scan and read from its start)."""
+        for stream in list(self.buffers):
+            groups = []
+            with contextlib.suppress(ResponseError):
+                groups = cast(list[dict[Any, Any]], await self.redis.xinfo_groups(stream))
+            if not any(_text(g.get("name", b"")) == self.settings.group for g in groups):
+                del self.buffers[stream]
+        self._next_scan = 0.0
+
+    async def claim_stale(self) -> None:
+        """Take over entries another archiver read and left unacknowledged for ``claim_idle_s`` (it died)."""
+        idle_ms = int(self.settings.claim_idle_s * 1000)
+        for stream in list(self.buffers):
+            start = "0-0"
+            while True:
+                reply = cast(
+                    list[Any],
+                    await self.redis.xautoclaim(
+                        stream,
+                        self.settings.group,
+                        self.settings.consumer,
+                        idle_ms,
+                        start_id=start,
+                        count=self.settings.read_count,
+                    ),
+                )
+                start = _text(reply[0])
+                claimed = [(raw_id, fields) for raw_id, fields in reply[1] if fields is not None]
+                known = {entry.stream_id for entry in self.buffers[stream].entries} | self._in_flight
+                for raw_id, fields in claimed:
+                    stream_id = _text(raw_id)
+                    if stream_id not in known:  # our own entries are claimed back to us too
+                        self.buffers[stream].add(Entry(stream_id, fields))
+                        self.metrics.claimed.inc()
+                if claimed:  # older than what was read already: files hold entries in stream id order
+                    self.buffers[stream].entries.sort(key=lambda entry: id_key(entry.stream_id))
+                deleted = reply[2] if len(reply) > 2 else []
+                if deleted:  # trimmed away while pending: nothing left to archive
+                    await self.redis.xack(stream, self.settings.group, *deleted)
+                if start in ("0-0", "0"):
+                    break
+
+    def _entries(self, reply: Any) -> list[tuple[str, Entry]]:
+        entries = []
+        for raw_stream, items in reply or []:
+            stream = _text(raw_stream)
+            for raw_id, fields in items:
+                if fields:  # an entry deleted while pending comes back empty
+                    entries.append((stream, Entry(_text(raw_id), fields)))
+        return entries
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _due(self, buffer: Buffer, *, rows_only: bool = False) -> bool:
+        if not buffer.entries:
+            return False
+        if len(buffer.entries) >= self.settings.max_file_rows or buffer.bytes >= self.settings.max_file_bytes:
+            return True
+        return not rows_only and time.monotonic() - buffer.since >= self.settings.flush_interval_s
+
+    async def flush(self, *, due_only: bool, rows_only: bool = False, wait: bool = True) -> int:
+        """Start writing the buffers that are due (all with ``due_only`` False), one file set at a time;
+        with ``wait``, return once the last is written. How many were started.
+
+        The write runs in the background while the loop reads the next entries (decoding and Parquet
+        run in a thread, the upload waits on the network): measured, ~1.3x the throughput of writing
+        in line. Raises the failure of a write (UploadFailed, RedisError) when it is awaited."""
+        started = 0
+        for stream, buffer in list(self.buffers.items()):
+            if buffer.entries and (not due_only or self._due(buffer, rows_only=rows_only)):
+                await self._settle()
+                entries, buffer.entries, buffer.bytes, buffer.since = buffer.entries, [], 0, time.monotonic()
+                self._in_flight = {entry.stream_id for entry in entries}
+                self._flushing = asyncio.ensure_future(self._flush(stream, buffer, entries))
+                started += 1
+        if wait:
+            await self._settle()
+        return started
+
+    async def _settle(self) -> None:
+        """Wait for the write in flight. Shielded: a SIGTERM mid-upload lets the upload and its
+        acknowledgement finish (the drain waits for it)."""
+        task = self._flushing
+        if task is None:
+            return
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._flushing = None
+                self._in_flight = set()
+
+    async def _flush(self, stream: str, buffer: Buffer, entries: list[Entry]) -> None:
+        try:
+            await self._write_entries(stream, entries)
+        except BaseException:
+            # Back to the front of the buffer (entries read since are newer): written again, same names.
+            buffer.entries[:0] = entries
+            buffer.bytes = sum(entry.size for entry in buffer.entries)
+            raise
+
+    async def _write_entries(self, stream: str, entries: list[Entry]) -> None:
+        kind, model = stream_model(stream)
+        missing = corrupt = 0
+        if kind == "calls":
+            decoded = await asyncio.to_thread(decode_calls, entries)
+            blobs = await self._blobs(sorted(decoded.blobs))
+            files, missing = await asyncio.to_thread(call_files, model, decoded, blobs)
+            corrupt = decoded.corrupt
+        else:
+            files = await asyncio.to_thread(feedback_files, model, entries)
+        written = 0
+        for planned in files:
+            written += await self._write(planned)
+        ids = [entry.stream_id for entry in entries]
+        for start in range(0, len(ids), 1000):
+            await self.redis.xack(stream, self.settings.group, *ids[start : start + 1000])
+        await self._raise_mark(keys=[stream, archive_mark_key(stream)], args=[self.settings.group])
+        self.metrics.records.labels(model, kind).inc(len(entries))
+        self.metrics.bytes.labels(model, kind).inc(written)
+        self.metrics.files.labels(model, kind).inc(len(files))
+        if missing:
+            self.metrics.missing_blobs.inc(missing)
+        if corrupt:
+            self.metrics.corrupt.inc(corrupt)
+        self.metrics.buffered.set(sum(len(b.entries) for b in self.buffers.values()))
+        self.log.debug("archived", stream=stream, entries=len(entries), files=len(files), bytes=written)
+
+    async def _write(self, planned: PlannedFile) -> int:
+        try:
+            return await asyncio.to_thread(write_file, self.archive, planned.relative_path, planned.table)
+        except (OSError, pa.ArrowException) as error:
+            raise UploadFailed(f"{planned.relative_path}: {' '.join(str(error).split())[:300]}") from error
+
+    async def _blobs(self, digests: Sequence[str]) -> dict[str, bytes]:
+        found: dict[str, bytes] = {}
+        for start in range(0, len(digests), 100):
+            chunk = digests[start : start + 100]
+            values = cast(list[bytes | None], await self.redis.mget([blob_key(digest) for digest in chunk]))
+            found.update({digest: value for digest, value in zip(chunk, values, strict=True) if value is not None})
+        return found
+
+    # -- lag -------------------------------------------------------------------------------
+
+    async def update_lag(self) -> None:
+        """Entries and seconds the archive is behind each stream (the group's lag and pending entries)."""
+        for stream in list(self.buffers):
+            try:
+                groups = cast(list[dict[Any, Any]], await self.redis.xinfo_groups(stream))
+            except ResponseError:
+                continue
+            group = next((g for g in groups if _text(g.get("name", b"")) == self.settings.group), None)
+            if group is None:
+                continue
+            behind = int(group.get("lag") or 0) + int(group.get("pending") or 0)
+            self.metrics.lag_entries.labels(stream).set(behind)
+            seconds = 0.0
+            mark = await self.redis.get(archive_mark_key(stream))
+            if behind:
+                first = await self.redis.xrange(stream, min=_text(mark) if mark else "-", count=1)
+                if first:
+                    seconds = max(0.0, time.time() - stream_id_ms(_text(first[0][0])) / 1000)
+            self.metrics.lag_seconds.labels(stream).set(seconds)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,219 @@
+"""``splitstream-archive``: keep every recorded call and outcome event as Parquet on a filesystem or object store.
+
+Wiring only: flags → :class:`ArchiverSettings` and an :class:`Archiver` (see :mod:`splitstream.archiver.core`
+for the delivery guarantees) that the shared runtime serves (grpc health, Prometheus), drains and stops.
+Exit codes as :mod:`splitstream.common.runtime` says: 2 and one line for an archive URL that names
+nothing usable, a bucket that does not exist or credentials the store refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import structlog
+from grpc import aio
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from splitstream.archiver.core import Archiver, ArchiverSettings
+from splitstream.archiver.metrics import ArchiverMetrics
+from splitstream.common.archive import Archive, ArchiveError, check_archive, open_archive
+from splitstream.common.cli import EnvArgumentParser
+from splitstream.common.errors import ConfigError
+from splitstream.common.logs import configure_logging
+from splitstream.common.records import ARCHIVE_GROUP
+from splitstream.common.redis_url import check_connection_options
+from splitstream.common.runtime import (
+    Runtime,
+    ServerDefaults,
+    ServerSettings,
+    Service,
+    add_server_arguments,
+    run_service,
+)
+from splitstream.common.secrets import redact_text, redact_url
+
+PROG = "splitstream-archive"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchiverConfig:
+    server: ServerSettings
+    redis_url: str
+    redis_timeout_s: float
+    archive_url: str
+    s3_endpoint: str
+    settings: ArchiverSettings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = EnvArgumentParser(
+        prog=PROG,
+        env_prefix="SPLITSTREAM_ARCHIVE_",
+        description=(
+            "Read the recorder's call and feedback streams as a Redis consumer group and write them as "
+            "zstd Parquet, partitioned by model/date/hour, to a directory or an S3-compatible store; entries "
+            "are acknowledged only once their file is written."
+        ),
+    )
+    add_server_arguments(parser, ServerDefaults(port=8005, metrics_port=8006, drain_delay_s=0.0))
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
+    parser.add_argument("--redis-timeout-s", type=float, default=5.0, help="connect and reply timeout for Redis")
+    parser.add_argument(
+        "--archive",
+        default="file://./splitstream-archive",
+        help="where files go: a directory (file:///path or a path), s3://bucket/prefix, or any URI pyarrow's "
+        "filesystems know (gs://, hdfs://, abfs://); S3 credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
+    )
+    parser.add_argument(
+        "--s3-endpoint",
+        default="",
+        help="endpoint of an S3-compatible store (MinIO, Ceph, R2): http://host:port (empty: AWS)",
+    )
+    parser.add_argument(
+        "--model", action="append", default=[], help="archive only this model (repeatable; default: every model)"
+    )
+    parser.add_argument("--group", default=ARCHIVE_GROUP, help="Redis consumer group archivers share")
+    parser.add_argument(
+        "--consumer",
+        default="",
+        help="this archiver's name in the group; keep it across restarts so its unacknowledged entries are "
+        "re-archived under the same file names (empty: the hostname)",
+    )
+    parser.add_argument("--max-file-rows", type=int, default=100_000, help="entries per file at most")
+    parser.add_argument(
+        "--max-file-mb", type=float, default=128.0, help="a file is cut once its entries hold this many MiB"
+    )
+    parser.add_argument(
+        "--flush-interval-s", type=float, default=30.0, help="a file is written once its oldest entry waited this long"
+    )
+    parser.add_argument(
+        "--claim-idle-s",
+        type=float,
+        default=300.0,
+        help="entries another archiver left unacknowledged this long are taken over (it crashed); must exceed "
+        "--flush-interval-s plus an upload",
+    )
+    parser.add_argument("--read-count", type=int, default=1000, help="entries per XREADGROUP")
+    parser.add_argument("--scan-interval-s", type=float, default=5.0, help="how often new streams are looked for")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        server = ServerSettings.from_args(args)
+        for flag, value in (
+            ("--redis-timeout-s", args.redis_timeout_s),
+            ("--flush-interval-s", args.flush_interval_s),
+            ("--claim-idle-s", args.claim_idle_s),
+            ("--scan-interval-s", args.scan_interval_s),
+            ("--max-file-mb", args.max_file_mb),
+        ):
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{flag}: must be a positive number, got {value}")
+        for flag, count in (("--max-file-rows", args.max_file_rows), ("--read-count", args.read_count)):
+            if count < 1:
+                raise ConfigError(f"{flag}: must be at least 1, got {count}")
+        if args.claim_idle_s <= args.flush_interval_s:
+            raise ConfigError(
+                f"--claim-idle-s ({args.claim_idle_s}) must exceed --flush-interval-s ({args.flush_interval_s}): "
+                "entries waiting for their file would be taken over by another archiver"
+            )
+        models = frozenset(m.strip() for spec in args.model for m in spec.split(",") if m.strip())
+        settings = ArchiverSettings(
+            group=args.group,
+            consumer=args.consumer or socket.gethostname(),
+            models=models,
+            max_file_rows=args.max_file_rows,
+            max_file_bytes=int(args.max_file_mb * 1024 * 1024),
+            flush_interval_s=args.flush_interval_s,
+            claim_idle_s=args.claim_idle_s,
+            read_count=args.read_count,
+            scan_interval_s=args.scan_interval_s,
+        )
+    except ConfigError as error:
+        parser.error(str(error))
+    return ArchiverConfig(
+        server=server,
+        redis_url=args.redis_url,
+        redis_timeout_s=args.redis_timeout_s,
+        archive_url=args.archive,
+        s3_endpoint=args.s3_endpoint,
+        settings=settings,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``splitstream-archive``."""
+    config = parse_args(argv)
+    configure_logging(config.server.log_level, service="archiver")
+    return run_service(config.server, lambda: ArchiverService(config), prog=PROG)
+
+
+class ArchiverService(Service):
+    """No gRPC API of its own: the runtime gives it health (SERVING once Redis and the archive answer),
+    metrics and the ordered SIGTERM drain (the buffered entries are written and acknowledged)."""
+
+    prog = PROG
+
+    def __init__(self, config: ArchiverConfig) -> None:
+        self.config = config
+        self.log = structlog.get_logger()
+        self.archiver_metrics = ArchiverMetrics()
+        self.metrics = self.archiver_metrics.registry
+        try:
+            self.archive: Archive = open_archive(config.archive_url, endpoint=config.s3_endpoint)
+        except ArchiveError as error:
+            raise ConfigError(f"--archive: {error}") from None
+        try:
+            self.redis = Redis.from_url(
+                config.redis_url,
+                socket_timeout=config.redis_timeout_s + 2.0,  # XREADGROUP blocks up to a second
+                socket_connect_timeout=config.redis_timeout_s,
+                client_name="splitstream-archive",
+            )
+            check_connection_options(self.redis)
+        except ValueError as error:
+            raise ConfigError(f"--redis-url {redact_url(config.redis_url)}: {redact_text(str(error))}") from None
+        self.archiver = Archiver(self.redis, self.archive, config.settings, self.archiver_metrics)
+
+    def register(self, server: aio.Server) -> None:
+        """Health and reflection only (added by the runtime)."""
+
+    async def prepare(self, runtime: Runtime) -> None:
+        """An archive that cannot be listed or written is a configuration error: exit 2, one line."""
+        try:
+            await asyncio.to_thread(check_archive, self.archive, create=True)
+        except ArchiveError as error:
+            raise ConfigError(str(error)) from None
+
+    async def run(self, runtime: Runtime) -> None:
+        self.log.info(
+            "archiver started",
+            archive=self.config.archive_url,
+            redis=redact_url(self.config.redis_url),
+            group=self.config.settings.group,
+            consumer=self.config.settings.consumer,
+        )
+        while True:
+            try:
+                await self.redis.ping()
+                break
+            except (RedisError, OSError) as error:
+                self.log.warning("redis unreachable; waiting", error=redact_text(str(error)))
+                await asyncio.sleep(1.0)
+        await runtime.set_serving(True)
+        await self.archiver.run()
+
+    async def draining(self) -> None:
+        await self.archiver.drain()
+
+    async def teardown(self) -> None:
+        await self.redis.aclose()

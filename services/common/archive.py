@@ -1,0 +1,461 @@
+"""The archive: recorded calls and outcome events kept as Parquet on a filesystem or object store.
+
+The archiver (``splitstream-archive``) writes it; the replayer and the analysis read it back.
+This module is the one place that knows its layout:
+
+- ``<base>/calls/model=<m>/date=<YYYY-MM-DD>/hour=<HH>/<first>_<last>.parquet``: call records,
+  partitioned by the time the router *received* each call (UTC), so a receive-time window
+  opens only the hours it overlaps. ``<first>``/``<last>`` are the stream ids of the first and
+  last entry the file holds: an archiver that crashed before acknowledging a file writes the
+  same entries under the same name again, replacing the object rather than adding a copy.
+- ``<base>/feedback/model=<m>/date=.../hour=.../<first>_<last>.parquet``: outcome events.
+
+Each call row holds the readable columns (:data:`CALL_SCHEMA`) and ``record``, the serialized
+``CallRecord`` with every payload inlined from its blob: a file stands alone once Redis has
+forgotten the blobs. Payloads stay bytes (a binary column), never base64. Files are zstd-compressed;
+the archive's layout version is in each file's metadata (``splitstream.archive_schema``) like
+``CallRecord.schema_version``. Delivery is at least once, so readers de-duplicate by request id.
+
+URLs: a path or ``file:///path`` (a local directory), ``s3://bucket/prefix`` (any S3-compatible
+store: ``?endpoint_override=host:port&scheme=http&region=...`` in the URL or an endpoint given
+separately; credentials from the usual ``AWS_*`` variables), or any other URI pyarrow's
+filesystems understand (``gs://``, ``hdfs://``, ``abfs://``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlsplit
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from splitstream.common.records import StoredRecord, decode_record
+
+#: The archive layout this code writes and reads (file metadata ``splitstream.archive_schema``).
+ARCHIVE_SCHEMA_VERSION = 1
+SCHEMA_METADATA_KEY = b"splitstream.archive_schema"
+CALLS = "calls"
+FEEDBACK = "feedback"
+
+#: One row per call. ``model``, ``date`` and ``hour`` come from the partition directories.
+CALL_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("receive_time", pa.timestamp("ns", tz="UTC")),
+        ("version", pa.string()),
+        ("arm", pa.string()),
+        ("assignment", pa.string()),
+        ("phase", pa.string()),
+        ("status", pa.string()),
+        ("status_code", pa.int32()),
+        ("latency_ms", pa.float64()),
+        ("routing_key_hmac", pa.string()),
+        ("principal", pa.string()),
+        ("tags", pa.map_(pa.string(), pa.string())),
+        ("streamed", pa.bool_()),
+        ("stream_id", pa.string()),
+        ("record", pa.binary()),
+    ],
+    metadata={SCHEMA_METADATA_KEY: str(ARCHIVE_SCHEMA_VERSION).encode()},
+)
+
+#: One row per outcome event (the fields of :func:`splitstream.common.records.feedback_entry_fields`).
+FEEDBACK_SCHEMA = pa.schema(
+    [
+        ("request_id", pa.string()),
+        ("unit", pa.string()),
+        ("metric", pa.string()),
+        ("value", pa.float64()),
+        ("event_time", pa.timestamp("ns", tz="UTC")),
+        ("receive_time", pa.timestamp("ns", tz="UTC")),
+        ("idempotency_key", pa.string()),
+        ("stream_id", pa.string()),
+    ],
+    metadata={SCHEMA_METADATA_KEY: str(ARCHIVE_SCHEMA_VERSION).encode()},
+)
+
+_PARTITIONING = ds.partitioning(
+    pa.schema([("model", pa.string()), ("date", pa.string()), ("hour", pa.int32())]), flavor="hive"
+)
+
+
+class ArchiveError(Exception):
+    """The archive cannot be used: a URL that names no usable filesystem, a bucket that does not exist,
+    credentials refused, a store that does not answer. The message is one line for a person."""
+
+
+@dataclass(frozen=True, slots=True)
+class Archive:
+    """An archive location: a pyarrow filesystem and the base path inside it (no trailing slash)."""
+
+    url: str
+    filesystem: pafs.FileSystem
+    base: str
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.filesystem, pafs.LocalFileSystem)
+
+    def path(self, *parts: str) -> str:
+        return "/".join([self.base, *parts]) if self.base else "/".join(parts)
+
+
+def open_archive(url: str, *, endpoint: str = "") -> Archive:
+    """The archive at ``url`` (see the module docstring); ``endpoint`` overrides an S3 endpoint
+    (``http://host:port``). Raises :class:`ArchiveError` for a URL that names nothing usable; does not
+    touch the store (see :func:`check_archive`)."""
+    text = url.strip()
+    if not text:
+        raise ArchiveError("empty archive URL")
+    parts = urlsplit(text)
+    scheme = parts.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
+        path = parts.path if scheme == "file" else text
+        if scheme == "file" and parts.netloc not in ("", "localhost"):
+            raise ArchiveError(f"archive URL {url!r}: file URLs name a local path (file:///dir), not a host")
+        if not path:
+            raise ArchiveError(f"archive URL {url!r} names no directory")
+        return Archive(url, pafs.LocalFileSystem(), os.path.abspath(path).rstrip("/") or "/")
+    if scheme == "s3":
+        return _open_s3(url, parts.netloc, parts.path, dict(parse_qsl(parts.query)), endpoint)
+    try:
+        filesystem, path = pafs.FileSystem.from_uri(text)
+    except (ValueError, OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive URL {url!r}: {_one_line(error)}") from None
+    return Archive(url, filesystem, path.rstrip("/"))
+
+
+def _open_s3(url: str, bucket: str, path: str, query: dict[str, str], endpoint: str) -> Archive:
+    if not bucket:
+        raise ArchiveError(f"archive URL {url!r} names no bucket (expected s3://bucket/prefix)")
+    known = {"endpoint_override", "scheme", "region"}
+    unknown = sorted(set(query) - known)
+    if unknown:
+        raise ArchiveError(f"archive URL {url!r}: unknown option {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    scheme = query.get("scheme", "https")
+    override = query.get("endpoint_override", "")
+    if endpoint:
+        target = urlsplit(endpoint if "://" in endpoint else f"{scheme}://{endpoint}")
+        if target.scheme not in ("http", "https") or not target.netloc:
+            raise ArchiveError(f"S3 endpoint {endpoint!r}: expected http://host:port or https://host:port")
+        scheme, override = target.scheme, target.netloc
+    if scheme not in ("http", "https"):
+        raise ArchiveError(f"archive URL {url!r}: scheme must be http or https, got {scheme!r}")
+    # A custom endpoint (MinIO, Ceph, R2) needs no region lookup; AWS itself resolves the bucket's region.
+    region = query.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    try:
+        filesystem = pafs.S3FileSystem(
+            endpoint_override=override or None,
+            scheme=scheme,
+            region=region,
+            connect_timeout=5,
+            request_timeout=30,
+        )
+    except (ValueError, OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive URL {url!r}: {_one_line(error)}") from None
+    return Archive(url, filesystem, f"{bucket}{path}".rstrip("/"))
+
+
+def check_archive(archive: Archive, *, create: bool) -> None:
+    """Raise :class:`ArchiveError` unless the archive can be listed (and, with ``create``, written:
+    a local directory is created; a bucket must exist already). Blocking: call it in a thread."""
+    try:
+        if archive.is_local:
+            if create:
+                archive.filesystem.create_dir(archive.base, recursive=True)
+            info = archive.filesystem.get_file_info(archive.base)
+            if info.type != pafs.FileType.Directory:
+                raise ArchiveError(f"archive {archive.url!r}: {archive.base} is not a directory")
+            if create and not os.access(archive.base, os.W_OK):
+                raise ArchiveError(f"archive {archive.url!r}: {archive.base} is not writable")
+            return
+        bucket = archive.base.split("/", 1)[0]
+        info = archive.filesystem.get_file_info(bucket)
+        if info.type == pafs.FileType.NotFound:
+            raise ArchiveError(f"archive {archive.url!r}: bucket {bucket!r} does not exist")
+        archive.filesystem.get_file_info(pafs.FileSelector(archive.base, allow_not_found=True))
+    except ArchiveError:
+        raise
+    except (OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive {archive.url!r} is not usable: {_one_line(error)}") from None
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text[:300] if text else type(error).__name__
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+
+def partition_dir(kind: str, model: str, receive_ns: int) -> str:
+    """``calls/model=m/date=2026-11-30/hour=07`` for a call received then (UTC). ``/``, ``%``, ``\\``
+    and control characters in a model name are percent-encoded, so a name never escapes its directory."""
+    when = dt.datetime.fromtimestamp(receive_ns / 1e9, tz=dt.UTC)
+    return f"{kind}/model={_escape(model)}/date={when:%Y-%m-%d}/hour={when:%H}"
+
+
+def _escape(name: str) -> str:
+    return "".join(f"%{ord(c):02X}" if c in "/%\\" or ord(c) < 32 else c for c in name) or "%00"
+
+
+def file_name(first_stream_id: str, last_stream_id: str) -> str:
+    return f"{first_stream_id}_{last_stream_id}.parquet"
+
+
+def write_file(archive: Archive, relative_path: str, table: pa.Table, *, row_group_rows: int = 64 * 1024) -> int:
+    """Write ``table`` at ``relative_path`` (zstd); returns the bytes written. Blocking.
+
+    An object store makes an object visible only once its upload completed; a local file is
+    written under a hidden name (readers skip names starting with ``.``) and renamed, so readers
+    never meet half a file either way, and a second write of the same name replaces the first."""
+    final = archive.path(relative_path)
+    directory, _, name = final.rpartition("/")
+    target = final
+    if archive.is_local:
+        archive.filesystem.create_dir(directory, recursive=True)
+        target = f"{directory}/.{name}.{uuid.uuid4().hex}.tmp"
+    with archive.filesystem.open_output_stream(target) as sink:
+        pq.write_table(table, sink, compression="zstd", row_group_size=row_group_rows)
+        written = sink.tell()
+    if target != final:
+        archive.filesystem.move(target, final)
+    return int(written)
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchiveQuery:
+    """A receive-time window ``[since_ns, until_ns)`` of one model, with optional filters pushed down to
+    the Parquet reader: empty ``versions``/``status_codes`` mean "any"."""
+
+    model: str
+    since_ns: int
+    until_ns: int
+    versions: frozenset[str] = frozenset()
+    status_codes: frozenset[int] | None = None
+
+
+def _hours(since_ns: int, until_ns: int) -> set[tuple[str, int]]:
+    """The (date, hour) partitions a window overlaps."""
+    start = dt.datetime.fromtimestamp(since_ns // 10**9, tz=dt.UTC).replace(minute=0, second=0, microsecond=0)
+    end = dt.datetime.fromtimestamp((until_ns - 1) // 10**9, tz=dt.UTC)
+    hours = set()
+    while start <= end:
+        hours.add((f"{start:%Y-%m-%d}", start.hour))
+        start += dt.timedelta(hours=1)
+    return hours
+
+
+def _partition_files(
+    archive: Archive, kind: str, model: str, since_ns: int, until_ns: int
+) -> dict[tuple[str, int], list[str]]:
+    """The Parquet files of the hours the window overlaps, by (date, hour): only their directories are
+    listed (one listing of the model's dates, then one per date in the window), never the whole archive."""
+    base = archive.path(kind, f"model={_escape(model)}")
+    wanted = _hours(max(since_ns, 0), max(until_ns, 1))
+    dates = {date for date, _ in wanted}
+    files: dict[tuple[str, int], list[str]] = {}
+    try:
+        day_dirs = archive.filesystem.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        for day in day_dirs:
+            date = day.base_name.removeprefix("date=")
+            if day.type != pafs.FileType.Directory or date not in dates:
+                continue
+            for hour_dir in archive.filesystem.get_file_info(pafs.FileSelector(day.path, allow_not_found=True)):
+                hour = hour_dir.base_name.removeprefix("hour=")
+                if hour_dir.type != pafs.FileType.Directory or not hour.isdigit() or (date, int(hour)) not in wanted:
+                    continue
+                for entry in archive.filesystem.get_file_info(pafs.FileSelector(hour_dir.path)):
+                    name = entry.base_name
+                    if entry.type == pafs.FileType.File and name.endswith(".parquet") and not name.startswith("."):
+                        files.setdefault((date, int(hour)), []).append(entry.path)
+    except (OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive {archive.url!r} cannot be listed: {_one_line(error)}") from None
+    return {key: sorted(paths) for key, paths in sorted(files.items())}
+
+
+def _time_filter(since_ns: int, until_ns: int) -> ds.Expression:
+    since = pa.scalar(since_ns, type=pa.timestamp("ns", tz="UTC"))
+    until = pa.scalar(until_ns, type=pa.timestamp("ns", tz="UTC"))
+    return (ds.field("receive_time") >= since) & (ds.field("receive_time") < until)
+
+
+def read_calls(archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None) -> pa.Table:
+    """The archived calls of ``query``'s window, one row per request id (the earliest stream id kept),
+    sorted by receive time. Partition pruning picks the hours; receive time, version and status are
+    pushed down to the Parquet reader (row groups whose statistics exclude them are skipped).
+    Columns: :data:`CALL_SCHEMA`'s (or ``columns``) plus ``model``. Blocking: run it in a thread.
+    Raises :class:`ArchiveError` when the store fails. A long window is better read hour by hour
+    (:func:`read_calls_by_hour`): this holds it all in memory."""
+    wanted = list(columns) if columns is not None else [field.name for field in CALL_SCHEMA]
+    hours = list(read_calls_by_hour(archive, query, columns=columns))
+    if not hours:
+        empty = CALL_SCHEMA.empty_table().select([c for c in wanted if c != "model"])
+        return _with_model(empty, query.model).select([*wanted, "model"] if "model" not in wanted else wanted)
+    return pa.concat_tables(hours)
+
+
+def read_calls_by_hour(
+    archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None
+) -> Iterator[pa.Table]:
+    """:func:`read_calls`, one table per hour partition, oldest first, so a month's window never sits in
+    memory at once. Complete de-duplication all the same: copies of a call share its receive time, so
+    its hour. Each ``next`` blocks (reads the hour): call it in a thread."""
+    wanted = list(columns) if columns is not None else [field.name for field in CALL_SCHEMA]
+    read_columns = list(
+        dict.fromkeys([c for c in wanted if c != "model"] + ["request_id", "stream_id", "receive_time"])
+    )
+    expression = _time_filter(query.since_ns, query.until_ns)
+    if query.versions:
+        expression &= ds.field("version").isin(sorted(query.versions))
+    if query.status_codes is not None:
+        expression &= ds.field("status_code").isin(sorted(query.status_codes))
+    for files in _partition_files(archive, CALLS, query.model, query.since_ns, query.until_ns).values():
+        try:
+            dataset = ds.dataset(
+                files,
+                schema=CALL_SCHEMA,
+                filesystem=archive.filesystem,
+                format="parquet",
+                partitioning=_PARTITIONING,
+                partition_base_dir=archive.path(CALLS),
+            )
+            _check_versions(archive, dataset)
+            table = dataset.to_table(columns=read_columns, filter=expression)
+        except (OSError, pa.ArrowException) as error:
+            raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
+        if table.num_rows:
+            table = _with_model(_unique_first(table), query.model)
+            yield table.select([*wanted, "model"] if "model" not in wanted else wanted)
+
+
+def _check_versions(archive: Archive, dataset: ds.FileSystemDataset) -> None:
+    """Refuse files a newer splitstream wrote (their layout may mean something else), as records of a
+    newer ``schema_version`` are refused. Reads each file's footer, which the scan then reuses."""
+    for fragment in dataset.get_fragments():
+        metadata = fragment.physical_schema.metadata or {}
+        version = int(metadata.get(SCHEMA_METADATA_KEY, b"0") or 0)
+        if version > ARCHIVE_SCHEMA_VERSION:
+            raise ArchiveError(
+                f"archive {archive.url!r}: {fragment.path} has archive schema {version}; "
+                f"this reader knows up to {ARCHIVE_SCHEMA_VERSION}"
+            )
+
+
+def _with_model(table: pa.Table, model: str) -> pa.Table:
+    return table.append_column("model", pa.array([model] * table.num_rows, type=pa.string()))
+
+
+def _unique_first(table: pa.Table, key: str = "request_id") -> pa.Table:
+    """One row per ``key``, the one with the earliest stream id, then sorted by receive time."""
+    if table.num_rows == 0:
+        return table.sort_by([("receive_time", "ascending"), ("stream_id", "ascending")])
+    ms = pc.cast(pc.list_element(pc.split_pattern(table["stream_id"], "-"), 0), pa.int64())
+    seq = pc.cast(pc.list_element(pc.split_pattern(table["stream_id"], "-"), 1), pa.int64())
+    indexed = table.append_column("_ms", ms).append_column("_seq", seq)
+    indexed = indexed.append_column("_row", pa.array(range(table.num_rows), type=pa.int64()))
+    indexed = indexed.sort_by([("_ms", "ascending"), ("_seq", "ascending")])
+    firsts = indexed.group_by(key, use_threads=False).aggregate([("_row", "first")])
+    keep = pc.sort_indices(firsts["_row_first"])
+    rows = pc.take(firsts["_row_first"], keep)
+    unique = table.take(rows)
+    return unique.sort_by([("receive_time", "ascending"), ("stream_id", "ascending")])
+
+
+def stored_records(table: pa.Table) -> list[StoredRecord]:
+    """The rows of :func:`read_calls` (``record`` and ``stream_id`` columns) as the Redis reader's
+    :class:`StoredRecord`\\ s, in the table's order."""
+    return [
+        StoredRecord(stream_id, decode_record(data))
+        for stream_id, data in zip(table["stream_id"].to_pylist(), table["record"].to_pylist(), strict=True)
+    ]
+
+
+def read_feedback(archive: Archive, model: str, since_ns: int, until_ns: int) -> pa.Table:
+    """The archived outcome events of ``model`` received in ``[since_ns, until_ns)``, de-duplicated by
+    stream id (an event is written once per id; a re-archived file repeats ids), by receive time. Blocking."""
+    files = [
+        path for paths in _partition_files(archive, FEEDBACK, model, since_ns, until_ns).values() for path in paths
+    ]
+    if not files:
+        return _with_model(FEEDBACK_SCHEMA.empty_table(), model)
+    try:
+        dataset = ds.dataset(
+            files,
+            schema=FEEDBACK_SCHEMA,
+            filesystem=archive.filesystem,
+            format="parquet",
+            partitioning=_PARTITIONING,
+            partition_base_dir=archive.path(FEEDBACK),
+        )
+        table = dataset.to_table(columns=FEEDBACK_SCHEMA.names, filter=_time_filter(since_ns, until_ns))
+    except (OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
+    return _with_model(_unique_first(table, "stream_id"), model)
+
+
+#: The readable fields of a call stream entry (:func:`splitstream.common.records.entry_fields`), as columns.
+ENTRY_COLUMNS = (
+    "request_id",
+    "time_ns",
+    "model",
+    "version",
+    "status",
+    "latency_ms",
+    "arm",
+    "assignment",
+    "phase",
+    "unit",
+)
+
+
+def readable_calls(archive: Archive, query: ArchiveQuery) -> pa.Table:
+    """The archived calls of ``query`` as the columns a call stream entry has (:data:`ENTRY_COLUMNS`:
+    ``time_ns`` an int64, ``unit`` the routing-key HMAC) plus ``principal``: what an analysis that reads
+    Redis column by column gets, so it can read the archive the same way. One row per request id. Blocking."""
+    columns = ["request_id", "receive_time", "version", "status", "latency_ms", "arm", "assignment", "phase"]
+    table = read_calls(archive, query, columns=[*columns, "routing_key_hmac", "principal"])
+    return pa.table(
+        {
+            "request_id": table["request_id"],
+            "time_ns": table["receive_time"].cast(pa.int64()),
+            "model": table["model"],
+            "version": table["version"],
+            "status": table["status"],
+            "latency_ms": table["latency_ms"],
+            "arm": table["arm"],
+            "assignment": table["assignment"],
+            "phase": table["phase"],
+            "unit": table["routing_key_hmac"],
+            "principal": table["principal"],
+        }
+    )
+
+
+def readable_feedback(archive: Archive, model: str, since_ns: int, until_ns: int) -> pa.Table:
+    """The archived outcome events as the columns a feedback stream entry has
+    (:func:`splitstream.common.records.feedback_entry_fields`; times as int64 ns, ``value`` a float). Blocking."""
+    table = read_feedback(archive, model, since_ns, until_ns)
+    return pa.table(
+        {
+            "request_id": table["request_id"],
+            "unit": table["unit"],
+            "metric": table["metric"],
+            "value": table["value"],
+            "event_ns": table["event_time"].cast(pa.int64()),
+            "receive_ns": table["receive_time"].cast(pa.int64()),
+            "idempotency_key": table["idempotency_key"],
+            "model": table["model"],
+        }
+    )

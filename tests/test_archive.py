@@ -1,0 +1,768 @@
+"""The archive: splitstream-archive writes the streams as Parquet (a directory, or a real S3 API server);
+replay and analysis read it back; a crash, a dead archiver or a store outage loses and duplicates nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from redis.asyncio import Redis
+
+from splitstream.common.archive import (
+    CALL_SCHEMA,
+    ENTRY_COLUMNS,
+    ArchiveError,
+    ArchiveQuery,
+    open_archive,
+    read_calls,
+    read_calls_by_hour,
+    read_feedback,
+    readable_calls,
+    readable_feedback,
+    stored_records,
+)
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
+from splitstream.common.records import (
+    ARCHIVE_GROUP,
+    archive_mark_key,
+    blob_key,
+    entry_fields,
+    feedback_entry_fields,
+    feedback_key,
+    stream_key,
+)
+from splitstream.replayer.selection import Selection, SelectionStats, select_calls
+from tests.harness import ROOT, InferClient, ServiceProcess, free_port, make_request, metric_samples, scrape_metrics
+from tests.harness import wait_for as wait_until
+from tests.recording_stack import MODEL, RecordingStack
+from tests.redis_server import RedisServer
+from tests.s3_server import S3_ENV, S3Server
+
+SYNTHETIC = "synth"
+HOUR_NS = 3600 * 10**9
+
+
+def start_archiver(
+    tmp: Path, redis_url: str, archive: str, *extra: str, consumer: str = "a", wait: bool = True
+) -> ServiceProcess:
+    port = free_port()
+    args = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(free_port()),
+        "--redis-url",
+        redis_url,
+        "--archive",
+        archive,
+        "--consumer",
+        consumer,
+        "--flush-interval-s",
+        "0.3",
+        "--claim-idle-s",
+        "30",
+        "--scan-interval-s",
+        "0.3",
+        *extra,
+    ]
+    process = ServiceProcess(
+        f"archiver-{consumer}-{port}", "splitstream.archiver", args, log_dir=tmp, port=port, env=S3_ENV
+    )
+    return process.start(wait_serving=wait)
+
+
+def synthetic_record(i: int, receive_ns: int, *, payload_bytes: int = 40) -> recorder_pb2.CallRecord:
+    record = recorder_pb2.CallRecord(
+        schema_version=1,
+        request_id=f"r-{i}",
+        receive_unix_ns=receive_ns,
+        model=SYNTHETIC,
+        version="v1" if i % 3 else "v2",
+        arm="v1" if i % 3 else "v2",
+        status_code=0 if i % 5 else 14,
+        latency_ns=1_000_000 + i,
+        principal=f"tenant-{i % 2}",
+    )
+    record.tags["team"] = "search"
+    record.request.inline = bytes([i % 251]) * payload_bytes
+    record.request.size_bytes = payload_bytes
+    return record
+
+
+def write_synthetic(client: Any, first: int, count: int, *, start_ns: int, gap_ns: int = 1_000_000) -> list[str]:
+    """XADD ``count`` records as the recorder lays them out, every third request stored as a blob."""
+    pipe = client.pipeline(transaction=False)
+    ids = []
+    for i in range(first, first + count):
+        record = synthetic_record(i, start_ns + (i - first) * gap_ns)
+        if i % 3 == 0:
+            body = record.request.inline
+            digest = hashlib.sha256(body).hexdigest()
+            pipe.set(blob_key(digest), body)
+            record.request.blob_sha256 = digest
+        pipe.xadd(stream_key(SYNTHETIC), entry_fields(record))
+        ids.append(record.request_id)
+    pipe.execute()
+    return ids
+
+
+def raw_rows(archive_url: str, endpoint: str = "", kind: str = "calls") -> pa.Table:
+    """Every row of every file, duplicates included (what a careless reader would see)."""
+    archive = open_archive(archive_url, endpoint=endpoint)
+    base = archive.path(kind)
+    try:
+        dataset = ds.dataset(base, filesystem=archive.filesystem, format="parquet", partitioning="hive")
+        return dataset.to_table()
+    except (FileNotFoundError, pa.ArrowInvalid):
+        return pa.table({"request_id": pa.array([], pa.string())})
+
+
+def archived_everything(client: Any, stream: str) -> bool:
+    """The archive mark is past the stream's last entry: every entry is in a file."""
+    last = client.xrevrange(stream, count=1)
+    mark = client.get(archive_mark_key(stream))
+    if not last or mark is None:
+        return False
+    last_ms, last_seq = (int(part) for part in last[0][0].decode().split("-"))
+    mark_ms, mark_seq = (int(part) for part in mark.decode().split("-"))
+    return (mark_ms, mark_seq) > (last_ms, last_seq)
+
+
+def metric(process: ServiceProcess, name: str) -> float:
+    return sum(value for _, value in metric_samples(scrape_metrics(process.metrics_port), name))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3Server]:
+    server = S3Server(tmp_path / "s3").start()
+    server.create_bucket("archive")
+    yield server
+    server.stop()
+
+
+# -- end to end: record, archive, replay from both -------------------------------------------------
+
+
+@pytest.mark.parametrize("store", ["directory", "s3"])
+def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_redis_is_flushed(
+    tmp_path: Path, store: str
+) -> None:
+    stack = RecordingStack(tmp_path, recorder_args=("--blob-threshold-bytes", "16"))  # every payload a blob
+    s3 = S3Server(tmp_path / "s3").start() if store == "s3" else None
+    endpoint_args: tuple[str, ...] = ()
+    if s3 is not None:
+        s3.create_bucket("archive")
+        url, endpoint_args = "s3://archive/recorded", ("--s3-endpoint", s3.endpoint)
+    else:
+        url = (tmp_path / "archive").as_uri()
+    archiver = None
+    try:
+        client = InferClient(stack.router.address)
+        rng = np.random.default_rng(3)
+        since = time.time_ns()
+        ids = set()
+        for i in range(24):
+            request_id = f"call-{i}"
+            features = 5 if i % 8 == 7 else 4  # a few bad inputs: recorded failures replay as failures
+            with contextlib.suppress(grpc.RpcError):
+                client.infer(
+                    make_request(MODEL, rng.uniform(0, 1, (1, features)).astype(np.float32)),
+                    metadata=[("x-request-id", request_id)],
+                )
+            ids.add(request_id)
+        until = time.time_ns()
+        client.close()
+        stack.wait_recorded(ids)
+        window = ["--since", f"{since / 1e9:.9f}", "--until", f"{until / 1e9:.9f}"]
+
+        def replay(out: Path, *args: str) -> dict[str, str]:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "splitstream.replayer",
+                    "--redis-url",
+                    stack.redis.url,
+                    "--model",
+                    MODEL,
+                    "--target",
+                    stack.router.address,
+                    "--speed",
+                    "max",
+                    "--no-progress",
+                    "--output-dir",
+                    str(out),
+                    *window,
+                    *list(args),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=ROOT,
+                check=False,
+                env={**os.environ, **S3_ENV},
+            )
+            assert done.returncode == 0, done.stderr
+            import json
+
+            lines = (out / "results.jsonl").read_text().splitlines()
+            return {row["request_id"]: row["outcome"] for row in map(json.loads, lines)}
+
+        from_redis = replay(tmp_path / "from-redis")
+        archiver = start_archiver(tmp_path, stack.redis.url, url, *endpoint_args)
+        redis = stack.redis.client()
+        wait_until(lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive to catch up")
+
+        # The files: partitioned model=/date=/hour=, zstd, readable columns beside the record.
+        os.environ.update(S3_ENV)
+        archive = open_archive(url, endpoint=s3.endpoint if s3 else "")
+        listing = archive.filesystem.get_file_info(pafs.FileSelector(archive.base, recursive=True))
+        files = sorted(info.path for info in listing if info.path.endswith(".parquet"))
+        assert files
+        assert all(
+            re.search(r"/calls/model=affine/date=\d{4}-\d\d-\d\d/hour=\d\d/[\d-]+_[\d-]+\.parquet$", f) for f in files
+        )
+        parquet = pq.ParquetFile(archive.filesystem.open_input_file(files[0]))
+        metadata = parquet.metadata
+        assert metadata.row_group(0).column(0).compression == "ZSTD"
+        assert metadata.metadata[b"splitstream.archive_schema"] == b"1"
+        columns = set(parquet.schema_arrow.names)
+        assert {
+            "request_id",
+            "receive_time",
+            "version",
+            "arm",
+            "assignment",
+            "phase",
+            "status",
+            "latency_ms",
+        } <= columns
+        assert {"routing_key_hmac", "principal", "tags", "record"} <= columns
+        assert parquet.schema_arrow.field("record").type == pa.binary()
+
+        # Redis forgets everything, blobs included: the archive stands alone.
+        redis.flushall()
+        redis.close()
+        archived = read_calls(archive, ArchiveQuery(model=MODEL, since_ns=since, until_ns=until))
+        assert set(archived["request_id"].to_pylist()) == ids
+        for stored in stored_records(archived):
+            assert stored.record.request.WhichOneof("body") == "inline"
+            assert len(stored.record.request.inline) == stored.record.request.size_bytes
+        from_archive = replay(tmp_path / "from-archive", "--source", f"archive:{url}", *endpoint_args)
+        assert from_archive == from_redis
+        # The default source with the archive configured behind Redis: a window older than anything in
+        # Redis (here Redis holds nothing at all) comes from the archive.
+        assert replay(tmp_path / "behind-redis", "--archive", url, *endpoint_args) == from_redis
+        assert set(from_archive) == ids
+        assert "match" in from_archive.values()
+        assert "error" not in from_archive.values()
+    finally:
+        if archiver is not None:
+            archiver.stop()
+        if s3 is not None:
+            s3.stop()
+        stack.close()
+
+
+# -- S3 ---------------------------------------------------------------------------------------------
+
+
+def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    client = redis_server.client()
+    start = time.time_ns() - 2 * HOUR_NS  # two hours ago: files land in two or three hour partitions
+    ids = write_synthetic(client, 0, 300, start_ns=start, gap_ns=HOUR_NS // 150)
+    event = feedback_pb2.FeedbackEvent(
+        request_id="r-1", routing_key_hmac="u", metric="click", value=1.0, receive_unix_ns=start
+    )
+    client.xadd(feedback_key(SYNTHETIC), feedback_entry_fields(event))  # type: ignore[arg-type]
+    url = "s3://archive/splitstream"
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--s3-endpoint", s3.endpoint)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="calls archived")
+        wait_until(lambda: archived_everything(client, feedback_key(SYNTHETIC)), timeout_s=60, what="events archived")
+        assert metric(archiver, "splitstream_archive_records_total") == 301
+        assert metric(archiver, "splitstream_archive_upload_errors_total") == 0
+    finally:
+        archiver.stop()
+    os.environ.update(S3_ENV)
+    archive = open_archive(url, endpoint=s3.endpoint)
+    keys = [
+        info.path for info in archive.filesystem.get_file_info(pafs.FileSelector("archive/splitstream", recursive=True))
+    ]
+    hours = {key.split("/hour=")[1][:2] for key in keys if key.endswith(".parquet") and "/calls/" in key}
+    assert len(hours) >= 2
+    table = read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns()))
+    assert table["request_id"].to_pylist() == ids  # in receive-time order
+    # Read hour by hour (a month's window never sits in memory at once), the same rows in the same order.
+    query = ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns())
+    by_hour = list(read_calls_by_hour(archive, query, columns=["request_id"]))
+    assert len(by_hour) == len(hours)
+    assert [i for hour in by_hour for i in hour["request_id"].to_pylist()] == ids
+    assert set(table["principal"].to_pylist()) == {"tenant-0", "tenant-1"}
+    records = stored_records(table)
+    assert all(stored.record.request.inline == bytes([i % 251]) * 40 for i, stored in enumerate(records))
+    # Push-down filters: only v2's failed calls, in the first hour.
+    failed = read_calls(
+        archive,
+        ArchiveQuery(
+            model=SYNTHETIC,
+            since_ns=start,
+            until_ns=start + HOUR_NS,
+            versions=frozenset({"v2"}),
+            status_codes=frozenset({14}),
+        ),
+    )
+    expected = [f"r-{i}" for i in range(150) if i % 3 == 0 and i % 5 == 0]
+    assert failed["request_id"].to_pylist() == expected
+    # Partition pruning: a window opens only the hours it overlaps (an unreadable file elsewhere is never read).
+    with archive.filesystem.open_output_stream(
+        "archive/splitstream/calls/model=synth/date=2001-01-01/hour=00/x.parquet"
+    ) as bad:
+        bad.write(b"not parquet")
+    assert read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns())).num_rows == 300
+    with pytest.raises(ArchiveError, match="cannot be read"):
+        read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=978307200 * 10**9, until_ns=978310800 * 10**9))
+    # A file a newer splitstream wrote is refused, not misread.
+    newer = CALL_SCHEMA.with_metadata({b"splitstream.archive_schema": b"2"})
+    path = "archive/splitstream/calls/model=synth/date=2001-01-02/hour=00/1-0_1-0.parquet"
+    with archive.filesystem.open_output_stream(path) as sink:
+        pq.write_table(newer.empty_table(), sink)
+    with pytest.raises(ArchiveError, match="archive schema 2; this reader knows up to 1"):
+        read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=978393600 * 10**9, until_ns=978397200 * 10**9))
+    feedback = read_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())
+    assert feedback["request_id"].to_pylist() == ["r-1"]
+    assert feedback["metric"].to_pylist() == ["click"]
+    # What the analysis reads: the columns of a stream entry, from the archive.
+    columns = readable_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns()))
+    assert columns.column_names[:10] == list(ENTRY_COLUMNS)
+    assert columns["time_ns"].to_pylist() == [start + i * (HOUR_NS // 150) for i in range(300)]
+    assert readable_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())["receive_ns"].to_pylist() == [start]
+
+
+def test_upload_errors_are_counted_and_retried_until_the_store_is_back(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    client = redis_server.client()
+    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/x", "--s3-endpoint", s3.endpoint)
+    try:
+        write_synthetic(client, 0, 50, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="first batch")
+        s3.stop()
+        ids = write_synthetic(client, 50, 100, start_ns=time.time_ns())
+        wait_until(
+            lambda: metric(archiver, "splitstream_archive_upload_errors_total") >= 2, timeout_s=60, what="upload errors"
+        )
+        assert not archived_everything(client, stream_key(SYNTHETIC))  # nothing acknowledged while failing
+        wait_until(lambda: metric(archiver, "splitstream_archive_lag_entries") == 100, timeout_s=30, what="lag")
+        assert metric(archiver, "splitstream_archive_lag_seconds") > 0
+        s3.start()
+        s3.create_bucket("archive")  # moto forgets its buckets on restart
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the retry")
+        wait_until(lambda: metric(archiver, "splitstream_archive_lag_entries") == 0, timeout_s=30, what="no lag")
+    finally:
+        archiver.stop()
+    archive = open_archive("s3://archive/x", endpoint=s3.endpoint)
+    table = read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns() + HOUR_NS))
+    assert set(ids) <= set(table["request_id"].to_pylist())
+
+
+def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    cases = [
+        (["--archive", "s3:///no-bucket"], "names no bucket"),
+        (["--archive", "s3://missing/prefix", "--s3-endpoint", s3.endpoint], "bucket 'missing' does not exist"),
+        (["--archive", "s3://archive/p", "--s3-endpoint", "ftp://x"], "S3 endpoint"),
+        (["--archive", "s3://archive/p?colour=red"], "unknown option 'colour'"),
+        (["--archive", "nosuchscheme://x/y"], "archive URL"),
+        (["--archive", "file:///dev/null/archive"], "archive"),
+    ]
+    strict = S3Server(tmp_path / "strict-s3", check_credentials=True).start()
+    cases.append((["--archive", "s3://archive/p", "--s3-endpoint", strict.endpoint], "ACCESS_DENIED"))
+    try:
+        for args, expected in cases:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "splitstream.archiver",
+                    "--port",
+                    "0",
+                    "--metrics-port",
+                    "0",
+                    "--redis-url",
+                    redis_server.url,
+                    *args,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=ROOT,
+                check=False,
+                env={**os.environ, **S3_ENV},
+            )
+            assert done.returncode == 2, (args, done.stderr)
+            last = done.stderr.strip().splitlines()[-1]
+            assert last.startswith("splitstream-archive: error:"), done.stderr
+            assert expected in last, (args, last)
+        # The replayer says the same about an archive it is to read.
+        for source, expected in (
+            (f"archive:{tmp_path / 'none'}", "is not a directory"),
+            ("archive:s3:///x", "no bucket"),
+        ):
+            replay = [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--model", "m"]
+            replay += ["--since", "-1h", "--target", "127.0.0.1:1", "--source", source]
+            done = subprocess.run(replay, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+            assert done.returncode == 2, done.stderr
+            assert expected in done.stderr.strip().splitlines()[-1], done.stderr
+    finally:
+        strict.stop()
+
+
+# -- sharing, crashes, dead archivers ---------------------------------------------------------------
+
+
+def test_two_archivers_share_a_stream_and_write_every_entry_once(tmp_path: Path, redis_server: RedisServer) -> None:
+    client = redis_server.client()
+    url = (tmp_path / "archive").as_uri()
+    first = start_archiver(tmp_path, redis_server.url, url, "--read-count", "25", consumer="one")
+    second = start_archiver(tmp_path, redis_server.url, url, "--read-count", "25", consumer="two")
+    try:
+        ids: list[str] = []
+        for batch in range(20):
+            ids += write_synthetic(client, batch * 100, 100, start_ns=time.time_ns())
+            time.sleep(0.02)
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="both archivers")
+        counts = [metric(p, "splitstream_archive_records_total") for p in (first, second)]
+    finally:
+        first.stop()
+        second.stop()
+    assert sum(counts) == 2000
+    rows = raw_rows(url)["request_id"].to_pylist()
+    assert sorted(rows) == sorted(ids)  # every entry once, before any de-duplication
+
+
+def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_call_exactly_once(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    client = redis_server.client()
+    url = "s3://archive/crash"
+    stop = threading.Event()
+    written: list[str] = []
+
+    def load() -> None:
+        writer = redis_server.client()
+        index = 0
+        while not stop.is_set():
+            written.extend(write_synthetic(writer, index, 50, start_ns=time.time_ns()))
+            index += 50
+            time.sleep(0.01)
+        writer.close()
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    args = ("--s3-endpoint", s3.endpoint, "--max-file-rows", "400")
+    archiver = start_archiver(tmp_path, redis_server.url, url, *args)
+    try:
+        wait_until(lambda: metric(archiver, "splitstream_archive_files_total") >= 3, timeout_s=60, what="some files")
+        # Kill it while it holds entries it has read and not acknowledged (a file on its way).
+        wait_until(lambda: client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] > 0, timeout_s=30)
+        archiver.kill()
+        pending = client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"]
+        archiver = start_archiver(tmp_path, redis_server.url, url, *args)
+        time.sleep(1.0)
+        stop.set()
+        thread.join()
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the restart")
+    finally:
+        stop.set()
+        archiver.stop()
+    assert pending > 0
+    table = read_calls(
+        open_archive(url, endpoint=s3.endpoint),
+        ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns() + HOUR_NS),
+    )
+    archived = table["request_id"].to_pylist()
+    assert len(archived) == len(set(archived))
+    assert set(archived) == set(written), f"missing {len(set(written) - set(archived))}"
+    # Restarted under the same name, it rewrote what it had uploaded and not acknowledged under the same
+    # names: not a row twice even before de-duplication.
+    raw = raw_rows(url, s3.endpoint)["request_id"].to_pylist()
+    assert sorted(raw) == sorted(written)
+
+
+def test_entries_a_dead_archiver_left_pending_are_claimed_and_archived(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    ids = write_synthetic(client, 0, 120, start_ns=time.time_ns())
+    stream = stream_key(SYNTHETIC)
+    client.xgroup_create(stream, ARCHIVE_GROUP, id="0")
+    # A consumer that reads and dies before writing its file: its entries stay pending under its name.
+    client.xreadgroup(ARCHIVE_GROUP, "dead", {stream: ">"}, count=80)
+    assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 80
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--claim-idle-s", "1.5", consumer="alive")
+    try:
+        wait_until(lambda: archived_everything(client, stream), timeout_s=60, what="the claim")
+        assert metric(archiver, "splitstream_archive_claimed_total") == 80
+    finally:
+        archiver.stop()
+    assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 0
+    assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
+
+
+def test_sigterm_writes_and_acknowledges_the_buffered_entries_then_exits_0(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--flush-interval-s", "600", "--claim-idle-s", "1200")
+    ids = write_synthetic(client, 0, 70, start_ns=time.time_ns())
+    wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 70, timeout_s=30)
+    assert raw_rows(url).num_rows == 0
+    archiver.signal(signal.SIGTERM)
+    assert archiver.wait() == 0
+    assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
+    assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 0
+
+
+# -- retention and straddling windows ---------------------------------------------------------------
+
+
+def test_trim_archived_keeps_every_unarchived_call_and_trims_once_archived(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, recorder_args=("--retention-maxlen", "20", "--trim-archived"))
+    archiver = None
+    try:
+        client = InferClient(stack.router.address)
+
+        def send(prefix: str, count: int) -> set[str]:
+            sent = set()
+            for i in range(count):
+                request_id = f"{prefix}-{i}"
+                client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
+                sent.add(request_id)
+            return sent
+
+        before = send("before", 250)
+        stack.wait_recorded(before)
+        assert stack.raw_count() >= 250  # no archiver yet: retention trims nothing
+        url = (tmp_path / "archive").as_uri()
+        archiver = start_archiver(tmp_path, stack.redis.url, url)
+        redis = stack.redis.client()
+        wait_until(lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive")
+        after = send("after", 30)
+        wait_until(lambda: stack.raw_count() < 200, timeout_s=30, what="the recorder to trim what is archived")
+
+        def kept() -> set[str]:
+            """Every call id Redis or the archive holds."""
+            return {r.request_id for r in stack.records()} | set(raw_rows(url)["request_id"].to_pylist())
+
+        # The last calls reach Redis a batch interval after their answers; then nothing is missing anywhere.
+        wait_until(lambda: before | after <= kept(), timeout_s=30, what="every call in Redis or the archive")
+        in_redis = {r.request_id for r in stack.records()}
+        assert len(before - in_redis) > 50  # trimmed, and only because they were archived
+        assert before - in_redis <= set(raw_rows(url)["request_id"].to_pylist())
+        assert metric(stack.recorder, "splitstream_recorder_trims_held_by_archive_total") > 0
+        client.close()
+    finally:
+        if archiver is not None:
+            archiver.stop()
+        stack.close()
+
+
+def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_repeats(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    start = time.time_ns()
+    ids = write_synthetic(client, 0, 100, start_ns=start)
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
+    finally:
+        archiver.stop()
+    entries: Any = client.xrange(stream_key(SYNTHETIC))
+    client.xtrim(stream_key(SYNTHETIC), minid=entries[60][0])  # retention took the first 60
+    ids += write_synthetic(client, 100, 20, start_ns=time.time_ns() - 50_000_000)  # new calls, not archived yet
+
+    async def read() -> list[str]:
+        redis = Redis.from_url(redis_server.url)
+        selection = Selection(
+            models=(SYNTHETIC,),
+            since_ns=start - 1,
+            until_ns=time.time_ns() + 1,
+            max_lateness_ns=10**9,
+            clock_skew_ns=10**9,
+        )
+        stats = SelectionStats()
+        calls = [c.record.request_id async for c in select_calls(redis, selection, stats, archive=open_archive(url))]
+        await redis.aclose()
+        return calls
+
+    calls = asyncio.run(read())
+    assert calls == ids  # each once, in receive-time order
+
+
+def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Path, redis_server: RedisServer) -> None:
+    duckdb = pytest.importorskip("duckdb")
+    client = redis_server.client()
+    write_synthetic(client, 0, 90, start_ns=time.time_ns())
+    archive_dir = tmp_path / "archive"
+    archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri())
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
+    finally:
+        archiver.stop()
+    rows = duckdb.sql(
+        f"""
+        SELECT model, version, date, hour,
+               count(DISTINCT request_id) AS calls,
+               avg(CASE WHEN status <> 'OK' THEN 1 ELSE 0 END) AS error_rate
+        FROM read_parquet('{archive_dir}/calls/*/*/*/*.parquet', hive_partitioning = true)
+        GROUP BY ALL ORDER BY version
+        """
+    ).fetchall()
+    assert [(row[0], row[1], row[4]) for row in rows] == [(SYNTHETIC, "v1", 60), (SYNTHETIC, "v2", 30)]
+    assert rows[1][5] == pytest.approx(6 / 30)
+
+
+@pytest.mark.parametrize("retention", ["count", "age"])
+async def test_the_recorders_trim_never_passes_the_archive_mark(tmp_path: Path, retention: str) -> None:
+    """The writer's --trim-archived, in process against a real redis-server with small stream nodes (so
+    approximate trimming shows): no mark, nothing trimmed; a mark, trimmed up to it and never past."""
+    from splitstream.recorder.writer import RedisWriter, StreamEntry, WriteBatch
+
+    server = RedisServer(tmp_path / "redis", config=("--stream-node-max-entries", "5")).start()
+    redis: Any = Redis.from_url(server.url)  # binary replies; redis-py's stubs cannot say so
+    now_s = [time.time()]
+    writer = RedisWriter(
+        redis,
+        retention_maxlen=10 if retention == "count" else 0,
+        retention_age_s=1.0 if retention == "age" else 0.0,
+        blob_ttl_s=0,
+        trim_archived=True,
+        clock=lambda: now_s[0],
+    )
+    stream = stream_key(SYNTHETIC)
+    try:
+
+        async def write(first: int, count: int) -> None:
+            records = [synthetic_record(i, time.time_ns()) for i in range(first, first + count)]
+            entries = [StreamEntry(stream, entry_fields(record)) for record in records]
+            await writer.write(WriteBatch(entries=entries, blobs={}))
+
+        await write(0, 100)
+        now_s[0] += 60  # every entry is past the age retention too
+        result = await writer.write(
+            WriteBatch(entries=[StreamEntry(stream, entry_fields(synthetic_record(100, 0)))], blobs={})
+        )
+        assert await redis.xlen(stream) == 101  # nothing archived: nothing trimmed
+        assert result.trims_held == 1
+        ids = [entry_id.decode() for entry_id, _ in await redis.xrange(stream)]
+        await redis.set(archive_mark_key(stream), ids[60])  # entries 0..59 archived
+        await write(101, 1)
+        kept = [entry_id.decode() for entry_id, _ in await redis.xrange(stream)]
+        assert ids[60:] == kept[: len(ids) - 60]  # the unarchived ones all kept
+        assert len(kept) < 102 - 50  # and (approximately: whole nodes) the archived ones trimmed
+        await redis.set(archive_mark_key(stream), "99999999999999-0")  # everything archived
+        await write(102, 1)
+        remaining = await redis.xlen(stream)
+        assert (remaining <= 15) if retention == "count" else (remaining <= 5)
+    finally:
+        await redis.aclose()
+        server.stop()
+
+
+def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    now = time.time_ns()
+    write_synthetic(client, 0, 5, start_ns=now)
+    garbage = dict(entry_fields(synthetic_record(99, now + 10_000_000)))
+    garbage["record"] = b"\xff\xff not a CallRecord"
+    client.xadd(stream_key(SYNTHETIC), garbage)  # type: ignore[arg-type]
+    write_synthetic(client, 5, 5, start_ns=now + 20_000_000)
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
+        assert metric(archiver, "splitstream_archive_corrupt_entries_total") == 1
+    finally:
+        archiver.stop()
+    rows = raw_rows(url).sort_by("receive_time")
+    assert rows["request_id"].to_pylist() == [f"r-{i}" for i in range(5)] + ["r-99"] + [f"r-{i}" for i in range(5, 10)]
+    bad = rows.filter(pa.compute.equal(rows["request_id"], "r-99")).drop_columns(["receive_time"]).to_pylist()[0]
+    assert bad["record"] == b"\xff\xff not a CallRecord"
+    assert (bad["version"], bad["status"], bad["status_code"]) == ("v2", "OK", 0)
+    # A replay from the archive skips it as corrupt, as one from Redis does.
+    selection = Selection(models=(SYNTHETIC,), since_ns=now - 1, until_ns=time.time_ns())
+    stats = SelectionStats()
+
+    async def read() -> list[str]:
+        return [c.record.request_id async for c in select_calls(None, selection, stats, archive=open_archive(url))]
+
+    assert asyncio.run(read()) == [f"r-{i}" for i in range(10)]
+    assert stats.skipped["corrupt"] == 1
+
+
+def test_a_file_uploaded_but_never_acknowledged_is_rewritten_under_its_name_after_a_crash(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The narrowest crash: the file is in the archive, the XACK never reached Redis. Redis's CLIENT PAUSE
+    holds the acknowledgement (a write) while the upload completes; the archiver is killed then."""
+    client = redis_server.client()
+    archive_dir = tmp_path / "archive"
+    args = ("--flush-interval-s", "1", "--claim-idle-s", "60")
+    archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri(), *args)
+    try:
+        ids = write_synthetic(client, 0, 40, start_ns=time.time_ns())
+        wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 40, timeout_s=30)
+        client.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+        try:
+            wait_until(lambda: list(archive_dir.rglob("*.parquet")), timeout_s=30, what="the upload")
+            first_upload = sorted(path.name for path in archive_dir.rglob("*.parquet"))
+            archiver.kill()
+        finally:
+            client.execute_command("CLIENT", "UNPAUSE")
+        assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 40  # never acknowledged
+        archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri(), *args)
+        ids += write_synthetic(client, 40, 10, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the restart")
+        assert "rewriting a file uploaded but not acknowledged" in archiver.log()
+    finally:
+        archiver.stop()
+    files = sorted(path.name for path in archive_dir.rglob("*.parquet"))
+    assert set(first_upload) <= set(files)  # the same object, rewritten
+    assert sorted(raw_rows(archive_dir.as_uri())["request_id"].to_pylist()) == sorted(ids)  # no row twice
