@@ -101,7 +101,7 @@ async def analyze(redis: Redis, query: Query) -> Analysis:
         query.model,
         query.window,
         per_call=query.unit == "call",
-        wanted_request_ids=_named_requests(feedback.events),
+        wanted_requests=_named_requests(feedback.events),
         page_size=query.page_size,
     )
     pre: _PreValues | None = None
@@ -113,20 +113,22 @@ async def analyze(redis: Redis, query: Query) -> Analysis:
 def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None) -> Analysis:
     """The analysis of loaded data (no I/O): what :func:`analyze` returns."""
     crossover = _crossover_units(exposures.units)
-    units = _without(exposures.units, crossover)
+    units = exposures.units.join(crossover, ["phase", "unit"], join_type="left anti")
     attributed = _attribute(feedback.events, exposures.call_keys, units, per_call=query.unit == "call")
-    crossed_events = _in(attributed.events, crossover)
-    events = attributed.events.filter(pc.invert(crossed_events)) if len(attributed.events) else attributed.events
+    events = attributed.events.join(crossover, ["phase", "unit"], join_type="left anti")
+    crossed_events = len(attributed.events) - len(events)
     phases = []
-    for phase_id in _phase_order(units):
-        info = exposures.phases.get(phase_id) or PhaseInfo(phase_id, {}, "")
+    for code in _phase_order(units):
+        name = exposures.phases.names[code]
+        info = exposures.phase_info.get(name) or PhaseInfo(name, {}, "")
         phases.append(
             _analyse_phase(
                 query,
                 info,
-                units.filter(pc.equal(units["phase"], phase_id)),
-                events.filter(pc.equal(events["phase"], phase_id)),
-                crossover_units=_count_in_phase(crossover, phase_id),
+                units.filter(pc.equal(units["phase"], code)),
+                events.filter(pc.equal(events["phase"], code)),
+                arm_names=exposures.arms.names,
+                crossover_units=int(pc.sum(pc.equal(crossover["phase"], code)).as_py() or 0),
                 latency=exposures.latency,
                 pre=pre,
             )
@@ -157,7 +159,7 @@ def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreV
             duplicates=feedback.duplicates,
             unknown=attributed.unknown,
             not_randomized=attributed.not_randomized,
-            crossover=int(pc.sum(crossed_events).as_py() or 0) if len(attributed.events) else 0,
+            crossover=crossed_events,
             outside_window=feedback.outside_window,
             other_metrics=feedback.other_metrics,
             corrupt=feedback.corrupt,
@@ -171,9 +173,10 @@ def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreV
 # -- joins ---------------------------------------------------------------------------------
 
 
-def _named_requests(events: pa.Table) -> pa.Array:
-    ids = events["request_id"]
-    return pc.unique(ids.filter(pc.not_equal(ids, b""))) if len(events) else pa.array([], pa.binary())
+def _named_requests(events: pa.Table) -> npt.NDArray[np.uint64]:
+    """Fingerprints of the request ids events name (0, no request id, left out)."""
+    requests = events["request"].to_numpy()
+    return np.unique(requests[requests != 0])
 
 
 def _crossover_units(units: pa.Table) -> pa.Table:
@@ -182,50 +185,35 @@ def _crossover_units(units: pa.Table) -> pa.Table:
     return arms.filter(pc.greater(arms["arm_count_distinct"], 1)).select(["phase", "unit"])
 
 
-def _pair_key(table: pa.Table) -> pa.ChunkedArray:
-    return pc.binary_join_element_wise(pc.cast(table["phase"], pa.binary()), table["unit"], b"\x1f")
-
-
-def _in(table: pa.Table, pairs: pa.Table) -> pa.Array | pa.ChunkedArray:
-    """Whether each row's (phase, unit) is one of ``pairs``."""
-    if not len(pairs) or not len(table):
-        return pa.array(np.zeros(len(table), dtype=bool))
-    return pc.is_in(_pair_key(table), value_set=pc.unique(_pair_key(pairs)))
-
-
-def _without(units: pa.Table, pairs: pa.Table) -> pa.Table:
-    return units.filter(pc.invert(_in(units, pairs))) if len(pairs) else units
-
-
-def _count_in_phase(pairs: pa.Table, phase: str) -> int:
-    return int(pc.sum(pc.equal(pairs["phase"], phase)).as_py() or 0) if len(pairs) else 0
+#: The fingerprint of "no request id" / "no unit".
+_NONE = pa.scalar(0, pa.uint64())
+_ATTRIBUTED = pa.schema(
+    [
+        ("phase", pa.int16()),
+        ("arm", pa.int16()),
+        ("unit", pa.uint64()),
+        ("metric", pa.int8()),
+        ("value", pa.float64()),
+        ("event_ns", pa.int64()),
+        ("request", pa.uint64()),
+    ]
+)
 
 
 def _attribute(events: pa.Table, call_keys: pa.Table, units: pa.Table, *, per_call: bool) -> _Attributed:
     """Join each event to (phase, arm, unit): by its request id to the call; else by its unit to the phase in
     which that unit was last first-exposed before the event (a unit-level event in ``per_call`` mode has no
     call to join and is unknown)."""
-    columns = ["phase", "arm", "unit", "metric", "value", "event_ns", "request_id"]
-    empty = pa.table(
-        {
-            "phase": pa.array([], pa.string()),
-            "arm": pa.array([], pa.string()),
-            "unit": pa.array([], pa.binary()),
-            "metric": pa.array([], pa.string()),
-            "value": pa.array([], pa.float64()),
-            "event_ns": pa.array([], pa.int64()),
-            "request_id": pa.array([], pa.binary()),
-        }
-    )
+    columns = _ATTRIBUTED.names
     if not len(events):
-        return _Attributed(empty, 0, 0)
-    has_request = pc.not_equal(events["request_id"], b"")
+        return _Attributed(_ATTRIBUTED.empty_table(), 0, 0)
+    has_request = pc.not_equal(events["request"], _NONE)
     by_request = events.filter(has_request).drop_columns(["unit"])
-    joined = by_request.join(call_keys, "request_id", join_type="left outer")
+    joined = by_request.join(call_keys, "request", join_type="left outer")
     unknown = int(pc.sum(pc.is_null(joined["randomized"])).as_py() or 0)
     not_randomized = int(pc.sum(pc.equal(joined["randomized"], False)).as_py() or 0)
     parts = [joined.filter(pc.equal(joined["randomized"], True)).select(columns)]
-    by_unit = events.filter(pc.and_(pc.invert(has_request), pc.not_equal(events["unit"], b"")))
+    by_unit = events.filter(pc.and_(pc.invert(has_request), pc.not_equal(events["unit"], _NONE)))
     unknown += len(events) - len(by_request) - len(by_unit)  # neither a request id nor a unit
     if per_call:
         unknown += len(by_unit)
@@ -238,21 +226,20 @@ def _attribute(events: pa.Table, call_keys: pa.Table, units: pa.Table, *, per_ca
         paired = candidates.join(latest, "event_index")
         chosen = paired.filter(pc.equal(paired["first_ns_min"], paired["first_ns_min_max"]))
         # Two phases first reaching the unit at the same nanosecond would tie: keep one row per event.
-        chosen = chosen.group_by("event_index", use_threads=False).aggregate(
-            [(name, "first") for name in columns if name != "unit"] + [("unit", "first")]
-        )
+        chosen = chosen.group_by("event_index", use_threads=False).aggregate([(name, "first") for name in columns])
         chosen = chosen.rename_columns({f"{name}_first": name for name in columns})
         unknown += len(by_unit) - len(chosen)
         parts.append(chosen.select(columns))
-    attributed = pa.concat_tables([empty, *[p.cast(empty.schema) for p in parts]])
+    attributed = pa.concat_tables([p.cast(_ATTRIBUTED) for p in parts])
     return _Attributed(attributed, unknown, not_randomized)
 
 
-def _phase_order(units: pa.Table) -> list[str]:
+def _phase_order(units: pa.Table) -> list[int]:
+    """Phase codes, the earliest first."""
     if not len(units):
         return []
     first = units.group_by("phase").aggregate([("first_ns", "min")]).sort_by("first_ns_min")
-    return [str(p) for p in first["phase"].to_pylist()]
+    return [int(p) for p in first["phase"].to_pylist()]
 
 
 # -- per phase -----------------------------------------------------------------------------
@@ -276,18 +263,19 @@ class _MetricMatrix:
     positives: FloatArray
 
 
-def _unit_matrix(units: pa.Table) -> _UnitMatrix:
-    encoded = pc.dictionary_encode(units["unit"]).combine_chunks()
-    index = encoded.indices.to_numpy().astype(np.int64)
-    n = len(encoded.dictionary)
-    arms = pc.dictionary_encode(units["arm"]).combine_chunks()
+def _unit_matrix(units: pa.Table, arm_names: list[str]) -> _UnitMatrix:
+    keys, index = np.unique(units["unit"].to_numpy(), return_inverse=True)
+    index = index.reshape(-1).astype(np.int64)
+    n = len(keys)
+    arm_codes = units["arm"].to_numpy().astype(np.int64)
+    present = np.unique(arm_codes)
     arm_of = np.zeros(n, dtype=np.int64)
-    arm_of[index] = arms.indices.to_numpy()
+    arm_of[index] = np.searchsorted(present, arm_codes)
     buckets = units["bucket"].to_numpy().astype(np.int64)
     first = np.full(n, TIMELINE_POINTS, dtype=np.int64)
     np.minimum.at(first, index, buckets)
     calls = _cumulated(index, buckets, units["calls"].to_numpy().astype(np.float64), n)
-    return _UnitMatrix(encoded.dictionary, [str(a) for a in arms.dictionary.to_pylist()], arm_of, first, calls)
+    return _UnitMatrix(pa.array(keys, pa.uint64()), [arm_names[int(c)] for c in present], arm_of, first, calls)
 
 
 def _cumulated(index: npt.NDArray[np.int64], buckets: npt.NDArray[np.int64], weights: FloatArray, n: int) -> FloatArray:
@@ -308,19 +296,15 @@ def _metric_matrix(matrix: _UnitMatrix, events: pa.Table, window: Window) -> _Me
     values = events["value"].to_numpy()
     sums = _cumulated(index, buckets, values, n)
     counts = _cumulated(index, buckets, np.ones(len(values)), n)
-    # A call counts once however many positive events name it; unit-level events count each.
+    # A call counts once however many positive events name it (its first); unit-level events count each.
     positive = values > 0
-    request_ids = events["request_id"]
-    first_positive = np.zeros(len(values), dtype=bool)
-    per_call = positive & pc.not_equal(request_ids, b"").to_numpy(zero_copy_only=False)
-    first_positive[positive & ~per_call] = True
-    if per_call.any():
-        ids = pc.filter(request_ids, pa.array(per_call))
-        where = np.flatnonzero(per_call)
-        order = np.lexsort((events["event_ns"].to_numpy()[where],))
-        unique = pc.dictionary_encode(pc.take(ids, pa.array(order))).combine_chunks()
-        _, first = np.unique(unique.indices.to_numpy(), return_index=True)
-        first_positive[where[order[first]]] = True
+    requests = events["request"].to_numpy()
+    first_positive = positive & (requests == 0)
+    per_call = np.flatnonzero(positive & (requests != 0))
+    if len(per_call):
+        order = per_call[np.argsort(events["event_ns"].to_numpy()[per_call], kind="stable")]
+        _, first = np.unique(requests[order], return_index=True)
+        first_positive[order[first]] = True
     positives = _cumulated(index[first_positive], buckets[first_positive], np.ones(int(first_positive.sum())), n)
     return _MetricMatrix(sums, counts, positives)
 
@@ -342,14 +326,15 @@ def _analyse_phase(
     units: pa.Table,
     events: pa.Table,
     *,
+    arm_names: list[str],
     crossover_units: int,
     latency: dict[tuple[str, str, str], Histogram],
     pre: _PreValues | None,
 ) -> PhaseResult:
-    matrix = _unit_matrix(units)
+    matrix = _unit_matrix(units, arm_names)
     metrics = {
-        spec.name: _metric_matrix(matrix, events.filter(pc.equal(events["metric"], spec.name)), query.window)
-        for spec in query.metrics
+        spec.name: _metric_matrix(matrix, events.filter(pc.equal(events["metric"], code)), query.window)
+        for code, spec in enumerate(query.metrics)
     }
     last = TIMELINE_POINTS - 1
     arm_rows = {arm: matrix.arm_of == code for code, arm in enumerate(matrix.arm_names)}
@@ -602,16 +587,16 @@ def _p_text(p: float) -> str:
 
 def _non_randomized(exposures: Exposures) -> list[NonRandomizedCalls]:
     rows = []
-    for row in exposures.other.sort_by([("phase", "ascending"), ("assignment", "ascending")]).to_pylist():
-        histogram = exposures.latency.get((row["phase"], row["arm"], row["assignment"]), Histogram())
+    for phase, assignment, arm, calls, errors in sorted(exposures.other):
+        histogram = exposures.latency.get((phase, arm, assignment), Histogram())
         rows.append(
             NonRandomizedCalls(
-                phase=row["phase"],
-                assignment=row["assignment"] or "unspecified",
-                arm=row["arm"],
-                calls=row["calls"],
-                errors=row["errors"],
-                error_rate=row["errors"] / row["calls"] if row["calls"] else None,
+                phase=phase,
+                assignment=assignment or "unspecified",
+                arm=arm,
+                calls=calls,
+                errors=errors,
+                error_rate=errors / calls if calls else None,
                 latency_p50_ms=histogram.quantile_ms(0.5),
                 latency_p99_ms=histogram.quantile_ms(0.99),
             )
@@ -663,22 +648,21 @@ async def _load_pre_values(redis: Redis, query: Query, window: Window) -> _PreVa
         query.model,
         window,
         per_call=False,
-        wanted_request_ids=_named_requests(feedback.events),
+        wanted_requests=_named_requests(feedback.events),
         page_size=query.page_size,
         randomized_only=False,
     )
     # One pseudo-phase and arm: the pre-period is a covariate per unit, not a comparison.
-    units = exposures.units.set_column(0, "phase", pa.array([""] * len(exposures.units), pa.string()))
-    units = units.set_column(1, "arm", pa.array([""] * len(units), pa.string()))
-    keys = exposures.call_keys.set_column(
-        exposures.call_keys.schema.get_field_index("randomized"),
-        "randomized",
-        pa.array([True] * len(exposures.call_keys)),
-    )
+    units = exposures.units.set_column(0, "phase", pa.array(np.zeros(len(exposures.units), dtype=np.int16)))
+    units = units.set_column(1, "arm", pa.array(np.zeros(len(units), dtype=np.int16)))
+    keys = exposures.call_keys
+    keys = keys.set_column(keys.schema.get_field_index("phase"), "phase", pa.array(np.zeros(len(keys), np.int16)))
+    keys = keys.set_column(keys.schema.get_field_index("arm"), "arm", pa.array(np.zeros(len(keys), np.int16)))
+    keys = keys.set_column(keys.schema.get_field_index("randomized"), "randomized", pa.array(np.ones(len(keys), bool)))
     attributed = _attribute(feedback.events, keys, units, per_call=False)
-    matrix = _unit_matrix(units)
+    matrix = _unit_matrix(units, ["all"])
     metrics = {
-        name: _metric_matrix(matrix, attributed.events.filter(pc.equal(attributed.events["metric"], name)), window)
-        for name in names
+        name: _metric_matrix(matrix, attributed.events.filter(pc.equal(attributed.events["metric"], code)), window)
+        for code, name in enumerate(names)
     }
     return _PreValues(matrix.keys, matrix.calls, metrics)

@@ -1,14 +1,16 @@
 """Reading exposures (call records) and outcomes (feedback events) out of Redis into per-unit aggregates.
 
-The streams are read in pages (XRANGE ... COUNT); each page becomes a handful of Arrow columns (only the
-readable fields the analysis needs: the serialized record is decoded once per experiment phase, for its
-weights) and is reduced at once with Arrow group-bys to one row per (phase, arm, unit, time bucket). The
-per-page partial aggregates are merged again whenever they grow, so what stays in memory grows with the
-number of units, not of calls. Two things grow with the data instead, and are kept as small as they can be:
+The streams are read in pages (XRANGE ... COUNT) and each page becomes numpy/Arrow columns of only the
+readable fields the analysis needs (the serialized record is decoded once per experiment phase, for its
+weights). Text that repeats becomes numbers: units and request ids 64-bit fingerprints, phases, arms and
+assignments small codes. Each page is reduced at once with an Arrow group-by to one row per (phase, arm,
+unit, time bucket), and the partial aggregates are merged again whenever they grow, so they grow with the
+number of units, not of calls. What does grow with the data, kept as small as it can be:
 
-- an 8-byte fingerprint per call, to drop calls the recorder stored twice (delivery is at least once);
-- the feedback events themselves (they are de-duplicated by idempotency key, which needs them all) and,
-  for the request ids those events name, the call's phase, arm and unit to join them on.
+- 8 bytes per call (its request id's fingerprint), to drop calls the recorder stored twice (delivery is at
+  least once), and 8 bytes per keyed event, to de-duplicate feedback by idempotency key;
+- the feedback events of the window themselves, 33 bytes each (metric code, request and unit fingerprints,
+  value, time), and for the request ids they name, the call's phase, arm and unit (27 bytes) to join on.
 
 Feedback is read first, so only the calls some event names are kept for the join.
 """
@@ -18,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -26,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from redis.asyncio import Redis
 
-from splitstream.common.records import CorruptEntry, UnsupportedSchema, decode_record, feedback_key, stream_key
+from splitstream.common.records import decode_record, feedback_key, stream_key
 
 #: Assignments that were randomized (the split on the routing key, or a random draw without one): the only
 #: calls an A/B comparison may use. Pins, spills, retries and records older than the field are shown apart.
@@ -43,8 +45,6 @@ _COMPACT_ROWS = 200_000
 FEEDBACK_FIELDS = (b"metric", b"request_id", b"unit", b"value", b"event_ns", b"idempotency_key")
 #: The readable fields of a call entry the analysis reads (the record only once per phase).
 CALL_FIELDS = (b"request_id", b"time_ns", b"status", b"latency_ms", b"arm", b"assignment", b"phase", b"unit")
-#: Prefix of the unit of a call without a routing key (its own unit): kept apart from HMACs (hex digits).
-CALL_UNIT_PREFIX = b"call:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,19 +104,43 @@ def bucket_upper_ms(bucket: int) -> float:
 
 
 @dataclass(slots=True)
-class Exposures:
-    """The calls of a window, reduced.
+class Names:
+    """Small integer codes for the few distinct values of a text field (phases, arms, assignments), so the
+    per-unit tables hold an int16 where they would hold a string on every row."""
 
-    ``units``: one row per (phase, arm, unit, bucket) of randomized calls, columns ``phase``, ``arm``, ``unit``
-    (binary), ``bucket`` (int16), ``calls`` (int64), ``first_ns`` (int64). ``other``: calls not randomized, per
-    (phase, assignment, arm): ``calls``, ``errors``. ``latency``: histograms per (phase, arm, assignment class;
-    ``randomized`` or the assignment's name). ``call_keys``: for the request ids feedback names, the call's
-    ``request_id``, ``phase``, ``arm``, ``unit``, ``randomized``."""
+    names: list[str] = field(default_factory=list)
+    codes: dict[bytes, int] = field(default_factory=dict)
+
+    def encode(self, values: list[bytes]) -> npt.NDArray[np.int16]:
+        encoded = pc.dictionary_encode(pa.array(values, pa.binary()))
+        mapping = np.array([self.code(raw) for raw in encoded.dictionary.to_pylist()], dtype=np.int16)
+        return mapping[encoded.indices.to_numpy()] if len(mapping) else np.zeros(0, dtype=np.int16)
+
+    def code(self, raw: bytes) -> int:
+        code = self.codes.get(raw)
+        if code is None:
+            code = self.codes[raw] = len(self.names)
+            self.names.append(raw.decode(errors="replace"))
+        return code
+
+
+@dataclass(slots=True)
+class Exposures:
+    """The calls of a window, reduced. Units and request ids are 64-bit fingerprints (:func:`fingerprints`),
+    phases and arms codes into ``phases.names`` and ``arms.names``.
+
+    ``units``: one row per (phase, arm, unit, bucket) of randomized calls: ``phase``, ``arm`` (int16), ``unit``
+    (uint64), ``bucket`` (int16), ``calls`` (int64), ``first_ns`` (int64). ``other``: calls not randomized, per
+    (phase, assignment, arm) names: ``calls``, ``errors``. ``latency``: histograms per (phase, arm, assignment
+    class: ``randomized`` or the assignment's name). ``call_keys``: for the request ids feedback names, the
+    call's ``request``, ``phase``, ``arm``, ``unit`` and whether it was ``randomized``."""
 
     units: pa.Table
-    other: pa.Table
+    other: list[tuple[str, str, str, int, int]]
     latency: dict[tuple[str, str, str], Histogram]
-    phases: dict[str, PhaseInfo]
+    phase_info: dict[str, PhaseInfo]
+    phases: Names
+    arms: Names
     call_keys: pa.Table
     entries_read: int = 0
     calls: int = 0
@@ -126,8 +150,9 @@ class Exposures:
 
 @dataclass(slots=True)
 class Feedback:
-    """The feedback events of a window for the metrics asked for, de-duplicated: columns ``metric`` (string),
-    ``request_id``, ``unit`` (binary), ``value`` (float64), ``event_ns`` (int64)."""
+    """The feedback events of a window for the metrics asked for, de-duplicated: ``metric`` (int8, an index
+    into the metrics asked for), ``request`` and ``unit`` (uint64 fingerprints, 0 when the event has none),
+    ``value`` (float64), ``event_ns`` (int64)."""
 
     events: pa.Table
     entries_read: int = 0
@@ -207,103 +232,30 @@ def _bounds(window: Window) -> tuple[str, str]:
     return str(start), str(end)
 
 
-def _binary(values: list[bytes]) -> pa.Array:
-    return pa.array(values, pa.binary())
-
-
-def _integers(column: pa.Array) -> pa.Array:
-    """Digits → int64; raises ArrowInvalid on anything else (the caller drops the bad rows one by one)."""
-    return pc.cast(pc.cast(column, pa.string()), pa.int64())
-
-
-# -- feedback ------------------------------------------------------------------------------
-
-
-async def load_feedback(
-    redis: Redis, model: str, window: Window, metrics: Sequence[str], *, page_size: int = 5_000
-) -> Feedback:
-    """Events of ``metrics`` with ``event_ns`` in the window, de-duplicated by (metric, idempotency key).
-    Events without a key all count; entries that do not parse are counted in ``corrupt``, never fatal."""
-    start, end = _bounds(window)
-    wanted = pa.array([m.encode() for m in metrics], pa.binary())
-    chunks: list[pa.Table] = []
-    result = Feedback(events=_empty_events())
-    async for page in read_pages(redis, feedback_key(model), start=start, end=end, page_size=page_size):
-        result.entries_read += len(page)
-        found = page_columns(page, FEEDBACK_FIELDS)
-        table = pa.table({name.decode(): _binary(values) for name, values in found.items()})
-        keep = pc.is_in(table["metric"], value_set=wanted)
-        result.other_metrics += len(table) - pc.sum(keep).as_py() if len(table) else 0
-        table = table.filter(keep)
-        table, bad = _parse_feedback(table)
-        result.corrupt += bad
-        times = table["event_ns"]
-        inside = pc.and_(pc.greater_equal(times, window.since_ns), pc.less(times, window.until_ns))
-        result.outside_window += len(table) - (pc.sum(inside).as_py() or 0)
-        chunks.append(table.filter(inside))
-    if not chunks:
-        return result
-    events = pa.concat_tables(chunks)
-    keyed = events.filter(pc.not_equal(events["idempotency_key"], b""))
-    unkeyed = events.filter(pc.equal(events["idempotency_key"], b""))
-    # The earliest entry of each key wins (use_threads=False keeps "first" in stream order).
-    first = keyed.group_by(["metric", "idempotency_key"], use_threads=False).aggregate(
-        [("request_id", "first"), ("unit", "first"), ("value", "first"), ("event_ns", "first")]
-    )
-    result.duplicates = len(keyed) - len(first)
-    first = first.rename_columns(
-        {"request_id_first": "request_id", "unit_first": "unit", "value_first": "value", "event_ns_first": "event_ns"}
-    )
-    columns = ["metric", "request_id", "unit", "value", "event_ns"]
-    merged = pa.concat_tables([first.select(columns), unkeyed.select(columns)])
-    result.events = merged.set_column(0, "metric", pc.cast(merged["metric"], pa.string()))
-    return result
-
-
-def _empty_events() -> pa.Table:
-    return pa.table(
-        {
-            "metric": pa.array([], pa.string()),
-            "request_id": pa.array([], pa.binary()),
-            "unit": pa.array([], pa.binary()),
-            "value": pa.array([], pa.float64()),
-            "event_ns": pa.array([], pa.int64()),
-        }
-    )
-
-
-def _parse_feedback(table: pa.Table) -> tuple[pa.Table, int]:
-    """``value`` → float64 and ``event_ns`` → int64, the page at once; rows that do not parse (written by
-    hand, not by a recorder) are found one by one only when the page as a whole fails, and dropped."""
+def _numbers(values: list[bytes], kind: pa.DataType) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
+    """Text → numbers, the column at once; where the column does not parse as a whole (an entry written by
+    hand), value by value. Returns the numbers and which parsed (and are finite)."""
     try:
-        values = pc.cast(pc.cast(table["value"], pa.string()), pa.float64())
-        times = _integers(table["event_ns"])
+        parsed = pc.cast(pc.cast(pa.array(values, pa.binary()), pa.string()), kind).to_numpy()
+        good = np.isfinite(parsed) if kind == pa.float64() else np.ones(len(values), dtype=bool)
+        return parsed, good
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        good = [_parses(v, t) for v, t in zip(table["value"].to_pylist(), table["event_ns"].to_pylist(), strict=True)]
-        mask = pa.array(good, pa.bool_())
-        kept, bad = _parse_feedback(table.filter(mask))
-        return kept, bad + good.count(False)
-    nonfinite = pc.invert(pc.is_finite(values))
-    bad = pc.sum(nonfinite).as_py() or 0
-    table = table.set_column(table.schema.get_field_index("value"), "value", values)
-    table = table.set_column(table.schema.get_field_index("event_ns"), "event_ns", times)
-    return (table.filter(pc.invert(nonfinite)) if bad else table), bad
-
-
-def _parses(value: bytes, time_ns: bytes) -> bool:
-    try:
-        float(value)
-        int(time_ns)
-    except ValueError:
-        return False
-    return True
-
-
-# -- exposures ----------------------------------------------------------------------------
+        python_type = float if kind == pa.float64() else int
+        numbers: list[float | int] = []
+        ok: list[bool] = []
+        for value in values:
+            try:
+                number = python_type(value)
+                ok.append(math.isfinite(number))
+            except (ValueError, OverflowError):
+                number = 0
+                ok.append(False)
+            numbers.append(number if ok[-1] else 0)
+        return np.array(numbers, dtype=kind.to_pandas_dtype()), np.array(ok, dtype=bool)
 
 
 class _SeenFingerprints:
-    """The set of call fingerprints seen so far: sorted numpy runs merged like a log-structured tree, so
+    """The set of fingerprints seen so far: sorted numpy runs merged like a log-structured tree, so
     membership is a few binary searches and inserting costs O(log n) copies per fingerprint overall."""
 
     def __init__(self) -> None:
@@ -317,43 +269,151 @@ class _SeenFingerprints:
         return found
 
     def add(self, values: npt.NDArray[np.uint64]) -> None:
+        if not len(values):
+            return
         self.runs.append(np.sort(values))
         while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
             last = self.runs.pop()
             self.runs[-1] = np.sort(np.concatenate([self.runs[-1], last]))
 
+    def first_time(self, values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        """Which of ``values`` (0: no key, always kept) were not seen before, nor earlier in ``values``; notes them."""
+        keyed = values != 0
+        fresh = ~keyed
+        if keyed.any():
+            where = np.flatnonzero(keyed)
+            _, first = np.unique(values[where], return_index=True)
+            candidates = np.zeros(len(values), dtype=bool)
+            candidates[where[first]] = True
+            candidates[candidates] &= ~self.contains(values[candidates])
+            fresh |= candidates
+            self.add(values[candidates])
+        return fresh
 
-def fingerprints(ids: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-    """A 64-bit hash of each id, computed column-wise: the ids as a fixed-width byte matrix, folded 8 bytes at
-    a time with a multiply-xorshift mix (collisions: about 3e-8 for a million ids)."""
-    if not ids:
+
+_MIX = np.uint64(0xBF58476D1CE4E5B9)
+
+
+def fingerprints(values: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+    """A 64-bit hash of each value, computed column-wise: the values as a fixed-width byte matrix, folded 8 bytes
+    at a time with a multiply-xorshift mix (collisions: about 3e-8 among a million values). Empty values give 0,
+    and only they do: 0 means "none"."""
+    if not values:
         return np.zeros(0, dtype=np.uint64)
-    raw = np.array(ids, dtype=bytes)
+    raw = np.array(values, dtype=bytes)
     width = max(raw.dtype.itemsize, 1)
     raw = raw.astype(f"S{width + (-width) % 8}")
-    words = raw.view(np.uint64).reshape(len(ids), -1)
-    hashed = np.full(len(ids), 0x9E3779B97F4A7C15, dtype=np.uint64)
+    words = raw.view(np.uint64).reshape(len(values), -1)
+    hashed = np.full(len(values), 0x9E3779B97F4A7C15, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for column in words.T:
-            hashed = (hashed ^ column) * np.uint64(0xBF58476D1CE4E5B9)
+            hashed = (hashed ^ column) * _MIX
             hashed ^= hashed >> np.uint64(31)
+    hashed[hashed == 0] = 1
+    hashed[np.char.str_len(raw) == 0] = 0
     return hashed
 
 
+def mixed(values: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
+    """Another fingerprint derived from ``values`` (the unit of a call from its request id; a metric's key
+    from its idempotency key's): a bijection of the uint64s, so distinct values stay distinct. 0 stays 0."""
+    with np.errstate(over="ignore"):
+        out = (values ^ np.uint64(salt)) * _MIX
+        out ^= out >> np.uint64(29)
+    out[out == 0] = 1
+    out[values == 0] = 0
+    return out
+
+
+# -- feedback ------------------------------------------------------------------------------
+
+
+async def load_feedback(
+    redis: Redis, model: str, window: Window, metrics: Sequence[str], *, page_size: int = 5_000
+) -> Feedback:
+    """Events of ``metrics`` with ``event_ns`` in the window, de-duplicated by (metric, idempotency key): the
+    first delivery in stream order counts. Events without a key all count; entries that do not parse are
+    counted in ``corrupt``, never fatal."""
+    start, end = _bounds(window)
+    codes = Names()
+    for name in metrics:
+        codes.code(name.encode())
+    seen = _SeenFingerprints()
+    chunks: dict[str, list[npt.NDArray[np.generic]]] = {
+        k: [] for k in ("metric", "request", "unit", "value", "event_ns")
+    }
+    result = Feedback(events=_events({k: np.zeros(0) for k in chunks}))
+    async for page in read_pages(redis, feedback_key(model), start=start, end=end, page_size=page_size):
+        result.entries_read += len(page)
+        found = page_columns(page, FEEDBACK_FIELDS)
+        metric = codes.encode(found[b"metric"])  # other metrics get codes past the ones asked for
+        keep = metric < len(metrics)
+        result.other_metrics += int((~keep).sum())
+        values, good_value = _numbers(found[b"value"], pa.float64())
+        times, good_time = _numbers(found[b"event_ns"], pa.int64())
+        good = good_value & good_time
+        result.corrupt += int((keep & ~good).sum())
+        keep &= good
+        inside = (times >= window.since_ns) & (times < window.until_ns)
+        result.outside_window += int((keep & ~inside).sum())
+        keep &= inside
+        rows = np.flatnonzero(keep)
+        if not len(rows):
+            continue
+        keys = mixed(fingerprints([found[b"idempotency_key"][i] for i in rows]), 0)
+        with np.errstate(over="ignore"):
+            keys = np.where(keys != 0, keys ^ (metric[rows].astype(np.uint64) + np.uint64(1)) * _MIX, 0)
+        fresh = seen.first_time(keys.astype(np.uint64))
+        result.duplicates += int((~fresh).sum())
+        rows = rows[fresh]
+        chunks["metric"].append(metric[rows].astype(np.int8))
+        chunks["request"].append(fingerprints([found[b"request_id"][i] for i in rows]))
+        chunks["unit"].append(fingerprints([found[b"unit"][i] for i in rows]))
+        chunks["value"].append(values[rows].astype(np.float64))
+        chunks["event_ns"].append(times[rows].astype(np.int64))
+    if chunks["metric"]:
+        result.events = _events({name: np.concatenate(parts) for name, parts in chunks.items()})
+    return result
+
+
+def _events(columns: dict[str, npt.NDArray[Any]]) -> pa.Table:
+    return pa.table(
+        {
+            "metric": pa.array(columns["metric"], pa.int8()),
+            "request": pa.array(columns["request"], pa.uint64()),
+            "unit": pa.array(columns["unit"], pa.uint64()),
+            "value": pa.array(columns["value"], pa.float64()),
+            "event_ns": pa.array(columns["event_ns"], pa.int64()),
+        }
+    )
+
+
+# -- exposures ----------------------------------------------------------------------------
+
+#: Salt of the unit of a call without a routing key (derived from its request id's fingerprint).
+CALL_UNIT_SALT = 0x63616C6C  # "call"
+
+
 class _ExposureReader:
-    def __init__(self, window: Window, *, per_call: bool, wanted_request_ids: pa.Array, randomized_only: bool) -> None:
+    def __init__(
+        self, window: Window, *, per_call: bool, wanted: npt.NDArray[np.uint64], randomized_only: bool
+    ) -> None:
         self.window = window
         self.per_call = per_call
         self.randomized_only = randomized_only
-        self.wanted = np.sort(fingerprints(wanted_request_ids.to_pylist()))
+        self.wanted = np.sort(wanted)
         self.seen = _SeenFingerprints()
+        self.phases = Names()
+        self.arms = Names()
+        self.assignments = Names()
+        self.randomized_codes = np.array([self.assignments.code(a) for a in RANDOMIZED], dtype=np.int16)
         self.partial_units: list[pa.Table] = []
         self.partial_rows = 0
         self.compacted_rows = 0
-        self.partial_other: list[pa.Table] = []
+        self.other: dict[tuple[int, int, int], list[int]] = {}
         self.call_keys: list[pa.Table] = []
-        self.latency: dict[tuple[str, str, str], Histogram] = {}
-        self.phases: dict[str, PhaseInfo] = {}
+        self.latency: dict[tuple[int, int, int], Histogram] = {}
+        self.phase_info: dict[str, PhaseInfo] = {}
         self.entries_read = 0
         self.calls = 0
         self.duplicates = 0
@@ -362,119 +422,111 @@ class _ExposureReader:
     def add_page(self, page: RawPage) -> None:
         self.entries_read += len(page)
         found = page_columns(page, CALL_FIELDS)
-        request_ids = found[b"request_id"]
-        table = pa.table({name.decode(): _binary(values) for name, values in found.items()})
-        table = table.append_column("row", pa.array(np.arange(len(page), dtype=np.int32)))
-        prints_all = fingerprints(request_ids)
-        table = self._parsed(table)
-        times = table["time_ns"].to_numpy()
-        inside = (times >= self.window.since_ns) & (times < self.window.until_ns)
-        table = table.filter(pa.array(inside))
-        if not len(table):
+        times, good_time = _numbers(found[b"time_ns"], pa.int64())
+        latency, good_latency = _numbers(found[b"latency_ms"], pa.float64())
+        good = good_time & good_latency
+        self.corrupt += int((~good).sum())
+        rows = np.flatnonzero(good & (times >= self.window.since_ns) & (times < self.window.until_ns))
+        if not len(rows):
             return
-        prints = prints_all[table["row"].to_numpy()]
-        _, first_in_page = np.unique(prints, return_index=True)
-        fresh = np.zeros(len(prints), dtype=bool)
-        fresh[first_in_page] = True
-        fresh &= ~self.seen.contains(prints)
-        self.duplicates += int(len(prints) - fresh.sum())
-        self.seen.add(prints[fresh])
-        table = table.filter(pa.array(fresh))
-        prints = prints[fresh]
-        self.calls += len(table)
-        self._note_phases(table, page)
-        self._add_latency(table)
-        randomized = pc.is_in(table["assignment"], value_set=pa.array(RANDOMIZED, pa.binary()))
-        unit = table["unit"]
-        call_unit = pc.binary_join_element_wise(pa.scalar(CALL_UNIT_PREFIX, pa.binary()), table["request_id"], b"")
-        unit = call_unit if self.per_call else pc.if_else(pc.equal(unit, b""), call_unit, unit)
-        table = table.set_column(table.schema.get_field_index("unit"), "unit", unit)
+        requests = fingerprints(found[b"request_id"])[rows]
+        fresh = self.seen.first_time(requests)
+        self.duplicates += int((~fresh).sum())
+        rows, requests = rows[fresh], requests[fresh]
+        if not len(rows):
+            return
+        self.calls += len(rows)
+        phase = self.phases.encode(found[b"phase"])[rows]
+        arm = self.arms.encode(found[b"arm"])[rows]
+        assignment = self.assignments.encode(found[b"assignment"])[rows]
+        failed = np.array([status != b"OK" for status in found[b"status"]], dtype=bool)[rows]
+        times, latency = times[rows].astype(np.int64), latency[rows].astype(np.float64)
+        self._note_phases(phase, rows, page)
+        randomized = np.isin(assignment, self.randomized_codes)
+        self._add_latency(phase, arm, np.where(randomized, -1, assignment), latency, failed)
+        unit = fingerprints(found[b"unit"])[rows]
+        own = mixed(requests, CALL_UNIT_SALT)
+        unit = own if self.per_call else np.where(unit == 0, own, unit)
         if len(self.wanted):
-            # Membership by fingerprint (binary search in a sorted array; pc.is_in would hash the whole set again
-            # for every page); the join later matches the request ids themselves.
-            at = np.minimum(np.searchsorted(self.wanted, prints), len(self.wanted) - 1)
-            named = table.filter(pa.array(self.wanted[at] == prints))
-            if len(named):
+            # Binary search in the sorted fingerprints of the request ids feedback names (pc.is_in would hash
+            # the whole set again for every page).
+            at = np.minimum(np.searchsorted(self.wanted, requests), len(self.wanted) - 1)
+            named = self.wanted[at] == requests
+            if named.any():
                 self.call_keys.append(
-                    named.select(["request_id", "phase", "arm", "unit"]).append_column(
-                        "randomized", pc.is_in(named["assignment"], value_set=pa.array(RANDOMIZED, pa.binary()))
+                    pa.table(
+                        {
+                            "request": requests[named],
+                            "phase": phase[named],
+                            "arm": arm[named],
+                            "unit": unit[named],
+                            "randomized": randomized[named],
+                        }
                     )
                 )
-        chosen = table.filter(randomized) if self.randomized_only else table
-        if len(chosen):
-            buckets = self.window.bucket_of(chosen["time_ns"].to_numpy())
-            chosen = chosen.append_column("bucket", pa.array(buckets))
-            grouped = chosen.group_by(["phase", "arm", "unit", "bucket"]).aggregate(
-                [("row", "count"), ("time_ns", "min")]
+        chosen = randomized if self.randomized_only else np.ones(len(rows), dtype=bool)
+        if chosen.any():
+            table = pa.table(
+                {
+                    "phase": phase[chosen],
+                    "arm": arm[chosen],
+                    "unit": unit[chosen],
+                    "bucket": self.window.bucket_of(times[chosen]),
+                    "time_ns": times[chosen],
+                }
             )
-            self._add_units(grouped.rename_columns({"row_count": "calls", "time_ns_min": "first_ns"}))
-        others = table.filter(pc.invert(randomized))
-        if len(others) and self.randomized_only:
-            failed = pc.cast(pc.not_equal(others["status"], b"OK"), pa.int64())
-            others = others.append_column("failed", failed)
-            self.partial_other.append(
-                others.group_by(["phase", "assignment", "arm"])
-                .aggregate([("row", "count"), ("failed", "sum")])
-                .rename_columns({"row_count": "calls", "failed_sum": "errors"})
+            grouped = table.group_by(["phase", "arm", "unit", "bucket"]).aggregate(
+                [("time_ns", "count"), ("time_ns", "min")]
             )
+            self._add_units(grouped.rename_columns({"time_ns_count": "calls", "time_ns_min": "first_ns"}))
+        if self.randomized_only and not randomized.all():
+            for p, a, s, f in zip(
+                phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True
+            ):
+                counts = self.other.setdefault((int(p), int(a), int(s)), [0, 0])
+                counts[0] += 1
+                counts[1] += int(f)
 
-    def _parsed(self, table: pa.Table) -> pa.Table:
-        """time_ns → int64 and latency_ms → float64; entries that do not parse are counted and dropped."""
-        try:
-            times = _integers(table["time_ns"])
-            latency = pc.cast(pc.cast(table["latency_ms"], pa.string()), pa.float64())
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-            good = [
-                _parses(lat, t)
-                for lat, t in zip(table["latency_ms"].to_pylist(), table["time_ns"].to_pylist(), strict=True)
-            ]
-            self.corrupt += good.count(False)
-            return self._parsed(table.filter(pa.array(good, pa.bool_())))
-        table = table.set_column(table.schema.get_field_index("time_ns"), "time_ns", times)
-        return table.set_column(table.schema.get_field_index("latency_ms"), "latency_ms", latency)
-
-    def _note_phases(self, table: pa.Table, page: RawPage) -> None:
+    def _note_phases(self, phase: npt.NDArray[np.int16], rows: npt.NDArray[np.int64], page: RawPage) -> None:
         """Decode one record per phase not seen yet: its ``phase`` holds the weights and the control."""
-        encoded = pc.dictionary_encode(table["phase"]).combine_chunks()
-        rows = table["row"].to_numpy()
-        indices = encoded.indices.to_numpy()
-        for code, raw in enumerate(encoded.dictionary.to_pylist()):
-            name = raw.decode(errors="replace")
-            if name in self.phases or not name:
+        for code in np.unique(phase):
+            name = self.phases.names[int(code)]
+            if name in self.phase_info or not name:
                 continue
-            row = int(rows[int(np.argmax(indices == code))])
+            row = int(rows[int(np.argmax(phase == code))])
             try:
                 record = decode_record(entry_field(page[row][1], b"record") or b"")
-            except (UnsupportedSchema, CorruptEntry, ValueError, TypeError):
-                continue
-            except Exception:  # protobuf's DecodeError: try the next record of this phase
+            except Exception:  # UnsupportedSchema, protobuf's DecodeError: another record of the phase will do
                 continue
             weights = {version: float(weight) for version, weight in sorted(record.phase.weights.items())}
-            self.phases[name] = PhaseInfo(name, weights, record.phase.control)
+            self.phase_info[name] = PhaseInfo(name, weights, record.phase.control)
 
-    def _add_latency(self, table: pa.Table) -> None:
-        randomized = pc.is_in(table["assignment"], value_set=pa.array(RANDOMIZED, pa.binary())).to_numpy(
-            zero_copy_only=False
-        )
-        labels = pc.if_else(pa.array(randomized), pa.scalar(b"randomized", pa.binary()), table["assignment"])
-        key = pc.binary_join_element_wise(table["phase"], table["arm"], labels, b"\x1f")
-        encoded = pc.dictionary_encode(key).combine_chunks()
-        codes = encoded.indices.to_numpy()
-        latency = np.maximum(table["latency_ms"].to_numpy(), LATENCY_FLOOR_MS)
+    def _add_latency(
+        self,
+        phase: npt.NDArray[np.int16],
+        arm: npt.NDArray[np.int16],
+        label: npt.NDArray[np.int64],
+        latency_ms: npt.NDArray[np.float64],
+        failed: npt.NDArray[np.bool_],
+    ) -> None:
         buckets = np.minimum(
-            (np.log(latency / LATENCY_FLOOR_MS) / math.log(LATENCY_GROWTH)).astype(np.int64), LATENCY_BUCKETS - 1
+            (np.log(np.maximum(latency_ms, LATENCY_FLOOR_MS) / LATENCY_FLOOR_MS) / math.log(LATENCY_GROWTH)).astype(
+                np.int64
+            ),
+            LATENCY_BUCKETS - 1,
         )
-        failed = pc.not_equal(table["status"], b"OK").to_numpy(zero_copy_only=False)
-        for code, raw in enumerate(encoded.dictionary.to_pylist()):
-            phase, arm, label = (part.decode(errors="replace") for part in raw.split(b"\x1f"))
-            mine = codes == code
-            histogram = self.latency.setdefault((phase, arm, label), Histogram())
+        groups = np.stack([phase.astype(np.int64), arm.astype(np.int64), label.astype(np.int64)], axis=1)
+        keys, inverse = np.unique(groups, axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        for index, (p, a, lab) in enumerate(keys):
+            mine = inverse == index
+            histogram = self.latency.setdefault((int(p), int(a), int(lab)), Histogram())
             histogram.counts += np.bincount(buckets[mine], minlength=LATENCY_BUCKETS)
             histogram.calls += int(mine.sum())
             histogram.errors += int(failed[mine].sum())
 
     def _add_units(self, grouped: pa.Table) -> None:
-        self.partial_units.append(grouped.select(["phase", "arm", "unit", "bucket", "calls", "first_ns"]))
+        self.partial_units.append(grouped.select(list(UNIT_COLUMNS)))
         self.partial_rows += len(grouped)
         if self.partial_rows > self.compacted_rows + _COMPACT_ROWS:
             merged = _merge_units(self.partial_units)
@@ -482,39 +534,30 @@ class _ExposureReader:
             self.partial_rows = self.compacted_rows = len(merged)
 
     def result(self) -> Exposures:
-        units = _merge_units(self.partial_units) if self.partial_units else _empty_units()
-        other = (
-            pa.concat_tables(self.partial_other)
-            .group_by(["phase", "assignment", "arm"])
-            .aggregate([("calls", "sum"), ("errors", "sum")])
-            .rename_columns({"calls_sum": "calls", "errors_sum": "errors"})
-            if self.partial_other
-            else pa.table({"phase": [], "assignment": [], "arm": [], "calls": [], "errors": []})
-        )
-        keys = (
-            pa.concat_tables(self.call_keys)
-            if self.call_keys
-            else pa.table(
-                {
-                    "request_id": pa.array([], pa.binary()),
-                    "phase": pa.array([], pa.binary()),
-                    "arm": pa.array([], pa.binary()),
-                    "unit": pa.array([], pa.binary()),
-                    "randomized": pa.array([], pa.bool_()),
-                }
-            )
-        )
+        def label(code: int) -> str:
+            return "randomized" if code < 0 else self.assignments.names[code]
+
         return Exposures(
-            units=units,
-            other=_as_text(other, ("phase", "assignment", "arm")),
-            latency=self.latency,
+            units=_merge_units(self.partial_units) if self.partial_units else _empty_units(),
+            other=[
+                (self.phases.names[p], self.assignments.names[a], self.arms.names[s], calls, errors)
+                for (p, a, s), (calls, errors) in sorted(self.other.items())
+            ],
+            latency={
+                (self.phases.names[p], self.arms.names[a], label(lab)): h for (p, a, lab), h in self.latency.items()
+            },
+            phase_info=self.phase_info,
             phases=self.phases,
-            call_keys=_as_text(keys, ("phase", "arm")),
+            arms=self.arms,
+            call_keys=pa.concat_tables(self.call_keys) if self.call_keys else _empty_keys(),
             entries_read=self.entries_read,
             calls=self.calls,
             duplicates=self.duplicates,
             corrupt=self.corrupt,
         )
+
+
+UNIT_COLUMNS = ("phase", "arm", "unit", "bucket", "calls", "first_ns")
 
 
 def _merge_units(tables: list[pa.Table]) -> pa.Table:
@@ -524,15 +567,15 @@ def _merge_units(tables: list[pa.Table]) -> pa.Table:
         .aggregate([("calls", "sum"), ("first_ns", "min")])
         .rename_columns({"calls_sum": "calls", "first_ns_min": "first_ns"})
     )
-    return _as_text(merged.select(["phase", "arm", "unit", "bucket", "calls", "first_ns"]), ("phase", "arm"))
+    return merged.select(list(UNIT_COLUMNS))
 
 
 def _empty_units() -> pa.Table:
     return pa.table(
         {
-            "phase": pa.array([], pa.string()),
-            "arm": pa.array([], pa.string()),
-            "unit": pa.array([], pa.binary()),
+            "phase": pa.array([], pa.int16()),
+            "arm": pa.array([], pa.int16()),
+            "unit": pa.array([], pa.uint64()),
             "bucket": pa.array([], pa.int16()),
             "calls": pa.array([], pa.int64()),
             "first_ns": pa.array([], pa.int64()),
@@ -540,13 +583,16 @@ def _empty_units() -> pa.Table:
     )
 
 
-def _as_text(table: pa.Table, names: Sequence[str]) -> pa.Table:
-    """Readable fields written by recorders are UTF-8; casting the few low-cardinality ones makes them strings."""
-    for name in names:
-        index = table.schema.get_field_index(name)
-        if table.schema.field(index).type == pa.binary():
-            table = table.set_column(index, name, pc.cast(table[name], pa.string()))
-    return table
+def _empty_keys() -> pa.Table:
+    return pa.table(
+        {
+            "request": pa.array([], pa.uint64()),
+            "phase": pa.array([], pa.int16()),
+            "arm": pa.array([], pa.int16()),
+            "unit": pa.array([], pa.uint64()),
+            "randomized": pa.array([], pa.bool_()),
+        }
+    )
 
 
 async def load_exposures(
@@ -555,19 +601,19 @@ async def load_exposures(
     window: Window,
     *,
     per_call: bool,
-    wanted_request_ids: pa.Array | None = None,
+    wanted_requests: npt.NDArray[np.uint64] | None = None,
     page_size: int = 5_000,
     randomized_only: bool = True,
 ) -> Exposures:
     """The calls of ``model`` received in the window. ``per_call``: every call is its own unit (else the
-    routing-key HMAC, and the call for calls without a key). ``wanted_request_ids``: the request ids
-    feedback names, whose calls are kept for the join. ``randomized_only=False``: every call counts in ``units``
-    (a CUPED pre-period, where the covariate is what a unit did, however it was routed)."""
+    routing-key HMAC, and the call for calls without a key). ``wanted_requests``: fingerprints of the request
+    ids feedback names, whose calls are kept for the join. ``randomized_only=False``: every call counts in
+    ``units`` (a CUPED pre-period, where the covariate is what a unit did, however it was routed)."""
     start, end = _bounds(window)
     reader = _ExposureReader(
         window,
         per_call=per_call,
-        wanted_request_ids=wanted_request_ids if wanted_request_ids is not None else pa.array([], pa.binary()),
+        wanted=wanted_requests if wanted_requests is not None else np.zeros(0, dtype=np.uint64),
         randomized_only=randomized_only,
     )
     async for page in read_pages(redis, stream_key(model), start=start, end=end, page_size=page_size):
