@@ -61,6 +61,8 @@ class Shop:
     distinct_clicks: dict[str, int]
     pinned_click_events: int
     crossover_events: int
+    #: Events naming a user, not a call.
+    revenue_events: int
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,7 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
     write_feedback(client, SHOP, clicks_written[:DUPLICATE_CLICKS], written_at_ns=late_ns)
     client.close()
     try:
-        yield Shop(server, clicks, PINNED, crossover_events)
+        yield Shop(server, clicks, PINNED, crossover_events, sum(e.metric == "revenue" for e in events))
     finally:
         server.stop()
 
@@ -181,6 +183,14 @@ def test_metrics_without_a_difference_are_inconclusive_with_a_sample_size_estima
         assert f"about {verdict.more_units_per_arm_needed:,} more users per arm are needed" in verdict.verdict_line
     assert comparison(result, "revenue").test == "welch"
     assert comparison(result, "satisfaction").test == "z"
+
+
+def test_events_naming_a_user_join_the_arm_that_user_was_randomized_into(shop: Shop, shop_analysis: Analysis) -> None:
+    [result] = shop_analysis.phases
+    assert sum(arm.metrics["revenue"].events for arm in result.arms) == shop.revenue_events
+    revenue = {arm.arm: arm.metrics["revenue"] for arm in result.arms}
+    assert revenue["v1"].events > 0
+    assert revenue["v2"].events > 0
 
 
 def test_each_arm_has_units_calls_metric_values_latency_and_error_rate(shop_analysis: Analysis) -> None:
@@ -367,12 +377,15 @@ def test_the_cli_prints_verdicts_and_writes_analysis_json_and_html(shop: Shop, t
 def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "splitstream.admin", "analyze", SHOP, "--since", "-4h", "--until", "-1h",
-         "--metric", "click:proportion", "--output-dir", str(tmp_path)],
+         "--output-dir", str(tmp_path)],
         env={**{k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-             "SPLITSTREAM_ADMIN_REDIS_URL": shop.redis.url},
+             "SPLITSTREAM_ADMIN_REDIS_URL": shop.redis.url,
+             "SPLITSTREAM_ADMIN_METRIC": "click:proportion,revenue:sum"},
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert "v2 vs v1: click" in result.stdout
+    assert "v2 vs v1: revenue" in result.stdout
     assert "v2 better" in result.stdout
 
 

@@ -43,11 +43,25 @@ class UsageError(Exception):
     """Input that cannot be analysed (exit 2), found after parsing: an unknown model, an unwritable directory."""
 
 
-def _metric(text: str) -> MetricSpec:
-    try:
-        return MetricSpec.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+def metric_list(text: str) -> list[MetricSpec]:
+    """``click:proportion`` or ``click:proportion,revenue:sum``; ValueError naming the bad one."""
+    return [MetricSpec.parse(part) for part in text.split(",") if part.strip()]
+
+
+class _AppendMetrics(argparse.Action):
+    """``--metric`` (repeatable, or comma-separated): flags given replace the environment's list rather than
+    extend it (argparse's ``append`` would try to append to the variable's string)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = list(current) if isinstance(current, list) else []
+        try:
+            items.extend(metric_list(str(values)))
+        except ValueError as error:
+            parser.error(str(error))
+        setattr(namespace, self.dest, items)
 
 
 def _alpha(text: str) -> float:
@@ -82,10 +96,9 @@ def add_command(commands: Any, env_prefix: str) -> None:
     parser.add_argument("--until", default="now", help="window end (exclusive), same forms as --since")
     parser.add_argument(
         "--metric",
-        action="append",
-        type=_metric,
+        action=_AppendMetrics,
         required=True,
-        help="NAME:KIND, KIND proportion, mean or sum (repeat), e.g. click:proportion",
+        help="NAME:KIND, KIND proportion, mean or sum (repeat, or comma-separate), e.g. click:proportion",
     )
     parser.add_argument(
         "--unit",
@@ -134,10 +147,11 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         pre = Window(pre_since, pre_until, max_lateness_ns=lateness)
     if not 0 < args.connect_timeout_s < math.inf:
         raise ValueError("--connect-timeout-s must be a positive number of seconds")
+    metrics = args.metric if isinstance(args.metric, list) else metric_list(str(args.metric))  # from the environment
     return Query(
         model=args.model,
         window=Window(since, until, max_lateness_ns=lateness),
-        metrics=tuple(args.metric),
+        metrics=tuple(metrics),
         unit=args.unit,
         alpha=args.alpha,
         sequential=args.sequential,
