@@ -29,6 +29,7 @@ from splitstream.analysis.loading import (
     Window,
     load_exposures,
     load_feedback,
+    mixed,
 )
 from splitstream.analysis.model import (
     Analysis,
@@ -113,9 +114,9 @@ async def analyze(redis: Redis, query: Query) -> Analysis:
 def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None) -> Analysis:
     """The analysis of loaded data (no I/O): what :func:`analyze` returns."""
     crossover = _crossover_units(exposures.units)
-    units = exposures.units.join(crossover, ["phase", "unit"], join_type="left anti")
+    units = exposures.units.filter(pc.invert(_among(exposures.units, crossover)))
     attributed = _attribute(feedback.events, exposures.call_keys, units, per_call=query.unit == "call")
-    events = attributed.events.join(crossover, ["phase", "unit"], join_type="left anti")
+    events = attributed.events.filter(pc.invert(_among(attributed.events, crossover)))
     crossed_events = len(attributed.events) - len(events)
     phases = []
     for code in _phase_order(units):
@@ -127,6 +128,7 @@ def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreV
                 info,
                 units.filter(pc.equal(units["phase"], code)),
                 events.filter(pc.equal(events["phase"], code)),
+                bucket_calls=exposures.bucket_calls,
                 arm_names=exposures.arms.names,
                 crossover_units=int(pc.sum(pc.equal(crossover["phase"], code)).as_py() or 0),
                 latency=exposures.latency,
@@ -179,6 +181,19 @@ def _named_requests(events: pa.Table) -> npt.NDArray[np.uint64]:
     return np.unique(requests[requests != 0])
 
 
+def _pair_keys(table: pa.Table) -> npt.NDArray[np.uint64]:
+    """One 64-bit key per row's (phase, unit)."""
+    phase = table["phase"].to_numpy().astype(np.uint64)
+    return mixed(table["unit"].to_numpy(), 0) ^ (phase << np.uint64(48))
+
+
+def _among(table: pa.Table, pairs: pa.Table) -> pa.Array:
+    """Whether each row's (phase, unit) is one of ``pairs`` (a sorted-array membership test, no hash join)."""
+    if not len(pairs) or not len(table):
+        return pa.array(np.zeros(len(table), dtype=bool))
+    return pa.array(np.isin(_pair_keys(table), _pair_keys(pairs)))
+
+
 def _crossover_units(units: pa.Table) -> pa.Table:
     """(phase, unit) pairs randomized into more than one arm."""
     arms = units.group_by(["phase", "unit"]).aggregate([("arm", "count_distinct")])
@@ -204,32 +219,78 @@ def _attribute(events: pa.Table, call_keys: pa.Table, units: pa.Table, *, per_ca
     """Join each event to (phase, arm, unit): by its request id to the call; else by its unit to the phase in
     which that unit was last first-exposed before the event (a unit-level event in ``per_call`` mode has no
     call to join and is unknown)."""
-    columns = _ATTRIBUTED.names
     if not len(events):
         return _Attributed(_ATTRIBUTED.empty_table(), 0, 0)
-    has_request = pc.not_equal(events["request"], _NONE)
-    by_request = events.filter(has_request).drop_columns(["unit"])
-    joined = by_request.join(call_keys, "request", join_type="left outer")
-    unknown = int(pc.sum(pc.is_null(joined["randomized"])).as_py() or 0)
-    not_randomized = int(pc.sum(pc.equal(joined["randomized"], False)).as_py() or 0)
-    parts = [joined.filter(pc.equal(joined["randomized"], True)).select(columns)]
-    by_unit = events.filter(pc.and_(pc.invert(has_request), pc.not_equal(events["unit"], _NONE)))
-    unknown += len(events) - len(by_request) - len(by_unit)  # neither a request id nor a unit
+    # By request id: a binary search of each event's request fingerprint among the calls' (the calls events
+    # name, a few hundred thousand), cheaper in memory than Arrow's hash join over a million events.
+    requests = events["request"].to_numpy()
+    has_request = requests != 0
+    keys = call_keys["request"].to_numpy()
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    wanted = np.flatnonzero(has_request)
+    at = np.minimum(np.searchsorted(sorted_keys, requests[wanted]), max(len(sorted_keys) - 1, 0))
+    found = sorted_keys[at] == requests[wanted] if len(sorted_keys) else np.zeros(len(wanted), dtype=bool)
+    call = order[at[found]]
+    randomized = call_keys["randomized"].to_numpy(zero_copy_only=False)[call]
+    unknown = int((~found).sum())
+    not_randomized = int((~randomized).sum())
+    rows, call = wanted[found][randomized], call[randomized]
+    parts = [
+        pa.table(
+            {
+                "phase": call_keys["phase"].to_numpy()[call],
+                "arm": call_keys["arm"].to_numpy()[call],
+                "unit": call_keys["unit"].to_numpy()[call],
+                "metric": events["metric"].to_numpy()[rows],
+                "value": events["value"].to_numpy()[rows],
+                "event_ns": events["event_ns"].to_numpy()[rows],
+                "request": requests[rows],
+            }
+        )
+    ]
+    by_request = len(wanted)
+    has_request_array = pa.array(has_request)
+    by_unit = events.filter(pc.and_(pc.invert(has_request_array), pc.not_equal(events["unit"], _NONE)))
+    unknown += len(events) - by_request - len(by_unit)  # neither a request id nor a unit
     if per_call:
         unknown += len(by_unit)
-    elif len(by_unit):
-        by_unit = by_unit.append_column("event_index", pa.array(np.arange(len(by_unit), dtype=np.int64)))
-        exposed = units.group_by(["phase", "arm", "unit"]).aggregate([("first_ns", "min")])
-        candidates = by_unit.join(exposed, "unit", join_type="inner")
-        candidates = candidates.filter(pc.less_equal(candidates["first_ns_min"], candidates["event_ns"]))
-        latest = candidates.group_by("event_index").aggregate([("first_ns_min", "max")])
-        paired = candidates.join(latest, "event_index")
-        chosen = paired.filter(pc.equal(paired["first_ns_min"], paired["first_ns_min_max"]))
-        # Two phases first reaching the unit at the same nanosecond would tie: keep one row per event.
-        chosen = chosen.group_by("event_index", use_threads=False).aggregate([(name, "first") for name in columns])
-        chosen = chosen.rename_columns({f"{name}_first": name for name in columns})
-        unknown += len(by_unit) - len(chosen)
-        parts.append(chosen.select(columns))
+    elif len(by_unit) and len(units):
+        # The (phase, arm) row of the unit with the latest first exposure at or before the event: rows sorted by
+        # (unit, first exposure), each event starts at its unit's last row and steps back past later ones (a
+        # unit has a row per phase it was in, so a few steps at most).
+        row_unit = units["unit"].to_numpy()
+        row_first = units["first_ns"].to_numpy()
+        order = np.lexsort((row_first, row_unit))
+        row_unit, row_first = row_unit[order], row_first[order]
+        event_unit = by_unit["unit"].to_numpy()
+        event_ns = by_unit["event_ns"].to_numpy()
+        at = np.searchsorted(row_unit, event_unit, side="right").astype(np.int64) - 1
+        chosen = np.zeros(len(event_unit), dtype=bool)
+        pending = (at >= 0) & (row_unit[np.maximum(at, 0)] == event_unit)
+        while pending.any():
+            good = pending & (row_first[np.maximum(at, 0)] <= event_ns)
+            chosen |= good
+            at = np.where(pending & ~good, at - 1, at)
+            pending &= ~good & (at >= 0)
+            pending &= row_unit[np.maximum(at, 0)] == event_unit
+        rows = order[at[chosen]]
+        unknown += int((~chosen).sum())
+        parts.append(
+            pa.table(
+                {
+                    "phase": units["phase"].to_numpy()[rows],
+                    "arm": units["arm"].to_numpy()[rows],
+                    "unit": event_unit[chosen],
+                    "metric": by_unit["metric"].to_numpy()[chosen],
+                    "value": by_unit["value"].to_numpy()[chosen],
+                    "event_ns": event_ns[chosen],
+                    "request": by_unit["request"].to_numpy()[chosen],
+                }
+            )
+        )
+    else:
+        unknown += len(by_unit)
     attributed = pa.concat_tables([p.cast(_ATTRIBUTED) for p in parts])
     return _Attributed(attributed, unknown, not_randomized)
 
@@ -263,7 +324,9 @@ class _MetricMatrix:
     positives: FloatArray
 
 
-def _unit_matrix(units: pa.Table, arm_names: list[str]) -> _UnitMatrix:
+def _unit_matrix(units: pa.Table, bucket_calls: npt.NDArray[np.int32], arm_names: list[str]) -> _UnitMatrix:
+    """Rows of ``units`` (keyed rows of ``bucket_calls``) as one row per unit; rows of one unit (the pre-period's
+    several phases and arms) are added up."""
     keys, index = np.unique(units["unit"].to_numpy(), return_inverse=True)
     index = index.reshape(-1).astype(np.int64)
     n = len(keys)
@@ -271,10 +334,10 @@ def _unit_matrix(units: pa.Table, arm_names: list[str]) -> _UnitMatrix:
     present = np.unique(arm_codes)
     arm_of = np.zeros(n, dtype=np.int64)
     arm_of[index] = np.searchsorted(present, arm_codes)
-    buckets = units["bucket"].to_numpy().astype(np.int64)
-    first = np.full(n, TIMELINE_POINTS, dtype=np.int64)
-    np.minimum.at(first, index, buckets)
-    calls = _cumulated(index, buckets, units["calls"].to_numpy().astype(np.float64), n)
+    per_bucket = np.zeros((n, TIMELINE_POINTS))
+    np.add.at(per_bucket, index, bucket_calls[units["key"].to_numpy()])
+    first = np.where(per_bucket.any(axis=1), np.argmax(per_bucket > 0, axis=1), TIMELINE_POINTS)
+    calls = np.cumsum(per_bucket, axis=1)
     return _UnitMatrix(pa.array(keys, pa.uint64()), [arm_names[int(c)] for c in present], arm_of, first, calls)
 
 
@@ -326,32 +389,37 @@ def _analyse_phase(
     units: pa.Table,
     events: pa.Table,
     *,
+    bucket_calls: npt.NDArray[np.int32],
     arm_names: list[str],
     crossover_units: int,
     latency: dict[tuple[str, str, str], Histogram],
     pre: _PreValues | None,
 ) -> PhaseResult:
-    matrix = _unit_matrix(units, arm_names)
-    metrics = {
-        spec.name: _metric_matrix(matrix, events.filter(pc.equal(events["metric"], code)), query.window)
-        for code, spec in enumerate(query.metrics)
-    }
+    matrix = _unit_matrix(units, bucket_calls, arm_names)
     last = TIMELINE_POINTS - 1
     arm_rows = {arm: matrix.arm_of == code for code, arm in enumerate(matrix.arm_names)}
     observed = {arm: int(rows.sum()) for arm, rows in arm_rows.items()}
     srm = st.sample_ratio_mismatch(observed, info.weights) if info.weights else None
-    arms = []
     ordered = sorted(matrix.arm_names, key=lambda a: (a != info.control, a))
+    arm_metrics: dict[str, dict[str, ArmMetric]] = {arm: {} for arm in ordered}
+    by_arm: dict[str, list[MetricComparison]] = {arm: [] for arm in ordered}
+    # One metric at a time: its per-unit matrices are the largest things the analysis holds.
+    for code, spec in enumerate(query.metrics):
+        metric = _metric_matrix(matrix, events.filter(pc.equal(events["metric"], code)), query.window)
+        for arm in ordered:
+            rows = arm_rows[arm]
+            values = _unit_values(spec.kind, metric, matrix.calls, rows, last)
+            estimate = st.estimate(values)
+            low, high = estimate.interval(query.alpha) if values.units > 1 else (math.nan, math.nan)
+            count = int(metric.counts[rows, last].sum())
+            arm_metrics[arm][spec.name] = ArmMetric(value=_num(estimate.value), ci=_interval(low, high), events=count)
+            if info.control in arm_rows and arm != info.control:
+                by_arm[arm].append(_comparison(query, spec, info.control, arm, matrix, metric, arm_rows, pre))
+        del metric
+    arms = []
     for arm in ordered:
         rows = arm_rows[arm]
         histogram = latency.get((info.id, arm, "randomized"), Histogram())
-        arm_metrics = {}
-        for spec in query.metrics:
-            values = _unit_values(spec.kind, metrics[spec.name], matrix.calls, rows, last)
-            estimate = st.estimate(values)
-            low, high = estimate.interval(query.alpha) if values.units > 1 else (math.nan, math.nan)
-            count = int(metrics[spec.name].counts[rows, last].sum())
-            arm_metrics[spec.name] = ArmMetric(value=_num(estimate.value), ci=_interval(low, high), events=count)
         arms.append(
             ArmSummary(
                 arm=arm,
@@ -362,17 +430,11 @@ def _analyse_phase(
                 error_rate=histogram.errors / histogram.calls if histogram.calls else None,
                 latency_p50_ms=histogram.quantile_ms(0.5),
                 latency_p99_ms=histogram.quantile_ms(0.99),
-                metrics=arm_metrics,
+                metrics=arm_metrics[arm],
                 latency_cdf=histogram.cdf_points(),
             )
         )
-    comparisons = []
-    if info.control in arm_rows:
-        for arm in ordered[1:]:
-            for spec in query.metrics:
-                comparisons.append(
-                    _comparison(query, spec, info.control, arm, matrix, metrics[spec.name], arm_rows, pre)
-                )
+    comparisons = [c for arm in ordered for c in by_arm[arm]]
     return PhaseResult(
         id=info.id,
         control=info.control,
@@ -660,7 +722,7 @@ async def _load_pre_values(redis: Redis, query: Query, window: Window) -> _PreVa
     keys = keys.set_column(keys.schema.get_field_index("arm"), "arm", pa.array(np.zeros(len(keys), np.int16)))
     keys = keys.set_column(keys.schema.get_field_index("randomized"), "randomized", pa.array(np.ones(len(keys), bool)))
     attributed = _attribute(feedback.events, keys, units, per_call=False)
-    matrix = _unit_matrix(units, ["all"])
+    matrix = _unit_matrix(units, exposures.bucket_calls, ["all"])
     metrics = {
         name: _metric_matrix(matrix, attributed.events.filter(pc.equal(attributed.events["metric"], code)), window)
         for code, name in enumerate(names)

@@ -3,9 +3,9 @@
 The streams are read in pages (XRANGE ... COUNT) and each page becomes numpy/Arrow columns of only the
 readable fields the analysis needs (the serialized record is decoded once per experiment phase, for its
 weights). Text that repeats becomes numbers: units and request ids 64-bit fingerprints, phases, arms and
-assignments small codes. Each page is reduced at once with an Arrow group-by to one row per (phase, arm,
-unit, time bucket), and the partial aggregates are merged again whenever they grow, so they grow with the
-number of units, not of calls. What does grow with the data, kept as small as it can be:
+assignments small codes. Each page's calls are added at once (numpy) to a dense row per (phase, arm, unit)
+holding the calls per twentieth of the window, so the aggregates grow with the number of units, not of
+calls. What does grow with the data, kept as small as it can be:
 
 - 8 bytes per call (its request id's fingerprint), to drop calls the recorder stored twice (delivery is at
   least once), and 8 bytes per keyed event, to de-duplicate feedback by idempotency key;
@@ -39,8 +39,6 @@ TIMELINE_POINTS = 20
 LATENCY_FLOOR_MS = 1e-3
 LATENCY_GROWTH = 1.02
 LATENCY_BUCKETS = 1 + int(math.log(3_600_000 / LATENCY_FLOOR_MS) / math.log(LATENCY_GROWTH))
-#: Merge the per-page partial aggregates once they hold this many rows more than after the last merge.
-_COMPACT_ROWS = 200_000
 #: The fields of a feedback entry the analysis reads.
 FEEDBACK_FIELDS = (b"metric", b"request_id", b"unit", b"value", b"event_ns", b"idempotency_key")
 #: The readable fields of a call entry the analysis reads (the record only once per phase).
@@ -129,13 +127,15 @@ class Exposures:
     """The calls of a window, reduced. Units and request ids are 64-bit fingerprints (:func:`fingerprints`),
     phases and arms codes into ``phases.names`` and ``arms.names``.
 
-    ``units``: one row per (phase, arm, unit, bucket) of randomized calls: ``phase``, ``arm`` (int16), ``unit``
-    (uint64), ``bucket`` (int16), ``calls`` (int64), ``first_ns`` (int64). ``other``: calls not randomized, per
+    ``units``: one row per (phase, arm, unit) of randomized calls: ``phase``, ``arm`` (int16), ``unit`` (uint64),
+    ``calls`` (int64), ``first_ns`` (int64) and ``key`` (int64), the row of ``bucket_calls`` that holds its calls
+    per time bucket (int32, one column per bucket of the window). ``other``: calls not randomized, per
     (phase, assignment, arm) names: ``calls``, ``errors``. ``latency``: histograms per (phase, arm, assignment
     class: ``randomized`` or the assignment's name). ``call_keys``: for the request ids feedback names, the
     call's ``request``, ``phase``, ``arm``, ``unit`` and whether it was ``randomized``."""
 
     units: pa.Table
+    bucket_calls: npt.NDArray[np.int32]
     other: list[tuple[str, str, str, int, int]]
     latency: dict[tuple[str, str, str], Histogram]
     phase_info: dict[str, PhaseInfo]
@@ -407,9 +407,7 @@ class _ExposureReader:
         self.arms = Names()
         self.assignments = Names()
         self.randomized_codes = np.array([self.assignments.code(a) for a in RANDOMIZED], dtype=np.int16)
-        self.partial_units: list[pa.Table] = []
-        self.partial_rows = 0
-        self.compacted_rows = 0
+        self.units = _UnitIndex()
         self.other: dict[tuple[int, int, int], list[int]] = {}
         self.call_keys: list[pa.Table] = []
         self.latency: dict[tuple[int, int, int], Histogram] = {}
@@ -466,19 +464,9 @@ class _ExposureReader:
                 )
         chosen = randomized if self.randomized_only else np.ones(len(rows), dtype=bool)
         if chosen.any():
-            table = pa.table(
-                {
-                    "phase": phase[chosen],
-                    "arm": arm[chosen],
-                    "unit": unit[chosen],
-                    "bucket": self.window.bucket_of(times[chosen]),
-                    "time_ns": times[chosen],
-                }
+            self.units.add(
+                phase[chosen], arm[chosen], unit[chosen], self.window.bucket_of(times[chosen]), times[chosen]
             )
-            grouped = table.group_by(["phase", "arm", "unit", "bucket"]).aggregate(
-                [("time_ns", "count"), ("time_ns", "min")]
-            )
-            self._add_units(grouped.rename_columns({"time_ns_count": "calls", "time_ns_min": "first_ns"}))
         if self.randomized_only and not randomized.all():
             for p, a, s, f in zip(
                 phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True
@@ -525,20 +513,13 @@ class _ExposureReader:
             histogram.calls += int(mine.sum())
             histogram.errors += int(failed[mine].sum())
 
-    def _add_units(self, grouped: pa.Table) -> None:
-        self.partial_units.append(grouped.select(list(UNIT_COLUMNS)))
-        self.partial_rows += len(grouped)
-        if self.partial_rows > self.compacted_rows + _COMPACT_ROWS:
-            merged = _merge_units(self.partial_units)
-            self.partial_units = [merged]
-            self.partial_rows = self.compacted_rows = len(merged)
-
     def result(self) -> Exposures:
         def label(code: int) -> str:
             return "randomized" if code < 0 else self.assignments.names[code]
 
         return Exposures(
-            units=_merge_units(self.partial_units) if self.partial_units else _empty_units(),
+            units=self.units.table(),
+            bucket_calls=self.units.calls[: self.units.size],
             other=[
                 (self.phases.names[p], self.assignments.names[a], self.arms.names[s], calls, errors)
                 for (p, a, s), (calls, errors) in sorted(self.other.items())
@@ -557,30 +538,76 @@ class _ExposureReader:
         )
 
 
-UNIT_COLUMNS = ("phase", "arm", "unit", "bucket", "calls", "first_ns")
+class _UnitIndex:
+    """A dense row per (phase, arm, unit) seen, and its calls per time bucket in a numpy matrix.
 
+    Rows are found by a 64-bit key (the unit's fingerprint mixed with the phase and arm codes) in a sorted array
+    (binary search; new keys inserted per page), so the calls of a page land in their rows with one ``np.add.at``:
+    memory is a few dozen bytes and one row of ``TIMELINE_POINTS`` int32 per (phase, arm, unit), whatever the
+    number of calls."""
 
-def _merge_units(tables: list[pa.Table]) -> pa.Table:
-    merged = (
-        pa.concat_tables(tables)
-        .group_by(["phase", "arm", "unit", "bucket"])
-        .aggregate([("calls", "sum"), ("first_ns", "min")])
-        .rename_columns({"calls_sum": "calls", "first_ns_min": "first_ns"})
-    )
-    return merged.select(list(UNIT_COLUMNS))
+    def __init__(self) -> None:
+        self.sorted_keys = np.zeros(0, dtype=np.uint64)
+        self.sorted_rows = np.zeros(0, dtype=np.int64)
+        self.size = 0
+        self.phase = np.zeros(1024, dtype=np.int16)
+        self.arm = np.zeros(1024, dtype=np.int16)
+        self.unit = np.zeros(1024, dtype=np.uint64)
+        self.first_ns = np.zeros(1024, dtype=np.int64)
+        self.calls = np.zeros((1024, TIMELINE_POINTS), dtype=np.int32)
 
+    def add(
+        self,
+        phase: npt.NDArray[np.int16],
+        arm: npt.NDArray[np.int16],
+        unit: npt.NDArray[np.uint64],
+        bucket: npt.NDArray[np.int16],
+        times: npt.NDArray[np.int64],
+    ) -> None:
+        keys = mixed(unit, 0) ^ ((phase.astype(np.uint64) << np.uint64(48)) | (arm.astype(np.uint64) << np.uint64(32)))
+        unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        at = np.asarray(np.searchsorted(self.sorted_keys, unique), dtype=np.int64)
+        known = np.asarray(at < len(self.sorted_keys), dtype=bool)
+        known[known] = self.sorted_keys[at[known]] == unique[known]
+        rows = np.empty(len(unique), dtype=np.int64)
+        rows[known] = self.sorted_rows[at[known]]
+        new = np.flatnonzero(~known)
+        if len(new):
+            fresh = np.arange(self.size, self.size + len(new), dtype=np.int64)
+            rows[new] = fresh
+            self._grow(self.size + len(new))
+            source = first[new]
+            self.phase[fresh], self.arm[fresh], self.unit[fresh] = phase[source], arm[source], unit[source]
+            self.first_ns[fresh] = np.iinfo(np.int64).max
+            self.size += len(new)
+            self.sorted_keys = np.insert(self.sorted_keys, at[new], unique[new])
+            self.sorted_rows = np.insert(self.sorted_rows, at[new], fresh)
+        row_of = rows[inverse.reshape(-1)]
+        np.add.at(self.calls, (row_of, bucket.astype(np.int64)), 1)
+        np.minimum.at(self.first_ns, row_of, times)
 
-def _empty_units() -> pa.Table:
-    return pa.table(
-        {
-            "phase": pa.array([], pa.int16()),
-            "arm": pa.array([], pa.int16()),
-            "unit": pa.array([], pa.uint64()),
-            "bucket": pa.array([], pa.int16()),
-            "calls": pa.array([], pa.int64()),
-            "first_ns": pa.array([], pa.int64()),
-        }
-    )
+    def _grow(self, needed: int) -> None:
+        if needed <= len(self.phase):
+            return
+        capacity = max(needed, 2 * len(self.phase))
+        for name in ("phase", "arm", "unit", "first_ns", "calls"):
+            old = getattr(self, name)
+            grown = np.zeros((capacity, *old.shape[1:]), dtype=old.dtype)
+            grown[: len(old)] = old
+            setattr(self, name, grown)
+
+    def table(self) -> pa.Table:
+        n = self.size
+        return pa.table(
+            {
+                "phase": pa.array(self.phase[:n], pa.int16()),
+                "arm": pa.array(self.arm[:n], pa.int16()),
+                "unit": pa.array(self.unit[:n], pa.uint64()),
+                "calls": pa.array(self.calls[:n].sum(axis=1, dtype=np.int64), pa.int64()),
+                "first_ns": pa.array(self.first_ns[:n], pa.int64()),
+                "key": pa.array(np.arange(n, dtype=np.int64), pa.int64()),
+            }
+        )
 
 
 def _empty_keys() -> pa.Table:
