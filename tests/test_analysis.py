@@ -443,3 +443,51 @@ def test_unreachable_redis_exits_1_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1, result.stderr
     assert "unreachable" in lines[0]
     assert "secret-pw" not in lines[0]
+
+
+def test_an_output_dir_that_cannot_be_written_exits_2_with_one_line(shop: Shop, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = cli(SHOP, "--redis-url", shop.redis.url, *window_flags(), "--metric", "click:proportion",
+                 "--output-dir", str(blocker / "out"))  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "cannot write --output-dir" in lines[0]
+
+
+def test_each_phase_is_analysed_on_its_own_weights_and_events_join_the_phase_of_their_time(tmp_path: Path) -> None:
+    ramp = phase({"v1": 90, "v2": 10}, "v1", salt="ramp")
+    half = phase({"v1": 50, "v2": 50}, "v1", salt="ramp")
+    middle = T0 + HOUR_NS // 2
+    early: list[Call] = []
+    late: list[Call] = []
+    events: list[Event] = []
+    for i in range(1_000):
+        unit = user_unit(f"p{i}")
+        early.append(Call(f"a{i}", T0 + i * 10**6, "v2" if i % 10 == 0 else "v1", unit=unit))
+        late.append(Call(f"b{i}", middle + i * 10**6, "v2" if i % 2 else "v1", unit=unit))
+        # One purchase per user in each phase, named by the user only.
+        events.append(Event("revenue", 1.0, T0 + 5 * 60 * 10**9, unit=unit, idempotency_key=f"ra{i}"))
+        events.append(Event("revenue", 2.0, middle + 5 * 60 * 10**9, unit=unit, idempotency_key=f"rb{i}"))
+    with RedisServer(tmp_path / "redis") as server:
+        client = server.client()
+        write_calls(client, "ramp", early, ramp)
+        write_calls(client, "ramp", late, half)
+        write_feedback(client, "ramp", events)
+        client.close()
+        result = run_analysis(server, Query(model="ramp", window=WINDOW, metrics=(MetricSpec.parse("revenue:sum"),)))
+    first, second = result.phases
+    assert first.weights == {"v1": 90, "v2": 10}
+    assert second.weights == {"v1": 50, "v2": 50}
+    assert first.srm is not None
+    assert second.srm is not None
+    assert first.srm.observed == {"v1": 900, "v2": 100}
+    assert second.srm.observed == {"v1": 500, "v2": 500}
+    assert not first.srm.flagged
+    assert not second.srm.flagged
+    # Users moved arms between phases, which is no crossover: units are compared within one phase.
+    assert first.crossover_units == second.crossover_units == 0
+    totals = [{arm.arm: arm.metrics["revenue"].value for arm in p.arms} for p in (first, second)]
+    assert totals == [{"v1": 1.0, "v2": 1.0}, {"v1": 2.0, "v2": 2.0}]
+    assert result.feedback.used == 2_000

@@ -114,20 +114,23 @@ async def analyze(redis: Redis, query: Query) -> Analysis:
 def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None) -> Analysis:
     """The analysis of loaded data (no I/O): what :func:`analyze` returns."""
     crossover = _crossover_units(exposures.units)
-    units = exposures.units.filter(pc.invert(_among(exposures.units, crossover)))
+    units = exposures.units.filter(pc.invert(_among(exposures.units, crossover))) if len(crossover) else exposures.units
     attributed = _attribute(feedback.events, exposures.call_keys, units, per_call=query.unit == "call")
-    events = attributed.events.filter(pc.invert(_among(attributed.events, crossover)))
+    events = attributed.events
+    if len(crossover):
+        events = events.filter(pc.invert(_among(events, crossover)))
     crossed_events = len(attributed.events) - len(events)
+    order = _phase_order(units)
     phases = []
-    for code in _phase_order(units):
+    for code in order:
         name = exposures.phases.names[code]
         info = exposures.phase_info.get(name) or PhaseInfo(name, {}, "")
         phases.append(
             _analyse_phase(
                 query,
                 info,
-                units.filter(pc.equal(units["phase"], code)),
-                events.filter(pc.equal(events["phase"], code)),
+                units.filter(pc.equal(units["phase"], code)) if len(order) > 1 else units,
+                events.filter(pc.equal(events["phase"], code)) if len(order) > 1 else events,
                 bucket_calls=exposures.bucket_calls,
                 arm_names=exposures.arms.names,
                 crossover_units=int(pc.sum(pc.equal(crossover["phase"], code)).as_py() or 0),
