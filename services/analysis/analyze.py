@@ -1,7 +1,7 @@
 """``analyze``: from a model's recorded calls and feedback to verdicts, per experiment phase and arm.
 
-The steps, each a column operation: read feedback and de-duplicate it; read the calls, keeping randomized
-ones per (phase, arm, unit, time bucket) and the others apart; drop units seen in two arms of one phase
+The steps, each a column operation: read feedback and de-duplicate it; read the calls, counting randomized
+ones per (phase, arm, unit) and time bucket and the others apart; drop units seen in two arms of one phase
 (crossover); attribute each event to its call (by request id) or its unit (the phase it was last exposed
 in before the event); per phase, lay the units out as rows of numpy matrices (one column per time bucket,
 cumulated), and compare every arm with the control at the end of each bucket. The last bucket's comparison
