@@ -491,3 +491,15 @@ def test_each_phase_is_analysed_on_its_own_weights_and_events_join_the_phase_of_
     totals = [{arm.arm: arm.metrics["revenue"].value for arm in p.arms} for p in (first, second)]
     assert totals == [{"v1": 1.0, "v2": 1.0}, {"v1": 2.0, "v2": 2.0}]
     assert result.feedback.used == 2_000
+
+
+def test_analyze_needs_no_registry_but_the_other_commands_still_do() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "splitstream.admin", "versions", "shop"],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "splitstream: error: the following arguments are required: --registry"
+    ]
