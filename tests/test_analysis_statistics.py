@@ -114,8 +114,10 @@ def test_peeking_20_times_inflates_the_naive_test_but_not_the_always_valid_one()
     diffs, variances = _peeks(rng, looks=20, block=50)
     naive = 2 * stats.norm.sf(np.abs(diffs) / np.sqrt(variances))
     naive_rate = float((naive < 0.05).any(axis=1).mean())
-    # σ² per unit estimated at each look (the plug-in GrowthBook uses), the sequence tuned for 500 units.
-    tau2 = mixing_variance(1.0, alpha=0.05, tuning_units=500) * np.ones_like(variances)
+    # σ² per unit estimated at each look, as compare() does (the plug-in GrowthBook uses), tuned for 500 units.
+    units = np.arange(1, 21) * 50
+    unit_variance = variances * units / 2
+    tau2 = np.vectorize(lambda v: mixing_variance(v, alpha=0.05, tuning_units=500))(unit_variance)
     always_valid = running_msprt_p_values(diffs, variances, tau2)
     sequential_rate = float((always_valid[:, -1] < 0.05).mean())
     assert naive_rate > 0.10
