@@ -275,12 +275,14 @@ def test_sequential_analysis_gives_always_valid_p_values_wider_than_fixed_interv
     assert "always-valid 95 % CI" in click.verdict_line
 
 
-def test_per_call_analysis_uses_the_two_proportion_test(shop: Shop) -> None:
-    result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, unit="call"))
+def test_per_call_analysis_uses_the_two_proportion_test_and_its_always_valid_form(shop: Shop) -> None:
+    result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, unit="call", sequential=True))
     [phase_result] = result.phases
     click = comparison(phase_result, "click")
     assert click.test == "two-proportion z"
     assert click.verdict == "better"
+    assert click.sequential_p_value is not None
+    assert click.sequential_p_value < 0.05
     assert phase_result.crossover_units == 0  # a call is in one arm
     assert sum(arm.units for arm in phase_result.arms) == sum(arm.calls for arm in phase_result.arms)
     # User-level events name no call: unknown when the unit is the call.
