@@ -505,3 +505,29 @@ def test_analyze_needs_no_registry_but_the_other_commands_still_do() -> None:
     assert result.stderr.strip().splitlines() == [
         "splitstream: error: the following arguments are required: --registry"
     ]
+
+
+def test_entries_that_are_not_records_or_events_are_counted_and_skipped(tmp_path: Path) -> None:
+    odd = phase({"v1": 50, "v2": 50}, "v1", salt="odd")
+    calls = [Call(f"o{i}", T0 + i * 10**9, "v1" if i % 2 else "v2", unit=user_unit(f"o{i}")) for i in range(40)]
+    events = [Event("click", 1.0, T0 + i * 10**9 + 1, request_id=f"o{i}") for i in range(0, 40, 4)]
+    with RedisServer(tmp_path / "redis") as server:
+        client = server.client()
+        write_calls(client, "odd", calls[:20], odd)
+        # Written by hand between the recorder's entries: a page of mixed layouts.
+        client.xadd("splitstream:calls:odd", {"record": b"not a record"}, id=f"{(T0 + 21 * 10**9) // 10**6}-*")
+        client.xadd(
+            "splitstream:calls:odd", {"time_ns": b"soon", "latency_ms": b"1"}, id=f"{(T0 + 22 * 10**9) // 10**6}-*"
+        )
+        write_calls(client, "odd", calls[23:], odd)
+        write_feedback(client, "odd", events)
+        at_ms = (T0 + 50 * 10**9) // 10**6
+        client.xadd("splitstream:feedback:odd", {"metric": "click", "value": "lots", "event_ns": T0}, id=f"{at_ms}-*")
+        client.close()
+        result = run_analysis(server, Query(model="odd", window=WINDOW, metrics=(METRICS[0],)))
+    assert result.calls.corrupt == 2
+    assert result.calls.calls == 37
+    assert result.feedback.corrupt == 1
+    assert result.feedback.used == len(events) - 1  # o20's call is one of the three never written
+    assert result.feedback.unknown == 1
+    assert sum(arm.units for arm in result.phases[0].arms) == 37
