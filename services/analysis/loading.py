@@ -361,15 +361,15 @@ async def load_feedback(
         rows = np.flatnonzero(keep)
         if not len(rows):
             continue
-        keys = mixed(fingerprints([found[b"idempotency_key"][i] for i in rows]), 0)
+        keys = mixed(fingerprints(found[b"idempotency_key"])[rows], 0)
         with np.errstate(over="ignore"):
             keys = np.where(keys != 0, keys ^ (metric[rows].astype(np.uint64) + np.uint64(1)) * _MIX, 0)
         fresh = seen.first_time(keys.astype(np.uint64))
         result.duplicates += int((~fresh).sum())
         rows = rows[fresh]
         chunks["metric"].append(metric[rows].astype(np.int8))
-        chunks["request"].append(fingerprints([found[b"request_id"][i] for i in rows]))
-        chunks["unit"].append(fingerprints([found[b"unit"][i] for i in rows]))
+        chunks["request"].append(fingerprints(found[b"request_id"])[rows])
+        chunks["unit"].append(fingerprints(found[b"unit"])[rows])
         chunks["value"].append(values[rows].astype(np.float64))
         chunks["event_ns"].append(times[rows].astype(np.int64))
     if chunks["metric"]:
