@@ -52,6 +52,7 @@ bench: install ## Run the benchmarks (prints tables; see README)
 	$(BIN)/python bench/replay_send_lag.py
 	$(BIN)/python bench/streaming.py
 	$(BIN)/python bench/exposures_feedback.py
+	$(BIN)/python bench/analysis.py
 
 demo: install ## The whole story on this machine: train, split 90/10, record, ramp to 50/50, replay, report
 	$(BIN)/python -m demo.run

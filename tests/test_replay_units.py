@@ -12,6 +12,7 @@ import pytest
 
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.timewindow import BadTime, parse_instant_ns
 from splitstream.replayer.compare import Answer, Tolerance, compare_answers
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
 from splitstream.replayer.main import build_parser
@@ -21,7 +22,6 @@ from splitstream.replayer.selection import RecentIds, ReorderBuffer, Selection, 
 from splitstream.replayer.sender import metadata_problem
 from splitstream.replayer.stats import LogHistogram
 from splitstream.replayer.summary import METRICS, Metrics, Summary
-from splitstream.replayer.timewindow import BadTime, parse_instant_ns
 
 NOW = 1_767_225_600 * 10**9  # 2026-01-01T00:00:00Z
 TOL = Tolerance(rtol=1e-3, atol=1e-6)

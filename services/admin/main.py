@@ -6,11 +6,13 @@
     splitstream --registry consul://127.0.0.1:8500 rollout resnet v2 --steps 10,50,100 --interval 60s \\
         --max-error-rate 1% --max-p99-ratio 1.5 --metrics router-a:8002 --metrics router-b:8002
     splitstream feedback import outcomes.csv --router router-a:8001 --model resnet
+    splitstream analyze resnet --redis-url redis://127.0.0.1:6379/0 --since -1d \\
+        --metric click:proportion --metric revenue:sum --output-dir ab
 
 Exit codes: 0 done (a rollout promoted, or held at its last step below 100 %);
 1 the registry or the routers' metrics could not be read or written, or the
-experiment changed meanwhile; 2 a usage error or input the registry refuses
-(one line on stderr; nothing written); 3 a rollout rolled back (a guard tripped,
+experiment changed meanwhile (``analyze``: Redis could not be read); 2 a usage error or
+input the registry refuses (one line on stderr; nothing written); 3 a rollout rolled back (a guard tripped,
 metrics became unreadable, or it was interrupted). ``feedback import`` has its own
 (:mod:`splitstream.admin.feedback_import`): 0 all accepted, 1 some rejected, 2 a malformed file.
 """
@@ -37,10 +39,12 @@ from splitstream.admin.store import (
     open_store,
     weights_text,
 )
+from splitstream.analysis import cli as analysis_cli
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
+from splitstream.common.timewindow import join_relative_times
 from splitstream.common.tls import ClientTls, add_client_tls_arguments, client_tls_from_args
 
 PROG = "splitstream"
@@ -99,8 +103,9 @@ def build_parser() -> EnvArgumentParser:
     )
     parser.add_argument(
         "--registry",
+        default=None,
         help="file:PATH (the routers' YAML file) or consul://HOST:PORT (ACL token from CONSUL_HTTP_TOKEN); "
-        "needed by experiment, versions and rollout",
+        "needed by experiment, versions and rollout (not by analyze or feedback import)",
     )
     # One TLS group for every command that dials a splitstream process (health probes of workers
     # today; commands that call routers or the recorder reuse it through admin_tls()).
@@ -174,15 +179,18 @@ def build_parser() -> EnvArgumentParser:
     rollout.add_argument("--min-calls", type=int, default=20, help="calls of the new version a step needs")
     rollout.add_argument("--check-every", type=duration_s, default=1.0, help="how often metrics are read in a step")
     feedback_import.add_parser(commands, env_prefix=ENV_PREFIX)
+    analysis_cli.add_command(commands, ENV_PREFIX)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(join_relative_times(sys.argv[1:] if argv is None else list(argv), analysis_cli.TIME_FLAGS))
     if args.command == "feedback":
         return feedback_import.run(args)
-    if not args.registry:
+    if args.command == "analyze":
+        return analysis_cli.run(args, parser)
+    if args.registry is None:
         parser.error("the following arguments are required: --registry")
     try:
         store = open_store(args.registry, tls=admin_tls(args))

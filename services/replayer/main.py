@@ -38,6 +38,7 @@ from splitstream.common.redis_url import (
     redis_security_from_args,
 )
 from splitstream.common.secrets import redact_text, redact_url
+from splitstream.common.timewindow import BadTime, join_relative_times, parse_instant_ns
 from splitstream.common.tls import ClientTls, client_tls_from_args
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
@@ -47,7 +48,6 @@ from splitstream.replayer.runner import Replay, ReplaySettings
 from splitstream.replayer.selection import Selection, StatusFilter
 from splitstream.replayer.sender import Target, TargetUnreachable
 from splitstream.replayer.summary import METRICS, Summary
-from splitstream.replayer.timewindow import BadTime, parse_instant_ns
 
 PROG = "splitstream-replay"
 EXIT_GATE_FAILED = 1
@@ -232,7 +232,7 @@ def build_parser() -> EnvArgumentParser:
 
 def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
     parser = build_parser()
-    args = parser.parse_args(_join_relative_times(sys.argv[1:] if argv is None else list(argv)))
+    args = parser.parse_args(join_relative_times(sys.argv[1:] if argv is None else list(argv)))
     now_ns = time.time_ns()
     try:
         models = tuple(dict.fromkeys(m.strip() for spec in args.model for m in spec.split(",") if m.strip()))
@@ -322,23 +322,6 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
         connect_timeout_s=args.connect_timeout_s,
         redis_security=redis_security,
     )
-
-
-def _join_relative_times(argv: list[str]) -> list[str]:
-    """``--since -15m`` → ``--since=-15m``: argparse would take ``-15m`` for an option, and relative
-    times are the common case."""
-    joined: list[str] = []
-    index = 0
-    while index < len(argv):
-        arg = argv[index]
-        following = argv[index + 1] if index + 1 < len(argv) else ""
-        if arg in ("--since", "--until") and following.startswith("-") and following[1:2].isdigit():
-            joined.append(f"{arg}={following}")
-            index += 2
-            continue
-        joined.append(arg)
-        index += 1
-    return joined
 
 
 def _credentials(path: str) -> tuple[tuple[str, str], ...]:

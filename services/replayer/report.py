@@ -11,16 +11,16 @@ diverging streams with both texts side by side.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from html import escape
 from pathlib import Path
 
+from splitstream.common import charts
 from splitstream.common.files import atomic_write
+from splitstream.common.timewindow import format_instant
 from splitstream.replayer.compare import REDACTED_AT_RECORDING, RESPONSE_NOT_RECORDED
 from splitstream.replayer.stats import LogHistogram
 from splitstream.replayer.summary import REQUEST_NOT_RECORDED, Quantiles, Summary
-from splitstream.replayer.timewindow import format_instant
 
 #: Why an output was not compared, as the report words it.
 _NOT_COMPARED = {
@@ -33,27 +33,14 @@ _NOT_REPLAYED = {REQUEST_NOT_RECORDED: "request not recorded (too large)"}
 #: What the overview says of a metric with nothing to measure it on (tables show "-"): a 0 % would read
 #: as "compared, all fine".
 NOT_MEASURED = "not measured"
-REFERENCE_COLOR = "#4e79a7"
-CANDIDATE_COLOR = "#e15759"
+REFERENCE_COLOR = charts.REFERENCE_COLOR
+CANDIDATE_COLOR = charts.CANDIDATE_COLOR
 #: The streams section's own colours, so a test can tell its charts were drawn.
 STREAM_REFERENCE_COLOR = "#17becf"
 STREAM_CANDIDATE_COLOR = "#bcbd22"
-PALETTE = ("#e15759", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2", "#edc948", "#9c755f")
+PALETTE = charts.PALETTE[1:]
 
-_CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1100px;
-  color:#222;padding:0 16px}
-h1{font-size:22px;margin:0 0 4px}
-h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:4px}
-table{border-collapse:collapse;margin:6px 0 12px;font-size:13px}
-th,td{border:1px solid #ddd;padding:4px 8px;text-align:right}
-th{background:#f4f4f4}td.l,th.l{text-align:left}code{font-size:12px}.muted{color:#777}
-.pass{color:#1a7f37;font-weight:600}.fail{color:#cf222e;font-weight:600}
-.charts{display:flex;flex-wrap:wrap;gap:18px}
-figure{margin:0}figcaption{font-size:12px;color:#555;text-align:center}
-svg text{font:11px system-ui,sans-serif;fill:#333}
-table.texts pre{white-space:pre-wrap;max-width:380px;margin:0;font-size:12px}
-"""
+_CSS = charts.PAGE_CSS + "table.texts pre{white-space:pre-wrap;max-width:380px;margin:0;font-size:12px}\n"
 
 
 def write_report(path: Path, summary: Summary, histograms: Mapping[str, LogHistogram]) -> None:
@@ -416,132 +403,27 @@ def _streams_section(summary: Summary, histograms: Mapping[str, LogHistogram], r
     return f"{head}<div class='charts'>{histogram}{ttft}{itl}</div>{table}{diverging}{note}"
 
 
-# -- charts --------------------------------------------------------------------------------
-
-_W, _H = 520, 300
-_LEFT, _RIGHT, _TOP, _BOTTOM = 56, 16, 28, 44
+# -- charts (drawn by splitstream.common.charts) ----------------------------------------------
 
 
 def cdf_chart(series: Sequence[tuple[str, str, LogHistogram]], *, title: str) -> str:
-    """Cumulative distributions on a log time axis (ms), one polyline per series."""
-    populated = [(label, color, h) for label, color, h in series if h.count]
-    if not populated:
-        return f"<figure><svg width='{_W}' height='60' role='img'><text x='10' y='30'>no data</text></svg></figure>"
-    low = min(max(h.min, 1e-6) for _, _, h in populated) * 1000
-    high = max(h.max for _, _, h in populated) * 1000
-    lo_exp = math.floor(math.log10(low))
-    hi_exp = math.ceil(math.log10(high)) if high > low else lo_exp + 1
-    if hi_exp <= lo_exp:
-        hi_exp = lo_exp + 1
-    plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
-
-    def x_of(ms: float) -> float:
-        return _LEFT + (math.log10(max(ms, 10.0**lo_exp)) - lo_exp) / (hi_exp - lo_exp) * plot_w
-
-    def y_of(fraction: float) -> float:
-        return _TOP + (1 - fraction) * plot_h
-
-    out = [_svg_open(title)]
-    for exp in range(lo_exp, hi_exp + 1):
-        x = x_of(10.0**exp)
-        out.append(f"<line x1='{x:.1f}' y1='{_TOP}' x2='{x:.1f}' y2='{_TOP + plot_h}' stroke='#eee'/>")
-        out.append(f"<text x='{x:.1f}' y='{_TOP + plot_h + 14}' text-anchor='middle'>{_ms_label(10.0**exp)}</text>")
-    for fraction in (0, 0.25, 0.5, 0.75, 0.9, 1):
-        y = y_of(fraction)
-        out.append(f"<line x1='{_LEFT}' y1='{y:.1f}' x2='{_LEFT + plot_w}' y2='{y:.1f}' stroke='#eee'/>")
-        out.append(f"<text x='{_LEFT - 6}' y='{y + 4:.1f}' text-anchor='end'>{fraction:g}</text>")
-    out.append(f"<text x='{_LEFT + plot_w / 2}' y='{_H - 8}' text-anchor='middle'>ms (log scale)</text>")
-    for index, (label, color, histogram) in enumerate(populated):
-        points = [(x_of(histogram.min * 1000), y_of(0.0))]
-        points += [(x_of(upper * 1000), y_of(fraction)) for upper, fraction in histogram.cdf_points()]
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
-        out.append(
-            f"<polyline class='series' data-label='{escape(label)}' points='{path}' fill='none' "
-            f"stroke='{color}' stroke-width='2'/>"
-        )
-        out.append(_legend(index, label, color))
-    out.append("</svg>")
-    return f"<figure>{''.join(out)}<figcaption>{escape(title)}</figcaption></figure>"
-
-
-def grouped_bars(
-    categories: Sequence[str], series: Sequence[tuple[str, str, Sequence[float | None]]], *, title: str
-) -> str:
-    """Vertical bars, one group per category and one bar per series (missing values drawn as nothing)."""
-    values = [v for _, _, vs in series for v in vs if v is not None]
-    top = max(values, default=0.0) or 1.0
-    plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
-    group_w = plot_w / max(len(categories), 1)
-    bar_w = min(group_w * 0.8 / max(len(series), 1), 60)
-    out = [_svg_open(title)]
-    for tick in (0, 0.5, 1):
-        y = _TOP + (1 - tick) * plot_h
-        out.append(f"<line x1='{_LEFT}' y1='{y:.1f}' x2='{_LEFT + plot_w}' y2='{y:.1f}' stroke='#eee'/>")
-        out.append(f"<text x='{_LEFT - 6}' y='{y + 4:.1f}' text-anchor='end'>{_fmt(top * tick)}</text>")
-    for c, category in enumerate(categories):
-        start = _LEFT + c * group_w + (group_w - bar_w * len(series)) / 2
-        for s, (label, color, vs) in enumerate(series):
-            value = vs[c] if c < len(vs) else None
-            if value is None:
-                continue
-            height = value / top * plot_h
-            x = start + s * bar_w
-            out.append(
-                f"<rect class='bar' data-label='{escape(label)}' x='{x:.1f}' y='{_TOP + plot_h - height:.1f}' "
-                f"width='{bar_w - 2:.1f}' height='{height:.1f}' fill='{color}'><title>{escape(label)} "
-                f"{escape(category)}: {_fmt(value)}</title></rect>"
-            )
-        out.append(
-            f"<text x='{_LEFT + (c + 0.5) * group_w:.1f}' y='{_TOP + plot_h + 14}' text-anchor='middle'>"
-            f"{escape(category)}</text>"
-        )
-    for index, (label, color, _) in enumerate(series):
-        out.append(_legend(index, label, color))
-    out.append("</svg>")
-    return f"<figure>{''.join(out)}<figcaption>{escape(title)}</figcaption></figure>"
-
-
-def _svg_open(title: str) -> str:
-    return (
-        f"<svg width='{_W}' height='{_H}' viewBox='0 0 {_W} {_H}' "
-        f"role='img' aria-label='{escape(title)}'>"
-        f"<rect x='{_LEFT}' y='{_TOP}' width='{_W - _LEFT - _RIGHT}' height='{_H - _TOP - _BOTTOM}' "
-        "fill='none' stroke='#ccc'/>"
+    """Cumulative distributions of histograms (seconds) on a log time axis (ms), one polyline per series."""
+    return charts.cdf_chart(
+        [
+            charts.CdfSeries(label, color, [(s * 1000, f) for s, f in h.cdf_points()], max(h.min, 1e-6) * 1000)
+            for label, color, h in series
+            if h.count
+        ],
+        title=title,
     )
 
 
-def _legend(index: int, label: str, color: str) -> str:
-    x = _LEFT + 8 + index * 150
-    return (
-        f"<rect x='{x}' y='8' width='12' height='12' fill='{color}'/><text x='{x + 16}' y='18'>{escape(label)}</text>"
-    )
-
-
-def _ms_label(ms: float) -> str:
-    if ms >= 1000:
-        return f"{ms / 1000:g} s"
-    if ms >= 1:
-        return f"{ms:g}"
-    return f"{ms:g}".replace("e-0", "e-")
+grouped_bars = charts.grouped_bars
+_fmt = charts.fmt
+_fmt_rate = charts.fmt_rate
 
 
 def _ms(quantiles: Quantiles, q: str) -> float | None:
     """``p50`` → the ``p50_ms`` field."""
     value: float | None = getattr(quantiles, f"{q}_ms")
     return value
-
-
-def _fmt(value: float | int | None, *, none: str = "-") -> str:
-    if value is None:
-        return none
-    if isinstance(value, int):
-        return str(value)
-    if value == 0:
-        return "0"
-    if abs(value) >= 100:
-        return f"{value:.0f}"
-    return f"{value:.3g}"
-
-
-def _fmt_rate(value: float | None, *, none: str = "-") -> str:
-    return none if value is None else f"{value * 100:.2f} %"

@@ -1,4 +1,4 @@
-"""Turning what users type for ``--since``/``--until`` into unix nanoseconds.
+"""Turning what users type for ``--since``/``--until`` into unix nanoseconds (the replayer, ``splitstream analyze``).
 
 Incidents are reported in wall-clock time ("14:02 to 14:05 UTC"), CI jobs think in
 relative terms ("the last 2 hours"), and scripts pass epoch seconds, so all three are
@@ -9,6 +9,7 @@ instants on a laptop and on a CI runner, which would silently replay the wrong w
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 from splitstream.common.durations import BadDuration, parse_duration_ns
@@ -67,3 +68,20 @@ def format_instant(unix_ns: int) -> str:
     """Unix nanoseconds as ISO-8601 UTC with milliseconds (for reports and error messages)."""
     moment = _UNIX_EPOCH + timedelta(microseconds=unix_ns // 1000)
     return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def join_relative_times(argv: Sequence[str], flags: Sequence[str] = ("--since", "--until")) -> list[str]:
+    """``--since -15m`` → ``--since=-15m``: argparse would take ``-15m`` for an option, and relative
+    times are the common case."""
+    joined: list[str] = []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        following = argv[index + 1] if index + 1 < len(argv) else ""
+        if arg in flags and following.startswith("-") and following[1:2].isdigit():
+            joined.append(f"{arg}={following}")
+            index += 2
+            continue
+        joined.append(arg)
+        index += 1
+    return joined

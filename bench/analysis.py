@@ -1,0 +1,233 @@
+"""How long ``splitstream analyze`` takes next to merely reading the same entries out of Redis, and its memory.
+
+One redis-server (own, on a free port) holds ``--calls`` call entries (written with ``entry_fields`` at their
+call time, a 64-byte inline request each, like a small model's) from ``--users`` users over one hour, and
+``--events`` feedback events (written with ``feedback_entry_fields``): clicks and satisfaction scores naming
+a call by request id, revenue naming a user, ``--duplicates`` of them delivered twice.
+
+Each measurement runs in a fresh process, so its peak RSS is its own:
+
+- raw XRANGE: the calls and feedback streams over the window, pages of ``--page-size`` entries, nothing
+  done with them: once through redis-py's ``xrange`` (entries as dicts, what a reader gets by default), once
+  with the replies as Redis sent them (what the analysis reads: the floor any reader of Redis pays);
+- analysis: :func:`splitstream.analysis.analyze.analyze` over the same window, three metrics;
+- analysis of the first quarter of the window: about a quarter of the calls and events, nearly every user
+  (users come back), to show how memory grows with calls at a fixed number of users. (It reads the same
+  entries: the stream ids of a window run to its end plus the lateness allowance, 1 h.)
+
+Peak memory is the process's peak RSS less what it held after its imports. Target: the full analysis in at
+most 2x the raw read; memory bounded by users, not calls (see the README for what does grow with calls).
+
+    .venv/bin/python bench/analysis.py [--calls 1000000] [--events 1000000] [--users 50000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import cast
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from splitstream.analysis.analyze import Query, analyze  # noqa: E402
+from splitstream.analysis.loading import Window, read_pages  # noqa: E402
+from splitstream.analysis.model import MetricSpec  # noqa: E402
+from splitstream.common.proto.splitstream.v1 import feedback_pb2  # noqa: E402
+from splitstream.common.records import entry_fields, feedback_entry_fields, feedback_key, stream_key  # noqa: E402
+from tests.experiments import Call, call_record, phase  # noqa: E402
+from tests.redis_server import RedisServer  # noqa: E402
+
+MODEL = "bench"
+HOUR_NS = 3_600 * 10**9
+METRICS = ("click:proportion", "satisfaction:mean", "revenue:sum")
+
+
+def populate(url: str, *, calls: int, events: int, users: int, duplicates: int, until_ns: int, seed: int) -> None:
+    import redis
+
+    rng = np.random.default_rng(seed)
+    client = redis.Redis.from_url(url)
+    since_ns = until_ns - HOUR_NS
+    units = [hashlib.sha256(f"user-{i}".encode()).hexdigest() for i in range(users)]
+    bench_phase = phase({"v1": 50, "v2": 50}, "v1", salt="bench")
+    times = np.sort(rng.integers(since_ns, until_ns - 60 * 10**9, calls))
+    who = rng.integers(0, users, calls)
+    payload = bytes(64)
+    pipe = client.pipeline(transaction=False)
+    for i in range(calls):
+        user = int(who[i])
+        call = Call(f"r{i}", int(times[i]), "v1" if user % 2 else "v2", unit=units[user], latency_ms=4.0 + i % 7)
+        pipe.xadd(
+            stream_key(MODEL), entry_fields(call_record(MODEL, call, bench_phase, payload)), id=f"{times[i] // 10**6}-*"
+        )  # type: ignore[arg-type]
+        if i % 5_000 == 4_999:
+            pipe.execute()
+    pipe.execute()
+    kinds = rng.random(events)
+    about = rng.integers(0, calls, events)
+    event_times = np.sort(times[about] + 10**9)
+    for i in range(events + duplicates):
+        j = i if i < events else int(rng.integers(0, events))  # a second delivery of event j
+        call_index = int(about[j])
+        if kinds[j] < 0.5:
+            event = feedback_pb2.FeedbackEvent(request_id=f"r{call_index}", metric="click", value=1.0)
+        elif kinds[j] < 0.8:
+            event = feedback_pb2.FeedbackEvent(request_id=f"r{call_index}", metric="satisfaction", value=3.0 + j % 3)
+        else:
+            event = feedback_pb2.FeedbackEvent(routing_key_hmac=units[int(who[call_index])], metric="revenue",
+                                               value=float(j % 50))  # fmt: skip
+        event.event_unix_ns = event.receive_unix_ns = int(event_times[j])
+        event.idempotency_key = f"e{j}"
+        at_ms = int(event_times[min(i, events - 1)]) // 10**6
+        pipe.xadd(feedback_key(MODEL), feedback_entry_fields(event), id=f"{at_ms}-*")  # type: ignore[arg-type]
+        if i % 5_000 == 4_999:
+            pipe.execute()
+    pipe.execute()
+    client.close()
+
+
+async def measure_raw(url: str, window: Window, page_size: int, *, as_dicts: bool) -> dict[str, float]:
+    """Page through both streams and do nothing with the entries: with redis-py's ``xrange`` (each entry's
+    fields made a dict, what a reader gets by default) or with the replies as Redis sent them (what the
+    analysis reads, :func:`splitstream.analysis.loading.read_pages`)."""
+    from redis.asyncio import Redis
+
+    from splitstream.analysis.loading import _bounds
+
+    redis = Redis.from_url(url)
+    start, end = _bounds(window)
+    entries = 0
+    began = time.perf_counter()
+    for key in (stream_key(MODEL), feedback_key(MODEL)):
+        if as_dicts:
+            lower = start
+            while True:
+                page = cast(
+                    list[tuple[bytes, dict[bytes, bytes]]], await redis.xrange(key, min=lower, max=end, count=page_size)
+                )
+                entries += len(page)
+                if len(page) < page_size:
+                    break
+                lower = "(" + page[-1][0].decode()
+        else:
+            async for raw in read_pages(redis, key, start=start, end=end, page_size=page_size):
+                entries += len(raw)
+    elapsed = time.perf_counter() - began
+    await redis.aclose()
+    return {"seconds": elapsed, "entries": entries}
+
+
+async def measure_analysis(url: str, window: Window, page_size: int) -> dict[str, float]:
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(url)
+    query = Query(model=MODEL, window=window, metrics=tuple(MetricSpec.parse(m) for m in METRICS), page_size=page_size)
+    began = time.perf_counter()
+    result = await analyze(redis, query)
+    elapsed = time.perf_counter() - began
+    await redis.aclose()
+    units = sum(p.units for p in result.phases)
+    return {
+        "seconds": elapsed,
+        "entries": result.calls.entries_read + result.feedback.entries_read,
+        "calls": result.calls.calls,
+        "events": result.feedback.used,
+        "units": units,
+        "duplicates": result.feedback.duplicates,
+    }
+
+
+def child(args: argparse.Namespace) -> int:
+    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    window = Window(args.since_ns, args.until_ns)
+    if args.measure == "analysis":
+        result = asyncio.run(measure_analysis(args.url, window, args.page_size))
+    else:
+        result = asyncio.run(measure_raw(args.url, window, args.page_size, as_dicts=args.measure == "raw"))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result["peak_mib"] = (peak - baseline) / 1024
+    print(json.dumps(result))
+    return 0
+
+
+def run_child(url: str, measure: str, since_ns: int, until_ns: int, page_size: int) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", measure, "--url", url, "--since-ns", str(since_ns),
+         "--until-ns", str(until_ns), "--page-size", str(page_size)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=1_000_000)
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--users", type=int, default=50_000)
+    parser.add_argument("--duplicates", type=int, default=10_000, help="events delivered twice")
+    parser.add_argument("--page-size", type=int, default=5_000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--child", dest="measure", choices=("raw", "raw-unparsed", "analysis"), help=argparse.SUPPRESS)
+    parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--since-ns", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--until-ns", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        return child(args)
+    until_ns = (time.time_ns() // 10**9 - 120) * 10**9
+    since_ns = until_ns - HOUR_NS
+    with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
+        began = time.perf_counter()
+        populate(
+            server.url, calls=args.calls, events=args.events, users=args.users, duplicates=args.duplicates,
+            until_ns=until_ns, seed=args.seed,
+        )  # fmt: skip
+        print(
+            f"wrote {args.calls:,} calls and {args.events + args.duplicates:,} feedback entries "
+            f"({args.users:,} users) in {time.perf_counter() - began:.0f} s"
+        )
+        quarter_ns = since_ns + HOUR_NS // 4
+        rows = [
+            ("raw XRANGE, entries as dicts", run_child(server.url, "raw", since_ns, until_ns, args.page_size)),
+            ("raw XRANGE, replies as sent", run_child(server.url, "raw-unparsed", since_ns, until_ns, args.page_size)),
+            ("analysis", run_child(server.url, "analysis", since_ns, until_ns, args.page_size)),
+            ("analysis, first quarter", run_child(server.url, "analysis", since_ns, quarter_ns, args.page_size)),
+        ]
+    raw = rows[0][1]["seconds"]
+    unparsed = rows[1][1]["seconds"]
+    print(f"\n{'path':<30} {'entries':>10} {'units':>8} {'seconds':>8} {'x raw':>6} {'x sent':>7} {'peak MiB':>9}")
+    print("-" * 84)
+    for name, row in rows:
+        units = f"{int(row['units']):,}" if "units" in row else "-"
+        print(
+            f"{name:<30} {int(row['entries']):>10,} {units:>8} {row['seconds']:>8.2f} "
+            f"{row['seconds'] / raw:>6.2f} {row['seconds'] / unparsed:>7.2f} {row['peak_mib']:>9.0f}"
+        )
+    print(
+        "x raw: time over the redis-py xrange read; x sent: over the read of the replies as sent (the floor). "
+        "Every row reads the same entries (the window's stream ids plus the lateness allowance)."
+    )
+    full, quarter = rows[2][1], rows[3][1]
+    print(
+        f"\nanalysis memory, full window / first quarter: {full['peak_mib'] / max(quarter['peak_mib'], 1):.2f}x "
+        f"for {full['calls'] / max(quarter['calls'], 1):.2f}x the calls and "
+        f"{full['units'] / max(quarter['units'], 1):.2f}x the units"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

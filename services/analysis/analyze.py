@@ -1,0 +1,733 @@
+"""``analyze``: from a model's recorded calls and feedback to verdicts, per experiment phase and arm.
+
+The steps, each a column operation: read feedback and de-duplicate it; read the calls, counting randomized
+ones per (phase, arm, unit) and time bucket and the others apart; drop units seen in two arms of one phase
+(crossover); attribute each event to its call (by request id) or its unit (the phase it was last exposed
+in before the event); per phase, lay the units out as rows of numpy matrices (one column per time bucket,
+cumulated), and compare every arm with the control at the end of each bucket. The last bucket's comparison
+is the result; the earlier ones are the lift-over-time chart.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+from redis.asyncio import Redis
+
+from splitstream.analysis import statistics as st
+from splitstream.analysis.loading import (
+    TIMELINE_POINTS,
+    Exposures,
+    Feedback,
+    Histogram,
+    PhaseInfo,
+    Window,
+    load_exposures,
+    load_feedback,
+    mixed,
+)
+from splitstream.analysis.model import (
+    Analysis,
+    ArmMetric,
+    ArmSummary,
+    CallCounts,
+    FeedbackCounts,
+    Interval,
+    MetricComparison,
+    MetricSpec,
+    NonRandomizedCalls,
+    PhaseResult,
+    SampleRatioMismatch,
+    TimelinePoint,
+    Unit,
+    Verdict,
+)
+
+FloatArray = npt.NDArray[np.float64]
+#: Power the "more units needed" estimate aims at.
+TARGET_POWER = 0.8
+
+
+@dataclass(frozen=True, kw_only=True)
+class Query:
+    """What to analyse. ``pre_window``: the CUPED pre-period (the same metrics, per unit), or None."""
+
+    model: str
+    window: Window
+    metrics: tuple[MetricSpec, ...]
+    unit: Unit = "user"
+    alpha: float = 0.05
+    sequential: bool = False
+    pre_window: Window | None = None
+    tuning_units: int = st.DEFAULT_TUNING_UNITS
+    page_size: int = 5_000
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be between 0 and 1 (exclusive), got {self.alpha}")
+        if not self.metrics:
+            raise ValueError("give at least one metric (NAME:KIND, e.g. click:proportion)")
+        names = [m.name for m in self.metrics]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a metric is named twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+        if self.window.until_ns <= self.window.since_ns:
+            raise ValueError("the window's end must be after its start")
+        if self.pre_window is not None and self.unit == "call":
+            raise ValueError("CUPED needs units that come back (--unit user): a call has no pre-period")
+        if self.pre_window is not None and self.pre_window.until_ns <= self.pre_window.since_ns:
+            raise ValueError("the CUPED pre-period's end must be after its start")
+
+
+@dataclass(frozen=True, slots=True)
+class _Attributed:
+    """Events joined to a randomized unit: ``phase``, ``arm``, ``unit``, ``metric``, ``value``, ``event_ns``,
+    and ``positive_call`` (a positive event that is the first positive of its call for its metric)."""
+
+    events: pa.Table
+    unknown: int
+    not_randomized: int
+
+
+async def analyze(redis: Redis, query: Query) -> Analysis:
+    """Read the window from Redis and analyse it. Raises RedisError/OSError when Redis fails mid-way."""
+    metric_names = [m.name for m in query.metrics]
+    feedback = await load_feedback(redis, query.model, query.window, metric_names, page_size=query.page_size)
+    exposures = await load_exposures(
+        redis,
+        query.model,
+        query.window,
+        per_call=query.unit == "call",
+        wanted_requests=_named_requests(feedback.events),
+        page_size=query.page_size,
+    )
+    pre: _PreValues | None = None
+    if query.pre_window is not None:
+        pre = await _load_pre_values(redis, query, query.pre_window)
+    return summarize(query, exposures, feedback, pre)
+
+
+def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None) -> Analysis:
+    """The analysis of loaded data (no I/O): what :func:`analyze` returns."""
+    crossover = _crossover_units(exposures.units)
+    units = exposures.units.filter(pc.invert(_among(exposures.units, crossover))) if len(crossover) else exposures.units
+    attributed = _attribute(feedback.events, exposures.call_keys, units, per_call=query.unit == "call")
+    events = attributed.events
+    if len(crossover):
+        events = events.filter(pc.invert(_among(events, crossover)))
+    crossed_events = len(attributed.events) - len(events)
+    order = _phase_order(units)
+    phases = []
+    for code in order:
+        name = exposures.phases.names[code]
+        info = exposures.phase_info.get(name) or PhaseInfo(name, {}, "")
+        phases.append(
+            _analyse_phase(
+                query,
+                info,
+                units.filter(pc.equal(units["phase"], code)) if len(order) > 1 else units,
+                events.filter(pc.equal(events["phase"], code)) if len(order) > 1 else events,
+                bucket_calls=exposures.bucket_calls,
+                arm_names=exposures.arms.names,
+                crossover_units=int(pc.sum(pc.equal(crossover["phase"], code)).as_py() or 0),
+                latency=exposures.latency,
+                pre=pre,
+            )
+        )
+    non_randomized = _non_randomized(exposures)
+    randomized_calls = int(pc.sum(exposures.units["calls"]).as_py() or 0)
+    return Analysis(
+        model=query.model,
+        since_ns=query.window.since_ns,
+        until_ns=query.window.until_ns,
+        unit=query.unit,
+        alpha=query.alpha,
+        sequential=query.sequential,
+        cuped_since_ns=query.pre_window.since_ns if query.pre_window else None,
+        cuped_until_ns=query.pre_window.until_ns if query.pre_window else None,
+        metrics=[str(m) for m in query.metrics],
+        calls=CallCounts(
+            entries_read=exposures.entries_read,
+            calls=exposures.calls,
+            randomized=randomized_calls,
+            not_randomized=exposures.calls - randomized_calls,
+            duplicates=exposures.duplicates,
+            corrupt=exposures.corrupt,
+        ),
+        feedback=FeedbackCounts(
+            entries_read=feedback.entries_read,
+            used=len(events),
+            duplicates=feedback.duplicates,
+            unknown=attributed.unknown,
+            not_randomized=attributed.not_randomized,
+            crossover=crossed_events,
+            outside_window=feedback.outside_window,
+            other_metrics=feedback.other_metrics,
+            corrupt=feedback.corrupt,
+        ),
+        phases=phases,
+        non_randomized=non_randomized,
+        verdicts=[c.verdict_line for p in phases for c in p.comparisons],
+    )
+
+
+# -- joins ---------------------------------------------------------------------------------
+
+
+def _named_requests(events: pa.Table) -> npt.NDArray[np.uint64]:
+    """Fingerprints of the request ids events name (0, no request id, left out)."""
+    requests = events["request"].to_numpy()
+    return np.unique(requests[requests != 0])
+
+
+def _pair_keys(table: pa.Table) -> npt.NDArray[np.uint64]:
+    """One 64-bit key per row's (phase, unit)."""
+    phase = table["phase"].to_numpy().astype(np.uint64)
+    return mixed(table["unit"].to_numpy(), 0) ^ (phase << np.uint64(48))
+
+
+def _among(table: pa.Table, pairs: pa.Table) -> pa.Array:
+    """Whether each row's (phase, unit) is one of ``pairs`` (a sorted-array membership test, no hash join)."""
+    if not len(pairs) or not len(table):
+        return pa.array(np.zeros(len(table), dtype=bool))
+    return pa.array(np.isin(_pair_keys(table), _pair_keys(pairs)))
+
+
+def _crossover_units(units: pa.Table) -> pa.Table:
+    """(phase, unit) pairs randomized into more than one arm."""
+    arms = units.group_by(["phase", "unit"]).aggregate([("arm", "count_distinct")])
+    return arms.filter(pc.greater(arms["arm_count_distinct"], 1)).select(["phase", "unit"])
+
+
+#: The fingerprint of "no request id" / "no unit".
+_NONE = pa.scalar(0, pa.uint64())
+_ATTRIBUTED = pa.schema(
+    [
+        ("phase", pa.int16()),
+        ("arm", pa.int16()),
+        ("unit", pa.uint64()),
+        ("metric", pa.int8()),
+        ("value", pa.float64()),
+        ("event_ns", pa.int64()),
+        ("request", pa.uint64()),
+    ]
+)
+
+
+def _attribute(events: pa.Table, call_keys: pa.Table, units: pa.Table, *, per_call: bool) -> _Attributed:
+    """Join each event to (phase, arm, unit): by its request id to the call; else by its unit to the phase in
+    which that unit was last first-exposed before the event (a unit-level event in ``per_call`` mode has no
+    call to join and is unknown)."""
+    if not len(events):
+        return _Attributed(_ATTRIBUTED.empty_table(), 0, 0)
+    # By request id: a binary search of each event's request fingerprint among the calls' (the calls events
+    # name, a few hundred thousand), cheaper in memory than Arrow's hash join over a million events.
+    requests = events["request"].to_numpy()
+    has_request = requests != 0
+    keys = call_keys["request"].to_numpy()
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    wanted = np.flatnonzero(has_request)
+    at = np.minimum(np.searchsorted(sorted_keys, requests[wanted]), max(len(sorted_keys) - 1, 0))
+    found = sorted_keys[at] == requests[wanted] if len(sorted_keys) else np.zeros(len(wanted), dtype=bool)
+    call = order[at[found]]
+    randomized = call_keys["randomized"].to_numpy(zero_copy_only=False)[call]
+    unknown = int((~found).sum())
+    not_randomized = int((~randomized).sum())
+    rows, call = wanted[found][randomized], call[randomized]
+    parts = [
+        pa.table(
+            {
+                "phase": call_keys["phase"].to_numpy()[call],
+                "arm": call_keys["arm"].to_numpy()[call],
+                "unit": call_keys["unit"].to_numpy()[call],
+                "metric": events["metric"].to_numpy()[rows],
+                "value": events["value"].to_numpy()[rows],
+                "event_ns": events["event_ns"].to_numpy()[rows],
+                "request": requests[rows],
+            }
+        )
+    ]
+    by_request = len(wanted)
+    has_request_array = pa.array(has_request)
+    by_unit = events.filter(pc.and_(pc.invert(has_request_array), pc.not_equal(events["unit"], _NONE)))
+    unknown += len(events) - by_request - len(by_unit)  # neither a request id nor a unit
+    if per_call:
+        unknown += len(by_unit)
+    elif len(by_unit) and len(units):
+        # The (phase, arm) row of the unit with the latest first exposure at or before the event: rows sorted by
+        # (unit, first exposure), each event starts at its unit's last row and steps back past later ones (a
+        # unit has a row per phase it was in, so a few steps at most).
+        row_unit = units["unit"].to_numpy()
+        row_first = units["first_ns"].to_numpy()
+        order = np.lexsort((row_first, row_unit))
+        row_unit, row_first = row_unit[order], row_first[order]
+        event_unit = by_unit["unit"].to_numpy()
+        event_ns = by_unit["event_ns"].to_numpy()
+        at = np.searchsorted(row_unit, event_unit, side="right").astype(np.int64) - 1
+        chosen = np.zeros(len(event_unit), dtype=bool)
+        pending = (at >= 0) & (row_unit[np.maximum(at, 0)] == event_unit)
+        while pending.any():
+            good = pending & (row_first[np.maximum(at, 0)] <= event_ns)
+            chosen |= good
+            at = np.where(pending & ~good, at - 1, at)
+            pending &= ~good & (at >= 0)
+            pending &= row_unit[np.maximum(at, 0)] == event_unit
+        rows = order[at[chosen]]
+        unknown += int((~chosen).sum())
+        parts.append(
+            pa.table(
+                {
+                    "phase": units["phase"].to_numpy()[rows],
+                    "arm": units["arm"].to_numpy()[rows],
+                    "unit": event_unit[chosen],
+                    "metric": by_unit["metric"].to_numpy()[chosen],
+                    "value": by_unit["value"].to_numpy()[chosen],
+                    "event_ns": event_ns[chosen],
+                    "request": by_unit["request"].to_numpy()[chosen],
+                }
+            )
+        )
+    else:
+        unknown += len(by_unit)
+    attributed = pa.concat_tables([p.cast(_ATTRIBUTED) for p in parts])
+    return _Attributed(attributed, unknown, not_randomized)
+
+
+def _phase_order(units: pa.Table) -> list[int]:
+    """Phase codes, the earliest first."""
+    if not len(units):
+        return []
+    first = units.group_by("phase").aggregate([("first_ns", "min")]).sort_by("first_ns_min")
+    return [int(p) for p in first["phase"].to_pylist()]
+
+
+# -- per phase -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _UnitMatrix:
+    """A phase's units as rows: their arm, the bucket of their first call, and per-bucket cumulated counts."""
+
+    keys: pa.Array
+    arm_names: list[str]
+    arm_of: npt.NDArray[np.int64]
+    first_bucket: npt.NDArray[np.int64]
+    calls: FloatArray  # (units, buckets), cumulated over buckets
+
+
+@dataclass(frozen=True, slots=True)
+class _MetricMatrix:
+    sums: FloatArray
+    counts: FloatArray
+    positives: FloatArray
+
+
+def _unit_matrix(units: pa.Table, bucket_calls: npt.NDArray[np.int32], arm_names: list[str]) -> _UnitMatrix:
+    """Rows of ``units`` (keyed rows of ``bucket_calls``) as one row per unit; rows of one unit (the pre-period's
+    several phases and arms) are added up."""
+    keys, index = np.unique(units["unit"].to_numpy(), return_inverse=True)
+    index = index.reshape(-1).astype(np.int64)
+    n = len(keys)
+    arm_codes = units["arm"].to_numpy().astype(np.int64)
+    present = np.unique(arm_codes)
+    arm_of = np.zeros(n, dtype=np.int64)
+    arm_of[index] = np.searchsorted(present, arm_codes)
+    per_bucket = np.zeros((n, TIMELINE_POINTS))
+    np.add.at(per_bucket, index, bucket_calls[units["key"].to_numpy()])
+    first = np.where(per_bucket.any(axis=1), np.argmax(per_bucket > 0, axis=1), TIMELINE_POINTS)
+    calls = np.cumsum(per_bucket, axis=1)
+    return _UnitMatrix(pa.array(keys, pa.uint64()), [arm_names[int(c)] for c in present], arm_of, first, calls)
+
+
+def _cumulated(index: npt.NDArray[np.int64], buckets: npt.NDArray[np.int64], weights: FloatArray, n: int) -> FloatArray:
+    flat = np.bincount(index * TIMELINE_POINTS + buckets, weights=weights, minlength=n * TIMELINE_POINTS)
+    return np.cumsum(flat.reshape(n, TIMELINE_POINTS), axis=1)
+
+
+def _metric_matrix(matrix: _UnitMatrix, events: pa.Table, window: Window) -> _MetricMatrix:
+    n = len(matrix.keys)
+    zeros = np.zeros((n, TIMELINE_POINTS))
+    if not len(events) or not n:
+        return _MetricMatrix(zeros, zeros.copy(), zeros.copy())
+    rows = pc.index_in(events["unit"], value_set=matrix.keys)
+    known = pc.is_valid(rows)
+    events = events.filter(known)
+    index = pc.filter(rows, known).to_numpy().astype(np.int64)
+    buckets = window.bucket_of(events["event_ns"].to_numpy()).astype(np.int64)
+    values = events["value"].to_numpy()
+    sums = _cumulated(index, buckets, values, n)
+    counts = _cumulated(index, buckets, np.ones(len(values)), n)
+    # A call counts once however many positive events name it (its first); unit-level events count each.
+    positive = values > 0
+    requests = events["request"].to_numpy()
+    first_positive = positive & (requests == 0)
+    per_call = np.flatnonzero(positive & (requests != 0))
+    if len(per_call):
+        order = per_call[np.argsort(events["event_ns"].to_numpy()[per_call], kind="stable")]
+        _, first = np.unique(requests[order], return_index=True)
+        first_positive[order[first]] = True
+    positives = _cumulated(index[first_positive], buckets[first_positive], np.ones(int(first_positive.sum())), n)
+    return _MetricMatrix(sums, counts, positives)
+
+
+def _unit_values(
+    kind: st.MetricKind, metric: _MetricMatrix, calls: FloatArray, rows: npt.NDArray[np.bool_], bucket: int
+) -> st.UnitValues:
+    if kind is st.MetricKind.SUM:
+        return st.UnitValues.of_means(metric.sums[rows, bucket])
+    if kind is st.MetricKind.MEAN:
+        return st.UnitValues(metric.sums[rows, bucket], metric.counts[rows, bucket])
+    exposures = calls[rows, bucket]
+    return st.UnitValues(np.minimum(metric.positives[rows, bucket], exposures), exposures)
+
+
+def _analyse_phase(
+    query: Query,
+    info: PhaseInfo,
+    units: pa.Table,
+    events: pa.Table,
+    *,
+    bucket_calls: npt.NDArray[np.int32],
+    arm_names: list[str],
+    crossover_units: int,
+    latency: dict[tuple[str, str, str], Histogram],
+    pre: _PreValues | None,
+) -> PhaseResult:
+    matrix = _unit_matrix(units, bucket_calls, arm_names)
+    last = TIMELINE_POINTS - 1
+    arm_rows = {arm: matrix.arm_of == code for code, arm in enumerate(matrix.arm_names)}
+    observed = {arm: int(rows.sum()) for arm, rows in arm_rows.items()}
+    srm = st.sample_ratio_mismatch(observed, info.weights) if info.weights else None
+    ordered = sorted(matrix.arm_names, key=lambda a: (a != info.control, a))
+    arm_metrics: dict[str, dict[str, ArmMetric]] = {arm: {} for arm in ordered}
+    by_arm: dict[str, list[MetricComparison]] = {arm: [] for arm in ordered}
+    # One metric at a time: its per-unit matrices are the largest things the analysis holds.
+    for code, spec in enumerate(query.metrics):
+        metric = _metric_matrix(matrix, events.filter(pc.equal(events["metric"], code)), query.window)
+        for arm in ordered:
+            rows = arm_rows[arm]
+            values = _unit_values(spec.kind, metric, matrix.calls, rows, last)
+            estimate = st.estimate(values)
+            low, high = estimate.interval(query.alpha) if values.units > 1 else (math.nan, math.nan)
+            count = int(metric.counts[rows, last].sum())
+            arm_metrics[arm][spec.name] = ArmMetric(value=_num(estimate.value), ci=_interval(low, high), events=count)
+            if info.control in arm_rows and arm != info.control:
+                by_arm[arm].append(_comparison(query, spec, info.control, arm, matrix, metric, arm_rows, pre))
+        del metric
+    arms = []
+    for arm in ordered:
+        rows = arm_rows[arm]
+        histogram = latency.get((info.id, arm, "randomized"), Histogram())
+        arms.append(
+            ArmSummary(
+                arm=arm,
+                weight=info.weights.get(arm),
+                units=int(rows.sum()),
+                calls=int(matrix.calls[rows, last].sum()),
+                errors=histogram.errors,
+                error_rate=histogram.errors / histogram.calls if histogram.calls else None,
+                latency_p50_ms=histogram.quantile_ms(0.5),
+                latency_p99_ms=histogram.quantile_ms(0.99),
+                metrics=arm_metrics[arm],
+                latency_cdf=histogram.cdf_points(),
+            )
+        )
+    comparisons = [c for arm in ordered for c in by_arm[arm]]
+    return PhaseResult(
+        id=info.id,
+        control=info.control,
+        weights=info.weights,
+        first_ns=int(pc.min(units["first_ns"]).as_py() or 0),
+        units=len(matrix.keys),
+        crossover_units=crossover_units,
+        srm=SampleRatioMismatch(
+            observed=srm.observed, expected=srm.expected, chi2=srm.chi2, p_value=srm.p_value, flagged=srm.flagged
+        )
+        if srm
+        else None,
+        arms=arms,
+        comparisons=comparisons,
+    )
+
+
+def _compare_at(
+    query: Query,
+    spec: MetricSpec,
+    control_values: st.UnitValues,
+    arm_values: st.UnitValues,
+    covariates: tuple[st.UnitValues, st.UnitValues] | None,
+) -> tuple[st.Comparison, float | None, st.Comparison | None]:
+    """The comparison (CUPED-adjusted when covariates are given), θ, and the unadjusted one."""
+    if query.unit == "call" and spec.kind is st.MetricKind.PROPORTION:
+        result = st.two_proportions(
+            int(control_values.y.sum()),
+            control_values.units,
+            int(arm_values.y.sum()),
+            arm_values.units,
+            alpha=query.alpha,
+        )
+        if query.sequential:
+            result = _with_sequential(query, result)
+        return result, None, None
+    test = "welch" if spec.kind is st.MetricKind.SUM else "z"
+    plain = st.compare(
+        st.estimate(control_values),
+        st.estimate(arm_values),
+        alpha=query.alpha,
+        test=test,
+        sequential=query.sequential,
+        tuning_units=query.tuning_units,
+    )
+    if covariates is None:
+        return plain, None, None
+    control, arm, theta = st.cuped_estimates(control_values, arm_values, *covariates)
+    adjusted = st.compare(
+        control, arm, alpha=query.alpha, test=test, sequential=query.sequential, tuning_units=query.tuning_units
+    )
+    return adjusted, theta, plain
+
+
+def _with_sequential(query: Query, result: st.Comparison) -> st.Comparison:
+    """The two-proportion comparison with the mSPRT p-value and confidence sequence added (on the same
+    difference and its unpooled variance)."""
+    sequential = st.compare(
+        result.control, result.treatment, alpha=query.alpha, test="z", sequential=True, tuning_units=query.tuning_units
+    )
+    return replace(result, sequential_p_value=sequential.sequential_p_value, sequential_ci=sequential.sequential_ci)
+
+
+def _comparison(
+    query: Query,
+    spec: MetricSpec,
+    control: str,
+    arm: str,
+    matrix: _UnitMatrix,
+    metric: _MetricMatrix,
+    arm_rows: dict[str, npt.NDArray[np.bool_]],
+    pre: _PreValues | None,
+) -> MetricComparison:
+    timeline = []
+    final: tuple[st.Comparison, float | None, st.Comparison | None] | None = None
+    for bucket in range(TIMELINE_POINTS):
+        started = matrix.first_bucket <= bucket
+        control_rows = arm_rows[control] & started
+        treatment_rows = arm_rows[arm] & started
+        if control_rows.sum() < 2 or treatment_rows.sum() < 2:
+            continue
+        control_values = _unit_values(spec.kind, metric, matrix.calls, control_rows, bucket)
+        arm_values = _unit_values(spec.kind, metric, matrix.calls, treatment_rows, bucket)
+        covariates = (
+            (pre.values(spec, matrix.keys, control_rows), pre.values(spec, matrix.keys, treatment_rows))
+            if pre is not None
+            else None
+        )
+        result = _compare_at(query, spec, control_values, arm_values, covariates)
+        point = result[0]
+        timeline.append(
+            TimelinePoint(
+                until_ns=query.window.bucket_end_ns(bucket),
+                units_control=int(control_rows.sum()),
+                units_arm=int(treatment_rows.sum()),
+                absolute=_num(point.absolute),
+                absolute_ci=_interval(*point.absolute_ci),
+                relative=_num(point.relative),
+                relative_ci=_interval(*point.relative_ci) if point.relative_ci else _interval(None, None),
+                p_value=_num(point.p_value),
+                sequential_p_value=_num(point.sequential_p_value),
+                sequential_ci=_interval(*point.sequential_ci) if point.sequential_ci else None,
+            )
+        )
+        if bucket == TIMELINE_POINTS - 1:
+            final = result
+    if final is None:
+        line = f"{arm} vs {control}: {spec.name}: no data (fewer than 2 units in an arm)"
+        return MetricComparison(
+            metric=spec.name,
+            kind=spec.kind,
+            arm=arm,
+            control=control,
+            test="",
+            control_value=None,
+            arm_value=None,
+            absolute_lift=None,
+            absolute_ci=_interval(None, None),
+            relative_lift=None,
+            relative_ci=_interval(None, None),
+            p_value=None,
+            verdict="no data",
+            verdict_line=line,
+            timeline=timeline,
+        )
+    result, theta, plain = final
+    power, needed, more = _power(query, result)
+    verdict, line = _verdict(query, spec, control, arm, result, more)
+    return MetricComparison(
+        metric=spec.name,
+        kind=spec.kind,
+        arm=arm,
+        control=control,
+        test=result.test,
+        control_value=_num(result.control.value),
+        arm_value=_num(result.treatment.value),
+        absolute_lift=_num(result.absolute),
+        absolute_ci=_interval(*result.absolute_ci),
+        relative_lift=_num(result.relative),
+        relative_ci=_interval(*result.relative_ci) if result.relative_ci else _interval(None, None),
+        p_value=_num(result.p_value),
+        sequential_p_value=_num(result.sequential_p_value),
+        sequential_ci=_interval(*result.sequential_ci) if result.sequential_ci else None,
+        cuped_theta=theta,
+        unadjusted_ci=_interval(*plain.absolute_ci) if plain is not None else None,
+        power=power,
+        units_per_arm_needed=needed,
+        more_units_per_arm_needed=more,
+        verdict=verdict,
+        verdict_line=line,
+        timeline=timeline,
+    )
+
+
+def _power(query: Query, result: st.Comparison) -> tuple[float | None, float | None, int | None]:
+    control, treatment = result.control, result.treatment
+    if not (math.isfinite(control.variance) and math.isfinite(treatment.variance)):
+        return None, None, None
+    units = min(control.units, treatment.units)
+    power = st.power(result.absolute, control.unit_variance, treatment.unit_variance, units, alpha=query.alpha)
+    needed = st.units_per_arm_needed(
+        result.absolute, control.unit_variance, treatment.unit_variance, alpha=query.alpha, power=TARGET_POWER
+    )
+    more = max(0, math.ceil(needed - units)) if needed is not None else None
+    return _num(power), _num(needed), more
+
+
+def _verdict(
+    query: Query, spec: MetricSpec, control: str, arm: str, result: st.Comparison, more: int | None
+) -> tuple[Verdict, str]:
+    """``v2 vs v1: click +3.1 % (95 % CI +1.2 .. +5.0 %), p = 0.002: v2 better``."""
+    level = f"{(1 - query.alpha) * 100:g} %"
+    if query.sequential and result.sequential_ci is not None and result.sequential_p_value is not None:
+        low, high = result.sequential_ci
+        p = result.sequential_p_value
+        label = f"always-valid {level} CI"
+    else:
+        low, high = result.absolute_ci
+        p = result.p_value
+        label = f"{level} CI"
+    base = result.control.value
+    if result.relative is not None and base:
+        # The relative interval: the absolute one over the control's value (the sequential one has no
+        # delta-method relative form; the fixed one uses the delta method).
+        if not query.sequential and result.relative_ci is not None:
+            rel_low, rel_high = result.relative_ci
+        else:
+            rel_low, rel_high = low / abs(base), high / abs(base)
+        effect = f"{spec.name} {result.relative * 100:+.1f} % ({label} {rel_low * 100:+.1f} .. {rel_high * 100:+.1f} %)"
+    else:
+        effect = f"{spec.name} {result.absolute:+.4g} ({label} {low:+.4g} .. {high:+.4g})"
+    head = f"{arm} vs {control}: {effect}, p = {_p_text(p)}"
+    if p < query.alpha and (low > 0 or high < 0):
+        verdict: Verdict = "better" if result.absolute > 0 else "worse"
+        return verdict, f"{head}: {arm} {verdict}"
+    noun = "users" if query.unit == "user" else "calls"
+    if more:
+        return (
+            "inconclusive",
+            f"{head}: inconclusive: at this effect size about {more:,} more {noun} per arm are needed",
+        )
+    if result.absolute == 0:
+        return "inconclusive", f"{head}: inconclusive: no difference measured"
+    return "inconclusive", f"{head}: inconclusive: the interval still includes no change; keep collecting"
+
+
+def _p_text(p: float) -> str:
+    if p < 0.001:
+        return "< 0.001"
+    return f"{p:.3f}"
+
+
+def _non_randomized(exposures: Exposures) -> list[NonRandomizedCalls]:
+    rows = []
+    for phase, assignment, arm, calls, errors in sorted(exposures.other):
+        histogram = exposures.latency.get((phase, arm, assignment), Histogram())
+        rows.append(
+            NonRandomizedCalls(
+                phase=phase,
+                assignment=assignment or "unspecified",
+                arm=arm,
+                calls=calls,
+                errors=errors,
+                error_rate=errors / calls if calls else None,
+                latency_p50_ms=histogram.quantile_ms(0.5),
+                latency_p99_ms=histogram.quantile_ms(0.99),
+            )
+        )
+    return rows
+
+
+def _num(value: float | None) -> float | None:
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def _interval(low: float | None, high: float | None) -> Interval:
+    return Interval(low=_num(low), high=_num(high))
+
+
+# -- CUPED pre-period ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _PreValues:
+    """Per unit, over the whole pre-period whatever the phase or arm: calls, and per metric the sum, count and
+    positive calls of its events. Units absent from the pre-period get zeros (the covariate's mean does the rest)."""
+
+    keys: pa.Array
+    calls: FloatArray
+    metrics: dict[str, _MetricMatrix]
+
+    def values(self, spec: MetricSpec, keys: pa.Array, rows: npt.NDArray[np.bool_]) -> st.UnitValues:
+        positions = pc.index_in(pc.filter(keys, pa.array(rows)), value_set=self.keys)
+        found = pc.is_valid(positions).to_numpy(zero_copy_only=False)
+        at = pc.fill_null(positions, 0).to_numpy().astype(np.int64)
+        metric = self.metrics[spec.name]
+        last = TIMELINE_POINTS - 1
+        calls = np.where(found, self.calls[at, last], 0.0)
+        sums = np.where(found, metric.sums[at, last], 0.0)
+        if spec.kind is st.MetricKind.SUM:
+            return st.UnitValues.of_means(sums)
+        if spec.kind is st.MetricKind.MEAN:
+            return st.UnitValues(sums, np.where(found, metric.counts[at, last], 0.0))
+        positives = np.where(found, metric.positives[at, last], 0.0)
+        return st.UnitValues(np.minimum(positives, calls), calls)
+
+
+async def _load_pre_values(redis: Redis, query: Query, window: Window) -> _PreValues:
+    names = [m.name for m in query.metrics]
+    feedback = await load_feedback(redis, query.model, window, names, page_size=query.page_size)
+    exposures = await load_exposures(
+        redis,
+        query.model,
+        window,
+        per_call=False,
+        wanted_requests=_named_requests(feedback.events),
+        page_size=query.page_size,
+        randomized_only=False,
+    )
+    # One pseudo-phase and arm: the pre-period is a covariate per unit, not a comparison.
+    units = exposures.units.set_column(0, "phase", pa.array(np.zeros(len(exposures.units), dtype=np.int16)))
+    units = units.set_column(1, "arm", pa.array(np.zeros(len(units), dtype=np.int16)))
+    keys = exposures.call_keys
+    keys = keys.set_column(keys.schema.get_field_index("phase"), "phase", pa.array(np.zeros(len(keys), np.int16)))
+    keys = keys.set_column(keys.schema.get_field_index("arm"), "arm", pa.array(np.zeros(len(keys), np.int16)))
+    keys = keys.set_column(keys.schema.get_field_index("randomized"), "randomized", pa.array(np.ones(len(keys), bool)))
+    attributed = _attribute(feedback.events, keys, units, per_call=False)
+    matrix = _unit_matrix(units, exposures.bucket_calls, ["all"])
+    metrics = {
+        name: _metric_matrix(matrix, attributed.events.filter(pc.equal(attributed.events["metric"], code)), window)
+        for code, name in enumerate(names)
+    }
+    return _PreValues(matrix.keys, matrix.calls, metrics)

@@ -1,0 +1,226 @@
+"""``splitstream analyze MODEL``: the A/B analysis on the command line (registered by the admin CLI).
+
+Prints a table and one verdict line per metric and arm, and writes ``analysis.json`` and ``analysis.html``
+to ``--output-dir``. Exit codes: 0 done (whatever the verdicts); 1 Redis unreachable or failing; 2 a usage
+error (one line on stderr: a bad flag, a bad time, a model with no recorded calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from splitstream.analysis.analyze import Query, analyze
+from splitstream.analysis.loading import Window
+from splitstream.analysis.model import Analysis, MetricSpec
+from splitstream.analysis.report import render_html, render_table
+from splitstream.common.durations import BadDuration, parse_duration_ns
+from splitstream.common.files import atomic_write
+from splitstream.common.records import recorded_models, stream_key
+from splitstream.common.redis_url import check_connection_options
+from splitstream.common.secrets import redact_text, redact_url
+from splitstream.common.timewindow import BadTime, parse_instant_ns
+
+#: Flags whose value may be a relative time such as ``-2h`` (see :func:`join_relative_times`).
+TIME_FLAGS = ("--since", "--until", "--cuped-pre-since", "--cuped-pre-until")
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class AnalysisFailed(Exception):
+    """Redis could not be read (exit 1)."""
+
+
+class UsageError(Exception):
+    """Input that cannot be analysed (exit 2), found after parsing: an unknown model, an unwritable directory."""
+
+
+def metric_list(text: str) -> list[MetricSpec]:
+    """``click:proportion`` or ``click:proportion,revenue:sum``; ValueError naming the bad one."""
+    return [MetricSpec.parse(part) for part in text.split(",") if part.strip()]
+
+
+class _AppendMetrics(argparse.Action):
+    """``--metric`` (repeatable, or comma-separated): flags given replace the environment's list rather than
+    extend it (argparse's ``append`` would try to append to the variable's string)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = list(current) if isinstance(current, list) else []
+        try:
+            items.extend(metric_list(str(values)))
+        except ValueError as error:
+            parser.error(str(error))
+        setattr(namespace, self.dest, items)
+
+
+def _alpha(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"alpha must be between 0 and 1, got {text!r}")
+    return value
+
+
+def add_command(commands: Any, env_prefix: str) -> None:
+    """Add ``analyze`` to the admin CLI's subcommands (``commands`` is argparse's subparsers action)."""
+    parser = commands.add_parser(
+        "analyze",
+        env_prefix=env_prefix,
+        help="A/B verdicts per metric from recorded calls and feedback (needs Redis, not the registry)",
+        description=(
+            "Compare the arms of a model's experiment, phase by phase, on business metrics from feedback, with "
+            "latency and errors from the call records. Only randomized calls (hash, random) are compared; pins, "
+            "spills and retries are shown apart. Writes analysis.json and analysis.html to --output-dir."
+        ),
+    )
+    parser.add_argument("model")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
+    parser.add_argument(
+        "--since",
+        required=True,
+        help="window start, by router receive time (events by their time): ISO-8601 with timezone, -2h, epoch s",
+    )
+    parser.add_argument("--until", default="now", help="window end (exclusive), same forms as --since")
+    parser.add_argument(
+        "--metric",
+        action=_AppendMetrics,
+        required=True,
+        help="NAME:KIND, KIND proportion, mean or sum (repeat, or comma-separate), e.g. click:proportion",
+    )
+    parser.add_argument(
+        "--unit",
+        choices=("user", "call"),
+        default="user",
+        help="unit of analysis: user (routing-key HMAC; the call when a call has no key) or call",
+    )
+    parser.add_argument("--alpha", type=_alpha, default=0.05, help="significance level (1 - confidence)")
+    parser.add_argument(
+        "--sequential",
+        action="store_true",
+        help="always-valid p-values and confidence sequences (mSPRT): safe to check as often as you like",
+    )
+    parser.add_argument("--cuped-pre-since", default=None, help="CUPED pre-period start (same forms as --since)")
+    parser.add_argument("--cuped-pre-until", default=None, help="CUPED pre-period end (exclusive)")
+    parser.add_argument(
+        "--max-lateness",
+        default="1h",
+        help="how long after the window a call's record or an event may reach Redis (spooled in an outage)",
+    )
+    parser.add_argument("--output-dir", default="analysis-out", help="where analysis.json and analysis.html go")
+    parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="Redis connect timeout")
+
+
+def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Query:
+    """The Query the flags describe; ValueError naming the flag otherwise."""
+    now = time.time_ns() if now_ns is None else now_ns
+    try:
+        lateness = parse_duration_ns(args.max_lateness)
+    except BadDuration as error:
+        raise ValueError(f"--max-lateness: {error}") from None
+    since = _instant("--since", args.since, now)
+    until = _instant("--until", args.until, now)
+    if until <= since:
+        raise ValueError("--until must be after --since")
+    pre: Window | None = None
+    if (args.cuped_pre_since is None) != (args.cuped_pre_until is None):
+        raise ValueError("give both --cuped-pre-since and --cuped-pre-until, or neither")
+    if args.cuped_pre_since is not None:
+        pre_since = _instant("--cuped-pre-since", args.cuped_pre_since, now)
+        pre_until = _instant("--cuped-pre-until", args.cuped_pre_until, now)
+        if pre_until <= pre_since:
+            raise ValueError("--cuped-pre-until must be after --cuped-pre-since")
+        if args.unit == "call":
+            raise ValueError("--cuped-pre-* needs --unit user: a call has no pre-period")
+        pre = Window(pre_since, pre_until, max_lateness_ns=lateness)
+    if not 0 < args.connect_timeout_s < math.inf:
+        raise ValueError("--connect-timeout-s must be a positive number of seconds")
+    metrics = args.metric if isinstance(args.metric, list) else metric_list(str(args.metric))  # from the environment
+    return Query(
+        model=args.model,
+        window=Window(since, until, max_lateness_ns=lateness),
+        metrics=tuple(metrics),
+        unit=args.unit,
+        alpha=args.alpha,
+        sequential=args.sequential,
+        pre_window=pre,
+    )
+
+
+def _instant(flag: str, text: str, now_ns: int) -> int:
+    try:
+        return parse_instant_ns(text, now_ns=now_ns)
+    except BadTime as error:
+        raise ValueError(f"{flag}: {error}") from None
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        query = query_from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    try:
+        analysis = asyncio.run(_analyze(args.redis_url, query, args.connect_timeout_s))
+        output_dir = Path(args.output_dir)
+        write_outputs(analysis, output_dir)
+    except UsageError as error:
+        return _fail(EXIT_USAGE, str(error))
+    except AnalysisFailed as error:
+        return _fail(EXIT_FAILED, str(error))
+    print(render_table(analysis))
+    print(f"wrote {output_dir / 'analysis.json'} and {output_dir / 'analysis.html'}", file=sys.stderr)
+    return 0
+
+
+def _fail(code: int, message: str) -> int:
+    print(f"splitstream: error: {message}", file=sys.stderr)
+    return code
+
+
+def write_outputs(analysis: Analysis, output_dir: Path) -> None:
+    """``analysis.json`` and ``analysis.html`` (atomically); UsageError when the directory cannot be written."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(output_dir / "analysis.json", analysis.model_dump_json(indent=2) + "\n")
+        atomic_write(output_dir / "analysis.html", render_html(analysis))
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename else ""
+        raise UsageError(f"cannot write --output-dir {str(output_dir)!r}: {where}{error.strerror or error}") from None
+
+
+async def _analyze(url: str, query: Query, connect_timeout_s: float) -> Analysis:
+    try:
+        redis = Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 30))
+        check_connection_options(redis)
+    except ValueError as error:
+        raise UsageError(f"bad --redis-url {redact_url(url)!r}: {redact_text(str(error))}") from None
+    try:
+        try:
+            await redis.ping()
+        except (RedisError, OSError) as error:
+            raise AnalysisFailed(f"Redis at {redact_url(url)} is unreachable: {redact_text(str(error))}") from None
+        try:
+            kind = await redis.type(stream_key(query.model))
+            if kind not in (b"stream", "stream"):
+                known = await recorded_models(redis)
+                raise UsageError(
+                    f"unknown model {query.model!r}: no stream {stream_key(query.model)} in Redis "
+                    f"(recorded models: {', '.join(known) or 'none'})"
+                )
+            return await analyze(redis, query)
+        except (RedisError, OSError) as error:
+            raise AnalysisFailed(f"Redis at {redact_url(url)} failed: {redact_text(str(error))}") from None
+    finally:
+        await redis.aclose()

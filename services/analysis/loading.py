@@ -1,0 +1,651 @@
+"""Reading exposures (call records) and outcomes (feedback events) out of Redis into per-unit aggregates.
+
+The streams are read in pages (XRANGE ... COUNT) and each page becomes numpy/Arrow columns of only the
+readable fields the analysis needs (the serialized record is decoded once per experiment phase, for its
+weights). Text that repeats becomes numbers: units and request ids 64-bit fingerprints, phases, arms and
+assignments small codes. Each page's calls are added at once (numpy) to a dense row per (phase, arm, unit)
+holding the calls per twentieth of the window, so the aggregates grow with the number of units, not of
+calls. What does grow with the data, kept as small as it can be:
+
+- 8 bytes per call (its request id's fingerprint), to drop calls the recorder stored twice (delivery is at
+  least once), and 8 bytes per keyed event, to de-duplicate feedback by idempotency key;
+- the feedback events of the window themselves, 33 bytes each (metric code, request and unit fingerprints,
+  value, time), and for the request ids they name, the call's phase, arm and unit (27 bytes) to join on.
+
+Feedback is read first, so only the calls some event names are kept for the join.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+from redis.asyncio import Redis
+
+from splitstream.common.records import decode_record, feedback_key, stream_key
+
+#: Assignments that were randomized (the split on the routing key, or a random draw without one): the only
+#: calls an A/B comparison may use. Pins, spills, retries and records older than the field are shown apart.
+RANDOMIZED = (b"hash", b"random")
+#: Time buckets the window is cut into, for the lift-over-time chart (the analysis is repeated at each end).
+TIMELINE_POINTS = 20
+#: Latency histogram: buckets 2 % wide from 1 µs (quantiles within ~1 % of the exact value), like the replayer's.
+LATENCY_FLOOR_MS = 1e-3
+LATENCY_GROWTH = 1.02
+LATENCY_BUCKETS = 1 + int(math.log(3_600_000 / LATENCY_FLOOR_MS) / math.log(LATENCY_GROWTH))
+#: The fields of a feedback entry the analysis reads.
+FEEDBACK_FIELDS = (b"metric", b"request_id", b"unit", b"value", b"event_ns", b"idempotency_key")
+#: The readable fields of a call entry the analysis reads (the record only once per phase).
+CALL_FIELDS = (b"request_id", b"time_ns", b"status", b"latency_ms", b"arm", b"assignment", b"phase", b"unit")
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """``[since_ns, until_ns)`` by the router's receive time (calls) and by event time (feedback)."""
+
+    since_ns: int
+    until_ns: int
+    #: How long after ``until_ns`` a call's record or an event may reach Redis (spooled through an outage).
+    max_lateness_ns: int = 3_600 * 10**9
+    #: How far the routers' clocks may be ahead of Redis's (entry ids are Redis's clock).
+    clock_skew_ns: int = 5 * 10**9
+
+    def bucket_of(self, times_ns: npt.NDArray[np.int64]) -> npt.NDArray[np.int16]:
+        span = max(self.until_ns - self.since_ns, 1)
+        buckets = (times_ns - self.since_ns) * TIMELINE_POINTS // span
+        return np.clip(buckets, 0, TIMELINE_POINTS - 1).astype(np.int16)
+
+    def bucket_end_ns(self, bucket: int) -> int:
+        return self.since_ns + (self.until_ns - self.since_ns) * (bucket + 1) // TIMELINE_POINTS
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseInfo:
+    """An experiment phase, read from one of its records: weights in percent (arms at 0 included), control."""
+
+    id: str
+    weights: dict[str, float]
+    control: str
+
+
+@dataclass(slots=True)
+class Histogram:
+    counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(LATENCY_BUCKETS, dtype=np.int64))
+    calls: int = 0
+    errors: int = 0
+
+    def quantile_ms(self, q: float) -> float | None:
+        if not self.calls:
+            return None
+        cumulative = np.cumsum(self.counts)
+        bucket = int(np.searchsorted(cumulative, q * cumulative[-1]))
+        return float(LATENCY_FLOOR_MS * LATENCY_GROWTH ** (bucket + 0.5))  # the bucket's geometric middle
+
+    def cdf_points(self) -> list[tuple[float, float]]:
+        """(upper bound ms, cumulative fraction) per non-empty bucket: what the report draws."""
+        cumulative = np.cumsum(self.counts)
+        total = cumulative[-1] if len(cumulative) else 0
+        if not total:
+            return []
+        return [(bucket_upper_ms(int(b)), float(cumulative[b] / total)) for b in np.flatnonzero(self.counts)]
+
+
+def bucket_upper_ms(bucket: int) -> float:
+    """Bucket ``b`` holds latencies in ``[floor·g^b, floor·g^(b+1))``."""
+    return float(LATENCY_FLOOR_MS * LATENCY_GROWTH ** (bucket + 1))
+
+
+@dataclass(slots=True)
+class Names:
+    """Small integer codes for the few distinct values of a text field (phases, arms, assignments), so the
+    per-unit tables hold an int16 where they would hold a string on every row."""
+
+    names: list[str] = field(default_factory=list)
+    codes: dict[bytes, int] = field(default_factory=dict)
+
+    def encode(self, values: list[bytes]) -> npt.NDArray[np.int16]:
+        encoded = pc.dictionary_encode(pa.array(values, pa.binary()))
+        mapping = np.array([self.code(raw) for raw in encoded.dictionary.to_pylist()], dtype=np.int16)
+        return mapping[encoded.indices.to_numpy()] if len(mapping) else np.zeros(0, dtype=np.int16)
+
+    def code(self, raw: bytes) -> int:
+        code = self.codes.get(raw)
+        if code is None:
+            code = self.codes[raw] = len(self.names)
+            self.names.append(raw.decode(errors="replace"))
+        return code
+
+
+@dataclass(slots=True)
+class Exposures:
+    """The calls of a window, reduced. Units and request ids are 64-bit fingerprints (:func:`fingerprints`),
+    phases and arms codes into ``phases.names`` and ``arms.names``.
+
+    ``units``: one row per (phase, arm, unit) of randomized calls: ``phase``, ``arm`` (int16), ``unit`` (uint64),
+    ``calls`` (int64), ``first_ns`` (int64) and ``key`` (int64), the row of ``bucket_calls`` that holds its calls
+    per time bucket (int32, one column per bucket of the window). ``other``: calls not randomized, per
+    (phase, assignment, arm) names: ``calls``, ``errors``. ``latency``: histograms per (phase, arm, assignment
+    class: ``randomized`` or the assignment's name). ``call_keys``: for the request ids feedback names, the
+    call's ``request``, ``phase``, ``arm``, ``unit`` and whether it was ``randomized``."""
+
+    units: pa.Table
+    bucket_calls: npt.NDArray[np.int32]
+    other: list[tuple[str, str, str, int, int]]
+    latency: dict[tuple[str, str, str], Histogram]
+    phase_info: dict[str, PhaseInfo]
+    phases: Names
+    arms: Names
+    call_keys: pa.Table
+    entries_read: int = 0
+    calls: int = 0
+    duplicates: int = 0
+    corrupt: int = 0
+
+
+@dataclass(slots=True)
+class Feedback:
+    """The feedback events of a window for the metrics asked for, de-duplicated: ``metric`` (int8, an index
+    into the metrics asked for), ``request`` and ``unit`` (uint64 fingerprints, 0 when the event has none),
+    ``value`` (float64), ``event_ns`` (int64)."""
+
+    events: pa.Table
+    entries_read: int = 0
+    duplicates: int = 0
+    corrupt: int = 0
+    other_metrics: int = 0
+    outside_window: int = 0
+
+
+#: One stream entry as Redis sends it: its id and its fields as a flat list ``[name, value, name, value, ...]``.
+RawPage = list[tuple[bytes, list[bytes]]]
+
+
+def _unparsed(redis: Redis) -> Redis:
+    """A client on ``redis``'s connection pool whose XRANGE replies are left as Redis sent them.
+
+    redis-py turns each entry's fields into a dict (``pairs_to_dict``): measured at 3-5 µs an entry, more than
+    all the analysis does with it. The columns are taken from the flat lists instead (:func:`page_columns`)."""
+    client = Redis(connection_pool=redis.connection_pool)
+    client.set_response_callback("XRANGE", _as_sent)
+    return client
+
+
+def _as_sent(response: object, **options: object) -> object:
+    return response
+
+
+async def read_pages(redis: Redis, key: str, *, start: str, end: str, page_size: int) -> AsyncIterator[RawPage]:
+    """XRANGE ``key`` from ``start`` to ``end`` in pages of ``page_size`` entries, as Redis sent them."""
+    client = _unparsed(redis)
+    lower = start
+    while True:
+        page = cast(RawPage, await client.xrange(key, min=lower, max=end, count=page_size))
+        if page:
+            yield page
+        if len(page) < page_size:
+            return
+        lower = "(" + bytes(page[-1][0]).decode()
+
+
+def page_columns(page: RawPage, names: Sequence[bytes]) -> dict[bytes, list[bytes]]:
+    """The values of ``names`` in every entry of the page, as lists (``b""`` where an entry lacks one).
+
+    Entries written by one recorder version share one layout, so each field is taken by its position in
+    the first entry, and the page is checked to hold that field's name at that position in every entry (a
+    C-speed ``list.count``); a page of mixed layouts (a recorder upgrade, a hand-written entry) falls back
+    to a dict per entry. (Measured: ~400 ns an entry for the eight call fields; ``itemgetter`` over all
+    positions and a ``zip`` transpose took twice that.)"""
+    first = page[0][1]
+    positions = {first[i]: i + 1 for i in range(0, len(first) - 1, 2)}
+    out: dict[bytes, list[bytes]] = {}
+    try:
+        for name in names:
+            at = positions.get(name)
+            if at is None:
+                raise LookupError(name)
+            found = [fields[at - 1] for _, fields in page]
+            if found.count(name) != len(found):
+                raise LookupError(name)
+            out[name] = [fields[at] for _, fields in page]
+        return out
+    except (LookupError, IndexError):
+        entries = [dict(zip(fields[0::2], fields[1::2], strict=False)) for _, fields in page]
+        return {name: [entry.get(name, b"") for entry in entries] for name in names}
+
+
+def entry_field(fields: list[bytes], name: bytes) -> bytes | None:
+    """One field of one entry (flat list), or None."""
+    for i in range(0, len(fields) - 1, 2):
+        if fields[i] == name:
+            return fields[i + 1]
+    return None
+
+
+def _bounds(window: Window) -> tuple[str, str]:
+    start = max(window.since_ns - window.clock_skew_ns, 0) // 1_000_000
+    end = (window.until_ns + window.max_lateness_ns + window.clock_skew_ns) // 1_000_000
+    return str(start), str(end)
+
+
+def _numbers(values: list[bytes], kind: pa.DataType) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
+    """Text → numbers, the column at once; where the column does not parse as a whole (an entry written by
+    hand), value by value. Returns the numbers and which parsed (and are finite)."""
+    try:
+        parsed = pc.cast(pc.cast(pa.array(values, pa.binary()), pa.string()), kind).to_numpy()
+        good = np.isfinite(parsed) if kind == pa.float64() else np.ones(len(values), dtype=bool)
+        return parsed, good
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        python_type = float if kind == pa.float64() else int
+        numbers: list[float | int] = []
+        ok: list[bool] = []
+        for value in values:
+            try:
+                number = python_type(value)
+                ok.append(math.isfinite(number))
+            except (ValueError, OverflowError):
+                number = 0
+                ok.append(False)
+            numbers.append(number if ok[-1] else 0)
+        return np.array(numbers, dtype=kind.to_pandas_dtype()), np.array(ok, dtype=bool)
+
+
+class _SeenFingerprints:
+    """The set of fingerprints seen so far: sorted numpy runs merged like a log-structured tree, so
+    membership is a few binary searches and inserting costs O(log n) copies per fingerprint overall."""
+
+    def __init__(self) -> None:
+        self.runs: list[npt.NDArray[np.uint64]] = []
+
+    def contains(self, values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        found = np.zeros(len(values), dtype=bool)
+        for run in self.runs:
+            at = np.searchsorted(run, values)
+            found |= run[np.minimum(at, len(run) - 1)] == values
+        return found
+
+    def add(self, values: npt.NDArray[np.uint64]) -> None:
+        if not len(values):
+            return
+        self.runs.append(np.sort(values))
+        while len(self.runs) > 1 and len(self.runs[-2]) <= 2 * len(self.runs[-1]):
+            last = self.runs.pop()
+            self.runs[-1] = np.sort(np.concatenate([self.runs[-1], last]))
+
+    def first_time(self, values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        """Which of ``values`` (0: no key, always kept) were not seen before, nor earlier in ``values``; notes them."""
+        keyed = values != 0
+        fresh = ~keyed
+        if keyed.any():
+            where = np.flatnonzero(keyed)
+            _, first = np.unique(values[where], return_index=True)
+            candidates = np.zeros(len(values), dtype=bool)
+            candidates[where[first]] = True
+            candidates[candidates] &= ~self.contains(values[candidates])
+            fresh |= candidates
+            self.add(values[candidates])
+        return fresh
+
+
+_MIX = np.uint64(0xBF58476D1CE4E5B9)
+
+
+def fingerprints(values: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+    """A 64-bit hash of each value, computed column-wise: the values as a fixed-width byte matrix, folded 8 bytes
+    at a time with a multiply-xorshift mix (collisions: about 3e-8 among a million values). Empty values give 0,
+    and only they do: 0 means "none"."""
+    if not values:
+        return np.zeros(0, dtype=np.uint64)
+    raw = np.array(values, dtype=bytes)
+    width = max(raw.dtype.itemsize, 1)
+    raw = raw.astype(f"S{width + (-width) % 8}")
+    words = raw.view(np.uint64).reshape(len(values), -1)
+    hashed = np.full(len(values), 0x9E3779B97F4A7C15, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for column in words.T:
+            hashed = (hashed ^ column) * _MIX
+            hashed ^= hashed >> np.uint64(31)
+    hashed[hashed == 0] = 1
+    hashed[np.char.str_len(raw) == 0] = 0
+    return hashed
+
+
+def mixed(values: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
+    """Another fingerprint derived from ``values`` (the unit of a call from its request id; a metric's key
+    from its idempotency key's): a bijection of the uint64s, so distinct values stay distinct. 0 stays 0."""
+    with np.errstate(over="ignore"):
+        out = (values ^ np.uint64(salt)) * _MIX
+        out ^= out >> np.uint64(29)
+    out[out == 0] = 1
+    out[values == 0] = 0
+    return out
+
+
+# -- feedback ------------------------------------------------------------------------------
+
+
+async def load_feedback(
+    redis: Redis, model: str, window: Window, metrics: Sequence[str], *, page_size: int = 5_000
+) -> Feedback:
+    """Events of ``metrics`` with ``event_ns`` in the window, de-duplicated by (metric, idempotency key): the
+    first delivery in stream order counts. Events without a key all count; entries that do not parse are
+    counted in ``corrupt``, never fatal."""
+    start, end = _bounds(window)
+    codes = Names()
+    for name in metrics:
+        codes.code(name.encode())
+    seen = _SeenFingerprints()
+    chunks: dict[str, list[npt.NDArray[np.generic]]] = {
+        k: [] for k in ("metric", "request", "unit", "value", "event_ns")
+    }
+    result = Feedback(events=_events({k: np.zeros(0) for k in chunks}))
+    async for page in read_pages(redis, feedback_key(model), start=start, end=end, page_size=page_size):
+        result.entries_read += len(page)
+        found = page_columns(page, FEEDBACK_FIELDS)
+        metric = codes.encode(found[b"metric"])  # other metrics get codes past the ones asked for
+        keep = metric < len(metrics)
+        result.other_metrics += int((~keep).sum())
+        values, good_value = _numbers(found[b"value"], pa.float64())
+        times, good_time = _numbers(found[b"event_ns"], pa.int64())
+        good = good_value & good_time
+        result.corrupt += int((keep & ~good).sum())
+        keep &= good
+        inside = (times >= window.since_ns) & (times < window.until_ns)
+        result.outside_window += int((keep & ~inside).sum())
+        keep &= inside
+        rows = np.flatnonzero(keep)
+        if not len(rows):
+            continue
+        keys = mixed(fingerprints(found[b"idempotency_key"])[rows], 0)
+        with np.errstate(over="ignore"):
+            keys = np.where(keys != 0, keys ^ (metric[rows].astype(np.uint64) + np.uint64(1)) * _MIX, 0)
+        fresh = seen.first_time(keys.astype(np.uint64))
+        result.duplicates += int((~fresh).sum())
+        rows = rows[fresh]
+        chunks["metric"].append(metric[rows].astype(np.int8))
+        chunks["request"].append(fingerprints(found[b"request_id"])[rows])
+        chunks["unit"].append(fingerprints(found[b"unit"])[rows])
+        chunks["value"].append(values[rows].astype(np.float64))
+        chunks["event_ns"].append(times[rows].astype(np.int64))
+    if chunks["metric"]:
+        result.events = _events({name: np.concatenate(parts) for name, parts in chunks.items()})
+    return result
+
+
+def _events(columns: dict[str, npt.NDArray[Any]]) -> pa.Table:
+    return pa.table(
+        {
+            "metric": pa.array(columns["metric"], pa.int8()),
+            "request": pa.array(columns["request"], pa.uint64()),
+            "unit": pa.array(columns["unit"], pa.uint64()),
+            "value": pa.array(columns["value"], pa.float64()),
+            "event_ns": pa.array(columns["event_ns"], pa.int64()),
+        }
+    )
+
+
+# -- exposures ----------------------------------------------------------------------------
+
+#: Salt of the unit of a call without a routing key (derived from its request id's fingerprint).
+CALL_UNIT_SALT = 0x63616C6C  # "call"
+
+
+class _ExposureReader:
+    def __init__(
+        self, window: Window, *, per_call: bool, wanted: npt.NDArray[np.uint64], randomized_only: bool
+    ) -> None:
+        self.window = window
+        self.per_call = per_call
+        self.randomized_only = randomized_only
+        self.wanted = np.sort(wanted)
+        self.seen = _SeenFingerprints()
+        self.phases = Names()
+        self.arms = Names()
+        self.assignments = Names()
+        self.randomized_codes = np.array([self.assignments.code(a) for a in RANDOMIZED], dtype=np.int16)
+        self.units = _UnitIndex()
+        self.other: dict[tuple[int, int, int], list[int]] = {}
+        self.call_keys: list[pa.Table] = []
+        self.latency: dict[tuple[int, int, int], Histogram] = {}
+        self.phase_info: dict[str, PhaseInfo] = {}
+        self.entries_read = 0
+        self.calls = 0
+        self.duplicates = 0
+        self.corrupt = 0
+
+    def add_page(self, page: RawPage) -> None:
+        self.entries_read += len(page)
+        found = page_columns(page, CALL_FIELDS)
+        times, good_time = _numbers(found[b"time_ns"], pa.int64())
+        latency, good_latency = _numbers(found[b"latency_ms"], pa.float64())
+        good = good_time & good_latency
+        self.corrupt += int((~good).sum())
+        rows = np.flatnonzero(good & (times >= self.window.since_ns) & (times < self.window.until_ns))
+        if not len(rows):
+            return
+        requests = fingerprints(found[b"request_id"])[rows]
+        fresh = self.seen.first_time(requests)
+        self.duplicates += int((~fresh).sum())
+        rows, requests = rows[fresh], requests[fresh]
+        if not len(rows):
+            return
+        self.calls += len(rows)
+        phase = self.phases.encode(found[b"phase"])[rows]
+        arm = self.arms.encode(found[b"arm"])[rows]
+        assignment = self.assignments.encode(found[b"assignment"])[rows]
+        failed = pc.not_equal(pa.array(found[b"status"], pa.binary()), b"OK").to_numpy(zero_copy_only=False)[rows]
+        times, latency = times[rows].astype(np.int64), latency[rows].astype(np.float64)
+        self._note_phases(phase, rows, page)
+        randomized = np.isin(assignment, self.randomized_codes)
+        self._add_latency(phase, arm, np.where(randomized, -1, assignment), latency, failed)
+        unit = fingerprints(found[b"unit"])[rows]
+        own = mixed(requests, CALL_UNIT_SALT)
+        unit = own if self.per_call else np.where(unit == 0, own, unit)
+        if len(self.wanted):
+            # Binary search in the sorted fingerprints of the request ids feedback names (pc.is_in would hash
+            # the whole set again for every page).
+            at = np.minimum(np.searchsorted(self.wanted, requests), len(self.wanted) - 1)
+            named = self.wanted[at] == requests
+            if named.any():
+                self.call_keys.append(
+                    pa.table(
+                        {
+                            "request": requests[named],
+                            "phase": phase[named],
+                            "arm": arm[named],
+                            "unit": unit[named],
+                            "randomized": randomized[named],
+                        }
+                    )
+                )
+        chosen = randomized if self.randomized_only else np.ones(len(rows), dtype=bool)
+        if chosen.any():
+            self.units.add(
+                phase[chosen], arm[chosen], unit[chosen], self.window.bucket_of(times[chosen]), times[chosen]
+            )
+        if self.randomized_only and not randomized.all():
+            for p, a, s, f in zip(
+                phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True
+            ):
+                counts = self.other.setdefault((int(p), int(a), int(s)), [0, 0])
+                counts[0] += 1
+                counts[1] += int(f)
+
+    def _note_phases(self, phase: npt.NDArray[np.int16], rows: npt.NDArray[np.int64], page: RawPage) -> None:
+        """Decode one record per phase not seen yet: its ``phase`` holds the weights and the control."""
+        for code in np.unique(phase):
+            name = self.phases.names[int(code)]
+            if name in self.phase_info or not name:
+                continue
+            row = int(rows[int(np.argmax(phase == code))])
+            try:
+                record = decode_record(entry_field(page[row][1], b"record") or b"")
+            except Exception:  # UnsupportedSchema, protobuf's DecodeError: another record of the phase will do
+                continue
+            weights = {version: float(weight) for version, weight in sorted(record.phase.weights.items())}
+            self.phase_info[name] = PhaseInfo(name, weights, record.phase.control)
+
+    def _add_latency(
+        self,
+        phase: npt.NDArray[np.int16],
+        arm: npt.NDArray[np.int16],
+        label: npt.NDArray[np.int64],
+        latency_ms: npt.NDArray[np.float64],
+        failed: npt.NDArray[np.bool_],
+    ) -> None:
+        buckets = np.minimum(
+            (np.log(np.maximum(latency_ms, LATENCY_FLOOR_MS) / LATENCY_FLOOR_MS) / math.log(LATENCY_GROWTH)).astype(
+                np.int64
+            ),
+            LATENCY_BUCKETS - 1,
+        )
+        # One int64 per (phase, arm, label): codes are int16, the label -1 (randomized) or an assignment code.
+        groups = (phase.astype(np.int64) << 32) | (arm.astype(np.int64) << 16) | (label.astype(np.int64) + 1)
+        keys, inverse = np.unique(groups, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        for index, key in enumerate(keys.tolist()):
+            mine = inverse == index
+            p, a, lab = key >> 32, (key >> 16) & 0xFFFF, (key & 0xFFFF) - 1
+            histogram = self.latency.setdefault((p, a, lab), Histogram())
+            histogram.counts += np.bincount(buckets[mine], minlength=LATENCY_BUCKETS)
+            histogram.calls += int(mine.sum())
+            histogram.errors += int(failed[mine].sum())
+
+    def result(self) -> Exposures:
+        def label(code: int) -> str:
+            return "randomized" if code < 0 else self.assignments.names[code]
+
+        return Exposures(
+            units=self.units.table(),
+            bucket_calls=self.units.calls[: self.units.size],
+            other=[
+                (self.phases.names[p], self.assignments.names[a], self.arms.names[s], calls, errors)
+                for (p, a, s), (calls, errors) in sorted(self.other.items())
+            ],
+            latency={
+                (self.phases.names[p], self.arms.names[a], label(lab)): h for (p, a, lab), h in self.latency.items()
+            },
+            phase_info=self.phase_info,
+            phases=self.phases,
+            arms=self.arms,
+            call_keys=pa.concat_tables(self.call_keys) if self.call_keys else _empty_keys(),
+            entries_read=self.entries_read,
+            calls=self.calls,
+            duplicates=self.duplicates,
+            corrupt=self.corrupt,
+        )
+
+
+class _UnitIndex:
+    """A dense row per (phase, arm, unit) seen, and its calls per time bucket in a numpy matrix.
+
+    Rows are found by a 64-bit key (the unit's fingerprint mixed with the phase and arm codes) in a sorted array
+    (binary search; new keys inserted per page), so the calls of a page land in their rows with one ``np.add.at``:
+    memory is a few dozen bytes and one row of ``TIMELINE_POINTS`` int32 per (phase, arm, unit), whatever the
+    number of calls."""
+
+    def __init__(self) -> None:
+        self.sorted_keys = np.zeros(0, dtype=np.uint64)
+        self.sorted_rows = np.zeros(0, dtype=np.int64)
+        self.size = 0
+        self.phase = np.zeros(1024, dtype=np.int16)
+        self.arm = np.zeros(1024, dtype=np.int16)
+        self.unit = np.zeros(1024, dtype=np.uint64)
+        self.first_ns = np.zeros(1024, dtype=np.int64)
+        self.calls = np.zeros((1024, TIMELINE_POINTS), dtype=np.int32)
+
+    def add(
+        self,
+        phase: npt.NDArray[np.int16],
+        arm: npt.NDArray[np.int16],
+        unit: npt.NDArray[np.uint64],
+        bucket: npt.NDArray[np.int16],
+        times: npt.NDArray[np.int64],
+    ) -> None:
+        keys = mixed(unit, 0) ^ ((phase.astype(np.uint64) << np.uint64(48)) | (arm.astype(np.uint64) << np.uint64(32)))
+        unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        at = np.asarray(np.searchsorted(self.sorted_keys, unique), dtype=np.int64)
+        known = np.asarray(at < len(self.sorted_keys), dtype=bool)
+        known[known] = self.sorted_keys[at[known]] == unique[known]
+        rows = np.empty(len(unique), dtype=np.int64)
+        rows[known] = self.sorted_rows[at[known]]
+        new = np.flatnonzero(~known)
+        if len(new):
+            fresh = np.arange(self.size, self.size + len(new), dtype=np.int64)
+            rows[new] = fresh
+            self._grow(self.size + len(new))
+            source = first[new]
+            self.phase[fresh], self.arm[fresh], self.unit[fresh] = phase[source], arm[source], unit[source]
+            self.first_ns[fresh] = np.iinfo(np.int64).max
+            self.size += len(new)
+            self.sorted_keys = np.insert(self.sorted_keys, at[new], unique[new])
+            self.sorted_rows = np.insert(self.sorted_rows, at[new], fresh)
+        row_of = rows[inverse.reshape(-1)]
+        np.add.at(self.calls, (row_of, bucket.astype(np.int64)), 1)
+        np.minimum.at(self.first_ns, row_of, times)
+
+    def _grow(self, needed: int) -> None:
+        if needed <= len(self.phase):
+            return
+        capacity = max(needed, 2 * len(self.phase))
+        for name in ("phase", "arm", "unit", "first_ns", "calls"):
+            old = getattr(self, name)
+            grown = np.zeros((capacity, *old.shape[1:]), dtype=old.dtype)
+            grown[: len(old)] = old
+            setattr(self, name, grown)
+
+    def table(self) -> pa.Table:
+        n = self.size
+        return pa.table(
+            {
+                "phase": pa.array(self.phase[:n], pa.int16()),
+                "arm": pa.array(self.arm[:n], pa.int16()),
+                "unit": pa.array(self.unit[:n], pa.uint64()),
+                "calls": pa.array(self.calls[:n].sum(axis=1, dtype=np.int64), pa.int64()),
+                "first_ns": pa.array(self.first_ns[:n], pa.int64()),
+                "key": pa.array(np.arange(n, dtype=np.int64), pa.int64()),
+            }
+        )
+
+
+def _empty_keys() -> pa.Table:
+    return pa.table(
+        {
+            "request": pa.array([], pa.uint64()),
+            "phase": pa.array([], pa.int16()),
+            "arm": pa.array([], pa.int16()),
+            "unit": pa.array([], pa.uint64()),
+            "randomized": pa.array([], pa.bool_()),
+        }
+    )
+
+
+async def load_exposures(
+    redis: Redis,
+    model: str,
+    window: Window,
+    *,
+    per_call: bool,
+    wanted_requests: npt.NDArray[np.uint64] | None = None,
+    page_size: int = 5_000,
+    randomized_only: bool = True,
+) -> Exposures:
+    """The calls of ``model`` received in the window. ``per_call``: every call is its own unit (else the
+    routing-key HMAC, and the call for calls without a key). ``wanted_requests``: fingerprints of the request
+    ids feedback names, whose calls are kept for the join. ``randomized_only=False``: every call counts in
+    ``units`` (a CUPED pre-period, where the covariate is what a unit did, however it was routed)."""
+    start, end = _bounds(window)
+    reader = _ExposureReader(
+        window,
+        per_call=per_call,
+        wanted=wanted_requests if wanted_requests is not None else np.zeros(0, dtype=np.uint64),
+        randomized_only=randomized_only,
+    )
+    async for page in read_pages(redis, stream_key(model), start=start, end=end, page_size=page_size):
+        reader.add_page(page)
+    return reader.result()

@@ -1,0 +1,197 @@
+"""The typed result of an analysis: what ``analysis.json`` holds, what the report draws, what a rollout guard reads.
+
+Rates are fractions (0.031, not 3.1); relative lifts too. Times are unix nanoseconds. Numbers that could not
+be computed (no unit in an arm, a control at 0) are null.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from splitstream.analysis.statistics import MetricKind
+
+Unit = Literal["user", "call"]
+Verdict = Literal["better", "worse", "inconclusive", "no data"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class MetricSpec(_Model):
+    """``click:proportion``: a metric name as feedback reports it, and how it is measured per unit."""
+
+    name: str
+    kind: MetricKind
+
+    @staticmethod
+    def parse(text: str) -> MetricSpec:
+        name, sep, kind = text.strip().rpartition(":")
+        kinds = ", ".join(k.value for k in MetricKind)
+        if not sep or not name:
+            raise ValueError(f"bad metric {text!r} (expected NAME:KIND, KIND one of {kinds}; e.g. click:proportion)")
+        try:
+            return MetricSpec(name=name, kind=MetricKind(kind.lower()))
+        except ValueError:
+            raise ValueError(f"bad metric {text!r}: unknown kind {kind!r} (one of {kinds})") from None
+
+    def __str__(self) -> str:
+        return f"{self.name}:{self.kind.value}"
+
+
+class Interval(_Model):
+    low: float | None
+    high: float | None
+
+
+class ArmMetric(_Model):
+    """An arm's value of one metric (a rate, a mean per event, or a total per unit) with its interval."""
+
+    value: float | None
+    ci: Interval
+    #: Feedback events of this metric attributed to the arm's units.
+    events: int
+
+
+class ArmSummary(_Model):
+    arm: str
+    weight: float | None
+    units: int
+    calls: int
+    #: Randomized calls that failed (status not OK), of all the arm's randomized calls in the phase.
+    errors: int
+    error_rate: float | None
+    latency_p50_ms: float | None
+    latency_p99_ms: float | None
+    metrics: dict[str, ArmMetric]
+    #: (latency ms, cumulative fraction) points of the arm's randomized calls, for the report's CDF.
+    latency_cdf: list[tuple[float, float]] = Field(default_factory=list)
+
+
+class TimelinePoint(_Model):
+    """The comparison as it stood at the end of one of the window's time buckets (the data up to then)."""
+
+    until_ns: int
+    units_control: int
+    units_arm: int
+    absolute: float | None
+    absolute_ci: Interval
+    relative: float | None
+    relative_ci: Interval
+    p_value: float | None
+    sequential_p_value: float | None = None
+    sequential_ci: Interval | None = None
+
+
+class MetricComparison(_Model):
+    metric: str
+    kind: MetricKind
+    arm: str
+    control: str
+    #: ``welch`` (Welch's t-test), ``z`` (delta-method ratio, normal), ``two-proportion z``.
+    test: str
+    control_value: float | None
+    arm_value: float | None
+    absolute_lift: float | None
+    absolute_ci: Interval
+    relative_lift: float | None
+    relative_ci: Interval
+    p_value: float | None
+    #: Always-valid (mSPRT) p-value and confidence sequence on the absolute lift, with ``--sequential``.
+    sequential_p_value: float | None = None
+    sequential_ci: Interval | None = None
+    #: CUPED: θ, and the interval's width without the adjustment (to show what it bought).
+    cuped_theta: float | None = None
+    unadjusted_ci: Interval | None = None
+    #: Power to detect the lift observed with the units there are, and units per arm it would need (80 %).
+    power: float | None = None
+    units_per_arm_needed: float | None = None
+    more_units_per_arm_needed: int | None = None
+    verdict: Verdict
+    verdict_line: str
+    timeline: list[TimelinePoint] = Field(default_factory=list)
+
+
+class SampleRatioMismatch(_Model):
+    """Pearson's chi-square of randomized units per arm against the phase's weights (arms at 0 left out)."""
+
+    observed: dict[str, int]
+    expected: dict[str, float]
+    chi2: float
+    p_value: float
+    flagged: bool
+
+
+class PhaseResult(_Model):
+    id: str
+    control: str
+    weights: dict[str, float]
+    first_ns: int
+    units: int
+    #: Units that were randomized into two arms or more in this phase: excluded from every count here.
+    crossover_units: int
+    srm: SampleRatioMismatch | None
+    arms: list[ArmSummary]
+    comparisons: list[MetricComparison]
+
+
+class NonRandomizedCalls(_Model):
+    """Calls routed by a pin, a spill to the control, a retry on the control, or of unknown assignment:
+    counted and shown, never compared."""
+
+    phase: str
+    assignment: str
+    arm: str
+    calls: int
+    errors: int
+    error_rate: float | None
+    latency_p50_ms: float | None
+    latency_p99_ms: float | None
+
+
+class CallCounts(_Model):
+    entries_read: int
+    #: Calls received in the window, once each.
+    calls: int
+    randomized: int
+    not_randomized: int
+    duplicates: int
+    corrupt: int
+
+
+class FeedbackCounts(_Model):
+    entries_read: int
+    #: Events joined to a randomized unit and counted.
+    used: int
+    #: Later copies of an event, by (metric, idempotency key).
+    duplicates: int
+    #: Events whose request id is no call of the window, or whose unit had no randomized call before it.
+    unknown: int
+    #: Events of pinned, spilled or retried calls.
+    not_randomized: int
+    #: Events of units seen in two arms of one phase.
+    crossover: int
+    #: Events of the metrics asked for but dated outside the window.
+    outside_window: int
+    #: Events of other metrics.
+    other_metrics: int
+    corrupt: int
+
+
+class Analysis(_Model):
+    model: str
+    since_ns: int
+    until_ns: int
+    unit: Unit
+    alpha: float
+    sequential: bool
+    cuped_since_ns: int | None = None
+    cuped_until_ns: int | None = None
+    metrics: list[str]
+    calls: CallCounts
+    feedback: FeedbackCounts
+    phases: list[PhaseResult]
+    non_randomized: list[NonRandomizedCalls]
+    verdicts: list[str]

@@ -1,0 +1,377 @@
+# ruff: noqa: RUF002  (the formulas are written with their Greek letters, as in the papers cited)
+"""The statistics of an A/B comparison, as pure functions on per-unit numpy arrays.
+
+Everything here works on one array per arm with one row per unit of analysis (a user, or a call),
+so the same code serves the CLI, the rollout guard that calls :func:`compare` every minute, and
+the simulations in the tests. Distributions and reference tests come from scipy; the formulas
+that scipy has no function for are named with their source:
+
+- Ratio metrics (events per exposure, value per event) use the **delta method** for the variance
+  of a ratio of means over units (Deng, Knoblich & Lu 2018, "Applying the Delta Method in Metric
+  Analytics", KDD; Kohavi, Tang & Xu 2020, ch. 18): ``Var(Ȳ/X̄) ≈ Var(l)/n`` with the linearised
+  per-unit value ``l_i = (y_i - R x_i) / X̄``.
+- **CUPED** (Deng, Xu, Kohavi & Walker 2013, WSDM): ``Y - θ (X_pre - mean X_pre)`` with
+  ``θ = Cov(Y, X_pre) / Var(X_pre)`` pooled over the arms, applied to the linearised values so it
+  serves ratio metrics too.
+- **Always-valid inference**: the mixture sequential probability ratio test with a normal mixing
+  distribution (Johari, Koomen, Pekelis & Walsh 2017/2022, "Always Valid Inference", Operations
+  Research; the form Optimizely's Stats Engine uses). For an estimated difference ``Δ̂`` with
+  variance ``V`` and mixing variance ``τ²``, ``Λ = sqrt(V/(V+τ²)) · exp(τ² Δ̂² / (2V(V+τ²)))``, the
+  always-valid p-value is ``min(1, 1/Λ)`` (and its running minimum over looks), and the confidence
+  sequence is ``Δ̂ ± sqrt(V(V+τ²)/τ² · (2 log(1/α) + log((V+τ²)/V)))``. With ``V = σ²/n`` this is
+  the asymptotic confidence sequence of Waudby-Smith et al. (2023, "Time-uniform central limit
+  theory and asymptotic confidence sequences", Annals of Statistics) that GrowthBook uses, with
+  ``τ² = ρ² σ²`` and ``ρ`` tuned so the sequence is narrowest at ``n*`` units.
+- Power: the normal approximation ``n = (z_{1-α/2} + z_{power})² (σ_t² + σ_c²) / Δ²`` per arm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
+from scipy import stats
+
+FloatArray = npt.NDArray[np.float64]
+
+#: Units at which the confidence sequence is tightest (GrowthBook's default tuning, 5,000).
+DEFAULT_TUNING_UNITS = 5_000
+
+
+class MetricKind(StrEnum):
+    """What a metric measures per unit; the README defines each precisely."""
+
+    #: Events with value > 0 per exposure call: a ratio over units (delta method); a two-proportion test per call.
+    PROPORTION = "proportion"
+    #: Mean value per event: a ratio over units (delta method).
+    MEAN = "mean"
+    #: Total value per unit, units without events counting 0: Welch's t-test.
+    SUM = "sum"
+
+
+@dataclass(frozen=True, slots=True)
+class UnitValues:
+    """One arm's per-unit numerator ``y`` and denominator ``x`` (``x`` is all ones for a per-unit mean).
+
+    The metric's value for the arm is ``sum(y) / sum(x)``."""
+
+    y: FloatArray
+    x: FloatArray
+
+    @property
+    def units(self) -> int:
+        return len(self.y)
+
+    @staticmethod
+    def of_means(y: npt.ArrayLike) -> UnitValues:
+        values = np.asarray(y, dtype=np.float64)
+        return UnitValues(values, np.ones_like(values))
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    """An arm's metric value, the variance of that value, and the units behind it."""
+
+    value: float
+    variance: float
+    units: int
+
+    @property
+    def std_error(self) -> float:
+        return math.sqrt(self.variance) if self.variance > 0 else 0.0
+
+    def interval(self, alpha: float) -> tuple[float, float]:
+        half = stats.norm.ppf(1 - alpha / 2) * self.std_error
+        return self.value - half, self.value + half
+
+    @property
+    def unit_variance(self) -> float:
+        """The per-unit variance ``σ²`` (``variance × units``), what power and sequential tuning need."""
+        return self.variance * self.units
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """Treatment against control for one metric: lifts with intervals and p-values."""
+
+    control: Estimate
+    treatment: Estimate
+    absolute: float
+    absolute_ci: tuple[float, float]
+    relative: float | None
+    relative_ci: tuple[float, float] | None
+    p_value: float
+    #: Welch's t-test, two-proportion z-test, or a z-test on delta-method variances.
+    test: str
+    #: Always-valid p-value and confidence sequence on the absolute difference (mSPRT), when asked for.
+    sequential_p_value: float | None = None
+    sequential_ci: tuple[float, float] | None = None
+
+
+# -- per-arm estimates ---------------------------------------------------------------------
+
+
+def linearized(values: UnitValues) -> tuple[float, FloatArray]:
+    """The ratio ``R = Σy/Σx`` and the per-unit linearisation ``l_i = (y_i - R x_i) / x̄`` (delta method):
+    ``Var(R) ≈ Var(l) / n``. For a per-unit mean (``x`` all ones) ``l`` is ``y`` minus its mean."""
+    total_x = float(values.x.sum())
+    if values.units == 0 or total_x == 0:
+        return math.nan, np.zeros(values.units)
+    ratio = float(values.y.sum()) / total_x
+    mean_x = total_x / values.units
+    return ratio, (values.y - ratio * values.x) / mean_x
+
+
+def estimate(values: UnitValues) -> Estimate:
+    """The arm's ``Σy/Σx`` with its delta-method variance (the plain ``s²/n`` when ``x`` is all ones)."""
+    ratio, lin = linearized(values)
+    n = values.units
+    variance = float(lin.var(ddof=1)) / n if n > 1 else math.nan
+    return Estimate(ratio, variance, n)
+
+
+def cuped_estimates(
+    control: UnitValues, treatment: UnitValues, control_pre: UnitValues, treatment_pre: UnitValues
+) -> tuple[Estimate, Estimate, float]:
+    """Both arms' estimates adjusted by CUPED with a pre-period covariate per unit (the same rows, in the
+    same order, as the in-period values). Returns the two estimates and ``θ``.
+
+    ``θ = Cov(l, l_pre) / Var(l_pre)`` over both arms pooled (Deng et al. 2013), on the delta-method
+    linearisations so ratio metrics are adjusted the same way as sums; the adjusted value is
+    ``R - θ (l̄_pre,arm - l̄_pre,all)`` and its variance ``Var(l - θ l_pre) / n``."""
+    lin = [linearized(v) for v in (control, treatment)]
+    pre_lin: list[FloatArray] = []
+    for values in (control_pre, treatment_pre):
+        # Pre-period values linearised around the pooled pre-period ratio, so arms share one centre.
+        pre_lin.append(values.y - values.x * _pooled_ratio(control_pre, treatment_pre))
+    all_l = np.concatenate([lin[0][1], lin[1][1]])
+    all_pre = np.concatenate(pre_lin)
+    pre_var = float(all_pre.var(ddof=1)) if len(all_pre) > 1 else 0.0
+    theta = float(np.cov(all_l, all_pre, ddof=1)[0, 1]) / pre_var if pre_var > 0 else 0.0
+    pre_mean = float(all_pre.mean()) if len(all_pre) else 0.0
+    estimates = []
+    for (ratio, l_arm), pre_arm in zip(lin, pre_lin, strict=True):
+        n = len(l_arm)
+        # θ is a regression slope of l on the covariate, so θ·covariate is on l's (the ratio's) scale already.
+        adjusted = l_arm - theta * (pre_arm - pre_mean)
+        shift = float(adjusted.mean()) if n else 0.0
+        variance = float(adjusted.var(ddof=1)) / n if n > 1 else math.nan
+        estimates.append(Estimate(ratio + shift, variance, n))
+    return estimates[0], estimates[1], theta
+
+
+def _pooled_ratio(a: UnitValues, b: UnitValues) -> float:
+    total_x = float(a.x.sum() + b.x.sum())
+    return float(a.y.sum() + b.y.sum()) / total_x if total_x else 0.0
+
+
+# -- comparisons ---------------------------------------------------------------------------
+
+
+def compare(
+    control: Estimate,
+    treatment: Estimate,
+    *,
+    alpha: float = 0.05,
+    test: str = "welch",
+    sequential: bool = False,
+    tuning_units: int = DEFAULT_TUNING_UNITS,
+) -> Comparison:
+    """Treatment minus control. ``test``: ``welch`` (Welch's t-test with Welch–Satterthwaite degrees of
+    freedom, for per-unit means) or ``z`` (normal, for delta-method ratios). Relative lift is
+    ``treatment/control - 1`` with a delta-method interval (None when the control's value is 0)."""
+    diff = treatment.value - control.value
+    var = treatment.variance + control.variance
+    se = math.sqrt(var) if var > 0 else 0.0
+    if test == "welch":
+        df = welch_df(control, treatment)
+        critical = float(stats.t.ppf(1 - alpha / 2, df)) if math.isfinite(df) else float(stats.norm.ppf(1 - alpha / 2))
+        p = _two_sided_p(diff, se, df)
+    else:
+        critical = float(stats.norm.ppf(1 - alpha / 2))
+        p = _two_sided_p(diff, se, math.inf)
+    absolute_ci = (diff - critical * se, diff + critical * se)
+    relative, relative_ci = relative_lift(control, treatment, critical)
+    seq_p: float | None = None
+    seq_ci: tuple[float, float] | None = None
+    if sequential:
+        unit_var = _pooled_unit_variance(control, treatment)
+        tau2 = mixing_variance(unit_var, alpha=alpha, tuning_units=tuning_units)
+        seq_p = msprt_p_value(diff, var, tau2)
+        half = confidence_sequence_half_width(var, tau2, alpha=alpha)
+        seq_ci = (diff - half, diff + half)
+    return Comparison(control, treatment, diff, absolute_ci, relative, relative_ci, p, test, seq_p, seq_ci)
+
+
+def welch_df(control: Estimate, treatment: Estimate) -> float:
+    """Welch–Satterthwaite degrees of freedom from the two variances of the means."""
+    vc, vt = control.variance, treatment.variance
+    denominator = 0.0
+    if control.units > 1:
+        denominator += vc**2 / (control.units - 1)
+    if treatment.units > 1:
+        denominator += vt**2 / (treatment.units - 1)
+    return (vc + vt) ** 2 / denominator if denominator > 0 else math.inf
+
+
+def _two_sided_p(diff: float, se: float, df: float) -> float:
+    if not se > 0 or not math.isfinite(diff):
+        return 1.0 if diff == 0 or not math.isfinite(diff) else 0.0
+    statistic = abs(diff) / se
+    tail = stats.t.sf(statistic, df) if math.isfinite(df) else stats.norm.sf(statistic)
+    return float(min(1.0, 2 * tail))
+
+
+def relative_lift(
+    control: Estimate, treatment: Estimate, critical: float
+) -> tuple[float | None, tuple[float, float] | None]:
+    """``μt/μc - 1`` and its interval, ``Var ≈ Var_t/μc² + μt² Var_c/μc⁴`` (delta method, independent arms)."""
+    mc, mt = control.value, treatment.value
+    if not mc or not math.isfinite(mc) or not math.isfinite(mt):
+        return None, None
+    lift = mt / mc - 1
+    var = treatment.variance / mc**2 + mt**2 * control.variance / mc**4
+    half = critical * math.sqrt(var) if var > 0 else 0.0
+    return lift, (lift - half, lift + half)
+
+
+def two_proportions(
+    control_successes: int, control_trials: int, treatment_successes: int, treatment_trials: int, *, alpha: float = 0.05
+) -> Comparison:
+    """The two-proportion z-test (pooled variance for the p-value, as statsmodels' ``proportions_ztest``)
+    with an unpooled Wald interval for the difference: the test for a binary outcome per call."""
+    control = _proportion(control_successes, control_trials)
+    treatment = _proportion(treatment_successes, treatment_trials)
+    pooled = (control_successes + treatment_successes) / max(control_trials + treatment_trials, 1)
+    se_pooled = math.sqrt(pooled * (1 - pooled) * (1 / max(control_trials, 1) + 1 / max(treatment_trials, 1)))
+    diff = treatment.value - control.value
+    p = _two_sided_p(diff, se_pooled, math.inf)
+    critical = float(stats.norm.ppf(1 - alpha / 2))
+    se = math.sqrt(control.variance + treatment.variance)
+    relative, relative_ci = relative_lift(control, treatment, critical)
+    return Comparison(
+        control,
+        treatment,
+        diff,
+        (diff - critical * se, diff + critical * se),
+        relative,
+        relative_ci,
+        p,
+        "two-proportion z",
+    )
+
+
+def _proportion(successes: int, trials: int) -> Estimate:
+    rate = successes / trials if trials else math.nan
+    variance = rate * (1 - rate) / trials if trials else math.nan
+    return Estimate(rate, variance, trials)
+
+
+def _pooled_unit_variance(control: Estimate, treatment: Estimate) -> float:
+    values = [e.unit_variance for e in (control, treatment) if e.units > 0 and math.isfinite(e.variance)]
+    return float(np.mean(values)) if values else 0.0
+
+
+# -- always-valid inference ------------------------------------------------------------------
+
+
+def mixing_variance(unit_variance: float, *, alpha: float, tuning_units: int = DEFAULT_TUNING_UNITS) -> float:
+    """``τ² = ρ² σ²`` with ``ρ² = (-2 log α + log(-2 log α + 1)) / n*`` (Waudby-Smith et al. 2023, eq. for the
+    ρ that makes the sequence tightest at ``n*`` units; GrowthBook's tuning). ``σ²`` is the per-unit variance
+    of the difference's terms; for two arms each with ``n`` units the difference has variance ``2σ²/n``."""
+    two_log = -2 * math.log(alpha)
+    rho2 = (two_log + math.log(two_log + 1)) / max(tuning_units, 1)
+    return rho2 * 2 * unit_variance
+
+
+def msprt_p_value(diff: float | FloatArray, variance: float | FloatArray, tau2: float | FloatArray) -> float:
+    """The mSPRT p-value at one look, ``min(1, 1/Λ)`` (Johari et al. 2017, normal mixture). An always-valid p-value
+    sequence is the running minimum of this over looks (:func:`running_msprt_p_values`)."""
+    value = np.asarray(msprt_p_values(np.asarray(diff), np.asarray(variance), np.asarray(tau2)))
+    return float(value)
+
+
+def msprt_p_values(diff: FloatArray, variance: FloatArray, tau2: FloatArray | float) -> FloatArray:
+    """Vectorised :func:`msprt_p_value` (log space, so huge Λ never overflows)."""
+    v = np.asarray(variance, dtype=np.float64)
+    t = np.broadcast_to(np.asarray(tau2, dtype=np.float64), v.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        log_lambda = 0.5 * np.log(v / (v + t)) + t * np.asarray(diff) ** 2 / (2 * v * (v + t))
+    p = np.exp(-np.where(np.isfinite(log_lambda), log_lambda, 0.0))
+    return np.asarray(np.minimum(1.0, p), dtype=np.float64)
+
+
+def running_msprt_p_values(diffs: FloatArray, variances: FloatArray, tau2: FloatArray | float) -> FloatArray:
+    """Always-valid p-values over a sequence of looks (last axis): the running minimum of :func:`msprt_p_values`."""
+    return np.asarray(np.minimum.accumulate(msprt_p_values(diffs, variances, tau2), axis=-1), dtype=np.float64)
+
+
+def confidence_sequence_half_width(variance: float, tau2: float, *, alpha: float) -> float:
+    """Half-width of the mixture confidence sequence: ``sqrt(V(V+τ²)/τ² · (2 log(1/α) + log((V+τ²)/V)))``."""
+    if not variance > 0 or not tau2 > 0:
+        return math.inf if not variance > 0 else 0.0
+    return math.sqrt(
+        variance * (variance + tau2) / tau2 * (2 * math.log(1 / alpha) + math.log((variance + tau2) / variance))
+    )
+
+
+# -- sample ratio mismatch and power ---------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRatio:
+    observed: dict[str, int]
+    expected: dict[str, float]
+    chi2: float
+    p_value: float
+    flagged: bool
+
+
+def sample_ratio_mismatch(
+    observed: dict[str, int], weights: dict[str, float], *, threshold: float = 0.001
+) -> SampleRatio | None:
+    """Pearson's chi-square of the units per arm against the configured weights (scipy's ``chisquare``),
+    arms at weight 0 left out; flagged below ``threshold`` (0.001, the usual SRM bar: a real mismatch gives
+    p-values far smaller, and a looser bar raises false alarms on every minute's check). None when fewer than
+    two arms carry weight or no unit was seen."""
+    arms = [arm for arm, weight in weights.items() if weight > 0]
+    counts = np.array([observed.get(arm, 0) for arm in arms], dtype=np.float64)
+    total = counts.sum()
+    if len(arms) < 2 or total == 0:
+        return None
+    shares = np.array([weights[arm] for arm in arms]) / sum(weights[arm] for arm in arms)
+    expected = shares * total
+    result = stats.chisquare(counts, expected)
+    p = float(result.pvalue)
+    return SampleRatio(
+        {arm: int(c) for arm, c in zip(arms, counts, strict=True)},
+        {arm: float(e) for arm, e in zip(arms, expected, strict=True)},
+        float(result.statistic),
+        p,
+        p < threshold,
+    )
+
+
+def power(
+    effect: float, unit_variance_control: float, unit_variance_treatment: float, units_per_arm: float, *, alpha: float
+) -> float:
+    """The probability a two-sided test at ``alpha`` detects ``effect`` with ``units_per_arm`` per arm (normal)."""
+    se = math.sqrt((unit_variance_control + unit_variance_treatment) / units_per_arm)
+    if not se > 0:
+        return 1.0
+    z = stats.norm.ppf(1 - alpha / 2)
+    shift = abs(effect) / se
+    return float(stats.norm.sf(z - shift) + stats.norm.cdf(-z - shift))
+
+
+def units_per_arm_needed(
+    effect: float, unit_variance_control: float, unit_variance_treatment: float, *, alpha: float, power: float = 0.8
+) -> float | None:
+    """Units per arm for a two-sided test at ``alpha`` to detect ``effect`` with ``power``; None for no effect."""
+    if not effect or not math.isfinite(effect):
+        return None
+    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    return float(z**2 * (unit_variance_control + unit_variance_treatment) / effect**2)

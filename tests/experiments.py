@@ -1,0 +1,127 @@
+"""Writing A/B traffic into Redis the way the recorder does, for the analysis tests and benchmark.
+
+Calls go to ``splitstream:calls:<model>`` as :func:`entry_fields` writes them (readable fields plus the
+serialized CallRecord, with its phase and assignment); outcome events to ``splitstream:feedback:<model>`` as
+:func:`feedback_entry_fields` writes them. Pipelined XADDs in batches, like the recorder's writer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis
+
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
+from splitstream.common.records import entry_fields, feedback_entry_fields, feedback_key, stream_key
+
+ASSIGNMENTS = {
+    "hash": recorder_pb2.ASSIGNMENT_HASH,
+    "random": recorder_pb2.ASSIGNMENT_RANDOM,
+    "pin": recorder_pb2.ASSIGNMENT_PIN,
+    "spill": recorder_pb2.ASSIGNMENT_SPILL,
+    "retry": recorder_pb2.ASSIGNMENT_RETRY,
+    "unspecified": recorder_pb2.ASSIGNMENT_UNSPECIFIED,
+}
+
+
+def phase(weights: dict[str, float], control: str, salt: str = "salt") -> recorder_pb2.Phase:
+    """A Phase message with an id derived from its contents (stand-in for the router's id)."""
+    text = repr((salt, control, sorted(weights.items())))
+    return recorder_pb2.Phase(id=hashlib.sha256(text.encode()).hexdigest()[:16], weights=weights, control=control)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    request_id: str
+    time_ns: int
+    arm: str
+    unit: str = ""
+    assignment: str = "hash"
+    status_code: int = 0
+    latency_ms: float = 5.0
+    version: str = ""
+
+
+def call_record(
+    model: str, call: Call, call_phase: recorder_pb2.Phase, payload: bytes = b""
+) -> recorder_pb2.CallRecord:
+    return recorder_pb2.CallRecord(
+        schema_version=1,
+        request_id=call.request_id,
+        receive_unix_ns=call.time_ns,
+        model=model,
+        version=call.version or call.arm,
+        arm=call.arm,
+        routing_key_hmac=call.unit,
+        status_code=call.status_code,
+        latency_ns=int(call.latency_ms * 1e6),
+        request=recorder_pb2.Payload(inline=payload, size_bytes=len(payload)),
+        phase=call_phase,
+        assignment=ASSIGNMENTS[call.assignment],  # type: ignore[arg-type]
+        pinned=call.assignment == "pin",
+        fallback=call.assignment == "spill",
+    )
+
+
+def write_calls(
+    client: redis.Redis,
+    model: str,
+    calls: Iterable[Call],
+    call_phase: recorder_pb2.Phase,
+    *,
+    payload: bytes = b"",
+    batch: int = 2_000,
+    written_at_ns: int | None = None,
+) -> int:
+    """XADD each call's entry, in time order, with the entry id Redis would have given it had the recorder
+    written it when the call happened (``<ms>-*``), or at ``written_at_ns`` (a late, spooled delivery).
+    Returns how many were written."""
+    written = 0
+    pipe = client.pipeline(transaction=False)
+    for call in sorted(calls, key=lambda c: c.time_ns):
+        fields = entry_fields(call_record(model, call, call_phase, payload))
+        at_ms = (call.time_ns if written_at_ns is None else written_at_ns) // 1_000_000
+        pipe.xadd(stream_key(model), fields, id=f"{at_ms}-*")  # type: ignore[arg-type]
+        written += 1
+        if written % batch == 0:
+            pipe.execute()
+    pipe.execute()
+    return written
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    metric: str
+    value: float
+    event_ns: int
+    request_id: str = ""
+    unit: str = ""
+    idempotency_key: str = ""
+
+
+def write_feedback(
+    client: redis.Redis, model: str, events: Iterable[Event], *, batch: int = 2_000, written_at_ns: int | None = None
+) -> int:
+    """Like :func:`write_calls`, for outcome events (entry ids at their event time, or ``written_at_ns``)."""
+    written = 0
+    pipe = client.pipeline(transaction=False)
+    for event in sorted(events, key=lambda e: e.event_ns):
+        message = feedback_pb2.FeedbackEvent(
+            model=model,
+            request_id=event.request_id,
+            routing_key_hmac=event.unit,
+            metric=event.metric,
+            value=event.value,
+            event_unix_ns=event.event_ns,
+            idempotency_key=event.idempotency_key,
+            receive_unix_ns=event.event_ns,
+        )
+        at_ms = (event.event_ns if written_at_ns is None else written_at_ns) // 1_000_000
+        pipe.xadd(feedback_key(model), feedback_entry_fields(message), id=f"{at_ms}-*")  # type: ignore[arg-type]
+        written += 1
+        if written % batch == 0:
+            pipe.execute()
+    pipe.execute()
+    return written

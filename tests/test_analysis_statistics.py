@@ -1,0 +1,207 @@
+"""The A/B statistics against scipy/statsmodels on textbook cases, and by seeded simulation (each a few seconds).
+
+The simulations are what a rollout relies on: a fixed-horizon test that is wrong 5 % of the time at alpha 0.05,
+an always-valid test that stays at or under 5 % however often it is looked at (where looking at a fixed-horizon
+test 20 times is wrong far more often), a power estimate that predicts how often a real lift is found, and an
+SRM check that catches a 52/48 split and rarely cries wolf on an honest one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+from statsmodels.stats.power import NormalIndPower
+from statsmodels.stats.proportion import confint_proportions_2indep, proportions_ztest
+from statsmodels.stats.weightstats import CompareMeans, DescrStatsW
+
+from splitstream.analysis.statistics import (
+    UnitValues,
+    compare,
+    confidence_sequence_half_width,
+    cuped_estimates,
+    estimate,
+    mixing_variance,
+    msprt_p_value,
+    power,
+    running_msprt_p_values,
+    sample_ratio_mismatch,
+    two_proportions,
+    units_per_arm_needed,
+)
+
+SIMULATIONS = 2_000
+
+
+def test_welch_comparison_agrees_with_scipy_and_statsmodels() -> None:
+    rng = np.random.default_rng(1)
+    control = rng.normal(10.0, 3.0, 400)
+    treatment = rng.normal(10.6, 5.0, 250)
+    result = compare(estimate(UnitValues.of_means(control)), estimate(UnitValues.of_means(treatment)), alpha=0.05)
+    reference = stats.ttest_ind(treatment, control, equal_var=False)
+    assert result.p_value == pytest.approx(reference.pvalue, rel=1e-9)
+    low, high = CompareMeans(DescrStatsW(treatment), DescrStatsW(control)).tconfint_diff(alpha=0.05, usevar="unequal")
+    assert result.absolute_ci == pytest.approx((low, high), rel=1e-9)
+    assert result.absolute == pytest.approx(treatment.mean() - control.mean())
+    assert result.relative == pytest.approx(treatment.mean() / control.mean() - 1)
+
+
+def test_two_proportion_test_agrees_with_statsmodels() -> None:
+    result = two_proportions(480, 10_000, 560, 10_000, alpha=0.05)
+    _, p = proportions_ztest([560, 480], [10_000, 10_000])
+    assert result.p_value == pytest.approx(p, rel=1e-9)
+    low, high = confint_proportions_2indep(560, 10_000, 480, 10_000, method="wald", compare="diff", alpha=0.05)
+    assert result.absolute_ci == pytest.approx((low, high), rel=1e-9)
+    assert result.relative == pytest.approx(0.056 / 0.048 - 1)
+
+
+def test_delta_method_variance_of_a_ratio_is_the_textbook_formula() -> None:
+    rng = np.random.default_rng(2)
+    x = rng.poisson(5, 2_000).astype(float) + 1
+    y = rng.binomial(x.astype(int), 0.3).astype(float)
+    result = estimate(UnitValues(y, x))
+    n, mx, my = len(x), x.mean(), y.mean()
+    ratio = my / mx
+    covariance = np.cov(y, x, ddof=1)
+    textbook = (covariance[0, 0] - 2 * ratio * covariance[0, 1] + ratio**2 * covariance[1, 1]) / (n * mx**2)
+    assert result.value == pytest.approx(y.sum() / x.sum())
+    assert result.variance == pytest.approx(textbook, rel=1e-9)
+
+
+def test_delta_method_interval_of_a_ratio_covers_the_true_rate_95_percent_of_the_time() -> None:
+    rng = np.random.default_rng(3)
+    covered = 0
+    for _ in range(1_000):
+        x = rng.geometric(0.2, 300).astype(float)  # calls per user, heavy-ish tail
+        y = rng.binomial(x.astype(int), 0.1).astype(float)  # clicks among them
+        low, high = estimate(UnitValues(y, x)).interval(0.05)
+        covered += low <= 0.1 <= high
+    assert 0.93 <= covered / 1_000 <= 0.97
+
+
+def test_the_fixed_horizon_test_is_wrong_5_percent_of_the_time_in_aa_experiments() -> None:
+    rng = np.random.default_rng(4)
+    data = rng.exponential(2.0, size=(SIMULATIONS, 2, 500))  # skewed, like revenue
+    rejections = 0
+    for control, treatment in data:
+        result = compare(estimate(UnitValues.of_means(control)), estimate(UnitValues.of_means(treatment)))
+        rejections += result.p_value < 0.05
+    assert 0.04 <= rejections / SIMULATIONS <= 0.06
+
+
+def _peeks(rng: np.random.Generator, looks: int, block: int, lift: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+    """Differences of means and their variances at each of ``looks`` looks (after every ``block`` units per arm)
+    in SIMULATIONS experiments: arrays of shape (SIMULATIONS, looks)."""
+    control = rng.normal(1.0, 1.0, size=(SIMULATIONS, looks * block))
+    treatment = rng.normal(1.0 + lift, 1.0, size=(SIMULATIONS, looks * block))
+    n = np.arange(1, looks + 1) * block
+
+    def mean_and_var(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        sums = np.cumsum(values, axis=1)[:, n - 1]
+        squares = np.cumsum(values**2, axis=1)[:, n - 1]
+        mean = sums / n
+        return mean, (squares - n * mean**2) / (n - 1)
+
+    mc, vc = mean_and_var(control)
+    mt, vt = mean_and_var(treatment)
+    return mt - mc, (vc + vt) / n
+
+
+def test_peeking_20_times_inflates_the_naive_test_but_not_the_always_valid_one() -> None:
+    rng = np.random.default_rng(5)
+    diffs, variances = _peeks(rng, looks=20, block=50)
+    naive = 2 * stats.norm.sf(np.abs(diffs) / np.sqrt(variances))
+    naive_rate = float((naive < 0.05).any(axis=1).mean())
+    # σ² per unit estimated at each look, as compare() does (the plug-in GrowthBook uses), tuned for 500 units.
+    units = np.arange(1, 21) * 50
+    unit_variance = variances * units / 2
+    tau2 = np.vectorize(lambda v: mixing_variance(v, alpha=0.05, tuning_units=500))(unit_variance)
+    always_valid = running_msprt_p_values(diffs, variances, tau2)
+    sequential_rate = float((always_valid[:, -1] < 0.05).mean())
+    assert naive_rate > 0.10
+    assert sequential_rate <= 0.05
+
+
+def test_the_confidence_sequence_excludes_zero_exactly_when_the_msprt_p_value_is_below_alpha() -> None:
+    variance, tau2 = 0.01, mixing_variance(1.0, alpha=0.05, tuning_units=1000)
+    half = confidence_sequence_half_width(variance, tau2, alpha=0.05)
+    assert msprt_p_value(half * 1.001, variance, tau2) < 0.05 < msprt_p_value(half * 0.999, variance, tau2)
+    fixed_half = stats.norm.ppf(0.975) * math.sqrt(variance)
+    assert half > fixed_half  # the price of looking any number of times
+
+
+def test_a_planted_lift_is_found_as_often_as_the_power_calculation_predicts() -> None:
+    rng = np.random.default_rng(6)
+    units, lift = 400, 0.18
+    predicted = power(lift, 1.0, 1.0, units, alpha=0.05)
+    assert 0.6 < predicted < 0.8  # a case where power matters, not a sure thing
+    data = rng.normal(0.0, 1.0, size=(SIMULATIONS, 2, units))
+    data[:, 1] += lift
+    detected = 0
+    for control, treatment in data:
+        result = compare(estimate(UnitValues.of_means(control)), estimate(UnitValues.of_means(treatment)))
+        detected += result.p_value < 0.05 and result.absolute > 0
+    assert abs(detected / SIMULATIONS - predicted) < 0.04
+
+
+def test_units_needed_agrees_with_statsmodels_power_solver() -> None:
+    needed = units_per_arm_needed(0.1, 1.0, 1.0, alpha=0.05, power=0.8)
+    reference = NormalIndPower().solve_power(effect_size=0.1, alpha=0.05, power=0.8, ratio=1.0)
+    assert needed == pytest.approx(reference, rel=0.01)
+    assert units_per_arm_needed(0.0, 1.0, 1.0, alpha=0.05) is None
+
+
+def test_a_52_48_split_of_100000_units_is_flagged_with_expected_and_observed_counts() -> None:
+    result = sample_ratio_mismatch({"v1": 52_000, "v2": 48_000}, {"v1": 50, "v2": 50})
+    assert result is not None
+    assert result.flagged
+    assert result.expected == {"v1": 50_000, "v2": 50_000}
+    assert result.observed == {"v1": 52_000, "v2": 48_000}
+    assert result.p_value == pytest.approx(stats.chisquare([52_000, 48_000]).pvalue)
+
+
+def test_an_honest_split_is_flagged_in_about_one_in_a_thousand_experiments() -> None:
+    rng = np.random.default_rng(7)
+    draws = rng.multinomial(100_000, [0.9, 0.1], size=20_000)
+    p = stats.chisquare(draws, f_exp=np.array([90_000, 10_000]), axis=1).pvalue
+    flagged = sum(
+        sample_ratio_mismatch({"v1": int(a), "v2": int(b)}, {"v1": 90, "v2": 10}).flagged  # type: ignore[union-attr]
+        for a, b in draws[p < 0.01]  # only these can be flagged; the rest are checked in bulk above
+    )
+    assert flagged / len(draws) <= 0.003
+
+
+def test_arms_at_weight_zero_are_left_out_of_the_srm_test() -> None:
+    result = sample_ratio_mismatch({"v1": 500, "v2": 500, "v3": 3}, {"v1": 50, "v2": 50, "v3": 0})
+    assert result is not None
+    assert set(result.expected) == {"v1", "v2"}
+    assert not result.flagged
+
+
+def test_cuped_keeps_the_estimate_unbiased_and_narrows_the_interval() -> None:
+    rng = np.random.default_rng(8)
+    pre = rng.normal(10, 3, size=(2, 2_000))
+    post = pre * 0.8 + rng.normal(0, 1.5, size=(2, 2_000))
+    post[1] += 0.3
+    control, treatment = (UnitValues.of_means(v) for v in post)
+    plain = compare(estimate(control), estimate(treatment))
+    adjusted_control, adjusted_treatment, theta = cuped_estimates(
+        control, treatment, UnitValues.of_means(pre[0]), UnitValues.of_means(pre[1])
+    )
+    cuped = compare(adjusted_control, adjusted_treatment)
+    assert theta == pytest.approx(0.8, abs=0.05)
+    assert cuped.absolute_ci[1] - cuped.absolute_ci[0] < 0.6 * (plain.absolute_ci[1] - plain.absolute_ci[0])
+    assert cuped.absolute_ci[0] < 0.3 < cuped.absolute_ci[1]
+
+
+def test_cuped_with_an_uninformative_covariate_changes_nothing() -> None:
+    rng = np.random.default_rng(9)
+    post = rng.normal(5, 1, size=(2, 1_000))
+    zeros = UnitValues.of_means(np.zeros(1_000))
+    control, treatment = (UnitValues.of_means(v) for v in post)
+    adjusted_control, adjusted_treatment, theta = cuped_estimates(control, treatment, zeros, zeros)
+    assert theta == 0
+    assert adjusted_treatment.value == pytest.approx(estimate(treatment).value)
+    assert adjusted_control.variance == pytest.approx(estimate(control).variance)
