@@ -4,7 +4,8 @@
     splitstream --registry file:registry.yaml experiment set resnet --weights v1=90,v2=10
     splitstream --registry consul://127.0.0.1:8500 versions resnet
     splitstream --registry consul://127.0.0.1:8500 rollout resnet v2 --steps 10,50,100 --interval 60s \\
-        --max-error-rate 1% --max-p99-ratio 1.5 --metrics router-a:8002 --metrics router-b:8002
+        --max-error-rate 1% --max-p99-ratio 1.5 --metrics router-a:8002 --metrics router-b:8002 \\
+        --redis-url redis://127.0.0.1:6379/0 --guard 'click:lift>=-1%' --promote-on-win
     splitstream feedback import outcomes.csv --router router-a:8001 --model resnet
     splitstream analyze resnet --redis-url redis://127.0.0.1:6379/0 --since -1d \\
         --metric click:proportion --metric revenue:sum --output-dir ab
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from splitstream.admin import feedback_import, metrics
+from splitstream.admin.outcomes import GUARD_SYNTAX, OutcomeGuard, OutcomeReader
 from splitstream.admin.rollout import FAILED, ROLLED_BACK, USAGE, Rollout, RolloutPlan
 from splitstream.admin.store import (
     AdminError,
@@ -44,6 +46,8 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
+from splitstream.common.redis_url import add_redis_security_arguments, redis_security_from_args
+from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import join_relative_times
 from splitstream.common.tls import ClientTls, add_client_tls_arguments, client_tls_from_args
 
@@ -72,6 +76,13 @@ def steps(text: str) -> tuple[float, ...]:
         return tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of percentages: {text!r} (e.g. 10,50,100)") from None
+
+
+def outcome_guard(text: str) -> OutcomeGuard:
+    try:
+        return OutcomeGuard.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def weight_pairs(text: str) -> list[tuple[str, float]]:
@@ -178,6 +189,32 @@ def build_parser() -> EnvArgumentParser:
     )
     rollout.add_argument("--min-calls", type=int, default=20, help="calls of the new version a step needs")
     rollout.add_argument("--check-every", type=duration_s, default=1.0, help="how often metrics are read in a step")
+    outcomes = rollout.add_argument_group(
+        "outcome guards (business metrics from the recorder's Redis, judged at every check; see README)"
+    )
+    outcomes.add_argument(
+        "--guard",
+        action="append",
+        type=outcome_guard,
+        default=None,
+        metavar="GUARD",
+        help=f"{GUARD_SYNTAX}; e.g. 'click:lift>=-1%%' (repeat for several; significant harm rolls back)",
+    )
+    outcomes.add_argument(
+        "--promote-on-win",
+        action="store_true",
+        help="end a step early when every --guard shows a significantly positive lift",
+    )
+    outcomes.add_argument(
+        "--redis-url", default=None, secret=True, help="the recorder's Redis, where calls and feedback are read"
+    )
+    outcomes.add_argument(
+        "--guard-min-units", type=int, default=30, help="units each arm needs in a step before a guard is judged"
+    )
+    outcomes.add_argument(
+        "--guard-alpha", type=float, default=0.05, help="1 - confidence of the guards' always-valid intervals"
+    )
+    add_redis_security_arguments(outcomes)
     feedback_import.add_parser(commands, env_prefix=ENV_PREFIX)
     analysis_cli.add_command(commands, ENV_PREFIX)
     return parser
@@ -363,11 +400,39 @@ def list_versions(store: Store, model: str, *, as_json: bool) -> int:
     return 0
 
 
+def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader:
+    """The reader of the guards' analysis; Invalid (exit 2) for a missing or bad --redis-url or TLS file,
+    AdminError (exit 1, nothing changed) when Redis cannot be reached."""
+    if not args.redis_url:
+        raise Invalid("--guard needs --redis-url, the recorder's Redis (calls and feedback are read there)")
+    try:
+        security = redis_security_from_args(args, url=args.redis_url, env_prefix=ENV_PREFIX)
+    except ConfigError as error:
+        raise Invalid(str(error)) from None
+    metrics_by_name = {g.metric.name: g.metric for g in plan.guards}
+    reader = OutcomeReader(
+        args.redis_url,
+        model=plan.model,
+        metrics=tuple(metrics_by_name.values()),
+        alpha=plan.guard_alpha,
+        security=security,
+    )
+    try:
+        reader.check_reachable()
+    except ValueError as error:
+        raise Invalid(f"bad --redis-url {redact_url(args.redis_url)!r}: {redact_text(str(error))}") from None
+    except OSError as error:
+        raise AdminError(f"{error}; nothing changed") from None
+    return reader
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
+    # From the environment, argparse converts the variable's one guard; from flags, a list.
+    guards = (args.guard,) if isinstance(args.guard, OutcomeGuard) else tuple(args.guard or ())
     plan = RolloutPlan(
         model=args.model,
         version=args.version,
@@ -380,10 +445,17 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         metrics_urls=tuple(metrics.metrics_url(url) for url in args.metrics),
         min_calls=args.min_calls,
         check_every_s=args.check_every,
+        guards=guards,
+        promote_on_win=args.promote_on_win,
+        guard_min_units=args.guard_min_units,
+        guard_alpha=args.guard_alpha,
     )
+    reader = outcome_reader(args, plan) if guards else None
     # SIGTERM (a CI job cancelled, a terminal closed) rolls back like Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
-    verdict = Rollout(store, plan, out=lambda line: print(line, flush=True)).run()
+    verdict = Rollout(
+        store, plan, out=lambda line: print(line, flush=True), outcomes=reader.read if reader else None
+    ).run()
     stream = sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr
     print(verdict.message, file=stream, flush=True)
     return verdict.code

@@ -20,7 +20,18 @@ that interval only (deltas between scrapes, summed over routers):
   control's, judged the same way from the routers' stream histograms (a version
   with no streams in the step is not judged on them).
 
-A guard that trips, metrics that cannot be read, or an interrupt set the new
+With ``--guard`` (:mod:`splitstream.admin.outcomes`), business outcomes are judged
+too, at every check, from the recorder's Redis: the new version's lift over the
+control in the current step's experiment phase, with the always-valid confidence
+sequence. Significant harm (the sequence entirely past the guard's bound) rolls
+back at once; a sample ratio mismatch in the phase (the units per arm do not
+match the weights, p < 0.001) stops the rollout and rolls back, because a broken
+split makes every comparison meaningless; with ``promote_on_win``, a significant
+win on every guard ends the step early (the step's other guards are still judged
+on the calls so far). At a step where the control takes no traffic (100 %) there
+is nothing to compare and the outcome guards are not judged.
+
+A guard that trips, metrics or Redis that cannot be read, or an interrupt set the new
 version back to 0 % (its share goes to the control) and the rollout ends with
 :data:`ROLLED_BACK`. When every step held and the last one is 100 %, the new
 version is promoted: it becomes the control and the old control leaves the arms.
@@ -33,7 +44,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from splitstream.admin import metrics
+from splitstream.admin.outcomes import Check, OutcomeGuard, judge
 from splitstream.admin.store import AdminError, Conflict, Invalid, ModelView, Store, check_versions_exist, weights_text
+from splitstream.analysis.model import Analysis
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 
@@ -57,6 +70,14 @@ class RolloutPlan:
     #: Token-stream guards (None: not judged).
     max_ttft_p99_ratio: float | None = None
     max_itl_p99_ratio: float | None = None
+    #: Outcome guards (judged from Redis at every check; none: outcomes are not judged).
+    guards: tuple[OutcomeGuard, ...] = ()
+    #: Advance to the next step as soon as every outcome guard shows a significant win.
+    promote_on_win: bool = False
+    #: Units each arm needs in the step's phase before an outcome guard is judged.
+    guard_min_units: int = 30
+    #: 1 - the confidence of the guards' always-valid intervals.
+    guard_alpha: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -82,6 +103,16 @@ class RolloutPlan:
             raise Invalid("--metrics: give the /metrics URL of every router (repeat the flag)")
         if self.min_calls < 1:
             raise Invalid("--min-calls: must be at least 1")
+        if self.promote_on_win and not self.guards:
+            raise Invalid("--promote-on-win needs at least one --guard (a win is judged on outcomes)")
+        if self.guard_min_units < 2:
+            raise Invalid("--guard-min-units: must be at least 2")
+        if not 0 < self.guard_alpha < 1:
+            raise Invalid(f"--guard-alpha: must be between 0 and 1, got {self.guard_alpha}")
+        kinds: dict[str, str] = {}
+        for guard in self.guards:
+            if kinds.setdefault(guard.metric.name, guard.metric.kind.value) != guard.metric.kind.value:
+                raise Invalid(f"--guard: metric '{guard.metric.name}' is given two kinds")
 
 
 @dataclass(frozen=True)
@@ -104,7 +135,13 @@ class Tripped(Exception):
     """A guard failed; the message says which and by how much."""
 
 
+class Won(Exception):
+    """Every outcome guard shows a significant win: the step may end early."""
+
+
 Scrape = Callable[[Iterable[str], str], metrics.Snapshot]
+#: The analysis of the model's calls and feedback since a unix time in ns (OSError when Redis fails).
+Outcomes = Callable[[int], Analysis]
 
 
 class Rollout:
@@ -117,13 +154,20 @@ class Rollout:
         scrape: Scrape = metrics.scrape,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
+        outcomes: Outcomes | None = None,
+        wall_clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
+        """``outcomes`` reads the analysis the outcome guards judge; needed when the plan has guards."""
         self.store = store
         self.plan = plan
         self.out = out
         self.scrape = scrape
         self.sleep = sleep
         self.clock = clock
+        if plan.guards and outcomes is None:
+            raise Invalid("--guard needs --redis-url, the recorder's Redis")
+        self.outcomes = outcomes
+        self.wall_clock_ns = wall_clock_ns
         #: Per guard, the control's p99 from the last step in which it had enough calls.
         self._references: dict[str, float] = {}
         self.control = ""
@@ -160,7 +204,7 @@ class Rollout:
                     f"judged over {plan.interval_s:g}s"
                 )
                 try:
-                    self._judge_step()
+                    self._judge_step(experiment)
                 except (Tripped, OSError) as reason:
                     return self._roll_back(str(reason))
         except KeyboardInterrupt:
@@ -253,10 +297,18 @@ class Rollout:
 
     # -- judging ------------------------------------------------------------------------------------
 
-    def _judge_step(self) -> None:
+    def _judge_step(self, experiment: Experiment) -> None:
         plan = self.plan
         before = self.scrape(plan.metrics_urls, plan.model)
-        end = self.clock() + plan.interval_s
+        # Calls of this step's phase are recorded after the write above; a few seconds earlier covers
+        # routers whose clocks run behind this one's (other phases in the window are left out by id).
+        since_ns = self.wall_clock_ns() - 5 * 10**9
+        control_weight = next((a.weight for a in experiment.arms if a.version == experiment.control), 0)
+        judge_outcomes = bool(plan.guards) and control_weight > 0
+        if plan.guards and not judge_outcomes:
+            self.out(f"  outcome guards not judged in this step: {self.control} takes no traffic to compare with")
+        started = self.clock()
+        end = started + plan.interval_s
         while True:
             remaining = end - self.clock()
             if remaining > 0:
@@ -265,6 +317,12 @@ class Rollout:
             new = counts.get(plan.version, metrics.VersionCounts())
             if new.calls >= plan.min_calls and new.error_rate > plan.max_error_rate:
                 raise Tripped(self._error_rate_text(new))
+            if judge_outcomes:
+                try:
+                    self._judge_outcomes(experiment, since_ns, self.clock() - started)
+                except Won as won:
+                    self.out(f"  {won}: advancing early")
+                    break
             if remaining <= 0:
                 break
         control = counts.get(self.control, metrics.VersionCounts())
@@ -280,6 +338,31 @@ class Rollout:
         for guard in self._guards:
             line += self._judge(guard, new, control)
         self.out(line + ": guards hold")
+
+    def _judge_outcomes(self, experiment: Experiment, since_ns: int, elapsed_s: float) -> None:
+        """One check of the outcome guards; prints its line, raises Tripped on harm or SRM, Won on a win."""
+        plan = self.plan
+        assert self.outcomes is not None
+        check: Check = judge(
+            self.outcomes(since_ns),
+            phase=experiment.phase.id,
+            version=plan.version,
+            guards=plan.guards,
+            min_units=plan.guard_min_units,
+        )
+        self.out(f"  check {elapsed_s:.0f}s: {check.text}")
+        if check.srm_flagged:
+            expected = ", ".join(f"{arm} {n:.0f}" for arm, n in check.srm_expected.items())
+            observed = ", ".join(f"{arm} {n}" for arm, n in check.units.items())
+            raise Tripped(
+                f"sample ratio mismatch in this step (p = {check.srm_p:.2g} < 0.001): units per arm {observed}, "
+                f"expected {expected} from the weights; the split is broken, so no outcome can be trusted"
+            )
+        for reading in check.readings:
+            if reading.state == "harm":
+                raise Tripped(f"{plan.version} harms {reading.text.replace(': harm', '')} (guard {reading.guard.text})")
+        if plan.promote_on_win and all(r.state == "win" for r in check.readings):
+            raise Won("every outcome guard shows a significant win")
 
     def _judge(self, guard: _LatencyGuard, new: metrics.VersionCounts, control: metrics.VersionCounts) -> str:
         """One guard's part of the step's line; raises Tripped when the ratio is over its limit."""

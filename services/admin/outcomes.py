@@ -1,0 +1,242 @@
+"""Rollout guards on business outcomes: ``--guard 'click:lift>=-1%'`` judged from recorded calls and feedback.
+
+A guard bounds the new version's lift over the control on one metric of ``splitstream analyze``:
+
+    NAME[:KIND]:lift>=BOUND    the lift must not be significantly below BOUND (higher is better)
+    NAME[:KIND]:lift<=BOUND    the lift must not be significantly above BOUND (lower is better)
+
+KIND is ``proportion`` (the default), ``mean`` or ``sum``, as ``--metric`` of ``analyze`` takes it; BOUND
+is relative to the control's value with a ``%`` (``-1%``) or absolute in the metric's own unit without one
+(``-0.002``). A rollout reads the analysis at every check, so the test must stay valid however often it is
+looked at: the guards use the always-valid (mSPRT) confidence sequence of the absolute lift, which holds
+at every check at once, where a fixed-horizon interval checked every second would cross any bound by
+chance sooner or later.
+
+Each weight change starts a new experiment phase (:class:`splitstream.common.experiment.Phase`) and a
+guard judges the current step's phase only: units randomized at 10 % and at 50 % saw different
+experiments, and mixing them would weigh the early step's users differently in each arm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from splitstream.analysis.analyze import Query, analyze
+from splitstream.analysis.loading import Window
+from splitstream.analysis.model import Analysis, MetricComparison, MetricSpec, PhaseResult
+from splitstream.analysis.statistics import MetricKind
+from splitstream.common.redis_url import NO_REDIS_SECURITY, RedisSecurity, check_connection_options
+from splitstream.common.secrets import redact_text, redact_url
+
+GUARD_SYNTAX = "NAME[:KIND]:lift>=BOUND or NAME[:KIND]:lift<=BOUND, BOUND relative (-1%) or absolute (-0.002)"
+_GUARD = re.compile(r"^(?P<metric>.+):lift\s*(?P<op>>=|<=)\s*(?P<bound>[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?)(?P<pct>%?)$")
+
+State = Literal["harm", "win", "open", "not judged"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutcomeGuard:
+    metric: MetricSpec
+    #: ``>=``: higher is better, the lift must not fall below ``bound``; ``<=`` the other way round.
+    op: Literal[">=", "<="]
+    bound: float
+    relative: bool
+    text: str
+
+    @staticmethod
+    def parse(text: str) -> OutcomeGuard:
+        """ValueError naming what is wrong, with the syntax."""
+        match = _GUARD.match(text.strip().replace(" ", ""))
+        if match is None:
+            raise ValueError(f"--guard {text!r}: expected {GUARD_SYNTAX}; e.g. click:lift>=-1%")
+        name, _, kind = match["metric"].rpartition(":")
+        if not name or kind.lower() not in {k.value for k in MetricKind}:
+            name, kind = match["metric"], MetricKind.PROPORTION.value
+        bound = float(match["bound"])
+        relative = bool(match["pct"])
+        return OutcomeGuard(
+            metric=MetricSpec(name=name, kind=MetricKind(kind.lower())),
+            op=">=" if match["op"] == ">=" else "<=",
+            bound=bound / 100 if relative else bound,
+            relative=relative,
+            text=f"{name}:{kind.lower()}:lift{match['op']}{match['bound']}{match['pct']}",
+        )
+
+    def lift_text(self, value: float | None) -> str:
+        if value is None:
+            return "n/a"
+        return f"{value * 100:+.1f} %" if self.relative else f"{value:+.4g}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reading:
+    """One guard at one check: the lift and its always-valid interval on the guard's scale."""
+
+    guard: OutcomeGuard
+    state: State
+    estimate: float | None = None
+    low: float | None = None
+    high: float | None = None
+    why: str = ""
+
+    @property
+    def text(self) -> str:
+        g = self.guard
+        if self.state == "not judged":
+            return f"{g.metric.name} not judged ({self.why})"
+        interval = f"always-valid CI {g.lift_text(self.low)} .. {g.lift_text(self.high)}"
+        bound = f"bound {g.op} {g.lift_text(g.bound)}"
+        return f"{g.metric.name} lift {g.lift_text(self.estimate)} ({interval}), {bound}: {self.state}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Check:
+    """The outcome guards at one check of a step: each guard's reading and the phase's SRM test."""
+
+    readings: tuple[Reading, ...]
+    units: dict[str, int]
+    srm_p: float | None
+    srm_flagged: bool
+    srm_expected: dict[str, float]
+
+    @property
+    def text(self) -> str:
+        units = ", ".join(f"{arm} {n}" for arm, n in self.units.items()) or "none yet"
+        srm = f"SRM p = {self.srm_p:.3g}" if self.srm_p is not None else "SRM not tested"
+        return f"units {units} | {srm} | " + " | ".join(r.text for r in self.readings)
+
+
+def judge(
+    analysis: Analysis,
+    *,
+    phase: str,
+    version: str,
+    guards: Sequence[OutcomeGuard],
+    min_units: int,
+) -> Check:
+    """The guards' readings for ``version`` against its phase's control in the phase ``phase``."""
+    result = next((p for p in analysis.phases if p.id == phase), None)
+    if result is None:
+        return Check(
+            readings=tuple(
+                Reading(guard=g, state="not judged", why="no call of this step recorded yet") for g in guards
+            ),
+            units={},
+            srm_p=None,
+            srm_flagged=False,
+            srm_expected={},
+        )
+    units = {arm.arm: arm.units for arm in result.arms}
+    readings = tuple(_reading(result, version, guard, units, min_units) for guard in guards)
+    srm = result.srm
+    return Check(
+        readings=readings,
+        units=units,
+        srm_p=srm.p_value if srm else None,
+        srm_flagged=bool(srm and srm.flagged),
+        srm_expected=dict(srm.expected) if srm else {},
+    )
+
+
+def _reading(result: PhaseResult, version: str, guard: OutcomeGuard, units: dict[str, int], min_units: int) -> Reading:
+    fewest = min(units.get(result.control, 0), units.get(version, 0))
+    if fewest < min_units:
+        return Reading(guard=guard, state="not judged", why=f"{fewest} units in an arm, fewer than {min_units}")
+    comparison: MetricComparison | None = next(
+        (c for c in result.comparisons if c.metric == guard.metric.name and c.arm == version), None
+    )
+    if comparison is None or comparison.sequential_ci is None or comparison.absolute_lift is None:
+        return Reading(guard=guard, state="not judged", why="no comparison with the control")
+    low, high = comparison.sequential_ci.low, comparison.sequential_ci.high
+    if low is None or high is None:
+        return Reading(guard=guard, state="not judged", why="no interval yet")
+    estimate = comparison.absolute_lift
+    if guard.relative:
+        base = abs(comparison.control_value or 0.0)
+        if not base:
+            return Reading(guard=guard, state="not judged", why="the control's value is 0: no relative lift")
+        estimate, low, high = estimate / base, low / base, high / base
+    if guard.op == ">=":
+        harm, win = high < guard.bound, low > 0
+    else:
+        harm, win = low > guard.bound, high < 0
+    state: State = "harm" if harm else "win" if win else "open"
+    return Reading(guard=guard, state=state, estimate=estimate, low=low, high=high)
+
+
+class OutcomeReader:
+    """Reads the analysis of a model's calls and feedback from the recorder's Redis, one check at a time.
+
+    The rollout loop is synchronous (it sleeps between scrapes), so each read runs its own event loop
+    with its own client: nothing is shared between checks, and no loop is blocked."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        model: str,
+        metrics: Sequence[MetricSpec],
+        alpha: float,
+        security: RedisSecurity = NO_REDIS_SECURITY,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.url = url
+        self.model = model
+        self.metrics = tuple(metrics)
+        self.alpha = alpha
+        self.security = security
+        self.timeout_s = timeout_s
+
+    def _client(self) -> Redis:
+        """ValueError for a URL that cannot be used."""
+        client = Redis.from_url(
+            self.url,
+            socket_connect_timeout=self.timeout_s,
+            socket_timeout=max(self.timeout_s, 30),
+            **self.security.client_options(),
+        )
+        check_connection_options(client)
+        return client
+
+    def check_reachable(self) -> None:
+        """ValueError for a bad URL, OSError naming Redis when it cannot be reached."""
+
+        async def ping() -> None:
+            client = self._client()
+            try:
+                await client.ping()
+            except (RedisError, OSError) as error:
+                raise OSError(f"Redis at {redact_url(self.url)} is unreachable: {redact_text(str(error))}") from None
+            finally:
+                await client.aclose()
+
+        asyncio.run(ping())
+
+    def read(self, since_ns: int) -> Analysis:
+        """The sequential analysis of ``[since_ns, now)``; OSError naming Redis when it fails."""
+
+        async def run() -> Analysis:
+            client = self._client()
+            try:
+                query = Query(
+                    model=self.model,
+                    window=Window(since_ns, time.time_ns() + 1),
+                    metrics=self.metrics,
+                    alpha=self.alpha,
+                    sequential=True,
+                )
+                return await analyze(client, query)
+            except (RedisError, OSError) as error:
+                raise OSError(f"Redis at {redact_url(self.url)} failed: {redact_text(str(error))}") from None
+            finally:
+                await client.aclose()
+
+        return asyncio.run(run())
