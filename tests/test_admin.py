@@ -15,11 +15,12 @@ import yaml
 
 from splitstream.admin import metrics
 from splitstream.admin.main import main
+from splitstream.admin.outcomes import OutcomeGuard
 from splitstream.admin.rollout import FAILED, PROMOTED, ROLLED_BACK, Rollout, RolloutPlan
 from splitstream.admin.store import Conflict, Endpoint, FileStore, Invalid, ModelView, Store
 from splitstream.common.experiment import Experiment
 from splitstream.common.registry import parse_registry
-from tests.harness import write_registry
+from tests.harness import free_port, write_registry
 
 # -- metrics -----------------------------------------------------------------------------------------
 
@@ -607,3 +608,66 @@ def test_a_stream_guard_ratio_that_is_not_positive_is_a_usage_error_naming_the_f
         err = capsys.readouterr().err
         assert f"{flag}: must be positive" in err
         assert len(err.strip().splitlines()) == 1
+
+
+# -- outcome guards: syntax and refused input ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "kind", "op", "bound", "relative"),
+    [
+        ("click:lift>=-1%", "click", "proportion", ">=", -0.01, True),
+        ("revenue.usd:sum:lift>=-0.5", "revenue.usd", "sum", ">=", -0.5, False),
+        ("wait_s:mean:lift<=5%", "wait_s", "mean", "<=", 0.05, True),
+        ("click:proportion:lift >= 0", "click", "proportion", ">=", 0.0, False),
+    ],
+)
+def test_a_guard_names_its_metric_kind_direction_and_bound(
+    text: str, name: str, kind: str, op: str, bound: float, relative: bool
+) -> None:
+    guard = OutcomeGuard.parse(text)
+    assert (guard.metric.name, guard.metric.kind.value, guard.op, guard.relative) == (name, kind, op, relative)
+    assert guard.bound == pytest.approx(bound)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--guard", "click>=-1%"], "--guard 'click>=-1%': expected NAME[:KIND]:lift>=BOUND"),
+        (["--guard", "click:lift>-1%"], "expected NAME[:KIND]:lift>=BOUND"),
+        (["--guard", "click:lift>=-1%"], "--guard needs --redis-url"),
+        (["--promote-on-win"], "--promote-on-win needs at least one --guard"),
+        (
+            ["--guard", "click:lift>=-1%", "--guard", "click:sum:lift>=0", "--redis-url", "redis://127.0.0.1:1"],
+            "metric 'click' is given two kinds",
+        ),
+        (["--guard", "click:lift>=-1%", "--redis-url", "redis://127.0.0.1:1/0?bogus=1"], "bad --redis-url"),
+    ],
+)
+def test_bad_outcome_guard_flags_exit_2_with_one_line_and_change_nothing(
+    registry: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
+) -> None:
+    before = registry.read_bytes()
+    argv = ["--registry", f"file:{registry}", "rollout", "m", "v2", "--metrics", "127.0.0.1:1", *flags]
+    try:
+        code = main(argv)
+    except SystemExit as usage_error:
+        code = usage_error.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert registry.read_bytes() == before
+
+
+def test_a_guard_whose_redis_is_unreachable_exits_1_before_changing_anything(
+    registry: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    before = registry.read_bytes()
+    argv = ["--registry", f"file:{registry}", "rollout", "m", "v2", "--metrics", "127.0.0.1:1"]
+    argv += ["--guard", "click:lift>=-1%", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "is unreachable" in err
+    assert "nothing changed" in err
+    assert registry.read_bytes() == before
