@@ -3,9 +3,14 @@
 1. Train a digit classifier in two versions (v2 better) and export both to ONNX.
 2. Start redis-server, the recorder, one worker per version and the router (file registry, 90/10).
 3. Simulated users (sticky routing keys) send held-out digits; every call is recorded.
+   Every answer earns a click or not, reported through ``splitstream.v1.Feedback/Report``: users click
+   more often when the served digit label is right, so v2, the more accurate model, earns more clicks.
 4. Ramp v2 to 50 % with ``splitstream rollout`` while traffic flows (guards: error rate, p99).
 5. Replay the last minute against v2 with ``--compare-to`` v1 and write the HTML report.
-6. Print per-version calls, accuracy against the true labels, latency, and the replay's mismatch rate.
+6. ``splitstream analyze``: v2's click lift over v1 with its interval and the split's SRM check, per phase;
+   ``analysis.html`` beside the replay report.
+7. Print per-version calls, accuracy against the true labels, latency, the replay's mismatch rate, and the
+   analysis table.
 
 Everything it starts is stopped at the end, on an error or on Ctrl-C; a second run starts afresh.
 """
@@ -26,6 +31,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -36,6 +42,13 @@ from demo.train import MODEL, DemoData, train
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
+from splitstream.common.proto.splitstream.v1 import feedback_pb2, feedback_pb2_grpc
+
+#: The chance a user clicks on an answer: a right digit label is worth a click far more often.
+CLICK_IF_RIGHT = 0.9
+CLICK_IF_WRONG = 0.1
+#: Click events sent per Feedback/Report call.
+FEEDBACK_BATCH = 64
 
 
 @dataclass
@@ -46,6 +59,7 @@ class Observed:
     correct: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     latencies_s: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     errors: int = 0
+    clicks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
     def share(self, version: str) -> float:
         total = sum(self.calls.values())
@@ -61,17 +75,30 @@ class Traffic:
         self.users = users
         self.concurrency = concurrency
         self.random = random.Random(seed)
+        self.numbered = 0
 
-    async def run(self, *, calls: int | None = None, stop: threading.Event | None = None) -> Observed:
+    async def run(
+        self, *, calls: int | None = None, stop: threading.Event | None = None, clicks: bool = True
+    ) -> Observed:
+        """With ``clicks``, each answer's click (or its absence) is reported by the call's request id."""
         observed = Observed()
         sent = 0
         async with aio.insecure_channel(self.address) as channel:
             stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            feedback = feedback_pb2_grpc.FeedbackStub(channel)
+
+            async def report(events: list[feedback_pb2.FeedbackEvent]) -> None:
+                if events:
+                    await feedback.Report(feedback_pb2.FeedbackReport(events=events), timeout=10)
+                    events.clear()
 
             async def user_loop() -> None:
                 nonlocal sent
+                events: list[feedback_pb2.FeedbackEvent] = []
                 while (calls is None or sent < calls) and not (stop is not None and stop.is_set()):
                     sent += 1
+                    self.numbered += 1
+                    request_id = f"demo-{self.numbered}"
                     index = self.random.randrange(len(self.data.labels))
                     request = oip.ModelInferRequest(model_name=MODEL)
                     image = self.data.images[index : index + 1]
@@ -79,7 +106,9 @@ class Traffic:
                     request.raw_input_contents.append(tensors.to_raw(image))
                     key = f"user-{self.random.randrange(self.users)}"
                     started = time.perf_counter()
-                    call = stub.ModelInfer(request, metadata=(("x-routing-key", key),), timeout=10)
+                    call = stub.ModelInfer(
+                        request, metadata=(("x-routing-key", key), ("x-request-id", request_id)), timeout=10
+                    )
                     try:
                         response = await call
                     except aio.AioRpcError:
@@ -91,6 +120,18 @@ class Traffic:
                     observed.calls[version] += 1
                     observed.correct[version] += label == int(self.data.labels[index])
                     observed.latencies_s[version].append(latency)
+                    if clicks:
+                        right = label == int(self.data.labels[index])
+                        clicked = self.random.random() < (CLICK_IF_RIGHT if right else CLICK_IF_WRONG)
+                        observed.clicks[version] += clicked
+                        events.append(
+                            feedback_pb2.FeedbackEvent(
+                                model=MODEL, request_id=request_id, metric="click", value=float(clicked)
+                            )
+                        )
+                        if len(events) >= FEEDBACK_BATCH:
+                            await report(events)
+                await report(events)
 
             await asyncio.gather(*(user_loop() for _ in range(self.concurrency)))
         return observed
@@ -225,8 +266,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         )
 
         traffic = Traffic(router, data, users=args.users, concurrency=args.concurrency)
-        warm_up = asyncio.run(traffic.run(calls=100))  # warm connections and batchers; not in the table
-        step(f"sending {args.calls} calls from {args.users} users at 90/10")
+        warm_up = asyncio.run(traffic.run(calls=100, clicks=False))  # warm connections; not in any table
+        analysis_since = time.time()
+        step(f"sending {args.calls} calls from {args.users} users at 90/10, each answer clicked or not")
         before = asyncio.run(traffic.run(calls=args.calls))
         replay_since = time.time()
 
@@ -270,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
         step(f"sending {args.calls} calls at 50/50")
         after = asyncio.run(traffic.run(calls=args.calls))
-        time.sleep(0.5)  # the router's last record batch reaches Redis
+        time.sleep(1.0)  # the router's last record and feedback batches reach Redis
 
         step("replaying the last minute against v2, compared with v1, and writing the report")
         replay_dir = workdir / "replay"
@@ -305,6 +347,29 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         if replay.returncode != 0:
             raise RuntimeError(f"replay exited {replay.returncode}: {replay.stderr.strip()[-500:]}")
         replay_summary = json.loads((replay_dir / "summary.json").read_text())
+
+        step("analysing clicks per phase with `splitstream analyze` (v2's lift, its interval, the SRM check)")
+        analysis = subprocess.run(
+            [
+                _script("splitstream"),
+                "analyze",
+                MODEL,
+                "--redis-url",
+                redis_url,
+                "--since",
+                f"{analysis_since:.3f}",
+                "--metric",
+                "click:proportion",
+                "--output-dir",
+                str(replay_dir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        (workdir / "logs" / "analysis.log").write_text(analysis.stdout + analysis.stderr)
+        if analysis.returncode != 0:
+            raise RuntimeError(f"analyze exited {analysis.returncode}: {analysis.stderr.strip()[-500:]}")
         recorded = _recorded_count(redis_url)
         step("stopping everything")
 
@@ -316,6 +381,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "recorded": recorded,
         "replay": replay_summary,
         "report": str(replay_dir / "report.html"),
+        "clicks": {"90/10": _clicks(before), "50/50": _clicks(after)},
+        "analysis": _analysis(json.loads((replay_dir / "analysis.json").read_text())),
+        "analysis_table": analysis.stdout,
+        "analysis_report": str(replay_dir / "analysis.html"),
         "logs": str(workdir / "logs"),
         "router_metrics": f"http://127.0.0.1:{router_metrics}/metrics (while running)",
     }
@@ -335,6 +404,37 @@ def _phase(observed: Observed) -> dict[str, dict[str, float]]:
             "p99_ms": float(np.percentile(latencies, 99)),
         }
     return phase
+
+
+def _clicks(observed: Observed) -> dict[str, float]:
+    return {v: observed.clicks[v] / observed.calls[v] for v in sorted(observed.calls) if observed.calls[v]}
+
+
+def _analysis(analysis: dict[str, Any]) -> dict[str, Any]:
+    """Per phase (by its weights): v2's click lift over v1 with its interval, verdict, and the SRM check."""
+    phases = {}
+    for phase in analysis["phases"]:
+        name = "/".join(f"{w:g}" for _, w in sorted(phase["weights"].items()))
+        comparison = next((c for c in phase["comparisons"] if c["arm"] == "v2" and c["metric"] == "click"), None)
+        srm = phase["srm"] or {}
+        phases[name] = {
+            "units": {arm["arm"]: arm["units"] for arm in phase["arms"]},
+            "srm_p_value": srm.get("p_value"),
+            "srm_flagged": srm.get("flagged"),
+            "click": None
+            if comparison is None
+            else {
+                "v1": comparison["control_value"],
+                "v2": comparison["arm_value"],
+                "absolute_lift": comparison["absolute_lift"],
+                "absolute_ci": comparison["absolute_ci"],
+                "relative_lift": comparison["relative_lift"],
+                "relative_ci": comparison["relative_ci"],
+                "p_value": comparison["p_value"],
+                "verdict": comparison["verdict"],
+            },
+        }
+    return phases
 
 
 def _recorded_count(redis_url: str) -> int:
@@ -382,7 +482,15 @@ def print_summary(summary: dict[str, object], workdir: Path) -> None:
         f"calls sent {summary['calls_sent']}, client errors {summary['errors']}, records in Redis {summary['recorded']}"
     )
     print(_replay_line(replay))
+    clicks = summary["clicks"]
+    assert isinstance(clicks, dict)
+    for name, rates in clicks.items():
+        shown = ", ".join(f"{version} {rate:.1%}" for version, rate in rates.items())
+        print(f"clicks per answer at {name}: {shown}")
+    print("\nsplitstream analyze: clicks per user, v2 against v1, phase by phase\n")
+    print(summary["analysis_table"])
     print(f"\nreport:  {summary['report']}")
+    print(f"analysis: {summary['analysis_report']}")
     print(f"logs:    {summary['logs']}")
     print(f"summary: {workdir.resolve() / 'summary.json'}")
 

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -27,9 +28,11 @@ import numpy as np
 import pytest
 import yaml
 
+from splitstream.common.charts import CANDIDATE_COLOR, REFERENCE_COLOR
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, feedback_pb2_grpc
+from tests.browser import needs_chromium, pixels_of, screenshot
 from tests.harness import ROOT, make_request, router_status, wait_for, write_registry
 from tests.recording_stack import MODEL, RecordingStack
 
@@ -173,23 +176,34 @@ def weights(stack: RecordingStack) -> dict[str, float]:
     return {arm["version"]: arm["weight"] for arm in experiment["arms"]}
 
 
-def test_the_analysis_finds_the_planted_click_lift_of_v2_and_a_clean_split(
-    stack: RecordingStack, tmp_path: Path
-) -> None:
+@dataclass(frozen=True)
+class LiftRun:
+    result: subprocess.CompletedProcess[str]
+    out: Path
+
+
+@pytest.fixture(scope="module")
+def lift_run(stack: RecordingStack, tmp_path_factory: pytest.TempPathFactory) -> LiftRun:
+    """300 users at 50/50, v2's answers clicked twice as often, then ``splitstream analyze`` on them."""
     set_experiment(stack, "lift", {"v1": 50, "v2": 50})
     since = time.time()
     users = Users(stack, "lift", {"v1": 0.3, "v2": 0.6}, seed=1)
     users.run(300)
     assert set(users.served) == {"v1", "v2"}
     time.sleep(1.0)  # the last record and feedback batches reach Redis
-    out = tmp_path / "analysis"
+    out = tmp_path_factory.mktemp("analysis")
     result = admin(
         "analyze", MODEL, "--redis-url", stack.redis.url, "--since", f"{since:.3f}", "--metric", "click:proportion",
         "--output-dir", str(out),
     )  # fmt: skip
+    return LiftRun(result, out)
+
+
+def test_the_analysis_finds_the_planted_click_lift_of_v2_and_a_clean_split(lift_run: LiftRun) -> None:
+    result = lift_run.result
     assert result.returncode == 0, result.stderr
     assert "v2 better" in result.stdout
-    analysis = json.loads((out / "analysis.json").read_text())
+    analysis = json.loads((lift_run.out / "analysis.json").read_text())
     (phase,) = [p for p in analysis["phases"] if p["weights"] == {"v1": 50.0, "v2": 50.0}]
     (comparison,) = phase["comparisons"]
     assert comparison["arm"] == "v2"
@@ -201,6 +215,19 @@ def test_the_analysis_finds_the_planted_click_lift_of_v2_and_a_clean_split(
     assert not phase["srm"]["flagged"]
     assert sum(arm["units"] for arm in phase["arms"]) == 300
     assert analysis["feedback"]["unknown"] == 0
+
+
+@needs_chromium
+def test_the_analysis_page_renders_offline_in_headless_chromium_with_its_charts_drawn(
+    lift_run: LiftRun, tmp_path: Path
+) -> None:
+    assert lift_run.result.returncode == 0, lift_run.result.stderr
+    image = screenshot(lift_run.out / "analysis.html", tmp_path / "analysis.png")
+    # The SRM bars draw the expected units in the reference colour and the observed ones in the candidate's
+    # (the latency CDF draws v1 and v2 in the same two): thousands of pixels each, where the legends' swatches
+    # alone make a few hundred and a page whose SVG did not render has none.
+    assert pixels_of(image, REFERENCE_COLOR) > 5_000
+    assert pixels_of(image, CANDIDATE_COLOR) > 5_000
 
 
 def test_a_rollout_guarded_by_clicks_rolls_back_a_version_that_significantly_harms_them(

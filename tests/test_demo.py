@@ -1,4 +1,5 @@
-"""`make demo`'s story, shortened: 90/10 then 50/50, every call recorded, a replay report, nothing left running."""
+"""`make demo`'s story, shortened: 90/10 then 50/50, every call recorded and clicked or not, a replay report, the
+A/B analysis of the clicks, nothing left running."""
 
 from __future__ import annotations
 
@@ -34,6 +35,23 @@ def test_the_demo_tells_the_whole_story_and_leaves_nothing_running(tmp_path: Pat
     assert "<svg" in report
     assert "digits" in report
     assert "accuracy" in result.stdout
+    # The outcome act: every answer's click reported, analysed per phase, v2's lift with its interval.
+    analysis = summary["analysis"]
+    assert set(analysis) == {"90/10", "50/50"}
+    for phase in analysis.values():
+        assert phase["srm_flagged"] is False, phase
+        click = phase["click"]
+        assert click["absolute_ci"]["low"] < click["absolute_lift"] < click["absolute_ci"]["high"]
+        assert click["relative_ci"]["low"] < click["relative_lift"] < click["relative_ci"]["high"]
+    units = analysis["50/50"]["units"]
+    assert units["v1"] > 0
+    assert units["v2"] > 0
+    assert "v2 vs v1: click" in result.stdout
+    assert "units per arm: observed" in result.stdout
+    assert ": ok" in result.stdout
+    page = Path(summary["analysis_report"])
+    assert page.parent == Path(summary["report"]).parent
+    assert "<svg" in page.read_text()
     leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", f"processes still running: {leftover.stdout}"
 
