@@ -18,6 +18,17 @@ from splitstream.admin.main import main
 from splitstream.admin.outcomes import OutcomeGuard
 from splitstream.admin.rollout import FAILED, PROMOTED, ROLLED_BACK, Rollout, RolloutPlan
 from splitstream.admin.store import Conflict, Endpoint, FileStore, Invalid, ModelView, Store
+from splitstream.analysis import statistics as st
+from splitstream.analysis.model import (
+    Analysis,
+    ArmSummary,
+    CallCounts,
+    FeedbackCounts,
+    Interval,
+    MetricComparison,
+    PhaseResult,
+    SampleRatioMismatch,
+)
 from splitstream.common.experiment import Experiment
 from splitstream.common.registry import parse_registry
 from tests.harness import free_port, write_registry
@@ -671,3 +682,173 @@ def test_a_guard_whose_redis_is_unreachable_exits_1_before_changing_anything(
     assert "is unreachable" in err
     assert "nothing changed" in err
     assert registry.read_bytes() == before
+
+
+# -- outcome guards on scripted analyses -----------------------------------------------------------------
+
+
+class ScriptedOutcomes:
+    """The analysis a rollout's guard reads: the store's current phase with ``units`` per arm (split by the
+    weights unless ``split`` says otherwise), v2's click lift ``lift`` with the always-valid interval
+    ``interval`` over a control at ``control_value``."""
+
+    def __init__(
+        self,
+        store: MemoryStore,
+        *,
+        lift: float,
+        interval: tuple[float, float],
+        units: int = 400,
+        split: dict[str, int] | None = None,
+        control_value: float = 0.5,
+        metric: str = "click",
+    ) -> None:
+        self.store = store
+        self.metric = metric
+        self.lift = lift
+        self.interval = interval
+        self.units = units
+        self.split = split
+        self.control_value = control_value
+        self.reads: list[int] = []
+
+    def __call__(self, since_ns: int) -> Analysis:
+        self.reads.append(since_ns)
+        experiment = self.store.experiment
+        weights = {a.version: float(a.weight) for a in experiment.arms}
+        units = self.split or {v: round(self.units * w / 100) for v, w in weights.items() if w > 0}
+        srm = st.sample_ratio_mismatch(units, weights)
+        assert srm is not None
+        no_interval = Interval(low=None, high=None)
+        comparison = MetricComparison(
+            metric=self.metric, kind=st.MetricKind.PROPORTION, arm="v2", control="v1", test="z",
+            control_value=self.control_value, arm_value=self.control_value + self.lift, absolute_lift=self.lift,
+            absolute_ci=no_interval, relative_lift=None, relative_ci=no_interval, p_value=None,
+            sequential_ci=Interval(low=self.interval[0], high=self.interval[1]), verdict="inconclusive",
+            verdict_line="",
+        )  # fmt: skip
+        arms = [
+            ArmSummary(arm=v, weight=weights[v], units=n, calls=n, errors=0, error_rate=0.0, latency_p50_ms=None,
+                       latency_p99_ms=None, metrics={})
+            for v, n in units.items()
+        ]  # fmt: skip
+        phase = PhaseResult(
+            id=experiment.phase.id, control="v1", weights=weights, first_ns=0, units=sum(units.values()),
+            crossover_units=0, srm=SampleRatioMismatch(
+                observed=srm.observed, expected=srm.expected, chi2=srm.chi2, p_value=srm.p_value, flagged=srm.flagged
+            ), arms=arms, comparisons=[comparison],
+        )  # fmt: skip
+        zero_calls = CallCounts(entries_read=0, calls=0, randomized=0, not_randomized=0, duplicates=0, corrupt=0)
+        zero_feedback = FeedbackCounts(
+            entries_read=0, used=0, duplicates=0, unknown=0, not_randomized=0, crossover=0, outside_window=0,
+            other_metrics=0, corrupt=0,
+        )  # fmt: skip
+        return Analysis(
+            model="m", since_ns=since_ns, until_ns=since_ns + 1, unit="user", alpha=0.05, sequential=True,
+            metrics=["click:proportion"], calls=zero_calls, feedback=zero_feedback, phases=[phase],
+            non_randomized=[], verdicts=[],
+        )  # fmt: skip
+
+
+def guarded_rollout(store: MemoryStore, outcomes: ScriptedOutcomes, *guards: str, **plan: Any) -> tuple[Any, list[str]]:
+    lines: list[str] = []
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    settings = {
+        "model": "m", "version": "v2", "steps": (10.0, 50.0, 100.0), "interval_s": 3.0, "max_error_rate": 0.01,
+        "max_p99_ratio": 1.5, "metrics_urls": ("router",), "min_calls": 10,
+        "guards": tuple(OutcomeGuard.parse(g) for g in guards), **plan,
+    }  # fmt: skip
+    verdict = Rollout(
+        store,
+        RolloutPlan(**settings),
+        out=lines.append,
+        scrape=ScriptedRouters(store),
+        sleep=sleep,
+        clock=lambda: now[0],
+        outcomes=outcomes,
+    ).run()
+    return verdict, lines
+
+
+def test_significant_harm_rolls_back_at_the_first_check_that_shows_it() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    outcomes = ScriptedOutcomes(store, lift=-0.1, interval=(-0.15, -0.05))
+    verdict, lines = guarded_rollout(store, outcomes, "click:lift>=-1%")
+    assert verdict.code == ROLLED_BACK
+    assert "v2 harms click lift -20.0 % (always-valid CI -30.0 % .. -10.0 %), bound >= -1.0 %" in verdict.message
+    assert store.history == [{"v1": 90, "v2": 10}, {"v1": 100, "v2": 0}]
+    assert len(outcomes.reads) == 1
+    assert sum(line.strip().startswith("check ") for line in lines) == 1
+
+
+def test_an_interval_that_still_reaches_the_bound_keeps_the_rollout_going_and_shows_every_check() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    outcomes = ScriptedOutcomes(store, lift=-0.02, interval=(-0.06, 0.02))
+    verdict, lines = guarded_rollout(store, outcomes, "click:lift>=-1%")
+    assert verdict.code == PROMOTED, verdict.message
+    checks = [line for line in lines if line.strip().startswith("check ")]
+    assert len(checks) == 6  # 3 s steps checked every second, at 10 % and 50 %
+    assert "click lift -4.0 % (always-valid CI -12.0 % .. +4.0 %), bound >= -1.0 %: open" in checks[0]
+    assert any("outcome guards not judged in this step: v1 takes no traffic" in line for line in lines)
+
+
+def test_an_absolute_bound_and_a_lower_is_better_guard_are_judged_on_their_own_scale() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    outcomes = ScriptedOutcomes(store, lift=0.1, interval=(0.05, 0.15), metric="wait_s")
+    verdict, _ = guarded_rollout(store, outcomes, "wait_s:mean:lift<=0.02")
+    assert verdict.code == ROLLED_BACK
+    assert "v2 harms wait_s lift +0.1 (always-valid CI +0.05 .. +0.15), bound <= +0.02" in verdict.message
+
+
+def test_promote_on_win_ends_each_step_at_its_first_significant_win() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    outcomes = ScriptedOutcomes(store, lift=0.1, interval=(0.05, 0.15))
+    verdict, lines = guarded_rollout(store, outcomes, "click:lift>=-1%", promote_on_win=True)
+    assert verdict.code == PROMOTED, verdict.message
+    assert sum("advancing early" in line for line in lines) == 2  # the 100 % step has no control to beat
+    assert len(outcomes.reads) == 2
+    assert store.experiment.control == "v2"
+
+
+def test_without_promote_on_win_a_win_waits_for_the_end_of_the_step() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    outcomes = ScriptedOutcomes(store, lift=0.1, interval=(0.05, 0.15))
+    verdict, lines = guarded_rollout(store, outcomes, "click:lift>=-1%")
+    assert verdict.code == PROMOTED, verdict.message
+    assert not any("advancing early" in line for line in lines)
+    assert len(outcomes.reads) == 6
+
+
+def test_a_sample_ratio_mismatch_stops_the_rollout_whatever_the_lift_says() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    outcomes = ScriptedOutcomes(store, lift=0.1, interval=(0.05, 0.15), split={"v1": 300, "v2": 100})
+    verdict, _ = guarded_rollout(store, outcomes, "click:lift>=-1%", promote_on_win=True)
+    assert verdict.code == ROLLED_BACK
+    assert "sample ratio mismatch in this step" in verdict.message
+    assert "units per arm v1 300, v2 100, expected v1 360, v2 40" in verdict.message
+    assert store.history[-1] == {"v1": 100, "v2": 0}
+
+
+def test_guards_wait_for_enough_units_and_a_step_that_ends_without_them_rolls_back() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    # 20 and 10 units at 90/10: chi-square says p = 2e-5, but v2 expects 3 units, too few to test.
+    outcomes = ScriptedOutcomes(store, lift=-0.3, interval=(-0.5, -0.1), split={"v1": 20, "v2": 10})
+    verdict, lines = guarded_rollout(store, outcomes, "click:lift>=-1%")
+    assert "click not judged (10 units in an arm, fewer than 30)" in lines[1]
+    assert "SRM not tested yet" in lines[1]
+    assert verdict.code == ROLLED_BACK
+    assert "before every outcome guard could be judged: click:proportion:lift>=-1%: 10 units in an arm" in (
+        verdict.message
+    )
+
+
+def test_a_guard_on_a_metric_without_events_is_never_judged_and_the_step_rolls_back() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    outcomes = ScriptedOutcomes(store, lift=0.1, interval=(0.05, 0.15))
+    verdict, _ = guarded_rollout(store, outcomes, "clik:lift>=-1%")
+    assert verdict.code == ROLLED_BACK
+    assert "clik:proportion:lift>=-1%: no comparison with the control" in verdict.message

@@ -40,6 +40,10 @@ GUARD_SYNTAX = "NAME[:KIND]:lift>=BOUND or NAME[:KIND]:lift<=BOUND, BOUND relati
 _GUARD = re.compile(r"^(?P<metric>.+):lift\s*(?P<op>>=|<=)\s*(?P<bound>[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?)(?P<pct>%?)$")
 
 State = Literal["harm", "win", "open", "not judged"]
+#: Pearson's chi-square is trusted once every arm expects this many units (the textbook rule): below it, a
+#: 10 % arm's first handful of units would raise a false alarm (30 units split 20/10 gives p = 2e-5 where the
+#: exact binomial test gives 0.008).
+SRM_MIN_EXPECTED = 5
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,7 +114,7 @@ class Check:
     @property
     def text(self) -> str:
         units = ", ".join(f"{arm} {n}" for arm, n in self.units.items()) or "none yet"
-        srm = f"SRM p = {self.srm_p:.3g}" if self.srm_p is not None else "SRM not tested"
+        srm = f"SRM p = {self.srm_p:.3g}" if self.srm_p is not None else "SRM not tested yet"
         return f"units {units} | {srm} | " + " | ".join(r.text for r in self.readings)
 
 
@@ -137,6 +141,8 @@ def judge(
     units = {arm.arm: arm.units for arm in result.arms}
     readings = tuple(_reading(result, version, guard, units, min_units) for guard in guards)
     srm = result.srm
+    if srm is not None and min(srm.expected.values(), default=0) < SRM_MIN_EXPECTED:
+        srm = None
     return Check(
         readings=readings,
         units=units,

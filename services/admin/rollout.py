@@ -28,8 +28,10 @@ back at once; a sample ratio mismatch in the phase (the units per arm do not
 match the weights, p < 0.001) stops the rollout and rolls back, because a broken
 split makes every comparison meaningless; with ``promote_on_win``, a significant
 win on every guard ends the step early (the step's other guards are still judged
-on the calls so far). At a step where the control takes no traffic (100 %) there
-is nothing to compare and the outcome guards are not judged.
+on the calls so far). A guard still not judged at the end of a step (too few
+units, no events of its metric) rolls back, as too few calls do. At a step where
+the control takes no traffic (100 %) there is nothing to compare and the outcome
+guards are not judged.
 
 A guard that trips, metrics or Redis that cannot be read, or an interrupt set the new
 version back to 0 % (its share goes to the control) and the rollout ends with
@@ -309,6 +311,7 @@ class Rollout:
             self.out(f"  outcome guards not judged in this step: {self.control} takes no traffic to compare with")
         started = self.clock()
         end = started + plan.interval_s
+        last_check: Check | None = None
         while True:
             remaining = end - self.clock()
             if remaining > 0:
@@ -317,14 +320,23 @@ class Rollout:
             new = counts.get(plan.version, metrics.VersionCounts())
             if new.calls >= plan.min_calls and new.error_rate > plan.max_error_rate:
                 raise Tripped(self._error_rate_text(new))
-            if judge_outcomes:
+            if judge_outcomes and remaining > 0:  # (the step's closing scrape follows the last check at once)
                 try:
-                    self._judge_outcomes(experiment, since_ns, self.clock() - started)
+                    last_check = self._judge_outcomes(experiment, since_ns, self.clock() - started)
                 except Won as won:
                     self.out(f"  {won}: advancing early")
+                    last_check = None
                     break
             if remaining <= 0:
                 break
+        # Like --min-calls: a guard the step could not judge (too few units, no events of its metric) has
+        # not held; promoting on it would let a misspelt metric wave every version through.
+        unjudged = [r for r in last_check.readings if r.state == "not judged"] if last_check else []
+        if unjudged:
+            raise Tripped(
+                "the step ended before every outcome guard could be judged: "
+                + "; ".join(f"{r.guard.text}: {r.why}" for r in unjudged)
+            )
         control = counts.get(self.control, metrics.VersionCounts())
         if new.calls < plan.min_calls:
             raise Tripped(
@@ -339,7 +351,7 @@ class Rollout:
             line += self._judge(guard, new, control)
         self.out(line + ": guards hold")
 
-    def _judge_outcomes(self, experiment: Experiment, since_ns: int, elapsed_s: float) -> None:
+    def _judge_outcomes(self, experiment: Experiment, since_ns: int, elapsed_s: float) -> Check:
         """One check of the outcome guards; prints its line, raises Tripped on harm or SRM, Won on a win."""
         plan = self.plan
         assert self.outcomes is not None
@@ -363,6 +375,7 @@ class Rollout:
                 raise Tripped(f"{plan.version} harms {reading.text.replace(': harm', '')} (guard {reading.guard.text})")
         if plan.promote_on_win and all(r.state == "win" for r in check.readings):
             raise Won("every outcome guard shows a significant win")
+        return check
 
     def _judge(self, guard: _LatencyGuard, new: metrics.VersionCounts, control: metrics.VersionCounts) -> str:
         """One guard's part of the step's line; raises Tripped when the ratio is over its limit."""
