@@ -676,10 +676,11 @@ def test_a_guard_whose_redis_is_unreachable_exits_1_before_changing_anything(
 ) -> None:
     before = registry.read_bytes()
     argv = ["--registry", f"file:{registry}", "rollout", "m", "v2", "--metrics", "127.0.0.1:1"]
-    argv += ["--guard", "click:lift>=-1%", "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]
+    argv += ["--guard", "click:lift>=-1%", "--redis-url", f"redis://:guard-pw-secret@127.0.0.1:{free_port()}/0"]
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert "is unreachable" in err
+    assert "guard-pw-secret" not in err
     assert "nothing changed" in err
     assert registry.read_bytes() == before
 
@@ -852,3 +853,12 @@ def test_a_guard_on_a_metric_without_events_is_never_judged_and_the_step_rolls_b
     verdict, _ = guarded_rollout(store, outcomes, "clik:lift>=-1%")
     assert verdict.code == ROLLED_BACK
     assert "clik:proportion:lift>=-1%: no comparison with the control" in verdict.message
+
+
+def test_rollout_help_shows_the_guard_syntax(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["rollout", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "NAME[:KIND]:lift>=BOUND" in out
+    assert "relative (-1%)" in out
