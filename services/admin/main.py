@@ -198,7 +198,7 @@ def build_parser() -> EnvArgumentParser:
         type=outcome_guard,
         default=None,
         metavar="GUARD",
-        help=f"{GUARD_SYNTAX.replace('%', '%%')}; e.g. 'click:lift>=-1%%' (repeat for several; significant harm rolls back)",
+        help=GUARD_SYNTAX.replace("%", "%%") + "; e.g. 'click:lift>=-1%%' (repeat; significant harm rolls back)",
     )
     outcomes.add_argument(
         "--promote-on-win",
