@@ -862,3 +862,18 @@ def test_rollout_help_shows_the_guard_syntax(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert "NAME[:KIND]:lift>=BOUND" in out
     assert "relative (-1%)" in out
+
+
+def test_a_guard_from_the_environment_is_used_and_flags_replace_it(
+    registry: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPLITSTREAM_ADMIN_GUARD", "click:lift>=-1%")
+    argv = ["--registry", f"file:{registry}", "rollout", "m", "v2", "--metrics", "127.0.0.1:1"]
+    assert main(argv) == 2
+    assert "--guard needs --redis-url" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--guard", "nonsense"])
+    assert exit_info.value.code == 2
+    assert "--guard 'nonsense': expected" in capsys.readouterr().err
+    assert main([*argv, "--guard", "click:lift>=-1%", "--guard", "click:sum:lift>=0", "--redis-url", "x"]) == 2
+    assert "given two kinds" in capsys.readouterr().err

@@ -85,6 +85,19 @@ def outcome_guard(text: str) -> OutcomeGuard:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+class _AppendGuards(argparse.Action):
+    """``--guard`` (repeatable): flags given replace the environment's guard rather than extend it (argparse's
+    ``append`` would try to append to the variable's string)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        guards = list(current) if isinstance(current, list) else []
+        guards.append(values)
+        setattr(namespace, self.dest, guards)
+
+
 def weight_pairs(text: str) -> list[tuple[str, float]]:
     """``v1=90,v2=10`` → [("v1", 90), ("v2", 10)]."""
     pairs = []
@@ -194,7 +207,7 @@ def build_parser() -> EnvArgumentParser:
     )
     outcomes.add_argument(
         "--guard",
-        action="append",
+        action=_AppendGuards,
         type=outcome_guard,
         default=None,
         metavar="GUARD",
