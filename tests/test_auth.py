@@ -455,9 +455,9 @@ def test_a_token_stream_records_its_principal_like_a_call(auth: AuthStack) -> No
         stream = channel.stream_stream("/inference.GRPCInferenceService/ModelStreamInfer")
         responses = list(stream(iter([request]), metadata=[("x-api-key", KEYS["ops"])], timeout=30))
     assert len(responses) == 1  # a tensor model answers a streamed request once, marked final
-    (record,) = auth.stack.wait_recorded({rid})
-    assert record.HasField("stream")
-    assert record.principal == "ops"
+    records = auth.stack.wait_recorded({rid})  # at least once: a resent batch may hold it twice
+    assert records
+    assert all(record.HasField("stream") and record.principal == "ops" for record in records)
 
 
 def test_no_key_or_token_reaches_the_router_s_log(auth: AuthStack) -> None:
