@@ -355,8 +355,8 @@ _MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 
 def fingerprints(values: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-    """A 64-bit hash of each value, computed column-wise: the values as a fixed-width byte matrix, folded 8 bytes
-    at a time with a multiply-xorshift mix (collisions: about 3e-8 among a million values). Empty values give 0,
+    """A 64-bit hash of each value, computed column-wise: the values as a fixed-width byte matrix, each folded
+    over its own 8-byte words (whatever the column's width) with a multiply-xorshift mix (collisions: about 3e-8 among a million values). Empty values give 0,
     and only they do: 0 means "none"."""
     if not values:
         return np.zeros(0, dtype=np.uint64)
@@ -364,13 +364,18 @@ def fingerprints(values: Sequence[bytes]) -> npt.NDArray[np.uint64]:
     width = max(raw.dtype.itemsize, 1)
     raw = raw.astype(f"S{width + (-width) % 8}")
     words = raw.view(np.uint64).reshape(len(values), -1)
+    lengths = np.char.str_len(raw)
+    # Each value folds only its own words: a value's fingerprint must not depend on the longest value of the
+    # column it came in (a page of calls and a page of feedback are of different widths).
+    own_words = (lengths + 7) // 8
     hashed = np.full(len(values), 0x9E3779B97F4A7C15, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for column in words.T:
-            hashed = (hashed ^ column) * _MIX
-            hashed ^= hashed >> np.uint64(31)
+        for index, column in enumerate(words.T):
+            mixed_in = (hashed ^ column) * _MIX
+            mixed_in ^= mixed_in >> np.uint64(31)
+            hashed = np.where(own_words > index, mixed_in, hashed)
     hashed[hashed == 0] = 1
-    hashed[np.char.str_len(raw) == 0] = 0
+    hashed[lengths == 0] = 0
     return hashed
 
 

@@ -197,11 +197,6 @@ class Segment(_Model):
     phases: list[PhaseResult]
     non_randomized: list[NonRandomizedCalls]
     verdicts: list[str]
-    #: ``--segment``: the field, the analysis per value of it (empty value: calls without one), and the
-    #: units (per phase) randomized in two segments or more (counted in each).
-    segment_field: str | None = None
-    segments: list[Segment] = Field(default_factory=list)
-    units_in_several_segments: int = 0
 
 
 class Analysis(_Model):
@@ -219,3 +214,8 @@ class Analysis(_Model):
     phases: list[PhaseResult]
     non_randomized: list[NonRandomizedCalls]
     verdicts: list[str]
+    #: ``--segment``: the field, the analysis per value of it (empty value: calls without one), and the
+    #: units (per phase) randomized in two segments or more (counted in each).
+    segment_field: str | None = None
+    segments: list[Segment] = Field(default_factory=list)
+    units_in_several_segments: int = 0
