@@ -356,8 +356,8 @@ _MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 def fingerprints(values: Sequence[bytes]) -> npt.NDArray[np.uint64]:
     """A 64-bit hash of each value, computed column-wise: the values as a fixed-width byte matrix, each folded
-    over its own 8-byte words (whatever the column's width) with a multiply-xorshift mix (collisions: about 3e-8 among a million values). Empty values give 0,
-    and only they do: 0 means "none"."""
+    over its own 8-byte words (whatever the column's width) with a multiply-xorshift mix (collisions: about 3e-8
+    among a million values). Empty values give 0, and only they do: 0 means "none"."""
     if not values:
         return np.zeros(0, dtype=np.uint64)
     raw = np.array(values, dtype=bytes)
