@@ -22,21 +22,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 from redis.asyncio import Redis
 
+from demo import language
 from splitstream.analysis.analyze import Query, analyze
-from splitstream.analysis.loading import Source, Window
+from splitstream.analysis.loading import Source, Window, fingerprints
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.sources import ArchiveSource, StraddlingSource
 from splitstream.common.archive import ArchiveQuery, open_archive, readable_calls
+from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 from splitstream.common.records import feedback_key, stream_key
 from tests.experiments import Call, Event, phase, write_calls, write_feedback
-from tests.harness import ROOT
+from tests.harness import ROOT, Stack
 from tests.harness import wait_for as wait_until
+from tests.recording_stack import MODEL, RecordingStack
 from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
+from tests.stream_client import run_stream
+from tests.streams import generation_request
 from tests.test_archive import archived_everything, start_archiver
 
 HOUR_NS = 3_600 * 10**9
@@ -391,9 +397,56 @@ def test_a_missing_bucket_or_directory_exits_2_with_one_line(tmp_path: Path) -> 
 def test_a_request_id_has_one_fingerprint_whatever_page_it_comes_in() -> None:
     """Feedback names calls by request id; a page of events and a page of calls hold ids of other lengths, and the
     join must not depend on them (it did: pre-period events of the archive joined no call)."""
-    from splitstream.analysis.loading import fingerprints
-
     alone = fingerprints([b"pre-1005"])[0]
     assert fingerprints([b"pre-1005", b"lab1005-0-with-a-longer-id"])[0] == alone
     assert fingerprints([b"x", b"pre-1005"])[1] == alone
     assert fingerprints([b"pre-1005", b"pre-1006"])[0] != fingerprints([b"pre-1006"])[0]
+
+
+def test_streams_through_a_real_router_and_recorder_are_judged_by_ttft_and_tokens_per_second(tmp_path: Path) -> None:
+    """Generating workers (bigram v1, trigram v2) behind a router splitting users 50/50, recorded by the real
+    recorder: the entries carry ``ttft_ms`` and ``tokens``, and the analysis reads its stream figures from them."""
+    repository = tmp_path / "ngram"
+    language.write_versions(repository, MODEL)
+
+    def worker(stack: Stack, version: str) -> Any:
+        return stack.worker(repository, MODEL, version)
+
+    arms = [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}]
+    experiment = {"salt": "analysis-streams", "control": "v1", "arms": arms}
+    stack = RecordingStack(tmp_path, versions={"v1": {}, "v2": {}}, experiment=experiment, worker=worker)
+    try:
+        since_ns = time.time_ns() - 10**9
+        ids = set()
+        for user in range(12):
+            request_id = f"chat-{user}"
+            request = generation_request(MODEL, "Tell me about the sea. ", 16, request_id=request_id)
+            result = run_stream(stack.router.address, [request.SerializeToString()],
+                                metadata=[(DEFAULT_ROUTING_KEY_HEADER, f"user-{user}")])  # fmt: skip
+            assert result.code == grpc.StatusCode.OK, result.details
+            ids.add(request_id)
+        stack.wait_recorded(ids)
+        until_ns = time.time_ns() + 10**9
+        client = stack.redis.client()
+        entries: Any = client.xrange(stream_key(MODEL))
+        client.close()
+        expected: dict[str, list[int]] = {}
+        for _, fields in entries:
+            assert fields[b"tokens"]  # written by the recorder for every stream
+            assert float(fields[b"ttft_ms"]) > 0
+            expected.setdefault(fields[b"arm"].decode(), []).append(int(fields[b"tokens"]))
+        query = Query(model=MODEL, window=Window(since_ns, until_ns), metrics=(MetricSpec.parse("click:proportion"),))
+        result = run(stack.redis.url, query)
+    finally:
+        stack.close()
+    by_arm = {arm.arm: arm for arm in result.phases[0].arms}
+    assert set(by_arm) == set(expected) == {"v1", "v2"}
+    for name, tokens in expected.items():
+        arm = by_arm[name]
+        assert arm.streams == arm.calls == len(tokens)
+        assert arm.tokens == sum(tokens)
+        assert arm.ttft_p50_ms is not None
+        assert arm.latency_p50_ms is not None
+        assert 0 < arm.ttft_p50_ms <= arm.latency_p50_ms * 1.03  # the first token comes before the stream ends
+        assert arm.tokens_per_s is not None
+        assert arm.tokens_per_s > 0
