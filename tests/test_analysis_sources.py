@@ -380,9 +380,11 @@ def test_bad_archive_flags_exit_2_with_one_line(flags: list[str], message: str) 
 def test_a_missing_bucket_or_directory_exits_2_with_one_line(tmp_path: Path) -> None:
     s3 = S3Server(tmp_path / "s3").start()
     try:
+        (tmp_path / "empty").mkdir()
         cases = [
             (["--source", "archive:s3://missing/p", "--s3-endpoint", s3.endpoint], "bucket 'missing' does not exist"),
             (["--source", f"archive:{tmp_path / 'none'}"], "is not a directory"),
+            (["--source", f"archive:{tmp_path / 'empty'}"], "unknown model 'lab': no calls of it in the archive"),
         ]
         for flags, message in cases:
             done = cli(LAB, *window_flags(), "--metric", "click:proportion", *flags)

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.fs as pafs
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -24,7 +26,7 @@ from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.report import render_html, render_table
 from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
-from splitstream.common.archive import Archive, ArchiveError, check_archive, open_archive
+from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, open_archive, partition_dir
 from splitstream.common.durations import BadDuration, parse_duration_ns
 from splitstream.common.files import atomic_write
 from splitstream.common.records import recorded_models, stream_key
@@ -240,12 +242,23 @@ async def _analyze(args: argparse.Namespace, query: Query) -> Analysis:
     source = args.source.strip()
     if source.startswith("archive:"):
         archive = await _open_archive(source.removeprefix("archive:"), args.s3_endpoint)
+        if not await asyncio.to_thread(_archived, archive, query.model):
+            raise UsageError(f"unknown model {query.model!r}: no calls of it in the archive {archive.url!r}")
         try:
             return await analyze(ArchiveSource(archive), query)
         except ArchiveError as error:
             raise AnalysisFailed(str(error)) from None
     behind = await _open_archive(args.archive, args.s3_endpoint) if args.archive else None
     return await _analyze_redis(args.redis_url, query, args.connect_timeout_s, behind)
+
+
+def _archived(archive: Archive, model: str) -> bool:
+    """Whether the archive holds calls of ``model`` (its partition directory exists). Blocking."""
+    directory = archive.path(partition_dir(CALLS, model, 0).rsplit("/", 2)[0])
+    try:
+        return bool(archive.filesystem.get_file_info(directory).type == pafs.FileType.Directory)
+    except (OSError, pa.ArrowException) as error:
+        raise AnalysisFailed(f"archive {archive.url!r} cannot be listed: {error}") from None
 
 
 async def _open_archive(url: str, endpoint: str) -> Archive:
@@ -271,7 +284,10 @@ async def _analyze_redis(url: str, query: Query, connect_timeout_s: float, archi
             raise AnalysisFailed(f"Redis at {redact_url(url)} is unreachable: {redact_text(str(error))}") from None
         try:
             kind = await redis.type(stream_key(query.model))
-            if kind not in (b"stream", "stream") and archive is None:  # with an archive, a model may live only there
+            recorded = kind in (b"stream", "stream")
+            if not recorded and archive is not None:  # with an archive, a model may live only there
+                recorded = await asyncio.to_thread(_archived, archive, query.model)
+            if not recorded:
                 known = await recorded_models(redis)
                 raise UsageError(
                     f"unknown model {query.model!r}: no stream {stream_key(query.model)} in Redis "
