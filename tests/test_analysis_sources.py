@@ -34,8 +34,8 @@ from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.sources import ArchiveSource, StraddlingSource
 from splitstream.common.archive import ArchiveQuery, open_archive, readable_calls
 from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
-from splitstream.common.records import feedback_key, stream_key
-from tests.experiments import Call, Event, phase, write_calls, write_feedback
+from splitstream.common.records import entry_fields, feedback_key, stream_key
+from tests.experiments import Call, Event, call_record, phase, write_calls, write_feedback
 from tests.harness import ROOT, Stack
 from tests.harness import wait_for as wait_until
 from tests.recording_stack import MODEL, RecordingStack
@@ -452,3 +452,25 @@ def test_streams_through_a_real_router_and_recorder_are_judged_by_ttft_and_token
         assert 0 < arm.ttft_p50_ms <= arm.latency_p50_ms * 1.03  # the first token comes before the stream ends
         assert arm.tokens_per_s is not None
         assert arm.tokens_per_s > 0
+
+
+def test_entries_recorded_before_the_stream_and_principal_fields_read_as_unary_calls_of_no_caller(
+    tmp_path: Path,
+) -> None:
+    old_phase = phase({"v1": 50, "v2": 50}, "v1", salt="old")
+    calls = [Call(f"old-{i}", T0 + i * 10**9, "v1" if i % 2 else "v2", unit=user_unit(f"o{i}"), tokens=9,
+                  ttft_ms=3.0, principal="alice") for i in range(40)]  # fmt: skip
+    with RedisServer(tmp_path / "redis") as server:
+        client = server.client()
+        for call in calls:
+            fields = entry_fields(call_record("old", call, old_phase))
+            for newer in ("principal", "ttft_ms", "tokens"):
+                del fields[newer]
+            client.xadd(stream_key("old"), fields, id=f"{call.time_ns // 1_000_000}-*")  # type: ignore[arg-type]
+        client.close()
+        result = run(server.url, Query(model="old", window=WINDOW, metrics=METRICS, segment="principal"))
+    assert result.calls.calls == 40
+    assert result.calls.corrupt == 0
+    assert sum(arm.streams for arm in result.phases[0].arms) == 0
+    assert [s.value for s in result.segments] == [""]
+    assert result.segments[0].calls.calls == 40
