@@ -30,6 +30,7 @@ from splitstream.analysis.loading import (
     Source,
     StreamStats,
     Window,
+    fingerprints,
     load_exposures,
     load_feedback,
     mixed,
@@ -147,12 +148,15 @@ async def analyze(source: Redis | Source, query: Query) -> Analysis:
 
 
 def _units_in_several(exposures: Exposures) -> int:
-    """Units (per phase) with randomized calls in two segments or more."""
-    keys = [
-        pa.array(np.unique(mixed(part.units["unit"].to_numpy(), 0) ^ part.units["phase"].to_numpy().astype(np.uint64)))
-        for part in exposures.segments.values()
-        if len(part.units)
-    ]
+    """Units (per phase) with randomized calls in two segments or more. Each segment codes phases in the order
+    it met them, so phases are compared by name."""
+    keys = []
+    for part in exposures.segments.values():
+        if not len(part.units):
+            continue
+        phase_keys = fingerprints([name.encode() for name in part.phases.names])
+        phase_of_row = phase_keys[part.units["phase"].to_numpy().astype(np.int64)]
+        keys.append(pa.array(np.unique(mixed(part.units["unit"].to_numpy(), 0) ^ phase_of_row)))
     if len(keys) < 2:
         return 0
     counts = pc.value_counts(pa.concat_arrays(keys))
