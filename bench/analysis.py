@@ -14,6 +14,8 @@ Each measurement runs in a fresh process, so its peak RSS is its own:
 - analysis of the first quarter of the window: about a quarter of the calls and events, nearly every user
   (users come back), to show how memory grows with calls at a fixed number of users. (It reads the same
   entries: the stream ids of a window run to its end plus the lateness allowance, 1 h.)
+- analysis from the archive (``--source archive:DIR``): the same window, after a real ``splitstream-archive``
+  process wrote both streams to a local directory as Parquet (the archiving time is printed, not compared).
 
 Peak memory is the process's peak RSS less what it held after its imports. Target: the full analysis in at
 most 2x the raw read; memory bounded by users, not calls (see the README for what does grow with calls).
@@ -104,10 +106,10 @@ async def measure_raw(url: str, window: Window, page_size: int, *, as_dicts: boo
     analysis reads, :func:`splitstream.analysis.loading.read_pages`)."""
     from redis.asyncio import Redis
 
-    from splitstream.analysis.loading import _bounds
+    from splitstream.analysis.loading import bounds
 
     redis = Redis.from_url(url)
-    start, end = _bounds(window)
+    start, end = bounds(window)
     entries = 0
     began = time.perf_counter()
     for key in (stream_key(MODEL), feedback_key(MODEL)):
@@ -129,13 +131,16 @@ async def measure_raw(url: str, window: Window, page_size: int, *, as_dicts: boo
     return {"seconds": elapsed, "entries": entries}
 
 
-async def measure_analysis(url: str, window: Window, page_size: int) -> dict[str, float]:
+async def measure_analysis(url: str, window: Window, page_size: int, *, archive: str = "") -> dict[str, float]:
     from redis.asyncio import Redis
+
+    from splitstream.analysis.sources import ArchiveSource
+    from splitstream.common.archive import open_archive
 
     redis = Redis.from_url(url)
     query = Query(model=MODEL, window=window, metrics=tuple(MetricSpec.parse(m) for m in METRICS), page_size=page_size)
     began = time.perf_counter()
-    result = await analyze(redis, query)
+    result = await analyze(ArchiveSource(open_archive(archive)) if archive else redis, query)
     elapsed = time.perf_counter() - began
     await redis.aclose()
     units = sum(p.units for p in result.phases)
@@ -154,6 +159,8 @@ def child(args: argparse.Namespace) -> int:
     window = Window(args.since_ns, args.until_ns)
     if args.measure == "analysis":
         result = asyncio.run(measure_analysis(args.url, window, args.page_size))
+    elif args.measure == "analysis-archive":
+        result = asyncio.run(measure_analysis(args.url, window, args.page_size, archive=args.archive))
     else:
         result = asyncio.run(measure_raw(args.url, window, args.page_size, as_dicts=args.measure == "raw"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -162,14 +169,45 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_child(url: str, measure: str, since_ns: int, until_ns: int, page_size: int) -> dict[str, float]:
+def run_child(
+    url: str, measure: str, since_ns: int, until_ns: int, page_size: int, archive: str = ""
+) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, __file__, "--child", measure, "--url", url, "--since-ns", str(since_ns),
-         "--until-ns", str(until_ns), "--page-size", str(page_size)],
+         "--until-ns", str(until_ns), "--page-size", str(page_size), "--archive", archive],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+def archive_streams(server: RedisServer, directory: Path) -> None:
+    """Run a real ``splitstream-archive`` until both streams are in Parquet files under ``directory``."""
+    import redis
+
+    from splitstream.common.records import archive_mark_key
+
+    client = redis.Redis.from_url(server.url)
+    archiver = subprocess.Popen(
+        [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--metrics-port", "0", "--redis-url",
+         server.url, "--archive", str(directory), "--flush-interval-s", "0.5", "--log-level", "WARNING"],
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        for key in (stream_key(MODEL), feedback_key(MODEL)):
+            last = cast(list[tuple[bytes, object]], client.xrevrange(key, count=1))[0][0].decode()
+            wanted = tuple(int(part) for part in last.split("-"))
+            while True:
+                mark = cast(bytes | None, client.get(archive_mark_key(key)))
+                if mark is not None and tuple(int(part) for part in mark.decode().split("-")) > wanted:
+                    break
+                if archiver.poll() is not None:
+                    raise RuntimeError(f"the archiver exited with {archiver.returncode}")
+                time.sleep(0.5)
+    finally:
+        archiver.terminate()
+        archiver.wait(timeout=60)
+        client.close()
 
 
 def main() -> int:
@@ -180,7 +218,13 @@ def main() -> int:
     parser.add_argument("--duplicates", type=int, default=10_000, help="events delivered twice")
     parser.add_argument("--page-size", type=int, default=5_000)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--child", dest="measure", choices=("raw", "raw-unparsed", "analysis"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child",
+        dest="measure",
+        choices=("raw", "raw-unparsed", "analysis", "analysis-archive"),
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument("--archive", default="", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--since-ns", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--until-ns", type=int, help=argparse.SUPPRESS)
@@ -206,6 +250,16 @@ def main() -> int:
             ("analysis", run_child(server.url, "analysis", since_ns, until_ns, args.page_size)),
             ("analysis, first quarter", run_child(server.url, "analysis", since_ns, quarter_ns, args.page_size)),
         ]
+        archive = Path(tmp) / "archive"
+        began = time.perf_counter()
+        archive_streams(server, archive)
+        print(f"archived both streams in {time.perf_counter() - began:.0f} s")
+        rows.append(
+            (
+                "analysis from the archive",
+                run_child(server.url, "analysis-archive", since_ns, until_ns, args.page_size, str(archive)),
+            )
+        )
     raw = rows[0][1]["seconds"]
     unparsed = rows[1][1]["seconds"]
     print(f"\n{'path':<30} {'entries':>10} {'units':>8} {'seconds':>8} {'x raw':>6} {'x sent':>7} {'peak MiB':>9}")

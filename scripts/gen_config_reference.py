@@ -47,7 +47,9 @@ def render() -> str:
         "",
         "Generated from each command's own parser by `python scripts/gen_config_reference.py`; the test",
         "suite fails when it is out of date. Every flag of a service can also be set by the environment",
-        "variable shown (the flag on the command line wins).",
+        "variable shown (the flag on the command line wins). A repeatable flag's variable holds a",
+        "comma-separated list (`SPLITSTREAM_REPLAY_MODEL=a,b` is `--model a --model b`); the flag given",
+        "on the command line replaces that list.",
         "",
     ]
     for command, module, function in COMMANDS:

@@ -42,12 +42,17 @@ class Call:
     status_code: int = 0
     latency_ms: float = 5.0
     version: str = ""
+    #: The authenticated caller (``CallRecord.principal``).
+    principal: str = ""
+    #: A token stream: the responses it got (None: a unary call), and its time to first token (None: none came).
+    tokens: int | None = None
+    ttft_ms: float | None = None
 
 
 def call_record(
     model: str, call: Call, call_phase: recorder_pb2.Phase, payload: bytes = b""
 ) -> recorder_pb2.CallRecord:
-    return recorder_pb2.CallRecord(
+    record = recorder_pb2.CallRecord(
         schema_version=1,
         request_id=call.request_id,
         receive_unix_ns=call.time_ns,
@@ -62,7 +67,13 @@ def call_record(
         assignment=ASSIGNMENTS[call.assignment],  # type: ignore[arg-type]
         pinned=call.assignment == "pin",
         fallback=call.assignment == "spill",
+        principal=call.principal,
     )
+    if call.tokens is not None:
+        record.stream.CopyFrom(
+            recorder_pb2.StreamCall(first_response_ns=int((call.ttft_ms or 0) * 1e6), responses_total=call.tokens)
+        )
+    return record
 
 
 def write_calls(

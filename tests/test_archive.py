@@ -363,8 +363,26 @@ def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     assert feedback["metric"].to_pylist() == ["click"]
     # What the analysis reads: the columns of a stream entry, from the archive.
     columns = readable_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns()))
-    assert columns.column_names[:10] == list(ENTRY_COLUMNS)
+    assert columns.column_names[: len(ENTRY_COLUMNS)] == list(ENTRY_COLUMNS)
     assert columns["time_ns"].to_pylist() == [start + i * (HOUR_NS // 150) for i in range(300)]
+    assert set(columns["tokens"].to_pylist()) == {None}  # unary calls
+    # A file written before the token-stream columns existed still reads, with nulls there.
+    old_schema = pa.schema([f for f in CALL_SCHEMA if f.name not in ("ttft_ms", "tokens")], CALL_SCHEMA.metadata)
+    old_row = {name: None for name in old_schema.names} | {
+        "request_id": "old-1",
+        "receive_time": 978480000 * 10**9,
+        "latency_ms": 2.0,
+        "stream_id": "1-0",
+    }
+    old_path = "archive/splitstream/calls/model=synth/date=2001-01-03/hour=00/1-0_1-0.parquet"
+    with archive.filesystem.open_output_stream(old_path) as sink:
+        pq.write_table(pa.Table.from_pylist([old_row], old_schema), sink)
+    old = readable_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=978480000 * 10**9, until_ns=978483600 * 10**9))
+    assert (old["request_id"].to_pylist(), old["ttft_ms"].to_pylist(), old["tokens"].to_pylist()) == (
+        ["old-1"],
+        [None],
+        [None],
+    )
     assert readable_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())["receive_ns"].to_pylist() == [start]
 
 

@@ -216,15 +216,17 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
     sent[2].arm, sent[2].assignment, sent[2].routing_key_hmac = "v1", recorder_pb2.ASSIGNMENT_SPILL, ""
     sent[2].phase.id, sent[2].phase.control = "0123456789abcdef", "v1"
     sent[2].principal = "web-frontend"
+    streamed = call_record("b-2", model="bert", version="v2")
+    streamed.stream.first_response_ns, streamed.stream.responses_total = 12_500_000, 7
     shadow = sent[0].shadows.add(version="v2", endpoint="127.0.0.1:9001", status_code=0, latency_ns=3_000_000)
     shadow.response.inline = response.SerializeToString()
 
-    acks = await send(recorder.address, batch(41, *sent[:2]), batch(42, sent[2]))
+    acks = await send(recorder.address, batch(41, *sent[:2]), batch(42, sent[2], streamed))
 
-    assert [(ack.sequence, ack.written) for ack in acks] == [(41, 2), (42, 1)]
+    assert [(ack.sequence, ack.written) for ack in acks] == [(41, 2), (42, 2)]
     entries = await xrange(redis, stream_key("resnet")) + await xrange(redis, stream_key("bert"))
     readable = [{k.decode(): v.decode() for k, v in fields.items() if k != b"record"} for _, fields in entries]
-    unit = {"unit": "ab" * 32, "principal": ""}
+    unit = {"unit": "ab" * 32, "principal": "", "ttft_ms": "", "tokens": ""}  # unary: no stream figures
     assert readable == [
         {"request_id": "a-1", "time_ns": str(sent[0].receive_unix_ns), "model": "resnet", "version": "v1"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v1", "assignment": "unspecified", "phase": ""}
@@ -235,7 +237,10 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
         | unit,
         {"request_id": "b-1", "time_ns": str(sent[2].receive_unix_ns), "model": "bert", "version": "v2"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v1", "assignment": "spill", "phase": "0123456789abcdef"}
-        | {"unit": "", "principal": "web-frontend"},
+        | {"unit": "", "principal": "web-frontend", "ttft_ms": "", "tokens": ""},
+        {"request_id": "b-2", "time_ns": str(streamed.receive_unix_ns), "model": "bert", "version": "v2"}
+        | {"status": "OK", "latency_ms": "2.500", "arm": "v2", "assignment": "unspecified", "phase": ""}
+        | {"unit": "ab" * 32, "principal": "", "ttft_ms": "12.500", "tokens": "7"},
     ]
     stored = [item.record async for item in read_records(redis, "resnet")]
     for original in sent[:2]:  # what was sent, plus the sizes the recorder fills in
@@ -249,7 +254,7 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
     assert await response_of(redis, stored[1]) is None
     assert (await request_of(redis, stored[1])).id == "a-2"
     assert metric(recorder, "splitstream_recorder_records_written_total", model="resnet") == 2
-    assert metric(recorder, "splitstream_recorder_records_written_total", model="bert") == 1
+    assert metric(recorder, "splitstream_recorder_records_written_total", model="bert") == 2
     assert metric(recorder, "splitstream_recorder_batches_total", result="ok") == 2
     assert metric(recorder, "splitstream_recorder_write_seconds_count") == 2
 

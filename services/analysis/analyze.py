@@ -21,12 +21,16 @@ from redis.asyncio import Redis
 
 from splitstream.analysis import statistics as st
 from splitstream.analysis.loading import (
+    SEGMENT_FIELDS,
     TIMELINE_POINTS,
     Exposures,
     Feedback,
     Histogram,
     PhaseInfo,
+    Source,
+    StreamStats,
     Window,
+    fingerprints,
     load_exposures,
     load_feedback,
     mixed,
@@ -43,10 +47,12 @@ from splitstream.analysis.model import (
     NonRandomizedCalls,
     PhaseResult,
     SampleRatioMismatch,
+    Segment,
     TimelinePoint,
     Unit,
     Verdict,
 )
+from splitstream.analysis.sources import RedisSource
 
 FloatArray = npt.NDArray[np.float64]
 #: Power the "more units needed" estimate aims at.
@@ -66,6 +72,8 @@ class Query:
     pre_window: Window | None = None
     tuning_units: int = st.DEFAULT_TUNING_UNITS
     page_size: int = 5_000
+    #: A readable call field to segment by (``principal``): the comparison again per value of it.
+    segment: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -79,6 +87,8 @@ class Query:
             raise ValueError("the window's end must be after its start")
         if self.pre_window is not None and self.unit == "call":
             raise ValueError("CUPED needs units that come back (--unit user): a call has no pre-period")
+        if self.segment is not None and self.segment not in SEGMENT_FIELDS:
+            raise ValueError(f"cannot segment by {self.segment!r} (fields: {', '.join(SEGMENT_FIELDS)})")
         if self.pre_window is not None and self.pre_window.until_ns <= self.pre_window.since_ns:
             raise ValueError("the CUPED pre-period's end must be after its start")
 
@@ -93,22 +103,64 @@ class _Attributed:
     not_randomized: int
 
 
-async def analyze(redis: Redis, query: Query) -> Analysis:
-    """Read the window from Redis and analyse it. Raises RedisError/OSError when Redis fails mid-way."""
+async def analyze(source: Redis | Source, query: Query) -> Analysis:
+    """Read the window from Redis (or another :class:`Source`: the archive, both) and analyse it. Raises
+    RedisError/OSError when Redis fails mid-way, ArchiveError when the archive does."""
+    if isinstance(source, Redis):
+        source = RedisSource(source)
     metric_names = [m.name for m in query.metrics]
-    feedback = await load_feedback(redis, query.model, query.window, metric_names, page_size=query.page_size)
+    feedback = await load_feedback(source, query.model, query.window, metric_names, page_size=query.page_size)
     exposures = await load_exposures(
-        redis,
+        source,
         query.model,
         query.window,
         per_call=query.unit == "call",
         wanted_requests=_named_requests(feedback.events),
         page_size=query.page_size,
+        segment=query.segment,
     )
     pre: _PreValues | None = None
     if query.pre_window is not None:
-        pre = await _load_pre_values(redis, query, query.pre_window)
-    return summarize(query, exposures, feedback, pre)
+        pre = await _load_pre_values(source, query, query.pre_window)
+    analysis = summarize(query, exposures, feedback, pre)
+    if query.segment is None:
+        return analysis
+    segments = []
+    for value, part in exposures.segments.items():
+        result = summarize(query, part, feedback, pre)
+        segments.append(
+            Segment(
+                value=value,
+                calls=result.calls,
+                feedback=result.feedback,
+                phases=result.phases,
+                non_randomized=result.non_randomized,
+                verdicts=result.verdicts,
+            )
+        )
+    return analysis.model_copy(
+        update={
+            "segment_field": query.segment,
+            "segments": segments,
+            "units_in_several_segments": _units_in_several(exposures),
+        }
+    )
+
+
+def _units_in_several(exposures: Exposures) -> int:
+    """Units (per phase) with randomized calls in two segments or more. Each segment codes phases in the order
+    it met them, so phases are compared by name."""
+    keys = []
+    for part in exposures.segments.values():
+        if not len(part.units):
+            continue
+        phase_keys = fingerprints([name.encode() for name in part.phases.names])
+        phase_of_row = phase_keys[part.units["phase"].to_numpy().astype(np.int64)]
+        keys.append(pa.array(np.unique(mixed(part.units["unit"].to_numpy(), 0) ^ phase_of_row)))
+    if len(keys) < 2:
+        return 0
+    counts = pc.value_counts(pa.concat_arrays(keys))
+    return int(pc.sum(pc.greater(counts.field("counts"), 1)).as_py() or 0)
 
 
 def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None) -> Analysis:
@@ -135,6 +187,7 @@ def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreV
                 arm_names=exposures.arms.names,
                 crossover_units=int(pc.sum(pc.equal(crossover["phase"], code)).as_py() or 0),
                 latency=exposures.latency,
+                streams=exposures.streams,
                 pre=pre,
             )
         )
@@ -396,6 +449,7 @@ def _analyse_phase(
     arm_names: list[str],
     crossover_units: int,
     latency: dict[tuple[str, str, str], Histogram],
+    streams: dict[tuple[str, str, str], StreamStats],
     pre: _PreValues | None,
 ) -> PhaseResult:
     matrix = _unit_matrix(units, bucket_calls, arm_names)
@@ -423,6 +477,7 @@ def _analyse_phase(
     for arm in ordered:
         rows = arm_rows[arm]
         histogram = latency.get((info.id, arm, "randomized"), Histogram())
+        stream = streams.get((info.id, arm, "randomized"), StreamStats())
         arms.append(
             ArmSummary(
                 arm=arm,
@@ -435,6 +490,11 @@ def _analyse_phase(
                 latency_p99_ms=histogram.quantile_ms(0.99),
                 metrics=arm_metrics[arm],
                 latency_cdf=histogram.cdf_points(),
+                streams=stream.streams,
+                ttft_p50_ms=stream.ttft.quantile_ms(0.5),
+                ttft_p99_ms=stream.ttft.quantile_ms(0.99),
+                tokens=stream.tokens,
+                tokens_per_s=stream.tokens_per_s(),
             )
         )
     comparisons = [c for arm in ordered for c in by_arm[arm]]
@@ -705,11 +765,11 @@ class _PreValues:
         return st.UnitValues(np.minimum(positives, calls), calls)
 
 
-async def _load_pre_values(redis: Redis, query: Query, window: Window) -> _PreValues:
+async def _load_pre_values(source: Source, query: Query, window: Window) -> _PreValues:
     names = [m.name for m in query.metrics]
-    feedback = await load_feedback(redis, query.model, window, names, page_size=query.page_size)
+    feedback = await load_feedback(source, query.model, window, names, page_size=query.page_size)
     exposures = await load_exposures(
-        redis,
+        source,
         query.model,
         window,
         per_call=False,

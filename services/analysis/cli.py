@@ -1,8 +1,9 @@
 """``splitstream analyze MODEL``: the A/B analysis on the command line (registered by the admin CLI).
 
 Prints a table and one verdict line per metric and arm, and writes ``analysis.json`` and ``analysis.html``
-to ``--output-dir``. Exit codes: 0 done (whatever the verdicts); 1 Redis unreachable or failing; 2 a usage
-error (one line on stderr: a bad flag, a bad time, a model with no recorded calls).
+to ``--output-dir``. Exit codes: 0 done (whatever the verdicts); 1 Redis or the archive unreachable or
+failing; 2 a usage error (one line on stderr: a bad flag, a bad time, a model with no recorded calls, an
+archive URL that names nothing usable or a bucket that does not exist).
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.fs as pafs
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.analysis.analyze import Query, analyze
-from splitstream.analysis.loading import Window
+from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.report import render_html, render_table
+from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
+from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, open_archive, partition_dir
 from splitstream.common.durations import BadDuration, parse_duration_ns
 from splitstream.common.files import atomic_write
 from splitstream.common.records import recorded_models, stream_key
@@ -89,6 +94,27 @@ def add_command(commands: Any, env_prefix: str) -> None:
     parser.add_argument("model")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
     parser.add_argument(
+        "--source",
+        default="redis",
+        help="where calls and feedback are read: redis (older parts of the window from --archive, if set), or "
+        "archive:URL (only the archive written by splitstream-archive: a directory, s3://bucket/prefix, ...)",
+    )
+    parser.add_argument(
+        "--archive",
+        default="",
+        help="the archive behind Redis: what is older than a stream's oldest entry is read from it, the rest "
+        "from Redis (each entry once)",
+    )
+    parser.add_argument(
+        "--s3-endpoint", default="", help="endpoint of an S3-compatible archive store: http://host:port"
+    )
+    parser.add_argument(
+        "--segment",
+        choices=SEGMENT_FIELDS,
+        default=None,
+        help="also compare the arms per value of this call field (principal: the authenticated caller)",
+    )
+    parser.add_argument(
         "--since",
         required=True,
         help="window start, by router receive time (events by their time): ISO-8601 with timezone, -2h, epoch s",
@@ -148,6 +174,17 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
     if not 0 < args.connect_timeout_s < math.inf:
         raise ValueError("--connect-timeout-s must be a positive number of seconds")
     metrics = args.metric if isinstance(args.metric, list) else metric_list(str(args.metric))  # from the environment
+    source = args.source.strip()
+    if source != "redis" and not source.startswith("archive:"):
+        raise ValueError(f"bad --source {source!r} (expected redis or archive:URL)")
+    if source.startswith("archive:") and args.archive:
+        raise ValueError("--archive goes with --source redis (the archive behind Redis), not archive:URL")
+    urls = [source.removeprefix("archive:")] if source != "redis" else [args.archive] if args.archive else []
+    for url in urls:
+        try:
+            open_archive(url, endpoint=args.s3_endpoint)
+        except ArchiveError as error:
+            raise ValueError(str(error)) from None
     return Query(
         model=args.model,
         window=Window(since, until, max_lateness_ns=lateness),
@@ -156,6 +193,7 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         alpha=args.alpha,
         sequential=args.sequential,
         pre_window=pre,
+        segment=args.segment,
     )
 
 
@@ -172,7 +210,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error))
     try:
-        analysis = asyncio.run(_analyze(args.redis_url, query, args.connect_timeout_s))
+        analysis = asyncio.run(_analyze(args, query))
         output_dir = Path(args.output_dir)
         write_outputs(analysis, output_dir)
     except UsageError as error:
@@ -200,7 +238,40 @@ def write_outputs(analysis: Analysis, output_dir: Path) -> None:
         raise UsageError(f"cannot write --output-dir {str(output_dir)!r}: {where}{error.strerror or error}") from None
 
 
-async def _analyze(url: str, query: Query, connect_timeout_s: float) -> Analysis:
+async def _analyze(args: argparse.Namespace, query: Query) -> Analysis:
+    source = args.source.strip()
+    if source.startswith("archive:"):
+        archive = await _open_archive(source.removeprefix("archive:"), args.s3_endpoint)
+        if not await asyncio.to_thread(_archived, archive, query.model):
+            raise UsageError(f"unknown model {query.model!r}: no calls of it in the archive {archive.url!r}")
+        try:
+            return await analyze(ArchiveSource(archive), query)
+        except ArchiveError as error:
+            raise AnalysisFailed(str(error)) from None
+    behind = await _open_archive(args.archive, args.s3_endpoint) if args.archive else None
+    return await _analyze_redis(args.redis_url, query, args.connect_timeout_s, behind)
+
+
+def _archived(archive: Archive, model: str) -> bool:
+    """Whether the archive holds calls of ``model`` (its partition directory exists). Blocking."""
+    directory = archive.path(partition_dir(CALLS, model, 0).rsplit("/", 2)[0])
+    try:
+        return bool(archive.filesystem.get_file_info(directory).type == pafs.FileType.Directory)
+    except (OSError, pa.ArrowException) as error:
+        raise AnalysisFailed(f"archive {archive.url!r} cannot be listed: {error}") from None
+
+
+async def _open_archive(url: str, endpoint: str) -> Archive:
+    """The archive, checked: UsageError (exit 2) when it names nothing that can be listed."""
+    try:
+        archive = open_archive(url, endpoint=endpoint)
+        await asyncio.to_thread(check_archive, archive, create=False)
+    except ArchiveError as error:
+        raise UsageError(str(error)) from None
+    return archive
+
+
+async def _analyze_redis(url: str, query: Query, connect_timeout_s: float, archive: Archive | None) -> Analysis:
     try:
         redis = Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 30))
         check_connection_options(redis)
@@ -213,14 +284,20 @@ async def _analyze(url: str, query: Query, connect_timeout_s: float) -> Analysis
             raise AnalysisFailed(f"Redis at {redact_url(url)} is unreachable: {redact_text(str(error))}") from None
         try:
             kind = await redis.type(stream_key(query.model))
-            if kind not in (b"stream", "stream"):
+            recorded = kind in (b"stream", "stream")
+            if not recorded and archive is not None:  # with an archive, a model may live only there
+                recorded = await asyncio.to_thread(_archived, archive, query.model)
+            if not recorded:
                 known = await recorded_models(redis)
                 raise UsageError(
                     f"unknown model {query.model!r}: no stream {stream_key(query.model)} in Redis "
                     f"(recorded models: {', '.join(known) or 'none'})"
                 )
-            return await analyze(redis, query)
+            source: Source = RedisSource(redis) if archive is None else StraddlingSource(redis, archive)
+            return await analyze(source, query)
         except (RedisError, OSError) as error:
             raise AnalysisFailed(f"Redis at {redact_url(url)} failed: {redact_text(str(error))}") from None
+        except ArchiveError as error:
+            raise AnalysisFailed(str(error)) from None
     finally:
         await redis.aclose()

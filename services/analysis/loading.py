@@ -18,9 +18,9 @@ Feedback is read first, so only the calls some event names are kept for the join
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from redis.asyncio import Redis
 
-from splitstream.common.records import decode_record, feedback_key, stream_key
+from splitstream.common.records import decode_record
 
 #: Assignments that were randomized (the split on the routing key, or a random draw without one): the only
 #: calls an A/B comparison may use. Pins, spills, retries and records older than the field are shown apart.
@@ -41,8 +41,41 @@ LATENCY_GROWTH = 1.02
 LATENCY_BUCKETS = 1 + int(math.log(3_600_000 / LATENCY_FLOOR_MS) / math.log(LATENCY_GROWTH))
 #: The fields of a feedback entry the analysis reads.
 FEEDBACK_FIELDS = (b"metric", b"request_id", b"unit", b"value", b"event_ns", b"idempotency_key")
-#: The readable fields of a call entry the analysis reads (the record only once per phase).
-CALL_FIELDS = (b"request_id", b"time_ns", b"status", b"latency_ms", b"arm", b"assignment", b"phase", b"unit")
+#: The readable fields of a call entry the analysis reads (the record only once per phase). ``principal``,
+#: ``ttft_ms`` and ``tokens`` are newer: entries without them read as empty (no principal, not a stream).
+CALL_FIELDS = (
+    b"request_id",
+    b"time_ns",
+    b"status",
+    b"latency_ms",
+    b"arm",
+    b"assignment",
+    b"phase",
+    b"unit",
+    b"principal",
+    b"ttft_ms",
+    b"tokens",
+)
+#: Fields a segment may be taken from (``--segment``): readable fields of a call entry.
+SEGMENT_FIELDS = ("principal",)
+
+
+@dataclass(frozen=True, slots=True)
+class CallPage:
+    """A page of call entries as columns of :data:`CALL_FIELDS` (bytes, ``b""`` where absent), and how to get
+    the serialized record of one of its rows (read once per experiment phase, for its weights)."""
+
+    columns: dict[bytes, list[bytes]]
+    record: Callable[[int], Awaitable[bytes | None]]
+
+
+class Source(Protocol):
+    """Where the calls and the feedback of a model come from: Redis, the archive, or both
+    (:mod:`splitstream.analysis.sources`). Pages are in stream order; the readers de-duplicate."""
+
+    def call_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[CallPage]: ...
+
+    def feedback_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[dict[bytes, list[bytes]]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +156,19 @@ class Names:
 
 
 @dataclass(slots=True)
+class StreamStats:
+    """Token streams of one group of calls: how many, their time to first token, tokens and seconds in all."""
+
+    streams: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: Histogram = field(default_factory=Histogram)
+
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
+
+
+@dataclass(slots=True)
 class Exposures:
     """The calls of a window, reduced. Units and request ids are 64-bit fingerprints (:func:`fingerprints`),
     phases and arms codes into ``phases.names`` and ``arms.names``.
@@ -146,6 +192,10 @@ class Exposures:
     calls: int = 0
     duplicates: int = 0
     corrupt: int = 0
+    #: Token streams per (phase, arm, assignment class), as ``latency``.
+    streams: dict[tuple[str, str, str], StreamStats] = field(default_factory=dict)
+    #: With a segment field: the same, per value of the field (a call in the segment of its own value).
+    segments: dict[str, Exposures] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -205,10 +255,18 @@ def page_columns(page: RawPage, names: Sequence[bytes]) -> dict[bytes, list[byte
     positions = {first[i]: i + 1 for i in range(0, len(first) - 1, 2)}
     out: dict[bytes, list[bytes]] = {}
     try:
+        same_length: bool | None = None
         for name in names:
             at = positions.get(name)
             if at is None:
-                raise LookupError(name)
+                # A field newer than the recorder that wrote the page: empty throughout, when every entry has
+                # the first one's layout (same length; the fields read are checked in place below).
+                if same_length is None:
+                    same_length = all(len(fields) == len(first) for _, fields in page)
+                if not same_length:
+                    raise LookupError(name)
+                out[name] = [b""] * len(page)
+                continue
             found = [fields[at - 1] for _, fields in page]
             if found.count(name) != len(found):
                 raise LookupError(name)
@@ -227,7 +285,8 @@ def entry_field(fields: list[bytes], name: bytes) -> bytes | None:
     return None
 
 
-def _bounds(window: Window) -> tuple[str, str]:
+def bounds(window: Window) -> tuple[str, str]:
+    """The stream id range (ms) that may hold the window's entries: clock skew before, lateness after."""
     start = max(window.since_ns - window.clock_skew_ns, 0) // 1_000_000
     end = (window.until_ns + window.max_lateness_ns + window.clock_skew_ns) // 1_000_000
     return str(start), str(end)
@@ -296,22 +355,27 @@ _MIX = np.uint64(0xBF58476D1CE4E5B9)
 
 
 def fingerprints(values: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-    """A 64-bit hash of each value, computed column-wise: the values as a fixed-width byte matrix, folded 8 bytes
-    at a time with a multiply-xorshift mix (collisions: about 3e-8 among a million values). Empty values give 0,
-    and only they do: 0 means "none"."""
+    """A 64-bit hash of each value, computed column-wise: the values as a fixed-width byte matrix, each folded
+    over its own 8-byte words (whatever the column's width) with a multiply-xorshift mix (collisions: about 3e-8
+    among a million values). Empty values give 0, and only they do: 0 means "none"."""
     if not values:
         return np.zeros(0, dtype=np.uint64)
     raw = np.array(values, dtype=bytes)
     width = max(raw.dtype.itemsize, 1)
     raw = raw.astype(f"S{width + (-width) % 8}")
     words = raw.view(np.uint64).reshape(len(values), -1)
+    lengths = np.char.str_len(raw)
+    # Each value folds only its own words: a value's fingerprint must not depend on the longest value of the
+    # column it came in (a page of calls and a page of feedback are of different widths).
+    own_words = (lengths + 7) // 8
     hashed = np.full(len(values), 0x9E3779B97F4A7C15, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        for column in words.T:
-            hashed = (hashed ^ column) * _MIX
-            hashed ^= hashed >> np.uint64(31)
+        for index, column in enumerate(words.T):
+            mixed_in = (hashed ^ column) * _MIX
+            mixed_in ^= mixed_in >> np.uint64(31)
+            hashed = np.where(own_words > index, mixed_in, hashed)
     hashed[hashed == 0] = 1
-    hashed[np.char.str_len(raw) == 0] = 0
+    hashed[lengths == 0] = 0
     return hashed
 
 
@@ -330,12 +394,11 @@ def mixed(values: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
 
 
 async def load_feedback(
-    redis: Redis, model: str, window: Window, metrics: Sequence[str], *, page_size: int = 5_000
+    source: Source, model: str, window: Window, metrics: Sequence[str], *, page_size: int = 5_000
 ) -> Feedback:
     """Events of ``metrics`` with ``event_ns`` in the window, de-duplicated by (metric, idempotency key): the
     first delivery in stream order counts. Events without a key all count; entries that do not parse are
     counted in ``corrupt``, never fatal."""
-    start, end = _bounds(window)
     codes = Names()
     for name in metrics:
         codes.code(name.encode())
@@ -344,9 +407,8 @@ async def load_feedback(
         k: [] for k in ("metric", "request", "unit", "value", "event_ns")
     }
     result = Feedback(events=_events({k: np.zeros(0) for k in chunks}))
-    async for page in read_pages(redis, feedback_key(model), start=start, end=end, page_size=page_size):
-        result.entries_read += len(page)
-        found = page_columns(page, FEEDBACK_FIELDS)
+    async for found in source.feedback_pages(model, window, page_size):
+        result.entries_read += len(found[b"metric"])
         metric = codes.encode(found[b"metric"])  # other metrics get codes past the ones asked for
         keep = metric < len(metrics)
         result.other_metrics += int((~keep).sum())
@@ -412,37 +474,40 @@ class _ExposureReader:
         self.other: dict[tuple[int, int, int], list[int]] = {}
         self.call_keys: list[pa.Table] = []
         self.latency: dict[tuple[int, int, int], Histogram] = {}
+        self.streams: dict[tuple[int, int, int], StreamStats] = {}
         self.phase_info: dict[str, PhaseInfo] = {}
         self.entries_read = 0
         self.calls = 0
         self.duplicates = 0
         self.corrupt = 0
 
-    def add_page(self, page: RawPage) -> None:
-        self.entries_read += len(page)
-        found = page_columns(page, CALL_FIELDS)
+    def add_columns(self, found: dict[bytes, list[bytes]]) -> dict[str, int]:
+        """Add a page's calls; returns the phases met for the first time, each with a row of the page whose
+        record holds its weights and control (:meth:`note_record`)."""
+        self.entries_read += len(found[b"request_id"])
         times, good_time = _numbers(found[b"time_ns"], pa.int64())
         latency, good_latency = _numbers(found[b"latency_ms"], pa.float64())
         good = good_time & good_latency
         self.corrupt += int((~good).sum())
         rows = np.flatnonzero(good & (times >= self.window.since_ns) & (times < self.window.until_ns))
         if not len(rows):
-            return
+            return {}
         requests = fingerprints(found[b"request_id"])[rows]
         fresh = self.seen.first_time(requests)
         self.duplicates += int((~fresh).sum())
         rows, requests = rows[fresh], requests[fresh]
         if not len(rows):
-            return
+            return {}
         self.calls += len(rows)
         phase = self.phases.encode(found[b"phase"])[rows]
         arm = self.arms.encode(found[b"arm"])[rows]
         assignment = self.assignments.encode(found[b"assignment"])[rows]
         failed = pc.not_equal(pa.array(found[b"status"], pa.binary()), b"OK").to_numpy(zero_copy_only=False)[rows]
         times, latency = times[rows].astype(np.int64), latency[rows].astype(np.float64)
-        self._note_phases(phase, rows, page)
         randomized = np.isin(assignment, self.randomized_codes)
-        self._add_latency(phase, arm, np.where(randomized, -1, assignment), latency, failed)
+        label = np.where(randomized, -1, assignment)
+        self._add_latency(phase, arm, label, latency, failed)
+        self._add_streams(found, rows, phase, arm, label, latency)
         unit = fingerprints(found[b"unit"])[rows]
         own = mixed(requests, CALL_UNIT_SALT)
         unit = own if self.per_call else np.where(unit == 0, own, unit)
@@ -475,20 +540,53 @@ class _ExposureReader:
                 counts = self.other.setdefault((int(p), int(a), int(s)), [0, 0])
                 counts[0] += 1
                 counts[1] += int(f)
+        return self._phases_to_note(phase, rows)
 
-    def _note_phases(self, phase: npt.NDArray[np.int16], rows: npt.NDArray[np.int64], page: RawPage) -> None:
-        """Decode one record per phase not seen yet: its ``phase`` holds the weights and the control."""
+    def _phases_to_note(self, phase: npt.NDArray[np.int16], rows: npt.NDArray[np.int64]) -> dict[str, int]:
+        needed: dict[str, int] = {}
         for code in np.unique(phase):
             name = self.phases.names[int(code)]
-            if name in self.phase_info or not name:
-                continue
-            row = int(rows[int(np.argmax(phase == code))])
-            try:
-                record = decode_record(entry_field(page[row][1], b"record") or b"")
-            except Exception:  # UnsupportedSchema, protobuf's DecodeError: another record of the phase will do
-                continue
-            weights = {version: float(weight) for version, weight in sorted(record.phase.weights.items())}
-            self.phase_info[name] = PhaseInfo(name, weights, record.phase.control)
+            if name and name not in self.phase_info:
+                needed[name] = int(rows[int(np.argmax(phase == code))])
+        return needed
+
+    def note_record(self, phase: str, data: bytes | None) -> None:
+        """A record of ``phase``: its ``phase`` holds the weights and the control."""
+        if phase in self.phase_info or not data:
+            return
+        try:
+            record = decode_record(data)
+        except Exception:  # UnsupportedSchema, protobuf's DecodeError: another record of the phase will do
+            return
+        weights = {version: float(weight) for version, weight in sorted(record.phase.weights.items())}
+        self.phase_info[phase] = PhaseInfo(phase, weights, record.phase.control)
+
+    def _add_streams(
+        self,
+        found: dict[bytes, list[bytes]],
+        rows: npt.NDArray[np.int64],
+        phase: npt.NDArray[np.int16],
+        arm: npt.NDArray[np.int16],
+        label: npt.NDArray[np.int64],
+        duration_ms: npt.NDArray[np.float64],
+    ) -> None:
+        """Token streams (calls with a ``tokens`` field): count, TTFT histogram, tokens and seconds per group."""
+        tokens, is_stream = _optional_numbers(found[b"tokens"], pa.int64())
+        if not is_stream.any():
+            return
+        ttft, has_ttft = _optional_numbers(found[b"ttft_ms"], pa.float64())
+        tokens, is_stream, ttft, has_ttft = tokens[rows], is_stream[rows], ttft[rows], has_ttft[rows]
+        groups = (phase.astype(np.int64) << 32) | (arm.astype(np.int64) << 16) | (label.astype(np.int64) + 1)
+        for key in np.unique(groups[is_stream]).tolist():
+            mine = is_stream & (groups == key)
+            p, a, lab = key >> 32, (key >> 16) & 0xFFFF, (key & 0xFFFF) - 1
+            stats = self.streams.setdefault((p, a, lab), StreamStats())
+            stats.streams += int(mine.sum())
+            stats.tokens += int(tokens[mine].sum())
+            stats.seconds += float(duration_ms[mine].sum()) / 1e3
+            first = ttft[mine & has_ttft]
+            stats.ttft.calls += len(first)
+            stats.ttft.counts += np.bincount(_latency_buckets(first), minlength=LATENCY_BUCKETS)
 
     def _add_latency(
         self,
@@ -498,12 +596,7 @@ class _ExposureReader:
         latency_ms: npt.NDArray[np.float64],
         failed: npt.NDArray[np.bool_],
     ) -> None:
-        buckets = np.minimum(
-            (np.log(np.maximum(latency_ms, LATENCY_FLOOR_MS) / LATENCY_FLOOR_MS) / math.log(LATENCY_GROWTH)).astype(
-                np.int64
-            ),
-            LATENCY_BUCKETS - 1,
-        )
+        buckets = _latency_buckets(latency_ms)
         # One int64 per (phase, arm, label): codes are int16, the label -1 (randomized) or an assignment code.
         groups = (phase.astype(np.int64) << 32) | (arm.astype(np.int64) << 16) | (label.astype(np.int64) + 1)
         keys, inverse = np.unique(groups, return_inverse=True)
@@ -530,6 +623,9 @@ class _ExposureReader:
             latency={
                 (self.phases.names[p], self.arms.names[a], label(lab)): h for (p, a, lab), h in self.latency.items()
             },
+            streams={
+                (self.phases.names[p], self.arms.names[a], label(lab)): s for (p, a, lab), s in self.streams.items()
+            },
             phase_info=self.phase_info,
             phases=self.phases,
             arms=self.arms,
@@ -539,6 +635,29 @@ class _ExposureReader:
             duplicates=self.duplicates,
             corrupt=self.corrupt,
         )
+
+
+def _latency_buckets(latency_ms: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
+    return np.minimum(
+        (np.log(np.maximum(latency_ms, LATENCY_FLOOR_MS) / LATENCY_FLOOR_MS) / math.log(LATENCY_GROWTH)).astype(
+            np.int64
+        ),
+        LATENCY_BUCKETS - 1,
+    )
+
+
+def _optional_numbers(values: list[bytes], kind: pa.DataType) -> tuple[npt.NDArray[Any], npt.NDArray[np.bool_]]:
+    """A field most entries leave empty (token-stream fields of unary calls): the numbers and which are there."""
+    numbers = np.zeros(len(values), dtype=kind.to_pandas_dtype())
+    if values.count(b"") == len(values):  # C speed: the common page of unary calls
+        return numbers, np.zeros(len(values), dtype=bool)
+    present = np.fromiter((bool(v) for v in values), dtype=bool, count=len(values))
+    if present.any():
+        where = np.flatnonzero(present)
+        parsed, good = _numbers([values[i] for i in where], kind)
+        numbers[where] = np.where(good, parsed, 0)
+        present[where] = good
+    return numbers, present
 
 
 class _UnitIndex:
@@ -626,7 +745,7 @@ def _empty_keys() -> pa.Table:
 
 
 async def load_exposures(
-    redis: Redis,
+    source: Source,
     model: str,
     window: Window,
     *,
@@ -634,18 +753,48 @@ async def load_exposures(
     wanted_requests: npt.NDArray[np.uint64] | None = None,
     page_size: int = 5_000,
     randomized_only: bool = True,
+    segment: str | None = None,
 ) -> Exposures:
     """The calls of ``model`` received in the window. ``per_call``: every call is its own unit (else the
     routing-key HMAC, and the call for calls without a key). ``wanted_requests``: fingerprints of the request
     ids feedback names, whose calls are kept for the join. ``randomized_only=False``: every call counts in
-    ``units`` (a CUPED pre-period, where the covariate is what a unit did, however it was routed)."""
-    start, end = _bounds(window)
-    reader = _ExposureReader(
-        window,
-        per_call=per_call,
-        wanted=wanted_requests if wanted_requests is not None else np.zeros(0, dtype=np.uint64),
-        randomized_only=randomized_only,
-    )
-    async for page in read_pages(redis, stream_key(model), start=start, end=end, page_size=page_size):
-        reader.add_page(page)
-    return reader.result()
+    ``units`` (a CUPED pre-period, where the covariate is what a unit did, however it was routed).
+    ``segment``: a readable field (:data:`SEGMENT_FIELDS`); the result's ``segments`` hold the same per value."""
+    wanted = wanted_requests if wanted_requests is not None else np.zeros(0, dtype=np.uint64)
+
+    def reader() -> _ExposureReader:
+        return _ExposureReader(window, per_call=per_call, wanted=wanted, randomized_only=randomized_only)
+
+    overall = reader()
+    segments: dict[bytes, _ExposureReader] = {}
+    field_name = segment.encode() if segment else None
+    async for page in source.call_pages(model, window, page_size):
+        needed = overall.add_columns(page.columns)
+        for phase, row in needed.items():
+            overall.note_record(phase, await page.record(row))
+        if field_name is None:
+            continue
+        for value, rows in _split(page.columns[field_name]).items():
+            part = segments.get(value) or segments.setdefault(value, reader())
+            columns = page.columns if len(rows) == len(page.columns[field_name]) else _take(page.columns, rows)
+            for phase, row in part.add_columns(columns).items():
+                info = overall.phase_info.get(phase)
+                if info is not None:
+                    part.phase_info[phase] = info
+                else:
+                    part.note_record(phase, await page.record(rows[row]))
+    result = overall.result()
+    result.segments = {value.decode(errors="replace"): part.result() for value, part in sorted(segments.items())}
+    return result
+
+
+def _split(values: list[bytes]) -> dict[bytes, list[int]]:
+    """Row indexes per distinct value."""
+    groups: dict[bytes, list[int]] = {}
+    for index, value in enumerate(values):
+        groups.setdefault(value, []).append(index)
+    return groups
+
+
+def _take(columns: dict[bytes, list[bytes]], rows: list[int]) -> dict[bytes, list[bytes]]:
+    return {name: [values[i] for i in rows] for name, values in columns.items()}

@@ -68,6 +68,13 @@ class ArmSummary(_Model):
     metrics: dict[str, ArmMetric]
     #: (latency ms, cumulative fraction) points of the arm's randomized calls, for the report's CDF.
     latency_cdf: list[tuple[float, float]] = Field(default_factory=list)
+    #: Token streams among the calls (each stream one call: its latency is the stream's duration), their time to
+    #: first token (streams that got a response), tokens (responses) in all, and tokens / stream seconds.
+    streams: int = 0
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tokens: int = 0
+    tokens_per_s: float | None = None
 
 
 class TimelinePoint(_Model):
@@ -180,6 +187,18 @@ class FeedbackCounts(_Model):
     corrupt: int
 
 
+class Segment(_Model):
+    """The analysis restricted to the calls whose segment field (``principal``) has ``value``: a call is in the
+    segment of its own value, so a unit seen under two values is in both, with the calls of each."""
+
+    value: str
+    calls: CallCounts
+    feedback: FeedbackCounts
+    phases: list[PhaseResult]
+    non_randomized: list[NonRandomizedCalls]
+    verdicts: list[str]
+
+
 class Analysis(_Model):
     model: str
     since_ns: int
@@ -195,3 +214,8 @@ class Analysis(_Model):
     phases: list[PhaseResult]
     non_randomized: list[NonRandomizedCalls]
     verdicts: list[str]
+    #: ``--segment``: the field, the analysis per value of it (empty value: calls without one), and the
+    #: units (per phase) randomized in two segments or more (counted in each).
+    segment_field: str | None = None
+    segments: list[Segment] = Field(default_factory=list)
+    units_in_several_segments: int = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from html import escape
 
-from splitstream.analysis.model import Analysis, Interval, MetricComparison, PhaseResult, TimelinePoint
+from splitstream.analysis.model import Analysis, Interval, MetricComparison, PhaseResult, Segment, TimelinePoint
 from splitstream.common import charts
 from splitstream.common.charts import fmt, fmt_rate
 from splitstream.common.timewindow import format_instant
@@ -22,41 +22,7 @@ from splitstream.common.timewindow import format_instant
 def render_table(analysis: Analysis) -> str:
     lines = [_title(analysis), _calls_line(analysis), _feedback_line(analysis)]
     for phase in analysis.phases:
-        lines.append("")
-        lines.append(_phase_title(phase))
-        if phase.srm is not None:
-            srm = phase.srm
-            observed = ", ".join(f"{arm} {count}" for arm, count in srm.observed.items())
-            expected = ", ".join(f"{arm} {count:.0f}" for arm, count in srm.expected.items())
-            flag = "SAMPLE RATIO MISMATCH" if srm.flagged else "ok"
-            lines.append(
-                f"  units per arm: observed {observed}; expected {expected}; "
-                f"chi2 {srm.chi2:.2f}, p {_p(srm.p_value)}: {flag}"
-            )
-        if phase.crossover_units:
-            lines.append(f"  units seen in two arms (excluded): {phase.crossover_units}")
-        header = ["ARM", "WEIGHT", "UNITS", "CALLS", "ERROR RATE", "P50 MS", "P99 MS", *analysis.metrics]
-        rows = [header]
-        for arm in phase.arms:
-            cells = [
-                arm.arm + (" (control)" if arm.arm == phase.control else ""),
-                "-" if arm.weight is None else f"{arm.weight:g} %",
-                str(arm.units),
-                str(arm.calls),
-                fmt_rate(arm.error_rate),
-                fmt(arm.latency_p50_ms),
-                fmt(arm.latency_p99_ms),
-            ]
-            for spec in analysis.metrics:
-                metric = arm.metrics.get(spec.rpartition(":")[0])
-                cells.append(
-                    "-"
-                    if metric is None or metric.value is None
-                    else f"{_num(metric.value)} [{_num(metric.ci.low)}, {_num(metric.ci.high)}]"
-                )
-            rows.append(cells)
-        lines += ["  " + line for line in _columns(rows)]
-        lines += ["  " + c.verdict_line for c in phase.comparisons]
+        lines += _phase_lines(analysis, phase, indent="")
     if analysis.non_randomized:
         lines += ["", "Not randomized (shown apart, never compared):"]
         rows = [["PHASE", "ASSIGNMENT", "ARM", "CALLS", "ERROR RATE", "P50 MS", "P99 MS"]]
@@ -68,7 +34,69 @@ def render_table(analysis: Analysis) -> str:
         lines += ["  " + line for line in _columns(rows)]
     if not analysis.phases:
         lines += ["", "No randomized call in the window: nothing to compare."]
+    if analysis.segment_field:
+        lines += ["", _segments_line(analysis)]
+        for segment in analysis.segments:
+            lines += ["", f"segment {analysis.segment_field} = {segment.value or '(none)'}:"]
+            lines += ["  " + _calls_line(segment), "  " + _feedback_line(segment)]
+            for phase in segment.phases:
+                lines += _phase_lines(analysis, phase, indent="  ")
     return "\n".join(lines)
+
+
+def _segments_line(analysis: Analysis) -> str:
+    return (
+        f"Per {analysis.segment_field} ({len(analysis.segments)} segments; a call counts in its own, so "
+        f"{analysis.units_in_several_segments} units seen under several count in each):"
+    )
+
+
+def _has_streams(phase: PhaseResult) -> bool:
+    return any(arm.streams for arm in phase.arms)
+
+
+def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list[str]:
+    lines = ["", indent + _phase_title(phase)]
+    pad = indent + "  "
+    if phase.srm is not None:
+        srm = phase.srm
+        observed = ", ".join(f"{arm} {count}" for arm, count in srm.observed.items())
+        expected = ", ".join(f"{arm} {count:.0f}" for arm, count in srm.expected.items())
+        flag = "SAMPLE RATIO MISMATCH" if srm.flagged else "ok"
+        lines.append(
+            f"{pad}units per arm: observed {observed}; expected {expected}; "
+            f"chi2 {srm.chi2:.2f}, p {_p(srm.p_value)}: {flag}"
+        )
+    if phase.crossover_units:
+        lines.append(f"{pad}units seen in two arms (excluded): {phase.crossover_units}")
+    streams = _has_streams(phase)
+    header = ["ARM", "WEIGHT", "UNITS", "CALLS", "ERROR RATE", "P50 MS", "P99 MS"]
+    if streams:
+        header += ["STREAMS", "TTFT P50 MS", "TTFT P99 MS", "TOKENS/S"]
+    rows = [header + list(analysis.metrics)]
+    for arm in phase.arms:
+        cells = [
+            arm.arm + (" (control)" if arm.arm == phase.control else ""),
+            "-" if arm.weight is None else f"{arm.weight:g} %",
+            str(arm.units),
+            str(arm.calls),
+            fmt_rate(arm.error_rate),
+            fmt(arm.latency_p50_ms),
+            fmt(arm.latency_p99_ms),
+        ]
+        if streams:
+            cells += [str(arm.streams), fmt(arm.ttft_p50_ms), fmt(arm.ttft_p99_ms), fmt(arm.tokens_per_s)]
+        for spec in analysis.metrics:
+            metric = arm.metrics.get(spec.rpartition(":")[0])
+            cells.append(
+                "-"
+                if metric is None or metric.value is None
+                else f"{_num(metric.value)} [{_num(metric.ci.low)}, {_num(metric.ci.high)}]"
+            )
+        rows.append(cells)
+    lines += [pad + line for line in _columns(rows)]
+    lines += [pad + c.verdict_line for c in phase.comparisons]
+    return lines
 
 
 def _title(analysis: Analysis) -> str:
@@ -85,7 +113,7 @@ def _title(analysis: Analysis) -> str:
     )
 
 
-def _calls_line(analysis: Analysis) -> str:
+def _calls_line(analysis: Analysis | Segment) -> str:
     c = analysis.calls
     return (
         f"calls: {c.calls} in the window ({c.randomized} randomized, {c.not_randomized} not); "
@@ -93,7 +121,7 @@ def _calls_line(analysis: Analysis) -> str:
     )
 
 
-def _feedback_line(analysis: Analysis) -> str:
+def _feedback_line(analysis: Analysis | Segment) -> str:
     f = analysis.feedback
     return (
         f"feedback: {f.used} events used; {f.duplicates} duplicates, {f.unknown} unknown request id or unit, "
@@ -145,6 +173,8 @@ def render_html(analysis: Analysis) -> str:
         parts.append(_phase_section(analysis, phase, index))
     parts.append("<h2 id='not-randomized'>Calls not randomized</h2>")
     parts.append(_non_randomized(analysis))
+    if analysis.segment_field:
+        parts.append(_segments_section(analysis))
     parts.append("</body></html>")
     return "\n".join(parts)
 
@@ -184,6 +214,24 @@ def _phase_section(analysis: Analysis, phase: PhaseResult, index: int) -> str:
     ]
     cdf = charts.cdf_chart(series, title="latency CDF per arm (randomized calls)")
     out.append(f"<div class='charts latency-cdf'>{cdf}</div>")
+    return "\n".join(out)
+
+
+def _segments_section(analysis: Analysis) -> str:
+    out = [
+        f"<h2 id='segments'>Per {escape(analysis.segment_field or '')}</h2>",
+        f"<p>{escape(_segments_line(analysis))}</p>",
+    ]
+    for index, segment in enumerate(analysis.segments):
+        name = f"{analysis.segment_field} = {segment.value or '(none)'}"
+        out.append(f"<h3 id='segment-{index}' class='segment'>{escape(name)}</h3>")
+        out.append(f"<p>{escape(_calls_line(segment))}</p><p>{escape(_feedback_line(segment))}</p>")
+        verdicts = "".join(f"<li>{escape(line)}</li>" for line in segment.verdicts)
+        out.append(f"<ul>{verdicts}</ul>" if verdicts else "<p class='muted'>No comparison in this segment.</p>")
+        for phase in segment.phases:
+            out.append(f"<h4>{escape(_phase_title(phase))}</h4>")
+            out.append(_arms_table(analysis, phase))
+            out.append(_lift_section(phase))
     return "\n".join(out)
 
 
@@ -228,9 +276,13 @@ def _srm_panel(phase: PhaseResult) -> str:
 
 def _arms_table(analysis: Analysis, phase: PhaseResult) -> str:
     names = [m.rpartition(":")[0] for m in analysis.metrics]
+    streams = _has_streams(phase)
     head = (
         "<tr><th class='l'>arm</th><th>weight</th><th>units</th><th>calls</th><th>error rate</th><th>p50 ms</th>"
-        "<th>p99 ms</th>" + "".join(f"<th>{escape(m)}</th>" for m in analysis.metrics) + "</tr>"
+        "<th>p99 ms</th>"
+        + ("<th>streams</th><th>TTFT p50 ms</th><th>TTFT p99 ms</th><th>tokens/s</th>" if streams else "")
+        + "".join(f"<th>{escape(m)}</th>" for m in analysis.metrics)
+        + "</tr>"
     )
     rows = []
     for arm in phase.arms:
@@ -247,9 +299,16 @@ def _arms_table(analysis: Analysis, phase: PhaseResult) -> str:
         rows.append(
             f"<tr><td class='l'>{label}</td><td>{'-' if arm.weight is None else f'{arm.weight:g} %'}</td>"
             f"<td>{arm.units}</td><td>{arm.calls}</td><td>{fmt_rate(arm.error_rate)}</td>"
-            f"<td>{fmt(arm.latency_p50_ms)}</td><td>{fmt(arm.latency_p99_ms)}</td>{''.join(cells)}</tr>"
+            f"<td>{fmt(arm.latency_p50_ms)}</td><td>{fmt(arm.latency_p99_ms)}</td>"
+            + (
+                f"<td>{arm.streams}</td><td>{fmt(arm.ttft_p50_ms)}</td><td>{fmt(arm.ttft_p99_ms)}</td>"
+                f"<td>{fmt(arm.tokens_per_s)}</td>"
+                if streams
+                else ""
+            )
+            + f"{''.join(cells)}</tr>"
         )
-    return f"<table>{head}{''.join(rows)}</table>"
+    return f"<table class='arms'>{head}{''.join(rows)}</table>"
 
 
 def _lift_section(phase: PhaseResult) -> str:

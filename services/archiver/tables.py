@@ -63,6 +63,9 @@ class DecodedCalls:
     principals: list[str]
     tags: list[list[tuple[str, str]]]
     streamed: list[bool]
+    #: Token streams: time to the first response (None: none came, or not a stream) and responses received.
+    ttft_ms: list[float | None]
+    tokens: list[int | None]
     #: The records that reference blobs, by index (only these are kept decoded: holding every decoded
     #: record of a file alive made the garbage collector walk them all, several µs a record, measured),
     #: and the digests they reference.
@@ -76,8 +79,9 @@ class DecodedCalls:
 
 def decode_calls(entries: Sequence[Entry]) -> DecodedCalls:
     """Decode ``entries`` (in stream id order: the buffer keeps them so), one pass."""
-    decoded = DecodedCalls(list(entries), [], [], [], {}, set(), [], 0)
+    decoded = DecodedCalls(list(entries), [], [], [], [], [], {}, set(), [], 0)
     principals, tags, streamed = decoded.principals, decoded.tags, decoded.streamed
+    ttft_ms, tokens = decoded.ttft_ms, decoded.tokens
     for index, entry in enumerate(decoded.entries):
         try:
             record = decode_record(entry.fields.get(b"record", b""))
@@ -94,6 +98,8 @@ def decode_calls(entries: Sequence[Entry]) -> DecodedCalls:
             principals.append("")
             tags.append([])
             streamed.append(False)
+            ttft_ms.append(None)
+            tokens.append(None)
             continue
         # Field reads, cheapest first (~1 µs together, measured; a byte search of the serialized record
         # for a field's tag costs about as much per search): only a record that can hold a blob
@@ -102,6 +108,9 @@ def decode_calls(entries: Sequence[Entry]) -> DecodedCalls:
         tags.append(list(record.tags.items()) if len(record.tags) else [])
         is_stream = record.HasField("stream")
         streamed.append(is_stream)
+        first_ns = record.stream.first_response_ns if is_stream else 0
+        ttft_ms.append(first_ns / 1e6 if first_ns > 0 else None)
+        tokens.append(int(record.stream.responses_total) if is_stream else None)
         if record.request.blob_sha256 or record.response.blob_sha256 or len(record.shadows) or is_stream:
             digests = [payload.blob_sha256 for payload in blob_payloads(record)]
             if digests:
@@ -128,7 +137,15 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
             else:
                 payload.inline = content
         data[index] = record.SerializeToString()
-    columns = (decoded.entries, data, decoded.principals, decoded.tags, decoded.streamed)
+    columns = (
+        decoded.entries,
+        data,
+        decoded.principals,
+        decoded.tags,
+        decoded.streamed,
+        decoded.ttft_ms,
+        decoded.tokens,
+    )
     slow = list(decoded.unreadable)
     if slow:
         bad = set(slow)
@@ -143,7 +160,15 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
             tables = []
     if slow:
         rows = [
-            _row_from_fields(decoded.entries[i], data[i], decoded.principals[i], decoded.tags[i], decoded.streamed[i])
+            _row_from_fields(
+                decoded.entries[i],
+                data[i],
+                decoded.principals[i],
+                decoded.tags[i],
+                decoded.streamed[i],
+                decoded.ttft_ms[i],
+                decoded.tokens[i],
+            )
             for i in slow
         ]
         named = [dict(zip(CALL_SCHEMA.names, row, strict=True)) for row in rows]
@@ -175,6 +200,8 @@ def _fast_table(
     principals: list[str],
     tags: list[list[tuple[str, str]]],
     streamed: list[bool],
+    ttft_ms: list[float | None],
+    tokens: list[int | None],
 ) -> pa.Table:
     fields = [entry.fields for entry in entries]
 
@@ -200,6 +227,8 @@ def _fast_table(
         "streamed": pa.array(streamed, type=pa.bool_()),
         "stream_id": pa.array([entry.stream_id for entry in entries], type=pa.string()),
         "record": pa.array(data, type=pa.binary()),
+        "ttft_ms": pa.array(ttft_ms, type=pa.float64()),
+        "tokens": pa.array(tokens, type=pa.int64()),
     }
     return pa.table(columns, schema=CALL_SCHEMA)
 
@@ -218,7 +247,15 @@ def _split_by_hour(kind: str, model: str, table: pa.Table, schema: pa.Schema) ->
     return files
 
 
-def _row_from_fields(entry: Entry, data: bytes, principal: str, tags: list[tuple[str, str]], streamed: bool) -> tuple:
+def _row_from_fields(
+    entry: Entry,
+    data: bytes,
+    principal: str,
+    tags: list[tuple[str, str]],
+    streamed: bool,
+    ttft_ms: float | None = None,
+    tokens: int | None = None,
+) -> tuple:
     """A row for an entry whose record does not decode (or whose fields do not convert): what its
     readable fields say, with every conversion's own fallback, and the record's bytes kept."""
 
@@ -253,6 +290,8 @@ def _row_from_fields(entry: Entry, data: bytes, principal: str, tags: list[tuple
         streamed,
         entry.stream_id,
         data,
+        ttft_ms,
+        tokens,
     )
 
 

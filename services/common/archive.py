@@ -63,6 +63,10 @@ CALL_SCHEMA = pa.schema(
         ("streamed", pa.bool_()),
         ("stream_id", pa.string()),
         ("record", pa.binary()),
+        # Token streams (null for a unary call, and in files written before these columns existed):
+        # time to the first response in ms (null when none came) and the responses received.
+        ("ttft_ms", pa.float64()),
+        ("tokens", pa.int64()),
     ],
     metadata={SCHEMA_METADATA_KEY: str(ARCHIVE_SCHEMA_VERSION).encode()},
 )
@@ -417,15 +421,18 @@ ENTRY_COLUMNS = (
     "assignment",
     "phase",
     "unit",
+    "ttft_ms",
+    "tokens",
 )
 
 
 def readable_calls(archive: Archive, query: ArchiveQuery) -> pa.Table:
     """The archived calls of ``query`` as the columns a call stream entry has (:data:`ENTRY_COLUMNS`:
     ``time_ns`` an int64, ``unit`` the routing-key HMAC) plus ``principal``: what an analysis that reads
-    Redis column by column gets, so it can read the archive the same way. One row per request id. Blocking."""
+    Redis column by column gets, so it can read the archive the same way. One row per request id
+    (``ttft_ms``/``tokens`` null for unary calls and in files older than those columns). Blocking."""
     columns = ["request_id", "receive_time", "version", "status", "latency_ms", "arm", "assignment", "phase"]
-    table = read_calls(archive, query, columns=[*columns, "routing_key_hmac", "principal"])
+    table = read_calls(archive, query, columns=[*columns, "routing_key_hmac", "principal", "ttft_ms", "tokens"])
     return pa.table(
         {
             "request_id": table["request_id"],
@@ -438,6 +445,8 @@ def readable_calls(archive: Archive, query: ArchiveQuery) -> pa.Table:
             "assignment": table["assignment"],
             "phase": table["phase"],
             "unit": table["routing_key_hmac"],
+            "ttft_ms": table["ttft_ms"],
+            "tokens": table["tokens"],
             "principal": table["principal"],
         }
     )

@@ -7,6 +7,10 @@ how containers are configured. A flag given on the command line wins.
 Flags that carry secrets (HMAC keys, URLs that may hold a password) are marked once,
 ``add_argument(..., secret=True)``: their help says whether the variable is set but
 never shows its value, and no error message quotes it.
+
+A repeatable flag (``action="append"``) reads its variable as a comma-separated list
+(``SPLITSTREAM_REPLAY_MODEL=a,b`` is ``--model a --model b``); given on the command line,
+the flag's values replace that list rather than add to it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,18 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if hides_default(action):
             return action.help
         return super()._get_help_string(action)
+
+
+class _AppendOverEnvironment(argparse._AppendAction):
+    """``append`` whose first value on the command line starts a new list: the default (the environment's
+    list) is replaced, as any other flag's would be, never appended to (nor mutated: it is shared)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        if getattr(namespace, self.dest, None) is self.default:
+            setattr(namespace, self.dest, None)
+        super().__call__(parser, namespace, values, option)
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
@@ -81,9 +97,19 @@ class EnvArgumentParser(argparse.ArgumentParser):
         if variable is None or "help" not in kwargs or kwargs.get("action") == "help":
             return kwargs
         flag = "--" + variable.removeprefix(self.env_prefix).lower().replace("_", "-")
+        repeatable = kwargs.get("action") == "append"
+        if repeatable:
+            kwargs["action"] = _AppendOverEnvironment
         if variable in os.environ:
             raw = os.environ[variable]
-            if kwargs.get("action") == "store_true":
+            if repeatable:
+                try:
+                    convert = kwargs.get("type", str)
+                    kwargs["default"] = [convert(item.strip()) for item in raw.split(",") if item.strip()]
+                except (TypeError, ValueError, argparse.ArgumentTypeError):
+                    shown = REDACTED if secret else repr(raw)
+                    self.error(f"{variable}: invalid value {shown} for {flag}")
+            elif kwargs.get("action") == "store_true":
                 kwargs["default"] = raw.strip().lower() in {"1", "true", "yes", "on"}
             else:
                 try:

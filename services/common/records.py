@@ -180,6 +180,10 @@ def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
         "unit": record.routing_key_hmac,
         # The authenticated caller (a configured principal's name; empty when callers are not authenticated).
         "principal": record.principal,
+        # Token streams: time to the first response and responses received (empty for a unary call,
+        # TTFT empty when no response came), so the analysis need not parse records.
+        "ttft_ms": f"{record.stream.first_response_ns / 1e6:.3f}" if record.stream.first_response_ns > 0 else "",
+        "tokens": str(record.stream.responses_total) if record.HasField("stream") else "",
         "record": record.SerializeToString(),
     }
 
