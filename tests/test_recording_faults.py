@@ -20,7 +20,7 @@ import numpy as np
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import PAYLOAD_DROPPED_TAG
-from splitstream.router.spool import MAGIC
+from splitstream.shipper.spool import MAGIC
 from tests.harness import InferClient, SteadyLoad, make_request, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import MODEL, RecordingStack
 
