@@ -28,9 +28,9 @@ from splitstream.common.experiment import Experiment
 from splitstream.common.proto.splitstream.v1 import feedback_pb2
 from splitstream.router.core import CallOutcome
 from splitstream.router.feedback import FeedbackService
-from splitstream.router.mirror import MirrorSettings, RecordMirror
 from splitstream.router.routing import Assignment
-from splitstream.router.spool import Spool
+from splitstream.shipper.mirror import MirrorSettings, RecordMirror
+from splitstream.shipper.spool import Spool
 
 
 def outcome(with_exposure: bool, experiment: Experiment) -> CallOutcome:

@@ -81,8 +81,8 @@ class RecordingStack:
             write_registry(registry, {MODEL: model})
             self.registry = registry
             self.spool_dir = tmp / "spool"
-            #: The router's child shipper's Prometheus port (the recording counters live there).
-            self.shipper_metrics_port = free_port()
+            #: The Prometheus port of the child shipper of the router started last (the recording counters).
+            self.shipper_metrics_port = 0
             self.router = self.start_router(*router_args)
         except BaseException:
             self.close()  # a part that failed to start leaves none of the others running
@@ -91,7 +91,8 @@ class RecordingStack:
     def start_router(self, *extra: str) -> ServiceProcess:
         """A router recording to this stack's recorder, logging to this stack's spool directory (its child
         shipper's metrics on :attr:`shipper_metrics_port`)."""
-        if "external" not in extra:
+        if "external" not in extra:  # a new port each time: the child of a router stopped before may still drain
+            self.shipper_metrics_port = free_port()
             extra = ("--shipper-metrics-port", str(self.shipper_metrics_port), *extra)
         return self.stack.router(
             self.registry,

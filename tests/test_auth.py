@@ -48,7 +48,7 @@ from tests.harness import (
     scrape_metrics,
     wait_for,
 )
-from tests.recording_stack import MODEL, RecordingStack
+from tests.recording_stack import MODEL, RecordingStack, shipper_metric
 
 AUDIENCE = "splitstream"
 ISSUER = "https://issuer.test"
@@ -751,11 +751,11 @@ def test_a_router_without_the_recorder_s_token_spools_its_records_and_says_why(a
     for n in range(5):
         assert call(router, rid=f"untokened-{n}")[0] == grpc.StatusCode.OK
     wait_for(
-        lambda: metric(router, "splitstream_router_mirror_records_spooled_total") == 5,
+        lambda: shipper_metric(auth.stack, "records_spooled_total") == 5,
         timeout_s=30,
         what="the records to be spooled",
     )
-    assert metric(router, "splitstream_router_mirror_records_dropped_total") == 0
+    assert shipper_metric(auth.stack, "records_dropped_total") == 0
     assert "UNAUTHENTICATED: no service token" in router.log()
     assert b"untokened-" not in auth.stack.redis_bytes()
     router.stop()

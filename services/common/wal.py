@@ -13,7 +13,12 @@ Layout of one log directory (one per router process; one shipper may ship severa
 
     wal-0000000000000001.log   segments, numbered; a router opening the directory starts a new
     wal-0000000000000002.log   one (it never appends after a tail a crash may have torn)
-    cursor                     the shipper's position: text "segment offset", replaced atomically
+    wal.cursor                 the shipper's position: two slots (magic, sequence, segment, offset,
+                               crc32) written alternately in place, the newer that checks wins
+    shipper.lock               held by the shipper shipping this directory (its pid)
+
+The shipper's spool (``*.seg``, ``cursor.slots``) shares the directory by default, so a spool
+left by a router from before the log is shipped too.
 
 A segment is rotated once it holds ``segment_bytes``. The shipper reads segments in
 order, deletes a segment once its cursor (written durably first) is past it, and never
@@ -58,7 +63,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from splitstream.common.files import atomic_write, fsync_directory
+from splitstream.common.files import fsync_directory
 
 log = structlog.get_logger()
 
@@ -78,7 +83,10 @@ _SHADOW_FIXED = struct.Struct("<iqB")
 _LEN = struct.Struct("<I")
 _SUFFIX = ".log"
 _PREFIX = "wal-"
-CURSOR_FILE = "cursor"
+CURSOR_FILE = "wal.cursor"
+#: A cursor slot: magic, sequence (the newer valid slot wins), segment, offset, crc32 of the 28 bytes before it.
+CURSOR_SLOT = struct.Struct("<4sQQQI")
+_CURSOR_MAGIC = b"\xf0CUR"
 FALLBACK, PINNED, RETRIED, HAS_RESPONSE = 1, 2, 4, 8
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -423,18 +431,40 @@ class WalReader:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.on_damage = on_damage or (lambda reason, size: None)
         self.chunk_bytes = chunk_bytes
+        self._sequence = 0
+        self._cursor_fd = -1
         self.committed = self._read_cursor()
         self.position = self.committed
 
     def _read_cursor(self) -> Position:
+        """The newer of the cursor file's two slots that check ((0, 0): none, ship from the oldest segment)."""
+        path = self.directory / CURSOR_FILE
         try:
-            segment, offset = (self.directory / CURSOR_FILE).read_text().split()
-            return int(segment), int(offset)
+            data = path.read_bytes()
         except FileNotFoundError:
-            return 0, 0
-        except (ValueError, OSError) as error:
-            log.error("log cursor unreadable; shipping from the oldest segment", error=str(error)[:200])
-            return 0, 0
+            data = b""
+        best: tuple[int, int, int] = (-1, 0, 0)
+        for at in (0, CURSOR_SLOT.size):
+            if len(data) < at + CURSOR_SLOT.size:
+                continue
+            magic, sequence, segment, offset, crc = CURSOR_SLOT.unpack_from(data, at)
+            if magic == _CURSOR_MAGIC and zlib.crc32(data[at : at + CURSOR_SLOT.size - 4]) == crc:
+                best = max(best, (sequence, segment, offset))
+        if data and best[0] < 0:
+            log.error("log cursor unreadable; shipping from the oldest segment", path=str(path))
+        self._sequence = max(best[0], 0)
+        return best[1], best[2]
+
+    def _open_cursor(self) -> int:
+        """The cursor file, allocated once (two slots) and from then on overwritten in place: on a full disk a
+        write needing no new block still succeeds, so the shipper's position is kept when it matters most."""
+        path = self.directory / CURSOR_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(fd).st_size < 2 * CURSOR_SLOT.size:
+            os.pwrite(fd, bytes(2 * CURSOR_SLOT.size - os.fstat(fd).st_size), os.fstat(fd).st_size)
+            os.fsync(fd)
+            fsync_directory(self.directory)
+        return fd
 
     def rewind(self) -> None:
         self.position = self.committed
@@ -516,16 +546,27 @@ class WalReader:
         return progressed and newest
 
     def commit(self, position: Position) -> None:
-        """Write the cursor durably, then delete every segment wholly before it."""
+        """Write the cursor durably (the older slot, so a torn write leaves the newer), then delete every
+        segment wholly before it."""
         if position <= self.committed:
             return
-        atomic_write(self.directory / CURSOR_FILE, f"{position[0]} {position[1]}\n")
+        if self._cursor_fd < 0:
+            self._cursor_fd = self._open_cursor()
+        self._sequence += 1
+        head = struct.pack("<4sQQQ", _CURSOR_MAGIC, self._sequence, *position)
+        os.pwrite(self._cursor_fd, head + _LEN.pack(zlib.crc32(head)), (self._sequence % 2) * CURSOR_SLOT.size)
+        os.fdatasync(self._cursor_fd)
         self.committed = position
         for number in segments(self.directory):
             if number >= position[0]:
                 break
             with contextlib.suppress(FileNotFoundError):
                 (self.directory / segment_name(number)).unlink()
+
+    def close(self) -> None:
+        if self._cursor_fd >= 0:
+            os.close(self._cursor_fd)
+            self._cursor_fd = -1
 
     def pending_bytes(self) -> int:
         total = 0

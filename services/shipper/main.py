@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import structlog
 from grpc import aio
@@ -37,8 +36,6 @@ from splitstream.shipper.spool import Spool
 from splitstream.shipper.tail import Tail
 
 PROG = "splitstream-shipper"
-#: Where the shipper spools batches the recorder has not acknowledged, under the first log directory.
-SPOOL_SUBDIR = "shipper-spool"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +91,8 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument(
         "--spool-dir",
         default="",
-        help=f"where batches the recorder did not acknowledge wait (default: {SPOOL_SUBDIR} in the first --log-dir)",
+        help="where batches the recorder did not acknowledge wait (default: the first --log-dir, whose spool a "
+        "router from before the log may have left)",
     )
     parser.add_argument(
         "--spool-max-bytes",
@@ -144,7 +142,7 @@ def parse_args(argv: Sequence[str] | None) -> ShipperConfig:
             server=ServerSettings.from_args(args),
             log_dirs=tuple(args.log_dir),
             recorder=args.recorder,
-            spool_dir=args.spool_dir or str(Path(args.log_dir[0]) / SPOOL_SUBDIR),
+            spool_dir=args.spool_dir or args.log_dir[0],
             spool_max_bytes=args.spool_max_bytes,
             record_batch_size=args.record_batch_size,
             record_batch_interval_ms=args.record_batch_interval_ms,

@@ -239,6 +239,7 @@ class RecordMirror:
         #: A record taken from the queue that did not fit in the last batch: it opens the next one.
         self._carry: bytes | None = None
         self._carry_position: Any = None
+        self._building = False
         self._wake = asyncio.Event()
         self._closing = False
         self._spool_bytes = spool.pending_bytes
@@ -261,6 +262,11 @@ class RecordMirror:
     def room(self) -> int:
         """How many more calls the queue takes now (the tail reads no more than that: the log waits)."""
         return 0 if self._closing else max(self.settings.queue_size - len(self._queue), 0)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing offered is outside a cut batch (queued, carried or in a batch being built)."""
+        return not self._has_queued() and not self._building
 
     @property
     def queued(self) -> int:
@@ -596,6 +602,13 @@ class RecordMirror:
         byte cap allows."""
         if not self._has_queued():
             return None
+        self._building = True
+        try:
+            return await self._build_batch()
+        finally:
+            self._building = False
+
+    async def _build_batch(self) -> tuple[bytes, int, int, int] | None:
         slices: list[bytes] = []
         count = 0
         size = BATCH_OVERHEAD

@@ -207,6 +207,8 @@ class Tail:
                     break
                 self._consumed[index] = entry.end
                 total += 1
+            else:  # all handed on: past them too what the read skipped (damage, the end of older segments)
+                self._consumed[index] = max(self._consumed[index], reader.position)
         return total
 
     def _hand_on(self, index: int, kind: int, payload: bytes, start: Position) -> bool:
@@ -266,6 +268,10 @@ class Tail:
             await self.commit()
 
     async def commit(self) -> None:
+        if not self._tickets and not self._held and self.mirror.idle:
+            # Nothing in flight: what was read is settled, entries or not (damage skipped, an older segment
+            # ended), so the cursor moves on and the segments behind it go even while no call comes.
+            self._settled = self._safe()
         settled, self._settled = self._settled, None
         if settled is None:
             return
