@@ -242,19 +242,20 @@ def build_parser() -> EnvArgumentParser:
         help="key for the routing-key HMAC in records; else SPLITSTREAM_HMAC_KEY (shared with recorder and replayer)",
         secret=True,
     )
-    recording.add_argument("--record-batch-size", type=int, default=256, help="records per batch")
+    recording.add_argument(
+        "--record-batch-size", type=int, default=256, help="records per batch (passed to the child shipper)"
+    )
     recording.add_argument(
         "--record-batch-interval-ms",
         type=float,
         default=200.0,
-        help="longest a record waits for its batch to fill (fewer, larger batches cost the hot path less)",
+        help="longest a record waits for its batch to fill (passed to the child shipper)",
     )
     recording.add_argument(
         "--record-queue-size",
         type=int,
         default=100_000,
-        help="calls held in memory for recording, and as many feedback events apart; past it new ones are "
-        "dropped and counted (a feedback report that does not fit is refused whole: RESOURCE_EXHAUSTED)",
+        help="passed to the child shipper: feedback events it holds in memory at most (calls wait in the log)",
     )
     recording.add_argument(
         "--record-batch-max-bytes",

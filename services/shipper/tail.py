@@ -5,7 +5,7 @@ by the recorder, written to the shipper's spool, or dropped and counted. So each
 cuts gets a ticket holding, per log, the position before the oldest entry not in that batch or an
 earlier one (entries still queued in the mirror, calls waiting for their shadows); once every
 ticket up to one is settled, its positions are written as the logs' cursors and the segments
-wholly behind them deleted. A shipper killed at any point restarts from the cursors: what was
+wholly behind them deleted. A shipper killed (or stopped) at any point restarts from the cursors: what was
 settled but not yet committed is shipped again (readers drop duplicates by request id), nothing
 is skipped.
 
@@ -258,7 +258,7 @@ class Tail:
         now = time.monotonic()
         while self._held:
             key, (_, deadline) = next(iter(self._held.items()))
-            if deadline > now and not self._closing:
+            if deadline > now:
                 break
             self._release(key)
 
@@ -285,6 +285,6 @@ class Tail:
             reader.commit(position)
 
     async def close(self) -> None:
-        """Stop reading; calls waiting for shadows go to the mirror as they are."""
+        """Stop reading. Calls still waiting for their shadows stay in the log (the cursor stays before them):
+        the next shipper reads them again, with their shadows."""
         self._closing = True
-        self._expire()
