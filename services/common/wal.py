@@ -36,9 +36,9 @@ and counted, never shipped as garbage.
 Entry kinds and payloads (integers little-endian; a *field* is a u32 length then its bytes):
 
 * ``CALL`` (1) and ``STREAM`` (4, a ModelStreamInfer stream): fixed part
-  ``i64 receive_unix_ns | i64 latency_ns | i32 status code | u8 flags | i8 assignment | u8 shadows expected | pad``
-  then the fields request id, model, version, arm, status message, endpoint, router id,
-  principal, routing-key HMAC, serialized ``CallRecord.phase`` field, recorded metadata
+  ``i64 receive_unix_ns | i64 latency_ns | i32 status code | u8 flags | i8 assignment | u8 shadows expected | pad``,
+  then 14 u32 lengths, then those 14 fields' bytes: request id, model, version, arm, status
+  message, endpoint, router id, principal, routing-key HMAC, serialized ``CallRecord.phase`` field, recorded metadata
   (``key \\0 value \\0`` ...), serialized ``StreamCall`` (STREAM only), request bytes as
   received, response bytes as sent. Flags: 1 fallback, 2 pinned, 4 retried, 8 has response.
 * ``SHADOWS`` (2): the outcomes of a call's shadows, appended when they finish (after the
@@ -78,7 +78,8 @@ KINDS = frozenset({CALL, SHADOWS, FEEDBACK, STREAM})
 #: Largest payload a reader believes (a length past it is damage): the router takes 64 MiB calls, and an
 #: entry holds a request and its response.
 MAX_ENTRY_BYTES = 512 << 20
-_CALL_FIXED = struct.Struct("<qqiBbBx")
+_CALL_FIELDS = 14
+_CALL_HEAD = struct.Struct(f"<qqiBbBx{_CALL_FIELDS}I")
 _SHADOW_FIXED = struct.Struct("<iqB")
 _LEN = struct.Struct("<I")
 _SUFFIX = ".log"
@@ -148,18 +149,30 @@ def encode_call(
     request: bytes,
     response: bytes | None,
 ) -> bytes:
-    """A call entry's payload. Fields are joined once: the cost of an append is this join and one write."""
+    """A call entry's payload: one pack of the fixed part and the lengths, one join (measured: the per-field
+    length-then-bytes layout cost twice as much, every call)."""
     if response is not None:
         flags |= HAS_RESPONSE
-    parts = [_CALL_FIXED.pack(receive_unix_ns, latency_ns, code, flags, assignment, shadows_expected)]
-    for text in (request_id, model, version, arm, details, endpoint, router_id, principal, routing_key_hmac):
-        data = text.encode()
-        parts.append(_LEN.pack(len(data)))
-        parts.append(data)
-    for data in (phase, metadata, stream, request, response or b""):
-        parts.append(_LEN.pack(len(data)))
-        parts.append(data)
-    return b"".join(parts)
+    fields = (
+        request_id.encode(),
+        model.encode(),
+        version.encode(),
+        arm.encode(),
+        details.encode(),
+        endpoint.encode(),
+        router_id.encode(),
+        principal.encode(),
+        routing_key_hmac.encode(),
+        phase,
+        metadata,
+        stream,
+        request,
+        response or b"",
+    )
+    head = _CALL_HEAD.pack(
+        receive_unix_ns, latency_ns, code, flags, assignment, shadows_expected, *[len(f) for f in fields]
+    )
+    return head + b"".join(fields)
 
 
 def encode_metadata(pairs: dict[str, str]) -> bytes:
@@ -260,12 +273,18 @@ class CallEntry:
 
 
 def decode_call(kind: int, payload: bytes) -> CallEntry:
-    reader = _Cursor(payload)
-    receive_ns, latency_ns, code, flags, assignment, expected = reader.fixed(_CALL_FIXED)
-    texts = [reader.text() for _ in range(9)]
-    phase, metadata, stream, request, response = (reader.field() for _ in range(5))
-    if reader.at != len(payload):
-        raise ValueError("bytes after the call entry's last field")
+    if len(payload) < _CALL_HEAD.size:
+        raise ValueError("entry shorter than its fixed part")
+    receive_ns, latency_ns, code, flags, assignment, expected, *lengths = _CALL_HEAD.unpack_from(payload)
+    if _CALL_HEAD.size + sum(lengths) != len(payload):
+        raise ValueError("the call entry's field lengths do not add up to its size")
+    values = []
+    at = _CALL_HEAD.size
+    for length in lengths:
+        values.append(payload[at : at + length])
+        at += length
+    texts = [value.decode() for value in values[:9]]
+    phase, metadata, stream, request, response = values[9:]
     return CallEntry(
         kind=kind,
         request_id=texts[0],
