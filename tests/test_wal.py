@@ -19,7 +19,7 @@ def write_segment(directory: Path, number: int, data: bytes) -> None:
 def read_all(directory: Path) -> tuple[list[bytes], list[tuple[str, int]]]:
     damage: list[tuple[str, int]] = []
     reader = wal.WalReader(directory, on_damage=lambda reason, size: damage.append((reason, size)))
-    payloads = []
+    payloads: list[bytes] = []
     while entries := reader.read(100):
         payloads.extend(entry.payload for entry in entries)
     return payloads, damage
