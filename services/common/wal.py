@@ -79,7 +79,8 @@ KINDS = frozenset({CALL, SHADOWS, FEEDBACK, STREAM})
 #: entry holds a request and its response.
 MAX_ENTRY_BYTES = 512 << 20
 _CALL_FIELDS = 14
-_CALL_HEAD = struct.Struct(f"<qqiBbBx{_CALL_FIELDS}I")
+#: A call entry's fixed part and its fields' lengths (the router packs it itself on its hot path).
+CALL_HEAD = struct.Struct(f"<qqiBbBx{_CALL_FIELDS}I")
 _SHADOW_FIXED = struct.Struct("<iqB")
 _LEN = struct.Struct("<I")
 _SUFFIX = ".log"
@@ -169,7 +170,7 @@ def encode_call(
         request,
         response or b"",
     )
-    head = _CALL_HEAD.pack(
+    head = CALL_HEAD.pack(
         receive_unix_ns, latency_ns, code, flags, assignment, shadows_expected, *[len(f) for f in fields]
     )
     return head + b"".join(fields)
@@ -273,13 +274,13 @@ class CallEntry:
 
 
 def decode_call(kind: int, payload: bytes) -> CallEntry:
-    if len(payload) < _CALL_HEAD.size:
+    if len(payload) < CALL_HEAD.size:
         raise ValueError("entry shorter than its fixed part")
-    receive_ns, latency_ns, code, flags, assignment, expected, *lengths = _CALL_HEAD.unpack_from(payload)
-    if _CALL_HEAD.size + sum(lengths) != len(payload):
+    receive_ns, latency_ns, code, flags, assignment, expected, *lengths = CALL_HEAD.unpack_from(payload)
+    if CALL_HEAD.size + sum(lengths) != len(payload):
         raise ValueError("the call entry's field lengths do not add up to its size")
     values = []
-    at = _CALL_HEAD.size
+    at = CALL_HEAD.size
     for length in lengths:
         values.append(payload[at : at + length])
         at += length

@@ -28,19 +28,18 @@ from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import routing_key_hmac
 from splitstream.common.wal import (
     CALL,
+    CALL_HEAD,
     FALLBACK,
     FEEDBACK,
+    HAS_RESPONSE,
     PINNED,
     RETRIED,
     SHADOWS,
     STREAM,
     ShadowEntry,
     WalWriter,
-    encode_call,
     encode_feedback,
-    encode_metadata,
     encode_shadows,
-    log_bytes,
 )
 from splitstream.router.core import CallOutcome
 from splitstream.router.recorded_metadata import recorded_metadata
@@ -105,6 +104,7 @@ class CallLog:
         self.metrics = LogMetrics(registry)
         self.metrics.log_bytes.set_function(lambda: self.writer._shipped_bytes)
         self.router_id = router_id
+        self._router_id = router_id.encode()
         self.hmac_key = hmac_key
         self.flush_interval_s = flush_interval_s
         self.record_credential_headers = record_credential_headers
@@ -165,41 +165,49 @@ class CallLog:
             call = recorder_pb2.StreamCall()
             outcome.stream.fill(call)
             stream = call.SerializeToString()
-        kept = dict(
-            recorded_metadata(
+        # The call entry's layout (splitstream.common.wal): packed here in one go rather than through
+        # wal.encode_call's keywords, which cost a third more on every call (measured side by side).
+        kept = "".join(
+            f"{key}\0{value}\0"
+            for key, value in recorded_metadata(
                 metadata,
                 routing_key_header=outcome.routing_key_header,
                 keep_credentials=self.record_credential_headers,
             )
         )
-        payload = encode_call(
-            kind=STREAM if outcome.stream is not None else CALL,
-            request_id=outcome.request_id,
-            model=outcome.model,
-            version=outcome.version,
-            arm=outcome.arm,
-            code=outcome.code.value[0],
-            details=outcome.details,
-            endpoint=outcome.endpoint,
-            router_id=self.router_id,
-            principal=outcome.principal,
-            receive_unix_ns=outcome.receive_unix_ns,
-            latency_ns=int(outcome.latency_s * 1e9),
-            flags=(FALLBACK if outcome.fallback else 0)
-            | (PINNED if outcome.pinned else 0)
-            | (RETRIED if outcome.retried else 0),
-            assignment=_ASSIGNMENTS[outcome.assignment] if outcome.assignment is not None else -1,
-            shadows_expected=min(shadows_expected, 255),
-            routing_key_hmac=(
-                routing_key_hmac(self.hmac_key, outcome.routing_key) if outcome.routing_key is not None else ""
-            ),
-            phase=self._phase_field(outcome.phase) if outcome.phase is not None else b"",
-            metadata=encode_metadata(kept) if kept else b"",
-            stream=stream,
-            request=request,
-            response=outcome.response,
+        response = outcome.response
+        fields = (
+            outcome.request_id.encode(),
+            outcome.model.encode(),
+            outcome.version.encode(),
+            outcome.arm.encode(),
+            outcome.details.encode(),
+            outcome.endpoint.encode(),
+            self._router_id,
+            outcome.principal.encode(),
+            b"" if outcome.routing_key is None else routing_key_hmac(self.hmac_key, outcome.routing_key).encode(),
+            b"" if outcome.phase is None else self._phase_field(outcome.phase),
+            kept.encode(),
+            stream,
+            request,
+            response or b"",
         )
-        return (STREAM if outcome.stream is not None else CALL), payload
+        flags = (
+            (FALLBACK if outcome.fallback else 0)
+            | (PINNED if outcome.pinned else 0)
+            | (RETRIED if outcome.retried else 0)
+            | (HAS_RESPONSE if response is not None else 0)
+        )
+        head = CALL_HEAD.pack(
+            outcome.receive_unix_ns,
+            int(outcome.latency_s * 1e9),
+            outcome.code.value[0],
+            flags,
+            -1 if outcome.assignment is None else _ASSIGNMENTS[outcome.assignment],
+            min(shadows_expected, 255),
+            *[len(field) for field in fields],
+        )
+        return (CALL if outcome.stream is None else STREAM), head + b"".join(fields)
 
     def offer_shadows(self, request_id: str, shadows: Sequence[ShadowEntry]) -> None:
         """Log a call's shadow outcomes (the shipper joins them to the call logged before)."""
@@ -257,6 +265,3 @@ class CallLog:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
         await asyncio.to_thread(self.writer.close)
-
-
-__all__ = ["CallLog", "LogMetrics", "log_bytes"]
