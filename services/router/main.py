@@ -386,6 +386,7 @@ def _shipper_args(args: argparse.Namespace) -> tuple[str, ...]:
         "--host", "127.0.0.1",
         "--port", "0",
         "--metrics-port", str(args.shipper_metrics_port),
+        "--exit-with-parent",
     ]  # fmt: skip
     if args.metrics_host:
         out += ["--metrics-host", args.metrics_host]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,6 +53,7 @@ class ShipperConfig:
     record_batch_max_bytes: int
     shadow_wait_s: float
     flush_timeout_s: float
+    exit_with_parent: bool = False
     recorder_tls: ClientTls = PLAINTEXT
     service_token: str = field(default="", repr=False)
 
@@ -127,6 +130,11 @@ def build_parser() -> EnvArgumentParser:
         parser.add_argument_group("TLS to the recorder"), flag="--recorder-tls", what="the recorder"
     )
     parser.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="drain and exit once the process that started this one is gone (a router's child shipper)",
+    )
+    parser.add_argument(
         "--service-token-file",
         default="",
         help=f"file holding the service token sent to the recorder (else {SERVICE_TOKEN_ENV})",
@@ -150,6 +158,7 @@ def parse_args(argv: Sequence[str] | None) -> ShipperConfig:
             record_batch_max_bytes=args.record_batch_max_bytes,
             shadow_wait_s=args.shadow_wait_s,
             flush_timeout_s=args.flush_timeout_s,
+            exit_with_parent=args.exit_with_parent,
             recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
             service_token=read_service_token(args.service_token_file),
         )
@@ -203,7 +212,15 @@ class Shipper(Service):
     async def run(self, runtime: Runtime) -> None:
         await runtime.set_serving(True)
         self.log.info("shipper shipping", logs=list(self.config.log_dirs), recorder=self.config.recorder)
-        await asyncio.Event().wait()
+        parent = os.getppid()
+        while True:
+            await asyncio.sleep(1.0)
+            # Beside Linux's parent-death signal (which the router asks for): where that is missing, a child
+            # whose router died would ship on, and hold the log's lock from the restarted router's own child.
+            if self.config.exit_with_parent and os.getppid() != parent:
+                self.log.warning("the router that started this shipper is gone; draining")
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
 
     async def teardown(self) -> None:
         await self.tail.close()
