@@ -388,8 +388,7 @@ def _shipper_args(args: argparse.Namespace) -> tuple[str, ...]:
         "--metrics-port", str(args.shipper_metrics_port),
         "--exit-with-parent",
     ]  # fmt: skip
-    if args.metrics_host:
-        out += ["--metrics-host", args.metrics_host]
+    out += ["--metrics-host", args.metrics_host or args.host]  # where Prometheus reaches the router's own
     if args.service_token_file:
         out += ["--service-token-file", args.service_token_file]
     if args.recorder_tls:
