@@ -1,11 +1,11 @@
 """What exposures and feedback cost the router's event loop, measured side by side in one run.
 
-Two rows for the mirror's record builder (it runs on the event loop, in slices between calls):
-a CallRecord built and serialized without the exposure fields (as before they existed) and
-with them (phase id, weights, control, assignment); their ratio is the cost of exposures.
-Then what one event of a Feedback/Report costs (check, routing-key HMAC, serialize: run in a
-thread, not on the loop) and queueing it (``offer_feedback``, on the loop), per event, for
-reports of 1,000.
+Two rows for the router's log append (on the event loop, as each call is answered): a call
+encoded and appended to the write-ahead log without the exposure fields (as before they
+existed) and with them (phase, assignment); their ratio is the cost of exposures. Then what
+one event of a Feedback/Report costs (check, routing-key HMAC, serialize: run in a thread,
+not on the loop) and logging it (``offer_feedback``, on the loop), per event, for reports
+of 1,000.
 
     .venv/bin/python bench/exposures_feedback.py [--calls 20000] [--rounds 5]
 """
@@ -28,9 +28,8 @@ from splitstream.common.experiment import Experiment
 from splitstream.common.proto.splitstream.v1 import feedback_pb2
 from splitstream.router.core import CallOutcome
 from splitstream.router.feedback import FeedbackService
-from splitstream.router.mirror import MirrorSettings, RecordMirror
+from splitstream.router.recording import CallLog
 from splitstream.router.routing import Assignment
-from splitstream.router.spool import Spool
 
 
 def outcome(with_exposure: bool, experiment: Experiment) -> CallOutcome:
@@ -42,12 +41,12 @@ def outcome(with_exposure: bool, experiment: Experiment) -> CallOutcome:
     return call
 
 
-def per_call_us(mirror: RecordMirror, call: CallOutcome, calls: int) -> float:
+def per_call_us(mirror: CallLog, call: CallOutcome, calls: int) -> float:
     request = b"q" * 128
     metadata = (("x-request-id", "req-1"), ("x-routing-key", "user-42"))
     started = time.perf_counter()
     for _ in range(calls):
-        mirror._build(call, request, metadata)
+        mirror.offer(call, request, metadata)
     return (time.perf_counter() - started) / calls * 1e6
 
 
@@ -58,13 +57,20 @@ def main() -> int:
     args = parser.parse_args()
     experiment = Experiment.build(model="bench", salt="s", control="v1", arms=[("v1", 90), ("v2", 10)])
     with tempfile.TemporaryDirectory() as spool_dir:
-        settings = MirrorSettings(recorder_address="127.0.0.1:1", router_id="bench", hmac_key=b"k")
-        mirror = RecordMirror(settings, Spool(spool_dir, max_bytes=1 << 20), CollectorRegistry())
+        mirror = CallLog(
+            spool_dir,
+            CollectorRegistry(),
+            router_id="bench",
+            hmac_key=b"k",
+            max_bytes=1 << 40,
+            segment_bytes=64 << 20,
+            flush_interval_s=1.0,
+        )
         plain, exposed = outcome(False, experiment), outcome(True, experiment)
-        rows: dict[str, list[float]] = {"record, no exposure fields": [], "record, with phase + assignment": []}
+        rows: dict[str, list[float]] = {"log append, no exposure fields": [], "log append, phase + assignment": []}
         for _ in range(args.rounds):
-            rows["record, no exposure fields"].append(per_call_us(mirror, plain, args.calls))
-            rows["record, with phase + assignment"].append(per_call_us(mirror, exposed, args.calls))
+            rows["log append, no exposure fields"].append(per_call_us(mirror, plain, args.calls))
+            rows["log append, phase + assignment"].append(per_call_us(mirror, exposed, args.calls))
 
         service = FeedbackService(mirror=mirror, hmac_key=b"k", serves=lambda m: True, registry=CollectorRegistry())
         check_us, offer_us = [], []
@@ -83,15 +89,14 @@ def main() -> int:
             started = time.perf_counter()
             mirror.offer_feedback(checked.events)
             offer_us.append((time.perf_counter() - started) / 1000 * 1e6)
-            mirror._feedback.clear()
-            mirror._feedback_bytes = 0
-    base = statistics.median(rows["record, no exposure fields"])
+        mirror.writer.close()
+    base = statistics.median(rows["log append, no exposure fields"])
     print(f"{'path':40} {'median µs/item':>15} {'ratio':>7}")
     for name, values in rows.items():
         median = statistics.median(values)
         print(f"{name:40} {median:15.2f} {median / base:7.2f}")
     print(f"{'feedback event: check+HMAC+serialize':40} {statistics.median(check_us):15.2f} {'(thread)':>7}")
-    print(f"{'feedback event: queue (offer_feedback)':40} {statistics.median(offer_us):15.3f} {'(loop)':>7}")
+    print(f"{'feedback event: log (offer_feedback)':40} {statistics.median(offer_us):15.3f} {'(loop)':>7}")
     return 0
 
 

@@ -81,13 +81,19 @@ class RecordingStack:
             write_registry(registry, {MODEL: model})
             self.registry = registry
             self.spool_dir = tmp / "spool"
+            #: The Prometheus port of the child shipper of the router started last (the recording counters).
+            self.shipper_metrics_port = 0
             self.router = self.start_router(*router_args)
         except BaseException:
             self.close()  # a part that failed to start leaves none of the others running
             raise
 
     def start_router(self, *extra: str) -> ServiceProcess:
-        """A router recording to this stack's recorder, spooling to this stack's spool directory."""
+        """A router recording to this stack's recorder, logging to this stack's spool directory (its child
+        shipper's metrics on :attr:`shipper_metrics_port`)."""
+        if "external" not in extra:  # a new port each time: the child of a router stopped before may still drain
+            self.shipper_metrics_port = free_port()
+            extra = ("--shipper-metrics-port", str(self.shipper_metrics_port), *extra)
         return self.stack.router(
             self.registry,
             "--recorder",
@@ -187,3 +193,16 @@ class RecordingStack:
     def close(self) -> None:
         self.stack.close()
         self.redis.stop()
+
+
+def shipper_metric(stack: RecordingStack, name: str, **labels: str) -> float:
+    """A counter of the stack's shipper (``splitstream_shipper_<name>``), summed over ``labels``' matches; 0
+    while the shipper is not up yet."""
+    from tests.harness import metric_samples, scrape_metrics
+
+    try:
+        text = scrape_metrics(stack.shipper_metrics_port)
+    except OSError:
+        return 0.0
+    samples = metric_samples(text, f"splitstream_shipper_{name}")
+    return sum(value for sample_labels, value in samples if labels.items() <= sample_labels.items())

@@ -101,6 +101,12 @@ def test_prometheus_scrapes_the_metrics_port_of_every_service() -> None:
         for name, command in splitstream_services()
         if compose()["services"][name].get("profiles") is None
     }
+    # A router's child shipper serves its own metrics port.
+    expected |= {
+        f"{name}:{flags(command)['--shipper-metrics-port']}"
+        for name, command in splitstream_services()
+        if "--shipper-metrics-port" in flags(command)
+    }
     assert targets == expected
 
 
@@ -126,6 +132,7 @@ def test_every_metric_the_dashboard_plots_is_exported_by_a_running_service(tmp_p
         client.close()
         stack.wait_recorded({"dash"})
         exported = "".join(scrape_metrics(process.metrics_port) for process in stack.stack.processes)
+        exported += scrape_metrics(stack.shipper_metrics_port)  # the router's child shipper
     finally:
         stack.close()
     declared = set(re.findall(r"^# TYPE (\S+) ", exported, re.M)) | set(re.findall(r"^# HELP (\S+) ", exported, re.M))

@@ -206,7 +206,9 @@ def test_an_event_resent_with_the_same_idempotency_key_is_written_once(stack: Re
     assert report(stack.router, [once, keyless]).accepted == 2
 
     def duplicates() -> float:
-        return metric_total(stack.router.metrics_port, "splitstream_router_feedback_recorded_total", result="duplicate")
+        return metric_total(
+            stack.shipper_metrics_port, "splitstream_shipper_feedback_recorded_total", result="duplicate"
+        )
 
     # Once the recorder has acknowledged both duplicates, everything of both reports is in Redis.
     wait_for(lambda: duplicates() >= 2, timeout_s=20, what="the router to count the duplicates the recorder acked")
@@ -238,7 +240,7 @@ def test_events_reported_while_the_recorder_is_down_arrive_when_it_is_back_even_
         assert report(stack.router, first).accepted == 20
 
         def spooled() -> bool:
-            return metric_total(stack.router.metrics_port, "splitstream_router_feedback_spooled_total") >= 20
+            return metric_total(stack.shipper_metrics_port, "splitstream_shipper_feedback_spooled_total") >= 20
 
         wait_for(spooled, timeout_s=15, what="the events to be spooled")
         stack.restart_recorder()
@@ -253,8 +255,9 @@ def test_events_reported_while_the_recorder_is_down_arrive_when_it_is_back_even_
         assert report(stack.router, second).accepted == 30
         stack.router.signal(signal.SIGTERM)
         assert stack.router.wait(timeout_s=30) == 0  # the shutdown flush put them in the spool
-        assert any(stack.spool_dir.glob("*.seg"))
-        assert user.encode() not in b"".join(p.read_bytes() for p in stack.spool_dir.glob("*.seg"))
+        on_disk = [*stack.spool_dir.glob("wal-*.log"), *stack.spool_dir.glob("*.seg")]
+        assert any(p.stat().st_size for p in on_disk)
+        assert user.encode() not in b"".join(p.read_bytes() for p in on_disk)
         stack.restart_recorder()
         stack.router = stack.start_router()  # a new router process finds the spool and sends it
         recorded = wait_entries(stack, "restart", 30)
@@ -313,12 +316,12 @@ def test_import_sends_csv_and_json_lines_and_a_second_import_counts_nothing_twic
     assert captured.out.strip() == f"{lines}: 2 events read, 1 accepted, 1 rejected"
 
     duplicates_before = metric_total(
-        stack.router.metrics_port, "splitstream_router_feedback_recorded_total", result="duplicate"
+        stack.shipper_metrics_port, "splitstream_shipper_feedback_recorded_total", result="duplicate"
     )
     assert import_file(stack.router, events, "--model", MODEL, "--batch-size", "2") == 0
     wait_for(
         lambda: (
-            metric_total(stack.router.metrics_port, "splitstream_router_feedback_recorded_total", result="duplicate")
+            metric_total(stack.shipper_metrics_port, "splitstream_shipper_feedback_recorded_total", result="duplicate")
             >= duplicates_before + 3
         ),
         timeout_s=20,
@@ -396,18 +399,21 @@ def test_a_malformed_file_exits_2_with_one_line_naming_file_line_and_field_and_s
     assert metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total") == received
 
 
-def test_a_report_the_feedback_queue_has_no_room_for_is_refused_whole_and_counted(
-    stack: RecordingStack, tmp_path: Path
-) -> None:
-    small = stack.start_router("--record-queue-size", "5", "--spool-dir", str(tmp_path / "spool"))
+def test_a_report_the_log_has_no_room_for_is_refused_whole_and_counted(stack: RecordingStack, tmp_path: Path) -> None:
+    # No shipper ships this log and its cap is below one event: the report cannot be logged.
+    small = stack.start_router(
+        "--spool-max-bytes", "64", "--spool-dir", str(tmp_path / "spool"), "--shipper", "external"
+    )  # fmt: skip
     try:
         events = [Event(model=MODEL, request_id=f"q{i}", metric="queue", value=1.0) for i in range(6)]
         with pytest.raises(grpc.RpcError) as caught:
             report(small, events)
         assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "none of the 6 events was queued" in (caught.value.details() or "")
-        assert metric_total(small.metrics_port, "splitstream_router_feedback_dropped_total", reason="queue_full") == 6
-        assert report(small, events[:5]).accepted == 5  # what fits is taken
-        wait_entries(stack, "queue", 5)
+        assert metric_total(small.metrics_port, "splitstream_router_log_feedback_dropped_total", reason="log_full") == 6
+        assert (
+            metric_total(small.metrics_port, "splitstream_router_feedback_refused_reports_total", reason="queue_full")
+            == 1
+        )
     finally:
         small.stop()

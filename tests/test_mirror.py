@@ -14,32 +14,30 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redis.asyncio import Redis
 
+from splitstream.common import wal
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 from splitstream.common.records import PAYLOAD_DROPPED_TAG
-from splitstream.router import mirror as mirror_module
-from splitstream.router.batch_cutter import BATCH_OVERHEAD, BatchCutter, count_records, frame
-from splitstream.router.core import CallOutcome
-from splitstream.router.mirror import MirrorSettings, RecordMirror
-from splitstream.router.spool import Spool
+from splitstream.shipper import mirror as mirror_module
+from splitstream.shipper.batch_cutter import BATCH_OVERHEAD, BatchCutter, count_records, frame
+from splitstream.shipper.mirror import MirrorSettings, RecordMirror
+from splitstream.shipper.spool import Spool
 from tests.harness import ServiceProcess, free_port
 from tests.records import read_records
 from tests.redis_server import RedisServer
 
 
 def mirror_with_calls(tmp_path: Path, calls: int) -> RecordMirror:
-    settings = MirrorSettings(recorder_address="127.0.0.1:1", router_id="router-a", hmac_key=b"key")
+    settings = MirrorSettings(recorder_address="127.0.0.1:1")
     mirror = RecordMirror(settings, Spool(tmp_path, max_bytes=1 << 20), CollectorRegistry())
     for index in range(calls):
-        outcome = CallOutcome(
-            request_id=f"call-{index}",
-            model="affine",
-            code=grpc.StatusCode.OK,
-            details="",
-            response=b"response-%d" % index,
-            version="v1",
-            receive_unix_ns=time.time_ns(),
+        mirror.offer(
+            entry(
+                f"call-{index}",
+                request=b"request-%d" % index,
+                response=b"response-%d" % index,
+                metadata={"x-tenant": "t1"},
+            )
         )
-        mirror.offer(outcome, b"request-%d" % index, (("x-tenant", "t1"),))
     return mirror
 
 
@@ -120,16 +118,37 @@ def backend(tmp_path: Path) -> Iterator[Backend]:
     redis.stop()
 
 
-def outcome(request_id: str, *, latency_s: float = 0.001) -> CallOutcome:
-    return CallOutcome(
+def entry(
+    request_id: str,
+    *,
+    request: bytes = b"request",
+    response: bytes = b"response",
+    metadata: dict[str, str] | None = None,
+    stream: bytes = b"",
+) -> wal.CallEntry:
+    """A call as the shipper reads it from a router's log."""
+    return wal.CallEntry(
+        kind=wal.CALL,
         request_id=request_id,
         model="affine",
+        version="v1",
+        arm="v1",
         code=grpc.StatusCode.OK,
         details="",
-        response=b"response",
-        version="v1",
+        endpoint="",
+        router_id="r",
+        principal="",
         receive_unix_ns=time.time_ns(),
-        latency_s=latency_s,
+        latency_ns=1_000_000,
+        flags=wal.HAS_RESPONSE,
+        assignment=-1,
+        shadows_expected=0,
+        routing_key_hmac="",
+        phase=b"",
+        metadata=metadata or {},
+        stream=stream,
+        request=request,
+        response=response,
     )
 
 
@@ -154,23 +173,21 @@ async def wait_stored(redis_url: str, expected: list[str], timeout_s: float = 20
 async def test_a_call_that_cannot_be_recorded_is_dropped_alone_and_the_mirror_goes_on(
     tmp_path: Path, backend: Backend
 ) -> None:
-    settings = MirrorSettings(
-        recorder_address=backend.recorder_address, router_id="r", hmac_key=b"key", batch_interval_s=0.05
-    )
+    settings = MirrorSettings(recorder_address=backend.recorder_address, batch_interval_s=0.05)
     registry = CollectorRegistry()
     mirror = RecordMirror(settings, Spool(tmp_path / "spool", max_bytes=1 << 20), registry)
     for i in range(10):
-        if i == 5:  # a NaN latency cannot become latency_ns: building its record raises
-            mirror.offer(outcome("odd", latency_s=float("nan")), b"request", ())
-        mirror.offer(outcome(f"first-{i}"), b"request", ())
+        if i == 5:  # a stream field that does not parse: building its record raises
+            mirror.offer(entry("odd", stream=b"\xff\xff\xff"))
+        mirror.offer(entry(f"first-{i}"))
     mirror.start()
     url = backend.redis_url
     first = [f"first-{i}" for i in range(10)]
     assert await wait_stored(url, first) == first
-    mirror.offer(outcome("later"), b"request", ())
+    mirror.offer(entry("later"))
     assert await wait_stored(url, [*first, "later"]) == [*first, "later"]
     await mirror.close()
-    assert registry.get_sample_value("splitstream_router_mirror_records_dropped_total", {"reason": "unrecordable"}) == 1
+    assert registry.get_sample_value("splitstream_shipper_records_dropped_total", {"reason": "unrecordable"}) == 1
 
 
 def call_records(n: int, size: int = 10) -> list[bytes]:

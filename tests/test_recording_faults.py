@@ -20,7 +20,7 @@ import numpy as np
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import PAYLOAD_DROPPED_TAG
-from splitstream.router.spool import MAGIC
+from splitstream.shipper.spool import MAGIC
 from tests.harness import InferClient, SteadyLoad, make_request, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import MODEL, RecordingStack
 
@@ -29,7 +29,7 @@ UNBATCHED = {"max_batch_size": 0, "dynamic_batching": {"enabled": False}}
 
 
 def mirror_metric(stack: RecordingStack, name: str, **labels: str) -> float:
-    samples = metric_samples(scrape_metrics(stack.router.metrics_port), f"splitstream_router_mirror_{name}")
+    samples = metric_samples(scrape_metrics(stack.shipper_metrics_port), f"splitstream_shipper_{name}")
     return sum(value for sample_labels, value in samples if labels.items() <= sample_labels.items())
 
 
@@ -96,7 +96,8 @@ def test_an_oversized_batch_left_in_the_spool_by_an_older_router_no_longer_block
             records.append(record.SerializeToString())
         batch = recorder_pb2.EncodedRecordBatch(records=records).SerializeToString()
         for stale in stack.spool_dir.iterdir():
-            stale.unlink()
+            if stale.is_file():
+                stale.unlink()
         (stack.spool_dir / "00000001.spool").write_bytes(struct.pack("<II", len(batch), zlib.crc32(batch)) + batch)
 
         stack.router = stack.start_router()
@@ -128,7 +129,7 @@ def test_a_flipped_byte_in_the_spool_after_sigkill_loses_only_the_damaged_entrys
 
         # Flip one byte of a request id in the middle of the spool: its entry no longer checks.
         target = ids[100].encode()
-        (segment,) = [p for p in stack.spool_dir.iterdir() if target in p.read_bytes()]
+        (segment,) = [p for p in stack.spool_dir.glob("*.seg") if target in p.read_bytes()]
         data = bytearray(segment.read_bytes())
         position = data.index(target) + len(target) - 1
         # The damaged entry: from the last entry marker before the byte to the next one. How many calls it

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitstream.router import spool as spool_module
-from splitstream.router.spool import CURSOR_WRITE_S, HEADER, Damage, Spool, frame
+from splitstream.shipper import spool as spool_module
+from splitstream.shipper.spool import CURSOR_WRITE_S, HEADER, Damage, Spool, frame
 
 
 def drain(spool: Spool) -> list[bytes]:

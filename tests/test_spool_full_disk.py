@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitstream.router.spool import CURSOR_FILE, CURSOR_SLOT, Damage, Spool
+from splitstream.shipper.spool import CURSOR_FILE, CURSOR_SLOT, Damage, Spool
 from tests.tmpfs import small_tmpfs
 
 
@@ -31,7 +31,7 @@ def drain(spool: Spool) -> list[bytes]:
 FILL_UNDER_FILE_SIZE_LIMIT = textwrap.dedent(
     """
     import resource, sys
-    from splitstream.router.spool import Spool
+    from splitstream.shipper.spool import Spool
 
     resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))
     spool = Spool(sys.argv[1], max_bytes=1 << 20)

@@ -309,6 +309,7 @@ def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_can
         "--hmac-key", HMAC_KEY,
         "--spool-dir", str(tmp_path / "spool-certless"),
         "--record-batch-interval-ms", "20",
+        "--shipper-metrics-port", str(certless_shipper_metrics := free_port()),
     )  # fmt: skip
     plain = InferClient(certless.address)
     try:
@@ -317,9 +318,7 @@ def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_can
         plain.close()
 
     def spooled() -> float:
-        samples = metric_samples(
-            scrape_metrics(certless.metrics_port), "splitstream_router_mirror_records_spooled_total"
-        )
+        samples = metric_samples(scrape_metrics(certless_shipper_metrics), "splitstream_shipper_records_spooled_total")
         return sum(value for _, value in samples)
 
     wait_for(lambda: spooled() >= 1, timeout_s=30, what="the refused router to spool its record")

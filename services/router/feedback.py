@@ -33,7 +33,7 @@ from splitstream.common.feedback import EventProblem, check_event
 from splitstream.common.handlers import typed_unary
 from splitstream.common.proto.splitstream.v1 import feedback_pb2
 from splitstream.common.records import routing_key_hmac
-from splitstream.router.mirror import RecordMirror
+from splitstream.router.recording import CallLog
 
 log = structlog.get_logger()
 
@@ -102,7 +102,7 @@ class FeedbackService:
     def __init__(
         self,
         *,
-        mirror: RecordMirror | None,
+        mirror: CallLog | None,
         hmac_key: bytes,
         serves: Callable[[str], bool],
         registry: CollectorRegistry,
@@ -143,14 +143,14 @@ class FeedbackService:
             raise ReportRefused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "queue_full",
-                f"the router's feedback queue is full (the recorder is slow or away and the spool cannot keep up); "
+                f"the router's log refused them (full: the shipper is away or behind; or not writable); "
                 f"none of the {count} events was queued: send the report again later",
             )
         self.metrics.accepted.inc(len(checked.events))
         log.debug("feedback report", events=count, accepted=len(checked.events), rejected=len(checked.rejected))
         return feedback_pb2.FeedbackReply(accepted=len(checked.events), rejected=checked.rejected)
 
-    def _refuse_whole(self, request: feedback_pb2.FeedbackReport) -> RecordMirror:
+    def _refuse_whole(self, request: feedback_pb2.FeedbackReport) -> CallLog:
         """The mirror to queue into, or :class:`ReportRefused` for what fails the report as a whole."""
         if self._mirror is None:
             self._refused("not_recording")

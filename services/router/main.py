@@ -43,10 +43,10 @@ from splitstream.router.auth.ratelimit import RateLimiter
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.feedback import FeedbackService
 from splitstream.router.metrics import RouterMetrics
-from splitstream.router.mirror import MirrorSettings, RecordMirror
+from splitstream.router.recording import CallLog
 from splitstream.router.servicer import RouterServicer
 from splitstream.router.shadows import ShadowRunner
-from splitstream.router.spool import Spool
+from splitstream.router.shipper_child import ShipperChild
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES, StreamProxy
 
 PROG = "splitstream-router"
@@ -77,6 +77,11 @@ class RouterConfig:
     shadow_timeout_s: float
     shadow_max_in_flight: int
     record_stream_max_bytes: int
+    shipper: str = "child"
+    log_flush_interval_s: float = 1.0
+    log_segment_bytes: int = 16 << 20
+    #: Flags the child shipper gets beside those the router derives (TLS to the recorder, token file, ...).
+    shipper_args: tuple[str, ...] = ()
     upstream_tls: ClientTls = PLAINTEXT
     recorder_tls: ClientTls = PLAINTEXT
     #: Where the principals document is ("": callers are not authenticated).
@@ -116,6 +121,8 @@ class RouterConfig:
             ("--record-queue-size", self.record_queue_size),
             ("--record-batch-max-bytes", self.record_batch_max_bytes),
             ("--spool-max-bytes", self.spool_max_bytes),
+            ("--log-segment-bytes", self.log_segment_bytes),
+            ("--log-flush-interval-s", self.log_flush_interval_s),
             ("--shadow-max-in-flight", self.shadow_max_in_flight),
         ):
             if count < 1:
@@ -194,13 +201,40 @@ def build_parser() -> EnvArgumentParser:
     recording.add_argument(
         "--spool-dir",
         default="splitstream-spool",
-        help="where record batches wait on disk while the recorder is unreachable",
+        help="the write-ahead log directory: every answered call is appended here and shipped to the recorder "
+        "by splitstream-shipper (one directory per router process)",
     )
     recording.add_argument(
         "--spool-max-bytes",
         type=int,
         default=1 << 30,
-        help="spool cap; past it new records are dropped and counted, never blocking calls",
+        help="cap of the log not yet shipped (and of the shipper's spool); past it new calls are dropped and "
+        "counted, never blocking calls",
+    )
+    recording.add_argument(
+        "--shipper",
+        choices=("child", "external"),
+        default="child",
+        help="child: the router runs its own splitstream-shipper (restarted if it dies, stopped after the "
+        "router's drain); external: one shipper per host ships this --spool-dir with other routers'",
+    )
+    recording.add_argument(
+        "--shipper-metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus port of the child shipper (0: none)",
+    )
+    recording.add_argument(
+        "--log-flush-interval-s",
+        type=float,
+        default=1.0,
+        help="how often the log is fdatasync'd: what a machine crash may lose (a router crash loses nothing)",
+    )
+    recording.add_argument(
+        "--log-segment-bytes",
+        type=int,
+        default=16 << 20,
+        help="log segment size: a segment is deleted once all of it is shipped",
     )
     recording.add_argument(
         "--hmac-key",
@@ -208,24 +242,25 @@ def build_parser() -> EnvArgumentParser:
         help="key for the routing-key HMAC in records; else SPLITSTREAM_HMAC_KEY (shared with recorder and replayer)",
         secret=True,
     )
-    recording.add_argument("--record-batch-size", type=int, default=256, help="records per batch")
+    recording.add_argument(
+        "--record-batch-size", type=int, default=256, help="records per batch (passed to the child shipper)"
+    )
     recording.add_argument(
         "--record-batch-interval-ms",
         type=float,
         default=200.0,
-        help="longest a record waits for its batch to fill (fewer, larger batches cost the hot path less)",
+        help="longest a record waits for its batch to fill (passed to the child shipper)",
     )
     recording.add_argument(
         "--record-queue-size",
         type=int,
         default=100_000,
-        help="calls held in memory for recording, and as many feedback events apart; past it new ones are "
-        "dropped and counted (a feedback report that does not fit is refused whole: RESOURCE_EXHAUSTED)",
+        help="passed to the child shipper: feedback events it holds in memory at most (calls wait in the log)",
     )
     recording.add_argument(
         "--record-batch-max-bytes",
         type=int,
-        default=MirrorSettings.batch_max_bytes,
+        default=64 << 20,
         help="largest record batch sent to the recorder; keep it below the recorder's --max-message-bytes "
         "(128 MiB); a call whose record is larger alone is recorded without its largest payloads "
         "(tag splitstream.payload-dropped)",
@@ -314,6 +349,10 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             record_queue_size=args.record_queue_size,
             record_batch_max_bytes=args.record_batch_max_bytes,
             record_credential_headers=args.record_credential_headers,
+            shipper=args.shipper,
+            log_flush_interval_s=args.log_flush_interval_s,
+            log_segment_bytes=args.log_segment_bytes,
+            shipper_args=_shipper_args(args),
             shadow_timeout_s=args.shadow_timeout_s,
             shadow_max_in_flight=args.shadow_max_in_flight,
             record_stream_max_bytes=(
@@ -330,6 +369,35 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
     except ConfigError as error:
         parser.error(str(error))
     raise AssertionError("unreachable: parser.error exits")
+
+
+def _shipper_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The child shipper's flags: what concerns shipping passes through as the router was given it."""
+    out = [
+        "--recorder", args.recorder,
+        "--log-dir", args.spool_dir,
+        "--spool-max-bytes", str(args.spool_max_bytes),
+        "--record-batch-size", str(args.record_batch_size),
+        "--record-batch-interval-ms", str(args.record_batch_interval_ms),
+        "--record-queue-size", str(args.record_queue_size),
+        "--record-batch-max-bytes", str(args.record_batch_max_bytes),
+        "--shadow-wait-s", str(args.shadow_timeout_s + 5.0),
+        "--log-level", args.log_level,
+        "--host", "127.0.0.1",
+        "--port", "0",
+        "--metrics-port", str(args.shipper_metrics_port),
+        "--exit-with-parent",
+    ]  # fmt: skip
+    out += ["--metrics-host", args.metrics_host or args.host]  # where Prometheus reaches the router's own
+    if args.service_token_file:
+        out += ["--service-token-file", args.service_token_file]
+    if args.recorder_tls:
+        out.append("--recorder-tls")
+    for suffix in ("ca", "cert", "key", "server_name"):
+        value = getattr(args, f"recorder_tls_{suffix}")
+        if value:
+            out += [f"--recorder-tls-{suffix.replace('_', '-')}", value]
+    return tuple(out)
 
 
 def _jwt_settings(args: argparse.Namespace) -> JwtSettings | None:
@@ -418,25 +486,25 @@ class Router(Service):
         self.servicer = RouterServicer(
             self.core, router_id=config.router_id, registry_description=registry.description, streams=self.streams
         )
-        self.mirror: RecordMirror | None = None
+        self.mirror: CallLog | None = None
+        self.shipper: ShipperChild | None = None
         if config.recorder:
-            settings = MirrorSettings(
-                recorder_address=config.recorder,
-                router_id=config.router_id,
-                hmac_key=config.hmac_key.encode(),
-                queue_size=config.record_queue_size,
-                batch_size=config.record_batch_size,
-                batch_interval_s=config.record_batch_interval_ms / 1000,
-                batch_max_bytes=config.record_batch_max_bytes,
-                record_credential_headers=config.record_credential_headers,
-                recorder_tls=config.recorder_tls,
-                service_token=config.service_token,
-            )
             try:
-                spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
+                self.mirror = CallLog(
+                    config.spool_dir,
+                    self.metrics,
+                    router_id=config.router_id,
+                    hmac_key=config.hmac_key.encode(),
+                    max_bytes=config.spool_max_bytes,
+                    segment_bytes=config.log_segment_bytes,
+                    flush_interval_s=config.log_flush_interval_s,
+                    record_credential_headers=config.record_credential_headers,
+                )
             except OSError as error:  # a directory that cannot be created or read is the operator's to fix
                 raise ConfigError(f"--spool-dir {config.spool_dir}: {error.strerror or error}") from None
-            self.mirror = RecordMirror(settings, spool, self.metrics)
+            if config.shipper == "child":
+                # It stops after the router's drain: its SIGTERM drain gets the recorder's ack timeout and some.
+                self.shipper = ShipperChild(config.shipper_args, self.metrics, stop_timeout_s=15.0)
         self.shadows = ShadowRunner(
             self.core,
             self.router_metrics,
@@ -498,6 +566,8 @@ class Router(Service):
             self.principals.start()
         if self.mirror is not None:
             self.mirror.start()
+        if self.shipper is not None:
+            self.shipper.start()
 
     async def run(self, runtime: Runtime) -> None:
         self.servicer.ready = True
@@ -570,6 +640,8 @@ class Router(Service):
             await self.principals.close()
         if self.mirror is not None:
             await self.mirror.close()
+        if self.shipper is not None:
+            await self.shipper.stop()
         if self._updates is not None and hasattr(self._updates, "aclose"):
             await self._updates.aclose()
         await self.core.close()

@@ -21,9 +21,10 @@ import structlog
 from grpc import aio
 
 from splitstream.common.proto.splitstream.v1 import router_pb2
+from splitstream.common.wal import ShadowEntry
 from splitstream.router.core import CallOutcome, RouterCore
 from splitstream.router.metrics import RouterMetrics
-from splitstream.router.mirror import RecordMirror
+from splitstream.router.recording import CallLog
 
 log = structlog.get_logger()
 
@@ -43,7 +44,7 @@ class ShadowRunner:
         self,
         core: RouterCore,
         metrics: RouterMetrics,
-        mirror: RecordMirror | None,
+        mirror: CallLog | None,
         *,
         timeout_s: float,
         max_in_flight: int,
@@ -61,9 +62,9 @@ class ShadowRunner:
         if versions and len(self._tasks) >= self.max_in_flight:
             self.metrics.shadows_skipped.labels(outcome.model, "too_many_in_flight").inc(len(versions))
             versions = []
+        if self.mirror is not None:  # logged now, so a router killed before its shadows end loses no call
+            self.mirror.offer(outcome, request, metadata, shadows_expected=len(versions))
         if not versions:
-            if self.mirror is not None:
-                self.mirror.offer(outcome, request, metadata)
             return
         task = asyncio.create_task(self._run(outcome, request, metadata, versions))
         self._tasks.add(task)
@@ -87,7 +88,13 @@ class ShadowRunner:
     ) -> None:
         outcome.shadows = list(await asyncio.gather(*(self._shadow(outcome, request, v) for v in versions)))
         if self.mirror is not None:
-            self.mirror.offer(outcome, request, metadata)
+            self.mirror.offer_shadows(
+                outcome.request_id,
+                [
+                    ShadowEntry(s.version, s.endpoint, s.code, s.details, s.latency_s, s.response)
+                    for s in outcome.shadows
+                ],
+            )
 
     async def _shadow(self, outcome: CallOutcome, request: bytes, version: str) -> ShadowOutcome:
         started = time.perf_counter()

@@ -1,10 +1,12 @@
-"""Mirror finished calls to the recorder, off the hot path, losing nothing while there is room.
+r"""Ship logged calls to the recorder, losing nothing while there is room.
 
-``offer()`` is what the request path calls after the client has its answer: an
-O(1) append to a bounded deque that never blocks (a full queue drops the call and
-counts it). A background task turns queued calls into CallRecords, batches them
-by count, bytes or time and streams the batches to the recorder on one long-lived
-``Recorder/Record`` stream, keeping each batch until its ack arrives.
+The shipper's tail (:mod:`splitstream.shipper.tail`) reads the routers' logs and
+``offer()``\ s each call entry here, with the log position that is safe to commit
+once it is delivered. A background task turns queued calls into CallRecords, batches
+them by count, bytes or time and streams the batches to the recorder on one
+long-lived ``Recorder/Record`` stream, keeping each batch until its ack arrives.
+Every batch, once acknowledged, spooled or dropped (counted), is *settled* through
+the :class:`Settlement` given, which is what lets the log's cursor move past it.
 
 When the recorder is unreachable, slow (too many batches unacknowledged) or
 refusing (e.g. its Redis is down), batches go to the on-disk :class:`Spool`, and
@@ -39,22 +41,19 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 import structlog
 from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from splitstream.common.experiment import Phase
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import routing_key_hmac
 from splitstream.common.service_auth import token_metadata
 from splitstream.common.tls import PLAINTEXT, ClientTls
-from splitstream.router.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_items
-from splitstream.router.core import CallOutcome
-from splitstream.router.recorded_metadata import recorded_metadata
-from splitstream.router.routing import Assignment
-from splitstream.router.spool import Damage, Spool
+from splitstream.common.wal import FALLBACK, HAS_RESPONSE, PINNED, RETRIED, CallEntry
+from splitstream.shipper.batch_cutter import BATCH_OVERHEAD, RECORD_OVERHEAD, BatchCutter, batch_key, count_items
+from splitstream.shipper.spool import Damage, Spool
 
 log = structlog.get_logger()
 
@@ -89,15 +88,29 @@ _DROP_REASONS = (
     "unrecordable",
 )
 
-#: The routing core's assignments as CallRecord spells them.
-_ASSIGNMENTS = {kind: recorder_pb2.Assignment.Value(f"ASSIGNMENT_{kind.name}") for kind in Assignment}
+
+class Settlement(Protocol):
+    """Where the mirror reports each batch it cut and, later, settled (acknowledged, spooled or dropped).
+
+    ``cut`` gets the log positions of what is still queued (their entries are in no batch yet), so the
+    position it records for the batch never passes them."""
+
+    def cut(self, queued: list[Any]) -> int: ...
+
+    def settle(self, ticket: int) -> None: ...
+
+
+class _NoSettlement:
+    def cut(self, queued: list[Any]) -> int:
+        return 0
+
+    def settle(self, ticket: int) -> None:
+        pass
 
 
 @dataclass(frozen=True, kw_only=True)
 class MirrorSettings:
     recorder_address: str
-    router_id: str
-    hmac_key: bytes
     queue_size: int = 100_000
     batch_size: int = 256
     #: Largest batch sent. Keep it well below the recorder's receive limit (its ``--max-message-bytes``,
@@ -110,8 +123,6 @@ class MirrorSettings:
     max_unacked_batches: int = 8
     ack_timeout_s: float = 5.0
     flush_timeout_s: float = 5.0
-    #: Keep authorization, cookie, API-key headers in records (off: a replay would re-send someone's token).
-    record_credential_headers: bool = False
     #: Bytes of serialized events the feedback queue holds at most (beside ``queue_size`` events): events are
     #: small (~100 bytes) but a request id may be 16 KiB, and 100,000 of those would be 1.6 GB.
     feedback_queue_max_bytes: int = 64 << 20
@@ -133,18 +144,20 @@ class _Sent:
     #: Set on the last part of a spool entry: acknowledging it commits the entry.
     spool_position: tuple[int, int] | None
     from_spool: bool
+    #: Set on the last part of a batch cut from the queue: its settlement ticket.
+    ticket: int | None = None
 
 
 class MirrorMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.batches_sent = Counter(
-            "splitstream_router_mirror_batches_sent",
+            "splitstream_shipper_batches_sent",
             "Record batches acknowledged by the recorder",
             ["source"],
             registry=registry,
         )
         self.records_dropped = Counter(
-            "splitstream_router_mirror_records_dropped",
+            "splitstream_shipper_records_dropped",
             "Calls not recorded: queue_full, spool_full, spool_error (spool not writable), spool_corrupt "
             "(damaged spool entry), rejected (the recorder refused the record or its batch as malformed), "
             "refused (a batch the recorder kept failing on), too_large (over batch_max_bytes even without payloads), "
@@ -153,48 +166,46 @@ class MirrorMetrics:
             registry=registry,
         )
         self.payloads_dropped = Counter(
-            "splitstream_router_mirror_payloads_dropped",
+            "splitstream_shipper_payloads_dropped",
             "Records recorded without their largest payloads (tag splitstream.payload-dropped), by reason",
             ["reason"],
             registry=registry,
         )
         self.records_spooled = Counter(
-            "splitstream_router_mirror_records_spooled", "Records written to the spool", registry=registry
+            "splitstream_shipper_records_spooled", "Records written to the spool", registry=registry
         )
         self.spool_damage = Counter(
-            "splitstream_router_mirror_spool_damaged_entries",
+            "splitstream_shipper_spool_damaged_entries",
             "Damaged spool ranges skipped (their records, when known, count as dropped: spool_corrupt)",
             registry=registry,
         )
         self.errors = Counter(
-            "splitstream_router_mirror_errors",
+            "splitstream_shipper_errors",
             "Unexpected errors in the mirror's loop (logged; the loop restarts)",
             registry=registry,
         )
-        self.queue_depth = Gauge(
-            "splitstream_router_mirror_queue_depth", "Calls waiting to be batched", registry=registry
-        )
+        self.queue_depth = Gauge("splitstream_shipper_queue_depth", "Calls waiting to be batched", registry=registry)
         self.spool_bytes = Gauge(
-            "splitstream_router_mirror_spool_bytes", "Bytes in the spool not yet acknowledged", registry=registry
+            "splitstream_shipper_spool_bytes", "Bytes in the spool not yet acknowledged", registry=registry
         )
         self.feedback_dropped = Counter(
-            "splitstream_router_feedback_dropped",
+            "splitstream_shipper_feedback_dropped",
             "Outcome events accepted but not recorded: queue_full, spool_full, spool_error, rejected (by the "
             "recorder), refused, too_large (reasons as for records)",
             ["reason"],
             registry=registry,
         )
         self.feedback_recorded = Counter(
-            "splitstream_router_feedback_recorded",
+            "splitstream_shipper_feedback_recorded",
             "Outcome events the recorder acknowledged: written, or duplicate (idempotency key seen before)",
             ["result"],
             registry=registry,
         )
         self.feedback_spooled = Counter(
-            "splitstream_router_feedback_spooled", "Outcome events written to the spool", registry=registry
+            "splitstream_shipper_feedback_spooled", "Outcome events written to the spool", registry=registry
         )
         self.feedback_queue_depth = Gauge(
-            "splitstream_router_feedback_queue_depth", "Outcome events waiting to be batched", registry=registry
+            "splitstream_shipper_feedback_queue_depth", "Outcome events waiting to be batched", registry=registry
         )
         for reason in _DROP_REASONS:
             self.records_dropped.labels(reason)
@@ -204,22 +215,31 @@ class MirrorMetrics:
 
 
 class RecordMirror:
-    def __init__(self, settings: MirrorSettings, spool: Spool, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        settings: MirrorSettings,
+        spool: Spool,
+        registry: CollectorRegistry,
+        settlement: Settlement | None = None,
+    ) -> None:
         self.settings = settings
+        self.settlement: Settlement = settlement or _NoSettlement()
         self.spool = spool
         self.metrics = MirrorMetrics(registry)
         self.metrics.queue_depth.set_function(lambda: len(self._queue))
         self.metrics.spool_bytes.set_function(lambda: self._spool_bytes)
         self.metrics.feedback_queue_depth.set_function(lambda: len(self._feedback))
         spool.on_damage = self._count_damage
-        self._queue: collections.deque[tuple[CallOutcome, bytes, Sequence[tuple[str, str | bytes]]]] = (
-            collections.deque()
-        )
-        #: Serialized FeedbackEvents (routing keys already HMACs), bounded like the call queue.
+        self._queue: collections.deque[CallEntry] = collections.deque()
+        #: Serialized FeedbackEvents (routing keys already HMACs), bounded like the call queue, and the log
+        #: position each came from.
         self._feedback: collections.deque[bytes] = collections.deque()
+        self._feedback_positions: collections.deque[Any] = collections.deque()
         self._feedback_bytes = 0
         #: A record taken from the queue that did not fit in the last batch: it opens the next one.
         self._carry: bytes | None = None
+        self._carry_position: Any = None
+        self._building = False
         self._wake = asyncio.Event()
         self._closing = False
         self._spool_bytes = spool.pending_bytes
@@ -239,12 +259,26 @@ class RecordMirror:
 
     # -- the request path ------------------------------------------------------------------
 
-    def offer(self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]]) -> None:
-        """Queue a finished call for recording. O(1); never blocks; drops and counts when full."""
+    def room(self) -> int:
+        """How many more calls the queue takes now (the tail reads no more than that: the log waits)."""
+        return 0 if self._closing else max(self.settings.queue_size - len(self._queue), 0)
+
+    @property
+    def idle(self) -> bool:
+        """Nothing offered is outside a cut batch (queued, carried or in a batch being built)."""
+        return not self._has_queued() and not self._building
+
+    @property
+    def queued(self) -> int:
+        """Calls and events waiting to be batched."""
+        return len(self._queue) + len(self._feedback)
+
+    def offer(self, entry: CallEntry) -> None:
+        """Queue a logged call for recording. O(1); never blocks; drops and counts when full."""
         if len(self._queue) >= self.settings.queue_size or self._closing:
             self.metrics.records_dropped.labels("queue_full").inc()
             return
-        self._queue.append((outcome, request, metadata))
+        self._queue.append(entry)
         if len(self._queue) >= self.settings.batch_size:
             self._wake.set()
 
@@ -257,7 +291,7 @@ class RecordMirror:
         """How many more events the feedback queue takes now (0 while closing)."""
         return 0 if self._closing else max(self.settings.queue_size - len(self._feedback), 0)
 
-    def offer_feedback(self, events: Sequence[bytes]) -> bool:
+    def offer_feedback(self, events: Sequence[bytes], position: Any = None) -> bool:
         """Queue serialized events, all or none: False (counted: queue_full) when they do not all fit, in
         count or in bytes. O(len(events)); never blocks. The caller replaced every routing key by its HMAC."""
         size = sum(len(event) for event in events)
@@ -265,6 +299,7 @@ class RecordMirror:
             self.metrics.feedback_dropped.labels("queue_full").inc(len(events))
             return False
         self._feedback.extend(events)
+        self._feedback_positions.extend([position] * len(events))
         self._feedback_bytes += size
         if len(self._feedback) >= self.settings.batch_size:
             self._wake.set()
@@ -328,11 +363,11 @@ class RecordMirror:
                         if not self.spool.empty() or len(unacked) >= self.settings.max_unacked_batches:
                             await self._to_spool(*taken)
                         else:
-                            await self._send(stream, unacked, *taken, None)
+                            await self._send(stream, unacked, *taken, None)  # not from the spool
                     if not unacked and not self.spool.empty():
                         entry = await asyncio.to_thread(self._peek_spool)
                         if entry is not None:
-                            await self._send(stream, unacked, *entry)
+                            await self._send(stream, unacked, *entry[:3], None, entry[3])
                         self._spool_bytes = self.spool.pending_bytes
                     backoff_s = 0.1
             except Exception as error:  # any failure of the stream (grpc raises several kinds) means: spool
@@ -348,7 +383,7 @@ class RecordMirror:
             # Batches the recorder never acknowledged go to the spool (those from the spool are still there).
             for sent in unacked:
                 if not sent.from_spool:
-                    await self._to_spool(sent.batch, sent.records, sent.events)
+                    await self._to_spool(sent.batch, sent.records, sent.events, sent.ticket)
             await channel.close(grace=None)
             if self._closing:
                 while (taken := await self._take_batch()) is not None:
@@ -413,6 +448,8 @@ class RecordMirror:
         )
         self.metrics.records_dropped.labels(reason).inc(sent.records)
         self.metrics.feedback_dropped.labels(reason).inc(sent.events)
+        if sent.ticket is not None:
+            self.settlement.settle(sent.ticket)
         if sent.from_spool:
             self._cutter.drop(sent.batch)  # a part of a spool entry: skip it when the entry is resent
         if sent.spool_position is not None:
@@ -433,6 +470,7 @@ class RecordMirror:
         batch: bytes,
         records: int,
         events: int,
+        ticket: int | None,
         spool_position: tuple[int, int] | None,
     ) -> None:
         """Write one batch (cut in parts first if over the byte cap or refused before); the last part
@@ -446,13 +484,26 @@ class RecordMirror:
             await asyncio.to_thread(self.spool.commit, spool_position)
             self._spool_bytes = self.spool.pending_bytes
             return
+        if not parts and ticket is not None:
+            self.settlement.settle(ticket)
+            return
         # Every part is in ``unacked`` before the first write: if the stream fails meanwhile, they are
         # spooled again (queue batches) or stay in the spool, never lost between the two.
         sent = []
         for index, (part, count, event_count) in enumerate(parts):
             self._sequence += 1
             last = index == len(parts) - 1
-            sent.append(_Sent(self._sequence, part, count, event_count, spool_position if last else None, from_spool))
+            sent.append(
+                _Sent(
+                    self._sequence,
+                    part,
+                    count,
+                    event_count,
+                    spool_position if last else None,
+                    from_spool,
+                    ticket if last else None,
+                )
+            )
         unacked.extend(sent)
         for item in sent:
             if stream.done():  # writing would raise InvalidStateError, hiding the stream's own status
@@ -503,6 +554,8 @@ class RecordMirror:
                 self.metrics.feedback_recorded.labels("written").inc(ack.feedback_written)
             if ack.feedback_duplicates:
                 self.metrics.feedback_recorded.labels("duplicate").inc(ack.feedback_duplicates)
+            if sent.ticket is not None:
+                self.settlement.settle(sent.ticket)
             if sent.spool_position is not None:
                 await asyncio.to_thread(self.spool.commit, sent.spool_position)
                 self._spool_bytes = self.spool.pending_bytes
@@ -525,7 +578,7 @@ class RecordMirror:
     def _has_queued(self) -> bool:
         return bool(self._queue) or self._carry is not None or bool(self._feedback)
 
-    async def _next_batch(self) -> tuple[bytes, int, int] | None:
+    async def _next_batch(self) -> tuple[bytes, int, int, int] | None:
         """A serialized batch and its record and event counts once ``batch_size`` calls (or events) are
         queued or ``batch_interval_s`` passed."""
         if (
@@ -538,7 +591,7 @@ class RecordMirror:
                 await asyncio.wait_for(self._wake.wait(), self.settings.batch_interval_s)
         return await self._take_batch()
 
-    async def _take_batch(self) -> tuple[bytes, int, int] | None:
+    async def _take_batch(self) -> tuple[bytes, int, int, int] | None:
         """Build the next batch (at most ``batch_size`` records and the byte cap) in slices of ~50 µs of
         event-loop time, so a call arriving meanwhile waits that long at most (a 256-record batch built
         and serialized in one go held calls up by over 1 ms).
@@ -549,6 +602,13 @@ class RecordMirror:
         byte cap allows."""
         if not self._has_queued():
             return None
+        self._building = True
+        try:
+            return await self._build_batch()
+        finally:
+            self._building = False
+
+    async def _build_batch(self) -> tuple[bytes, int, int, int] | None:
         slices: list[bytes] = []
         count = 0
         size = BATCH_OVERHEAD
@@ -561,7 +621,9 @@ class RecordMirror:
             while True:  # at least one record per slice, however slow the machine
                 record, self._carry = self._carry, None
                 if record is None:
-                    record = self._build(*self._queue.popleft())
+                    entry = self._queue.popleft()
+                    self._carry_position = entry.position
+                    record = self._build(entry)
                     if record is not None and len(record) > self._cutter.record_limit:
                         record = await self._fit(record)
                 if record is not None:
@@ -583,20 +645,27 @@ class RecordMirror:
             if (count or events) and self._cutter.overflows(size, event):
                 break
             events.append(self._feedback.popleft())
+            self._feedback_positions.popleft()
             self._feedback_bytes -= len(event)
             size += len(event) + RECORD_OVERHEAD
         if events:
             slices.append(recorder_pb2.EncodedRecordBatch(feedback=events).SerializeToString())
-        return (b"".join(slices), count, len(events)) if count or events else None
+        if not (count or events):
+            return None
+        # Every queued entry's position (entries of several logs interleave): the tail keeps the queue short.
+        queued = [entry.position for entry in self._queue]
+        if self._carry is not None:
+            queued.append(self._carry_position)
+        queued.extend(dict.fromkeys(self._feedback_positions))
+        return b"".join(slices), count, len(events), self.settlement.cut(queued)
 
-    def _build(self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]]) -> bytes | None:
+    def _build(self, entry: CallEntry) -> bytes | None:
         """One call as a serialized record; None (logged, counted: unrecordable) if it cannot be built, so
-        one odd call (a NaN latency, say) never costs the calls batched with it."""
+        one odd call never costs the calls batched with it."""
         try:
-            data = self._record(outcome, request, metadata).SerializeToString()
-            return data if outcome.phase is None else data + self._phase_field(outcome.phase)
+            return self._record(entry).SerializeToString() + entry.phase
         except Exception:
-            log.exception("call not recordable; dropped", request_id=str(outcome.request_id)[:200])
+            log.exception("call not recordable; dropped", request_id=str(entry.request_id)[:200])
             self.metrics.records_dropped.labels("unrecordable").inc()
             return None
 
@@ -610,7 +679,7 @@ class RecordMirror:
             self.metrics.records_dropped.labels("unrecordable").inc()
             return None
 
-    async def _to_spool(self, batch: bytes, records: int, events: int = 0) -> None:
+    async def _to_spool(self, batch: bytes, records: int, events: int = 0, ticket: int | None = None) -> None:
         """Spool a batch (the entry header counts its records only, as damage reports them)."""
         try:
             appended = await asyncio.to_thread(self.spool.append, batch, records)
@@ -618,6 +687,10 @@ class RecordMirror:
             log.error("spool append failed; records dropped", error=str(error)[:300], records=records, events=events)
             self.metrics.records_dropped.labels("spool_error").inc(records)
             self.metrics.feedback_dropped.labels("spool_error").inc(events)
+            appended = None
+        if ticket is not None:
+            self.settlement.settle(ticket)
+        if appended is None:
             return
         if appended:
             self.metrics.records_spooled.inc(records)
@@ -627,46 +700,34 @@ class RecordMirror:
             self.metrics.feedback_dropped.labels("spool_full").inc(events)
         self._spool_bytes = self.spool.pending_bytes
 
-    def _phase_field(self, phase: Phase) -> bytes:
-        """``CallRecord.phase`` serialized, once per phase: appended to a serialized record it sets the field
-        (serialized messages concatenate into one). Filling the message in every record took a record from 3.1 to
-        5.5 µs (best of 15 rounds), copying a built one no less; appending its bytes, 3.6 µs."""
-        field = self._phases.get(phase.id)
-        if field is None:
-            if len(self._phases) >= 64:  # phases change with registry edits: keep the recent ones
-                self._phases.clear()
-            message = recorder_pb2.Phase(id=phase.id, control=phase.control)
-            message.weights.update(phase.weights)
-            field = self._phases[phase.id] = recorder_pb2.CallRecord(phase=message).SerializeToString()
-        return field
-
-    def _record(
-        self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]]
-    ) -> recorder_pb2.CallRecord:
-        """The call's record but for its phase, which :meth:`_build` appends already serialized."""
+    def _record(self, entry: CallEntry) -> recorder_pb2.CallRecord:
+        """The call's record but for its phase, which the router logged already serialized."""
+        code = entry.code if isinstance(entry.code, int) else entry.code.value[0]
         record = recorder_pb2.CallRecord(
             schema_version=SCHEMA_VERSION,
-            request_id=outcome.request_id,
-            receive_unix_ns=outcome.receive_unix_ns,
-            model=outcome.model,
-            version=outcome.version,
-            arm=outcome.arm,
-            status_code=outcome.code.value[0],
-            status_message=outcome.details,
-            latency_ns=int(outcome.latency_s * 1e9),
-            endpoint=outcome.endpoint,
-            router_id=self.settings.router_id,
-            fallback=outcome.fallback,
-            pinned=outcome.pinned,
-            retried=outcome.retried,
-            principal=outcome.principal,
+            request_id=entry.request_id,
+            receive_unix_ns=entry.receive_unix_ns,
+            model=entry.model,
+            version=entry.version,
+            arm=entry.arm,
+            status_code=code,
+            status_message=entry.details,
+            latency_ns=entry.latency_ns,
+            endpoint=entry.endpoint,
+            router_id=entry.router_id,
+            fallback=bool(entry.flags & FALLBACK),
+            pinned=bool(entry.flags & PINNED),
+            retried=bool(entry.flags & RETRIED),
+            principal=entry.principal,
+            routing_key_hmac=entry.routing_key_hmac,
+            assignment=max(entry.assignment, 0),
         )
-        record.request.inline = request
-        record.request.size_bytes = len(request)
-        if outcome.response is not None:
-            record.response.inline = outcome.response
-            record.response.size_bytes = len(outcome.response)
-        for shadow in outcome.shadows:
+        record.request.inline = entry.request
+        record.request.size_bytes = len(entry.request)
+        if entry.flags & HAS_RESPONSE and entry.response is not None:
+            record.response.inline = entry.response
+            record.response.size_bytes = len(entry.response)
+        for shadow in entry.shadows:
             result = record.shadows.add(
                 version=shadow.version,
                 endpoint=shadow.endpoint,
@@ -677,19 +738,9 @@ class RecordMirror:
             if shadow.response is not None:
                 result.response.inline = shadow.response
                 result.response.size_bytes = len(shadow.response)
-        if outcome.assignment is not None:
-            record.assignment = _ASSIGNMENTS[outcome.assignment]
-        if outcome.routing_key is not None:
-            record.routing_key_hmac = routing_key_hmac(self.settings.hmac_key, outcome.routing_key)
-        record.metadata.update(
-            recorded_metadata(
-                metadata,
-                routing_key_header=outcome.routing_key_header,
-                keep_credentials=self.settings.record_credential_headers,
-            )
-        )
-        if outcome.stream is not None:  # a token stream: its messages (splitstream.router.streams.StreamTrace)
-            outcome.stream.fill(record.stream)
+        record.metadata.update(entry.metadata)
+        if entry.stream:
+            record.stream.MergeFromString(entry.stream)
         return record
 
 

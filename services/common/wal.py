@@ -1,0 +1,606 @@
+"""The router's write-ahead log of finished calls, written by the router and shipped by ``splitstream-shipper``.
+
+Why a log: recording used to cost the router (records built, batched and streamed on the
+event loop that answers calls) and a killed router lost what sat in its memory queue. Now
+the router only appends each finished call to a local log and the shipper, another
+process, turns the log into ``CallRecord`` batches for the recorder. An append is one
+``os.write`` of one framed entry to an already-open segment file: no protobuf record, no
+network, no fsync. Once the write returns the bytes are in the kernel's page cache, so a
+router crash (SIGKILL, OOM, a bug) loses nothing appended; only a machine crash can lose
+what the periodic ``fdatasync`` (``--log-flush-interval-s``) had not flushed yet.
+
+Layout of one log directory (one per router process; one shipper may ship several)::
+
+    wal-0000000000000001.log   segments, numbered; a router opening the directory starts a new
+    wal-0000000000000002.log   one (it never appends after a tail a crash may have torn)
+    wal.cursor                 the shipper's position: two slots (magic, sequence, segment, offset,
+                               crc32) written alternately in place, the newer that checks wins
+    shipper.lock               held by the shipper shipping this directory (its pid)
+
+The shipper's spool (``*.seg``, ``cursor.slots``) shares the directory by default, so a spool
+left by a router from before the log is shipped too.
+
+A segment is rotated once it holds ``segment_bytes``. The shipper reads segments in
+order, deletes a segment once its cursor (written durably first) is past it, and never
+writes into one. Entry framing, as the hardened spool has, so that damage costs only
+the entry it touches::
+
+    magic b"\\xf0WAL" | u32 payload length | u8 kind | 3 zero bytes | u32 crc32(length, kind, payload) | payload
+
+A damaged entry (bad checksum, impossible length) is skipped by scanning for the next
+magic whose entry checks, and counted. An incomplete entry at the end of the newest
+segment is an append not yet visible: the reader waits. The same at the end of an older
+segment is a torn tail (the router was killed mid-append, or the disk filled): skipped
+and counted, never shipped as garbage.
+
+Entry kinds and payloads (integers little-endian; a *field* is a u32 length then its bytes):
+
+* ``CALL`` (1) and ``STREAM`` (4, a ModelStreamInfer stream): fixed part
+  ``i64 receive_unix_ns | i64 latency_ns | i32 status code | u8 flags | i8 assignment | u8 shadows expected | pad``,
+  then 14 u32 lengths, then those 14 fields' bytes: request id, model, version, arm, status
+  message, endpoint, router id, principal, routing-key HMAC, serialized ``CallRecord.phase`` field, recorded metadata
+  (``key \\0 value \\0`` ...), serialized ``StreamCall`` (STREAM only), request bytes as
+  received, response bytes as sent. Flags: 1 fallback, 2 pinned, 4 retried, 8 has response.
+* ``SHADOWS`` (2): the outcomes of a call's shadows, appended when they finish (after the
+  call's own entry): field request id, u8 count, then per shadow ``i32 status | i64 latency_ns |
+  u8 has response`` and the fields version, endpoint, status message, response. The shipper
+  joins them to the call by request id within a bounded window; a call whose shadows never
+  come is shipped without them.
+* ``FEEDBACK`` (3): serialized ``FeedbackEvent`` messages (routing keys already HMACs), each a field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+
+from splitstream.common.files import fsync_directory
+
+log = structlog.get_logger()
+
+MAGIC = b"\xf0WAL"
+FRAME = struct.Struct("<4sIB3xI")
+_CHECKED = struct.Struct("<IB3x")
+CALL = 1
+SHADOWS = 2
+FEEDBACK = 3
+STREAM = 4
+KINDS = frozenset({CALL, SHADOWS, FEEDBACK, STREAM})
+#: Largest payload a reader believes (a length past it is damage): the router takes 64 MiB calls, and an
+#: entry holds a request and its response.
+MAX_ENTRY_BYTES = 512 << 20
+_CALL_FIELDS = 14
+#: A call entry's fixed part and its fields' lengths (the router packs it itself on its hot path).
+CALL_HEAD = struct.Struct(f"<qqiBbBx{_CALL_FIELDS}I")
+_SHADOW_FIXED = struct.Struct("<iqB")
+_LEN = struct.Struct("<I")
+_SUFFIX = ".log"
+_PREFIX = "wal-"
+CURSOR_FILE = "wal.cursor"
+#: A cursor slot: magic, sequence (the newer valid slot wins), segment, offset, crc32 of the 28 bytes before it.
+CURSOR_SLOT = struct.Struct("<4sQQQI")
+_CURSOR_MAGIC = b"\xf0CUR"
+FALLBACK, PINNED, RETRIED, HAS_RESPONSE = 1, 2, 4, 8
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def segment_name(number: int) -> str:
+    return f"{_PREFIX}{number:016d}{_SUFFIX}"
+
+
+def segments(directory: Path) -> list[int]:
+    """Segment numbers in ``directory``, oldest first (other files ignored)."""
+    numbers = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            name = entry.name
+            if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
+                with contextlib.suppress(ValueError):
+                    numbers.append(int(name[len(_PREFIX) : -len(_SUFFIX)]))
+    return sorted(numbers)
+
+
+def log_bytes(directory: Path) -> int:
+    total = 0
+    for number in segments(directory):
+        with contextlib.suppress(FileNotFoundError):
+            total += (directory / segment_name(number)).stat().st_size
+    return total
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    head = _CHECKED.pack(len(payload), kind)
+    return MAGIC + head + _LEN.pack(zlib.crc32(payload, zlib.crc32(head))) + payload
+
+
+def _field(data: bytes) -> bytes:
+    return _LEN.pack(len(data)) + data
+
+
+def encode_call(
+    *,
+    kind: int = CALL,
+    request_id: str,
+    model: str,
+    version: str,
+    arm: str,
+    code: int,
+    details: str,
+    endpoint: str,
+    router_id: str,
+    principal: str,
+    receive_unix_ns: int,
+    latency_ns: int,
+    flags: int,
+    assignment: int,
+    shadows_expected: int,
+    routing_key_hmac: str,
+    phase: bytes,
+    metadata: bytes,
+    stream: bytes,
+    request: bytes,
+    response: bytes | None,
+) -> bytes:
+    """A call entry's payload: one pack of the fixed part and the lengths, one join (measured: the per-field
+    length-then-bytes layout cost twice as much, every call)."""
+    if response is not None:
+        flags |= HAS_RESPONSE
+    fields = (
+        request_id.encode(),
+        model.encode(),
+        version.encode(),
+        arm.encode(),
+        details.encode(),
+        endpoint.encode(),
+        router_id.encode(),
+        principal.encode(),
+        routing_key_hmac.encode(),
+        phase,
+        metadata,
+        stream,
+        request,
+        response or b"",
+    )
+    head = CALL_HEAD.pack(
+        receive_unix_ns, latency_ns, code, flags, assignment, shadows_expected, *[len(f) for f in fields]
+    )
+    return head + b"".join(fields)
+
+
+def encode_metadata(pairs: dict[str, str]) -> bytes:
+    """Recorded metadata as ``key \\0 value \\0`` pairs (gRPC text metadata holds no NUL)."""
+    return "".join(f"{key}\0{value}\0" for key, value in pairs.items()).encode()
+
+
+def decode_metadata(data: bytes) -> dict[str, str]:
+    items = data.decode(errors="replace").split("\0")
+    return dict(zip(items[0:-1:2], items[1::2], strict=True))
+
+
+@dataclass(slots=True)
+class ShadowEntry:
+    version: str
+    endpoint: str
+    code: grpc.StatusCode
+    details: str
+    latency_s: float
+    response: bytes | None
+
+
+def encode_shadows(request_id: str, shadows: Sequence[ShadowEntry]) -> bytes:
+    parts = [_field(request_id.encode()), bytes([min(len(shadows), 255)])]
+    for shadow in shadows[:255]:
+        parts.append(_SHADOW_FIXED.pack(shadow.code.value[0], int(shadow.latency_s * 1e9), shadow.response is not None))
+        for data in (
+            shadow.version.encode(),
+            shadow.endpoint.encode(),
+            shadow.details.encode(),
+            shadow.response or b"",
+        ):
+            parts.append(_field(data))
+    return b"".join(parts)
+
+
+def encode_feedback(events: Sequence[bytes]) -> bytes:
+    return b"".join(_field(event) for event in events)
+
+
+class _Cursor:
+    """Reads a payload's fields in order; raises ValueError on anything that does not fit."""
+
+    __slots__ = ("at", "data")
+
+    def __init__(self, data: bytes, at: int = 0) -> None:
+        self.data = data
+        self.at = at
+
+    def fixed(self, layout: struct.Struct) -> tuple:
+        if self.at + layout.size > len(self.data):
+            raise ValueError("entry shorter than its fixed part")
+        values = layout.unpack_from(self.data, self.at)
+        self.at += layout.size
+        return values
+
+    def field(self) -> bytes:
+        (length,) = self.fixed(_LEN)
+        end = self.at + length
+        if end > len(self.data):
+            raise ValueError("field runs past the entry")
+        value = self.data[self.at : end]
+        self.at = end
+        return value
+
+    def text(self) -> str:
+        return self.field().decode()
+
+
+@dataclass(slots=True)
+class CallEntry:
+    """A call as the log holds it, shaped like the router's ``CallOutcome`` where the shipper needs it."""
+
+    kind: int
+    request_id: str
+    model: str
+    version: str
+    arm: str
+    code: grpc.StatusCode | int
+    details: str
+    endpoint: str
+    router_id: str
+    principal: str
+    receive_unix_ns: int
+    latency_ns: int
+    flags: int
+    assignment: int
+    shadows_expected: int
+    routing_key_hmac: str
+    phase: bytes
+    metadata: dict[str, str]
+    stream: bytes
+    request: bytes
+    response: bytes | None
+    shadows: list[ShadowEntry] = field(default_factory=list)
+    #: Where the shipper read it (its log's position before the entry): what it may commit once shipped.
+    position: object = None
+
+
+def decode_call(kind: int, payload: bytes) -> CallEntry:
+    if len(payload) < CALL_HEAD.size:
+        raise ValueError("entry shorter than its fixed part")
+    receive_ns, latency_ns, code, flags, assignment, expected, *lengths = CALL_HEAD.unpack_from(payload)
+    if CALL_HEAD.size + sum(lengths) != len(payload):
+        raise ValueError("the call entry's field lengths do not add up to its size")
+    values = []
+    at = CALL_HEAD.size
+    for length in lengths:
+        values.append(payload[at : at + length])
+        at += length
+    texts = [value.decode() for value in values[:9]]
+    phase, metadata, stream, request, response = values[9:]
+    return CallEntry(
+        kind=kind,
+        request_id=texts[0],
+        model=texts[1],
+        version=texts[2],
+        arm=texts[3],
+        code=_CODES.get(code, code),
+        details=texts[4],
+        endpoint=texts[5],
+        router_id=texts[6],
+        principal=texts[7],
+        receive_unix_ns=receive_ns,
+        latency_ns=latency_ns,
+        flags=flags,
+        assignment=assignment,
+        shadows_expected=expected,
+        routing_key_hmac=texts[8],
+        phase=phase,
+        metadata=decode_metadata(metadata),
+        stream=stream,
+        request=request,
+        response=response if flags & HAS_RESPONSE else None,
+    )
+
+
+def decode_shadows(payload: bytes) -> tuple[str, list[ShadowEntry]]:
+    reader = _Cursor(payload)
+    request_id = reader.text()
+    if reader.at >= len(payload):
+        raise ValueError("shadow entry without its count")
+    count = payload[reader.at]
+    reader.at += 1
+    shadows = []
+    for _ in range(count):
+        code, latency_ns, has_response = reader.fixed(_SHADOW_FIXED)
+        version, endpoint, details = reader.text(), reader.text(), reader.text()
+        response = reader.field()
+        shadows.append(
+            ShadowEntry(
+                version,
+                endpoint,
+                _CODES.get(code, grpc.StatusCode.UNKNOWN),
+                details,
+                latency_ns / 1e9,
+                response if has_response else None,
+            )
+        )
+    return request_id, shadows
+
+
+def decode_feedback(payload: bytes) -> list[bytes]:
+    reader = _Cursor(payload)
+    events = []
+    while reader.at < len(payload):
+        events.append(reader.field())
+    return events
+
+
+# -- writing (the router) ----------------------------------------------------------------------
+
+
+class WalWriter:
+    """Appends framed entries to the newest segment of one log directory.
+
+    :meth:`append` runs on the router's event loop: one ``os.write``, and a failure (a full disk, a
+    file-size limit) truncates the segment back to where the entry began and returns False, so the
+    caller counts the call as dropped and answers it all the same. ``max_bytes`` caps the directory
+    (what the shipper has not shipped yet): past it appends are refused, never blocking. The size is
+    re-read by :meth:`flush` (a thread, every ``--log-flush-interval-s``), which also ``fdatasync``\\ s,
+    bounding what a machine crash can lose."""
+
+    def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, segment_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes
+        self._lock = threading.Lock()
+        existing = segments(self.directory)
+        self._number = (existing[-1] if existing else 0) + 1
+        self._fd = self._open(self._number)
+        self._offset = 0
+        self._shipped_bytes = log_bytes(self.directory)  # what the directory held at the last size check
+        self._since_check = 0
+        self._dirty = False
+
+    def _open(self, number: int) -> int:
+        fd = os.open(self.directory / segment_name(number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        fsync_directory(self.directory)
+        return fd
+
+    def append(self, kind: int, payload: bytes) -> bool:
+        data = frame(kind, payload)
+        if self._shipped_bytes + self._since_check + len(data) > self.max_bytes:
+            return False
+        try:
+            written = os.write(self._fd, data)
+            if written != len(data):
+                raise OSError(f"short write ({written} of {len(data)} bytes)")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._offset)
+            raise
+        self._offset += written
+        self._since_check += written
+        self._dirty = True
+        if self._offset >= self.segment_bytes:
+            self._rotate()
+        return True
+
+    def _rotate(self) -> None:
+        with self._lock:
+            old = self._fd
+            self._number += 1
+            self._fd = self._open(self._number)
+            self._offset = 0
+        with contextlib.suppress(OSError):
+            os.fdatasync(old)
+        os.close(old)
+
+    def flush(self) -> None:
+        """fdatasync what was appended and re-read the directory's size (run in a thread)."""
+        with self._lock:
+            if self._dirty:
+                self._dirty = False
+                os.fdatasync(self._fd)
+        since = self._since_check
+        self._shipped_bytes = log_bytes(self.directory)
+        self._since_check -= since
+
+    def close(self) -> None:
+        with self._lock:
+            with contextlib.suppress(OSError):
+                os.fdatasync(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+
+# -- reading (the shipper) ---------------------------------------------------------------------
+
+Position = tuple[int, int]
+
+
+@dataclass(slots=True)
+class Entry:
+    kind: int
+    payload: bytes
+    start: Position
+    end: Position
+
+
+class WalReader:
+    """Reads one log directory's entries from its cursor on; :meth:`commit` moves the cursor (durably)
+    and deletes the segments wholly behind it. Blocking file I/O: call from a thread."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        on_damage: Callable[[str, int], None] | None = None,
+        chunk_bytes: int = 4 << 20,
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.on_damage = on_damage or (lambda reason, size: None)
+        self.chunk_bytes = chunk_bytes
+        self._sequence = 0
+        self._cursor_fd = -1
+        self.committed = self._read_cursor()
+        self.position = self.committed
+
+    def _read_cursor(self) -> Position:
+        """The newer of the cursor file's two slots that check ((0, 0): none, ship from the oldest segment)."""
+        path = self.directory / CURSOR_FILE
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        best: tuple[int, int, int] = (-1, 0, 0)
+        for at in (0, CURSOR_SLOT.size):
+            if len(data) < at + CURSOR_SLOT.size:
+                continue
+            magic, sequence, segment, offset, crc = CURSOR_SLOT.unpack_from(data, at)
+            if magic == _CURSOR_MAGIC and zlib.crc32(data[at : at + CURSOR_SLOT.size - 4]) == crc:
+                best = max(best, (sequence, segment, offset))
+        if data and best[0] < 0:
+            log.error("log cursor unreadable; shipping from the oldest segment", path=str(path))
+        self._sequence = max(best[0], 0)
+        return best[1], best[2]
+
+    def _open_cursor(self) -> int:
+        """The cursor file, allocated once (two slots) and from then on overwritten in place: on a full disk a
+        write needing no new block still succeeds, so the shipper's position is kept when it matters most."""
+        path = self.directory / CURSOR_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if os.fstat(fd).st_size < 2 * CURSOR_SLOT.size:
+            os.pwrite(fd, bytes(2 * CURSOR_SLOT.size - os.fstat(fd).st_size), os.fstat(fd).st_size)
+            os.fsync(fd)
+            fsync_directory(self.directory)
+        return fd
+
+    def rewind(self) -> None:
+        self.position = self.committed
+
+    def read(self, max_entries: int) -> list[Entry]:
+        """Up to ``max_entries`` whole entries from the current position ([] when caught up)."""
+        entries: list[Entry] = []
+        while len(entries) < max_entries:
+            numbers = segments(self.directory)
+            numbers = [n for n in numbers if n >= self.position[0]]
+            if not numbers:
+                return entries
+            if numbers[0] != self.position[0]:  # the cursor's segment is gone (deleted, or never existed)
+                self.position = (numbers[0], 0)
+            newest = numbers[-1] == self.position[0]
+            if not self._read_segment(entries, max_entries, newest):
+                if newest:
+                    return entries
+                self.position = (numbers[1], 0)
+        return entries
+
+    def _read_segment(self, entries: list[Entry], max_entries: int, newest: bool) -> bool:
+        """Append entries from the current segment; False when the segment has no more to give."""
+        number, offset = self.position
+        path = self.directory / segment_name(number)
+        try:
+            with open(path, "rb") as file:
+                file.seek(offset)
+                data = file.read(self.chunk_bytes)
+                at = 0
+                progressed = False
+                while len(entries) < max_entries:
+                    if len(data) - at < FRAME.size:
+                        more = file.read(self.chunk_bytes)
+                        if not more:
+                            break
+                        data, at = data[at:] + more, 0
+                        continue
+                    magic, length, kind, crc = FRAME.unpack_from(data, at)
+                    end = at + FRAME.size + length
+                    good = magic == MAGIC and length <= MAX_ENTRY_BYTES and kind in KINDS
+                    if good:
+                        while len(data) < end:
+                            more = file.read(max(end - len(data), self.chunk_bytes))
+                            if not more:
+                                break
+                            data += more
+                        if len(data) < end and newest:
+                            break  # an incomplete entry at the tail: an append not visible yet
+                        good = len(data) >= end
+                        if good and zlib.crc32(data[at + FRAME.size : end], zlib.crc32(data[at + 4 : at + 12])) != crc:
+                            if newest and end == len(data) and not file.read(1):
+                                break  # perhaps an append still landing: look again later
+                            good = False
+                    if not good:
+                        found = data.find(MAGIC, at + 1)
+                        if found < 0:
+                            break  # the rest is waited for (newest segment) or torn (counted below)
+                        self.on_damage("damaged", found - at)
+                        offset += found - at
+                        at = found
+                        self.position = (number, offset)
+                        progressed = True
+                        continue
+                    payload = data[at + FRAME.size : end]
+                    start = (number, offset)
+                    offset += end - at
+                    self.position = (number, offset)
+                    entries.append(Entry(kind, payload, start, self.position))
+                    at = end
+                    progressed = True
+                if len(entries) >= max_entries:
+                    return True
+                rest = len(data) - at + len(file.read())
+        except FileNotFoundError:
+            return False
+        if rest and not newest:
+            self.on_damage("torn", rest)  # the router died mid-append: never shipped as garbage
+        return progressed and newest
+
+    def commit(self, position: Position) -> None:
+        """Write the cursor durably (the older slot, so a torn write leaves the newer), then delete every
+        segment wholly before it."""
+        if position <= self.committed:
+            return
+        if self._cursor_fd < 0:
+            self._cursor_fd = self._open_cursor()
+        self._sequence += 1
+        head = struct.pack("<4sQQQ", _CURSOR_MAGIC, self._sequence, *position)
+        os.pwrite(self._cursor_fd, head + _LEN.pack(zlib.crc32(head)), (self._sequence % 2) * CURSOR_SLOT.size)
+        os.fdatasync(self._cursor_fd)
+        self.committed = position
+        for number in segments(self.directory):
+            if number >= position[0]:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / segment_name(number)).unlink()
+
+    def close(self) -> None:
+        if self._cursor_fd >= 0:
+            os.close(self._cursor_fd)
+            self._cursor_fd = -1
+
+    def pending_bytes(self) -> int:
+        total = 0
+        for number in segments(self.directory):
+            if number < self.committed[0]:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                size = (self.directory / segment_name(number)).stat().st_size
+                total += size - (self.committed[1] if number == self.committed[0] else 0)
+        return max(total, 0)
+
+
+def iter_entries(directory: Path) -> Iterator[Entry]:
+    """Every readable entry of a directory from its cursor (for tests and tools)."""
+    reader = WalReader(directory)
+    while batch := reader.read(1024):
+        yield from batch

@@ -1,0 +1,267 @@
+"""Recording on the router's side: each finished call appended to the local write-ahead log, nothing more.
+
+The router used to build, batch, stream and spool records on the event loop that answers
+calls, and a killed router lost what sat in its memory queue. Now an answered call costs
+one framed append (:mod:`splitstream.common.wal`: a compact header and the request and
+response bytes as they are) to an open segment file; ``splitstream-shipper`` (a child
+process by default, see :mod:`splitstream.router.shipper_child`) turns the log into
+records. The append never waits on the shipper or the network: a log over
+``--spool-max-bytes`` (the shipper dead or far behind) or a failing disk refuses it, and
+the call is counted as dropped and answered all the same.
+
+What a crash loses: a killed router nothing it appended (the bytes are in the page cache);
+a machine crash at most ``--log-flush-interval-s`` of appends (the flusher's fdatasync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from splitstream.common.experiment import Phase
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import routing_key_hmac
+from splitstream.common.wal import (
+    CALL,
+    CALL_HEAD,
+    FALLBACK,
+    FEEDBACK,
+    HAS_RESPONSE,
+    PINNED,
+    RETRIED,
+    SHADOWS,
+    STREAM,
+    ShadowEntry,
+    WalWriter,
+    encode_feedback,
+    encode_shadows,
+)
+from splitstream.router.core import CallOutcome
+from splitstream.router.recorded_metadata import recorded_metadata
+from splitstream.router.routing import Assignment
+
+log = structlog.get_logger()
+
+#: The routing core's assignments as CallRecord spells them.
+_ASSIGNMENTS = {kind: recorder_pb2.Assignment.Value(f"ASSIGNMENT_{kind.name}") for kind in Assignment}
+#: A failing disk is logged at most this often (every call would fail alike).
+_ERROR_LOG_INTERVAL_S = 10.0
+_DROP_REASONS = ("log_full", "log_error", "unrecordable", "closing")
+
+
+class LogMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.appended = Counter(
+            "splitstream_router_log_appended",
+            "Entries appended to the write-ahead log, by kind",
+            ["kind"],
+            registry=registry,
+        )
+        self.records_dropped = Counter(
+            "splitstream_router_log_records_dropped",
+            "Calls not logged (so never recorded): log_full (the log is at --spool-max-bytes: the shipper is "
+            "away or behind), log_error (the disk refused the write), unrecordable, closing",
+            ["reason"],
+            registry=registry,
+        )
+        self.feedback_dropped = Counter(
+            "splitstream_router_log_feedback_dropped",
+            "Outcome events not logged (their report was refused: RESOURCE_EXHAUSTED): log_full, log_error",
+            ["reason"],
+            registry=registry,
+        )
+        self.log_bytes = Gauge(
+            "splitstream_router_log_bytes", "Bytes of the log not yet shipped (as of the last flush)", registry=registry
+        )
+        for reason in _DROP_REASONS:
+            self.records_dropped.labels(reason)
+            self.feedback_dropped.labels(reason)
+        for kind in ("call", "stream", "shadows", "feedback"):
+            self.appended.labels(kind)
+
+
+class CallLog:
+    """What the request path records into: ``offer`` (calls), ``offer_shadows``, ``offer_feedback``."""
+
+    def __init__(
+        self,
+        directory: str,
+        registry: CollectorRegistry,
+        *,
+        router_id: str,
+        hmac_key: bytes,
+        max_bytes: int,
+        segment_bytes: int,
+        flush_interval_s: float,
+        record_credential_headers: bool = False,
+    ) -> None:
+        self.writer = WalWriter(directory, max_bytes=max_bytes, segment_bytes=segment_bytes)
+        self.metrics = LogMetrics(registry)
+        self.metrics.log_bytes.set_function(lambda: self.writer._shipped_bytes)
+        self.router_id = router_id
+        self._router_id = router_id.encode()
+        self.hmac_key = hmac_key
+        self.flush_interval_s = flush_interval_s
+        self.record_credential_headers = record_credential_headers
+        self._closing = False
+        self._phases: dict[str, bytes] = {}
+        self._flusher: asyncio.Task[None] | None = None
+        self._last_error_log = 0.0
+        self._counters = {
+            kind: self.metrics.appended.labels(name)
+            for kind, name in ((CALL, "call"), (STREAM, "stream"), (SHADOWS, "shadows"), (FEEDBACK, "feedback"))
+        }
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def _append(self, kind: int, payload: bytes) -> str | None:
+        """None once appended, else the drop reason."""
+        try:
+            if not self.writer.append(kind, payload):
+                return "log_full"
+        except OSError as error:
+            now = time.monotonic()
+            if now - self._last_error_log > _ERROR_LOG_INTERVAL_S:
+                self._last_error_log = now
+                log.error("log append failed; calls are answered but not recorded", error=str(error)[:300])
+            return "log_error"
+        self._counters[kind].inc()
+        return None
+
+    def offer(
+        self,
+        outcome: CallOutcome,
+        request: bytes,
+        metadata: Sequence[tuple[str, str | bytes]],
+        *,
+        shadows_expected: int = 0,
+    ) -> None:
+        """Log a finished call. One append; never blocks on anything but the write itself."""
+        if self._closing:
+            self.metrics.records_dropped.labels("closing").inc()
+            return
+        try:
+            kind, payload = self._encode(outcome, request, metadata, shadows_expected)
+        except Exception:
+            log.exception("call not recordable; dropped", request_id=str(outcome.request_id)[:200])
+            self.metrics.records_dropped.labels("unrecordable").inc()
+            return
+        reason = self._append(kind, payload)
+        if reason is not None:
+            self.metrics.records_dropped.labels(reason).inc()
+
+    def _encode(
+        self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]], shadows_expected: int
+    ) -> tuple[int, bytes]:
+        stream = b""
+        if outcome.stream is not None:  # a token stream: its messages, serialized once it ended
+            call = recorder_pb2.StreamCall()
+            outcome.stream.fill(call)
+            stream = call.SerializeToString()
+        # The call entry's layout (splitstream.common.wal): packed here in one go rather than through
+        # wal.encode_call's keywords, which cost a third more on every call (measured side by side).
+        kept = "".join(
+            f"{key}\0{value}\0"
+            for key, value in recorded_metadata(
+                metadata,
+                routing_key_header=outcome.routing_key_header,
+                keep_credentials=self.record_credential_headers,
+            )
+        )
+        response = outcome.response
+        fields = (
+            outcome.request_id.encode(),
+            outcome.model.encode(),
+            outcome.version.encode(),
+            outcome.arm.encode(),
+            outcome.details.encode(),
+            outcome.endpoint.encode(),
+            self._router_id,
+            outcome.principal.encode(),
+            b"" if outcome.routing_key is None else routing_key_hmac(self.hmac_key, outcome.routing_key).encode(),
+            b"" if outcome.phase is None else self._phase_field(outcome.phase),
+            kept.encode(),
+            stream,
+            request,
+            response or b"",
+        )
+        flags = (
+            (FALLBACK if outcome.fallback else 0)
+            | (PINNED if outcome.pinned else 0)
+            | (RETRIED if outcome.retried else 0)
+            | (HAS_RESPONSE if response is not None else 0)
+        )
+        head = CALL_HEAD.pack(
+            outcome.receive_unix_ns,
+            int(outcome.latency_s * 1e9),
+            outcome.code.value[0],
+            flags,
+            -1 if outcome.assignment is None else _ASSIGNMENTS[outcome.assignment],
+            min(shadows_expected, 255),
+            *[len(field) for field in fields],
+        )
+        return (CALL if outcome.stream is None else STREAM), head + b"".join(fields)
+
+    def offer_shadows(self, request_id: str, shadows: Sequence[ShadowEntry]) -> None:
+        """Log a call's shadow outcomes (the shipper joins them to the call logged before)."""
+        try:
+            payload = encode_shadows(request_id, shadows)
+        except Exception:
+            log.exception("shadow outcomes not recordable; dropped", request_id=request_id[:200])
+            return
+        self._append(SHADOWS, payload)
+
+    def feedback_room(self) -> int:
+        """Events one report may hold (0 while closing): the log, not a queue, bounds them."""
+        return 0 if self._closing else 1 << 30
+
+    def offer_feedback(self, events: Sequence[bytes]) -> bool:
+        """Log serialized events, all or none: False (counted) when the log refuses them."""
+        if self._closing:
+            return False
+        reason = self._append(FEEDBACK, encode_feedback(events))
+        if reason is not None:
+            self.metrics.feedback_dropped.labels(reason).inc(len(events))
+            return False
+        return True
+
+    def _phase_field(self, phase: Phase) -> bytes:
+        """``CallRecord.phase`` serialized, once per phase: the shipper appends these bytes to the record it
+        builds (serialized messages concatenate into one)."""
+        field = self._phases.get(phase.id)
+        if field is None:
+            if len(self._phases) >= 64:  # phases change with registry edits: keep the recent ones
+                self._phases.clear()
+            message = recorder_pb2.Phase(id=phase.id, control=phase.control)
+            message.weights.update(phase.weights)
+            field = self._phases[phase.id] = recorder_pb2.CallRecord(phase=message).SerializeToString()
+        return field
+
+    # -- background ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._flusher = asyncio.create_task(self._flush_loop(), name="log-flush")
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.flush_interval_s)
+            try:
+                await asyncio.to_thread(self.writer.flush)
+            except OSError as error:
+                log.error("log flush failed", error=str(error)[:300])
+
+    async def close(self) -> None:
+        """No more appends; what was appended is flushed to disk."""
+        self._closing = True
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+        await asyncio.to_thread(self.writer.close)

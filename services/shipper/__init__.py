@@ -1,0 +1,1 @@
+"""``splitstream-shipper``: ship the routers' write-ahead logs to the recorder."""

@@ -1,0 +1,3 @@
+from splitstream.shipper.main import main
+
+raise SystemExit(main())

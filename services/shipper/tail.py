@@ -1,0 +1,290 @@
+"""Tail the routers' logs into the mirror, joining shadows to their calls, and move each log's cursor.
+
+The cursor of a log may only pass an entry once the entry is *settled*: its record acknowledged
+by the recorder, written to the shipper's spool, or dropped and counted. So each batch the mirror
+cuts gets a ticket holding, per log, the position before the oldest entry not in that batch or an
+earlier one (entries still queued in the mirror, calls waiting for their shadows); once every
+ticket up to one is settled, its positions are written as the logs' cursors and the segments
+wholly behind them deleted. A shipper killed (or stopped) at any point restarts from the cursors: what was
+settled but not yet committed is shipped again (readers drop duplicates by request id), nothing
+is skipped.
+
+A call logged with shadows waits here for its ``SHADOWS`` entry (appended when the shadows end)
+at most ``shadow_wait_s`` after it was read, and at most ``max_held`` calls wait at once; past
+either it is shipped without them (counted). A ``SHADOWS`` entry whose call already left (or was
+shipped before a restart) is counted and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from splitstream.common.wal import (
+    CALL,
+    FEEDBACK,
+    SHADOWS,
+    STREAM,
+    CallEntry,
+    Position,
+    WalReader,
+    decode_call,
+    decode_feedback,
+    decode_shadows,
+)
+from splitstream.shipper.mirror import RecordMirror
+
+log = structlog.get_logger()
+
+#: Calls queued in the mirror at most: the log is the buffer, the queue only feeds the batches.
+QUEUE_DEPTH = 4096
+#: In each log directory: locked by the shipper shipping it, holding its pid.
+LOCK_FILE = "shipper.lock"
+#: How often settled positions are written as cursors.
+COMMIT_INTERVAL_S = 0.1
+
+
+class TailMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.entries = Counter(
+            "splitstream_shipper_log_entries", "Log entries read, by kind", ["kind"], registry=registry
+        )
+        self.damaged = Counter(
+            "splitstream_shipper_log_damaged",
+            "Log ranges skipped: damaged (bad framing or checksum), torn (an append cut short by a crash), "
+            "undecodable (an entry that checks but does not parse)",
+            ["reason"],
+            registry=registry,
+        )
+        self.damaged_bytes = Counter(
+            "splitstream_shipper_log_damaged_bytes", "Bytes of the log skipped as damaged or torn", registry=registry
+        )
+        self.shadows = Counter(
+            "splitstream_shipper_shadows",
+            "Shadow outcomes: joined (to their call), missing (call shipped without them), orphaned (call gone)",
+            ["result"],
+            registry=registry,
+        )
+        self.held = Gauge("splitstream_shipper_calls_waiting_for_shadows", "Calls held for shadows", registry=registry)
+        self.pending = Gauge(
+            "splitstream_shipper_log_pending_bytes", "Log bytes past the cursors (not yet settled)", registry=registry
+        )
+        for kind in ("call", "stream", "shadows", "feedback"):
+            self.entries.labels(kind)
+        for reason in ("damaged", "torn", "undecodable"):
+            self.damaged.labels(reason)
+        for result in ("joined", "missing", "orphaned"):
+            self.shadows.labels(result)
+
+
+_KIND_NAMES = {CALL: "call", STREAM: "stream", SHADOWS: "shadows", FEEDBACK: "feedback"}
+
+
+class Tail:
+    def __init__(
+        self,
+        directories: Sequence[str | Path],
+        mirror: RecordMirror,
+        registry: CollectorRegistry,
+        *,
+        shadow_wait_s: float = 10.0,
+        max_held: int = 10_000,
+        poll_s: float = 0.02,
+        read_entries: int = 1024,
+    ) -> None:
+        self.metrics = TailMetrics(registry)
+        self.readers = [WalReader(d, on_damage=self._damaged) for d in directories]
+        self.mirror = mirror
+        mirror.settlement = self
+        self.shadow_wait_s = shadow_wait_s
+        self.max_held = max_held
+        self.poll_s = poll_s
+        self.read_entries = read_entries
+        #: Per log: the position past the last entry handed on (read in a thread, handed on here).
+        self._consumed: list[Position] = [reader.committed for reader in self.readers]
+        #: Calls waiting for their shadows, oldest first: (log, request id) → (entry, deadline).
+        self._held: collections.OrderedDict[tuple[int, str], tuple[CallEntry, float]] = collections.OrderedDict()
+        #: Cut batches not yet known settled, oldest first: [ticket, positions, settled].
+        self._tickets: collections.deque[list[Any]] = collections.deque()
+        self._next_ticket = 0
+        self._settled: list[Position] | None = None
+        self._closing = False
+        self._locks: list[int] = []
+        self.metrics.held.set_function(lambda: len(self._held))
+        self.metrics.pending.set_function(lambda: sum(r.pending_bytes() for r in self.readers))
+
+    def _damaged(self, reason: str, size: int) -> None:
+        self.metrics.damaged.labels(reason).inc()
+        self.metrics.damaged_bytes.inc(size)
+        log.warning("log range skipped", reason=reason, bytes=size)
+
+    # -- settlement (called by the mirror) -------------------------------------------------------
+
+    def _safe(self) -> list[Position]:
+        positions = list(self._consumed)
+        for (index, _), (entry, _) in self._held.items():
+            positions[index] = min(positions[index], entry.position[1])
+        return positions
+
+    def cut(self, queued: list[Any]) -> int:
+        positions = self._safe()
+        for item in queued:
+            if item is not None:
+                index, position = item
+                positions[index] = min(positions[index], position)
+        self._next_ticket += 1
+        self._tickets.append([self._next_ticket, positions, False])
+        return self._next_ticket
+
+    def settle(self, ticket: int) -> None:
+        for item in self._tickets:
+            if item[0] == ticket:
+                item[2] = True
+                break
+        while self._tickets and self._tickets[0][2]:
+            self._settled = self._tickets.popleft()[1]
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    async def _lock(self) -> None:
+        """Take every log's ``shipper.lock`` (holding our pid), waiting while another shipper holds one: the
+        child of a restarted router waits for the old child to finish its drain."""
+        for reader in self.readers:
+            fd = os.open(reader.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+            waited = False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not waited:
+                        log.info("another shipper ships this log; waiting", log_dir=str(reader.directory))
+                        waited = True
+                    await asyncio.sleep(0.2)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            self._locks.append(fd)
+
+    async def run(self) -> None:
+        await self._lock()
+        committer = asyncio.create_task(self._commit_loop())
+        try:
+            while not self._closing:
+                try:
+                    read = await self._read_once()
+                except Exception:
+                    log.exception("log tail failed; retrying")
+                    read = 0
+                    await asyncio.sleep(1.0)
+                self._expire()
+                if not read:
+                    await asyncio.sleep(self.poll_s)
+        finally:
+            committer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await committer
+
+    async def _read_once(self) -> int:
+        total = 0
+        for index, reader in enumerate(self.readers):
+            room = QUEUE_DEPTH - self.mirror.queued
+            if room <= 0 or self.mirror.closing:
+                break
+            entries = await asyncio.to_thread(reader.read, min(room, self.read_entries))
+            for entry in entries:
+                if not self._hand_on(index, entry.kind, entry.payload, entry.start):
+                    reader.position = entry.start  # no room now: read it again next time
+                    break
+                self._consumed[index] = entry.end
+                total += 1
+            else:  # all handed on: past them too what the read skipped (damage, the end of older segments)
+                self._consumed[index] = max(self._consumed[index], reader.position)
+        return total
+
+    def _hand_on(self, index: int, kind: int, payload: bytes, start: Position) -> bool:
+        self.metrics.entries.labels(_KIND_NAMES.get(kind, "call")).inc()
+        try:
+            if kind in (CALL, STREAM):
+                call = decode_call(kind, payload)
+                call.position = (index, start)
+                if call.shadows_expected:
+                    self._hold(index, call)
+                else:
+                    self.mirror.offer(call)
+            elif kind == SHADOWS:
+                request_id, shadows = decode_shadows(payload)
+                held = self._held.pop((index, request_id), None)
+                if held is None:
+                    self.metrics.shadows.labels("orphaned").inc()
+                else:
+                    held[0].shadows = shadows
+                    self.metrics.shadows.labels("joined").inc()
+                    self.mirror.offer(held[0])
+            elif kind == FEEDBACK:
+                events = decode_feedback(payload)
+                if len(events) > self.mirror.feedback_room():
+                    self.metrics.entries.labels("feedback").inc(-1)
+                    return False
+                self.mirror.offer_feedback(events, (index, start))
+        except (ValueError, UnicodeDecodeError) as error:
+            self.metrics.damaged.labels("undecodable").inc()
+            log.warning("log entry does not parse; skipped", error=str(error)[:200], kind=kind)
+        return True
+
+    def _hold(self, index: int, call: CallEntry) -> None:
+        key = (index, call.request_id)
+        if key in self._held:  # the same id twice (a client reusing ids): ship the first as it is
+            self._release(key)
+        self._held[key] = (call, time.monotonic() + self.shadow_wait_s)
+        while len(self._held) > self.max_held:
+            self._release(next(iter(self._held)))
+
+    def _release(self, key: tuple[int, str]) -> None:
+        call, _ = self._held.pop(key)
+        self.metrics.shadows.labels("missing").inc()
+        self.mirror.offer(call)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._held:
+            key, (_, deadline) = next(iter(self._held.items()))
+            if deadline > now:
+                break
+            self._release(key)
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(COMMIT_INTERVAL_S)
+            await self.commit()
+
+    async def commit(self) -> None:
+        if not self._tickets and not self._held and self.mirror.idle:
+            # Nothing in flight: what was read is settled, entries or not (damage skipped, an older segment
+            # ended), so the cursor moves on and the segments behind it go even while no call comes.
+            self._settled = self._safe()
+        settled, self._settled = self._settled, None
+        if settled is None:
+            return
+        try:
+            await asyncio.to_thread(self._commit, settled)
+        except OSError as error:  # a stale cursor only ships settled entries again
+            log.error("log cursor not written", error=str(error)[:300])
+
+    def _commit(self, positions: list[Position]) -> None:
+        for reader, position in zip(self.readers, positions, strict=True):
+            reader.commit(position)
+
+    async def close(self) -> None:
+        """Stop reading. Calls still waiting for their shadows stay in the log (the cursor stays before them):
+        the next shipper reads them again, with their shadows."""
+        self._closing = True

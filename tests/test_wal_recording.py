@@ -1,0 +1,268 @@
+"""Recording through the router's write-ahead log and splitstream-shipper, on real router, worker, shipper,
+recorder and redis-server processes: what each crash can lose (nothing a client got an answer for), the
+log's cap, damaged and torn entries, a full disk, and one shipper for several routers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from splitstream.common import wal
+from tests.harness import InferClient, ServiceProcess, SteadyLoad, free_port, make_request, scrape_metrics, wait_for
+from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
+from tests.test_recording_faults import UNBATCHED
+from tests.tmpfs import small_tmpfs
+
+CALLS = 2000
+
+
+def answered(load: SteadyLoad) -> set[str]:
+    return {request_id for _, code, _, request_id in load.outcomes if code == "OK"}
+
+
+def run_load(stack: RecordingStack, calls: int, *, during: object = None) -> SteadyLoad:
+    """``calls`` calls (each its own request id) from 8 threads; ``during()`` runs once half are done."""
+    load = SteadyLoad(stack.router.address, MODEL, threads=8)
+    with load:
+        if during is not None:
+            load.wait_calls(calls // 2, timeout_s=120)
+            during()  # type: ignore[operator]
+        load.wait_calls(calls, timeout_s=120)
+    return load
+
+
+def shipper_pid(stack: RecordingStack) -> int:
+    """The pid of the shipper shipping the stack's log (it holds the log's lock file)."""
+
+    def pid() -> int | None:
+        text = (stack.spool_dir / "shipper.lock").read_text() if (stack.spool_dir / "shipper.lock").exists() else ""
+        return int(text) if text.strip() else None
+
+    return wait_for(pid, timeout_s=30, what="the shipper to lock the log")
+
+
+def test_a_router_killed_under_load_loses_no_call_a_client_got_an_answer_for(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path)
+    try:
+        load = SteadyLoad(stack.router.address, MODEL, threads=8)
+        with load:
+            load.wait_calls(CALLS, timeout_s=120)
+            stack.router.kill()  # SIGKILL while 8 callers are mid-call
+        ids = answered(load)
+        assert len(ids) >= CALLS
+        stack.router = stack.start_router()  # its shipper resumes the log where the old one stopped
+        records = stack.wait_recorded(ids, timeout_s=120)
+        assert ids <= {r.request_id for r in records}
+    finally:
+        stack.close()
+
+
+def test_a_shipper_killed_under_load_loses_no_answered_call(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path)
+    try:
+        first = shipper_pid(stack)
+        load = run_load(stack, CALLS, during=lambda: os.kill(first, signal.SIGKILL))
+        ids = answered(load)
+        assert len(ids) >= CALLS
+        records = stack.wait_recorded(ids, timeout_s=120)  # the router started a new shipper
+        assert ids <= {r.request_id for r in records}
+        assert shipper_pid(stack) != first
+        assert load.errors() == []  # a dead shipper costs the callers nothing
+    finally:
+        stack.close()
+
+
+def test_calls_answered_while_the_recorder_is_stopped_are_all_shipped_once_it_starts(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.recorder.kill()
+        load = run_load(stack, CALLS)
+        ids = answered(load)
+        assert len(ids) >= CALLS
+        stack.restart_recorder()
+        records = stack.wait_recorded(ids, timeout_s=120)
+        assert ids <= {r.request_id for r in records}
+    finally:
+        stack.close()
+
+
+def test_a_log_at_its_cap_drops_the_newest_calls_counted_and_ships_the_oldest_in_order(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, router_args=("--spool-max-bytes", "60000"))
+    try:
+        stack.recorder.kill()
+        client = InferClient(stack.router.address)
+        ids = [f"seq-{i:04d}" for i in range(600)]
+        for request_id in ids:
+            client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
+        client.close()
+        log_full = float(
+            sum(
+                value
+                for labels, value in _samples(stack.router.metrics_port, "splitstream_router_log_records_dropped_total")
+                if labels.get("reason") == "log_full"
+            )
+        )
+
+        def accounted() -> tuple[float] | None:
+            spooled = shipper_metric(stack, "records_spooled_total")
+            spool_full = shipper_metric(stack, "records_dropped_total", reason="spool_full")
+            return (spool_full,) if spooled + spool_full + log_full == len(ids) else None
+
+        (spool_full,) = wait_for(accounted, timeout_s=30, what="every call to be spooled or dropped")
+        assert log_full + spool_full > 0  # the cap was reached and the drops counted
+        stack.restart_recorder()
+        kept = len(ids) - int(log_full + spool_full)
+        records = stack.wait_recorded(set(ids[:kept]), timeout_s=60)
+        in_stream = [r.request_id for r in records]
+        assert in_stream == ids[:kept]  # the oldest kept, shipped in the order they were answered
+    finally:
+        stack.close()
+
+
+def _samples(port: int, name: str) -> list[tuple[dict[str, str], float]]:
+    from tests.harness import metric_samples
+
+    return metric_samples(scrape_metrics(port), name)
+
+
+def _call_payload(request_id: str) -> bytes:
+    return wal.encode_call(
+        request_id=request_id,
+        model=MODEL,
+        version="v1",
+        arm="v1",
+        code=0,
+        details="",
+        endpoint="127.0.0.1:1",
+        router_id="hand-written",
+        principal="",
+        receive_unix_ns=time.time_ns(),
+        latency_ns=1000,
+        flags=0,
+        assignment=-1,
+        shadows_expected=0,
+        routing_key_hmac="",
+        phase=b"",
+        metadata=b"",
+        stream=b"",
+        request=b"request-bytes",
+        response=b"response-bytes",
+    )
+
+
+def start_shipper(stack: RecordingStack, *log_dirs: Path, metrics_port: int) -> ServiceProcess:
+    port = free_port()
+    args = ["--recorder", f"127.0.0.1:{stack.recorder_port}", "--host", "127.0.0.1", "--port", str(port)]
+    for directory in log_dirs:
+        args += ["--log-dir", str(directory)]
+    args += ["--metrics-port", str(metrics_port), "--record-batch-interval-ms", "20"]
+    process = ServiceProcess(f"shipper-{port}", "splitstream.shipper", args, log_dir=stack.tmp, port=port)
+    stack.stack.processes.append(process)
+    return process.start()
+
+
+def test_damaged_and_torn_log_entries_are_skipped_and_counted_and_the_rest_shipped(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, router_args=("--shipper", "external"))
+    try:
+        log_dir = tmp_path / "hand-log"
+        writer = wal.WalWriter(log_dir, max_bytes=1 << 30, segment_bytes=1 << 20)
+        for i in range(10):
+            assert writer.append(wal.CALL, _call_payload(f"hand-{i}"))
+        writer.close()
+        (segment,) = log_dir.glob("wal-*.log")
+        data = bytearray(segment.read_bytes())
+        entry = len(data) // 10
+        data[3 * entry + 40] ^= 0xFF  # a flipped bit in the fourth entry's payload
+        torn = wal.frame(wal.CALL, _call_payload("hand-torn"))
+        segment.write_bytes(bytes(data) + torn[: len(torn) // 2])  # the router killed mid-append
+        writer = wal.WalWriter(log_dir, max_bytes=1 << 30, segment_bytes=1 << 20)  # a restarted router
+        assert writer.append(wal.CALL, _call_payload("hand-10"))
+        writer.append(wal.CALL, b"\x00" * 7)  # checks, but does not parse
+        writer.close()
+        stack.shipper_metrics_port = free_port()
+        start_shipper(stack, log_dir, metrics_port=stack.shipper_metrics_port)
+        expected = {f"hand-{i}" for i in range(11)} - {"hand-3"}
+        records = stack.wait_recorded(expected)
+        assert {r.request_id for r in records} == expected
+        wait_for(
+            lambda: shipper_metric(stack, "log_damaged_total", reason="torn") == 1,
+            timeout_s=10,
+            what="the torn tail to be counted",
+        )
+        assert shipper_metric(stack, "log_damaged_total", reason="damaged") >= 1
+        assert shipper_metric(stack, "log_damaged_total", reason="undecodable") == 1
+    finally:
+        stack.close()
+
+
+def test_calls_are_answered_and_drops_counted_when_the_logs_disk_is_full(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "spool", "256k"):
+        stack = RecordingStack(tmp_path, versions={"v1": {"scale": 2.0, "config": UNBATCHED}})
+        try:
+            stack.recorder.kill()  # the log only grows: the shipper's spool shares the full disk
+            client = InferClient(stack.router.address)
+            x = np.full((32, 4), 0.5, dtype=np.float32)
+            errors = []
+
+            def log_errors() -> float:
+                return sum(
+                    value
+                    for labels, value in _samples(
+                        stack.router.metrics_port, "splitstream_router_log_records_dropped_total"
+                    )
+                    if labels.get("reason") == "log_error"
+                )
+
+            calls = 0
+            while log_errors() == 0:
+                assert calls < 5000, "the log never filled its disk"
+                calls += 1
+                try:
+                    client.infer(make_request(MODEL, x), metadata=[("x-request-id", f"full-{calls}")])
+                except grpc.RpcError as error:
+                    errors.append(error.code())
+            for i in range(20):  # every call on the full disk answered, and its loss counted
+                client.infer(make_request(MODEL, x), metadata=[("x-request-id", f"past-{i}")])
+            client.close()
+            assert errors == []
+            assert log_errors() >= 20
+        finally:
+            stack.close()
+
+
+def test_one_external_shipper_ships_the_logs_of_several_routers(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, router_args=("--shipper", "external"))
+    try:
+        second_dir = tmp_path / "spool-2"
+        second = stack.stack.router(
+            stack.registry,
+            "--recorder",
+            f"127.0.0.1:{stack.recorder_port}",
+            "--hmac-key",
+            HMAC_KEY,
+            "--spool-dir",
+            str(second_dir),
+            "--shipper",
+            "external",
+        )
+        ids = set()
+        for router, prefix in ((stack.router, "a"), (second, "b")):
+            client = InferClient(router.address)
+            for i in range(50):
+                ids.add(f"{prefix}-{i}")
+                client.infer(
+                    make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", f"{prefix}-{i}")]
+                )
+            client.close()
+        assert not stack.records()  # nobody ships until the host's shipper runs
+        start_shipper(stack, stack.spool_dir, second_dir, metrics_port=free_port())
+        records = stack.wait_recorded(ids)
+        assert ids <= {r.request_id for r in records}
+        assert len({r.router_id for r in records if r.request_id in ids}) == 2
+    finally:
+        stack.close()
