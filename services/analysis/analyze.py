@@ -17,7 +17,6 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
-from redis.asyncio import Redis
 
 from splitstream.analysis import statistics as st
 from splitstream.analysis.loading import (
@@ -47,6 +46,7 @@ from splitstream.analysis.model import (
     Unit,
     Verdict,
 )
+from splitstream.common.redis_url import RedisClient
 
 FloatArray = npt.NDArray[np.float64]
 #: Power the "more units needed" estimate aims at.
@@ -93,7 +93,7 @@ class _Attributed:
     not_randomized: int
 
 
-async def analyze(redis: Redis, query: Query) -> Analysis:
+async def analyze(redis: RedisClient, query: Query) -> Analysis:
     """Read the window from Redis and analyse it. Raises RedisError/OSError when Redis fails mid-way."""
     metric_names = [m.name for m in query.metrics]
     feedback = await load_feedback(redis, query.model, query.window, metric_names, page_size=query.page_size)
@@ -705,7 +705,7 @@ class _PreValues:
         return st.UnitValues(np.minimum(positives, calls), calls)
 
 
-async def _load_pre_values(redis: Redis, query: Query, window: Window) -> _PreValues:
+async def _load_pre_values(redis: RedisClient, query: Query, window: Window) -> _PreValues:
     names = [m.name for m in query.metrics]
     feedback = await load_feedback(redis, query.model, window, names, page_size=query.page_size)
     exposures = await load_exposures(

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.analysis.analyze import Query, analyze
@@ -25,7 +24,7 @@ from splitstream.analysis.report import render_html, render_table
 from splitstream.common.durations import BadDuration, parse_duration_ns
 from splitstream.common.files import atomic_write
 from splitstream.common.records import recorded_models, stream_key
-from splitstream.common.redis_url import check_connection_options
+from splitstream.common.redis_url import open_redis
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import BadTime, parse_instant_ns
 
@@ -202,8 +201,7 @@ def write_outputs(analysis: Analysis, output_dir: Path) -> None:
 
 async def _analyze(url: str, query: Query, connect_timeout_s: float) -> Analysis:
     try:
-        redis = Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 30))
-        check_connection_options(redis)
+        redis = open_redis(url, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 30))
     except ValueError as error:
         raise UsageError(f"bad --redis-url {redact_url(url)!r}: {redact_text(str(error))}") from None
     try:
