@@ -300,10 +300,8 @@ class RedisWriter:
             for stream in streams:
                 args = [archive_bounds[0] or "", archive_bounds[1] or 0, _MAXLEN_CUT_STEP]
                 await self._script(self._trim_archived, pipe, keys=[stream, archive_mark_key(stream)], args=args)
-        waits = self._queue_waits(
-            pipe,
-            [*(blob_key(digest) for digest in missing), *streams, *(e.seen_key or e.stream for e in batch.feedback)],
-        )
+        # Every key of this pipeline is in one of these streams' slots (blobs went ahead on a cluster).
+        waits = self._queue_waits(pipe, [*streams, *(blob_key(digest) for digest in missing if not self.cluster)])
         results = self._checked_waits(await pipe.execute(), waits)
         trims_held = sum(int(result[1]) for result in results[trimmed_from:])
         created += sum(1 for result in results[:blob_commands] if result)
