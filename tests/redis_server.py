@@ -206,6 +206,9 @@ class RedisClusterServers:
                     "nodes.conf",
                     "--cluster-node-timeout",
                     str(node_timeout_ms),
+                    # The bus port is the port + 10000 unless set: a free port above 55535 would not do.
+                    "--cluster-port",
+                    str(free_port()),
                 ),
             )
             for index in range(masters * (1 + replicas))
