@@ -51,6 +51,7 @@ class RecordingStack:
     ) -> None:
         """``redis``: record into this (started) Redis Cluster instead of a Redis of the stack's own."""
         self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
         # Persistent, as production Redis is: a stop and restart keeps what was written.
         self.redis: RedisServer | RedisClusterServers = (
             redis or RedisServer(tmp / "redis", config=("--appendonly", "yes", "--appendfsync", "always")).start()

@@ -209,6 +209,9 @@ class RedisClusterServers:
                     # The bus port is the port + 10000 unless set: a free port above 55535 would not do.
                     "--cluster-port",
                     str(free_port()),
+                    # A replica that never finished its first sync cannot be promoted: sync at once.
+                    "--repl-diskless-sync-delay",
+                    "0",
                 ),
             )
             for index in range(masters * (1 + replicas))
@@ -255,8 +258,11 @@ class RedisClusterServers:
                 try:
                     info = client.execute_command("CLUSTER", "INFO")
                     slots = client.execute_command("CLUSTER", "SLOTS")
+                    replication = client.info("replication")
                 except redis.RedisError:
                     return False
+            if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
+                return False  # a replica that has not synced could not take over
             text = info.decode() if isinstance(info, bytes) else str(info)
             if "cluster_state:ok" not in text:
                 return False

@@ -183,7 +183,7 @@ def test_the_archiver_consumes_a_cluster_and_trim_archived_trims_only_what_it_ho
             before = send("before", 150)
             stack.wait_recorded(before)
             assert stack.raw_count() >= 150  # no archiver yet: retention trims nothing
-            # A second model's stream, on another master, read by the same archiver.
+            # The feedback stream too: the archiver reads streams of several slots (one XREADGROUP per slot).
             report(stack, [feedback_pb2.FeedbackEvent(model=MODEL, request_id="before-1", metric="m", value=1.0)])
             archive = (tmp_path / "archive").as_uri()
             archiver = start_archiver(tmp_path, cluster.url, archive)

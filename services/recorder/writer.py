@@ -260,7 +260,7 @@ class RedisWriter:
         if self.cluster and missing:
             # Confirmed before any XADD is sent: the pipeline's parts go to their masters concurrently.
             waits = self._queue_waits(pipe, [blob_key(digest) for digest in missing])
-            created = sum(1 for result in self._checked_waits(await pipe.execute(), waits) if result)
+            created = sum(1 for result in await self._checked_waits(await pipe.execute(), waits) if result)
             pipe = self.redis.pipeline(transaction=False)
         blob_commands = len(pipe)
         minid = str(int(self._clock() * 1000) - self.retention_age_ms) if self.retention_age_ms else None
@@ -302,7 +302,7 @@ class RedisWriter:
                 await self._script(self._trim_archived, pipe, keys=[stream, archive_mark_key(stream)], args=args)
         # Every key of this pipeline is in one of these streams' slots (blobs went ahead on a cluster).
         waits = self._queue_waits(pipe, [*streams, *(blob_key(digest) for digest in missing if not self.cluster)])
-        results = self._checked_waits(await pipe.execute(), waits)
+        results = await self._checked_waits(await pipe.execute(), waits)
         trims_held = sum(int(result[1]) for result in results[trimmed_from:])
         created += sum(1 for result in results[:blob_commands] if result)
         start = blob_commands + len(batch.entries)
@@ -322,29 +322,47 @@ class RedisWriter:
             trims_held=trims_held,
         )
 
-    def _queue_waits(self, pipe: Any, keys: list[str]) -> int:
-        """Queue a WAIT behind the writes on each master ``keys`` live on (one on one Redis); how many."""
+    def _queue_waits(self, pipe: Any, keys: list[str]) -> list[int]:
+        """Queue a WAIT behind the writes on each master ``keys`` live on (one on one Redis); the replica count
+        each must reach.
+
+        On a cluster that is ``wait_replicas`` or the replicas the slot map gives that master, the fewer: a
+        replica promoted in a failover has none until its old master comes back (or another is added), and
+        waiting for one would stop recording for good; it then has what one Redis has, the master's copy."""
         if not self.wait_replicas or not keys:
-            return 0
+            return []
         if not isinstance(self.redis, RedisCluster):
             pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
-            return 1
-        nodes = {node.name: node for node in (self.redis.get_node_from_key(key) for key in keys) if node is not None}
-        for node in nodes.values():
-            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms, target_nodes=node)
-        return len(nodes)
+            return [self.wait_replicas]
+        slots = self.redis.nodes_manager.slots_cache
+        nodes: dict[str, tuple[Any, int]] = {}
+        for key in keys:
+            serving = slots.get(self.redis.keyslot(key)) or []
+            if serving:
+                nodes[serving[0].name] = (serving[0], min(self.wait_replicas, len(serving) - 1))
+        needs = [(node, needed) for node, needed in nodes.values() if needed]  # WAIT 0 would block its timeout
+        for node, needed in needs:
+            pipe.execute_command("WAIT", needed, self.wait_timeout_ms, target_nodes=node)
+        return [needed for _, needed in needs]
 
-    def _checked_waits(self, results: list[Any], waits: int) -> list[Any]:
+    async def _checked_waits(self, results: list[Any], waits: list[int]) -> list[Any]:
         """``results`` without the trailing WAIT replies; StoreUnavailable when one counted too few replicas."""
         if not waits:
             return results
-        short = [int(count) for count in results[-waits:] if int(count) < self.wait_replicas]
+        short = [
+            (int(count), needed)
+            for count, needed in zip(results[-len(waits) :], waits, strict=True)
+            if int(count) < needed
+        ]
         if short:
+            if isinstance(self.redis, RedisCluster):
+                await self.redis.aclose()  # a replica gone: the slot map says so once read again
+            count, needed = short[0]
             raise StoreUnavailable(
-                f"written, but only {min(short)} of {self.wait_replicas} replicas confirmed within "
+                f"written, but only {count} of {needed} replicas confirmed within "
                 f"{self.wait_timeout_ms} ms (the batch is not acknowledged; a resend may duplicate it)"
             )
-        return results[:-waits]
+        return results[: -len(waits)]
 
     async def _script(self, script: Any, pipe: Any, *, keys: list[str], args: list[Any]) -> None:
         """Queue ``script`` on ``pipe``: EVALSHA (loaded first by the pipeline) on one Redis, EVAL on a cluster
