@@ -146,7 +146,7 @@ def test_the_analysis_reads_a_cluster_as_it_reads_one_redis(cluster: RedisCluste
             with client:
                 write_calls(client, "shop", calls, phase({"v1": 50, "v2": 50}, "v1"))  # type: ignore[arg-type]
                 write_feedback(client, "shop", events)  # type: ignore[arg-type]
-        outputs = []
+        outputs: list[tuple[str, Any]] = []
         for url in (single.url, cluster.url):
             out = tmp_path / f"out-{len(outputs)}"
             result = run(
