@@ -273,3 +273,26 @@ def test_a_cluster_url_that_cannot_work_is_refused_with_exit_2_and_one_line(url:
 def test_a_model_name_with_a_brace_is_refused_since_it_would_move_its_keys_slot(model: str) -> None:
     with pytest.raises(ValueError, match="brace"):
         check_model_name(model)
+
+
+async def test_with_wait_replicas_a_batch_no_replica_confirmed_is_not_acknowledged(tmp_path: Path) -> None:
+    """One Redis without a replica: the batch is written, but ``--redis-wait-replicas 1`` cannot be met, so
+    the write fails as unavailable (the router keeps the batch) and names why."""
+    from splitstream.common.records import entry_fields
+    from splitstream.common.redis_url import open_redis
+    from splitstream.recorder.errors import StoreUnavailable
+    from splitstream.recorder.writer import RedisWriter, StreamEntry, WriteBatch
+    from tests.test_archive import synthetic_record
+
+    server = RedisServer(tmp_path / "redis").start()
+    redis = open_redis(server.url)
+    writer = RedisWriter(
+        redis, retention_maxlen=0, retention_age_s=0, blob_ttl_s=0, wait_replicas=1, wait_timeout_ms=100
+    )
+    try:
+        batch = WriteBatch(entries=[StreamEntry(stream_key("synth"), entry_fields(synthetic_record(1, 0)))], blobs={})
+        with pytest.raises(StoreUnavailable, match="only 0 of 1 replicas confirmed"):
+            await writer.write(batch)
+    finally:
+        await redis.aclose()
+        server.stop()
