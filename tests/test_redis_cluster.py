@@ -245,9 +245,10 @@ def test_a_master_killed_under_load_loses_no_answered_call(tmp_path: Path) -> No
             answered = {request_id for _, code, _, request_id in load.outcomes if code == "OK"}
             assert len(answered) >= 350
             records = stack.wait_recorded(answered, timeout_s=90)
-            ids = [r.request_id for r in records]
-            assert len(ids) == len(set(ids))
-            assert answered <= set(ids)
+            assert answered <= {r.request_id for r in records}  # records(): once per request id
+            # The outage was seen as one: NOT_SERVING while the master was gone, the router kept the batches.
+            assert "redis unreachable; not serving" in stack.recorder.log()
+            assert "recorder acknowledging again" in stack.router.log()
         finally:
             stack.close()
 
