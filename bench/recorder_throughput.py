@@ -16,7 +16,13 @@ each server process's CPU time to the records written (on the raw path the
 recorder idles). On a small machine all three processes (client, recorder,
 redis-server) share the cores.
 
-    .venv/bin/python bench/recorder_throughput.py [--seconds 4] [--rounds 2]
+Scale-out table (same run, also interleaved): 1 and 2 recorder processes writing into one Redis and
+into a 3-master Redis Cluster (``redis+cluster://``), each recorder fed by its own client stream, the
+records of each batch spread over ``--models`` models (one stream per model, so the streams spread over
+the cluster's masters; one model's stream lives on one master, so one model alone gains nothing).
+records/s counts acknowledged records of all recorders together.
+
+    .venv/bin/python bench/recorder_throughput.py [--seconds 4] [--rounds 2] [--models 6]
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import stream_key
 from tests.harness import ServiceProcess, free_port
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisClusterServers, RedisServer
 from tests.tensors import add_raw_input
 
 REQUEST_BYTES, RESPONSE_BYTES = 2048, 1024
@@ -167,6 +173,71 @@ def measured(run: Callable[[], Coroutine[Any, Any, float]], recorder_pid: int, r
     return Round(rate, used[0] / records * 1e6, used[1] / records * 1e6)
 
 
+def model_batches(template: recorder_pb2.CallRecord, size: int, count: int, models: int) -> list[bytes]:
+    """Like :func:`serialized_batches`, each batch's records spread round-robin over ``models`` models."""
+    batches = []
+    now = time.time_ns()
+    for b in range(count):
+        batch = recorder_pb2.RecordBatch(sequence=b)
+        for i in range(size):
+            record = batch.records.add()
+            record.CopyFrom(template)
+            record.model = f"bench-{i % models}"
+            record.request_id = f"req-{b}-{i}"
+            record.receive_unix_ns = now + b * size + i
+        batches.append(batch.SerializeToString())
+    return batches
+
+
+async def drive_many(addresses: list[str], batches: list[bytes], batch_size: int, window: int, seconds: float) -> float:
+    """Records acknowledged per second by all of ``addresses`` together, one stream each, concurrently."""
+    rates = await asyncio.gather(
+        *(drive_recorder(address, batches, batch_size, window, seconds) for address in addresses)
+    )
+    return sum(rates)
+
+
+def start_recorder(tmp: Path, name: str, url: str, maxlen: int) -> ServiceProcess:
+    port = free_port()
+    return ServiceProcess(
+        name,
+        "splitstream.recorder",
+        [
+            *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--redis-url", url),
+            *("--retention-maxlen", str(maxlen), "--log-level", "WARNING"),
+        ],
+        log_dir=tmp,
+        port=port,
+    ).start()
+
+
+def scale_out(args: argparse.Namespace, template: recorder_pb2.CallRecord) -> dict[str, list[float]]:
+    """records/s of 1 and 2 recorders into one Redis and into a 3-master cluster, interleaved rounds."""
+    with tempfile.TemporaryDirectory(prefix="recorder-scale-") as tmp_name:
+        tmp = Path(tmp_name)
+        with RedisServer(tmp / "single") as single, RedisClusterServers(tmp / "cluster") as cluster:
+            recorders = {
+                "one Redis": [start_recorder(tmp, f"single-{i}", single.url, args.maxlen) for i in range(2)],
+                "cluster": [start_recorder(tmp, f"cluster-{i}", cluster.url, args.maxlen) for i in range(2)],
+            }
+            try:
+                batches = model_batches(template, args.batch, 16, args.models)
+                for group in recorders.values():  # warm-up: streams created, connections made
+                    asyncio.run(drive_many([r.address for r in group], batches, args.batch, args.window, 0.5))
+                rows: dict[str, list[float]] = {}
+                for _ in range(args.rounds):
+                    for store, group in recorders.items():
+                        for n in (1, 2):
+                            addresses = [r.address for r in group[:n]]
+                            rate = asyncio.run(drive_many(addresses, batches, args.batch, args.window, args.seconds))
+                            rows.setdefault(f"{n} recorder{'s' if n > 1 else ''} -> {store}", []).append(rate)
+                return rows
+            finally:
+                for group in recorders.values():
+                    for recorder in group:
+                        recorder.stop()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per path per round")
@@ -174,6 +245,10 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256, help="records per batch / XADDs per pipeline")
     parser.add_argument("--window", type=int, default=2, help="unacknowledged batches the client keeps in flight")
     parser.add_argument("--maxlen", type=int, default=50_000, help="MAXLEN ~ on both paths (bounds Redis memory)")
+    parser.add_argument(
+        "--models", type=int, default=6, help="models (streams) the scale-out table's records spread over"
+    )
+    parser.add_argument("--no-scale-out", action="store_true", help="skip the recorders x Redis Cluster table")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="recorder-bench-") as tmp, RedisServer(Path(tmp) / "redis") as redis:
@@ -226,6 +301,19 @@ def main() -> int:
             f"{path:<10} {best.records_per_s:>17,.0f} {each:>18} {best.records_per_s * entry_bytes / 1e6:>7.1f} "
             f"{best.records_per_s / raw:>7.2f} {best.recorder_cpu_us:>20.1f} {best.redis_cpu_us:>17.1f}"
         )
+    if args.no_scale_out:
+        return 0
+    rows = scale_out(args, template)
+    base = max(rows["1 recorder -> one Redis"])
+    print(f"\nscale-out: records spread over {args.models} models, {os.cpu_count()} CPU cores for everything\n")
+    print(
+        "{:<28} {:>17} {:>18} {:>16}".format(
+            "recorders -> store", "records/s (best)", "each round", "vs 1 -> one Redis"
+        )
+    )
+    for name, rates in rows.items():
+        each = ", ".join(f"{rate:,.0f}" for rate in rates)
+        print(f"{name:<28} {max(rates):>17,.0f} {each:>18} {max(rates) / base:>16.2f}")
     return 0
 
 

@@ -11,8 +11,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from redis.asyncio import Redis
-
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import (
     CorruptEntry,
@@ -22,10 +20,11 @@ from splitstream.common.records import (
     read_entries,
     stream_key,
 )
+from splitstream.common.redis_url import RedisClient, open_redis
 from tests.harness import ServiceProcess, Stack, free_port, wait_for, write_registry
 from tests.models import add_version
 from tests.records import unique_by_request_id
-from tests.redis_server import RedisServer
+from tests.redis_server import RedisClusterServers, RedisServer
 
 MODEL = "affine"
 HMAC_KEY = "recording-tests-key"
@@ -48,10 +47,15 @@ class RecordingStack:
         experiment: dict | None = None,
         router_args: tuple[str, ...] = (),
         worker: Callable[[Stack, str], ServiceProcess] | None = None,
+        redis: RedisClusterServers | None = None,
     ) -> None:
+        """``redis``: record into this (started) Redis Cluster instead of a Redis of the stack's own."""
         self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
         # Persistent, as production Redis is: a stop and restart keeps what was written.
-        self.redis = RedisServer(tmp / "redis", config=("--appendonly", "yes", "--appendfsync", "always")).start()
+        self.redis: RedisServer | RedisClusterServers = (
+            redis or RedisServer(tmp / "redis", config=("--appendonly", "yes", "--appendfsync", "always")).start()
+        )
         self.stack = Stack(tmp)
         try:
             self.recorder_port = free_port()
@@ -139,13 +143,13 @@ class RecordingStack:
     def records(self) -> list[recorder_pb2.CallRecord]:
         """Every readable record, once per request id (entries a test wrote as garbage are left out)."""
 
-        async def readable(client: Redis) -> AsyncIterator[StoredRecord]:
+        async def readable(client: RedisClient) -> AsyncIterator[StoredRecord]:
             async for entry in read_entries(client, MODEL):
                 with contextlib.suppress(CorruptEntry, UnsupportedSchema):
                     yield decode_entry(entry)
 
         async def read() -> list[recorder_pb2.CallRecord]:
-            client = Redis.from_url(self.redis.url)
+            client = open_redis(self.redis.url)
             try:
                 return [s.record async for s in unique_by_request_id(readable(client))]
             finally:

@@ -182,3 +182,123 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class RedisClusterServers:
+    """A real Redis Cluster: ``masters`` ``redis-server --cluster-enabled yes`` processes (each with
+    ``replicas`` replicas) on free ports, joined by ``redis-cli --cluster create``. A small
+    ``cluster-node-timeout`` makes a failover (a master killed, its replica promoted) take about a second.
+
+        with RedisClusterServers(tmp_path, replicas=1) as cluster:
+            client = cluster.client()  # a blocking redis.RedisCluster
+    """
+
+    def __init__(self, directory: Path, *, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+        self.directory = directory
+        self.replicas = replicas
+        self.servers = [
+            RedisServer(
+                directory / f"node-{index}",
+                config=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    str(node_timeout_ms),
+                    # The bus port is the port + 10000 unless set: a free port above 55535 would not do.
+                    "--cluster-port",
+                    str(free_port()),
+                    # A replica that never finished its first sync cannot be promoted: sync at once.
+                    "--repl-diskless-sync-delay",
+                    "0",
+                ),
+            )
+            for index in range(masters * (1 + replicas))
+        ]
+
+    @property
+    def url(self) -> str:
+        """Every node as a startup node, so a client can start with any one of them down."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{server.port}" for server in self.servers)
+
+    def start(self, timeout_s: float = 30.0) -> RedisClusterServers:
+        """Start the nodes, create the cluster, return once every slot is served (``cluster_state:ok``)."""
+        for server in self.servers:
+            server.start()
+        redis_cli = shutil.which("redis-cli")
+        if redis_cli is None:
+            raise RuntimeError("redis-cli is not on PATH")
+        nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
+        subprocess.run(
+            [redis_cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+        self.wait_ok(timeout_s)
+        return self
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every running node says ``cluster_state:ok`` and every slot has a running master."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._ok():
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the cluster is not ok after {timeout_s}s")
+            time.sleep(0.1)
+
+    def _ok(self) -> bool:
+        running = {server.port for server in self.servers if server.running}
+        for server in self.servers:
+            if not server.running:
+                continue
+            with server.client() as client:
+                try:
+                    info = client.execute_command("CLUSTER", "INFO")
+                    slots = client.execute_command("CLUSTER", "SLOTS")
+                    replication = client.info("replication")
+                except redis.RedisError:
+                    return False
+            if replication.get("role") == "slave" and replication.get("master_link_status") != "up":
+                return False  # a replica that has not synced could not take over
+            text = info.decode() if isinstance(info, bytes) else str(info)
+            if "cluster_state:ok" not in text:
+                return False
+            covered = sum(int(end) - int(start) + 1 for start, end, master, *_ in slots if int(master[1]) in running)
+            if covered != 16384:
+                return False
+        return True
+
+    def master_of(self, key: str) -> RedisServer:
+        """The node serving ``key``'s slot now."""
+        with self.client() as client:
+            node = client.get_node_from_key(key)
+            port = int(node.port)
+        return next(server for server in self.servers if server.port == port)
+
+    def kill(self, server: RedisServer) -> None:
+        """SIGKILL one node: no goodbye to the cluster, as a crashed host."""
+        if server.process is not None:
+            server.process.kill()
+            server.process.wait()
+            server.process = None
+
+    def client(self) -> redis.RedisCluster:
+        """A blocking cluster client (binary replies) for assertions; the caller closes it."""
+        return redis.RedisCluster.from_url(self.url.replace("redis+cluster://", "redis://").split(",")[0] + "/0")
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
+
+    def __enter__(self) -> RedisClusterServers:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -218,7 +218,7 @@ def test_an_event_resent_with_the_same_idempotency_key_is_written_once(stack: Re
     assert purchase["idempotency_key"] == "order-77"
     assert duplicates() == 2
     assert metric_total(stack.recorder.metrics_port, "splitstream_recorder_feedback_duplicates_total", model=MODEL) == 2
-    assert redis_ttl(stack, "splitstream:feedback-seen:affine:purchase:order-77") > 0
+    assert redis_ttl(stack, "splitstream:feedback-seen:{splitstream:feedback:affine}:purchase:order-77") > 0
 
 
 def redis_ttl(stack: RecordingStack, key: str) -> int:

@@ -385,7 +385,7 @@ def test_bad_redis_and_consul_tls_settings_are_exit_2_with_one_line(tmp_path: Pa
     recorder = [sys.executable, "-m", "splitstream.recorder", "--port", "0", "--hmac-key", "k"]
     router = [sys.executable, "-m", "splitstream.router", "--port", "0", "--registry", "consul://127.0.0.1:1"]
     cases: list[tuple[list[str], dict[str, str], str]] = [
-        ([*recorder, "--redis-tls-ca", str(pki.ca)], {}, "need a rediss:// --redis-url"),
+        ([*recorder, "--redis-tls-ca", str(pki.ca)], {}, "need a rediss://"),
         ([*recorder, "--redis-url", "rediss://h:1/0", "--redis-tls-cert", str(client.cert)], {}, "go together"),
         ([*recorder, "--redis-url", "rediss://h:1/0", "--redis-password-file", str(tmp_path / "nope")], {},
          "--redis-password-file"),

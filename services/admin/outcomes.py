@@ -26,14 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window
 from splitstream.analysis.model import Analysis, MetricComparison, MetricSpec, PhaseResult
 from splitstream.analysis.statistics import MetricKind
-from splitstream.common.redis_url import NO_REDIS_SECURITY, RedisSecurity, check_connection_options
+from splitstream.common.redis_url import NO_REDIS_SECURITY, RedisClient, RedisSecurity, open_redis
 from splitstream.common.secrets import redact_text, redact_url
 
 GUARD_SYNTAX = "NAME[:KIND]:lift>=BOUND or NAME[:KIND]:lift<=BOUND, BOUND relative (-1%) or absolute (-0.002)"
@@ -201,16 +200,14 @@ class OutcomeReader:
         self.security = security
         self.timeout_s = timeout_s
 
-    def _client(self) -> Redis:
-        """ValueError for a URL that cannot be used."""
-        client = Redis.from_url(
+    def _client(self) -> RedisClient:
+        """ValueError for a URL that cannot be used (one Redis or a cluster, like every other reader)."""
+        return open_redis(
             self.url,
+            security=self.security,
             socket_connect_timeout=self.timeout_s,
             socket_timeout=max(self.timeout_s, 30),
-            **self.security.client_options(),
         )
-        check_connection_options(client)
-        return client
 
     def check_reachable(self) -> None:
         """ValueError for a bad URL, OSError naming Redis when it cannot be reached."""

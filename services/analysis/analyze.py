@@ -18,6 +18,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from splitstream.analysis import statistics as st
 from splitstream.analysis.loading import (
@@ -53,6 +54,7 @@ from splitstream.analysis.model import (
     Verdict,
 )
 from splitstream.analysis.sources import RedisSource
+from splitstream.common.redis_url import RedisClient
 
 FloatArray = npt.NDArray[np.float64]
 #: Power the "more units needed" estimate aims at.
@@ -103,10 +105,10 @@ class _Attributed:
     not_randomized: int
 
 
-async def analyze(source: Redis | Source, query: Query) -> Analysis:
+async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
     """Read the window from Redis (or another :class:`Source`: the archive, both) and analyse it. Raises
     RedisError/OSError when Redis fails mid-way, ArchiveError when the archive does."""
-    if isinstance(source, Redis):
+    if isinstance(source, Redis | RedisCluster):
         source = RedisSource(source)
     metric_names = [m.name for m in query.metrics]
     feedback = await load_feedback(source, query.model, query.window, metric_names, page_size=query.page_size)

@@ -18,7 +18,6 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.analysis.analyze import Query, analyze
@@ -30,7 +29,7 @@ from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archi
 from splitstream.common.durations import BadDuration, parse_duration_ns
 from splitstream.common.files import atomic_write
 from splitstream.common.records import recorded_models, stream_key
-from splitstream.common.redis_url import check_connection_options
+from splitstream.common.redis_url import open_redis
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import BadTime, parse_instant_ns
 
@@ -273,8 +272,7 @@ async def _open_archive(url: str, endpoint: str) -> Archive:
 
 async def _analyze_redis(url: str, query: Query, connect_timeout_s: float, archive: Archive | None) -> Analysis:
     try:
-        redis = Redis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 30))
-        check_connection_options(redis)
+        redis = open_redis(url, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 30))
     except ValueError as error:
         raise UsageError(f"bad --redis-url {redact_url(url)!r}: {redact_text(str(error))}") from None
     try:

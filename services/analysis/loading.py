@@ -27,8 +27,10 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
 from splitstream.common.records import decode_record
+from splitstream.common.redis_url import RedisClient
 
 #: Assignments that were randomized (the split on the routing key, or a random draw without one): the only
 #: calls an A/B comparison may use. Pins, spills, retries and records older than the field are shown apart.
@@ -230,12 +232,34 @@ def _as_sent(response: object, **options: object) -> object:
     return response
 
 
-async def read_pages(redis: Redis, key: str, *, start: str, end: str, page_size: int) -> AsyncIterator[RawPage]:
+async def read_pages(redis: RedisClient, key: str, *, start: str, end: str, page_size: int) -> AsyncIterator[RawPage]:
     """XRANGE ``key`` from ``start`` to ``end`` in pages of ``page_size`` entries, as Redis sent them."""
+    if isinstance(redis, RedisCluster):
+        # A cluster client's reply callbacks are shared by all its users: the fields come back as dicts here,
+        # and are flattened again (the decode cost the single-Redis path avoids).
+        async for page in _cluster_pages(redis, key, start=start, end=end, page_size=page_size):
+            yield page
+        return
     client = _unparsed(redis)
     lower = start
     while True:
         page = cast(RawPage, await client.xrange(key, min=lower, max=end, count=page_size))
+        if page:
+            yield page
+        if len(page) < page_size:
+            return
+        lower = "(" + bytes(page[-1][0]).decode()
+
+
+async def _cluster_pages(
+    redis: RedisCluster, key: str, *, start: str, end: str, page_size: int
+) -> AsyncIterator[RawPage]:
+    lower = start
+    while True:
+        parsed = cast(
+            list[tuple[bytes, dict[bytes, bytes]]], await redis.xrange(key, min=lower, max=end, count=page_size)
+        )
+        page: RawPage = [(raw_id, [part for item in fields.items() for part in item]) for raw_id, fields in parsed]
         if page:
             yield page
         if len(page) < page_size:

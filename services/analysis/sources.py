@@ -19,7 +19,6 @@ from typing import cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from redis.asyncio import Redis
 
 from splitstream.analysis.loading import (
     CALL_FIELDS,
@@ -34,6 +33,7 @@ from splitstream.analysis.loading import (
 )
 from splitstream.common.archive import Archive, ArchiveQuery, read_calls, read_calls_by_hour, read_feedback
 from splitstream.common.records import feedback_key, stream_key
+from splitstream.common.redis_url import RedisClient
 
 #: Archive call columns → the stream entry's field names.
 _CALL_COLUMNS = {
@@ -69,7 +69,7 @@ FeedbackPage = dict[bytes, list[bytes]]
 class RedisSource:
     """The recorder's streams, read in pages (XRANGE)."""
 
-    redis: Redis
+    redis: RedisClient
 
     async def call_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[CallPage]:
         start, end = bounds(window)
@@ -136,7 +136,7 @@ class ArchiveSource:
 class StraddlingSource:
     """``--archive URL`` beside Redis: per stream, the archive below Redis's oldest entry, then Redis."""
 
-    redis: Redis
+    redis: RedisClient
     archive: Archive
 
     async def call_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[CallPage]:
@@ -156,7 +156,7 @@ class StraddlingSource:
             yield page
 
 
-async def _oldest_id(redis: Redis, key: str) -> str | None:
+async def _oldest_id(redis: RedisClient, key: str) -> str | None:
     """The id of the oldest entry of ``key``; None when the stream is empty or absent (all is archived)."""
     entries = await redis.xrange(key, count=1)
     if not entries:

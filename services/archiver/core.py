@@ -14,7 +14,7 @@ Delivery, step by step, and why nothing is lost or kept twice:
    under the same names again; any other archiver takes them over (``XAUTOCLAIM``) once they have
    been idle ``claim_idle_s``, and writes them under its own batching, so a reader may meet a request
    id twice: readers de-duplicate by request id.
-4. After acknowledging, the stream's mark (``splitstream:archived:<stream>``) is raised by a script
+4. After acknowledging, the stream's mark (``splitstream:archived:{<stream>}``) is raised by a script
    that reads the group's state inside Redis: the oldest pending entry, or past the last delivered
    one when none is pending. Computed from the group, not from this archiver's own progress, so with
    several archivers it is never past an entry another one holds; the script only ever raises it.
@@ -36,7 +36,7 @@ from typing import Any, cast
 import pyarrow as pa
 import pyarrow.fs as pafs
 import structlog
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from splitstream.archiver.metrics import ArchiverMetrics
@@ -50,6 +50,7 @@ from splitstream.common.records import (
     blob_key,
     stream_id_ms,
 )
+from splitstream.common.redis_url import RedisClient
 
 #: KEYS: the stream, its mark. ARGV: the group. Raises the mark to the group's low-water mark (oldest
 #: pending id, else the id after the last delivered); returns the mark, or false without the group.
@@ -123,7 +124,9 @@ def stream_model(stream: str) -> tuple[str, str]:
 
 
 class Archiver:
-    def __init__(self, redis: Redis, archive: Archive, settings: ArchiverSettings, metrics: ArchiverMetrics) -> None:
+    def __init__(
+        self, redis: RedisClient, archive: Archive, settings: ArchiverSettings, metrics: ArchiverMetrics
+    ) -> None:
         self.redis = redis
         self.archive = archive
         self.settings = settings
@@ -270,13 +273,7 @@ class Archiver:
         if waiting:
             block_s = max(0.0, min(block_s, min(waiting) + self.settings.flush_interval_s - time.monotonic()))
         try:
-            reply = await self.redis.xreadgroup(
-                self.settings.group,
-                self.settings.consumer,
-                dict.fromkeys(self.buffers, ">"),
-                count=count,
-                block=max(1, int(block_s * 1000)),
-            )
+            reply = await self._read_streams(list(self.buffers), count=count, block_ms=max(1, int(block_s * 1000)))
         except ResponseError as error:
             if "NOGROUP" in str(error):  # a stream deleted (or its group destroyed): forget it, find it again
                 await self._forget_lost_streams()
@@ -285,6 +282,26 @@ class Archiver:
         for stream, entry in self._entries(reply):
             self.buffers[stream].add(entry)
         self.metrics.buffered.set(sum(len(b.entries) for b in self.buffers.values()) + len(self._in_flight))
+
+    async def _read_streams(self, streams: list[str], *, count: int, block_ms: int) -> Any:
+        """One XREADGROUP of every stream; on a cluster, one per slot, concurrently (a command's keys must
+        share a slot), their replies joined. COUNT is per stream either way."""
+        if not isinstance(self.redis, RedisCluster):
+            return await self.redis.xreadgroup(
+                self.settings.group, self.settings.consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms
+            )
+        by_slot: dict[int, list[str]] = {}
+        for stream in streams:
+            by_slot.setdefault(self.redis.keyslot(stream), []).append(stream)
+        replies = await asyncio.gather(
+            *(
+                self.redis.xreadgroup(
+                    self.settings.group, self.settings.consumer, dict.fromkeys(group, ">"), count=count, block=block_ms
+                )
+                for group in by_slot.values()
+            )
+        )
+        return [item for reply in replies for item in cast(list[Any], reply or [])]
 
     async def _forget_lost_streams(self) -> None:
         """Streams whose group is gone (the stream deleted, or the group destroyed by hand) leave the

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import structlog
 from grpc import aio
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.archiver.core import Archiver, ArchiverSettings
@@ -27,7 +26,7 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.records import ARCHIVE_GROUP
-from splitstream.common.redis_url import check_connection_options
+from splitstream.common.redis_url import open_redis
 from splitstream.common.runtime import (
     Runtime,
     ServerDefaults,
@@ -173,13 +172,12 @@ class ArchiverService(Service):
         except ArchiveError as error:
             raise ConfigError(f"--archive: {error}") from None
         try:
-            self.redis = Redis.from_url(
+            self.redis = open_redis(
                 config.redis_url,
                 socket_timeout=config.redis_timeout_s + 2.0,  # XREADGROUP blocks up to a second
                 socket_connect_timeout=config.redis_timeout_s,
                 client_name="splitstream-archive",
             )
-            check_connection_options(self.redis)
         except ValueError as error:
             raise ConfigError(f"--redis-url {redact_url(config.redis_url)}: {redact_text(str(error))}") from None
         self.archiver = Archiver(self.redis, self.archive, config.settings, self.archiver_metrics)

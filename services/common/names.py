@@ -22,6 +22,10 @@ def check_model_name(model: str) -> None:
         # The wildcard of the router's grants (models: ["*"]) and of stream-key patterns
         # (splitstream:calls:*): a model of that name could be neither granted alone nor listed apart.
         raise ValueError(f"model {model!r} contains '*', which means 'every model' in grants and key patterns")
+    if "{" in model or "}" in model:
+        # Keys beside a model's streams carry the stream key as a Redis Cluster hash tag ({...}) to share its
+        # slot; a brace in the name would end the tag early (or start one in the stream key itself).
+        raise ValueError(f"model {model!r} contains a brace, which Redis Cluster reads as a hash tag in its keys")
     bad = next((ch for ch in model if ch.isspace() or not ch.isprintable()), None)
     if bad is not None:
         raise ValueError(f"model {model!r} contains {bad!r}; whitespace and control characters cannot be in a key")

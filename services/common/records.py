@@ -19,20 +19,22 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import NoReturn, cast
 
-from redis.asyncio import Redis
-
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
+from splitstream.common.redis_url import RedisClient
 
 STREAM_PREFIX = "splitstream:calls:"
 FEEDBACK_PREFIX = "splitstream:feedback:"
-#: ``splitstream:feedback-seen:<model>:<metric>:<idempotency_key>``: set (NX, with a TTL) by the recorder
-#: with the entry it writes, so an event re-sent with the same key is not written twice.
+#: ``splitstream:feedback-seen:{splitstream:feedback:<model>}:<metric>:<idempotency_key>``: set (NX, with a
+#: TTL) by the recorder with the entry it writes, so an event re-sent with the same key is not written twice.
+#: The braces are a Redis Cluster hash tag: the key hashes to the slot of the feedback stream it guards, so
+#: the script that sets it and adds the entry touches one slot (model names hold no braces, see
+#: :func:`splitstream.common.names.check_model_name`).
 FEEDBACK_SEEN_PREFIX = "splitstream:feedback-seen:"
 BLOB_PREFIX = "splitstream:blob:"
-#: ``splitstream:archived:<stream key>``: the archive's low-water mark of one stream, a stream id such
+#: ``splitstream:archived:{<stream key>}``: the archive's low-water mark of one stream, a stream id such
 #: that every entry with a smaller id is in the archive. Archivers only ever raise it (computed from the
 #: consumer group's own state, so several archivers agree); the recorder's ``--trim-archived`` retention
-#: never trims at or past it.
+#: never trims at or past it. The hash tag puts it in its stream's slot (the scripts reading both).
 ARCHIVED_PREFIX = "splitstream:archived:"
 #: The consumer group archivers read the call and feedback streams with.
 ARCHIVE_GROUP = "splitstream-archive"
@@ -117,12 +119,12 @@ def feedback_seen_key(model: str, metric: str, idempotency_key: str) -> str:
     hold ``:``, so two triples can share a key only when one's model ends where the other's metric
     begins (model ``a:b`` metric ``c`` against model ``a`` metric ``b:c``, same idempotency key):
     the later event then counts as a duplicate."""
-    return f"{FEEDBACK_SEEN_PREFIX}{model}:{metric}:{idempotency_key}"
+    return f"{FEEDBACK_SEEN_PREFIX}{{{feedback_key(model)}}}:{metric}:{idempotency_key}"
 
 
 def archive_mark_key(stream: str) -> str:
     """The key holding the archive's low-water mark of stream key ``stream`` (:data:`ARCHIVED_PREFIX`)."""
-    return ARCHIVED_PREFIX + stream
+    return f"{ARCHIVED_PREFIX}{{{stream}}}"
 
 
 #: Lua: whether stream id ARGV-style ``a`` sorts before ``b`` (``ms`` alone reads as ``ms-0``). Shared by
@@ -247,7 +249,7 @@ def routing_key_hmac(key: bytes, routing_key: str) -> str:
     return hmac.digest(key, routing_key.encode(), "sha256").hex()
 
 
-async def recorded_models(redis: Redis) -> list[str]:
+async def recorded_models(redis: RedisClient) -> list[str]:
     """The models that have a stream, sorted (a SCAN, so cheap enough for an error message or a listing)."""
     models = []
     async for key in redis.scan_iter(match=STREAM_PREFIX + "*", count=1000, _type="stream"):
@@ -257,7 +259,7 @@ async def recorded_models(redis: Redis) -> list[str]:
 
 
 async def read_entries(
-    redis: Redis, model: str, *, start: str = "-", end: str = "+", page_size: int = 500
+    redis: RedisClient, model: str, *, start: str = "-", end: str = "+", page_size: int = 500
 ) -> AsyncIterator[RawEntry]:
     """Yield the raw entries of ``model``'s stream between stream ids ``start`` and ``end`` (inclusive), oldest first.
 
@@ -319,7 +321,7 @@ def decode_record(data: bytes) -> recorder_pb2.CallRecord:
     return record
 
 
-async def payload_bytes(redis: Redis, payload: recorder_pb2.Payload) -> bytes:
+async def payload_bytes(redis: RedisClient, payload: recorder_pb2.Payload) -> bytes:
     """The payload's bytes, inline or fetched from its blob. Raises :class:`MissingBlob` if the blob is gone."""
     if payload.WhichOneof("body") != "blob_sha256":
         return payload.inline

@@ -25,7 +25,7 @@ PROG = "splitstream-recorder"
 #: deployment-wide variable beside the recorder's own SPLITSTREAM_RECORDER_HMAC_KEY.
 SHARED_HMAC_KEY_ENV = "SPLITSTREAM_HMAC_KEY"
 DAY_S = 86400.0
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 class Action(Enum):
@@ -73,6 +73,7 @@ class RecorderConfig(Document):
     blob_threshold_bytes: Annotated[int, Field(ge=0)]
     blob_ttl_s: Annotated[int, Field(ge=0)]
     trim_archived: bool = False
+    redis_wait_replicas: Annotated[int, Field(ge=0)] = 0
     redact_metadata: tuple[Rule, ...]
     redact_input: tuple[Rule, ...]
     redact_output: tuple[Rule, ...]
@@ -86,7 +87,8 @@ class RecorderConfig(Document):
         scheme = urlsplit(self.redis_url).scheme
         if scheme not in REDIS_SCHEMES:
             raise ValueError(
-                f"--redis-url must start with redis://, rediss:// or unix:// (got scheme {scheme or 'none'!r})"
+                "--redis-url must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster:// "
+                f"(got scheme {scheme or 'none'!r})"
             )
         # Masked metadata becomes an HMAC of its value; masked tensors are zeroed and need no key.
         masks = [r for r in self.redact_metadata if r.action is Action.MASK]
@@ -165,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=2.0,
         help="connect and reply timeout for Redis; a dead Redis fails a batch within about this long",
+    )
+    parser.add_argument(
+        "--redis-wait-replicas",
+        type=int,
+        default=0,
+        help="a batch is acknowledged only once this many replicas of each master it wrote to hold it "
+        "(WAIT; 0: once the master does). With 1, a master lost in a failover loses no acknowledged record",
     )
     parser.add_argument(
         "--health-interval-s",

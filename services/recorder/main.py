@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 from grpc import aio
-from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -21,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.redis_url import check_connection_options
+from splitstream.common.redis_url import RedisClient, open_redis
 from splitstream.common.runtime import Runtime, Service, run_service
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.service_auth import ServiceAuth
@@ -46,20 +45,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_service(config.server, lambda: Recorder(config), prog=PROG)
 
 
-def connect_redis(config: RecorderConfig) -> Redis:
+def connect_redis(config: RecorderConfig) -> RedisClient:
     """A client that fails fast: connect and reply timeouts of ``redis_timeout_s``, and one immediate
     reconnect on a broken connection (a Redis restart leaves stale pooled connections), never a retry
     on a timeout. Raises ValueError for a URL redis-py cannot use."""
-    client = Redis.from_url(
+    return open_redis(
         config.redis_url,
+        security=config.redis_security,
         socket_timeout=config.redis_timeout_s,
         socket_connect_timeout=config.redis_timeout_s,
         retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
         client_name="splitstream-recorder",
-        **config.redis_security.client_options(),
     )
-    check_connection_options(client)
-    return client
 
 
 class Recorder(Service):
@@ -84,6 +81,8 @@ class Recorder(Service):
             retention_age_s=config.retention_age_s,
             blob_ttl_s=config.effective_blob_ttl_s,
             trim_archived=config.trim_archived,
+            wait_replicas=config.redis_wait_replicas,
+            wait_timeout_ms=max(1, int(config.redis_timeout_s * 500)),
         )
         self.executor = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         self.core = RecorderCore(

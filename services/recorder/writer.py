@@ -9,13 +9,13 @@ Layout (see :mod:`splitstream.common.records`, which reads it back):
   that every new reference refreshes.
 - ``splitstream:feedback:<model>``: a stream, one entry per outcome event, same retention as
   the call streams. An event with an idempotency key is written by a small Lua script that sets
-  ``splitstream:feedback-seen:<model>:<metric>:<key>`` (NX, TTL ``dedup_ttl_s``) and adds the
+  ``splitstream:feedback-seen:{splitstream:feedback:<model>}:<metric>:<key>`` (NX, TTL ``dedup_ttl_s``) and adds the
   entry only if the key was new: atomic, so a resend after a failure can neither lose the event
   (marked seen, never written) nor write it twice. It rides in the same pipeline as the XADDs.
 
 With ``trim_archived`` (``--trim-archived``), XADD trims nothing; after a batch's entries, one small
 script per stream trims it to what retention asks *and* the archive holds: it reads the stream's
-archive mark (``splitstream:archived:<stream>``, see :func:`splitstream.common.records.archive_mark_key`)
+archive mark (``splitstream:archived:{<stream>}``, see :func:`splitstream.common.records.archive_mark_key`)
 and trims (``MINID ~``) below ``min(retention bound, mark)``. No mark yet (no archiver has run):
 nothing is trimmed. An archiver down for long therefore makes Redis grow past its retention, by the
 traffic of the outage; each trim the mark held back is counted (``trims_held_by_archive``). A count
@@ -27,6 +27,17 @@ exist), then the missing blobs go out with ``SET NX EX`` in the same pipeline as
 XADDs, ahead of them, so a record is never visible before its blob. Batches without
 blobs take one round trip. Pipelines are not transactions: if Redis fails midway, some
 records may be written and the router's resend duplicates them (at least once).
+
+Redis Cluster (a :class:`~redis.asyncio.cluster.RedisCluster` client): every command above touches one
+slot (the seen key and the archive mark carry their stream's key as a hash tag), but a pipeline is split
+per master and the parts are sent concurrently, so "blob ahead of its record" no longer follows from the
+order in the pipeline: the missing blobs are written in a round of their own, confirmed, before the XADDs
+go out (one more round trip, only for batches with new blobs). Scripts are sent with ``EVAL`` rather
+than ``EVALSHA``: a script cache is per node and is not replicated, so a replica promoted in a failover
+would answer NOSCRIPT mid-pipeline. A master that fails makes the batch fail (StoreUnavailable; the
+router keeps it and resends); the client then re-reads the slot map, so the resend finds the promoted
+replica. Commands of the batch that reached the surviving masters stay written: the resend duplicates
+them (at least once, as with one Redis).
 
 Redis can be up and still refuse writes (maxmemory under ``noeviction``: OOM; a read-only
 replica; MISCONF after a failed save). PING cannot tell: after a write refused with an
@@ -42,10 +53,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from splitstream.common.records import LUA_ID_LESS, archive_mark_key, blob_key
+from splitstream.common.redis_url import RedisClient, is_cluster
 from splitstream.recorder.errors import StoreRefused, StoreUnavailable
 
 #: Error codes (beside redis-py's OutOfMemoryError and ReadOnlyError, whose code it strips from the
@@ -160,24 +172,33 @@ return {redis.call('XTRIM', KEYS[1], 'MINID', '~', want), held}
 class RedisWriter:
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         *,
         retention_maxlen: int,
         retention_age_s: float,
         blob_ttl_s: int,
         dedup_ttl_s: int | None = None,
         trim_archived: bool = False,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
         clock: Callable[[], float] = time.time,
     ) -> None:
         """``dedup_ttl_s``: how long an idempotency key is remembered (None: as long as blobs; 0: for ever).
-        ``trim_archived``: retention never trims what the archive does not hold yet (module docstring)."""
+        ``trim_archived``: retention never trims what the archive does not hold yet (module docstring).
+        ``wait_replicas``: a write returns only once that many replicas of every master it wrote to hold it
+        (``WAIT`` on the connection that wrote, at the end of each pipeline part), else StoreUnavailable:
+        replication is asynchronous, and a master that dies before its replica has a write loses it in the
+        failover. ``wait_timeout_ms`` bounds each WAIT (keep it under the socket timeout)."""
         self.redis = redis
+        self.cluster = is_cluster(redis)
         self.retention_maxlen = retention_maxlen
         self.retention_age_ms = int(retention_age_s * 1000)
         self.blob_ttl_s = blob_ttl_s
         self.dedup_ttl_s = blob_ttl_s if dedup_ttl_s is None else dedup_ttl_s
         self._add_once = redis.register_script(_ADD_ONCE)
         self.trim_archived = trim_archived
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         self._trim_archived = redis.register_script(_TRIM_ARCHIVED)
         self._clock = clock
         #: Why Redis last refused a write with an error reply; None once a write succeeds again.
@@ -188,8 +209,14 @@ class RedisWriter:
     async def ping(self) -> None:
         """Raise :class:`StoreUnavailable` unless Redis answers."""
         try:
-            await self.redis.ping()
+            if isinstance(self.redis, RedisCluster):
+                await self.redis.ping(target_nodes=RedisCluster.PRIMARIES)
+            else:
+                await self.redis.ping()
         except (RedisError, OSError, TimeoutError) as error:
+            if isinstance(self.redis, RedisCluster):
+                # A master is gone: read the slot map again at the next command (a replica promoted since).
+                await self.redis.aclose()
             raise StoreUnavailable(f"redis did not answer PING: {_describe(error)}") from error
 
     async def check(self) -> None:
@@ -226,9 +253,16 @@ class RedisWriter:
 
     async def _write(self, batch: WriteBatch) -> WriteResult:
         missing = await self._missing_blobs(list(batch.blobs)) if batch.blobs else []
+        created = 0
         pipe = self.redis.pipeline(transaction=False)
         for digest in missing:
             pipe.set(blob_key(digest), batch.blobs[digest], nx=True, ex=self.blob_ttl_s or None)
+        if self.cluster and missing:
+            # Confirmed before any XADD is sent: the pipeline's parts go to their masters concurrently.
+            waits = self._queue_waits(pipe, [blob_key(digest) for digest in missing])
+            created = sum(1 for result in await self._checked_waits(await pipe.execute(), waits) if result)
+            pipe = self.redis.pipeline(transaction=False)
+        blob_commands = len(pipe)
         minid = str(int(self._clock() * 1000) - self.retention_age_ms) if self.retention_age_ms else None
         maxlen = self.retention_maxlen or None
         archive_bounds = (minid, maxlen)
@@ -256,20 +290,22 @@ class RedisWriter:
             else:
                 pairs = [part for item in event.fields.items() for part in item]
                 args = [self.dedup_ttl_s, maxlen or 0, "" if maxlen or not minid else minid, *pairs]
-                await self._add_once(keys=[event.seen_key, event.stream], args=args, client=pipe)
+                await self._script(self._add_once, pipe, keys=[event.seen_key, event.stream], args=args)
         streams = list(dict.fromkeys([entry.stream for entry in batch.entries] + [e.stream for e in batch.feedback]))
         if maxlen and minid:
             for stream in streams:
                 pipe.xtrim(stream, minid=minid, approximate=True)
-        trimmed_from = len(pipe.command_stack)
+        trimmed_from = len(pipe)
         if self.trim_archived and any(archive_bounds):
             for stream in streams:
                 args = [archive_bounds[0] or "", archive_bounds[1] or 0, _MAXLEN_CUT_STEP]
-                await self._trim_archived(keys=[stream, archive_mark_key(stream)], args=args, client=pipe)
-        results = await pipe.execute()
+                await self._script(self._trim_archived, pipe, keys=[stream, archive_mark_key(stream)], args=args)
+        # Every key of this pipeline is in one of these streams' slots (blobs went ahead on a cluster).
+        waits = self._queue_waits(pipe, [*streams, *(blob_key(digest) for digest in missing if not self.cluster)])
+        results = await self._checked_waits(await pipe.execute(), waits)
         trims_held = sum(int(result[1]) for result in results[trimmed_from:])
-        created = sum(1 for result in results[: len(missing)] if result)
-        start = len(missing) + len(batch.entries)
+        created += sum(1 for result in results[:blob_commands] if result)
+        start = blob_commands + len(batch.entries)
         written: Counter[str] = Counter()
         duplicates: Counter[str] = Counter()
         for event, result in zip(batch.feedback, results[start : start + len(batch.feedback)], strict=True):
@@ -285,6 +321,56 @@ class RedisWriter:
             feedback_duplicates=dict(duplicates),
             trims_held=trims_held,
         )
+
+    def _queue_waits(self, pipe: Any, keys: list[str]) -> list[int]:
+        """Queue a WAIT behind the writes on each master ``keys`` live on (one on one Redis); the replica count
+        each must reach.
+
+        On a cluster that is ``wait_replicas`` or the replicas the slot map gives that master, the fewer: a
+        replica promoted in a failover has none until its old master comes back (or another is added), and
+        waiting for one would stop recording for good; it then has what one Redis has, the master's copy."""
+        if not self.wait_replicas or not keys:
+            return []
+        if not isinstance(self.redis, RedisCluster):
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            return [self.wait_replicas]
+        slots = self.redis.nodes_manager.slots_cache
+        nodes: dict[str, tuple[Any, int]] = {}
+        for key in keys:
+            serving = slots.get(self.redis.keyslot(key)) or []
+            if serving:
+                nodes[serving[0].name] = (serving[0], min(self.wait_replicas, len(serving) - 1))
+        needs = [(node, needed) for node, needed in nodes.values() if needed]  # WAIT 0 would block its timeout
+        for node, needed in needs:
+            pipe.execute_command("WAIT", needed, self.wait_timeout_ms, target_nodes=node)
+        return [needed for _, needed in needs]
+
+    async def _checked_waits(self, results: list[Any], waits: list[int]) -> list[Any]:
+        """``results`` without the trailing WAIT replies; StoreUnavailable when one counted too few replicas."""
+        if not waits:
+            return results
+        short = [
+            (int(count), needed)
+            for count, needed in zip(results[-len(waits) :], waits, strict=True)
+            if int(count) < needed
+        ]
+        if short:
+            if isinstance(self.redis, RedisCluster):
+                await self.redis.aclose()  # a replica gone: the slot map says so once read again
+            count, needed = short[0]
+            raise StoreUnavailable(
+                f"written, but only {count} of {needed} replicas confirmed within "
+                f"{self.wait_timeout_ms} ms (the batch is not acknowledged; a resend may duplicate it)"
+            )
+        return results[: -len(waits)]
+
+    async def _script(self, script: Any, pipe: Any, *, keys: list[str], args: list[Any]) -> None:
+        """Queue ``script`` on ``pipe``: EVALSHA (loaded first by the pipeline) on one Redis, EVAL on a cluster
+        (module docstring: a promoted replica has an empty script cache)."""
+        if self.cluster:
+            pipe.eval(script.script, len(keys), *keys, *args)
+        else:
+            await script(keys=keys, args=args, client=pipe)
 
     async def _missing_blobs(self, digests: list[str]) -> list[str]:
         """Refresh the TTL of the blobs that exist; return the digests of those that do not."""

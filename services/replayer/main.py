@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from splitstream.common.addresses import check_address
@@ -32,9 +31,10 @@ from splitstream.common.headers import header_value
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
 from splitstream.common.redis_url import (
     NO_REDIS_SECURITY,
+    RedisClient,
     RedisSecurity,
     add_redis_security_arguments,
-    check_connection_options,
+    open_redis,
     redis_security_from_args,
 )
 from splitstream.common.secrets import redact_text, redact_url
@@ -473,15 +473,14 @@ def _os_reason(error: OSError) -> str:
     return f"{where}: {error.strerror}" if where and error.strerror else str(error)
 
 
-async def _open_redis(config: ReplayConfig) -> Redis:
+async def _open_redis(config: ReplayConfig) -> RedisClient:
     try:
-        redis = Redis.from_url(
+        redis = open_redis(
             config.redis_url,
+            security=config.redis_security,
             socket_connect_timeout=config.connect_timeout_s,
             socket_timeout=max(config.connect_timeout_s, 10.0),
-            **config.redis_security.client_options(),
         )
-        check_connection_options(redis)
     except ValueError as error:
         raise SetupError(f"bad --redis-url {redact_url(config.redis_url)!r}: {redact_text(str(error))}") from None
     try:
@@ -506,7 +505,7 @@ async def _open_archive(config: ReplayConfig) -> Archive | None:
     return archive
 
 
-async def _check_models(redis: Redis, models: Sequence[str], *, archived: bool = False) -> None:
+async def _check_models(redis: RedisClient, models: Sequence[str], *, archived: bool = False) -> None:
     """Each model has a stream; with an archive behind Redis, a model may live only there."""
     if archived:
         return

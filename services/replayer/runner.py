@@ -31,8 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from redis.asyncio import Redis
-
 from splitstream.common.archive import Archive
 from splitstream.common.headers import (
     DEFAULT_ROUTING_KEY_HEADER,
@@ -43,6 +41,7 @@ from splitstream.common.headers import (
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import MissingBlob, dropped_payloads, payload_bytes, redacted_outputs, status_name
+from splitstream.common.redis_url import RedisClient
 from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_answers
 from splitstream.replayer.outputs import ResultsWriter
 from splitstream.replayer.progress import Progress
@@ -193,7 +192,7 @@ class Aggregates:
 class Replay:
     def __init__(
         self,
-        redis: Redis | None,
+        redis: RedisClient | None,
         selection: Selection,
         settings: ReplaySettings,
         targets: list[Target],

@@ -40,7 +40,6 @@ from typing import Any, Generic, TypeVar, cast
 
 import pyarrow as pa
 import xxhash
-from redis.asyncio import Redis
 
 from splitstream.common.archive import Archive, ArchiveQuery, read_calls_by_hour
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
@@ -59,6 +58,7 @@ from splitstream.common.records import (
     stream_id_ms,
     stream_key,
 )
+from splitstream.common.redis_url import RedisClient
 from splitstream.replayer.summary import SelectionSummary
 
 T = TypeVar("T")
@@ -306,7 +306,7 @@ def admit(entry: RawEntry, selection: Selection, stats: SelectionStats) -> Selec
 
 
 async def model_calls(
-    redis: Redis, model: str, selection: Selection, stats: SelectionStats
+    redis: RedisClient, model: str, selection: Selection, stats: SelectionStats
 ) -> AsyncGenerator[SelectedCall, None]:
     """One model's selected calls, de-duplicated, in receive-time order (see the module docstring)."""
     horizon = selection.max_lateness_ns + selection.clock_skew_ns
@@ -410,7 +410,7 @@ async def archive_model_calls(
 
 
 async def straddling_model_calls(
-    redis: Redis, archive: Archive, model: str, selection: Selection, stats: SelectionStats
+    redis: RedisClient, archive: Archive, model: str, selection: Selection, stats: SelectionStats
 ) -> AsyncGenerator[SelectedCall, None]:
     """Redis, with the part of the window older than the stream's oldest entry read from the archive.
 
@@ -454,7 +454,7 @@ async def straddling_model_calls(
 
 
 async def select_calls(
-    redis: Redis | None,
+    redis: RedisClient | None,
     selection: Selection,
     stats: SelectionStats,
     *,
