@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from splitstream.common.records import stream_key
 from splitstream.common.tls import ClientTls
 from tests.certs import Issued, Pki, served_serial
 from tests.consul_emulator import ConsulEmulator
+from tests.experiments import Call, Event, phase, write_calls, write_feedback
 from tests.harness import (
     ROOT,
     InferClient,
@@ -462,3 +464,85 @@ def test_workers_and_routers_use_consul_over_https_with_a_client_certificate_and
         wait_for(answered, timeout_s=30, what="a call through the router to the worker found in Consul")
     assert "token in query string" not in consul.log()
     assert token not in router.log()
+
+
+ARCHIVER_ACL = readme_acl("splitstream-archiver", "archiver-pw")
+
+
+def test_analyze_reads_as_the_read_only_user_and_the_archiver_as_its_own_over_tls(
+    tmp_path: Path, pki: Pki, stack: Stack
+) -> None:
+    """The analysis CLI and ``splitstream-archive`` take the same Redis TLS files and ACL user as the
+    recorder and the replayer: a Redis that accepts only TLS with client certificates and named users."""
+    server = pki.issue("redis")
+    harness = pki.issue("redis-admin")
+    tls = RedisTls(server.cert, server.key, pki.ca, auth_clients=True, client_cert=harness.cert, client_key=harness.key)
+    users = (READER_ACL, ARCHIVER_ACL)
+    with RedisServer(tmp_path / "redis", password="admin-pw", tls=tls, users=users) as redis_tls:
+        now_ns = time.time_ns()
+        calls = [
+            Call(f"c{i}", now_ns - 600 * 10**9 + i * 10**6, "v1" if i % 2 else "v2", unit=f"u{i}") for i in range(200)
+        ]
+        admin_client = redis_tls.client()
+        try:
+            write_calls(admin_client, MODEL, calls, phase({"v1": 50, "v2": 50}, "v1"))
+            write_feedback(
+                admin_client,
+                MODEL,
+                [Event("click", 1.0, c.time_ns + 10**6, request_id=c.request_id) for c in calls[::3]],
+            )
+        finally:
+            admin_client.close()
+        client = pki.issue("analyst", server=False)
+        files = [
+            "--redis-tls-ca",
+            str(pki.ca),
+            "--redis-tls-cert",
+            str(client.cert),
+            "--redis-tls-key",
+            str(client.key),
+        ]
+        clean_env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
+
+        def analyze(*flags: str, password: str = "reader-pw") -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "splitstream.admin", "analyze", MODEL, "--redis-url", redis_tls.url_for(),
+                 "--since", "-1h", "--metric", "click:proportion", "--output-dir", str(tmp_path / "analysis"), *flags],
+                env={**clean_env, "SPLITSTREAM_ADMIN_REDIS_PASSWORD": password},
+                cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+            )  # fmt: skip
+
+        analysed = analyze("--redis-username", "splitstream-reader", *files)
+        assert analysed.returncode == 0, analysed.stderr
+        document = json.loads((tmp_path / "analysis" / "analysis.json").read_text())
+        assert document["model"] == MODEL
+        assert sum(arm["calls"] for arm in document["phases"][0]["arms"]) == len(calls)
+        assert "reader-pw" not in analysed.stdout + analysed.stderr
+
+        wrong = analyze("--redis-username", "splitstream-reader", *files, password="not-the-password")
+        assert wrong.returncode == 1
+        assert len(wrong.stderr.strip().splitlines()) == 1
+        half = analyze("--redis-tls-cert", str(client.cert))
+        assert half.returncode == 2
+        assert "--redis-tls-cert and --redis-tls-key go together" in half.stderr
+
+        archive_dir = tmp_path / "archive"
+        port = free_port()
+        stack.service(
+            "archiver",
+            "splitstream.archiver",
+            [
+                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+                "--redis-url", redis_tls.url_for(), "--redis-username", "splitstream-archiver", *files,
+                "--archive", str(archive_dir), "--consumer", "a",
+                "--flush-interval-s", "0.3", "--claim-idle-s", "30", "--scan-interval-s", "0.3",
+            ],
+            port=port,
+            env={**clean_env, "SPLITSTREAM_ARCHIVE_REDIS_PASSWORD": "archiver-pw"},
+        )  # fmt: skip
+        wait_for(
+            lambda: [path for path in archive_dir.rglob("*.parquet") if "/calls/" in str(path)],
+            timeout_s=60,
+            interval_s=0.3,
+            what="the archiver to write the calls it read over TLS as its ACL user",
+        )

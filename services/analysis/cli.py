@@ -27,9 +27,16 @@ from splitstream.analysis.report import render_html, render_table
 from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
 from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, open_archive, partition_dir
 from splitstream.common.durations import BadDuration, parse_duration_ns
+from splitstream.common.errors import ConfigError
 from splitstream.common.files import atomic_write
 from splitstream.common.records import recorded_models, stream_key
-from splitstream.common.redis_url import open_redis
+from splitstream.common.redis_url import (
+    NO_REDIS_SECURITY,
+    RedisSecurity,
+    add_redis_security_arguments,
+    open_redis,
+    redis_security_from_args,
+)
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import BadTime, parse_instant_ns
 
@@ -92,6 +99,8 @@ def add_command(commands: Any, env_prefix: str) -> None:
     )
     parser.add_argument("model")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
+    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see README, Security)"))
+    parser.set_defaults(redis_env_prefix=env_prefix)
     parser.add_argument(
         "--source",
         default="redis",
@@ -247,8 +256,12 @@ async def _analyze(args: argparse.Namespace, query: Query) -> Analysis:
             return await analyze(ArchiveSource(archive), query)
         except ArchiveError as error:
             raise AnalysisFailed(str(error)) from None
+    try:
+        security = redis_security_from_args(args, url=args.redis_url, env_prefix=args.redis_env_prefix)
+    except ConfigError as error:
+        raise UsageError(str(error)) from None
     behind = await _open_archive(args.archive, args.s3_endpoint) if args.archive else None
-    return await _analyze_redis(args.redis_url, query, args.connect_timeout_s, behind)
+    return await _analyze_redis(args.redis_url, query, args.connect_timeout_s, behind, security)
 
 
 def _archived(archive: Archive, model: str) -> bool:
@@ -270,9 +283,20 @@ async def _open_archive(url: str, endpoint: str) -> Archive:
     return archive
 
 
-async def _analyze_redis(url: str, query: Query, connect_timeout_s: float, archive: Archive | None) -> Analysis:
+async def _analyze_redis(
+    url: str,
+    query: Query,
+    connect_timeout_s: float,
+    archive: Archive | None,
+    security: RedisSecurity = NO_REDIS_SECURITY,
+) -> Analysis:
     try:
-        redis = open_redis(url, socket_connect_timeout=connect_timeout_s, socket_timeout=max(connect_timeout_s, 30))
+        redis = open_redis(
+            url,
+            security=security,
+            socket_connect_timeout=connect_timeout_s,
+            socket_timeout=max(connect_timeout_s, 30),
+        )
     except ValueError as error:
         raise UsageError(f"bad --redis-url {redact_url(url)!r}: {redact_text(str(error))}") from None
     try:

@@ -26,7 +26,12 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.records import ARCHIVE_GROUP
-from splitstream.common.redis_url import open_redis
+from splitstream.common.redis_url import (
+    RedisSecurity,
+    add_redis_security_arguments,
+    open_redis,
+    redis_security_from_args,
+)
 from splitstream.common.runtime import (
     Runtime,
     ServerDefaults,
@@ -38,6 +43,7 @@ from splitstream.common.runtime import (
 from splitstream.common.secrets import redact_text, redact_url
 
 PROG = "splitstream-archive"
+ENV_PREFIX = "SPLITSTREAM_ARCHIVE_"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +51,7 @@ class ArchiverConfig:
     server: ServerSettings
     redis_url: str
     redis_timeout_s: float
+    redis_security: RedisSecurity
     archive_url: str
     s3_endpoint: str
     settings: ArchiverSettings
@@ -53,7 +60,7 @@ class ArchiverConfig:
 def build_parser() -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = EnvArgumentParser(
         prog=PROG,
-        env_prefix="SPLITSTREAM_ARCHIVE_",
+        env_prefix=ENV_PREFIX,
         description=(
             "Read the recorder's call and feedback streams as a Redis consumer group and write them as "
             "zstd Parquet, partitioned by model/date/hour, to a directory or an S3-compatible store; entries "
@@ -63,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(parser, ServerDefaults(port=8005, metrics_port=8006, drain_delay_s=0.0))
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
     parser.add_argument("--redis-timeout-s", type=float, default=5.0, help="connect and reply timeout for Redis")
+    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see README, Security)"))
     parser.add_argument(
         "--archive",
         default="file://./splitstream-archive",
@@ -137,12 +145,14 @@ def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
             read_count=args.read_count,
             scan_interval_s=args.scan_interval_s,
         )
+        security = redis_security_from_args(args, url=args.redis_url, env_prefix=ENV_PREFIX)
     except ConfigError as error:
         parser.error(str(error))
     return ArchiverConfig(
         server=server,
         redis_url=args.redis_url,
         redis_timeout_s=args.redis_timeout_s,
+        redis_security=security,
         archive_url=args.archive,
         s3_endpoint=args.s3_endpoint,
         settings=settings,
@@ -174,6 +184,7 @@ class ArchiverService(Service):
         try:
             self.redis = open_redis(
                 config.redis_url,
+                security=config.redis_security,
                 socket_timeout=config.redis_timeout_s + 2.0,  # XREADGROUP blocks up to a second
                 socket_connect_timeout=config.redis_timeout_s,
                 client_name="splitstream-archive",
