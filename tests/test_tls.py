@@ -7,6 +7,7 @@ from another CA.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -23,9 +24,11 @@ import numpy as np
 import pytest
 import redis
 import requests
+from grpc import aio
 from grpc_health.v1 import health_pb2
 
 from splitstream.admin.main import main as admin
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import stream_key
 from splitstream.common.tls import ClientTls
 from tests.certs import Issued, Pki, served_serial
@@ -546,3 +549,92 @@ def test_analyze_reads_as_the_read_only_user_and_the_archiver_as_its_own_over_tl
             interval_s=0.3,
             what="the archiver to write the calls it read over TLS as its ACL user",
         )
+
+
+async def record_over_tls(
+    address: str, tls: ClientTls, batch: recorder_pb2.RecordBatch | None
+) -> tuple[list[recorder_pb2.RecordAck], grpc.StatusCode]:
+    """One Record stream on a channel made with ``tls``: the batch sent (none: nothing written), its acks and
+    the stream's status (a write the recorder ended fails on the client's side; the status is the call's)."""
+    async with tls.aio_channel(address) as channel:
+        stream = channel.stream_stream(
+            "/splitstream.v1.Recorder/Record", response_deserializer=recorder_pb2.RecordAck.FromString
+        )()
+        acks = []
+        try:
+            if batch is not None:
+                await stream.write(batch.SerializeToString())
+                ack = await stream.read()
+                if ack is not aio.EOF:
+                    acks.append(ack)
+            await stream.done_writing()
+        except (aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+        return acks, await stream.code()
+
+
+def test_the_recorder_takes_records_only_from_client_certificates_it_names(
+    tmp_path: Path, pki: Pki, stack: Stack
+) -> None:
+    """Two routers' certificates from the same CA: both complete the mTLS handshake, only the one named in
+    --allowed-client-identities (its DNS SAN / CN) writes; the other is refused UNAUTHENTICATED, counted,
+    and nothing it sent is in Redis."""
+    named = pki.issue("router-a", names=("router-a.splitstream",), server=False)
+    unnamed = pki.issue("router-b", names=("router-b.splitstream",), server=False)
+    with RedisServer(tmp_path / "redis") as redis_server:
+        port, metrics_port = free_port(), free_port()
+        recorder = stack.service(
+            "recorder",
+            "splitstream.recorder",
+            [
+                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+                "--redis-url", redis_server.url, "--hmac-key", HMAC_KEY,
+                *tls_server_args(pki.issue("recorder"), mutual_ca=pki.ca),
+            ],
+            port=port,
+            tls=trusting(pki, unnamed),  # health is open to every verified certificate
+            env={"SPLITSTREAM_RECORDER_ALLOWED_CLIENT_IDENTITIES": "router-x.splitstream, router-a.splitstream"},
+        )  # fmt: skip
+
+        def record(request_id: str) -> recorder_pb2.CallRecord:
+            call = recorder_pb2.CallRecord(
+                schema_version=1, request_id=request_id, receive_unix_ns=time.time_ns(), model=MODEL, version="v1"
+            )
+            call.request.inline = b"\x00"
+            return call
+
+        refused, code = asyncio.run(
+            record_over_tls(
+                recorder.address, trusting(pki, unnamed), recorder_pb2.RecordBatch(sequence=1, records=[record("b-1")])
+            )
+        )
+        assert refused == []
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        _, silent = asyncio.run(record_over_tls(recorder.address, trusting(pki, unnamed), None))
+        assert silent == grpc.StatusCode.UNAUTHENTICATED
+        samples = metric_samples(scrape_metrics(metrics_port), "splitstream_recorder_unauthenticated_calls_total")
+        assert sum(value for labels, value in samples if labels.get("reason") == "identity") == 2
+
+        acks, code = asyncio.run(
+            record_over_tls(
+                recorder.address, trusting(pki, named), recorder_pb2.RecordBatch(sequence=1, records=[record("a-1")])
+            )
+        )
+        assert code == grpc.StatusCode.OK
+        assert [ack.sequence for ack in acks] == [1]
+        client = redis_server.client()
+        try:
+            entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream_key(MODEL)))
+        finally:
+            client.close()
+        assert [fields[b"request_id"] for _, fields in entries] == [b"a-1"]
+
+
+def test_an_allow_list_without_mutual_tls_exits_2_naming_the_flag(tmp_path: Path, pki: Pki) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.recorder", "--port", "0", "--metrics-port", "0",
+         "--allowed-client-identities", "router-a", *tls_server_args(pki.issue("recorder"))],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "--allowed-client-identities needs --grpc-use-ssl-mutual" in done.stderr

@@ -81,6 +81,8 @@ class RecorderConfig(Document):
     redis_security: InstanceOf[RedisSecurity] = RedisSecurity()
     #: The routers' shared service token ("": the recorder takes records from anyone who can reach it).
     service_token: str = Field(default="", repr=False)
+    #: Subject CNs / DNS SANs of the routers' client certificates taken (empty: any the CA signed).
+    allowed_client_identities: frozenset[str] = frozenset()
 
     @model_validator(mode="after")
     def _consistent(self) -> RecorderConfig:
@@ -248,6 +250,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"file holding the routers' shared service token; records are then taken only from calls that "
         f"carry it (else {SERVICE_TOKEN_ENV}; neither: records are taken from anyone who can connect)",
     )
+    parser.add_argument(
+        "--allowed-client-identities",
+        action=_Repeatable,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="with --grpc-use-ssl-mutual: take records only from routers whose verified client certificate "
+        "names one of these (subject CN or DNS SAN); others are refused UNAUTHENTICATED before a message is "
+        "read (repeatable; comma-separated in the environment). A call carrying the service token is taken too",
+    )
     return parser
 
 
@@ -270,9 +281,22 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
         key = args.hmac_key if args.hmac_key is not None else os.environ.get(SHARED_HMAC_KEY_ENV, "")
         values["hmac_key"] = key.encode()
         values["service_token"] = read_service_token(values.pop("service_token_file"))
+        values["allowed_client_identities"] = _identities(args.allowed_client_identities, args.grpc_use_ssl_mutual)
         return validate(RecorderConfig, values, rename=_flag)
     except ConfigError as error:
         parser.error(str(error))
+
+
+def _identities(value: str | list[str] | None, mutual: bool) -> frozenset[str]:
+    """The allow-list from repeated flags or one comma-separated environment value. Without mutual TLS no
+    client certificate is verified, so a list would refuse every router: a configuration error, not that."""
+    specs = value if isinstance(value, list) else [value or ""]
+    names = frozenset(part.strip() for spec in specs for part in spec.split(",") if part.strip())
+    if names and not mutual:
+        raise ConfigError(
+            "--allowed-client-identities needs --grpc-use-ssl-mutual (only then are client certificates verified)"
+        )
+    return names
 
 
 def _flag(field: str) -> str:

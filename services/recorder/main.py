@@ -106,8 +106,9 @@ class Recorder(Service):
         return (SERVICE,)
 
     def interceptors(self) -> Sequence[aio.ServerInterceptor]:
-        """Routers authenticate with the service token when one is set (refused before a message is read)."""
-        auth = ServiceAuth(token=self.config.service_token)
+        """Routers authenticate with the service token or an allowed client-certificate identity when either
+        is set (refused before a message is read)."""
+        auth = ServiceAuth(token=self.config.service_token, allowed_identities=self.config.allowed_client_identities)
         return [RouterAccess(auth, self.recorder_metrics)] if auth.enabled else []
 
     def register(self, server: aio.Server) -> None:
@@ -129,9 +130,10 @@ class Recorder(Service):
             redact_metadata=[f"{r.name}:{r.action.value}" for r in self.config.redact_metadata],
             redact_input=[f"{r.name}:{r.action.value}" for r in self.config.redact_input],
             redact_output=[f"{r.name}:{r.action.value}" for r in self.config.redact_output],
-            routers_authenticated=bool(self.config.service_token),
+            routers_authenticated=bool(self.config.service_token or self.config.allowed_client_identities),
+            allowed_client_identities=sorted(self.config.allowed_client_identities),
         )
-        if not self.config.service_token:
+        if not self.config.service_token and not self.config.allowed_client_identities:
             self.log.warning(
                 "no service token: records are taken from anyone who can connect (set --service-token-file)"
             )
