@@ -38,6 +38,7 @@ from tests.harness import (
     ROOT,
     InferClient,
     Stack,
+    SteadyLoad,
     free_port,
     health_status,
     make_request,
@@ -638,3 +639,70 @@ def test_an_allow_list_without_mutual_tls_exits_2_naming_the_flag(tmp_path: Path
     )  # fmt: skip
     assert done.returncode == 2
     assert "--allowed-client-identities needs --grpc-use-ssl-mutual" in done.stderr
+
+
+def test_the_router_renews_its_worker_channels_when_its_client_certificate_rotates(
+    tmp_path: Path, pki: Pki, stack: Stack
+) -> None:
+    """A worker under mutual TLS moves its trust to a new CA; the router's client certificate files are
+    replaced by one the new CA issued. Calls keep succeeding through the swap (the router builds a new
+    channel from the new files and drains the old one), and after the worker restarts, which forces
+    every connection to handshake again, the router still reaches it: it presents the new certificate."""
+    repository = tmp_path / "models"
+    add_version(repository, MODEL, "v1", scale=2.0)
+    new_pki = Pki(tmp_path / "new-pki", name="new")
+    client_ca = tmp_path / "worker-client-ca.pem"
+    client_ca.write_bytes(pki.ca.read_bytes())
+    harness_old, harness_new = pki.issue("harness-old", server=False), new_pki.issue("harness-new", server=False)
+    worker = stack.worker(
+        repository, MODEL, "v1", *tls_server_args(pki.issue("worker")), "--grpc-use-ssl-mutual",
+        "--grpc-root-cert", str(client_ca), tls=trusting(pki, harness_old),
+    )  # fmt: skip
+
+    live = Issued(tmp_path / "router-client.pem", tmp_path / "router-client-key.pem", 0)
+    first = pki.issue("router-client-old", server=False)
+    rotate(live, first)
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
+    router = stack.router(
+        registry,
+        "--upstream-tls-ca", str(pki.ca),
+        "--upstream-tls-cert", str(live.cert),
+        "--upstream-tls-key", str(live.key),
+    )  # fmt: skip
+
+    def renewed() -> float:
+        samples = metric_samples(
+            scrape_metrics(router.metrics_port), "splitstream_router_upstream_channel_renewals_total"
+        )
+        return sum(value for labels, value in samples if labels.get("result") == "ok")
+
+    with SteadyLoad(router.address, MODEL, threads=2) as load:
+        load.wait_calls(20)
+        staging = client_ca.with_suffix(".new")
+        staging.write_bytes(new_pki.ca.read_bytes())
+        os.replace(staging, client_ca)  # the worker now trusts only the new CA, for new connections
+        rotate(live, new_pki.issue("router-client-new", server=False))
+        wait_for(lambda: renewed() >= 1, timeout_s=30, what="the router to renew its worker channel")
+        load.wait_calls(20)
+    assert load.errors() == []
+    assert "endpoint channel renewed with the rotated client certificate" in router.log()
+
+    # The worker refuses the old certificate now; a restart makes the router's channel reconnect.
+    assert health_code(worker.address, trusting(pki, first)) == grpc.StatusCode.UNAVAILABLE
+    worker.stop()
+    worker.tls = trusting(pki, harness_new)
+    worker.start()
+    client = InferClient(router.address)
+
+    def answered() -> bool:
+        try:
+            response, _ = client.infer(make_request(MODEL, np.ones((1, 4), dtype=np.float32)), timeout_s=5.0)
+        except grpc.RpcError:
+            return False
+        return response.model_version == "v1"
+
+    try:
+        wait_for(answered, timeout_s=30, interval_s=0.5, what="the router to reach the restarted worker")
+    finally:
+        client.close()

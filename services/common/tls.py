@@ -12,8 +12,10 @@ after a rotation).
 
 Clients read their files each time they build a channel (:meth:`ClientTls.credentials`): gRPC's
 Python API has no dynamic *channel* credentials, so a rotated client certificate is picked up by
-the next channel, which the router makes for a newly listed endpoint and for each reconnect to the
-recorder. A channel kept open keeps the certificate it started with.
+the next channel. The router makes one for a newly listed endpoint and for each reconnect to the
+recorder, and it polls its ``--upstream-tls-*`` files (:class:`ClientFilesWatch`, the same
+size/mtime/inode-then-content check as the servers') to replace the channel of every worker it
+keeps open, draining the old one, once they change.
 
 Errors in what an operator gave (a file missing, unreadable, not PEM, a key that does not belong to
 the certificate) are :class:`ConfigError` naming the flag, found when the process starts.
@@ -216,6 +218,70 @@ class ClientTls:
         if not self.enabled:
             return grpc.insecure_channel(address, options=list(options))
         return grpc.secure_channel(address, self.credentials(), options=[*options, *self.channel_options()])
+
+
+class ClientFilesWatch:
+    """Whether a client's TLS files changed since the last look: three ``stat`` calls when they did not.
+
+    A change is reported once the files' content differs (a ``touch`` is not one) and they form a usable
+    set again (a certificate caught beside the old key is waited out, logged once per state of the files),
+    so a channel is never rebuilt from half-rotated files. Never raises: a file gone mid-rotation is a
+    rotation not finished yet."""
+
+    def __init__(self, tls: ClientTls) -> None:
+        self._tls = tls
+        self._files = [path for path in (tls.ca_file, tls.cert_file, tls.key_file) if path]
+        self._stamp = self._stamp_now()
+        self._digest = self._digest_now()
+        self._refused_stamp: tuple[tuple[int, int, int], ...] = ()
+
+    @property
+    def watching(self) -> bool:
+        return self._tls.enabled and bool(self._files)
+
+    def _stamp_now(self) -> tuple[tuple[int, int, int], ...]:
+        stamps = []
+        for path in self._files:
+            try:
+                status = os.stat(path)
+            except OSError:
+                stamps.append((-1, -1, -1))
+                continue
+            stamps.append((status.st_mtime_ns, status.st_size, status.st_ino))
+        return tuple(stamps)
+
+    def _digest_now(self) -> bytes:
+        digest = hashlib.sha256()
+        for path in self._files:
+            try:
+                with open(path, "rb") as handle:
+                    digest.update(handle.read())
+            except OSError:
+                digest.update(b"\0missing")
+            digest.update(b"\0")
+        return digest.digest()
+
+    def changed(self) -> bool:
+        stamp = self._stamp_now()
+        if stamp == self._stamp or stamp == self._refused_stamp:
+            return False
+        digest = self._digest_now()
+        if digest == self._digest:  # touched, not changed
+            self._stamp = stamp
+            return False
+        try:
+            self._tls.check()
+        except ConfigError as error:
+            self._refused_stamp = stamp
+            log.warning("rotated client TLS files not usable; channels keep the previous certificate", error=str(error))
+            return False
+        except Exception as error:  # never let a watcher's surprise stop the router's loop
+            self._refused_stamp = stamp
+            log.warning("client TLS files not readable; channels keep the previous certificate", error=str(error))
+            return False
+        self._stamp, self._digest = stamp, digest
+        log.info("client TLS files changed", flag=self._tls.flag, cert_file=self._tls.cert_file)
+        return True
 
 
 #: Plaintext: the default of every client.

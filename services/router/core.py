@@ -44,7 +44,7 @@ from splitstream.common.experiment import Experiment, Phase, Shadow
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.registry import RegistryState
-from splitstream.common.tls import PLAINTEXT, ClientTls
+from splitstream.common.tls import PLAINTEXT, ClientFilesWatch, ClientTls
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.pools import Endpoint, VersionPool
 from splitstream.router.routing import EMPTY_TABLE, Assignment, ModelRoutes, Route, RoutingTable
@@ -128,6 +128,8 @@ class RouterCore:
         self.generation = 0
         self.applied_unix_ns = 0
         self._closing: set[asyncio.Task[None]] = set()
+        #: Bumped each time the upstream client TLS files change; endpoints below it get a new channel.
+        self.credentials_generation = 0
         self._warned_at: dict[tuple[str, str, grpc.StatusCode], float] = {}
         metrics.track_arms(self.arm_spilling)
 
@@ -378,8 +380,45 @@ class RouterCore:
             eject_duration_s=self.settings.eject_duration_s,
             on_eject=self.metrics.ejections.labels(model, version, address).inc,
         )
+        endpoint.credentials_generation = self.credentials_generation
         endpoint.start_health_watch()
         return endpoint
+
+    async def follow_upstream_credentials(self, *, poll_s: float, ready_timeout_s: float = 5.0) -> None:
+        """Until cancelled: when the ``--upstream-tls-*`` files change, give every worker endpoint a channel
+        made from them and drain its old one (gRPC Python has no dynamic channel credentials, so a channel
+        left open would present the old client certificate at its next reconnect, which a worker trusting
+        only the new CA refuses). Endpoints that could not switch yet are retried at each poll."""
+        watch = ClientFilesWatch(self.settings.tls)
+        if not watch.watching:
+            return
+        while True:
+            await asyncio.sleep(poll_s)
+            if watch.changed():
+                self.credentials_generation += 1
+                self.metrics.upstream_tls_reloads.inc()
+            stale = [
+                e for e in self._table.endpoints.values() if e.credentials_generation < self.credentials_generation
+            ]
+            if stale:
+                await asyncio.gather(*(self._renew(endpoint, ready_timeout_s) for endpoint in stale))
+
+    async def _renew(self, endpoint: Endpoint, ready_timeout_s: float) -> None:
+        generation = self.credentials_generation
+        try:
+            old = await endpoint.renew_channel(ready_timeout_s=ready_timeout_s)
+        except Exception:  # one endpoint's surprise must not stop the others' renewal
+            log.exception("endpoint channel renewal failed", endpoint=endpoint.address)
+            self.metrics.upstream_channel_renewals.labels("error").inc()
+            return
+        if old is None:
+            self.metrics.upstream_channel_renewals.labels("deferred").inc()
+            return
+        endpoint.credentials_generation = generation
+        self.metrics.upstream_channel_renewals.labels("ok").inc()
+        task = asyncio.create_task(old.close(grace=self.settings.drain_timeout_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     def _close_later(self, endpoint: Endpoint) -> None:
         """Close a removed endpoint once its calls in flight are done; the task is tracked, not fired and forgotten."""

@@ -54,6 +54,8 @@ PROG = "splitstream-router"
 #: or the watch ending), wait this long before watching again: long enough not to spin on a file
 #: that keeps failing the same way, short next to the time an operator takes to fix it.
 WATCH_RESTART_DELAY_S = 1.0
+#: How often the --upstream-tls-* files are looked at (three stat calls) for a rotation to apply to open channels.
+UPSTREAM_TLS_POLL_S = 2.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -573,7 +575,13 @@ class Router(Service):
         self.servicer.ready = True
         await runtime.set_serving(True)
         self.log.info("router serving", registry=self.registry.description, models=self.core.model_names())
-        await self._follow()
+        renewal = asyncio.create_task(
+            self.core.follow_upstream_credentials(poll_s=UPSTREAM_TLS_POLL_S), name="upstream TLS rotation"
+        )
+        try:
+            await self._follow()
+        finally:
+            renewal.cancel()
 
     async def _follow(self) -> None:
         """Apply registry updates until cancelled, whatever goes wrong.

@@ -56,6 +56,20 @@ class RouterMetrics:
             ["model", "version", "endpoint"],
             registry=self.registry,
         )
+        self.upstream_tls_reloads = Counter(
+            "splitstream_router_upstream_tls_reloads",
+            "Times the --upstream-tls-* files were found changed (and usable); worker channels are then renewed",
+            registry=self.registry,
+        )
+        self.upstream_channel_renewals = Counter(
+            "splitstream_router_upstream_channel_renewals",
+            "Worker channels replaced after a client TLS rotation (ok), not yet because the worker refused "
+            "the new certificate or did not connect in time (deferred: retried at the next poll), or error",
+            ["result"],
+            registry=self.registry,
+        )
+        for result in ("ok", "deferred", "error"):
+            self.upstream_channel_renewals.labels(result)
         self.registry_updates = Counter(
             "splitstream_router_registry_updates",
             "Registry states applied (ok), applied with invalid parts kept from before (partial), or rejected (error)",

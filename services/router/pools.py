@@ -51,10 +51,15 @@ class Endpoint:
         on_eject: Callable[[], None] | None = None,
     ) -> None:
         self.address = address
+        self._tls = tls
+        self._channel_options = tuple(channel_options)
         self.channel = tls.aio_channel(address, channel_options)
         # Raw bytes in and out: the router forwards request bytes without decoding tensors.
         self.infer = self.channel.unary_unary(INFER_METHOD)
         self.stream_infer = self.channel.stream_stream(STREAM_INFER_METHOD)
+        #: Which reading of the client TLS files this endpoint's channel was made from (see RouterCore).
+        self.credentials_generation = 0
+        self._closed = False
         self.health = Health.UNKNOWN
         self.outstanding = 0
         self.calls = 0
@@ -166,8 +171,43 @@ class Endpoint:
             log.info("endpoint health", endpoint=self.address, health=Health.UNREACHABLE.name)
             self.health = Health.UNREACHABLE
 
+    async def renew_channel(self, *, ready_timeout_s: float) -> aio.Channel | None:
+        """Replace the channel by one made from the client TLS files as they are now; the old channel,
+        returned for the caller to close with a grace (calls in flight on it finish there), or None when
+        nothing was replaced.
+
+        The new channel must connect first (``ready_timeout_s``): a worker that does not accept the new
+        certificate yet (its CA not rotated) keeps being served over the old connection, with no failed
+        call, and the caller tries again later. A worker unreachable anyway gets the new channel at once:
+        its next connection must use the new files."""
+        fresh = self._tls.aio_channel(self.address, self._channel_options)
+        if self.health is not Health.UNREACHABLE:
+            try:
+                await asyncio.wait_for(fresh.channel_ready(), ready_timeout_s)
+            except (TimeoutError, aio.AioRpcError, aio.UsageError) as error:
+                log.warning(
+                    "endpoint refused the rotated client certificate; keeping the current channel",
+                    endpoint=self.address,
+                    error=type(error).__name__,
+                )
+                await fresh.close()
+                return None
+        if self._closed:  # removed or shut down meanwhile
+            await fresh.close()
+            return None
+        old = self.channel
+        self.channel = fresh
+        self.infer = fresh.unary_unary(INFER_METHOD)
+        self.stream_infer = fresh.stream_stream(STREAM_INFER_METHOD)
+        if self._watch_task is not None:  # follow health on the channel calls now use
+            self._watch_task.cancel()
+            self.start_health_watch()
+        log.info("endpoint channel renewed with the rotated client certificate", endpoint=self.address)
+        return old
+
     async def close(self, *, drain_timeout_s: float) -> None:
         """Stop watching, then close the channel once calls in flight finish (at most ``drain_timeout_s``)."""
+        self._closed = True
         if self._watch_task is not None:
             self._watch_task.cancel()
         await self.channel.close(grace=drain_timeout_s)
