@@ -36,6 +36,7 @@ from typing import Any, cast
 import pyarrow as pa
 import pyarrow.fs as pafs
 import structlog
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
@@ -134,6 +135,12 @@ class Archiver:
         self.log = structlog.get_logger()
         self.buffers: dict[str, Buffer] = {}
         self._raise_mark = redis.register_script(_RAISE_MARK)
+        #: XREADGROUP replies as Redis sent them (fields as flat lists, no dict per entry); a cluster
+        #: client's callbacks are shared by all its users, so it keeps its dicts.
+        self._reader: Any = redis
+        if not isinstance(redis, RedisCluster):
+            self._reader = Redis(connection_pool=redis.connection_pool)
+            self._reader.set_response_callback("XREADGROUP", _as_sent)
         self._next_scan = 0.0
         self._next_claim = 0.0
         self._retry_s = 0.0
@@ -221,7 +228,7 @@ class Archiver:
             buffer = self.buffers[stream]
             cursor = "0"
             while True:
-                reply = await self.redis.xreadgroup(
+                reply = await self._reader.xreadgroup(
                     self.settings.group, self.settings.consumer, {stream: cursor}, count=self.settings.read_count
                 )
                 entries = self._entries(reply)
@@ -287,7 +294,7 @@ class Archiver:
         """One XREADGROUP of every stream; on a cluster, one per slot, concurrently (a command's keys must
         share a slot), their replies joined. COUNT is per stream either way."""
         if not isinstance(self.redis, RedisCluster):
-            return await self.redis.xreadgroup(
+            return await self._reader.xreadgroup(
                 self.settings.group, self.settings.consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms
             )
         by_slot: dict[int, list[str]] = {}
@@ -338,7 +345,7 @@ class Archiver:
                 for raw_id, fields in claimed:
                     stream_id = _text(raw_id)
                     if stream_id not in known:  # our own entries are claimed back to us too
-                        self.buffers[stream].add(Entry(stream_id, fields))
+                        self.buffers[stream].add(Entry.from_dict(stream_id, fields))
                         self.metrics.claimed.inc()
                 if claimed:  # older than what was read already: files hold entries in stream id order
                     self.buffers[stream].entries.sort(key=lambda entry: id_key(entry.stream_id))
@@ -350,10 +357,15 @@ class Archiver:
 
     def _entries(self, reply: Any) -> list[tuple[str, Entry]]:
         entries = []
-        for raw_stream, items in reply or []:
+        streams = reply.items() if isinstance(reply, dict) else reply or []  # RESP3 sends a map, RESP2 pairs
+        for raw_stream, items in streams:
             stream = _text(raw_stream)
             for raw_id, fields in items:
-                if fields:  # an entry deleted while pending comes back empty
+                if not fields:  # an entry deleted while pending comes back empty
+                    continue
+                if isinstance(fields, dict):  # a cluster client's reply (its callbacks are shared)
+                    entries.append((stream, Entry.from_dict(_text(raw_id), fields)))
+                else:
                     entries.append((stream, Entry(_text(raw_id), fields)))
         return entries
 
@@ -469,6 +481,10 @@ class Archiver:
                 if first:
                     seconds = max(0.0, time.time() - stream_id_ms(_text(first[0][0])) / 1000)
             self.metrics.lag_seconds.labels(stream).set(seconds)
+
+
+def _as_sent(response: object, **options: object) -> object:
+    return response
 
 
 def _text(value: Any) -> str:
