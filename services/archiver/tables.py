@@ -1,9 +1,10 @@
 """Stream entries → Parquet tables, one per (model, hour) partition. Pure and blocking: run in a thread.
 
-Call records are decoded once: for the readable columns (``principal`` is only in the record) and to
-find payloads stored as blobs, which are inlined so a file stands alone. A record without blobs is
-archived as the exact bytes Redis held (no re-encoding); one with blobs is re-serialized with the
-blob bytes in ``Payload.inline`` (its ``size_bytes`` unchanged).
+The columns come from the entries' readable fields, each built by pyarrow from one list per batch. A
+record is archived as the exact bytes Redis held, unparsed, when its entry says it references no blob
+and has no tags (the ``blobs`` and ``tags`` fields) and it starts as its request id says; the rest are
+parsed: payloads stored as blobs are inlined so a file stands alone (the record re-serialized with the
+blob bytes in ``Payload.inline``, its ``size_bytes`` unchanged), tags read, undecodable records counted.
 """
 
 from __future__ import annotations
