@@ -111,10 +111,15 @@ class Buffer:
     since: float = 0.0  # monotonic time the oldest entry was read
 
     def add(self, entry: Entry) -> None:
+        self.extend([entry])
+
+    def extend(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
         if not self.entries:
             self.since = time.monotonic()
-        self.entries.append(entry)
-        self.bytes += entry.size
+        self.entries.extend(entries)
+        self.bytes += sum([entry.size for entry in entries])
 
 
 def stream_model(stream: str) -> tuple[str, str]:
@@ -231,12 +236,11 @@ class Archiver:
                 reply = await self._reader.xreadgroup(
                     self.settings.group, self.settings.consumer, {stream: cursor}, count=self.settings.read_count
                 )
-                entries = self._entries(reply)
+                entries = [entry for _, read in self._entries(reply) for entry in read]
                 if not entries:
                     break
-                for _, entry in entries:
-                    buffer.add(entry)
-                cursor = entries[-1][1].stream_id
+                buffer.extend(entries)
+                cursor = entries[-1].stream_id
             if buffer.entries:
                 self.log.info(
                     "re-archiving entries left pending by this consumer", stream=stream, entries=len(buffer.entries)
@@ -286,8 +290,8 @@ class Archiver:
                 await self._forget_lost_streams()
                 return
             raise
-        for stream, entry in self._entries(reply):
-            self.buffers[stream].add(entry)
+        for stream, entries in self._entries(reply):
+            self.buffers[stream].extend(entries)
         self.metrics.buffered.set(sum(len(b.entries) for b in self.buffers.values()) + len(self._in_flight))
 
     async def _read_streams(self, streams: list[str], *, count: int, block_ms: int) -> Any:
@@ -355,19 +359,17 @@ class Archiver:
                 if start in ("0-0", "0"):
                     break
 
-    def _entries(self, reply: Any) -> list[tuple[str, Entry]]:
-        entries = []
+    def _entries(self, reply: Any) -> list[tuple[str, list[Entry]]]:
+        """Each stream's entries in an XREADGROUP reply (an entry deleted while pending comes back empty)."""
+        out = []
         streams = reply.items() if isinstance(reply, dict) else reply or []  # RESP3 sends a map, RESP2 pairs
         for raw_stream, items in streams:
-            stream = _text(raw_stream)
-            for raw_id, fields in items:
-                if not fields:  # an entry deleted while pending comes back empty
-                    continue
-                if isinstance(fields, dict):  # a cluster client's reply (its callbacks are shared)
-                    entries.append((stream, Entry.from_dict(_text(raw_id), fields)))
-                else:
-                    entries.append((stream, Entry(_text(raw_id), fields)))
-        return entries
+            if isinstance(self.redis, RedisCluster):  # the fields as dicts (a cluster's callbacks are shared)
+                entries = [Entry.from_dict(_text(raw_id), fields) for raw_id, fields in items if fields]
+            else:
+                entries = [Entry(raw_id.decode(), fields) for raw_id, fields in items if fields]
+            out.append((_text(raw_stream), entries))
+        return out
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -432,7 +434,7 @@ class Archiver:
         written = 0
         for planned in files:
             written += await self._write(planned)
-        ids = [entry.stream_id for entry in entries]
+        ids = [entry.stream_id.encode() for entry in entries]  # bytes: redis-py's encoder passes them as they are
         for start in range(0, len(ids), 1000):
             await self.redis.xack(stream, self.settings.group, *ids[start : start + 1000])
         await self._raise_mark(keys=[stream, archive_mark_key(stream)], args=[self.settings.group])
