@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -753,6 +753,65 @@ def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
 
     assert asyncio.run(read()) == [f"r-{i}" for i in range(10)]
     assert stats.skipped["corrupt"] == 1
+
+
+def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_in_one_file(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Most records reference no blob and carry no tags: they are archived unparsed, their columns from the
+    entry's fields. Beside them in one batch: a record with a blob reference (inlined), a tagged one, a
+    token stream, and one written before entries said whether they hold blobs (parsed to find out)."""
+    client = redis_server.client()
+    now = time.time_ns()
+    sent: dict[str, bytes] = {}  # request id -> the record bytes in Redis
+    pipe = client.pipeline(transaction=False)
+    for i in range(12):
+        record = synthetic_record(i, now + i * 1_000_000)
+        del record.tags["team"]
+        if i == 3:  # a blob reference, as the recorder writes one over its threshold
+            digest = hashlib.sha256(record.request.inline).hexdigest()
+            pipe.set(blob_key(digest), record.request.inline)
+            record.request.blob_sha256 = digest
+        if i == 5:
+            record.tags["team"] = "search"
+        if i == 7:
+            record.stream.first_response_ns, record.stream.responses_total = 12_500_000, 7
+        fields = entry_fields(record)
+        if i == 9:  # an older recorder's entry, its request a blob
+            digest = hashlib.sha256(b"old" + record.request.inline).hexdigest()
+            pipe.set(blob_key(digest), b"old" + record.request.inline)
+            record.request.blob_sha256 = digest
+            fields = entry_fields(record)
+            del fields["blobs"], fields["tags"]
+        sent[record.request_id] = bytes(cast(bytes, fields["record"]))
+        pipe.xadd(stream_key(SYNTHETIC), fields)  # type: ignore[arg-type]
+    pipe.execute()
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
+        assert metric(archiver, "splitstream_archive_missing_blobs_total") == 0
+    finally:
+        archiver.stop()
+    rows = {row["request_id"]: row for row in raw_rows(url).to_pylist()}
+    assert sorted(rows) == sorted(sent)
+    for request_id, row in rows.items():
+        i = int(request_id.removeprefix("r-"))
+        record = recorder_pb2.CallRecord.FromString(row["record"])
+        if i in (3, 9):  # the blob inlined, its size unchanged; nothing else changed
+            expected = synthetic_record(i, now + i * 1_000_000)
+            del expected.tags["team"]
+            if i == 9:
+                expected.request.inline = b"old" + expected.request.inline
+            assert record.request.WhichOneof("body") == "inline"
+            assert record.request.inline == expected.request.inline
+        else:  # the very bytes Redis held
+            assert row["record"] == sent[request_id]
+        assert row["principal"] == f"tenant-{i % 2}"
+        assert row["version"] == ("v1" if i % 3 else "v2")
+        assert row["status"] == ("OK" if i % 5 else "UNAVAILABLE")
+        assert row["tags"] == ([("team", "search")] if i == 5 else [])
+        assert (row["streamed"], row["ttft_ms"], row["tokens"]) == ((True, 12.5, 7) if i == 7 else (False, None, None))
 
 
 def test_a_file_uploaded_but_never_acknowledged_is_rewritten_under_its_name_after_a_crash(

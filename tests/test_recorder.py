@@ -226,7 +226,8 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
     assert [(ack.sequence, ack.written) for ack in acks] == [(41, 2), (42, 2)]
     entries = await xrange(redis, stream_key("resnet")) + await xrange(redis, stream_key("bert"))
     readable = [{k.decode(): v.decode() for k, v in fields.items() if k != b"record"} for _, fields in entries]
-    unit = {"unit": "ab" * 32, "principal": "", "ttft_ms": "", "tokens": ""}  # unary: no stream figures
+    plain = {"blobs": "0", "tags": ""}  # no payload stored as a blob (default threshold), no tags
+    unit = {"unit": "ab" * 32, "principal": "", "ttft_ms": "", "tokens": ""} | plain  # unary: no stream figures
     assert readable == [
         {"request_id": "a-1", "time_ns": str(sent[0].receive_unix_ns), "model": "resnet", "version": "v1"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v1", "assignment": "unspecified", "phase": ""}
@@ -237,10 +238,12 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
         | unit,
         {"request_id": "b-1", "time_ns": str(sent[2].receive_unix_ns), "model": "bert", "version": "v2"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v1", "assignment": "spill", "phase": "0123456789abcdef"}
-        | {"unit": "", "principal": "web-frontend", "ttft_ms": "", "tokens": ""},
+        | {"unit": "", "principal": "web-frontend", "ttft_ms": "", "tokens": ""}
+        | plain,
         {"request_id": "b-2", "time_ns": str(streamed.receive_unix_ns), "model": "bert", "version": "v2"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v2", "assignment": "unspecified", "phase": ""}
-        | {"unit": "ab" * 32, "principal": "", "ttft_ms": "12.500", "tokens": "7"},
+        | {"unit": "ab" * 32, "principal": "", "ttft_ms": "12.500", "tokens": "7"}
+        | plain,
     ]
     stored = [item.record async for item in read_records(redis, "resnet")]
     for original in sent[:2]:  # what was sent, plus the sizes the recorder fills in

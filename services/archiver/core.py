@@ -36,6 +36,7 @@ from typing import Any, cast
 import pyarrow as pa
 import pyarrow.fs as pafs
 import structlog
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
@@ -110,10 +111,15 @@ class Buffer:
     since: float = 0.0  # monotonic time the oldest entry was read
 
     def add(self, entry: Entry) -> None:
+        self.extend([entry])
+
+    def extend(self, entries: list[Entry]) -> None:
+        if not entries:
+            return
         if not self.entries:
             self.since = time.monotonic()
-        self.entries.append(entry)
-        self.bytes += entry.size
+        self.entries.extend(entries)
+        self.bytes += sum([entry.size for entry in entries])
 
 
 def stream_model(stream: str) -> tuple[str, str]:
@@ -134,6 +140,12 @@ class Archiver:
         self.log = structlog.get_logger()
         self.buffers: dict[str, Buffer] = {}
         self._raise_mark = redis.register_script(_RAISE_MARK)
+        #: XREADGROUP replies as Redis sent them (fields as flat lists, no dict per entry); a cluster
+        #: client's callbacks are shared by all its users, so it keeps its dicts.
+        self._reader: Any = redis
+        if not isinstance(redis, RedisCluster):
+            self._reader = Redis(connection_pool=redis.connection_pool)
+            self._reader.set_response_callback("XREADGROUP", _as_sent)
         self._next_scan = 0.0
         self._next_claim = 0.0
         self._retry_s = 0.0
@@ -221,15 +233,14 @@ class Archiver:
             buffer = self.buffers[stream]
             cursor = "0"
             while True:
-                reply = await self.redis.xreadgroup(
+                reply = await self._reader.xreadgroup(
                     self.settings.group, self.settings.consumer, {stream: cursor}, count=self.settings.read_count
                 )
-                entries = self._entries(reply)
+                entries = [entry for _, read in self._entries(reply) for entry in read]
                 if not entries:
                     break
-                for _, entry in entries:
-                    buffer.add(entry)
-                cursor = entries[-1][1].stream_id
+                buffer.extend(entries)
+                cursor = entries[-1].stream_id
             if buffer.entries:
                 self.log.info(
                     "re-archiving entries left pending by this consumer", stream=stream, entries=len(buffer.entries)
@@ -279,15 +290,15 @@ class Archiver:
                 await self._forget_lost_streams()
                 return
             raise
-        for stream, entry in self._entries(reply):
-            self.buffers[stream].add(entry)
+        for stream, entries in self._entries(reply):
+            self.buffers[stream].extend(entries)
         self.metrics.buffered.set(sum(len(b.entries) for b in self.buffers.values()) + len(self._in_flight))
 
     async def _read_streams(self, streams: list[str], *, count: int, block_ms: int) -> Any:
         """One XREADGROUP of every stream; on a cluster, one per slot, concurrently (a command's keys must
         share a slot), their replies joined. COUNT is per stream either way."""
         if not isinstance(self.redis, RedisCluster):
-            return await self.redis.xreadgroup(
+            return await self._reader.xreadgroup(
                 self.settings.group, self.settings.consumer, dict.fromkeys(streams, ">"), count=count, block=block_ms
             )
         by_slot: dict[int, list[str]] = {}
@@ -338,7 +349,7 @@ class Archiver:
                 for raw_id, fields in claimed:
                     stream_id = _text(raw_id)
                     if stream_id not in known:  # our own entries are claimed back to us too
-                        self.buffers[stream].add(Entry(stream_id, fields))
+                        self.buffers[stream].add(Entry.from_dict(stream_id, fields))
                         self.metrics.claimed.inc()
                 if claimed:  # older than what was read already: files hold entries in stream id order
                     self.buffers[stream].entries.sort(key=lambda entry: id_key(entry.stream_id))
@@ -348,14 +359,17 @@ class Archiver:
                 if start in ("0-0", "0"):
                     break
 
-    def _entries(self, reply: Any) -> list[tuple[str, Entry]]:
-        entries = []
-        for raw_stream, items in reply or []:
-            stream = _text(raw_stream)
-            for raw_id, fields in items:
-                if fields:  # an entry deleted while pending comes back empty
-                    entries.append((stream, Entry(_text(raw_id), fields)))
-        return entries
+    def _entries(self, reply: Any) -> list[tuple[str, list[Entry]]]:
+        """Each stream's entries in an XREADGROUP reply (an entry deleted while pending comes back empty)."""
+        out = []
+        streams = reply.items() if isinstance(reply, dict) else reply or []  # RESP3 sends a map, RESP2 pairs
+        for raw_stream, items in streams:
+            if isinstance(self.redis, RedisCluster):  # the fields as dicts (a cluster's callbacks are shared)
+                entries = [Entry.from_dict(_text(raw_id), fields) for raw_id, fields in items if fields]
+            else:
+                entries = [Entry(raw_id.decode(), fields) for raw_id, fields in items if fields]
+            out.append((_text(raw_stream), entries))
+        return out
 
     # -- writing ---------------------------------------------------------------------------
 
@@ -420,7 +434,7 @@ class Archiver:
         written = 0
         for planned in files:
             written += await self._write(planned)
-        ids = [entry.stream_id for entry in entries]
+        ids = [entry.stream_id.encode() for entry in entries]  # bytes: redis-py's encoder passes them as they are
         for start in range(0, len(ids), 1000):
             await self.redis.xack(stream, self.settings.group, *ids[start : start + 1000])
         await self._raise_mark(keys=[stream, archive_mark_key(stream)], args=[self.settings.group])
@@ -469,6 +483,10 @@ class Archiver:
                 if first:
                     seconds = max(0.0, time.time() - stream_id_ms(_text(first[0][0])) / 1000)
             self.metrics.lag_seconds.labels(stream).set(seconds)
+
+
+def _as_sent(response: object, **options: object) -> object:
+    return response
 
 
 def _text(value: Any) -> str:

@@ -1,9 +1,10 @@
 """Stream entries → Parquet tables, one per (model, hour) partition. Pure and blocking: run in a thread.
 
-Call records are decoded once: for the readable columns (``principal`` is only in the record) and to
-find payloads stored as blobs, which are inlined so a file stands alone. A record without blobs is
-archived as the exact bytes Redis held (no re-encoding); one with blobs is re-serialized with the
-blob bytes in ``Payload.inline`` (its ``size_bytes`` unchanged).
+The columns come from the entries' readable fields, each built by pyarrow from one list per batch. A
+record is archived as the exact bytes Redis held, unparsed, when its entry says it references no blob
+and has no tags (the ``blobs`` and ``tags`` fields) and it starts as its request id says; the rest are
+parsed: payloads stored as blobs are inlined so a file stands alone (the record re-serialized with the
+blob bytes in ``Payload.inline``, its ``size_bytes`` unchanged), tags read, undecodable records counted.
 """
 
 from __future__ import annotations
@@ -11,24 +12,44 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from splitstream.common.archive import CALL_SCHEMA, CALLS, FEEDBACK, FEEDBACK_SCHEMA, file_name, partition_dir
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import STATUS_NAMES, UnsupportedSchema, decode_record, status_code, stream_id_ms
+from splitstream.common.records import (
+    SCHEMA_VERSION,
+    STATUS_NAMES,
+    UnsupportedSchema,
+    decode_record,
+    status_code,
+    stream_id_ms,
+)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
+    """A stream entry as Redis sent it: its fields a flat name, value, name, value... list (redis-py's
+    dict per entry cost ~3 µs an entry, measured: more than the rest of archiving a record)."""
+
     stream_id: str
-    fields: dict[bytes, bytes]
+    flat: list[bytes]
+
+    @classmethod
+    def from_dict(cls, stream_id: str, fields: dict[bytes, bytes]) -> Entry:
+        return cls(stream_id, [part for item in fields.items() for part in item])
+
+    @property
+    def fields(self) -> dict[bytes, bytes]:
+        flat = self.flat
+        return dict(zip(flat[::2], flat[1::2], strict=False))
 
     @property
     def size(self) -> int:
-        """About the bytes it adds to a file: its record (the readable fields are a few dozen bytes)."""
-        return len(self.fields.get(b"record", b"")) + 128
+        """About the bytes it adds to a file: its fields (the record, and a few dozen readable bytes)."""
+        return sum(map(len, self.flat)) + 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +58,6 @@ class PlannedFile:
 
     relative_path: str
     table: pa.Table
-    stream_ids: tuple[str, ...]
 
 
 def id_key(stream_id: str) -> tuple[int, int]:
@@ -56,16 +76,38 @@ def blob_payloads(record: recorder_pb2.CallRecord) -> Iterator[recorder_pb2.Payl
             yield payload
 
 
+#: The entry fields the call columns are made of (``blobs``, ``tags``: whether the record must be parsed).
+_CALL_FIELDS = (
+    b"request_id",
+    b"time_ns",
+    b"version",
+    b"arm",
+    b"assignment",
+    b"phase",
+    b"status",
+    b"latency_ms",
+    b"unit",
+    b"principal",
+    b"ttft_ms",
+    b"tokens",
+    b"blobs",
+    b"tags",
+    b"record",
+)
+
+
 @dataclass(slots=True)
 class DecodedCalls:
     entries: list[Entry]
-    #: Per entry, what only the record holds: the readable columns the entry's fields lack.
-    principals: list[str]
+    #: Per field of :data:`_CALL_FIELDS`, its value in each entry (None where an entry lacks it).
+    fields: dict[bytes, Sequence[bytes | None]]
+    #: Per entry, what the record's columns say (``principal``, ``ttft_ms`` and ``tokens`` as the entry
+    #: fields write them, ``b""`` for none). Taken from the entry's fields, except for the records parsed.
+    principals: list[bytes]
     tags: list[list[tuple[str, str]]]
     streamed: list[bool]
-    #: Token streams: time to the first response (None: none came, or not a stream) and responses received.
-    ttft_ms: list[float | None]
-    tokens: list[int | None]
+    ttft_ms: list[bytes]
+    tokens: list[bytes]
     #: The records that reference blobs, by index (only these are kept decoded: holding every decoded
     #: record of a file alive made the garbage collector walk them all, several µs a record, measured),
     #: and the digests they reference.
@@ -75,60 +117,132 @@ class DecodedCalls:
     #: archived with what their readable fields say and the bytes as they are.
     unreadable: list[int]
     corrupt: int
+    #: How many records were parsed (the rest kept as the bytes Redis held, unparsed).
+    parsed: int = 0
+
+
+def entry_columns(entries: Sequence[Entry], names: Sequence[bytes]) -> dict[bytes, Sequence[bytes | None]]:
+    """The values of ``names`` in every entry, as lists (None where an entry lacks one).
+
+    Entries written by one recorder version share one layout, so each field is taken by its position in
+    the first entry, and every entry is checked to have that name there (a C-speed ``list.count``);
+    entries of mixed layouts (a recorder upgrade, a hand-written entry) fall back to a dict per entry."""
+    first = entries[0].flat
+    positions = {first[i]: i + 1 for i in range(0, len(first) - 1, 2)}
+    out: dict[bytes, Sequence[bytes | None]] = {}
+    flats = [entry.flat for entry in entries]
+    if all(len(flat) == len(first) for flat in flats):
+        transposed = list(zip(*flats, strict=True))  # one C-speed pass (measured: half of a list per field)
+        for name in names:
+            at = positions.get(name)
+            if at is None:
+                out[name] = [None] * len(flats)
+                continue
+            if transposed[at - 1].count(name) != len(flats):
+                break
+            out[name] = transposed[at]
+        else:
+            return out
+    dicts = [entry.fields for entry in entries]
+    return {name: [fields.get(name) for fields in dicts] for name in names}
+
+
+#: CallRecord's first bytes as serialized (fields in number order): ``schema_version`` (field 1, a varint),
+#: then ``request_id`` (field 2, length-delimited).
+_SCHEMA_TAG = 0x08
+_REQUEST_ID_TAG = 0x12
 
 
 def decode_calls(entries: Sequence[Entry]) -> DecodedCalls:
-    """Decode ``entries`` (in stream id order: the buffer keeps them so), one pass."""
-    decoded = DecodedCalls(list(entries), [], [], [], [], [], {}, set(), [], 0)
-    principals, tags, streamed = decoded.principals, decoded.tags, decoded.streamed
-    ttft_ms, tokens = decoded.ttft_ms, decoded.tokens
-    for index, entry in enumerate(decoded.entries):
-        try:
-            record = decode_record(entry.fields.get(b"record", b""))
-        except UnsupportedSchema:  # newer than this code: archived as is
-            record = None
-        except Exception:  # protobuf's DecodeError and friends
-            record = None
-            decoded.corrupt += 1
-        if record is not None and not record.request_id:
-            record = None
-            decoded.corrupt += 1
-        if record is None:
-            decoded.unreadable.append(index)
-            principals.append("")
-            tags.append([])
-            streamed.append(False)
-            ttft_ms.append(None)
-            tokens.append(None)
-            continue
-        # Field reads, cheapest first (~1 µs together, measured; a byte search of the serialized record
-        # for a field's tag costs about as much per search): only a record that can hold a blob
-        # reference has its payloads looked at one by one.
-        principals.append(record.principal)
-        tags.append(list(record.tags.items()) if len(record.tags) else [])
-        is_stream = record.HasField("stream")
-        streamed.append(is_stream)
-        first_ns = record.stream.first_response_ns if is_stream else 0
-        ttft_ms.append(first_ns / 1e6 if first_ns > 0 else None)
-        tokens.append(int(record.stream.responses_total) if is_stream else None)
-        if record.request.blob_sha256 or record.response.blob_sha256 or len(record.shadows) or is_stream:
-            digests = [payload.blob_sha256 for payload in blob_payloads(record)]
-            if digests:
-                decoded.with_blobs[index] = record
-                decoded.blobs.update(digests)
+    """Columns of ``entries`` (in stream id order: the buffer keeps them so), one pass.
+
+    A record is parsed only when its entry does not say what the columns need: an entry written before
+    the ``blobs``/``tags`` fields existed, one whose record references blobs (to inline them) or has tags,
+    or one whose record does not start as its fields say."""
+    fields = entry_columns(entries, _CALL_FIELDS)
+    records = fields[b"record"]
+    blob_counts, tag_names = fields[b"blobs"], fields[b"tags"]
+    tokens = [value or b"" for value in fields[b"tokens"]]
+    decoded = DecodedCalls(
+        list(entries),
+        fields,
+        [value or b"" for value in fields[b"principal"]],
+        [[] for _ in entries],
+        [value != b"" for value in tokens],
+        [value or b"" for value in fields[b"ttft_ms"]],
+        tokens,
+        {},
+        set(),
+        [],
+        0,
+    )
+    # Whether a record starts as a CallRecord of a known layout with its entry's request id (under 128
+    # bytes): a byte-level check instead of parsing it (~2 µs a record, measured), catching a record that
+    # is not one (garbage, a newer schema, another request's) but not one cut short after its request id.
+    # A record that fails it is parsed (a longer request id, a schema version 0, a corrupt record).
+    version = SCHEMA_VERSION
+    slow = [
+        index
+        for index, (count, names, record, request_id) in enumerate(
+            zip(blob_counts, tag_names, records, fields[b"request_id"], strict=True)
+        )
+        if count != b"0"
+        or names != b""
+        or not record
+        or not request_id
+        or len(record) < 4
+        or record[0] != _SCHEMA_TAG
+        or record[1] > version
+        or record[2] != _REQUEST_ID_TAG
+        or record[3] != len(request_id)
+        or not record.startswith(request_id, 4)
+    ]
+    decoded.parsed = len(slow)
+    for index in slow:
+        _decode_one(decoded, index, records[index] or b"")
     return decoded
+
+
+def _decode_one(decoded: DecodedCalls, index: int, data: bytes) -> None:
+    try:
+        record = decode_record(data)
+    except UnsupportedSchema:  # newer than this code: archived as is
+        record = None
+    except Exception:  # protobuf's DecodeError and friends
+        record = None
+        decoded.corrupt += 1
+    if record is not None and not record.request_id:
+        record = None
+        decoded.corrupt += 1
+    if record is None:
+        decoded.unreadable.append(index)
+        decoded.principals[index] = b""
+        decoded.streamed[index] = False
+        decoded.ttft_ms[index] = b""
+        decoded.tokens[index] = b""
+        return
+    decoded.principals[index] = record.principal.encode()
+    decoded.tags[index] = list(record.tags.items()) if len(record.tags) else []
+    is_stream = record.HasField("stream")
+    decoded.streamed[index] = is_stream
+    first_ns = record.stream.first_response_ns if is_stream else 0
+    decoded.ttft_ms[index] = f"{first_ns / 1e6!r}".encode() if first_ns > 0 else b""
+    decoded.tokens[index] = str(int(record.stream.responses_total)).encode() if is_stream else b""
+    digests = [payload.blob_sha256 for payload in blob_payloads(record)]
+    if digests:
+        decoded.with_blobs[index] = record
+        decoded.blobs.update(digests)
 
 
 def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) -> tuple[list[PlannedFile], int]:
     """The files for ``model``'s decoded calls, and how many blob references could not be inlined.
 
-    Column by column: the readable columns come from the entry's own fields (the recorder wrote them
-    from the record) and are converted by pyarrow in one pass each; only ``principal``, ``tags``,
-    ``streamed`` and blob references are taken from the decoded record. Measured: a row-by-row
-    loop cost ~60 µs a record, this a few. An entry whose record does not decode, or whose fields
-    do not convert, takes the slow path alone (:func:`_row_from_fields`)."""
+    Column by column, each built by pyarrow from a list in one go: the readable columns from the
+    entries' own fields (the recorder wrote them from the record), the record's bytes as Redis held
+    them unless blobs were inlined. An entry whose record does not decode, or whose fields do not
+    convert, takes the slow path alone (:func:`_row_from_fields`)."""
     missing = 0
-    data = [entry.fields.get(b"record", b"") for entry in decoded.entries]
+    data = [value or b"" for value in decoded.fields[b"record"]]
     for index, record in decoded.with_blobs.items():
         for payload in blob_payloads(record):
             content = blob_bytes.get(payload.blob_sha256)
@@ -137,37 +251,29 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
             else:
                 payload.inline = content
         data[index] = record.SerializeToString()
-    columns = (
-        decoded.entries,
-        data,
-        decoded.principals,
-        decoded.tags,
-        decoded.streamed,
-        decoded.ttft_ms,
-        decoded.tokens,
-    )
+    n = len(data)
     slow = list(decoded.unreadable)
+    keep = list(range(n))
     if slow:
         bad = set(slow)
-        keep = [index for index in range(len(data)) if index not in bad]
-        columns = tuple([values[i] for i in keep] for values in columns)  # type: ignore[assignment]
+        keep = [index for index in range(n) if index not in bad]
     tables: list[pa.Table] = []
-    if columns[0]:
+    if keep:
         try:
-            tables.append(_fast_table(*columns))
+            tables.append(_fast_table(decoded, data, keep if slow else None))
         except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
-            slow = list(range(len(data)))  # a field that does not convert: row by row, with its own fallbacks
+            slow = list(range(n))  # a field that does not convert: row by row, with its own fallbacks
             tables = []
     if slow:
         rows = [
             _row_from_fields(
                 decoded.entries[i],
                 data[i],
-                decoded.principals[i],
+                decoded.principals[i].decode(errors="replace"),
                 decoded.tags[i],
                 decoded.streamed[i],
-                decoded.ttft_ms[i],
-                decoded.tokens[i],
+                _float_or_none(decoded.ttft_ms[i]),
+                _int_or_none(decoded.tokens[i]),
             )
             for i in slow
         ]
@@ -180,6 +286,20 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
     return _split_by_hour(CALLS, model, table, CALL_SCHEMA), missing
 
 
+def _float_or_none(value: bytes) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None
+
+
+def _int_or_none(value: bytes) -> int | None:
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
+
+
 def _id_order(stream_ids: pa.ChunkedArray) -> pa.Table:
     parts = pc.split_pattern(stream_ids, "-")
     ms = pc.cast(pc.list_element(parts, 0), pa.int64())
@@ -190,27 +310,37 @@ def _id_order(stream_ids: pa.ChunkedArray) -> pa.Table:
 _HOUR_NS = 3600 * 10**9
 
 
-def _text_column(values: list[bytes]) -> pa.Array:
+def _text_column(values: Sequence[bytes | None]) -> pa.Array:
     return pa.array(values, type=pa.binary()).cast(pa.string())
 
 
-def _fast_table(
-    entries: list[Entry],
-    data: list[bytes],
-    principals: list[str],
-    tags: list[list[tuple[str, str]]],
-    streamed: list[bool],
-    ttft_ms: list[float | None],
-    tokens: list[int | None],
-) -> pa.Table:
-    fields = [entry.fields for entry in entries]
+def _optional_number(values: Sequence[bytes], kind: pa.DataType) -> pa.Array:
+    """``b""`` is none (a unary call's ``ttft_ms`` and ``tokens``)."""
+    text = _text_column(values)
+    return pc.if_else(pc.equal(text, ""), pa.scalar(None, pa.string()), text).cast(kind)
+
+
+def _fast_table(decoded: DecodedCalls, data: list[bytes], keep: list[int] | None) -> pa.Table:
+    """The table of the entries ``keep`` (all with None). Raises KeyError for an entry without
+    ``time_ns`` or ``latency_ms`` (the slow path gives it a time from its stream id)."""
+
+    def pick(values: Sequence[Any]) -> Sequence[Any]:
+        return values if keep is None else [values[i] for i in keep]
+
+    fields = {name: pick(values) for name, values in decoded.fields.items()}
 
     def column(name: bytes) -> pa.Array:
-        return _text_column([f.get(name, b"") for f in fields])
+        return _text_column([value or b"" for value in fields[name]])
+
+    def required(name: bytes) -> pa.Array:
+        values = fields[name]
+        if None in values:
+            raise KeyError(name)
+        return _text_column(values)
 
     status = column(b"status")
     codes = pc.index_in(status, value_set=pa.array(STATUS_NAMES))
-    receive = _text_column([f[b"time_ns"] for f in fields]).cast(pa.int64())
+    receive = required(b"time_ns").cast(pa.int64())
     columns = {
         "request_id": column(b"request_id"),
         "receive_time": receive.cast(pa.timestamp("ns", tz="UTC")),
@@ -220,15 +350,15 @@ def _fast_table(
         "phase": column(b"phase"),
         "status": status,
         "status_code": pc.fill_null(codes, -1).cast(pa.int32()),
-        "latency_ms": _text_column([f[b"latency_ms"] for f in fields]).cast(pa.float64()),
+        "latency_ms": required(b"latency_ms").cast(pa.float64()),
         "routing_key_hmac": column(b"unit"),
-        "principal": pa.array(principals, type=pa.string()),
-        "tags": pa.array(tags, type=CALL_SCHEMA.field("tags").type),
-        "streamed": pa.array(streamed, type=pa.bool_()),
-        "stream_id": pa.array([entry.stream_id for entry in entries], type=pa.string()),
-        "record": pa.array(data, type=pa.binary()),
-        "ttft_ms": pa.array(ttft_ms, type=pa.float64()),
-        "tokens": pa.array(tokens, type=pa.int64()),
+        "principal": _text_column(pick(decoded.principals)),
+        "tags": pa.array(pick(decoded.tags), type=CALL_SCHEMA.field("tags").type),
+        "streamed": pa.array(pick(decoded.streamed), type=pa.bool_()),
+        "stream_id": pa.array(pick([entry.stream_id for entry in decoded.entries]), type=pa.string()),
+        "record": pa.array(pick(data), type=pa.binary()),
+        "ttft_ms": _optional_number(pick(decoded.ttft_ms), pa.float64()),
+        "tokens": _optional_number(pick(decoded.tokens), pa.int64()),
     }
     return pa.table(columns, schema=CALL_SCHEMA)
 
@@ -240,10 +370,10 @@ def _split_by_hour(kind: str, model: str, table: pa.Table, schema: pa.Schema) ->
     distinct = pc.unique(hours).to_pylist()
     for hour in distinct:
         part = table.filter(pc.equal(hours, hour)) if len(distinct) > 1 else table
-        ids = part["stream_id"].to_pylist()
-        first, last = ids[0], ids[-1]  # rows are in stream id order
+        ids = part["stream_id"]
+        first, last = ids[0].as_py(), ids[-1].as_py()  # rows are in stream id order
         directory = partition_dir(kind, model, int(hour) * _HOUR_NS)
-        files.append(PlannedFile(f"{directory}/{file_name(first, last)}", part.cast(schema), tuple(ids)))
+        files.append(PlannedFile(f"{directory}/{file_name(first, last)}", part.cast(schema)))
     return files
 
 
@@ -336,4 +466,4 @@ def _planned(directory: str, schema: pa.Schema, values: dict[str, list]) -> Plan
     ids = tuple(values["stream_id"])
     table = pa.table({field.name: pa.array(values[field.name], type=field.type) for field in schema}, schema=schema)
     first, last = ids[0], ids[-1]
-    return PlannedFile(f"{directory}/{file_name(first, last)}", table, ids)
+    return PlannedFile(f"{directory}/{file_name(first, last)}", table)

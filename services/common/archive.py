@@ -228,7 +228,16 @@ def write_file(archive: Archive, relative_path: str, table: pa.Table, *, row_gro
         archive.filesystem.create_dir(directory, recursive=True)
         target = f"{directory}/.{name}.{uuid.uuid4().hex}.tmp"
     with archive.filesystem.open_output_stream(target) as sink:
-        pq.write_table(table, sink, compression="zstd", row_group_size=row_group_rows)
+        pq.write_table(
+            table,
+            sink,
+            compression="zstd",
+            row_group_size=row_group_rows,
+            # Serialized records are all distinct: a dictionary is tried and given up, and their min/max
+            # statistics say nothing (measured: ~1 µs a row of a call file's write).
+            use_dictionary=[name for name in table.column_names if name != "record"],
+            write_statistics=[name for name in table.column_names if name != "record"],
+        )
         written = sink.tell()
     if target != final:
         archive.filesystem.move(target, final)

@@ -185,8 +185,21 @@ def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
         # TTFT empty when no response came), so the analysis need not parse records.
         "ttft_ms": f"{record.stream.first_response_ns / 1e6:.3f}" if record.stream.first_response_ns > 0 else "",
         "tokens": str(record.stream.responses_total) if record.HasField("stream") else "",
+        # Payloads stored as blob references, and the record's tag names: a reader that needs neither (the
+        # archiver, for most records) keeps the record's bytes as they are without parsing them.
+        "blobs": str(blob_references(record)),
+        "tags": ",".join(sorted(record.tags)),
         "record": record.SerializeToString(),
     }
+
+
+def blob_references(record: recorder_pb2.CallRecord) -> int:
+    """How many of ``record``'s payloads (request, response, shadows, stream messages) are blob references."""
+    payloads = [record.request, record.response, *(shadow.response for shadow in record.shadows)]
+    if record.HasField("stream"):
+        payloads += [message.payload for message in record.stream.requests]
+        payloads += [message.payload for message in record.stream.responses]
+    return sum(1 for payload in payloads if payload.blob_sha256)
 
 
 def feedback_entry_fields(event: feedback_pb2.FeedbackEvent) -> dict[str, str | bytes]:
