@@ -125,7 +125,7 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
     pre: _PreValues | None = None
     if query.pre_window is not None:
         pre = await _load_pre_values(source, query, query.pre_window)
-    analysis = summarize(query, exposures, feedback, pre)
+    analysis = summarize(query, exposures, feedback, pre, last_use=query.segment is None)
     if query.segment is None:
         return analysis
     segments = []
@@ -166,11 +166,18 @@ def _units_in_several(exposures: Exposures) -> int:
     return int(pc.sum(pc.greater(counts.field("counts"), 1)).as_py() or 0)
 
 
-def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None) -> Analysis:
-    """The analysis of loaded data (no I/O): what :func:`analyze` returns."""
+def summarize(
+    query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None, *, last_use: bool = False
+) -> Analysis:
+    """The analysis of loaded data (no I/O): what :func:`analyze` returns. ``last_use``: nothing reads
+    ``feedback.events`` and ``exposures.call_keys`` afterwards; they are emptied once joined, so the per-metric
+    matrices are not built on top of them (the events are the largest thing the analysis holds)."""
     crossover = _crossover_units(exposures.units)
     units = exposures.units.filter(pc.invert(_among(exposures.units, crossover))) if len(crossover) else exposures.units
     attributed = _attribute(feedback.events, exposures.call_keys, units, per_call=query.unit == "call")
+    if last_use:
+        feedback.events = feedback.events.slice(0, 0)
+        exposures.call_keys = exposures.call_keys.slice(0, 0)
     events = attributed.events
     if len(crossover):
         events = _rows(events, ~_among(events, crossover).to_numpy(zero_copy_only=False))
