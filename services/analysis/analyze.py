@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -124,7 +125,7 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
     pre: _PreValues | None = None
     if query.pre_window is not None:
         pre = await _load_pre_values(source, query, query.pre_window)
-    analysis = summarize(query, exposures, feedback, pre)
+    analysis = summarize(query, exposures, feedback, pre, last_use=query.segment is None)
     if query.segment is None:
         return analysis
     segments = []
@@ -165,14 +166,21 @@ def _units_in_several(exposures: Exposures) -> int:
     return int(pc.sum(pc.greater(counts.field("counts"), 1)).as_py() or 0)
 
 
-def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None) -> Analysis:
-    """The analysis of loaded data (no I/O): what :func:`analyze` returns."""
+def summarize(
+    query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None, *, last_use: bool = False
+) -> Analysis:
+    """The analysis of loaded data (no I/O): what :func:`analyze` returns. ``last_use``: nothing reads
+    ``feedback.events`` and ``exposures.call_keys`` afterwards; they are emptied once joined, so the per-metric
+    matrices are not built on top of them (the events are the largest thing the analysis holds)."""
     crossover = _crossover_units(exposures.units)
     units = exposures.units.filter(pc.invert(_among(exposures.units, crossover))) if len(crossover) else exposures.units
     attributed = _attribute(feedback.events, exposures.call_keys, units, per_call=query.unit == "call")
+    if last_use:
+        feedback.events = feedback.events.slice(0, 0)
+        exposures.call_keys = exposures.call_keys.slice(0, 0)
     events = attributed.events
     if len(crossover):
-        events = events.filter(pc.invert(_among(events, crossover)))
+        events = _rows(events, ~_among(events, crossover).to_numpy(zero_copy_only=False))
     crossed_events = len(attributed.events) - len(events)
     order = _phase_order(units)
     phases = []
@@ -184,7 +192,7 @@ def summarize(query: Query, exposures: Exposures, feedback: Feedback, pre: _PreV
                 query,
                 info,
                 units.filter(pc.equal(units["phase"], code)) if len(order) > 1 else units,
-                events.filter(pc.equal(events["phase"], code)) if len(order) > 1 else events,
+                _rows(events, events["phase"].to_numpy() == code) if len(order) > 1 else events,
                 bucket_calls=exposures.bucket_calls,
                 arm_names=exposures.arms.names,
                 crossover_units=int(pc.sum(pc.equal(crossover["phase"], code)).as_py() or 0),
@@ -258,8 +266,6 @@ def _crossover_units(units: pa.Table) -> pa.Table:
     return arms.filter(pc.greater(arms["arm_count_distinct"], 1)).select(["phase", "unit"])
 
 
-#: The fingerprint of "no request id" / "no unit".
-_NONE = pa.scalar(0, pa.uint64())
 _ATTRIBUTED = pa.schema(
     [
         ("phase", pa.int16()),
@@ -294,23 +300,13 @@ def _attribute(events: pa.Table, call_keys: pa.Table, units: pa.Table, *, per_ca
     unknown = int((~found).sum())
     not_randomized = int((~randomized).sum())
     rows, call = wanted[found][randomized], call[randomized]
-    parts = [
-        pa.table(
-            {
-                "phase": call_keys["phase"].to_numpy()[call],
-                "arm": call_keys["arm"].to_numpy()[call],
-                "unit": call_keys["unit"].to_numpy()[call],
-                "metric": events["metric"].to_numpy()[rows],
-                "value": events["value"].to_numpy()[rows],
-                "event_ns": events["event_ns"].to_numpy()[rows],
-                "request": requests[rows],
-            }
-        )
-    ]
     by_request = len(wanted)
-    has_request_array = pa.array(has_request)
-    by_unit = events.filter(pc.and_(pc.invert(has_request_array), pc.not_equal(events["unit"], _NONE)))
+    by_unit = np.flatnonzero(~has_request & (events["unit"].to_numpy() != 0))
     unknown += len(events) - by_request - len(by_unit)  # neither a request id nor a unit
+    # Each output column is gathered on its own from where it comes (the call, the unit's row, the event), so
+    # the temporaries of the join are one column's, not a table's.
+    unit_rows = np.zeros(0, dtype=np.int64)  # rows of ``units`` the events joined by unit fall in
+    unit_events = np.zeros(0, dtype=np.int64)  # and those events' rows
     if per_call:
         unknown += len(by_unit)
     elif len(by_unit) and len(units):
@@ -321,8 +317,8 @@ def _attribute(events: pa.Table, call_keys: pa.Table, units: pa.Table, *, per_ca
         row_first = units["first_ns"].to_numpy()
         order = np.lexsort((row_first, row_unit))
         row_unit, row_first = row_unit[order], row_first[order]
-        event_unit = by_unit["unit"].to_numpy()
-        event_ns = by_unit["event_ns"].to_numpy()
+        event_unit = events["unit"].to_numpy()[by_unit]
+        event_ns = events["event_ns"].to_numpy()[by_unit]
         at = np.searchsorted(row_unit, event_unit, side="right").astype(np.int64) - 1
         chosen = np.zeros(len(event_unit), dtype=bool)
         pending = (at >= 0) & (row_unit[np.maximum(at, 0)] == event_unit)
@@ -332,25 +328,30 @@ def _attribute(events: pa.Table, call_keys: pa.Table, units: pa.Table, *, per_ca
             at = np.where(pending & ~good, at - 1, at)
             pending &= ~good & (at >= 0)
             pending &= row_unit[np.maximum(at, 0)] == event_unit
-        rows = order[at[chosen]]
+        del event_unit, event_ns
+        unit_rows = order[at[chosen]]
+        unit_events = by_unit[chosen]
         unknown += int((~chosen).sum())
-        parts.append(
-            pa.table(
-                {
-                    "phase": units["phase"].to_numpy()[rows],
-                    "arm": units["arm"].to_numpy()[rows],
-                    "unit": event_unit[chosen],
-                    "metric": by_unit["metric"].to_numpy()[chosen],
-                    "value": by_unit["value"].to_numpy()[chosen],
-                    "event_ns": event_ns[chosen],
-                    "request": by_unit["request"].to_numpy()[chosen],
-                }
-            )
-        )
     else:
         unknown += len(by_unit)
-    attributed = pa.concat_tables([p.cast(_ATTRIBUTED) for p in parts])
-    return _Attributed(attributed, unknown, not_randomized)
+    event_rows = np.concatenate([rows, unit_events])
+    columns: dict[str, npt.NDArray[Any]] = {}
+    for name in _ATTRIBUTED.names:
+        kind = _ATTRIBUTED.field(name).type.to_pandas_dtype()
+        if name in ("phase", "arm"):
+            columns[name] = np.concatenate([call_keys[name].to_numpy()[call], units[name].to_numpy()[unit_rows]])
+        elif name == "unit":
+            columns[name] = np.concatenate([call_keys[name].to_numpy()[call], events[name].to_numpy()[unit_events]])
+        else:
+            columns[name] = events[name].to_numpy()[event_rows]
+        columns[name] = columns[name].astype(kind, copy=False)
+    return _Attributed(pa.table(columns, schema=_ATTRIBUTED), unknown, not_randomized)
+
+
+def _rows(table: pa.Table, rows: npt.NDArray[np.int64] | npt.NDArray[np.bool_]) -> pa.Table:
+    """``table``'s rows taken with numpy, column by column (numeric columns of one chunk: views, no copy but the
+    result's). Arrow's ``filter`` over the event tables kept its memory pool's peak on top of numpy's."""
+    return pa.table({name: table[name].to_numpy()[rows] for name in table.column_names}, schema=table.schema)
 
 
 def _phase_order(units: pa.Table) -> list[int]:
@@ -409,10 +410,13 @@ def _metric_matrix(matrix: _UnitMatrix, events: pa.Table, window: Window) -> _Me
     zeros = np.zeros((n, TIMELINE_POINTS))
     if not len(events) or not n:
         return _MetricMatrix(zeros, zeros.copy(), zeros.copy())
-    rows = pc.index_in(events["unit"], value_set=matrix.keys)
-    known = pc.is_valid(rows)
-    events = events.filter(known)
-    index = pc.filter(rows, known).to_numpy().astype(np.int64)
+    # The keys are sorted (np.unique): a binary search, no hash table over the events.
+    keys = matrix.keys.to_numpy()
+    units = events["unit"].to_numpy()
+    at = np.minimum(np.searchsorted(keys, units), n - 1)
+    known = keys[at] == units
+    events = _rows(events, known)
+    index = at[known].astype(np.int64)
     buckets = window.bucket_of(events["event_ns"].to_numpy()).astype(np.int64)
     values = events["value"].to_numpy()
     sums = _cumulated(index, buckets, values, n)
@@ -464,7 +468,7 @@ def _analyse_phase(
     by_arm: dict[str, list[MetricComparison]] = {arm: [] for arm in ordered}
     # One metric at a time: its per-unit matrices are the largest things the analysis holds.
     for code, spec in enumerate(query.metrics):
-        metric = _metric_matrix(matrix, events.filter(pc.equal(events["metric"], code)), query.window)
+        metric = _metric_matrix(matrix, _rows(events, events["metric"].to_numpy() == code), query.window)
         for arm in ordered:
             rows = arm_rows[arm]
             values = _unit_values(spec.kind, metric, matrix.calls, rows, last)
@@ -789,7 +793,7 @@ async def _load_pre_values(source: Source, query: Query, window: Window) -> _Pre
     attributed = _attribute(feedback.events, keys, units, per_call=False)
     matrix = _unit_matrix(units, exposures.bucket_calls, ["all"])
     metrics = {
-        name: _metric_matrix(matrix, attributed.events.filter(pc.equal(attributed.events["metric"], code)), window)
+        name: _metric_matrix(matrix, _rows(attributed.events, attributed.events["metric"].to_numpy() == code), window)
         for code, name in enumerate(names)
     }
     return _PreValues(matrix.keys, matrix.calls, metrics)

@@ -459,8 +459,21 @@ async def load_feedback(
         chunks["value"].append(values[rows].astype(np.float64))
         chunks["event_ns"].append(times[rows].astype(np.int64))
     if chunks["metric"]:
-        result.events = _events({name: np.concatenate(parts) for name, parts in chunks.items()})
+        # A column at a time, its pages let go as it is joined: the pages and the whole table are never held at
+        # once (they were: twice the events' size at the end of the read).
+        result.events = _events({name: _joined(chunks[name]) for name in list(chunks)})
     return result
+
+
+def _joined(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
+    """The pages of one column as one array; empties ``parts`` so each page is freed once copied."""
+    out = np.empty(sum(len(p) for p in parts), dtype=parts[0].dtype)
+    at = 0
+    while parts:
+        part = parts.pop(0)
+        out[at : at + len(part)] = part
+        at += len(part)
+    return out
 
 
 def _events(columns: dict[str, npt.NDArray[Any]]) -> pa.Table:
