@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from splitstream.common.headers import from_header_value, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from tests.harness import ROOT, Stack, metric_samples, scrape_metrics, wait_for, write_registry
 from tests.stream_client import OpenStream, is_final, run_stream
@@ -85,6 +86,18 @@ def test_every_response_is_relayed_byte_for_byte_with_the_final_flag_on_the_last
     assert [e["sha256"] for e in events if e["event"] == "response"] == [
         hashlib.sha256(r).hexdigest() for r in result.responses
     ]
+
+
+@pytest.mark.parametrize("request_id", ["ünïcode", "a\x01b", "tab\there"])
+def test_a_stream_whose_id_is_not_printable_ascii_is_answered_with_the_id_percent_encoded(
+    deployment: Deployment, request_id: str
+) -> None:
+    """The unary path's first hardening fault (a non-ASCII id hung the call) must not come back on streams."""
+    result = run_stream(deployment.router.address, [stream_request(request_id, 3, model=MODEL)], timeout_s=10)
+    assert result.code == grpc.StatusCode.OK, result.details
+    assert [is_final(r) for r in result.decoded()] == [False, False, True]
+    assert result.trailers["x-request-id"] == header_value(request_id)
+    assert from_header_value(result.trailers["x-request-id"]) == request_id
 
 
 def test_an_empty_final_response_and_sequence_parameters_pass_through_untouched(deployment: Deployment) -> None:
