@@ -33,7 +33,7 @@ import yaml
 from grpc import aio
 
 from demo import language
-from demo.processes import Supervisor, free_port
+from demo.processes import Supervisor, free_port, script_path, stepper
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    step = _stepper()
+    step = stepper()
     step("counting the language models: v1 bigram, v2 trigram")
     language.write_versions(workdir / "models", MODEL)
     hmac_key = secrets.token_hex(16)
@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         replay_dir = workdir / "replay"
         replay = subprocess.run(
             [
-                _script("splitstream-replay"),
+                script_path("splitstream-replay"),
                 *("--redis-url", redis_url, "--model", MODEL, "--since", f"{since - 1:.3f}", "--until", f"{until:.3f}"),
                 *("--target", router, "--pin-version", "v2", "--speed", args.replay_speed, "--concurrency", "8"),
                 *("--output-dir", str(replay_dir), "--no-progress"),
@@ -277,23 +277,6 @@ def _wait_recorded(redis_url: str, expected: int, timeout_s: float = 20.0) -> in
             time.sleep(0.1)
     finally:
         client.close()
-
-
-def _script(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else name
-
-
-def _stepper():  # type: ignore[no-untyped-def]
-    started = time.monotonic()
-    count = 0
-
-    def step(message: str) -> None:
-        nonlocal count
-        count += 1
-        print(f"[{time.monotonic() - started:6.1f}s] {count}. {message}", flush=True)
-
-    return step
 
 
 def _fmt(value: object) -> str:

@@ -13,10 +13,30 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def script_path(name: str) -> str:
+    """A console script of this environment (beside its Python), else ``name`` as found on PATH."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def stepper() -> Callable[[str], None]:
+    """Numbered, timed progress lines: ``[  3.2s] 4. replaying``."""
+    started = time.monotonic()
+    count = 0
+
+    def step(message: str) -> None:
+        nonlocal count
+        count += 1
+        print(f"[{time.monotonic() - started:6.1f}s] {count}. {message}", flush=True)
+
+    return step
 
 
 def free_port() -> int:

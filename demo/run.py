@@ -25,7 +25,6 @@ import random
 import secrets
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections import defaultdict
@@ -37,7 +36,7 @@ import numpy as np
 import yaml
 from grpc import aio
 
-from demo.processes import Supervisor, free_port
+from demo.processes import Supervisor, free_port, script_path, stepper
 from demo.train import MODEL, DemoData, train
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
@@ -161,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     if workdir.exists():
         shutil.rmtree(workdir)
     workdir.mkdir(parents=True)
-    step = _stepper()
+    step = stepper()
     step("training the digit classifier, v1 (150 images) and v2 (all 1078)")
     data, trained_accuracy = train(workdir / "models")
     os.environ["SPLITSTREAM_HMAC_KEY"] = secrets.token_hex(16)
@@ -280,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         try:
             rollout = subprocess.run(
                 [
-                    _script("splitstream"),
+                    script_path("splitstream"),
                     "--registry",
                     f"file:{registry}",
                     "rollout",
@@ -318,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         replay_dir = workdir / "replay"
         replay = subprocess.run(
             [
-                _script("splitstream-replay"),
+                script_path("splitstream-replay"),
                 "--redis-url",
                 redis_url,
                 "--model",
@@ -351,7 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         step("analysing clicks per phase with `splitstream analyze` (v2's lift, its interval, the SRM check)")
         analysis = subprocess.run(
             [
-                _script("splitstream"),
+                script_path("splitstream"),
                 "analyze",
                 MODEL,
                 "--redis-url",
@@ -445,23 +444,6 @@ def _recorded_count(redis_url: str) -> int:
         return int(client.xlen(f"splitstream:calls:{MODEL}"))
     finally:
         client.close()
-
-
-def _script(name: str) -> str:
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else name
-
-
-def _stepper():  # type: ignore[no-untyped-def]
-    started = time.monotonic()
-    count = 0
-
-    def step(message: str) -> None:
-        nonlocal count
-        count += 1
-        print(f"[{time.monotonic() - started:6.1f}s] {count}. {message}", flush=True)
-
-    return step
 
 
 def print_summary(summary: dict[str, object], workdir: Path) -> None:

@@ -339,28 +339,21 @@ class AuthInterceptor(aio.ServerInterceptor):
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
-        if handler.stream_unary is not None and inspect.iscoroutinefunction(handler.stream_unary):
-            stream_unary = handler.stream_unary
-
-            async def stream_unary_call(requests: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]) -> Any:
-                principal = await admit(method, context, None)
-                return await stream_unary(checked(requests, context, principal), context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary_call,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None and inspect.iscoroutinefunction(handler.stream_stream):
-            # A streaming handler that writes with context.write(): admitted as a whole (its requests
-            # are read by the handler, so per-request model checks need an iterator handler).
-            coroutine = handler.stream_stream
+        # A coroutine taking the request iterator: stream-unary, or stream-stream writing its responses with
+        # context.write() (the router's ModelStreamInfer). Each request is checked as it is read.
+        coroutine = stream if inspect.iscoroutinefunction(stream) else None
+        if coroutine is not None:
 
             async def stream_call(requests: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]) -> Any:
                 principal = await admit(method, context, None)
                 return await coroutine(checked(requests, context, principal), context)
 
-            return grpc.stream_stream_rpc_method_handler(
+            make = (
+                grpc.stream_unary_rpc_method_handler
+                if handler.stream_stream is None
+                else grpc.stream_stream_rpc_method_handler
+            )
+            return make(
                 stream_call,
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
