@@ -31,6 +31,7 @@ import asyncio
 import dataclasses
 import errno
 import math
+import os
 import signal
 import socket
 import sys
@@ -54,6 +55,9 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: Set by the ``--processes`` parent (:mod:`splitstream.common.supervisor`) in each child: its index, 0..N-1.
+#: A child serves its port with SO_REUSEPORT, beside its siblings.
+PROCESS_INDEX_ENV = "SPLITSTREAM_PROCESS_INDEX"
 #: gRPC takes message limits as a C int.
 _MAX_GRPC_INT = 2**31 - 1
 
@@ -69,11 +73,45 @@ class ServerDefaults:
     shutdown_grace_s: float = 30.0
 
 
-def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaults) -> None:
+def process_index() -> int | None:
+    """This process's index among its ``--processes`` siblings, or None when it was not started by a parent."""
+    value = os.environ.get(PROCESS_INDEX_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
+class _ProcessesError(argparse.ArgumentTypeError, ValueError):
+    """argparse shows an ArgumentTypeError's message; EnvArgumentParser reports a ValueError for the variable."""
+
+
+def parse_processes(value: str) -> int:
+    """``--processes``: a whole number >= 1, or ``auto`` (the cores this process may run on)."""
+    if value.strip().lower() == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        count = int(value)
+    except ValueError:
+        raise _ProcessesError(f"expected a whole number >= 1 or auto, got {value!r}") from None
+    if count < 1:
+        raise _ProcessesError(f"must be at least 1 (or auto), got {count}")
+    return count
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaults, *, processes: bool = False) -> None:
     """The flags every splitstream server has, in one group, with the same names, help and checks everywhere.
 
-    Each reads its ``SPLITSTREAM_<SERVICE>_<FLAG>`` variable when ``parser`` is an EnvArgumentParser."""
+    Each reads its ``SPLITSTREAM_<SERVICE>_<FLAG>`` variable when ``parser`` is an EnvArgumentParser.
+    ``processes``: the service can run as N processes on one port (``--processes``, see
+    :mod:`splitstream.common.supervisor`)."""
     group = parser.add_argument_group("server (the same for every splitstream server)")
+    if processes:
+        group.add_argument(
+            "--processes",
+            type=parse_processes,
+            default=1,
+            help="processes serving --port together (SO_REUSEPORT, Linux only), each on its own core; auto: "
+            "one per usable core. A parent supervises them: restarts one that dies, drains all on SIGTERM, "
+            "serves --metrics-port with their totals",
+        )
     group.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
     group.add_argument(
         "--port", type=int, default=defaults.port, help="gRPC port (0 picks a free one; the log says which)"
@@ -147,10 +185,17 @@ class ServerSettings:
     grpc_server_cert: str = ""
     grpc_server_key: str = ""
     grpc_root_cert: str = ""
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if not self.host.strip():
             raise ConfigError("--host: must not be empty")
+        if self.processes < 1:
+            raise ConfigError(f"--processes: must be at least 1, got {self.processes}")
+        if self.processes > 1 and (sys.platform != "linux" or not hasattr(socket, "SO_REUSEPORT")):
+            raise ConfigError(
+                f"--processes {self.processes}: sharing a port needs SO_REUSEPORT as Linux has it; use 1 here"
+            )
         if not self.metrics_host:
             object.__setattr__(self, "metrics_host", self.host)
         for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
@@ -202,17 +247,18 @@ class ServerSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
-        """The settings from flags added by :func:`add_server_arguments`."""
-        return cls(**{name: getattr(args, name) for name in SERVER_ARGUMENTS})
+        """The settings from flags added by :func:`add_server_arguments` (``--processes`` only where offered)."""
+        return cls(**{name: getattr(args, name) for name in SERVER_ARGUMENTS if hasattr(args, name)})
 
     @property
     def grpc_address(self) -> str:
         return _host_port(self.host, self.port)
 
     def server_options(self) -> list[tuple[str, int]]:
-        """SO_REUSEPORT off: two processes must never silently share a port (the second must fail to start)."""
+        """SO_REUSEPORT off: two processes must never silently share a port (the second must fail to start);
+        on only in a ``--processes`` child, whose parent holds the port for its children alone."""
         return [
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", 1 if process_index() is not None else 0),
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
         ]
@@ -332,7 +378,7 @@ class _Runner:
             runtime = Runtime(settings, self.health, service.health_names())
             runtime.port = port
             if settings.metrics_port and service.metrics is not None:
-                self.metrics_server = _bind_metrics(settings, service.metrics)
+                self.metrics_server = bind_metrics(settings, service.metrics)
             service.register(server)
             add_health_and_reflection(server, self.health, service.grpc_services)
             await runtime.set_serving(False)
@@ -346,6 +392,7 @@ class _Runner:
             "listening",
             host=settings.host,
             port=port,
+            process_index=process_index(),
             metrics_host=settings.metrics_host,
             metrics_port=settings.metrics_port or None,
             tls="mutual" if settings.grpc_use_ssl_mutual else ("on" if settings.grpc_use_ssl else "off"),
@@ -412,7 +459,7 @@ def _bind_grpc(server: aio.Server, settings: ServerSettings) -> int:
     The port is tried with a plain socket first: gRPC's own failure is a vague RuntimeError
     plus a line of its C core on stderr, and the contract is one line saying what is wrong."""
     address = settings.grpc_address
-    problem = _bind_problem(settings.host, settings.port)
+    problem = bind_problem(settings.host, settings.port, reuse_port=process_index() is not None)
     if problem:
         raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {problem}")
     tls = settings.tls
@@ -424,7 +471,7 @@ def _bind_grpc(server: aio.Server, settings: ServerSettings) -> int:
         raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {error}") from None
 
 
-def _bind_metrics(settings: ServerSettings, registry: CollectorRegistry) -> Any:
+def bind_metrics(settings: ServerSettings, registry: CollectorRegistry) -> Any:
     address = _host_port(settings.metrics_host, settings.metrics_port)
     try:
         metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
@@ -434,9 +481,10 @@ def _bind_metrics(settings: ServerSettings, registry: CollectorRegistry) -> Any:
     return metrics_server
 
 
-def _bind_problem(host: str, port: int) -> str:
+def bind_problem(host: str, port: int, *, reuse_port: bool = False) -> str:
     """Why ``host:port`` cannot be listened on, or "" (port 0 always can). SO_REUSEADDR as gRPC sets it,
-    so a port left in TIME_WAIT by a previous run is not refused."""
+    so a port left in TIME_WAIT by a previous run is not refused; SO_REUSEPORT too in a ``--processes``
+    child (``reuse_port``), whose parent and siblings hold the port with it."""
     if port == 0:
         return ""
     try:
@@ -447,6 +495,8 @@ def _bind_problem(host: str, port: int) -> str:
         return f"cannot resolve {host!r}: {error.strerror}"
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             probe.bind(sockaddr)
         except OSError as error:

@@ -156,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         ServerDefaults(
             port=8003, metrics_port=8004, max_message_bytes=128 * 1024 * 1024, drain_delay_s=0.0, shutdown_grace_s=10.0
         ),
+        processes=True,
     )
     parser.add_argument(
         "--redis-url",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +25,7 @@ from splitstream.common.redis_url import RedisClient, open_redis
 from splitstream.common.runtime import Runtime, Service, run_service
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.service_auth import ServiceAuth
+from splitstream.common.supervisor import supervise
 from splitstream.recorder.access import RouterAccess
 from splitstream.recorder.config import PROG, RecorderConfig, parse_args
 from splitstream.recorder.core import RecorderCore
@@ -42,6 +44,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``splitstream-recorder``; exit codes as :mod:`splitstream.common.runtime` says."""
     config = parse_args(argv)
     configure_logging(config.server.log_level, service="recorder")
+    if config.server.processes > 1:
+        recorder_argv = sys.argv[1:] if argv is None else argv
+        return supervise(
+            config.server, module="splitstream.recorder", argv=recorder_argv, prog=PROG, service="recorder"
+        )
     return run_service(config.server, lambda: Recorder(config), prog=PROG)
 
 

@@ -72,17 +72,20 @@ class RecorderMetrics:
             "splitstream_recorder_redis_up",
             "1 while Redis answers PING and took the last batch written, else 0; health follows it",
             registry=self.registry,
+            multiprocess_mode="livemin",  # --processes: the worst live child
         )
         self.redis_writable = Gauge(
             "splitstream_recorder_redis_writable",
             "0 after Redis refused a write (maxmemory with noeviction, read-only replica, MISCONF) until a "
             "batch is written again, else 1; health is NOT_SERVING meanwhile",
             registry=self.registry,
+            multiprocess_mode="livemin",  # --processes: the worst live child
         )
         self.streams = Gauge(
             "splitstream_recorder_open_streams",
             "Record streams (one per connected router) open now",
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.unauthenticated = Counter(
             "splitstream_recorder_unauthenticated_calls",

@@ -11,11 +11,13 @@ import asyncio
 import math
 import os
 import socket
+import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 from grpc import aio
+from prometheus_client import CollectorRegistry
 
 from splitstream.common.addresses import check_address
 from splitstream.common.cli import EnvArgumentParser, fail
@@ -30,10 +32,12 @@ from splitstream.common.runtime import (
     ServerSettings,
     Service,
     add_server_arguments,
+    process_index,
     run_service,
 )
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
+from splitstream.common.supervisor import supervise
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
 from splitstream.router.auth.credentials import PrincipalsStore, open_principals
 from splitstream.router.auth.interceptor import Authenticator, AuthInterceptor, AuthMetrics
@@ -159,7 +163,7 @@ def build_parser() -> EnvArgumentParser:
         ),
     )
     # Triton's ports, so Triton clients work with defaults.
-    add_server_arguments(parser, ServerDefaults(port=8001, metrics_port=8002))
+    add_server_arguments(parser, ServerDefaults(port=8001, metrics_port=8002), processes=True)
     parser.add_argument(
         "--router-id",
         default="",
@@ -204,7 +208,8 @@ def build_parser() -> EnvArgumentParser:
         "--spool-dir",
         default="splitstream-spool",
         help="the write-ahead log directory: every answered call is appended here and shipped to the recorder "
-        "by splitstream-shipper (one directory per router process)",
+        "by splitstream-shipper (one directory per router process; with --processes N, child i logs to "
+        "SPOOL_DIR/proc-i)",
     )
     recording.add_argument(
         "--spool-max-bytes",
@@ -218,7 +223,8 @@ def build_parser() -> EnvArgumentParser:
         choices=("child", "external"),
         default="child",
         help="child: the router runs its own splitstream-shipper (restarted if it dies, stopped after the "
-        "router's drain); external: one shipper per host ships this --spool-dir with other routers'",
+        "router's drain; with --processes N one shipper for all N logs); external: one shipper per host ships "
+        "this --spool-dir with other routers'",
     )
     recording.add_argument(
         "--shipper-metrics-port",
@@ -334,15 +340,24 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
     The one place flags map to settings: a new flag is added in :func:`build_parser` and here."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    index = process_index()
+    router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
+    spool_dir = args.spool_dir
+    shipper = args.shipper
+    if index is not None:
+        # A --processes child: its own log (resumed when it is restarted) and name; the parent runs the shipper.
+        spool_dir = child_spool_dir(args.spool_dir, index)
+        router_id = f"{args.router_id}-{index}" if args.router_id else router_id
+        shipper = "external"
     try:
         return RouterConfig(
             server=ServerSettings.from_args(args),
             registry=args.registry,
-            router_id=args.router_id or f"{socket.gethostname()}-{os.getpid()}",
+            router_id=router_id,
             eject_after_failures=args.eject_after_failures,
             eject_duration_s=args.eject_duration_s,
             recorder=args.recorder,
-            spool_dir=args.spool_dir,
+            spool_dir=spool_dir,
             spool_max_bytes=args.spool_max_bytes,
             # One deployment-wide key serves router, recorder and replayer alike.
             hmac_key=args.hmac_key or os.environ.get("SPLITSTREAM_HMAC_KEY", ""),
@@ -351,7 +366,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             record_queue_size=args.record_queue_size,
             record_batch_max_bytes=args.record_batch_max_bytes,
             record_credential_headers=args.record_credential_headers,
-            shipper=args.shipper,
+            shipper=shipper,
             log_flush_interval_s=args.log_flush_interval_s,
             log_segment_bytes=args.log_segment_bytes,
             shipper_args=_shipper_args(args),
@@ -373,11 +388,19 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
     raise AssertionError("unreachable: parser.error exits")
 
 
+def child_spool_dir(spool_dir: str, index: int) -> str:
+    """The write-ahead log directory of ``--processes`` child ``index``."""
+    return os.path.join(spool_dir, f"proc-{index}")
+
+
 def _shipper_args(args: argparse.Namespace) -> tuple[str, ...]:
-    """The child shipper's flags: what concerns shipping passes through as the router was given it."""
+    """The child shipper's flags: what concerns shipping passes through as the router was given it. With
+    ``--processes N`` the parent's one shipper ships every child's log directory."""
+    processes = getattr(args, "processes", 1)
+    log_dirs = [child_spool_dir(args.spool_dir, i) for i in range(processes)] if processes > 1 else [args.spool_dir]
     out = [
         "--recorder", args.recorder,
-        "--log-dir", args.spool_dir,
+        *(flag for log_dir in log_dirs for flag in ("--log-dir", log_dir)),
         "--spool-max-bytes", str(args.spool_max_bytes),
         "--record-batch-size", str(args.record_batch_size),
         "--record-batch-interval-ms", str(args.record_batch_interval_ms),
@@ -447,7 +470,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry = open_registry(config.registry)
     except ConfigError as error:
         fail(PROG, str(error))
+    if config.server.processes > 1:
+        return _supervise(config, sys.argv[1:] if argv is None else argv)
     return run_service(config.server, lambda: Router(config, registry), prog=PROG)
+
+
+def _supervise(config: RouterConfig, argv: Sequence[str]) -> int:
+    """``--processes N``: N routers on one port; with ``--shipper child`` one shipper for their N logs."""
+    companion = None
+    if config.recorder and config.shipper == "child":
+        try:
+            for index in range(config.server.processes):  # the shipper opens them before the children start
+                os.makedirs(child_spool_dir(config.spool_dir, index), exist_ok=True)
+        except OSError as error:
+            fail(PROG, f"--spool-dir {config.spool_dir}: {error.strerror or error}")
+
+        def companion(registry: CollectorRegistry) -> ShipperChild:
+            return ShipperChild(config.shipper_args, registry, stop_timeout_s=15.0)
+
+    return supervise(
+        config.server, module="splitstream.router", argv=argv, prog=PROG, service="router", companion=companion
+    )
 
 
 class Router(Service):

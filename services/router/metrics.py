@@ -76,10 +76,13 @@ class RouterMetrics:
             ["result"],
             registry=self.registry,
         )
+        # With --processes N the parent's scrape merges the children's values: the worst live child here,
+        # the live children's sum for what is in progress (prometheus-client's multiprocess modes).
         self.registry_healthy = Gauge(
             "splitstream_router_registry_healthy",
             "1 when the last registry read succeeded and was valid throughout, else 0",
             registry=self.registry,
+            multiprocess_mode="livemin",
         )
         self.shadow_requests = Counter(
             "splitstream_router_shadow_requests",
@@ -100,7 +103,12 @@ class RouterMetrics:
             ["model", "reason"],
             registry=self.registry,
         )
-        self.in_flight = Gauge("splitstream_router_in_flight", "Calls being forwarded now", registry=self.registry)
+        self.in_flight = Gauge(
+            "splitstream_router_in_flight",
+            "Calls being forwarded now",
+            registry=self.registry,
+            multiprocess_mode="livesum",
+        )
         self.received = Counter(
             "splitstream_router_calls_received",
             "Inference calls as they arrive, before gRPC reads the message: those gRPC refuses itself "
@@ -122,6 +130,7 @@ class RouterMetrics:
             "ModelStreamInfer streams open now (routed to a version, not yet ended)",
             ["model", "version"],
             registry=self.registry,
+            multiprocess_mode="livesum",
         )
         self.stream_ttft = Histogram(
             "splitstream_router_stream_ttft_seconds",

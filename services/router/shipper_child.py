@@ -5,14 +5,14 @@ A child keeps single-host use to one command. It is told to die with the router 
 parent-death signal: SIGTERM, so it still ships what it holds), and the shipper locks each log
 directory it ships, so the child of a restarted router waits for the old one to finish instead
 of shipping the same log twice. The router's appends never wait on the child: a dead shipper
-only lets the log grow (up to its cap).
+only lets the log grow (up to its cap). With ``--processes N`` the supervising parent runs one for
+the N children's logs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import signal
 import sys
 from collections.abc import Sequence
@@ -20,16 +20,11 @@ from collections.abc import Sequence
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
+from splitstream.common.supervisor import die_with_parent
+
 log = structlog.get_logger()
 
-_PR_SET_PDEATHSIG = 1
 _RESTART_MAX_S = 5.0
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM when the router exits, however it exits (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class ShipperChild:
@@ -53,7 +48,7 @@ class ShipperChild:
         while not self._stopping:
             try:
                 self._process = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "splitstream.shipper", *self.args, preexec_fn=_die_with_parent
+                    sys.executable, "-m", "splitstream.shipper", *self.args, preexec_fn=die_with_parent
                 )
             except OSError as error:
                 log.error("shipper not started; retrying", error=str(error)[:300])

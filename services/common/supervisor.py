@@ -1,0 +1,275 @@
+"""``--processes N``: one port served by N copies of a service, supervised by a parent that serves nothing.
+
+A Python gRPC server uses one core. Past it, the router and the recorder scale by running more
+processes on the same port: the kernel spreads new connections over them (``SO_REUSEPORT``, Linux).
+The parent (:func:`supervise`) binds no gRPC port and creates no gRPC object, so grpc's rules about
+fork never apply: each child is a fresh ``python -m <service>`` of the same command line with
+``--processes 1``, the port to serve (picked by the parent when ``--port`` is 0), ``--metrics-port 0``
+and :data:`~splitstream.common.runtime.PROCESS_INDEX_ENV` naming its index (the router keeps one
+write-ahead log directory per index, so a restarted child resumes its own).
+
+What the parent does:
+
+- reserves the port: a ``SO_REUSEPORT`` socket bound and never listening keeps it from anyone else
+  (a port already taken is exit 2 and one line, as with one process);
+- serves ``--metrics-port`` for all children at once: prometheus-client's multiprocess mode, children
+  writing to a fresh ``PROMETHEUS_MULTIPROC_DIR`` that the parent reads at each scrape, so one scrape
+  shows the totals and histograms merge bucket by bucket;
+- restarts a child that dies, with backoff (counted in ``<service>_process_restarts``); a child that
+  exits 2 (a configuration error) is not restarted: the others are drained and the parent exits 2;
+- on SIGTERM or SIGINT sends every child SIGTERM (each runs its usual ordered drain), waits for all
+  of them, then stops its companion (the router's one shipper) and exits 0, or the worst child's code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import structlog
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from splitstream.common.errors import ConfigError
+from splitstream.common.runtime import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    EXIT_OK,
+    PROCESS_INDEX_ENV,
+    ServerSettings,
+    bind_metrics,
+    bind_problem,
+)
+
+#: prometheus-client reads it when it is first imported: set for the children only, never in the parent.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_PR_SET_PDEATHSIG = 1
+_RESTART_FIRST_S = 0.2
+_RESTART_MAX_S = 5.0
+#: A child that served this long before dying is restarted after the first backoff again, not the last.
+_STABLE_S = 30.0
+#: On top of the children's own --drain-delay-s and --shutdown-grace-s, before a child that hangs is killed.
+_STOP_SLACK_S = 20.0
+
+
+def die_with_parent() -> None:
+    """Runs in a child before exec: SIGTERM when the parent exits, however it exits (Linux only), so a
+    parent killed with SIGKILL leaves no process behind serving or holding a log."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Companion(Protocol):
+    """Something the parent runs beside the children and stops after them (the router's shipper)."""
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def supervise(
+    settings: ServerSettings,
+    *,
+    module: str,
+    argv: Sequence[str],
+    prog: str,
+    service: str,
+    companion: Callable[[CollectorRegistry], Companion] | None = None,
+) -> int:
+    """Run ``settings.processes`` children of ``python -m module argv`` until a signal; the exit code.
+
+    ``service`` names the parent's own metrics (``splitstream_<service>_process_restarts``);
+    ``companion`` is built with the parent's metrics registry and started once the children are."""
+    parent = _Parent(settings, module=module, argv=argv, service=service, companion=companion)
+    try:
+        return asyncio.run(parent.run())
+    except ConfigError as error:
+        print(f"{prog}: error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
+    finally:
+        parent.close()
+
+
+class _Parent:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        *,
+        module: str,
+        argv: Sequence[str],
+        service: str,
+        companion: Callable[[CollectorRegistry], Companion] | None,
+    ) -> None:
+        self.settings = settings
+        self.module = module
+        self.argv = list(argv)
+        self.log = structlog.get_logger().bind(supervisor=True)
+        self.registry = CollectorRegistry()
+        self.restarts = Counter(
+            f"splitstream_{service}_process_restarts",
+            "Times a child process exited on its own and was started again (--processes)",
+            registry=self.registry,
+        )
+        self.make_companion = companion
+        self.companion: Companion | None = None
+        self.reservation: socket.socket | None = None
+        self.metrics_dir = ""
+        self.metrics_server: Any = None
+        self.children: dict[int, asyncio.subprocess.Process] = {}
+        self.codes: dict[int, int] = {}
+        self.stop = asyncio.Event()
+        self.config_error = False
+
+    async def run(self) -> int:
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        port = self._reserve_port()
+        env = {**os.environ}
+        if settings.metrics_port:
+            self.metrics_dir = tempfile.mkdtemp(prefix="splitstream-metrics-")
+            env[MULTIPROC_ENV] = self.metrics_dir
+            MultiProcessCollector(self.registry, path=self.metrics_dir)
+            self.metrics_server = bind_metrics(settings, self.registry)
+        else:
+            env.pop(MULTIPROC_ENV, None)  # children serve no metrics port: nothing would read the files
+        self.log.info(
+            "listening",
+            host=settings.host,
+            port=port,
+            metrics_host=settings.metrics_host,
+            metrics_port=settings.metrics_port or None,
+            processes=settings.processes,
+        )
+        keepers = [
+            asyncio.create_task(self._keep(index, port, env), name=f"child-{index}")
+            for index in range(settings.processes)
+        ]
+        if self.make_companion is not None:
+            self.companion = self.make_companion(self.registry)
+            self.companion.start()
+        await self.stop.wait()
+        self.log.info("draining every child", children=sorted(p.pid for p in self.children.values()))
+        for process in self.children.values():
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+        timeout_s = settings.drain_delay_s + settings.shutdown_grace_s + _STOP_SLACK_S
+        _, pending = await asyncio.wait(keepers, timeout=timeout_s)
+        for process in self.children.values():
+            if process.returncode is None:
+                self.log.error("child did not stop in time; killed", pid=process.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+        await asyncio.gather(*pending, return_exceptions=True)
+        code = EXIT_OK
+        for returncode in self.codes.values():
+            code = max(code, returncode if returncode >= 0 else EXIT_FAILED)
+        if self.companion is not None:
+            await self.companion.stop()
+        if self.config_error:
+            code = EXIT_CONFIG
+        self.log.info("stopped", exit_code=code)
+        return code
+
+    def _on_signal(self, signum: signal.Signals) -> None:
+        if self.stop.is_set():
+            self.log.warning("signal ignored, already shutting down", signal=signum.name)
+            return
+        self.log.info("signal received, shutting down", signal=signum.name)
+        self.stop.set()
+
+    def _reserve_port(self) -> int:
+        """Bind (never listen on) a SO_REUSEPORT socket: the port is ours for as long as the parent lives.
+
+        A plain probe first: a process already listening on the port with SO_REUSEPORT set (another
+        router started with --processes on the same port) would otherwise share it silently."""
+        host, port = self.settings.host, self.settings.port
+        address = f"{host}:{port}"
+        problem = bind_problem(host, port)
+        if problem:
+            raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {problem}")
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        reservation = socket.socket(family, kind, proto)
+        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            reservation.bind(sockaddr)
+        except OSError as error:
+            reservation.close()
+            raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {error.strerror}") from None
+        self.reservation = reservation
+        return int(reservation.getsockname()[1])
+
+    async def _keep(self, index: int, port: int, env: dict[str, str]) -> None:
+        """Child ``index``, started again each time it dies, until the drain or a configuration error."""
+        backoff_s = _RESTART_FIRST_S
+        command = [
+            sys.executable, "-m", self.module, *self.argv,
+            "--processes", "1", "--port", str(port), "--metrics-port", "0",
+        ]  # fmt: skip
+        child_env = {**env, PROCESS_INDEX_ENV: str(index)}
+        while not self.stop.is_set():
+            try:
+                process = await asyncio.create_subprocess_exec(*command, env=child_env, preexec_fn=die_with_parent)
+            except OSError as error:
+                self.log.error("child not started; retrying", index=index, error=str(error)[:300])
+                await self._pause(_RESTART_MAX_S)
+                continue
+            self.children[index] = process
+            if self.stop.is_set():  # the drain began while it was starting: it drains too
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            self.log.info("child started", index=index, pid=process.pid)
+            code = await process.wait()
+            self.codes[index] = code
+            if self.metrics_dir:
+                mark_process_dead(process.pid, self.metrics_dir)
+            if self.stop.is_set():
+                self.log.info("child stopped", index=index, pid=process.pid, code=code)
+                return
+            if code == EXIT_CONFIG:
+                self.log.error("child exited with a configuration error; stopping", index=index, pid=process.pid)
+                self.config_error = True
+                self.stop.set()
+                return
+            if time.monotonic() - started > _STABLE_S:
+                backoff_s = _RESTART_FIRST_S
+            self.restarts.inc()
+            self.log.warning(
+                "child exited; starting it again", index=index, pid=process.pid, code=code, after_s=backoff_s
+            )
+            await self._pause(backoff_s)
+            backoff_s = min(backoff_s * 2, _RESTART_MAX_S)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but not past the start of the drain."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop.wait(), seconds)
+
+    def close(self) -> None:
+        """What outlives the event loop: the metrics endpoint, the port reservation, the metrics files."""
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server.server_close()
+            self.metrics_server = None
+        if self.reservation is not None:
+            self.reservation.close()
+            self.reservation = None
+        if self.metrics_dir:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            self.metrics_dir = ""

@@ -1,0 +1,259 @@
+"""``--processes N``: N routers (or recorders) on one port behind one supervising parent.
+
+Real processes throughout: a parent router with two children, workers, a recorder, redis-server.
+Clients open one connection per channel (a local subchannel pool), so connections spread over the
+children as the kernel's SO_REUSEPORT hashing puts them, as separate clients' would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from splitstream.common.experiment import Experiment
+from splitstream.common.proto.inference import grpc_service_pb2_grpc
+from tests.harness import (
+    ROOT,
+    InferClient,
+    ServiceProcess,
+    health_status,
+    make_request,
+    metric_samples,
+    scrape_metrics,
+    wait_for,
+)
+from tests.recording_stack import MODEL, RecordingStack
+
+EXPERIMENT = {
+    "salt": "processes",
+    "control": "v1",
+    "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
+}
+#: Connections per test: enough that both children get some whatever the kernel's hash does.
+CONNECTIONS = 12
+
+
+def log_events(process: ServiceProcess) -> list[dict]:
+    """The JSON log lines of ``process`` (its children write to the same file)."""
+    events = []
+    for line in process.log().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events
+
+
+def child_pids(process: ServiceProcess) -> dict[int, int]:
+    """The latest pid of each child index, from the parent's log."""
+    return {e["index"]: e["pid"] for e in log_events(process) if e.get("event") == "child started"}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_children_serving(process: ServiceProcess, count: int = 2) -> None:
+    """Every child's "listening" line is in the log (the harness's health check reaches only one)."""
+
+    def serving() -> bool:
+        pids = set(child_pids(process).values())
+        events = log_events(process)
+        # The latest "listening" per child index must come after its latest start.
+        last_start = {e["index"]: i for i, e in enumerate(events) if e.get("event") == "child started"}
+        listening = {
+            e["process_index"]
+            for i, e in enumerate(events)
+            if e.get("event") == "listening"
+            and e.get("process_index") is not None
+            and i > last_start.get(e["process_index"], len(events))
+        }
+        return len(pids) == count and len(listening) == count
+
+    wait_for(serving, timeout_s=60, what=f"{count} children to listen")
+
+
+class OwnConnection(InferClient):
+    """A client on its own TCP connection (grpc would otherwise share one between same-target channels)."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+        self.stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+
+
+def clients(address: str, n: int = CONNECTIONS) -> list[InferClient]:
+    return [OwnConnection(address) for _ in range(n)]
+
+
+def call_all(address: str, keys: list[str], prefix: str) -> dict[str, str]:
+    """One call per key, spread round-robin over fresh connections; the version that answered each."""
+    x = np.ones((1, 4), dtype=np.float32)
+    served = {}
+    connections = clients(address)
+    try:
+        for i, key in enumerate(keys):
+            client = connections[i % len(connections)]
+            metadata = [("x-routing-key", key), ("x-request-id", f"{prefix}-{key}")]
+            for attempt in range(3):
+                try:
+                    _, headers = client.infer(make_request(MODEL, x), metadata=metadata)
+                    break
+                except grpc.RpcError as error:  # only a connection to a child that was just killed
+                    if error.code() != grpc.StatusCode.UNAVAILABLE or attempt == 2:
+                        raise
+            served[key] = headers["x-splitstream-version"]
+    finally:
+        for client in connections:
+            client.close()
+    return served
+
+
+@pytest.fixture
+def two_routers(tmp_path: Path) -> Iterator[RecordingStack]:
+    stack = RecordingStack(
+        tmp_path,
+        versions={"v1": {"scale": 2.0}, "v2": {"scale": 3.0}},
+        experiment=EXPERIMENT,
+        router_args=("--processes", "2"),
+    )
+    try:
+        wait_children_serving(stack.router)
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_two_router_processes_split_sticky_record_once_and_drain_on_sigterm(two_routers: RecordingStack) -> None:
+    stack = two_routers
+    keys = [f"user-{i}" for i in range(120)]
+    first = call_all(stack.router.address, keys, "a")
+    again = call_all(stack.router.address, keys, "b")
+    # Stickiness across children: the split is a hash of salt and key, the same in every process.
+    experiment = Experiment.from_mapping(MODEL, EXPERIMENT)
+    assert first == again == {key: experiment.assign(key) for key in keys}
+    assert set(first.values()) == {"v1", "v2"}
+
+    request_ids = {f"{p}-{key}" for p in ("a", "b") for key in keys}
+    records = stack.wait_recorded(request_ids)
+    assert stack.raw_count() == len(request_ids)  # exactly once each
+    # Both children served: each names itself (hostname-pid) in the records it logs.
+    pids = set(child_pids(stack.router).values())
+    assert {int(r.router_id.rsplit("-", 1)[1]) for r in records} == pids
+
+    # One scrape of the parent shows the totals; the histogram merges over both children.
+    text = scrape_metrics(stack.router.metrics_port)
+    answered = sum(v for labels, v in metric_samples(text, "splitstream_router_requests_total"))
+    counted = sum(v for _, v in metric_samples(text, "splitstream_router_request_seconds_count"))
+    in_bucket = sum(
+        v for labels, v in metric_samples(text, "splitstream_router_request_seconds_bucket") if labels["le"] == "+Inf"
+    )
+    assert answered == counted == in_bucket == len(request_ids)
+
+    stack.router.signal(signal.SIGTERM)
+    assert stack.router.wait() == 0
+    assert not [pid for pid in pids if alive(pid)]
+    assert stack.raw_count() == len(request_ids)
+
+
+def test_a_killed_router_child_is_restarted_and_calls_go_on(two_routers: RecordingStack) -> None:
+    stack = two_routers
+    before = child_pids(stack.router)
+    call_all(stack.router.address, [f"warm-{i}" for i in range(24)], "warm")
+    os.kill(before[0], signal.SIGKILL)
+    wait_for(lambda: child_pids(stack.router)[0] != before[0], timeout_s=30, what="child 0 to be started again")
+    keys = [f"after-{i}" for i in range(60)]
+    call_all(stack.router.address, keys, "after")  # a connection to the dead child is retried once, elsewhere
+    wait_children_serving(stack.router)
+    restarts = metric_samples(scrape_metrics(stack.router.metrics_port), "splitstream_router_process_restarts_total")
+    assert restarts == [({}, 1.0)]
+    # The restarted child resumed its own log directory: what it had logged before is recorded too.
+    stack.wait_recorded({f"warm-warm-{i}" for i in range(24)} | {f"after-{key}" for key in keys})
+    assert sorted(p.name for p in stack.spool_dir.iterdir() if p.is_dir() and p.name.startswith("proc-")) == [
+        "proc-0",
+        "proc-1",
+    ]
+
+
+def test_two_recorder_processes_write_every_call_a_router_sends(tmp_path: Path) -> None:
+    stack = RecordingStack(tmp_path, recorder_args=("--processes", "2"))
+    try:
+        keys = [f"k-{i}" for i in range(80)]
+        call_all(stack.router.address, keys, "rec")
+        stack.wait_recorded({f"rec-{key}" for key in keys})
+        assert stack.raw_count() == len(keys)
+        stack.recorder.signal(signal.SIGTERM)
+        assert stack.recorder.wait() == 0
+    finally:
+        stack.close()
+
+
+def test_port_0_with_two_processes_is_picked_by_the_parent_and_logged(tmp_path: Path) -> None:
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: {}\n")
+    log_path = tmp_path / "router.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--host", "127.0.0.1",
+             "--port", "0", "--metrics-port", "0", "--processes", "2"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+        )  # fmt: skip
+    try:
+
+        def ports() -> set[int]:
+            events = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+            found = {e["port"] for e in events if e.get("event") == "listening"}
+            return found if sum(1 for e in events if e.get("event") == "listening") == 3 else set()
+
+        found = wait_for(ports, timeout_s=60, what="the parent and both children to log their port")
+        assert len(found) == 1
+        assert 0 not in found
+        assert health_status(f"127.0.0.1:{found.pop()}") == 1  # SERVING
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("module", ["splitstream.router", "splitstream.recorder"])
+@pytest.mark.parametrize("value", ["0", "abc"])
+def test_a_bad_processes_value_exits_2_with_one_line(tmp_path: Path, module: str, value: str) -> None:
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: {}\n")
+    done = subprocess.run(
+        [sys.executable, "-m", module, "--registry", f"file:{registry}", "--port", "0", "--processes", value]
+        if module == "splitstream.router"
+        else [sys.executable, "-m", module, "--port", "0", "--processes", value],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "--processes" in lines[0]
+    assert value in lines[0]
+
+
+def test_a_child_configuration_error_is_not_restarted_the_parent_exits_2(tmp_path: Path) -> None:
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: [not, a, mapping]\n")  # read by the children: each finds it unusable
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
+         "--metrics-port", "0", "--processes", "2"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "splitstream-router: error: registry" in done.stderr
+    assert "starting it again" not in done.stderr
