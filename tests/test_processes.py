@@ -25,11 +25,13 @@ from tests.harness import (
     ROOT,
     InferClient,
     ServiceProcess,
+    SteadyLoad,
     health_status,
     make_request,
     metric_samples,
     scrape_metrics,
     wait_for,
+    write_registry,
 )
 from tests.recording_stack import MODEL, RecordingStack
 
@@ -100,8 +102,9 @@ def clients(address: str, n: int = CONNECTIONS) -> list[InferClient]:
     return [OwnConnection(address) for _ in range(n)]
 
 
-def call_all(address: str, keys: list[str], prefix: str) -> dict[str, str]:
-    """One call per key, spread round-robin over fresh connections; the version that answered each."""
+def call_all(address: str, keys: list[str], prefix: str, *, pin: str = "") -> dict[str, str]:
+    """One call per key, spread round-robin over fresh connections; the version that answered each
+    (``pin``: sent as ``x-splitstream-version``)."""
     x = np.ones((1, 4), dtype=np.float32)
     served = {}
     connections = clients(address)
@@ -109,6 +112,8 @@ def call_all(address: str, keys: list[str], prefix: str) -> dict[str, str]:
         for i, key in enumerate(keys):
             client = connections[i % len(connections)]
             metadata = [("x-routing-key", key), ("x-request-id", f"{prefix}-{key}")]
+            if pin:
+                metadata.append(("x-splitstream-version", pin))
             for attempt in range(3):
                 try:
                     _, headers = client.infer(make_request(MODEL, x), metadata=metadata)
@@ -187,6 +192,25 @@ def test_a_killed_router_child_is_restarted_and_calls_go_on(two_routers: Recordi
         "proc-0",
         "proc-1",
     ]
+
+
+def test_every_router_child_follows_a_registry_change_and_honours_pins(two_routers: RecordingStack) -> None:
+    stack = two_routers
+    keys = [f"pin-{i}" for i in range(24)]
+    assert set(call_all(stack.router.address, keys, "pinned", pin="v2").values()) == {"v2"}
+    endpoints = {v: [w.address] for v, w in stack.workers.items()}
+    swapped = {**EXPERIMENT, "arms": [{"version": "v1", "weight": 0}, {"version": "v2", "weight": 100}]}
+    with SteadyLoad(stack.router.address, MODEL, threads=2, key_prefix="swap") as load:
+        load.wait_calls(20)
+        write_registry(stack.registry, {MODEL: {"endpoints": endpoints, "experiment": swapped}})
+        # Each child watches the registry itself: every connection, whichever child it reached, moves.
+        wait_for(
+            lambda: set(call_all(stack.router.address, keys, "probe").values()) == {"v2"},
+            timeout_s=30,
+            what="every child to route all traffic to v2",
+        )
+        load.wait_calls(20)
+    assert load.errors() == []
 
 
 def test_two_recorder_processes_write_every_call_a_router_sends(tmp_path: Path) -> None:

@@ -27,12 +27,21 @@ from tests.records import request_of, response_of
 
 
 @pytest.fixture
-def recording(tmp_path: Path) -> Iterator[RecordingStack]:
-    stack = RecordingStack(tmp_path)
+def recording(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RecordingStack]:
+    """The stack; a test parametrized ``indirect`` over it gets a router with that many ``--processes``."""
+    processes = getattr(request, "param", 1)
+    stack = RecordingStack(tmp_path, router_args=("--processes", str(processes)) if processes > 1 else ())
     yield stack
     stack.close()
 
 
+#: The same behaviour whether the router is one process or a parent with two children on one port.
+ONE_OR_TWO_ROUTER_PROCESSES = pytest.mark.parametrize(
+    "recording", [1, 2], indirect=True, ids=["1-process", "2-processes"]
+)
+
+
+@ONE_OR_TWO_ROUTER_PROCESSES
 def test_every_call_is_recorded_once_and_decodes_to_what_the_client_sent_and_received(
     recording: RecordingStack,
 ) -> None:
@@ -267,6 +276,7 @@ def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_pa
         stack.close()
 
 
+@ONE_OR_TWO_ROUTER_PROCESSES
 def test_the_router_flushes_recorded_calls_on_sigterm(recording: RecordingStack) -> None:
     client = InferClient(recording.router.address)
     for i in range(30):
