@@ -87,28 +87,38 @@ async def drive(
     pids: list[int],
     tls: ClientTls = PLAINTEXT,
     metadata: tuple[tuple[str, str], ...] = (),
+    connections: int = 1,
 ) -> Result:
     """``concurrency`` callers, each sending the next call when the last returns, for ``seconds``
     (over one channel, so a TLS path pays its handshake once, in the warm-up, as a real client does;
-    every call with ``metadata``: a caller's credentials, say)."""
+    every call with ``metadata``: a caller's credentials, say). ``connections`` > 1: the callers share
+    that many channels, each its own TCP connection, as separate clients would be (a server of several
+    processes on one SO_REUSEPORT port gets each connection in one of them)."""
     result = Result()
-    async with tls.aio_channel(address) as channel:
-        call = channel.unary_unary(METHOD)
-        for _ in range(50):  # warm the connection and the path
-            await call(request, timeout=10, metadata=metadata)
+    options = [("grpc.use_local_subchannel_pool", 1)] if connections > 1 else []
+    channels = [tls.aio_channel(address, options) for _ in range(connections)]
+    try:
+        calls = [channel.unary_unary(METHOD) for channel in channels]
+        for call in calls:
+            for _ in range(max(1, 50 // connections)):  # warm the connections and the path
+                await call(request, timeout=10, metadata=metadata)
         stop_at = time.perf_counter() + seconds
         cpu_before = cpu_seconds(pids) if pids else 0.0
 
-        async def loop() -> None:
+        async def loop(index: int) -> None:
+            call = calls[index % connections]
             while time.perf_counter() < stop_at:
                 start = time.perf_counter()
                 await call(request, timeout=10, metadata=metadata)
                 result.latencies_s.append(time.perf_counter() - start)
 
         started = time.perf_counter()
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        await asyncio.gather(*(loop(i) for i in range(concurrency)))
         result.wall_s = time.perf_counter() - started
         result.cpu_s = (cpu_seconds(pids) - cpu_before) if pids else 0.0
+    finally:
+        for channel in channels:
+            await channel.close()
     return result
 
 
@@ -121,15 +131,18 @@ def measure(
     rounds: int,
     tls: dict[str, ClientTls] | None = None,
     metadata: dict[str, tuple[tuple[str, str], ...]] | None = None,
+    connections: int = 1,
 ) -> dict[str, Summary]:
     """Drive every path (name → (address, pids whose CPU to count)) ``rounds`` times, in a rotated
     order each round, and merge each path's rounds. ``tls``: the client TLS of the paths that need it;
-    ``metadata`` per path name, if any."""
+    ``metadata`` per path name, if any; ``connections``: TCP connections the callers share."""
     merged: dict[str, list[Result]] = {name: [] for name in paths}
     for round_index in range(rounds):
         for name in rotated(list(paths), round_index):  # no path always runs first
             address, pids = paths[name]
             security = (tls or {}).get(name, PLAINTEXT)
             headers = (metadata or {}).get(name, ())
-            merged[name].append(asyncio.run(drive(address, request, concurrency, seconds, pids, security, headers)))
+            merged[name].append(
+                asyncio.run(drive(address, request, concurrency, seconds, pids, security, headers, connections))
+            )
     return {name: Summary.of(results) for name, results in merged.items()}

@@ -11,7 +11,13 @@ flight it prints throughput, p50, p99, each path's added latency over direct,
 and the proxy's CPU time per forwarded call (from /proc). Paths are measured
 in interleaved rounds so machine noise hits them alike; compare ratios.
 
-    .venv/bin/python bench/router_overhead.py [--seconds 4] [--rounds 3]
+Last, scale-out: a router of ``--processes 1`` against one of ``--processes 2``
+(one port, SO_REUSEPORT) at 64 calls in flight over 8 client connections, in
+front of two workers so the worker is less of the bottleneck; calls/s, and the
+router's CPU per call summed over the parent and its children.
+``--processes-only`` runs just these rows.
+
+    .venv/bin/python bench/router_overhead.py [--seconds 4] [--rounds 3] [--processes-only]
 """
 
 from __future__ import annotations
@@ -75,10 +81,44 @@ def _port_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+def scale_out(stack: Stack, repository: Path, worker: str, args: argparse.Namespace) -> None:
+    """Rows for one router process and two on one port, same load, same two workers."""
+    second = stack.worker(repository, MODEL, "v1")
+    registry = stack.tmp_path / "registry-processes.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [worker, second.address]}}})
+    paths: dict[str, tuple[str, list[int]]] = {}
+    for count in (1, 2):
+        router = stack.router(registry, "--log-level", "WARNING", "--processes", str(count))
+        pid = router.process.pid  # type: ignore[union-attr]
+        if count > 1:
+            wait_for(lambda n=count, p=pid: len(_children(p)) == n, timeout_s=30, what="the router's children")
+            time.sleep(3)  # both have started serving by now (the health check reaches one)
+        paths[f"{count} proc"] = (router.address, [pid, *_children(pid)])
+    summary = measure(
+        paths, infer_request(MODEL), concurrency=64, seconds=args.seconds, rounds=args.rounds, connections=8
+    )
+    print("router processes: 64 in flight over 8 connections, two workers; CPU summed over parent and children")
+    header = f"{'path':<8} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/call':>12}"
+    print(header)
+    print("-" * len(header))
+    for name, x in summary.items():
+        print(f"{name:<8} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} {x.cpu_us_per_call:12.0f}")
+    one, two = summary["1 proc"], summary["2 proc"]
+    print(
+        f"2 processes / 1: throughput x{two.rate / one.rate:.2f}, "
+        f"CPU per call x{two.cpu_us_per_call / one.cpu_us_per_call:.2f} ({os.cpu_count()} CPUs)\n"
+    )
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per path, round and load")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per load")
+    parser.add_argument("--processes-only", action="store_true", help="only the --processes 1 vs 2 rows")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
@@ -92,6 +132,9 @@ def main() -> int:
         worker = stack.worker(repository, MODEL, "v1")
         registry = tmp / "registry.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
+        if args.processes_only:
+            scale_out(stack, repository, worker.address, args)
+            return 0
         router = stack.router(registry, "--log-level", "WARNING")
         pki = Pki(tmp / "pki")
         client_tls = ClientTls(enabled=True, ca_file=str(pki.ca))
@@ -162,6 +205,7 @@ def main() -> int:
                 f"end-to-end p50 x{secure.p50_ms / plain.p50_ms:.2f}"
             )
             print()
+        scale_out(stack, repository, worker.address, args)
     finally:
         if nginx is not None:
             nginx[0].terminate()
