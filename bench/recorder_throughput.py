@@ -16,13 +16,15 @@ each server process's CPU time to the records written (on the raw path the
 recorder idles). On a small machine all three processes (client, recorder,
 redis-server) share the cores.
 
-Scale-out table (same run, also interleaved): 1 and 2 recorder processes writing into one Redis and
-into a 3-master Redis Cluster (``redis+cluster://``), each recorder fed by its own client stream, the
-records of each batch spread over ``--models`` models (one stream per model, so the streams spread over
-the cluster's masters; one model's stream lives on one master, so one model alone gains nothing).
-records/s counts acknowledged records of all recorders together.
+Scale-out table (same run, also interleaved): a recorder of ``--processes 1`` and one of
+``--processes 2`` (one port, SO_REUSEPORT) writing into one Redis and into a 3-master Redis Cluster
+(``redis+cluster://``), each fed by ``--streams`` client streams on their own connections (as that many
+routers' would be; the kernel spreads connections over the processes), the records of each batch spread
+over ``--models`` models (one stream per model, so the streams spread over the cluster's masters; one
+model's stream lives on one master, so one model alone gains nothing). records/s counts acknowledged
+records of all streams together.
 
-    .venv/bin/python bench/recorder_throughput.py [--seconds 4] [--rounds 2] [--models 6]
+    .venv/bin/python bench/recorder_throughput.py [--seconds 4] [--rounds 2] [--models 6] [--streams 4]
 """
 
 from __future__ import annotations
@@ -108,9 +110,13 @@ def serialized_batches(template: recorder_pb2.CallRecord, size: int, count: int)
     return batches
 
 
-async def drive_recorder(address: str, batches: list[bytes], batch_size: int, window: int, seconds: float) -> float:
-    """Records acknowledged per second over ``seconds``, with ``window`` batches in flight."""
-    async with aio.insecure_channel(address) as channel:
+async def drive_recorder(
+    address: str, batches: list[bytes], batch_size: int, window: int, seconds: float, *, own_connection: bool = False
+) -> float:
+    """Records acknowledged per second over ``seconds``, with ``window`` batches in flight (``own_connection``:
+    on a TCP connection of its own, not one shared with other channels to ``address``)."""
+    options = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
+    async with aio.insecure_channel(address, options=options) as channel:
         call = channel.stream_stream(METHOD, response_deserializer=recorder_pb2.RecordAck.FromString)()
         sent = acked = 0
         for _ in range(window):
@@ -190,21 +196,22 @@ def model_batches(template: recorder_pb2.CallRecord, size: int, count: int, mode
 
 
 async def drive_many(addresses: list[str], batches: list[bytes], batch_size: int, window: int, seconds: float) -> float:
-    """Records acknowledged per second by all of ``addresses`` together, one stream each, concurrently."""
+    """Records acknowledged per second by all of ``addresses`` together, one stream (and connection) each,
+    concurrently."""
     rates = await asyncio.gather(
-        *(drive_recorder(address, batches, batch_size, window, seconds) for address in addresses)
+        *(drive_recorder(address, batches, batch_size, window, seconds, own_connection=True) for address in addresses)
     )
     return sum(rates)
 
 
-def start_recorder(tmp: Path, name: str, url: str, maxlen: int) -> ServiceProcess:
+def start_recorder(tmp: Path, name: str, url: str, maxlen: int, processes: int = 1) -> ServiceProcess:
     port = free_port()
     return ServiceProcess(
         name,
         "splitstream.recorder",
         [
             *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--redis-url", url),
-            *("--retention-maxlen", str(maxlen), "--log-level", "WARNING"),
+            *("--retention-maxlen", str(maxlen), "--log-level", "WARNING", "--processes", str(processes)),
         ],
         log_dir=tmp,
         port=port,
@@ -212,30 +219,32 @@ def start_recorder(tmp: Path, name: str, url: str, maxlen: int) -> ServiceProces
 
 
 def scale_out(args: argparse.Namespace, template: recorder_pb2.CallRecord) -> dict[str, list[float]]:
-    """records/s of 1 and 2 recorders into one Redis and into a 3-master cluster, interleaved rounds."""
+    """records/s of a recorder of 1 and of 2 processes into one Redis and into a 3-master cluster, interleaved."""
     with tempfile.TemporaryDirectory(prefix="recorder-scale-") as tmp_name:
         tmp = Path(tmp_name)
         with RedisServer(tmp / "single") as single, RedisClusterServers(tmp / "cluster") as cluster:
             recorders = {
-                "one Redis": [start_recorder(tmp, f"single-{i}", single.url, args.maxlen) for i in range(2)],
-                "cluster": [start_recorder(tmp, f"cluster-{i}", cluster.url, args.maxlen) for i in range(2)],
+                f"{n} process{'es' if n > 1 else ''} -> {store}": start_recorder(
+                    tmp, f"{store.replace(' ', '-')}-{n}", url, args.maxlen, processes=n
+                )
+                for store, url in (("one Redis", single.url), ("cluster", cluster.url))
+                for n in (1, 2)
             }
             try:
+                time.sleep(3)  # the health check reaches one child: let the second one start serving too
                 batches = model_batches(template, args.batch, 16, args.models)
-                for group in recorders.values():  # warm-up: streams created, connections made
-                    asyncio.run(drive_many([r.address for r in group], batches, args.batch, args.window, 0.5))
+                streams = {name: [r.address] * args.streams for name, r in recorders.items()}
+                for addresses in streams.values():  # warm-up: streams created, connections made
+                    asyncio.run(drive_many(addresses, batches, args.batch, args.window, 0.5))
                 rows: dict[str, list[float]] = {}
                 for _ in range(args.rounds):
-                    for store, group in recorders.items():
-                        for n in (1, 2):
-                            addresses = [r.address for r in group[:n]]
-                            rate = asyncio.run(drive_many(addresses, batches, args.batch, args.window, args.seconds))
-                            rows.setdefault(f"{n} recorder{'s' if n > 1 else ''} -> {store}", []).append(rate)
+                    for name, addresses in streams.items():
+                        rate = asyncio.run(drive_many(addresses, batches, args.batch, args.window, args.seconds))
+                        rows.setdefault(name, []).append(rate)
                 return rows
             finally:
-                for group in recorders.values():
-                    for recorder in group:
-                        recorder.stop()
+                for recorder in recorders.values():
+                    recorder.stop()
 
 
 def main() -> int:
@@ -247,6 +256,9 @@ def main() -> int:
     parser.add_argument("--maxlen", type=int, default=50_000, help="MAXLEN ~ on both paths (bounds Redis memory)")
     parser.add_argument(
         "--models", type=int, default=6, help="models (streams) the scale-out table's records spread over"
+    )
+    parser.add_argument(
+        "--streams", type=int, default=4, help="client streams (connections) feeding each scale-out recorder"
     )
     parser.add_argument("--no-scale-out", action="store_true", help="skip the recorders x Redis Cluster table")
     args = parser.parse_args()
@@ -304,11 +316,14 @@ def main() -> int:
     if args.no_scale_out:
         return 0
     rows = scale_out(args, template)
-    base = max(rows["1 recorder -> one Redis"])
-    print(f"\nscale-out: records spread over {args.models} models, {os.cpu_count()} CPU cores for everything\n")
+    base = max(rows["1 process -> one Redis"])
+    print(
+        f"\nscale-out: records spread over {args.models} models, {args.streams} client streams per recorder, "
+        f"{os.cpu_count()} CPU cores for everything\n"
+    )
     print(
         "{:<28} {:>17} {:>18} {:>16}".format(
-            "recorders -> store", "records/s (best)", "each round", "vs 1 -> one Redis"
+            "recorder --processes -> store", "records/s (best)", "each round", "vs 1 -> one Redis"
         )
     )
     for name, rates in rows.items():
