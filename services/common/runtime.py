@@ -18,6 +18,9 @@ builds a :class:`Service` and hands it to :func:`run_service`, which:
    and calls in flight get ``--shutdown-grace-s`` → :meth:`Service.teardown` → the
    metrics endpoint closes.
 
+With ``--processes N`` (router and recorder) none of this runs in the parent:
+:mod:`splitstream.common.supervisor` starts N children that each run it on the same port.
+
 Exit codes, the same for every service: 0 after a clean SIGTERM/SIGINT; 2 and one line on
 stderr for a configuration error (bad flag value, taken port, unusable address,
 :class:`ConfigError` from the service's construction, ``prepare`` or ``run``); 1 when the
@@ -392,7 +395,7 @@ class _Runner:
             "listening",
             host=settings.host,
             port=port,
-            process_index=process_index(),
+            **({"process_index": index} if (index := process_index()) is not None else {}),
             metrics_host=settings.metrics_host,
             metrics_port=settings.metrics_port or None,
             tls="mutual" if settings.grpc_use_ssl_mutual else ("on" if settings.grpc_use_ssl else "off"),
