@@ -21,6 +21,7 @@ import pytest
 
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
+from splitstream.common.runtime import parse_processes
 from tests.harness import (
     ROOT,
     InferClient,
@@ -169,9 +170,11 @@ def test_two_router_processes_split_sticky_record_once_and_drain_on_sigterm(two_
     )
     assert answered == counted == in_bucket == len(request_ids)
 
+    shippers = {e["pid"] for e in log_events(stack.router) if e.get("event") == "shipper started"}
+    assert len(shippers) == 1  # one for both children's logs, run by the parent
     stack.router.signal(signal.SIGTERM)
     assert stack.router.wait() == 0
-    assert not [pid for pid in pids if alive(pid)]
+    assert not [pid for pid in pids | shippers if alive(pid)]
     assert stack.raw_count() == len(request_ids)
 
 
@@ -281,3 +284,8 @@ def test_a_child_configuration_error_is_not_restarted_the_parent_exits_2(tmp_pat
     assert done.returncode == 2, done.stderr
     assert "splitstream-router: error: registry" in done.stderr
     assert "starting it again" not in done.stderr
+
+
+def test_processes_auto_is_the_cores_this_process_may_run_on() -> None:
+    assert parse_processes("auto") == len(os.sched_getaffinity(0))
+    assert parse_processes("3") == 3
