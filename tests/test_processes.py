@@ -283,6 +283,7 @@ def test_a_child_configuration_error_is_not_restarted_the_parent_exits_2(tmp_pat
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "splitstream-router: error: registry" in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("splitstream-router: error: process ")
     assert "starting it again" not in done.stderr
 
 

@@ -92,7 +92,11 @@ def supervise(
     ``companion`` is built with the parent's metrics registry and started once the children are."""
     parent = _Parent(settings, module=module, argv=argv, service=service, companion=companion)
     try:
-        return asyncio.run(parent.run())
+        code = asyncio.run(parent.run())
+        if parent.config_error is not None:
+            # Last, as one process's would be: the child's own line saying what to fix is above.
+            print(f"{prog}: error: {parent.config_error}", file=sys.stderr)
+        return code
     except ConfigError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return EXIT_CONFIG
@@ -128,7 +132,8 @@ class _Parent:
         self.children: dict[int, asyncio.subprocess.Process] = {}
         self.codes: dict[int, int] = {}
         self.stop = asyncio.Event()
-        self.config_error = False
+        #: Why the parent stops with exit 2 because of a child, or None.
+        self.config_error: str | None = None
 
     async def run(self) -> int:
         settings = self.settings
@@ -178,7 +183,7 @@ class _Parent:
             code = max(code, returncode if returncode >= 0 else EXIT_FAILED)
         if self.companion is not None:
             await self.companion.stop()
-        if self.config_error:
+        if self.config_error is not None:
             code = EXIT_CONFIG
         self.log.info("stopped", exit_code=code)
         return code
@@ -244,7 +249,7 @@ class _Parent:
                 return
             if code == EXIT_CONFIG:
                 self.log.error("child exited with a configuration error; stopping", index=index, pid=process.pid)
-                self.config_error = True
+                self.config_error = f"process {index} exited with a configuration error (its line is above)"
                 self.stop.set()
                 return
             if time.monotonic() - started > _STABLE_S:
