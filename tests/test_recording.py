@@ -239,7 +239,8 @@ def test_redacted_outputs_are_stored_nowhere_in_redis_neither_answered_nor_shado
         stack.close()
 
 
-def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("processes", [1, 2], ids=["1-process", "2-processes"])
+def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_path: Path, processes: int) -> None:
     # The shadow's batcher holds each request until 500 ms after the oldest waiting one arrived
     # (the five one-row copies never fill its 64-row batch), so every shadow call takes >= ~450 ms.
     slow = {"max_batch_size": 64, "dynamic_batching": {"max_queue_delay_us": 500_000}}
@@ -251,6 +252,7 @@ def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_pa
             "arms": [{"version": "v1", "weight": 100}],
             "shadows": [{"version": "v3", "sample_rate": 1.0}],
         },
+        router_args=("--processes", str(processes)),
     )
     try:
         client = InferClient(stack.router.address)
