@@ -197,7 +197,9 @@ def test_a_killed_router_child_is_restarted_and_calls_go_on(two_routers: Recordi
     ]
 
 
-def test_every_router_child_follows_a_registry_change_and_honours_pins(two_routers: RecordingStack) -> None:
+def test_every_router_child_follows_a_registry_change_honours_pins_and_lets_a_version_drain(
+    two_routers: RecordingStack,
+) -> None:
     stack = two_routers
     keys = [f"pin-{i}" for i in range(24)]
     assert set(call_all(stack.router.address, keys, "pinned", pin="v2").values()) == {"v2"}
@@ -213,7 +215,33 @@ def test_every_router_child_follows_a_registry_change_and_honours_pins(two_route
             what="every child to route all traffic to v2",
         )
         load.wait_calls(20)
+        # Drain v1 as production does: out of the registry, then SIGTERM. No child may still send to it.
+        v2_only = {**EXPERIMENT, "control": "v2", "arms": [{"version": "v2", "weight": 100}]}
+        write_registry(stack.registry, {MODEL: {"endpoints": {"v2": endpoints["v2"]}, "experiment": v2_only}})
+        wait_for(lambda: every_connection_refuses_pin(stack.router.address, "v1"), timeout_s=30, what="v1 gone")
+        stack.workers["v1"].signal(signal.SIGTERM)
+        assert stack.workers["v1"].wait() == 0
+        load.wait_calls(20)
     assert load.errors() == []
+
+
+def every_connection_refuses_pin(address: str, version: str) -> bool:
+    """Whether a call pinned to ``version`` is NOT_FOUND on each of a set of fresh connections (so in each child)."""
+    x = np.ones((1, 4), dtype=np.float32)
+    connections = clients(address)
+    try:
+        for client in connections:
+            try:
+                client.infer(make_request(MODEL, x), metadata=[("x-splitstream-version", version)])
+            except grpc.RpcError as error:
+                if error.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            else:
+                return False
+    finally:
+        for client in connections:
+            client.close()
+    return True
 
 
 def test_two_recorder_processes_write_every_call_a_router_sends(tmp_path: Path) -> None:
