@@ -278,6 +278,34 @@ class RedisClusterServers:
             port = int(node.port)
         return next(server for server in self.servers if server.port == port)
 
+    def move_slot(self, key: str, to: RedisServer, timeout_s: float = 30.0) -> None:
+        """Give ``key``'s slot to the master ``to``, while the slot holds no key (nothing to migrate): how
+        a test puts two keys that hash to one master's range on different masters."""
+        with self.client() as client:
+            slot = client.keyslot(key)
+            if client.cluster_countkeysinslot(slot):
+                raise RuntimeError(f"slot {slot} of {key!r} holds keys: move it before anything is written")
+        with to.client() as client:
+            node_id = client.execute_command("CLUSTER", "MYID")
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", node_id)
+            client.execute_command("CLUSTER", "BUMPEPOCH")  # its claim wins over any stale one in gossip
+        for server in self.servers:
+            if server is not to and server.running:
+                with server.client() as client:
+                    client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", node_id)
+        deadline = time.monotonic() + timeout_s
+        while self.master_of(key).port != to.port or not self._ok():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"slot {slot} did not move to {to.port} within {timeout_s}s")
+            time.sleep(0.1)
+
+    @property
+    def masters(self) -> list[RedisServer]:
+        """The running nodes that serve slots now."""
+        with self.client() as client:
+            ports = {int(node.port) for node in client.get_primaries()}
+        return [server for server in self.servers if server.port in ports]
+
     def kill(self, server: RedisServer) -> None:
         """SIGKILL one node: no goodbye to the cluster, as a crashed host."""
         if server.process is not None:
