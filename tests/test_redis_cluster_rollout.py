@@ -13,9 +13,10 @@ from collections.abc import Iterator
 import pytest
 
 from splitstream.common.records import feedback_key, stream_key
+from tests.harness import free_port
 from tests.recording_stack import MODEL, RecordingStack
 from tests.redis_server import RedisClusterServers
-from tests.test_ab_end_to_end import Users, rollout_with_traffic, set_experiment, weights
+from tests.test_ab_end_to_end import Users, admin, rollout_with_traffic, set_experiment, weights
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,23 @@ def test_a_guarded_rollout_reads_a_cluster_and_rolls_back_a_version_that_harms_c
     assert "Redis at" not in result.stdout  # a one-Redis client rolls back too, on "Redis at ... failed" (MOVED)
     assert "step 2/2" not in result.stdout
     assert weights(stack) == {"v1": 100, "v2": 0}
+
+
+def test_a_guard_whose_cluster_is_unreachable_exits_1_with_one_line_before_changing_anything(
+    stack: RecordingStack,
+) -> None:
+    """redis-py says "Redis Cluster cannot be connected" with an exception that is no RedisError: it
+    ended the rollout with a traceback instead of the line one Redis gets."""
+    set_experiment(stack, "cluster-gone", {"v1": 100, "v2": 0})
+    before = stack.registry.read_bytes()
+    result = admin(
+        "--registry", f"file:{stack.registry}", "rollout", MODEL, "v2",
+        "--metrics", f"127.0.0.1:{stack.router.metrics_port}", "--guard", "click:lift>=-1%",
+        "--redis-url", f"redis+cluster://:guard-pw-secret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "is unreachable" in result.stderr
+    assert "nothing changed" in result.stderr
+    assert "guard-pw-secret" not in result.stdout + result.stderr
+    assert stack.registry.read_bytes() == before
