@@ -72,7 +72,8 @@ def _parser_section(title: str, parser: argparse.ArgumentParser, *, level: int) 
         if isinstance(action, argparse._SubParsersAction):
             subcommands += list(action.choices.items())
             continue
-        help_text = action.help or ""
+        # As --help shows it (less the "(default: ...)" the table has a column for): "1%%" in a help string is "1%".
+        help_text = argparse.HelpFormatter(parser.prog)._expand_help(action) if action.help else ""
         env = _ENV.search(help_text)
         help_text = " ".join(_ENV.sub("", help_text).split()).replace("|", "\\|")
         names = ", ".join(f"`{n}`" for n in action.option_strings) or f"`{action.dest}` (positional)"

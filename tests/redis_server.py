@@ -193,12 +193,35 @@ class RedisClusterServers:
             client = cluster.client()  # a blocking redis.RedisCluster
     """
 
-    def __init__(self, directory: Path, *, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        masters: int = 3,
+        replicas: int = 0,
+        node_timeout_ms: int = 1000,
+        tls: RedisTls | None = None,
+        password: str = "",
+        users: Sequence[str] = (),
+    ) -> None:
+        """``tls``: every node listens on TLS only, the cluster bus and replication too (``--tls-cluster``,
+        ``--tls-replication``; ``rediss+cluster://`` URLs). ``password`` (the default user's) and ``users``
+        (``ACL SETUSER`` lines) as for :class:`RedisServer`, applied on every node: ACLs are per node."""
         self.directory = directory
         self.replicas = replicas
+        self.tls = tls
+        self.password = password
+        secure: tuple[str, ...] = ()
+        if tls is not None:
+            secure += ("--tls-cluster", "yes", "--tls-replication", "yes")
+        if password:
+            secure += ("--masterauth", password)  # replicas sync as the default user
         self.servers = [
             RedisServer(
                 directory / f"node-{index}",
+                password=password,
+                tls=tls,
+                users=users,
                 config=(
                     "--cluster-enabled",
                     "yes",
@@ -212,15 +235,26 @@ class RedisClusterServers:
                     # A replica that never finished its first sync cannot be promoted: sync at once.
                     "--repl-diskless-sync-delay",
                     "0",
+                    *secure,
                 ),
             )
             for index in range(masters * (1 + replicas))
         ]
 
     @property
+    def scheme(self) -> str:
+        return "rediss+cluster" if self.tls is not None else "redis+cluster"
+
+    @property
     def url(self) -> str:
-        """Every node as a startup node, so a client can start with any one of them down."""
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{server.port}" for server in self.servers)
+        """Every node as a startup node, so a client can start with any one of them down (with the default
+        user's password when there is one)."""
+        return self.url_for(password=self.password)
+
+    def url_for(self, user: str = "", password: str = "") -> str:
+        """The cluster's URL as ``user`` (no credentials when both are empty: flags or files give them)."""
+        credentials = f"{user}:{password}@" if user or password else ""
+        return f"{self.scheme}://{credentials}" + ",".join(f"127.0.0.1:{server.port}" for server in self.servers)
 
     def start(self, timeout_s: float = 30.0) -> RedisClusterServers:
         """Start the nodes, create the cluster, return once every slot is served (``cluster_state:ok``)."""
@@ -230,8 +264,9 @@ class RedisClusterServers:
         if redis_cli is None:
             raise RuntimeError("redis-cli is not on PATH")
         nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
+        create = ["--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"]
         subprocess.run(
-            [redis_cli, "--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+            [redis_cli, *self._cli_options(), *create],
             check=True,
             capture_output=True,
             timeout=timeout_s,
@@ -278,6 +313,34 @@ class RedisClusterServers:
             port = int(node.port)
         return next(server for server in self.servers if server.port == port)
 
+    def move_slot(self, key: str, to: RedisServer, timeout_s: float = 30.0) -> None:
+        """Give ``key``'s slot to the master ``to``, while the slot holds no key (nothing to migrate): how
+        a test puts two keys that hash to one master's range on different masters."""
+        with self.client() as client:
+            slot = client.keyslot(key)
+            if client.cluster_countkeysinslot(slot):
+                raise RuntimeError(f"slot {slot} of {key!r} holds keys: move it before anything is written")
+        with to.client() as client:
+            node_id = client.execute_command("CLUSTER", "MYID")
+            client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", node_id)
+            client.execute_command("CLUSTER", "BUMPEPOCH")  # its claim wins over any stale one in gossip
+        for server in self.servers:
+            if server is not to and server.running:
+                with server.client() as client:
+                    client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", node_id)
+        deadline = time.monotonic() + timeout_s
+        while self.master_of(key).port != to.port or not self._ok():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"slot {slot} did not move to {to.port} within {timeout_s}s")
+            time.sleep(0.1)
+
+    @property
+    def masters(self) -> list[RedisServer]:
+        """The running nodes that serve slots now."""
+        with self.client() as client:
+            ports = {int(node.port) for node in client.get_primaries()}
+        return [server for server in self.servers if server.port in ports]
+
     def kill(self, server: RedisServer) -> None:
         """SIGKILL one node: no goodbye to the cluster, as a crashed host."""
         if server.process is not None:
@@ -285,9 +348,25 @@ class RedisClusterServers:
             server.process.wait()
             server.process = None
 
+    def _cli_options(self) -> list[str]:
+        """``redis-cli`` flags to reach a node: TLS files and the default user's password."""
+        options = ["-a", self.password, "--no-auth-warning"] if self.password else []
+        if self.tls is not None:
+            options += ["--tls", "--cacert", str(self.tls.ca)]
+            if self.tls.client_cert is not None:
+                options += ["--cert", str(self.tls.client_cert), "--key", str(self.tls.client_key)]
+        return options
+
     def client(self) -> redis.RedisCluster:
-        """A blocking cluster client (binary replies) for assertions; the caller closes it."""
-        return redis.RedisCluster.from_url(self.url.replace("redis+cluster://", "redis://").split(",")[0] + "/0")
+        """A blocking cluster client (binary replies) for assertions, as the default user; the caller closes it."""
+        running = next(server for server in self.servers if server.running)
+        return redis.RedisCluster(
+            host="127.0.0.1",
+            port=running.port,
+            password=self.password or None,
+            ssl=self.tls is not None,
+            **running._client_options(),  # type: ignore[arg-type]
+        )
 
     def stop(self) -> None:
         for server in self.servers:

@@ -297,3 +297,33 @@ async def test_with_wait_replicas_a_batch_no_replica_confirmed_is_not_acknowledg
     finally:
         await redis.aclose()
         server.stop()
+
+
+def test_a_recorder_started_before_its_cluster_is_not_serving_then_serves_once_the_cluster_is_up(
+    tmp_path: Path,
+) -> None:
+    """No node answers: redis-py's cluster client raises RedisClusterException, no RedisError, which
+    killed the recorder's Redis watch (the recorder exited 1 with a traceback). Now it is Redis unreachable,
+    as with one Redis: NOT_SERVING, then SERVING once the cluster is created."""
+    from tests.harness import ServiceProcess, health_status
+
+    cluster = RedisClusterServers(tmp_path / "cluster")  # ports chosen, nothing started yet
+    port = free_port()
+    recorder = ServiceProcess(
+        f"recorder-{port}", "splitstream.recorder",
+        ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", "--redis-url", cluster.url,
+         "--redis-timeout-s", "1", "--health-interval-s", "0.5"],
+        log_dir=tmp_path, port=port,
+    )  # fmt: skip
+    try:
+        recorder.start(wait_serving=False)
+        wait_for(lambda: "redis unreachable; not serving" in recorder.log(), timeout_s=30, what="NOT_SERVING")
+        assert health_status(recorder.address) == 2  # NOT_SERVING
+        cluster.start()
+        wait_for(lambda: health_status(recorder.address) == 1, timeout_s=30, what="the recorder to serve")
+        assert recorder.process is not None
+        assert recorder.process.poll() is None
+        assert "Traceback" not in recorder.log()
+    finally:
+        recorder.stop()
+        cluster.stop()

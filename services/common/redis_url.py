@@ -17,7 +17,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError
 
 from splitstream.common.errors import ConfigError
 
@@ -37,6 +38,22 @@ def is_cluster(client: object) -> bool:
     from redis.asyncio.cluster import ClusterPipeline
 
     return isinstance(client, RedisCluster | ClusterPipeline)
+
+
+class _RedisCluster(RedisCluster):
+    """A cluster client whose failure to read the slot map is a :class:`redis.exceptions.ConnectionError`,
+    as one Redis's failure to connect is.
+
+    redis-py raises ``RedisClusterException`` there ("Redis Cluster cannot be connected", a certificate
+    refused, "Cluster mode is not enabled on this node"), which is no ``RedisError``: every component that
+    says "Redis unreachable" in one line (``except RedisError``) let it through as a traceback instead,
+    found with a TLS cluster and a reader without the CA."""
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> RedisCluster:
+        try:
+            return await super().initialize(*args, **kwargs)
+        except RedisClusterException as error:
+            raise RedisConnectionError(str(error)) from error
 
 
 #: Query parameters of a cluster URL and the type of their value (the rest are refused by name).
@@ -122,7 +139,7 @@ def open_redis(
     if scheme in CLUSTER_SCHEMES:
         options |= _cluster_options(url)  # the URL wins, as with from_url
         try:
-            return RedisCluster(**options)
+            return _RedisCluster(**options)
         except (TypeError, RedisError) as error:
             raise ValueError(str(error)) from None
     if scheme not in ("redis", "rediss", "unix"):

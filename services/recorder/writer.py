@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, cast
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from splitstream.common.records import LUA_ID_LESS, archive_mark_key, blob_key
 from splitstream.common.redis_url import RedisClient, is_cluster
@@ -66,9 +66,12 @@ _REFUSAL_CODES = ("MISCONF", "NOREPLICAS", "MASTERDOWN")
 
 
 def _refuses_every_write(error: ResponseError) -> bool:
-    """Redis refuses every write (full under noeviction, a read-only replica, ...): NOT_SERVING until a
-    write succeeds. Any other error reply (WRONGTYPE on one stream key) is about the batch, not Redis."""
-    return isinstance(error, OutOfMemoryError | ReadOnlyError) or any(code in str(error) for code in _REFUSAL_CODES)
+    """Redis refuses every write (full under noeviction, a read-only replica, an ACL user without the
+    rights, ...): NOT_SERVING until a write succeeds. Any other error reply (WRONGTYPE on one stream key)
+    is about the batch, not Redis. NOPERM is a deployment's fault, never a record's: refused as a bad
+    batch, the router halved it down to single records and dropped every one."""
+    refusals = OutOfMemoryError | ReadOnlyError | NoPermissionError
+    return isinstance(error, refusals) or any(code in str(error) for code in _REFUSAL_CODES)
 
 
 @dataclass(frozen=True, slots=True)

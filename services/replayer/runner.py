@@ -496,49 +496,15 @@ class Replay:
         replayed_version = _served_version(replayed)
 
         agg = self.aggregates
-        agg.overall.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
-        group = agg.by_version.setdefault(reference_version or "?", GroupTotals())
-        group.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
+        lag_ms = self._count(flight, diff, replayed, replayed_version, reference_version, reference_latency_s)
         for output in diff.outputs:
             agg.outputs.setdefault(output.name, OutputTotals()).add(output)
         for name in diff.not_compared:
             agg.outputs.setdefault(name, OutputTotals()).not_compared[diff.not_compared_why] += 1
-        if diff.status_change_kind:
-            agg.status_changes[diff.status_change_kind] += 1
-            agg.transitions[diff.status_change or ""] += 1
-        lag_ms = None
-        if flight.planned_at is not None:
-            lag_s = replayed.sent_at - flight.planned_at
-            agg.send_lag.add(lag_s)
-            lag_ms = round(lag_s * 1000, 4)
-        origin = self._origin
-        if agg.first_sent_at is None:
-            agg.first_sent_at = replayed.sent_at
-        agg.last_done_at = max(agg.last_done_at or 0.0, *(o.done_at for o in flight.outcomes if o is not None))
-
-        line: dict[str, Any] = {
-            "request_id": record.request_id,
-            "replay_request_id": plan.replay_id,
-            "model": record.model,
-            "receive_unix_ns": plan.call.receive_ns,
-            "stream_id": plan.call.stream_id,
-            "sequence": flight.sequence,
-            "outcome": diff.outcome,
-            "status_change": diff.status_change,
-            "planned_s": None if flight.planned_at is None else round(flight.planned_at - origin, 6),
-            "sent_s": round(replayed.sent_at - origin, 6),
-            "done_s": round(replayed.done_at - origin, 6),
-            "send_lag_ms": lag_ms,
-            "recorded": {
-                "version": record.version,
-                "status": status_name(record.status_code),
-                "latency_ms": round(record.latency_ns / 1e6, 4),
-            },
-            "replayed": _side(self.targets[0].address, replayed),
-        }
+        line = self._line(flight, diff, replayed, lag_ms)
         if compared is not None:
             line["compare_to"] = _side(self.targets[1].address, compared)
-            line["compare_to"]["sent_s"] = round(compared.sent_at - origin, 6)
+            line["compare_to"]["sent_s"] = round(compared.sent_at - self._origin, 6)
         if diff.outputs:
             line["outputs"] = {o.name: o.as_dict() for o in diff.outputs}
         if diff.not_compared:
@@ -565,11 +531,38 @@ class Replay:
         sdiff = compare_streams(reference, candidate)
         diff = CallDiff(sdiff.outcome, sdiff.reference_code, sdiff.candidate_code)
         replayed_version = _served_version(replayed)
+        lag_ms = self._count(flight, diff, replayed, replayed_version, reference_version, reference_latency_s)
+        self.aggregates.streams.add(reference_version or "?", sdiff, reference, candidate)
+        line = self._line(flight, diff, replayed, lag_ms, kind="stream")
+        line["recorded"] |= {
+            "ttft_ms": _ms(stream.recorded.ttft_s),
+            "responses_total": int(record.stream.responses_total),
+            "truncated": record.stream.truncated,
+        }
+        line["replayed"]["ttft_ms"] = _ms(candidate.ttft_s)
+        line["stream"] = sdiff.as_dict()
+        if compared is not None:
+            line["compare_to"] = _side(self.targets[1].address, compared) | {"ttft_ms": _ms(reference.ttft_s)}
+            line["compare_to"]["sent_s"] = round(compared.sent_at - self._origin, 6)
+        self.aggregates.worst.offer_stream(sdiff, line)
+        return line, diff
+
+    def _count(
+        self,
+        flight: Flight,
+        diff: CallDiff,
+        replayed: Outcome,
+        replayed_version: str,
+        reference_version: str,
+        reference_latency_s: float,
+    ) -> float | None:
+        """Add one judged call (unary or stream) to the totals every call shares: outcomes and latencies
+        overall and per recorded version, status changes, send lag, the replay's first and last instant.
+        Returns the call's send lag in ms (None when it was not paced)."""
         agg = self.aggregates
         agg.overall.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
         group = agg.by_version.setdefault(reference_version or "?", GroupTotals())
         group.add(diff, replayed_version, reference_latency_s, replayed.latency_s)
-        agg.streams.add(reference_version or "?", sdiff, reference, candidate)
         if diff.status_change_kind:
             agg.status_changes[diff.status_change_kind] += 1
             agg.transitions[diff.status_change or ""] += 1
@@ -578,19 +571,27 @@ class Replay:
             lag_s = replayed.sent_at - flight.planned_at
             agg.send_lag.add(lag_s)
             lag_ms = round(lag_s * 1000, 4)
-        origin = self._origin
         if agg.first_sent_at is None:
             agg.first_sent_at = replayed.sent_at
         agg.last_done_at = max(agg.last_done_at or 0.0, *(o.done_at for o in flight.outcomes if o is not None))
-        line: dict[str, Any] = {
+        return lag_ms
+
+    def _line(
+        self, flight: Flight, diff: CallDiff, replayed: Outcome, lag_ms: float | None, *, kind: str = ""
+    ) -> dict[str, Any]:
+        """The results-line fields a unary call and a token stream share (``kind`` marks a stream's)."""
+        plan = flight.plan
+        record = plan.call.record
+        origin = self._origin
+        return {
             "request_id": record.request_id,
             "replay_request_id": plan.replay_id,
             "model": record.model,
             "receive_unix_ns": plan.call.receive_ns,
             "stream_id": plan.call.stream_id,
             "sequence": flight.sequence,
-            "kind": "stream",
-            "outcome": sdiff.outcome,
+            **({"kind": kind} if kind else {}),
+            "outcome": diff.outcome,
             "status_change": diff.status_change,
             "planned_s": None if flight.planned_at is None else round(flight.planned_at - origin, 6),
             "sent_s": round(replayed.sent_at - origin, 6),
@@ -600,18 +601,9 @@ class Replay:
                 "version": record.version,
                 "status": status_name(record.status_code),
                 "latency_ms": round(record.latency_ns / 1e6, 4),
-                "ttft_ms": _ms(stream.recorded.ttft_s),
-                "responses_total": int(record.stream.responses_total),
-                "truncated": record.stream.truncated,
             },
-            "replayed": _side(self.targets[0].address, replayed) | {"ttft_ms": _ms(candidate.ttft_s)},
-            "stream": sdiff.as_dict(),
+            "replayed": _side(self.targets[0].address, replayed),
         }
-        if compared is not None:
-            line["compare_to"] = _side(self.targets[1].address, compared) | {"ttft_ms": _ms(reference.ttft_s)}
-            line["compare_to"]["sent_s"] = round(compared.sent_at - origin, 6)
-        agg.worst.offer_stream(sdiff, line)
-        return line, diff
 
     def _not_replayed(self, item: NotReplayed) -> dict[str, Any]:
         """The results line of a call that was not sent, counted apart: neither a send error (nothing
