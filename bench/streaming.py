@@ -17,13 +17,19 @@ in the same rounds so the router's figures can be read against it. The direct ro
 When the router does not serve ModelStreamInfer (it answers UNIMPLEMENTED), its rows are skipped
 and the script says so.
 
-    .venv/bin/python bench/streaming.py [--seconds 3] [--rounds 3] [--tokens 64]
+``--pin-worker`` puts the workers on the last CPU and everything else (this load generator, the
+router, the bare pass-through) on the others, every thread of each process: the worker on its own
+core, as a deployment would run it. On a machine with few cores that is a different trade-off, not
+a fairer one (the client and the hop then share what is left), so the script says which it ran.
+
+    .venv/bin/python bench/streaming.py [--seconds 3] [--rounds 3] [--tokens 64] [--pin-worker]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import shutil
@@ -166,6 +172,13 @@ def with_ballast(directory: Path, *, layers: int, width: int) -> None:
     onnx.save(model, path)
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` (sched_setaffinity on a pid moves only its main thread) to ``cpus``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+
+
 def step_totals(worker: ServiceProcess) -> tuple[float, float]:
     """The worker's (sequences stepped, steps) so far, from its step-size histogram."""
     text = scrape_metrics(worker.metrics_port)
@@ -200,7 +213,15 @@ def main() -> int:
         help="give each step a language model's cost: this many [width, width] MatMuls (0: the bare bigram)",
     )
     parser.add_argument("--ballast-width", type=int, default=1024, help="width of the ballast MatMuls")
+    parser.add_argument(
+        "--pin-worker",
+        action="store_true",
+        help="the workers on the last CPU, the load generator, router and bare pass-through on the others",
+    )
     args = parser.parse_args()
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin_worker and len(cpus) < 2:
+        parser.error(f"--pin-worker needs at least 2 CPUs, this process may use {len(cpus)}")
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
     repository = tmp / "models"
@@ -230,6 +251,15 @@ def main() -> int:
             assert bare.pid is not None
             paths["bare"] = (f"127.0.0.1:{bare_port}", [bare.pid])
 
+        placement = "each process on any CPU"
+        if args.pin_worker:
+            worker_cpus, other_cpus = {cpus[-1]}, set(cpus[:-1])
+            for process in (worker, unbatched):
+                assert process.process is not None
+                pin(process.process.pid, worker_cpus)
+            for pid in [os.getpid()] + [pid for _, pids in paths.values() for pid in pids]:
+                pin(pid, other_cpus)
+            placement = f"workers pinned to CPU {cpus[-1]}, the rest to CPUs {sorted(other_cpus)}"
         ballast = (
             f" plus {args.ballast_layers} ballast MatMuls of {args.ballast_width}x{args.ballast_width} a step"
             if args.ballast_layers
@@ -237,7 +267,7 @@ def main() -> int:
         )
         print(
             f"token streams: {args.rounds} rounds x {args.seconds:g} s per path and load; {args.tokens} tokens a "
-            f"stream, greedy, byte bigram (v1){ballast}; {os.cpu_count()} CPUs"
+            f"stream, greedy, byte bigram (v1){ballast}; {os.cpu_count()} CPUs, {placement}"
         )
         if skipped is not None:
             print(f"router rows skipped: the router does not serve ModelStreamInfer ({skipped})")

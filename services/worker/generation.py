@@ -19,9 +19,10 @@ at the next step; the event loop never waits on the backend.
 
 Backpressure: a sequence may be at most ``window`` tokens ahead of its consumer (tokens made that
 the consumer has not come back for). One whose client stops reading (its stream's writes block,
-so the consumer stops asking) is left out of the steps, paused, until the consumer catches up;
-the other sequences go on stepping without it. Without this, a client that does not read would
-have the worker make and buffer its whole ``max_tokens`` answer.
+so the consumer stops asking) is left out of the steps, paused, until the consumer is back within
+half the window (so paused sequences rejoin many tokens at a time, in shared steps, not one step
+of one row per token taken); the other sequences go on stepping without it. Without this, a client
+that does not read would have the worker make and buffer its whole ``max_tokens`` answer.
 """
 
 from __future__ import annotations
@@ -232,6 +233,8 @@ class _Sequence:
     #: finished with (written by the event loop only): their difference is how far it is behind.
     produced: int = 0
     taken: int = 0
+    #: Left out of the steps since it reached the window (step thread only, under the condition).
+    paused: bool = False
     tail: bytes = b""
     cancelled: bool = False
     done: bool = False
@@ -294,6 +297,7 @@ class GenerationScheduler:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         self._window = window
+        self._resume_at = window // 2
         self._run = run
         self._input = input_name
         self._output = output_name
@@ -329,7 +333,16 @@ class GenerationScheduler:
         return self._paused
 
     def _runnable(self, sequence: _Sequence) -> bool:
-        return sequence.cancelled or sequence.produced - sequence.taken < self._window
+        """Whether ``sequence`` takes part in the next step (step thread only, under the condition, so
+        :meth:`generate` sees ``paused`` as it was decided)."""
+        if sequence.cancelled:
+            return True
+        behind = sequence.produced - sequence.taken
+        if sequence.paused:
+            sequence.paused = behind > self._resume_at
+        else:
+            sequence.paused = behind >= self._window
+        return not sequence.paused
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Token]:
         """The request's tokens as they are made, the last one ``final``. Leaving the iteration early (the
@@ -357,16 +370,19 @@ class GenerationScheduler:
                     return
                 # The consumer came back for more: it has finished with ``item``.
                 sequence.taken += 1
-                if sequence.produced - sequence.taken == self._window - 1:
-                    self._wake()  # it was paused at the window; the step thread may be waiting for it
+                if sequence.produced - sequence.taken == self._resume_at:
+                    self._wake(sequence)  # if it is paused, it may go on; the step thread may be waiting
         finally:
             if not sequence.done:
                 sequence.cancelled = True
                 self._wake()  # a paused sequence leaves at once, not when some other one steps
 
-    def _wake(self) -> None:
+    def _wake(self, paused: _Sequence | None = None) -> None:
+        """Wake the step thread (only if ``paused`` is, when given). Under the condition, so a sequence
+        the step thread pauses after this take is judged on it, and one paused before is woken."""
         with self._condition:
-            self._condition.notify()
+            if paused is None or paused.paused:
+                self._condition.notify()
 
     async def stop(self) -> None:
         with self._condition:
@@ -391,13 +407,14 @@ class GenerationScheduler:
                 room = self._max_sequences - len(active)
                 active.extend(self._waiting[:room])
                 del self._waiting[:room]
+                stepped = [sequence for sequence in active if self._runnable(sequence)]
             try:
-                for sequence in active:
+                for sequence in stepped:
                     if sequence.cancelled:
                         self._finish(sequence, "cancelled")
                 active = [sequence for sequence in active if not sequence.done]
+                stepped = [sequence for sequence in stepped if not sequence.done]
                 self._active = len(active)
-                stepped = [sequence for sequence in active if self._runnable(sequence)]
                 self._paused = len(active) - len(stepped)
                 if stepped:
                     self._step(stepped)
