@@ -27,7 +27,16 @@ from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.worker.servicer import STREAM_QUEUE_RESPONSES
 from tests.fake_gpu import fake_gpu_pythonpath
-from tests.harness import InferClient, ServiceProcess, Stack, make_request, metric_samples, scrape_metrics, wait_for
+from tests.harness import (
+    InferClient,
+    ServiceProcess,
+    Stack,
+    make_request,
+    metric_samples,
+    scrape_metrics,
+    wait_for,
+    write_registry,
+)
 from tests.models import add_version, save_graph
 from tests.streams import StreamClient, generation_request, is_final, token_text
 from tests.tensors import add_raw_input
@@ -295,12 +304,21 @@ def test_sixteen_concurrent_streams_are_stepped_in_shared_batches(deployment: De
     assert metric(worker, "splitstream_worker_step_sequences_sum") > steps
 
 
-def test_a_client_that_stops_reading_pauses_its_generation_and_the_other_streams_go_on(deployment: Deployment) -> None:
+@pytest.mark.parametrize("path", ["direct", "router"])
+def test_a_client_that_stops_reading_pauses_its_generation_and_the_other_streams_go_on(
+    deployment: Deployment, path: str, tmp_path: Path
+) -> None:
     """Backpressure: the worker must not make and buffer a whole answer nobody reads. The slow stream's
     generation is left out of the steps once its queue is full; others are stepped at their own pace;
-    when the client reads again the text goes on where it stopped."""
+    when the client reads again the text goes on where it stopped. Through the router too: it relays
+    one response at a time, so a client that does not read holds up the worker's stream, not the
+    router's memory."""
     worker = deployment.workers["v1"]
     client = deployment.clients["v1"]
+    stack = Stack(tmp_path)
+    if path == "router":
+        write_registry(tmp_path / "registry.yaml", {MODEL: {"endpoints": {"v1": [worker.address]}}})
+        client = StreamClient(stack.router(tmp_path / "registry.yaml").address)
     stop_sending = threading.Event()
 
     def requests() -> Iterator[oip.ModelInferRequest]:
@@ -353,6 +371,9 @@ def test_a_client_that_stops_reading_pauses_its_generation_and_the_other_streams
     finally:
         slow.cancel()
         stop_sending.set()
+        if path == "router":
+            client.close()
+        stack.close()
     wait_for(
         lambda: metric(worker, "splitstream_worker_active_sequences") == 0,
         timeout_s=10,
