@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import multiprocessing
 import os
 import shutil
@@ -89,8 +90,10 @@ async def drive(address: str, request: bytes, streams: int, seconds: float, pids
         into.cpu_s += cpu_seconds(pids) - cpu_before
 
 
-def bare_proxy(port: int, upstream: str) -> None:
-    """A bare ``ModelStreamInfer`` pass-through (run in its own process): the least a Python hop costs."""
+def bare_proxy(port: int, upstream: str, use_uvloop: bool = False) -> None:
+    """A bare ``ModelStreamInfer`` pass-through (run in its own process): the least a Python hop costs.
+    ``use_uvloop``: on uvloop's event loop instead of asyncio's (uvloop is no dependency of ours; the
+    caller checks it is installed)."""
 
     async def serve() -> None:
         channel = aio.insecure_channel(upstream)
@@ -121,7 +124,10 @@ def bare_proxy(port: int, upstream: str) -> None:
         await server.start()
         await server.wait_for_termination()
 
-    asyncio.run(serve())
+    if use_uvloop:
+        importlib.import_module("uvloop").run(serve())
+    else:
+        asyncio.run(serve())
 
 
 def ms(values: list[float], q: float) -> float:

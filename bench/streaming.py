@@ -17,13 +17,23 @@ in the same rounds so the router's figures can be read against it. The direct ro
 When the router does not serve ModelStreamInfer (it answers UNIMPLEMENTED), its rows are skipped
 and the script says so.
 
-    .venv/bin/python bench/streaming.py [--seconds 3] [--rounds 3] [--tokens 64]
+``--pin-worker`` puts the workers on the last CPU and everything else (this load generator, the
+router, the bare pass-through) on the others, every thread of each process: the worker on its own
+core, as a deployment would run it. On a machine with few cores that is a different trade-off, not
+a fairer one (the client and the hop then share what is left), so the script says which it ran.
+
+``--bare-uvloop`` adds "bare-uv": the same bare pass-through on uvloop's event loop (``pip install
+uvloop`` first; it is no dependency of splitstream), to see what a faster event loop buys a hop.
+
+    .venv/bin/python bench/streaming.py [--seconds 3] [--rounds 3] [--tokens 64] [--pin-worker] [--bare-uvloop]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
 import multiprocessing
 import os
 import shutil
@@ -32,6 +42,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -166,6 +177,13 @@ def with_ballast(directory: Path, *, layers: int, width: int) -> None:
     onnx.save(model, path)
 
 
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` (sched_setaffinity on a pid moves only its main thread) to ``cpus``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cpus)
+
+
 def step_totals(worker: ServiceProcess) -> tuple[float, float]:
     """The worker's (sequences stepped, steps) so far, from its step-size histogram."""
     text = scrape_metrics(worker.metrics_port)
@@ -188,6 +206,10 @@ def router_streams(address: str, request: bytes) -> str | None:
     return None
 
 
+def serves(address: str, request: bytes) -> bool:
+    return router_streams(address, request) is None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per path, round and load")
@@ -200,7 +222,20 @@ def main() -> int:
         help="give each step a language model's cost: this many [width, width] MatMuls (0: the bare bigram)",
     )
     parser.add_argument("--ballast-width", type=int, default=1024, help="width of the ballast MatMuls")
+    parser.add_argument(
+        "--pin-worker",
+        action="store_true",
+        help="the workers on the last CPU, the load generator, router and bare pass-through on the others",
+    )
+    parser.add_argument(
+        "--bare-uvloop", action="store_true", help="also measure the bare pass-through on uvloop (bare-uv)"
+    )
     args = parser.parse_args()
+    if args.bare_uvloop and importlib.util.find_spec("uvloop") is None:
+        parser.error("--bare-uvloop needs uvloop installed (pip install uvloop)")
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin_worker and len(cpus) < 2:
+        parser.error(f"--pin-worker needs at least 2 CPUs, this process may use {len(cpus)}")
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
     repository = tmp / "models"
@@ -211,7 +246,7 @@ def main() -> int:
         for version in ("v1", "one"):
             with_ballast(repository / MODEL / version, layers=args.ballast_layers, width=args.ballast_width)
     stack = Stack(tmp)
-    bare: multiprocessing.process.BaseProcess | None = None
+    proxies: list[multiprocessing.process.BaseProcess] = []
     try:
         worker = stack.worker(repository, MODEL, "v1", "--log-level", "WARNING")
         unbatched = stack.worker(repository, MODEL, "one", "--log-level", "WARNING")
@@ -223,13 +258,27 @@ def main() -> int:
         skipped = router_streams(router.address, request)
         if skipped is None:
             paths["router"] = (router.address, [router.process.pid])  # type: ignore[union-attr]
-            bare_port = free_port()
-            bare = multiprocessing.get_context("spawn").Process(target=bare_proxy, args=(bare_port, worker.address))
-            bare.start()
-            wait_for(lambda: router_streams(f"127.0.0.1:{bare_port}", request) is None, timeout_s=30, what="bare")
-            assert bare.pid is not None
-            paths["bare"] = (f"127.0.0.1:{bare_port}", [bare.pid])
+            for name, use_uvloop in [("bare", False)] + [("bare-uv", True)] * args.bare_uvloop:
+                port = free_port()
+                proxy = multiprocessing.get_context("spawn").Process(
+                    target=bare_proxy, args=(port, worker.address, use_uvloop)
+                )
+                proxy.start()
+                proxies.append(proxy)
+                address = f"127.0.0.1:{port}"
+                wait_for(partial(serves, address, request), timeout_s=30, what=name)
+                assert proxy.pid is not None
+                paths[name] = (address, [proxy.pid])
 
+        placement = "each process on any CPU"
+        if args.pin_worker:
+            worker_cpus, other_cpus = {cpus[-1]}, set(cpus[:-1])
+            for process in (worker, unbatched):
+                assert process.process is not None
+                pin(process.process.pid, worker_cpus)
+            for pid in [os.getpid()] + [pid for _, pids in paths.values() for pid in pids]:
+                pin(pid, other_cpus)
+            placement = f"workers pinned to CPU {cpus[-1]}, the rest to CPUs {sorted(other_cpus)}"
         ballast = (
             f" plus {args.ballast_layers} ballast MatMuls of {args.ballast_width}x{args.ballast_width} a step"
             if args.ballast_layers
@@ -237,7 +286,7 @@ def main() -> int:
         )
         print(
             f"token streams: {args.rounds} rounds x {args.seconds:g} s per path and load; {args.tokens} tokens a "
-            f"stream, greedy, byte bigram (v1){ballast}; {os.cpu_count()} CPUs"
+            f"stream, greedy, byte bigram (v1){ballast}; {os.cpu_count()} CPUs, {placement}"
         )
         if skipped is not None:
             print(f"router rows skipped: the router does not serve ModelStreamInfer ({skipped})")
@@ -249,7 +298,7 @@ def main() -> int:
         print(
             "latencies in ms; x direct: tokens/s over the direct path's; CPU: the router's (bare: the pass-through's) "
             "process; 1 row: direct to a worker with max_batch_size 1 (one sequence stepped at a time, the others "
-            "wait); bare: a bare Python gRPC pass-through"
+            "wait); bare: a bare Python gRPC pass-through (bare-uv: the same on uvloop)"
         )
         print(header)
         print("-" * len(header))
@@ -270,7 +319,7 @@ def main() -> int:
             for name, x in summary.items():
                 added = "" if name == "direct" else f"{x.ttft_p50_ms - direct.ttft_p50_ms:10.3f}"
                 ratio = "" if name == "direct" else f"{x.tokens_per_s / direct.tokens_per_s:9.2f}"
-                cpu = f"{x.cpu_us_per_token:13.0f}" if name in ("router", "bare") else ""
+                cpu = f"{x.cpu_us_per_token:13.0f}" if name in ("router", "bare", "bare-uv") else ""
                 print(
                     f"{concurrency:>7} {name:<7} {x.tokens_per_s:9.0f} {x.ttft_p50_ms:9.3f} {x.ttft_p99_ms:9.3f} "
                     f"{x.itl_p50_ms:8.3f} {x.itl_p99_ms:8.3f} {added:>10} {ratio:>9} {cpu:>13}"
@@ -304,9 +353,9 @@ def main() -> int:
             "sequence at a time (1 row) at 16 streams"
         )
     finally:
-        if bare is not None:
-            bare.terminate()
-            bare.join(timeout=10)
+        for started in proxies:
+            started.terminate()
+            started.join(timeout=10)
         stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

@@ -25,8 +25,18 @@ from onnx import TensorProto, helper, numpy_helper
 from demo import language
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.worker.servicer import STREAM_QUEUE_RESPONSES
 from tests.fake_gpu import fake_gpu_pythonpath
-from tests.harness import InferClient, ServiceProcess, Stack, make_request, metric_samples, scrape_metrics, wait_for
+from tests.harness import (
+    InferClient,
+    ServiceProcess,
+    Stack,
+    make_request,
+    metric_samples,
+    scrape_metrics,
+    wait_for,
+    write_registry,
+)
 from tests.models import add_version, save_graph
 from tests.streams import StreamClient, generation_request, is_final, token_text
 from tests.tensors import add_raw_input
@@ -292,6 +302,85 @@ def test_sixteen_concurrent_streams_are_stepped_in_shared_batches(deployment: De
     single = metric(worker, "splitstream_worker_step_sequences_bucket", le="1.0")
     assert steps > single, "some steps ran more than one sequence"
     assert metric(worker, "splitstream_worker_step_sequences_sum") > steps
+
+
+@pytest.mark.parametrize("path", ["direct", "router"])
+def test_a_client_that_stops_reading_pauses_its_generation_and_the_other_streams_go_on(
+    deployment: Deployment, path: str, tmp_path: Path
+) -> None:
+    """Backpressure: the worker must not make and buffer a whole answer nobody reads. The slow stream's
+    generation is left out of the steps once its queue is full; others are stepped at their own pace;
+    when the client reads again the text goes on where it stopped. Through the router too: it relays
+    one response at a time, so a client that does not read holds up the worker's stream, not the
+    router's memory."""
+    worker = deployment.workers["v1"]
+    client = deployment.clients["v1"]
+    stack = Stack(tmp_path)
+    if path == "router":
+        write_registry(tmp_path / "registry.yaml", {MODEL: {"endpoints": {"v1": [worker.address]}}})
+        client = StreamClient(stack.router(tmp_path / "registry.yaml").address)
+    stop_sending = threading.Event()
+
+    def requests() -> Iterator[oip.ModelInferRequest]:
+        yield generation_request(MODEL, "The ", LIMIT, request_id="slow")
+        stop_sending.wait(120)  # keep the client's side open while it does not read
+
+    slow = client.stub.ModelStreamInfer(requests(), timeout=120)
+    received = [next(slow)]  # it started; from now on nobody reads
+    try:
+        # gRPC takes what its flow-control windows hold (some hundred KiB) before writes block; then the
+        # generation pauses, and stays paused: no token is made for it any more.
+        last = [-1.0]
+
+        def settled() -> bool:
+            made, last[0] = last[0], metric(worker, "splitstream_worker_tokens_generated_total")
+            return made == last[0] and metric(worker, "splitstream_worker_paused_sequences") == 1
+
+        wait_for(settled, timeout_s=60, interval_s=0.5, what="the unread stream's generation to pause")
+        queued = metric(worker, "splitstream_worker_stream_queued_responses")
+        assert queued <= STREAM_QUEUE_RESPONSES
+        made = metric(worker, "splitstream_worker_tokens_generated_total")
+
+        answers: dict[int, str] = {}
+
+        def one(n: int) -> None:
+            other = StreamClient(worker.address)
+            try:
+                answers[n] = other.generate(generation_request(MODEL, "The ", 64, request_id=f"o{n}")).text
+            finally:
+                other.close()
+
+        threads = [threading.Thread(target=one, args=(n,)) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert set(answers.values()) == {greedy_reference("v1", b"The ", 64)}, "the other streams finished"
+        # Every token made meanwhile was theirs: the paused generation made none.
+        assert metric(worker, "splitstream_worker_tokens_generated_total") == made + 4 * 64
+        assert metric(worker, "splitstream_worker_paused_sequences") == 1
+        assert metric(worker, "splitstream_worker_stream_queued_responses") <= STREAM_QUEUE_RESPONSES
+
+        # Reading again lets it go on, and its text is the one it would have written unpaused.
+        for response in slow:
+            received.append(response)
+            if len(received) == 3000:
+                break
+        text = b"".join(token_text(r) or b"" for r in received).decode()
+        assert text == greedy_reference("v1", b"The ", 3000)
+    finally:
+        slow.cancel()
+        stop_sending.set()
+        if path == "router":
+            client.close()
+        stack.close()
+    wait_for(
+        lambda: metric(worker, "splitstream_worker_active_sequences") == 0,
+        timeout_s=10,
+        what="the cancelled generation to leave",
+    )
+    assert metric(worker, "splitstream_worker_paused_sequences") == 0
+    assert metric(worker, "splitstream_worker_stream_queued_responses") == 0
 
 
 # -- tritonclient ---------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ sampled with the sequence's own seeded generator, so a sequence's text does not 
 others share its steps), hand the step's tokens to the event loop in one callback, drop finished
 and cancelled sequences. A new request therefore joins at the next step and a cancelled one leaves
 at the next step; the event loop never waits on the backend.
+
+Backpressure: a sequence may be at most ``window`` tokens ahead of its consumer (tokens made that
+the consumer has not come back for). One whose client stops reading (its stream's writes block,
+so the consumer stops asking) is left out of the steps, paused, until the consumer is back within
+half the window (so paused sequences rejoin many tokens at a time, in shared steps, not one step
+of one row per token taken); the other sequences go on stepping without it. Without this, a client
+that does not read would have the worker make and buffer its whole ``max_tokens`` answer.
 """
 
 from __future__ import annotations
@@ -74,6 +81,10 @@ METADATA = ModelMetadata(
     ),
     outputs=(TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=(DYNAMIC, 1)),),
 )
+
+#: How many tokens a sequence may be ahead of its consumer before it is left out of the steps (see the
+#: module's docstring): enough that a consumer a few steps behind never stalls its sequence.
+DEFAULT_WINDOW = 32
 
 #: Why a generation ended, as the generations metric counts it.
 OUTCOMES = ("length", "stop_word", "end_id", "cancelled", "error")
@@ -218,6 +229,12 @@ class _Sequence:
     deliver: Callable[[Token | BaseException], None]
     rng: np.random.Generator
     generated: int = 0
+    #: Events handed to the consumer (written by the step thread only) and events the consumer has
+    #: finished with (written by the event loop only): their difference is how far it is behind.
+    produced: int = 0
+    taken: int = 0
+    #: Left out of the steps since it reached the window (step thread only, under the condition).
+    paused: bool = False
     tail: bytes = b""
     cancelled: bool = False
     done: bool = False
@@ -275,7 +292,12 @@ class GenerationScheduler:
         pad_id: int,
         metrics: WorkerMetrics,
         logger: structlog.stdlib.BoundLogger,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self._window = window
+        self._resume_at = window // 2
         self._run = run
         self._input = input_name
         self._output = output_name
@@ -287,6 +309,7 @@ class GenerationScheduler:
         self._condition = threading.Condition()
         self._waiting: list[_Sequence] = []
         self._active = 0
+        self._paused = 0
         self._stopped = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -303,6 +326,23 @@ class GenerationScheduler:
     def active(self) -> int:
         """Sequences being stepped (read from the metrics thread)."""
         return self._active
+
+    def paused(self) -> int:
+        """Active sequences left out of the last step because their consumer is behind (read from the
+        metrics thread)."""
+        return self._paused
+
+    def _runnable(self, sequence: _Sequence) -> bool:
+        """Whether ``sequence`` takes part in the next step (step thread only, under the condition, so
+        :meth:`generate` sees ``paused`` as it was decided)."""
+        if sequence.cancelled:
+            return True
+        behind = sequence.produced - sequence.taken
+        if sequence.paused:
+            sequence.paused = behind > self._resume_at
+        else:
+            sequence.paused = behind >= self._window
+        return not sequence.paused
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Token]:
         """The request's tokens as they are made, the last one ``final``. Leaving the iteration early (the
@@ -328,8 +368,21 @@ class GenerationScheduler:
                 yield item
                 if item.final:
                     return
+                # The consumer came back for more: it has finished with ``item``.
+                sequence.taken += 1
+                if sequence.produced - sequence.taken == self._resume_at:
+                    self._wake(sequence)  # if it is paused, it may go on; the step thread may be waiting
         finally:
-            sequence.cancelled = True  # a no-op once the sequence is done
+            if not sequence.done:
+                sequence.cancelled = True
+                self._wake()  # a paused sequence leaves at once, not when some other one steps
+
+    def _wake(self, paused: _Sequence | None = None) -> None:
+        """Wake the step thread (only if ``paused`` is, when given). Under the condition, so a sequence
+        the step thread pauses after this take is judged on it, and one paused before is woken."""
+        with self._condition:
+            if paused is None or paused.paused:
+                self._condition.notify()
 
     async def stop(self) -> None:
         with self._condition:
@@ -342,7 +395,9 @@ class GenerationScheduler:
         active: list[_Sequence] = []
         while True:
             with self._condition:
-                while not self._stopped and not self._waiting and not active:
+                # Wait for a new sequence, or for a paused one to be let go or cancelled (see _wake).
+                while not self._stopped and not self._waiting and not any(map(self._runnable, active)):
+                    self._paused = len(active)
                     self._condition.wait()
                 if self._stopped:
                     self._fail(active + self._waiting, ModelNotReady("the worker is shutting down"))
@@ -352,14 +407,18 @@ class GenerationScheduler:
                 room = self._max_sequences - len(active)
                 active.extend(self._waiting[:room])
                 del self._waiting[:room]
+                stepped = [sequence for sequence in active if self._runnable(sequence)]
             try:
-                for sequence in active:
+                for sequence in stepped:
                     if sequence.cancelled:
                         self._finish(sequence, "cancelled")
                 active = [sequence for sequence in active if not sequence.done]
+                stepped = [sequence for sequence in stepped if not sequence.done]
                 self._active = len(active)
-                if active:
-                    active = self._step(active)
+                self._paused = len(active) - len(stepped)
+                if stepped:
+                    self._step(stepped)
+                    active = [sequence for sequence in active if not sequence.done]
             except Exception:  # a failed step fails its sequences, never the thread every stream waits on
                 self._logger.exception("generation step failed", sequences=len(active))
                 for sequence in active:
@@ -368,8 +427,8 @@ class GenerationScheduler:
                 self._fail(active, BackendError("inference failed"))
                 active = []
 
-    def _step(self, active: list[_Sequence]) -> list[_Sequence]:
-        """One backend run over ``active``; returns the sequences that go on."""
+    def _step(self, active: list[_Sequence]) -> None:
+        """One backend run over ``active``; the sequences it ends are marked done."""
         tokens = np.array([sequence.context for sequence in active], dtype=np.int64)
         began = time.perf_counter()
         logits = self._run({self._input: tokens}, [self._output])[self._output]
@@ -377,20 +436,17 @@ class GenerationScheduler:
             raise ValueError(f"logits of shape {list(logits.shape)} for {len(active)} sequences")
         seconds = time.perf_counter() - began
         events: list[tuple[_Sequence, Token]] = []
-        going_on = []
         for row, sequence in enumerate(active):
             token, ended = sequence.advance(sequence.pick(logits[row]))
             events.append((sequence, token))
-            if ended is None:
-                going_on.append(sequence)
-            else:
+            sequence.produced += 1
+            if ended is not None:
                 self._finish(sequence, ended)
         made = sum(token.text is not None for _, token in events)
         self._metrics.step_ran(sequences=len(active), tokens=made, seconds=seconds)
         assert self._loop is not None
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening any more
             self._loop.call_soon_threadsafe(_deliver, events)
-        return going_on
 
     def _finish(self, sequence: _Sequence, outcome: str) -> None:
         sequence.done = True

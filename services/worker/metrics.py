@@ -118,6 +118,21 @@ class WorkerMetrics:
             registry=registry,
         ).labels(model, version)
 
+        self._paused_sequences = Gauge(
+            "splitstream_worker_paused_sequences",
+            "Active sequences left out of the steps because their client is not reading (their stream's "
+            "queue is full) until it reads again.",
+            labels,
+            registry=registry,
+        ).labels(model, version)
+        self._queued_responses = Gauge(
+            "splitstream_worker_stream_queued_responses",
+            "Responses of token streams made and not yet handed to gRPC, summed over streams (each stream "
+            "holds at most a fixed number: a client that does not read pauses its generations).",
+            labels,
+            registry=registry,
+        ).labels(model, version)
+
         self._engine_info = Gauge(
             "splitstream_worker_engine_info",
             "1 for the engine serving this version, labelled with its backend and human tag.",
@@ -157,6 +172,12 @@ class WorkerMetrics:
 
     def watch_active_sequences(self, active: Callable[[], int]) -> None:
         self._active_sequences.set_function(active)
+
+    def watch_paused_sequences(self, paused: Callable[[], int]) -> None:
+        self._paused_sequences.set_function(paused)
+
+    def watch_queued_responses(self, queued: Callable[[], int]) -> None:
+        self._queued_responses.set_function(queued)
 
     def watch_queue_depth(self, depth: Callable[[], int]) -> None:
         """Report ``depth()`` at each scrape, so the queue needs no bookkeeping per request."""

@@ -179,6 +179,7 @@ class ServedModel:
         generator.start()
         self._metrics.watch_queue_depth(generator.depth)
         self._metrics.watch_active_sequences(generator.active)
+        self._metrics.watch_paused_sequences(generator.paused)
         self._generator = generator
 
     async def warm_up(self) -> None:

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import struct
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import structlog
@@ -35,6 +35,11 @@ SERVICE = "inference.GRPCInferenceService"
 FINAL_RESPONSE = "triton_final_response"
 ENABLE_EMPTY_FINAL = "triton_enable_empty_final_response"
 _LENGTH = struct.Struct("<I")
+#: Responses one stream may have made and not yet handed to gRPC. Past it the stream's requests wait
+#: to emit, so their generations fall behind and are paused (see :mod:`splitstream.worker.generation`):
+#: a client that stops reading costs the worker this many responses (plus each generation's window),
+#: not its whole answer.
+STREAM_QUEUE_RESPONSES = 32
 
 
 class InferenceServicer:
@@ -47,6 +52,9 @@ class InferenceServicer:
         self._model = model
         self._metrics = metrics
         self._logger = logger
+        #: Responses of every stream made and not yet handed to gRPC (the queues of ModelStreamInfer).
+        self.queued_responses = 0
+        metrics.watch_queued_responses(lambda: self.queued_responses)
 
     async def ServerLive(
         self, request: oip.ServerLiveRequest, context: grpc.aio.ServicerContext
@@ -158,18 +166,24 @@ class InferenceServicer:
         responses written as they come (a generative model: one per token, ``triton_final_response`` true
         on the last; a tensor model: one). A request that fails gets one response with ``error_message``
         and the stream goes on. The call ends OK once the client has closed its side and every request is
-        answered; a client that cancels stops every generation of the stream at its next step.
+        answered; a client that cancels stops every generation of the stream at its next step. A client
+        that stops reading fills the stream's queue (``STREAM_QUEUE_RESPONSES``), and its generations
+        pause until it reads again; other streams are not held up.
 
         Requests arrive as bytes (no deserializer), so one that does not parse is an ``error_message``
         in the stream, like any other bad request, instead of aborting the stream."""
-        outgoing: asyncio.Queue[bytes | None] = asyncio.Queue()
+        outgoing: asyncio.Queue[bytes | None] = asyncio.Queue(STREAM_QUEUE_RESPONSES)
         served: set[asyncio.Task[None]] = set()
         header_id = _header_request_id(context)
+
+        async def emit(data: bytes) -> None:
+            await outgoing.put(data)
+            self.queued_responses += 1
 
         async def read_requests() -> None:
             try:
                 async for data in requests:
-                    task = asyncio.create_task(self._stream_one(data, header_id, outgoing.put_nowait))
+                    task = asyncio.create_task(self._stream_one(data, header_id, emit))
                     served.add(task)
                     task.add_done_callback(served.discard)
             except Exception:  # the client's side broke off: answer what was asked, then end
@@ -177,13 +191,15 @@ class InferenceServicer:
             finally:
                 if served:
                     await asyncio.wait(set(served))
-                outgoing.put_nowait(None)
+                await outgoing.put(None)
 
         reader = asyncio.create_task(read_requests())
         try:
             while (data := await outgoing.get()) is not None:
+                self.queued_responses -= 1
                 await context.write(data)
         finally:
+            self.queued_responses -= sum(1 for data in _drain(outgoing) if data is not None)
             # The client went away or the server is stopping: withdraw every generation (each leaves at its
             # next step) and let them finish counting before the call ends.
             pending = (reader, *served)
@@ -191,8 +207,9 @@ class InferenceServicer:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
 
-    async def _stream_one(self, data: bytes, header_id: str, emit: Callable[[bytes], None]) -> None:
-        """Serve one request of a stream; every response goes to ``emit`` serialized."""
+    async def _stream_one(self, data: bytes, header_id: str, emit: Callable[[bytes], Awaitable[None]]) -> None:
+        """Serve one request of a stream; every response goes to ``emit`` serialized (which waits while the
+        stream's queue is full: the generation then falls behind and is paused)."""
         started = time.perf_counter()
         request = oip.ModelInferRequest()
         code = grpc.StatusCode.OK
@@ -202,23 +219,23 @@ class InferenceServicer:
             if not self._model.generative:
                 response = await self._infer(request)
                 response.parameters[FINAL_RESPONSE].bool_param = True
-                emit(oip.ModelStreamInferResponse(infer_response=response).SerializeToString())
+                await emit(oip.ModelStreamInferResponse(infer_response=response).SerializeToString())
                 return
             generation = self._generation_request(request)
             empty_final = _bool_parameter(request, ENABLE_EMPTY_FINAL)
             async with contextlib.aclosing(self._model.generate(generation)) as tokens:
                 async for token in tokens:
-                    emit(self._token_response(request, generation, token.text, token.final, empty_final))
+                    await emit(self._token_response(request, generation, token.text, token.final, empty_final))
         except SplitstreamError as error:
             code, message = status_of(error)
-            emit(self._error_response(request, message))
+            await emit(self._error_response(request, message))
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
         except Exception as error:  # a bug of ours: log it, tell the client nothing about internals
             code, message = status_of(error)
             self._logger.exception("ModelStreamInfer request failed", request_id=header_id or request.id)
-            emit(self._error_response(request, message))
+            await emit(self._error_response(request, message))
         finally:
             self._metrics.request_done(code)
             self._logger.debug(
@@ -252,6 +269,14 @@ class InferenceServicer:
         response = self._response_head(request)
         response.parameters[FINAL_RESPONSE].bool_param = True
         return oip.ModelStreamInferResponse(error_message=message, infer_response=response).SerializeToString()
+
+
+def _drain(queue: asyncio.Queue[bytes | None]) -> list[bytes | None]:
+    """What is left in ``queue``, taken out (a stream that ended: nothing will write it)."""
+    left = []
+    while not queue.empty():
+        left.append(queue.get_nowait())
+    return left
 
 
 def _bool_parameter(request: oip.ModelInferRequest, name: str) -> bool:
