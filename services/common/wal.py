@@ -497,13 +497,17 @@ class WalReader:
         self._cursor_fd = -1
         self.committed = self._read_cursor()
         self.position = self.committed
+        try:  # now, while the disk has room: the log may fill it while the recorder is away
+            self._cursor_fd = self._open_cursor()
+        except OSError as error:
+            log.error("log cursor not allocated; retried at the first commit", error=str(error)[:300])
 
     def _read_cursor(self) -> Position:
         """The newer of the cursor file's two slots that check ((0, 0): none, ship from the oldest segment)."""
         path = self.directory / CURSOR_FILE
         cursor = read_cursor(self.directory)
         if cursor is None:
-            if path.exists() and path.stat().st_size:
+            if path.exists() and path.read_bytes().strip(b"\0"):  # zeros: allocated, never written
                 log.error("log cursor unreadable; shipping from the oldest segment", path=str(path))
             return 0, 0
         self._sequence = cursor[0]
