@@ -619,6 +619,8 @@ class RecordMirror:
                 await asyncio.to_thread(self.spool.commit, sent.spool_position)
                 self._spool_bytes = self.spool.pending_bytes
             self.metrics.batches_sent.labels("spool" if sent.from_spool else "queue").inc()
+            if not unacked and not self._resend and self.spool is None:
+                self._cutter.forget()  # no halved or dropped part can be sent again (cheap batches again)
             self._acked.set()
 
     async def _finish(
