@@ -107,6 +107,8 @@ def test_an_oversized_batch_left_in_the_spool_by_an_older_router_no_longer_block
         stored = {r.request_id: r for r in stack.wait_recorded({"old-0", "old-1", "old-2", "new-call"})}
         assert stored["old-2"].request.size_bytes == 3 << 19
         assert mirror_metric(stack, "records_dropped_total") == 0
+        # Shipped once, then removed: a later restart sends none of it again.
+        wait_for(lambda: not any(stack.spool_dir.glob("*.spool")), timeout_s=30, what="the old spool to be removed")
     finally:
         stack.close()
 
