@@ -640,5 +640,8 @@ class WalReader:
 def iter_entries(directory: Path) -> Iterator[Entry]:
     """Every readable entry of a directory from its cursor (for tests and tools)."""
     reader = WalReader(directory)
-    while batch := reader.read(1024):
-        yield from batch
+    try:
+        while batch := reader.read(1024):
+            yield from batch
+    finally:
+        reader.close()
