@@ -378,10 +378,11 @@ class RecordMirror:
         self.settlement.rewind()
 
     async def _wait_ack(self) -> None:
-        """Until an ack arrives (or ``batch_interval_s``: the loop checks the stream again)."""
-        self._acked.clear()
+        """Until an ack arrives (or ``batch_interval_s``: the loop checks the stream again). Cleared after the
+        wait, not before: an ack that came while the batch was being written must not be waited for again."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._acked.wait(), self.settings.batch_interval_s)
+        self._acked.clear()
 
     async def _stream(self) -> None:
         backoff_s = 0.1
