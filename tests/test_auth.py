@@ -745,15 +745,20 @@ async def test_each_request_of_a_token_stream_is_checked_for_its_model_and_pin(t
         await store.close()
 
 
-def test_a_router_without_the_recorder_s_token_spools_its_records_and_says_why(auth: AuthStack, tmp_path: Path) -> None:
+def test_a_router_without_the_recorder_s_token_keeps_its_records_in_its_log_and_says_why(
+    auth: AuthStack, tmp_path: Path
+) -> None:
     """A token missing on one router is an outage to fix, not a reason to lose its records."""
     router = auth.stack.start_router("--spool-dir", str(tmp_path / "spool"))
     for n in range(5):
         assert call(router, rid=f"untokened-{n}")[0] == grpc.StatusCode.OK
     wait_for(
-        lambda: shipper_metric(auth.stack, "records_spooled_total") == 5,
+        lambda: (
+            shipper_metric(auth.stack, "log_entries_total", kind="call") >= 5
+            and shipper_metric(auth.stack, "log_pending_bytes") > 0
+        ),
         timeout_s=30,
-        what="the records to be spooled",
+        what="the shipper to read the records and keep them in the log",
     )
     assert shipper_metric(auth.stack, "records_dropped_total") == 0
     assert "UNAUTHENTICATED: no service token" in router.log()

@@ -299,9 +299,10 @@ def test_calls_recorded_while_the_recorder_is_down_survive_a_router_restart_in_t
         client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
     client.close()
     recording.router.signal(signal.SIGTERM)
-    assert recording.router.wait(timeout_s=30) == 0  # the shutdown flush put the queue in the spool
-    # Kept on disk: in the log, or in the shipper's spool once the shipper read it.
-    assert any(recording.spool_dir.glob("wal-*.log")) or any(recording.spool_dir.glob("*.seg"))
+    assert recording.router.wait(timeout_s=30) == 0
+    # Kept on disk in the log, the only copy (the log is the spool).
+    assert any(recording.spool_dir.glob("wal-*.log"))
+    assert not any(recording.spool_dir.glob("*.seg"))
     recording.restart_recorder()
     recording.router = recording.start_router()  # a new router process finds the spool and sends it
     records = recording.wait_recorded(ids)
@@ -322,28 +323,26 @@ def test_a_full_spool_drops_and_counts_records_and_never_holds_up_calls(tmp_path
         router_port = stack.router.metrics_port
 
         def counted() -> tuple[float, float] | None:
-            text = scrape_metrics(port)
+            text = scrape_metrics(router_port)
             dropped = sum(
                 v
-                for labels, v in metric_samples(text, "splitstream_shipper_records_dropped_total")
-                if labels.get("reason") == "spool_full"
-            )
-            dropped += sum(
-                v
-                for labels, v in metric_samples(
-                    scrape_metrics(router_port), "splitstream_router_log_records_dropped_total"
-                )
+                for labels, v in metric_samples(text, "splitstream_router_log_records_dropped_total")
                 if labels.get("reason") == "log_full"
             )
-            spooled = sum(v for _, v in metric_samples(text, "splitstream_shipper_records_spooled_total"))
-            return (dropped, spooled) if dropped + spooled == 300 else None
+            logged = sum(
+                v
+                for labels, v in metric_samples(text, "splitstream_router_log_appended_total")
+                if labels.get("kind") == "call"
+            )
+            return (dropped, logged) if dropped + logged == 300 else None
 
-        # Every call is accounted for: in the spool up to its cap, dropped (and counted) past it.
-        dropped, spooled = wait_for(counted, timeout_s=15, what="all 300 calls to be spooled or dropped")
+        # Every call is accounted for: in the log up to its cap, dropped (and counted) past it.
+        dropped, logged = wait_for(counted, timeout_s=15, what="all 300 calls to be logged or dropped")
         assert dropped > 0
-        assert spooled > 0
-        text = scrape_metrics(port)
-        (spool_bytes,) = [v for _, v in metric_samples(text, "splitstream_shipper_spool_bytes")]
-        assert 0 < spool_bytes <= 3000
+        assert logged > 0
+        (log_bytes,) = [v for _, v in metric_samples(scrape_metrics(router_port), "splitstream_router_log_bytes")]
+        assert 0 < log_bytes <= 3000
+        shipper = wait_for(lambda: scrape_metrics(port), timeout_s=30, what="the shipper to serve its metrics")
+        assert sum(v for _, v in metric_samples(shipper, "splitstream_shipper_records_dropped_total")) == 0
     finally:
         stack.close()

@@ -1,5 +1,6 @@
-"""The router's log and the shipper's spool on a full disk while the recorder is down, on real router,
-worker, shipper, recorder and redis-server processes, on a real 1 MiB tmpfs (the probe that found the faults)."""
+"""The router's log on a full disk while the recorder is down (the log is the spool: nothing else is written),
+on real router, worker, shipper, recorder and redis-server processes, on a real 1 MiB tmpfs (the probe that found
+the faults)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,18 @@ def log_errors(stack: RecordingStack) -> float:
     return sum(value for labels, value in samples if labels.get("reason") == "log_error")
 
 
+def logged(stack: RecordingStack) -> float:
+    """Calls the router appended to its log."""
+    samples = metric_samples(scrape_metrics(stack.router.metrics_port), "splitstream_router_log_appended_total")
+    return sum(value for labels, value in samples if labels.get("kind") == "call")
+
+
 def dropped(stack: RecordingStack) -> dict[str, float]:
     samples = metric_samples(scrape_metrics(stack.shipper_metrics_port), "splitstream_shipper_records_dropped_total")
     return {labels["reason"]: value for labels, value in samples if value and "reason" in labels}
 
 
-def test_calls_spooled_onto_a_full_disk_arrive_exactly_once_across_restarts_and_are_counted_once(
+def test_calls_logged_onto_a_full_disk_arrive_exactly_once_across_restarts_and_are_counted_once(
     tmp_path: Path,
 ) -> None:
     with small_tmpfs(tmp_path / "spool", "1m"):
@@ -49,8 +56,8 @@ def test_calls_spooled_onto_a_full_disk_arrive_exactly_once_across_restarts_and_
             stack.recorder.kill()
             client = InferClient(stack.router.address)
             ids: list[str] = []
-            # 32 rows of 4 floats in and out: entries of about 1 KiB in the log and again in the spool, so the
-            # 1 MiB disk fills within ~500 calls.
+            # 32 rows of 4 floats in and out: entries of about 1 KiB in the log, so the 1 MiB disk fills within
+            # ~1000 calls.
             while log_errors(stack) == 0:
                 assert len(ids) < 5000, "the log never filled its disk"
                 ids.append(f"call-{len(ids):05d}")
@@ -60,32 +67,27 @@ def test_calls_spooled_onto_a_full_disk_arrive_exactly_once_across_restarts_and_
                 call(client, ids[-1], rows=32)
             client.close()
             wait_for(
-                lambda: (
-                    mirror_metric(stack, "records_spooled_total")
-                    + mirror_metric(stack, "records_dropped_total", reason="spool_error")
-                    + log_errors(stack)
-                    == len(ids)
-                ),
+                lambda: logged(stack) + log_errors(stack) == len(ids),
                 timeout_s=30,
-                what="every call to be spooled or dropped",
+                what="every call to be logged or dropped",
             )
-            spooled = mirror_metric(stack, "records_spooled_total")
-            assert set(dropped(stack)) <= {"spool_error"}
+            spooled = logged(stack)
+            assert dropped(stack) == {}
             assert log_errors(stack) >= 20
             stack.router.stop()  # SIGTERM: the cursors are written at shutdown
 
             stack.restart_recorder()
             stack.router = stack.start_router()
-            wait_for(lambda: mirror_metric(stack, "spool_bytes") == 0, timeout_s=60, what="the spool to drain")
-            wait_for(lambda: sum(times_recorded(stack).values()) >= spooled, timeout_s=30, what="the spool in Redis")
+            wait_for(lambda: sum(times_recorded(stack).values()) >= spooled, timeout_s=60, what="the log in Redis")
+            wait_for(lambda: mirror_metric(stack, "log_pending_bytes") == 0, timeout_s=30, what="the cursor to move")
             assert dropped(stack) == {}  # none counted a second time (as spool_corrupt)
-            assert mirror_metric(stack, "spool_damaged_entries_total") == 0  # no torn entry was left
+            assert mirror_metric(stack, "log_damaged_total") == 0  # no torn entry was left
             stack.router.stop()
 
             # A second restart: the cursors written on the full disk say everything was delivered.
             stack.router = stack.start_router()
             # (Read once the new shipper serves its metrics: its spool's size is known from its start.)
-            assert wait_for(lambda: mirror_metric(stack, "spool_bytes") == 0, timeout_s=30, what="the shipper up")
+            assert wait_for(lambda: mirror_metric(stack, "log_pending_bytes") == 0, timeout_s=30, what="the shipper up")
             client = InferClient(stack.router.address)
             call(client, "after-restarts")  # recorded after anything the spool would resend
             client.close()

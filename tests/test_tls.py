@@ -323,11 +323,13 @@ def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_can
     finally:
         plain.close()
 
-    def spooled() -> float:
-        samples = metric_samples(scrape_metrics(certless_shipper_metrics), "splitstream_shipper_records_spooled_total")
-        return sum(value for _, value in samples)
+    def kept() -> float:  # read by the shipper, and kept in the log while the recorder refuses it
+        text = scrape_metrics(certless_shipper_metrics)
+        entries = metric_samples(text, "splitstream_shipper_log_entries_total")
+        read = sum(v for labels, v in entries if labels.get("kind") == "call")
+        return read and sum(v for _, v in metric_samples(text, "splitstream_shipper_log_pending_bytes"))
 
-    wait_for(lambda: spooled() >= 1, timeout_s=30, what="the refused router to spool its record")
+    wait_for(lambda: kept() > 0, timeout_s=30, what="the refused router to keep its record in its log")
     admin = redis_tls.client()
     try:
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], admin.xrange(stream_key(MODEL)))

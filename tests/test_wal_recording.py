@@ -4,8 +4,10 @@ log's cap, damaged and torn entries, a full disk, and one shipper for several ro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -77,16 +79,103 @@ def test_a_shipper_killed_under_load_loses_no_answered_call(tmp_path: Path) -> N
         stack.close()
 
 
-def test_calls_answered_while_the_recorder_is_stopped_are_all_shipped_once_it_starts(tmp_path: Path) -> None:
+#: What a log directory holds: segments, the shipper's cursor and its lock. Anything else (a ``*.seg`` spool
+#: and its ``cursor.slots``) would be a second copy of the calls on disk.
+LOG_FILES = ("wal-*.log", "wal.cursor", "shipper.lock")
+
+
+class DirectoryWatch:
+    """Notes, every 10 ms while it runs, every file in a directory that is not the log's: the log is the
+    spool, so an outage must write nothing else."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.others: set[str] = set()
+        self.log_bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            with contextlib.suppress(FileNotFoundError):
+                for path in self.directory.iterdir():
+                    if not any(path.match(pattern) for pattern in LOG_FILES):
+                        self.others.add(path.name)
+            self.log_bytes = max(self.log_bytes, log_size(self.directory))
+
+    def __enter__(self) -> DirectoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def log_size(directory: Path) -> int:
+    total = 0
+    for path in directory.glob("wal-*.log"):
+        with contextlib.suppress(FileNotFoundError):
+            total += path.stat().st_size
+    return total
+
+
+def router_counter(stack: RecordingStack, name: str, **labels: str) -> float:
+    samples = _samples(stack.router.metrics_port, f"splitstream_router_{name}")
+    return sum(value for sample_labels, value in samples if labels.items() <= sample_labels.items())
+
+
+def test_calls_answered_while_the_recorder_is_stopped_are_kept_in_the_log_alone_and_all_shipped_once_it_starts(
+    tmp_path: Path,
+) -> None:
+    # Small segments, so that shipped ones are deleted (the newest one, being appended to, never is).
+    stack = RecordingStack(tmp_path, router_args=("--log-segment-bytes", "65536"))
+    try:
+        stack.recorder.kill()
+        with DirectoryWatch(stack.spool_dir) as watch:
+            load = run_load(stack, CALLS)
+            ids = answered(load)
+            assert len(ids) >= CALLS
+            wait_for(
+                lambda: router_counter(stack, "log_appended_total", kind="call") >= len(ids),
+                timeout_s=30,
+                what="every answered call to be logged",
+            )
+            time.sleep(1.0)  # the shipper tries the recorder again meanwhile (its backoff)
+        # No second copy: nothing but the log (and the shipper's cursor and lock) was ever in the directory,
+        # and the log kept every call (nothing deleted while the recorder was away).
+        assert watch.others == set()
+        assert watch.log_bytes == log_size(stack.spool_dir) > 0
+        stack.restart_recorder()
+        records = stack.wait_recorded(ids, timeout_s=120)
+        assert ids <= {r.request_id for r in records}  # each once, after de-duplication by request id
+        assert shipper_metric(stack, "records_dropped_total") == 0
+        wait_for(
+            lambda: log_size(stack.spool_dir) < watch.log_bytes / 4,
+            timeout_s=30,
+            what="the shipped segments to be deleted",
+        )
+    finally:
+        stack.close()
+
+
+def test_a_shipper_killed_while_the_recorder_is_away_loses_nothing_once_both_are_back(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path)
     try:
         stack.recorder.kill()
-        load = run_load(stack, CALLS)
+        first = shipper_pid(stack)
+        with DirectoryWatch(stack.spool_dir) as watch:
+            load = run_load(stack, CALLS, during=lambda: os.kill(first, signal.SIGKILL))
+            assert shipper_pid(stack) != first  # the router started another, which resumes from the cursor
+            time.sleep(1.0)
+        assert watch.others == set()
         ids = answered(load)
         assert len(ids) >= CALLS
+        assert load.errors() == []
         stack.restart_recorder()
         records = stack.wait_recorded(ids, timeout_s=120)
-        assert ids <= {r.request_id for r in records}
+        assert ids <= {r.request_id for r in records}  # at least once: each once after de-duplication
+        assert stack.raw_count() >= len(ids)
     finally:
         stack.close()
 
@@ -97,29 +186,34 @@ def test_a_log_at_its_cap_drops_the_newest_calls_counted_and_ships_the_oldest_in
         stack.recorder.kill()
         client = InferClient(stack.router.address)
         ids = [f"seq-{i:04d}" for i in range(600)]
-        for request_id in ids:
-            client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
-        client.close()
-        log_full = float(
-            sum(
-                value
-                for labels, value in _samples(stack.router.metrics_port, "splitstream_router_log_records_dropped_total")
-                if labels.get("reason") == "log_full"
-            )
-        )
-
-        def accounted() -> tuple[float] | None:
-            spooled = shipper_metric(stack, "records_spooled_total")
-            spool_full = shipper_metric(stack, "records_dropped_total", reason="spool_full")
-            return (spool_full,) if spooled + spool_full + log_full == len(ids) else None
-
-        (spool_full,) = wait_for(accounted, timeout_s=30, what="every call to be spooled or dropped")
-        assert log_full + spool_full > 0  # the cap was reached and the drops counted
+        with DirectoryWatch(stack.spool_dir) as watch:
+            for request_id in ids:
+                client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
+            client.close()
+            time.sleep(0.5)
+        # The router's log filled to its cap and refused the newest calls, counted by reason; the shipper
+        # copied nothing to a spool of its own, so it dropped nothing.
+        log_full = router_counter(stack, "log_records_dropped_total", reason="log_full")
+        logged = router_counter(stack, "log_appended_total", kind="call")
+        assert log_full > 0
+        assert logged + log_full == len(ids)
+        assert watch.others == set()
+        assert 54000 < log_size(stack.spool_dir) <= 60000
+        assert shipper_metric(stack, "records_dropped_total") == 0
         stack.restart_recorder()
-        kept = len(ids) - int(log_full + spool_full)
+        kept = int(logged)
         records = stack.wait_recorded(set(ids[:kept]), timeout_s=60)
         in_stream = [r.request_id for r in records]
         assert in_stream == ids[:kept]  # the oldest kept, shipped in the order they were answered
+        # With room again (segments shipped and deleted), calls are logged again.
+        client = InferClient(stack.router.address)
+
+        def logged_again() -> bool:
+            client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", "after")])
+            return router_counter(stack, "log_appended_total", kind="call") > logged
+
+        wait_for(logged_again, timeout_s=30, interval_s=0.5, what="the log to take calls again")
+        client.close()
     finally:
         stack.close()
 

@@ -90,6 +90,8 @@ CURSOR_FILE = "wal.cursor"
 CURSOR_SLOT = struct.Struct("<4sQQQI")
 _CURSOR_MAGIC = b"\xf0CUR"
 FALLBACK, PINNED, RETRIED, HAS_RESPONSE = 1, 2, 4, 8
+#: A place in a log: (segment number, byte offset in it).
+Position = tuple[int, int]
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -114,6 +116,37 @@ def log_bytes(directory: Path) -> int:
     for number in segments(directory):
         with contextlib.suppress(FileNotFoundError):
             total += (directory / segment_name(number)).stat().st_size
+    return total
+
+
+def read_cursor(directory: Path) -> tuple[int, Position] | None:
+    """The newer of the cursor file's two slots that check: (sequence, position); None when none does."""
+    try:
+        data = (directory / CURSOR_FILE).read_bytes()
+    except FileNotFoundError:
+        return None
+    best: tuple[int, int, int] = (-1, 0, 0)
+    for at in (0, CURSOR_SLOT.size):
+        if len(data) < at + CURSOR_SLOT.size:
+            continue
+        magic, sequence, segment, offset, crc = CURSOR_SLOT.unpack_from(data, at)
+        if magic == _CURSOR_MAGIC and zlib.crc32(data[at : at + CURSOR_SLOT.size - 4]) == crc:
+            best = max(best, (sequence, segment, offset))
+    return None if best[0] < 0 else (best[0], (best[1], best[2]))
+
+
+def unshipped_bytes(directory: Path) -> int:
+    """Bytes of the log past the shipper's cursor: what the cap counts. The newest segment is never deleted
+    (the router appends to it), so its shipped part must not count, or a log at its cap would stay full."""
+    cursor = read_cursor(directory)
+    segment, offset = (0, 0) if cursor is None else cursor[1]
+    total = 0
+    for number in segments(directory):
+        if number < segment:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            size = (directory / segment_name(number)).stat().st_size
+            total += max(size - offset, 0) if number == segment else size
     return total
 
 
@@ -353,9 +386,11 @@ class WalWriter:
     :meth:`append` runs on the router's event loop: one ``os.write``, and a failure (a full disk, a
     file-size limit) truncates the segment back to where the entry began and returns False, so the
     caller counts the call as dropped and answers it all the same. ``max_bytes`` caps the directory
-    (what the shipper has not shipped yet): past it appends are refused, never blocking. The size is
-    re-read by :meth:`flush` (a thread, every ``--log-flush-interval-s``), which also ``fdatasync``\\ s,
-    bounding what a machine crash can lose."""
+    (what is past the shipper's cursor): past it appends are refused, never blocking, so the oldest
+    entries are the ones kept. The size is this writer's own count of appended bytes (no syscall per
+    append) plus the shipper's deletions as seen by re-reading the directory's size in :meth:`flush` (a
+    thread, every ``--log-flush-interval-s``), which also ``fdatasync``\\ s, bounding what a machine
+    crash can lose."""
 
     def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, segment_bytes: int) -> None:
         self.directory = Path(directory)
@@ -367,8 +402,11 @@ class WalWriter:
         self._number = (existing[-1] if existing else 0) + 1
         self._fd = self._open(self._number)
         self._offset = 0
-        self._shipped_bytes = log_bytes(self.directory)  # what the directory held at the last size check
-        self._since_check = 0
+        #: Bytes appended by this writer, ever (only :meth:`append` adds, on the caller's thread).
+        self._appended = 0
+        #: The directory's size at the last size check and ``_appended`` just before it: one tuple, replaced
+        #: whole by :meth:`flush`'s thread, so the appender never reads half of an update.
+        self._checked = (unshipped_bytes(self.directory), 0)
         self._dirty = False
 
     def _open(self, number: int) -> int:
@@ -378,7 +416,8 @@ class WalWriter:
 
     def append(self, kind: int, payload: bytes) -> bool:
         data = frame(kind, payload)
-        if self._shipped_bytes + self._since_check + len(data) > self.max_bytes:
+        size, appended_then = self._checked
+        if size + self._appended - appended_then + len(data) > self.max_bytes:
             return False
         try:
             written = os.write(self._fd, data)
@@ -389,7 +428,7 @@ class WalWriter:
                 os.ftruncate(self._fd, self._offset)
             raise
         self._offset += written
-        self._since_check += written
+        self._appended += written
         self._dirty = True
         if self._offset >= self.segment_bytes:
             self._rotate()
@@ -411,9 +450,14 @@ class WalWriter:
             if self._dirty:
                 self._dirty = False
                 os.fdatasync(self._fd)
-        since = self._since_check
-        self._shipped_bytes = log_bytes(self.directory)
-        self._since_check -= since
+        appended = self._appended  # read first: an append landing during the scan is counted twice, never 0 times
+        self._checked = (unshipped_bytes(self.directory), appended)
+
+    @property
+    def unshipped_bytes(self) -> int:
+        """The log's size as the cap sees it: the last size check plus what was appended since."""
+        size, appended_then = self._checked
+        return size + self._appended - appended_then
 
     def close(self) -> None:
         with self._lock:
@@ -424,8 +468,6 @@ class WalWriter:
 
 
 # -- reading (the shipper) ---------------------------------------------------------------------
-
-Position = tuple[int, int]
 
 
 @dataclass(slots=True)
@@ -455,25 +497,21 @@ class WalReader:
         self._cursor_fd = -1
         self.committed = self._read_cursor()
         self.position = self.committed
+        try:  # now, while the disk has room: the log may fill it while the recorder is away
+            self._cursor_fd = self._open_cursor()
+        except OSError as error:
+            log.error("log cursor not allocated; retried at the first commit", error=str(error)[:300])
 
     def _read_cursor(self) -> Position:
         """The newer of the cursor file's two slots that check ((0, 0): none, ship from the oldest segment)."""
         path = self.directory / CURSOR_FILE
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            data = b""
-        best: tuple[int, int, int] = (-1, 0, 0)
-        for at in (0, CURSOR_SLOT.size):
-            if len(data) < at + CURSOR_SLOT.size:
-                continue
-            magic, sequence, segment, offset, crc = CURSOR_SLOT.unpack_from(data, at)
-            if magic == _CURSOR_MAGIC and zlib.crc32(data[at : at + CURSOR_SLOT.size - 4]) == crc:
-                best = max(best, (sequence, segment, offset))
-        if data and best[0] < 0:
-            log.error("log cursor unreadable; shipping from the oldest segment", path=str(path))
-        self._sequence = max(best[0], 0)
-        return best[1], best[2]
+        cursor = read_cursor(self.directory)
+        if cursor is None:
+            if path.exists() and path.read_bytes().strip(b"\0"):  # zeros: allocated, never written
+                log.error("log cursor unreadable; shipping from the oldest segment", path=str(path))
+            return 0, 0
+        self._sequence = cursor[0]
+        return cursor[1]
 
     def _open_cursor(self) -> int:
         """The cursor file, allocated once (two slots) and from then on overwritten in place: on a full disk a
@@ -602,5 +640,8 @@ class WalReader:
 def iter_entries(directory: Path) -> Iterator[Entry]:
     """Every readable entry of a directory from its cursor (for tests and tools)."""
     reader = WalReader(directory)
-    while batch := reader.read(1024):
-        yield from batch
+    try:
+        while batch := reader.read(1024):
+            yield from batch
+    finally:
+        reader.close()

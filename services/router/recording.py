@@ -76,7 +76,7 @@ class LogMetrics:
             registry=registry,
         )
         self.log_bytes = Gauge(
-            "splitstream_router_log_bytes", "Bytes of the log not yet shipped (as of the last flush)", registry=registry
+            "splitstream_router_log_bytes", "Log bytes not yet shipped, as the cap counts them", registry=registry
         )
         for reason in _DROP_REASONS:
             self.records_dropped.labels(reason)
@@ -102,7 +102,7 @@ class CallLog:
     ) -> None:
         self.writer = WalWriter(directory, max_bytes=max_bytes, segment_bytes=segment_bytes)
         self.metrics = LogMetrics(registry)
-        self.metrics.log_bytes.set_function(lambda: self.writer._shipped_bytes)
+        self.metrics.log_bytes.set_function(lambda: self.writer.unshipped_bytes)
         self.router_id = router_id
         self._router_id = router_id.encode()
         self.hmac_key = hmac_key

@@ -148,7 +148,7 @@ class BatchCutter:
         self._dropped.add(batch_key(batch))
 
     def forget(self) -> None:
-        """Nothing dropped or halved is pending any more (the spool is empty)."""
+        """Nothing dropped or halved is pending any more (nothing left to resend, no old spool)."""
         self._dropped.clear()
         self._halved.clear()
 

@@ -34,7 +34,7 @@ from splitstream.common.runtime import (
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
 from splitstream.shipper.mirror import MirrorSettings, RecordMirror
-from splitstream.shipper.spool import Spool
+from splitstream.shipper.spool import leftover
 from splitstream.shipper.tail import Tail
 
 PROG = "splitstream-shipper"
@@ -94,14 +94,15 @@ def build_parser() -> EnvArgumentParser:
     parser.add_argument(
         "--spool-dir",
         default="",
-        help="where batches the recorder did not acknowledge wait (default: the first --log-dir, whose spool a "
-        "router from before the log may have left)",
+        help="where a shipper or router from before the log may have left a spool (default: the first --log-dir): "
+        "shipped first, then removed; nothing is spooled any more, the log is the spool",
     )
     parser.add_argument(
         "--spool-max-bytes",
         type=int,
         default=1 << 30,
-        help="spool cap; past it new records are dropped and counted (the log keeps the rest until the cap)",
+        help="accepted for older command lines and unused: the log is the spool, and the router caps it (its own "
+        "--spool-max-bytes)",
     )
     parser.add_argument("--record-batch-size", type=int, default=256, help="records per batch")
     parser.add_argument(
@@ -175,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 class Shipper(Service):
     """The tail feeding the mirror; SIGTERM stops reading, ships what is queued within ``--flush-timeout-s``
-    and leaves the rest in the logs (their cursors say where to resume) or the spool."""
+    and leaves the rest in the logs (their cursors say where to resume)."""
 
     prog = PROG
     grpc_services = ()
@@ -195,7 +196,7 @@ class Shipper(Service):
             service_token=config.service_token,
         )
         try:
-            spool = Spool(config.spool_dir, max_bytes=config.spool_max_bytes)
+            spool = leftover(config.spool_dir)
             self.mirror = RecordMirror(settings, spool, self.metrics)
             self.tail = Tail(config.log_dirs, self.mirror, self.metrics, shadow_wait_s=config.shadow_wait_s)
         except OSError as error:

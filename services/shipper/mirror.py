@@ -5,16 +5,22 @@ The shipper's tail (:mod:`splitstream.shipper.tail`) reads the routers' logs and
 once it is delivered. A background task turns queued calls into CallRecords, batches
 them by count, bytes or time and streams the batches to the recorder on one
 long-lived ``Recorder/Record`` stream, keeping each batch until its ack arrives.
-Every batch, once acknowledged, spooled or dropped (counted), is *settled* through
+Every batch, once acknowledged or dropped (counted), is *settled* through
 the :class:`Settlement` given, which is what lets the log's cursor move past it.
 
-When the recorder is unreachable, slow (too many batches unacknowledged) or
-refusing (e.g. its Redis is down), batches go to the on-disk :class:`Spool`, and
-while the spool holds anything every new batch goes there too, so batches reach
-the recorder in the order they were made. Once the recorder acknowledges again,
-the spool is sent oldest first. Delivery is at least once: a batch sent but not
-acknowledged when the stream broke is spooled again, and readers drop
-duplicates by request id.
+The log is the spool: nothing is written to disk a second time. When the recorder
+is unreachable or refusing (e.g. its Redis is down), the batches it did not
+acknowledge and everything queued are let go and the tail is *rewound*
+(:meth:`Settlement.rewind`) to the oldest position not yet settled, so it reads
+them from the log again once the stream is back, in the order they were logged.
+While the recorder is slow (``max_unacked_batches`` in flight) no batch is cut:
+the queue fills, the tail stops reading, and the log grows (up to the router's
+cap). Delivery is at least once: a batch acknowledged after an older one that was
+not is sent again after a rewind, and readers drop duplicates by request id.
+
+A spool left by a shipper from before the log (``*.seg``/``*.spool`` in the first
+log directory) is shipped first, oldest entry first, and removed once empty, so an
+upgrade loses nothing.
 
 Nothing may block the rest for ever. A batch is at most ``batch_max_bytes``; a
 record larger than that alone keeps its exposure (metadata, status, timings) but
@@ -27,10 +33,10 @@ resent in halves until the one record at fault is found and dropped. Records the
 recorder rejects one by one are named in its ack.
 Every such loss is counted in ``records_dropped{reason}``.
 
-Outcome events (``offer_feedback``, from the Feedback service) travel the same way: their own
-bounded queue, the same batches (``EncodedRecordBatch.feedback``, after the batch's records),
-the same spool, acks and resends; their losses are counted in ``feedback_dropped{reason}``
-(a damaged spool entry's events are not: its header counts records only).
+Outcome events (``FEEDBACK`` log entries) travel the same way: their own bounded queue, the
+same batches (``EncodedRecordBatch.feedback``, after the batch's records), the same log
+positions, acks and rewinds; their losses are counted in ``feedback_dropped{reason}`` (a damaged
+legacy spool entry's events are not: its header counts records only).
 """
 
 from __future__ import annotations
@@ -79,8 +85,6 @@ _OUTAGE_CODES = frozenset(
 
 _DROP_REASONS = (
     "queue_full",
-    "spool_full",
-    "spool_error",
     "spool_corrupt",
     "rejected",
     "refused",
@@ -90,14 +94,17 @@ _DROP_REASONS = (
 
 
 class Settlement(Protocol):
-    """Where the mirror reports each batch it cut and, later, settled (acknowledged, spooled or dropped).
+    """Where the mirror reports each batch it cut and, later, settled (acknowledged or dropped).
 
     ``cut`` gets the log positions of what is still queued (their entries are in no batch yet), so the
-    position it records for the batch never passes them."""
+    position it records for the batch never passes them. ``rewind`` says the mirror let go of every batch
+    not settled and of its queue (the recorder went away): they are to be read from the log again."""
 
     def cut(self, queued: list[Any]) -> int: ...
 
     def settle(self, ticket: int) -> None: ...
+
+    def rewind(self) -> None: ...
 
 
 class _NoSettlement:
@@ -105,6 +112,9 @@ class _NoSettlement:
         return 0
 
     def settle(self, ticket: int) -> None:
+        pass
+
+    def rewind(self) -> None:
         pass
 
 
@@ -158,8 +168,8 @@ class MirrorMetrics:
         )
         self.records_dropped = Counter(
             "splitstream_shipper_records_dropped",
-            "Calls not recorded: queue_full, spool_full, spool_error (spool not writable), spool_corrupt "
-            "(damaged spool entry), rejected (the recorder refused the record or its batch as malformed), "
+            "Calls not recorded: queue_full, spool_corrupt (damaged entry of a spool left by an older shipper), "
+            "rejected (the recorder refused the record or its batch as malformed), "
             "refused (a batch the recorder kept failing on), too_large (over batch_max_bytes even without payloads), "
             "unrecordable (a call the mirror could not turn into a record)",
             ["reason"],
@@ -171,8 +181,11 @@ class MirrorMetrics:
             ["reason"],
             registry=registry,
         )
-        self.records_spooled = Counter(
-            "splitstream_shipper_records_spooled", "Records written to the spool", registry=registry
+        self.rewinds = Counter(
+            "splitstream_shipper_rewinds",
+            "Times the recorder went away with batches unacknowledged or queued, and the tail went back to "
+            "read them from the log again",
+            registry=registry,
         )
         self.spool_damage = Counter(
             "splitstream_shipper_spool_damaged_entries",
@@ -186,11 +199,13 @@ class MirrorMetrics:
         )
         self.queue_depth = Gauge("splitstream_shipper_queue_depth", "Calls waiting to be batched", registry=registry)
         self.spool_bytes = Gauge(
-            "splitstream_shipper_spool_bytes", "Bytes in the spool not yet acknowledged", registry=registry
+            "splitstream_shipper_spool_bytes",
+            "Bytes not yet acknowledged in a spool left by a shipper from before the log",
+            registry=registry,
         )
         self.feedback_dropped = Counter(
             "splitstream_shipper_feedback_dropped",
-            "Outcome events accepted but not recorded: queue_full, spool_full, spool_error, rejected (by the "
+            "Outcome events accepted but not recorded: queue_full, rejected (by the "
             "recorder), refused, too_large (reasons as for records)",
             ["reason"],
             registry=registry,
@@ -200,9 +215,6 @@ class MirrorMetrics:
             "Outcome events the recorder acknowledged: written, or duplicate (idempotency key seen before)",
             ["result"],
             registry=registry,
-        )
-        self.feedback_spooled = Counter(
-            "splitstream_shipper_feedback_spooled", "Outcome events written to the spool", registry=registry
         )
         self.feedback_queue_depth = Gauge(
             "splitstream_shipper_feedback_queue_depth", "Outcome events waiting to be batched", registry=registry
@@ -218,10 +230,11 @@ class RecordMirror:
     def __init__(
         self,
         settings: MirrorSettings,
-        spool: Spool,
+        spool: Spool | None,
         registry: CollectorRegistry,
         settlement: Settlement | None = None,
     ) -> None:
+        """``spool``: one left by a shipper from before the log, shipped before anything logged (None: none)."""
         self.settings = settings
         self.settlement: Settlement = settlement or _NoSettlement()
         self.spool = spool
@@ -229,7 +242,8 @@ class RecordMirror:
         self.metrics.queue_depth.set_function(lambda: len(self._queue))
         self.metrics.spool_bytes.set_function(lambda: self._spool_bytes)
         self.metrics.feedback_queue_depth.set_function(lambda: len(self._feedback))
-        spool.on_damage = self._count_damage
+        if spool is not None:
+            spool.on_damage = self._count_damage
         self._queue: collections.deque[CallEntry] = collections.deque()
         #: Serialized FeedbackEvents (routing keys already HMACs), bounded like the call queue, and the log
         #: position each came from.
@@ -241,8 +255,14 @@ class RecordMirror:
         self._carry_position: Any = None
         self._building = False
         self._wake = asyncio.Event()
+        #: Batches a recorder refused (no outage: INTERNAL, RESOURCE_EXHAUSTED, ...), sent again first, as they
+        #: were cut, so that the refusal count and halving of the oldest one make progress.
+        self._resend: collections.deque[_Sent] = collections.deque()
+        #: Set by each ack: a mirror waiting for room in flight (or for a spool entry's ack) goes on.
+        self._acked = asyncio.Event()
         self._closing = False
-        self._spool_bytes = spool.pending_bytes
+        self._stopping = asyncio.Event()
+        self._spool_bytes = 0 if spool is None else spool.pending_bytes
         self._task: asyncio.Task[None] | None = None
         self._sequence = 0
         self._cutter = BatchCutter(
@@ -258,6 +278,11 @@ class RecordMirror:
         self._outage = False
 
     # -- the request path ------------------------------------------------------------------
+
+    @property
+    def outage(self) -> bool:
+        """The recorder is away (or a legacy spool ships first): the tail reads only a batch ahead."""
+        return self._outage or self.spool is not None
 
     def room(self) -> int:
         """How many more calls the queue takes now (the tail reads no more than that: the log waits)."""
@@ -284,7 +309,7 @@ class RecordMirror:
 
     @property
     def closing(self) -> bool:
-        """Shutting down: nothing new is queued (what is queued goes to the recorder or the spool)."""
+        """Shutting down: nothing new is queued (what is queued goes to the recorder or stays in the log)."""
         return self._closing
 
     def feedback_room(self) -> int:
@@ -311,15 +336,18 @@ class RecordMirror:
         self._task = asyncio.create_task(self._run(), name="record-mirror")
 
     async def close(self) -> None:
-        """Flush: queued calls go to the recorder (acknowledged) or to the spool; then stop."""
+        """Flush: queued calls go to the recorder (acknowledged) within ``flush_timeout_s``; what is not
+        acknowledged stays in the log, before the cursor."""
         self._closing = True
+        self._stopping.set()
         self._wake.set()
         if self._task is not None:
             await self._task
-        try:
-            await asyncio.to_thread(self.spool.flush)
-        except OSError as error:  # shutdown goes on: a stale cursor only resends acknowledged batches
-            log.error("spool cursor not written at shutdown", error=str(error)[:300])
+        if self.spool is not None:
+            try:
+                await asyncio.to_thread(self.spool.flush)
+            except OSError as error:  # shutdown goes on: a stale cursor only resends acknowledged batches
+                log.error("legacy spool cursor not written at shutdown", error=str(error)[:300])
 
     async def _run(self) -> None:
         """Keep :meth:`_stream` running whatever it raises: an exception escaping a background task ends
@@ -331,18 +359,36 @@ class RecordMirror:
             except Exception:
                 self.metrics.errors.inc()
                 log.exception("record mirror failed; restarting it")
+                self._rewind()
                 if self._closing:
-                    with contextlib.suppress(Exception):
-                        while (taken := await self._take_batch()) is not None:
-                            await self._to_spool(*taken)
                     return
                 await asyncio.sleep(1.0)
+
+    def _rewind(self) -> None:
+        """Let go of the queue (and of every batch not settled, which the caller dropped): the tail reads
+        them from the log again, so the log is the only copy kept while the recorder is away."""
+        if self._has_queued() or self._building:
+            self.metrics.rewinds.inc()
+        self._resend.clear()
+        self._queue.clear()
+        self._carry = self._carry_position = None
+        self._feedback.clear()
+        self._feedback_positions.clear()
+        self._feedback_bytes = 0
+        self.settlement.rewind()
+
+    async def _wait_ack(self) -> None:
+        """Until an ack arrives (or ``batch_interval_s``: the loop checks the stream again). Cleared after the
+        wait, not before: an ack that came while the batch was being written must not be waited for again."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._acked.wait(), self.settings.batch_interval_s)
+        self._acked.clear()
 
     async def _stream(self) -> None:
         backoff_s = 0.1
         while True:
             channel = self.settings.recorder_tls.aio_channel(self.settings.recorder_address)
-            # Batches are serialized once (the spool stores the same bytes), so the stream takes raw bytes.
+            # Batches are serialized once, so the stream takes raw bytes.
             stream = channel.stream_stream(RECORD_METHOD, response_deserializer=recorder_pb2.RecordAck.FromString)(
                 metadata=token_metadata(self.settings.service_token)
             )
@@ -354,23 +400,34 @@ class RecordMirror:
                     if reader.done():
                         reader.result()  # raises the stream's error
                         raise ConnectionError("recorder closed the stream")
+                    if self.spool is not None:  # an older shipper's spool goes first, one entry at a time
+                        if self._closing:
+                            await self._finish(stream, reader, unacked)
+                            return
+                        if not unacked:
+                            entry = await asyncio.to_thread(self._peek_spool)
+                            if entry is not None:
+                                await self._send(stream, unacked, *entry[:3], None, entry[3])
+                            else:
+                                await self._spool_drained()
+                                continue
+                        await self._wait_ack()
+                        continue
+                    if len(unacked) >= self.settings.max_unacked_batches:
+                        await self._wait_ack()  # the recorder is slow: the log waits, not a second copy
+                        continue
+                    if self._resend:
+                        again = self._resend.popleft()
+                        await self._send(stream, unacked, again.batch, again.records, again.events, again.ticket, None)
+                        continue
                     taken = await self._next_batch()
                     if taken is None and self._closing and not self._has_queued():
                         await self._finish(stream, reader, unacked)
                         return
-                    # Spool first while a backlog exists or the recorder is slow.
                     if taken is not None:
-                        if not self.spool.empty() or len(unacked) >= self.settings.max_unacked_batches:
-                            await self._to_spool(*taken)
-                        else:
-                            await self._send(stream, unacked, *taken, None)  # not from the spool
-                    if not unacked and not self.spool.empty():
-                        entry = await asyncio.to_thread(self._peek_spool)
-                        if entry is not None:
-                            await self._send(stream, unacked, *entry[:3], None, entry[3])
-                        self._spool_bytes = self.spool.pending_bytes
+                        await self._send(stream, unacked, *taken, None)
                     backoff_s = 0.1
-            except Exception as error:  # any failure of the stream (grpc raises several kinds) means: spool
+            except Exception as error:  # any failure of the stream (grpc raises several kinds) means: rewind
                 failure = error
             finally:
                 reader.cancel()
@@ -380,17 +437,31 @@ class RecordMirror:
             self._log_failure(code, details, failure, len(unacked))
             if unacked:
                 await self._handle_refusal(code, details, unacked)
-            # Batches the recorder never acknowledged go to the spool (those from the spool are still there).
-            for sent in unacked:
-                if not sent.from_spool:
-                    await self._to_spool(sent.batch, sent.records, sent.events, sent.ticket)
+            refused = [sent for sent in unacked if not sent.from_spool]  # a legacy spool's stay in it
+            if refused and code is not None and code not in _OUTAGE_CODES:
+                self._resend.extendleft(reversed(refused))
+            else:
+                # An outage: what the recorder did not acknowledge is let go, the log still holds it, and the
+                # tail goes back to read it once the recorder is back.
+                self._rewind()
             await channel.close(grace=None)
             if self._closing:
-                while (taken := await self._take_batch()) is not None:
-                    await self._to_spool(*taken)
                 return
-            await self._sleep_spooling(backoff_s)
+            with contextlib.suppress(TimeoutError):  # the backoff, cut short by close()
+                await asyncio.wait_for(self._stopping.wait(), backoff_s)
             backoff_s = min(backoff_s * 2, 2.0)
+
+    async def _spool_drained(self) -> None:
+        """The legacy spool is shipped: remove it, so nothing of it is shipped again."""
+        spool, self.spool = self.spool, None
+        self._spool_bytes = 0
+        self._cutter.forget()
+        if spool is not None:
+            try:
+                await asyncio.to_thread(spool.remove)
+                log.info("spool left by an older shipper shipped and removed", spool_dir=str(spool.directory))
+            except OSError as error:
+                log.error("shipped legacy spool not removed", error=str(error)[:300])
 
     def _log_failure(self, code: grpc.StatusCode | None, details: str, failure: Exception | None, unacked: int) -> None:
         """One warning per outage, naming the stream's own status (a write on a finished stream raises
@@ -402,7 +473,7 @@ class RecordMirror:
         else:
             reason = "stream ended"
         emit = log.debug if self._outage else log.warning
-        emit("recorder stream failed; spooling", error=reason[:300], unacked=unacked)
+        emit("recorder stream failed; the log keeps what it did not acknowledge", error=reason[:300], unacked=unacked)
         self._outage = True
 
     async def _handle_refusal(
@@ -452,7 +523,7 @@ class RecordMirror:
             self.settlement.settle(sent.ticket)
         if sent.from_spool:
             self._cutter.drop(sent.batch)  # a part of a spool entry: skip it when the entry is resent
-        if sent.spool_position is not None:
+        if sent.spool_position is not None and self.spool is not None:
             await asyncio.to_thread(self.spool.commit, sent.spool_position)
             self._spool_bytes = self.spool.pending_bytes
 
@@ -460,7 +531,7 @@ class RecordMirror:
         """The oldest spooled entry, its record and event counts and the position past it. Run in a thread:
         counting parses the entry's framing, 20-30 ms for a 60 MiB entry, which on the event loop calls
         would wait for."""
-        entry = self.spool.peek()
+        entry = None if self.spool is None else self.spool.peek()
         return None if entry is None else (entry[0], *count_items(entry[0]), entry[1])
 
     async def _send(
@@ -480,7 +551,7 @@ class RecordMirror:
             parts = [(batch, records, events)]
         else:
             parts = await asyncio.to_thread(self._cutter.parts, batch, records, events)
-        if not parts and spool_position is not None:  # nothing left worth sending of this entry
+        if not parts and spool_position is not None and self.spool is not None:  # nothing left of this entry
             await asyncio.to_thread(self.spool.commit, spool_position)
             self._spool_bytes = self.spool.pending_bytes
             return
@@ -516,17 +587,6 @@ class RecordMirror:
         if damage.records:
             self.metrics.records_dropped.labels("spool_corrupt").inc(damage.records)
 
-    async def _sleep_spooling(self, seconds: float) -> None:
-        """Wait before reconnecting, moving queued calls to the spool meanwhile so the queue never fills."""
-        loop = asyncio.get_running_loop()
-        until = loop.time() + seconds
-        while loop.time() < until and not self._closing:
-            taken = await self._take_batch()
-            if taken is not None:
-                await self._to_spool(*taken)
-            else:
-                await asyncio.sleep(min(self.settings.batch_interval_s, max(until - loop.time(), 0)))
-
     async def _read_acks(self, stream: aio.StreamStreamCall, unacked: collections.deque[_Sent]) -> None:
         async for ack in stream:
             if not unacked or ack.sequence != unacked[0].sequence:
@@ -556,14 +616,13 @@ class RecordMirror:
                 self.metrics.feedback_recorded.labels("duplicate").inc(ack.feedback_duplicates)
             if sent.ticket is not None:
                 self.settlement.settle(sent.ticket)
-            if sent.spool_position is not None:
+            if sent.spool_position is not None and self.spool is not None:
                 await asyncio.to_thread(self.spool.commit, sent.spool_position)
                 self._spool_bytes = self.spool.pending_bytes
-                if not self._spool_bytes:
-                    self._cutter.forget()
             self.metrics.batches_sent.labels("spool" if sent.from_spool else "queue").inc()
-            if self._spool_bytes:  # a backlog waits for this ack: send its next batch now
-                self._wake.set()
+            if not unacked and not self._resend and self.spool is None:
+                self._cutter.forget()  # no halved or dropped part can be sent again (cheap batches again)
+            self._acked.set()
 
     async def _finish(
         self, stream: aio.StreamStreamCall, reader: asyncio.Task[None], unacked: collections.deque[_Sent]
@@ -678,27 +737,6 @@ class RecordMirror:
             log.exception("oversized call not recordable; dropped")
             self.metrics.records_dropped.labels("unrecordable").inc()
             return None
-
-    async def _to_spool(self, batch: bytes, records: int, events: int = 0, ticket: int | None = None) -> None:
-        """Spool a batch (the entry header counts its records only, as damage reports them)."""
-        try:
-            appended = await asyncio.to_thread(self.spool.append, batch, records)
-        except OSError as error:  # a full or failing disk must not stop the mirror: drop and count
-            log.error("spool append failed; records dropped", error=str(error)[:300], records=records, events=events)
-            self.metrics.records_dropped.labels("spool_error").inc(records)
-            self.metrics.feedback_dropped.labels("spool_error").inc(events)
-            appended = None
-        if ticket is not None:
-            self.settlement.settle(ticket)
-        if appended is None:
-            return
-        if appended:
-            self.metrics.records_spooled.inc(records)
-            self.metrics.feedback_spooled.inc(events)
-        else:
-            self.metrics.records_dropped.labels("spool_full").inc(records)
-            self.metrics.feedback_dropped.labels("spool_full").inc(events)
-        self._spool_bytes = self.spool.pending_bytes
 
     def _record(self, entry: CallEntry) -> recorder_pb2.CallRecord:
         """The call's record but for its phase, which the router logged already serialized."""

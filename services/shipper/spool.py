@@ -1,7 +1,10 @@
 """A size-capped, append-only, crash-safe on-disk queue of record batches that survives damage.
 
-The router spools record batches here while the recorder is unreachable or slow,
-and sends them, oldest first, when it is back. Layout: a directory of segment
+Kept to ship what an older router or shipper left: they spooled record batches here
+while the recorder was unreachable or slow. Nothing is spooled any more (the
+write-ahead log is the spool, :mod:`splitstream.common.wal`); a shipper that finds
+such a spool (:func:`leftover`) sends it, oldest first, before the log, then removes
+it (:meth:`Spool.remove`). Writing stays, for the tests that build such a spool. Layout: a directory of segment
 files (``00000001.seg`` …) and a cursor saying how far entries were acknowledged,
 written at most every 0.1 s and at :meth:`Spool.flush`.
 
@@ -53,7 +56,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import structlog
 
@@ -216,6 +219,17 @@ class Spool:
         if self.on_damage is not None:
             self.on_damage(damage)
 
+    def remove(self) -> None:
+        """Delete every segment and cursor file: the spool is shipped (called once it is empty)."""
+        with self._lock:
+            for name in os.listdir(self.directory):
+                if name.endswith((_SUFFIX, _LEGACY_SUFFIX)) or name in (CURSOR_FILE, _LEGACY_CURSOR_FILE):
+                    (self.directory / name).unlink(missing_ok=True)
+            self._segments.clear()
+            self._sizes.clear()
+            self._legacy.clear()
+            fsync_directory(self.directory)
+
     def flush(self) -> None:
         """Write the cursor now (at shutdown), so a restart resends nothing already acknowledged."""
         with self._lock:
@@ -319,6 +333,18 @@ class Spool:
             self._segments.remove(candidate)
             self._sizes.pop(candidate)
             self._legacy.discard(candidate)
+
+
+def leftover(directory: str | os.PathLike[str], **kwargs: Any) -> Spool | None:
+    """The spool an older router or shipper left in ``directory``, if it left any segment (else None, and
+    nothing is created there)."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return None
+    if not any(name.endswith((_SUFFIX, _LEGACY_SUFFIX)) and name.split(".")[0].isdigit() for name in names):
+        return None
+    return Spool(directory, max_bytes=1 << 62, **kwargs)
 
 
 def _append_whole(path: Path, size: int, entry: bytes) -> None:

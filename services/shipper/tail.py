@@ -1,13 +1,19 @@
 """Tail the routers' logs into the mirror, joining shadows to their calls, and move each log's cursor.
 
 The cursor of a log may only pass an entry once the entry is *settled*: its record acknowledged
-by the recorder, written to the shipper's spool, or dropped and counted. So each batch the mirror
+by the recorder, or dropped and counted. So each batch the mirror
 cuts gets a ticket holding, per log, the position before the oldest entry not in that batch or an
 earlier one (entries still queued in the mirror, calls waiting for their shadows); once every
 ticket up to one is settled, its positions are written as the logs' cursors and the segments
 wholly behind them deleted. A shipper killed (or stopped) at any point restarts from the cursors: what was
 settled but not yet committed is shipped again (readers drop duplicates by request id), nothing
 is skipped.
+
+The log is the spool. When the recorder goes away the mirror lets go of what it held and calls
+:meth:`Tail.rewind`: the tail goes back to the last settled position and, while the outage lasts,
+reads only a batch ahead (what the mirror tries when it reconnects). So the log grows (up to the
+router's cap, past which the router drops new calls and counts them), its segments are kept until
+every entry in them is settled, and it ships in order once the recorder is back.
 
 A call logged with shadows waits here for its ``SHADOWS`` entry (appended when the shadows end)
 at most ``shadow_wait_s`` after it was read, and at most ``max_held`` calls wait at once; past
@@ -118,6 +124,10 @@ class Tail:
         self._tickets: collections.deque[list[Any]] = collections.deque()
         self._next_ticket = 0
         self._settled: list[Position] | None = None
+        #: The newest settled positions (committed or not): where a rewind goes back to.
+        self._settled_upto: list[Position] = [reader.committed for reader in self.readers]
+        #: Bumped by each rewind: a read in flight meanwhile is thrown away.
+        self._generation = 0
         self._closing = False
         self._locks: list[int] = []
         self.metrics.held.set_function(lambda: len(self._held))
@@ -152,7 +162,17 @@ class Tail:
                 item[2] = True
                 break
         while self._tickets and self._tickets[0][2]:
-            self._settled = self._tickets.popleft()[1]
+            self._settled = self._settled_upto = self._tickets.popleft()[1]
+
+    def rewind(self) -> None:
+        """The mirror let go of every batch not settled and of its queue: read them from the log again, from
+        the last settled positions. Calls waiting for their shadows are read again too (they are after it)."""
+        self._generation += 1
+        self._tickets.clear()
+        self._held.clear()
+        self._consumed = list(self._settled_upto)
+        for reader, position in zip(self.readers, self._settled_upto, strict=True):
+            reader.position = position
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -197,10 +217,16 @@ class Tail:
     async def _read_once(self) -> int:
         total = 0
         for index, reader in enumerate(self.readers):
-            room = QUEUE_DEPTH - self.mirror.queued
+            # While the recorder is away only a batch is read ahead: the log holds the rest, read once it is back.
+            depth = self.mirror.settings.batch_size if self.mirror.outage else QUEUE_DEPTH
+            room = depth - self.mirror.queued
             if room <= 0 or self.mirror.closing:
                 break
+            generation = self._generation
             entries = await asyncio.to_thread(reader.read, min(room, self.read_entries))
+            if generation != self._generation:  # rewound while reading: these are read again
+                reader.position = self._consumed[index]
+                break
             for entry in entries:
                 if not self._hand_on(index, entry.kind, entry.payload, entry.start):
                     reader.position = entry.start  # no room now: read it again next time
@@ -271,7 +297,7 @@ class Tail:
         if not self._tickets and not self._held and self.mirror.idle:
             # Nothing in flight: what was read is settled, entries or not (damage skipped, an older segment
             # ended), so the cursor moves on and the segments behind it go even while no call comes.
-            self._settled = self._safe()
+            self._settled = self._settled_upto = self._safe()
         settled, self._settled = self._settled, None
         if settled is None:
             return
