@@ -318,3 +318,28 @@ def test_a_child_configuration_error_is_not_restarted_the_parent_exits_2(tmp_pat
 def test_processes_auto_is_the_cores_this_process_may_run_on() -> None:
     assert parse_processes("auto") == len(os.sched_getaffinity(0))
     assert parse_processes("3") == 3
+
+
+def test_logs_left_by_a_router_of_another_process_count_are_shipped_when_it_comes_back(tmp_path: Path) -> None:
+    """Changing ``--processes`` strands nothing: 1 → 2 ships the old top-level log, 2 → 1 the children's."""
+    stack = RecordingStack(tmp_path, versions={"v1": {"scale": 2.0}}, experiment=None)
+    try:
+        stack.recorder.stop()  # the logs must still hold everything when the router is restarted
+
+        def calls_then_stop(prefix: str) -> set[str]:
+            keys = [f"{prefix}-{i}" for i in range(30)]
+            call_all(stack.router.address, keys, prefix)
+            stack.router.signal(signal.SIGTERM)
+            assert stack.router.wait() == 0
+            return {f"{prefix}-{key}" for key in keys}
+
+        logged = calls_then_stop("one")
+        stack.router = stack.start_router("--processes", "2")
+        wait_children_serving(stack.router)
+        logged |= calls_then_stop("two")
+        stack.router = stack.start_router()
+        stack.restart_recorder()
+        stack.wait_recorded(logged)
+        assert stack.raw_count() == len(logged)
+    finally:
+        stack.close()

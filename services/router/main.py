@@ -14,6 +14,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 from grpc import aio
@@ -215,7 +216,8 @@ def build_parser() -> EnvArgumentParser:
         "--spool-max-bytes",
         type=int,
         default=1 << 30,
-        help="cap of the log not yet shipped (and of the shipper's spool); past it new calls are dropped and "
+        help="cap of the log not yet shipped (the log is the spool while the recorder is away); past it new "
+        "calls are dropped and "
         "counted, never blocking calls",
     )
     recording.add_argument(
@@ -395,9 +397,13 @@ def child_spool_dir(spool_dir: str, index: int) -> str:
 
 def _shipper_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The child shipper's flags: what concerns shipping passes through as the router was given it. With
-    ``--processes N`` the parent's one shipper ships every child's log directory."""
+    ``--processes N`` the parent's one shipper ships every child's log directory, and the top directory
+    first: what a router of another ``--processes`` (or an older router's spool) left is shipped, not stranded."""
     processes = getattr(args, "processes", 1)
-    log_dirs = [child_spool_dir(args.spool_dir, i) for i in range(processes)] if processes > 1 else [args.spool_dir]
+    children = {child_spool_dir(args.spool_dir, i) for i in range(processes)} if processes > 1 else set()
+    # A router that ran with another --processes left its children's logs here: ship them too.
+    children |= {str(path) for path in Path(args.spool_dir).glob("proc-*") if path.is_dir()}
+    log_dirs = [args.spool_dir, *sorted(children)]
     out = [
         "--recorder", args.recorder,
         *(flag for log_dir in log_dirs for flag in ("--log-dir", log_dir)),

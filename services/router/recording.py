@@ -76,7 +76,10 @@ class LogMetrics:
             registry=registry,
         )
         self.log_bytes = Gauge(
-            "splitstream_router_log_bytes", "Log bytes not yet shipped, as the cap counts them", registry=registry
+            "splitstream_router_log_bytes",
+            "Log bytes not yet shipped, as the cap counts them",
+            registry=registry,
+            multiprocess_mode="livesum",  # --processes: the children's logs together
         )
         for reason in _DROP_REASONS:
             self.records_dropped.labels(reason)
@@ -102,6 +105,8 @@ class CallLog:
     ) -> None:
         self.writer = WalWriter(directory, max_bytes=max_bytes, segment_bytes=segment_bytes)
         self.metrics = LogMetrics(registry)
+        # Read at scrape time; with --processes the parent's scrape reads what each child's flusher last
+        # set instead (prometheus-client's multiprocess mode calls no function).
         self.metrics.log_bytes.set_function(lambda: self.writer.unshipped_bytes)
         self.router_id = router_id
         self._router_id = router_id.encode()
@@ -254,6 +259,7 @@ class CallLog:
             await asyncio.sleep(self.flush_interval_s)
             try:
                 await asyncio.to_thread(self.writer.flush)
+                self.metrics.log_bytes.set(self.writer.unshipped_bytes)
             except OSError as error:
                 log.error("log flush failed", error=str(error)[:300])
 

@@ -119,7 +119,10 @@ class AuthMetrics:
             registry=registry,
         )
         self.principals = Gauge(
-            "splitstream_router_auth_principals", "Principals in the document in force", registry=registry
+            "splitstream_router_auth_principals",
+            "Principals in the document in force",
+            registry=registry,
+            multiprocess_mode="livemax",  # --processes: every child reads the same document
         )
 
 
