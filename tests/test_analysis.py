@@ -168,7 +168,7 @@ def test_a_planted_click_lift_is_found_with_its_interval_and_verdict(shop_analys
     assert click.relative_ci.high is not None
     assert click.relative_ci.low < 0.5 < click.relative_ci.high  # planted: 15 % against 10 %
     assert re.fullmatch(
-        r"v2 vs v1: click \+\d+\.\d % \(95 % CI \+\d+\.\d \.\. \+\d+\.\d %\), p = < 0\.001: v2 better",
+        r"v2 vs v1: click \+\d+\.\d % \(95 % CI \+\d+\.\d \.\. \+\d+\.\d %\), p < 0\.001: v2 better",
         click.verdict_line,
     ), click.verdict_line
     assert click.verdict_line in shop_analysis.verdicts
@@ -368,6 +368,11 @@ def test_the_cli_prints_verdicts_and_writes_analysis_json_and_html(shop: Shop, t
     assert document["feedback"]["unknown"] == UNKNOWN_EVENTS
     assert any(line.endswith("v2 better") for line in document["verdicts"])
     html = (out / "analysis.html").read_text()
+    # A p-value below the printed precision reads "p < 0.001" in a sentence, never "p = < 0.001".
+    assert "p < 0.001: v2 better" in result.stdout
+    for text in (result.stdout, html, *document["verdicts"]):
+        assert "p = <" not in text
+        assert "p = &lt;" not in text
     assert "<script" not in html
     assert "http://" not in html
     assert "https://" not in html

@@ -695,7 +695,7 @@ def _verdict(
         effect = f"{spec.name} {result.relative * 100:+.1f} % ({label} {rel_low * 100:+.1f} .. {rel_high * 100:+.1f} %)"
     else:
         effect = f"{spec.name} {result.absolute:+.4g} ({label} {low:+.4g} .. {high:+.4g})"
-    head = f"{arm} vs {control}: {effect}, p = {_p_text(p)}"
+    head = f"{arm} vs {control}: {effect}, {st.p_clause(p)}"
     if p < query.alpha and (low > 0 or high < 0):
         verdict: Verdict = "better" if result.absolute > 0 else "worse"
         return verdict, f"{head}: {arm} {verdict}"
@@ -708,12 +708,6 @@ def _verdict(
     if result.absolute == 0:
         return "inconclusive", f"{head}: inconclusive: no difference measured"
     return "inconclusive", f"{head}: inconclusive: the interval still includes no change; keep collecting"
-
-
-def _p_text(p: float) -> str:
-    if p < 0.001:
-        return "< 0.001"
-    return f"{p:.3f}"
 
 
 def _non_randomized(exposures: Exposures) -> list[NonRandomizedCalls]:
