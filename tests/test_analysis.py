@@ -174,6 +174,21 @@ def test_a_planted_click_lift_is_found_with_its_interval_and_verdict(shop_analys
     assert click.verdict_line in shop_analysis.verdicts
 
 
+def test_a_lower_is_better_metric_calls_a_rise_worse(shop: Shop, shop_analysis: Analysis) -> None:
+    # The same clicks, read as something to keep low (say, complaints): v2's planted rise is now its harm.
+    complaints = MetricSpec.parse("click:proportion:lower")
+    assert complaints.direction == "lower"
+    analysis = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=(complaints,)))
+    [result] = analysis.phases
+    click = comparison(result, "click")
+    assert click.direction == "lower"
+    assert click.verdict == "worse"
+    assert click.verdict_line.endswith(": v2 worse"), click.verdict_line
+    # The lift itself is arm minus control whatever the direction: the same number as read higher-is-better.
+    assert click.absolute_lift == comparison(shop_analysis.phases[0], "click").absolute_lift
+    assert analysis.metrics == ["click:proportion:lower"]
+
+
 def test_metrics_without_a_difference_are_inconclusive_with_a_sample_size_estimate(shop_analysis: Analysis) -> None:
     [result] = shop_analysis.phases
     for metric in ("satisfaction", "revenue"):
@@ -401,6 +416,8 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
     [
         (["--metric", "click"], "bad metric 'click'"),
         (["--metric", "click:median"], "unknown kind 'median'"),
+        (["--metric", "click:proportion:sideways"], "unknown kind 'sideways'"),
+        (["--metric", "click:lower"], "bad metric 'click:lower' (expected NAME:KIND[:DIRECTION]"),
         (["--metric", "click:proportion", "--since", "yesterday"], "--since: bad time 'yesterday'"),
         (["--metric", "click:proportion", "--unit", "team"], "invalid choice: 'team'"),
         (["--metric", "click:proportion", "--alpha", "2"], "alpha must be between 0 and 1"),
@@ -415,6 +432,8 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
     ids=[
         "no-kind",
         "bad-kind",
+        "bad-direction",
+        "direction-without-kind",
         "bad-time",
         "bad-unit",
         "bad-alpha",

@@ -615,6 +615,7 @@ def _comparison(
         return MetricComparison(
             metric=spec.name,
             kind=spec.kind,
+            direction=spec.direction,
             arm=arm,
             control=control,
             test="",
@@ -635,6 +636,7 @@ def _comparison(
     return MetricComparison(
         metric=spec.name,
         kind=spec.kind,
+        direction=spec.direction,
         arm=arm,
         control=control,
         test=result.test,
@@ -674,7 +676,8 @@ def _power(query: Query, result: st.Comparison) -> tuple[float | None, float | N
 def _verdict(
     query: Query, spec: MetricSpec, control: str, arm: str, result: st.Comparison, more: int | None
 ) -> tuple[Verdict, str]:
-    """``v2 vs v1: click +3.1 % (95 % CI +1.2 .. +5.0 %), p = 0.002: v2 better``."""
+    """``v2 vs v1: click +3.1 % (95 % CI +1.2 .. +5.0 %), p = 0.002: v2 better``: better when the lift goes the
+    metric's way (up, or down for ``lower``), worse when it goes the other."""
     level = f"{(1 - query.alpha) * 100:g} %"
     if query.sequential and result.sequential_ci is not None and result.sequential_p_value is not None:
         low, high = result.sequential_ci
@@ -697,7 +700,7 @@ def _verdict(
         effect = f"{spec.name} {result.absolute:+.4g} ({label} {low:+.4g} .. {high:+.4g})"
     head = f"{arm} vs {control}: {effect}, {st.p_clause(p)}"
     if p < query.alpha and (low > 0 or high < 0):
-        verdict: Verdict = "better" if result.absolute > 0 else "worse"
+        verdict: Verdict = "better" if (result.absolute > 0) == spec.higher_is_better else "worse"
         return verdict, f"{head}: {arm} {verdict}"
     noun = "users" if query.unit == "user" else "calls"
     if more:

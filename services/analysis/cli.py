@@ -132,7 +132,8 @@ def add_command(commands: Any, env_prefix: str) -> None:
         "--metric",
         action=_AppendMetrics,
         required=True,
-        help="NAME:KIND, KIND proportion, mean or sum (repeat, or comma-separate), e.g. click:proportion",
+        help="NAME:KIND[:DIRECTION], KIND proportion, mean or sum, DIRECTION higher (the default) or lower: which "
+        "way is better (repeat, or comma-separate), e.g. click:proportion, latency_ms:mean:lower",
     )
     parser.add_argument(
         "--unit",
