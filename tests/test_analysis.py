@@ -519,6 +519,49 @@ def test_each_phase_is_analysed_on_its_own_weights_and_events_join_the_phase_of_
     assert result.feedback.used == 2_000
 
 
+def test_clicks_after_the_window_count_for_its_calls_within_the_attribution_window(tmp_path: Path) -> None:
+    # Calls in the window's last minute, clicked 20 minutes later (past --until); a user-level purchase at the
+    # same time stays out (it names no call of the window), and so does a click two hours late.
+    end = WINDOW.until_ns
+    calls = [Call(f"late-{i}", end - 60 * 10**9 + i * 10**7, "v1" if i % 2 else "v2") for i in range(400)]
+    events = [
+        Event("click", 1.0, call.time_ns + 20 * 60 * 10**9, request_id=call.request_id, idempotency_key=call.request_id)
+        for call in calls
+    ]
+    events.append(Event("click", 1.0, end + 2 * HOUR_NS, request_id="late-0", idempotency_key="again"))
+    events.append(Event("click", 1.0, end + 60 * 10**9, unit=user_unit("someone"), idempotency_key="unit"))
+    with RedisServer(tmp_path / "redis") as server:
+        client = server.client()
+        write_calls(client, "late", calls, phase({"v1": 50, "v2": 50}, "v1"))
+        write_feedback(client, "late", events)
+        client.close()
+        flags = ["--redis-url", server.url, *window_flags(), "--metric", "click:proportion"]
+        default = cli("late", *flags, "--output-dir", str(tmp_path / "default"))
+        cut = cli("late", *flags, "--attribution-window", "0s", "--output-dir", str(tmp_path / "cut"))
+        wide = cli("late", *flags, "--attribution-window", "3h", "--output-dir", str(tmp_path / "wide"))
+        bad = cli("late", *flags, "--attribution-window", "soon")
+    for result in (default, cut, wide):
+        assert result.returncode == 0, result.stderr
+    # Default: the --max-lateness (1h): every call's click joins it; the late click and the user's do not.
+    document = json.loads((tmp_path / "default" / "analysis.json").read_text())
+    assert document["attribution_ns"] == HOUR_NS
+    assert document["feedback"]["used"] == 400
+    assert document["feedback"]["outside_window"] == 2
+    [result] = document["phases"]
+    assert {arm["arm"]: arm["metrics"]["click"]["value"] for arm in result["arms"]} == {"v1": 1.0, "v2": 1.0}
+    assert "counted until" in default.stdout
+    # No attribution window: the old cut at --until, every click outside.
+    document = json.loads((tmp_path / "cut" / "analysis.json").read_text())
+    assert document["feedback"]["used"] == 0
+    assert document["feedback"]["outside_window"] == 401  # (the two-hour-late click is past what is read at all)
+    # Three hours: the two-hour-late click is a duplicate-free second click of late-0, counted too.
+    document = json.loads((tmp_path / "wide" / "analysis.json").read_text())
+    assert document["feedback"]["used"] == 401
+    assert document["feedback"]["outside_window"] == 1
+    assert bad.returncode == 2
+    assert "--attribution-window: bad duration 'soon'" in bad.stderr.strip().splitlines()[-1]
+
+
 def test_analyze_needs_no_registry_but_the_other_commands_still_do() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "splitstream.admin", "versions", "shop"],

@@ -207,6 +207,7 @@ def summarize(
         model=query.model,
         since_ns=query.window.since_ns,
         until_ns=query.window.until_ns,
+        attribution_ns=query.window.attribution_ns,
         unit=query.unit,
         alpha=query.alpha,
         sequential=query.sequential,

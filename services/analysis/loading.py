@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -90,6 +90,14 @@ class Window:
     max_lateness_ns: int = 3_600 * 10**9
     #: How far the routers' clocks may be ahead of Redis's (entry ids are Redis's clock).
     clock_skew_ns: int = 5 * 10**9
+    #: How long after ``until_ns`` an event naming a call of the window still counts for it (a click an hour
+    #: after the answer is the answer's). Events naming only a unit are dated inside the window: they have no
+    #: call to tie them to it.
+    attribution_ns: int = 0
+
+    def feedback_reach(self) -> Window:
+        """The window feedback is read in: this one, its end moved out by the attribution window."""
+        return replace(self, until_ns=self.until_ns + self.attribution_ns, attribution_ns=0)
 
     def bucket_of(self, times_ns: npt.NDArray[np.int64]) -> npt.NDArray[np.int16]:
         span = max(self.until_ns - self.since_ns, 1)
@@ -420,7 +428,8 @@ def mixed(values: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
 async def load_feedback(
     source: Source, model: str, window: Window, metrics: Sequence[str], *, page_size: int = 5_000
 ) -> Feedback:
-    """Events of ``metrics`` with ``event_ns`` in the window, de-duplicated by (metric, idempotency key): the
+    """Events of ``metrics`` with ``event_ns`` in the window (those naming a call: up to its attribution
+    window past the end), de-duplicated by (metric, idempotency key): the
     first delivery in stream order counts. Events without a key all count; entries that do not parse are
     counted in ``corrupt``, never fatal."""
     codes = Names()
@@ -431,7 +440,7 @@ async def load_feedback(
         k: [] for k in ("metric", "request", "unit", "value", "event_ns")
     }
     result = Feedback(events=_events({k: np.zeros(0) for k in chunks}))
-    async for found in source.feedback_pages(model, window, page_size):
+    async for found in source.feedback_pages(model, window.feedback_reach(), page_size):
         result.entries_read += len(found[b"metric"])
         metric = codes.encode(found[b"metric"])  # other metrics get codes past the ones asked for
         keep = metric < len(metrics)
@@ -441,7 +450,10 @@ async def load_feedback(
         good = good_value & good_time
         result.corrupt += int((keep & ~good).sum())
         keep &= good
-        inside = (times >= window.since_ns) & (times < window.until_ns)
+        requests = fingerprints(found[b"request_id"])
+        # Events naming a call count up to the attribution window past the end (joined only to calls inside).
+        end = np.where(requests != 0, window.until_ns + window.attribution_ns, window.until_ns)
+        inside = (times >= window.since_ns) & (times < end)
         result.outside_window += int((keep & ~inside).sum())
         keep &= inside
         rows = np.flatnonzero(keep)
@@ -454,7 +466,7 @@ async def load_feedback(
         result.duplicates += int((~fresh).sum())
         rows = rows[fresh]
         chunks["metric"].append(metric[rows].astype(np.int8))
-        chunks["request"].append(fingerprints(found[b"request_id"])[rows])
+        chunks["request"].append(requests[rows])
         chunks["unit"].append(fingerprints(found[b"unit"])[rows])
         chunks["value"].append(values[rows].astype(np.float64))
         chunks["event_ns"].append(times[rows].astype(np.int64))

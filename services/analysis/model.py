@@ -205,7 +205,8 @@ class FeedbackCounts(_Model):
     not_randomized: int
     #: Events of units seen in two arms of one phase.
     crossover: int
-    #: Events of the metrics asked for but dated outside the window.
+    #: Events of the metrics asked for but dated outside the window (for events naming a call: before it, or
+    #: past its end by more than the attribution window).
     outside_window: int
     #: Events of other metrics.
     other_metrics: int
@@ -228,6 +229,8 @@ class Analysis(_Model):
     model: str
     since_ns: int
     until_ns: int
+    #: Events naming a call of the window count up to ``until_ns + attribution_ns`` (``--attribution-window``).
+    attribution_ns: int = 0
     unit: Unit
     alpha: float
     sequential: bool

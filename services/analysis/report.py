@@ -102,6 +102,10 @@ def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list
 
 def _title(analysis: Analysis) -> str:
     extras = [f"unit {analysis.unit}", f"alpha {analysis.alpha:g}"]
+    if analysis.attribution_ns:
+        extras.append(
+            f"events of its calls counted until {format_instant(analysis.until_ns + analysis.attribution_ns)}"
+        )
     if analysis.sequential:
         extras.append("always-valid (mSPRT)")
     if analysis.cuped_since_ns is not None and analysis.cuped_until_ns is not None:
