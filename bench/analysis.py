@@ -12,7 +12,9 @@ Each measurement runs in a fresh process, so its peak RSS is its own:
   with the replies as Redis sent them (what the analysis reads: the floor any reader of Redis pays);
 - analysis: :func:`splitstream.analysis.analyze.analyze` over the same window, three metrics;
 - analysis of the first quarter of the window: about a quarter of the calls and events, nearly every user
-  (users come back), to show how memory grows with calls at a fixed number of users. (It reads the same
+  (users come back), to show how memory grows with calls at a fixed number of users;
+- analysis of a second model whose stream holds twice the calls and events from the same ``--users``
+  (over the same hour): the same comparison the other way round. (It reads the same
   entries: the stream ids of a window run to its end plus the lateness allowance, 1 h.)
 - analysis from the archive (``--source archive:DIR``): the same window, after a real ``splitstream-archive``
   process wrote both streams to a local directory as Parquet (the archiving time is printed, not compared).
@@ -52,11 +54,15 @@ from tests.experiments import Call, call_record, phase  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 MODEL = "bench"
+#: The same users calling twice as often.
+DOUBLED = "bench-2x"
 HOUR_NS = 3_600 * 10**9
 METRICS = ("click:proportion", "satisfaction:mean", "revenue:sum")
 
 
-def populate(url: str, *, calls: int, events: int, users: int, duplicates: int, until_ns: int, seed: int) -> None:
+def populate(
+    url: str, *, model: str, calls: int, events: int, users: int, duplicates: int, until_ns: int, seed: int
+) -> None:
     import redis
 
     rng = np.random.default_rng(seed)
@@ -72,7 +78,7 @@ def populate(url: str, *, calls: int, events: int, users: int, duplicates: int, 
         user = int(who[i])
         call = Call(f"r{i}", int(times[i]), "v1" if user % 2 else "v2", unit=units[user], latency_ms=4.0 + i % 7)
         pipe.xadd(
-            stream_key(MODEL), entry_fields(call_record(MODEL, call, bench_phase, payload)), id=f"{times[i] // 10**6}-*"
+            stream_key(model), entry_fields(call_record(model, call, bench_phase, payload)), id=f"{times[i] // 10**6}-*"
         )  # type: ignore[arg-type]
         if i % 5_000 == 4_999:
             pipe.execute()
@@ -93,14 +99,14 @@ def populate(url: str, *, calls: int, events: int, users: int, duplicates: int, 
         event.event_unix_ns = event.receive_unix_ns = int(event_times[j])
         event.idempotency_key = f"e{j}"
         at_ms = int(event_times[min(i, events - 1)]) // 10**6
-        pipe.xadd(feedback_key(MODEL), feedback_entry_fields(event), id=f"{at_ms}-*")  # type: ignore[arg-type]
+        pipe.xadd(feedback_key(model), feedback_entry_fields(event), id=f"{at_ms}-*")  # type: ignore[arg-type]
         if i % 5_000 == 4_999:
             pipe.execute()
     pipe.execute()
     client.close()
 
 
-async def measure_raw(url: str, window: Window, page_size: int, *, as_dicts: bool) -> dict[str, float]:
+async def measure_raw(url: str, model: str, window: Window, page_size: int, *, as_dicts: bool) -> dict[str, float]:
     """Page through both streams and do nothing with the entries: with redis-py's ``xrange`` (each entry's
     fields made a dict, what a reader gets by default) or with the replies as Redis sent them (what the
     analysis reads, :func:`splitstream.analysis.loading.read_pages`)."""
@@ -112,7 +118,7 @@ async def measure_raw(url: str, window: Window, page_size: int, *, as_dicts: boo
     start, end = bounds(window)
     entries = 0
     began = time.perf_counter()
-    for key in (stream_key(MODEL), feedback_key(MODEL)):
+    for key in (stream_key(model), feedback_key(model)):
         if as_dicts:
             lower = start
             while True:
@@ -131,14 +137,16 @@ async def measure_raw(url: str, window: Window, page_size: int, *, as_dicts: boo
     return {"seconds": elapsed, "entries": entries}
 
 
-async def measure_analysis(url: str, window: Window, page_size: int, *, archive: str = "") -> dict[str, float]:
+async def measure_analysis(
+    url: str, model: str, window: Window, page_size: int, *, archive: str = ""
+) -> dict[str, float]:
     from redis.asyncio import Redis
 
     from splitstream.analysis.sources import ArchiveSource
     from splitstream.common.archive import open_archive
 
     redis = Redis.from_url(url)
-    query = Query(model=MODEL, window=window, metrics=tuple(MetricSpec.parse(m) for m in METRICS), page_size=page_size)
+    query = Query(model=model, window=window, metrics=tuple(MetricSpec.parse(m) for m in METRICS), page_size=page_size)
     began = time.perf_counter()
     result = await analyze(ArchiveSource(open_archive(archive)) if archive else redis, query)
     elapsed = time.perf_counter() - began
@@ -158,11 +166,11 @@ def child(args: argparse.Namespace) -> int:
     baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     window = Window(args.since_ns, args.until_ns)
     if args.measure == "analysis":
-        result = asyncio.run(measure_analysis(args.url, window, args.page_size))
+        result = asyncio.run(measure_analysis(args.url, args.model, window, args.page_size))
     elif args.measure == "analysis-archive":
-        result = asyncio.run(measure_analysis(args.url, window, args.page_size, archive=args.archive))
+        result = asyncio.run(measure_analysis(args.url, args.model, window, args.page_size, archive=args.archive))
     else:
-        result = asyncio.run(measure_raw(args.url, window, args.page_size, as_dicts=args.measure == "raw"))
+        result = asyncio.run(measure_raw(args.url, args.model, window, args.page_size, as_dicts=args.measure == "raw"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     result["peak_mib"] = (peak - baseline) / 1024
     print(json.dumps(result))
@@ -170,10 +178,10 @@ def child(args: argparse.Namespace) -> int:
 
 
 def run_child(
-    url: str, measure: str, since_ns: int, until_ns: int, page_size: int, archive: str = ""
+    url: str, measure: str, since_ns: int, until_ns: int, page_size: int, archive: str = "", model: str = MODEL
 ) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", measure, "--url", url, "--since-ns", str(since_ns),
+        [sys.executable, __file__, "--child", measure, "--url", url, "--model", model, "--since-ns", str(since_ns),
          "--until-ns", str(until_ns), "--page-size", str(page_size), "--archive", archive],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
@@ -226,6 +234,7 @@ def main() -> int:
     )
     parser.add_argument("--archive", default="", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
     parser.add_argument("--since-ns", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--until-ns", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -236,12 +245,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
         began = time.perf_counter()
         populate(
-            server.url, calls=args.calls, events=args.events, users=args.users, duplicates=args.duplicates,
-            until_ns=until_ns, seed=args.seed,
+            server.url, model=MODEL, calls=args.calls, events=args.events, users=args.users,
+            duplicates=args.duplicates, until_ns=until_ns, seed=args.seed,
+        )  # fmt: skip
+        # The same users calling twice as often (and giving twice the feedback): memory should not double.
+        populate(
+            server.url, model=DOUBLED, calls=2 * args.calls, events=2 * args.events, users=args.users,
+            duplicates=2 * args.duplicates, until_ns=until_ns, seed=args.seed + 1,
         )  # fmt: skip
         print(
             f"wrote {args.calls:,} calls and {args.events + args.duplicates:,} feedback entries "
-            f"({args.users:,} users) in {time.perf_counter() - began:.0f} s"
+            f"({args.users:,} users), and twice that from the same users, in {time.perf_counter() - began:.0f} s"
         )
         quarter_ns = since_ns + HOUR_NS // 4
         rows = [
@@ -249,6 +263,10 @@ def main() -> int:
             ("raw XRANGE, replies as sent", run_child(server.url, "raw-unparsed", since_ns, until_ns, args.page_size)),
             ("analysis", run_child(server.url, "analysis", since_ns, until_ns, args.page_size)),
             ("analysis, first quarter", run_child(server.url, "analysis", since_ns, quarter_ns, args.page_size)),
+            (
+                "analysis, same users, 2x calls",
+                run_child(server.url, "analysis", since_ns, until_ns, args.page_size, model=DOUBLED),
+            ),
         ]
         archive = Path(tmp) / "archive"
         began = time.perf_counter()
@@ -274,11 +292,16 @@ def main() -> int:
         "x raw: time over the redis-py xrange read; x sent: over the read of the replies as sent (the floor). "
         "Every row reads the same entries (the window's stream ids plus the lateness allowance)."
     )
-    full, quarter = rows[2][1], rows[3][1]
+    full, quarter, doubled = rows[2][1], rows[3][1], rows[4][1]
     print(
         f"\nanalysis memory, full window / first quarter: {full['peak_mib'] / max(quarter['peak_mib'], 1):.2f}x "
         f"for {full['calls'] / max(quarter['calls'], 1):.2f}x the calls and "
         f"{full['units'] / max(quarter['units'], 1):.2f}x the units"
+    )
+    print(
+        f"analysis memory, 2x calls / 1x calls (same users): {doubled['peak_mib'] / max(full['peak_mib'], 1):.2f}x "
+        f"for {doubled['calls'] / max(full['calls'], 1):.2f}x the calls and "
+        f"{doubled['units'] / max(full['units'], 1):.2f}x the units"
     )
     return 0
 

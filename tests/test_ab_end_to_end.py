@@ -180,6 +180,7 @@ def weights(stack: RecordingStack) -> dict[str, float]:
 class LiftRun:
     result: subprocess.CompletedProcess[str]
     out: Path
+    since: float
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +197,7 @@ def lift_run(stack: RecordingStack, tmp_path_factory: pytest.TempPathFactory) ->
         "analyze", MODEL, "--redis-url", stack.redis.url, "--since", f"{since:.3f}", "--metric", "click:proportion",
         "--output-dir", str(out),
     )  # fmt: skip
-    return LiftRun(result, out)
+    return LiftRun(result, out, since)
 
 
 def test_the_analysis_finds_the_planted_click_lift_of_v2_and_a_clean_split(lift_run: LiftRun) -> None:
@@ -215,6 +216,22 @@ def test_the_analysis_finds_the_planted_click_lift_of_v2_and_a_clean_split(lift_
     assert not phase["srm"]["flagged"]
     assert sum(arm["units"] for arm in phase["arms"]) == 300
     assert analysis["feedback"]["unknown"] == 0
+
+
+def test_the_same_clicks_read_as_lower_is_better_make_v2_worse(stack: RecordingStack, lift_run: LiftRun) -> None:
+    # Whatever is measured to be kept low (complaints, waiting): v2's doubling of it is a harm, not a win.
+    assert lift_run.result.returncode == 0, lift_run.result.stderr
+    result = admin(
+        "analyze", MODEL, "--redis-url", stack.redis.url, "--since", f"{lift_run.since:.3f}",
+        "--metric", "click:proportion:lower", "--output-dir", str(lift_run.out / "lower"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "v2 worse" in result.stdout
+    analysis = json.loads((lift_run.out / "lower" / "analysis.json").read_text())
+    (phase,) = [p for p in analysis["phases"] if p["weights"] == {"v1": 50.0, "v2": 50.0}]
+    (comparison,) = phase["comparisons"]
+    assert (comparison["direction"], comparison["verdict"]) == ("lower", "worse")
+    assert comparison["absolute_ci"]["low"] > 0  # the same lift, the other verdict
 
 
 @needs_chromium

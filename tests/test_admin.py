@@ -641,9 +641,20 @@ def test_a_guard_names_its_metric_kind_direction_and_bound(
     assert guard.bound == pytest.approx(bound)
 
 
+def test_a_guard_bounds_a_lower_is_better_metric_from_above_and_says_so_to_the_analysis() -> None:
+    implied = OutcomeGuard.parse("wait_s:mean:lift<=5%")
+    written = OutcomeGuard.parse("wait_s:mean:lower:lift<=5%")
+    assert implied.metric == written.metric
+    assert str(written.metric) == "wait_s:mean:lower"  # the analysis it reads calls a rising wait "worse"
+    assert OutcomeGuard.parse("click:lift>=-1%").metric.direction == "higher"
+    with pytest.raises(ValueError, match="where lower is better is bounded with lift<=BOUND"):
+        OutcomeGuard.parse("wait_s:mean:lower:lift>=-5%")
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
+        (["--guard", "wait_s:mean:lower:lift>=-5%"], "a metric where lower is better is bounded with lift<="),
         (["--guard", "click>=-1%"], "--guard 'click>=-1%': expected NAME[:KIND]:lift>=BOUND"),
         (["--guard", "click:lift>-1%"], "expected NAME[:KIND]:lift>=BOUND"),
         (["--guard", "click:lift>=-1%"], "--guard needs --redis-url"),

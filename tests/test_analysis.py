@@ -168,10 +168,25 @@ def test_a_planted_click_lift_is_found_with_its_interval_and_verdict(shop_analys
     assert click.relative_ci.high is not None
     assert click.relative_ci.low < 0.5 < click.relative_ci.high  # planted: 15 % against 10 %
     assert re.fullmatch(
-        r"v2 vs v1: click \+\d+\.\d % \(95 % CI \+\d+\.\d \.\. \+\d+\.\d %\), p = < 0\.001: v2 better",
+        r"v2 vs v1: click \+\d+\.\d % \(95 % CI \+\d+\.\d \.\. \+\d+\.\d %\), p < 0\.001: v2 better",
         click.verdict_line,
     ), click.verdict_line
     assert click.verdict_line in shop_analysis.verdicts
+
+
+def test_a_lower_is_better_metric_calls_a_rise_worse(shop: Shop, shop_analysis: Analysis) -> None:
+    # The same clicks, read as something to keep low (say, complaints): v2's planted rise is now its harm.
+    complaints = MetricSpec.parse("click:proportion:lower")
+    assert complaints.direction == "lower"
+    analysis = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=(complaints,)))
+    [result] = analysis.phases
+    click = comparison(result, "click")
+    assert click.direction == "lower"
+    assert click.verdict == "worse"
+    assert click.verdict_line.endswith(": v2 worse"), click.verdict_line
+    # The lift itself is arm minus control whatever the direction: the same number as read higher-is-better.
+    assert click.absolute_lift == comparison(shop_analysis.phases[0], "click").absolute_lift
+    assert analysis.metrics == ["click:proportion:lower"]
 
 
 def test_metrics_without_a_difference_are_inconclusive_with_a_sample_size_estimate(shop_analysis: Analysis) -> None:
@@ -368,6 +383,11 @@ def test_the_cli_prints_verdicts_and_writes_analysis_json_and_html(shop: Shop, t
     assert document["feedback"]["unknown"] == UNKNOWN_EVENTS
     assert any(line.endswith("v2 better") for line in document["verdicts"])
     html = (out / "analysis.html").read_text()
+    # A p-value below the printed precision reads "p < 0.001" in a sentence, never "p = < 0.001".
+    assert "p < 0.001: v2 better" in result.stdout
+    for text in (result.stdout, html, *document["verdicts"]):
+        assert "p = <" not in text
+        assert "p = &lt;" not in text
     assert "<script" not in html
     assert "http://" not in html
     assert "https://" not in html
@@ -396,6 +416,8 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
     [
         (["--metric", "click"], "bad metric 'click'"),
         (["--metric", "click:median"], "unknown kind 'median'"),
+        (["--metric", "click:proportion:sideways"], "unknown kind 'sideways'"),
+        (["--metric", "click:lower"], "bad metric 'click:lower' (expected NAME:KIND[:DIRECTION]"),
         (["--metric", "click:proportion", "--since", "yesterday"], "--since: bad time 'yesterday'"),
         (["--metric", "click:proportion", "--unit", "team"], "invalid choice: 'team'"),
         (["--metric", "click:proportion", "--alpha", "2"], "alpha must be between 0 and 1"),
@@ -410,6 +432,8 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
     ids=[
         "no-kind",
         "bad-kind",
+        "bad-direction",
+        "direction-without-kind",
         "bad-time",
         "bad-unit",
         "bad-alpha",
@@ -493,6 +517,49 @@ def test_each_phase_is_analysed_on_its_own_weights_and_events_join_the_phase_of_
     totals = [{arm.arm: arm.metrics["revenue"].value for arm in p.arms} for p in (first, second)]
     assert totals == [{"v1": 1.0, "v2": 1.0}, {"v1": 2.0, "v2": 2.0}]
     assert result.feedback.used == 2_000
+
+
+def test_clicks_after_the_window_count_for_its_calls_within_the_attribution_window(tmp_path: Path) -> None:
+    # Calls in the window's last minute, clicked 20 minutes later (past --until); a user-level purchase at the
+    # same time stays out (it names no call of the window), and so does a click two hours late.
+    end = WINDOW.until_ns
+    calls = [Call(f"late-{i}", end - 60 * 10**9 + i * 10**7, "v1" if i % 2 else "v2") for i in range(400)]
+    events = [
+        Event("click", 1.0, call.time_ns + 20 * 60 * 10**9, request_id=call.request_id, idempotency_key=call.request_id)
+        for call in calls
+    ]
+    events.append(Event("click", 1.0, end + 2 * HOUR_NS, request_id="late-0", idempotency_key="again"))
+    events.append(Event("click", 1.0, end + 60 * 10**9, unit=user_unit("someone"), idempotency_key="unit"))
+    with RedisServer(tmp_path / "redis") as server:
+        client = server.client()
+        write_calls(client, "late", calls, phase({"v1": 50, "v2": 50}, "v1"))
+        write_feedback(client, "late", events)
+        client.close()
+        flags = ["--redis-url", server.url, *window_flags(), "--metric", "click:proportion"]
+        default = cli("late", *flags, "--output-dir", str(tmp_path / "default"))
+        cut = cli("late", *flags, "--attribution-window", "0s", "--output-dir", str(tmp_path / "cut"))
+        wide = cli("late", *flags, "--attribution-window", "3h", "--output-dir", str(tmp_path / "wide"))
+        bad = cli("late", *flags, "--attribution-window", "soon")
+    for result in (default, cut, wide):
+        assert result.returncode == 0, result.stderr
+    # Default: the --max-lateness (1h): every call's click joins it; the late click and the user's do not.
+    document = json.loads((tmp_path / "default" / "analysis.json").read_text())
+    assert document["attribution_ns"] == HOUR_NS
+    assert document["feedback"]["used"] == 400
+    assert document["feedback"]["outside_window"] == 2
+    [result] = document["phases"]
+    assert {arm["arm"]: arm["metrics"]["click"]["value"] for arm in result["arms"]} == {"v1": 1.0, "v2": 1.0}
+    assert "counted until" in default.stdout
+    # No attribution window: the old cut at --until, every click outside.
+    document = json.loads((tmp_path / "cut" / "analysis.json").read_text())
+    assert document["feedback"]["used"] == 0
+    assert document["feedback"]["outside_window"] == 401  # (the two-hour-late click is past what is read at all)
+    # Three hours: the two-hour-late click is a duplicate-free second click of late-0, counted too.
+    document = json.loads((tmp_path / "wide" / "analysis.json").read_text())
+    assert document["feedback"]["used"] == 401
+    assert document["feedback"]["outside_window"] == 1
+    assert bad.returncode == 2
+    assert "--attribution-window: bad duration 'soon'" in bad.stderr.strip().splitlines()[-1]
 
 
 def test_analyze_needs_no_registry_but_the_other_commands_still_do() -> None:

@@ -47,7 +47,7 @@ from tests.test_archive import archived_everything, start_archiver
 
 HOUR_NS = 3_600 * 10**9
 T0 = (time.time_ns() // 10**9 - 4 * 3_600) * 10**9
-WINDOW = Window(T0, T0 + HOUR_NS)
+WINDOW = Window(T0, T0 + HOUR_NS, attribution_ns=HOUR_NS)  # the CLI's default attribution window (--max-lateness)
 PRE = Window(T0 - 2 * HOUR_NS, T0 - HOUR_NS)
 LAB = "lab"
 METRICS = (MetricSpec.parse("click:proportion"), MetricSpec.parse("revenue:sum"))

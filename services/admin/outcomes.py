@@ -5,6 +5,8 @@ A guard bounds the new version's lift over the control on one metric of ``splits
     NAME[:KIND]:lift>=BOUND    the lift must not be significantly below BOUND (higher is better)
     NAME[:KIND]:lift<=BOUND    the lift must not be significantly above BOUND (lower is better)
 
+The side of the bound is the metric's direction (the analysis's verdicts say "better" and "worse" by it);
+``NAME:KIND:lower:lift<=BOUND`` may write it out, as ``--metric`` of ``analyze`` does, and must agree.
 KIND is ``proportion`` (the default), ``mean`` or ``sum``, as ``--metric`` of ``analyze`` takes it; BOUND
 is relative to the control's value with a ``%`` (``-1%``) or absolute in the metric's own unit without one
 (``-0.002``). A rollout reads the analysis at every check, so the test must stay valid however often it is
@@ -30,12 +32,15 @@ from redis.exceptions import RedisError
 
 from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window
-from splitstream.analysis.model import Analysis, MetricComparison, MetricSpec, PhaseResult
+from splitstream.analysis.model import DIRECTIONS, Analysis, Direction, MetricComparison, MetricSpec, PhaseResult
 from splitstream.analysis.statistics import MetricKind
 from splitstream.common.redis_url import NO_REDIS_SECURITY, RedisClient, RedisSecurity, open_redis
 from splitstream.common.secrets import redact_text, redact_url
 
-GUARD_SYNTAX = "NAME[:KIND]:lift>=BOUND or NAME[:KIND]:lift<=BOUND, BOUND relative (-1%) or absolute (-0.002)"
+GUARD_SYNTAX = (
+    "NAME[:KIND]:lift>=BOUND (higher is better) or NAME[:KIND]:lift<=BOUND (lower is better), "
+    "BOUND relative (-1%) or absolute (-0.002)"
+)
 _GUARD = re.compile(r"^(?P<metric>.+):lift\s*(?P<op>>=|<=)\s*(?P<bound>[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?)(?P<pct>%?)$")
 
 State = Literal["harm", "win", "open", "not judged"]
@@ -60,13 +65,24 @@ class OutcomeGuard:
         match = _GUARD.match(text.strip().replace(" ", ""))
         if match is None:
             raise ValueError(f"--guard {text!r}: expected {GUARD_SYNTAX}; e.g. click:lift>=-1%")
-        name, _, kind = match["metric"].rpartition(":")
+        metric = match["metric"]
+        # The bound's side says which way is better; a direction written out must agree with it.
+        implied: Direction = "higher" if match["op"] == ">=" else "lower"
+        head, sep, last = metric.rpartition(":")
+        if sep and head and last.lower() in DIRECTIONS:
+            if last.lower() != implied:
+                raise ValueError(
+                    f"--guard {text!r}: a metric where {last.lower()} is better is bounded with "
+                    f"lift{'>=' if last.lower() == 'higher' else '<='}BOUND (its harm is a lift the other way)"
+                )
+            metric = head
+        name, _, kind = metric.rpartition(":")
         if not name or kind.lower() not in {k.value for k in MetricKind}:
-            name, kind = match["metric"], MetricKind.PROPORTION.value
+            name, kind = metric, MetricKind.PROPORTION.value
         bound = float(match["bound"])
         relative = bool(match["pct"])
         return OutcomeGuard(
-            metric=MetricSpec(name=name, kind=MetricKind(kind.lower())),
+            metric=MetricSpec(name=name, kind=MetricKind(kind.lower()), direction=implied),
             op=">=" if match["op"] == ">=" else "<=",
             bound=bound / 100 if relative else bound,
             relative=relative,

@@ -1,11 +1,12 @@
 """``analyze``: from a model's recorded calls and feedback to verdicts, per experiment phase and arm.
 
-The steps, each a column operation: read feedback and de-duplicate it; read the calls, counting randomized
-ones per (phase, arm, unit) and time bucket and the others apart; drop units seen in two arms of one phase
-(crossover); attribute each event to its call (by request id) or its unit (the phase it was last exposed
-in before the event); per phase, lay the units out as rows of numpy matrices (one column per time bucket,
-cumulated), and compare every arm with the control at the end of each bucket. The last bucket's comparison
-is the result; the earlier ones are the lift-over-time chart.
+The steps, each a column operation: read the calls, counting randomized ones per (phase, arm, unit) and time
+bucket and the others apart; read the feedback, de-duplicate it and fold each page into per-(phase, arm,
+unit) sums at once (:mod:`splitstream.analysis.folding`: by request id to its call, else to the phase its
+unit was last exposed in before the event), leaving out units seen in two arms of one phase (crossover);
+per phase, lay the units out as rows of numpy matrices (one column per time bucket, cumulated), and compare
+every arm with the control at the end of each bucket. The last bucket's comparison is the result; the
+earlier ones are the lift-over-time chart.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from splitstream.analysis import statistics as st
+from splitstream.analysis.folding import Folder, RowMetric, among
 from splitstream.analysis.loading import (
     SEGMENT_FIELDS,
     TIMELINE_POINTS,
@@ -96,41 +98,41 @@ class Query:
             raise ValueError("the CUPED pre-period's end must be after its start")
 
 
-@dataclass(frozen=True, slots=True)
-class _Attributed:
-    """Events joined to a randomized unit: ``phase``, ``arm``, ``unit``, ``metric``, ``value``, ``event_ns``,
-    and ``positive_call`` (a positive event that is the first positive of its call for its metric)."""
-
-    events: pa.Table
-    unknown: int
-    not_randomized: int
-
-
 async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
     """Read the window from Redis (or another :class:`Source`: the archive, both) and analyse it. Raises
     RedisError/OSError when Redis fails mid-way, ArchiveError when the archive does."""
     if isinstance(source, Redis | RedisCluster):
         source = RedisSource(source)
-    metric_names = [m.name for m in query.metrics]
-    feedback = await load_feedback(source, query.model, query.window, metric_names, page_size=query.page_size)
+    per_call = query.unit == "call"
+    kinds = [m.kind for m in query.metrics]
+    # The calls first, then the feedback folded into their units page by page (nothing per event is kept).
     exposures = await load_exposures(
         source,
         query.model,
         query.window,
-        per_call=query.unit == "call",
-        wanted_requests=_named_requests(feedback.events),
+        per_call=per_call,
         page_size=query.page_size,
         segment=query.segment,
+    )
+    overall = Folder(exposures, kinds, query.window, per_call=per_call)
+    parts = {value: Folder(part, kinds, query.window, per_call=per_call) for value, part in exposures.segments.items()}
+    feedback = await load_feedback(
+        source,
+        query.model,
+        query.window,
+        [m.name for m in query.metrics],
+        [overall, *parts.values()],
+        page_size=query.page_size,
     )
     pre: _PreValues | None = None
     if query.pre_window is not None:
         pre = await _load_pre_values(source, query, query.pre_window)
-    analysis = summarize(query, exposures, feedback, pre, last_use=query.segment is None)
+    analysis = summarize(query, exposures, feedback, overall, pre)
     if query.segment is None:
         return analysis
     segments = []
     for value, part in exposures.segments.items():
-        result = summarize(query, part, feedback, pre)
+        result = summarize(query, part, feedback, parts[value], pre)
         segments.append(
             Segment(
                 value=value,
@@ -167,21 +169,13 @@ def _units_in_several(exposures: Exposures) -> int:
 
 
 def summarize(
-    query: Query, exposures: Exposures, feedback: Feedback, pre: _PreValues | None = None, *, last_use: bool = False
+    query: Query, exposures: Exposures, feedback: Feedback, folder: Folder, pre: _PreValues | None = None
 ) -> Analysis:
-    """The analysis of loaded data (no I/O): what :func:`analyze` returns. ``last_use``: nothing reads
-    ``feedback.events`` and ``exposures.call_keys`` afterwards; they are emptied once joined, so the per-metric
-    matrices are not built on top of them (the events are the largest thing the analysis holds)."""
-    crossover = _crossover_units(exposures.units)
-    units = exposures.units.filter(pc.invert(_among(exposures.units, crossover))) if len(crossover) else exposures.units
-    attributed = _attribute(feedback.events, exposures.call_keys, units, per_call=query.unit == "call")
-    if last_use:
-        feedback.events = feedback.events.slice(0, 0)
-        exposures.call_keys = exposures.call_keys.slice(0, 0)
-    events = attributed.events
-    if len(crossover):
-        events = _rows(events, ~_among(events, crossover).to_numpy(zero_copy_only=False))
-    crossed_events = len(attributed.events) - len(events)
+    """The analysis of loaded data (no I/O): what :func:`analyze` returns. ``folder`` holds the feedback
+    folded into ``exposures``' rows."""
+    crossover = folder.crossover
+    units = exposures.units.filter(pa.array(~among(exposures.units, crossover))) if len(crossover) else exposures.units
+    metrics = folder.metrics()
     order = _phase_order(units)
     phases = []
     for code in order:
@@ -192,7 +186,7 @@ def summarize(
                 query,
                 info,
                 units.filter(pc.equal(units["phase"], code)) if len(order) > 1 else units,
-                _rows(events, events["phase"].to_numpy() == code) if len(order) > 1 else events,
+                metrics,
                 bucket_calls=exposures.bucket_calls,
                 arm_names=exposures.arms.names,
                 crossover_units=int(pc.sum(pc.equal(crossover["phase"], code)).as_py() or 0),
@@ -207,6 +201,7 @@ def summarize(
         model=query.model,
         since_ns=query.window.since_ns,
         until_ns=query.window.until_ns,
+        attribution_ns=query.window.attribution_ns,
         unit=query.unit,
         alpha=query.alpha,
         sequential=query.sequential,
@@ -223,11 +218,11 @@ def summarize(
         ),
         feedback=FeedbackCounts(
             entries_read=feedback.entries_read,
-            used=len(events),
+            used=folder.used,
             duplicates=feedback.duplicates,
-            unknown=attributed.unknown,
-            not_randomized=attributed.not_randomized,
-            crossover=crossed_events,
+            unknown=folder.unknown,
+            not_randomized=folder.not_randomized,
+            crossover=folder.crossed,
             outside_window=feedback.outside_window,
             other_metrics=feedback.other_metrics,
             corrupt=feedback.corrupt,
@@ -236,122 +231,6 @@ def summarize(
         non_randomized=non_randomized,
         verdicts=[c.verdict_line for p in phases for c in p.comparisons],
     )
-
-
-# -- joins ---------------------------------------------------------------------------------
-
-
-def _named_requests(events: pa.Table) -> npt.NDArray[np.uint64]:
-    """Fingerprints of the request ids events name (0, no request id, left out)."""
-    requests = events["request"].to_numpy()
-    return np.unique(requests[requests != 0])
-
-
-def _pair_keys(table: pa.Table) -> npt.NDArray[np.uint64]:
-    """One 64-bit key per row's (phase, unit)."""
-    phase = table["phase"].to_numpy().astype(np.uint64)
-    return mixed(table["unit"].to_numpy(), 0) ^ (phase << np.uint64(48))
-
-
-def _among(table: pa.Table, pairs: pa.Table) -> pa.Array:
-    """Whether each row's (phase, unit) is one of ``pairs`` (a sorted-array membership test, no hash join)."""
-    if not len(pairs) or not len(table):
-        return pa.array(np.zeros(len(table), dtype=bool))
-    return pa.array(np.isin(_pair_keys(table), _pair_keys(pairs)))
-
-
-def _crossover_units(units: pa.Table) -> pa.Table:
-    """(phase, unit) pairs randomized into more than one arm."""
-    arms = units.group_by(["phase", "unit"]).aggregate([("arm", "count_distinct")])
-    return arms.filter(pc.greater(arms["arm_count_distinct"], 1)).select(["phase", "unit"])
-
-
-_ATTRIBUTED = pa.schema(
-    [
-        ("phase", pa.int16()),
-        ("arm", pa.int16()),
-        ("unit", pa.uint64()),
-        ("metric", pa.int8()),
-        ("value", pa.float64()),
-        ("event_ns", pa.int64()),
-        ("request", pa.uint64()),
-    ]
-)
-
-
-def _attribute(events: pa.Table, call_keys: pa.Table, units: pa.Table, *, per_call: bool) -> _Attributed:
-    """Join each event to (phase, arm, unit): by its request id to the call; else by its unit to the phase in
-    which that unit was last first-exposed before the event (a unit-level event in ``per_call`` mode has no
-    call to join and is unknown)."""
-    if not len(events):
-        return _Attributed(_ATTRIBUTED.empty_table(), 0, 0)
-    # By request id: a binary search of each event's request fingerprint among the calls' (the calls events
-    # name, a few hundred thousand), cheaper in memory than Arrow's hash join over a million events.
-    requests = events["request"].to_numpy()
-    has_request = requests != 0
-    keys = call_keys["request"].to_numpy()
-    order = np.argsort(keys, kind="stable")
-    sorted_keys = keys[order]
-    wanted = np.flatnonzero(has_request)
-    at = np.minimum(np.searchsorted(sorted_keys, requests[wanted]), max(len(sorted_keys) - 1, 0))
-    found = sorted_keys[at] == requests[wanted] if len(sorted_keys) else np.zeros(len(wanted), dtype=bool)
-    call = order[at[found]]
-    randomized = call_keys["randomized"].to_numpy(zero_copy_only=False)[call]
-    unknown = int((~found).sum())
-    not_randomized = int((~randomized).sum())
-    rows, call = wanted[found][randomized], call[randomized]
-    by_request = len(wanted)
-    by_unit = np.flatnonzero(~has_request & (events["unit"].to_numpy() != 0))
-    unknown += len(events) - by_request - len(by_unit)  # neither a request id nor a unit
-    # Each output column is gathered on its own from where it comes (the call, the unit's row, the event), so
-    # the temporaries of the join are one column's, not a table's.
-    unit_rows = np.zeros(0, dtype=np.int64)  # rows of ``units`` the events joined by unit fall in
-    unit_events = np.zeros(0, dtype=np.int64)  # and those events' rows
-    if per_call:
-        unknown += len(by_unit)
-    elif len(by_unit) and len(units):
-        # The (phase, arm) row of the unit with the latest first exposure at or before the event: rows sorted by
-        # (unit, first exposure), each event starts at its unit's last row and steps back past later ones (a
-        # unit has a row per phase it was in, so a few steps at most).
-        row_unit = units["unit"].to_numpy()
-        row_first = units["first_ns"].to_numpy()
-        order = np.lexsort((row_first, row_unit))
-        row_unit, row_first = row_unit[order], row_first[order]
-        event_unit = events["unit"].to_numpy()[by_unit]
-        event_ns = events["event_ns"].to_numpy()[by_unit]
-        at = np.searchsorted(row_unit, event_unit, side="right").astype(np.int64) - 1
-        chosen = np.zeros(len(event_unit), dtype=bool)
-        pending = (at >= 0) & (row_unit[np.maximum(at, 0)] == event_unit)
-        while pending.any():
-            good = pending & (row_first[np.maximum(at, 0)] <= event_ns)
-            chosen |= good
-            at = np.where(pending & ~good, at - 1, at)
-            pending &= ~good & (at >= 0)
-            pending &= row_unit[np.maximum(at, 0)] == event_unit
-        del event_unit, event_ns
-        unit_rows = order[at[chosen]]
-        unit_events = by_unit[chosen]
-        unknown += int((~chosen).sum())
-    else:
-        unknown += len(by_unit)
-    event_rows = np.concatenate([rows, unit_events])
-    columns: dict[str, npt.NDArray[Any]] = {}
-    for name in _ATTRIBUTED.names:
-        kind = _ATTRIBUTED.field(name).type.to_pandas_dtype()
-        if name in ("phase", "arm"):
-            columns[name] = np.concatenate([call_keys[name].to_numpy()[call], units[name].to_numpy()[unit_rows]])
-        elif name == "unit":
-            columns[name] = np.concatenate([call_keys[name].to_numpy()[call], events[name].to_numpy()[unit_events]])
-        else:
-            columns[name] = events[name].to_numpy()[event_rows]
-        columns[name] = columns[name].astype(kind, copy=False)
-    return _Attributed(pa.table(columns, schema=_ATTRIBUTED), unknown, not_randomized)
-
-
-def _rows(table: pa.Table, rows: npt.NDArray[np.int64] | npt.NDArray[np.bool_]) -> pa.Table:
-    """``table``'s rows taken with numpy, column by column (numeric columns of one chunk: views, no copy but the
-    result's). Arrow's ``filter`` over the event tables kept its memory pool's peak on top of numpy's."""
-    return pa.table({name: table[name].to_numpy()[rows] for name in table.column_names}, schema=table.schema)
 
 
 def _phase_order(units: pa.Table) -> list[int]:
@@ -374,6 +253,9 @@ class _UnitMatrix:
     arm_of: npt.NDArray[np.int64]
     first_bucket: npt.NDArray[np.int64]
     calls: FloatArray  # (units, buckets), cumulated over buckets
+    #: The rows of ``Exposures.units`` laid out here, and the unit (row of this matrix) of each.
+    rows: npt.NDArray[np.int64]
+    unit_of_row: npt.NDArray[np.int64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,44 +276,26 @@ def _unit_matrix(units: pa.Table, bucket_calls: npt.NDArray[np.int32], arm_names
     arm_of = np.zeros(n, dtype=np.int64)
     arm_of[index] = np.searchsorted(present, arm_codes)
     per_bucket = np.zeros((n, TIMELINE_POINTS))
-    np.add.at(per_bucket, index, bucket_calls[units["key"].to_numpy()])
+    rows = units["key"].to_numpy().astype(np.int64)
+    np.add.at(per_bucket, index, bucket_calls[rows])
     first = np.where(per_bucket.any(axis=1), np.argmax(per_bucket > 0, axis=1), TIMELINE_POINTS)
     calls = np.cumsum(per_bucket, axis=1)
-    return _UnitMatrix(pa.array(keys, pa.uint64()), [arm_names[int(c)] for c in present], arm_of, first, calls)
+    arms = [arm_names[int(c)] for c in present]
+    return _UnitMatrix(pa.array(keys, pa.uint64()), arms, arm_of, first, calls, rows, index)
 
 
-def _cumulated(index: npt.NDArray[np.int64], buckets: npt.NDArray[np.int64], weights: FloatArray, n: int) -> FloatArray:
-    flat = np.bincount(index * TIMELINE_POINTS + buckets, weights=weights, minlength=n * TIMELINE_POINTS)
-    return np.cumsum(flat.reshape(n, TIMELINE_POINTS), axis=1)
-
-
-def _metric_matrix(matrix: _UnitMatrix, events: pa.Table, window: Window) -> _MetricMatrix:
+def _metric_matrix(matrix: _UnitMatrix, metric: RowMetric) -> _MetricMatrix:
+    """One metric's per-row sums laid out per unit of the matrix (a unit's rows added up), cumulated over the
+    time buckets."""
     n = len(matrix.keys)
-    zeros = np.zeros((n, TIMELINE_POINTS))
-    if not len(events) or not n:
-        return _MetricMatrix(zeros, zeros.copy(), zeros.copy())
-    # The keys are sorted (np.unique): a binary search, no hash table over the events.
-    keys = matrix.keys.to_numpy()
-    units = events["unit"].to_numpy()
-    at = np.minimum(np.searchsorted(keys, units), n - 1)
-    known = keys[at] == units
-    events = _rows(events, known)
-    index = at[known].astype(np.int64)
-    buckets = window.bucket_of(events["event_ns"].to_numpy()).astype(np.int64)
-    values = events["value"].to_numpy()
-    sums = _cumulated(index, buckets, values, n)
-    counts = _cumulated(index, buckets, np.ones(len(values)), n)
-    # A call counts once however many positive events name it (its first); unit-level events count each.
-    positive = values > 0
-    requests = events["request"].to_numpy()
-    first_positive = positive & (requests == 0)
-    per_call = np.flatnonzero(positive & (requests != 0))
-    if len(per_call):
-        order = per_call[np.argsort(events["event_ns"].to_numpy()[per_call], kind="stable")]
-        _, first = np.unique(requests[order], return_index=True)
-        first_positive[order[first]] = True
-    positives = _cumulated(index[first_positive], buckets[first_positive], np.ones(int(first_positive.sum())), n)
-    return _MetricMatrix(sums, counts, positives)
+
+    def per_unit(values: npt.NDArray[Any]) -> FloatArray:
+        out = np.zeros((n, TIMELINE_POINTS))
+        if len(values) and n:
+            np.add.at(out, matrix.unit_of_row, values[matrix.rows])
+        return np.cumsum(out, axis=1)
+
+    return _MetricMatrix(per_unit(metric.sums), per_unit(metric.counts), per_unit(metric.positives))
 
 
 def _unit_values(
@@ -449,7 +313,7 @@ def _analyse_phase(
     query: Query,
     info: PhaseInfo,
     units: pa.Table,
-    events: pa.Table,
+    metrics: list[RowMetric],
     *,
     bucket_calls: npt.NDArray[np.int32],
     arm_names: list[str],
@@ -468,7 +332,7 @@ def _analyse_phase(
     by_arm: dict[str, list[MetricComparison]] = {arm: [] for arm in ordered}
     # One metric at a time: its per-unit matrices are the largest things the analysis holds.
     for code, spec in enumerate(query.metrics):
-        metric = _metric_matrix(matrix, _rows(events, events["metric"].to_numpy() == code), query.window)
+        metric = _metric_matrix(matrix, metrics[code])
         for arm in ordered:
             rows = arm_rows[arm]
             values = _unit_values(spec.kind, metric, matrix.calls, rows, last)
@@ -615,6 +479,7 @@ def _comparison(
         return MetricComparison(
             metric=spec.name,
             kind=spec.kind,
+            direction=spec.direction,
             arm=arm,
             control=control,
             test="",
@@ -635,6 +500,7 @@ def _comparison(
     return MetricComparison(
         metric=spec.name,
         kind=spec.kind,
+        direction=spec.direction,
         arm=arm,
         control=control,
         test=result.test,
@@ -674,7 +540,8 @@ def _power(query: Query, result: st.Comparison) -> tuple[float | None, float | N
 def _verdict(
     query: Query, spec: MetricSpec, control: str, arm: str, result: st.Comparison, more: int | None
 ) -> tuple[Verdict, str]:
-    """``v2 vs v1: click +3.1 % (95 % CI +1.2 .. +5.0 %), p = 0.002: v2 better``."""
+    """``v2 vs v1: click +3.1 % (95 % CI +1.2 .. +5.0 %), p = 0.002: v2 better``: better when the lift goes the
+    metric's way (up, or down for ``lower``), worse when it goes the other."""
     level = f"{(1 - query.alpha) * 100:g} %"
     if query.sequential and result.sequential_ci is not None and result.sequential_p_value is not None:
         low, high = result.sequential_ci
@@ -695,9 +562,9 @@ def _verdict(
         effect = f"{spec.name} {result.relative * 100:+.1f} % ({label} {rel_low * 100:+.1f} .. {rel_high * 100:+.1f} %)"
     else:
         effect = f"{spec.name} {result.absolute:+.4g} ({label} {low:+.4g} .. {high:+.4g})"
-    head = f"{arm} vs {control}: {effect}, p = {_p_text(p)}"
+    head = f"{arm} vs {control}: {effect}, {st.p_clause(p)}"
     if p < query.alpha and (low > 0 or high < 0):
-        verdict: Verdict = "better" if result.absolute > 0 else "worse"
+        verdict: Verdict = "better" if (result.absolute > 0) == spec.higher_is_better else "worse"
         return verdict, f"{head}: {arm} {verdict}"
     noun = "users" if query.unit == "user" else "calls"
     if more:
@@ -708,12 +575,6 @@ def _verdict(
     if result.absolute == 0:
         return "inconclusive", f"{head}: inconclusive: no difference measured"
     return "inconclusive", f"{head}: inconclusive: the interval still includes no change; keep collecting"
-
-
-def _p_text(p: float) -> str:
-    if p < 0.001:
-        return "< 0.001"
-    return f"{p:.3f}"
 
 
 def _non_randomized(exposures: Exposures) -> list[NonRandomizedCalls]:
@@ -772,28 +633,17 @@ class _PreValues:
 
 
 async def _load_pre_values(source: Source, query: Query, window: Window) -> _PreValues:
-    names = [m.name for m in query.metrics]
-    feedback = await load_feedback(source, query.model, window, names, page_size=query.page_size)
     exposures = await load_exposures(
-        source,
-        query.model,
-        window,
-        per_call=False,
-        wanted_requests=_named_requests(feedback.events),
-        page_size=query.page_size,
-        randomized_only=False,
+        source, query.model, window, per_call=False, page_size=query.page_size, randomized_only=False
     )
-    # One pseudo-phase and arm: the pre-period is a covariate per unit, not a comparison.
+    # No crossover: the pre-period is a covariate per unit (every call of it, however routed), not a comparison.
+    folder = Folder(exposures, [m.kind for m in query.metrics], window, per_call=False, exclude_crossover=False)
+    await load_feedback(
+        source, query.model, window, [m.name for m in query.metrics], [folder], page_size=query.page_size
+    )
+    # One pseudo-phase and arm: the unit's rows of every phase and arm are added up.
     units = exposures.units.set_column(0, "phase", pa.array(np.zeros(len(exposures.units), dtype=np.int16)))
     units = units.set_column(1, "arm", pa.array(np.zeros(len(units), dtype=np.int16)))
-    keys = exposures.call_keys
-    keys = keys.set_column(keys.schema.get_field_index("phase"), "phase", pa.array(np.zeros(len(keys), np.int16)))
-    keys = keys.set_column(keys.schema.get_field_index("arm"), "arm", pa.array(np.zeros(len(keys), np.int16)))
-    keys = keys.set_column(keys.schema.get_field_index("randomized"), "randomized", pa.array(np.ones(len(keys), bool)))
-    attributed = _attribute(feedback.events, keys, units, per_call=False)
     matrix = _unit_matrix(units, exposures.bucket_calls, ["all"])
-    metrics = {
-        name: _metric_matrix(matrix, _rows(attributed.events, attributed.events["metric"].to_numpy() == code), window)
-        for code, name in enumerate(names)
-    }
+    metrics = {m.name: _metric_matrix(matrix, row) for m, row in zip(query.metrics, folder.metrics(), strict=True)}
     return _PreValues(matrix.keys, matrix.calls, metrics)

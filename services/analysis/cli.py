@@ -132,7 +132,8 @@ def add_command(commands: Any, env_prefix: str) -> None:
         "--metric",
         action=_AppendMetrics,
         required=True,
-        help="NAME:KIND, KIND proportion, mean or sum (repeat, or comma-separate), e.g. click:proportion",
+        help="NAME:KIND[:DIRECTION], KIND proportion, mean or sum, DIRECTION higher (the default) or lower: which "
+        "way is better (repeat, or comma-separate), e.g. click:proportion, latency_ms:mean:lower",
     )
     parser.add_argument(
         "--unit",
@@ -153,6 +154,13 @@ def add_command(commands: Any, env_prefix: str) -> None:
         default="1h",
         help="how long after the window a call's record or an event may reach Redis (spooled in an outage)",
     )
+    parser.add_argument(
+        "--attribution-window",
+        default=None,
+        help="how long after --until an event naming a call of the window still counts for that call (a click "
+        "an hour after the answer); default: --max-lateness. Events naming only a user are counted inside the "
+        "window",
+    )
     parser.add_argument("--output-dir", default="analysis-out", help="where analysis.json and analysis.html go")
     parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="Redis connect timeout")
 
@@ -164,6 +172,11 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         lateness = parse_duration_ns(args.max_lateness)
     except BadDuration as error:
         raise ValueError(f"--max-lateness: {error}") from None
+    attribution_text = args.attribution_window if args.attribution_window is not None else args.max_lateness
+    try:
+        attribution = parse_duration_ns(attribution_text)
+    except BadDuration as error:
+        raise ValueError(f"--attribution-window: {error}") from None
     since = _instant("--since", args.since, now)
     until = _instant("--until", args.until, now)
     if until <= since:
@@ -195,7 +208,7 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
             raise ValueError(str(error)) from None
     return Query(
         model=args.model,
-        window=Window(since, until, max_lateness_ns=lateness),
+        window=Window(since, until, max_lateness_ns=lateness, attribution_ns=attribution),
         metrics=tuple(metrics),
         unit=args.unit,
         alpha=args.alpha,

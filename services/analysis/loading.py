@@ -4,22 +4,23 @@ The streams are read in pages (XRANGE ... COUNT) and each page becomes numpy/Arr
 readable fields the analysis needs (the serialized record is decoded once per experiment phase, for its
 weights). Text that repeats becomes numbers: units and request ids 64-bit fingerprints, phases, arms and
 assignments small codes. Each page's calls are added at once (numpy) to a dense row per (phase, arm, unit)
-holding the calls per twentieth of the window, so the aggregates grow with the number of units, not of
-calls. What does grow with the data, kept as small as it can be:
+holding the calls per twentieth of the window, and each page of feedback is folded at once into per-row
+sums (:mod:`splitstream.analysis.folding`), so the aggregates grow with the number of units, not of calls
+or events. What does grow with the data, kept as small as it can be:
 
-- 8 bytes per call (its request id's fingerprint), to drop calls the recorder stored twice (delivery is at
-  least once), and 8 bytes per keyed event, to de-duplicate feedback by idempotency key;
-- the feedback events of the window themselves, 33 bytes each (metric code, request and unit fingerprints,
-  value, time), and for the request ids they name, the call's phase, arm and unit (27 bytes) to join on.
+- per call, 8 bytes (its request id's fingerprint) to drop calls the recorder stored twice (delivery is at
+  least once; let go once the calls are read), and 12 bytes (the fingerprint, sorted, and its row) for
+  feedback to join; one byte per proportion metric for the call's first positive event;
+- per event with an idempotency key, 8 bytes, to de-duplicate feedback by that key.
 
-Feedback is read first, so only the calls some event names are kept for the join.
+The calls are read first, then the feedback: no event is kept once its page is folded.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -90,6 +91,14 @@ class Window:
     max_lateness_ns: int = 3_600 * 10**9
     #: How far the routers' clocks may be ahead of Redis's (entry ids are Redis's clock).
     clock_skew_ns: int = 5 * 10**9
+    #: How long after ``until_ns`` an event naming a call of the window still counts for it (a click an hour
+    #: after the answer is the answer's). Events naming only a unit are dated inside the window: they have no
+    #: call to tie them to it.
+    attribution_ns: int = 0
+
+    def feedback_reach(self) -> Window:
+        """The window feedback is read in: this one, its end moved out by the attribution window."""
+        return replace(self, until_ns=self.until_ns + self.attribution_ns, attribution_ns=0)
 
     def bucket_of(self, times_ns: npt.NDArray[np.int64]) -> npt.NDArray[np.int16]:
         span = max(self.until_ns - self.since_ns, 1)
@@ -179,8 +188,9 @@ class Exposures:
     ``calls`` (int64), ``first_ns`` (int64) and ``key`` (int64), the row of ``bucket_calls`` that holds its calls
     per time bucket (int32, one column per bucket of the window). ``other``: calls not randomized, per
     (phase, assignment, arm) names: ``calls``, ``errors``. ``latency``: histograms per (phase, arm, assignment
-    class: ``randomized`` or the assignment's name). ``call_keys``: for the request ids feedback names, the
-    call's ``request``, ``phase``, ``arm``, ``unit`` and whether it was ``randomized``."""
+    class: ``randomized`` or the assignment's name). ``call_requests``: every call's request fingerprint,
+    sorted, and ``call_rows`` beside it, the call's row of ``units`` (-1: a call not randomized), for
+    feedback to join (:mod:`splitstream.analysis.folding`): 12 bytes a call."""
 
     units: pa.Table
     bucket_calls: npt.NDArray[np.int32]
@@ -189,7 +199,8 @@ class Exposures:
     phase_info: dict[str, PhaseInfo]
     phases: Names
     arms: Names
-    call_keys: pa.Table
+    call_requests: npt.NDArray[np.uint64]
+    call_rows: npt.NDArray[np.int32]
     entries_read: int = 0
     calls: int = 0
     duplicates: int = 0
@@ -202,11 +213,8 @@ class Exposures:
 
 @dataclass(slots=True)
 class Feedback:
-    """The feedback events of a window for the metrics asked for, de-duplicated: ``metric`` (int8, an index
-    into the metrics asked for), ``request`` and ``unit`` (uint64 fingerprints, 0 when the event has none),
-    ``value`` (float64), ``event_ns`` (int64)."""
+    """What reading the feedback of a window met (the events themselves went to the sinks as they came)."""
 
-    events: pa.Table
     entries_read: int = 0
     duplicates: int = 0
     corrupt: int = 0
@@ -417,21 +425,38 @@ def mixed(values: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
 # -- feedback ------------------------------------------------------------------------------
 
 
+class FeedbackSink(Protocol):
+    """What takes each page of de-duplicated events as it is read (:class:`splitstream.analysis.folding.Folder`)."""
+
+    def add(
+        self,
+        metric: npt.NDArray[np.int8],
+        request: npt.NDArray[np.uint64],
+        unit: npt.NDArray[np.uint64],
+        value: npt.NDArray[np.float64],
+        event_ns: npt.NDArray[np.int64],
+    ) -> None: ...
+
+
 async def load_feedback(
-    source: Source, model: str, window: Window, metrics: Sequence[str], *, page_size: int = 5_000
+    source: Source,
+    model: str,
+    window: Window,
+    metrics: Sequence[str],
+    sinks: Sequence[FeedbackSink],
+    *,
+    page_size: int = 5_000,
 ) -> Feedback:
-    """Events of ``metrics`` with ``event_ns`` in the window, de-duplicated by (metric, idempotency key): the
-    first delivery in stream order counts. Events without a key all count; entries that do not parse are
-    counted in ``corrupt``, never fatal."""
+    """Events of ``metrics`` with ``event_ns`` in the window (those naming a call: up to its attribution
+    window past the end), de-duplicated by (metric, idempotency key): the first delivery in stream order
+    counts; each page's events go to ``sinks`` at once and are not kept. Events without a key all count;
+    entries that do not parse are counted in ``corrupt``, never fatal."""
     codes = Names()
     for name in metrics:
         codes.code(name.encode())
     seen = _SeenFingerprints()
-    chunks: dict[str, list[npt.NDArray[np.generic]]] = {
-        k: [] for k in ("metric", "request", "unit", "value", "event_ns")
-    }
-    result = Feedback(events=_events({k: np.zeros(0) for k in chunks}))
-    async for found in source.feedback_pages(model, window, page_size):
+    result = Feedback()
+    async for found in source.feedback_pages(model, window.feedback_reach(), page_size):
         result.entries_read += len(found[b"metric"])
         metric = codes.encode(found[b"metric"])  # other metrics get codes past the ones asked for
         keep = metric < len(metrics)
@@ -441,7 +466,10 @@ async def load_feedback(
         good = good_value & good_time
         result.corrupt += int((keep & ~good).sum())
         keep &= good
-        inside = (times >= window.since_ns) & (times < window.until_ns)
+        requests = fingerprints(found[b"request_id"])
+        # Events naming a call count up to the attribution window past the end (joined only to calls inside).
+        end = np.where(requests != 0, window.until_ns + window.attribution_ns, window.until_ns)
+        inside = (times >= window.since_ns) & (times < end)
         result.outside_window += int((keep & ~inside).sum())
         keep &= inside
         rows = np.flatnonzero(keep)
@@ -453,15 +481,15 @@ async def load_feedback(
         fresh = seen.first_time(keys.astype(np.uint64))
         result.duplicates += int((~fresh).sum())
         rows = rows[fresh]
-        chunks["metric"].append(metric[rows].astype(np.int8))
-        chunks["request"].append(fingerprints(found[b"request_id"])[rows])
-        chunks["unit"].append(fingerprints(found[b"unit"])[rows])
-        chunks["value"].append(values[rows].astype(np.float64))
-        chunks["event_ns"].append(times[rows].astype(np.int64))
-    if chunks["metric"]:
-        # A column at a time, its pages let go as it is joined: the pages and the whole table are never held at
-        # once (they were: twice the events' size at the end of the read).
-        result.events = _events({name: _joined(chunks[name]) for name in list(chunks)})
+        page = (
+            metric[rows].astype(np.int8),
+            requests[rows],
+            fingerprints(found[b"unit"])[rows],
+            values[rows].astype(np.float64),
+            times[rows].astype(np.int64),
+        )
+        for sink in sinks:
+            sink.add(*page)
     return result
 
 
@@ -476,18 +504,6 @@ def _joined(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
     return out
 
 
-def _events(columns: dict[str, npt.NDArray[Any]]) -> pa.Table:
-    return pa.table(
-        {
-            "metric": pa.array(columns["metric"], pa.int8()),
-            "request": pa.array(columns["request"], pa.uint64()),
-            "unit": pa.array(columns["unit"], pa.uint64()),
-            "value": pa.array(columns["value"], pa.float64()),
-            "event_ns": pa.array(columns["event_ns"], pa.int64()),
-        }
-    )
-
-
 # -- exposures ----------------------------------------------------------------------------
 
 #: Salt of the unit of a call without a routing key (derived from its request id's fingerprint).
@@ -495,13 +511,10 @@ CALL_UNIT_SALT = 0x63616C6C  # "call"
 
 
 class _ExposureReader:
-    def __init__(
-        self, window: Window, *, per_call: bool, wanted: npt.NDArray[np.uint64], randomized_only: bool
-    ) -> None:
+    def __init__(self, window: Window, *, per_call: bool, randomized_only: bool) -> None:
         self.window = window
         self.per_call = per_call
         self.randomized_only = randomized_only
-        self.wanted = np.sort(wanted)
         self.seen = _SeenFingerprints()
         self.phases = Names()
         self.arms = Names()
@@ -509,7 +522,8 @@ class _ExposureReader:
         self.randomized_codes = np.array([self.assignments.code(a) for a in RANDOMIZED], dtype=np.int16)
         self.units = _UnitIndex()
         self.other: dict[tuple[int, int, int], list[int]] = {}
-        self.call_keys: list[pa.Table] = []
+        self.call_requests: list[npt.NDArray[np.uint64]] = []
+        self.call_rows: list[npt.NDArray[np.int32]] = []
         self.latency: dict[tuple[int, int, int], Histogram] = {}
         self.streams: dict[tuple[int, int, int], StreamStats] = {}
         self.phase_info: dict[str, PhaseInfo] = {}
@@ -548,28 +562,14 @@ class _ExposureReader:
         unit = fingerprints(found[b"unit"])[rows]
         own = mixed(requests, CALL_UNIT_SALT)
         unit = own if self.per_call else np.where(unit == 0, own, unit)
-        if len(self.wanted):
-            # Binary search in the sorted fingerprints of the request ids feedback names (pc.is_in would hash
-            # the whole set again for every page).
-            at = np.minimum(np.searchsorted(self.wanted, requests), len(self.wanted) - 1)
-            named = self.wanted[at] == requests
-            if named.any():
-                self.call_keys.append(
-                    pa.table(
-                        {
-                            "request": requests[named],
-                            "phase": phase[named],
-                            "arm": arm[named],
-                            "unit": unit[named],
-                            "randomized": randomized[named],
-                        }
-                    )
-                )
         chosen = randomized if self.randomized_only else np.ones(len(rows), dtype=bool)
+        call_rows = np.full(len(rows), -1, dtype=np.int32)
         if chosen.any():
-            self.units.add(
+            call_rows[chosen] = self.units.add(
                 phase[chosen], arm[chosen], unit[chosen], self.window.bucket_of(times[chosen]), times[chosen]
             )
+        self.call_requests.append(requests)
+        self.call_rows.append(call_rows)
         if self.randomized_only and not randomized.all():
             for p, a, s, f in zip(
                 phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True
@@ -650,6 +650,7 @@ class _ExposureReader:
         def label(code: int) -> str:
             return "randomized" if code < 0 else self.assignments.names[code]
 
+        call_requests, call_rows = _sorted_calls(self.call_requests, self.call_rows)
         return Exposures(
             units=self.units.table(),
             bucket_calls=self.units.calls[: self.units.size],
@@ -666,7 +667,8 @@ class _ExposureReader:
             phase_info=self.phase_info,
             phases=self.phases,
             arms=self.arms,
-            call_keys=pa.concat_tables(self.call_keys) if self.call_keys else _empty_keys(),
+            call_requests=call_requests,
+            call_rows=call_rows,
             entries_read=self.entries_read,
             calls=self.calls,
             duplicates=self.duplicates,
@@ -722,7 +724,8 @@ class _UnitIndex:
         unit: npt.NDArray[np.uint64],
         bucket: npt.NDArray[np.int16],
         times: npt.NDArray[np.int64],
-    ) -> None:
+    ) -> npt.NDArray[np.int64]:
+        """Adds the calls; returns each one's row."""
         keys = mixed(unit, 0) ^ ((phase.astype(np.uint64) << np.uint64(48)) | (arm.astype(np.uint64) << np.uint64(32)))
         unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         at = np.asarray(np.searchsorted(self.sorted_keys, unique), dtype=np.int64)
@@ -744,6 +747,7 @@ class _UnitIndex:
         row_of = rows[inverse.reshape(-1)]
         np.add.at(self.calls, (row_of, bucket.astype(np.int64)), 1)
         np.minimum.at(self.first_ns, row_of, times)
+        return row_of
 
     def _grow(self, needed: int) -> None:
         if needed <= len(self.phase):
@@ -769,16 +773,17 @@ class _UnitIndex:
         )
 
 
-def _empty_keys() -> pa.Table:
-    return pa.table(
-        {
-            "request": pa.array([], pa.uint64()),
-            "phase": pa.array([], pa.int16()),
-            "arm": pa.array([], pa.int16()),
-            "unit": pa.array([], pa.uint64()),
-            "randomized": pa.array([], pa.bool_()),
-        }
-    )
+def _sorted_calls(
+    requests: list[npt.NDArray[np.uint64]], rows: list[npt.NDArray[np.int32]]
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32]]:
+    """The calls' request fingerprints sorted (for a binary search per event), their rows beside them."""
+    if not requests:
+        return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int32)
+    all_requests = _joined(requests)
+    order = np.argsort(all_requests)
+    sorted_requests = all_requests[order]
+    del all_requests
+    return sorted_requests, _joined(rows)[order]
 
 
 async def load_exposures(
@@ -787,20 +792,17 @@ async def load_exposures(
     window: Window,
     *,
     per_call: bool,
-    wanted_requests: npt.NDArray[np.uint64] | None = None,
     page_size: int = 5_000,
     randomized_only: bool = True,
     segment: str | None = None,
 ) -> Exposures:
     """The calls of ``model`` received in the window. ``per_call``: every call is its own unit (else the
-    routing-key HMAC, and the call for calls without a key). ``wanted_requests``: fingerprints of the request
-    ids feedback names, whose calls are kept for the join. ``randomized_only=False``: every call counts in
+    routing-key HMAC, and the call for calls without a key). ``randomized_only=False``: every call counts in
     ``units`` (a CUPED pre-period, where the covariate is what a unit did, however it was routed).
     ``segment``: a readable field (:data:`SEGMENT_FIELDS`); the result's ``segments`` hold the same per value."""
-    wanted = wanted_requests if wanted_requests is not None else np.zeros(0, dtype=np.uint64)
 
     def reader() -> _ExposureReader:
-        return _ExposureReader(window, per_call=per_call, wanted=wanted, randomized_only=randomized_only)
+        return _ExposureReader(window, per_call=per_call, randomized_only=randomized_only)
 
     overall = reader()
     segments: dict[bytes, _ExposureReader] = {}

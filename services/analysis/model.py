@@ -20,25 +20,47 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+#: Which way a metric is better: ``higher`` (clicks, revenue: the default) or ``lower`` (latency, wait, refunds).
+Direction = Literal["higher", "lower"]
+DIRECTIONS: tuple[Direction, ...] = ("higher", "lower")
+METRIC_SYNTAX = "NAME:KIND[:DIRECTION], KIND proportion, mean or sum, DIRECTION higher (default) or lower"
+
+
 class MetricSpec(_Model):
-    """``click:proportion``: a metric name as feedback reports it, and how it is measured per unit."""
+    """``click:proportion`` or ``wait_s:mean:lower``: a metric name as feedback reports it, how it is measured
+    per unit, and which way is better (a verdict says "better" or "worse" by it)."""
 
     name: str
     kind: MetricKind
+    direction: Direction = "higher"
 
     @staticmethod
     def parse(text: str) -> MetricSpec:
-        name, sep, kind = text.strip().rpartition(":")
+        body, sep, last = text.strip().rpartition(":")
+        direction: Direction = "higher"
+        if sep and last.lower() in DIRECTIONS:
+            direction = "lower" if last.lower() == "lower" else "higher"
+        else:
+            body = text.strip()
+        name, sep, kind = body.rpartition(":")
         kinds = ", ".join(k.value for k in MetricKind)
         if not sep or not name:
-            raise ValueError(f"bad metric {text!r} (expected NAME:KIND, KIND one of {kinds}; e.g. click:proportion)")
+            example = "e.g. click:proportion, wait_s:mean:lower"
+            raise ValueError(f"bad metric {text!r} (expected {METRIC_SYNTAX}; {example})")
         try:
-            return MetricSpec(name=name, kind=MetricKind(kind.lower()))
+            return MetricSpec(name=name, kind=MetricKind(kind.lower()), direction=direction)
         except ValueError:
-            raise ValueError(f"bad metric {text!r}: unknown kind {kind!r} (one of {kinds})") from None
+            raise ValueError(
+                f"bad metric {text!r}: unknown kind {kind!r} (one of {kinds}; a direction, higher or lower, goes last)"
+            ) from None
+
+    @property
+    def higher_is_better(self) -> bool:
+        return self.direction == "higher"
 
     def __str__(self) -> str:
-        return f"{self.name}:{self.kind.value}"
+        suffix = "" if self.direction == "higher" else f":{self.direction}"
+        return f"{self.name}:{self.kind.value}{suffix}"
 
 
 class Interval(_Model):
@@ -95,6 +117,9 @@ class TimelinePoint(_Model):
 class MetricComparison(_Model):
     metric: str
     kind: MetricKind
+    #: Which way is better (``--metric NAME:KIND:lower``): the verdict's "better" or "worse" follows it; the
+    #: lifts are arm minus control whatever the direction.
+    direction: Direction = "higher"
     arm: str
     control: str
     #: ``welch`` (Welch's t-test), ``z`` (delta-method ratio, normal), ``two-proportion z``.
@@ -180,7 +205,8 @@ class FeedbackCounts(_Model):
     not_randomized: int
     #: Events of units seen in two arms of one phase.
     crossover: int
-    #: Events of the metrics asked for but dated outside the window.
+    #: Events of the metrics asked for but dated outside the window (for events naming a call: before it, or
+    #: past its end by more than the attribution window).
     outside_window: int
     #: Events of other metrics.
     other_metrics: int
@@ -203,6 +229,8 @@ class Analysis(_Model):
     model: str
     since_ns: int
     until_ns: int
+    #: Events naming a call of the window count up to ``until_ns + attribution_ns`` (``--attribution-window``).
+    attribution_ns: int = 0
     unit: Unit
     alpha: float
     sequential: bool

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from html import escape
 
+from splitstream.analysis import statistics as st
 from splitstream.analysis.model import Analysis, Interval, MetricComparison, PhaseResult, Segment, TimelinePoint
 from splitstream.common import charts
 from splitstream.common.charts import fmt, fmt_rate
@@ -65,7 +66,7 @@ def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list
         flag = "SAMPLE RATIO MISMATCH" if srm.flagged else "ok"
         lines.append(
             f"{pad}units per arm: observed {observed}; expected {expected}; "
-            f"chi2 {srm.chi2:.2f}, p {_p(srm.p_value)}: {flag}"
+            f"chi2 {srm.chi2:.2f}, {st.p_clause(srm.p_value)}: {flag}"
         )
     if phase.crossover_units:
         lines.append(f"{pad}units seen in two arms (excluded): {phase.crossover_units}")
@@ -101,6 +102,10 @@ def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list
 
 def _title(analysis: Analysis) -> str:
     extras = [f"unit {analysis.unit}", f"alpha {analysis.alpha:g}"]
+    if analysis.attribution_ns:
+        extras.append(
+            f"events of its calls counted until {format_instant(analysis.until_ns + analysis.attribution_ns)}"
+        )
     if analysis.sequential:
         extras.append("always-valid (mSPRT)")
     if analysis.cuped_since_ns is not None and analysis.cuped_until_ns is not None:
@@ -145,12 +150,6 @@ def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
 
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.4g}"
-
-
-def _p(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return "< 0.001" if value < 0.001 else f"{value:.3f}"
 
 
 # -- HTML ----------------------------------------------------------------------------------
@@ -269,7 +268,7 @@ def _srm_panel(phase: PhaseResult) -> str:
     )
     table = (
         "<table><tr><th class='l'>arm</th><th>weight</th><th>expected units</th><th>observed units</th></tr>"
-        f"{rows}</table><p>chi-square {srm.chi2:.2f}, p = {escape(_p(srm.p_value))}</p>"
+        f"{rows}</table><p>chi-square {srm.chi2:.2f}, {escape(st.p_clause(srm.p_value))}</p>"
     )
     return f"<div class='srm'>{verdict}<div class='charts'>{bars}</div>{table}{crossover}</div>"
 
@@ -318,7 +317,7 @@ def _lift_section(phase: PhaseResult) -> str:
     rows = []
     for c in phase.comparisons:
         seq = (
-            f"<td>{escape(_p(c.sequential_p_value))}</td><td>{escape(_interval(c.sequential_ci))}</td>"
+            f"<td>{escape(st.p_text(c.sequential_p_value))}</td><td>{escape(_interval(c.sequential_ci))}</td>"
             if c.sequential_ci is not None
             else "<td>-</td><td>-</td>"
         )
@@ -328,7 +327,7 @@ def _lift_section(phase: PhaseResult) -> str:
             f"({escape(c.kind.value)})</td><td>{_num(c.control_value)}</td><td>{_num(c.arm_value)}</td>"
             f"<td>{_num(c.absolute_lift)}</td><td>{escape(_interval(c.absolute_ci))}</td>"
             f"<td>{_pct(c.relative_lift)}</td><td>{escape(_pct_interval(c.relative_ci))}</td>"
-            f"<td>{escape(_p(c.p_value))}</td>{seq}<td class='l'>{escape(c.test)}</td>"
+            f"<td>{escape(st.p_text(c.p_value))}</td>{seq}<td class='l'>{escape(c.test)}</td>"
             f"<td class='l'>{escape(cuped)}</td><td class='l'>{escape(c.verdict)}</td></tr>"
         )
     table = (

@@ -37,6 +37,20 @@ from scipy import stats
 
 FloatArray = npt.NDArray[np.float64]
 
+
+def p_text(p: float | None) -> str:
+    """A p-value as a table cell shows it: ``0.002``, ``< 0.001`` (below that the digits are noise), ``-``."""
+    if p is None or math.isnan(p):
+        return "-"
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def p_clause(p: float | None) -> str:
+    """A p-value in a sentence: ``p = 0.002``, or ``p < 0.001`` (not ``p = < 0.001``)."""
+    text = p_text(p)
+    return f"p {text}" if text.startswith("<") else f"p = {text}"
+
+
 #: Units at which the confidence sequence is tightest (GrowthBook's default tuning, 5,000).
 DEFAULT_TUNING_UNITS = 5_000
 
