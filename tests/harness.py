@@ -396,8 +396,9 @@ class SteadyLoad:
 
 
 @contextlib.contextmanager
-def one_version_router(tmp: Path, model: str, *, salt: str) -> Iterator[ServiceProcess]:
-    """A router in front of one worker serving ``model`` v1 (``y = 2x``), all versions' traffic on v1."""
+def one_version_router(tmp: Path, model: str, *, salt: str, extra: Sequence[str] = ()) -> Iterator[ServiceProcess]:
+    """A router in front of one worker serving ``model`` v1 (``y = 2x``), all versions' traffic on v1
+    (``extra``: more router flags)."""
     add_version(tmp / "models", model, "v1", scale=2.0)
     stack = Stack(tmp)
     try:
@@ -406,7 +407,7 @@ def one_version_router(tmp: Path, model: str, *, salt: str) -> Iterator[ServiceP
         write_registry(
             tmp / "registry.yaml", {model: {"endpoints": {"v1": [worker.address]}, "experiment": experiment}}
         )
-        yield stack.router(tmp / "registry.yaml")
+        yield stack.router(tmp / "registry.yaml", *extra)
     finally:
         stack.close()
 

@@ -25,6 +25,7 @@ from splitstream.common.records import feedback_key, routing_key_hmac
 from tests.harness import (
     InferClient,
     ServiceProcess,
+    free_port,
     make_request,
     metric_samples,
     one_version_router,
@@ -421,3 +422,68 @@ def test_a_report_the_log_has_no_room_for_is_refused_whole_and_counted(stack: Re
         )
     finally:
         small.stop()
+
+
+class RecorderBeforeFeedback:
+    """A stand-in for a recorder released before feedback existed (an older release cannot run here).
+
+    It behaves as that release did on the wire: ``RecordBatch.feedback`` (field 3) was unknown to it, so
+    it was skipped, and each batch was acknowledged with its records written and nothing said of feedback."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        from splitstream.common.proto.splitstream.v1 import recorder_pb2
+
+        def record(batches: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+            for batch in batches:
+                yield recorder_pb2.RecordAck(sequence=batch.sequence, written=len(batch.records))
+
+        handler = grpc.method_handlers_generic_handler(
+            "splitstream.v1.Recorder",
+            {
+                "Record": grpc.stream_stream_rpc_method_handler(
+                    record,
+                    request_deserializer=recorder_pb2.RecordBatch.FromString,
+                    response_serializer=recorder_pb2.RecordAck.SerializeToString,
+                )
+            },
+        )
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        self.server.add_generic_rpc_handlers((handler,))
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(grace=None)
+
+
+def test_feedback_a_recorder_older_than_feedback_ignores_is_counted_and_said_not_lost_silently(tmp_path: Path) -> None:
+    """Recorders must be upgraded before routers; when they are not, the loss is loud and counted."""
+    old = RecorderBeforeFeedback()
+    shipper_port = free_port()
+    try:
+        with one_version_router(
+            tmp_path,
+            MODEL,
+            salt="old-recorder",
+            extra=(
+                "--recorder", f"127.0.0.1:{old.port}",
+                "--hmac-key", HMAC_KEY,
+                "--spool-dir", str(tmp_path / "spool"),
+                "--shipper-metrics-port", str(shipper_port),
+                "--record-batch-interval-ms", "20",
+            ),
+        ) as router:  # fmt: skip
+            reply = report(
+                router, [Event(model=MODEL, request_id=f"r{i}", metric="click", value=1.0) for i in range(5)]
+            )
+            assert reply.accepted == 5
+            wait_for(
+                lambda: metric_total(shipper_port, "splitstream_shipper_feedback_dropped_total", reason="ignored") == 5,
+                timeout_s=30,
+                what="the 5 ignored events to be counted",
+            )
+            assert "predates feedback" in router.log()
+    finally:
+        old.close()

@@ -206,7 +206,7 @@ class MirrorMetrics:
         self.feedback_dropped = Counter(
             "splitstream_shipper_feedback_dropped",
             "Outcome events accepted but not recorded: queue_full, rejected (by the "
-            "recorder), refused, too_large (reasons as for records)",
+            "recorder), refused, too_large (reasons as for records), ignored (by a recorder older than feedback)",
             ["reason"],
             registry=registry,
         )
@@ -222,6 +222,7 @@ class MirrorMetrics:
         for reason in _DROP_REASONS:
             self.records_dropped.labels(reason)
             self.feedback_dropped.labels(reason)
+        self.feedback_dropped.labels("ignored")
         for result in ("written", "duplicate"):
             self.feedback_recorded.labels(result)
 
@@ -275,6 +276,7 @@ class RecordMirror:
         self._phases: dict[str, bytes] = {}
         #: (key of the oldest unacknowledged batch, times the recorder refused it).
         self._refusals: tuple[int, int] = (0, 0)
+        self._told_ignored = False  # a recorder older than feedback: said once
         self._outage = False
 
     # -- the request path ------------------------------------------------------------------
@@ -614,6 +616,7 @@ class RecordMirror:
                 self.metrics.feedback_recorded.labels("written").inc(ack.feedback_written)
             if ack.feedback_duplicates:
                 self.metrics.feedback_recorded.labels("duplicate").inc(ack.feedback_duplicates)
+            self._count_ignored_feedback(sent, ack)
             if sent.ticket is not None:
                 self.settlement.settle(sent.ticket)
             if sent.spool_position is not None and self.spool is not None:
@@ -623,6 +626,21 @@ class RecordMirror:
             if not unacked and not self._resend and self.spool is None:
                 self._cutter.forget()  # no halved or dropped part can be sent again (cheap batches again)
             self._acked.set()
+
+    def _count_ignored_feedback(self, sent: _Sent, ack: recorder_pb2.RecordAck) -> None:
+        """A recorder built before feedback skips ``RecordBatch.feedback`` as an unknown field and acknowledges
+        the batch: its events are gone. Resending cannot help (it would skip them again) and holding the log
+        would stop the calls too, so they are counted (``ignored``) and the operator told, loudly, once."""
+        accounted = ack.feedback_written + ack.feedback_duplicates + len(ack.rejected_feedback)
+        if sent.events <= accounted:
+            return
+        self.metrics.feedback_dropped.labels("ignored").inc(sent.events - accounted)
+        if not self._told_ignored:
+            self._told_ignored = True
+            log.error(
+                "the recorder ignored feedback events: it predates feedback; upgrade recorders before routers",
+                ignored=sent.events - accounted,
+            )
 
     async def _finish(
         self, stream: aio.StreamStreamCall, reader: asyncio.Task[None], unacked: collections.deque[_Sent]
