@@ -8,7 +8,9 @@ a routing-key HMAC, the experiment phase, request metadata). Measured side by si
 - XREADGROUP + XACK only: the same through a consumer group, acknowledged, nothing decoded (the floor
   of any reader that may not lose an entry);
 - archive → directory: the archiver's own loop (consumer group, decode, Parquet zstd, XACK, mark)
-  until the archive mark passes the last entry, writing to a temporary directory;
+  until the archive mark passes the last entry, writing to a temporary directory, its files built
+  in the builder process (the default);
+- the same with the files built in a thread of the archiver's process (``--builder thread``);
 - archive → S3: the same into a real S3 API server (moto's server mode, a local process).
 
 Then bytes per record: the Parquet files' size against Redis's own ``MEMORY USAGE`` of the stream.
@@ -123,25 +125,34 @@ async def group_read(redis: Redis, count: int) -> float:
     return done / (time.perf_counter() - started)
 
 
-async def archive_all(redis: Redis, archive: Archive, count: int) -> float:
+async def archive_all(redis: Redis, archive: Archive, count: int, *, process: bool = True) -> float:
     stream = stream_key(MODEL)
     await redis.delete(archive_mark_key(stream))
     with contextlib.suppress(Exception):
         await redis.xgroup_destroy(stream, ARCHIVE_GROUP)
     settings = ArchiverSettings(
-        group=ARCHIVE_GROUP, consumer="bench", max_file_rows=10_000, flush_interval_s=30, claim_idle_s=600
+        group=ARCHIVE_GROUP,
+        consumer="bench",
+        max_file_rows=10_000,
+        flush_interval_s=30,
+        claim_idle_s=600,
+        builder_process=process,
     )
     archiver = Archiver(redis, archive, settings, ArchiverMetrics())
+    await archiver.start()  # the builder process spawned before the clock starts, as a running archiver's is
     newest: Any = await redis.xrevrange(stream, count=1)
     last = newest[0][0].decode()
     last_key = tuple(int(p) for p in last.split("-"))
-    started = time.perf_counter()
-    while True:
-        await archiver.step()
-        mark: Any = await redis.get(archive_mark_key(stream))
-        if mark is not None and tuple(int(p) for p in mark.decode().split("-")) > last_key:
-            break  # checked after every step: the step after the last file would wait for new entries
-    return count / (time.perf_counter() - started)
+    try:
+        started = time.perf_counter()
+        while True:
+            await archiver.step()
+            mark: Any = await redis.get(archive_mark_key(stream))
+            if mark is not None and tuple(int(p) for p in mark.decode().split("-")) > last_key:
+                break  # checked after every step: the step after the last file would wait for new entries
+        return count / (time.perf_counter() - started)
+    finally:
+        await archiver.close()
 
 
 def parquet_bytes(archive: Archive) -> int:
@@ -163,15 +174,24 @@ async def main_async(args: argparse.Namespace) -> None:
             memory: Any = await redis.memory_usage(stream_key(MODEL), samples=0)
             # Interleaved rounds, so machine noise (other processes on a shared machine) hits each path alike;
             # each round writes a fresh archive (the group and mark are reset).
-            raws, floors, to_dirs, to_s3s = [], [], [], []
+            raws, floors, to_dirs, in_threads, to_s3s = [], [], [], [], []
             for round_ in range(args.rounds):
                 raws.append(await raw_read(redis))
                 floors.append(await group_read(redis, args.records))
                 local = open_archive(str(Path(tmp) / f"archive-{round_}"))
                 to_dirs.append(await archive_all(redis, local, args.records))
+                threaded = open_archive(str(Path(tmp) / f"archive-thread-{round_}"))
+                in_threads.append(await archive_all(redis, threaded, args.records, process=False))
                 remote = open_archive(f"s3://bench/archive-{round_}", endpoint=s3.endpoint)
                 to_s3s.append(await archive_all(redis, remote, args.records))
-            raw, floor, to_dir, to_s3 = (sorted(rates)[len(rates) // 2] for rates in (raws, floors, to_dirs, to_s3s))
+                print(
+                    f"round {round_ + 1}: archive -> directory {to_dirs[-1] / raws[-1]:.2f}x raw "
+                    f"(thread-built {in_threads[-1] / raws[-1]:.2f}x), -> S3 {to_s3s[-1] / raws[-1]:.2f}x",
+                    file=sys.stderr,
+                )
+            raw, floor, to_dir, in_thread, to_s3 = (
+                sorted(rates)[len(rates) // 2] for rates in (raws, floors, to_dirs, in_threads, to_s3s)
+            )
             on_disk = parquet_bytes(local)
             in_s3 = parquet_bytes(remote)
         finally:
@@ -184,6 +204,7 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"{'raw XRANGE (no decode)':<28}{raw_rate:>12,.0f}{1.0:>15.2f}x")
     print(f"{'XREADGROUP + XACK only':<28}{floor:>12,.0f}{floor / raw_rate:>15.2f}x")
     print(f"{'archive -> directory':<28}{to_dir:>12,.0f}{to_dir / raw_rate:>15.2f}x")
+    print(f"{'  the same, thread-built':<28}{in_thread:>12,.0f}{in_thread / raw_rate:>15.2f}x")
     print(f"{'archive -> S3 (moto)':<28}{to_s3:>12,.0f}{to_s3 / raw_rate:>15.2f}x")
     print()
     print(f"{'storage':<28}{'bytes/record':>12}{'vs Redis':>16}")

@@ -108,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--read-count", type=int, default=1000, help="entries per XREADGROUP")
     parser.add_argument("--scan-interval-s", type=float, default=5.0, help="how often new streams are looked for")
+    parser.add_argument(
+        "--builder",
+        choices=("process", "thread"),
+        default="process",
+        help="where files are decoded, built and written: a child process, beside the loop reading Redis "
+        "(two cores), or a thread of the archiver's own (one core)",
+    )
     return parser
 
 
@@ -144,6 +151,7 @@ def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
             claim_idle_s=args.claim_idle_s,
             read_count=args.read_count,
             scan_interval_s=args.scan_interval_s,
+            builder_process=args.builder == "process",
         )
         security = redis_security_from_args(args, url=args.redis_url, env_prefix=ENV_PREFIX)
     except ConfigError as error:
@@ -225,4 +233,5 @@ class ArchiverService(Service):
         await self.archiver.drain()
 
     async def teardown(self) -> None:
+        await self.archiver.close()
         await self.redis.aclose()
