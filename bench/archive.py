@@ -16,6 +16,10 @@ a routing-key HMAC, the experiment phase, request metadata). Measured side by si
 Then bytes per record: the Parquet files' size against Redis's own ``MEMORY USAGE`` of the stream.
 Targets: archiving at least half the raw read rate; Parquet at most half the bytes of the entries.
 
+Last, reading back: the archive of ``--records`` and one of twice as many, each read whole in a fresh
+process as a replay does (every record decoded), part by part (``iter_calls``) and all at once
+(``read_calls``): the peak of Arrow's memory pool and of the process's resident memory.
+
     .venv/bin/python bench/archive.py [--records 50000] [--rounds 3]
 """
 
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -31,18 +37,27 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import contextlib
+from concurrent.futures import ProcessPoolExecutor
 
 from splitstream.archiver.core import Archiver, ArchiverSettings
 from splitstream.archiver.metrics import ArchiverMetrics
-from splitstream.common.archive import Archive, open_archive
+from splitstream.common.archive import Archive, ArchiveQuery, iter_calls, open_archive, read_calls
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import ARCHIVE_GROUP, archive_mark_key, entry_fields, read_entries, stream_key
+from splitstream.common.records import (
+    ARCHIVE_GROUP,
+    archive_mark_key,
+    decode_record,
+    entry_fields,
+    read_entries,
+    stream_key,
+)
 from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
 
@@ -88,12 +103,12 @@ def demo_record(i: int, rng: np.random.Generator, now_ns: int) -> recorder_pb2.C
     return record
 
 
-async def fill(redis: Redis, count: int) -> None:
-    rng = np.random.default_rng(7)
+async def fill(redis: Redis, count: int, first: int = 0) -> None:
+    rng = np.random.default_rng(7 + first)
     now_ns = time.time_ns() - count * 1000
-    for start in range(0, count, 1000):
+    for start in range(first, first + count, 1000):
         pipe = redis.pipeline(transaction=False)
-        for i in range(start, min(start + 1000, count)):
+        for i in range(start, min(start + 1000, first + count)):
             pipe.xadd(stream_key(MODEL), entry_fields(demo_record(i, rng, now_ns)))  # type: ignore[arg-type]
         await pipe.execute()
 
@@ -155,6 +170,26 @@ async def archive_all(redis: Redis, archive: Archive, count: int, *, process: bo
         await archiver.close()
 
 
+def read_back(url: str, whole: bool) -> tuple[int, int, int]:
+    """In a fresh process: read every call of the archive at ``url`` as a replay does (each record
+    decoded, then dropped). Rows, the peak bytes of Arrow's memory pool, the peak resident set."""
+    query = ArchiveQuery(model=MODEL, since_ns=0, until_ns=time.time_ns() + 3600 * 10**9)
+    parts = [read_calls(open_archive(url), query)] if whole else iter_calls(open_archive(url), query)
+    rows = 0
+    for part in parts:
+        for data in part["record"].to_pylist():
+            decode_record(data)
+            rows += 1
+        del part
+    max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rows, pa.default_memory_pool().max_memory(), max_rss_kib * 1024
+
+
+def peak_read(url: str, whole: bool) -> tuple[int, int, int]:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(read_back, url, whole).result()
+
+
 def parquet_bytes(archive: Archive) -> int:
     import pyarrow.fs as pafs
 
@@ -194,6 +229,14 @@ async def main_async(args: argparse.Namespace) -> None:
             )
             on_disk = parquet_bytes(local)
             in_s3 = parquet_bytes(remote)
+            await fill(redis, args.records, first=args.records)
+            double = open_archive(str(Path(tmp) / "archive-double"))
+            await archive_all(redis, double, 2 * args.records)
+            reads = [
+                (f"{label}, {size:,} calls", *peak_read(archive.url, whole))
+                for whole, label in ((False, "iter_calls (part by part)"), (True, "read_calls (all at once)"))
+                for size, archive in ((args.records, local), (2 * args.records, double))
+            ]
         finally:
             await redis.aclose()
             s3.stop()
@@ -211,6 +254,10 @@ async def main_async(args: argparse.Namespace) -> None:
     print(f"{'Redis stream (MEMORY USAGE)':<28}{memory / args.records:>12,.1f}{1.0:>15.2f}x")
     print(f"{'Parquet, directory':<28}{on_disk / args.records:>12,.1f}{on_disk / memory:>15.2f}x")
     print(f"{'Parquet, S3':<28}{in_s3 / args.records:>12,.1f}{in_s3 / memory:>15.2f}x")
+    print()
+    print(f"{'reading back (fresh process)':<40}{'rows':>8}{'Arrow peak MiB':>16}{'RSS peak MiB':>14}")
+    for label, rows, arrow_peak, rss_peak in reads:
+        print(f"{label:<40}{rows:>8,}{arrow_peak / 2**20:>16.1f}{rss_peak / 2**20:>14.1f}")
 
 
 def main() -> None:

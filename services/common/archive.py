@@ -422,19 +422,24 @@ def _with_model(table: pa.Table, model: str) -> pa.Table:
 
 
 def _unique_first(table: pa.Table, key: str = "request_id") -> pa.Table:
-    """One row per ``key``, the one with the earliest stream id, then sorted by receive time."""
-    if table.num_rows == 0:
-        return table.sort_by([("receive_time", "ascending"), ("stream_id", "ascending")])
-    ms = pc.cast(pc.list_element(pc.split_pattern(table["stream_id"], "-"), 0), pa.int64())
-    seq = pc.cast(pc.list_element(pc.split_pattern(table["stream_id"], "-"), 1), pa.int64())
-    indexed = table.append_column("_ms", ms).append_column("_seq", seq)
-    indexed = indexed.append_column("_row", pa.array(range(table.num_rows), type=pa.int64()))
-    indexed = indexed.sort_by([("_ms", "ascending"), ("_seq", "ascending")])
-    firsts = indexed.group_by(key, use_threads=False).aggregate([("_row", "first")])
-    keep = pc.sort_indices(firsts["_row_first"])
-    rows = pc.take(firsts["_row_first"], keep)
-    unique = table.take(rows)
-    return unique.sort_by([("receive_time", "ascending"), ("stream_id", "ascending")])
+    """One row per ``key``, the one with the earliest stream id, then sorted by receive time. The order
+    is worked out on the key columns alone and the table taken once (a part's records are its bulk)."""
+    stream_ids = table["stream_id"]
+    parts = pc.split_pattern(stream_ids, "-")
+    keys = pa.table(
+        {
+            "key": table[key],
+            "receive_time": table["receive_time"],
+            "stream_id": stream_ids,
+            "_ms": pc.cast(pc.list_element(parts, 0), pa.int64()),
+            "_seq": pc.cast(pc.list_element(parts, 1), pa.int64()),
+            "_row": pa.array(range(table.num_rows), type=pa.int64()),
+        }
+    )
+    by_id = keys.sort_by([("_ms", "ascending"), ("_seq", "ascending")])
+    firsts = by_id.group_by("key", use_threads=False).aggregate([("_row", "first")])["_row_first"]
+    kept = keys.take(firsts).sort_by([("receive_time", "ascending"), ("stream_id", "ascending")])
+    return table.take(kept["_row"])
 
 
 def stored_records(table: pa.Table) -> list[StoredRecord]:
