@@ -62,6 +62,11 @@ from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
 
 MODEL = "digits"
+ARCHIVE_PATHS = ("archive -> directory", "  the same, thread-built", "archive -> S3 (moto)")
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def demo_record(i: int, rng: np.random.Generator, now_ns: int) -> recorder_pb2.CallRecord:
@@ -140,7 +145,19 @@ async def group_read(redis: Redis, count: int) -> float:
     return done / (time.perf_counter() - started)
 
 
-async def archive_all(redis: Redis, archive: Archive, count: int, *, process: bool = True) -> float:
+def child_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) a live child process has used so far; 0 for none."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def archive_all(
+    redis: Redis, archive: Archive, count: int, *, process: bool = True
+) -> tuple[float, float, float]:
+    """Records/s, and CPU µs a record of the archiver's own process (the loop, and a builder thread)
+    and of its builder process: CPU time does not depend on what else the machine runs, wall time does."""
     stream = stream_key(MODEL)
     await redis.delete(archive_mark_key(stream))
     with contextlib.suppress(Exception):
@@ -159,13 +176,17 @@ async def archive_all(redis: Redis, archive: Archive, count: int, *, process: bo
     last = newest[0][0].decode()
     last_key = tuple(int(p) for p in last.split("-"))
     try:
+        child_cpu = child_cpu_s(archiver.builder.pid)
+        cpu = time.process_time()
         started = time.perf_counter()
         while True:
             await archiver.step()
             mark: Any = await redis.get(archive_mark_key(stream))
             if mark is not None and tuple(int(p) for p in mark.decode().split("-")) > last_key:
                 break  # checked after every step: the step after the last file would wait for new entries
-        return count / (time.perf_counter() - started)
+        rate = count / (time.perf_counter() - started)
+        own_us = (time.process_time() - cpu) / count * 1e6
+        return rate, own_us, (child_cpu_s(archiver.builder.pid) - child_cpu) / count * 1e6
     finally:
         await archiver.close()
 
@@ -209,24 +230,25 @@ async def main_async(args: argparse.Namespace) -> None:
             memory: Any = await redis.memory_usage(stream_key(MODEL), samples=0)
             # Interleaved rounds, so machine noise (other processes on a shared machine) hits each path alike;
             # each round writes a fresh archive (the group and mark are reset).
-            raws, floors, to_dirs, in_threads, to_s3s = [], [], [], [], []
+            raws: list[float] = []
+            floors: list[float] = []
+            paths: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ARCHIVE_PATHS}
             for round_ in range(args.rounds):
                 raws.append(await raw_read(redis))
                 floors.append(await group_read(redis, args.records))
                 local = open_archive(str(Path(tmp) / f"archive-{round_}"))
-                to_dirs.append(await archive_all(redis, local, args.records))
+                paths["archive -> directory"].append(await archive_all(redis, local, args.records))
                 threaded = open_archive(str(Path(tmp) / f"archive-thread-{round_}"))
-                in_threads.append(await archive_all(redis, threaded, args.records, process=False))
+                paths["  the same, thread-built"].append(
+                    await archive_all(redis, threaded, args.records, process=False)
+                )
                 remote = open_archive(f"s3://bench/archive-{round_}", endpoint=s3.endpoint)
-                to_s3s.append(await archive_all(redis, remote, args.records))
+                paths["archive -> S3 (moto)"].append(await archive_all(redis, remote, args.records))
                 print(
-                    f"round {round_ + 1}: archive -> directory {to_dirs[-1] / raws[-1]:.2f}x raw "
-                    f"(thread-built {in_threads[-1] / raws[-1]:.2f}x), -> S3 {to_s3s[-1] / raws[-1]:.2f}x",
+                    f"round {round_ + 1}: "
+                    + ", ".join(f"{name.strip()} {runs[-1][0] / raws[-1]:.2f}x" for name, runs in paths.items()),
                     file=sys.stderr,
                 )
-            raw, floor, to_dir, in_thread, to_s3 = (
-                sorted(rates)[len(rates) // 2] for rates in (raws, floors, to_dirs, in_threads, to_s3s)
-            )
             on_disk = parquet_bytes(local)
             in_s3 = parquet_bytes(remote)
             await fill(redis, args.records, first=args.records)
@@ -241,14 +263,17 @@ async def main_async(args: argparse.Namespace) -> None:
             await redis.aclose()
             s3.stop()
             server.stop()
-    raw_rate = raw
+    raw_rate, floor = median(raws), median(floors)
     print(f"{args.records} demo-shaped call records (64 float32 in, 10 float32 out, inline); median of {args.rounds}\n")
-    print(f"{'path':<28}{'records/s':>12}{'vs raw XRANGE':>16}")
+    ratios = " ".join(f"{'round ' + str(i + 1):>8}" for i in range(args.rounds))
+    print(f"{'path':<28}{'records/s':>12}{'vs raw XRANGE':>16} {ratios}{'loop CPU us/rec':>17}{'builder CPU':>13}")
     print(f"{'raw XRANGE (no decode)':<28}{raw_rate:>12,.0f}{1.0:>15.2f}x")
     print(f"{'XREADGROUP + XACK only':<28}{floor:>12,.0f}{floor / raw_rate:>15.2f}x")
-    print(f"{'archive -> directory':<28}{to_dir:>12,.0f}{to_dir / raw_rate:>15.2f}x")
-    print(f"{'  the same, thread-built':<28}{in_thread:>12,.0f}{in_thread / raw_rate:>15.2f}x")
-    print(f"{'archive -> S3 (moto)':<28}{to_s3:>12,.0f}{to_s3 / raw_rate:>15.2f}x")
+    for name, runs in paths.items():
+        rate = median([run[0] for run in runs])
+        each = " ".join(f"{run[0] / raw:>7.2f}x" for run, raw in zip(runs, raws, strict=True))
+        own, child = median([run[1] for run in runs]), median([run[2] for run in runs])
+        print(f"{name:<28}{rate:>12,.0f}{rate / raw_rate:>15.2f}x {each}{own:>17.1f}{child:>13.1f}")
     print()
     print(f"{'storage':<28}{'bytes/record':>12}{'vs Redis':>16}")
     print(f"{'Redis stream (MEMORY USAGE)':<28}{memory / args.records:>12,.1f}{1.0:>15.2f}x")

@@ -15,6 +15,7 @@ finish) and exits once its parent is gone (a SIGKILLed archiver leaves no orphan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -132,6 +133,8 @@ class Builder:
         self.archive = archive
         self.in_process = in_process
         self._pool: ProcessPoolExecutor | None = None
+        #: The child's process id once :meth:`start` saw it up (None: not started, or in a thread).
+        self.pid: int | None = None
 
     def _executor(self) -> ProcessPoolExecutor:
         if self._pool is None:
@@ -146,7 +149,7 @@ class Builder:
     async def start(self) -> None:
         """Spawn the child now (a second or two of imports) rather than at the first file."""
         if self.in_process:
-            await self._call(_ready)
+            self.pid = await self._call(_ready)
 
     async def write(
         self, kind: str, model: str, batches: Sequence[bytes], ordered: bool, blob_bytes: dict[str, bytes] | None
@@ -162,7 +165,10 @@ class Builder:
             await self.close()  # the next call starts a new child
             raise UploadFailed(f"the file-building process died: {error}") from None
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the child once its write in hand is done, waiting ``timeout_s`` at most here (a store
+        that does not answer fails the write within its own timeouts)."""
         pool, self._pool = self._pool, None
         if pool is not None:
-            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True), timeout_s)
