@@ -8,12 +8,13 @@ Delivery, step by step, and why nothing is lost or kept twice:
 2. Entries wait in a per-stream buffer until it holds ``max_file_rows`` entries or ``max_file_bytes``,
    or its oldest entry has waited ``flush_interval_s``. The buffer becomes one file per hour partition,
    named after the first and last stream id it holds.
-3. Only after every file of the buffer is written (an object store's upload complete) are its entries
-   acknowledged (``XACK``). A crash before that leaves them pending: the same archiver, restarted
-   under the same ``--consumer`` name, reads its own pending entries first and writes the same files
-   under the same names again; any other archiver takes them over (``XAUTOCLAIM``) once they have
-   been idle ``claim_idle_s``, and writes them under its own batching, so a reader may meet a request
-   id twice: readers de-duplicate by request id.
+3. The buffer's files are built and written by a child process (:mod:`splitstream.archiver.builder`)
+   while the loop reads on. Only after every file of the buffer is written (an object store's upload
+   complete) are its entries acknowledged (``XACK``). A crash before that leaves them pending: the
+   same archiver, restarted under the same ``--consumer`` name, reads its own pending entries first
+   and writes the same files under the same names again; any other archiver takes them over
+   (``XAUTOCLAIM``) once they have been idle ``claim_idle_s``, and writes them under its own
+   batching, so a reader may meet a request id twice: readers de-duplicate by request id.
 4. After acknowledging, the stream's mark (``splitstream:archived:{<stream>}``) is raised by a script
    that reads the group's state inside Redis: the oldest pending entry, or past the last delivered
    one when none is pending. Computed from the group, not from this archiver's own progress, so with
