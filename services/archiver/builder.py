@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import os
 import pickle
@@ -83,8 +84,15 @@ def _ready() -> int:
 
 
 def _write_in_child(*args: Any) -> Built:
+    """:func:`write_batches` with the garbage collector off: the entries are lists of bytes, no cycles,
+    and its passes over the tens of thousands of them just unpickled cost as much as the rest of the
+    build (measured alone: 10 to 19 µs a record with it, 9.2 to 9.6 without). The child does nothing else."""
     assert _archive is not None, "the builder process was not started"
-    return write_batches(_archive, *args)
+    gc.disable()
+    try:
+        return write_batches(_archive, *args)
+    finally:
+        gc.enable()
 
 
 def write_batches(
