@@ -531,6 +531,24 @@ def test_a_killed_builder_process_is_replaced_and_a_killed_archiver_leaves_no_bu
     assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
 
 
+def test_with_the_builder_thread_no_child_is_started_and_every_call_is_archived(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """``--builder thread`` (a one-core host): the same files, blobs inlined, built in the archiver's own process."""
+    client = redis_server.client()
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--builder", "thread")
+    try:
+        ids = write_synthetic(client, 0, 100, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the files")
+        assert builder_pids(archiver) == []
+    finally:
+        archiver.stop()
+    table = read_calls(open_archive(url), ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns()))
+    assert table["request_id"].to_pylist() == ids
+    assert all(stored.record.request.inline == bytes([i % 251]) * 40 for i, stored in enumerate(stored_records(table)))
+
+
 def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -99,13 +99,18 @@ def write_batches(
     archive: Archive,
     kind: str,
     model: str,
-    batches: Sequence[bytes],
+    batches: Sequence[bytes | list[Any]],
     ordered: bool,
     blob_bytes: dict[str, bytes] | None,
 ) -> Built:
-    """Decode the pickled entries (stream id order unless ``ordered`` is False), build the files of
-    their hour partitions and write them. Blocking (in the child, or a thread)."""
-    entries = [Entry(raw_id.decode(), flat) for data in batches for raw_id, flat in pickle.loads(data)]
+    """Decode the entries (each batch pickled, or the pairs as read; in stream id order unless
+    ``ordered`` is False), build the files of their hour partitions and write them. Blocking (in the
+    child, or a thread)."""
+    entries = [
+        Entry(raw_id.decode(), flat)
+        for data in batches
+        for raw_id, flat in (pickle.loads(data) if isinstance(data, bytes) else data)
+    ]
     if not ordered:
         entries.sort(key=lambda entry: id_key(entry.stream_id))
     missing = corrupt = 0
@@ -160,7 +165,12 @@ class Builder:
             self.pid = await self._call(_ready)
 
     async def write(
-        self, kind: str, model: str, batches: Sequence[bytes], ordered: bool, blob_bytes: dict[str, bytes] | None
+        self,
+        kind: str,
+        model: str,
+        batches: Sequence[bytes | list[Any]],
+        ordered: bool,
+        blob_bytes: dict[str, bytes] | None,
     ) -> Built:
         if not self.in_process:
             return await asyncio.to_thread(write_batches, self.archive, kind, model, batches, ordered, blob_bytes)

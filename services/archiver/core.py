@@ -32,6 +32,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, cast
 
 import pyarrow as pa
@@ -106,11 +107,12 @@ class ArchiverSettings:
 
 @dataclass(slots=True)
 class Batch:
-    """Entries as one read returned them: pickled for the builder process (:func:`pickle_entries`) and
-    their stream ids, to acknowledge them."""
+    """Entries as one read returned them: pickled for the builder process (:func:`pickle_entries`), or
+    the pairs themselves for a builder thread; their stream ids, to acknowledge them; about their bytes."""
 
-    data: bytes
+    data: bytes | list[Any]
     ids: list[bytes]
+    size: int
 
 
 @dataclass(slots=True)
@@ -118,9 +120,11 @@ class Buffer:
     """A stream's entries read and not yet on their way to a file, kept as the reads' pickled
     :class:`Batch`\\ es: no object per entry field waits here (nor for the garbage collector to walk)."""
 
+    #: Pickle each read (for a builder process); False: keep the pairs as read (a builder thread).
+    pickled: bool = True
     batches: list[Batch] = field(default_factory=list)
     count: int = 0
-    size: int = 0  # bytes, pickled
+    size: int = 0  # bytes
     since: float = 0.0  # monotonic time the oldest entry was read
     #: False once entries older than some already held were added (claimed): the builder sorts them.
     ordered: bool = True
@@ -131,8 +135,15 @@ class Buffer:
             return
         if not self.count:
             self.since = time.monotonic()
-        data = pickle_entries(pairs)
-        self.put([Batch(data, [pair[0] for pair in pairs])])
+        self.put([self.batch(pairs)])
+
+    def batch(self, pairs: Sequence[Any]) -> Batch:
+        ids = [pair[0] for pair in pairs]
+        if self.pickled:
+            data = pickle_entries(pairs)
+            return Batch(data, ids, len(data))
+        size = sum(map(len, chain.from_iterable([pair[1] for pair in pairs]))) + 64 * len(pairs)
+        return Batch(list(pairs), ids, size)
 
     def put(self, batches: list[Batch], *, front: bool = False) -> None:
         if front:
@@ -140,7 +151,7 @@ class Buffer:
         else:
             self.batches.extend(batches)
         self.count += sum(len(batch.ids) for batch in batches)
-        self.size += sum(len(batch.data) for batch in batches)
+        self.size += sum(batch.size for batch in batches)
 
     def take(self) -> list[Batch]:
         batches, self.batches, self.count, self.size = self.batches, [], 0, 0
@@ -265,7 +276,7 @@ class Archiver:
                 except ResponseError as error:
                     if "BUSYGROUP" not in str(error):
                         raise
-                self.buffers[stream] = Buffer()
+                self.buffers[stream] = Buffer(pickled=self.settings.builder_process)
                 new.append(stream)
         return new
 
@@ -295,7 +306,7 @@ class Archiver:
                 end = id_key(last)
                 batch = [entry for entry in pending if id_key(entry.stream_id) <= end]
                 self.log.info("rewriting a file uploaded but not acknowledged", stream=stream, entries=len(batch))
-                await self._write_batches(stream, [Batch(pickle_entries(entry_pairs(batch)), _ids(batch))], True)
+                await self._write_batches(stream, [self.buffers[stream].batch(entry_pairs(batch))], True)
                 pending = pending[len(batch) :]
             self.buffers[stream].add(entry_pairs(pending))
 
@@ -538,7 +549,3 @@ def _text(value: Any) -> str:
 
 def _bytes(value: Any) -> bytes:
     return value if isinstance(value, bytes) else str(value).encode()
-
-
-def _ids(entries: Sequence[Entry]) -> list[bytes]:
-    return [entry.stream_id.encode() for entry in entries]
