@@ -9,7 +9,7 @@ a routing-key HMAC, the experiment phase, request metadata). Measured side by si
   of any reader that may not lose an entry);
 - archive → directory: the archiver's own loop (consumer group, decode, Parquet zstd, XACK, mark)
   until the archive mark passes the last entry, writing to a temporary directory, its files built
-  in the builder process (the default);
+  in the builder process (``--builder process``, what ``auto`` picks on two cores or more);
 - the same with the files built in a thread of the archiver's process (``--builder thread``);
 - archive → S3: the same into a real S3 API server (moto's server mode, a local process).
 
