@@ -8,11 +8,17 @@ a routing-key HMAC, the experiment phase, request metadata). Measured side by si
 - XREADGROUP + XACK only: the same through a consumer group, acknowledged, nothing decoded (the floor
   of any reader that may not lose an entry);
 - archive → directory: the archiver's own loop (consumer group, decode, Parquet zstd, XACK, mark)
-  until the archive mark passes the last entry, writing to a temporary directory;
+  until the archive mark passes the last entry, writing to a temporary directory, its files built
+  in the builder process (``--builder process``, what ``auto`` picks on two cores or more);
+- the same with the files built in a thread of the archiver's process (``--builder thread``);
 - archive → S3: the same into a real S3 API server (moto's server mode, a local process).
 
 Then bytes per record: the Parquet files' size against Redis's own ``MEMORY USAGE`` of the stream.
 Targets: archiving at least half the raw read rate; Parquet at most half the bytes of the entries.
+
+Last, reading back: the archive of ``--records`` and one of twice as many, each read whole in a fresh
+process as a replay does (every record decoded), part by part (``iter_calls``) and all at once
+(``read_calls``): the peak of Arrow's memory pool and of the process's resident memory.
 
     .venv/bin/python bench/archive.py [--records 50000] [--rounds 3]
 """
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -29,22 +37,36 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import contextlib
+from concurrent.futures import ProcessPoolExecutor
 
 from splitstream.archiver.core import Archiver, ArchiverSettings
 from splitstream.archiver.metrics import ArchiverMetrics
-from splitstream.common.archive import Archive, open_archive
+from splitstream.common.archive import Archive, ArchiveQuery, iter_calls, open_archive, read_calls
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import ARCHIVE_GROUP, archive_mark_key, entry_fields, read_entries, stream_key
+from splitstream.common.records import (
+    ARCHIVE_GROUP,
+    archive_mark_key,
+    decode_record,
+    entry_fields,
+    read_entries,
+    stream_key,
+)
 from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
 
 MODEL = "digits"
+ARCHIVE_PATHS = ("archive -> directory", "  the same, thread-built", "archive -> S3 (moto)")
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 def demo_record(i: int, rng: np.random.Generator, now_ns: int) -> recorder_pb2.CallRecord:
@@ -86,12 +108,12 @@ def demo_record(i: int, rng: np.random.Generator, now_ns: int) -> recorder_pb2.C
     return record
 
 
-async def fill(redis: Redis, count: int) -> None:
-    rng = np.random.default_rng(7)
+async def fill(redis: Redis, count: int, first: int = 0) -> None:
+    rng = np.random.default_rng(7 + first)
     now_ns = time.time_ns() - count * 1000
-    for start in range(0, count, 1000):
+    for start in range(first, first + count, 1000):
         pipe = redis.pipeline(transaction=False)
-        for i in range(start, min(start + 1000, count)):
+        for i in range(start, min(start + 1000, first + count)):
             pipe.xadd(stream_key(MODEL), entry_fields(demo_record(i, rng, now_ns)))  # type: ignore[arg-type]
         await pipe.execute()
 
@@ -123,25 +145,70 @@ async def group_read(redis: Redis, count: int) -> float:
     return done / (time.perf_counter() - started)
 
 
-async def archive_all(redis: Redis, archive: Archive, count: int) -> float:
+def child_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) a live child process has used so far; 0 for none."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def archive_all(
+    redis: Redis, archive: Archive, count: int, *, process: bool = True
+) -> tuple[float, float, float]:
+    """Records/s, and CPU µs a record of the archiver's own process (the loop, and a builder thread)
+    and of its builder process: CPU time does not depend on what else the machine runs, wall time does."""
     stream = stream_key(MODEL)
     await redis.delete(archive_mark_key(stream))
     with contextlib.suppress(Exception):
         await redis.xgroup_destroy(stream, ARCHIVE_GROUP)
     settings = ArchiverSettings(
-        group=ARCHIVE_GROUP, consumer="bench", max_file_rows=10_000, flush_interval_s=30, claim_idle_s=600
+        group=ARCHIVE_GROUP,
+        consumer="bench",
+        max_file_rows=10_000,
+        flush_interval_s=30,
+        claim_idle_s=600,
+        builder_process=process,
     )
     archiver = Archiver(redis, archive, settings, ArchiverMetrics())
+    await archiver.start()  # the builder process spawned before the clock starts, as a running archiver's is
     newest: Any = await redis.xrevrange(stream, count=1)
     last = newest[0][0].decode()
     last_key = tuple(int(p) for p in last.split("-"))
-    started = time.perf_counter()
-    while True:
-        await archiver.step()
-        mark: Any = await redis.get(archive_mark_key(stream))
-        if mark is not None and tuple(int(p) for p in mark.decode().split("-")) > last_key:
-            break  # checked after every step: the step after the last file would wait for new entries
-    return count / (time.perf_counter() - started)
+    try:
+        child_cpu = child_cpu_s(archiver.builder.pid)
+        cpu = time.process_time()
+        started = time.perf_counter()
+        while True:
+            await archiver.step()
+            mark: Any = await redis.get(archive_mark_key(stream))
+            if mark is not None and tuple(int(p) for p in mark.decode().split("-")) > last_key:
+                break  # checked after every step: the step after the last file would wait for new entries
+        rate = count / (time.perf_counter() - started)
+        own_us = (time.process_time() - cpu) / count * 1e6
+        return rate, own_us, (child_cpu_s(archiver.builder.pid) - child_cpu) / count * 1e6
+    finally:
+        await archiver.close()
+
+
+def read_back(url: str, whole: bool) -> tuple[int, int, int]:
+    """In a fresh process: read every call of the archive at ``url`` as a replay does (each record
+    decoded, then dropped). Rows, the peak bytes of Arrow's memory pool, the peak resident set."""
+    query = ArchiveQuery(model=MODEL, since_ns=0, until_ns=time.time_ns() + 3600 * 10**9)
+    parts = [read_calls(open_archive(url), query)] if whole else iter_calls(open_archive(url), query)
+    rows = 0
+    for part in parts:
+        for data in part["record"].to_pylist():
+            decode_record(data)
+            rows += 1
+        del part
+    max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rows, pa.default_memory_pool().max_memory(), max_rss_kib * 1024
+
+
+def peak_read(url: str, whole: bool) -> tuple[int, int, int]:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(read_back, url, whole).result()
 
 
 def parquet_bytes(archive: Archive) -> int:
@@ -163,33 +230,59 @@ async def main_async(args: argparse.Namespace) -> None:
             memory: Any = await redis.memory_usage(stream_key(MODEL), samples=0)
             # Interleaved rounds, so machine noise (other processes on a shared machine) hits each path alike;
             # each round writes a fresh archive (the group and mark are reset).
-            raws, floors, to_dirs, to_s3s = [], [], [], []
+            raws: list[float] = []
+            floors: list[float] = []
+            paths: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ARCHIVE_PATHS}
             for round_ in range(args.rounds):
                 raws.append(await raw_read(redis))
                 floors.append(await group_read(redis, args.records))
                 local = open_archive(str(Path(tmp) / f"archive-{round_}"))
-                to_dirs.append(await archive_all(redis, local, args.records))
+                paths["archive -> directory"].append(await archive_all(redis, local, args.records))
+                threaded = open_archive(str(Path(tmp) / f"archive-thread-{round_}"))
+                paths["  the same, thread-built"].append(
+                    await archive_all(redis, threaded, args.records, process=False)
+                )
                 remote = open_archive(f"s3://bench/archive-{round_}", endpoint=s3.endpoint)
-                to_s3s.append(await archive_all(redis, remote, args.records))
-            raw, floor, to_dir, to_s3 = (sorted(rates)[len(rates) // 2] for rates in (raws, floors, to_dirs, to_s3s))
+                paths["archive -> S3 (moto)"].append(await archive_all(redis, remote, args.records))
+                print(
+                    f"round {round_ + 1}: "
+                    + ", ".join(f"{name.strip()} {runs[-1][0] / raws[-1]:.2f}x" for name, runs in paths.items()),
+                    file=sys.stderr,
+                )
             on_disk = parquet_bytes(local)
             in_s3 = parquet_bytes(remote)
+            await fill(redis, args.records, first=args.records)
+            double = open_archive(str(Path(tmp) / "archive-double"))
+            await archive_all(redis, double, 2 * args.records)
+            reads = [
+                (f"{label}, {size:,} calls", *peak_read(archive.url, whole))
+                for whole, label in ((False, "iter_calls (part by part)"), (True, "read_calls (all at once)"))
+                for size, archive in ((args.records, local), (2 * args.records, double))
+            ]
         finally:
             await redis.aclose()
             s3.stop()
             server.stop()
-    raw_rate = raw
+    raw_rate, floor = median(raws), median(floors)
     print(f"{args.records} demo-shaped call records (64 float32 in, 10 float32 out, inline); median of {args.rounds}\n")
-    print(f"{'path':<28}{'records/s':>12}{'vs raw XRANGE':>16}")
+    ratios = " ".join(f"{'round ' + str(i + 1):>8}" for i in range(args.rounds))
+    print(f"{'path':<28}{'records/s':>12}{'vs raw XRANGE':>16} {ratios}{'loop CPU us/rec':>17}{'builder CPU':>13}")
     print(f"{'raw XRANGE (no decode)':<28}{raw_rate:>12,.0f}{1.0:>15.2f}x")
     print(f"{'XREADGROUP + XACK only':<28}{floor:>12,.0f}{floor / raw_rate:>15.2f}x")
-    print(f"{'archive -> directory':<28}{to_dir:>12,.0f}{to_dir / raw_rate:>15.2f}x")
-    print(f"{'archive -> S3 (moto)':<28}{to_s3:>12,.0f}{to_s3 / raw_rate:>15.2f}x")
+    for name, runs in paths.items():
+        rate = median([run[0] for run in runs])
+        each = " ".join(f"{run[0] / raw:>7.2f}x" for run, raw in zip(runs, raws, strict=True))
+        own, child = median([run[1] for run in runs]), median([run[2] for run in runs])
+        print(f"{name:<28}{rate:>12,.0f}{rate / raw_rate:>15.2f}x {each}{own:>17.1f}{child:>13.1f}")
     print()
     print(f"{'storage':<28}{'bytes/record':>12}{'vs Redis':>16}")
     print(f"{'Redis stream (MEMORY USAGE)':<28}{memory / args.records:>12,.1f}{1.0:>15.2f}x")
     print(f"{'Parquet, directory':<28}{on_disk / args.records:>12,.1f}{on_disk / memory:>15.2f}x")
     print(f"{'Parquet, S3':<28}{in_s3 / args.records:>12,.1f}{in_s3 / memory:>15.2f}x")
+    print()
+    print(f"{'reading back (fresh process)':<40}{'rows':>8}{'Arrow peak MiB':>16}{'RSS peak MiB':>14}")
+    for label, rows, arrow_peak, rss_peak in reads:
+        print(f"{label:<40}{rows:>8,}{arrow_peak / 2**20:>16.1f}{rss_peak / 2**20:>14.1f}")
 
 
 def main() -> None:

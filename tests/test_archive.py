@@ -31,6 +31,7 @@ from splitstream.common.archive import (
     ENTRY_COLUMNS,
     ArchiveError,
     ArchiveQuery,
+    iter_calls,
     open_archive,
     read_calls,
     read_calls_by_hour,
@@ -487,6 +488,98 @@ def test_two_archivers_share_a_stream_and_write_every_entry_once(tmp_path: Path,
     assert sum(counts) == 2000
     rows = raw_rows(url)["request_id"].to_pylist()
     assert sorted(rows) == sorted(ids)  # every entry once, before any de-duplication
+
+
+def builder_pids(archiver: ServiceProcess) -> list[int]:
+    """The archiver's file-building child (spawned; the spawn machinery's resource tracker left aside)."""
+    assert archiver.process is not None
+    pid = archiver.process.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children if b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_killed_builder_process_is_replaced_and_a_killed_archiver_leaves_no_builder_behind(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Files are built and written in a child process: if it dies, the write in hand fails, is counted and
+    retried with a new child; if the archiver dies (SIGKILL), the child does not write on as an orphan."""
+    client = redis_server.client()
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        ids = write_synthetic(client, 0, 100, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the first files")
+        (builder,) = builder_pids(archiver)
+        os.kill(builder, signal.SIGKILL)
+        ids += write_synthetic(client, 100, 100, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="a new builder")
+        assert metric(archiver, "splitstream_archive_upload_errors_total") >= 1
+        (replacement,) = builder_pids(archiver)
+        assert replacement != builder
+        archiver.kill()
+        wait_until(lambda: not alive(replacement), timeout_s=10, what="the orphaned builder to exit")
+    finally:
+        archiver.stop()
+    assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
+
+
+def test_with_the_builder_thread_no_child_is_started_and_every_call_is_archived(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """``--builder thread`` (a one-core host): the same files, blobs inlined, built in the archiver's own process."""
+    client = redis_server.client()
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--builder", "thread")
+    try:
+        ids = write_synthetic(client, 0, 100, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the files")
+        assert builder_pids(archiver) == []
+    finally:
+        archiver.stop()
+    table = read_calls(open_archive(url), ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns()))
+    assert table["request_id"].to_pylist() == ids
+    assert all(stored.record.request.inline == bytes([i % 251]) * 40 for i, stored in enumerate(stored_records(table)))
+
+
+def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two archivers' files overlap in receive time, and a re-archived file repeats rows: the streaming
+    reader still yields every call once, in receive-time order, a part at a time (never the hour whole)."""
+    client = redis_server.client()
+    archive_dir = tmp_path / "archive"
+    url = archive_dir.as_uri()
+    args = ("--read-count", "10", "--max-file-rows", "40")
+    first = start_archiver(tmp_path, redis_server.url, url, *args, consumer="one")
+    second = start_archiver(tmp_path, redis_server.url, url, *args, consumer="two")
+    start = time.time_ns() - 10**9
+    try:
+        ids: list[str] = []
+        for batch in range(12):  # receive times rise with the index across batches
+            ids += write_synthetic(client, batch * 50, 50, start_ns=start + batch * 50 * 1000, gap_ns=1000)
+            time.sleep(0.05)
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="both archivers")
+    finally:
+        first.stop()
+        second.stop()
+    files = sorted(archive_dir.rglob("*.parquet"))
+    assert len(files) > 10
+    copy = files[len(files) // 2]
+    (copy.parent / f"copy-{copy.name}").write_bytes(copy.read_bytes())  # as a claimed batch re-archived
+    query = ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=start + 10**9)
+    parts = list(iter_calls(open_archive(url), query, columns=["request_id", "receive_time"]))
+    assert len(parts) > 5
+    assert max(part.num_rows for part in parts) <= 80  # a file's rows and what overlaps them, not the window
+    assert [i for part in parts for i in part["request_id"].to_pylist()] == ids
+    assert raw_rows(url).num_rows == len(ids) + pq.read_metadata(copy).num_rows
 
 
 def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_call_exactly_once(

@@ -1,3 +1,4 @@
 from splitstream.archiver.main import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not in a spawned builder process
+    raise SystemExit(main())

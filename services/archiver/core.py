@@ -8,12 +8,13 @@ Delivery, step by step, and why nothing is lost or kept twice:
 2. Entries wait in a per-stream buffer until it holds ``max_file_rows`` entries or ``max_file_bytes``,
    or its oldest entry has waited ``flush_interval_s``. The buffer becomes one file per hour partition,
    named after the first and last stream id it holds.
-3. Only after every file of the buffer is written (an object store's upload complete) are its entries
-   acknowledged (``XACK``). A crash before that leaves them pending: the same archiver, restarted
-   under the same ``--consumer`` name, reads its own pending entries first and writes the same files
-   under the same names again; any other archiver takes them over (``XAUTOCLAIM``) once they have
-   been idle ``claim_idle_s``, and writes them under its own batching, so a reader may meet a request
-   id twice: readers de-duplicate by request id.
+3. The buffer's files are built and written by a child process (:mod:`splitstream.archiver.builder`)
+   while the loop reads on. Only after every file of the buffer is written (an object store's upload
+   complete) are its entries acknowledged (``XACK``). A crash before that leaves them pending: the
+   same archiver, restarted under the same ``--consumer`` name, reads its own pending entries first
+   and writes the same files under the same names again; any other archiver takes them over
+   (``XAUTOCLAIM``) once they have been idle ``claim_idle_s``, and writes them under its own
+   batching, so a reader may meet a request id twice: readers de-duplicate by request id.
 4. After acknowledging, the stream's mark (``splitstream:archived:{<stream>}``) is raised by a script
    that reads the group's state inside Redis: the oldest pending entry, or past the last delivered
    one when none is pending. Computed from the group, not from this archiver's own progress, so with
@@ -31,6 +32,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, cast
 
 import pyarrow as pa
@@ -40,9 +42,10 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
+from splitstream.archiver.builder import Builder, UploadFailed, pickle_entries
 from splitstream.archiver.metrics import ArchiverMetrics
-from splitstream.archiver.tables import Entry, PlannedFile, call_files, decode_calls, feedback_files, id_key
-from splitstream.common.archive import Archive, partition_dir, write_file
+from splitstream.archiver.tables import Entry, id_key
+from splitstream.common.archive import Archive, partition_dir
 from splitstream.common.records import (
     FEEDBACK_PREFIX,
     LUA_ID_LESS,
@@ -86,10 +89,6 @@ return mark
 )
 
 
-class UploadFailed(Exception):
-    """A file could not be written to the archive (the store refused or did not answer)."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class ArchiverSettings:
     group: str
@@ -102,24 +101,69 @@ class ArchiverSettings:
     read_count: int = 1000
     scan_interval_s: float = 5.0
     retry_max_s: float = 30.0
+    #: Build and write files in a child process (False: in a thread, see :class:`Builder`).
+    builder_process: bool = True
+
+
+@dataclass(slots=True)
+class Batch:
+    """Entries as one read returned them: pickled for the builder process (:func:`pickle_entries`), or
+    the pairs themselves for a builder thread; their stream ids, to acknowledge them; about their bytes."""
+
+    data: bytes | list[Any]
+    ids: list[bytes]
+    size: int
 
 
 @dataclass(slots=True)
 class Buffer:
-    entries: list[Entry] = field(default_factory=list)
-    bytes: int = 0
+    """A stream's entries read and not yet on their way to a file, kept as the reads' pickled
+    :class:`Batch`\\ es: no object per entry field waits here (nor for the garbage collector to walk)."""
+
+    #: Pickle each read (for a builder process); False: keep the pairs as read (a builder thread).
+    pickled: bool = True
+    batches: list[Batch] = field(default_factory=list)
+    count: int = 0
+    size: int = 0  # bytes
     since: float = 0.0  # monotonic time the oldest entry was read
+    #: False once entries older than some already held were added (claimed): the builder sorts them.
+    ordered: bool = True
 
-    def add(self, entry: Entry) -> None:
-        self.extend([entry])
-
-    def extend(self, entries: list[Entry]) -> None:
-        if not entries:
+    def add(self, pairs: Sequence[Any]) -> None:
+        """``(stream id, [name, value, ...])`` pairs (bytes), as Redis's reply holds them."""
+        if not pairs:
             return
-        if not self.entries:
+        if not self.count:
             self.since = time.monotonic()
-        self.entries.extend(entries)
-        self.bytes += sum([entry.size for entry in entries])
+        self.put([self.batch(pairs)])
+
+    def batch(self, pairs: Sequence[Any]) -> Batch:
+        ids = [pair[0] for pair in pairs]
+        if self.pickled:
+            data = pickle_entries(pairs)
+            return Batch(data, ids, len(data))
+        size = sum(map(len, chain.from_iterable([pair[1] for pair in pairs]))) + 64 * len(pairs)
+        return Batch(list(pairs), ids, size)
+
+    def put(self, batches: list[Batch], *, front: bool = False) -> None:
+        if front:
+            self.batches[:0] = batches
+        else:
+            self.batches.extend(batches)
+        self.count += sum(len(batch.ids) for batch in batches)
+        self.size += sum(batch.size for batch in batches)
+
+    def take(self) -> list[Batch]:
+        batches, self.batches, self.count, self.size = self.batches, [], 0, 0
+        self.since = time.monotonic()
+        return batches
+
+    def ids(self) -> set[bytes]:
+        return {stream_id for batch in self.batches for stream_id in batch.ids}
+
+
+def entry_pairs(entries: Sequence[Entry]) -> list[tuple[bytes, list[bytes]]]:
+    return [(entry.stream_id.encode(), entry.flat) for entry in entries]
 
 
 def stream_model(stream: str) -> tuple[str, str]:
@@ -149,14 +193,26 @@ class Archiver:
         self._next_scan = 0.0
         self._next_claim = 0.0
         self._retry_s = 0.0
+        #: Decodes, builds and writes the files in a child process (see :mod:`splitstream.archiver.builder`).
+        self.builder = Builder(archive, in_process=settings.builder_process)
         #: The file being written in the background while the next one's entries are read (at most one).
         self._flushing: asyncio.Task[None] | None = None
-        self._in_flight: set[str] = set()
+        self._in_flight: set[bytes] = set()
 
     # -- the loop --------------------------------------------------------------------------
 
+    async def start(self) -> None:
+        """Start the file-building process (else the first file waits for it)."""
+        await self.builder.start()
+
+    async def close(self) -> None:
+        """Stop the file-building process (after :meth:`drain`)."""
+        await self.builder.close()
+
     async def run(self) -> None:
         """Archive until cancelled; Redis and store failures are counted, logged and retried."""
+        with contextlib.suppress(UploadFailed):
+            await self.start()  # a child that cannot start is started again (and counted) by the first write
         while True:
             try:
                 await self.step()
@@ -220,7 +276,7 @@ class Archiver:
                 except ResponseError as error:
                     if "BUSYGROUP" not in str(error):
                         raise
-                self.buffers[stream] = Buffer()
+                self.buffers[stream] = Buffer(pickled=self.settings.builder_process)
                 new.append(stream)
         return new
 
@@ -230,7 +286,7 @@ class Archiver:
         the oldest of them: it is found by that name and its entries are written again as one file, so
         the object is replaced rather than copied; the rest go on to files as usual."""
         for stream in streams:
-            buffer = self.buffers[stream]
+            pending: list[Entry] = []
             cursor = "0"
             while True:
                 reply = await self._reader.xreadgroup(
@@ -239,22 +295,20 @@ class Archiver:
                 entries = [entry for _, read in self._entries(reply) for entry in read]
                 if not entries:
                     break
-                buffer.extend(entries)
+                pending.extend(entries)
                 cursor = entries[-1].stream_id
-            if buffer.entries:
-                self.log.info(
-                    "re-archiving entries left pending by this consumer", stream=stream, entries=len(buffer.entries)
-                )
-            while buffer.entries:
-                last = await asyncio.to_thread(self._uploaded_file_end, stream, buffer.entries[0])
+            if pending:
+                self.log.info("re-archiving entries left pending by this consumer", stream=stream, entries=len(pending))
+            while pending:
+                last = await asyncio.to_thread(self._uploaded_file_end, stream, pending[0])
                 if last is None:
                     break
                 end = id_key(last)
-                batch = [entry for entry in buffer.entries if id_key(entry.stream_id) <= end]
+                batch = [entry for entry in pending if id_key(entry.stream_id) <= end]
                 self.log.info("rewriting a file uploaded but not acknowledged", stream=stream, entries=len(batch))
-                await self._write_entries(stream, batch)
-                buffer.entries = buffer.entries[len(batch) :]
-                buffer.bytes = sum(entry.size for entry in buffer.entries)
+                await self._write_batches(stream, [self.buffers[stream].batch(entry_pairs(batch))], True)
+                pending = pending[len(batch) :]
+            self.buffers[stream].add(entry_pairs(pending))
 
     def _uploaded_file_end(self, stream: str, first: Entry) -> str | None:
         """The last stream id of an archived file that starts at ``first`` (an upload a crash left
@@ -277,9 +331,9 @@ class Archiver:
         return None
 
     async def read_new(self) -> None:
-        room = min(self.settings.max_file_rows - len(b.entries) for b in self.buffers.values())
+        room = min(self.settings.max_file_rows - b.count for b in self.buffers.values())
         count = max(1, min(self.settings.read_count, room))
-        waiting = [b.since for b in self.buffers.values() if b.entries]
+        waiting = [b.since for b in self.buffers.values() if b.count]
         block_s = 0.05 if self._flushing is not None else 1.0  # soon back to see the write in flight end
         if waiting:
             block_s = max(0.0, min(block_s, min(waiting) + self.settings.flush_interval_s - time.monotonic()))
@@ -290,9 +344,9 @@ class Archiver:
                 await self._forget_lost_streams()
                 return
             raise
-        for stream, entries in self._entries(reply):
-            self.buffers[stream].extend(entries)
-        self.metrics.buffered.set(sum(len(b.entries) for b in self.buffers.values()) + len(self._in_flight))
+        for stream, pairs in self._pairs(reply):
+            self.buffers[stream].add(pairs)
+        self.metrics.buffered.set(sum(b.count for b in self.buffers.values()) + len(self._in_flight))
 
     async def _read_streams(self, streams: list[str], *, count: int, block_ms: int) -> Any:
         """One XREADGROUP of every stream; on a cluster, one per slot, concurrently (a command's keys must
@@ -345,19 +399,29 @@ class Archiver:
                 )
                 start = _text(reply[0])
                 claimed = [(raw_id, fields) for raw_id, fields in reply[1] if fields is not None]
-                known = {entry.stream_id for entry in self.buffers[stream].entries} | self._in_flight
-                for raw_id, fields in claimed:
-                    stream_id = _text(raw_id)
-                    if stream_id not in known:  # our own entries are claimed back to us too
-                        self.buffers[stream].add(Entry.from_dict(stream_id, fields))
-                        self.metrics.claimed.inc()
-                if claimed:  # older than what was read already: files hold entries in stream id order
-                    self.buffers[stream].entries.sort(key=lambda entry: id_key(entry.stream_id))
+                buffer = self.buffers[stream]
+                known = buffer.ids() | self._in_flight
+                # Our own entries are claimed back to us too: only the others are new.
+                new = [
+                    Entry.from_dict(_text(raw_id), fields) for raw_id, fields in claimed if _bytes(raw_id) not in known
+                ]
+                if new:  # older than what was read already: the builder sorts (files hold stream id order)
+                    buffer.add(entry_pairs(new))
+                    buffer.ordered = False
+                    self.metrics.claimed.inc(len(new))
                 deleted = reply[2] if len(reply) > 2 else []
                 if deleted:  # trimmed away while pending: nothing left to archive
                     await self.redis.xack(stream, self.settings.group, *deleted)
                 if start in ("0-0", "0"):
                     break
+
+    def _pairs(self, reply: Any) -> list[tuple[str, list[Any]]]:
+        """Each stream's ``(id, [name, value, ...])`` pairs in an XREADGROUP reply, as Redis sent them
+        (an entry deleted while pending comes back empty: left out)."""
+        if isinstance(self.redis, RedisCluster):  # the fields as dicts (a cluster's callbacks are shared)
+            return [(stream, entry_pairs(entries)) for stream, entries in self._entries(reply)]
+        streams = reply.items() if isinstance(reply, dict) else reply or []  # RESP3 sends a map, RESP2 pairs
+        return [(_text(raw_stream), [pair for pair in items if pair[1]]) for raw_stream, items in streams]
 
     def _entries(self, reply: Any) -> list[tuple[str, list[Entry]]]:
         """Each stream's entries in an XREADGROUP reply (an entry deleted while pending comes back empty)."""
@@ -374,9 +438,9 @@ class Archiver:
     # -- writing ---------------------------------------------------------------------------
 
     def _due(self, buffer: Buffer, *, rows_only: bool = False) -> bool:
-        if not buffer.entries:
+        if not buffer.count:
             return False
-        if len(buffer.entries) >= self.settings.max_file_rows or buffer.bytes >= self.settings.max_file_bytes:
+        if buffer.count >= self.settings.max_file_rows or buffer.size >= self.settings.max_file_bytes:
             return True
         return not rows_only and time.monotonic() - buffer.since >= self.settings.flush_interval_s
 
@@ -384,16 +448,18 @@ class Archiver:
         """Start writing the buffers that are due (all with ``due_only`` False), one file set at a time;
         with ``wait``, return once the last is written. How many were started.
 
-        The write runs in the background while the loop reads the next entries (decoding and Parquet
-        run in a thread, the upload waits on the network): measured, ~1.3x the throughput of writing
-        in line. Raises the failure of a write (UploadFailed, RedisError) when it is awaited."""
+        The write runs in the background while the loop reads the next entries (decoding, Parquet and
+        the upload in the builder process). Raises the failure of a write (UploadFailed, RedisError)
+        when it is awaited."""
         started = 0
         for stream, buffer in list(self.buffers.items()):
-            if buffer.entries and (not due_only or self._due(buffer, rows_only=rows_only)):
+            if buffer.count and (not due_only or self._due(buffer, rows_only=rows_only)):
                 await self._settle()
-                entries, buffer.entries, buffer.bytes, buffer.since = buffer.entries, [], 0, time.monotonic()
-                self._in_flight = {entry.stream_id for entry in entries}
-                self._flushing = asyncio.ensure_future(self._flush(stream, buffer, entries))
+                ordered = buffer.ordered
+                batches = buffer.take()
+                buffer.ordered = True
+                self._in_flight = {stream_id for batch in batches for stream_id in batch.ids}
+                self._flushing = asyncio.ensure_future(self._flush(stream, buffer, batches, ordered))
                 started += 1
         if wait:
             await self._settle()
@@ -412,47 +478,35 @@ class Archiver:
                 self._flushing = None
                 self._in_flight = set()
 
-    async def _flush(self, stream: str, buffer: Buffer, entries: list[Entry]) -> None:
+    async def _flush(self, stream: str, buffer: Buffer, batches: list[Batch], ordered: bool) -> None:
         try:
-            await self._write_entries(stream, entries)
+            await self._write_batches(stream, batches, ordered)
         except BaseException:
             # Back to the front of the buffer (entries read since are newer): written again, same names.
-            buffer.entries[:0] = entries
-            buffer.bytes = sum(entry.size for entry in buffer.entries)
+            buffer.put(batches, front=True)
+            buffer.ordered = buffer.ordered and ordered
             raise
 
-    async def _write_entries(self, stream: str, entries: list[Entry]) -> None:
+    async def _write_batches(self, stream: str, batches: list[Batch], ordered: bool) -> None:
+        """Write the entries' files (in the builder process), then acknowledge them and raise the mark."""
         kind, model = stream_model(stream)
-        missing = corrupt = 0
-        if kind == "calls":
-            decoded = await asyncio.to_thread(decode_calls, entries)
-            blobs = await self._blobs(sorted(decoded.blobs))
-            files, missing = await asyncio.to_thread(call_files, model, decoded, blobs)
-            corrupt = decoded.corrupt
-        else:
-            files = await asyncio.to_thread(feedback_files, model, entries)
-        written = 0
-        for planned in files:
-            written += await self._write(planned)
-        ids = [entry.stream_id.encode() for entry in entries]  # bytes: redis-py's encoder passes them as they are
+        data = [batch.data for batch in batches]
+        built = await self.builder.write(kind, model, data, ordered, None)
+        if built.blobs:  # records that reference blobs: fetched here (the builder has no Redis), written with them
+            built = await self.builder.write(kind, model, data, ordered, await self._blobs(built.blobs))
+        ids = [stream_id for batch in batches for stream_id in batch.ids]  # bytes: redis-py passes them as they are
         for start in range(0, len(ids), 1000):
             await self.redis.xack(stream, self.settings.group, *ids[start : start + 1000])
         await self._raise_mark(keys=[stream, archive_mark_key(stream)], args=[self.settings.group])
-        self.metrics.records.labels(model, kind).inc(len(entries))
-        self.metrics.bytes.labels(model, kind).inc(written)
-        self.metrics.files.labels(model, kind).inc(len(files))
-        if missing:
-            self.metrics.missing_blobs.inc(missing)
-        if corrupt:
-            self.metrics.corrupt.inc(corrupt)
-        self.metrics.buffered.set(sum(len(b.entries) for b in self.buffers.values()))
-        self.log.debug("archived", stream=stream, entries=len(entries), files=len(files), bytes=written)
-
-    async def _write(self, planned: PlannedFile) -> int:
-        try:
-            return await asyncio.to_thread(write_file, self.archive, planned.relative_path, planned.table)
-        except (OSError, pa.ArrowException) as error:
-            raise UploadFailed(f"{planned.relative_path}: {' '.join(str(error).split())[:300]}") from error
+        self.metrics.records.labels(model, kind).inc(len(ids))
+        self.metrics.bytes.labels(model, kind).inc(built.bytes)
+        self.metrics.files.labels(model, kind).inc(built.files)
+        if built.missing_blobs:
+            self.metrics.missing_blobs.inc(built.missing_blobs)
+        if built.corrupt:
+            self.metrics.corrupt.inc(built.corrupt)
+        self.metrics.buffered.set(sum(b.count for b in self.buffers.values()))
+        self.log.debug("archived", stream=stream, entries=len(ids), files=built.files, bytes=built.bytes)
 
     async def _blobs(self, digests: Sequence[str]) -> dict[str, bytes]:
         found: dict[str, bytes] = {}
@@ -491,3 +545,7 @@ def _as_sent(response: object, **options: object) -> object:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()

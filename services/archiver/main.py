@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,7 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--read-count", type=int, default=1000, help="entries per XREADGROUP")
     parser.add_argument("--scan-interval-s", type=float, default=5.0, help="how often new streams are looked for")
+    parser.add_argument(
+        "--builder",
+        choices=("auto", "process", "thread"),
+        default="auto",
+        help="where files are decoded, built and written: a child process, beside the loop reading Redis "
+        "(two cores), or a thread of the archiver's own (one core); auto: a process when this process may "
+        "run on two cores or more",
+    )
     return parser
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a container's cpuset), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
@@ -144,6 +161,7 @@ def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
             claim_idle_s=args.claim_idle_s,
             read_count=args.read_count,
             scan_interval_s=args.scan_interval_s,
+            builder_process=args.builder == "process" or (args.builder == "auto" and usable_cores() >= 2),
         )
         security = redis_security_from_args(args, url=args.redis_url, env_prefix=ENV_PREFIX)
     except ConfigError as error:
@@ -225,4 +243,5 @@ class ArchiverService(Service):
         await self.archiver.drain()
 
     async def teardown(self) -> None:
+        await self.archiver.close()
         await self.redis.aclose()

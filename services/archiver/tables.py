@@ -1,4 +1,5 @@
-"""Stream entries → Parquet tables, one per (model, hour) partition. Pure and blocking: run in a thread.
+"""Stream entries → Parquet tables, one per (model, hour) partition. Pure and blocking: run in the
+builder process (:mod:`splitstream.archiver.builder`).
 
 The columns come from the entries' readable fields, each built by pyarrow from one list per batch. A
 record is archived as the exact bytes Redis held, unparsed, when its entry says it references no blob

@@ -309,48 +309,99 @@ def read_calls(archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] 
     sorted by receive time. Partition pruning picks the hours; receive time, version and status are
     pushed down to the Parquet reader (row groups whose statistics exclude them are skipped).
     Columns: :data:`CALL_SCHEMA`'s (or ``columns``) plus ``model``. Blocking: run it in a thread.
-    Raises :class:`ArchiveError` when the store fails. A long window is better read hour by hour
-    (:func:`read_calls_by_hour`): this holds it all in memory."""
+    Raises :class:`ArchiveError` when the store fails. This holds the whole window in memory; a long
+    one is better read as it comes (:func:`iter_calls`)."""
     wanted = list(columns) if columns is not None else [field.name for field in CALL_SCHEMA]
-    hours = list(read_calls_by_hour(archive, query, columns=columns))
-    if not hours:
+    parts = list(iter_calls(archive, query, columns=columns))
+    if not parts:
         empty = CALL_SCHEMA.empty_table().select([c for c in wanted if c != "model"])
         return _with_model(empty, query.model).select([*wanted, "model"] if "model" not in wanted else wanted)
-    return pa.concat_tables(hours)
+    return pa.concat_tables(parts)
 
 
 def read_calls_by_hour(
     archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None
 ) -> Iterator[pa.Table]:
-    """:func:`read_calls`, one table per hour partition, oldest first, so a month's window never sits in
-    memory at once. Complete de-duplication all the same: copies of a call share its receive time, so
-    its hour. Each ``next`` blocks (reads the hour): call it in a thread."""
+    """:func:`read_calls`, one table per hour partition, oldest first. An hour of traffic can be large:
+    :func:`iter_calls` yields smaller parts, in the same order. Each ``next`` blocks: call it in a thread."""
+    for parts in _hour_parts(archive, query, columns):
+        hour = list(parts)
+        if hour:
+            yield pa.concat_tables(hour)
+
+
+def iter_calls(archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None) -> Iterator[pa.Table]:
+    """The rows of :func:`read_calls` in parts of at most about a row group (64 Ki rows as the archiver
+    writes them) each, in receive-time order, so memory stays bounded by a part however long the window.
+
+    Within an hour partition the files' row groups are read in the order of their smallest receive time
+    (the Parquet statistics: a file named by its stream id range holds its rows in stream id order,
+    nearly receive-time order, and files of several archivers overlap); after each, the rows received
+    before the next row group's smallest receive time can come from nothing still unread: they are
+    sorted, de-duplicated and yielded. Copies of a call share its receive time, so they meet in one
+    part: de-duplication keeps no state across parts. Each ``next`` blocks: call it in a thread."""
+    for parts in _hour_parts(archive, query, columns):
+        yield from parts
+
+
+def _hour_parts(archive: Archive, query: ArchiveQuery, columns: Sequence[str] | None) -> Iterator[Iterator[pa.Table]]:
     wanted = list(columns) if columns is not None else [field.name for field in CALL_SCHEMA]
     read_columns = list(
         dict.fromkeys([c for c in wanted if c != "model"] + ["request_id", "stream_id", "receive_time"])
     )
+    selected = [*wanted, "model"] if "model" not in wanted else wanted
     expression = _time_filter(query.since_ns, query.until_ns)
     if query.versions:
         expression &= ds.field("version").isin(sorted(query.versions))
     if query.status_codes is not None:
         expression &= ds.field("status_code").isin(sorted(query.status_codes))
     for files in _partition_files(archive, CALLS, query.model, query.since_ns, query.until_ns).values():
+        parts = _sweep(archive, files, read_columns, expression)
+        yield (_with_model(part, query.model).select(selected) for part in parts)
+
+
+def _sweep(archive: Archive, files: list[str], columns: list[str], expression: ds.Expression) -> Iterator[pa.Table]:
+    """One hour partition's rows in receive-time order, de-duplicated, a part per row group read."""
+    try:
+        dataset = ds.dataset(files, schema=CALL_SCHEMA, filesystem=archive.filesystem, format="parquet")
+        _check_versions(archive, dataset)
+        # Row groups whose statistics exclude the filter are left out here, without being read.
+        groups = [piece for fragment in dataset.get_fragments() for piece in fragment.split_by_row_group(expression)]
+    except (OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
+    units = sorted(((_smallest_receive_ns(group), group.path, group.row_groups[0].id), group) for group in groups)
+    held: pa.Table | None = None
+    for index, (_, group) in enumerate(units):
         try:
-            dataset = ds.dataset(
-                files,
-                schema=CALL_SCHEMA,
-                filesystem=archive.filesystem,
-                format="parquet",
-                partitioning=_PARTITIONING,
-                partition_base_dir=archive.path(CALLS),
-            )
-            _check_versions(archive, dataset)
-            table = dataset.to_table(columns=read_columns, filter=expression)
+            scanner = ds.Scanner.from_fragment(group, schema=CALL_SCHEMA, columns=columns, filter=expression)
+            table = pa.Table.from_batches(scanner.to_batches(), schema=scanner.projected_schema)
         except (OSError, pa.ArrowException) as error:
             raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
-        if table.num_rows:
-            table = _with_model(_unique_first(table), query.model)
-            yield table.select([*wanted, "model"] if "model" not in wanted else wanted)
+        held = table if held is None else pa.concat_tables([held, table])
+        if index + 1 < len(units):
+            bound = pa.scalar(units[index + 1][0][0], type=pa.timestamp("ns", tz="UTC"))
+            earlier = pc.less(held["receive_time"], bound)
+            ready, held = held.filter(earlier), held.filter(pc.invert(earlier))
+        else:
+            ready, held = held, None
+        if ready.num_rows:
+            yield _unique_first(ready)
+
+
+def _smallest_receive_ns(group: ds.ParquetFileFragment) -> int:
+    """The row group's smallest receive time by its statistics; -1 without them (read it first: a
+    lower bound all the same)."""
+    stats = group.row_groups[0].statistics.get("receive_time") or {}
+    smallest = stats.get("min")
+    if smallest is None:
+        return -1
+    if hasattr(smallest, "value"):  # pandas' Timestamp (pyarrow gives one when pandas is installed)
+        return int(smallest.value)
+    if isinstance(smallest, dt.datetime):  # µs precision: floored, still a lower bound
+        if smallest.tzinfo is None:
+            smallest = smallest.replace(tzinfo=dt.UTC)
+        return (smallest - dt.datetime(1970, 1, 1, tzinfo=dt.UTC)) // dt.timedelta(microseconds=1) * 1000
+    return int(smallest)
 
 
 def _check_versions(archive: Archive, dataset: ds.FileSystemDataset) -> None:
@@ -371,19 +422,24 @@ def _with_model(table: pa.Table, model: str) -> pa.Table:
 
 
 def _unique_first(table: pa.Table, key: str = "request_id") -> pa.Table:
-    """One row per ``key``, the one with the earliest stream id, then sorted by receive time."""
-    if table.num_rows == 0:
-        return table.sort_by([("receive_time", "ascending"), ("stream_id", "ascending")])
-    ms = pc.cast(pc.list_element(pc.split_pattern(table["stream_id"], "-"), 0), pa.int64())
-    seq = pc.cast(pc.list_element(pc.split_pattern(table["stream_id"], "-"), 1), pa.int64())
-    indexed = table.append_column("_ms", ms).append_column("_seq", seq)
-    indexed = indexed.append_column("_row", pa.array(range(table.num_rows), type=pa.int64()))
-    indexed = indexed.sort_by([("_ms", "ascending"), ("_seq", "ascending")])
-    firsts = indexed.group_by(key, use_threads=False).aggregate([("_row", "first")])
-    keep = pc.sort_indices(firsts["_row_first"])
-    rows = pc.take(firsts["_row_first"], keep)
-    unique = table.take(rows)
-    return unique.sort_by([("receive_time", "ascending"), ("stream_id", "ascending")])
+    """One row per ``key``, the one with the earliest stream id, then sorted by receive time. The order
+    is worked out on the key columns alone and the table taken once (a part's records are its bulk)."""
+    stream_ids = table["stream_id"]
+    parts = pc.split_pattern(stream_ids, "-")
+    keys = pa.table(
+        {
+            "key": table[key],
+            "receive_time": table["receive_time"],
+            "stream_id": stream_ids,
+            "_ms": pc.cast(pc.list_element(parts, 0), pa.int64()),
+            "_seq": pc.cast(pc.list_element(parts, 1), pa.int64()),
+            "_row": pa.array(range(table.num_rows), type=pa.int64()),
+        }
+    )
+    by_id = keys.sort_by([("_ms", "ascending"), ("_seq", "ascending")])
+    firsts = by_id.group_by("key", use_threads=False).aggregate([("_row", "first")])["_row_first"]
+    kept = keys.take(firsts).sort_by([("receive_time", "ascending"), ("stream_id", "ascending")])
+    return table.take(kept["_row"])
 
 
 def stored_records(table: pa.Table) -> list[StoredRecord]:

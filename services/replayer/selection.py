@@ -41,7 +41,7 @@ from typing import Any, Generic, TypeVar, cast
 import pyarrow as pa
 import xxhash
 
-from splitstream.common.archive import Archive, ArchiveQuery, read_calls_by_hour
+from splitstream.common.archive import Archive, ArchiveQuery, iter_calls
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import (
     CorruptEntry,
@@ -345,7 +345,7 @@ async def model_calls(
 
 
 def _archived_selection(table: pa.Table, model: str, selection: Selection, stats: SelectionStats) -> list[SelectedCall]:
-    """The selected calls of one hour of the archive (rows de-duplicated and in receive-time order)."""
+    """The selected calls of one part of the archive (rows de-duplicated and in receive-time order)."""
     statuses = selection.statuses
     calls: list[SelectedCall] = []
     receive = table["receive_time"].cast("int64").to_pylist()
@@ -385,8 +385,8 @@ async def archive_model_calls(
     until_ns: int | None = None,
 ) -> AsyncGenerator[SelectedCall, None]:
     """``model``'s selected calls received in ``[since_ns, until_ns)`` (default: the selection's window)
-    from the archive, de-duplicated, in receive-time order, read one hour partition at a time (in a
-    thread), so a long window never sits in memory at once."""
+    from the archive, de-duplicated, in receive-time order, read a part (a row group) at a time (in a
+    thread), so neither a long window nor a busy hour sits in memory at once."""
     statuses = selection.statuses
     pushed: frozenset[int] | None = None
     if statuses is not None and not statuses.any_error:
@@ -398,7 +398,7 @@ async def archive_model_calls(
         versions=selection.versions,
         status_codes=pushed,
     )
-    hours = read_calls_by_hour(archive, query, columns=["stream_id", "receive_time", "record"])
+    hours = iter_calls(archive, query, columns=["stream_id", "receive_time", "record"])
 
     def next_hour() -> list[SelectedCall] | None:
         table = next(hours, None)
