@@ -163,11 +163,6 @@ def test_a_recorder_whose_user_may_not_write_is_not_serving_and_the_router_keeps
         stack.stack.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the archiver reads a batch's blobs with one MGET, which a cluster refuses when they hash to several "
-    "slots (RedisClusterException, the archiver exits); RedisCluster.mget_nonatomic splits it per slot",
-)
 def test_the_archiver_consumes_a_tls_cluster_with_blobs_as_its_acl_user(
     cluster: RedisClusterServers, pki: Pki, tmp_path: Path
 ) -> None:

@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2
 
 from splitstream.admin.main import main as admin
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import stream_key
+from splitstream.common.records import ARCHIVED_PREFIX, stream_key
 from splitstream.common.tls import ClientTls
 from tests.certs import Issued, Pki, served_serial
 from tests.consul_emulator import ConsulEmulator
@@ -552,6 +552,17 @@ def test_analyze_reads_as_the_read_only_user_and_the_archiver_as_its_own_over_tl
             interval_s=0.3,
             what="the archiver to write the calls it read over TLS as its ACL user",
         )
+        # Its ACL lets it publish the archive's progress too (the mark script SETs it): --trim-archived needs it.
+        admin = redis_tls.client()
+        try:
+            wait_for(
+                lambda: list(admin.scan_iter(match=f"{ARCHIVED_PREFIX}*")),
+                timeout_s=30,
+                interval_s=0.3,
+                what="the archiver to raise its mark as its ACL user",
+            )
+        finally:
+            admin.close()
 
 
 async def record_over_tls(

@@ -512,7 +512,10 @@ class Archiver:
         found: dict[str, bytes] = {}
         for start in range(0, len(digests), 100):
             chunk = digests[start : start + 100]
-            values = cast(list[bytes | None], await self.redis.mget([blob_key(digest) for digest in chunk]))
+            keys = [blob_key(digest) for digest in chunk]
+            # A cluster refuses one MGET over several slots; blobs hash anywhere, so it is asked per slot.
+            fetch = self.redis.mget_nonatomic if isinstance(self.redis, RedisCluster) else self.redis.mget
+            values = cast(list[bytes | None], await fetch(keys))
             found.update({digest: value for digest, value in zip(chunk, values, strict=True) if value is not None})
         return found
 
