@@ -31,7 +31,7 @@ from splitstream.analysis.loading import (
     page_columns,
     read_pages,
 )
-from splitstream.common.archive import Archive, ArchiveQuery, read_calls, read_calls_by_hour, read_feedback
+from splitstream.common.archive import Archive, ArchiveQuery, iter_calls, read_calls, read_feedback
 from splitstream.common.records import feedback_key, stream_key
 from splitstream.common.redis_url import RedisClient
 
@@ -100,9 +100,9 @@ class ArchiveSource:
     async def call_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[CallPage]:
         query = ArchiveQuery(model=model, since_ns=window.since_ns, until_ns=window.until_ns)
         columns = [*_CALL_COLUMNS, "stream_id"]
-        hours = read_calls_by_hour(self.archive, query, columns=columns)
+        parts = iter_calls(self.archive, query, columns=columns)  # a row group at a time, not an hour
         limit = self._limit(stream_key(model))
-        while (table := await asyncio.to_thread(_next, hours)) is not None:
+        while (table := await asyncio.to_thread(_next, parts)) is not None:
             table = _below(table, limit)
             for offset in range(0, table.num_rows, page_size):
                 part = table.slice(offset, page_size)
