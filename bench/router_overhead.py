@@ -21,9 +21,9 @@ client (64 in flight over ``--h2load-connections``) and nghttpd answering a fixe
 response as the worker, both C, so the routers get the cores; every call is
 checked OK in the router's requests_total, and each child's share of the CPU
 shows how the kernel spread the connections. ``--processes-only`` runs just
-these rows, ``--c-only`` with it just the h2load + nghttpd ones.
+these rows, ``--c-only`` just the h2load + nghttpd ones.
 
-    .venv/bin/python bench/router_overhead.py [--seconds 4] [--rounds 3] [--processes-only [--c-only]]
+    .venv/bin/python bench/router_overhead.py [--seconds 4] [--rounds 3] [--processes-only | --c-only]
 """
 
 from __future__ import annotations
@@ -303,7 +303,7 @@ def main() -> int:
         default=16,
         help="h2load's TCP connections for the 64 calls in flight of the h2load + nghttpd rows (a divisor of 64)",
     )
-    parser.add_argument("--c-only", action="store_true", help="with --processes-only: only the h2load + nghttpd rows")
+    parser.add_argument("--c-only", action="store_true", help="only the h2load + nghttpd rows of --processes-only")
     args = parser.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
@@ -317,7 +317,7 @@ def main() -> int:
         worker = stack.worker(repository, MODEL, "v1")
         registry = tmp / "registry.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
-        if args.processes_only:
+        if args.processes_only or args.c_only:
             if not args.c_only:
                 scale_out(stack, repository, worker.address, args)
             scale_out_c(stack, args)
