@@ -170,7 +170,7 @@ def h2load_drive(
     """Closed-loop unary calls from h2load (nghttp2's load generator, C): ``connections`` TCP
     connections with ``concurrency // connections`` streams each, for ``seconds``. Why: a Python
     client costs about as much CPU per call as the router, so on a small machine it takes the
-    cores the routers should have; h2load costs a few µs per call.
+    cores the routers should have; h2load costs about 50 µs per call at a few thousand calls/s.
 
     h2load counts HTTP statuses only, and a gRPC error is HTTP 200 too (its status is in the
     trailers): the caller must check the calls succeeded some other way (the router's

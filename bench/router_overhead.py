@@ -305,6 +305,8 @@ def main() -> int:
     )
     parser.add_argument("--c-only", action="store_true", help="only the h2load + nghttpd rows of --processes-only")
     args = parser.parse_args()
+    if args.h2load_connections < 1 or 64 % args.h2load_connections:
+        parser.error(f"--h2load-connections must divide the 64 calls in flight, not {args.h2load_connections}")
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
     repository = tmp / "models"
