@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -146,3 +149,55 @@ def measure(
                 asyncio.run(drive(address, request, concurrency, seconds, pids, security, headers, connections))
             )
     return {name: Summary.of(results) for name, results in merged.items()}
+
+
+def grpc_frame(message: bytes) -> bytes:
+    """``message`` as gRPC puts it in an HTTP/2 body (uncompressed flag + 4-byte length), for
+    HTTP/2 tools that know nothing of gRPC (h2load as a client, nghttpd as a stand-in worker)."""
+    return b"\0" + len(message).to_bytes(4, "big") + message
+
+
+def h2load_drive(
+    address: str,
+    request: bytes,
+    *,
+    concurrency: int,
+    connections: int,
+    seconds: float,
+    pids: list[int],
+    workdir: Path,
+) -> Result:
+    """Closed-loop unary calls from h2load (nghttp2's load generator, C): ``connections`` TCP
+    connections with ``concurrency // connections`` streams each, for ``seconds``. Why: a Python
+    client costs about as much CPU per call as the router, so on a small machine it takes the
+    cores the routers should have; h2load costs about 50 µs per call at a few thousand calls/s.
+
+    h2load counts HTTP statuses only, and a gRPC error is HTTP 200 too (its status is in the
+    trailers): the caller must check the calls succeeded some other way (the router's
+    requests_total by status). Latencies come from h2load's per-request log; ``cpu_s`` is the
+    CPU ``pids`` used over the whole run."""
+    h2load = shutil.which("h2load")
+    if h2load is None:
+        raise RuntimeError("h2load is not installed (Debian/Ubuntu: apt-get install nghttp2-client)")
+    if concurrency % connections:
+        raise ValueError(f"concurrency {concurrency} is not a multiple of connections {connections}")
+    body = workdir / "h2load-request.bin"
+    body.write_bytes(grpc_frame(request))
+    log = workdir / "h2load-requests.tsv"
+    log.unlink(missing_ok=True)  # h2load appends to it
+    command = [
+        h2load,
+        *("-c", str(connections), "-m", str(concurrency // connections), "-D", f"{round(seconds * 1000)}ms"),
+        *("-d", str(body), "--log-file", str(log)),
+        *("-H", "content-type: application/grpc", "-H", "te: trailers"),
+        f"http://{address}{METHOD}",
+    ]
+    cpu_before = cpu_seconds(pids) if pids else 0.0
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    cpu_s = (cpu_seconds(pids) - cpu_before) if pids else 0.0
+    counts = re.search(r"requests: (\d+) total, \d+ started, \d+ done, (\d+) succeeded", done.stdout)
+    if done.returncode != 0 or counts is None or counts[1] != counts[2]:
+        raise RuntimeError(f"h2load failed (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    # One line per completed request: start (µs since the epoch), HTTP status, duration (µs).
+    latencies = [int(line.split("\t")[2]) / 1e6 for line in log.read_text().splitlines() if line]
+    return Result(latencies_s=latencies, wall_s=seconds, cpu_s=cpu_s)  # h2load measures over -D seconds
