@@ -150,7 +150,13 @@ def test_a_recorder_whose_user_may_not_write_is_not_serving_and_the_router_keeps
         )
         assert "redis refuses writes: NoPermissionError" in stack.recorder.log()  # and names the command
         assert not sent & request_ids(cluster)
-        wait_for(lambda: shipper_metric(stack, "records_spooled_total") >= 1, timeout_s=30, what="the router to spool")
+        # The log is the spool: what the recorder could not write waits in it, past the shipper's cursor.
+        wait_for(
+            lambda: "the log keeps what it did not acknowledge" in stack.router.log()
+            and shipper_metric(stack, "log_pending_bytes") > 0,
+            timeout_s=30,
+            what="the shipper to keep the calls in the log",
+        )
         assert shipper_metric(stack, "records_dropped_total") == 0
 
         # The right user: every call the read-only one could not write is recorded now.
