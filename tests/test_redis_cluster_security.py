@@ -152,8 +152,10 @@ def test_a_recorder_whose_user_may_not_write_is_not_serving_and_the_router_keeps
         assert not sent & request_ids(cluster)
         # The log is the spool: what the recorder could not write waits in it, past the shipper's cursor.
         wait_for(
-            lambda: "the log keeps what it did not acknowledge" in stack.router.log()
-            and shipper_metric(stack, "log_pending_bytes") > 0,
+            lambda: (
+                "the log keeps what it did not acknowledge" in stack.router.log()
+                and shipper_metric(stack, "log_pending_bytes") > 0
+            ),
             timeout_s=30,
             what="the shipper to keep the calls in the log",
         )
