@@ -71,6 +71,7 @@ from tests.s3_server import S3_ENV, S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "digits"
+WAKE = "bench-wake"
 ARCHIVE_PATHS = ("archive -> directory", "  the same, thread-built", "archive -> S3 (moto)")
 
 
@@ -210,6 +211,12 @@ async def archive_command(
     """Records/s of ``splitstream-archive --processes N`` into ``directory`` (see the module's docstring)."""
     stream = stream_key(MODEL)
     await redis.xgroup_create(stream, group, id="$")  # idle: nothing to deliver until SETID below
+    # SETID does not wake an XREADGROUP blocked on the stream (only a new entry does): an entry added to a
+    # second stream the archiver reads does, so neither the start nor the drain waits out a blocked read.
+    wake = stream_key(WAKE)
+    wake_fields: Any = entry_fields(demo_record(0, np.random.default_rng(0), time.time_ns()))
+    await redis.xadd(wake, wake_fields)
+    await redis.xgroup_create(wake, group, id="$")
     command = [
         sys.executable, "-m", "splitstream.archiver", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
         "--redis-url", redis_url, "--archive", str(directory), "--group", group, "--consumer", "bench",
@@ -234,6 +241,7 @@ async def archive_command(
         started = time.perf_counter()
         deadline = time.monotonic() + 600
         await redis.execute_command("XGROUP", "SETID", stream, group, "0")
+        await redis.xadd(wake, wake_fields)
         signalled = False
         while True:
             await asyncio.sleep(0.01)
@@ -242,6 +250,7 @@ async def archive_command(
                 info = next(g for g in groups if g["name"].decode() == group)
                 if info["last-delivered-id"] == last:
                     process.send_signal(signal.SIGTERM)  # the drain writes what the children hold
+                    await redis.xadd(wake, wake_fields)
                     signalled = True
             exited = process.returncode is not None  # before the mark is read: it may be raised just before the exit
             mark: Any = await redis.get(archive_mark_key(stream))
