@@ -223,7 +223,7 @@ async def archive_command(
         "--max-file-rows", "10000", "--flush-interval-s", "30", "--claim-idle-s", "600", "--scan-interval-s", "0.2",
         "--processes", str(processes), "--builder", builder, "--log-level", "WARNING",
     ]  # fmt: skip
-    process = await asyncio.create_subprocess_exec(*command, cwd=ROOT)
+    process = await asyncio.create_subprocess_exec(*command, cwd=ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     try:
         names = {f"bench-{i}" for i in range(processes)} if processes > 1 else {"bench"}
         deadline = time.monotonic() + 120
@@ -261,13 +261,32 @@ async def archive_command(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"splitstream-archive: the mark did not pass {last!r} within the deadline")
         rate = count / (time.perf_counter() - started)
-        if await asyncio.wait_for(process.wait(), 60) != 0:
-            raise RuntimeError(f"splitstream-archive exited {process.returncode}")
+        try:
+            code = await asyncio.wait_for(process.wait(), 15)
+        except TimeoutError:
+            # Everything is archived, yet it has not exited: each archiver's Python stacks to stderr
+            # (PYTHONFAULTHANDLER: SIGABRT prints them), then it is killed; counted, not timed.
+            print(f"WARNING: --processes {processes} --builder {builder} did not exit; stacks:", file=sys.stderr)
+            for pid in archiver_pids(process.pid, processes):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGABRT)
+            code = await process.wait()
+        if code != 0:
+            print(f"WARNING: splitstream-archive exited {code} after archiving everything", file=sys.stderr)
         return rate
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+def archiver_pids(pid: int, processes: int) -> list[int]:
+    """The archiver processes of a ``splitstream-archive`` (its children with ``--processes`` > 1)."""
+    if processes == 1:
+        return [pid]
+    with contextlib.suppress(OSError):
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
 
 
 def read_back(url: str, whole: bool) -> tuple[int, int, int]:
