@@ -11,7 +11,13 @@ a routing-key HMAC, the experiment phase, request metadata). Measured side by si
   until the archive mark passes the last entry, writing to a temporary directory, its files built
   in the builder process (``--builder process``, what ``auto`` picks on two cores or more);
 - the same with the files built in a thread of the archiver's process (``--builder thread``);
-- archive → S3: the same into a real S3 API server (moto's server mode, a local process).
+- archive → S3: the same into a real S3 API server (moto's server mode, a local process);
+- ``splitstream-archive --processes N`` (``--processes 1,2``: N = 1 and 2), the command itself, each
+  child its own consumer in the group, with its files built in a builder process per child and in a
+  thread of each child: started and idle on a group created at the stream's end, then the clock starts
+  and the group is moved to the stream's start (``XGROUP SETID``), so no start-up is timed; once every
+  entry is delivered it is sent SIGTERM (its drain writes the children's last, partly filled files) and
+  the clock stops when the archive mark passes the last entry.
 
 Then bytes per record: the Parquet files' size against Redis's own ``MEMORY USAGE`` of the stream.
 Targets: archiving at least half the raw read rate; Parquet at most half the bytes of the entries.
@@ -20,16 +26,18 @@ Last, reading back: the archive of ``--records`` and one of twice as many, each 
 process as a replay does (every record decoded), part by part (``iter_calls``) and all at once
 (``read_calls``): the peak of Arrow's memory pool and of the process's resident memory.
 
-    .venv/bin/python bench/archive.py [--records 50000] [--rounds 3]
+    .venv/bin/python bench/archive.py [--records 50000] [--rounds 3] [--processes 1,2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing
 import os
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -61,7 +69,9 @@ from splitstream.common.records import (
 from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
 
+ROOT = Path(__file__).resolve().parent.parent
 MODEL = "digits"
+WAKE = "bench-wake"
 ARCHIVE_PATHS = ("archive -> directory", "  the same, thread-built", "archive -> S3 (moto)")
 
 
@@ -191,6 +201,94 @@ async def archive_all(
         await archiver.close()
 
 
+def process_label(processes: int, builder: str) -> str:
+    return f"--processes {processes}, {builder} builder"
+
+
+async def archive_command(
+    redis: Redis, redis_url: str, directory: Path, count: int, *, processes: int, builder: str, group: str
+) -> float:
+    """Records/s of ``splitstream-archive --processes N`` into ``directory`` (see the module's docstring)."""
+    stream = stream_key(MODEL)
+    await redis.xgroup_create(stream, group, id="$")  # idle: nothing to deliver until SETID below
+    # SETID does not wake an XREADGROUP blocked on the stream (only a new entry does): an entry added to a
+    # second stream the archiver reads does, so neither the start nor the drain waits out a blocked read.
+    wake = stream_key(WAKE)
+    wake_fields: Any = entry_fields(demo_record(0, np.random.default_rng(0), time.time_ns()))
+    await redis.xadd(wake, wake_fields)
+    await redis.xgroup_create(wake, group, id="$")
+    command = [
+        sys.executable, "-m", "splitstream.archiver", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        "--redis-url", redis_url, "--archive", str(directory), "--group", group, "--consumer", "bench",
+        "--max-file-rows", "10000", "--flush-interval-s", "30", "--claim-idle-s", "600", "--scan-interval-s", "0.2",
+        "--processes", str(processes), "--builder", builder, "--log-level", "WARNING",
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, cwd=ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
+    try:
+        names = {f"bench-{i}" for i in range(processes)} if processes > 1 else {"bench"}
+        deadline = time.monotonic() + 120
+        while True:  # every child has read (found the stream, joined the group) and its builder is up
+            rows: Any = await redis.xinfo_consumers(stream, group)
+            if {row["name"].decode() for row in rows} >= names:
+                break
+            if process.returncode is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"splitstream-archive did not start: {process.returncode}")
+            await asyncio.sleep(0.05)
+        newest: Any = await redis.xrevrange(stream, count=1)
+        last = newest[0][0]
+        last_key = tuple(int(p) for p in last.decode().split("-"))
+        await redis.delete(archive_mark_key(stream))
+        started = time.perf_counter()
+        deadline = time.monotonic() + 600
+        await redis.execute_command("XGROUP", "SETID", stream, group, "0")
+        await redis.xadd(wake, wake_fields)
+        signalled = False
+        while True:
+            await asyncio.sleep(0.01)
+            if not signalled:
+                groups: Any = await redis.xinfo_groups(stream)
+                info = next(g for g in groups if g["name"].decode() == group)
+                if info["last-delivered-id"] == last:
+                    process.send_signal(signal.SIGTERM)  # the drain writes what the children hold
+                    await redis.xadd(wake, wake_fields)
+                    signalled = True
+            exited = process.returncode is not None  # before the mark is read: it may be raised just before the exit
+            mark: Any = await redis.get(archive_mark_key(stream))
+            if mark is not None and tuple(int(p) for p in mark.decode().split("-")) > last_key:
+                break
+            if exited:
+                raise RuntimeError(f"splitstream-archive exited {process.returncode} before the mark passed {last!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"splitstream-archive: the mark did not pass {last!r} within the deadline")
+        rate = count / (time.perf_counter() - started)
+        try:
+            code = await asyncio.wait_for(process.wait(), 15)
+        except TimeoutError:
+            # Everything is archived, yet it has not exited: each archiver's Python stacks to stderr
+            # (PYTHONFAULTHANDLER: SIGABRT prints them), then it is killed; counted, not timed.
+            print(f"WARNING: --processes {processes} --builder {builder} did not exit; stacks:", file=sys.stderr)
+            for pid in archiver_pids(process.pid, processes):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGABRT)
+            code = await process.wait()
+        if code != 0:
+            print(f"WARNING: splitstream-archive exited {code} after archiving everything", file=sys.stderr)
+        return rate
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def archiver_pids(pid: int, processes: int) -> list[int]:
+    """The archiver processes of a ``splitstream-archive`` (its children with ``--processes`` > 1)."""
+    if processes == 1:
+        return [pid]
+    with contextlib.suppress(OSError):
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
 def read_back(url: str, whole: bool) -> tuple[int, int, int]:
     """In a fresh process: read every call of the archive at ``url`` as a replay does (each record
     decoded, then dropped). Rows, the peak bytes of Arrow's memory pool, the peak resident set."""
@@ -233,6 +331,9 @@ async def main_async(args: argparse.Namespace) -> None:
             raws: list[float] = []
             floors: list[float] = []
             paths: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ARCHIVE_PATHS}
+            commands = [(n, builder) for n in args.processes for builder in ("process", "thread")]
+            for n, builder in commands:
+                paths[process_label(n, builder)] = []
             for round_ in range(args.rounds):
                 raws.append(await raw_read(redis))
                 floors.append(await group_read(redis, args.records))
@@ -244,6 +345,17 @@ async def main_async(args: argparse.Namespace) -> None:
                 )
                 remote = open_archive(f"s3://bench/archive-{round_}", endpoint=s3.endpoint)
                 paths["archive -> S3 (moto)"].append(await archive_all(redis, remote, args.records))
+                for n, builder in commands:
+                    rate = await archive_command(
+                        redis,
+                        server.url,
+                        Path(tmp) / f"archive-{n}-{builder}-{round_}",
+                        args.records,
+                        processes=n,
+                        builder=builder,
+                        group=f"bench-{n}-{builder}-{round_}",
+                    )
+                    paths[process_label(n, builder)].append((rate, math.nan, math.nan))
                 print(
                     f"round {round_ + 1}: "
                     + ", ".join(f"{name.strip()} {runs[-1][0] / raws[-1]:.2f}x" for name, runs in paths.items()),
@@ -264,21 +376,24 @@ async def main_async(args: argparse.Namespace) -> None:
             s3.stop()
             server.stop()
     raw_rate, floor = median(raws), median(floors)
-    print(f"{args.records} demo-shaped call records (64 float32 in, 10 float32 out, inline); median of {args.rounds}\n")
+    print(f"{args.records} demo-shaped call records (64 float32 in, 10 float32 out, inline); median of {args.rounds}")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"usable cores {len(os.sched_getaffinity(0))}, load average {load} (1, 5, 15 min, at the end)\n")
     ratios = " ".join(f"{'round ' + str(i + 1):>8}" for i in range(args.rounds))
-    print(f"{'path':<28}{'records/s':>12}{'vs raw XRANGE':>16} {ratios}{'loop CPU us/rec':>17}{'builder CPU':>13}")
-    print(f"{'raw XRANGE (no decode)':<28}{raw_rate:>12,.0f}{1.0:>15.2f}x")
-    print(f"{'XREADGROUP + XACK only':<28}{floor:>12,.0f}{floor / raw_rate:>15.2f}x")
+    print(f"{'path':<32}{'records/s':>12}{'vs raw XRANGE':>16} {ratios}{'loop CPU us/rec':>17}{'builder CPU':>13}")
+    print(f"{'raw XRANGE (no decode)':<32}{raw_rate:>12,.0f}{1.0:>15.2f}x")
+    print(f"{'XREADGROUP + XACK only':<32}{floor:>12,.0f}{floor / raw_rate:>15.2f}x")
     for name, runs in paths.items():
         rate = median([run[0] for run in runs])
         each = " ".join(f"{run[0] / raw:>7.2f}x" for run, raw in zip(runs, raws, strict=True))
         own, child = median([run[1] for run in runs]), median([run[2] for run in runs])
-        print(f"{name:<28}{rate:>12,.0f}{rate / raw_rate:>15.2f}x {each}{own:>17.1f}{child:>13.1f}")
+        cpu = f"{own:>17.1f}{child:>13.1f}" if not math.isnan(own) else f"{'-':>17}{'-':>13}"
+        print(f"{name:<32}{rate:>12,.0f}{rate / raw_rate:>15.2f}x {each}{cpu}")
     print()
-    print(f"{'storage':<28}{'bytes/record':>12}{'vs Redis':>16}")
-    print(f"{'Redis stream (MEMORY USAGE)':<28}{memory / args.records:>12,.1f}{1.0:>15.2f}x")
-    print(f"{'Parquet, directory':<28}{on_disk / args.records:>12,.1f}{on_disk / memory:>15.2f}x")
-    print(f"{'Parquet, S3':<28}{in_s3 / args.records:>12,.1f}{in_s3 / memory:>15.2f}x")
+    print(f"{'storage':<32}{'bytes/record':>12}{'vs Redis':>16}")
+    print(f"{'Redis stream (MEMORY USAGE)':<32}{memory / args.records:>12,.1f}{1.0:>15.2f}x")
+    print(f"{'Parquet, directory':<32}{on_disk / args.records:>12,.1f}{on_disk / memory:>15.2f}x")
+    print(f"{'Parquet, S3':<32}{in_s3 / args.records:>12,.1f}{in_s3 / memory:>15.2f}x")
     print()
     print(f"{'reading back (fresh process)':<40}{'rows':>8}{'Arrow peak MiB':>16}{'RSS peak MiB':>14}")
     for label, rows, arrow_peak, rss_peak in reads:
@@ -289,6 +404,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=50_000)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is shown")
+    parser.add_argument(
+        "--processes",
+        type=lambda text: [int(n) for n in text.split(",") if n.strip()],
+        default=[1, 2],
+        help="splitstream-archive --processes values to time, comma-separated (each with both builders)",
+    )
     asyncio.run(main_async(parser.parse_args()))
 
 

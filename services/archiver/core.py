@@ -198,6 +198,8 @@ class Archiver:
         #: The file being written in the background while the next one's entries are read (at most one).
         self._flushing: asyncio.Task[None] | None = None
         self._in_flight: set[bytes] = set()
+        #: The XREADGROUP in progress (kept so the drain can take its reply).
+        self._reading: asyncio.Future[Any] | None = None
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -252,6 +254,10 @@ class Archiver:
     async def drain(self) -> None:
         """On SIGTERM: finish the write in progress, write and acknowledge what is buffered. A store that
         fails now leaves the entries pending: the next archiver writes them."""
+        reading, self._reading = self._reading, None
+        if reading is not None:  # the read a SIGTERM interrupted: its entries are ours, pending in Redis
+            with contextlib.suppress(RedisError, OSError):
+                self._buffer_reply(await reading)
         with contextlib.suppress(UploadFailed, RedisError, OSError):
             await self._settle()  # a failure put its entries back in their buffer: written below
         try:
@@ -337,15 +343,25 @@ class Archiver:
         block_s = 0.05 if self._flushing is not None else 1.0  # soon back to see the write in flight end
         if waiting:
             block_s = max(0.0, min(block_s, min(waiting) + self.settings.flush_interval_s - time.monotonic()))
+        # Shielded: a SIGTERM during the read lets the reply arrive and be buffered (the drain waits for it
+        # and writes it), rather than leave what Redis delivered pending until this consumer starts again.
+        self._reading = asyncio.ensure_future(
+            self._read_streams(list(self.buffers), count=count, block_ms=max(1, int(block_s * 1000)))
+        )
         try:
-            reply = await self._read_streams(list(self.buffers), count=count, block_ms=max(1, int(block_s * 1000)))
+            reply = await asyncio.shield(self._reading)
         except ResponseError as error:
             if "NOGROUP" in str(error):  # a stream deleted (or its group destroyed): forget it, find it again
                 await self._forget_lost_streams()
                 return
             raise
+        self._reading = None
+        self._buffer_reply(reply)
+
+    def _buffer_reply(self, reply: Any) -> None:
         for stream, pairs in self._pairs(reply):
-            self.buffers[stream].add(pairs)
+            if stream in self.buffers:
+                self.buffers[stream].add(pairs)
         self.metrics.buffered.set(sum(b.count for b in self.buffers.values()) + len(self._in_flight))
 
     async def _read_streams(self, streams: list[str], *, count: int, block_ms: int) -> Any:

@@ -13,6 +13,7 @@ import asyncio
 import math
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,9 +40,11 @@ from splitstream.common.runtime import (
     ServerSettings,
     Service,
     add_server_arguments,
+    process_index,
     run_service,
 )
 from splitstream.common.secrets import redact_text, redact_url
+from splitstream.common.supervisor import supervise
 
 PROG = "splitstream-archive"
 ENV_PREFIX = "SPLITSTREAM_ARCHIVE_"
@@ -68,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
             "are acknowledged only once their file is written."
         ),
     )
-    add_server_arguments(parser, ServerDefaults(port=8005, metrics_port=8006, drain_delay_s=0.0))
+    add_server_arguments(parser, ServerDefaults(port=8005, metrics_port=8006, drain_delay_s=0.0), processes=True)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
     parser.add_argument("--redis-timeout-s", type=float, default=5.0, help="connect and reply timeout for Redis")
     add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see README, Security)"))
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--consumer",
         default="",
         help="this archiver's name in the group; keep it across restarts so its unacknowledged entries are "
-        "re-archived under the same file names (empty: the hostname)",
+        "re-archived under the same file names (empty: the hostname); with --processes N, process i is "
+        "<consumer>-<i>",
     )
     parser.add_argument("--max-file-rows", type=int, default=100_000, help="entries per file at most")
     parser.add_argument(
@@ -114,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "process", "thread"),
         default="auto",
         help="where files are decoded, built and written: a child process, beside the loop reading Redis "
-        "(two cores), or a thread of the archiver's own (one core); auto: a process when this process may "
-        "run on two cores or more",
+        "(two cores), or a thread of the archiver's own (one core); auto: a process when there are two "
+        "usable cores per archiver process (--processes) or more, else a thread",
     )
     return parser
 
@@ -126,6 +130,23 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def consumer_name(base: str) -> str:
+    """This process's name in the group: ``base``, or ``base-<index>`` in a ``--processes`` child, so the
+    siblings' names differ and a restarted child (same index) resumes its own pending entries."""
+    index = process_index()
+    return base if index is None else f"{base}-{index}"
+
+
+def builds_in_process(builder: str, processes: int) -> bool:
+    """``--builder auto``: a builder process per archiver process only where each gets a second core.
+
+    An archiver process keeps about one core busy reading and a builder process most of another; with
+    fewer than two usable cores per archiver process they would only take turns (see README, Archive)."""
+    if builder != "auto":
+        return builder == "process"
+    return usable_cores() >= 2 * processes
 
 
 def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
@@ -153,7 +174,7 @@ def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
         models = frozenset(m.strip() for spec in args.model for m in spec.split(",") if m.strip())
         settings = ArchiverSettings(
             group=args.group,
-            consumer=args.consumer or socket.gethostname(),
+            consumer=consumer_name(args.consumer or socket.gethostname()),
             models=models,
             max_file_rows=args.max_file_rows,
             max_file_bytes=int(args.max_file_mb * 1024 * 1024),
@@ -161,7 +182,7 @@ def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
             claim_idle_s=args.claim_idle_s,
             read_count=args.read_count,
             scan_interval_s=args.scan_interval_s,
-            builder_process=args.builder == "process" or (args.builder == "auto" and usable_cores() >= 2),
+            builder_process=builds_in_process(args.builder, server.processes),
         )
         security = redis_security_from_args(args, url=args.redis_url, env_prefix=ENV_PREFIX)
     except ConfigError as error:
@@ -181,6 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``splitstream-archive``."""
     config = parse_args(argv)
     configure_logging(config.server.log_level, service="archiver")
+    if config.server.processes > 1:
+        # Each child is a whole archiver (its own consumer in the group, its own builder): see consumer_name.
+        # --builder resolved here, where --processes is known (each child is told --processes 1).
+        builder = "process" if config.settings.builder_process else "thread"
+        archiver_argv = [*(sys.argv[1:] if argv is None else argv), "--builder", builder]
+        return supervise(
+            config.server, module="splitstream.archiver", argv=archiver_argv, prog=PROG, service="archiver"
+        )
     return run_service(config.server, lambda: ArchiverService(config), prog=PROG)
 
 

@@ -1,4 +1,8 @@
-"""The archiver's Prometheus metrics, owned by one object (no module globals)."""
+"""The archiver's Prometheus metrics, owned by one object (no module globals).
+
+With ``--processes N`` the parent's scrape merges the children's (prometheus-client's multiprocess
+mode): counters add up; the lag gauges say the same of the shared group in every child, so the live
+children's largest is shown; the buffered entries are each child's own, so the live ones' sum."""
 
 from __future__ import annotations
 
@@ -51,15 +55,18 @@ class ArchiverMetrics:
             "Entries in the stream not archived yet (not delivered to any archiver, or pending)",
             ["stream"],
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.lag_seconds = Gauge(
             "splitstream_archive_lag_seconds",
             "Age of the oldest entry not archived yet (0 when the archive has caught up)",
             ["stream"],
             registry=self.registry,
+            multiprocess_mode="livemax",
         )
         self.buffered = Gauge(
             "splitstream_archive_buffered_entries",
             "Entries read and held for the next file (pending in Redis until it is written)",
             registry=self.registry,
+            multiprocess_mode="livesum",
         )

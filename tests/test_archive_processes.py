@@ -1,0 +1,127 @@
+"""``splitstream-archive --processes N``: N archivers under one supervising parent, each its own consumer
+in the group. Real processes throughout: the parent, its children, redis-server, the Parquet files."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from splitstream.common.archive import ArchiveQuery, open_archive, read_calls
+from splitstream.common.records import ARCHIVE_GROUP, stream_key
+from tests.harness import ROOT
+from tests.harness import wait_for as wait_until
+from tests.redis_server import RedisServer
+from tests.test_archive import (
+    HOUR_NS,
+    SYNTHETIC,
+    archived_everything,
+    metric,
+    raw_rows,
+    redis_server,
+    start_archiver,
+    write_synthetic,
+)
+from tests.test_processes import alive, child_pids
+
+__all__ = ["redis_server"]  # the fixture, used by name
+
+
+def consumers(client: object, stream: str) -> set[str]:
+    """The consumers ``XINFO CONSUMERS`` lists in the archive group."""
+    rows = client.xinfo_consumers(stream, ARCHIVE_GROUP)  # type: ignore[attr-defined]
+    return {row["name"].decode() if isinstance(row["name"], bytes) else row["name"] for row in rows}
+
+
+def archived_ids(url: str) -> list[str]:
+    """Request ids as a reader sees them (de-duplicated by request id)."""
+    table = read_calls(open_archive(url), ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns() + HOUR_NS))
+    return list(table["request_id"].to_pylist())
+
+
+def test_two_processes_archive_every_call_once_as_two_consumers_and_sigterm_leaves_no_child(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--processes", "2", "--read-count", "25")
+    try:
+        ids: list[str] = []
+        for batch in range(20):
+            ids += write_synthetic(client, batch * 100, 100, start_ns=time.time_ns())
+            time.sleep(0.02)
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="two children")
+        assert consumers(client, stream_key(SYNTHETIC)) == {"a-0", "a-1"}
+        # One scrape of the parent: the children's counts added up.
+        wait_until(lambda: metric(archiver, "splitstream_archive_records_total") == 2000, timeout_s=30)
+        pids = set(child_pids(archiver).values())
+        assert len(pids) == 2
+        archiver.signal(signal.SIGTERM)
+        assert archiver.wait(timeout_s=60) == 0
+        wait_until(lambda: not any(alive(pid) for pid in pids), timeout_s=10, what="the children to be gone")
+    finally:
+        archiver.stop()
+    archived = archived_ids(url)
+    assert len(archived) == len(set(archived)) == 2000
+    assert set(archived) == set(ids)
+
+
+def test_a_child_killed_under_load_is_restarted_as_the_same_consumer_and_nothing_is_missing(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis_server.client()
+    stream = stream_key(SYNTHETIC)
+    url = (tmp_path / "archive").as_uri()
+    stop = threading.Event()
+    written: list[str] = []
+
+    def load() -> None:
+        writer = redis_server.client()
+        index = 0
+        while not stop.is_set():
+            written.extend(write_synthetic(writer, index, 50, start_ns=time.time_ns()))
+            index += 50
+            time.sleep(0.01)
+        writer.close()
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--processes", "2", "--max-file-rows", "400")
+    try:
+        wait_until(lambda: metric(archiver, "splitstream_archive_files_total") >= 3, timeout_s=60, what="some files")
+        wait_until(lambda: len(child_pids(archiver)) == 2, timeout_s=30, what="both children")
+        victim = child_pids(archiver)[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: child_pids(archiver)[0] != victim, timeout_s=30, what="child 0 restarted")
+        time.sleep(1.0)
+        stop.set()
+        thread.join()
+        wait_until(lambda: archived_everything(client, stream), timeout_s=90, what="the restarted child")
+        assert consumers(client, stream) == {"a-0", "a-1"}  # the restart resumed as a-0, no new name
+        assert metric(archiver, "splitstream_archiver_process_restarts_total") == 1
+    finally:
+        stop.set()
+        archiver.stop()
+    assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 0
+    archived = archived_ids(url)
+    assert len(archived) == len(set(archived))
+    assert set(archived) == set(written), f"missing {len(set(written) - set(archived))}"
+    assert set(raw_rows(url)["request_id"].to_pylist()) == set(written)
+
+
+@pytest.mark.parametrize("value", ["0", "abc"])
+def test_a_bad_processes_value_exits_2_with_one_line(value: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--processes", value],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "--processes" in lines[0]
