@@ -58,6 +58,8 @@ from splitstream.common.redis_url import RedisClient
 
 #: KEYS: the stream, its mark. ARGV: the group. Raises the mark to the group's low-water mark (oldest
 #: pending id, else the id after the last delivered); returns the mark, or false without the group.
+#: How long the drain waits for the XREADGROUP a SIGTERM interrupted (its block is at most 1 s).
+_DRAIN_READ_WAIT_S = 3.0
 _RAISE_MARK = (
     LUA_ID_LESS
     + """
@@ -256,8 +258,10 @@ class Archiver:
         fails now leaves the entries pending: the next archiver writes them."""
         reading, self._reading = self._reading, None
         if reading is not None:  # the read a SIGTERM interrupted: its entries are ours, pending in Redis
-            with contextlib.suppress(RedisError, OSError):
-                self._buffer_reply(await reading)
+            # Bounded: a read stuck on its socket must not hold the drain; its entries then stay pending
+            # under this consumer (read again when it starts, or claimed by another archiver).
+            with contextlib.suppress(RedisError, OSError):  # TimeoutError is an OSError
+                self._buffer_reply(await asyncio.wait_for(reading, _DRAIN_READ_WAIT_S))
         with contextlib.suppress(UploadFailed, RedisError, OSError):
             await self._settle()  # a failure put its entries back in their buffer: written below
         try:
