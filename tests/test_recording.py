@@ -8,6 +8,7 @@ nothing (the router spools to disk and sends later); shadows join the record.
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -110,7 +111,8 @@ def test_a_recorder_killed_for_ten_seconds_under_load_loses_no_record(recording:
     assert "InvalidStateError" not in log
     warnings = [line for line in log.splitlines() if "recorder stream failed" in line and '"warning"' in line]
     assert len(warnings) == 1
-    assert "UNAVAILABLE" in warnings[0]
+    # A killed peer reads as UNAVAILABLE, or now and then as INTERNAL from gRPC's core: either way, named.
+    assert re.search(r'"error": "(UNAVAILABLE|INTERNAL): ', warnings[0]), warnings[0]
 
 
 def test_redis_stopped_for_ten_seconds_under_load_costs_no_call_and_no_record(recording: RecordingStack) -> None:
