@@ -5,6 +5,7 @@ log's cap, damaged and torn entries, a full disk, and one shipper for several ro
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -279,7 +280,7 @@ def test_damaged_and_torn_log_entries_are_skipped_and_counted_and_the_rest_shipp
         writer.append(wal.CALL, b"\x00" * 7)  # checks, but does not parse
         writer.close()
         stack.shipper_metrics_port = free_port()
-        start_shipper(stack, log_dir, metrics_port=stack.shipper_metrics_port)
+        shipper = start_shipper(stack, log_dir, metrics_port=stack.shipper_metrics_port)
         expected = {f"hand-{i}" for i in range(11)} - {"hand-3"}
         records = stack.wait_recorded(expected)
         assert {r.request_id for r in records} == expected
@@ -290,6 +291,11 @@ def test_damaged_and_torn_log_entries_are_skipped_and_counted_and_the_rest_shipp
         )
         assert shipper_metric(stack, "log_damaged_total", reason="damaged") >= 1
         assert shipper_metric(stack, "log_damaged_total", reason="undecodable") == 1
+        # Each skipped range is logged with the segment and the offset where it starts: the fourth entry's.
+        skipped = [json.loads(line) for line in shipper.log().splitlines() if "log range skipped" in line]
+        assert any(
+            e["reason"] == "damaged" and e["segment"] == str(segment) and e["offset"] == 3 * entry for e in skipped
+        ), skipped
     finally:
         stack.close()
 

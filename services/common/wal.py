@@ -486,12 +486,13 @@ class WalReader:
         self,
         directory: str | os.PathLike[str],
         *,
-        on_damage: Callable[[str, int], None] | None = None,
+        on_damage: Callable[[str, int, Position], None] | None = None,
         chunk_bytes: int = 4 << 20,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.on_damage = on_damage or (lambda reason, size: None)
+        #: Told of each skipped range: its reason, its size in bytes and where it starts (segment, offset).
+        self.on_damage = on_damage or (lambda reason, size, where: None)
         self.chunk_bytes = chunk_bytes
         self._sequence = 0
         self._cursor_fd = -1
@@ -581,7 +582,7 @@ class WalReader:
                         found = data.find(MAGIC, at + 1)
                         if found < 0:
                             break  # the rest is waited for (newest segment) or torn (counted below)
-                        self.on_damage("damaged", found - at)
+                        self.on_damage("damaged", found - at, (number, offset))
                         offset += found - at
                         at = found
                         self.position = (number, offset)
@@ -600,7 +601,7 @@ class WalReader:
         except FileNotFoundError:
             return False
         if rest and not newest:
-            self.on_damage("torn", rest)  # the router died mid-append: never shipped as garbage
+            self.on_damage("torn", rest, (number, offset))  # the router died mid-append: never shipped as garbage
         return progressed and newest
 
     def commit(self, position: Position) -> None:

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import fcntl
+import functools
 import os
 import time
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ from splitstream.common.wal import (
     decode_call,
     decode_feedback,
     decode_shadows,
+    segment_name,
 )
 from splitstream.shipper.mirror import RecordMirror
 
@@ -109,7 +111,7 @@ class Tail:
         read_entries: int = 1024,
     ) -> None:
         self.metrics = TailMetrics(registry)
-        self.readers = [WalReader(d, on_damage=self._damaged) for d in directories]
+        self.readers = [WalReader(d, on_damage=functools.partial(self._damaged, d)) for d in directories]
         self.mirror = mirror
         mirror.settlement = self
         self.shadow_wait_s = shadow_wait_s
@@ -133,10 +135,16 @@ class Tail:
         self.metrics.held.set_function(lambda: len(self._held))
         self.metrics.pending.set_function(lambda: sum(r.pending_bytes() for r in self.readers))
 
-    def _damaged(self, reason: str, size: int) -> None:
+    def _damaged(self, directory: str | Path, reason: str, size: int, where: Position) -> None:
         self.metrics.damaged.labels(reason).inc()
         self.metrics.damaged_bytes.inc(size)
-        log.warning("log range skipped", reason=reason, bytes=size)
+        log.warning(
+            "log range skipped",
+            reason=reason,
+            bytes=size,
+            segment=str(Path(directory) / segment_name(where[0])),
+            offset=where[1],
+        )
 
     # -- settlement (called by the mirror) -------------------------------------------------------
 
