@@ -343,3 +343,17 @@ def test_logs_left_by_a_router_of_another_process_count_are_shipped_when_it_come
         assert stack.raw_count() == len(logged)
     finally:
         stack.close()
+
+
+def test_sigterm_while_the_children_are_still_starting_is_a_clean_stop(tmp_path: Path) -> None:
+    """The parent's SIGTERM may reach a child before its handler is in place (it dies of the signal, having
+    served nothing): that is a clean stop, exit 0, not a failed child."""
+    stack = RecordingStack(tmp_path, versions={"v1": {"scale": 2.0}}, experiment=None)
+    try:
+        router = stack.stack.router(stack.registry, "--processes", "2", start=False)
+        router.start(wait_serving=False)
+        wait_for(lambda: len(child_pids(router)) == 2, timeout_s=30, interval_s=0.005, what="both children started")
+        router.signal(signal.SIGTERM)  # before they have imported grpc, let alone installed a handler
+        assert router.wait() == 0
+    finally:
+        stack.close()

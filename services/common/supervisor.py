@@ -180,6 +180,8 @@ class _Parent:
         await asyncio.gather(*pending, return_exceptions=True)
         code = EXIT_OK
         for returncode in self.codes.values():
+            if returncode == -signal.SIGTERM:
+                continue  # our SIGTERM reached a child still starting, before its handler: it served nothing
             code = max(code, returncode if returncode >= 0 else EXIT_FAILED)
         if self.companion is not None:
             await self.companion.stop()
