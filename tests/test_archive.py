@@ -127,6 +127,31 @@ def write_synthetic(client: Any, first: int, count: int, *, start_ns: int, gap_n
     return ids
 
 
+class SyntheticLoad:
+    """Calls written to the synthetic model's stream from a thread (50 every 10 ms) until :meth:`stop`;
+    :attr:`written` holds their request ids."""
+
+    def __init__(self, redis_server: RedisServer) -> None:
+        self.written: list[str] = []
+        self._server = redis_server
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        writer = self._server.client()
+        index = 0
+        while not self._stopping.is_set():
+            self.written.extend(write_synthetic(writer, index, 50, start_ns=time.time_ns()))
+            index += 50
+            time.sleep(0.01)
+        writer.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join()
+
+
 def raw_rows(archive_url: str, endpoint: str = "", kind: str = "calls") -> pa.Table:
     """Every row of every file, duplicates included (what a careless reader would see)."""
     archive = open_archive(archive_url, endpoint=endpoint)
@@ -587,20 +612,7 @@ def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_ca
 ) -> None:
     client = redis_server.client()
     url = "s3://archive/crash"
-    stop = threading.Event()
-    written: list[str] = []
-
-    def load() -> None:
-        writer = redis_server.client()
-        index = 0
-        while not stop.is_set():
-            written.extend(write_synthetic(writer, index, 50, start_ns=time.time_ns()))
-            index += 50
-            time.sleep(0.01)
-        writer.close()
-
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
+    load = SyntheticLoad(redis_server)
     args = ("--s3-endpoint", s3.endpoint, "--max-file-rows", "400")
     archiver = start_archiver(tmp_path, redis_server.url, url, *args)
     try:
@@ -611,11 +623,10 @@ def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_ca
         pending = client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"]
         archiver = start_archiver(tmp_path, redis_server.url, url, *args)
         time.sleep(1.0)
-        stop.set()
-        thread.join()
+        load.stop()
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the restart")
     finally:
-        stop.set()
+        load.stop()
         archiver.stop()
     assert pending > 0
     table = read_calls(
@@ -624,11 +635,11 @@ def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_ca
     )
     archived = table["request_id"].to_pylist()
     assert len(archived) == len(set(archived))
-    assert set(archived) == set(written), f"missing {len(set(written) - set(archived))}"
+    assert set(archived) == set(load.written), f"missing {len(set(load.written) - set(archived))}"
     # Restarted under the same name, it rewrote what it had uploaded and not acknowledged under the same
     # names: not a row twice even before de-duplication.
     raw = raw_rows(url, s3.endpoint)["request_id"].to_pylist()
-    assert sorted(raw) == sorted(written)
+    assert sorted(raw) == sorted(load.written)
 
 
 def test_entries_a_dead_archiver_left_pending_are_claimed_and_archived(

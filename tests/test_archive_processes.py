@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from tests.redis_server import RedisServer
 from tests.test_archive import (
     HOUR_NS,
     SYNTHETIC,
+    SyntheticLoad,
     archived_everything,
     metric,
     raw_rows,
@@ -78,20 +78,7 @@ def test_a_child_killed_under_load_is_restarted_as_the_same_consumer_and_nothing
     client = redis_server.client()
     stream = stream_key(SYNTHETIC)
     url = (tmp_path / "archive").as_uri()
-    stop = threading.Event()
-    written: list[str] = []
-
-    def load() -> None:
-        writer = redis_server.client()
-        index = 0
-        while not stop.is_set():
-            written.extend(write_synthetic(writer, index, 50, start_ns=time.time_ns()))
-            index += 50
-            time.sleep(0.01)
-        writer.close()
-
-    thread = threading.Thread(target=load, daemon=True)
-    thread.start()
+    load = SyntheticLoad(redis_server)
     archiver = start_archiver(tmp_path, redis_server.url, url, "--processes", "2", "--max-file-rows", "400")
     try:
         wait_until(lambda: metric(archiver, "splitstream_archive_files_total") >= 3, timeout_s=60, what="some files")
@@ -100,19 +87,18 @@ def test_a_child_killed_under_load_is_restarted_as_the_same_consumer_and_nothing
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: child_pids(archiver)[0] != victim, timeout_s=30, what="child 0 restarted")
         time.sleep(1.0)
-        stop.set()
-        thread.join()
+        load.stop()
         wait_until(lambda: archived_everything(client, stream), timeout_s=90, what="the restarted child")
         assert consumers(client, stream) == {"a-0", "a-1"}  # the restart resumed as a-0, no new name
         assert metric(archiver, "splitstream_archiver_process_restarts_total") == 1
     finally:
-        stop.set()
+        load.stop()
         archiver.stop()
     assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 0
     archived = archived_ids(url)
     assert len(archived) == len(set(archived))
-    assert set(archived) == set(written), f"missing {len(set(written) - set(archived))}"
-    assert set(raw_rows(url)["request_id"].to_pylist()) == set(written)
+    assert set(archived) == set(load.written), f"missing {len(set(load.written) - set(archived))}"
+    assert set(raw_rows(url)["request_id"].to_pylist()) == set(load.written)
 
 
 @pytest.mark.parametrize("value", ["0", "abc"])
