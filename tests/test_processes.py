@@ -225,6 +225,34 @@ def test_every_router_child_follows_a_registry_change_honours_pins_and_lets_a_ve
     assert load.errors() == []
 
 
+def test_an_arm_spilling_in_a_child_shows_on_the_parents_scrape_until_it_recovers(two_routers: RecordingStack) -> None:
+    """``splitstream_router_arm_spilling`` with ``--processes 2``: the children set it as the state changes
+    (a collector run at scrape time in a child is never asked: the parent reads the children's files)."""
+    stack = two_routers
+
+    def spilling() -> list[tuple[dict[str, str], float]]:
+        return sorted(
+            metric_samples(scrape_metrics(stack.router.metrics_port), "splitstream_router_arm_spilling"),
+            key=lambda sample: sample[0]["version"],
+        )
+
+    def arms(v1: float, v2: float) -> list[tuple[dict[str, str], float]]:
+        return [({"model": MODEL, "version": "v1"}, v1), ({"model": MODEL, "version": "v2"}, v2)]
+
+    wait_for(lambda: spilling() == arms(0.0, 0.0), timeout_s=30, what="both arms exported, neither spilling")
+    stack.workers["v2"].stop()  # health: NOT_SERVING, then unreachable, in every child
+    wait_for(lambda: spilling() == arms(0.0, 1.0), timeout_s=30, what="v2 spilling on the parent's scrape")
+    stack.workers["v2"].start()  # the same port: each child's health watch finds it serving again
+    wait_for(lambda: spilling() == arms(0.0, 0.0), timeout_s=30, what="v2 serving again in every child")
+    stack.workers["v2"].stop()
+    wait_for(lambda: spilling() == arms(0.0, 1.0), timeout_s=30, what="v2 spilling again")
+    # An arm taken out of the experiment while spilling must not stay 1: a child cannot remove a series
+    # in multiprocess mode, so it reads 0 (with one process it is removed).
+    v1_only = {**EXPERIMENT, "arms": [{"version": "v1", "weight": 100}]}
+    write_registry(stack.registry, {MODEL: {"endpoints": {"v1": [stack.workers["v1"].address]}, "experiment": v1_only}})
+    wait_for(lambda: spilling() == arms(0.0, 0.0), timeout_s=30, what="the removed arm to read 0")
+
+
 def every_connection_refuses_pin(address: str, version: str) -> bool:
     """Whether a call pinned to ``version`` is NOT_FOUND on each of a set of fresh connections (so in each child)."""
     x = np.ones((1, 4), dtype=np.float32)
