@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
@@ -27,6 +28,7 @@ from tests.harness import (
     InferClient,
     ServiceProcess,
     SteadyLoad,
+    free_port,
     health_status,
     make_request,
     metric_samples,
@@ -34,7 +36,7 @@ from tests.harness import (
     wait_for,
     write_registry,
 )
-from tests.recording_stack import MODEL, RecordingStack
+from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
 
 EXPERIMENT = {
     "salt": "processes",
@@ -270,6 +272,57 @@ def every_connection_refuses_pin(address: str, version: str) -> bool:
         for client in connections:
             client.close()
     return True
+
+
+def exported(port: int) -> dict[str, str]:
+    """The metric families a scrape shows with at least one sample, and their types. Left out: a family
+    with no samples (multiprocess mode does not list it; with one process a scraper sees no series of it
+    either) and a counter's or histogram's ``_created`` series (a creation time, which multiprocess mode
+    does not give for a sum over processes)."""
+    families = {
+        family.name: family.type for family in text_string_to_metric_families(scrape_metrics(port)) if family.samples
+    }
+    return {
+        name: kind
+        for name, kind in families.items()
+        if not (name.endswith("_created") and name.removesuffix("_created") in families)
+    }
+
+
+def test_one_and_two_processes_export_the_same_metrics_after_the_same_traffic(tmp_path: Path) -> None:
+    """Whatever a router or recorder of one process exports, the parent of two exports too (with its own
+    restart counter beside them)."""
+    stack = RecordingStack(tmp_path, versions={"v1": {"scale": 2.0}, "v2": {"scale": 3.0}}, experiment=EXPERIMENT)
+    try:
+        recorder_port = free_port()
+        recorder = stack.stack.service(
+            "recorder-two",
+            "splitstream.recorder",
+            ["--host", "127.0.0.1", "--port", str(recorder_port), "--metrics-port", str(free_port()),
+             "--redis-url", stack.redis.url, "--hmac-key", HMAC_KEY, "--processes", "2"],
+            port=recorder_port,
+        )  # fmt: skip
+        router = stack.stack.router(
+            stack.registry,
+            "--recorder", f"127.0.0.1:{recorder_port}", "--hmac-key", HMAC_KEY, "--spool-dir", str(tmp_path / "two"),
+            "--record-batch-interval-ms", "20", "--shipper-metrics-port", str(free_port()), "--processes", "2",
+        )  # fmt: skip
+        wait_children_serving(router)
+        wait_children_serving(recorder)
+        recorded = set()
+        for name, each in (("one", stack.router), ("two", router)):  # the same traffic through each
+            keys = [f"{name}-{i}" for i in range(48)]
+            call_all(each.address, keys, name)
+            call_all(each.address, keys[:12], "pinned", pin="v2")
+            recorded |= {f"{name}-{key}" for key in keys} | {f"pinned-{key}" for key in keys[:12]}
+        stack.wait_recorded(recorded)
+        two_router, two_recorder = exported(router.metrics_port), exported(recorder.metrics_port)
+        assert two_router.pop("splitstream_router_process_restarts") == "counter"  # the parent's own
+        assert two_recorder.pop("splitstream_recorder_process_restarts") == "counter"
+        assert two_router == exported(stack.router.metrics_port)
+        assert two_recorder == exported(stack.recorder.metrics_port)
+    finally:
+        stack.close()
 
 
 def test_two_recorder_processes_write_every_call_a_router_sends(tmp_path: Path) -> None:
