@@ -16,7 +16,7 @@ each server process's CPU time to the records written (on the raw path the
 recorder idles). On a small machine all three processes (client, recorder,
 redis-server) share the cores.
 
-Scale-out table (same run, also interleaved): a recorder of ``--processes 1`` and one of
+Scale-out table (same run, also interleaved, in rounds whose order rotates): a recorder of ``--processes 1`` and one of
 ``--processes 2`` (one port, SO_REUSEPORT) writing into one Redis and into a 3-master Redis Cluster
 (``redis+cluster://``), each fed by ``--streams`` client streams on their own connections (as that many
 routers' would be; the kernel spreads connections over the processes), the records of each batch spread
@@ -219,7 +219,9 @@ def start_recorder(tmp: Path, name: str, url: str, maxlen: int, processes: int =
 
 
 def scale_out(args: argparse.Namespace, template: recorder_pb2.CallRecord) -> dict[str, list[float]]:
-    """records/s of a recorder of 1 and of 2 processes into one Redis and into a 3-master cluster, interleaved."""
+    """records/s of a recorder of 1 and of 2 processes into one Redis and into a 3-master cluster, interleaved
+    in rounds whose order rotates (with a fixed order the last row always ran last, when other load had risen
+    most: that row, 2 processes into the cluster, once read 0.49x of one process into one Redis)."""
     with tempfile.TemporaryDirectory(prefix="recorder-scale-") as tmp_name:
         tmp = Path(tmp_name)
         with RedisServer(tmp / "single") as single, RedisClusterServers(tmp / "cluster") as cluster:
@@ -236,11 +238,14 @@ def scale_out(args: argparse.Namespace, template: recorder_pb2.CallRecord) -> di
                 streams = {name: [r.address] * args.streams for name, r in recorders.items()}
                 for addresses in streams.values():  # warm-up: streams created, connections made
                     asyncio.run(drive_many(addresses, batches, args.batch, args.window, 0.5))
-                rows: dict[str, list[float]] = {}
-                for _ in range(args.rounds):
-                    for name, addresses in streams.items():
-                        rate = asyncio.run(drive_many(addresses, batches, args.batch, args.window, args.seconds))
-                        rows.setdefault(name, []).append(rate)
+                rows: dict[str, list[float]] = {name: [] for name in streams}
+                names = list(streams)
+                for round_index in range(args.rounds):
+                    # The order rotates: load that rises (or falls) during a run must not always hit the same row.
+                    shift = round_index % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        rate = asyncio.run(drive_many(streams[name], batches, args.batch, args.window, args.seconds))
+                        rows[name].append(rate)
                 return rows
             finally:
                 for recorder in recorders.values():
