@@ -16,13 +16,15 @@ each server process's CPU time to the records written (on the raw path the
 recorder idles). On a small machine all three processes (client, recorder,
 redis-server) share the cores.
 
-Scale-out table (same run, also interleaved): a recorder of ``--processes 1`` and one of
+Scale-out table (same run, also interleaved, in rounds whose order rotates): a recorder of ``--processes 1`` and one of
 ``--processes 2`` (one port, SO_REUSEPORT) writing into one Redis and into a 3-master Redis Cluster
 (``redis+cluster://``), each fed by ``--streams`` client streams on their own connections (as that many
 routers' would be; the kernel spreads connections over the processes), the records of each batch spread
 over ``--models`` models (one stream per model, so the streams spread over the cluster's masters; one
 model's stream lives on one master, so one model alone gains nothing). records/s counts acknowledged
-records of all streams together.
+records of all streams together. For 2 processes the last column says how evenly the kernel spread the
+connections that round: the busiest child's share of the children's CPU (50 % is even, 100 % one child
+did everything).
 
     .venv/bin/python bench/recorder_throughput.py [--seconds 4] [--rounds 2] [--models 6] [--streams 4]
 """
@@ -218,8 +220,30 @@ def start_recorder(tmp: Path, name: str, url: str, maxlen: int, processes: int =
     ).start()
 
 
-def scale_out(args: argparse.Namespace, template: recorder_pb2.CallRecord) -> dict[str, list[float]]:
-    """records/s of a recorder of 1 and of 2 processes into one Redis and into a 3-master cluster, interleaved."""
+def children_cpu(pid: int) -> dict[int, float]:
+    """CPU seconds used so far by each child of ``pid`` (a ``--processes`` parent's recorders; none for one)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return {int(child): cpu_seconds(int(child)) for child in children}
+
+
+def busiest_share(before: dict[int, float], after: dict[int, float]) -> float | None:
+    """The busiest child's share of the CPU its siblings and it used between two readings (None: no children).
+    The kernel hashes each connection to a child, so 4 streams over 2 children are often 3 and 1, or 4 and 0."""
+    used = [after[pid] - before[pid] for pid in after if pid in before]
+    return max(used) / sum(used) if used and sum(used) > 0 else None
+
+
+@dataclass
+class Row:
+    rates: list[float]
+    #: Per round, the busiest child's share of the children's CPU (None for one process).
+    shares: list[float | None]
+
+
+def scale_out(args: argparse.Namespace, template: recorder_pb2.CallRecord) -> dict[str, Row]:
+    """records/s of a recorder of 1 and of 2 processes into one Redis and into a 3-master cluster, interleaved
+    in rounds whose order rotates (with a fixed order the last row always ran last, when other load had risen
+    most: that row, 2 processes into the cluster, once read 0.49x of one process into one Redis)."""
     with tempfile.TemporaryDirectory(prefix="recorder-scale-") as tmp_name:
         tmp = Path(tmp_name)
         with RedisServer(tmp / "single") as single, RedisClusterServers(tmp / "cluster") as cluster:
@@ -236,11 +260,18 @@ def scale_out(args: argparse.Namespace, template: recorder_pb2.CallRecord) -> di
                 streams = {name: [r.address] * args.streams for name, r in recorders.items()}
                 for addresses in streams.values():  # warm-up: streams created, connections made
                     asyncio.run(drive_many(addresses, batches, args.batch, args.window, 0.5))
-                rows: dict[str, list[float]] = {}
-                for _ in range(args.rounds):
-                    for name, addresses in streams.items():
-                        rate = asyncio.run(drive_many(addresses, batches, args.batch, args.window, args.seconds))
-                        rows.setdefault(name, []).append(rate)
+                rows = {name: Row([], []) for name in streams}
+                names = list(streams)
+                for round_index in range(args.rounds):
+                    # The order rotates: load that rises (or falls) during a run must not always hit the same row.
+                    shift = round_index % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        parent = recorders[name].process
+                        assert parent is not None
+                        before = children_cpu(parent.pid)
+                        rate = asyncio.run(drive_many(streams[name], batches, args.batch, args.window, args.seconds))
+                        rows[name].rates.append(rate)
+                        rows[name].shares.append(busiest_share(before, children_cpu(parent.pid)))
                 return rows
             finally:
                 for recorder in recorders.values():
@@ -316,19 +347,24 @@ def main() -> int:
     if args.no_scale_out:
         return 0
     rows = scale_out(args, template)
-    base = max(rows["1 process -> one Redis"])
+    base = max(rows["1 process -> one Redis"].rates)
     print(
         f"\nscale-out: records spread over {args.models} models, {args.streams} client streams per recorder, "
         f"{os.cpu_count()} CPU cores for everything\n"
     )
     print(
-        "{:<28} {:>17} {:>18} {:>16}".format(
-            "recorder --processes -> store", "records/s (best)", "each round", "vs 1 -> one Redis"
+        "{:<28} {:>17} {:>18} {:>16}  {}".format(
+            "recorder --processes -> store",
+            "records/s (best)",
+            "each round",
+            "vs 1 -> one Redis",
+            "busiest child's CPU share, each round",
         )
     )
-    for name, rates in rows.items():
-        each = ", ".join(f"{rate:,.0f}" for rate in rates)
-        print(f"{name:<28} {max(rates):>17,.0f} {each:>18} {max(rates) / base:>16.2f}")
+    for name, row in rows.items():
+        each = ", ".join(f"{rate:,.0f}" for rate in row.rates)
+        shares = ", ".join("-" if share is None else f"{share:.0%}" for share in row.shares)
+        print(f"{name:<28} {max(row.rates):>17,.0f} {each:>18} {max(row.rates) / base:>16.2f}  {shares}")
     return 0
 
 

@@ -48,3 +48,32 @@ async def test_endpoints_that_are_not_serving_or_unreachable_are_never_picked() 
     pool = VersionPool("v1", [draining, down, fresh])
     assert {pool.pick() for _ in range(10)} == {fresh}
     assert not VersionPool("v1", [draining, down]).has_eligible()
+
+
+async def test_eligibility_changes_are_reported_when_an_ejection_starts_runs_out_or_is_cleared() -> None:
+    """What ``splitstream_router_arm_spilling`` is set from (never computed at scrape time, so that
+    ``--processes`` children export it): an ejection running out is an event too, though nothing happens."""
+    changes: list[bool] = []
+    loop = asyncio.get_running_loop()
+    running_out = loop.create_future()
+
+    def changed() -> None:
+        changes.append(e.eligible)
+        if len(changes) == 2:
+            running_out.set_result(None)
+
+    e = Endpoint("e:1", channel_options=(), eject_after_failures=2, eject_duration_s=0.2, on_eligibility=changed)
+    e.health = Health.SERVING
+    e.failed()
+    assert changes == []
+    e.failed()  # ejects
+    assert changes == [False]
+    await asyncio.wait_for(running_out, 10)
+    assert changes == [False, True]  # told when it ran out, and eligible by then
+    e.succeeded()  # clears an ejection already over: no change
+    assert changes == [False, True]
+    e.failed()
+    e.failed()  # ejected again; a call sent before that comes back fine and clears it
+    e.succeeded()
+    assert changes == [False, True, False, True]
+    await e.close(drain_timeout_s=0)

@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
@@ -27,6 +28,7 @@ from tests.harness import (
     InferClient,
     ServiceProcess,
     SteadyLoad,
+    free_port,
     health_status,
     make_request,
     metric_samples,
@@ -34,7 +36,7 @@ from tests.harness import (
     wait_for,
     write_registry,
 )
-from tests.recording_stack import MODEL, RecordingStack
+from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
 
 EXPERIMENT = {
     "salt": "processes",
@@ -225,6 +227,34 @@ def test_every_router_child_follows_a_registry_change_honours_pins_and_lets_a_ve
     assert load.errors() == []
 
 
+def test_an_arm_spilling_in_a_child_shows_on_the_parents_scrape_until_it_recovers(two_routers: RecordingStack) -> None:
+    """``splitstream_router_arm_spilling`` with ``--processes 2``: the children set it as the state changes
+    (a collector run at scrape time in a child is never asked: the parent reads the children's files)."""
+    stack = two_routers
+
+    def spilling() -> list[tuple[dict[str, str], float]]:
+        return sorted(
+            metric_samples(scrape_metrics(stack.router.metrics_port), "splitstream_router_arm_spilling"),
+            key=lambda sample: sample[0]["version"],
+        )
+
+    def arms(v1: float, v2: float) -> list[tuple[dict[str, str], float]]:
+        return [({"model": MODEL, "version": "v1"}, v1), ({"model": MODEL, "version": "v2"}, v2)]
+
+    wait_for(lambda: spilling() == arms(0.0, 0.0), timeout_s=30, what="both arms exported, neither spilling")
+    stack.workers["v2"].stop()  # health: NOT_SERVING, then unreachable, in every child
+    wait_for(lambda: spilling() == arms(0.0, 1.0), timeout_s=30, what="v2 spilling on the parent's scrape")
+    stack.workers["v2"].start()  # the same port: each child's health watch finds it serving again
+    wait_for(lambda: spilling() == arms(0.0, 0.0), timeout_s=30, what="v2 serving again in every child")
+    stack.workers["v2"].stop()
+    wait_for(lambda: spilling() == arms(0.0, 1.0), timeout_s=30, what="v2 spilling again")
+    # An arm taken out of the experiment while spilling must not stay 1: a child cannot remove a series
+    # in multiprocess mode, so it reads 0 (with one process it is removed).
+    v1_only = {**EXPERIMENT, "arms": [{"version": "v1", "weight": 100}]}
+    write_registry(stack.registry, {MODEL: {"endpoints": {"v1": [stack.workers["v1"].address]}, "experiment": v1_only}})
+    wait_for(lambda: spilling() == arms(0.0, 0.0), timeout_s=30, what="the removed arm to read 0")
+
+
 def every_connection_refuses_pin(address: str, version: str) -> bool:
     """Whether a call pinned to ``version`` is NOT_FOUND on each of a set of fresh connections (so in each child)."""
     x = np.ones((1, 4), dtype=np.float32)
@@ -242,6 +272,57 @@ def every_connection_refuses_pin(address: str, version: str) -> bool:
         for client in connections:
             client.close()
     return True
+
+
+def exported(port: int) -> dict[str, str]:
+    """The metric families a scrape shows with at least one sample, and their types. Left out: a family
+    with no samples (multiprocess mode does not list it; with one process a scraper sees no series of it
+    either) and a counter's or histogram's ``_created`` series (a creation time, which multiprocess mode
+    does not give for a sum over processes)."""
+    families = {
+        family.name: family.type for family in text_string_to_metric_families(scrape_metrics(port)) if family.samples
+    }
+    return {
+        name: kind
+        for name, kind in families.items()
+        if not (name.endswith("_created") and name.removesuffix("_created") in families)
+    }
+
+
+def test_one_and_two_processes_export_the_same_metrics_after_the_same_traffic(tmp_path: Path) -> None:
+    """Whatever a router or recorder of one process exports, the parent of two exports too (with its own
+    restart counter beside them)."""
+    stack = RecordingStack(tmp_path, versions={"v1": {"scale": 2.0}, "v2": {"scale": 3.0}}, experiment=EXPERIMENT)
+    try:
+        recorder_port = free_port()
+        recorder = stack.stack.service(
+            "recorder-two",
+            "splitstream.recorder",
+            ["--host", "127.0.0.1", "--port", str(recorder_port), "--metrics-port", str(free_port()),
+             "--redis-url", stack.redis.url, "--hmac-key", HMAC_KEY, "--processes", "2"],
+            port=recorder_port,
+        )  # fmt: skip
+        router = stack.stack.router(
+            stack.registry,
+            "--recorder", f"127.0.0.1:{recorder_port}", "--hmac-key", HMAC_KEY, "--spool-dir", str(tmp_path / "two"),
+            "--record-batch-interval-ms", "20", "--shipper-metrics-port", str(free_port()), "--processes", "2",
+        )  # fmt: skip
+        wait_children_serving(router)
+        wait_children_serving(recorder)
+        recorded = set()
+        for name, each in (("one", stack.router), ("two", router)):  # the same traffic through each
+            keys = [f"{name}-{i}" for i in range(48)]
+            call_all(each.address, keys, name)
+            call_all(each.address, keys[:12], "pinned", pin="v2")
+            recorded |= {f"{name}-{key}" for key in keys} | {f"pinned-{key}" for key in keys[:12]}
+        stack.wait_recorded(recorded)
+        two_router, two_recorder = exported(router.metrics_port), exported(recorder.metrics_port)
+        assert two_router.pop("splitstream_router_process_restarts") == "counter"  # the parent's own
+        assert two_recorder.pop("splitstream_recorder_process_restarts") == "counter"
+        assert two_router == exported(stack.router.metrics_port)
+        assert two_recorder == exported(stack.recorder.metrics_port)
+    finally:
+        stack.close()
 
 
 def test_two_recorder_processes_write_every_call_a_router_sends(tmp_path: Path) -> None:

@@ -275,6 +275,10 @@ def test_an_arm_without_endpoints_is_shown_spilling_in_status_and_metrics_until_
         {MODEL: {"endpoints": {"v1": [v1.address], "v2": [v2.address]}, "experiment": experiment(50, 50)}},
     )
     wait_for(lambda: spilling() == ({"v1": False, "v2": False}, {"v1": 0.0, "v2": 0.0}), timeout_s=5, what="v2 serving")
+    # An arm taken out of the experiment leaves the metric (with --processes it reads 0: test_processes).
+    v1_only = {"salt": "router-tests", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [v1.address]}, "experiment": v1_only}})
+    wait_for(lambda: spilling() == ({"v1": False}, {"v1": 0.0}), timeout_s=5, what="v2 gone from the metric")
 
 
 # -- failures ---------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,7 +131,8 @@ class RouterCore:
         #: Bumped each time the upstream client TLS files change; endpoints below it get a new channel.
         self.credentials_generation = 0
         self._warned_at: dict[tuple[str, str, grpc.StatusCode], float] = {}
-        metrics.track_arms(self.arm_spilling)
+        #: Whether an export of the arms' spilling state is scheduled (events coalesce into one).
+        self._arms_pending = False
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -336,13 +337,25 @@ class RouterCore:
             if not model or name == model
         ]
 
-    def arm_spilling(self) -> Iterator[tuple[str, str, bool]]:
-        """``(model, arm version, spilling)`` for every arm, read at each metrics scrape: eligibility
-        changes with health and ejections, between registry states."""
+    def arm_spilling(self) -> dict[tuple[str, str], bool]:
+        """``{(model, arm version): spilling}`` for every arm now."""
+        arms = {}
         for name, routes in self._table.models.items():
             spilling = _spilling(routes)
             for arm in routes.experiment.arms:
-                yield name, arm.version, arm.version in spilling
+                arms[name, arm.version] = arm.version in spilling
+        return arms
+
+    def _eligibility_changed(self) -> None:
+        """An endpoint's eligibility may have changed: export the arms' state once this burst of events is
+        over (a worker stopping turns each of its endpoints unreachable, one callback each)."""
+        if not self._arms_pending:
+            self._arms_pending = True
+            asyncio.get_running_loop().call_soon(self._export_arms)
+
+    def _export_arms(self) -> None:
+        self._arms_pending = False
+        self.metrics.set_arms(self.arm_spilling())
 
     # -- registry --------------------------------------------------------------------------
 
@@ -370,6 +383,7 @@ class RouterCore:
         for key, endpoint in old.items():
             if key not in endpoints:
                 self._close_later(endpoint)
+        self.metrics.set_arms(self.arm_spilling())
 
     def _new_endpoint(self, model: str, version: str, address: str) -> Endpoint:
         endpoint = Endpoint(
@@ -379,6 +393,7 @@ class RouterCore:
             eject_after_failures=self.settings.eject_after_failures,
             eject_duration_s=self.settings.eject_duration_s,
             on_eject=self.metrics.ejections.labels(model, version, address).inc,
+            on_eligibility=self._eligibility_changed,
         )
         endpoint.credentials_generation = self.credentials_generation
         endpoint.start_health_watch()
@@ -431,6 +446,7 @@ class RouterCore:
         for endpoint in self._table.endpoints.values():
             self._close_later(endpoint)
         self._table = EMPTY_TABLE
+        self.metrics.set_arms({})
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
 

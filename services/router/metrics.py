@@ -6,12 +6,11 @@ lock and a dict build, which adds up at thousands of calls a second.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 #: Time to first token reaches seconds on a loaded LLM (queueing, long prompts): the tail needs buckets there.
@@ -20,6 +19,11 @@ TTFT_BUCKETS_S = (*LATENCY_BUCKETS_S, 10, 30, 60)
 GAP_BUCKETS_S = (0.0001, 0.00025, *LATENCY_BUCKETS_S)
 STREAM_SECONDS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 RESPONSES_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def _multiprocess() -> bool:
+    """prometheus-client's multiprocess mode (a ``--processes`` child), by the test its own ``remove`` makes."""
+    return "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ
 
 
 class RouterMetrics:
@@ -161,6 +165,18 @@ class RouterMetrics:
             registry=self.registry,
         )
         self._streams: dict[tuple[str, str], StreamChildren] = {}
+        # Set by the routing core whenever an arm's state may have changed, never computed at scrape time:
+        # with --processes the parent's scrape reads the values the children last set (a collector run in a
+        # child is never asked). An arm spilling in any live child is 1 on the parent.
+        self.arm_spilling = Gauge(
+            "splitstream_router_arm_spilling",
+            "1 while an arm's version has no eligible endpoint, so its traffic goes to the control "
+            "(or fails, for the control itself)",
+            ["model", "version"],
+            registry=self.registry,
+            multiprocess_mode="livemax",
+        )
+        self._arms: dict[tuple[str, str], bool] = {}
 
     def answered(self, model: str, version: str, status: str, latency_s: float) -> None:
         key = (model, version, status)
@@ -195,12 +211,19 @@ class RouterMetrics:
             counter = children.ended[status] = self.streams.labels(model, version, status)
         counter.inc()
 
-    def track_arms(self, source: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
-        """Export ``splitstream_router_arm_spilling{model,version}``, read from ``source`` at each scrape.
-
-        Computed when scraped rather than set on changes: an arm starts spilling when its last endpoint
-        turns unhealthy or is ejected, and stops when an ejection simply runs out, with no event to hook."""
-        self.registry.register(_ArmSpilling(source))
+    def set_arms(self, arms: Mapping[tuple[str, str], bool]) -> None:
+        """``splitstream_router_arm_spilling``: every ``(model, arm version)`` now and whether it spills;
+        arms no longer in ``arms`` are removed (with ``--processes``, where prometheus-client cannot
+        remove a series, set to 0). Only changed values are written."""
+        for key in self._arms.keys() - arms.keys():
+            if _multiprocess():
+                self.arm_spilling.labels(*key).set(0)
+            else:
+                self.arm_spilling.remove(*key)
+        for key, spilling in arms.items():
+            if self._arms.get(key) != spilling:
+                self.arm_spilling.labels(*key).set(1 if spilling else 0)
+        self._arms = dict(arms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,19 +236,3 @@ class StreamChildren:
     responses: Histogram
     seconds: Histogram
     ended: dict[str, Counter]
-
-
-class _ArmSpilling(Collector):
-    def __init__(self, source: Callable[[], Iterable[tuple[str, str, bool]]]) -> None:
-        self._source = source
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "splitstream_router_arm_spilling",
-            "1 while an arm's version has no eligible endpoint, so its traffic goes to the control "
-            "(or fails, for the control itself)",
-            labels=["model", "version"],
-        )
-        for model, version, spilling in self._source():
-            family.add_metric([model, version], 1.0 if spilling else 0.0)
-        yield family

@@ -49,7 +49,11 @@ class Endpoint:
         eject_after_failures: int,
         eject_duration_s: float,
         on_eject: Callable[[], None] | None = None,
+        on_eligibility: Callable[[], None] | None = None,
     ) -> None:
+        """``on_eligibility`` is called whenever :attr:`eligible` may have changed (health, an ejection
+        starting, running out or cleared by a success), so whoever exports it sets it then: with
+        ``--processes`` nothing is computed at scrape time (the parent reads what the children set)."""
         self.address = address
         self._tls = tls
         self._channel_options = tuple(channel_options)
@@ -69,6 +73,8 @@ class Endpoint:
         self._eject_after_failures = eject_after_failures
         self._eject_duration_s = eject_duration_s
         self._on_eject = on_eject
+        self._on_eligibility = on_eligibility
+        self._ejection_end: asyncio.TimerHandle | None = None
         self._watch_task: asyncio.Task[None] | None = None
 
     @property
@@ -111,7 +117,11 @@ class Endpoint:
 
     def succeeded(self) -> None:
         self.consecutive_failures = 0
-        self.ejected_until = 0.0
+        if self.ejected_until:  # rarely: a call sent before the ejection came back fine
+            still_ejected = self.ejected
+            self.ejected_until = 0.0
+            if still_ejected:
+                self._eligibility_changed()
 
     def failed(self) -> bool:
         """Count a transport failure; returns True when this failure ejects the endpoint."""
@@ -125,8 +135,31 @@ class Endpoint:
                 failures=self.consecutive_failures,
                 for_s=self._eject_duration_s,
             )
+            self._eligibility_changed()
+            self._watch_ejection_end()
             return True
         return False
+
+    def _watch_ejection_end(self) -> None:
+        """Tell ``on_eligibility`` when the ejection runs out: nothing else happens then (eligibility is
+        read from the clock), so without this an exported "spilling" would stay 1 until the next event."""
+        if self._on_eligibility is None or self._closed:
+            return
+        if self._ejection_end is not None:
+            self._ejection_end.cancel()
+        remaining_s = self.ejected_until - time.monotonic()
+        self._ejection_end = asyncio.get_running_loop().call_later(max(remaining_s, 0.0), self._ejection_over)
+
+    def _ejection_over(self) -> None:
+        self._ejection_end = None
+        if self.ejected:  # the timer fired a hair early, or the ejection was renewed: look again then
+            self._watch_ejection_end()
+        elif self.ejected_until:
+            self._eligibility_changed()
+
+    def _eligibility_changed(self) -> None:
+        if self._on_eligibility is not None and not self._closed:
+            self._on_eligibility()
 
     def start_health_watch(self) -> None:
         self._watch_task = asyncio.create_task(self._watch_health(), name=f"health-watch {self.address}")
@@ -165,11 +198,13 @@ class Endpoint:
             self.health = health
             if health is Health.SERVING:
                 self.succeeded()
+            self._eligibility_changed()
 
     def _set_unreachable(self) -> None:
         if self.health is not Health.UNREACHABLE:
             log.info("endpoint health", endpoint=self.address, health=Health.UNREACHABLE.name)
             self.health = Health.UNREACHABLE
+            self._eligibility_changed()
 
     async def renew_channel(self, *, ready_timeout_s: float) -> aio.Channel | None:
         """Replace the channel by one made from the client TLS files as they are now; the old channel,
@@ -208,6 +243,8 @@ class Endpoint:
     async def close(self, *, drain_timeout_s: float) -> None:
         """Stop watching, then close the channel once calls in flight finish (at most ``drain_timeout_s``)."""
         self._closed = True
+        if self._ejection_end is not None:
+            self._ejection_end.cancel()
         if self._watch_task is not None:
             self._watch_task.cancel()
         await self.channel.close(grace=drain_timeout_s)
