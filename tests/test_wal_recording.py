@@ -8,6 +8,8 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -16,7 +18,16 @@ import grpc
 import numpy as np
 
 from splitstream.common import wal
-from tests.harness import InferClient, ServiceProcess, SteadyLoad, free_port, make_request, scrape_metrics, wait_for
+from tests.harness import (
+    ROOT,
+    InferClient,
+    ServiceProcess,
+    SteadyLoad,
+    free_port,
+    make_request,
+    scrape_metrics,
+    wait_for,
+)
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
 from tests.test_recording_faults import UNBATCHED
 from tests.tmpfs import small_tmpfs
@@ -366,3 +377,25 @@ def test_one_external_shipper_ships_the_logs_of_several_routers(tmp_path: Path) 
         assert len({r.router_id for r in records if r.request_id in ids}) == 2
     finally:
         stack.close()
+
+
+def test_the_shipper_refuses_spool_max_bytes_with_exit_2_since_the_router_caps_the_log(tmp_path: Path) -> None:
+    """The shipper took ``--spool-max-bytes`` and did nothing with it (the router's own flag caps the log, by
+    refusing appends), so a cap set on an external shipper silently capped nothing. Now it is an unknown option:
+    exit 2 and one line naming it, before anything is read or shipped."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--recorder",
+            f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+            "--spool-max-bytes", "1000",
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["splitstream-shipper: error: unrecognized arguments: --spool-max-bytes 1000"], result.stderr
+    assert sorted(path.name for path in log_dir.iterdir()) == [wal.segment_name(1)]  # nothing read, locked, moved

@@ -407,7 +407,6 @@ def _shipper_args(args: argparse.Namespace) -> tuple[str, ...]:
     out = [
         "--recorder", args.recorder,
         *(flag for log_dir in log_dirs for flag in ("--log-dir", log_dir)),
-        "--spool-max-bytes", str(args.spool_max_bytes),
         "--record-batch-size", str(args.record_batch_size),
         "--record-batch-interval-ms", str(args.record_batch_interval_ms),
         "--record-queue-size", str(args.record_queue_size),

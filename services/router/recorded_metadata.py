@@ -10,7 +10,7 @@ a store of other people's tokens. ``-bin`` values are bytes and never recorded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 
@@ -20,17 +20,38 @@ CREDENTIAL_HEADERS = frozenset(
 )
 #: Set by gRPC and HTTP/2, not by the caller.
 _RESERVED_PREFIXES = ("grpc-", ":")
+#: Routing-key header names whose left-out set is kept (they change only with the registry).
+_KEPT_HEADER_SETS = 64
 
 
-def recorded_metadata(
-    metadata: Sequence[tuple[str, str | bytes]], *, routing_key_header: str, keep_credentials: bool
-) -> Iterator[tuple[str, str]]:
-    """The ``(key, value)`` pairs of a call's metadata that its record may store."""
-    for key, value in metadata:
-        if not isinstance(value, str) or key.endswith("-bin") or key.startswith(_RESERVED_PREFIXES):
-            continue
-        if key in (routing_key_header, DEFAULT_ROUTING_KEY_HEADER):
-            continue
-        if key in CREDENTIAL_HEADERS and not keep_credentials:
-            continue
-        yield key, value
+class RecordedMetadata:
+    """The rule above, applied on the router's answering path to every recorded call.
+
+    Why a class: the names a call leaves out depend only on its experiment's routing-key header, so
+    their set is built once per header name and each call is one pass with one set lookup per key
+    (measured: half the cost of testing each key against each rule in turn)."""
+
+    def __init__(self, *, keep_credentials: bool) -> None:
+        self._always_left_out = frozenset({DEFAULT_ROUTING_KEY_HEADER}) | (
+            frozenset() if keep_credentials else CREDENTIAL_HEADERS
+        )
+        self._left_out: dict[str, frozenset[str]] = {}
+
+    def encoded(self, metadata: Sequence[tuple[str, str | bytes]], routing_key_header: str) -> bytes:
+        """The pairs of a call's metadata that its record may store, in their order, as the log stores
+        them: ``key \\0 value \\0`` ... (gRPC text metadata holds no NUL)."""
+        left_out = self._left_out.get(routing_key_header)
+        if left_out is None:
+            if len(self._left_out) >= _KEPT_HEADER_SETS:
+                self._left_out.clear()
+            left_out = self._left_out[routing_key_header] = self._always_left_out | {routing_key_header}
+        return "".join(
+            [
+                f"{key}\0{value}\0"
+                for key, value in metadata
+                if key not in left_out
+                and isinstance(value, str)
+                and not key.endswith("-bin")
+                and not key.startswith(_RESERVED_PREFIXES)
+            ]
+        ).encode()

@@ -20,6 +20,7 @@ import contextlib
 import time
 from collections.abc import Sequence
 
+import grpc
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -42,7 +43,7 @@ from splitstream.common.wal import (
     encode_shadows,
 )
 from splitstream.router.core import CallOutcome
-from splitstream.router.recorded_metadata import recorded_metadata
+from splitstream.router.recorded_metadata import RecordedMetadata
 from splitstream.router.routing import Assignment
 
 log = structlog.get_logger()
@@ -52,6 +53,12 @@ _ASSIGNMENTS = {kind: recorder_pb2.Assignment.Value(f"ASSIGNMENT_{kind.name}") f
 #: A failing disk is logged at most this often (every call would fail alike).
 _ERROR_LOG_INTERVAL_S = 10.0
 _DROP_REASONS = ("log_full", "log_error", "unrecordable", "closing")
+#: A status code's number (``code.value[0]`` is an enum property lookup and a tuple index, on every call).
+_CODE_NUMBERS = {code: code.value[0] for code in grpc.StatusCode}
+#: Routing keys whose HMAC is kept: a client's calls share its key, and the HMAC is a fifth of an append.
+_HMAC_CACHE_KEYS = 4096
+#: Longer routing keys are not kept (the cache's memory stays small whatever clients send).
+_HMAC_CACHE_KEY_CHARS = 256
 
 
 class LogMetrics:
@@ -113,8 +120,10 @@ class CallLog:
         self.hmac_key = hmac_key
         self.flush_interval_s = flush_interval_s
         self.record_credential_headers = record_credential_headers
+        self._recorded_metadata = RecordedMetadata(keep_credentials=record_credential_headers)
         self._closing = False
         self._phases: dict[str, bytes] = {}
+        self._hmacs: dict[str, bytes] = {}
         self._flusher: asyncio.Task[None] | None = None
         self._last_error_log = 0.0
         self._counters = {
@@ -172,14 +181,6 @@ class CallLog:
             stream = call.SerializeToString()
         # The call entry's layout (splitstream.common.wal): packed here in one go rather than through
         # wal.encode_call's keywords, which cost a third more on every call (measured side by side).
-        kept = "".join(
-            f"{key}\0{value}\0"
-            for key, value in recorded_metadata(
-                metadata,
-                routing_key_header=outcome.routing_key_header,
-                keep_credentials=self.record_credential_headers,
-            )
-        )
         response = outcome.response
         fields = (
             outcome.request_id.encode(),
@@ -190,9 +191,9 @@ class CallLog:
             outcome.endpoint.encode(),
             self._router_id,
             outcome.principal.encode(),
-            b"" if outcome.routing_key is None else routing_key_hmac(self.hmac_key, outcome.routing_key).encode(),
+            b"" if outcome.routing_key is None else self._routing_key_hmac(outcome.routing_key),
             b"" if outcome.phase is None else self._phase_field(outcome.phase),
-            kept.encode(),
+            self._recorded_metadata.encoded(metadata, outcome.routing_key_header),
             stream,
             request,
             response or b"",
@@ -206,11 +207,11 @@ class CallLog:
         head = CALL_HEAD.pack(
             outcome.receive_unix_ns,
             int(outcome.latency_s * 1e9),
-            outcome.code.value[0],
+            _CODE_NUMBERS[outcome.code],
             flags,
             -1 if outcome.assignment is None else _ASSIGNMENTS[outcome.assignment],
             min(shadows_expected, 255),
-            *[len(field) for field in fields],
+            *map(len, fields),
         )
         return (CALL if outcome.stream is None else STREAM), head + b"".join(fields)
 
@@ -236,6 +237,17 @@ class CallLog:
             self.metrics.feedback_dropped.labels(reason).inc(len(events))
             return False
         return True
+
+    def _routing_key_hmac(self, routing_key: str) -> bytes:
+        """The key's HMAC as the log stores it, kept for the recent keys that are not too long."""
+        hmac = self._hmacs.get(routing_key)
+        if hmac is None:
+            hmac = routing_key_hmac(self.hmac_key, routing_key).encode()
+            if len(routing_key) <= _HMAC_CACHE_KEY_CHARS:
+                if len(self._hmacs) >= _HMAC_CACHE_KEYS:
+                    self._hmacs.clear()
+                self._hmacs[routing_key] = hmac
+        return hmac
 
     def _phase_field(self, phase: Phase) -> bytes:
         """``CallRecord.phase`` serialized, once per phase: the shipper appends these bytes to the record it

@@ -46,7 +46,6 @@ class ShipperConfig:
     log_dirs: tuple[str, ...]
     recorder: str
     spool_dir: str
-    spool_max_bytes: int
     record_batch_size: int
     record_batch_interval_ms: float
     record_queue_size: int
@@ -66,7 +65,6 @@ class ShipperConfig:
             ("--record-batch-size", self.record_batch_size),
             ("--record-queue-size", self.record_queue_size),
             ("--record-batch-max-bytes", self.record_batch_max_bytes),
-            ("--spool-max-bytes", self.spool_max_bytes),
             ("--record-batch-interval-ms", self.record_batch_interval_ms),
             ("--flush-timeout-s", self.flush_timeout_s),
         ):
@@ -96,13 +94,6 @@ def build_parser() -> EnvArgumentParser:
         default="",
         help="where a shipper or router from before the log may have left a spool (default: the first --log-dir): "
         "shipped first, then removed; nothing is spooled any more, the log is the spool",
-    )
-    parser.add_argument(
-        "--spool-max-bytes",
-        type=int,
-        default=1 << 30,
-        help="accepted for older command lines and unused: the log is the spool, and the router caps it (its own "
-        "--spool-max-bytes)",
     )
     parser.add_argument("--record-batch-size", type=int, default=256, help="records per batch")
     parser.add_argument(
@@ -152,7 +143,6 @@ def parse_args(argv: Sequence[str] | None) -> ShipperConfig:
             log_dirs=tuple(args.log_dir),
             recorder=args.recorder,
             spool_dir=args.spool_dir or args.log_dir[0],
-            spool_max_bytes=args.spool_max_bytes,
             record_batch_size=args.record_batch_size,
             record_batch_interval_ms=args.record_batch_interval_ms,
             record_queue_size=args.record_queue_size,
