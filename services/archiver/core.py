@@ -217,7 +217,14 @@ class Archiver:
         """Archive until cancelled; Redis and store failures are counted, logged and retried."""
         with contextlib.suppress(UploadFailed):
             await self.start()  # a child that cannot start is started again (and counted) by the first write
+        this = asyncio.current_task()
         while True:
+            # A cancellation (SIGTERM) can be lost on Python 3.11: asyncio.wait_for, which redis-py sends
+            # each command under, returns the command's result instead of raising when the cancel comes
+            # as the command completes; this loop then ran on, the shutdown never reached the drain, and
+            # the process was killed at its deadline. The request still counts, so it is honoured here.
+            if this is not None and this.cancelling():
+                raise asyncio.CancelledError
             try:
                 await self.step()
                 self._retry_s = 0.0
