@@ -32,9 +32,9 @@ from splitstream.common.archive import (
     ArchiveError,
     ArchiveQuery,
     iter_calls,
+    iter_feedback,
     open_archive,
     read_calls,
-    read_calls_by_hour,
     read_feedback,
     readable_calls,
     readable_feedback,
@@ -348,11 +348,14 @@ def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     assert len(hours) >= 2
     table = read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns()))
     assert table["request_id"].to_pylist() == ids  # in receive-time order
-    # Read hour by hour (a month's window never sits in memory at once), the same rows in the same order.
+    # Read part by part (a month's window never sits in memory at once): the same rows in the same order,
+    # no part straddling two hour partitions.
     query = ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=time.time_ns())
-    by_hour = list(read_calls_by_hour(archive, query, columns=["request_id"]))
-    assert len(by_hour) == len(hours)
-    assert [i for hour in by_hour for i in hour["request_id"].to_pylist()] == ids
+    parts = list(iter_calls(archive, query, columns=["request_id", "receive_time"]))
+    part_hours = [{t // HOUR_NS for t in part["receive_time"].cast(pa.int64()).to_pylist()} for part in parts]
+    assert all(len(hours_of_part) == 1 for hours_of_part in part_hours)
+    assert len(set().union(*part_hours)) == len(hours)
+    assert [i for part in parts for i in part["request_id"].to_pylist()] == ids
     assert set(table["principal"].to_pylist()) == {"tenant-0", "tenant-1"}
     records = stored_records(table)
     assert all(stored.record.request.inline == bytes([i % 251]) * 40 for i, stored in enumerate(records))
@@ -605,6 +608,48 @@ def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapp
     assert max(part.num_rows for part in parts) <= 80  # a file's rows and what overlaps them, not the window
     assert [i for part in parts for i in part["request_id"].to_pylist()] == ids
     assert raw_rows(url).num_rows == len(ids) + pq.read_metadata(copy).num_rows
+
+
+def test_feedback_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """As for calls: two archivers' feedback files overlap in receive time, and a re-archived file repeats
+    events; the streaming reader yields every event once (by stream id), in receive-time order, a part
+    at a time (never the hour whole), the same rows as the whole-window read."""
+    client = redis_server.client()
+    archive_dir = tmp_path / "archive"
+    url = archive_dir.as_uri()
+    args = ("--read-count", "10", "--max-file-rows", "40")
+    first = start_archiver(tmp_path, redis_server.url, url, *args, consumer="one")
+    second = start_archiver(tmp_path, redis_server.url, url, *args, consumer="two")
+    start = time.time_ns() - 10**9
+    stream_ids: list[str] = []
+    try:
+        for batch in range(12):  # receive times rise with the index across batches
+            for n in range(batch * 50, batch * 50 + 50):
+                event = feedback_pb2.FeedbackEvent(
+                    request_id=f"r-{n}", routing_key_hmac=f"u-{n % 7}", metric="click", value=n,
+                    receive_unix_ns=start + n * 1000,
+                )  # fmt: skip
+                added = client.xadd(feedback_key(SYNTHETIC), feedback_entry_fields(event))  # type: ignore[arg-type]
+                stream_ids.append(added.decode() if isinstance(added, bytes) else str(added))
+            time.sleep(0.05)
+        wait_until(lambda: archived_everything(client, feedback_key(SYNTHETIC)), timeout_s=90, what="both archivers")
+    finally:
+        first.stop()
+        second.stop()
+    files = sorted(archive_dir.rglob("*.parquet"))
+    assert len(files) > 10
+    copy = files[len(files) // 2]
+    (copy.parent / f"copy-{copy.name}").write_bytes(copy.read_bytes())  # as a claimed batch re-archived
+    archive = open_archive(url)
+    parts = list(iter_feedback(archive, SYNTHETIC, start, start + 10**9))
+    assert len(parts) > 5
+    assert max(part.num_rows for part in parts) <= 80  # a file's rows and what overlaps them, not the window
+    assert [v for part in parts for v in part["value"].to_pylist()] == [float(n) for n in range(600)]
+    assert [i for part in parts for i in part["stream_id"].to_pylist()] == stream_ids
+    assert read_feedback(archive, SYNTHETIC, start, start + 10**9).equals(pa.concat_tables(parts))
+    assert raw_rows(url, kind="feedback").num_rows == 600 + pq.read_metadata(copy).num_rows
 
 
 def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_call_exactly_once(

@@ -101,6 +101,62 @@ def test_a_child_killed_under_load_is_restarted_as_the_same_consumer_and_nothing
     assert set(raw_rows(url)["request_id"].to_pylist()) == set(load.written)
 
 
+def acknowledged_but_not_archived(client: object, stream: str, url: str) -> set[str]:
+    """Stream ids the group has acknowledged (delivered, no longer pending) that no archive file holds."""
+    group = next(g for g in client.xinfo_groups(stream) if g["name"] in (ARCHIVE_GROUP, ARCHIVE_GROUP.encode()))  # type: ignore[attr-defined]
+    delivered = [raw_id.decode() for raw_id, _ in client.xrange(stream, max=group["last-delivered-id"])]  # type: ignore[attr-defined]
+    pending = client.xpending_range(stream, ARCHIVE_GROUP, min="-", max="+", count=len(delivered) + 1)  # type: ignore[attr-defined]
+    held = {row["message_id"].decode() for row in pending}
+    archived = set(raw_rows(url)["stream_id"].to_pylist()) if len(delivered) > len(held) else set()
+    return {stream_id for stream_id in delivered if stream_id not in held} - archived
+
+
+def test_sigterm_under_load_with_two_processes_and_builder_processes_exits_0_having_acked_only_what_is_written(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """SIGTERM to ``--processes 2 --builder process`` (each child with its file-building process), six
+    times: five while calls stream in, once just after they stopped (every entry delivered, both children
+    waiting in a blocking XREADGROUP). Each time every child drains and the parent exits 0, and every entry
+    the group counts as acknowledged is in a file; a last archiver then leaves nothing missing.
+
+    The fault this catches: on Python 3.11 the cancel a SIGTERM sends the archive loop was lost now and
+    then (``asyncio.wait_for``, which redis-py sends each command under, returns the result of a command
+    that completes as the cancel arrives), so the loop ran on, the drain never started and the parent
+    killed the child at its deadline (here 22 s) and exited 1. A short ``--scan-interval-s`` keeps the loop
+    sending commands, so a SIGTERM meets one often (failed in the first round before the fix)."""
+    client = redis_server.client()
+    stream = stream_key(SYNTHETIC)
+    url = (tmp_path / "archive").as_uri()
+    args: tuple[str, ...] = ("--processes", "2", "--builder", "process", "--max-file-rows", "300")
+    args += ("--shutdown-grace-s", "2", "--scan-interval-s", "0.01")
+    load = SyntheticLoad(redis_server)
+    try:
+        for round_ in range(6):
+            archiver = start_archiver(tmp_path, redis_server.url, url, *args)
+            try:
+                wait_until(
+                    lambda process=archiver: metric(process, "splitstream_archive_files_total") >= 2, timeout_s=60
+                )
+                if round_ == 5:
+                    load.stop()
+                    wait_until(lambda: client.xinfo_groups(stream)[0]["lag"] == 0, timeout_s=60, what="all delivered")
+                archiver.signal(signal.SIGTERM)
+                assert archiver.wait(timeout_s=90) == 0, f"round {round_ + 1}"
+            finally:
+                archiver.stop()
+            assert not acknowledged_but_not_archived(client, stream, url), f"round {round_ + 1}"
+    finally:
+        load.stop()
+    last = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream), timeout_s=90, what="the rest archived")
+    finally:
+        last.stop()
+    archived = archived_ids(url)
+    assert len(archived) == len(set(archived))
+    assert set(archived) == set(load.written)
+
+
 @pytest.mark.parametrize("value", ["0", "abc"])
 def test_a_bad_processes_value_exits_2_with_one_line(value: str) -> None:
     done = subprocess.run(

@@ -31,7 +31,7 @@ from splitstream.analysis.loading import (
     page_columns,
     read_pages,
 )
-from splitstream.common.archive import Archive, ArchiveQuery, iter_calls, read_calls, read_feedback
+from splitstream.common.archive import Archive, ArchiveQuery, iter_calls, iter_feedback, read_calls
 from splitstream.common.records import feedback_key, stream_key
 from splitstream.common.redis_url import RedisClient
 
@@ -111,10 +111,12 @@ class ArchiveSource:
     async def feedback_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[FeedbackPage]:
         # Archived by the time Redis received them, like the entry ids Redis pages by.
         start, end = (int(bound) * 1_000_000 for bound in bounds(window))
-        table = await asyncio.to_thread(read_feedback, self.archive, model, start, end + 1_000_000)
-        table = _below(table, self._limit(feedback_key(model)))
-        for offset in range(0, table.num_rows, page_size):
-            yield _as_fields(table.slice(offset, page_size), _FEEDBACK_COLUMNS)
+        parts = iter_feedback(self.archive, model, start, end + 1_000_000)  # a row group at a time, not the window
+        limit = self._limit(feedback_key(model))
+        while (table := await asyncio.to_thread(_next, parts)) is not None:
+            table = _below(table, limit)
+            for offset in range(0, table.num_rows, page_size):
+                yield _as_fields(table.slice(offset, page_size), _FEEDBACK_COLUMNS)
 
     def _limit(self, key: str) -> str | None:
         """The stream id to read below; None: no limit."""

@@ -42,7 +42,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
-from splitstream.archiver.builder import Builder, UploadFailed, pickle_entries
+from splitstream.archiver.builder import Builder, UploadFailed, pack_entries
 from splitstream.archiver.metrics import ArchiverMetrics
 from splitstream.archiver.tables import Entry, id_key
 from splitstream.common.archive import Archive, partition_dir
@@ -109,7 +109,7 @@ class ArchiverSettings:
 
 @dataclass(slots=True)
 class Batch:
-    """Entries as one read returned them: pickled for the builder process (:func:`pickle_entries`), or
+    """Entries as one read returned them: packed for the builder process (:func:`pack_entries`), or
     the pairs themselves for a builder thread; their stream ids, to acknowledge them; about their bytes."""
 
     data: bytes | list[Any]
@@ -119,11 +119,11 @@ class Batch:
 
 @dataclass(slots=True)
 class Buffer:
-    """A stream's entries read and not yet on their way to a file, kept as the reads' pickled
+    """A stream's entries read and not yet on their way to a file, kept as the reads' packed
     :class:`Batch`\\ es: no object per entry field waits here (nor for the garbage collector to walk)."""
 
-    #: Pickle each read (for a builder process); False: keep the pairs as read (a builder thread).
-    pickled: bool = True
+    #: Pack each read (for a builder process); False: keep the pairs as read (a builder thread).
+    packed: bool = True
     batches: list[Batch] = field(default_factory=list)
     count: int = 0
     size: int = 0  # bytes
@@ -141,8 +141,8 @@ class Buffer:
 
     def batch(self, pairs: Sequence[Any]) -> Batch:
         ids = [pair[0] for pair in pairs]
-        if self.pickled:
-            data = pickle_entries(pairs)
+        if self.packed:
+            data = pack_entries(pairs)
             return Batch(data, ids, len(data))
         size = sum(map(len, chain.from_iterable([pair[1] for pair in pairs]))) + 64 * len(pairs)
         return Batch(list(pairs), ids, size)
@@ -217,7 +217,14 @@ class Archiver:
         """Archive until cancelled; Redis and store failures are counted, logged and retried."""
         with contextlib.suppress(UploadFailed):
             await self.start()  # a child that cannot start is started again (and counted) by the first write
+        this = asyncio.current_task()
         while True:
+            # A cancellation (SIGTERM) can be lost on Python 3.11: asyncio.wait_for, which redis-py sends
+            # each command under, returns the command's result instead of raising when the cancel comes
+            # as the command completes; this loop then ran on, the shutdown never reached the drain, and
+            # the process was killed at its deadline. The request still counts, so it is honoured here.
+            if this is not None and this.cancelling():
+                raise asyncio.CancelledError
             try:
                 await self.step()
                 self._retry_s = 0.0
@@ -286,7 +293,7 @@ class Archiver:
                 except ResponseError as error:
                     if "BUSYGROUP" not in str(error):
                         raise
-                self.buffers[stream] = Buffer(pickled=self.settings.builder_process)
+                self.buffers[stream] = Buffer(packed=self.settings.builder_process)
                 new.append(stream)
         return new
 

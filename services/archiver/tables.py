@@ -1,7 +1,7 @@
 """Stream entries → Parquet tables, one per (model, hour) partition. Pure and blocking: run in the
 builder process (:mod:`splitstream.archiver.builder`).
 
-The columns come from the entries' readable fields, each built by pyarrow from one list per batch. A
+The columns come from the entries' readable fields, each built by pyarrow from one list per file. A
 record is archived as the exact bytes Redis held, unparsed, when its entry says it references no blob
 and has no tags (the ``blobs`` and ``tags`` fields) and it starts as its request id says; the rest are
 parsed: payloads stored as blobs are inlined so a file stands alone (the record re-serialized with the
@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -96,19 +98,61 @@ _CALL_FIELDS = (
     b"record",
 )
 
+#: ``(stream id, [name, value, name, value, ...])``, as Redis's XREADGROUP reply holds an entry.
+Pair = tuple[bytes, list[bytes]] | list[Any]
+
+
+def entry_columns(pairs: Sequence[Pair], names: Sequence[bytes]) -> dict[bytes, pa.Array]:
+    """The values of ``names`` in every entry, one Arrow binary array each (null where an entry lacks one).
+
+    Entries written by one recorder version share one layout: the entries' fields are joined into one
+    list and each field taken from it by its position in the first entry with a step (C-speed slices),
+    after checking that every entry has that name there (a C-speed ``list.count``); pyarrow then builds
+    each column from its list in one call. No Python object per entry or value is made on the way
+    (what the build cost most, measured). Entries of mixed layouts (a recorder upgrade, a hand-written
+    entry) fall back to a dict per entry."""
+    flats = [pair[1] for pair in pairs]
+    first = flats[0]
+    width = len(first)
+    count = len(flats)
+    if width and len(set(map(len, flats))) == 1:
+        flat = list(chain.from_iterable(flats))
+        positions = {first[i]: i + 1 for i in range(0, width - 1, 2)}
+        out: dict[bytes, pa.Array] = {}
+        for name in names:
+            at = positions.get(name)
+            if at is None:
+                out[name] = pa.nulls(count, pa.binary())
+                continue
+            if flat[at - 1 :: width].count(name) != count:
+                break
+            out[name] = pa.array(flat[at::width], type=pa.binary())
+        else:
+            return out
+    dicts = [dict(zip(flat[::2], flat[1::2], strict=False)) for flat in flats]
+    return {name: pa.array([fields.get(name) for fields in dicts], type=pa.binary()) for name in names}
+
+
+@dataclass(slots=True)
+class Parsed:
+    """What a parsed record's columns say (``principal``, ``ttft_ms`` and ``tokens`` as the entry fields
+    write them, ``b""`` for none)."""
+
+    principal: bytes = b""
+    tags: list[tuple[str, str]] = field(default_factory=list)
+    streamed: bool = False
+    ttft_ms: bytes = b""
+    tokens: bytes = b""
+
 
 @dataclass(slots=True)
 class DecodedCalls:
-    entries: list[Entry]
-    #: Per field of :data:`_CALL_FIELDS`, its value in each entry (None where an entry lacks it).
-    fields: dict[bytes, Sequence[bytes | None]]
-    #: Per entry, what the record's columns say (``principal``, ``ttft_ms`` and ``tokens`` as the entry
-    #: fields write them, ``b""`` for none). Taken from the entry's fields, except for the records parsed.
-    principals: list[bytes]
-    tags: list[list[tuple[str, str]]]
-    streamed: list[bool]
-    ttft_ms: list[bytes]
-    tokens: list[bytes]
+    pairs: Sequence[Pair]
+    #: Per field of :data:`_CALL_FIELDS`, its values (binary; null where an entry lacks it).
+    fields: dict[bytes, pa.Array]
+    #: The records parsed (by index, ascending): what they say, overriding the entry's fields. The rest
+    #: are kept as the bytes Redis held, unparsed, their columns taken from the entry's fields.
+    parsed: dict[int, Parsed]
     #: The records that reference blobs, by index (only these are kept decoded: holding every decoded
     #: record of a file alive made the garbage collector walk them all, several µs a record, measured),
     #: and the digests they reference.
@@ -118,34 +162,10 @@ class DecodedCalls:
     #: archived with what their readable fields say and the bytes as they are.
     unreadable: list[int]
     corrupt: int
-    #: How many records were parsed (the rest kept as the bytes Redis held, unparsed).
-    parsed: int = 0
 
-
-def entry_columns(entries: Sequence[Entry], names: Sequence[bytes]) -> dict[bytes, Sequence[bytes | None]]:
-    """The values of ``names`` in every entry, as lists (None where an entry lacks one).
-
-    Entries written by one recorder version share one layout, so each field is taken by its position in
-    the first entry, and every entry is checked to have that name there (a C-speed ``list.count``);
-    entries of mixed layouts (a recorder upgrade, a hand-written entry) fall back to a dict per entry."""
-    first = entries[0].flat
-    positions = {first[i]: i + 1 for i in range(0, len(first) - 1, 2)}
-    out: dict[bytes, Sequence[bytes | None]] = {}
-    flats = [entry.flat for entry in entries]
-    if all(len(flat) == len(first) for flat in flats):
-        transposed = list(zip(*flats, strict=True))  # one C-speed pass (measured: half of a list per field)
-        for name in names:
-            at = positions.get(name)
-            if at is None:
-                out[name] = [None] * len(flats)
-                continue
-            if transposed[at - 1].count(name) != len(flats):
-                break
-            out[name] = transposed[at]
-        else:
-            return out
-    dicts = [entry.fields for entry in entries]
-    return {name: [fields.get(name) for fields in dicts] for name in names}
+    def entry(self, index: int) -> Entry:
+        raw_id, flat = self.pairs[index][0], self.pairs[index][1]
+        return Entry(raw_id.decode(), list(flat))
 
 
 #: CallRecord's first bytes as serialized (fields in number order): ``schema_version`` (field 1, a varint),
@@ -154,54 +174,63 @@ _SCHEMA_TAG = 0x08
 _REQUEST_ID_TAG = 0x12
 
 
-def decode_calls(entries: Sequence[Entry]) -> DecodedCalls:
-    """Columns of ``entries`` (in stream id order: the buffer keeps them so), one pass.
+def decode_calls(pairs: Sequence[Pair]) -> DecodedCalls:
+    """Columns of the entries ``pairs`` (in stream id order: the buffer keeps them so), one pass.
 
     A record is parsed only when its entry does not say what the columns need: an entry written before
     the ``blobs``/``tags`` fields existed, one whose record references blobs (to inline them) or has tags,
     or one whose record does not start as its fields say."""
-    fields = entry_columns(entries, _CALL_FIELDS)
+    fields = entry_columns(pairs, _CALL_FIELDS)
     records = fields[b"record"]
-    blob_counts, tag_names = fields[b"blobs"], fields[b"tags"]
-    tokens = [value or b"" for value in fields[b"tokens"]]
-    decoded = DecodedCalls(
-        list(entries),
-        fields,
-        [value or b"" for value in fields[b"principal"]],
-        [[] for _ in entries],
-        [value != b"" for value in tokens],
-        [value or b"" for value in fields[b"ttft_ms"]],
-        tokens,
-        {},
-        set(),
-        [],
-        0,
-    )
-    # Whether a record starts as a CallRecord of a known layout with its entry's request id (under 128
-    # bytes): a byte-level check instead of parsing it (~2 µs a record, measured), catching a record that
-    # is not one (garbage, a newer schema, another request's) but not one cut short after its request id.
-    # A record that fails it is parsed (a longer request id, a schema version 0, a corrupt record).
-    version = SCHEMA_VERSION
-    slow = [
-        index
-        for index, (count, names, record, request_id) in enumerate(
-            zip(blob_counts, tag_names, records, fields[b"request_id"], strict=True)
-        )
-        if count != b"0"
-        or names != b""
-        or not record
-        or not request_id
-        or len(record) < 4
-        or record[0] != _SCHEMA_TAG
-        or record[1] > version
-        or record[2] != _REQUEST_ID_TAG
-        or record[3] != len(request_id)
-        or not record.startswith(request_id, 4)
-    ]
-    decoded.parsed = len(slow)
-    for index in slow:
-        _decode_one(decoded, index, records[index] or b"")
+    slow = ~_starts_as_its_request_id(records, fields[b"request_id"])
+    slow |= _flag(pc.not_equal(fields[b"blobs"], b"0"))
+    slow |= _flag(pc.not_equal(fields[b"tags"], b""))
+    decoded = DecodedCalls(pairs, fields, {}, {}, set(), [], 0)
+    for index in np.flatnonzero(slow).tolist():
+        _decode_one(decoded, index, records[index].as_py() or b"")
     return decoded
+
+
+def _flag(condition: pa.Array) -> np.ndarray:
+    """A boolean Arrow array as numpy, null (the field absent) as True: the record must be parsed."""
+    return np.asarray(pc.fill_null(condition, True).to_numpy(zero_copy_only=False), dtype=bool)
+
+
+def _offsets_and_data(values: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """A binary array's value offsets (int64, one more than its rows) and its bytes, as numpy views."""
+    buffers = values.buffers()
+    offsets = np.frombuffer(buffers[1], dtype=np.int32)[values.offset : values.offset + len(values) + 1]
+    data = np.frombuffer(buffers[2], dtype=np.uint8) if buffers[2] is not None else np.zeros(0, np.uint8)
+    return offsets.astype(np.int64), data
+
+
+def _starts_as_its_request_id(records: pa.Array, request_ids: pa.Array) -> np.ndarray:
+    """Per entry, whether its record starts as a CallRecord of a known layout with the entry's request id
+    (under 128 bytes): a byte-level check instead of parsing it (~2 µs a record, measured), catching a
+    record that is not one (garbage, a newer schema, another request's) but not one cut short after its
+    request id. Vectorized over the columns' buffers (numpy), no Python object per record."""
+    offsets, data = _offsets_and_data(records)
+    id_offsets, id_data = _offsets_and_data(request_ids)
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    id_starts, id_lengths = id_offsets[:-1], np.diff(id_offsets)
+    # Nulls (a field absent) have no bytes: they fail on their lengths.
+    ok = (id_lengths > 0) & (id_lengths < 128) & (lengths >= 4 + id_lengths)
+    rows = np.flatnonzero(ok)
+    if not len(rows):
+        return ok
+    head = starts[rows]
+    ok[rows] = (
+        (data[head] == _SCHEMA_TAG)
+        & (data[head + 1] <= SCHEMA_VERSION)
+        & (data[head + 2] == _REQUEST_ID_TAG)
+        & (data[head + 3] == id_lengths[rows])
+    )
+    rows = np.flatnonzero(ok)
+    sizes = id_lengths[rows]
+    within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    same = data[np.repeat(starts[rows] + 4, sizes) + within] == id_data[np.repeat(id_starts[rows], sizes) + within]
+    ok[np.repeat(rows, sizes)[~same]] = False
+    return ok
 
 
 def _decode_one(decoded: DecodedCalls, index: int, data: bytes) -> None:
@@ -217,18 +246,17 @@ def _decode_one(decoded: DecodedCalls, index: int, data: bytes) -> None:
         decoded.corrupt += 1
     if record is None:
         decoded.unreadable.append(index)
-        decoded.principals[index] = b""
-        decoded.streamed[index] = False
-        decoded.ttft_ms[index] = b""
-        decoded.tokens[index] = b""
+        decoded.parsed[index] = Parsed()
         return
-    decoded.principals[index] = record.principal.encode()
-    decoded.tags[index] = list(record.tags.items()) if len(record.tags) else []
     is_stream = record.HasField("stream")
-    decoded.streamed[index] = is_stream
     first_ns = record.stream.first_response_ns if is_stream else 0
-    decoded.ttft_ms[index] = f"{first_ns / 1e6!r}".encode() if first_ns > 0 else b""
-    decoded.tokens[index] = str(int(record.stream.responses_total)).encode() if is_stream else b""
+    decoded.parsed[index] = Parsed(
+        record.principal.encode(),
+        list(record.tags.items()) if len(record.tags) else [],
+        is_stream,
+        f"{first_ns / 1e6!r}".encode() if first_ns > 0 else b"",
+        str(int(record.stream.responses_total)).encode() if is_stream else b"",
+    )
     digests = [payload.blob_sha256 for payload in blob_payloads(record)]
     if digests:
         decoded.with_blobs[index] = record
@@ -238,12 +266,13 @@ def _decode_one(decoded: DecodedCalls, index: int, data: bytes) -> None:
 def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) -> tuple[list[PlannedFile], int]:
     """The files for ``model``'s decoded calls, and how many blob references could not be inlined.
 
-    Column by column, each built by pyarrow from a list in one go: the readable columns from the
-    entries' own fields (the recorder wrote them from the record), the record's bytes as Redis held
-    them unless blobs were inlined. An entry whose record does not decode, or whose fields do not
-    convert, takes the slow path alone (:func:`_row_from_fields`)."""
+    Column by column, each an Arrow array: the readable columns from the entries' own fields (the
+    recorder wrote them from the record), the record's bytes as Redis held them unless blobs were
+    inlined, what a parsed record says put in its rows. An entry whose record does not decode, or
+    whose fields do not convert, takes the slow path alone (:func:`_row_from_fields`)."""
     missing = 0
-    data = [value or b"" for value in decoded.fields[b"record"]]
+    data = _filled(decoded.fields[b"record"])
+    inlined: dict[int, bytes] = {}
     for index, record in decoded.with_blobs.items():
         for payload in blob_payloads(record):
             content = blob_bytes.get(payload.blob_sha256)
@@ -251,33 +280,45 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
                 missing += 1
             else:
                 payload.inline = content
-        data[index] = record.SerializeToString()
-    n = len(data)
+        inlined[index] = record.SerializeToString()
+    data = _patched(data, inlined, pa.binary())
+    n = len(decoded.pairs)
     slow = list(decoded.unreadable)
-    keep = list(range(n))
+    keep: np.ndarray | None = None
     if slow:
-        bad = set(slow)
-        keep = [index for index in range(n) if index not in bad]
+        keep = np.setdiff1d(np.arange(n), np.asarray(slow, dtype=np.int64))
     tables: list[pa.Table] = []
-    if keep:
+    if keep is None or len(keep):
         try:
-            tables.append(_fast_table(decoded, data, keep if slow else None))
+            tables.append(_fast_table(decoded, data, keep))
         except (pa.ArrowInvalid, pa.ArrowTypeError, KeyError):
             slow = list(range(n))  # a field that does not convert: row by row, with its own fallbacks
             tables = []
     if slow:
-        rows = [
-            _row_from_fields(
-                decoded.entries[i],
-                data[i],
-                decoded.principals[i].decode(errors="replace"),
-                decoded.tags[i],
-                decoded.streamed[i],
-                _float_or_none(decoded.ttft_ms[i]),
-                _int_or_none(decoded.tokens[i]),
+        rows = []
+        for i in slow:
+            parsed = decoded.parsed.get(i)
+            if parsed is None:  # an entry's fields: as the fast path reads them
+                entry = decoded.entry(i)
+                tokens = entry.fields.get(b"tokens") or b""
+                parsed = Parsed(
+                    entry.fields.get(b"principal") or b"",
+                    [],
+                    tokens != b"",
+                    entry.fields.get(b"ttft_ms") or b"",
+                    tokens,
+                )
+            rows.append(
+                _row_from_fields(
+                    decoded.entry(i),
+                    data[i].as_py(),
+                    parsed.principal.decode(errors="replace"),
+                    parsed.tags,
+                    parsed.streamed,
+                    _float_or_none(parsed.ttft_ms),
+                    _int_or_none(parsed.tokens),
+                )
             )
-            for i in slow
-        ]
         named = [dict(zip(CALL_SCHEMA.names, row, strict=True)) for row in rows]
         tables.append(pa.Table.from_pylist(named, CALL_SCHEMA))
     table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
@@ -285,6 +326,21 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
         order = pc.sort_indices(_id_order(table["stream_id"]), sort_keys=[("ms", "ascending"), ("seq", "ascending")])
         table = table.take(order)
     return _split_by_hour(CALLS, model, table, CALL_SCHEMA), missing
+
+
+def _filled(values: pa.Array) -> pa.Array:
+    """Null (an entry without the field) as ``b""``."""
+    return pc.fill_null(values, b"") if values.null_count else values
+
+
+def _patched(values: pa.Array, replacements: dict[int, Any], kind: pa.DataType) -> pa.Array:
+    """``values`` with the rows of ``replacements`` (index → value) replaced."""
+    if not replacements:
+        return values
+    mask = np.zeros(len(values), dtype=bool)
+    order = sorted(replacements)
+    mask[order] = True
+    return pc.replace_with_mask(values, pa.array(mask), pa.array([replacements[i] for i in order], type=kind))
 
 
 def _float_or_none(value: bytes) -> float | None:
@@ -311,37 +367,40 @@ def _id_order(stream_ids: pa.ChunkedArray) -> pa.Table:
 _HOUR_NS = 3600 * 10**9
 
 
-def _text_column(values: Sequence[bytes | None]) -> pa.Array:
-    return pa.array(values, type=pa.binary()).cast(pa.string())
-
-
-def _optional_number(values: Sequence[bytes], kind: pa.DataType) -> pa.Array:
+def _optional_number(values: pa.Array, kind: pa.DataType) -> pa.Array:
     """``b""`` is none (a unary call's ``ttft_ms`` and ``tokens``)."""
-    text = _text_column(values)
+    text = values.cast(pa.string())
     return pc.if_else(pc.equal(text, ""), pa.scalar(None, pa.string()), text).cast(kind)
 
 
-def _fast_table(decoded: DecodedCalls, data: list[bytes], keep: list[int] | None) -> pa.Table:
+def _fast_table(decoded: DecodedCalls, data: pa.Array, keep: np.ndarray | None) -> pa.Table:
     """The table of the entries ``keep`` (all with None). Raises KeyError for an entry without
     ``time_ns`` or ``latency_ms`` (the slow path gives it a time from its stream id)."""
+    parsed = decoded.parsed
 
-    def pick(values: Sequence[Any]) -> Sequence[Any]:
-        return values if keep is None else [values[i] for i in keep]
-
-    fields = {name: pick(values) for name, values in decoded.fields.items()}
+    def pick(values: pa.Array) -> pa.Array:
+        return values if keep is None else values.take(keep)
 
     def column(name: bytes) -> pa.Array:
-        return _text_column([value or b"" for value in fields[name]])
+        return pick(_filled(decoded.fields[name])).cast(pa.string())
 
     def required(name: bytes) -> pa.Array:
-        values = fields[name]
-        if None in values:
+        values = pick(decoded.fields[name])
+        if values.null_count:
             raise KeyError(name)
-        return _text_column(values)
+        return values.cast(pa.string())
 
+    def of_parsed(name: bytes, attribute: str) -> pa.Array:
+        values = {index: getattr(row, attribute) for index, row in parsed.items()}
+        return pick(_patched(_filled(decoded.fields[name]), values, pa.binary()))
+
+    tokens = _filled(decoded.fields[b"tokens"])
+    streamed = pc.not_equal(tokens, b"")
+    streamed = _patched(streamed, {index: row.streamed for index, row in parsed.items()}, pa.bool_())
     status = column(b"status")
     codes = pc.index_in(status, value_set=pa.array(STATUS_NAMES))
     receive = required(b"time_ns").cast(pa.int64())
+    stream_ids = pa.array([pair[0] for pair in decoded.pairs], type=pa.binary())
     columns = {
         "request_id": column(b"request_id"),
         "receive_time": receive.cast(pa.timestamp("ns", tz="UTC")),
@@ -353,15 +412,26 @@ def _fast_table(decoded: DecodedCalls, data: list[bytes], keep: list[int] | None
         "status_code": pc.fill_null(codes, -1).cast(pa.int32()),
         "latency_ms": required(b"latency_ms").cast(pa.float64()),
         "routing_key_hmac": column(b"unit"),
-        "principal": _text_column(pick(decoded.principals)),
-        "tags": pa.array(pick(decoded.tags), type=CALL_SCHEMA.field("tags").type),
-        "streamed": pa.array(pick(decoded.streamed), type=pa.bool_()),
-        "stream_id": pa.array(pick([entry.stream_id for entry in decoded.entries]), type=pa.string()),
-        "record": pa.array(pick(data), type=pa.binary()),
-        "ttft_ms": _optional_number(pick(decoded.ttft_ms), pa.float64()),
-        "tokens": _optional_number(pick(decoded.tokens), pa.int64()),
+        "principal": of_parsed(b"principal", "principal").cast(pa.string()),
+        "tags": _tags(decoded, keep),
+        "streamed": pick(streamed),
+        "stream_id": pick(stream_ids).cast(pa.string()),
+        "record": pick(data),
+        "ttft_ms": _optional_number(of_parsed(b"ttft_ms", "ttft_ms"), pa.float64()),
+        "tokens": _optional_number(of_parsed(b"tokens", "tokens"), pa.int64()),
     }
     return pa.table(columns, schema=CALL_SCHEMA)
+
+
+def _tags(decoded: DecodedCalls, keep: np.ndarray | None) -> pa.Array:
+    """The ``tags`` column: empty maps, but for parsed records that carry tags."""
+    kind = CALL_SCHEMA.field("tags").type
+    indexes = range(len(decoded.pairs)) if keep is None else keep.tolist()
+    if not any(decoded.parsed[i].tags for i in decoded.parsed):
+        offsets = pa.array(np.zeros(len(indexes) + 1, dtype=np.int32))
+        return pa.MapArray.from_arrays(offsets, pa.array([], pa.string()), pa.array([], pa.string()), type=kind)
+    empty: list[tuple[str, str]] = []
+    return pa.array([decoded.parsed[i].tags if i in decoded.parsed else empty for i in indexes], type=kind)
 
 
 def _split_by_hour(kind: str, model: str, table: pa.Table, schema: pa.Schema) -> list[PlannedFile]:

@@ -86,10 +86,6 @@ FEEDBACK_SCHEMA = pa.schema(
     metadata={SCHEMA_METADATA_KEY: str(ARCHIVE_SCHEMA_VERSION).encode()},
 )
 
-_PARTITIONING = ds.partitioning(
-    pa.schema([("model", pa.string()), ("date", pa.string()), ("hour", pa.int32())]), flavor="hive"
-)
-
 
 class ArchiveError(Exception):
     """The archive cannot be used: a URL that names no usable filesystem, a bucket that does not exist,
@@ -319,17 +315,6 @@ def read_calls(archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] 
     return pa.concat_tables(parts)
 
 
-def read_calls_by_hour(
-    archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None
-) -> Iterator[pa.Table]:
-    """:func:`read_calls`, one table per hour partition, oldest first. An hour of traffic can be large:
-    :func:`iter_calls` yields smaller parts, in the same order. Each ``next`` blocks: call it in a thread."""
-    for parts in _hour_parts(archive, query, columns):
-        hour = list(parts)
-        if hour:
-            yield pa.concat_tables(hour)
-
-
 def iter_calls(archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None) -> Iterator[pa.Table]:
     """The rows of :func:`read_calls` in parts of at most about a row group (64 Ki rows as the archiver
     writes them) each, in receive-time order, so memory stays bounded by a part however long the window.
@@ -356,14 +341,22 @@ def _hour_parts(archive: Archive, query: ArchiveQuery, columns: Sequence[str] | 
     if query.status_codes is not None:
         expression &= ds.field("status_code").isin(sorted(query.status_codes))
     for files in _partition_files(archive, CALLS, query.model, query.since_ns, query.until_ns).values():
-        parts = _sweep(archive, files, read_columns, expression)
+        parts = _sweep(archive, files, CALL_SCHEMA, read_columns, expression, "request_id")
         yield (_with_model(part, query.model).select(selected) for part in parts)
 
 
-def _sweep(archive: Archive, files: list[str], columns: list[str], expression: ds.Expression) -> Iterator[pa.Table]:
-    """One hour partition's rows in receive-time order, de-duplicated, a part per row group read."""
+def _sweep(
+    archive: Archive,
+    files: list[str],
+    schema: pa.Schema,
+    columns: list[str],
+    expression: ds.Expression,
+    key: str,
+) -> Iterator[pa.Table]:
+    """One hour partition's rows in receive-time order, one per ``key`` (see :func:`_unique_first`), a
+    part per row group read."""
     try:
-        dataset = ds.dataset(files, schema=CALL_SCHEMA, filesystem=archive.filesystem, format="parquet")
+        dataset = ds.dataset(files, schema=schema, filesystem=archive.filesystem, format="parquet")
         _check_versions(archive, dataset)
         # Row groups whose statistics exclude the filter are left out here, without being read.
         groups = [piece for fragment in dataset.get_fragments() for piece in fragment.split_by_row_group(expression)]
@@ -373,7 +366,7 @@ def _sweep(archive: Archive, files: list[str], columns: list[str], expression: d
     held: pa.Table | None = None
     for index, (_, group) in enumerate(units):
         try:
-            scanner = ds.Scanner.from_fragment(group, schema=CALL_SCHEMA, columns=columns, filter=expression)
+            scanner = ds.Scanner.from_fragment(group, schema=schema, columns=columns, filter=expression)
             table = pa.Table.from_batches(scanner.to_batches(), schema=scanner.projected_schema)
         except (OSError, pa.ArrowException) as error:
             raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
@@ -385,7 +378,7 @@ def _sweep(archive: Archive, files: list[str], columns: list[str], expression: d
         else:
             ready, held = held, None
         if ready.num_rows:
-            yield _unique_first(ready)
+            yield _unique_first(ready, key)
 
 
 def _smallest_receive_ns(group: ds.ParquetFileFragment) -> int:
@@ -453,25 +446,21 @@ def stored_records(table: pa.Table) -> list[StoredRecord]:
 
 def read_feedback(archive: Archive, model: str, since_ns: int, until_ns: int) -> pa.Table:
     """The archived outcome events of ``model`` received in ``[since_ns, until_ns)``, de-duplicated by
-    stream id (an event is written once per id; a re-archived file repeats ids), by receive time. Blocking."""
-    files = [
-        path for paths in _partition_files(archive, FEEDBACK, model, since_ns, until_ns).values() for path in paths
-    ]
-    if not files:
-        return _with_model(FEEDBACK_SCHEMA.empty_table(), model)
-    try:
-        dataset = ds.dataset(
-            files,
-            schema=FEEDBACK_SCHEMA,
-            filesystem=archive.filesystem,
-            format="parquet",
-            partitioning=_PARTITIONING,
-            partition_base_dir=archive.path(FEEDBACK),
-        )
-        table = dataset.to_table(columns=FEEDBACK_SCHEMA.names, filter=_time_filter(since_ns, until_ns))
-    except (OSError, pa.ArrowException) as error:
-        raise ArchiveError(f"archive {archive.url!r} cannot be read: {_one_line(error)}") from None
-    return _with_model(_unique_first(table, "stream_id"), model)
+    stream id (an event is written once per id; a re-archived file repeats ids), by receive time.
+    Columns: :data:`FEEDBACK_SCHEMA`'s plus ``model``. Blocking. This holds the whole window in memory; a
+    long one is better read as it comes (:func:`iter_feedback`)."""
+    parts = list(iter_feedback(archive, model, since_ns, until_ns))
+    return pa.concat_tables(parts) if parts else _with_model(FEEDBACK_SCHEMA.empty_table(), model)
+
+
+def iter_feedback(archive: Archive, model: str, since_ns: int, until_ns: int) -> Iterator[pa.Table]:
+    """The rows of :func:`read_feedback` in parts of at most about a row group each, in receive-time order,
+    as :func:`iter_calls` reads calls (a copy of an event shares its stream id and receive time, so copies
+    meet in one part). Each ``next`` blocks: call it in a thread. Raises :class:`ArchiveError`."""
+    expression = _time_filter(since_ns, until_ns)
+    for files in _partition_files(archive, FEEDBACK, model, since_ns, until_ns).values():
+        for part in _sweep(archive, files, FEEDBACK_SCHEMA, FEEDBACK_SCHEMA.names, expression, "stream_id"):
+            yield _with_model(part, model)
 
 
 #: The readable fields of a call stream entry (:func:`splitstream.common.records.entry_fields`), as columns.
