@@ -282,3 +282,18 @@ def test_a_router_whose_spool_dir_cannot_be_made_exits_2_with_one_line(services:
     args = services.args("router", port=free_port(), metrics_port=free_port(), extra=extra)
     line = one_error_line(services.run("router", args), "router")
     assert "--spool-dir" in line
+
+
+def test_sigterm_ends_a_service_whose_work_lost_the_first_cancel(tmp_path: Path, started: list[ServiceProcess]) -> None:
+    """A loop that swallows one cancel (what ``asyncio.wait_for`` does on 3.11 when the cancel meets a reply)
+    must not keep the process up after SIGTERM: the drain cancels again until the work ends."""
+    port = free_port()
+    args = ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port()), "--drain-delay-s", "0"]
+    process = ServiceProcess("lost-cancel", "tests.lost_cancel_service", args, log_dir=tmp_path, port=port)
+    started.append(process.start(timeout_s=30))
+    process.signal(signal.SIGTERM)
+    assert process.wait(timeout_s=20) == 0, process.log()
+    log = process.log()
+    assert "lost a cancel" in log
+    assert "cancelling it again" in log
+    assert "stopped" in log

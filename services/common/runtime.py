@@ -11,7 +11,8 @@ builds a :class:`Service` and hands it to :func:`run_service`, which:
    service says otherwise) and server reflection, runs :meth:`Service.prepare`, starts
    serving and runs :meth:`Service.run` in the background;
 3. on SIGTERM or SIGINT drains in this order (a second signal is logged and ignored):
-   health NOT_SERVING for every name (for good) and :meth:`Service.run` cancelled →
+   health NOT_SERVING for every name (for good) and :meth:`Service.run` cancelled (again every
+   second while it runs on: a cancel can be lost) →
    :meth:`Service.draining` → ``--drain-delay-s`` of serving on, so balancers and routers
    move away (skipped if the service never reported SERVING: nobody sends to it) →
    health Watch streams end → :meth:`Service.before_stop` → the server stops accepting
@@ -58,6 +59,8 @@ EXIT_FAILED = 1
 EXIT_CONFIG = 2
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: How often the drain repeats a cancel that :meth:`Service.run` (or a task of it) did not act on.
+CANCEL_REPEAT_S = 1.0
 #: Set by the ``--processes`` parent (:mod:`splitstream.common.supervisor`) in each child: its index, 0..N-1.
 #: A child serves its port with SO_REUSEPORT, beside its siblings.
 PROCESS_INDEX_ENV = "SPLITSTREAM_PROCESS_INDEX"
@@ -423,9 +426,7 @@ class _Runner:
         settings = self.settings
         self.log.info("draining", drain_delay_s=settings.drain_delay_s, shutdown_grace_s=settings.shutdown_grace_s)
         await self.health.enter_graceful_shutdown()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._cancel(*tasks)
         code = await self._step("draining", service.draining())
         if runtime.served and settings.drain_delay_s > 0:
             await asyncio.sleep(settings.drain_delay_s)
@@ -435,6 +436,21 @@ class _Runner:
         code = max(code, await self._step("teardown", service.teardown()))
         await asyncio.to_thread(self._close_metrics)
         return code
+
+    async def _cancel(self, *tasks: asyncio.Task[Any]) -> None:
+        """Cancel until the tasks end: on Python 3.11 ``asyncio.wait_for`` (which redis-py runs each command
+        under) returns its result instead of raising when the cancel lands just as the awaited call
+        completes, and the loop it runs in goes on as if never told to stop. A cancel the task lost is
+        repeated every :data:`CANCEL_REPEAT_S` (level-triggered, as in trio and anyio)."""
+        for task in tasks:
+            task.cancel()
+        pending = {task for task in tasks if not task.done()}
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=CANCEL_REPEAT_S)
+            for task in pending:
+                self.log.warning("a cancelled task runs on; cancelling it again", task=task.get_name())
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _step(self, name: str, step: Any) -> int:
         """One service hook; a failure is logged and the drain goes on (the rest must still be released)."""
