@@ -345,7 +345,7 @@ def _numbers(values: list[bytes], kind: pa.DataType) -> tuple[npt.NDArray[Any], 
     """Text → numbers, the column at once; where the column does not parse as a whole (an entry written by
     hand), value by value. Returns the numbers and which parsed (and are finite)."""
     try:
-        parsed = pc.cast(pc.cast(pa.array(values, pa.binary()), pa.string()), kind).to_numpy()
+        parsed = pc.cast(pa.array(values, pa.binary()), kind).to_numpy()  # Arrow parses the bytes as text
         good = np.isfinite(parsed) if kind == pa.float64() else np.ones(len(values), dtype=bool)
         return parsed, good
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
@@ -391,12 +391,12 @@ class _SeenFingerprints:
         fresh = ~keyed
         if keyed.any():
             where = np.flatnonzero(keyed)
-            _, first = np.unique(values[where], return_index=True)
-            candidates = np.zeros(len(values), dtype=bool)
-            candidates[where[first]] = True
-            candidates[candidates] &= ~self.contains(values[candidates])
-            fresh |= candidates
-            self.add(values[candidates])
+            # Looked up sorted (as np.unique gives them): binary searches for ascending values walk the runs
+            # in order, about twice as fast as the page's order.
+            distinct, first = np.unique(values[where], return_index=True)
+            new = ~self.contains(distinct)
+            fresh[where[first[new]]] = True
+            self.add(distinct[new])
         return fresh
 
 
