@@ -19,14 +19,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pytest
 from redis.asyncio import Redis
 
 from splitstream.analysis.analyze import Query, analyze
-from splitstream.analysis.loading import Window
+from splitstream.analysis.loading import Window, read_pages
 from splitstream.analysis.model import Analysis, MetricComparison, MetricSpec, PhaseResult
+from splitstream.common.records import stream_key
 from tests.experiments import Call, Event, phase, write_calls, write_feedback
 from tests.harness import ROOT, free_port
 from tests.redis_server import RedisServer
@@ -266,6 +268,37 @@ def test_duplicate_calls_and_events_count_once_and_unknown_request_ids_are_count
     assert arms["v2"].metrics["click"].events == shop.distinct_clicks["v2"]
     calls = USERS + KEYLESS_CALLS  # at least one call each
     assert arms["v1"].calls + arms["v2"].calls > calls
+
+
+def test_the_analysis_is_the_same_whatever_the_page_size(shop: Shop, shop_analysis: Analysis) -> None:
+    # Pages are read one ahead of the one being converted: small pages, and a last page exactly full (the
+    # read after it comes back empty), must give every entry once, in order, like one page per stream.
+    client = shop.redis.client()
+    calls_entries = client.xlen(stream_key(SHOP))
+    client.close()
+    for page_size in (97, calls_entries):
+        paged = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, page_size=page_size))
+        assert paged.model_dump() == shop_analysis.model_dump(), page_size
+
+
+def test_a_reader_that_stops_early_leaves_no_read_in_flight_and_the_client_usable(shop: Shop) -> None:
+    async def go() -> None:
+        redis = Redis.from_url(shop.redis.url)
+        try:
+            pages = read_pages(redis, stream_key(SHOP), start="-", end="+", page_size=100)
+            first = await anext(pages)  # the second page is asked for by now
+            await pages.aclose()
+            await asyncio.sleep(0)
+            assert asyncio.all_tasks() == {asyncio.current_task()}  # the page in flight was cancelled
+            # No connection of the client holds the reply nobody read: each command gets its own answer.
+            for _ in range(3):
+                again = cast(list[tuple[bytes, Any]], await redis.xrange(stream_key(SHOP), count=100))
+                assert [entry_id for entry_id, _ in again] == [entry_id for entry_id, _ in first]
+                assert await redis.xlen(stream_key(SHOP)) > 100
+        finally:
+            await redis.aclose()
+
+    asyncio.run(go())
 
 
 def test_the_lift_over_time_ends_at_the_final_comparison(shop_analysis: Analysis) -> None:
