@@ -164,10 +164,11 @@ def child_cpu_s(pid: int | None) -> float:
 
 
 async def archive_all(
-    redis: Redis, archive: Archive, count: int, *, process: bool = True
-) -> tuple[float, float, float]:
-    """Records/s, and CPU µs a record of the archiver's own process (the loop, and a builder thread)
-    and of its builder process: CPU time does not depend on what else the machine runs, wall time does."""
+    redis: Redis, archive: Archive, count: int, *, process: bool = True, server_pid: int | None = None
+) -> tuple[float, float, float, float]:
+    """Records/s, and CPU µs a record of the archiver's own process (the loop, and a builder thread), of
+    its builder process and of ``server_pid`` (the local S3 stand-in, which shares these cores where real
+    object storage would not): CPU time does not depend on what else the machine runs, wall time does."""
     stream = stream_key(MODEL)
     await redis.delete(archive_mark_key(stream))
     with contextlib.suppress(Exception):
@@ -187,6 +188,7 @@ async def archive_all(
     last_key = tuple(int(p) for p in last.split("-"))
     try:
         child_cpu = child_cpu_s(archiver.builder.pid)
+        server_cpu = child_cpu_s(server_pid)
         cpu = time.process_time()
         started = time.perf_counter()
         while True:
@@ -196,7 +198,8 @@ async def archive_all(
                 break  # checked after every step: the step after the last file would wait for new entries
         rate = count / (time.perf_counter() - started)
         own_us = (time.process_time() - cpu) / count * 1e6
-        return rate, own_us, (child_cpu_s(archiver.builder.pid) - child_cpu) / count * 1e6
+        server_us = (child_cpu_s(server_pid) - server_cpu) / count * 1e6 if server_pid else math.nan
+        return rate, own_us, (child_cpu_s(archiver.builder.pid) - child_cpu) / count * 1e6, server_us
     finally:
         await archiver.close()
 
@@ -330,7 +333,7 @@ async def main_async(args: argparse.Namespace) -> None:
             # each round writes a fresh archive (the group and mark are reset).
             raws: list[float] = []
             floors: list[float] = []
-            paths: dict[str, list[tuple[float, float, float]]] = {name: [] for name in ARCHIVE_PATHS}
+            paths: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in ARCHIVE_PATHS}
             commands = [(n, builder) for n in args.processes for builder in ("process", "thread")]
             for n, builder in commands:
                 paths[process_label(n, builder)] = []
@@ -344,7 +347,8 @@ async def main_async(args: argparse.Namespace) -> None:
                     await archive_all(redis, threaded, args.records, process=False)
                 )
                 remote = open_archive(f"s3://bench/archive-{round_}", endpoint=s3.endpoint)
-                paths["archive -> S3 (moto)"].append(await archive_all(redis, remote, args.records))
+                moto = s3.process.pid if s3.process is not None else None
+                paths["archive -> S3 (moto)"].append(await archive_all(redis, remote, args.records, server_pid=moto))
                 for n, builder in commands:
                     rate = await archive_command(
                         redis,
@@ -355,7 +359,7 @@ async def main_async(args: argparse.Namespace) -> None:
                         builder=builder,
                         group=f"bench-{n}-{builder}-{round_}",
                     )
-                    paths[process_label(n, builder)].append((rate, math.nan, math.nan))
+                    paths[process_label(n, builder)].append((rate, math.nan, math.nan, math.nan))
                 print(
                     f"round {round_ + 1}: "
                     + ", ".join(f"{name.strip()} {runs[-1][0] / raws[-1]:.2f}x" for name, runs in paths.items()),
@@ -380,7 +384,10 @@ async def main_async(args: argparse.Namespace) -> None:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"usable cores {len(os.sched_getaffinity(0))}, load average {load} (1, 5, 15 min, at the end)\n")
     ratios = " ".join(f"{'round ' + str(i + 1):>8}" for i in range(args.rounds))
-    print(f"{'path':<32}{'records/s':>12}{'vs raw XRANGE':>16} {ratios}{'loop CPU us/rec':>17}{'builder CPU':>13}")
+    print(
+        f"{'path':<32}{'records/s':>12}{'vs raw XRANGE':>16} {ratios}{'loop CPU us/rec':>17}{'builder CPU':>13}"
+        f"{'S3 server CPU':>15}"
+    )
     print(f"{'raw XRANGE (no decode)':<32}{raw_rate:>12,.0f}{1.0:>15.2f}x")
     print(f"{'XREADGROUP + XACK only':<32}{floor:>12,.0f}{floor / raw_rate:>15.2f}x")
     for name, runs in paths.items():
@@ -388,6 +395,8 @@ async def main_async(args: argparse.Namespace) -> None:
         each = " ".join(f"{run[0] / raw:>7.2f}x" for run, raw in zip(runs, raws, strict=True))
         own, child = median([run[1] for run in runs]), median([run[2] for run in runs])
         cpu = f"{own:>17.1f}{child:>13.1f}" if not math.isnan(own) else f"{'-':>17}{'-':>13}"
+        storage_cpu = median([run[3] for run in runs])
+        cpu += f"{storage_cpu:>15.1f}" if not math.isnan(storage_cpu) else ""
         print(f"{name:<32}{rate:>12,.0f}{rate / raw_rate:>15.2f}x {each}{cpu}")
     print()
     print(f"{'storage':<32}{'bytes/record':>12}{'vs Redis':>16}")
