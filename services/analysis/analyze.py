@@ -272,7 +272,7 @@ def _unit_matrix(units: pa.Table, bucket_calls: npt.NDArray[np.int32], arm_names
     rows = units["key"].to_numpy().astype(np.int64)
     np.add.at(per_bucket, index, bucket_calls[rows])
     first = np.where(per_bucket.any(axis=1), np.argmax(per_bucket > 0, axis=1), TIMELINE_POINTS)
-    calls = np.cumsum(per_bucket, axis=1)
+    calls = np.cumsum(per_bucket, axis=1, out=per_bucket)  # in place: no second units x buckets matrix
     arms = [arm_names[int(c)] for c in present]
     return _UnitMatrix(pa.array(keys, pa.uint64()), arms, arm_of, first, calls, rows, index)
 
@@ -286,7 +286,7 @@ def _metric_matrix(matrix: _UnitMatrix, metric: RowMetric) -> _MetricMatrix:
         out = np.zeros((n, TIMELINE_POINTS))
         if len(values) and n:
             np.add.at(out, matrix.unit_of_row, values[matrix.rows])
-        return np.cumsum(out, axis=1)
+        return np.cumsum(out, axis=1, out=out)  # in place: no second units x buckets matrix
 
     return _MetricMatrix(per_unit(metric.sums), per_unit(metric.counts), per_unit(metric.positives))
 
