@@ -3,7 +3,8 @@
 One redis-server (own, on a free port) holds ``--calls`` call entries (written with ``entry_fields`` at their
 call time, a 64-byte inline request each, like a small model's) from ``--users`` users over one hour, and
 ``--events`` feedback events (written with ``feedback_entry_fields``): clicks and satisfaction scores naming
-a call by request id, revenue naming a user, ``--duplicates`` of them delivered twice.
+a call by request id, revenue naming a user, ``--duplicates`` of them delivered twice (the copy right after
+the original, as a retried delivery arrives).
 
 Each measurement runs in a fresh process, so its peak RSS is its own:
 
@@ -16,19 +17,27 @@ Each measurement runs in a fresh process, so its peak RSS is its own:
 - analysis of a second model whose stream holds twice the calls and events from the same ``--users``
   (over the same hour): the same comparison the other way round. (It reads the same
   entries: the stream ids of a window run to its end plus the lateness allowance, 1 h.)
+- the whole window and the 2x model again with a short horizon (``--short-lateness``, 2 min, and
+  ``--short-attribution``, 10 min, as ``splitstream analyze --max-lateness 2m --attribution-window 10m``
+  would; the events come a second after their call): a call is held for the join only while an event may
+  still name it, so what grows with calls is the calls of about the attribution window and twice the
+  lateness, not of the hour; the rows print the most calls held at once;
 - analysis from the archive (``--source archive:DIR``): the same window, after a real ``splitstream-archive``
   process wrote both streams to a local directory as Parquet (the archiving time is printed, not compared).
 
-Peak memory is the process's peak RSS less what it held after its imports. Target: the full analysis in at
+Peak memory is the process's peak RSS (``VmHWM``, reset after its imports) less its RSS then (``ru_maxrss``
+would not do: Linux carries it over from the parent, this script, across fork and exec). Target: the full analysis in at
 most 2x the raw read; memory bounded by users, not calls (see the README for what does grow with calls).
 
     .venv/bin/python bench/analysis.py [--calls 1000000] [--events 1000000] [--users 50000]
+        [--short-lateness 2m] [--short-attribution 10m]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import resource
@@ -48,6 +57,7 @@ if str(ROOT) not in sys.path:
 from splitstream.analysis.analyze import Query, analyze  # noqa: E402
 from splitstream.analysis.loading import Window, read_pages  # noqa: E402
 from splitstream.analysis.model import MetricSpec  # noqa: E402
+from splitstream.common.durations import parse_duration_ns  # noqa: E402
 from splitstream.common.proto.splitstream.v1 import feedback_pb2  # noqa: E402
 from splitstream.common.records import entry_fields, feedback_entry_fields, feedback_key, stream_key  # noqa: E402
 from tests.experiments import Call, call_record, phase  # noqa: E402
@@ -84,10 +94,11 @@ def populate(
             pipe.execute()
     pipe.execute()
     kinds = rng.random(events)
-    about = rng.integers(0, calls, events)
+    about = np.sort(rng.integers(0, calls, events))  # event j names a call a second before it
     event_times = np.sort(times[about] + 10**9)
-    for i in range(events + duplicates):
-        j = i if i < events else int(rng.integers(0, events))  # a second delivery of event j
+    twice = set(rng.choice(events, size=min(duplicates, events), replace=False).tolist())
+    order = [j for i in range(events) for j in ((i, i) if i in twice else (i,))]  # a copy right after its original
+    for i, j in enumerate(order):
         call_index = int(about[j])
         if kinds[j] < 0.5:
             event = feedback_pb2.FeedbackEvent(request_id=f"r{call_index}", metric="click", value=1.0)
@@ -98,7 +109,7 @@ def populate(
                                                value=float(j % 50))  # fmt: skip
         event.event_unix_ns = event.receive_unix_ns = int(event_times[j])
         event.idempotency_key = f"e{j}"
-        at_ms = int(event_times[min(i, events - 1)]) // 10**6
+        at_ms = int(event_times[j]) // 10**6
         pipe.xadd(feedback_key(model), feedback_entry_fields(event), id=f"{at_ms}-*")  # type: ignore[arg-type]
         if i % 5_000 == 4_999:
             pipe.execute()
@@ -159,30 +170,69 @@ async def measure_analysis(
         "events": result.feedback.used,
         "units": units,
         "duplicates": result.feedback.duplicates,
+        "held": result.calls.held_for_join_peak,
     }
 
 
+def _memory_kib(field: str) -> int | None:
+    """A ``Vm*`` line of /proc/self/status in KiB (Linux), or None."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _start_measuring() -> int:
+    """Reset the peak RSS (``clear_refs`` 5) and return the RSS now, in KiB. ``ru_maxrss`` would not do: Linux
+    carries it over from the parent across fork and exec, so a child reports the bench's own peak (the
+    writer's, hundreds of MiB) until it passes it."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+    now = _memory_kib("VmRSS")
+    return now if now is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _peak_kib() -> int:
+    peak = _memory_kib("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def child(args: argparse.Namespace) -> int:
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    baseline = _start_measuring()
     window = Window(args.since_ns, args.until_ns)
+    if args.lateness_ns is not None:
+        window = Window(
+            args.since_ns, args.until_ns, max_lateness_ns=args.lateness_ns, attribution_ns=args.attribution_ns
+        )
     if args.measure == "analysis":
         result = asyncio.run(measure_analysis(args.url, args.model, window, args.page_size))
     elif args.measure == "analysis-archive":
         result = asyncio.run(measure_analysis(args.url, args.model, window, args.page_size, archive=args.archive))
     else:
         result = asyncio.run(measure_raw(args.url, args.model, window, args.page_size, as_dicts=args.measure == "raw"))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result["peak_mib"] = (peak - baseline) / 1024
+    result["peak_mib"] = (_peak_kib() - baseline) / 1024
     print(json.dumps(result))
     return 0
 
 
 def run_child(
-    url: str, measure: str, since_ns: int, until_ns: int, page_size: int, archive: str = "", model: str = MODEL
+    url: str,
+    measure: str,
+    since_ns: int,
+    until_ns: int,
+    page_size: int,
+    archive: str = "",
+    model: str = MODEL,
+    horizon: tuple[int, int] | None = None,
 ) -> dict[str, float]:
+    """One measurement in a fresh process. ``horizon``: (lateness, attribution) in ns, else the defaults."""
+    extra = ["--lateness-ns", str(horizon[0]), "--attribution-ns", str(horizon[1])] if horizon else []
     out = subprocess.run(
         [sys.executable, __file__, "--child", measure, "--url", url, "--model", model, "--since-ns", str(since_ns),
-         "--until-ns", str(until_ns), "--page-size", str(page_size), "--archive", archive],
+         "--until-ns", str(until_ns), "--page-size", str(page_size), "--archive", archive, *extra],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -232,6 +282,10 @@ def main() -> int:
         choices=("raw", "raw-unparsed", "analysis", "analysis-archive"),
         help=argparse.SUPPRESS,
     )
+    parser.add_argument("--short-lateness", default="2m", help="--max-lateness of the short-horizon rows")
+    parser.add_argument("--short-attribution", default="10m", help="--attribution-window of the short-horizon rows")
+    parser.add_argument("--lateness-ns", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--attribution-ns", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--archive", default="", help=argparse.SUPPRESS)
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--model", default=MODEL, help=argparse.SUPPRESS)
@@ -240,6 +294,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.measure:
         return child(args)
+    short = (parse_duration_ns(args.short_lateness), parse_duration_ns(args.short_attribution))
     until_ns = (time.time_ns() // 10**9 - 120) * 10**9
     since_ns = until_ns - HOUR_NS
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp)) as server:
@@ -267,6 +322,14 @@ def main() -> int:
                 "analysis, same users, 2x calls",
                 run_child(server.url, "analysis", since_ns, until_ns, args.page_size, model=DOUBLED),
             ),
+            (
+                "short horizon",
+                run_child(server.url, "analysis", since_ns, until_ns, args.page_size, horizon=short),
+            ),
+            (
+                "short horizon, 2x calls",
+                run_child(server.url, "analysis", since_ns, until_ns, args.page_size, model=DOUBLED, horizon=short),
+            ),
         ]
         archive = Path(tmp) / "archive"
         began = time.perf_counter()
@@ -280,19 +343,23 @@ def main() -> int:
         )
     raw = rows[0][1]["seconds"]
     unparsed = rows[1][1]["seconds"]
-    print(f"\n{'path':<30} {'entries':>10} {'units':>8} {'seconds':>8} {'x raw':>6} {'x sent':>7} {'peak MiB':>9}")
-    print("-" * 84)
+    print(
+        f"\n{'path':<30} {'entries':>10} {'units':>8} {'seconds':>8} {'x raw':>6} {'x sent':>7} {'peak MiB':>9} "
+        f"{'calls held':>11}"
+    )
+    print("-" * 96)
     for name, row in rows:
         units = f"{int(row['units']):,}" if "units" in row else "-"
+        held = f"{int(row['held']):,}" if "held" in row else "-"
         print(
             f"{name:<30} {int(row['entries']):>10,} {units:>8} {row['seconds']:>8.2f} "
-            f"{row['seconds'] / raw:>6.2f} {row['seconds'] / unparsed:>7.2f} {row['peak_mib']:>9.0f}"
+            f"{row['seconds'] / raw:>6.2f} {row['seconds'] / unparsed:>7.2f} {row['peak_mib']:>9.0f} {held:>11}"
         )
     print(
         "x raw: time over the redis-py xrange read; x sent: over the read of the replies as sent (the floor). "
         "Every row reads the same entries (the window's stream ids plus the lateness allowance)."
     )
-    full, quarter, doubled = rows[2][1], rows[3][1], rows[4][1]
+    full, quarter, doubled, short_full, short_doubled = (row for _, row in rows[2:7])
     print(
         f"\nanalysis memory, full window / first quarter: {full['peak_mib'] / max(quarter['peak_mib'], 1):.2f}x "
         f"for {full['calls'] / max(quarter['calls'], 1):.2f}x the calls and "
@@ -302,6 +369,15 @@ def main() -> int:
         f"analysis memory, 2x calls / 1x calls (same users): {doubled['peak_mib'] / max(full['peak_mib'], 1):.2f}x "
         f"for {doubled['calls'] / max(full['calls'], 1):.2f}x the calls and "
         f"{doubled['units'] / max(full['units'], 1):.2f}x the units"
+    )
+    print(
+        f"short horizon ({args.short_lateness} lateness, {args.short_attribution} attribution), 2x calls / 1x calls: "
+        f"{short_doubled['peak_mib'] / max(short_full['peak_mib'], 1):.2f}x the memory "
+        f"({short_doubled['peak_mib']:.0f} / {short_full['peak_mib']:.0f} MiB), calls held at most "
+        f"{short_full['held'] / max(short_full['calls'], 1):.0%} and "
+        f"{short_doubled['held'] / max(short_doubled['calls'], 1):.0%} of the calls; "
+        f"against the hour's lateness: {short_full['peak_mib'] / max(full['peak_mib'], 1):.2f}x and "
+        f"{short_doubled['peak_mib'] / max(doubled['peak_mib'], 1):.2f}x"
     )
     return 0
 

@@ -136,3 +136,39 @@ def write_feedback(
             pipe.execute()
     pipe.execute()
     return written
+
+
+def write_arrivals(
+    client: redis.Redis,
+    model: str,
+    arrivals: Iterable[tuple[int, Call | Event]],
+    call_phase: recorder_pb2.Phase,
+    *,
+    batch: int = 2_000,
+) -> int:
+    """Calls and events into their streams in the order they reached Redis: each ``(arrival_ns, item)`` gets
+    the entry id of its arrival, so a copy delivered a while after the original (at-least-once delivery)
+    sits among the entries of that later time. Returns how many were written."""
+    written = 0
+    pipe = client.pipeline(transaction=False)
+    for arrival_ns, item in sorted(arrivals, key=lambda pair: pair[0]):
+        if isinstance(item, Call):
+            key, fields = stream_key(model), entry_fields(call_record(model, item, call_phase))
+        else:
+            message = feedback_pb2.FeedbackEvent(
+                model=model,
+                request_id=item.request_id,
+                routing_key_hmac=item.unit,
+                metric=item.metric,
+                value=item.value,
+                event_unix_ns=item.event_ns,
+                idempotency_key=item.idempotency_key,
+                receive_unix_ns=item.event_ns,
+            )
+            key, fields = feedback_key(model), feedback_entry_fields(message)
+        pipe.xadd(key, fields, id=f"{arrival_ns // 1_000_000}-*")  # type: ignore[arg-type]
+        written += 1
+        if written % batch == 0:
+            pipe.execute()
+    pipe.execute()
+    return written

@@ -29,7 +29,7 @@ from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window, read_pages
 from splitstream.analysis.model import Analysis, MetricComparison, MetricSpec, PhaseResult
 from splitstream.common.records import stream_key
-from tests.experiments import Call, Event, phase, write_calls, write_feedback
+from tests.experiments import Call, Event, phase, write_arrivals, write_calls, write_feedback
 from tests.harness import ROOT, free_port
 from tests.redis_server import RedisServer
 
@@ -593,6 +593,55 @@ def test_clicks_after_the_window_count_for_its_calls_within_the_attribution_wind
     assert document["feedback"]["outside_window"] == 1
     assert bad.returncode == 2
     assert "--attribution-window: bad duration 'soon'" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_a_short_horizon_holds_few_calls_and_joins_what_it_promises(tmp_path: Path) -> None:
+    # An hour of calls (one every 0.6 s, 200 users), a third clicked a second later; the streams hold each entry
+    # at its arrival, copies of calls and clicks delivered 30 s after the originals (within the lateness).
+    # With --max-lateness 2m --attribution-window 5m, a click 4 minutes after its call joins it, one 6 minutes
+    # after it (past the attribution window) or a minute before it (more than the clock skew) is unknown,
+    # copies count once, a user's purchase joins the user whenever it comes, and the analysis holds the calls
+    # of some minutes for the join, not the hour's.
+    minute = 60 * 10**9
+    users = [user_unit(f"horizon-{u}") for u in range(200)]
+    calls = [
+        Call(f"h{i}", T0 + i * 600_000_000, "v1" if i % 2 == 0 else "v2", unit=users[i % 200]) for i in range(6_000)
+    ]
+    clicks = [
+        Event("click", 1.0, call.time_ns + 10**9, request_id=call.request_id, idempotency_key=f"c{i}")
+        for i, call in enumerate(calls)
+        if i % 3 == 0
+    ]
+    within = Event("click", 1.0, calls[4501].time_ns + 4 * minute, request_id="h4501", idempotency_key="within")
+    past = Event("click", 1.0, calls[3001].time_ns + 6 * minute, request_id="h3001", idempotency_key="past")
+    before = Event("click", 1.0, calls[3002].time_ns - minute, request_id="h3002", idempotency_key="before")
+    purchase = Event("revenue", 7.0, T0 + 50 * minute, unit=users[8], idempotency_key="buy")
+    events = [*clicks, within, past, before, purchase]
+    arrivals: list[tuple[int, Call | Event]] = [(c.time_ns, c) for c in calls] + [(e.event_ns, e) for e in events]
+    arrivals += [(c.time_ns + 30 * 10**9, c) for c in calls[::500]]  # 12 calls stored twice
+    arrivals += [(e.event_ns + 30 * 10**9, e) for e in clicks[::100]]  # 20 clicks delivered twice
+    metrics = (MetricSpec.parse("click:proportion"), MetricSpec.parse("revenue:sum"))
+    short = Window(T0, T0 + HOUR_NS, max_lateness_ns=2 * minute, attribution_ns=5 * minute)
+    with RedisServer(tmp_path / "redis") as server:
+        client = server.client()
+        write_arrivals(client, "horizon", arrivals, phase({"v1": 50, "v2": 50}, "v1"))
+        client.close()
+        result = run_analysis(server, Query(model="horizon", window=short, metrics=metrics, page_size=200))
+        hour = run_analysis(server, Query(model="horizon", window=WINDOW, metrics=metrics, page_size=200))
+    assert (result.calls.calls, result.calls.duplicates) == (6_000, 12)
+    assert result.feedback.duplicates == 20
+    assert result.feedback.unknown == 2  # the click past the attribution window, and the one before its call
+    assert result.feedback.used == 2_000 + 1 + 1  # the clicks, the one 4 minutes on, the purchase
+    [phase_result] = result.phases
+    arms = {arm.arm: arm for arm in phase_result.arms}
+    assert arms["v1"].metrics["click"].value == pytest.approx(1_000 / 3_000)
+    assert arms["v2"].metrics["click"].value == pytest.approx(1_001 / 3_000)
+    assert arms["v1"].metrics["revenue"].events == 1
+    # Held for the join at most: the calls of about 5 + 2·2 minutes and a page or two, not the hour's 6,000.
+    assert 0 < result.calls.held_for_join_peak < 6_000 // 3
+    # The default horizon (an hour's lateness) holds every call, and the click 6 minutes late joins its call.
+    assert hour.calls.held_for_join_peak == 6_000
+    assert (hour.feedback.used, hour.feedback.unknown, hour.feedback.duplicates) == (2_003, 1, 20)
 
 
 def test_analyze_needs_no_registry_but_the_other_commands_still_do() -> None:

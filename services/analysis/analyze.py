@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from splitstream.analysis import statistics as st
-from splitstream.analysis.folding import Folder, RowMetric, among
+from splitstream.analysis.folding import Folder, RowMetric, among, load
 from splitstream.analysis.loading import (
     SEGMENT_FIELDS,
     TIMELINE_POINTS,
@@ -35,8 +35,6 @@ from splitstream.analysis.loading import (
     StreamStats,
     Window,
     fingerprints,
-    load_exposures,
-    load_feedback,
     mixed,
 )
 from splitstream.analysis.model import (
@@ -105,25 +103,19 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
         source = RedisSource(source)
     per_call = query.unit == "call"
     kinds = [m.kind for m in query.metrics]
-    # The calls first, then the feedback folded into their units page by page (nothing per event is kept).
-    exposures = await load_exposures(
+    # Calls and feedback side by side, the feedback folded into the units page by page (nothing per event is
+    # kept; a call only while an event may still name it).
+    loaded = await load(
         source,
         query.model,
         query.window,
+        kinds,
+        [m.name for m in query.metrics],
         per_call=per_call,
         page_size=query.page_size,
         segment=query.segment,
     )
-    overall = Folder(exposures, kinds, query.window, per_call=per_call)
-    parts = {value: Folder(part, kinds, query.window, per_call=per_call) for value, part in exposures.segments.items()}
-    feedback = await load_feedback(
-        source,
-        query.model,
-        query.window,
-        [m.name for m in query.metrics],
-        [overall, *parts.values()],
-        page_size=query.page_size,
-    )
+    exposures, feedback, overall, parts = loaded.exposures, loaded.feedback, loaded.folder, loaded.segments
     pre: _PreValues | None = None
     if query.pre_window is not None:
         pre = await _load_pre_values(source, query, query.pre_window)
@@ -215,6 +207,7 @@ def summarize(
             not_randomized=exposures.calls - randomized_calls,
             duplicates=exposures.duplicates,
             corrupt=exposures.corrupt,
+            held_for_join_peak=folder.index.peak,
         ),
         feedback=FeedbackCounts(
             entries_read=feedback.entries_read,
@@ -279,7 +272,7 @@ def _unit_matrix(units: pa.Table, bucket_calls: npt.NDArray[np.int32], arm_names
     rows = units["key"].to_numpy().astype(np.int64)
     np.add.at(per_bucket, index, bucket_calls[rows])
     first = np.where(per_bucket.any(axis=1), np.argmax(per_bucket > 0, axis=1), TIMELINE_POINTS)
-    calls = np.cumsum(per_bucket, axis=1)
+    calls = np.cumsum(per_bucket, axis=1, out=per_bucket)  # in place: no second units x buckets matrix
     arms = [arm_names[int(c)] for c in present]
     return _UnitMatrix(pa.array(keys, pa.uint64()), arms, arm_of, first, calls, rows, index)
 
@@ -293,7 +286,7 @@ def _metric_matrix(matrix: _UnitMatrix, metric: RowMetric) -> _MetricMatrix:
         out = np.zeros((n, TIMELINE_POINTS))
         if len(values) and n:
             np.add.at(out, matrix.unit_of_row, values[matrix.rows])
-        return np.cumsum(out, axis=1)
+        return np.cumsum(out, axis=1, out=out)  # in place: no second units x buckets matrix
 
     return _MetricMatrix(per_unit(metric.sums), per_unit(metric.counts), per_unit(metric.positives))
 
@@ -633,17 +626,23 @@ class _PreValues:
 
 
 async def _load_pre_values(source: Source, query: Query, window: Window) -> _PreValues:
-    exposures = await load_exposures(
-        source, query.model, window, per_call=False, page_size=query.page_size, randomized_only=False
-    )
     # No crossover: the pre-period is a covariate per unit (every call of it, however routed), not a comparison.
-    folder = Folder(exposures, [m.kind for m in query.metrics], window, per_call=False, exclude_crossover=False)
-    await load_feedback(
-        source, query.model, window, [m.name for m in query.metrics], [folder], page_size=query.page_size
+    loaded = await load(
+        source,
+        query.model,
+        window,
+        [m.kind for m in query.metrics],
+        [m.name for m in query.metrics],
+        per_call=False,
+        page_size=query.page_size,
+        randomized_only=False,
+        exclude_crossover=False,
     )
+    exposures = loaded.exposures
     # One pseudo-phase and arm: the unit's rows of every phase and arm are added up.
     units = exposures.units.set_column(0, "phase", pa.array(np.zeros(len(exposures.units), dtype=np.int16)))
     units = units.set_column(1, "arm", pa.array(np.zeros(len(units), dtype=np.int16)))
     matrix = _unit_matrix(units, exposures.bucket_calls, ["all"])
-    metrics = {m.name: _metric_matrix(matrix, row) for m, row in zip(query.metrics, folder.metrics(), strict=True)}
+    rows = loaded.folder.metrics()
+    metrics = {m.name: _metric_matrix(matrix, row) for m, row in zip(query.metrics, rows, strict=True)}
     return _PreValues(matrix.keys, matrix.calls, metrics)

@@ -157,9 +157,9 @@ def add_command(commands: Any, env_prefix: str) -> None:
     parser.add_argument(
         "--attribution-window",
         default=None,
-        help="how long after --until an event naming a call of the window still counts for that call (a click "
-        "an hour after the answer); default: --max-lateness. Events naming only a user are counted inside the "
-        "window",
+        help="how long after --until, and after its call, an event naming a call of the window still counts for "
+        "that call (a click an hour after the answer); default: --max-lateness (and never shorter than it, after "
+        "the call). Events naming only a user are counted inside the window",
     )
     parser.add_argument("--output-dir", default="analysis-out", help="where analysis.json and analysis.html go")
     parser.add_argument("--connect-timeout-s", type=float, default=5.0, help="Redis connect timeout")

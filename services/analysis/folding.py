@@ -1,29 +1,56 @@
-"""Feedback folded into per-unit sums as it is read, so memory follows the units, not the events.
+"""Calls and feedback read side by side, the feedback folded into per-unit sums as it is read, so memory
+follows the units, not the calls or events.
 
-The calls of the window are read first (:func:`splitstream.analysis.loading.load_exposures`): a row per
-(phase, arm, unit) and, per call, its request fingerprint and row (12 bytes). Each page of de-duplicated
-events is then joined and added at once to its metric's matrices, one row per (phase, arm, unit) and one
-column per time bucket: the sum of the values, the number of events and (proportions) the positive events.
-Nothing of an event is kept but, for a positive event naming a call, the earliest bucket in which that call
-had one (a call counts once however many positives name it): one byte per call and proportion metric.
+:func:`load` reads both streams in stream order at once. Each page of calls is added to a row per (phase,
+arm, unit) (:class:`splitstream.analysis.loading.ExposureReader`); each page of de-duplicated events is
+joined and added at once to its metric's matrices, one row per (phase, arm, unit) and one column per time
+bucket: the sum of the values, the number of events and (proportions) the positive events. The matrices
+grow with the rows as calls bring new units.
 
-The join (as before the events were folded): an event naming a request id joins that call; an event naming
-only a unit joins the row of the phase that unit was last first-exposed in before the event. Units seen in
-two arms of one phase (crossover) are left out: their rows get no event (those naming their calls are
-counted as crossover), and events naming only the unit join its other phases, if any.
+The join: an event naming a request id joins that call when dated from the clock skew before the call to
+its join horizon after it (:meth:`Window.join_horizon_ns`: the attribution window, or the lateness
+allowance if longer), and inside the window (up to the attribution window past its end); an event naming
+only a unit joins the row that unit was last first-exposed in before the event. Each call is held for the
+join (:class:`JoinIndex`: its request fingerprint, row and time, 20 bytes, and per proportion metric the
+bucket of its first positive event, a byte) only while an event may still name it:
+
+- a page of events is joined once the calls have been read past its latest event by the lateness allowance
+  and clock skew (or to their end), so every call an event may name has been read: every entry reaches
+  Redis within the lateness allowance of its time (:meth:`Window.settled_ns`);
+- a call is let go once the events read have moved past its join horizon by as much (its first positive,
+  if any, is then added to its row's positives): what is held is the calls of about the join horizon and
+  twice the lateness allowance, whatever the length of the window.
+
+Units seen in two arms of one phase (crossover) are known only once every call is read: their rows are
+left out at the end, and the events they received are counted as crossover (an event naming only a unit
+whose last phase before it is crossed is one of them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from splitstream.analysis.loading import TIMELINE_POINTS, Exposures, Window, mixed
+from splitstream.analysis.loading import (
+    TIMELINE_POINTS,
+    EventPage,
+    ExposureReader,
+    Exposures,
+    Feedback,
+    FeedbackReader,
+    NewCalls,
+    Source,
+    UnitIndex,
+    Window,
+    mixed,
+    split_rows,
+    take_rows,
+)
 from splitstream.analysis.statistics import MetricKind
 
 FloatArray = npt.NDArray[np.float64]
@@ -60,57 +87,165 @@ class RowMetric:
     positives: npt.NDArray[np.float32]
 
 
+@dataclass(slots=True)
+class _Run:
+    """Calls of one time slice, sorted by request fingerprint, with their row, time and first positives."""
+
+    keys: npt.NDArray[np.uint64]
+    rows: npt.NDArray[np.int32]
+    times: npt.NDArray[np.int64]
+    first: list[npt.NDArray[np.int8]]
+
+    def take(self, order: npt.NDArray[np.int64]) -> _Run:
+        return _Run(
+            self.keys[order], self.rows[order], self.times[order], [f[order] if len(f) else f for f in self.first]
+        )
+
+
+def _merged(older: _Run, newer: _Run) -> _Run:
+    both = _Run(
+        np.concatenate([older.keys, newer.keys]),
+        np.concatenate([older.rows, newer.rows]),
+        np.concatenate([older.times, newer.times]),
+        [np.concatenate([a, b]) for a, b in zip(older.first, newer.first, strict=True)],
+    )
+    return both.take(np.argsort(both.keys, kind="stable"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Hits:
+    """Where a lookup found its requests: per run, the positions among the requests and in the run."""
+
+    parts: list[tuple[_Run, npt.NDArray[np.int64], npt.NDArray[np.int64]]]
+
+
+@dataclass(slots=True)
+class JoinIndex:
+    """The calls an event may still name, in generations by call time (a slice of ``slice_ns`` each, sorted
+    runs merged like a log-structured tree), let go a generation at a time (:meth:`forget_before`)."""
+
+    slice_ns: int
+    proportions: tuple[bool, ...]
+    generations: dict[int, list[_Run]] = field(default_factory=dict)
+    held: int = 0
+    #: The most calls held at once.
+    peak: int = 0
+
+    def add(self, calls: NewCalls) -> None:
+        slices = calls.times // self.slice_ns
+        for at in np.unique(slices).tolist():
+            mine = np.flatnonzero(slices == at)
+            run = _Run(
+                calls.requests[mine],
+                calls.rows[mine],
+                calls.times[mine],
+                [np.full(len(mine) if p else 0, _NONE, dtype=np.int8) for p in self.proportions],
+            )
+            runs = self.generations.setdefault(at, [])
+            runs.append(run.take(np.argsort(run.keys, kind="stable")))
+            while len(runs) > 1 and len(runs[-2].keys) <= 2 * len(runs[-1].keys):
+                newer = runs.pop()
+                runs[-1] = _merged(runs[-1], newer)
+        self.held += len(calls.requests)
+        self.peak = max(self.peak, self.held)
+
+    def lookup(
+        self, requests: npt.NDArray[np.uint64]
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64], npt.NDArray[np.int64], _Hits]:
+        """Per request: found, the call's row and time, and where (for :meth:`note_positive`)."""
+        found = np.zeros(len(requests), dtype=bool)
+        rows = np.full(len(requests), -1, dtype=np.int64)
+        times = np.zeros(len(requests), dtype=np.int64)
+        parts = []
+        for runs in self.generations.values():
+            for run in runs:
+                if not len(run.keys) or found.all():
+                    continue
+                pending = np.flatnonzero(~found)
+                at = np.minimum(np.searchsorted(run.keys, requests[pending]), len(run.keys) - 1)
+                hit = run.keys[at] == requests[pending]
+                events, at = pending[hit], at[hit]
+                found[events] = True
+                rows[events] = run.rows[at]
+                times[events] = run.times[at]
+                parts.append((run, events, at.astype(np.int64)))
+        return found, rows, times, _Hits(parts)
+
+    @staticmethod
+    def note_positive(code: int, hits: _Hits, positive: npt.NDArray[np.bool_], bucket: npt.NDArray[np.int64]) -> None:
+        """Lower the first-positive bucket of the calls that ``positive`` events (among the looked-up) name."""
+        for run, events, at in hits.parts:
+            chosen = positive[events]
+            np.minimum.at(run.first[code], at[chosen], bucket[events[chosen]].astype(np.int8))
+
+    def forget_before(self, horizon_ns: int) -> list[_Run]:
+        """Let go of the generations whose calls are all older than ``horizon_ns``; returns their runs."""
+        gone = [at for at in self.generations if (at + 1) * self.slice_ns <= horizon_ns]
+        return self._drop(gone)
+
+    def drain(self) -> list[_Run]:
+        return self._drop(list(self.generations))
+
+    def _drop(self, slices: list[int]) -> list[_Run]:
+        runs = [run for at in slices for run in self.generations.pop(at)]
+        self.held -= sum(len(run.keys) for run in runs)
+        return runs
+
+
 class Folder:
-    """Takes pages of events (:class:`splitstream.analysis.loading.FeedbackSink`) for one set of exposures
-    (the whole window, a segment, a CUPED pre-period) and adds them to per-row matrices."""
+    """Takes pages of events for one set of exposures (the whole window, a segment, a CUPED pre-period), read
+    while its calls are (:func:`load`), and adds them to per-row matrices that grow with the rows."""
 
     def __init__(
         self,
-        exposures: Exposures,
+        units: UnitIndex,
         kinds: Sequence[MetricKind],
         window: Window,
         *,
         per_call: bool,
         exclude_crossover: bool = True,
+        unknown: int = 0,
+        joining: bool = True,
     ) -> None:
-        self.exposures = exposures
+        self.units = units
         self.kinds = tuple(kinds)
         self.window = window
         self.per_call = per_call
-        units = exposures.units
-        self.rows = len(units)
-        self.crossover = crossover_units(units if exclude_crossover else units.slice(0, 0))
-        self.crossed_row = np.zeros(self.rows, dtype=bool)
-        if len(self.crossover):
-            self.crossed_row[units["key"].to_numpy()] = among(units, self.crossover)
-        self.sums = [np.zeros((self.rows, TIMELINE_POINTS)) for _ in kinds]
-        self.counts = [np.zeros((self.rows, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
-        self.positives = [
-            np.zeros((self.rows, TIMELINE_POINTS), dtype=np.float32)
-            if kind is MetricKind.PROPORTION
-            else np.zeros((0, TIMELINE_POINTS), dtype=np.float32)
-            for kind in kinds
-        ]
-        calls = len(exposures.call_requests)
-        self.first_positive = [
-            np.full(calls if kind is MetricKind.PROPORTION else 0, _NONE, dtype=np.int8) for kind in kinds
-        ]
-        # Rows an event naming only a unit may join: not crossed, sorted by (unit, first exposure).
-        row_keys = units["key"].to_numpy()
-        open_rows = row_keys[~self.crossed_row[row_keys]] if len(row_keys) else row_keys
-        row_unit = np.zeros(self.rows, dtype=np.uint64)
-        row_first = np.zeros(self.rows, dtype=np.int64)
-        if len(row_keys):
-            row_unit[row_keys] = units["unit"].to_numpy()
-            row_first[row_keys] = units["first_ns"].to_numpy()
-        order = np.lexsort((row_first[open_rows], row_unit[open_rows]))
-        self.unit_rows = open_rows[order]
-        self.unit_of_rows = row_unit[self.unit_rows]
-        self.first_of_rows = row_first[self.unit_rows]
+        self.exclude_crossover = exclude_crossover
+        self.joining = joining
+        self.rows = 0
+        self.capacity = 0
+        self.sums = [np.zeros((0, TIMELINE_POINTS)) for _ in kinds]
+        self.counts = [np.zeros((0, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
+        self.positives = [np.zeros((0, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
+        proportions = tuple(kind is MetricKind.PROPORTION for kind in kinds)
+        span = window.join_horizon_ns() + window.settled_ns()
+        self.index = JoinIndex(max(span // 8, 10**9), proportions)
+        self.crossover = pa.table({"phase": pa.array([], pa.int16()), "unit": pa.array([], pa.uint64())})
         self.used = 0
-        self.unknown = 0
+        #: Events a set made after some events were read could not have joined (:class:`FeedbackReader`.sent).
+        self.unknown = unknown
         self.not_randomized = 0
         self.crossed = 0
+
+    def add_calls(self, calls: NewCalls | None) -> None:
+        """Hold a page's calls for the events that may name them (none once the feedback is read)."""
+        if calls is not None and self.joining:
+            self.index.add(calls)
+
+    def _grow(self) -> None:
+        """As many rows as the units have (new units came with the calls read), the capacity doubled."""
+        self.rows = self.units.size
+        if self.rows <= self.capacity:
+            return
+        self.capacity = max(self.rows, 2 * self.capacity, 1024)
+        for code, kind in enumerate(self.kinds):
+            for matrices in (self.sums, self.counts, self.positives):
+                if matrices is self.positives and kind is not MetricKind.PROPORTION:
+                    continue
+                grown = np.zeros((self.capacity, TIMELINE_POINTS), dtype=matrices[code].dtype)
+                grown[: len(matrices[code])] = matrices[code]
+                matrices[code] = grown
 
     def add(
         self,
@@ -120,31 +255,27 @@ class Folder:
         value: npt.NDArray[np.float64],
         event_ns: npt.NDArray[np.int64],
     ) -> None:
+        self._grow()
         bucket = self.window.bucket_of(event_ns).astype(np.int64)
         has_request = request != 0
-        # By request id: a binary search among the calls' sorted fingerprints.
+        # By request id: among the calls held, dated from the clock skew before the event to its horizon.
         by_request = np.flatnonzero(has_request)
-        calls = self.exposures.call_requests
-        at = np.minimum(np.searchsorted(calls, request[by_request]), max(len(calls) - 1, 0))
-        found = calls[at] == request[by_request] if len(calls) else np.zeros(len(by_request), dtype=bool)
+        found, row, call_ns, hits = self.index.lookup(request[by_request])
+        dated = event_ns[by_request]
+        found &= (dated >= call_ns - self.window.clock_skew_ns) & (dated < call_ns + self.window.join_horizon_ns())
         self.unknown += int((~found).sum())
-        call = at[found]
-        events = by_request[found]
-        row = self.exposures.call_rows[call].astype(np.int64)
-        randomized = row >= 0
-        self.not_randomized += int((~randomized).sum())
-        call, events, row = call[randomized], events[randomized], row[randomized]
-        crossed = self.crossed_row[row]
-        self.crossed += int(crossed.sum())
-        call, events, row = call[~crossed], events[~crossed], row[~crossed]
+        randomized = found & (row >= 0)
+        self.not_randomized += int((found & (row < 0)).sum())
+        events, row = by_request[randomized], row[randomized]
         # By unit: the row of the unit with the latest first exposure at or before the event.
         by_unit = np.flatnonzero(~has_request & (unit != 0))
         self.unknown += int((~has_request & (unit == 0)).sum())
-        if self.per_call or not len(self.unit_rows):
+        if self.per_call or not self.rows:
             self.unknown += len(by_unit)
             unit_events, unit_row = by_unit[:0], np.zeros(0, dtype=np.int64)
         else:
-            unit_events, unit_row = self._unit_rows(by_unit, unit[by_unit], event_ns[by_unit])
+            joined, rows_found = self.units.unit_rows_at(unit[by_unit], event_ns[by_unit])
+            unit_events, unit_row = by_unit[joined], rows_found[joined]
             self.unknown += len(by_unit) - len(unit_events)
         self.used += len(events) + len(unit_events)
         for code, kind in enumerate(self.kinds):
@@ -156,39 +287,177 @@ class Folder:
             np.add.at(self.sums[code].reshape(-1), cells, value[chosen])
             np.add.at(self.counts[code].reshape(-1), cells, 1)
             if kind is MetricKind.PROPORTION:
-                positive = mine & (value[events] > 0)
-                np.minimum.at(self.first_positive[code], call[positive], bucket[events[positive]].astype(np.int8))
+                # A call counts once, in the bucket of its first positive event: noted on the call while held.
+                positive = randomized & (metric[by_request] == code) & (value[by_request] > 0)
+                self.index.note_positive(code, hits, positive, bucket[by_request])
                 positive = theirs & (value[unit_events] > 0)
                 cells = unit_row[positive] * TIMELINE_POINTS + bucket[unit_events[positive]]
                 np.add.at(self.positives[code].reshape(-1), cells, 1)
 
-    def _unit_rows(
-        self, events: npt.NDArray[np.int64], unit: npt.NDArray[np.uint64], event_ns: npt.NDArray[np.int64]
-    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """The events (of ``events``) that find a row, and the rows: each starts at its unit's last row (by
-        first exposure) and steps back past rows first exposed after it (a unit has a row per phase)."""
-        row_unit, row_first = self.unit_of_rows, self.first_of_rows
-        at = np.searchsorted(row_unit, unit, side="right").astype(np.int64) - 1
-        chosen = np.zeros(len(unit), dtype=bool)
-        pending = (at >= 0) & (row_unit[np.maximum(at, 0)] == unit)
-        while pending.any():
-            good = pending & (row_first[np.maximum(at, 0)] <= event_ns)
-            chosen |= good
-            at = np.where(pending & ~good, at - 1, at)
-            pending &= ~good & (at >= 0)
-            pending &= row_unit[np.maximum(at, 0)] == unit
-        return events[chosen], self.unit_rows[at[chosen]].astype(np.int64)
+    def forget_before(self, horizon_ns: int) -> None:
+        """Let go of the calls older than ``horizon_ns`` (no event to come may name them)."""
+        self._fold(self.index.forget_before(horizon_ns))
+
+    def stop_joining(self) -> None:
+        """No more events: the calls held are let go, and the calls still to come are not held."""
+        self.joining = False
+        self._fold(self.index.drain())
+
+    def _fold(self, runs: list[_Run]) -> None:
+        """Add the first positives of calls let go to their rows."""
+        self._grow()
+        for code, kind in enumerate(self.kinds):
+            if kind is not MetricKind.PROPORTION:
+                continue
+            for run in runs:
+                first = run.first[code]
+                calls = np.flatnonzero(first < _NONE)
+                rows = run.rows[calls].astype(np.int64)
+                np.add.at(self.positives[code].reshape(-1), rows * TIMELINE_POINTS + first[calls].astype(np.int64), 1)
+
+    def finish(self, units: pa.Table) -> None:
+        """Every call read: leave out the crossover units' rows, their events counted as crossover."""
+        self.stop_joining()
+        self._grow()
+        if not self.exclude_crossover or not len(units):
+            return
+        self.crossover = crossover_units(units)
+        if not len(self.crossover):
+            return
+        crossed = np.zeros(self.rows, dtype=bool)
+        crossed[units["key"].to_numpy()] = among(units, self.crossover)
+        events = sum(int(counts[: self.rows][crossed].sum(dtype=np.float64)) for counts in self.counts)
+        self.crossed += events
+        self.used -= events
 
     def metrics(self) -> list[RowMetric]:
-        """The matrices, the calls' first positives added (once each); the per-call state is let go."""
-        out = []
-        for code, kind in enumerate(self.kinds):
-            positives = self.positives[code]
-            if kind is MetricKind.PROPORTION:
-                first = self.first_positive[code]
-                calls = np.flatnonzero(first < _NONE)
-                rows = self.exposures.call_rows[calls].astype(np.int64)
-                np.add.at(positives.reshape(-1), rows * TIMELINE_POINTS + first[calls].astype(np.int64), 1)
-                self.first_positive[code] = first[:0]
-            out.append(RowMetric(self.sums[code], self.counts[code], positives))
-        return out
+        """The matrices, as many rows as there are (the calls' first positives added at :meth:`finish`)."""
+        n = self.rows
+        return [
+            RowMetric(
+                self.sums[code][:n],
+                self.counts[code][:n],
+                self.positives[code][:n] if kind is MetricKind.PROPORTION else self.positives[code][:0],
+            )
+            for code, kind in enumerate(self.kinds)
+        ]
+
+
+@dataclass(slots=True)
+class Loaded:
+    """What :func:`load` read: the exposures (with their segments), the feedback's counts, the folders."""
+
+    exposures: Exposures
+    feedback: Feedback
+    folder: Folder
+    segments: dict[str, Folder]
+
+
+async def load(
+    source: Source,
+    model: str,
+    window: Window,
+    kinds: Sequence[MetricKind],
+    metrics: Sequence[str],
+    *,
+    per_call: bool,
+    page_size: int = 5_000,
+    randomized_only: bool = True,
+    exclude_crossover: bool = True,
+    segment: str | None = None,
+) -> Loaded:
+    """The calls of ``model`` received in the window and its feedback, read side by side in stream order.
+
+    ``per_call``: every call is its own unit (else the routing-key HMAC, and the call for calls without a key).
+    ``randomized_only=False``: every call counts in the units (a CUPED pre-period, where the covariate is what
+    a unit did, however it was routed), and ``exclude_crossover=False`` keeps units seen in two arms.
+    ``segment``: a readable call field; the exposures' ``segments`` hold the same per value of it, and
+    ``Loaded.segments`` their folders."""
+    events = FeedbackReader(window, metrics)
+
+    def joined(reader: ExposureReader) -> Folder:
+        return Folder(
+            reader.units,
+            kinds,
+            window,
+            per_call=per_call,
+            exclude_crossover=exclude_crossover,
+            unknown=events.sent,
+            joining=reading_feedback,
+        )
+
+    reading_feedback = True
+    overall = ExposureReader(window, per_call=per_call, randomized_only=randomized_only)
+    overall_folder = joined(overall)
+    parts: dict[bytes, tuple[ExposureReader, Folder]] = {}
+    field_name = segment.encode() if segment else None
+    calls = aiter(source.call_pages(model, window, page_size))
+
+    async def read_calls() -> bool:
+        """One page of calls into every reader; False once there are none left."""
+        try:
+            page = await anext(calls)
+        except StopAsyncIteration:
+            return False
+        needed, new = overall.add_columns(page.columns)
+        overall_folder.add_calls(new)
+        for phase, row in needed.items():
+            overall.note_record(phase, await page.record(row))
+        if field_name is None:
+            return True
+        for value, rows in split_rows(page.columns[field_name]).items():
+            if value not in parts:
+                reader = ExposureReader(window, per_call=per_call, randomized_only=randomized_only)
+                parts[value] = reader, joined(reader)
+            part, folder = parts[value]
+            columns = page.columns if len(rows) == len(page.columns[field_name]) else take_rows(page.columns, rows)
+            needed, new = part.add_columns(columns)
+            folder.add_calls(new)
+            for phase, row in needed.items():
+                info = overall.phase_info.get(phase)
+                if info is not None:
+                    part.phase_info[phase] = info
+                else:
+                    part.note_record(phase, await page.record(rows[row]))
+        return True
+
+    settled = window.settled_ns()
+    calls_left = True
+    try:
+        async for found in source.feedback_pages(model, window.feedback_reach(), page_size):
+            page: EventPage | None = events.add_page(found)
+            if page is None:
+                continue
+            folders = (overall_folder, *(f for _, f in parts.values()))
+            # Events from this page on are dated after the events' cursor less the lateness allowance: calls
+            # older than that by more than the join horizon cannot be named any more.
+            horizon = events.cursor_ns - window.join_horizon_ns() - settled
+            for folder in folders:
+                folder.forget_before(horizon)
+            # Every call an event of the page may name has been read once the calls' cursor is past its
+            # latest event by the lateness allowance and skew (later calls are dated after the events).
+            latest = int(page[4].max()) + settled + window.clock_skew_ns
+            while calls_left and overall.cursor_ns <= latest:
+                calls_left = await read_calls()
+            for folder in (overall_folder, *(f for _, f in parts.values())):
+                folder.add(*page)
+            events.sent += len(page[0])
+        reading_feedback = False
+        for folder in (overall_folder, *(f for _, f in parts.values())):
+            folder.stop_joining()
+        while calls_left:
+            calls_left = await read_calls()
+    finally:
+        close = getattr(calls, "aclose", None)
+        if close is not None:
+            await close()
+    exposures = overall.result()
+    overall_folder.finish(exposures.units)
+    segment_folders: dict[str, Folder] = {}
+    for value, (part, folder) in sorted(parts.items()):
+        result = part.result()
+        folder.finish(result.units)
+        name = value.decode(errors="replace")
+        exposures.segments[name] = result
+        segment_folders[name] = folder
+    return Loaded(exposures, events.result, overall_folder, segment_folders)

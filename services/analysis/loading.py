@@ -5,15 +5,13 @@ readable fields the analysis needs (the serialized record is decoded once per ex
 weights). Text that repeats becomes numbers: units and request ids 64-bit fingerprints, phases, arms and
 assignments small codes. Each page's calls are added at once (numpy) to a dense row per (phase, arm, unit)
 holding the calls per twentieth of the window, and each page of feedback is folded at once into per-row
-sums (:mod:`splitstream.analysis.folding`), so the aggregates grow with the number of units, not of calls
-or events. What does grow with the data, kept as small as it can be:
+sums (:mod:`splitstream.analysis.folding`, which reads both streams side by side), so the aggregates grow
+with the number of units, not of calls or events.
 
-- per call, 8 bytes (its request id's fingerprint) to drop calls the recorder stored twice (delivery is at
-  least once; let go once the calls are read), and 12 bytes (the fingerprint, sorted, and its row) for
-  feedback to join; one byte per proportion metric for the call's first positive event;
-- per event with an idempotency key, 8 bytes, to de-duplicate feedback by that key.
-
-The calls are read first, then the feedback: no event is kept once its page is folded.
+What is kept per call or event is kept only while a later entry may still need it, in generations by time
+(:class:`RecentFingerprints`): entries reach Redis in stream-id order, each within ``max_lateness_ns`` (and
+the clock skew) of its own time, so once the entries read have moved that far past a time, no copy of a
+call or event of that time can come any more and its generation is let go whole.
 """
 
 from __future__ import annotations
@@ -98,6 +96,17 @@ class Window:
     #: after the answer is the answer's). Events naming only a unit are dated inside the window: they have no
     #: call to tie them to it.
     attribution_ns: int = 0
+
+    def join_horizon_ns(self) -> int:
+        """How long after a call an event naming it may be dated and still count for it: the attribution window,
+        or the lateness allowance when that is longer (an answer's click may come as late as its record may).
+        Bounds how long a call is held for the join (:mod:`splitstream.analysis.folding`)."""
+        return max(self.attribution_ns, self.max_lateness_ns)
+
+    def settled_ns(self) -> int:
+        """How far behind the stream's robust cursor (:func:`page_cursor`) an entry may still be dated: entries
+        come in id order, each reaching Redis within the lateness allowance and clock skew of its time."""
+        return self.max_lateness_ns + 2 * self.clock_skew_ns
 
     def feedback_reach(self) -> Window:
         """The window feedback is read in: this one, its end moved out by the attribution window."""
@@ -191,9 +200,8 @@ class Exposures:
     ``calls`` (int64), ``first_ns`` (int64) and ``key`` (int64), the row of ``bucket_calls`` that holds its calls
     per time bucket (int32, one column per bucket of the window). ``other``: calls not randomized, per
     (phase, assignment, arm) names: ``calls``, ``errors``. ``latency``: histograms per (phase, arm, assignment
-    class: ``randomized`` or the assignment's name). ``call_requests``: every call's request fingerprint,
-    sorted, and ``call_rows`` beside it, the call's row of ``units`` (-1: a call not randomized), for
-    feedback to join (:mod:`splitstream.analysis.folding`): 12 bytes a call."""
+    class: ``randomized`` or the assignment's name). Nothing per call: the join with feedback holds calls only
+    while events may still name them (:mod:`splitstream.analysis.folding`)."""
 
     units: pa.Table
     bucket_calls: npt.NDArray[np.int32]
@@ -202,8 +210,6 @@ class Exposures:
     phase_info: dict[str, PhaseInfo]
     phases: Names
     arms: Names
-    call_requests: npt.NDArray[np.uint64]
-    call_rows: npt.NDArray[np.int32]
     entries_read: int = 0
     calls: int = 0
     duplicates: int = 0
@@ -385,19 +391,56 @@ class _SeenFingerprints:
             last = self.runs.pop()
             self.runs[-1] = np.sort(np.concatenate([self.runs[-1], last]))
 
-    def first_time(self, values: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-        """Which of ``values`` (0: no key, always kept) were not seen before, nor earlier in ``values``; notes them."""
+
+class RecentFingerprints:
+    """Fingerprints seen lately, in generations by the time of what they stand for (a slice of ``slice_ns``
+    each, a :class:`_SeenFingerprints`), so that the fingerprints of a time no copy can come for any more are
+    let go a generation at a time (:meth:`forget_before`): memory follows the lateness allowance, not the
+    stream's length."""
+
+    def __init__(self, slice_ns: int) -> None:
+        self.slice_ns = max(int(slice_ns), 1)
+        self.generations: dict[int, _SeenFingerprints] = {}
+
+    def first_time(self, values: npt.NDArray[np.uint64], times: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+        """Which of ``values`` (0: no key, always kept) were not seen before, nor earlier in ``values``; notes
+        them in the generation of their time."""
         keyed = values != 0
         fresh = ~keyed
-        if keyed.any():
-            where = np.flatnonzero(keyed)
-            # Looked up sorted (as np.unique gives them): binary searches for ascending values walk the runs
-            # in order, about twice as fast as the page's order.
-            distinct, first = np.unique(values[where], return_index=True)
-            new = ~self.contains(distinct)
-            fresh[where[first[new]]] = True
-            self.add(distinct[new])
+        if not keyed.any():
+            return fresh
+        where = np.flatnonzero(keyed)
+        # Looked up sorted (as np.unique gives them): binary searches for ascending values walk the runs in
+        # order, about twice as fast as the page's order.
+        distinct, first = np.unique(values[where], return_index=True)
+        seen = np.zeros(len(distinct), dtype=bool)
+        for generation in self.generations.values():
+            seen |= generation.contains(distinct)
+        candidates = where[first[~seen]]
+        fresh[candidates] = True
+        slices = np.asarray(times[candidates], dtype=np.int64) // self.slice_ns
+        for at in np.unique(slices).tolist():
+            self.generations.setdefault(at, _SeenFingerprints()).add(values[candidates[slices == at]])
         return fresh
+
+    def forget_before(self, horizon_ns: int) -> None:
+        """Let go of every generation whose times all lie before ``horizon_ns``."""
+        for at in [at for at in self.generations if (at + 1) * self.slice_ns <= horizon_ns]:
+            del self.generations[at]
+
+    def held(self) -> int:
+        return sum(len(run) for generation in self.generations.values() for run in generation.runs)
+
+
+def page_cursor(times: npt.NDArray[np.int64], cursor_ns: int) -> int:
+    """The stream's read position in time, moved on by a page whose entries are dated ``times``: the most the
+    median of a page has reached. Pages come in stream-id order and every entry reaches Redis within the
+    lateness allowance of its time, so an entry read later is dated no earlier than the cursor less
+    :meth:`Window.settled_ns`; the median, not the maximum, so that one entry dated far ahead (a wrong
+    clock) cannot move it."""
+    if not len(times):
+        return cursor_ns
+    return max(cursor_ns, int(np.median(times)))
 
 
 _MIX = np.uint64(0xBF58476D1CE4E5B9)
@@ -442,44 +485,48 @@ def mixed(values: npt.NDArray[np.uint64], salt: int) -> npt.NDArray[np.uint64]:
 # -- feedback ------------------------------------------------------------------------------
 
 
-class FeedbackSink(Protocol):
-    """What takes each page of de-duplicated events as it is read (:class:`splitstream.analysis.folding.Folder`)."""
+#: The start of a stream's cursor, before any page (:func:`page_cursor`).
+NO_CURSOR = -(2**62)
 
-    def add(
-        self,
-        metric: npt.NDArray[np.int8],
-        request: npt.NDArray[np.uint64],
-        unit: npt.NDArray[np.uint64],
-        value: npt.NDArray[np.float64],
-        event_ns: npt.NDArray[np.int64],
-    ) -> None: ...
+#: A page of de-duplicated events as the sinks take them: metric code, request and unit fingerprints, value,
+#: event time.
+EventPage = tuple[
+    npt.NDArray[np.int8], npt.NDArray[np.uint64], npt.NDArray[np.uint64], npt.NDArray[np.float64], npt.NDArray[np.int64]
+]
 
 
-async def load_feedback(
-    source: Source,
-    model: str,
-    window: Window,
-    metrics: Sequence[str],
-    sinks: Sequence[FeedbackSink],
-    *,
-    page_size: int = 5_000,
-) -> Feedback:
-    """Events of ``metrics`` with ``event_ns`` in the window (those naming a call: up to its attribution
-    window past the end), de-duplicated by (metric, idempotency key): the first delivery in stream order
-    counts; each page's events go to ``sinks`` at once and are not kept. Events without a key all count;
-    entries that do not parse are counted in ``corrupt``, never fatal."""
-    codes = Names()
-    for name in metrics:
-        codes.code(name.encode())
-    seen = _SeenFingerprints()
-    result = Feedback()
-    async for found in source.feedback_pages(model, window.feedback_reach(), page_size):
+class FeedbackReader:
+    """Turns pages of feedback entries into :data:`EventPage` s: events of ``metrics`` with ``event_ns`` in the
+    window (those naming a call: up to its attribution window past the end), de-duplicated by (metric,
+    idempotency key), the first delivery in stream order counting. Events without a key all count; entries
+    that do not parse are counted in ``corrupt``, never fatal.
+
+    The idempotency keys are kept only while a copy may still come (copies reach Redis within the lateness
+    allowance of the event's time): 8 bytes per keyed event of the last ``max_lateness`` or so."""
+
+    def __init__(self, window: Window, metrics: Sequence[str]) -> None:
+        self.window = window
+        self.metrics = len(metrics)
+        self.codes = Names()
+        for name in metrics:
+            self.codes.code(name.encode())
+        self.seen = RecentFingerprints(window.settled_ns() // 4)
+        self.result = Feedback()
+        #: Events the sinks have taken so far (one made later counts them as unknown: it could have joined none).
+        self.sent = 0
+        self.cursor_ns = NO_CURSOR
+
+    def add_page(self, found: dict[bytes, list[bytes]]) -> EventPage | None:
+        """The page's events to fold, or None when none is left."""
+        window, result = self.window, self.result
         result.entries_read += len(found[b"metric"])
-        metric = codes.encode(found[b"metric"])  # other metrics get codes past the ones asked for
-        keep = metric < len(metrics)
+        metric = self.codes.encode(found[b"metric"])  # other metrics get codes past the ones asked for
+        keep = metric < self.metrics
         result.other_metrics += int((~keep).sum())
         values, good_value = _numbers(found[b"value"], pa.float64())
         times, good_time = _numbers(found[b"event_ns"], pa.int64())
+        self.cursor_ns = page_cursor(times[good_time], self.cursor_ns)
+        self.seen.forget_before(self.cursor_ns - window.settled_ns())
         good = good_value & good_time
         result.corrupt += int((keep & ~good).sum())
         keep &= good
@@ -491,34 +538,22 @@ async def load_feedback(
         keep &= inside
         rows = np.flatnonzero(keep)
         if not len(rows):
-            continue
+            return None
         keys = mixed(fingerprints(found[b"idempotency_key"])[rows], 0)
         with np.errstate(over="ignore"):
             keys = np.where(keys != 0, keys ^ (metric[rows].astype(np.uint64) + np.uint64(1)) * _MIX, 0)
-        fresh = seen.first_time(keys.astype(np.uint64))
+        fresh = self.seen.first_time(keys.astype(np.uint64), times[rows].astype(np.int64))
         result.duplicates += int((~fresh).sum())
         rows = rows[fresh]
-        page = (
+        if not len(rows):
+            return None
+        return (
             metric[rows].astype(np.int8),
             requests[rows],
             fingerprints(found[b"unit"])[rows],
             values[rows].astype(np.float64),
             times[rows].astype(np.int64),
         )
-        for sink in sinks:
-            sink.add(*page)
-    return result
-
-
-def _joined(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
-    """The pages of one column as one array; empties ``parts`` so each page is freed once copied."""
-    out = np.empty(sum(len(p) for p in parts), dtype=parts[0].dtype)
-    at = 0
-    while parts:
-        part = parts.pop(0)
-        out[at : at + len(part)] = part
-        at += len(part)
-    return out
 
 
 # -- exposures ----------------------------------------------------------------------------
@@ -527,20 +562,34 @@ def _joined(parts: list[npt.NDArray[Any]]) -> npt.NDArray[Any]:
 CALL_UNIT_SALT = 0x63616C6C  # "call"
 
 
-class _ExposureReader:
+@dataclass(frozen=True, slots=True)
+class NewCalls:
+    """The calls a page added (once each), for the join: request fingerprints, their row of the reader's
+    :class:`UnitIndex` (-1: not randomized), and their times."""
+
+    requests: npt.NDArray[np.uint64]
+    rows: npt.NDArray[np.int32]
+    times: npt.NDArray[np.int64]
+
+
+class ExposureReader:
+    """Adds pages of calls to per-(phase, arm, unit) rows and the other tallies; :meth:`result` is the
+    :class:`Exposures`. Request fingerprints are kept to drop calls stored twice only while a copy may still
+    come (within the lateness allowance of the call's time: :class:`RecentFingerprints`)."""
+
     def __init__(self, window: Window, *, per_call: bool, randomized_only: bool) -> None:
         self.window = window
         self.per_call = per_call
         self.randomized_only = randomized_only
-        self.seen = _SeenFingerprints()
+        self.seen = RecentFingerprints(window.settled_ns() // 4)
+        #: How far the calls read have come (:func:`page_cursor`).
+        self.cursor_ns = NO_CURSOR
         self.phases = Names()
         self.arms = Names()
         self.assignments = Names()
         self.randomized_codes = np.array([self.assignments.code(a) for a in RANDOMIZED], dtype=np.int16)
-        self.units = _UnitIndex()
+        self.units = UnitIndex()
         self.other: dict[tuple[int, int, int], list[int]] = {}
-        self.call_requests: list[npt.NDArray[np.uint64]] = []
-        self.call_rows: list[npt.NDArray[np.int32]] = []
         self.latency: dict[tuple[int, int, int], Histogram] = {}
         self.streams: dict[tuple[int, int, int], StreamStats] = {}
         self.phase_info: dict[str, PhaseInfo] = {}
@@ -549,23 +598,25 @@ class _ExposureReader:
         self.duplicates = 0
         self.corrupt = 0
 
-    def add_columns(self, found: dict[bytes, list[bytes]]) -> dict[str, int]:
+    def add_columns(self, found: dict[bytes, list[bytes]]) -> tuple[dict[str, int], NewCalls | None]:
         """Add a page's calls; returns the phases met for the first time, each with a row of the page whose
-        record holds its weights and control (:meth:`note_record`)."""
+        record holds its weights and control (:meth:`note_record`), and the calls added (None: none)."""
         self.entries_read += len(found[b"request_id"])
         times, good_time = _numbers(found[b"time_ns"], pa.int64())
         latency, good_latency = _numbers(found[b"latency_ms"], pa.float64())
+        self.cursor_ns = page_cursor(times[good_time], self.cursor_ns)
+        self.seen.forget_before(self.cursor_ns - self.window.settled_ns())
         good = good_time & good_latency
         self.corrupt += int((~good).sum())
         rows = np.flatnonzero(good & (times >= self.window.since_ns) & (times < self.window.until_ns))
         if not len(rows):
-            return {}
+            return {}, None
         requests = fingerprints(found[b"request_id"])[rows]
-        fresh = self.seen.first_time(requests)
+        fresh = self.seen.first_time(requests, times[rows].astype(np.int64))
         self.duplicates += int((~fresh).sum())
         rows, requests = rows[fresh], requests[fresh]
         if not len(rows):
-            return {}
+            return {}, None
         self.calls += len(rows)
         phase = self.phases.encode(found[b"phase"])[rows]
         arm = self.arms.encode(found[b"arm"])[rows]
@@ -585,8 +636,6 @@ class _ExposureReader:
             call_rows[chosen] = self.units.add(
                 phase[chosen], arm[chosen], unit[chosen], self.window.bucket_of(times[chosen]), times[chosen]
             )
-        self.call_requests.append(requests)
-        self.call_rows.append(call_rows)
         if self.randomized_only and not randomized.all():
             for p, a, s, f in zip(
                 phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True
@@ -594,7 +643,7 @@ class _ExposureReader:
                 counts = self.other.setdefault((int(p), int(a), int(s)), [0, 0])
                 counts[0] += 1
                 counts[1] += int(f)
-        return self._phases_to_note(phase, rows)
+        return self._phases_to_note(phase, rows), NewCalls(requests, call_rows, times)
 
     def _phases_to_note(self, phase: npt.NDArray[np.int16], rows: npt.NDArray[np.int64]) -> dict[str, int]:
         needed: dict[str, int] = {}
@@ -667,7 +716,6 @@ class _ExposureReader:
         def label(code: int) -> str:
             return "randomized" if code < 0 else self.assignments.names[code]
 
-        call_requests, call_rows = _sorted_calls(self.call_requests, self.call_rows)
         return Exposures(
             units=self.units.table(),
             bucket_calls=self.units.calls[: self.units.size],
@@ -684,8 +732,6 @@ class _ExposureReader:
             phase_info=self.phase_info,
             phases=self.phases,
             arms=self.arms,
-            call_requests=call_requests,
-            call_rows=call_rows,
             entries_read=self.entries_read,
             calls=self.calls,
             duplicates=self.duplicates,
@@ -716,7 +762,7 @@ def _optional_numbers(values: list[bytes], kind: pa.DataType) -> tuple[npt.NDArr
     return numbers, present
 
 
-class _UnitIndex:
+class UnitIndex:
     """A dense row per (phase, arm, unit) seen, and its calls per time bucket in a numpy matrix.
 
     Rows are found by a 64-bit key (the unit's fingerprint mixed with the phase and arm codes) in a sorted array
@@ -727,6 +773,9 @@ class _UnitIndex:
     def __init__(self) -> None:
         self.sorted_keys = np.zeros(0, dtype=np.uint64)
         self.sorted_rows = np.zeros(0, dtype=np.int64)
+        # The rows again by unit alone, for events that name only a unit (:meth:`unit_rows_at`).
+        self.by_unit = np.zeros(0, dtype=np.uint64)
+        self.by_unit_rows = np.zeros(0, dtype=np.int64)
         self.size = 0
         self.phase = np.zeros(1024, dtype=np.int16)
         self.arm = np.zeros(1024, dtype=np.int16)
@@ -761,10 +810,39 @@ class _UnitIndex:
             self.size += len(new)
             self.sorted_keys = np.insert(self.sorted_keys, at[new], unique[new])
             self.sorted_rows = np.insert(self.sorted_rows, at[new], fresh)
+            order = np.argsort(self.unit[fresh], kind="stable")
+            new_units = self.unit[fresh][order]
+            where = np.searchsorted(self.by_unit, new_units, side="right")
+            self.by_unit = np.insert(self.by_unit, where, new_units)
+            self.by_unit_rows = np.insert(self.by_unit_rows, where, fresh[order])
         row_of = rows[inverse.reshape(-1)]
         np.add.at(self.calls, (row_of, bucket.astype(np.int64)), 1)
         np.minimum.at(self.first_ns, row_of, times)
         return row_of
+
+    def unit_rows_at(
+        self, unit: npt.NDArray[np.uint64], event_ns: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
+        """For events naming only a unit: whether each finds a row, and the row: of the unit's rows (one per
+        phase and arm) the one first exposed last at or before the event (the later row on a tie)."""
+        low = np.searchsorted(self.by_unit, unit, side="left")
+        high = np.searchsorted(self.by_unit, unit, side="right")
+        best_row = np.full(len(unit), -1, dtype=np.int64)
+        best_first = np.full(len(unit), np.iinfo(np.int64).min, dtype=np.int64)
+        step = 0
+        while True:
+            live = np.flatnonzero(low + step < high)
+            if not len(live):
+                break
+            rows = self.by_unit_rows[low[live] + step]
+            first = self.first_ns[rows]
+            better = (first <= event_ns[live]) & (
+                (first > best_first[live]) | ((first == best_first[live]) & (rows > best_row[live]))
+            )
+            best_row[live[better]] = rows[better]
+            best_first[live[better]] = first[better]
+            step += 1
+        return best_row >= 0, best_row
 
     def _grow(self, needed: int) -> None:
         if needed <= len(self.phase):
@@ -790,61 +868,7 @@ class _UnitIndex:
         )
 
 
-def _sorted_calls(
-    requests: list[npt.NDArray[np.uint64]], rows: list[npt.NDArray[np.int32]]
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int32]]:
-    """The calls' request fingerprints sorted (for a binary search per event), their rows beside them."""
-    if not requests:
-        return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int32)
-    all_requests = _joined(requests)
-    order = np.argsort(all_requests)
-    sorted_requests = all_requests[order]
-    del all_requests
-    return sorted_requests, _joined(rows)[order]
-
-
-async def load_exposures(
-    source: Source,
-    model: str,
-    window: Window,
-    *,
-    per_call: bool,
-    page_size: int = 5_000,
-    randomized_only: bool = True,
-    segment: str | None = None,
-) -> Exposures:
-    """The calls of ``model`` received in the window. ``per_call``: every call is its own unit (else the
-    routing-key HMAC, and the call for calls without a key). ``randomized_only=False``: every call counts in
-    ``units`` (a CUPED pre-period, where the covariate is what a unit did, however it was routed).
-    ``segment``: a readable field (:data:`SEGMENT_FIELDS`); the result's ``segments`` hold the same per value."""
-
-    def reader() -> _ExposureReader:
-        return _ExposureReader(window, per_call=per_call, randomized_only=randomized_only)
-
-    overall = reader()
-    segments: dict[bytes, _ExposureReader] = {}
-    field_name = segment.encode() if segment else None
-    async for page in source.call_pages(model, window, page_size):
-        needed = overall.add_columns(page.columns)
-        for phase, row in needed.items():
-            overall.note_record(phase, await page.record(row))
-        if field_name is None:
-            continue
-        for value, rows in _split(page.columns[field_name]).items():
-            part = segments.get(value) or segments.setdefault(value, reader())
-            columns = page.columns if len(rows) == len(page.columns[field_name]) else _take(page.columns, rows)
-            for phase, row in part.add_columns(columns).items():
-                info = overall.phase_info.get(phase)
-                if info is not None:
-                    part.phase_info[phase] = info
-                else:
-                    part.note_record(phase, await page.record(rows[row]))
-    result = overall.result()
-    result.segments = {value.decode(errors="replace"): part.result() for value, part in sorted(segments.items())}
-    return result
-
-
-def _split(values: list[bytes]) -> dict[bytes, list[int]]:
+def split_rows(values: list[bytes]) -> dict[bytes, list[int]]:
     """Row indexes per distinct value."""
     groups: dict[bytes, list[int]] = {}
     for index, value in enumerate(values):
@@ -852,5 +876,5 @@ def _split(values: list[bytes]) -> dict[bytes, list[int]]:
     return groups
 
 
-def _take(columns: dict[bytes, list[bytes]], rows: list[int]) -> dict[bytes, list[bytes]]:
+def take_rows(columns: dict[bytes, list[bytes]], rows: list[int]) -> dict[bytes, list[bytes]]:
     return {name: [values[i] for i in rows] for name, values in columns.items()}

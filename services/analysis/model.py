@@ -191,6 +191,9 @@ class CallCounts(_Model):
     not_randomized: int
     duplicates: int
     corrupt: int
+    #: The most calls held at once for feedback to join (calls are let go once no event may name them any
+    #: more): about the calls of the join horizon and twice the lateness allowance, not of the window.
+    held_for_join_peak: int = 0
 
 
 class FeedbackCounts(_Model):
@@ -199,7 +202,9 @@ class FeedbackCounts(_Model):
     used: int
     #: Later copies of an event, by (metric, idempotency key).
     duplicates: int
-    #: Events whose request id is no call of the window, or whose unit had no randomized call before it.
+    #: Events whose request id is no call of the window (or dated outside the call's attribution window: past
+    #: it by more than the attribution window or the lateness allowance, or before it by more than the clock
+    #: skew), or whose unit had no randomized call before it.
     unknown: int
     #: Events of pinned, spilled or retried calls.
     not_randomized: int
