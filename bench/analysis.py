@@ -28,9 +28,11 @@ Each measurement runs in a fresh process, so its peak RSS is its own:
 Peak memory is the process's peak RSS (``VmHWM``, reset after its imports) less its RSS then (``ru_maxrss``
 would not do: Linux carries it over from the parent, this script, across fork and exec). Target: the full analysis in at
 most 2x the raw read; memory bounded by users, not calls (see the README for what does grow with calls).
+Every child calls ``gc.freeze()`` after its imports, as the ``splitstream`` command does (``--no-gc-freeze``:
+none does), so the raw reads and the analyses are measured alike.
 
     .venv/bin/python bench/analysis.py [--calls 1000000] [--events 1000000] [--users 50000]
-        [--short-lateness 2m] [--short-attribution 10m]
+        [--short-lateness 2m] [--short-attribution 10m] [--no-gc-freeze]
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import resource
@@ -64,6 +67,8 @@ from tests.experiments import Call, call_record, phase  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402
 
 MODEL = "bench"
+#: Children call gc.freeze() after their imports, as the splitstream command does (``--no-gc-freeze``: not).
+GC_FREEZE = True
 #: The same users calling twice as often.
 DOUBLED = "bench-2x"
 HOUR_NS = 3_600 * 10**9
@@ -201,6 +206,8 @@ def _peak_kib() -> int:
 
 
 def child(args: argparse.Namespace) -> int:
+    if not args.no_gc_freeze:
+        gc.freeze()  # what the splitstream command does once its imports are done (raw reads alike)
     baseline = _start_measuring()
     window = Window(args.since_ns, args.until_ns)
     if args.lateness_ns is not None:
@@ -230,6 +237,7 @@ def run_child(
 ) -> dict[str, float]:
     """One measurement in a fresh process. ``horizon``: (lateness, attribution) in ns, else the defaults."""
     extra = ["--lateness-ns", str(horizon[0]), "--attribution-ns", str(horizon[1])] if horizon else []
+    extra += ["--no-gc-freeze"] if not GC_FREEZE else []
     out = subprocess.run(
         [sys.executable, __file__, "--child", measure, "--url", url, "--model", model, "--since-ns", str(since_ns),
          "--until-ns", str(until_ns), "--page-size", str(page_size), "--archive", archive, *extra],
@@ -284,6 +292,11 @@ def main() -> int:
     )
     parser.add_argument("--short-lateness", default="2m", help="--max-lateness of the short-horizon rows")
     parser.add_argument("--short-attribution", default="10m", help="--attribution-window of the short-horizon rows")
+    parser.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="measure without gc.freeze() after the imports (the splitstream command freezes; see the README)",
+    )
     parser.add_argument("--lateness-ns", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--attribution-ns", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--archive", default="", help=argparse.SUPPRESS)
@@ -292,6 +305,8 @@ def main() -> int:
     parser.add_argument("--since-ns", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--until-ns", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global GC_FREEZE
+    GC_FREEZE = not args.no_gc_freeze
     if args.measure:
         return child(args)
     short = (parse_duration_ns(args.short_lateness), parse_duration_ns(args.short_attribution))
