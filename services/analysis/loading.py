@@ -276,13 +276,21 @@ def read_pages(redis: RedisClient, key: str, *, start: str, end: str, page_size:
     return _read_ahead(fetch, start, page_size)
 
 
+#: Turns of the event loop a read-ahead task gets before the page it follows is handed over: redis-py awaits
+#: several times (the pool, the connection's health, the write) before a command is on the socket. Measured:
+#: with one turn the XRANGE left only once the caller was back, so nothing overlapped (an analysis 2.3 s);
+#: with three or more it is sent at once (1.7 s). The spare turns cost microseconds.
+_TURNS_TO_SEND = 8
+
+
 async def _read_ahead(
     fetch: Callable[[str], Awaitable[RawPage]], start: str, page_size: int
 ) -> AsyncGenerator[RawPage, None]:
-    """The pages ``fetch`` returns from ``start`` on, each asked for (a task, given one turn of the event loop
-    to send its command) as soon as the previous one is in, before that one is yielded: one page ahead, no
-    more, so memory stays at two pages. An error reading a page is raised where that page is asked for, as
-    without the read-ahead; a caller that stops early (``aclose``) cancels the page in flight and waits for it."""
+    """The pages ``fetch`` returns from ``start`` on, each asked for (a task, given :data:`_TURNS_TO_SEND`
+    turns of the event loop to send its command) as soon as the previous one is in, before that one is
+    yielded: one page ahead, no more, so memory stays at two pages. An error reading a page is raised where
+    that page is asked for, as without the read-ahead; a caller that stops early (``aclose``) cancels the
+    page in flight and waits for it."""
     pending = asyncio.ensure_future(fetch(start))
     try:
         while True:
@@ -292,7 +300,8 @@ async def _read_ahead(
                     yield found
                 return
             pending = asyncio.ensure_future(fetch("(" + bytes(found[-1][0]).decode()))
-            await asyncio.sleep(0)  # the task's first turn writes the XRANGE to the socket
+            for _ in range(_TURNS_TO_SEND):  # the task's first turns write the XRANGE to the socket
+                await asyncio.sleep(0)
             yield found
     finally:
         if not pending.done():
