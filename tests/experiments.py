@@ -112,6 +112,20 @@ class Event:
     idempotency_key: str = ""
 
 
+def feedback_message(model: str, event: Event) -> feedback_pb2.FeedbackEvent:
+    """The event as the router hands it to the recorder (received at its event time)."""
+    return feedback_pb2.FeedbackEvent(
+        model=model,
+        request_id=event.request_id,
+        routing_key_hmac=event.unit,
+        metric=event.metric,
+        value=event.value,
+        event_unix_ns=event.event_ns,
+        idempotency_key=event.idempotency_key,
+        receive_unix_ns=event.event_ns,
+    )
+
+
 def write_feedback(
     client: redis.Redis, model: str, events: Iterable[Event], *, batch: int = 2_000, written_at_ns: int | None = None
 ) -> int:
@@ -119,16 +133,7 @@ def write_feedback(
     written = 0
     pipe = client.pipeline(transaction=False)
     for event in sorted(events, key=lambda e: e.event_ns):
-        message = feedback_pb2.FeedbackEvent(
-            model=model,
-            request_id=event.request_id,
-            routing_key_hmac=event.unit,
-            metric=event.metric,
-            value=event.value,
-            event_unix_ns=event.event_ns,
-            idempotency_key=event.idempotency_key,
-            receive_unix_ns=event.event_ns,
-        )
+        message = feedback_message(model, event)
         at_ms = (event.event_ns if written_at_ns is None else written_at_ns) // 1_000_000
         pipe.xadd(feedback_key(model), feedback_entry_fields(message), id=f"{at_ms}-*")  # type: ignore[arg-type]
         written += 1
@@ -155,17 +160,7 @@ def write_arrivals(
         if isinstance(item, Call):
             key, fields = stream_key(model), entry_fields(call_record(model, item, call_phase))
         else:
-            message = feedback_pb2.FeedbackEvent(
-                model=model,
-                request_id=item.request_id,
-                routing_key_hmac=item.unit,
-                metric=item.metric,
-                value=item.value,
-                event_unix_ns=item.event_ns,
-                idempotency_key=item.idempotency_key,
-                receive_unix_ns=item.event_ns,
-            )
-            key, fields = feedback_key(model), feedback_entry_fields(message)
+            key, fields = feedback_key(model), feedback_entry_fields(feedback_message(model, item))
         pipe.xadd(key, fields, id=f"{arrival_ns // 1_000_000}-*")  # type: ignore[arg-type]
         written += 1
         if written % batch == 0:
