@@ -623,7 +623,9 @@ def test_the_recorder_takes_records_only_from_client_certificates_it_names(
             )
         )
         assert refused == []
-        assert code == grpc.StatusCode.UNAUTHENTICATED
+        # A stream still writing when the recorder ends it may see its own write fail, INTERNAL (as in
+        # tests/test_auth.py); the refusal's own status is read on a stream that sends nothing, below.
+        assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INTERNAL)
         _, silent = asyncio.run(record_over_tls(recorder.address, trusting(pki, unnamed), None))
         assert silent == grpc.StatusCode.UNAUTHENTICATED
         samples = metric_samples(scrape_metrics(metrics_port), "splitstream_recorder_unauthenticated_calls_total")
