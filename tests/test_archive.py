@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -577,31 +577,46 @@ def test_with_the_builder_thread_no_child_is_started_and_every_call_is_archived(
     assert all(stored.record.request.inline == bytes([i % 251]) * 40 for i, stored in enumerate(stored_records(table)))
 
 
-def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
-    tmp_path: Path, redis_server: RedisServer
-) -> None:
-    """Two archivers' files overlap in receive time, and a re-archived file repeats rows: the streaming
-    reader still yields every call once, in receive-time order, a part at a time (never the hour whole)."""
+def archive_with_two_consumers(
+    tmp_path: Path, redis_server: RedisServer, stream: str, write: Callable[[int], None]
+) -> tuple[str, Path]:
+    """Two archivers (small reads and files, so their files overlap in receive time) archive what ``write``
+    puts in ``stream`` over 12 batches; then one file is copied, as a claimed batch re-archived. The
+    archive's URL and the copied file."""
     client = redis_server.client()
     archive_dir = tmp_path / "archive"
     url = archive_dir.as_uri()
     args = ("--read-count", "10", "--max-file-rows", "40")
     first = start_archiver(tmp_path, redis_server.url, url, *args, consumer="one")
     second = start_archiver(tmp_path, redis_server.url, url, *args, consumer="two")
-    start = time.time_ns() - 10**9
     try:
-        ids: list[str] = []
-        for batch in range(12):  # receive times rise with the index across batches
-            ids += write_synthetic(client, batch * 50, 50, start_ns=start + batch * 50 * 1000, gap_ns=1000)
+        for batch in range(12):
+            write(batch)
             time.sleep(0.05)
-        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="both archivers")
+        wait_until(lambda: archived_everything(client, stream), timeout_s=90, what="both archivers")
     finally:
         first.stop()
         second.stop()
     files = sorted(archive_dir.rglob("*.parquet"))
     assert len(files) > 10
     copy = files[len(files) // 2]
-    (copy.parent / f"copy-{copy.name}").write_bytes(copy.read_bytes())  # as a claimed batch re-archived
+    (copy.parent / f"copy-{copy.name}").write_bytes(copy.read_bytes())
+    return url, copy
+
+
+def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two archivers' files overlap in receive time, and a re-archived file repeats rows: the streaming
+    reader still yields every call once, in receive-time order, a part at a time (never the hour whole)."""
+    client = redis_server.client()
+    start = time.time_ns() - 10**9
+    ids: list[str] = []
+
+    def write(batch: int) -> None:  # receive times rise with the index across batches
+        ids.extend(write_synthetic(client, batch * 50, 50, start_ns=start + batch * 50 * 1000, gap_ns=1000))
+
+    url, copy = archive_with_two_consumers(tmp_path, redis_server, stream_key(SYNTHETIC), write)
     query = ArchiveQuery(model=SYNTHETIC, since_ns=start, until_ns=start + 10**9)
     parts = list(iter_calls(open_archive(url), query, columns=["request_id", "receive_time"]))
     assert len(parts) > 5
@@ -617,31 +632,19 @@ def test_feedback_is_read_in_bounded_parts_in_receive_time_order_across_overlapp
     events; the streaming reader yields every event once (by stream id), in receive-time order, a part
     at a time (never the hour whole), the same rows as the whole-window read."""
     client = redis_server.client()
-    archive_dir = tmp_path / "archive"
-    url = archive_dir.as_uri()
-    args = ("--read-count", "10", "--max-file-rows", "40")
-    first = start_archiver(tmp_path, redis_server.url, url, *args, consumer="one")
-    second = start_archiver(tmp_path, redis_server.url, url, *args, consumer="two")
     start = time.time_ns() - 10**9
     stream_ids: list[str] = []
-    try:
-        for batch in range(12):  # receive times rise with the index across batches
-            for n in range(batch * 50, batch * 50 + 50):
-                event = feedback_pb2.FeedbackEvent(
-                    request_id=f"r-{n}", routing_key_hmac=f"u-{n % 7}", metric="click", value=n,
-                    receive_unix_ns=start + n * 1000,
-                )  # fmt: skip
-                added = client.xadd(feedback_key(SYNTHETIC), feedback_entry_fields(event))  # type: ignore[arg-type]
-                stream_ids.append(added.decode() if isinstance(added, bytes) else str(added))
-            time.sleep(0.05)
-        wait_until(lambda: archived_everything(client, feedback_key(SYNTHETIC)), timeout_s=90, what="both archivers")
-    finally:
-        first.stop()
-        second.stop()
-    files = sorted(archive_dir.rglob("*.parquet"))
-    assert len(files) > 10
-    copy = files[len(files) // 2]
-    (copy.parent / f"copy-{copy.name}").write_bytes(copy.read_bytes())  # as a claimed batch re-archived
+
+    def write(batch: int) -> None:  # receive times rise with the index across batches
+        for n in range(batch * 50, batch * 50 + 50):
+            event = feedback_pb2.FeedbackEvent(
+                request_id=f"r-{n}", routing_key_hmac=f"u-{n % 7}", metric="click", value=n,
+                receive_unix_ns=start + n * 1000,
+            )  # fmt: skip
+            added = client.xadd(feedback_key(SYNTHETIC), feedback_entry_fields(event))  # type: ignore[arg-type]
+            stream_ids.append(added.decode() if isinstance(added, bytes) else str(added))
+
+    url, copy = archive_with_two_consumers(tmp_path, redis_server, feedback_key(SYNTHETIC), write)
     archive = open_archive(url)
     parts = list(iter_feedback(archive, SYNTHETIC, start, start + 10**9))
     assert len(parts) > 5
