@@ -907,6 +907,39 @@ def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
     assert stats.skipped["corrupt"] == 1
 
 
+def test_times_past_int64_in_an_entrys_fields_are_archived_at_the_stream_ids_time_and_the_archiver_lives_on(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # Anything with Redis may write a stream; one such entry failed its file on every retry (an OverflowError,
+    # not an upload error) and killed the archiver at each restart: nothing after it was ever archived.
+    client = redis_server.client()
+    now = time.time_ns()
+    write_synthetic(client, 0, 3, start_ns=now)
+    odd = dict(entry_fields(synthetic_record(99, now)))
+    odd["time_ns"] = str(2**64)
+    odd_id = cast(bytes, client.xadd(stream_key(SYNTHETIC), odd)).decode()  # type: ignore[arg-type]
+    write_synthetic(client, 3, 3, start_ns=now)
+    event: dict[str, str | bytes] = {"request_id": "r-1", "unit": "u", "metric": "click", "value": "1"}
+    event |= {"idempotency_key": "", "event_ns": str(2**64), "receive_ns": str(-(2**64))}
+    client.xadd(feedback_key(SYNTHETIC), event)  # type: ignore[arg-type]
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        for stream in (stream_key(SYNTHETIC), feedback_key(SYNTHETIC)):
+            wait_until(lambda s=stream: archived_everything(client, s), timeout_s=60, what=f"{stream} archived")
+        assert archiver.process is not None
+        assert archiver.process.poll() is None, archiver.log()
+    finally:
+        archiver.stop()
+    rows = raw_rows(url)
+    assert sorted(rows["request_id"].to_pylist()) == sorted([f"r-{i}" for i in range(6)] + ["r-99"])
+    odd_row = rows.filter(pa.compute.equal(rows["request_id"], "r-99"))
+    assert odd_row["receive_time"].cast(pa.int64()).to_pylist() == [int(odd_id.split("-")[0]) * 1_000_000]
+    events = raw_rows(url, kind="feedback")
+    assert events["request_id"].to_pylist() == ["r-1"]
+    assert events["event_time"] == events["receive_time"]  # both unreadable: the stream id's time
+
+
 def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_in_one_file(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
