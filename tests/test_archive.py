@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import re
 import signal
@@ -51,8 +52,18 @@ from splitstream.common.records import (
     stream_key,
 )
 from splitstream.replayer.selection import Selection, SelectionStats, select_calls
-from tests.harness import ROOT, InferClient, ServiceProcess, free_port, make_request, metric_samples, scrape_metrics
+from tests.harness import (
+    ROOT,
+    InferClient,
+    ServiceProcess,
+    Stack,
+    free_port,
+    make_request,
+    metric_samples,
+    scrape_metrics,
+)
 from tests.harness import wait_for as wait_until
+from tests.models import add_version
 from tests.recording_stack import MODEL, RecordingStack
 from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
@@ -802,6 +813,38 @@ def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_rep
 
     calls = asyncio.run(read())
     assert calls == ids  # each once, in receive-time order
+
+
+def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # The time flags take instants up to 9999-12-31; the archive's receive times end in 2262 (int64 ns), and a
+    # window reaching past that was an OverflowError traceback at the first file (and the hours it spans were
+    # each named, 70 million of them from 1970).
+    client = redis_server.client()
+    ids = write_synthetic(client, 0, 30, start_ns=time.time_ns())
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the archive")
+    finally:
+        archiver.stop()
+    add_version(tmp_path / "models", SYNTHETIC, "v1", scale=2.0)
+    stack = Stack(tmp_path)
+    try:
+        worker = stack.worker(tmp_path / "models", SYNTHETIC, "v1")
+        for name, source in (("alone", ["--source", f"archive:{url}"]), ("behind", ["--archive", url])):
+            done = subprocess.run(
+                [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--model", SYNTHETIC,
+                 "--target", worker.address, "--speed", "max", "--no-progress", "--output-dir", str(tmp_path / name),
+                 "--since", "0", "--until", "9999-12-31T00:00:00Z", *source],
+                capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, (name, done.stderr)
+            rows = (tmp_path / name / "results.jsonl").read_text().splitlines()
+            assert sorted(json.loads(row)["request_id"] for row in rows) == sorted(ids), name
+    finally:
+        stack.close()
 
 
 def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Path, redis_server: RedisServer) -> None:

@@ -255,48 +255,62 @@ class ArchiveQuery:
     status_codes: frozenset[int] | None = None
 
 
-def _hours(since_ns: int, until_ns: int) -> set[tuple[str, int]]:
-    """The (date, hour) partitions a window overlaps."""
-    start = dt.datetime.fromtimestamp(since_ns // 10**9, tz=dt.UTC).replace(minute=0, second=0, microsecond=0)
-    end = dt.datetime.fromtimestamp((until_ns - 1) // 10**9, tz=dt.UTC)
-    hours = set()
-    while start <= end:
-        hours.add((f"{start:%Y-%m-%d}", start.hour))
-        start += dt.timedelta(hours=1)
-    return hours
+#: The receive times a Parquet ``timestamp[ns]`` holds (int64 ns: 1677..2262). A window reaching past them
+#: (``--until 9999-12-31T00:00:00Z``, which the time flags accept) is read as cut to them; it was an
+#: OverflowError (a traceback) at the first file.
+_FIRST_NS, _LAST_NS = -(2**63), 2**63 - 1
+_HOUR_NS = 3600 * 10**9
+_DAY_NS = 24 * _HOUR_NS
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
-def _partition_files(
-    archive: Archive, kind: str, model: str, since_ns: int, until_ns: int
-) -> dict[tuple[str, int], list[str]]:
-    """The Parquet files of the hours the window overlaps, by (date, hour): only their directories are
-    listed (one listing of the model's dates, then one per date in the window), never the whole archive."""
+def _day_start_ns(name: str) -> int | None:
+    """The start of a ``date=YYYY-MM-DD`` partition (UTC), None for a name the archiver never writes."""
+    try:
+        day = dt.datetime.strptime(name.removeprefix("date="), "%Y-%m-%d").replace(tzinfo=dt.UTC)
+    except ValueError:
+        return None
+    return (day - _EPOCH) // dt.timedelta(seconds=1) * 10**9
+
+
+def _hour_of(name: str) -> int | None:
+    """The hour of an ``hour=HH`` partition, None for a name the archiver never writes."""
+    hour = name.removeprefix("hour=")
+    return int(hour) if hour.isascii() and hour.isdigit() and int(hour) < 24 else None
+
+
+def _partition_files(archive: Archive, kind: str, model: str, since_ns: int, until_ns: int) -> dict[int, list[str]]:
+    """The Parquet files of the hours the window overlaps, by the hour's start: only their directories are
+    listed (one listing of the model's dates, then one per date in the window), never the whole archive.
+    Partitions are picked by comparing their times with the window's ends, not by naming every hour the
+    window spans (a window from 1970 to 9999 is 70 million hours)."""
     base = archive.path(kind, f"model={_escape(model)}")
-    wanted = _hours(max(since_ns, 0), max(until_ns, 1))
-    dates = {date for date, _ in wanted}
-    files: dict[tuple[str, int], list[str]] = {}
+    files: dict[int, list[str]] = {}
     try:
         day_dirs = archive.filesystem.get_file_info(pafs.FileSelector(base, allow_not_found=True))
         for day in day_dirs:
-            date = day.base_name.removeprefix("date=")
-            if day.type != pafs.FileType.Directory or date not in dates:
+            day_ns = _day_start_ns(day.base_name)
+            if day.type != pafs.FileType.Directory or day_ns is None or not since_ns - _DAY_NS < day_ns < until_ns:
                 continue
             for hour_dir in archive.filesystem.get_file_info(pafs.FileSelector(day.path, allow_not_found=True)):
-                hour = hour_dir.base_name.removeprefix("hour=")
-                if hour_dir.type != pafs.FileType.Directory or not hour.isdigit() or (date, int(hour)) not in wanted:
+                hour = _hour_of(hour_dir.base_name)
+                if hour_dir.type != pafs.FileType.Directory or hour is None:
+                    continue
+                hour_ns = day_ns + hour * _HOUR_NS
+                if not since_ns - _HOUR_NS < hour_ns < until_ns:
                     continue
                 for entry in archive.filesystem.get_file_info(pafs.FileSelector(hour_dir.path)):
                     name = entry.base_name
                     if entry.type == pafs.FileType.File and name.endswith(".parquet") and not name.startswith("."):
-                        files.setdefault((date, int(hour)), []).append(entry.path)
+                        files.setdefault(hour_ns, []).append(entry.path)
     except (OSError, pa.ArrowException) as error:
         raise ArchiveError(f"archive {archive.url!r} cannot be listed: {_one_line(error)}") from None
     return {key: sorted(paths) for key, paths in sorted(files.items())}
 
 
 def _time_filter(since_ns: int, until_ns: int) -> ds.Expression:
-    since = pa.scalar(since_ns, type=pa.timestamp("ns", tz="UTC"))
-    until = pa.scalar(until_ns, type=pa.timestamp("ns", tz="UTC"))
+    since = pa.scalar(min(max(since_ns, _FIRST_NS), _LAST_NS), type=pa.timestamp("ns", tz="UTC"))
+    until = pa.scalar(min(max(until_ns, _FIRST_NS), _LAST_NS), type=pa.timestamp("ns", tz="UTC"))
     return (ds.field("receive_time") >= since) & (ds.field("receive_time") < until)
 
 
