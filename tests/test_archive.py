@@ -815,6 +815,73 @@ def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_rep
     assert calls == ids  # each once, in receive-time order
 
 
+def test_a_model_whose_name_is_too_long_for_a_directory_is_archived_and_read_back_and_holds_no_other_back(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # A valid model name (200 characters at most) may take 800 bytes; a directory name takes 255. Its file
+    # failed on every retry (ENAMETOOLONG), and as a failed write holds the archiver's reading, no other
+    # model was archived either.
+    long_name = "模型" * 45  # 90 characters, 270 bytes
+    client = redis_server.client()
+    now = time.time_ns()
+    for model in (long_name, "plain"):
+        for i in range(5):
+            record = synthetic_record(i, now + i)
+            record.model = model
+            client.xadd(stream_key(model), entry_fields(record))  # type: ignore[arg-type]
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        client.xadd(stream_key("later"), entry_fields(synthetic_record(9, time.time_ns())))  # type: ignore[arg-type]
+        for model in ("later", "plain", long_name):
+            wait_until(lambda m=model: archived_everything(client, stream_key(m)), timeout_s=60, what=model)
+    finally:
+        archiver.stop()
+    out = tmp_path / "analysis"
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.admin", "analyze", long_name, "--source", f"archive:{url}",
+         "--since", "-1h", "--until", "+1h", "--metric", "click:proportion", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "analysis.json").read_text())["calls"]["calls"] == 5
+
+
+def test_an_object_stores_files_under_a_long_models_uncut_name_are_still_read(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    # An object store took the uncut name before names were cut to fit a directory: files already there stay
+    # readable (and are read beside the ones written since, in the same hours).
+    long_name = "模型" * 45
+    client = redis_server.client()
+    now = time.time_ns()
+    for i in range(4):
+        record = synthetic_record(i, now + i)
+        record.model = long_name
+        client.xadd(stream_key(long_name), entry_fields(record))  # type: ignore[arg-type]
+    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/x", "--s3-endpoint", s3.endpoint)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(long_name)), timeout_s=60, what="the archive")
+    finally:
+        archiver.stop()
+    store = s3.filesystem()
+    files = [i.path for i in store.get_file_info(pafs.FileSelector("archive/x", recursive=True)) if i.is_file]
+    assert len(files) == 1
+    cut_dir = files[0].split("/")[3]
+    assert cut_dir.startswith("model=")
+    assert "%~" in cut_dir
+    store.move(files[0], files[0].replace(cut_dir, f"model={long_name}"))  # where an older archiver put it
+    out = tmp_path / "analysis"
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.admin", "analyze", long_name, "--source", "archive:s3://archive/x",
+         "--s3-endpoint", s3.endpoint, "--since", "-1h", "--until", "+1h", "--metric", "click:proportion",
+         "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False, env={**os.environ, **S3_ENV},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "analysis.json").read_text())["calls"]["calls"] == 4
+
+
 def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:

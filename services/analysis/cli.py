@@ -26,7 +26,7 @@ from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.report import render_html, render_table
 from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
-from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, open_archive, partition_dir
+from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, model_dirs, open_archive
 from splitstream.common.durations import BadDuration, parse_duration_ns
 from splitstream.common.errors import ConfigError
 from splitstream.common.files import atomic_write
@@ -299,9 +299,9 @@ async def _analyze(args: argparse.Namespace, query: Query) -> Analysis:
 
 def _archived(archive: Archive, model: str) -> bool:
     """Whether the archive holds calls of ``model`` (its partition directory exists). Blocking."""
-    directory = archive.path(partition_dir(CALLS, model, 0).rsplit("/", 2)[0])
     try:
-        return bool(archive.filesystem.get_file_info(directory).type == pafs.FileType.Directory)
+        found = archive.filesystem.get_file_info(model_dirs(archive, CALLS, model))
+        return any(info.type == pafs.FileType.Directory for info in found)
     except (OSError, pa.ArrowException) as error:
         raise AnalysisFailed(f"archive {archive.url!r} cannot be listed: {error}") from None
 

@@ -25,6 +25,7 @@ filesystems understand (``gs://``, ``hdfs://``, ``abfs://``).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import uuid
 from collections.abc import Iterator, Sequence
@@ -203,8 +204,38 @@ def partition_dir(kind: str, model: str, receive_ns: int) -> str:
     return f"{kind}/model={_escape(model)}/date={when:%Y-%m-%d}/hour={when:%H}"
 
 
-def _escape(name: str) -> str:
-    return "".join(f"%{ord(c):02X}" if c in "/%\\" or ord(c) < 32 else c for c in name) or "%00"
+#: The most bytes of a model's directory name after ``model=``: a filesystem takes 255 a name, and a model
+#: name may be 200 characters of up to 4 bytes each (or 3 once a ``/`` is escaped).
+_MAX_ESCAPED_BYTES = 255 - len("model=")
+
+
+def model_dirs(archive: Archive, kind: str, model: str) -> list[str]:
+    """The directories that may hold ``model``'s files of ``kind``: its own, and for a name cut to fit
+    (:func:`_escape`) in an object store, the uncut one the store took before names were cut (a local
+    directory never could: asking for it fails, too long)."""
+    names = [_escape(model)]
+    if not archive.is_local and _escape(model, cut=False) != names[0]:
+        names.append(_escape(model, cut=False))
+    return [archive.path(kind, f"model={name}") for name in names]
+
+
+def _escape(name: str, *, cut: bool = True) -> str:
+    """The model's name in its partition directory. One longer than :data:`_MAX_ESCAPED_BYTES` once escaped
+    is cut, and the digest of the whole name added after ``%~`` (no escaped name holds ``%`` without two hex
+    digits after it, so it names no other model): a filesystem refused it (ENAMETOOLONG), and its file,
+    failing on every retry, held every other model's files back with it: the whole archive stalled."""
+    pieces = [f"%{ord(c):02X}" if c in "/%\\" or ord(c) < 32 else c for c in name]
+    escaped = "".join(pieces) or "%00"
+    if not cut or len(escaped.encode()) <= _MAX_ESCAPED_BYTES:
+        return escaped
+    suffix = "%~" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    kept, size = [], len(suffix)
+    for piece in pieces:
+        size += len(piece.encode())
+        if size > _MAX_ESCAPED_BYTES:
+            break
+        kept.append(piece)
+    return "".join(kept) + suffix
 
 
 def file_name(first_stream_id: str, last_stream_id: str) -> str:
@@ -284,10 +315,13 @@ def _partition_files(archive: Archive, kind: str, model: str, since_ns: int, unt
     listed (one listing of the model's dates, then one per date in the window), never the whole archive.
     Partitions are picked by comparing their times with the window's ends, not by naming every hour the
     window spans (a window from 1970 to 9999 is 70 million hours)."""
-    base = archive.path(kind, f"model={_escape(model)}")
     files: dict[int, list[str]] = {}
     try:
-        day_dirs = archive.filesystem.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        day_dirs = [
+            day
+            for directory in model_dirs(archive, kind, model)
+            for day in archive.filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+        ]
         for day in day_dirs:
             day_ns = _day_start_ns(day.base_name)
             if day.type != pafs.FileType.Directory or day_ns is None or not since_ns - _DAY_NS < day_ns < until_ns:
