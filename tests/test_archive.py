@@ -506,6 +506,57 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
         strict.stop()
 
 
+def test_without_archive_flag_the_default_directory_is_archived_to(tmp_path: Path, redis_server: RedisServer) -> None:
+    # The default was file://./splitstream-archive, which the archive URL parser refuses (a file URL's host):
+    # the archiver with no --archive exited 2 at once.
+    client = redis_server.client()
+    write_synthetic(client, 0, 10, start_ns=time.time_ns())
+    with open(tmp_path / "archiver.log", "wb") as log:
+        archiver = subprocess.Popen(
+            [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--metrics-port", "0",
+             "--redis-url", redis_server.url, "--flush-interval-s", "0.3", "--scan-interval-s", "0.3"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    try:
+        wait_until(
+            lambda: archiver.poll() is not None or archived_everything(client, stream_key(SYNTHETIC)),
+            timeout_s=60,
+            what="the archive",
+        )
+        assert archiver.poll() is None, (tmp_path / "archiver.log").read_text()
+    finally:
+        archiver.terminate()
+        archiver.wait(timeout=30)
+    archive = tmp_path / "splitstream-archive"
+    assert len(raw_rows(archive.as_uri())) == 10
+    assert list(archive.glob("calls/model=synth/date=*/hour=*/*.parquet"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--claim-idle-s", "1e16"], "--claim-idle-s: at most 315360000"),
+        (["--claim-idle-s", "1e308"], "--claim-idle-s: at most 315360000"),
+        (["--flush-interval-s", "nan"], "--flush-interval-s: must be a positive number"),
+        (["--max-file-rows", "0"], "--max-file-rows: must be at least 1"),
+        (["--flush-interval-s", "60", "--claim-idle-s", "30"], "must exceed --flush-interval-s"),
+    ],
+    ids=["claim-past-redis", "claim-past-float", "flush-nan", "no-rows", "claim-before-flush"],
+)
+def test_bad_numeric_flags_exit_2_with_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
+    # --claim-idle-s past what Redis takes (int64 ms) was accepted: every claim then failed and nothing was
+    # archived, the archiver retrying forever (here: waiting for a Redis that is not there); 1e308 a traceback.
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--metrics-port", "0",
+         "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--archive", str(tmp_path / "archive"), *flags],
+        capture_output=True, text=True, timeout=30, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert message in lines[0]
+
+
 # -- sharing, crashes, dead archivers ---------------------------------------------------------------
 
 
