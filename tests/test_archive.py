@@ -492,13 +492,20 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
             last = done.stderr.strip().splitlines()[-1]
             assert last.startswith("splitstream-archive: error:"), done.stderr
             assert expected in last, (args, last)
-        # The replayer says the same about an archive it is to read.
+        # The replayer says the same about an archive it is to read, and names a model it holds no calls of
+        # (it replayed an empty window, exit 0: a misspelt model looked like a quiet hour).
+        (tmp_path / "empty").mkdir()
         for source, expected in (
-            (f"archive:{tmp_path / 'none'}", "is not a directory"),
-            ("archive:s3:///x", "no bucket"),
+            (["--source", f"archive:{tmp_path / 'none'}"], "is not a directory"),
+            (["--source", "archive:s3:///x"], "no bucket"),
+            (["--source", f"archive:{tmp_path / 'empty'}"], "unknown model 'm': no calls of it in the archive"),
+            (
+                ["--archive", str(tmp_path / "empty")],
+                "no stream splitstream:calls:m in Redis (recorded models: none) nor",
+            ),
         ):
             replay = [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--model", "m"]
-            replay += ["--since", "-1h", "--target", "127.0.0.1:1", "--source", source]
+            replay += ["--since", "-1h", "--target", "127.0.0.1:1", *source]
             done = subprocess.run(replay, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
             assert done.returncode == 2, done.stderr
             assert expected in done.stderr.strip().splitlines()[-1], done.stderr

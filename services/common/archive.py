@@ -219,6 +219,16 @@ def model_dirs(archive: Archive, kind: str, model: str) -> list[str]:
     return [archive.path(kind, f"model={name}") for name in names]
 
 
+def holds_model(archive: Archive, model: str) -> bool:
+    """Whether the archive holds calls of ``model`` (a directory of its). Blocking. Raises
+    :class:`ArchiveError` when the store cannot be asked."""
+    try:
+        found = archive.filesystem.get_file_info(model_dirs(archive, CALLS, model))
+    except (OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive {archive.url!r} cannot be listed: {_one_line(error)}") from None
+    return any(info.type == pafs.FileType.Directory for info in found)
+
+
 def _escape(name: str, *, cut: bool = True) -> str:
     """The model's name in its partition directory. One longer than :data:`_MAX_ESCAPED_BYTES` once escaped
     is cut, and the digest of the whole name added after ``%~`` (no escaped name holds ``%`` without two hex
