@@ -364,6 +364,37 @@ def test_the_cli_reads_a_straddling_window_with_archive_behind_redis(lab: Lab, t
     assert read("b")["calls"]["calls"] < read("a")["calls"]["calls"]  # Redis alone has lost half
 
 
+def test_a_window_open_to_the_year_9999_reads_the_archive_as_redis(lab: Lab, tmp_path: Path) -> None:
+    # The time flags take any instant up to 9999-12-31; the archive's times end in 2262 (int64 ns), and a
+    # window reaching past that was an OverflowError traceback, alone or with the archive behind Redis.
+    url = (tmp_path / "archive").as_uri()
+    flags = ["--since", str(T0 // 10**9), "--until", "9999-12-31T00:00:00Z", "--metric", "click:proportion"]
+    with RedisServer(tmp_path / "redis") as server:
+        client = copy_of(lab, server)
+        from_redis = cli(LAB, "--redis-url", server.url, *flags, "--output-dir", str(tmp_path / "redis"))
+        archiver = start_archiver(tmp_path, server.url, url)
+        try:
+            for key in (stream_key(LAB), feedback_key(LAB)):
+                wait_until(lambda key=key: archived_everything(client, key), timeout_s=120, what=key)  # type: ignore[misc]
+        finally:
+            archiver.stop()
+        for key in (stream_key(LAB), feedback_key(LAB)):
+            entries: Any = client.xrange(key)
+            client.xtrim(key, minid=entries[len(entries) // 2][0])
+        client.close()
+        behind = cli(LAB, "--redis-url", server.url, "--archive", url, *flags, "--output-dir", str(tmp_path / "behind"))
+    alone = cli(LAB, "--source", f"archive:{url}", *flags, "--output-dir", str(tmp_path / "alone"))
+    for done in (from_redis, behind, alone):
+        assert done.returncode == 0, done.stderr
+
+    def read(name: str) -> Any:
+        return comparable(Analysis.model_validate_json((tmp_path / name / "analysis.json").read_text()))
+
+    assert read("redis")["calls"]["calls"] > 0
+    assert_same(read("alone"), read("redis"), "archive alone")
+    assert_same(read("behind"), read("redis"), "archive behind Redis")
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

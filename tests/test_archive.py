@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import re
 import signal
@@ -51,8 +52,18 @@ from splitstream.common.records import (
     stream_key,
 )
 from splitstream.replayer.selection import Selection, SelectionStats, select_calls
-from tests.harness import ROOT, InferClient, ServiceProcess, free_port, make_request, metric_samples, scrape_metrics
+from tests.harness import (
+    ROOT,
+    InferClient,
+    ServiceProcess,
+    Stack,
+    free_port,
+    make_request,
+    metric_samples,
+    scrape_metrics,
+)
 from tests.harness import wait_for as wait_until
+from tests.models import add_version
 from tests.recording_stack import MODEL, RecordingStack
 from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
@@ -481,18 +492,76 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
             last = done.stderr.strip().splitlines()[-1]
             assert last.startswith("splitstream-archive: error:"), done.stderr
             assert expected in last, (args, last)
-        # The replayer says the same about an archive it is to read.
+        # The replayer says the same about an archive it is to read, and names a model it holds no calls of
+        # (it replayed an empty window, exit 0: a misspelt model looked like a quiet hour).
+        (tmp_path / "empty").mkdir()
         for source, expected in (
-            (f"archive:{tmp_path / 'none'}", "is not a directory"),
-            ("archive:s3:///x", "no bucket"),
+            (["--source", f"archive:{tmp_path / 'none'}"], "is not a directory"),
+            (["--source", "archive:s3:///x"], "no bucket"),
+            (["--source", f"archive:{tmp_path / 'empty'}"], "unknown model 'm': no calls of it in the archive"),
+            (
+                ["--archive", str(tmp_path / "empty")],
+                "no stream splitstream:calls:m in Redis (recorded models: none) nor",
+            ),
         ):
             replay = [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--model", "m"]
-            replay += ["--since", "-1h", "--target", "127.0.0.1:1", "--source", source]
+            replay += ["--since", "-1h", "--target", "127.0.0.1:1", *source]
             done = subprocess.run(replay, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
             assert done.returncode == 2, done.stderr
             assert expected in done.stderr.strip().splitlines()[-1], done.stderr
     finally:
         strict.stop()
+
+
+def test_without_archive_flag_the_default_directory_is_archived_to(tmp_path: Path, redis_server: RedisServer) -> None:
+    # The default was file://./splitstream-archive, which the archive URL parser refuses (a file URL's host):
+    # the archiver with no --archive exited 2 at once.
+    client = redis_server.client()
+    write_synthetic(client, 0, 10, start_ns=time.time_ns())
+    with open(tmp_path / "archiver.log", "wb") as log:
+        archiver = subprocess.Popen(
+            [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--metrics-port", "0",
+             "--redis-url", redis_server.url, "--flush-interval-s", "0.3", "--scan-interval-s", "0.3"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+    try:
+        wait_until(
+            lambda: archiver.poll() is not None or archived_everything(client, stream_key(SYNTHETIC)),
+            timeout_s=60,
+            what="the archive",
+        )
+        assert archiver.poll() is None, (tmp_path / "archiver.log").read_text()
+    finally:
+        archiver.terminate()
+        archiver.wait(timeout=30)
+    archive = tmp_path / "splitstream-archive"
+    assert len(raw_rows(archive.as_uri())) == 10
+    assert list(archive.glob("calls/model=synth/date=*/hour=*/*.parquet"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--claim-idle-s", "1e16"], "--claim-idle-s: at most 315360000"),
+        (["--claim-idle-s", "1e308"], "--claim-idle-s: at most 315360000"),
+        (["--flush-interval-s", "nan"], "--flush-interval-s: must be a positive number"),
+        (["--max-file-rows", "0"], "--max-file-rows: must be at least 1"),
+        (["--flush-interval-s", "60", "--claim-idle-s", "30"], "must exceed --flush-interval-s"),
+    ],
+    ids=["claim-past-redis", "claim-past-float", "flush-nan", "no-rows", "claim-before-flush"],
+)
+def test_bad_numeric_flags_exit_2_with_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
+    # --claim-idle-s past what Redis takes (int64 ms) was accepted: every claim then failed and nothing was
+    # archived, the archiver retrying forever (here: waiting for a Redis that is not there); 1e308 a traceback.
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--metrics-port", "0",
+         "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--archive", str(tmp_path / "archive"), *flags],
+        capture_output=True, text=True, timeout=30, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert message in lines[0]
 
 
 # -- sharing, crashes, dead archivers ---------------------------------------------------------------
@@ -804,6 +873,105 @@ def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_rep
     assert calls == ids  # each once, in receive-time order
 
 
+def test_a_model_whose_name_is_too_long_for_a_directory_is_archived_and_read_back_and_holds_no_other_back(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # A valid model name (200 characters at most) may take 800 bytes; a directory name takes 255. Its file
+    # failed on every retry (ENAMETOOLONG), and as a failed write holds the archiver's reading, no other
+    # model was archived either.
+    long_name = "模型" * 45  # 90 characters, 270 bytes
+    client = redis_server.client()
+    now = time.time_ns()
+    for model in (long_name, "plain"):
+        for i in range(5):
+            record = synthetic_record(i, now + i)
+            record.model = model
+            client.xadd(stream_key(model), entry_fields(record))  # type: ignore[arg-type]
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        client.xadd(stream_key("later"), entry_fields(synthetic_record(9, time.time_ns())))  # type: ignore[arg-type]
+        for model in ("later", "plain", long_name):
+            wait_until(lambda m=model: archived_everything(client, stream_key(m)), timeout_s=60, what=model)
+    finally:
+        archiver.stop()
+    out = tmp_path / "analysis"
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.admin", "analyze", long_name, "--source", f"archive:{url}",
+         "--since", "-1h", "--until", "+1h", "--metric", "click:proportion", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "analysis.json").read_text())["calls"]["calls"] == 5
+
+
+def test_an_object_stores_files_under_a_long_models_uncut_name_are_still_read(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    # An object store took the uncut name before names were cut to fit a directory: files already there stay
+    # readable (and are read beside the ones written since, in the same hours).
+    long_name = "模型" * 45
+    client = redis_server.client()
+    now = time.time_ns()
+    for i in range(4):
+        record = synthetic_record(i, now + i)
+        record.model = long_name
+        client.xadd(stream_key(long_name), entry_fields(record))  # type: ignore[arg-type]
+    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/x", "--s3-endpoint", s3.endpoint)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(long_name)), timeout_s=60, what="the archive")
+    finally:
+        archiver.stop()
+    store = s3.filesystem()
+    files = [i.path for i in store.get_file_info(pafs.FileSelector("archive/x", recursive=True)) if i.is_file]
+    assert len(files) == 1
+    cut_dir = files[0].split("/")[3]
+    assert cut_dir.startswith("model=")
+    assert "%~" in cut_dir
+    store.move(files[0], files[0].replace(cut_dir, f"model={long_name}"))  # where an older archiver put it
+    out = tmp_path / "analysis"
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.admin", "analyze", long_name, "--source", "archive:s3://archive/x",
+         "--s3-endpoint", s3.endpoint, "--since", "-1h", "--until", "+1h", "--metric", "click:proportion",
+         "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False, env={**os.environ, **S3_ENV},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "analysis.json").read_text())["calls"]["calls"] == 4
+
+
+def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # The time flags take instants up to 9999-12-31; the archive's receive times end in 2262 (int64 ns), and a
+    # window reaching past that was an OverflowError traceback at the first file (and the hours it spans were
+    # each named, 70 million of them from 1970).
+    client = redis_server.client()
+    ids = write_synthetic(client, 0, 30, start_ns=time.time_ns())
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the archive")
+    finally:
+        archiver.stop()
+    add_version(tmp_path / "models", SYNTHETIC, "v1", scale=2.0)
+    stack = Stack(tmp_path)
+    try:
+        worker = stack.worker(tmp_path / "models", SYNTHETIC, "v1")
+        for name, source in (("alone", ["--source", f"archive:{url}"]), ("behind", ["--archive", url])):
+            done = subprocess.run(
+                [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--model", SYNTHETIC,
+                 "--target", worker.address, "--speed", "max", "--no-progress", "--output-dir", str(tmp_path / name),
+                 "--since", "0", "--until", "9999-12-31T00:00:00Z", *source],
+                capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, (name, done.stderr)
+            rows = (tmp_path / name / "results.jsonl").read_text().splitlines()
+            assert sorted(json.loads(row)["request_id"] for row in rows) == sorted(ids), name
+    finally:
+        stack.close()
+
+
 def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Path, redis_server: RedisServer) -> None:
     duckdb = pytest.importorskip("duckdb")
     client = redis_server.client()
@@ -905,6 +1073,39 @@ def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
 
     assert asyncio.run(read()) == [f"r-{i}" for i in range(10)]
     assert stats.skipped["corrupt"] == 1
+
+
+def test_times_past_int64_in_an_entrys_fields_are_archived_at_the_stream_ids_time_and_the_archiver_lives_on(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # Anything with Redis may write a stream; one such entry failed its file on every retry (an OverflowError,
+    # not an upload error) and killed the archiver at each restart: nothing after it was ever archived.
+    client = redis_server.client()
+    now = time.time_ns()
+    write_synthetic(client, 0, 3, start_ns=now)
+    odd = dict(entry_fields(synthetic_record(99, now)))
+    odd["time_ns"] = str(2**64)
+    odd_id = cast(bytes, client.xadd(stream_key(SYNTHETIC), odd)).decode()  # type: ignore[arg-type]
+    write_synthetic(client, 3, 3, start_ns=now)
+    event: dict[str, str | bytes] = {"request_id": "r-1", "unit": "u", "metric": "click", "value": "1"}
+    event |= {"idempotency_key": "", "event_ns": str(2**64), "receive_ns": str(-(2**64))}
+    client.xadd(feedback_key(SYNTHETIC), event)  # type: ignore[arg-type]
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        for stream in (stream_key(SYNTHETIC), feedback_key(SYNTHETIC)):
+            wait_until(lambda s=stream: archived_everything(client, s), timeout_s=60, what=f"{stream} archived")
+        assert archiver.process is not None
+        assert archiver.process.poll() is None, archiver.log()
+    finally:
+        archiver.stop()
+    rows = raw_rows(url)
+    assert sorted(rows["request_id"].to_pylist()) == sorted([f"r-{i}" for i in range(6)] + ["r-99"])
+    odd_row = rows.filter(pa.compute.equal(rows["request_id"], "r-99"))
+    assert odd_row["receive_time"].cast(pa.int64()).to_pylist() == [int(odd_id.split("-")[0]) * 1_000_000]
+    events = raw_rows(url, kind="feedback")
+    assert events["request_id"].to_pylist() == ["r-1"]
+    assert events["event_time"] == events["receive_time"]  # both unreadable: the stream id's time
 
 
 def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_in_one_file(

@@ -13,6 +13,7 @@ import asyncio
 import math
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.report import render_html, render_table
 from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
-from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, open_archive, partition_dir
+from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, model_dirs, open_archive
 from splitstream.common.durations import BadDuration, parse_duration_ns
 from splitstream.common.errors import ConfigError
 from splitstream.common.files import atomic_write
@@ -44,6 +45,13 @@ from splitstream.common.timewindow import BadTime, parse_instant_ns
 TIME_FLAGS = ("--since", "--until", "--cuped-pre-since", "--cuped-pre-until")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+#: The longest --max-lateness and --attribution-window (ten years): times plus these are summed in int64 ns
+#: (numpy, Parquet), and 100000000d overflowed them (a traceback).
+MAX_ALLOWANCE_NS = 3_650 * 86_400 * 10**9
+#: Where a window is cut: the time flags take instants up to 9999-12-31, int64 ns end in 2262, and an end
+#: past them (--until 9999-12-31T00:00:00Z for "everything") overflowed once lateness and attribution were
+#: added. Nothing is recorded so late (this is about 2222), so an end past it reads as "until then".
+LAST_INSTANT_NS = 2**63 - 1 - 4 * MAX_ALLOWANCE_NS
 
 
 class AnalysisFailed(Exception):
@@ -177,6 +185,9 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         attribution = parse_duration_ns(attribution_text)
     except BadDuration as error:
         raise ValueError(f"--attribution-window: {error}") from None
+    for flag, allowance in (("--max-lateness", lateness), ("--attribution-window", attribution)):
+        if allowance > MAX_ALLOWANCE_NS:
+            raise ValueError(f"{flag}: at most {MAX_ALLOWANCE_NS // (86_400 * 10**9)}d")
     since = _instant("--since", args.since, now)
     until = _instant("--until", args.until, now)
     if until <= since:
@@ -219,10 +230,19 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
 
 
 def _instant(flag: str, text: str, now_ns: int) -> int:
+    """The instant ``text`` names, an end past :data:`LAST_INSTANT_NS` cut to it; a start past it refused."""
     try:
-        return parse_instant_ns(text, now_ns=now_ns)
+        instant = parse_instant_ns(text, now_ns=now_ns)
     except BadTime as error:
         raise ValueError(f"{flag}: {error}") from None
+    if instant < LAST_INSTANT_NS:
+        return instant
+    if flag.endswith("since"):
+        last = datetime.fromtimestamp(LAST_INSTANT_NS // 10**9, tz=UTC)
+        raise ValueError(
+            f"{flag}: {text!r} is after anything recorded can be (the analysis reads up to {last:%Y-%m-%d})"
+        )
+    return LAST_INSTANT_NS
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -279,9 +299,9 @@ async def _analyze(args: argparse.Namespace, query: Query) -> Analysis:
 
 def _archived(archive: Archive, model: str) -> bool:
     """Whether the archive holds calls of ``model`` (its partition directory exists). Blocking."""
-    directory = archive.path(partition_dir(CALLS, model, 0).rsplit("/", 2)[0])
     try:
-        return bool(archive.filesystem.get_file_info(directory).type == pafs.FileType.Directory)
+        found = archive.filesystem.get_file_info(model_dirs(archive, CALLS, model))
+        return any(info.type == pafs.FileType.Directory for info in found)
     except (OSError, pa.ArrowException) as error:
         raise AnalysisFailed(f"archive {archive.url!r} cannot be listed: {error}") from None
 

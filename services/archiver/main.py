@@ -48,6 +48,9 @@ from splitstream.common.supervisor import supervise
 
 PROG = "splitstream-archive"
 ENV_PREFIX = "SPLITSTREAM_ARCHIVE_"
+#: The longest --claim-idle-s (ten years). Redis takes XAUTOCLAIM's idle time as int64 milliseconds: past
+#: that, every claim failed and the archiver archived nothing, retrying forever (1e308: a traceback).
+MAX_CLAIM_IDLE_S = 10 * 365 * 86_400
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see README, Security)"))
     parser.add_argument(
         "--archive",
-        default="file://./splitstream-archive",
+        default="./splitstream-archive",
         help="where files go: a directory (file:///path or a path), s3://bucket/prefix, or any URI pyarrow's "
         "filesystems know (gs://, hdfs://, abfs://); S3 credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
     )
@@ -166,6 +169,8 @@ def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
         for flag, count in (("--max-file-rows", args.max_file_rows), ("--read-count", args.read_count)):
             if count < 1:
                 raise ConfigError(f"{flag}: must be at least 1, got {count}")
+        if args.claim_idle_s > MAX_CLAIM_IDLE_S:
+            raise ConfigError(f"--claim-idle-s: at most {MAX_CLAIM_IDLE_S} (ten years), got {args.claim_idle_s}")
         if args.claim_idle_s <= args.flush_interval_s:
             raise ConfigError(
                 f"--claim-idle-s ({args.claim_idle_s}) must exceed --flush-interval-s ({args.flush_interval_s}): "

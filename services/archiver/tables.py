@@ -350,11 +350,18 @@ def _float_or_none(value: bytes) -> float | None:
         return None
 
 
-def _int_or_none(value: bytes) -> int | None:
+def _int_or_none(value: bytes | str) -> int | None:
+    """The integer ``value`` says, or None when it says none an int64 column can hold: an entry's fields
+    are text anyone with Redis may have written, and one past int64 (``time_ns`` of 2**64) failed its
+    whole file on every retry, killing the archiver at each restart."""
     try:
-        return int(value) if value else None
+        number = int(value) if value else None
     except ValueError:
         return None
+    return number if number is not None and _INT64_MIN <= number <= _INT64_MAX else None
+
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _id_order(stream_ids: pa.ChunkedArray) -> pa.Table:
@@ -463,10 +470,7 @@ def _row_from_fields(
     def text(name: str) -> str:
         return entry.fields.get(name.encode(), b"").decode(errors="replace")
 
-    try:
-        receive_ns = int(text("time_ns"))
-    except ValueError:
-        receive_ns = stream_id_ms(entry.stream_id) * 1_000_000
+    receive_ns = _int(text("time_ns"), stream_id_ms(entry.stream_id) * 1_000_000)
     try:
         code = status_code(text("status")) if text("status") else -1
     except ValueError:
@@ -527,10 +531,9 @@ def feedback_files(model: str, entries: Sequence[Entry]) -> list[PlannedFile]:
 
 
 def _int(text: str, default: int) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        return default
+    """``text`` as an int64, else ``default`` (see :func:`_int_or_none`)."""
+    number = _int_or_none(text)
+    return default if number is None else number
 
 
 def _planned(directory: str, schema: pa.Schema, values: dict[str, list]) -> PlannedFile:

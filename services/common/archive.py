@@ -25,6 +25,7 @@ filesystems understand (``gs://``, ``hdfs://``, ``abfs://``).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import uuid
 from collections.abc import Iterator, Sequence
@@ -203,8 +204,48 @@ def partition_dir(kind: str, model: str, receive_ns: int) -> str:
     return f"{kind}/model={_escape(model)}/date={when:%Y-%m-%d}/hour={when:%H}"
 
 
-def _escape(name: str) -> str:
-    return "".join(f"%{ord(c):02X}" if c in "/%\\" or ord(c) < 32 else c for c in name) or "%00"
+#: The most bytes of a model's directory name after ``model=``: a filesystem takes 255 a name, and a model
+#: name may be 200 characters of up to 4 bytes each (or 3 once a ``/`` is escaped).
+_MAX_ESCAPED_BYTES = 255 - len("model=")
+
+
+def model_dirs(archive: Archive, kind: str, model: str) -> list[str]:
+    """The directories that may hold ``model``'s files of ``kind``: its own, and for a name cut to fit
+    (:func:`_escape`) in an object store, the uncut one the store took before names were cut (a local
+    directory never could: asking for it fails, too long)."""
+    names = [_escape(model)]
+    if not archive.is_local and _escape(model, cut=False) != names[0]:
+        names.append(_escape(model, cut=False))
+    return [archive.path(kind, f"model={name}") for name in names]
+
+
+def holds_model(archive: Archive, model: str) -> bool:
+    """Whether the archive holds calls of ``model`` (a directory of its). Blocking. Raises
+    :class:`ArchiveError` when the store cannot be asked."""
+    try:
+        found = archive.filesystem.get_file_info(model_dirs(archive, CALLS, model))
+    except (OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive {archive.url!r} cannot be listed: {_one_line(error)}") from None
+    return any(info.type == pafs.FileType.Directory for info in found)
+
+
+def _escape(name: str, *, cut: bool = True) -> str:
+    """The model's name in its partition directory. One longer than :data:`_MAX_ESCAPED_BYTES` once escaped
+    is cut, and the digest of the whole name added after ``%~`` (no escaped name holds ``%`` without two hex
+    digits after it, so it names no other model): a filesystem refused it (ENAMETOOLONG), and its file,
+    failing on every retry, held every other model's files back with it: the whole archive stalled."""
+    pieces = [f"%{ord(c):02X}" if c in "/%\\" or ord(c) < 32 else c for c in name]
+    escaped = "".join(pieces) or "%00"
+    if not cut or len(escaped.encode()) <= _MAX_ESCAPED_BYTES:
+        return escaped
+    suffix = "%~" + hashlib.sha256(name.encode()).hexdigest()[:16]
+    kept, size = [], len(suffix)
+    for piece in pieces:
+        size += len(piece.encode())
+        if size > _MAX_ESCAPED_BYTES:
+            break
+        kept.append(piece)
+    return "".join(kept) + suffix
 
 
 def file_name(first_stream_id: str, last_stream_id: str) -> str:
@@ -255,48 +296,65 @@ class ArchiveQuery:
     status_codes: frozenset[int] | None = None
 
 
-def _hours(since_ns: int, until_ns: int) -> set[tuple[str, int]]:
-    """The (date, hour) partitions a window overlaps."""
-    start = dt.datetime.fromtimestamp(since_ns // 10**9, tz=dt.UTC).replace(minute=0, second=0, microsecond=0)
-    end = dt.datetime.fromtimestamp((until_ns - 1) // 10**9, tz=dt.UTC)
-    hours = set()
-    while start <= end:
-        hours.add((f"{start:%Y-%m-%d}", start.hour))
-        start += dt.timedelta(hours=1)
-    return hours
+#: The receive times a Parquet ``timestamp[ns]`` holds (int64 ns: 1677..2262). A window reaching past them
+#: (``--until 9999-12-31T00:00:00Z``, which the time flags accept) is read as cut to them; it was an
+#: OverflowError (a traceback) at the first file.
+_FIRST_NS, _LAST_NS = -(2**63), 2**63 - 1
+_HOUR_NS = 3600 * 10**9
+_DAY_NS = 24 * _HOUR_NS
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
-def _partition_files(
-    archive: Archive, kind: str, model: str, since_ns: int, until_ns: int
-) -> dict[tuple[str, int], list[str]]:
-    """The Parquet files of the hours the window overlaps, by (date, hour): only their directories are
-    listed (one listing of the model's dates, then one per date in the window), never the whole archive."""
-    base = archive.path(kind, f"model={_escape(model)}")
-    wanted = _hours(max(since_ns, 0), max(until_ns, 1))
-    dates = {date for date, _ in wanted}
-    files: dict[tuple[str, int], list[str]] = {}
+def _day_start_ns(name: str) -> int | None:
+    """The start of a ``date=YYYY-MM-DD`` partition (UTC), None for a name the archiver never writes."""
     try:
-        day_dirs = archive.filesystem.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+        day = dt.datetime.strptime(name.removeprefix("date="), "%Y-%m-%d").replace(tzinfo=dt.UTC)
+    except ValueError:
+        return None
+    return (day - _EPOCH) // dt.timedelta(seconds=1) * 10**9
+
+
+def _hour_of(name: str) -> int | None:
+    """The hour of an ``hour=HH`` partition, None for a name the archiver never writes."""
+    hour = name.removeprefix("hour=")
+    return int(hour) if hour.isascii() and hour.isdigit() and int(hour) < 24 else None
+
+
+def _partition_files(archive: Archive, kind: str, model: str, since_ns: int, until_ns: int) -> dict[int, list[str]]:
+    """The Parquet files of the hours the window overlaps, by the hour's start: only their directories are
+    listed (one listing of the model's dates, then one per date in the window), never the whole archive.
+    Partitions are picked by comparing their times with the window's ends, not by naming every hour the
+    window spans (a window from 1970 to 9999 is 70 million hours)."""
+    files: dict[int, list[str]] = {}
+    try:
+        day_dirs = [
+            day
+            for directory in model_dirs(archive, kind, model)
+            for day in archive.filesystem.get_file_info(pafs.FileSelector(directory, allow_not_found=True))
+        ]
         for day in day_dirs:
-            date = day.base_name.removeprefix("date=")
-            if day.type != pafs.FileType.Directory or date not in dates:
+            day_ns = _day_start_ns(day.base_name)
+            if day.type != pafs.FileType.Directory or day_ns is None or not since_ns - _DAY_NS < day_ns < until_ns:
                 continue
             for hour_dir in archive.filesystem.get_file_info(pafs.FileSelector(day.path, allow_not_found=True)):
-                hour = hour_dir.base_name.removeprefix("hour=")
-                if hour_dir.type != pafs.FileType.Directory or not hour.isdigit() or (date, int(hour)) not in wanted:
+                hour = _hour_of(hour_dir.base_name)
+                if hour_dir.type != pafs.FileType.Directory or hour is None:
+                    continue
+                hour_ns = day_ns + hour * _HOUR_NS
+                if not since_ns - _HOUR_NS < hour_ns < until_ns:
                     continue
                 for entry in archive.filesystem.get_file_info(pafs.FileSelector(hour_dir.path)):
                     name = entry.base_name
                     if entry.type == pafs.FileType.File and name.endswith(".parquet") and not name.startswith("."):
-                        files.setdefault((date, int(hour)), []).append(entry.path)
+                        files.setdefault(hour_ns, []).append(entry.path)
     except (OSError, pa.ArrowException) as error:
         raise ArchiveError(f"archive {archive.url!r} cannot be listed: {_one_line(error)}") from None
     return {key: sorted(paths) for key, paths in sorted(files.items())}
 
 
 def _time_filter(since_ns: int, until_ns: int) -> ds.Expression:
-    since = pa.scalar(since_ns, type=pa.timestamp("ns", tz="UTC"))
-    until = pa.scalar(until_ns, type=pa.timestamp("ns", tz="UTC"))
+    since = pa.scalar(min(max(since_ns, _FIRST_NS), _LAST_NS), type=pa.timestamp("ns", tz="UTC"))
+    until = pa.scalar(min(max(until_ns, _FIRST_NS), _LAST_NS), type=pa.timestamp("ns", tz="UTC"))
     return (ds.field("receive_time") >= since) & (ds.field("receive_time") < until)
 
 

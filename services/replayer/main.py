@@ -23,7 +23,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from splitstream.common.addresses import check_address
-from splitstream.common.archive import Archive, ArchiveError, check_archive, open_archive
+from splitstream.common.archive import Archive, ArchiveError, check_archive, holds_model, open_archive
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
 from splitstream.common.errors import ConfigError
@@ -374,7 +374,9 @@ async def run(config: ReplayConfig) -> int:
     try:
         try:
             if redis is not None:
-                await _check_models(redis, config.selection.models, archived=archive is not None)
+                await _check_models(redis, config.selection.models, archive=archive)
+            elif archive is not None:  # --source archive:URL
+                await _check_archived_models(archive, config.selection.models)
         except RedisError as error:  # answered PING, refuses the rest (ACLs, a replica loading, ...)
             raise SetupError(f"Redis at {redact_url(config.redis_url)} failed: {redact_text(str(error))}") from None
         for address in config.settings.targets:
@@ -505,15 +507,30 @@ async def _open_archive(config: ReplayConfig) -> Archive | None:
     return archive
 
 
-async def _check_models(redis: RedisClient, models: Sequence[str], *, archived: bool = False) -> None:
+async def _check_models(redis: RedisClient, models: Sequence[str], *, archive: Archive | None = None) -> None:
     """Each model has a stream; with an archive behind Redis, a model may live only there."""
-    if archived:
-        return
     for model in models:
         kind = await redis.type(stream_key(model))
-        if kind not in (b"stream", "stream"):
-            known = await recorded_models(redis)
-            raise SetupError(
-                f"unknown model {model!r}: no stream {stream_key(model)} in Redis "
-                f"(recorded models: {', '.join(known) or 'none'})"
-            )
+        if kind in (b"stream", "stream") or (archive is not None and await _archived(archive, model)):
+            continue
+        known = await recorded_models(redis)
+        raise SetupError(
+            f"unknown model {model!r}: no stream {stream_key(model)} in Redis "
+            f"(recorded models: {', '.join(known) or 'none'})"
+            + (f" nor calls in the archive {archive.url!r}" if archive else "")
+        )
+
+
+async def _check_archived_models(archive: Archive, models: Sequence[str]) -> None:
+    """Each model has calls in the archive (``--source archive:URL``): a misspelt model was replayed as an
+    empty window, exit 0, where Redis's "unknown model" says what is wrong."""
+    for model in models:
+        if not await _archived(archive, model):
+            raise SetupError(f"unknown model {model!r}: no calls of it in the archive {archive.url!r}")
+
+
+async def _archived(archive: Archive, model: str) -> bool:
+    try:
+        return await asyncio.to_thread(holds_model, archive, model)
+    except ArchiveError as error:
+        raise SetupError(str(error)) from None
