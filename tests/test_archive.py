@@ -795,6 +795,34 @@ def test_sigterm_writes_and_acknowledges_the_buffered_entries_then_exits_0(
     assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 0
 
 
+def test_sigterm_while_the_store_hangs_stops_within_the_shutdown_grace_leaving_the_entries_pending(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    """An operator's SIGTERM must not wait out a store that no longer answers (each try on its own timeouts
+    and retries: three minutes): ``--shutdown-grace-s`` bounds the drain, and what was not written stays
+    pending in Redis for the next archiver."""
+    client = redis_server.client()
+    archiver = start_archiver(
+        tmp_path, redis_server.url, "s3://archive/x", "--s3-endpoint", s3.endpoint, "--shutdown-grace-s", "3"
+    )
+    assert s3.process is not None
+    try:
+        write_synthetic(client, 0, 20, start_ns=time.time_ns())
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the first file")
+        s3.process.send_signal(signal.SIGSTOP)  # the store's socket still accepts; nothing answers
+        write_synthetic(client, 20, 40, start_ns=time.time_ns())
+        wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 40, timeout_s=30)
+        time.sleep(1.0)  # past --flush-interval-s: the file's upload is on its way to the hung store
+        archiver.signal(signal.SIGTERM)
+        assert archiver.wait(timeout_s=30) == 0
+    finally:
+        s3.process.send_signal(signal.SIGCONT)
+        archiver.stop()
+    assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 40
+    assert "stay pending" in archiver.log()
+    assert "Traceback" not in archiver.log()
+
+
 # -- retention and straddling windows ---------------------------------------------------------------
 
 

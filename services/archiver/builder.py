@@ -186,6 +186,18 @@ class Builder:
             await self.close()  # the next call starts a new child
             raise UploadFailed(f"the file-building process died: {error}") from None
 
+    def abandon(self) -> None:
+        """Kill the child and its write (a shutdown that cannot wait for a store that does not answer): the
+        write's entries are not acknowledged, so they are written again later, under the same names by this
+        consumer. A write in a thread (``in_process`` False) cannot be killed; the process's exit waits for
+        it to fail on the store's timeouts."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        for child in multiprocessing.active_children():  # the pool's one worker: the archiver starts no other
+            child.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
+
     async def close(self, timeout_s: float = 30.0) -> None:
         """Stop the child once its write in hand is done, waiting ``timeout_s`` at most here (a store
         that does not answer fails the write within its own timeouts)."""

@@ -209,9 +209,19 @@ class Archiver:
         """Start the file-building process (else the first file waits for it)."""
         await self.builder.start()
 
-    async def close(self) -> None:
-        """Stop the file-building process (after :meth:`drain`)."""
-        await self.builder.close()
+    async def close(self, *, abandon: bool = False) -> None:
+        """Stop the file-building process (after :meth:`drain`); with ``abandon`` (the drain ran out of
+        time) at once, its write left unfinished: none of its entries was acknowledged."""
+        if abandon:
+            self.builder.abandon()
+            if self._flushing is not None:  # fails with the killed child: expected, not worth a traceback
+                self._flushing.add_done_callback(lambda task: task.cancelled() or task.exception())
+        else:
+            await self.builder.close()
+
+    def unwritten(self) -> int:
+        """Entries read and not yet acknowledged: buffered, or in the write under way."""
+        return sum(buffer.count for buffer in self.buffers.values()) + len(self._in_flight)
 
     async def run(self) -> None:
         """Archive until cancelled; Redis and store failures are counted, logged and retried."""

@@ -244,6 +244,8 @@ class ArchiverService(Service):
         except ValueError as error:
             raise ConfigError(f"--redis-url {redact_url(config.redis_url)}: {redact_text(str(error))}") from None
         self.archiver = Archiver(self.redis, self.archive, config.settings, self.archiver_metrics)
+        #: The drain ran out of time with a write still under way (its builder is then not waited for).
+        self._drain_cut = False
 
     def register(self, server: aio.Server) -> None:
         """Health and reflection only (added by the runtime)."""
@@ -274,8 +276,20 @@ class ArchiverService(Service):
         await self.archiver.run()
 
     async def draining(self) -> None:
-        await self.archiver.drain()
+        """The drain gets ``--shutdown-grace-s``: a store that stopped answering would hold a SIGTERM for
+        minutes (each write waits out its own timeouts and retries). Whatever is not written by then stays
+        pending in Redis, for this consumer's next start or another archiver's claim."""
+        grace_s = self.config.server.shutdown_grace_s
+        try:
+            await asyncio.wait_for(self.archiver.drain(), grace_s)
+        except TimeoutError:
+            self._drain_cut = True
+            self.log.warning(
+                "the archive did not take the buffered entries within --shutdown-grace-s; they stay pending",
+                shutdown_grace_s=grace_s,
+                entries=self.archiver.unwritten(),
+            )
 
     async def teardown(self) -> None:
-        await self.archiver.close()
+        await self.archiver.close(abandon=self._drain_cut)
         await self.redis.aclose()

@@ -143,7 +143,7 @@ def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaul
         "--shutdown-grace-s",
         type=float,
         default=defaults.shutdown_grace_s,
-        help="on SIGTERM: seconds calls in flight get to finish before they are cancelled",
+        help="on SIGTERM: seconds the work in flight (calls; the archiver's drain) gets before it is cancelled",
     )
     group.add_argument(
         "--max-message-bytes",
