@@ -1000,6 +1000,48 @@ def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
         stack.close()
 
 
+def test_an_archive_file_that_fails_mid_replay_exits_2_naming_it_with_the_partial_results_written(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A damaged file is a broken run, not a Ctrl-C (130) and not a verdict (1): exit 2, one line naming it,
+    and what was replayed before it kept in results.jsonl and the summary."""
+    client = redis_server.client()
+    now = time.time_ns()
+    early = write_synthetic(client, 0, 20, start_ns=now - 3 * HOUR_NS)
+    write_synthetic(client, 20, 20, start_ns=now - HOUR_NS)
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url)
+    try:
+        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the archive")
+    finally:
+        archiver.stop()
+    files = sorted((tmp_path / "archive").rglob("*.parquet"))
+    assert len(files) == 2  # one per hour partition, the later one damaged
+    damaged = files[-1]
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    add_version(tmp_path / "models", SYNTHETIC, "v1", scale=2.0)
+    stack = Stack(tmp_path)
+    try:
+        worker = stack.worker(tmp_path / "models", SYNTHETIC, "v1")
+        done = subprocess.run(
+            [sys.executable, "-m", "splitstream.replayer", "--model", SYNTHETIC, "--source", f"archive:{url}",
+             "--target", worker.address, "--speed", "max", "--no-progress", "--output-dir", str(tmp_path / "out"),
+             "--since", str((now - 4 * HOUR_NS) // 10**9)],
+            capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+        )  # fmt: skip
+    finally:
+        stack.close()
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("splitstream-replay: error:")]
+    assert len(errors) == 1, done.stderr
+    assert damaged.name in errors[0]
+    assert "Traceback" not in done.stderr
+    rows = (tmp_path / "out" / "results.jsonl").read_text().splitlines()
+    assert {json.loads(row)["request_id"] for row in rows} <= set(early)
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["counts"]["completed"] == len(rows)
+
+
 def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Path, redis_server: RedisServer) -> None:
     duckdb = pytest.importorskip("duckdb")
     client = redis_server.client()

@@ -4,8 +4,9 @@ Exit codes: 0 done (and the gate, if any, passed); 1 the gate failed (the failed
 listed on stderr; with no completed call a gate always fails: there is nothing to pass on);
 2 a usage or setup error, one line on stderr (bad time, ``--until`` not after ``--since``,
 unknown model, Redis or a target unreachable, an output directory or summary that cannot be
-written); 130 interrupted by Ctrl-C (SIGINT) or SIGTERM, after writing the partial results,
-summary and report. 1 means only "the gate failed", so CI can tell a verdict from a broken run.
+written, Redis or the archive failing mid-read: the partial results are written first); 130
+interrupted by Ctrl-C (SIGINT) or SIGTERM, after writing the partial results, summary and report.
+1 means only "the gate failed", so CI can tell a verdict from a broken run.
 """
 
 from __future__ import annotations
@@ -396,19 +397,21 @@ async def run(config: ReplayConfig) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, replay.stop)
+        source_failure = None
         try:
             await replay.run(results)
         except ArchiveError as error:
-            print(f"{PROG}: error: the archive failed while reading: {error}", file=sys.stderr)
-            replay.interrupted = True
+            source_failure = f"the archive failed while reading: {error}"
         except RedisError as error:
-            # Redis went away mid-read: still write what finished, but say why the replay is short.
-            print(f"{PROG}: error: Redis failed while reading: {error}", file=sys.stderr)
-            replay.interrupted = True
+            source_failure = f"Redis failed while reading: {redact_text(str(error))}"
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
-        return finish(replay, config)
+        if source_failure is not None:
+            # The source broke mid-read: still write what finished (flagged partial), and exit 2 like any other
+            # broken run: not 130 (nobody pressed Ctrl-C) and not 1 (there is no verdict on a cut window).
+            replay.interrupted = True
+        return finish(replay, config, source_failure=source_failure)
     finally:
         for target in targets:
             target.close()
@@ -416,8 +419,9 @@ async def run(config: ReplayConfig) -> int:
             await redis.aclose()
 
 
-def finish(replay: Replay, config: ReplayConfig) -> int:
-    """Write summary.json and report.html, print the outcome, and choose the exit code."""
+def finish(replay: Replay, config: ReplayConfig, *, source_failure: str | None = None) -> int:
+    """Write summary.json and report.html, print the outcome, and choose the exit code (``source_failure``:
+    why reading the window stopped short, an exit 2 once the partial outputs are written)."""
     summary = replay.summary()
     if config.gate is not None:
         summary = summary.model_copy(update={"gate": evaluate(config.gate, summary.metrics)})
@@ -430,6 +434,8 @@ def finish(replay: Replay, config: ReplayConfig) -> int:
         # the environment's fault, not a gate verdict: exit 2 with one line, never a traceback.
         raise SetupError(f"cannot write the summary or report in {output_dir}: {_os_reason(error)}") from None
     print(_one_line(summary, output_dir))
+    if source_failure is not None:
+        fail(PROG, f"{source_failure}; partial results written to {output_dir}")
     if replay.interrupted:
         print(f"{PROG}: interrupted; partial results written to {output_dir}", file=sys.stderr)
         return EXIT_INTERRUPTED
