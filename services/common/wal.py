@@ -100,14 +100,19 @@ def segment_name(number: int) -> str:
 
 
 def segments(directory: Path) -> list[int]:
-    """Segment numbers in ``directory``, oldest first (other files ignored)."""
+    """Segment numbers in ``directory``, oldest first. Only regular files named exactly as :func:`segment_name`
+    names them count: anything else (``wal-99.log`` copied by hand, a directory, a FIFO) is left alone, since
+    taken for a newer segment it would make the shipper skip and delete the one the router appends to, and
+    opened it would fail (a directory) or block (a FIFO) on every try."""
     numbers = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(directory):
             name = entry.name
             if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
                 with contextlib.suppress(ValueError):
-                    numbers.append(int(name[len(_PREFIX) : -len(_SUFFIX)]))
+                    number = int(name[len(_PREFIX) : -len(_SUFFIX)])
+                    if name == segment_name(number) and entry.is_file():
+                        numbers.append(number)
     return sorted(numbers)
 
 
@@ -399,7 +404,10 @@ class WalWriter:
         self.segment_bytes = segment_bytes
         self._lock = threading.Lock()
         existing = segments(self.directory)
-        self._number = (existing[-1] if existing else 0) + 1
+        # Past the shipper's cursor too: segments deleted by hand leave a cursor whose offset would skip the
+        # start of a new segment numbered as its segment was.
+        cursor = read_cursor(self.directory)
+        self._number = max(existing[-1] if existing else 0, cursor[1][0] if cursor else 0) + 1
         self._fd = self._open(self._number)
         self._offset = 0
         #: Bytes appended by this writer, ever (only :meth:`append` adds, on the caller's thread).

@@ -1,0 +1,88 @@
+"""What an operator (or a stray tool) may leave in a router's log directory, on real router, worker,
+shipper, recorder and redis-server processes: files named almost like segments, a directory named like
+one, a cursor left behind by segments deleted by hand. Nothing answered may be lost, damage is skipped
+and counted, the shipper never stalls."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+
+from splitstream.common import wal
+from tests.harness import InferClient, free_port, make_request, wait_for
+from tests.recording_stack import MODEL, RecordingStack, shipper_metric
+from tests.test_wal_recording import _call_payload, start_shipper
+
+
+def call(stack: RecordingStack, prefix: str, count: int) -> set[str]:
+    """``count`` calls through the stack's router, each its own request id; their ids."""
+    client = InferClient(stack.router.address)
+    ids = set()
+    for i in range(count):
+        ids.add(f"{prefix}-{i}")
+        client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", f"{prefix}-{i}")])
+    client.close()
+    return ids
+
+
+def test_a_foreign_file_named_almost_like_a_segment_costs_no_call(tmp_path: Path) -> None:
+    """``wal-99.log`` (an operator's copy, a tool's output) was read as segment 99, newer than the router's:
+    the shipper moved past the router's segment to it and deleted the segment the router was appending to,
+    so every call after it was lost. Only names the router writes are segments."""
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.wait_recorded(call(stack, "before", 5))
+        (stack.spool_dir / "wal-99.log").write_bytes(b"not a segment")
+        (stack.spool_dir / "wal-0000.log").write_bytes(b"junk")
+        stack.wait_recorded(call(stack, "after", 20))
+        assert (stack.spool_dir / "wal-99.log").read_bytes() == b"not a segment"  # not ours: left alone
+    finally:
+        stack.close()
+
+
+def test_a_directory_or_a_fifo_named_like_a_segment_is_left_alone_and_the_rest_shipped(tmp_path: Path) -> None:
+    """Reading a directory named like a segment failed on every try (a FIFO blocked the reading thread for good):
+    the shipper stalled there, the log filled up to its cap and the router dropped calls. Neither is a segment:
+    both are left alone and the segments around them shipped and deleted."""
+    stack = RecordingStack(tmp_path, router_args=("--shipper", "external"))
+    try:
+        log_dir = tmp_path / "hand-log"
+        log_dir.mkdir()
+        (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("hand-1")))
+        (log_dir / wal.segment_name(2)).mkdir()
+        os.mkfifo(log_dir / wal.segment_name(3))
+        (log_dir / wal.segment_name(4)).write_bytes(wal.frame(wal.CALL, _call_payload("hand-4")))
+        (log_dir / wal.segment_name(5)).write_bytes(wal.frame(wal.CALL, _call_payload("hand-5")))
+        start_shipper(stack, log_dir, metrics_port=free_port())
+        stack.wait_recorded({"hand-1", "hand-4", "hand-5"})
+        wait_for(
+            lambda: not (log_dir / wal.segment_name(4)).exists(),
+            timeout_s=10,
+            what="the shipped segments before the newest to be deleted",
+        )
+        assert not (log_dir / wal.segment_name(1)).exists()
+        assert (log_dir / wal.segment_name(2)).is_dir()
+        assert stat.S_ISFIFO((log_dir / wal.segment_name(3)).stat().st_mode)
+    finally:
+        stack.close()
+
+
+def test_calls_after_the_segments_were_deleted_by_hand_are_all_shipped(tmp_path: Path) -> None:
+    """An operator freeing disk removed the stopped router's segments and left ``wal.cursor``: the restarted
+    router numbered its new segment from 1 again, so the shipper read it from the old cursor's offset and
+    skipped (as damage) every call before it. A new segment is numbered past the cursor's."""
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.wait_recorded(call(stack, "before", 20))
+        wait_for(lambda: wal.read_cursor(stack.spool_dir), timeout_s=10, what="the cursor to be written")
+        stack.router.stop()
+        for segment in stack.spool_dir.glob("wal-*.log"):
+            segment.unlink()
+        stack.router = stack.start_router()
+        stack.wait_recorded(call(stack, "after", 20))
+        assert shipper_metric(stack, "log_damaged_total", reason="damaged") == 0
+    finally:
+        stack.close()
