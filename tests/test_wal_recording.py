@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from splitstream.common import wal
 from tests.harness import (
@@ -27,6 +28,7 @@ from tests.harness import (
     make_request,
     scrape_metrics,
     wait_for,
+    write_registry,
 )
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
 from tests.test_recording_faults import UNBATCHED
@@ -399,3 +401,55 @@ def test_the_shipper_refuses_spool_max_bytes_with_exit_2_since_the_router_caps_t
     lines = result.stderr.strip().splitlines()
     assert lines == ["splitstream-shipper: error: unrecognized arguments: --spool-max-bytes 1000"], result.stderr
     assert sorted(path.name for path in log_dir.iterdir()) == [wal.segment_name(1)]  # nothing read, locked, moved
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--shadow-wait-s", "nan", "must be a finite number, got nan"),
+        ("--shadow-wait-s", "inf", "must be a finite number, got inf"),
+        ("--record-batch-interval-ms", "inf", "must be a finite number, got inf"),
+        ("--flush-timeout-s", "inf", "must be a finite number, got inf"),
+        ("--record-batch-max-bytes", "1000", "must be at least 65536 (64 KiB), got 1000"),
+    ],
+)
+def test_the_shipper_refuses_a_value_that_cannot_work_with_exit_2_naming_the_flag(
+    tmp_path: Path, flag: str, value: str, named: str
+) -> None:
+    """These started a shipper that misbehaved quietly: ``--shadow-wait-s nan`` shipped every call without its
+    shadows, ``inf`` held records (or a SIGTERM's drain) for ever, and a batch cap of 1000 bytes dropped every
+    record as too large even without its payloads."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--recorder",
+            f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", flag, value,
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"splitstream-shipper: error: {flag}: {named}"], result.stderr
+    assert sorted(path.name for path in log_dir.iterdir()) == [wal.segment_name(1)]
+
+
+def test_the_router_refuses_a_record_batch_cap_its_child_shipper_would_refuse_with_exit_2(tmp_path: Path) -> None:
+    """A router given ``--record-batch-max-bytes`` under 64 KiB (with a stream cap under half of it) started, and
+    handed the cap to its child shipper, which dropped every record as too large; the router refuses it now."""
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
+            "--metrics-port", "0", "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir",
+            str(tmp_path / "log"), "--record-batch-max-bytes", "1000", "--record-stream-max-bytes", "100",
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "splitstream-router: error: --record-batch-max-bytes: must be at least 65536 (64 KiB), got 1000"
+    ], result.stderr

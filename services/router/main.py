@@ -53,6 +53,7 @@ from splitstream.router.servicer import RouterServicer
 from splitstream.router.shadows import ShadowRunner
 from splitstream.router.shipper_child import ShipperChild
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES, StreamProxy
+from splitstream.shipper.batch_cutter import MIN_BATCH_BYTES
 
 PROG = "splitstream-router"
 #: After the registry watch failed in a way its backend did not report as an update (an exception,
@@ -134,6 +135,13 @@ class RouterConfig:
         ):
             if count < 1:
                 raise ConfigError(f"{flag}: must be positive, got {count}")
+        if self.record_batch_max_bytes < MIN_BATCH_BYTES:
+            # Passed to the child shipper, which refuses it (below it every record would be dropped as too large):
+            # refused here, once, rather than by a child restarted for ever.
+            raise ConfigError(
+                f"--record-batch-max-bytes: must be at least {MIN_BATCH_BYTES} (64 KiB), "
+                f"got {self.record_batch_max_bytes}"
+            )
         if self.record_stream_max_bytes < 1:
             raise ConfigError(f"--record-stream-max-bytes: must be positive, got {self.record_stream_max_bytes}")
         if self.record_stream_max_bytes > self.record_batch_max_bytes // 2:

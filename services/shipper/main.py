@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ from splitstream.common.runtime import (
 )
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
+from splitstream.shipper.batch_cutter import MIN_BATCH_BYTES
 from splitstream.shipper.mirror import MirrorSettings, RecordMirror
 from splitstream.shipper.spool import leftover
 from splitstream.shipper.tail import Tail
@@ -72,6 +74,20 @@ class ShipperConfig:
                 raise ConfigError(f"{flag}: must be positive, got {value}")
         if self.shadow_wait_s < 0:
             raise ConfigError(f"--shadow-wait-s: must not be negative, got {self.shadow_wait_s}")
+        for flag, seconds in (
+            ("--record-batch-interval-ms", self.record_batch_interval_ms),
+            ("--shadow-wait-s", self.shadow_wait_s),
+            ("--flush-timeout-s", self.flush_timeout_s),
+        ):
+            # nan shipped every call at once without its shadows; inf held records (or a SIGTERM) for ever.
+            if not math.isfinite(seconds):
+                raise ConfigError(f"{flag}: must be a finite number, got {seconds}")
+        if self.record_batch_max_bytes < MIN_BATCH_BYTES:
+            # Below it every record is too large even without its payloads: each call would be dropped.
+            raise ConfigError(
+                f"--record-batch-max-bytes: must be at least {MIN_BATCH_BYTES} (64 KiB), "
+                f"got {self.record_batch_max_bytes}"
+            )
 
 
 def build_parser() -> EnvArgumentParser:
