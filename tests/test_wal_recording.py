@@ -453,3 +453,22 @@ def test_the_router_refuses_a_record_batch_cap_its_child_shipper_would_refuse_wi
     assert result.stderr.strip().splitlines() == [
         "splitstream-router: error: --record-batch-max-bytes: must be at least 65536 (64 KiB), got 1000"
     ], result.stderr
+
+
+def test_the_shipper_refuses_a_log_dir_given_twice_with_exit_2(tmp_path: Path) -> None:
+    """A directory given twice (here ``log`` and ``log/``) made the shipper wait for ever on the lock it held
+    itself: it said it was shipping and shipped nothing."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--log-dir", f"{log_dir}/",
+            "--recorder", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"splitstream-shipper: error: --log-dir: {log_dir}/ is the same directory as {log_dir}: give each log once"
+    ], result.stderr

@@ -63,6 +63,14 @@ class ShipperConfig:
             check_address(self.recorder)
         except ValueError as error:
             raise ConfigError(f"--recorder: {error}") from None
+        seen: dict[str, str] = {}
+        for directory in self.log_dirs:
+            # Twice (``spool`` and ``spool/``, or through a link), the shipper waited for ever on the lock it
+            # held itself and shipped nothing.
+            real = os.path.realpath(directory)
+            if real in seen:
+                raise ConfigError(f"--log-dir: {directory} is the same directory as {seen[real]}: give each log once")
+            seen[real] = directory
         for flag, value in (
             ("--record-batch-size", self.record_batch_size),
             ("--record-queue-size", self.record_queue_size),
