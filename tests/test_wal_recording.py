@@ -472,3 +472,30 @@ def test_the_shipper_refuses_a_log_dir_given_twice_with_exit_2(tmp_path: Path) -
     assert result.stderr.strip().splitlines() == [
         f"splitstream-shipper: error: --log-dir: {log_dir}/ is the same directory as {log_dir}: give each log once"
     ], result.stderr
+
+
+@pytest.mark.parametrize("program", ["shipper", "router"])
+def test_an_empty_log_directory_is_refused_with_exit_2_not_taken_as_the_working_directory(
+    tmp_path: Path, program: str
+) -> None:
+    """``--log-dir "$UNSET"`` (``--spool-dir`` on a router) was the working directory: the shipper shipped it and
+    wrote its cursor and lock there, the router its segments."""
+    work = tmp_path / "work"
+    work.mkdir()
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
+    flag, args = {
+        "shipper": ("--log-dir", ["--recorder", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0"]),
+        "router": ("--spool-dir", ["--registry", f"file:{registry}", "--port", "0", "--recorder", "127.0.0.1:1",
+                                   "--hmac-key", "k"]),
+    }[program]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", f"splitstream.{program}", *args, "--metrics-port", "0", flag, ""],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=work, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"splitstream-{program}: error: {flag}: must name a directory, got an empty value"
+    ], result.stderr
+    assert list(work.iterdir()) == []

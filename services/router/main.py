@@ -115,6 +115,9 @@ class RouterConfig:
                 check_address(self.recorder)
             except ValueError as error:
                 raise ConfigError(f"--recorder: {error}") from None
+        if self.recorder and not self.spool_dir.strip():
+            # ``--spool-dir "$UNSET"``: the log (segments, cursor, lock) went into the working directory.
+            raise ConfigError("--spool-dir: must name a directory, got an empty value")
         if self.recorder and not self.hmac_key:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         if self.jwt is not None and not self.auth_principals:

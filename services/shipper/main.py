@@ -65,6 +65,8 @@ class ShipperConfig:
             raise ConfigError(f"--recorder: {error}") from None
         seen: dict[str, str] = {}
         for directory in self.log_dirs:
+            if not directory.strip():  # ``--log-dir "$UNSET"`` shipped (and wrote a cursor into) the working directory
+                raise ConfigError("--log-dir: must name a directory, got an empty value")
             # Twice (``spool`` and ``spool/``, or through a link), the shipper waited for ever on the lock it
             # held itself and shipped nothing.
             real = os.path.realpath(directory)
