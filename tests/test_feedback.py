@@ -427,6 +427,30 @@ def test_a_malformed_file_exits_2_with_one_line_naming_file_line_and_field_and_s
     assert metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total") == received
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "problem"),
+    [
+        ("--timeout-s", "0", "must be a finite number of seconds > 0, got 0.0"),
+        ("--timeout-s", "-1", "must be a finite number of seconds > 0, got -1.0"),
+        ("--timeout-s", "nan", "must be a finite number of seconds > 0, got nan"),
+        ("--timeout-s", "inf", "must be a finite number of seconds > 0, got inf"),
+        ("--show-rejected", "-5", "must not be negative, got -5"),
+    ],
+)
+def test_an_import_flag_that_cannot_work_exits_2_naming_it_and_sends_nothing(
+    stack: RecordingStack, tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, problem: str
+) -> None:
+    """``--timeout-s 0`` (or negative, nan, inf) failed every report with DEADLINE_EXCEEDED, told as the router
+    failing part way (exit 1, "import the file again"), which could never help."""
+    path = tmp_path / "events.csv"
+    path.write_text("request_id,metric,value\nr1,click,1\n")
+    received = metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total")
+    assert import_file(stack.router, path, "--model", MODEL, flag, value) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"splitstream feedback import: error: {flag}: {problem}"]
+    assert metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total") == received
+
+
 def test_a_report_the_log_has_no_room_for_is_refused_whole_and_counted(stack: RecordingStack, tmp_path: Path) -> None:
     # No shipper ships this log and its cap is below one event: the report cannot be logged.
     small = stack.start_router(
