@@ -499,3 +499,24 @@ def test_an_empty_log_directory_is_refused_with_exit_2_not_taken_as_the_working_
         f"splitstream-{program}: error: {flag}: must name a directory, got an empty value"
     ], result.stderr
     assert list(work.iterdir()) == []
+
+
+def test_a_shipper_that_cannot_lock_its_log_exits_2_instead_of_serving_and_shipping_nothing(tmp_path: Path) -> None:
+    """The lock file could not be opened (here a directory in its place; as well a log directory the shipper may
+    not write to): the tail's task died unseen while the shipper stayed up, healthy, shipping nothing."""
+    log_dir = tmp_path / "log"
+    (log_dir / "shipper.lock").mkdir(parents=True)
+    (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--recorder",
+            f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1:] == [
+        f"splitstream-shipper: error: --log-dir: Is a directory: {log_dir / 'shipper.lock'}"
+    ], result.stderr
+    assert (log_dir / wal.segment_name(1)).exists()  # nothing read past, nothing deleted

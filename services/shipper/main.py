@@ -9,7 +9,6 @@ several routers' log directories (``--shipper external`` on the routers, ``--log
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import signal
@@ -232,6 +231,10 @@ class Shipper(Service):
         parent = os.getppid()
         while True:
             await asyncio.sleep(1.0)
+            if self._tailing is not None and self._tailing.done():
+                # The tail stopped on its own (its log's lock file unusable): a shipper that ships nothing must
+                # not go on saying it serves. Raises the tail's error: the runtime exits with it.
+                self._tailing.result()
             # Beside Linux's parent-death signal (which the router asks for): where that is missing, a child
             # whose router died would ship on, and hold the log's lock from the restarted router's own child.
             if self.config.exit_with_parent and os.getppid() != parent:
@@ -243,8 +246,7 @@ class Shipper(Service):
         await self.tail.close()
         if self._tailing is not None:
             self._tailing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tailing
+            await asyncio.gather(self._tailing, return_exceptions=True)  # its failure, if any, was raised by run()
         await self.mirror.close()
         await self.tail.commit()
         self.log.info("shipper stopped")
