@@ -399,6 +399,13 @@ def test_import_sends_csv_and_json_lines_and_a_second_import_counts_nothing_twic
             "event_time",
         ),
         ("bad.csv", "request_id,metric,value,event_time\nr1,click,1,99999999999999999999999999\n", ":2:", "event_time"),
+        # A key on two rows (same model and metric): the second was "accepted" and never written.
+        (
+            "bad.csv",
+            "request_id,metric,value,idempotency_key\nr1,click,1,k1\nr2,buy,1,k1\nr3,click,2,k1\n",
+            ":4:",
+            "'k1' is on line 2 too",
+        ),
         # A column named twice: the last cell won, silently.
         ("bad.csv", "request_id,metric,value,value\nr1,click,1,2\n", ":1:", "'value': named twice"),
     ],

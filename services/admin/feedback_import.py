@@ -8,8 +8,8 @@ CSV file (a header row) or JSON lines, one event per row, with the fields
 (``model`` may come from ``--model`` instead; ``request_id`` or ``routing_key`` is needed;
 ``event_time`` is RFC 3339, unix seconds, or unix nanoseconds; empty: when the router gets it).
 
-The whole file is checked before anything is sent, with the rules the router applies, so a file
-with a bad row is refused whole (exit 2, one line naming ``FILE:LINE`` and the field) and a fixed
+The whole file is checked before anything is sent, with the rules the router applies (and no
+idempotency key twice for one model and metric), so a file with a bad row is refused whole (exit 2, one line naming ``FILE:LINE`` and the field) and a fixed
 file can simply be imported again. Events then go in reports of ``--batch-size``; what the router
 refuses (a model it does not serve) is listed, the first ``--show-rejected`` of them, and makes the
 exit code 1. Give each event an idempotency key and importing the same file twice counts it once.
@@ -197,9 +197,20 @@ def read_rows(path: Path, fmt: str, default_model: str, now_ns: int) -> Iterator
     try:
         with path.open(encoding="utf-8-sig", newline="") as file:
             line = 0
+            #: (model, metric, idempotency key) → the line that has it: the recorder writes a key once per model
+            #: and metric, so a second row with it would be "accepted" and silently never written.
+            keys: dict[tuple[str, str, str], int] = {}
             try:
                 for line, fields in _csv_rows(file, path) if fmt == "csv" else _json_rows(file, path):
-                    yield Row(line, _event(fields, default_model, now_ns, f"{path}:{line}"))
+                    event = _event(fields, default_model, now_ns, f"{path}:{line}")
+                    if event.idempotency_key:
+                        first = keys.setdefault((event.model, event.metric, event.idempotency_key), line)
+                        if first != line:
+                            raise BadFile(
+                                f"{path}:{line}: idempotency_key: {event.idempotency_key!r} is on line {first} too "
+                                "(same model and metric): this one would never be written"
+                            )
+                    yield Row(line, event)
             except UnicodeDecodeError:
                 raise BadFile(f"{path}:{_first_line_not_utf8(path, line + 1)}: not UTF-8 text") from None
     except OSError as error:
