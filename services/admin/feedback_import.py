@@ -9,10 +9,11 @@ CSV file (a header row) or JSON lines, one event per row, with the fields
 ``event_time`` is RFC 3339, unix seconds, or unix nanoseconds; empty: when the router gets it).
 
 The whole file is checked before anything is sent, with the rules the router applies (and no
-idempotency key twice for one model and metric), so a file with a bad row is refused whole (exit 2, one line naming ``FILE:LINE`` and the field) and a fixed
-file can simply be imported again. Events then go in reports of ``--batch-size``; what the router
-refuses (a model it does not serve) is listed, the first ``--show-rejected`` of them, and makes the
-exit code 1. Give each event an idempotency key and importing the same file twice counts it once.
+idempotency key twice for one model and metric), so a file with a bad row is refused whole (exit 2,
+one line naming ``FILE:LINE`` and the field) and a fixed file can simply be imported again. Events
+then go in reports of ``--batch-size``; what the router refuses (a model it does not serve) is
+listed, the first ``--show-rejected`` of them, and makes the exit code 1. Give each event an
+idempotency key and importing the same file twice counts it once.
 
 Exit codes: 0 every event accepted; 1 some rejected, or the router failed part way (the events
 before were accepted: import the file again, with idempotency keys nothing counts twice);
