@@ -86,3 +86,20 @@ def test_calls_after_the_segments_were_deleted_by_hand_are_all_shipped(tmp_path:
         assert shipper_metric(stack, "log_damaged_total", reason="damaged") == 0
     finally:
         stack.close()
+
+
+def test_a_foreign_file_named_almost_like_an_old_spool_segment_costs_no_call(tmp_path: Path) -> None:
+    """``1.seg`` (or a directory ``00000001.seg``) in the log directory, which an old router's spool shares, was
+    taken for the old spool's segment ``00000001.seg``: the shipper failed to start on it and, as a router's
+    child, was restarted for ever while nothing was shipped."""
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.wait_recorded(call(stack, "before", 5))
+        stack.router.stop()
+        (stack.spool_dir / "1.seg").write_bytes(b"not a spool segment")
+        (stack.spool_dir / "00000002.seg").mkdir()
+        stack.router = stack.start_router()
+        stack.wait_recorded(call(stack, "after", 20))
+        assert (stack.spool_dir / "1.seg").read_bytes() == b"not a spool segment"
+    finally:
+        stack.close()
