@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from splitstream.common import wal
-from tests.harness import InferClient, free_port, make_request, wait_for
-from tests.recording_stack import MODEL, RecordingStack, shipper_metric
+from tests.harness import ROOT, InferClient, free_port, make_request, wait_for, write_registry
+from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
 from tests.test_wal_recording import _call_payload, start_shipper
 
 
@@ -101,5 +103,34 @@ def test_a_foreign_file_named_almost_like_an_old_spool_segment_costs_no_call(tmp
         stack.router = stack.start_router()
         stack.wait_recorded(call(stack, "after", 20))
         assert (stack.spool_dir / "1.seg").read_bytes() == b"not a spool segment"
+    finally:
+        stack.close()
+
+
+def test_a_second_router_on_the_same_log_directory_exits_2_and_the_first_loses_no_call(tmp_path: Path) -> None:
+    """Two routers given one ``--spool-dir`` (the default, for two routers started in one directory) each
+    appended to a segment of their own; the shipper read the first router's as finished and deleted it, and
+    every call that router answered afterwards was lost. The second router is refused."""
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.wait_recorded(call(stack, "before", 5))
+        registry = tmp_path / "registry-2.yaml"
+        write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
+        second = subprocess.run(
+            [
+                sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
+                "--metrics-port", "0", "--recorder", f"127.0.0.1:{stack.recorder_port}", "--hmac-key", HMAC_KEY,
+                "--spool-dir", str(stack.spool_dir),
+            ],
+            env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+            cwd=ROOT, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert second.returncode == 2, second.stderr
+        assert stack.router.process is not None
+        assert second.stderr.strip().splitlines()[-1] == (
+            f"splitstream-router: error: --spool-dir {stack.spool_dir}: in use by another router "
+            f"(pid {stack.router.process.pid}): give each router its own"
+        )
+        stack.wait_recorded(call(stack, "after", 20))
     finally:
         stack.close()

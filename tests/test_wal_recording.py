@@ -93,9 +93,9 @@ def test_a_shipper_killed_under_load_loses_no_answered_call(tmp_path: Path) -> N
         stack.close()
 
 
-#: What a log directory holds: segments, the shipper's cursor and its lock. Anything else (a ``*.seg`` spool
-#: and its ``cursor.slots``) would be a second copy of the calls on disk.
-LOG_FILES = ("wal-*.log", "wal.cursor", "shipper.lock")
+#: What a log directory holds: segments, the shipper's cursor, its lock and the router's. Anything else (a
+#: ``*.seg`` spool and its ``cursor.slots``) would be a second copy of the calls on disk.
+LOG_FILES = ("wal-*.log", "wal.cursor", "shipper.lock", "router.lock")
 
 
 class DirectoryWatch:

@@ -16,6 +16,7 @@ Layout of one log directory (one per router process; one shipper may ship severa
     wal.cursor                 the shipper's position: two slots (magic, sequence, segment, offset,
                                crc32) written alternately in place, the newer that checks wins
     shipper.lock               held by the shipper shipping this directory (its pid)
+    router.lock                held by the router appending to this directory (its pid)
 
 The shipper's spool (``*.seg``, ``cursor.slots``) shares the directory by default, so a spool
 left by a router from before the log is shipped too.
@@ -52,6 +53,8 @@ Entry kinds and payloads (integers little-endian; a *field* is a u32 length then
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import struct
 import threading
@@ -86,6 +89,8 @@ _LEN = struct.Struct("<I")
 _SUFFIX = ".log"
 _PREFIX = "wal-"
 CURSOR_FILE = "wal.cursor"
+#: Held (flock) by the router appending to the directory, holding its pid.
+WRITER_LOCK_FILE = "router.lock"
 #: A cursor slot: magic, sequence (the newer valid slot wins), segment, offset, crc32 of the 28 bytes before it.
 CURSOR_SLOT = struct.Struct("<4sQQQI")
 _CURSOR_MAGIC = b"\xf0CUR"
@@ -400,6 +405,7 @@ class WalWriter:
     def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, segment_bytes: int) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_for_writing(self.directory)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
         self._lock = threading.Lock()
@@ -473,6 +479,24 @@ class WalWriter:
                 os.fdatasync(self._fd)
             os.close(self._fd)
             self._fd = -1
+        os.close(self._lock_fd)  # the next router may start here
+
+
+def _lock_for_writing(directory: Path) -> int:
+    """Take ``router.lock`` or raise: two routers appending to one directory (``--spool-dir`` left at its default
+    for both, say) each wrote a segment, and the shipper, reading the older as finished, deleted it while its
+    router still appended: every call that router answered after that was lost. The kernel frees the lock when
+    the router exits however it exits."""
+    fd = os.open(directory / WRITER_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise OSError(errno.EBUSY, f"in use by another router (pid {holder}): give each router its own") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 # -- reading (the shipper) ---------------------------------------------------------------------
