@@ -134,3 +134,31 @@ def test_a_second_router_on_the_same_log_directory_exits_2_and_the_first_loses_n
         stack.wait_recorded(call(stack, "after", 20))
     finally:
         stack.close()
+
+
+def test_damage_at_the_end_of_a_read_chunk_costs_only_the_damaged_entry(tmp_path: Path) -> None:
+    """The reader looked for the next entry after a damaged one only in the 4 MiB it had read: damage near the end
+    of that chunk in a finished segment counted everything after it as a torn tail, and those calls were lost."""
+    stack = RecordingStack(tmp_path, router_args=("--shipper", "external"))
+    try:
+        log_dir = tmp_path / "hand-log"
+        writer = wal.WalWriter(log_dir, max_bytes=1 << 30, segment_bytes=1 << 30)
+        starts = []
+        for i in range(600):  # about 10 KiB each: 6 MiB, past the reader's first 4 MiB read
+            starts.append(wal.log_bytes(log_dir))
+            assert writer.append(wal.CALL, _call_payload(f"chunk-{i}", request=bytes(10_000)))
+        writer.close()
+        damaged = max(i for i, start in enumerate(starts) if start < 4 << 20)  # the entry across 4 MiB
+        segment = log_dir / wal.segment_name(1)
+        data = bytearray(segment.read_bytes())
+        data[starts[damaged]] ^= 0xFF  # its magic
+        segment.write_bytes(bytes(data))
+        writer = wal.WalWriter(log_dir, max_bytes=1 << 30, segment_bytes=1 << 30)  # a restarted router
+        assert writer.append(wal.CALL, _call_payload("chunk-after"))
+        writer.close()
+        start_shipper(stack, log_dir, metrics_port=free_port())
+        expected = {f"chunk-{i}" for i in range(600)} - {f"chunk-{damaged}"} | {"chunk-after"}
+        records = stack.wait_recorded(expected, timeout_s=60)
+        assert f"chunk-{damaged}" not in {r.request_id for r in records}
+    finally:
+        stack.close()

@@ -238,7 +238,7 @@ def _samples(port: int, name: str) -> list[tuple[dict[str, str], float]]:
     return metric_samples(scrape_metrics(port), name)
 
 
-def _call_payload(request_id: str) -> bytes:
+def _call_payload(request_id: str, request: bytes = b"request-bytes") -> bytes:
     return wal.encode_call(
         request_id=request_id,
         model=MODEL,
@@ -258,7 +258,7 @@ def _call_payload(request_id: str) -> bytes:
         phase=b"",
         metadata=b"",
         stream=b"",
-        request=b"request-bytes",
+        request=request,
         response=b"response-bytes",
     )
 

@@ -587,6 +587,8 @@ class WalReader:
                 data = file.read(self.chunk_bytes)
                 at = 0
                 progressed = False
+                #: Where the damaged range being skipped began (it may span several reads), None when in none.
+                damaged_from: int | None = None
                 while len(entries) < max_entries:
                     if len(data) - at < FRAME.size:
                         more = file.read(self.chunk_bytes)
@@ -607,19 +609,38 @@ class WalReader:
                             break  # an incomplete entry at the tail: an append not visible yet
                         good = len(data) >= end
                         if good and zlib.crc32(data[at + FRAME.size : end], zlib.crc32(data[at + 4 : at + 12])) != crc:
-                            if newest and end == len(data) and not file.read(1):
-                                break  # perhaps an append still landing: look again later
+                            # Nothing past it in the file (asked of its size: a read would take a byte from what
+                            # is read next): perhaps an append still landing, look again later.
+                            if newest and end == len(data) and os.fstat(file.fileno()).st_size <= offset + end - at:
+                                break
                             good = False
                     if not good:
                         found = data.find(MAGIC, at + 1)
                         if found < 0:
-                            break  # the rest is waited for (newest segment) or torn (counted below)
-                        self.on_damage("damaged", found - at, (number, offset))
+                            more = file.read(self.chunk_bytes)
+                            if not more:
+                                break  # the rest is waited for (newest segment) or torn (counted below)
+                            # The next entry may start past what was read (it used to be taken for a torn tail,
+                            # losing the rest of the segment): skip what was searched but a magic's first bytes,
+                            # and read on; the range is told once, whole, where it ends.
+                            keep = max(len(data) - len(MAGIC) + 1, at + 1)
+                            damaged_from = offset if damaged_from is None else damaged_from
+                            offset += keep - at
+                            data, at = data[keep:] + more, 0
+                            self.position = (number, offset)
+                            progressed = True
+                            continue
+                        damaged_from = offset if damaged_from is None else damaged_from
                         offset += found - at
+                        self.on_damage("damaged", offset - damaged_from, (number, damaged_from))
+                        damaged_from = None
                         at = found
                         self.position = (number, offset)
                         progressed = True
                         continue
+                    if damaged_from is not None:  # a damaged range ended just where a read did
+                        self.on_damage("damaged", offset - damaged_from, (number, damaged_from))
+                        damaged_from = None
                     payload = data[at + FRAME.size : end]
                     start = (number, offset)
                     offset += end - at
@@ -627,9 +648,11 @@ class WalReader:
                     entries.append(Entry(kind, payload, start, self.position))
                     at = end
                     progressed = True
+                if damaged_from is not None:
+                    self.on_damage("damaged", offset - damaged_from, (number, damaged_from))
                 if len(entries) >= max_entries:
                     return True
-                rest = len(data) - at + len(file.read())
+                rest = max(os.fstat(file.fileno()).st_size - offset, 0)  # not read: it may be gigabytes
         except FileNotFoundError:
             return False
         if rest and not newest:
