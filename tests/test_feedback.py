@@ -378,6 +378,36 @@ def test_import_sends_csv_and_json_lines_and_a_second_import_counts_nothing_twic
         ),
         ("bad.jsonl", b'{"request_id": "r\xff", "metric": "click", "value": 1}\n', ":1:", "UTF-8"),
         ("outcomes.txt", "request_id,metric,value\n", ":", "--format"),
+        # Bytes that are not UTF-8 past the first few kilobytes were blamed on the line where the decoder's
+        # chunk began (638 here), not the line holding them.
+        ("bad.csv", b"request_id,metric,value\n" + b"r,click,1\n" * 1000 + b"r\xff,click,1\n", ":1002:", "UTF-8"),
+        (
+            "bad.jsonl",
+            b'{"request_id": "r", "metric": "click", "value": 1}\n' * 1000 + b'{"request_id": "r\xff"}\n',
+            ":1001:",
+            "UTF-8",
+        ),
+        # A CSV error was blamed on the header (line 1): the line of the record it stopped in is named.
+        ("bad.csv", "request_id,metric,value\nr1,click,1\n" + "r" * 200_000 + ",click,1\n", ":3:", "field limit"),
+        ("bad.csv", 'request_id,metric,value\nr1,click,1\nr2,"click\nr3,click,1\n', ":3:", "not CSV"),
+        # These three ended in a traceback (exit 1) instead of a line naming the field.
+        ("bad.jsonl", '{"request_id": "r", "metric": "click", "value": ' + "9" * 5000 + "}\n", ":1:", "JSON"),
+        (
+            "bad.jsonl",
+            '{"request_id": "r", "metric": "click", "value": 1, "event_time": "9999-12-31T23:59:59Z"}\n',
+            ":1:",
+            "event_time",
+        ),
+        ("bad.csv", "request_id,metric,value,event_time\nr1,click,1,99999999999999999999999999\n", ":2:", "event_time"),
+        # A key on two rows (same model and metric): the second was "accepted" and never written.
+        (
+            "bad.csv",
+            "request_id,metric,value,idempotency_key\nr1,click,1,k1\nr2,buy,1,k1\nr3,click,2,k1\n",
+            ":4:",
+            "'k1' is on line 2 too",
+        ),
+        # A column named twice: the last cell won, silently.
+        ("bad.csv", "request_id,metric,value,value\nr1,click,1,2\n", ":1:", "'value': named twice"),
     ],
 )
 def test_a_malformed_file_exits_2_with_one_line_naming_file_line_and_field_and_sends_nothing(
@@ -401,6 +431,30 @@ def test_a_malformed_file_exits_2_with_one_line_naming_file_line_and_field_and_s
     assert f"{path.name}{where}" in line
     assert problem in line
     assert captured.out == ""
+    assert metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total") == received
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "problem"),
+    [
+        ("--timeout-s", "0", "must be a finite number of seconds > 0, got 0.0"),
+        ("--timeout-s", "-1", "must be a finite number of seconds > 0, got -1.0"),
+        ("--timeout-s", "nan", "must be a finite number of seconds > 0, got nan"),
+        ("--timeout-s", "inf", "must be a finite number of seconds > 0, got inf"),
+        ("--show-rejected", "-5", "must not be negative, got -5"),
+    ],
+)
+def test_an_import_flag_that_cannot_work_exits_2_naming_it_and_sends_nothing(
+    stack: RecordingStack, tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, problem: str
+) -> None:
+    """``--timeout-s 0`` (or negative, nan, inf) failed every report with DEADLINE_EXCEEDED, told as the router
+    failing part way (exit 1, "import the file again"), which could never help."""
+    path = tmp_path / "events.csv"
+    path.write_text("request_id,metric,value\nr1,click,1\n")
+    received = metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total")
+    assert import_file(stack.router, path, "--model", MODEL, flag, value) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [f"splitstream feedback import: error: {flag}: {problem}"]
     assert metric_total(stack.router.metrics_port, "splitstream_router_feedback_received_total") == received
 
 

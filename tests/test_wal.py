@@ -99,12 +99,14 @@ def _subsequence(needles: list[bytes], haystack: list[bytes]) -> bool:
     entries=st.lists(st.binary(min_size=0, max_size=120), min_size=1, max_size=10),
     flips=st.lists(st.tuples(st.integers(min_value=0), st.integers(min_value=1, max_value=255)), max_size=4),
     cut=st.one_of(st.none(), st.integers(min_value=0)),
+    chunk=st.sampled_from([7, 64, 4 << 20]),
 )
 def test_after_any_damage_exactly_the_undamaged_entries_come_back_in_order(
-    entries: list[bytes], flips: list[tuple[int, int]], cut: int | None
+    entries: list[bytes], flips: list[tuple[int, int]], cut: int | None, chunk: int
 ) -> None:
     """Bytes flipped anywhere and the segment cut anywhere (a torn tail): every entry none of whose bytes was
-    touched is shipped, in order, and nothing else; the damage is reported, with where it starts."""
+    touched is shipped, in order, and nothing else; the damage is reported, with where it starts. Whatever the
+    reader's read size: damage across the end of a read was taken for a torn tail, losing the entries after it."""
     frames = [wal.frame(wal.CALL, payload) for payload in entries]
     spans, at = [], 0
     for item in frames:
@@ -127,7 +129,9 @@ def test_after_any_damage_exactly_the_undamaged_entries_come_back_in_order(
         directory = Path(name)
         write_segment(directory, 1, bytes(data[:end]))
         write_segment(directory, 2, b"")  # a newer segment: nothing in the first is still being written
-        reader = wal.WalReader(directory, on_damage=lambda reason, size, where: damage.append((reason, size, where)))
+        reader = wal.WalReader(
+            directory, on_damage=lambda reason, size, where: damage.append((reason, size, where)), chunk_bytes=chunk
+        )
         payloads: list[bytes] = []
         while batch := reader.read(100):
             payloads.extend(entry.payload for entry in batch)

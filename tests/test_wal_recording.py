@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from splitstream.common import wal
 from tests.harness import (
@@ -27,6 +28,7 @@ from tests.harness import (
     make_request,
     scrape_metrics,
     wait_for,
+    write_registry,
 )
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
 from tests.test_recording_faults import UNBATCHED
@@ -91,9 +93,9 @@ def test_a_shipper_killed_under_load_loses_no_answered_call(tmp_path: Path) -> N
         stack.close()
 
 
-#: What a log directory holds: segments, the shipper's cursor and its lock. Anything else (a ``*.seg`` spool
-#: and its ``cursor.slots``) would be a second copy of the calls on disk.
-LOG_FILES = ("wal-*.log", "wal.cursor", "shipper.lock")
+#: What a log directory holds: segments, the shipper's cursor, its lock and the router's. Anything else (a
+#: ``*.seg`` spool and its ``cursor.slots``) would be a second copy of the calls on disk.
+LOG_FILES = ("wal-*.log", "wal.cursor", "shipper.lock", "router.lock")
 
 
 class DirectoryWatch:
@@ -236,7 +238,7 @@ def _samples(port: int, name: str) -> list[tuple[dict[str, str], float]]:
     return metric_samples(scrape_metrics(port), name)
 
 
-def _call_payload(request_id: str) -> bytes:
+def _call_payload(request_id: str, request: bytes = b"request-bytes") -> bytes:
     return wal.encode_call(
         request_id=request_id,
         model=MODEL,
@@ -256,7 +258,7 @@ def _call_payload(request_id: str) -> bytes:
         phase=b"",
         metadata=b"",
         stream=b"",
-        request=b"request-bytes",
+        request=request,
         response=b"response-bytes",
     )
 
@@ -399,3 +401,122 @@ def test_the_shipper_refuses_spool_max_bytes_with_exit_2_since_the_router_caps_t
     lines = result.stderr.strip().splitlines()
     assert lines == ["splitstream-shipper: error: unrecognized arguments: --spool-max-bytes 1000"], result.stderr
     assert sorted(path.name for path in log_dir.iterdir()) == [wal.segment_name(1)]  # nothing read, locked, moved
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--shadow-wait-s", "nan", "must be a finite number, got nan"),
+        ("--shadow-wait-s", "inf", "must be a finite number, got inf"),
+        ("--record-batch-interval-ms", "inf", "must be a finite number, got inf"),
+        ("--flush-timeout-s", "inf", "must be a finite number, got inf"),
+        ("--record-batch-max-bytes", "1000", "must be at least 65536 (64 KiB), got 1000"),
+    ],
+)
+def test_the_shipper_refuses_a_value_that_cannot_work_with_exit_2_naming_the_flag(
+    tmp_path: Path, flag: str, value: str, named: str
+) -> None:
+    """These started a shipper that misbehaved quietly: ``--shadow-wait-s nan`` shipped every call without its
+    shadows, ``inf`` held records (or a SIGTERM's drain) for ever, and a batch cap of 1000 bytes dropped every
+    record as too large even without its payloads."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--recorder",
+            f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", flag, value,
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"splitstream-shipper: error: {flag}: {named}"], result.stderr
+    assert sorted(path.name for path in log_dir.iterdir()) == [wal.segment_name(1)]
+
+
+def test_the_router_refuses_a_record_batch_cap_its_child_shipper_would_refuse_with_exit_2(tmp_path: Path) -> None:
+    """A router given ``--record-batch-max-bytes`` under 64 KiB (with a stream cap under half of it) started, and
+    handed the cap to its child shipper, which dropped every record as too large; the router refuses it now."""
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
+            "--metrics-port", "0", "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir",
+            str(tmp_path / "log"), "--record-batch-max-bytes", "1000", "--record-stream-max-bytes", "100",
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "splitstream-router: error: --record-batch-max-bytes: must be at least 65536 (64 KiB), got 1000"
+    ], result.stderr
+
+
+def test_the_shipper_refuses_a_log_dir_given_twice_with_exit_2(tmp_path: Path) -> None:
+    """A directory given twice (here ``log`` and ``log/``) made the shipper wait for ever on the lock it held
+    itself: it said it was shipping and shipped nothing."""
+    log_dir = tmp_path / "log"
+    log_dir.mkdir()
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--log-dir", f"{log_dir}/",
+            "--recorder", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"splitstream-shipper: error: --log-dir: {log_dir}/ is the same directory as {log_dir}: give each log once"
+    ], result.stderr
+
+
+@pytest.mark.parametrize("program", ["shipper", "router"])
+def test_an_empty_log_directory_is_refused_with_exit_2_not_taken_as_the_working_directory(
+    tmp_path: Path, program: str
+) -> None:
+    """``--log-dir "$UNSET"`` (``--spool-dir`` on a router) was the working directory: the shipper shipped it and
+    wrote its cursor and lock there, the router its segments."""
+    work = tmp_path / "work"
+    work.mkdir()
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
+    flag, args = {
+        "shipper": ("--log-dir", ["--recorder", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0"]),
+        "router": ("--spool-dir", ["--registry", f"file:{registry}", "--port", "0", "--recorder", "127.0.0.1:1",
+                                   "--hmac-key", "k"]),
+    }[program]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", f"splitstream.{program}", *args, "--metrics-port", "0", flag, ""],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=work, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"splitstream-{program}: error: {flag}: must name a directory, got an empty value"
+    ], result.stderr
+    assert list(work.iterdir()) == []
+
+
+def test_a_shipper_that_cannot_lock_its_log_exits_2_instead_of_serving_and_shipping_nothing(tmp_path: Path) -> None:
+    """The lock file could not be opened (here a directory in its place; as well a log directory the shipper may
+    not write to): the tail's task died unseen while the shipper stayed up, healthy, shipping nothing."""
+    log_dir = tmp_path / "log"
+    (log_dir / "shipper.lock").mkdir(parents=True)
+    (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--recorder",
+            f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        ],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1:] == [
+        f"splitstream-shipper: error: --log-dir: Is a directory: {log_dir / 'shipper.lock'}"
+    ], result.stderr
+    assert (log_dir / wal.segment_name(1)).exists()  # nothing read past, nothing deleted

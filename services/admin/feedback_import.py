@@ -8,11 +8,12 @@ CSV file (a header row) or JSON lines, one event per row, with the fields
 (``model`` may come from ``--model`` instead; ``request_id`` or ``routing_key`` is needed;
 ``event_time`` is RFC 3339, unix seconds, or unix nanoseconds; empty: when the router gets it).
 
-The whole file is checked before anything is sent, with the rules the router applies, so a file
-with a bad row is refused whole (exit 2, one line naming ``FILE:LINE`` and the field) and a fixed
-file can simply be imported again. Events then go in reports of ``--batch-size``; what the router
-refuses (a model it does not serve) is listed, the first ``--show-rejected`` of them, and makes the
-exit code 1. Give each event an idempotency key and importing the same file twice counts it once.
+The whole file is checked before anything is sent, with the rules the router applies (and no
+idempotency key twice for one model and metric), so a file with a bad row is refused whole (exit 2,
+one line naming ``FILE:LINE`` and the field) and a fixed file can simply be imported again. Events
+then go in reports of ``--batch-size``; what the router refuses (a model it does not serve) is
+listed, the first ``--show-rejected`` of them, and makes the exit code 1. Give each event an
+idempotency key and importing the same file twice counts it once.
 
 Exit codes: 0 every event accepted; 1 some rejected, or the router failed part way (the events
 before were accepted: import the file again, with idempotency keys nothing counts twice);
@@ -134,6 +135,13 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
     if not 1 <= args.batch_size <= MAX_BATCH:
         print(f"{prog}: error: --batch-size: must be within 1..{MAX_BATCH}, got {args.batch_size}", file=err)
         return EXIT_USAGE
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        # 0, negative or nan failed every report as DEADLINE_EXCEEDED, said as the router failing part way (exit 1).
+        print(f"{prog}: error: --timeout-s: must be a finite number of seconds > 0, got {args.timeout_s}", file=err)
+        return EXIT_USAGE
+    if args.show_rejected < 0:
+        print(f"{prog}: error: --show-rejected: must not be negative, got {args.show_rejected}", file=err)
+        return EXIT_USAGE
     try:
         tls = client_tls_from_args(args, flag="--tls")  # the admin CLI's shared --tls* flags
     except ConfigError as error:
@@ -190,13 +198,37 @@ def read_rows(path: Path, fmt: str, default_model: str, now_ns: int) -> Iterator
     try:
         with path.open(encoding="utf-8-sig", newline="") as file:
             line = 0
+            #: (model, metric, idempotency key) → the line that has it: the recorder writes a key once per model
+            #: and metric, so a second row with it would be "accepted" and silently never written.
+            keys: dict[tuple[str, str, str], int] = {}
             try:
                 for line, fields in _csv_rows(file, path) if fmt == "csv" else _json_rows(file, path):
-                    yield Row(line, _event(fields, default_model, now_ns, f"{path}:{line}"))
+                    event = _event(fields, default_model, now_ns, f"{path}:{line}")
+                    if event.idempotency_key:
+                        first = keys.setdefault((event.model, event.metric, event.idempotency_key), line)
+                        if first != line:
+                            raise BadFile(
+                                f"{path}:{line}: idempotency_key: {event.idempotency_key!r} is on line {first} too "
+                                "(same model and metric): this one would never be written"
+                            )
+                    yield Row(line, event)
             except UnicodeDecodeError:
-                raise BadFile(f"{path}:{line + 1}: not UTF-8 text") from None
+                raise BadFile(f"{path}:{_first_line_not_utf8(path, line + 1)}: not UTF-8 text") from None
     except OSError as error:
         raise BadFile(f"{path}: {error.strerror or error}") from None
+
+
+def _first_line_not_utf8(path: Path, fallback: int) -> int:
+    """The number of the first line that is not UTF-8: the decoder reads kilobytes ahead, so the line being
+    parsed when it failed is not the one holding the bytes (a line break is never inside a UTF-8 character,
+    so lines decode alone)."""
+    with path.open("rb") as file:
+        for number, data in enumerate(file, start=1):
+            try:
+                data.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return fallback
 
 
 def _csv_rows(file: TextIO, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -208,13 +240,18 @@ def _csv_rows(file: TextIO, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
         unknown = [name for name in header if name not in FIELDS]
         if unknown:
             raise BadFile(f"{path}:1: {unknown[0]!r}: unknown column (expected some of {', '.join(FIELDS)})")
+        twice = [name for name in header if header.count(name) > 1]
+        if twice:  # the last cell would win, silently
+            raise BadFile(f"{path}:1: {twice[0]!r}: named twice in the header")
         for cells in reader:
             if None in cells:  # more cells than the header names
                 raise BadFile(f"{path}:{reader.line_num}: more cells than the header has columns")
             # An empty cell is an absent field: its default applies.
             yield reader.line_num, {name: value for name, value in cells.items() if value not in ("", None)}
     except csv.Error as error:
-        raise BadFile(f"{path}:{reader.line_num}: not CSV: {error}") from None
+        # The line after the last whole record: where the one that failed starts (DictReader's line_num is only
+        # moved by a whole record; an unclosed quote is found at the end of the file).
+        raise BadFile(f"{path}:{reader.line_num + 1}: not CSV: {error}") from None
 
 
 def _json_rows(file: TextIO, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -225,6 +262,8 @@ def _json_rows(file: TextIO, path: Path) -> Iterator[tuple[int, dict[str, Any]]]
             fields = json.loads(text)
         except json.JSONDecodeError as error:
             raise BadFile(f"{path}:{number}: not JSON: {error.msg} (column {error.colno})") from None
+        except ValueError as error:  # an integer of more digits than Python converts
+            raise BadFile(f"{path}:{number}: not JSON: {str(error).split(';')[0]}") from None
         if not isinstance(fields, dict):
             raise BadFile(f"{path}:{number}: not a JSON object, one event a line")
         yield number, {name: value for name, value in fields.items() if value is not None}
@@ -272,7 +311,8 @@ def event_time_ns(value: str | int | float | None, where: str) -> int:
     if number < SECONDS_BELOW:
         return round(number * 10**9)
     if number >= NS_FROM:
-        return int(text) if isinstance(value, str) and text.isdigit() else int(number)
+        ns = int(text) if isinstance(value, str) and text.isdigit() else int(number)
+        return _in_range(ns, value, where)
     raise BadFile(
         f"{where}: event_time: {value!r} looks like milliseconds or microseconds: give unix seconds, "
         "unix nanoseconds or RFC 3339"
@@ -289,7 +329,14 @@ def _rfc3339_ns(text: str, where: str) -> int:
     if moment.tzinfo is None:
         raise BadFile(f"{where}: event_time: {text!r} has no time zone (add Z or +HH:MM)")
     delta = moment - datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
-    return (delta.days * 86_400 + delta.seconds) * 10**9 + delta.microseconds * 1000
+    return _in_range((delta.days * 86_400 + delta.seconds) * 10**9 + delta.microseconds * 1000, text, where)
+
+
+def _in_range(ns: int, value: object, where: str) -> int:
+    """``ns`` if an event's int64 field holds it (1970 to 2262); else the row is refused, not a traceback."""
+    if not 0 <= ns < 2**63:
+        raise BadFile(f"{where}: event_time: {value!r} is out of range (1970 to 2262)")
+    return ns
 
 
 def _batches(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:

@@ -16,6 +16,7 @@ Layout of one log directory (one per router process; one shipper may ship severa
     wal.cursor                 the shipper's position: two slots (magic, sequence, segment, offset,
                                crc32) written alternately in place, the newer that checks wins
     shipper.lock               held by the shipper shipping this directory (its pid)
+    router.lock                held by the router appending to this directory (its pid)
 
 The shipper's spool (``*.seg``, ``cursor.slots``) shares the directory by default, so a spool
 left by a router from before the log is shipped too.
@@ -52,6 +53,8 @@ Entry kinds and payloads (integers little-endian; a *field* is a u32 length then
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import struct
 import threading
@@ -86,6 +89,8 @@ _LEN = struct.Struct("<I")
 _SUFFIX = ".log"
 _PREFIX = "wal-"
 CURSOR_FILE = "wal.cursor"
+#: Held (flock) by the router appending to the directory, holding its pid.
+WRITER_LOCK_FILE = "router.lock"
 #: A cursor slot: magic, sequence (the newer valid slot wins), segment, offset, crc32 of the 28 bytes before it.
 CURSOR_SLOT = struct.Struct("<4sQQQI")
 _CURSOR_MAGIC = b"\xf0CUR"
@@ -100,14 +105,19 @@ def segment_name(number: int) -> str:
 
 
 def segments(directory: Path) -> list[int]:
-    """Segment numbers in ``directory``, oldest first (other files ignored)."""
+    """Segment numbers in ``directory``, oldest first. Only regular files named exactly as :func:`segment_name`
+    names them count: anything else (``wal-99.log`` copied by hand, a directory, a FIFO) is left alone, since
+    taken for a newer segment it would make the shipper skip and delete the one the router appends to, and
+    opened it would fail (a directory) or block (a FIFO) on every try."""
     numbers = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(directory):
             name = entry.name
             if name.startswith(_PREFIX) and name.endswith(_SUFFIX):
                 with contextlib.suppress(ValueError):
-                    numbers.append(int(name[len(_PREFIX) : -len(_SUFFIX)]))
+                    number = int(name[len(_PREFIX) : -len(_SUFFIX)])
+                    if name == segment_name(number) and entry.is_file():
+                        numbers.append(number)
     return sorted(numbers)
 
 
@@ -395,11 +405,15 @@ class WalWriter:
     def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, segment_bytes: int) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = _lock_for_writing(self.directory)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes
         self._lock = threading.Lock()
         existing = segments(self.directory)
-        self._number = (existing[-1] if existing else 0) + 1
+        # Past the shipper's cursor too: segments deleted by hand leave a cursor whose offset would skip the
+        # start of a new segment numbered as its segment was.
+        cursor = read_cursor(self.directory)
+        self._number = max(existing[-1] if existing else 0, cursor[1][0] if cursor else 0) + 1
         self._fd = self._open(self._number)
         self._offset = 0
         #: Bytes appended by this writer, ever (only :meth:`append` adds, on the caller's thread).
@@ -465,6 +479,24 @@ class WalWriter:
                 os.fdatasync(self._fd)
             os.close(self._fd)
             self._fd = -1
+        os.close(self._lock_fd)  # the next router may start here
+
+
+def _lock_for_writing(directory: Path) -> int:
+    """Take ``router.lock`` or raise: two routers appending to one directory (``--spool-dir`` left at its default
+    for both, say) each wrote a segment, and the shipper, reading the older as finished, deleted it while its
+    router still appended: every call that router answered after that was lost. The kernel frees the lock when
+    the router exits however it exits."""
+    fd = os.open(directory / WRITER_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise OSError(errno.EBUSY, f"in use by another router (pid {holder}): give each router its own") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 # -- reading (the shipper) ---------------------------------------------------------------------
@@ -555,6 +587,8 @@ class WalReader:
                 data = file.read(self.chunk_bytes)
                 at = 0
                 progressed = False
+                #: Where the damaged range being skipped began (it may span several reads), None when in none.
+                damaged_from: int | None = None
                 while len(entries) < max_entries:
                     if len(data) - at < FRAME.size:
                         more = file.read(self.chunk_bytes)
@@ -575,19 +609,38 @@ class WalReader:
                             break  # an incomplete entry at the tail: an append not visible yet
                         good = len(data) >= end
                         if good and zlib.crc32(data[at + FRAME.size : end], zlib.crc32(data[at + 4 : at + 12])) != crc:
-                            if newest and end == len(data) and not file.read(1):
-                                break  # perhaps an append still landing: look again later
+                            # Nothing past it in the file (asked of its size: a read would take a byte from what
+                            # is read next): perhaps an append still landing, look again later.
+                            if newest and end == len(data) and os.fstat(file.fileno()).st_size <= offset + end - at:
+                                break
                             good = False
                     if not good:
                         found = data.find(MAGIC, at + 1)
                         if found < 0:
-                            break  # the rest is waited for (newest segment) or torn (counted below)
-                        self.on_damage("damaged", found - at, (number, offset))
+                            more = file.read(self.chunk_bytes)
+                            if not more:
+                                break  # the rest is waited for (newest segment) or torn (counted below)
+                            # The next entry may start past what was read (it used to be taken for a torn tail,
+                            # losing the rest of the segment): skip what was searched but a magic's first bytes,
+                            # and read on; the range is told once, whole, where it ends.
+                            keep = max(len(data) - len(MAGIC) + 1, at + 1)
+                            damaged_from = offset if damaged_from is None else damaged_from
+                            offset += keep - at
+                            data, at = data[keep:] + more, 0
+                            self.position = (number, offset)
+                            progressed = True
+                            continue
+                        damaged_from = offset if damaged_from is None else damaged_from
                         offset += found - at
+                        self.on_damage("damaged", offset - damaged_from, (number, damaged_from))
+                        damaged_from = None
                         at = found
                         self.position = (number, offset)
                         progressed = True
                         continue
+                    if damaged_from is not None:  # a damaged range ended just where a read did
+                        self.on_damage("damaged", offset - damaged_from, (number, damaged_from))
+                        damaged_from = None
                     payload = data[at + FRAME.size : end]
                     start = (number, offset)
                     offset += end - at
@@ -595,9 +648,11 @@ class WalReader:
                     entries.append(Entry(kind, payload, start, self.position))
                     at = end
                     progressed = True
+                if damaged_from is not None:
+                    self.on_damage("damaged", offset - damaged_from, (number, damaged_from))
                 if len(entries) >= max_entries:
                     return True
-                rest = len(data) - at + len(file.read())
+                rest = max(os.fstat(file.fileno()).st_size - offset, 0)  # not read: it may be gigabytes
         except FileNotFoundError:
             return False
         if rest and not newest:

@@ -53,6 +53,7 @@ from splitstream.router.servicer import RouterServicer
 from splitstream.router.shadows import ShadowRunner
 from splitstream.router.shipper_child import ShipperChild
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES, StreamProxy
+from splitstream.shipper.batch_cutter import MIN_BATCH_BYTES
 
 PROG = "splitstream-router"
 #: After the registry watch failed in a way its backend did not report as an update (an exception,
@@ -114,6 +115,9 @@ class RouterConfig:
                 check_address(self.recorder)
             except ValueError as error:
                 raise ConfigError(f"--recorder: {error}") from None
+        if self.recorder and not self.spool_dir.strip():
+            # ``--spool-dir "$UNSET"``: the log (segments, cursor, lock) went into the working directory.
+            raise ConfigError("--spool-dir: must name a directory, got an empty value")
         if self.recorder and not self.hmac_key:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         if self.jwt is not None and not self.auth_principals:
@@ -134,6 +138,13 @@ class RouterConfig:
         ):
             if count < 1:
                 raise ConfigError(f"{flag}: must be positive, got {count}")
+        if self.record_batch_max_bytes < MIN_BATCH_BYTES:
+            # Passed to the child shipper, which refuses it (below it every record would be dropped as too large):
+            # refused here, once, rather than by a child restarted for ever.
+            raise ConfigError(
+                f"--record-batch-max-bytes: must be at least {MIN_BATCH_BYTES} (64 KiB), "
+                f"got {self.record_batch_max_bytes}"
+            )
         if self.record_stream_max_bytes < 1:
             raise ConfigError(f"--record-stream-max-bytes: must be positive, got {self.record_stream_max_bytes}")
         if self.record_stream_max_bytes > self.record_batch_max_bytes // 2:

@@ -9,7 +9,7 @@ several routers' log directories (``--shipper external`` on the routers, ``--log
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import math
 import os
 import signal
 from collections.abc import Sequence
@@ -33,6 +33,7 @@ from splitstream.common.runtime import (
 )
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
+from splitstream.shipper.batch_cutter import MIN_BATCH_BYTES
 from splitstream.shipper.mirror import MirrorSettings, RecordMirror
 from splitstream.shipper.spool import leftover
 from splitstream.shipper.tail import Tail
@@ -61,6 +62,16 @@ class ShipperConfig:
             check_address(self.recorder)
         except ValueError as error:
             raise ConfigError(f"--recorder: {error}") from None
+        seen: dict[str, str] = {}
+        for directory in self.log_dirs:
+            if not directory.strip():  # ``--log-dir "$UNSET"`` shipped (and wrote a cursor into) the working directory
+                raise ConfigError("--log-dir: must name a directory, got an empty value")
+            # Twice (``spool`` and ``spool/``, or through a link), the shipper waited for ever on the lock it
+            # held itself and shipped nothing.
+            real = os.path.realpath(directory)
+            if real in seen:
+                raise ConfigError(f"--log-dir: {directory} is the same directory as {seen[real]}: give each log once")
+            seen[real] = directory
         for flag, value in (
             ("--record-batch-size", self.record_batch_size),
             ("--record-queue-size", self.record_queue_size),
@@ -72,6 +83,20 @@ class ShipperConfig:
                 raise ConfigError(f"{flag}: must be positive, got {value}")
         if self.shadow_wait_s < 0:
             raise ConfigError(f"--shadow-wait-s: must not be negative, got {self.shadow_wait_s}")
+        for flag, seconds in (
+            ("--record-batch-interval-ms", self.record_batch_interval_ms),
+            ("--shadow-wait-s", self.shadow_wait_s),
+            ("--flush-timeout-s", self.flush_timeout_s),
+        ):
+            # nan shipped every call at once without its shadows; inf held records (or a SIGTERM) for ever.
+            if not math.isfinite(seconds):
+                raise ConfigError(f"{flag}: must be a finite number, got {seconds}")
+        if self.record_batch_max_bytes < MIN_BATCH_BYTES:
+            # Below it every record is too large even without its payloads: each call would be dropped.
+            raise ConfigError(
+                f"--record-batch-max-bytes: must be at least {MIN_BATCH_BYTES} (64 KiB), "
+                f"got {self.record_batch_max_bytes}"
+            )
 
 
 def build_parser() -> EnvArgumentParser:
@@ -206,6 +231,10 @@ class Shipper(Service):
         parent = os.getppid()
         while True:
             await asyncio.sleep(1.0)
+            if self._tailing is not None and self._tailing.done():
+                # The tail stopped on its own (its log's lock file unusable): a shipper that ships nothing must
+                # not go on saying it serves. Raises the tail's error: the runtime exits with it.
+                self._tailing.result()
             # Beside Linux's parent-death signal (which the router asks for): where that is missing, a child
             # whose router died would ship on, and hold the log's lock from the restarted router's own child.
             if self.config.exit_with_parent and os.getppid() != parent:
@@ -217,8 +246,7 @@ class Shipper(Service):
         await self.tail.close()
         if self._tailing is not None:
             self._tailing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._tailing
+            await asyncio.gather(self._tailing, return_exceptions=True)  # its failure, if any, was raised by run()
         await self.mirror.close()
         await self.tail.commit()
         self.log.info("shipper stopped")

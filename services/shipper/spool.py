@@ -116,8 +116,8 @@ class Spool:
         self.on_damage = on_damage
         self._lock = threading.Lock()
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._legacy = {int(p.stem) for p in self.directory.glob(f"*{_LEGACY_SUFFIX}") if p.stem.isdigit()}
-        current = {int(p.stem) for p in self.directory.glob(f"*{_SUFFIX}") if p.stem.isdigit()}
+        self._legacy = _numbered(self.directory, _LEGACY_SUFFIX)
+        current = _numbered(self.directory, _SUFFIX)
         self._segments = sorted(self._legacy | current)
         self._sizes = {s: self._path(s).stat().st_size for s in self._segments}
         self._cursor_sequence = 0
@@ -339,12 +339,24 @@ def leftover(directory: str | os.PathLike[str], **kwargs: Any) -> Spool | None:
     """The spool an older router or shipper left in ``directory``, if it left any segment (else None, and
     nothing is created there)."""
     try:
-        names = os.listdir(directory)
+        if not (_numbered(Path(directory), _SUFFIX) or _numbered(Path(directory), _LEGACY_SUFFIX)):
+            return None
     except FileNotFoundError:
         return None
-    if not any(name.endswith((_SUFFIX, _LEGACY_SUFFIX)) and name.split(".")[0].isdigit() for name in names):
-        return None
     return Spool(directory, max_bytes=1 << 62, **kwargs)
+
+
+def _numbered(directory: Path, suffix: str) -> set[int]:
+    """Numbers of the segments in ``directory`` ending in ``suffix``: regular files named exactly as a spool
+    names them (``00000001.seg``). A foreign ``1.seg``, or a directory so named, was taken for a segment and
+    failed the shipper's start, for ever (a router restarts its child shipper)."""
+    numbers = set()
+    for entry in os.scandir(directory):
+        stem = entry.name[: -len(suffix)]
+        named = entry.name.endswith(suffix) and stem.isascii() and stem.isdigit()
+        if named and entry.name == f"{int(stem):08d}{suffix}" and entry.is_file():
+            numbers.add(int(stem))
+    return numbers
 
 
 def _append_whole(path: Path, size: int, entry: bytes) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from splitstream.common.errors import ConfigError
 from splitstream.common.wal import (
     CALL,
     FEEDBACK,
@@ -188,7 +189,10 @@ class Tail:
         """Take every log's ``shipper.lock`` (holding our pid), waiting while another shipper holds one: the
         child of a restarted router waits for the old child to finish its drain."""
         for reader in self.readers:
-            fd = os.open(reader.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fd = os.open(reader.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as error:  # a directory named so, a directory the shipper may not write to
+                raise ConfigError(f"--log-dir: {error.strerror or error}: {error.filename}") from None
             waited = False
             while True:
                 try:
