@@ -463,6 +463,10 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
         (["--archive", "s3://archive/p?colour=red"], "unknown option 'colour'"),
         (["--archive", "nosuchscheme://x/y"], "archive URL"),
         (["--archive", "file:///dev/null/archive"], "archive"),
+        # An endpoint's path was dropped without a word (the store then answered for another root), and an
+        # endpoint given with a local archive was ignored (the files went to a directory, not the store).
+        (["--archive", "s3://archive/p", "--s3-endpoint", f"{s3.endpoint}/tenant"], "no path"),
+        (["--archive", str(tmp_path / "local"), "--s3-endpoint", s3.endpoint], "s3:// archives only"),
     ]
     strict = S3Server(tmp_path / "strict-s3", check_credentials=True).start()
     cases.append((["--archive", "s3://archive/p", "--s3-endpoint", strict.endpoint], "ACCESS_DENIED"))

@@ -118,6 +118,8 @@ def open_archive(url: str, *, endpoint: str = "") -> Archive:
         raise ArchiveError("empty archive URL")
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
+    if endpoint and scheme != "s3":  # ignored, the files would go somewhere the user did not mean
+        raise ArchiveError(f"an S3 endpoint ({endpoint!r}) applies to s3:// archives only, not to {url!r}")
     if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
         path = parts.path if scheme == "file" else text
         if scheme == "file" and parts.netloc not in ("", "localhost"):
@@ -147,6 +149,11 @@ def _open_s3(url: str, bucket: str, path: str, query: dict[str, str], endpoint: 
         target = urlsplit(endpoint if "://" in endpoint else f"{scheme}://{endpoint}")
         if target.scheme not in ("http", "https") or not target.netloc:
             raise ArchiveError(f"S3 endpoint {endpoint!r}: expected http://host:port or https://host:port")
+        if target.path.strip("/") or target.query or target.fragment:  # pyarrow would drop them silently
+            raise ArchiveError(
+                f"S3 endpoint {endpoint!r}: an endpoint is http(s)://host:port with no path "
+                "(put a prefix in the archive URL: s3://bucket/prefix)"
+            )
         scheme, override = target.scheme, target.netloc
     if scheme not in ("http", "https"):
         raise ArchiveError(f"archive URL {url!r}: scheme must be http or https, got {scheme!r}")
