@@ -28,6 +28,25 @@ from tests.models import add_version
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def clean_env() -> dict[str, str]:
+    """This environment without ``SPLITSTREAM_*`` settings (a developer's own would change what a command does)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
+
+
+def run_module(module: str, *args: str, cwd: Path = ROOT, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
+    """``python -m <module> <args>`` to its end, text output captured, in :func:`clean_env`: how a test sees
+    what a command-line user sees (exit code and stderr lines)."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=clean_env(),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
 _PORTS_HANDED_OUT: set[int] = set()
 
 

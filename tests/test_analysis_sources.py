@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,23 @@ def copy_of(lab: Lab, server: RedisServer) -> Any:
     return client
 
 
+def archive_lab(tmp_path: Path, server: RedisServer, client: Any, url: str, *extra: str) -> None:
+    """Run an archiver over the lab's copy until both its streams (calls, feedback) are in the archive."""
+    archiver = start_archiver(tmp_path, server.url, url, *extra)
+    try:
+        for key in (stream_key(LAB), feedback_key(LAB)):
+            wait_until(lambda key=key: archived_everything(client, key), timeout_s=120, what=key)  # type: ignore[misc]
+    finally:
+        archiver.stop()
+
+
+def trim_older(client: Any, share: Fraction) -> None:
+    """Retention's work by hand: the older ``share`` of both streams trimmed away (the archive still has it)."""
+    for key in (stream_key(LAB), feedback_key(LAB)):
+        entries: Any = client.xrange(key)
+        client.xtrim(key, minid=entries[int(len(entries) * share)][0])
+
+
 def comparable(analysis: Analysis) -> Any:
     """The analysis without what depends on how entries are paged (entries read, copies met on the way, the
     most calls held at once for the join)."""
@@ -302,21 +320,14 @@ def test_the_archive_gives_the_same_analysis_as_redis_straddling_and_after_a_flu
             expected = comparable(run(server.url, FULL))
             assert expected["phases"][0]["comparisons"]
             extra = ("--s3-endpoint", endpoint) if endpoint else ()
-            archiver = start_archiver(tmp_path, server.url, url, *extra)
-            try:
-                for key in (stream_key(LAB), feedback_key(LAB)):
-                    wait_until(lambda key=key: archived_everything(client, key), timeout_s=120, what=key)  # type: ignore[misc]
-            finally:
-                archiver.stop()
+            archive_lab(tmp_path, server, client, url, *extra)
             archive = open_archive(url, endpoint=endpoint)
             # Stream figures are archived as columns: nothing need parse records.
             columns = readable_calls(archive, ArchiveQuery(model=LAB, since_ns=T0, until_ns=T0 + HOUR_NS))
             assert sum(t is not None for t in columns["tokens"].to_pylist()) == sum(lab.streams.values())
             assert_same(comparable(run(ArchiveSource(archive), FULL)), expected, "archive")
             # Retention took the older part of both streams: the archive serves it, Redis the rest.
-            for key in (stream_key(LAB), feedback_key(LAB)):
-                entries: Any = client.xrange(key)
-                client.xtrim(key, minid=entries[len(entries) * 2 // 3][0])
+            trim_older(client, Fraction(2, 3))
             straddling = StraddlingSource(Redis.from_url(server.url), archive)
             assert_same(comparable(run(straddling, FULL)), expected, "straddling")
             # And from the command line, after Redis has forgotten everything.
@@ -342,15 +353,8 @@ def test_the_cli_reads_a_straddling_window_with_archive_behind_redis(lab: Lab, t
         flags = [*window_flags(), "--metric", "click:proportion", "--segment", "principal"]
         before = cli(LAB, "--redis-url", server.url, *flags, "--output-dir", str(tmp_path / "a"))
         assert before.returncode == 0, before.stderr
-        archiver = start_archiver(tmp_path, server.url, url)
-        try:
-            for key in (stream_key(LAB), feedback_key(LAB)):
-                wait_until(lambda key=key: archived_everything(client, key), timeout_s=120, what=key)  # type: ignore[misc]
-        finally:
-            archiver.stop()
-        for key in (stream_key(LAB), feedback_key(LAB)):
-            entries: Any = client.xrange(key)
-            client.xtrim(key, minid=entries[len(entries) // 2][0])
+        archive_lab(tmp_path, server, client, url)
+        trim_older(client, Fraction(1, 2))
         client.close()
         trimmed = cli(LAB, "--redis-url", server.url, *flags, "--output-dir", str(tmp_path / "b"))
         both = cli(LAB, "--redis-url", server.url, "--archive", url, *flags, "--output-dir", str(tmp_path / "c"))
@@ -372,15 +376,8 @@ def test_a_window_open_to_the_year_9999_reads_the_archive_as_redis(lab: Lab, tmp
     with RedisServer(tmp_path / "redis") as server:
         client = copy_of(lab, server)
         from_redis = cli(LAB, "--redis-url", server.url, *flags, "--output-dir", str(tmp_path / "redis"))
-        archiver = start_archiver(tmp_path, server.url, url)
-        try:
-            for key in (stream_key(LAB), feedback_key(LAB)):
-                wait_until(lambda key=key: archived_everything(client, key), timeout_s=120, what=key)  # type: ignore[misc]
-        finally:
-            archiver.stop()
-        for key in (stream_key(LAB), feedback_key(LAB)):
-            entries: Any = client.xrange(key)
-            client.xtrim(key, minid=entries[len(entries) // 2][0])
+        archive_lab(tmp_path, server, client, url)
+        trim_older(client, Fraction(1, 2))
         client.close()
         behind = cli(LAB, "--redis-url", server.url, "--archive", url, *flags, "--output-dir", str(tmp_path / "behind"))
     alone = cli(LAB, "--source", f"archive:{url}", *flags, "--output-dir", str(tmp_path / "alone"))

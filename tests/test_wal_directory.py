@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from splitstream.common import wal
-from tests.harness import ROOT, InferClient, free_port, make_request, wait_for, write_registry
+from tests.harness import InferClient, free_port, make_request, run_module, wait_for, write_registry
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
 from tests.test_wal_recording import _call_payload, start_shipper
 
@@ -116,14 +114,10 @@ def test_a_second_router_on_the_same_log_directory_exits_2_and_the_first_loses_n
         stack.wait_recorded(call(stack, "before", 5))
         registry = tmp_path / "registry-2.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
-        second = subprocess.run(
-            [
-                sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
-                "--metrics-port", "0", "--recorder", f"127.0.0.1:{stack.recorder_port}", "--hmac-key", HMAC_KEY,
-                "--spool-dir", str(stack.spool_dir),
-            ],
-            env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-            cwd=ROOT, capture_output=True, text=True, timeout=30,
+        second = run_module(
+            "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
+            "--recorder", f"127.0.0.1:{stack.recorder_port}", "--hmac-key", HMAC_KEY,
+            "--spool-dir", str(stack.spool_dir),
         )  # fmt: skip
         assert second.returncode == 2, second.stderr
         assert stack.router.process is not None

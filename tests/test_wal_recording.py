@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,12 +19,12 @@ import pytest
 
 from splitstream.common import wal
 from tests.harness import (
-    ROOT,
     InferClient,
     ServiceProcess,
     SteadyLoad,
     free_port,
     make_request,
+    run_module,
     scrape_metrics,
     wait_for,
     write_registry,
@@ -35,6 +34,24 @@ from tests.test_recording_faults import UNBATCHED
 from tests.tmpfs import small_tmpfs
 
 CALLS = 2000
+
+
+def run_shipper(*args: str) -> subprocess.CompletedProcess[str]:
+    """A shipper started from the command line to its end (these tests give it flags it must refuse), with a
+    recorder address nobody serves and ports of its own."""
+    recorder = f"127.0.0.1:{free_port()}"
+    return run_module(
+        "splitstream.shipper",
+        *args,
+        "--recorder",
+        recorder,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--metrics-port",
+        "0",
+    )
 
 
 def answered(load: SteadyLoad) -> set[str]:
@@ -388,15 +405,7 @@ def test_the_shipper_refuses_spool_max_bytes_with_exit_2_since_the_router_caps_t
     log_dir = tmp_path / "log"
     log_dir.mkdir()
     (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--recorder",
-            f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-            "--spool-max-bytes", "1000",
-        ],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    result = run_shipper("--log-dir", str(log_dir), "--spool-max-bytes", "1000")
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert lines == ["splitstream-shipper: error: unrecognized arguments: --spool-max-bytes 1000"], result.stderr
@@ -422,14 +431,7 @@ def test_the_shipper_refuses_a_value_that_cannot_work_with_exit_2_naming_the_fla
     log_dir = tmp_path / "log"
     log_dir.mkdir()
     (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--recorder",
-            f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", flag, value,
-        ],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    result = run_shipper("--log-dir", str(log_dir), flag, value)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [f"splitstream-shipper: error: {flag}: {named}"], result.stderr
     assert sorted(path.name for path in log_dir.iterdir()) == [wal.segment_name(1)]
@@ -440,14 +442,10 @@ def test_the_router_refuses_a_record_batch_cap_its_child_shipper_would_refuse_wi
     handed the cap to its child shipper, which dropped every record as too large; the router refuses it now."""
     registry = tmp_path / "registry.yaml"
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
-            "--metrics-port", "0", "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir",
-            str(tmp_path / "log"), "--record-batch-max-bytes", "1000", "--record-stream-max-bytes", "100",
-        ],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
+    result = run_module(
+        "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
+        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"),
+        "--record-batch-max-bytes", "1000", "--record-stream-max-bytes", "100",
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
@@ -460,14 +458,7 @@ def test_the_shipper_refuses_a_log_dir_given_twice_with_exit_2(tmp_path: Path) -
     itself: it said it was shipping and shipped nothing."""
     log_dir = tmp_path / "log"
     log_dir.mkdir()
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--log-dir", f"{log_dir}/",
-            "--recorder", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-        ],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    result = run_shipper("--log-dir", str(log_dir), "--log-dir", f"{log_dir}/")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"splitstream-shipper: error: --log-dir: {log_dir}/ is the same directory as {log_dir}: give each log once"
@@ -489,11 +480,7 @@ def test_an_empty_log_directory_is_refused_with_exit_2_not_taken_as_the_working_
         "router": ("--spool-dir", ["--registry", f"file:{registry}", "--port", "0", "--recorder", "127.0.0.1:1",
                                    "--hmac-key", "k"]),
     }[program]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", f"splitstream.{program}", *args, "--metrics-port", "0", flag, ""],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=work, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    result = run_module(f"splitstream.{program}", *args, "--metrics-port", "0", flag, "", cwd=work)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"splitstream-{program}: error: {flag}: must name a directory, got an empty value"
@@ -507,14 +494,7 @@ def test_a_shipper_that_cannot_lock_its_log_exits_2_instead_of_serving_and_shipp
     log_dir = tmp_path / "log"
     (log_dir / "shipper.lock").mkdir(parents=True)
     (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "splitstream.shipper", "--log-dir", str(log_dir), "--recorder",
-            f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
-        ],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+    result = run_shipper("--log-dir", str(log_dir))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1:] == [
         f"splitstream-shipper: error: --log-dir: Is a directory: {log_dir / 'shipper.lock'}"

@@ -383,7 +383,7 @@ class Archiver:
         for stream, pairs in self._pairs(reply):
             if stream in self.buffers:
                 self.buffers[stream].add(pairs)
-        self.metrics.buffered.set(sum(b.count for b in self.buffers.values()) + len(self._in_flight))
+        self.metrics.buffered.set(self.unwritten())
 
     async def _read_streams(self, streams: list[str], *, count: int, block_ms: int) -> Any:
         """One XREADGROUP of every stream; on a cluster, one per slot, concurrently (a command's keys must
