@@ -130,6 +130,20 @@ def test_seeded_sampling_gives_the_same_text_for_the_same_seed_and_another_for_a
     assert first != greedy_reference("v2", b"A function ", 48)
 
 
+def test_a_temperature_too_close_to_zero_to_scale_the_logits_decodes_greedily(deployment: Deployment) -> None:
+    """FP64 lets a client send 1e-310: the log probabilities over it overflow to -inf everywhere.
+
+    Sampling from those drew the last token of the vocabulary, the byte 0xFF, every step: a
+    stream whose text was not UTF-8 from a model that never writes anything but printable ASCII.
+    """
+    for temperature in (1e-310, 5e-324):
+        request = generation_request(MODEL, "The ", 24, request_id="cold", top_k=5)
+        add_raw_input(request, "temperature", np.array([[temperature]], dtype=np.float64))
+        answer = deployment.clients["v2"].generate(request)
+        assert not answer.errors
+        assert answer.text == greedy_reference("v2", b"The ", 24), temperature
+
+
 def test_max_tokens_and_stop_words_end_the_generation(deployment: Deployment) -> None:
     client = deployment.clients["v1"]
     answer = client.generate(generation_request(MODEL, "x", 5, request_id="m"))

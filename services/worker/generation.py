@@ -244,7 +244,12 @@ class _Sequence:
         request = self.request
         if request.temperature == 0:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / request.temperature
+        with np.errstate(over="ignore", invalid="ignore"):
+            scaled = logits.astype(np.float64) / request.temperature
+        if not np.isfinite(scaled.max()):
+            # A temperature so close to 0 that the scaled logits overflow is greedy in the limit;
+            # sampling from the overflowed values would draw the last token (an invalid UTF-8 byte).
+            return int(np.argmax(logits))
         candidates: np.ndarray | None = None
         if 0 < request.top_k < len(scaled):
             candidates = np.argpartition(scaled, -request.top_k)[-request.top_k :]
