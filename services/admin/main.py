@@ -444,6 +444,13 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
     return reader
 
 
+def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
+    try:
+        return tuple(metrics.metrics_url(url) for url in flags)
+    except ValueError as error:
+        raise Invalid(str(error)) from None
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -460,7 +467,7 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         max_p99_ratio=args.max_p99_ratio,
         max_ttft_p99_ratio=args.max_ttft_p99_ratio,
         max_itl_p99_ratio=args.max_itl_p99_ratio,
-        metrics_urls=tuple(metrics.metrics_url(url) for url in args.metrics),
+        metrics_urls=metrics_urls(args.metrics),
         min_calls=args.min_calls,
         check_every_s=args.check_every,
         guards=guards,

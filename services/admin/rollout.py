@@ -191,6 +191,8 @@ class Rollout:
         self.control = base.control
         try:
             self.scrape(plan.metrics_urls, plan.model)
+        except metrics.NotMetrics as error:  # a --metrics naming the wrong thing: the operator's to mend
+            raise Invalid(f"{error}; nothing changed") from None
         except OSError as error:
             raise AdminError(f"{error}; nothing changed") from None
         revision = view.revision
@@ -207,7 +209,7 @@ class Rollout:
                 )
                 try:
                     self._judge_step(experiment)
-                except (Tripped, OSError) as reason:
+                except (Tripped, OSError, metrics.NotMetrics) as reason:
                     return self._roll_back(str(reason))
         except KeyboardInterrupt:
             return self._roll_back("interrupted")

@@ -1,0 +1,244 @@
+"""``splitstream rollout`` and ``experiment set`` against faults from outside, on real processes: a
+``--metrics`` naming the wrong thing, signals at bad moments, the registry file edited, full or linked
+under it, Consul failing mid-rollout.
+
+The lab is two real workers (v1, v2) of one model behind a real router that follows a file registry,
+under steady load; the CLI runs as a subprocess, as an operator runs it. What a rollout leaves in the
+registry is read back with ``experiment get``, as the operator would.
+"""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.harness import (
+    ROOT,
+    ServiceProcess,
+    Stack,
+    SteadyLoad,
+    clean_env,
+    free_port,
+    run_module,
+    wait_for,
+    write_registry,
+)
+from tests.models import add_version
+
+MODEL = "m"
+#: Loose latency and few calls per step: two cores run the router, both workers and the load here.
+JUDGED = ("--interval", "3s", "--check-every", "0.3s", "--min-calls", "5", "--max-p99-ratio", "50")
+
+
+def arms(text: str, model: str = MODEL) -> dict[str, float]:
+    """The weights of ``model``'s experiment in a registry file's text."""
+    experiment = yaml.safe_load(text)["models"][model]["experiment"]
+    return {a["version"]: a["weight"] for a in experiment["arms"]}
+
+
+class Lab:
+    """v1 and v2 of ``m`` (and a model ``other`` on v1) behind a router on ``registry``, under load."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        add_version(tmp / "models", MODEL, "v1", scale=2.0)
+        add_version(tmp / "models", MODEL, "v2", scale=3.0)
+        self.stack = Stack(tmp)
+        self.workers = {v: self.stack.worker(tmp / "models", MODEL, v, start=False) for v in ("v1", "v2")}
+        for worker in self.workers.values():
+            worker.start(wait_serving=False)
+        for worker in self.workers.values():
+            worker.wait_serving()
+        self.registry = tmp / "registry.yaml"
+        self.write()
+        self.router: ServiceProcess = self.stack.router(self.registry)
+        self.metrics = f"127.0.0.1:{self.router.metrics_port}"
+        self.load = SteadyLoad(self.router.address, MODEL, threads=2, key_prefix="lab", pause_s=0.005).__enter__()
+        self.load.wait_calls(20)
+
+    def write(self, v2: float = 0) -> None:
+        """The registry as its operator keeps it: v1 the control, v2 at ``v2`` %."""
+        one = {"v1": [self.workers["v1"].address]}
+        experiment = {
+            "salt": "lab",
+            "control": "v1",
+            "arms": [{"version": "v1", "weight": 100 - v2}, {"version": "v2", "weight": v2}],
+        }
+        other = {"salt": "other", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+        endpoints = {v: [w.address] for v, w in self.workers.items()}
+        models = {MODEL: {"endpoints": endpoints, "experiment": experiment}}
+        write_registry(self.registry, {**models, "other": {"endpoints": one, "experiment": other}})
+
+    def close(self) -> None:
+        self.load.stop()
+        self.stack.close()
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[Lab]:
+    lab = Lab(tmp_path)
+    yield lab
+    lab.close()
+
+
+class Cli:
+    """``splitstream ARGS`` in a subprocess, its output (stdout and stderr) read line by line as it comes."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "splitstream.admin", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=clean_env(),
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_line(self, text: str, timeout_s: float = 60) -> str:
+        def seen() -> str | None:
+            if self.process.poll() is not None and not self._reader.is_alive():
+                raise AssertionError(f"exited {self.process.returncode} before {text!r}:\n{self.output()}")
+            return next((line for line in self.lines if text in line), None)
+
+        try:
+            line: str = wait_for(seen, timeout_s=timeout_s, what=repr(text))
+        except TimeoutError as error:
+            raise AssertionError(f"{error}\n{self.output()}") from None
+        return line
+
+    def wait(self, timeout_s: float = 90) -> int:
+        code = self.process.wait(timeout=timeout_s)
+        self._reader.join(timeout=5)
+        return code
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def rollout(registry: Path | str, *flags: str) -> Cli:
+    spec = registry if isinstance(registry, str) else f"file:{registry}"
+    return Cli("--registry", spec, "rollout", MODEL, "v2", *flags)
+
+
+def assert_one_line_no_traceback(output: str) -> None:
+    assert "Traceback" not in output, output
+    assert len(output.strip().splitlines()) == 1, output
+
+
+class MetricsProxy:
+    """An HTTP server standing where a router's /metrics is expected: it passes the router's answer on
+    until told to answer ``body`` instead (a web page, as a proxy or load balancer in the way does)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = f"http://{upstream}/metrics"
+        self.body: bytes | None = None
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = proxy.body
+                if body is None:
+                    with urllib.request.urlopen(proxy.upstream, timeout=5) as response:
+                        body = response.read()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- --metrics naming the wrong thing --------------------------------------------------------------------
+
+
+@pytest.fixture
+def idle_registry(tmp_path: Path) -> Path:
+    """A registry of ``m`` with v1 and v2 registered (nobody listens: a refusal must come before any call)."""
+    path = tmp_path / "registry.yaml"
+    experiment = {"salt": "s", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+    endpoints = {"v1": ["127.0.0.1:1"], "v2": ["127.0.0.1:2"]}
+    write_registry(path, {MODEL: {"endpoints": endpoints, "experiment": experiment}})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("127.0.0.1:notaport", "notaport"),
+        ("127.0.0.1:99999", "out of range"),
+        ("ftp://127.0.0.1:21/metrics", "http:// or https://"),
+        ("", "HOST:PORT"),
+    ],
+)
+def test_a_metrics_url_that_cannot_be_read_is_refused_with_exit_2_and_one_line(
+    idle_registry: Path, flag: str, named: str
+) -> None:
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "rollout", MODEL, "v2",
+                      "--metrics", flag)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert named in done.stderr
+    assert "--metrics" in done.stderr
+    assert idle_registry.read_text() == before
+
+
+def test_metrics_that_are_not_a_router_s_are_refused_before_anything_changes(lab: Lab) -> None:
+    before = lab.registry.read_text()
+    page = MetricsProxy(lab.metrics)
+    page.body = b"<html><body>Sign in to continue</body></html>\n"
+    try:
+        # A web page where the router's metrics were expected; a worker's metrics (Prometheus, not a router).
+        for wrong in (page.address, f"127.0.0.1:{lab.workers['v1'].metrics_port}"):
+            done = run_module("splitstream.admin", "--registry", f"file:{lab.registry}", "rollout", MODEL, "v2",
+                              "--metrics", lab.metrics, "--metrics", wrong, *JUDGED)  # fmt: skip
+            assert done.returncode == 2, done.stdout + done.stderr
+            assert_one_line_no_traceback(done.stderr)
+            assert wrong in done.stderr
+            assert "nothing changed" in done.stderr
+            assert done.stdout == ""
+    finally:
+        page.close()
+    assert lab.registry.read_text() == before
+
+
+def test_metrics_that_stop_being_prometheus_text_mid_step_roll_the_new_version_back(lab: Lab) -> None:
+    proxy = MetricsProxy(lab.metrics)
+    try:
+        run = rollout(lab.registry, "--steps", "10,50,100", "--metrics", proxy.address, *JUDGED)
+        run.wait_line("step 1/3")
+        proxy.body = b"<html><body>502 Bad Gateway</body></html>\n"
+        code = run.wait()
+    finally:
+        proxy.close()
+    assert code == 3, run.output()
+    assert "Traceback" not in run.output()
+    assert "ROLLED BACK" in run.output(), run.output()
+    assert f"{proxy.address}/metrics answered not Prometheus text" in run.output()
+    assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
