@@ -9,7 +9,11 @@ registry is read back with ``experiment get``, as the operator would.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
+import json
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.consul_emulator import ConsulEmulator
 from tests.harness import (
     ROOT,
     ServiceProcess,
@@ -242,3 +247,90 @@ def test_metrics_that_stop_being_prometheus_text_mid_step_roll_the_new_version_b
     assert "ROLLED BACK" in run.output(), run.output()
     assert f"{proxy.address}/metrics answered not Prometheus text" in run.output()
     assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
+
+
+# -- signals at bad moments --------------------------------------------------------------------------
+
+
+class SilentListener:
+    """A port that takes connections and never answers (a router hung, a firewall holding the line)."""
+
+    def __init__(self) -> None:
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.socket.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.accepted.append(self.socket.accept()[0])
+
+    def close(self) -> None:
+        for connection in self.accepted:
+            connection.close()
+        self.socket.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_first_scrape_leaves_the_registry_as_it_was_with_one_line(
+    idle_registry: Path, signum: signal.Signals
+) -> None:
+    before = idle_registry.read_text()
+    hung = SilentListener()
+    try:
+        run = rollout(idle_registry, "--metrics", hung.address, *JUDGED)
+        wait_for(lambda: hung.accepted, timeout_s=60, what="the first scrape")
+        run.process.send_signal(signum)
+        code = run.wait()
+    finally:
+        hung.close()
+    assert code == 3, run.output()
+    assert_one_line_no_traceback(run.output())
+    assert "interrupted before the first step" in run.output()
+    assert idle_registry.read_text() == before
+
+
+def on_consul(lab: Lab, emulator: ConsulEmulator) -> None:
+    """The lab's workers registered in Consul, and v1 the whole experiment there."""
+    client = emulator.client()
+    for version, worker in lab.workers.items():
+        client.agent.service.register(
+            f"splitstream-{MODEL}",
+            service_id=f"{MODEL}-{version}",
+            address="127.0.0.1",
+            port=worker.port,
+            tags=[version],
+            meta={"model": MODEL, "version": version},
+        )
+    experiment = {"salt": "lab", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+    client.kv.put(f"splitstream/experiments/{MODEL}", json.dumps(experiment))
+
+
+def consul_arms(emulator: ConsulEmulator) -> dict[str, float]:
+    _, entry = emulator.client().kv.get(f"splitstream/experiments/{MODEL}")
+    return {a["version"]: a["weight"] for a in json.loads(entry["Value"])["arms"]}
+
+
+def test_more_signals_during_a_rollback_do_not_stop_it(lab: Lab, tmp_path: Path) -> None:
+    """The rollback's registry read waits on a Consul that does not answer (SIGSTOPped) while Ctrl-C
+    comes again, and SIGTERM: the rollback still ends with v2 at 0 %."""
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        on_consul(lab, emulator)
+        run = rollout(emulator.spec, "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED)
+        run.wait_line("step 1/3")
+        assert emulator.process is not None
+        emulator.process.send_signal(signal.SIGSTOP)
+        try:
+            run.process.send_signal(signal.SIGINT)
+            run.wait_line(f"rolling back {MODEL} v2 to 0 %")
+            for again in (signal.SIGINT, signal.SIGTERM):
+                run.process.send_signal(again)
+        finally:
+            emulator.process.send_signal(signal.SIGCONT)
+        code = run.wait()
+        assert code == 3, run.output()
+        assert "Traceback" not in run.output()
+        assert "interrupt noted" in run.output()
+        assert "ROLLED BACK: interrupted" in run.output()
+        assert consul_arms(emulator) == {"v1": 100, "v2": 0}

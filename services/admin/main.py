@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import math
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,15 @@ from typing import Any
 
 from splitstream.admin import feedback_import, metrics
 from splitstream.admin.outcomes import GUARD_SYNTAX, OutcomeGuard, OutcomeReader
-from splitstream.admin.rollout import FAILED, ROLLED_BACK, USAGE, Rollout, RolloutPlan
+from splitstream.admin.rollout import (
+    FAILED,
+    ROLLED_BACK,
+    USAGE,
+    Interrupts,
+    Rollout,
+    RolloutPlan,
+    interrupted_before_start,
+)
 from splitstream.admin.store import (
     AdminError,
     Invalid,
@@ -451,10 +458,6 @@ def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
         raise Invalid(str(error)) from None
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
     # From the environment, argparse converts the variable's one guard; from flags, a list.
     guards = (args.guard,) if isinstance(args.guard, OutcomeGuard) else tuple(args.guard or ())
@@ -475,12 +478,21 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         guard_min_units=args.guard_min_units,
         guard_alpha=args.guard_alpha,
     )
-    reader = outcome_reader(args, plan) if guards else None
     # SIGTERM (a CI job cancelled, a terminal closed) rolls back like Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
-    verdict = Rollout(
-        store, plan, out=lambda line: print(line, flush=True), outcomes=reader.read if reader else None
-    ).run()
+    interrupts = Interrupts()
+    interrupts.install()
+    try:
+        reader = outcome_reader(args, plan) if guards else None
+    except KeyboardInterrupt:
+        verdict = interrupted_before_start(plan.model)
+    else:
+        verdict = Rollout(
+            store,
+            plan,
+            out=lambda line: print(line, flush=True),
+            outcomes=reader.read if reader else None,
+            interrupts=interrupts,
+        ).run()
     stream = sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr
     print(verdict.message, file=stream, flush=True)
     return verdict.code
