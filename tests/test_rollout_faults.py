@@ -334,3 +334,29 @@ def test_more_signals_during_a_rollback_do_not_stop_it(lab: Lab, tmp_path: Path)
         assert "interrupt noted" in run.output()
         assert "ROLLED BACK: interrupted" in run.output()
         assert consul_arms(emulator) == {"v1": 100, "v2": 0}
+
+
+# -- the registry file edited, full or linked under a rollout --------------------------------------------
+
+
+def edit_by_hand(path: Path, old: str, new: str) -> str:
+    """What an operator's editor does: the whole file written anew and renamed over it."""
+    text = path.read_text()
+    assert old in text
+    edited = text.replace(old, new)
+    staging = path.with_name(path.name + ".swp")
+    staging.write_text(edited)
+    staging.replace(path)
+    return edited
+
+
+def test_an_edit_elsewhere_in_the_file_during_a_step_is_kept_and_the_rollout_goes_on(lab: Lab) -> None:
+    run = rollout(lab.registry, "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED)
+    run.wait_line("step 1/3")
+    edit_by_hand(lab.registry, "salt: other", "salt: other-reshuffled  # changed by hand in step 1")
+    code = run.wait()
+    assert code == 0, run.output()
+    assert "promoted" in run.output()
+    text = lab.registry.read_text()
+    assert "salt: other-reshuffled  # changed by hand in step 1" in text
+    assert arms(text) == {"v2": 100}

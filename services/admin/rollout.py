@@ -220,6 +220,8 @@ class Rollout:
         #: Per guard, the control's p99 from the last step in which it had enough calls.
         self._references: dict[str, float] = {}
         self.control = ""
+        #: The experiment the registry holds as far as this rollout knows: as read, then as last written.
+        self._holds: Experiment | None = None
         self._guards = [_LatencyGuard("p99", "--max-p99-ratio", plan.max_p99_ratio, lambda c: c.buckets)]
         if plan.max_ttft_p99_ratio is not None:
             self._guards.append(
@@ -237,6 +239,7 @@ class Rollout:
             view = self.store.read(plan.model)
             base = self._base(view)
             self.control = base.control
+            self._holds = view.stored
             try:
                 self.scrape(plan.metrics_urls, plan.model)
             except metrics.NotMetrics as error:  # a --metrics naming the wrong thing: the operator's to mend
@@ -323,11 +326,28 @@ class Rollout:
             raise Invalid(str(error)) from None
 
     def _write(self, experiment: Experiment, revision: object) -> object:
-        """Write with check-and-set; return the new revision, read back with the experiment it must hold."""
-        self.store.write(self.plan.model, experiment, revision)
-        view = self.store.read(self.plan.model)
+        """Write with check-and-set; return the new revision, read back with the experiment it must hold.
+
+        A file registry's revision is the whole file's: an edit elsewhere in it during a step (another
+        model, a comment) made the next step's write a conflict, which stopped the rollout with v2 at its
+        step's weight. While the experiment is still the one last written, the write is made again on the
+        file as it is now, keeping that edit; a change to the experiment itself stays a conflict."""
+        model = self.plan.model
+        for _ in range(5):
+            try:
+                self.store.write(model, experiment, revision)
+                break
+            except Conflict:
+                view = self.store.read(model)
+                if view.stored != self._holds:
+                    raise
+                revision = view.revision
+        else:
+            raise Conflict(f"{self.store.description} kept changing while we wrote; nothing written")
+        view = self.store.read(model)
         if view.stored != experiment:
             raise Conflict("someone else changed the experiment right after our write")
+        self._holds = experiment
         return view.revision
 
     def _roll_back(self, why: str) -> Verdict:
