@@ -37,6 +37,7 @@ from tests.harness import (
     write_registry,
 )
 from tests.models import add_version
+from tests.tmpfs import small_tmpfs
 
 MODEL = "m"
 #: Loose latency and few calls per step: two cores run the router, both workers and the load here.
@@ -52,7 +53,7 @@ def arms(text: str, model: str = MODEL) -> dict[str, float]:
 class Lab:
     """v1 and v2 of ``m`` (and a model ``other`` on v1) behind a router on ``registry``, under load."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, registry: Path | None = None) -> None:
         self.tmp = tmp
         add_version(tmp / "models", MODEL, "v1", scale=2.0)
         add_version(tmp / "models", MODEL, "v2", scale=3.0)
@@ -62,7 +63,7 @@ class Lab:
             worker.start(wait_serving=False)
         for worker in self.workers.values():
             worker.wait_serving()
-        self.registry = tmp / "registry.yaml"
+        self.registry = registry or tmp / "registry.yaml"
         self.write()
         self.router: ServiceProcess = self.stack.router(self.registry)
         self.metrics = f"127.0.0.1:{self.router.metrics_port}"
@@ -360,3 +361,77 @@ def test_an_edit_elsewhere_in_the_file_during_a_step_is_kept_and_the_rollout_goe
     text = lab.registry.read_text()
     assert "salt: other-reshuffled  # changed by hand in step 1" in text
     assert arms(text) == {"v2": 100}
+
+
+def fill(directory: Path) -> None:
+    """Write a file in ``directory`` until its file system is full."""
+    with open(directory / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(b"\0" * 4096)
+
+
+def test_experiment_set_on_a_full_disk_exits_1_with_one_line_and_the_file_as_it_was(idle_registry: Path) -> None:
+    with small_tmpfs(idle_registry.parent / "small", "64k") as small:
+        registry = small / "registry.yaml"
+        registry.write_text(idle_registry.read_text())
+        fill(small)
+        done = run_module("splitstream.admin", "--registry", f"file:{registry}", "experiment", "set", MODEL,
+                          "--weights", "v1=90,v2=10")  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert_one_line_no_traceback(done.stderr)
+        assert "No space left on device; nothing written" in done.stderr
+        assert registry.read_text() == idle_registry.read_text()
+        assert sorted(p.name for p in small.iterdir()) == ["filler", "registry.yaml"]
+
+
+def test_a_rollout_whose_first_step_cannot_be_written_changes_nothing(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "small", "64k") as small:
+        lab = Lab(tmp_path, registry=small / "registry.yaml")
+        try:
+            before = lab.registry.read_text()
+            fill(small)
+            run = rollout(lab.registry, "--metrics", lab.metrics, *JUDGED)
+            code = run.wait()
+            assert code == 1, run.output()
+            assert_one_line_no_traceback(run.output())
+            assert "step 1 could not be written" in run.output()
+            assert "No space left on device" in run.output()
+            assert lab.registry.read_text() == before
+        finally:
+            lab.close()
+
+
+def test_a_disk_that_fills_during_a_rollout_rolls_back_once_it_has_room_again(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "small", "64k") as small:
+        lab = Lab(tmp_path, registry=small / "registry.yaml")
+        try:
+            run = rollout(lab.registry, "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED)
+            run.wait_line("step 1/3")
+            fill(small)  # step 2 cannot be written, nor at first the rollback
+            run.wait_line("No space left on device; nothing written; trying again")
+            assert arms(lab.registry.read_text()) == {"v1": 90, "v2": 10}
+            (small / "filler").unlink()
+            code = run.wait()
+            assert code == 3, run.output()
+            assert "Traceback" not in run.output()
+            assert "ROLLED BACK: step 2 could not be written" in run.output()
+            assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
+        finally:
+            lab.close()
+
+
+def test_consul_failing_mid_rollout_is_waited_out_and_the_rollout_rolls_back(lab: Lab, tmp_path: Path) -> None:
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        on_consul(lab, emulator)
+        router = lab.stack.router(emulator.spec)  # v2 takes calls as Consul's experiment says
+        with SteadyLoad(router.address, MODEL, threads=2, key_prefix="consul", pause_s=0.005):
+            run = rollout(emulator.spec, "--steps", "10,50,100", "--metrics", f"127.0.0.1:{router.metrics_port}",
+                          *JUDGED)  # fmt: skip
+            run.wait_line("step 1/3")
+            with emulator.stopped():  # (KV comes back with it; the instances do not, as after an agent restart)
+                run.wait_line("connection refused; trying again")
+            code = run.wait()
+        assert code == 3, run.output()
+        assert "Traceback" not in run.output()
+        assert "ROLLED BACK: step 2 could not be written" in run.output()
+        assert consul_arms(emulator) == {"v1": 100, "v2": 0}

@@ -59,6 +59,8 @@ PROMOTED = 0
 FAILED = 1
 USAGE = 2
 ROLLED_BACK = 3
+#: How long a rollback keeps trying a registry that fails, before it gives up saying what the registry holds.
+ROLLBACK_PATIENCE_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -257,6 +259,8 @@ class Rollout:
                         revision = self._write(experiment, revision)
                 except Conflict as error:
                     return Verdict(FAILED, f"{error}; rollout stopped, the experiment left as it is")
+                except AdminError as error:  # a full disk, Consul failing: the last step's weights may hold
+                    return self._roll_back(f"step {number} could not be written: {error}", failed=number == 1)
                 self.interrupts.raise_pending()
                 self.out(
                     f"step {number}/{len(plan.steps)}: {plan.model} {weights_text(experiment)}, "
@@ -350,29 +354,54 @@ class Rollout:
         self._holds = experiment
         return view.revision
 
-    def _roll_back(self, why: str) -> Verdict:
-        """Move the new version's share to the control in the experiment as it is now (retrying a conflict)."""
+    def _roll_back(self, why: str, *, failed: bool = False) -> Verdict:
+        """Move the new version's share to the control in the experiment as it is now (retrying a conflict).
+        Where it has none (a first step that could not be written) nothing is written; ``failed``: the
+        rollout did not get to change anything, which is exit 1 rather than a rollback's 3."""
         self.interrupts.hold_to_the_end()
-        self.out(f"rolling back {self.plan.model} {self.plan.version} to 0 %")  # (a slow registry shows here)
+        if not failed:
+            self.out(f"rolling back {self.plan.model} {self.plan.version} to 0 %")  # (a slow registry shows here)
         plan = self.plan
-        for _ in range(5):
+        conflicts, deadline = 0, self.clock() + ROLLBACK_PATIENCE_S
+        while conflicts < 5:
             try:
                 view = self.store.read(plan.model)
                 current = view.stored or view.effective
                 if current is None:
-                    break
+                    return Verdict(FAILED, f"{why}; and rolling back failed: {plan.model} has no experiment now")
                 weights = {a.version: a.weight for a in current.arms}
                 share = weights.get(plan.version, 0)
                 weights[plan.version] = 0
                 weights[current.control] = weights.get(current.control, 0) + share
                 rolled = self._rebuilt(current, current.control, weights)
-                self.store.write(plan.model, rolled, view.revision)
+                if share:
+                    self.store.write(plan.model, rolled, view.revision)
             except Conflict:
+                conflicts += 1
                 continue
-            except (AdminError, Invalid) as error:
-                return Verdict(FAILED, f"{why}; and rolling back failed: {error}")
-            return Verdict(ROLLED_BACK, f"ROLLED BACK: {why}; {plan.model} now {weights_text(rolled)}")
-        return Verdict(FAILED, f"{why}; and rolling back failed: the experiment kept changing")
+            except AdminError as error:  # Consul restarting, a disk full for a moment: worth waiting for
+                if self.clock() >= deadline:
+                    return Verdict(FAILED, f"{why}; and rolling back failed: {error}; {self._state()}")
+                self.out(f"  rolling back: {error}; trying again")
+                self.sleep(1.0)
+                continue
+            except Invalid as error:
+                return Verdict(FAILED, f"{why}; and rolling back failed: {error}; {self._state()}")
+            return Verdict(
+                FAILED if failed else ROLLED_BACK,
+                f"{'' if failed else 'ROLLED BACK: '}{why}; {plan.model} now {weights_text(rolled)}",
+            )
+        return Verdict(FAILED, f"{why}; and rolling back failed: the experiment kept changing; {self._state()}")
+
+    def _state(self) -> str:
+        """What the registry holds, for an operator left to mend it."""
+        try:
+            view = self.store.read(self.plan.model)
+        except (AdminError, Invalid) as error:
+            held = f"last written as {weights_text(self._holds)}" if self._holds else "not known"
+            return f"{self.plan.model} {held} (it cannot be read: {error})"
+        current = view.stored or view.effective
+        return f"{self.plan.model} is still {weights_text(current) if current else 'without an experiment'}"
 
     # -- judging ------------------------------------------------------------------------------------
 

@@ -174,7 +174,10 @@ class FileStore:
         except EditError as error:
             raise AdminError(f"{self.path}: {error}; nothing written") from None
         # Readers see the old or the new file, whole, even after a crash (see atomic_write).
-        atomic_write(self.path, edited, mode=self.path.stat().st_mode & 0o777)
+        try:
+            atomic_write(self.path, edited, mode=self.path.stat().st_mode & 0o777)
+        except OSError as error:  # a full disk, a read-only directory: the old file stays, whole
+            raise AdminError(f"{self.path}: cannot write: {error.strerror or error}; nothing written") from None
 
 
 def _probe(addresses: Any, timeout_s: float = 1.0, *, tls: ClientTls = PLAINTEXT) -> dict[str, str]:
