@@ -435,3 +435,18 @@ def test_consul_failing_mid_rollout_is_waited_out_and_the_rollout_rolls_back(lab
         assert "Traceback" not in run.output()
         assert "ROLLED BACK: step 2 could not be written" in run.output()
         assert consul_arms(emulator) == {"v1": 100, "v2": 0}
+
+
+def test_experiment_set_through_a_symlink_writes_its_target_and_keeps_the_link(idle_registry: Path) -> None:
+    """Registries kept in a checkout are often linked into place (``/etc/splitstream/registry.yaml`` → the
+    checkout's file): the write must land in the checkout, and the link stay a link."""
+    target = idle_registry.parent / "checkout" / "registry.yaml"
+    target.parent.mkdir()
+    idle_registry.replace(target)
+    idle_registry.symlink_to(Path("checkout") / "registry.yaml")
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "experiment", "set", MODEL,
+                      "--weights", "v1=90,v2=10")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert idle_registry.is_symlink()
+    assert arms(target.read_text()) == {"v1": 90, "v2": 10}
+    assert sorted(p.name for p in target.parent.iterdir()) == ["registry.yaml"]
