@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import math
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,15 @@ from typing import Any
 
 from splitstream.admin import feedback_import, metrics
 from splitstream.admin.outcomes import GUARD_SYNTAX, OutcomeGuard, OutcomeReader
-from splitstream.admin.rollout import FAILED, ROLLED_BACK, USAGE, Rollout, RolloutPlan
+from splitstream.admin.rollout import (
+    FAILED,
+    ROLLED_BACK,
+    USAGE,
+    Interrupts,
+    Rollout,
+    RolloutPlan,
+    interrupted_before_start,
+)
 from splitstream.admin.store import (
     AdminError,
     Invalid,
@@ -444,8 +451,11 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
     return reader
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
+    try:
+        return tuple(metrics.metrics_url(url) for url in flags)
+    except ValueError as error:
+        raise Invalid(str(error)) from None
 
 
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
@@ -460,7 +470,7 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         max_p99_ratio=args.max_p99_ratio,
         max_ttft_p99_ratio=args.max_ttft_p99_ratio,
         max_itl_p99_ratio=args.max_itl_p99_ratio,
-        metrics_urls=tuple(metrics.metrics_url(url) for url in args.metrics),
+        metrics_urls=metrics_urls(args.metrics),
         min_calls=args.min_calls,
         check_every_s=args.check_every,
         guards=guards,
@@ -468,12 +478,21 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         guard_min_units=args.guard_min_units,
         guard_alpha=args.guard_alpha,
     )
-    reader = outcome_reader(args, plan) if guards else None
     # SIGTERM (a CI job cancelled, a terminal closed) rolls back like Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
-    verdict = Rollout(
-        store, plan, out=lambda line: print(line, flush=True), outcomes=reader.read if reader else None
-    ).run()
+    interrupts = Interrupts()
+    interrupts.install()
+    try:
+        reader = outcome_reader(args, plan) if guards else None
+    except KeyboardInterrupt:
+        verdict = interrupted_before_start(plan.model)
+    else:
+        verdict = Rollout(
+            store,
+            plan,
+            out=lambda line: print(line, flush=True),
+            outcomes=reader.read if reader else None,
+            interrupts=interrupts,
+        ).run()
     stream = sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr
     print(verdict.message, file=stream, flush=True)
     return verdict.code

@@ -12,9 +12,11 @@ restarted; its new value is the whole delta, as Prometheus' ``rate()`` assumes.
 from __future__ import annotations
 
 import math
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -100,40 +102,63 @@ def _minus(later: Mapping[float, float], earlier: Mapping[float, float]) -> dict
 
 _HISTOGRAMS = {BUCKETS: "buckets", TTFT_BUCKETS: "ttft", GAP_BUCKETS: "gaps"}
 
+
+class NotMetrics(ValueError):
+    """A URL answered, but not with a router's metrics (a web page, another exporter): the --metrics
+    flag names the wrong thing, which no retry or wait will mend."""
+
+
 #: One scrape: router URL → version → counts.
 Snapshot = dict[str, dict[str, VersionCounts]]
 
 
 def parse(text: str, model: str) -> dict[str, VersionCounts]:
-    """The counts of ``model``'s versions in one router's exposition text."""
+    """The counts of ``model``'s versions in one router's exposition text; NotMetrics for text that is not
+    Prometheus exposition or not a router's (every router declares its requests counter, calls or none)."""
     versions: dict[str, VersionCounts] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = sample.labels
-            if labels.get("model") != model or "version" not in labels:
-                continue
-            counts = versions.setdefault(labels["version"], VersionCounts())
-            if sample.name in (REQUESTS, STREAMS):
-                counts.calls += sample.value
-                if labels.get("status") not in CLIENT_STATUSES:
-                    counts.errors += sample.value
-            elif sample.name in _HISTOGRAMS:
-                histogram = getattr(counts, _HISTOGRAMS[sample.name])
-                le = float(labels["le"])
-                histogram[le] = histogram.get(le, 0.0) + sample.value
+    router = False
+    try:
+        for family in text_string_to_metric_families(text):
+            router = router or family.name == REQUESTS.removesuffix("_total")
+            _add_family(family.samples, model, versions)
+    except (ValueError, KeyError) as error:  # the parser's, and a bucket's ``le`` missing or not a number
+        raise NotMetrics(f"not Prometheus text ({' '.join(str(error).split())[:120]})") from None
+    if not router:
+        raise NotMetrics(f"not a splitstream router's metrics (no {REQUESTS})")
     return versions
 
 
+def _add_family(samples: Iterable[Any], model: str, versions: dict[str, VersionCounts]) -> None:
+    for sample in samples:
+        labels = sample.labels
+        if labels.get("model") != model or "version" not in labels:
+            continue
+        counts = versions.setdefault(labels["version"], VersionCounts())
+        if sample.name in (REQUESTS, STREAMS):
+            counts.calls += sample.value
+            if labels.get("status") not in CLIENT_STATUSES:
+                counts.errors += sample.value
+        elif sample.name in _HISTOGRAMS:
+            histogram = getattr(counts, _HISTOGRAMS[sample.name])
+            le = float(labels["le"])
+            histogram[le] = histogram.get(le, 0.0) + sample.value
+
+
 def scrape(urls: Iterable[str], model: str, *, timeout_s: float = 5.0) -> Snapshot:
-    """Read every router; raises OSError (URLError included) naming the router that did not answer."""
+    """Read every router; raises OSError (URLError included) naming the router that did not answer, and
+    NotMetrics naming the one whose answer is not a router's metrics."""
     snapshot: Snapshot = {}
     for url in urls:
         try:
             with urllib.request.urlopen(url, timeout=timeout_s) as response:
-                text = response.read().decode()
+                body = response.read()
         except OSError as error:
             raise OSError(f"cannot read metrics from {url}: {getattr(error, 'reason', error)}") from None
-        snapshot[url] = parse(text, model)
+        try:
+            snapshot[url] = parse(body.decode(), model)
+        except (NotMetrics, UnicodeDecodeError) as error:
+            reason = error if isinstance(error, NotMetrics) else "not Prometheus text (not UTF-8)"
+            raise NotMetrics(f"{url} answered {reason}") from None
     return snapshot
 
 
@@ -148,9 +173,20 @@ def interval(before: Snapshot, after: Snapshot) -> dict[str, VersionCounts]:
 
 
 def metrics_url(text: str) -> str:
-    """``host:port`` or a URL → the URL of ``/metrics``."""
-    if "://" not in text:
-        text = f"http://{text}"
-    if text.rstrip("/").count("/") == 2:  # no path given
-        text = text.rstrip("/") + "/metrics"
-    return text
+    """``host:port`` or a URL → the URL of ``/metrics``; ValueError naming what is wrong with one that
+    could never be read (urllib would only say so at the first scrape, as a traceback)."""
+    url = text.strip()
+    if "://" not in url:
+        url = f"http://{url}"
+    if url.rstrip("/").count("/") == 2:  # no path given
+        url = url.rstrip("/") + "/metrics"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as error:  # a bad IPv6 literal, a port not a number or past 65535
+        raise ValueError(f"--metrics {text!r}: {error}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"--metrics {text!r}: a router's /metrics is read over http:// or https://")
+    if not parts.hostname or port == 0:
+        raise ValueError(f"--metrics {text!r}: expected HOST:PORT or a URL, e.g. 127.0.0.1:8002")
+    return url

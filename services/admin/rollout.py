@@ -41,8 +41,11 @@ version is promoted: it becomes the control and the old control leaves the arms.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from splitstream.admin import metrics
@@ -56,6 +59,8 @@ PROMOTED = 0
 FAILED = 1
 USAGE = 2
 ROLLED_BACK = 3
+#: How long a rollback keeps trying a registry that fails, before it gives up saying what the registry holds.
+ROLLBACK_PATIENCE_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +146,47 @@ class Won(Exception):
     """Every outcome guard shows a significant win: the step may end early."""
 
 
+class Interrupts:
+    """SIGINT and SIGTERM as KeyboardInterrupt, except while held: a registry write with its read-back, and
+    a rollback or promotion to the end of the run, go on whatever signals arrive. A second Ctrl-C in a
+    rollback stopped it with a traceback, v2 left at its step's weight and nothing watching it; one that
+    comes during a step's write is raised once the write is read back (:meth:`raise_pending`), and rolls
+    back from there. (The handler runs when the main thread next runs Python, which a blocking call in
+    another library's thread may delay by its timeout: a signal then lands later than sent, never lost.)"""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self.pending = False
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if not self._depth:
+            raise KeyboardInterrupt
+        self.pending = True
+        # (print is not safe here: the signal may have come in the middle of one)
+        os.write(2, b"splitstream: interrupt noted; the registry write under way goes on to its end\n")
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def hold_to_the_end(self) -> None:
+        """For what ends the run: a rollback, a promotion."""
+        self._depth += 1
+
+    def raise_pending(self) -> None:
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
 Scrape = Callable[[Iterable[str], str], metrics.Snapshot]
 #: The analysis of the model's calls and feedback since a unix time in ns (OSError when Redis fails).
 Outcomes = Callable[[int], Analysis]
@@ -158,8 +204,10 @@ class Rollout:
         clock: Callable[[], float] = time.monotonic,
         outcomes: Outcomes | None = None,
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        interrupts: Interrupts | None = None,
     ) -> None:
-        """``outcomes`` reads the analysis the outcome guards judge; needed when the plan has guards."""
+        """``outcomes`` reads the analysis the outcome guards judge; needed when the plan has guards.
+        ``interrupts``: the installed handler of SIGINT and SIGTERM, which holds them during writes."""
         self.store = store
         self.plan = plan
         self.out = out
@@ -170,9 +218,12 @@ class Rollout:
             raise Invalid("--guard needs --redis-url, the recorder's Redis")
         self.outcomes = outcomes
         self.wall_clock_ns = wall_clock_ns
+        self.interrupts = interrupts or Interrupts()
         #: Per guard, the control's p99 from the last step in which it had enough calls.
         self._references: dict[str, float] = {}
         self.control = ""
+        #: The experiment the registry holds as far as this rollout knows: as read, then as last written.
+        self._holds: Experiment | None = None
         self._guards = [_LatencyGuard("p99", "--max-p99-ratio", plan.max_p99_ratio, lambda c: c.buckets)]
         if plan.max_ttft_p99_ratio is not None:
             self._guards.append(
@@ -186,38 +237,49 @@ class Rollout:
     def run(self) -> Verdict:
         """Raises Invalid (nothing changed) for a plan the registry refuses; AdminError if it cannot be written."""
         plan = self.plan
-        view = self.store.read(plan.model)
-        base = self._base(view)
-        self.control = base.control
         try:
-            self.scrape(plan.metrics_urls, plan.model)
-        except OSError as error:
-            raise AdminError(f"{error}; nothing changed") from None
+            view = self.store.read(plan.model)
+            base = self._base(view)
+            self.control = base.control
+            self._holds = view.stored
+            try:
+                self.scrape(plan.metrics_urls, plan.model)
+            except metrics.NotMetrics as error:  # a --metrics naming the wrong thing: the operator's to mend
+                raise Invalid(f"{error}; nothing changed") from None
+            except OSError as error:
+                raise AdminError(f"{error}; nothing changed") from None
+        except KeyboardInterrupt:
+            return interrupted_before_start(plan.model)
         revision = view.revision
         try:
             for number, weight in enumerate(plan.steps, start=1):
                 experiment = self._with_weight(base, weight)
                 try:
-                    revision = self._write(experiment, revision)
+                    with self.interrupts.held():
+                        revision = self._write(experiment, revision)
                 except Conflict as error:
                     return Verdict(FAILED, f"{error}; rollout stopped, the experiment left as it is")
+                except AdminError as error:  # a full disk, Consul failing: the last step's weights may hold
+                    return self._roll_back(f"step {number} could not be written: {error}", failed=number == 1)
+                self.interrupts.raise_pending()
                 self.out(
                     f"step {number}/{len(plan.steps)}: {plan.model} {weights_text(experiment)}, "
                     f"judged over {plan.interval_s:g}s"
                 )
                 try:
                     self._judge_step(experiment)
-                except (Tripped, OSError) as reason:
+                except (Tripped, OSError, metrics.NotMetrics) as reason:
                     return self._roll_back(str(reason))
+            if plan.steps[-1] < 100:
+                return Verdict(PROMOTED, f"{plan.model} {plan.version} holds at {plan.steps[-1]:g} %; every guard held")
+            promoted = self._promoted(base)
+            try:
+                self.interrupts.hold_to_the_end()  # (an interrupt now comes too late: the guards all held)
+                self._write(promoted, revision)
+            except Conflict as error:
+                return Verdict(FAILED, f"{error}: every step held, but the experiment changed before promotion")
         except KeyboardInterrupt:
             return self._roll_back("interrupted")
-        if plan.steps[-1] < 100:
-            return Verdict(PROMOTED, f"{plan.model} {plan.version} holds at {plan.steps[-1]:g} %; every guard held")
-        promoted = self._promoted(base)
-        try:
-            self._write(promoted, revision)
-        except Conflict as error:
-            return Verdict(FAILED, f"{error}: every step held, but the experiment changed before promotion")
         return Verdict(PROMOTED, f"promoted: {plan.model} {weights_text(promoted)}; every guard held")
 
     # -- experiments --------------------------------------------------------------------------------
@@ -268,34 +330,78 @@ class Rollout:
             raise Invalid(str(error)) from None
 
     def _write(self, experiment: Experiment, revision: object) -> object:
-        """Write with check-and-set; return the new revision, read back with the experiment it must hold."""
-        self.store.write(self.plan.model, experiment, revision)
-        view = self.store.read(self.plan.model)
+        """Write with check-and-set; return the new revision, read back with the experiment it must hold.
+
+        A file registry's revision is the whole file's: an edit elsewhere in it during a step (another
+        model, a comment) made the next step's write a conflict, which stopped the rollout with v2 at its
+        step's weight. While the experiment is still the one last written, the write is made again on the
+        file as it is now, keeping that edit; a change to the experiment itself stays a conflict."""
+        model = self.plan.model
+        for _ in range(5):
+            try:
+                self.store.write(model, experiment, revision)
+                break
+            except Conflict:
+                view = self.store.read(model)
+                if view.stored != self._holds:
+                    raise
+                revision = view.revision
+        else:
+            raise Conflict(f"{self.store.description} kept changing while we wrote; nothing written")
+        view = self.store.read(model)
         if view.stored != experiment:
             raise Conflict("someone else changed the experiment right after our write")
+        self._holds = experiment
         return view.revision
 
-    def _roll_back(self, why: str) -> Verdict:
-        """Move the new version's share to the control in the experiment as it is now (retrying a conflict)."""
+    def _roll_back(self, why: str, *, failed: bool = False) -> Verdict:
+        """Move the new version's share to the control in the experiment as it is now (retrying a conflict).
+        Where it has none (a first step that could not be written) nothing is written; ``failed``: the
+        rollout did not get to change anything, which is exit 1 rather than a rollback's 3."""
+        self.interrupts.hold_to_the_end()
+        if not failed:
+            self.out(f"rolling back {self.plan.model} {self.plan.version} to 0 %")  # (a slow registry shows here)
         plan = self.plan
-        for _ in range(5):
+        conflicts, deadline = 0, self.clock() + ROLLBACK_PATIENCE_S
+        while conflicts < 5:
             try:
                 view = self.store.read(plan.model)
                 current = view.stored or view.effective
                 if current is None:
-                    break
+                    return Verdict(FAILED, f"{why}; and rolling back failed: {plan.model} has no experiment now")
                 weights = {a.version: a.weight for a in current.arms}
                 share = weights.get(plan.version, 0)
                 weights[plan.version] = 0
                 weights[current.control] = weights.get(current.control, 0) + share
                 rolled = self._rebuilt(current, current.control, weights)
-                self.store.write(plan.model, rolled, view.revision)
+                if share:
+                    self.store.write(plan.model, rolled, view.revision)
             except Conflict:
+                conflicts += 1
                 continue
-            except (AdminError, Invalid) as error:
-                return Verdict(FAILED, f"{why}; and rolling back failed: {error}")
-            return Verdict(ROLLED_BACK, f"ROLLED BACK: {why}; {plan.model} now {weights_text(rolled)}")
-        return Verdict(FAILED, f"{why}; and rolling back failed: the experiment kept changing")
+            except AdminError as error:  # Consul restarting, a disk full for a moment: worth waiting for
+                if self.clock() >= deadline:
+                    return Verdict(FAILED, f"{why}; and rolling back failed: {error}; {self._state()}")
+                self.out(f"  rolling back: {error}; trying again")
+                self.sleep(1.0)
+                continue
+            except Invalid as error:
+                return Verdict(FAILED, f"{why}; and rolling back failed: {error}; {self._state()}")
+            return Verdict(
+                FAILED if failed else ROLLED_BACK,
+                f"{'' if failed else 'ROLLED BACK: '}{why}; {plan.model} now {weights_text(rolled)}",
+            )
+        return Verdict(FAILED, f"{why}; and rolling back failed: the experiment kept changing; {self._state()}")
+
+    def _state(self) -> str:
+        """What the registry holds, for an operator left to mend it."""
+        try:
+            view = self.store.read(self.plan.model)
+        except (AdminError, Invalid) as error:
+            held = f"last written as {weights_text(self._holds)}" if self._holds else "not known"
+            return f"{self.plan.model} {held} (it cannot be read: {error})"
+        current = view.stored or view.effective
+        return f"{self.plan.model} is still {weights_text(current) if current else 'without an experiment'}"
 
     # -- judging ------------------------------------------------------------------------------------
 
@@ -407,6 +513,11 @@ class Rollout:
             f"{self.plan.version} error rate {_percent(new.error_rate)} ({new.errors:g} of {new.calls:g} calls) "
             f"exceeds --max-error-rate {_percent(self.plan.max_error_rate)}"
         )
+
+
+def interrupted_before_start(model: str) -> Verdict:
+    """Interrupted before any write: nothing to roll back, the exit code of an interrupt all the same."""
+    return Verdict(ROLLED_BACK, f"interrupted before the first step; {model} left as it was")
 
 
 def _tidy(weight: float) -> float:

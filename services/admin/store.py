@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -174,7 +175,10 @@ class FileStore:
         except EditError as error:
             raise AdminError(f"{self.path}: {error}; nothing written") from None
         # Readers see the old or the new file, whole, even after a crash (see atomic_write).
-        atomic_write(self.path, edited, mode=self.path.stat().st_mode & 0o777)
+        try:  # through a link, to its target: a link replaced by a copy would part from what it linked to
+            atomic_write(os.path.realpath(self.path), edited, mode=self.path.stat().st_mode & 0o777)
+        except OSError as error:  # a full disk, a read-only directory: the old file stays, whole
+            raise AdminError(f"{self.path}: cannot write: {error.strerror or error}; nothing written") from None
 
 
 def _probe(addresses: Any, timeout_s: float = 1.0, *, tls: ClientTls = PLAINTEXT) -> dict[str, str]:

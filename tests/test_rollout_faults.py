@@ -1,0 +1,452 @@
+"""``splitstream rollout`` and ``experiment set`` against faults from outside, on real processes: a
+``--metrics`` naming the wrong thing, signals at bad moments, the registry file edited, full or linked
+under it, Consul failing mid-rollout.
+
+The lab is two real workers (v1, v2) of one model behind a real router that follows a file registry,
+under steady load; the CLI runs as a subprocess, as an operator runs it. What a rollout leaves in the
+registry is read back with ``experiment get``, as the operator would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.consul_emulator import ConsulEmulator
+from tests.harness import (
+    ROOT,
+    ServiceProcess,
+    Stack,
+    SteadyLoad,
+    clean_env,
+    free_port,
+    run_module,
+    wait_for,
+    write_registry,
+)
+from tests.models import add_version
+from tests.tmpfs import small_tmpfs
+
+MODEL = "m"
+#: Loose latency and few calls per step: two cores run the router, both workers and the load here.
+JUDGED = ("--interval", "3s", "--check-every", "0.3s", "--min-calls", "5", "--max-p99-ratio", "50")
+
+
+def arms(text: str, model: str = MODEL) -> dict[str, float]:
+    """The weights of ``model``'s experiment in a registry file's text."""
+    experiment = yaml.safe_load(text)["models"][model]["experiment"]
+    return {a["version"]: a["weight"] for a in experiment["arms"]}
+
+
+class Lab:
+    """v1 and v2 of ``m`` (and a model ``other`` on v1) behind a router on ``registry``, under load."""
+
+    def __init__(self, tmp: Path, registry: Path | None = None) -> None:
+        self.tmp = tmp
+        add_version(tmp / "models", MODEL, "v1", scale=2.0)
+        add_version(tmp / "models", MODEL, "v2", scale=3.0)
+        self.stack = Stack(tmp)
+        self.workers = {v: self.stack.worker(tmp / "models", MODEL, v, start=False) for v in ("v1", "v2")}
+        for worker in self.workers.values():
+            worker.start(wait_serving=False)
+        for worker in self.workers.values():
+            worker.wait_serving()
+        self.registry = registry or tmp / "registry.yaml"
+        self.write()
+        self.router: ServiceProcess = self.stack.router(self.registry)
+        self.metrics = f"127.0.0.1:{self.router.metrics_port}"
+        self.load = SteadyLoad(self.router.address, MODEL, threads=2, key_prefix="lab", pause_s=0.005).__enter__()
+        self.load.wait_calls(20)
+
+    def write(self, v2: float = 0) -> None:
+        """The registry as its operator keeps it: v1 the control, v2 at ``v2`` %."""
+        one = {"v1": [self.workers["v1"].address]}
+        experiment = {
+            "salt": "lab",
+            "control": "v1",
+            "arms": [{"version": "v1", "weight": 100 - v2}, {"version": "v2", "weight": v2}],
+        }
+        other = {"salt": "other", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+        endpoints = {v: [w.address] for v, w in self.workers.items()}
+        models = {MODEL: {"endpoints": endpoints, "experiment": experiment}}
+        write_registry(self.registry, {**models, "other": {"endpoints": one, "experiment": other}})
+
+    def close(self) -> None:
+        self.load.stop()
+        self.stack.close()
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Iterator[Lab]:
+    lab = Lab(tmp_path)
+    yield lab
+    lab.close()
+
+
+class Cli:
+    """``splitstream ARGS`` in a subprocess, its output (stdout and stderr) read line by line as it comes."""
+
+    def __init__(self, *args: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "splitstream.admin", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=clean_env(),
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_line(self, text: str, timeout_s: float = 60) -> str:
+        def seen() -> str | None:
+            if self.process.poll() is not None and not self._reader.is_alive():
+                raise AssertionError(f"exited {self.process.returncode} before {text!r}:\n{self.output()}")
+            return next((line for line in self.lines if text in line), None)
+
+        try:
+            line: str = wait_for(seen, timeout_s=timeout_s, what=repr(text))
+        except TimeoutError as error:
+            raise AssertionError(f"{error}\n{self.output()}") from None
+        return line
+
+    def wait(self, timeout_s: float = 90) -> int:
+        code = self.process.wait(timeout=timeout_s)
+        self._reader.join(timeout=5)
+        return code
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def rollout(registry: Path | str, *flags: str) -> Cli:
+    spec = registry if isinstance(registry, str) else f"file:{registry}"
+    return Cli("--registry", spec, "rollout", MODEL, "v2", *flags)
+
+
+def assert_one_line_no_traceback(output: str) -> None:
+    assert "Traceback" not in output, output
+    assert len(output.strip().splitlines()) == 1, output
+
+
+class MetricsProxy:
+    """An HTTP server standing where a router's /metrics is expected: it passes the router's answer on
+    until told to answer ``body`` instead (a web page, as a proxy or load balancer in the way does)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = f"http://{upstream}/metrics"
+        self.body: bytes | None = None
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = proxy.body
+                if body is None:
+                    with urllib.request.urlopen(proxy.upstream, timeout=5) as response:
+                        body = response.read()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- --metrics naming the wrong thing --------------------------------------------------------------------
+
+
+@pytest.fixture
+def idle_registry(tmp_path: Path) -> Path:
+    """A registry of ``m`` with v1 and v2 registered (nobody listens: a refusal must come before any call)."""
+    path = tmp_path / "registry.yaml"
+    experiment = {"salt": "s", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+    endpoints = {"v1": ["127.0.0.1:1"], "v2": ["127.0.0.1:2"]}
+    write_registry(path, {MODEL: {"endpoints": endpoints, "experiment": experiment}})
+    return path
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("http://[::1", "Invalid IPv6 URL"),
+        ("127.0.0.1:notaport", "notaport"),
+        ("127.0.0.1:99999", "out of range"),
+        ("ftp://127.0.0.1:21/metrics", "http:// or https://"),
+        ("", "HOST:PORT"),
+    ],
+)
+def test_a_metrics_url_that_cannot_be_read_is_refused_with_exit_2_and_one_line(
+    idle_registry: Path, flag: str, named: str
+) -> None:
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "rollout", MODEL, "v2",
+                      "--metrics", flag)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert named in done.stderr
+    assert "--metrics" in done.stderr
+    assert idle_registry.read_text() == before
+
+
+def test_metrics_that_are_not_a_router_s_are_refused_before_anything_changes(lab: Lab) -> None:
+    before = lab.registry.read_text()
+    page = MetricsProxy(lab.metrics)
+    page.body = b"<html><body>Sign in to continue</body></html>\n"
+    try:
+        # A web page where the router's metrics were expected; a worker's metrics (Prometheus, not a router).
+        for wrong in (page.address, f"127.0.0.1:{lab.workers['v1'].metrics_port}"):
+            done = run_module("splitstream.admin", "--registry", f"file:{lab.registry}", "rollout", MODEL, "v2",
+                              "--metrics", lab.metrics, "--metrics", wrong, *JUDGED)  # fmt: skip
+            assert done.returncode == 2, done.stdout + done.stderr
+            assert_one_line_no_traceback(done.stderr)
+            assert wrong in done.stderr
+            assert "nothing changed" in done.stderr
+            assert done.stdout == ""
+    finally:
+        page.close()
+    assert lab.registry.read_text() == before
+
+
+def test_metrics_that_stop_being_prometheus_text_mid_step_roll_the_new_version_back(lab: Lab) -> None:
+    proxy = MetricsProxy(lab.metrics)
+    try:
+        run = rollout(lab.registry, "--steps", "10,50,100", "--metrics", proxy.address, *JUDGED)
+        run.wait_line("step 1/3")
+        proxy.body = b"<html><body>502 Bad Gateway</body></html>\n"
+        code = run.wait()
+    finally:
+        proxy.close()
+    assert code == 3, run.output()
+    assert "Traceback" not in run.output()
+    assert "ROLLED BACK" in run.output(), run.output()
+    assert f"{proxy.address}/metrics answered not Prometheus text" in run.output()
+    assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
+
+
+# -- signals at bad moments --------------------------------------------------------------------------
+
+
+class SilentListener:
+    """A port that takes connections and never answers (a router hung, a firewall holding the line)."""
+
+    def __init__(self) -> None:
+        self.socket = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.socket.getsockname()[1]}"
+        self.accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.accepted.append(self.socket.accept()[0])
+
+    def close(self) -> None:
+        for connection in self.accepted:
+            connection.close()
+        self.socket.close()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_during_the_first_scrape_leaves_the_registry_as_it_was_with_one_line(
+    idle_registry: Path, signum: signal.Signals
+) -> None:
+    before = idle_registry.read_text()
+    hung = SilentListener()
+    try:
+        run = rollout(idle_registry, "--metrics", hung.address, *JUDGED)
+        wait_for(lambda: hung.accepted, timeout_s=60, what="the first scrape")
+        run.process.send_signal(signum)
+        code = run.wait()
+    finally:
+        hung.close()
+    assert code == 3, run.output()
+    assert_one_line_no_traceback(run.output())
+    assert "interrupted before the first step" in run.output()
+    assert idle_registry.read_text() == before
+
+
+def on_consul(lab: Lab, emulator: ConsulEmulator) -> None:
+    """The lab's workers registered in Consul, and v1 the whole experiment there."""
+    client = emulator.client()
+    for version, worker in lab.workers.items():
+        client.agent.service.register(
+            f"splitstream-{MODEL}",
+            service_id=f"{MODEL}-{version}",
+            address="127.0.0.1",
+            port=worker.port,
+            tags=[version],
+            meta={"model": MODEL, "version": version},
+        )
+    experiment = {"salt": "lab", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+    client.kv.put(f"splitstream/experiments/{MODEL}", json.dumps(experiment))
+
+
+def consul_arms(emulator: ConsulEmulator) -> dict[str, float]:
+    _, entry = emulator.client().kv.get(f"splitstream/experiments/{MODEL}")
+    return {a["version"]: a["weight"] for a in json.loads(entry["Value"])["arms"]}
+
+
+def test_more_signals_during_a_rollback_do_not_stop_it(lab: Lab, tmp_path: Path) -> None:
+    """The rollback's registry read waits on a Consul that does not answer (SIGSTOPped) while Ctrl-C
+    comes again, and SIGTERM: the rollback still ends with v2 at 0 %."""
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        on_consul(lab, emulator)
+        run = rollout(emulator.spec, "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED)
+        run.wait_line("step 1/3")
+        assert emulator.process is not None
+        emulator.process.send_signal(signal.SIGSTOP)
+        try:
+            run.process.send_signal(signal.SIGINT)
+            run.wait_line(f"rolling back {MODEL} v2 to 0 %")
+            for again in (signal.SIGINT, signal.SIGTERM):
+                run.process.send_signal(again)
+        finally:
+            emulator.process.send_signal(signal.SIGCONT)
+        code = run.wait()
+        assert code == 3, run.output()
+        assert "Traceback" not in run.output()
+        assert "interrupt noted" in run.output()
+        assert "ROLLED BACK: interrupted" in run.output()
+        assert consul_arms(emulator) == {"v1": 100, "v2": 0}
+
+
+# -- the registry file edited, full or linked under a rollout --------------------------------------------
+
+
+def edit_by_hand(path: Path, old: str, new: str) -> str:
+    """What an operator's editor does: the whole file written anew and renamed over it."""
+    text = path.read_text()
+    assert old in text
+    edited = text.replace(old, new)
+    staging = path.with_name(path.name + ".swp")
+    staging.write_text(edited)
+    staging.replace(path)
+    return edited
+
+
+def test_an_edit_elsewhere_in_the_file_during_a_step_is_kept_and_the_rollout_goes_on(lab: Lab) -> None:
+    run = rollout(lab.registry, "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED)
+    run.wait_line("step 1/3")
+    edit_by_hand(lab.registry, "salt: other", "salt: other-reshuffled  # changed by hand in step 1")
+    code = run.wait()
+    assert code == 0, run.output()
+    assert "promoted" in run.output()
+    text = lab.registry.read_text()
+    assert "salt: other-reshuffled  # changed by hand in step 1" in text
+    assert arms(text) == {"v2": 100}
+
+
+def fill(directory: Path) -> None:
+    """Write a file in ``directory`` until its file system is full."""
+    with open(directory / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(b"\0" * 4096)
+
+
+def test_experiment_set_on_a_full_disk_exits_1_with_one_line_and_the_file_as_it_was(idle_registry: Path) -> None:
+    with small_tmpfs(idle_registry.parent / "small", "64k") as small:
+        registry = small / "registry.yaml"
+        registry.write_text(idle_registry.read_text())
+        fill(small)
+        done = run_module("splitstream.admin", "--registry", f"file:{registry}", "experiment", "set", MODEL,
+                          "--weights", "v1=90,v2=10")  # fmt: skip
+        assert done.returncode == 1, done.stderr
+        assert_one_line_no_traceback(done.stderr)
+        assert "No space left on device; nothing written" in done.stderr
+        assert registry.read_text() == idle_registry.read_text()
+        assert sorted(p.name for p in small.iterdir()) == ["filler", "registry.yaml"]
+
+
+def test_a_rollout_whose_first_step_cannot_be_written_changes_nothing(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "small", "64k") as small:
+        lab = Lab(tmp_path, registry=small / "registry.yaml")
+        try:
+            before = lab.registry.read_text()
+            fill(small)
+            run = rollout(lab.registry, "--metrics", lab.metrics, *JUDGED)
+            code = run.wait()
+            assert code == 1, run.output()
+            assert_one_line_no_traceback(run.output())
+            assert "step 1 could not be written" in run.output()
+            assert "No space left on device" in run.output()
+            assert lab.registry.read_text() == before
+        finally:
+            lab.close()
+
+
+def test_a_disk_that_fills_during_a_rollout_rolls_back_once_it_has_room_again(tmp_path: Path) -> None:
+    with small_tmpfs(tmp_path / "small", "64k") as small:
+        lab = Lab(tmp_path, registry=small / "registry.yaml")
+        try:
+            run = rollout(lab.registry, "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED)
+            run.wait_line("step 1/3")
+            fill(small)  # step 2 cannot be written, nor at first the rollback
+            run.wait_line("No space left on device; nothing written; trying again")
+            assert arms(lab.registry.read_text()) == {"v1": 90, "v2": 10}
+            (small / "filler").unlink()
+            code = run.wait()
+            assert code == 3, run.output()
+            assert "Traceback" not in run.output()
+            assert "ROLLED BACK: step 2 could not be written" in run.output()
+            assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
+        finally:
+            lab.close()
+
+
+def test_consul_failing_mid_rollout_is_waited_out_and_the_rollout_rolls_back(lab: Lab, tmp_path: Path) -> None:
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        on_consul(lab, emulator)
+        router = lab.stack.router(emulator.spec)  # v2 takes calls as Consul's experiment says
+        with SteadyLoad(router.address, MODEL, threads=2, key_prefix="consul", pause_s=0.005):
+            run = rollout(emulator.spec, "--steps", "10,50,100", "--metrics", f"127.0.0.1:{router.metrics_port}",
+                          *JUDGED)  # fmt: skip
+            run.wait_line("step 1/3")
+            with emulator.stopped():  # (KV comes back with it; the instances do not, as after an agent restart)
+                run.wait_line("connection refused; trying again")
+            code = run.wait()
+        assert code == 3, run.output()
+        assert "Traceback" not in run.output()
+        assert "ROLLED BACK: step 2 could not be written" in run.output()
+        assert consul_arms(emulator) == {"v1": 100, "v2": 0}
+
+
+def test_experiment_set_through_a_symlink_writes_its_target_and_keeps_the_link(idle_registry: Path) -> None:
+    """Registries kept in a checkout are often linked into place (``/etc/splitstream/registry.yaml`` → the
+    checkout's file): the write must land in the checkout, and the link stay a link."""
+    target = idle_registry.parent / "checkout" / "registry.yaml"
+    target.parent.mkdir()
+    idle_registry.replace(target)
+    idle_registry.symlink_to(Path("checkout") / "registry.yaml")
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "experiment", "set", MODEL,
+                      "--weights", "v1=90,v2=10")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert idle_registry.is_symlink()
+    assert arms(target.read_text()) == {"v1": 90, "v2": 10}
+    assert sorted(p.name for p in target.parent.iterdir()) == ["registry.yaml"]
