@@ -450,3 +450,26 @@ def test_experiment_set_through_a_symlink_writes_its_target_and_keeps_the_link(i
     assert idle_registry.is_symlink()
     assert arms(target.read_text()) == {"v1": 90, "v2": 10}
     assert sorted(p.name for p in target.parent.iterdir()) == ["registry.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("guard", "named"),
+    [
+        ("click:lift>=1e400", "the bound 1e400 is past any number"),
+        ("click:lift<=-1e999%", "the bound -1e999 is past any number"),
+        ("click:propotion:lift>=-1%", "'propotion' is neither a kind"),
+        ("wait_s:mean:lowr:lift<=5%", "'lowr' is neither a kind"),
+    ],
+)
+def test_a_guard_that_could_never_be_judged_is_refused_with_exit_2_and_one_line(
+    idle_registry: Path, guard: str, named: str
+) -> None:
+    """A bound of infinity never trips; a metric named by a typo never has events: each waved v2 through
+    or rolled back at the end of a step, for no reason the operator could see."""
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "rollout", MODEL, "v2",
+                      "--metrics", "127.0.0.1:1", "--redis-url", "redis://127.0.0.1:1/0", "--guard", guard)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert named in done.stderr
+    assert idle_registry.read_text() == before
