@@ -473,3 +473,16 @@ def test_a_guard_that_could_never_be_judged_is_refused_with_exit_2_and_one_line(
     assert_one_line_no_traceback(done.stderr)
     assert named in done.stderr
     assert idle_registry.read_text() == before
+
+
+@pytest.mark.parametrize("steps", ["0.001", "10,33.333,100"])
+def test_a_step_finer_than_the_weights_go_is_refused_with_exit_2(idle_registry: Path, steps: str) -> None:
+    """Weights go by 0.01 % (``experiment set`` refuses finer ones); a step of 0.001 was written as 0 %,
+    judged for a whole interval on no calls, and rolled back."""
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "rollout", MODEL, "v2",
+                      "--metrics", "127.0.0.1:1", "--steps", steps)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert "--steps: weights go by 0.01 %" in done.stderr
+    assert idle_registry.read_text() == before

@@ -91,6 +91,9 @@ class RolloutPlan:
             raise Invalid("--steps: give at least one step")
         if any(not 0 < s <= 100 for s in self.steps):
             raise Invalid(f"--steps: each step must be within (0, 100], got {list(self.steps)}")
+        finer = [s for s in self.steps if abs(s * 100 - round(s * 100)) > 1e-6]
+        if finer:  # the weight written is rounded to 0.01 %: 0.001 became a step of 0 % judged for nothing
+            raise Invalid(f"--steps: weights go by 0.01 %, got {', '.join(f'{s:g}' for s in finer)}")
         if list(self.steps) != sorted(set(self.steps)):
             raise Invalid(f"--steps: must increase, got {list(self.steps)}")
         if self.interval_s <= 0 or self.check_every_s <= 0:
