@@ -486,3 +486,15 @@ def test_a_step_finer_than_the_weights_go_is_refused_with_exit_2(idle_registry: 
     assert_one_line_no_traceback(done.stderr)
     assert "--steps: weights go by 0.01 %" in done.stderr
     assert idle_registry.read_text() == before
+
+
+@pytest.mark.parametrize("header", ["x user id", "x-user-id-bin", "grpc-timeout", "x-üser"])
+def test_a_routing_key_header_no_call_can_carry_is_refused_with_exit_2(idle_registry: Path, header: str) -> None:
+    """Without its key a call is split at random: such a header made every call unkeyed, silently."""
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "experiment", "set", MODEL,
+                      "--routing-key-header", header)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert "is not a header a call can carry" in done.stderr
+    assert idle_registry.read_text() == before
