@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -498,3 +499,24 @@ def test_a_routing_key_header_no_call_can_carry_is_refused_with_exit_2(idle_regi
     assert_one_line_no_traceback(done.stderr)
     assert "is not a header a call can carry" in done.stderr
     assert idle_registry.read_text() == before
+
+
+def test_a_rollout_whose_terminal_goes_away_rolls_back(lab: Lab) -> None:
+    """An ssh session dropped mid-rollout: SIGHUP, and nothing reads the output any more. SIGHUP ended
+    the process at once, v2 left at its step's weight with nothing watching it."""
+    read_end, write_end = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "splitstream.admin", "--registry", f"file:{lab.registry}", "rollout", MODEL, "v2",
+         "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED],
+        stdout=write_end, stderr=write_end, cwd=ROOT, env=clean_env(),
+    )  # fmt: skip
+    os.close(write_end)
+    with os.fdopen(read_end) as terminal:
+        for line in terminal:
+            if line.startswith("step 1/3"):
+                break
+        else:
+            raise AssertionError(f"the rollout ended with {process.wait()} before its first step")
+    process.send_signal(signal.SIGHUP)  # and the terminal is closed: what the rollout prints now fails
+    assert process.wait(timeout=90) == 3
+    assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}

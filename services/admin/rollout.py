@@ -162,15 +162,19 @@ class Interrupts:
         self.pending = False
 
     def install(self) -> None:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: the terminal of a rollout run over ssh goes with the connection, and its default
+        # action ended the process at once, v2 left at its step's weight with nothing watching it.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
         if not self._depth:
             raise KeyboardInterrupt
         self.pending = True
-        # (print is not safe here: the signal may have come in the middle of one)
-        os.write(2, b"splitstream: interrupt noted; the registry write under way goes on to its end\n")
+        # (print is not safe here: the signal may have come in the middle of one; and a terminal gone
+        # must not raise here, inside the write)
+        with contextlib.suppress(OSError):
+            os.write(2, b"splitstream: interrupt noted; the registry write under way goes on to its end\n")
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
