@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -450,3 +451,72 @@ def test_experiment_set_through_a_symlink_writes_its_target_and_keeps_the_link(i
     assert idle_registry.is_symlink()
     assert arms(target.read_text()) == {"v1": 90, "v2": 10}
     assert sorted(p.name for p in target.parent.iterdir()) == ["registry.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("guard", "named"),
+    [
+        ("click:lift>=1e400", "the bound 1e400 is past any number"),
+        ("click:lift<=-1e999%", "the bound -1e999 is past any number"),
+        ("click:propotion:lift>=-1%", "'propotion' is neither a kind"),
+        ("wait_s:mean:lowr:lift<=5%", "'lowr' is neither a kind"),
+    ],
+)
+def test_a_guard_that_could_never_be_judged_is_refused_with_exit_2_and_one_line(
+    idle_registry: Path, guard: str, named: str
+) -> None:
+    """A bound of infinity never trips; a metric named by a typo never has events: each waved v2 through
+    or rolled back at the end of a step, for no reason the operator could see."""
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "rollout", MODEL, "v2",
+                      "--metrics", "127.0.0.1:1", "--redis-url", "redis://127.0.0.1:1/0", "--guard", guard)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert named in done.stderr
+    assert idle_registry.read_text() == before
+
+
+@pytest.mark.parametrize("steps", ["0.001", "10,33.333,100"])
+def test_a_step_finer_than_the_weights_go_is_refused_with_exit_2(idle_registry: Path, steps: str) -> None:
+    """Weights go by 0.01 % (``experiment set`` refuses finer ones); a step of 0.001 was written as 0 %,
+    judged for a whole interval on no calls, and rolled back."""
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "rollout", MODEL, "v2",
+                      "--metrics", "127.0.0.1:1", "--steps", steps)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert "--steps: weights go by 0.01 %" in done.stderr
+    assert idle_registry.read_text() == before
+
+
+@pytest.mark.parametrize("header", ["x user id", "x-user-id-bin", "grpc-timeout", "x-üser"])
+def test_a_routing_key_header_no_call_can_carry_is_refused_with_exit_2(idle_registry: Path, header: str) -> None:
+    """Without its key a call is split at random: such a header made every call unkeyed, silently."""
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "experiment", "set", MODEL,
+                      "--routing-key-header", header)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert "is not a header a call can carry" in done.stderr
+    assert idle_registry.read_text() == before
+
+
+def test_a_rollout_whose_terminal_goes_away_rolls_back(lab: Lab) -> None:
+    """An ssh session dropped mid-rollout: SIGHUP, and nothing reads the output any more. SIGHUP ended
+    the process at once, v2 left at its step's weight with nothing watching it."""
+    read_end, write_end = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "splitstream.admin", "--registry", f"file:{lab.registry}", "rollout", MODEL, "v2",
+         "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED],
+        stdout=write_end, stderr=write_end, cwd=ROOT, env=clean_env(),
+    )  # fmt: skip
+    os.close(write_end)
+    with os.fdopen(read_end) as terminal:
+        for line in terminal:
+            if line.startswith("step 1/3"):
+                break
+        else:
+            raise AssertionError(f"the rollout ended with {process.wait()} before its first step")
+    process.send_signal(signal.SIGHUP)  # and the terminal is closed: what the rollout prints now fails
+    assert process.wait(timeout=90) == 3
+    assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}

@@ -21,9 +21,11 @@ metrics became unreadable, or it was interrupted). ``feedback import`` has its o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -478,7 +480,7 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         guard_min_units=args.guard_min_units,
         guard_alpha=args.guard_alpha,
     )
-    # SIGTERM (a CI job cancelled, a terminal closed) rolls back like Ctrl-C does.
+    # SIGTERM (a CI job cancelled) and SIGHUP (a terminal closed) roll back like Ctrl-C does.
     interrupts = Interrupts()
     interrupts.install()
     try:
@@ -486,13 +488,17 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         verdict = interrupted_before_start(plan.model)
     else:
-        verdict = Rollout(
-            store,
-            plan,
-            out=lambda line: print(line, flush=True),
-            outcomes=reader.read if reader else None,
-            interrupts=interrupts,
-        ).run()
-    stream = sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr
-    print(verdict.message, file=stream, flush=True)
+        verdict = Rollout(store, plan, out=_say, outcomes=reader.read if reader else None, interrupts=interrupts).run()
+    _say(verdict.message, stream=sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr)
     return verdict.code
+
+
+def _say(line: str, *, stream: Any = None) -> None:
+    """Print a rollout's line; where its terminal is gone (a closed ssh session), print nothing more rather
+    than fail: a print raising in a rollback stopped it before its write."""
+    stream = stream or sys.stdout
+    try:
+        print(line, file=stream, flush=True)
+    except OSError:
+        with contextlib.suppress(OSError):  # the rest of the run, and the flush at exit, write nowhere
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())

@@ -22,6 +22,8 @@ experiments, and mixing them would weigh the early step's users differently in e
 from __future__ import annotations
 
 import asyncio
+import difflib
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -77,9 +79,19 @@ class OutcomeGuard:
                 )
             metric = head
         name, _, kind = metric.rpartition(":")
-        if not name or kind.lower() not in {k.value for k in MetricKind}:
+        kinds = [k.value for k in MetricKind]
+        if not name or kind.lower() not in kinds:
+            # A metric name may hold colons, but a last part a letter or two off a kind or a direction is a
+            # typo: taken as part of the name, the guard would wait for a metric no feedback ever names.
+            if name and difflib.get_close_matches(kind.lower(), [*kinds, *DIRECTIONS], n=1, cutoff=0.6):
+                raise ValueError(
+                    f"--guard {text!r}: {kind!r} is neither a kind ({', '.join(kinds)}) nor a direction (higher, "
+                    f"lower, after the kind); for a metric named {metric!r}, give its kind: {metric}:proportion"
+                )
             name, kind = metric, MetricKind.PROPORTION.value
         bound = float(match["bound"])
+        if not math.isfinite(bound):  # 1e400 reads as infinity: a bound nothing can cross
+            raise ValueError(f"--guard {text!r}: the bound {match['bound']} is past any number")
         relative = bool(match["pct"])
         return OutcomeGuard(
             metric=MetricSpec(name=name, kind=MetricKind(kind.lower()), direction=implied),

@@ -91,6 +91,9 @@ class RolloutPlan:
             raise Invalid("--steps: give at least one step")
         if any(not 0 < s <= 100 for s in self.steps):
             raise Invalid(f"--steps: each step must be within (0, 100], got {list(self.steps)}")
+        finer = [s for s in self.steps if abs(s * 100 - round(s * 100)) > 1e-6]
+        if finer:  # the weight written is rounded to 0.01 %: 0.001 became a step of 0 % judged for nothing
+            raise Invalid(f"--steps: weights go by 0.01 %, got {', '.join(f'{s:g}' for s in finer)}")
         if list(self.steps) != sorted(set(self.steps)):
             raise Invalid(f"--steps: must increase, got {list(self.steps)}")
         if self.interval_s <= 0 or self.check_every_s <= 0:
@@ -159,15 +162,19 @@ class Interrupts:
         self.pending = False
 
     def install(self) -> None:
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: the terminal of a rollout run over ssh goes with the connection, and its default
+        # action ended the process at once, v2 left at its step's weight with nothing watching it.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame: object) -> None:
         if not self._depth:
             raise KeyboardInterrupt
         self.pending = True
-        # (print is not safe here: the signal may have come in the middle of one)
-        os.write(2, b"splitstream: interrupt noted; the registry write under way goes on to its end\n")
+        # (print is not safe here: the signal may have come in the middle of one; and a terminal gone
+        # must not raise here, inside the write)
+        with contextlib.suppress(OSError):
+            os.write(2, b"splitstream: interrupt noted; the registry write under way goes on to its end\n")
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:

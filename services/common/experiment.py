@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -27,6 +28,7 @@ from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 from splitstream.common.schema import Document, validate
 
 BUCKETS = 10_000
+_METADATA_KEY = re.compile(r"[0-9a-z_.-]+")
 
 #: A version name as written in a document: a non-empty string. ``version: 2`` is refused rather than
 #: coerced, because YAML reads ``1.10`` as the float 1.1 and coercion would silently name another version.
@@ -174,6 +176,13 @@ class Experiment:
         header = routing_key_header.strip().lower()
         if not header:
             raise ConfigError(f"{where}: routing_key_header: must not be empty")
+        # No call can carry a header gRPC refuses as a key (a space, say), and a -bin header's value is bytes:
+        # every call would go unkeyed, split at random, and stickiness be lost without a word.
+        if not _METADATA_KEY.fullmatch(header) or header.startswith("grpc-") or header.endswith("-bin"):
+            raise ConfigError(
+                f"{where}: routing_key_header: {routing_key_header!r} is not a header a call can carry as its key "
+                "(gRPC metadata keys are 0-9 a-z - _ . ; not grpc-*, not *-bin)"
+            )
         ordered = [control, *sorted(v for v in versions if v != control)]
         laid: list[Arm] = []
         start = 0
