@@ -156,3 +156,24 @@ def test_damage_at_the_end_of_a_read_chunk_costs_only_the_damaged_entry(tmp_path
         assert f"chunk-{damaged}" not in {r.request_id for r in records}
     finally:
         stack.close()
+
+
+def test_a_segment_copied_in_numbered_above_the_live_one_costs_no_call_and_is_shipped(tmp_path: Path) -> None:
+    """A correctly named segment numbered above the router's (an operator copying a stopped router's segment in to
+    have it shipped) made the shipper take the router's segment for finished: it read on into the copy, then
+    deleted the segment the router was still appending to, and every call after that was lost. A segment is
+    finished once its router lets go of it; the copy is shipped after the router moves past it."""
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.wait_recorded(call(stack, "before", 5))
+        (live,) = wal.segments(stack.spool_dir)
+        copied = stack.spool_dir / wal.segment_name(live + 98)
+        copied.write_bytes(wal.frame(wal.CALL, _call_payload("copied-1")))
+        stack.wait_recorded(call(stack, "after", 20))
+        assert (stack.spool_dir / wal.segment_name(live)).exists()
+        stack.router.stop()
+        stack.router = stack.start_router()  # a new router numbers its segment past the copy: the copy is finished
+        stack.wait_recorded({"copied-1"} | call(stack, "restarted", 5))
+        wait_for(lambda: not copied.exists(), timeout_s=10, what="the shipped copy to be deleted")
+    finally:
+        stack.close()
