@@ -74,6 +74,9 @@ class Companion(Protocol):
 
     def start(self) -> None: ...
 
+    async def started(self) -> None:
+        """Return once it runs; ConfigError if it refused its configuration (the parent then exits 2)."""
+
     async def stop(self) -> None: ...
 
 
@@ -164,6 +167,11 @@ class _Parent:
         if self.make_companion is not None:
             self.companion = self.make_companion(self.registry)
             self.companion.start()
+            try:
+                await self.companion.started()
+            except ConfigError as error:
+                self.config_error = str(error)
+                self.stop.set()
         await self.stop.wait()
         self.log.info("draining every child", children=sorted(p.pid for p in self.children.values()))
         for process in self.children.values():

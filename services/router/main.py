@@ -629,6 +629,7 @@ class Router(Service):
             self.mirror.start()
         if self.shipper is not None:
             self.shipper.start()
+            await self.shipper.started()
 
     async def run(self, runtime: Runtime) -> None:
         self.servicer.ready = True

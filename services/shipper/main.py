@@ -8,7 +8,9 @@ several routers' log directories (``--shipper external`` on the routers, ``--log
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import math
 import os
 import signal
@@ -54,6 +56,8 @@ class ShipperConfig:
     shadow_wait_s: float
     flush_timeout_s: float
     exit_with_parent: bool = False
+    #: A pipe's write end (-1: none) written once the configuration is taken: a router's child says so.
+    ready_fd: int = -1
     recorder_tls: ClientTls = PLAINTEXT
     service_token: str = field(default="", repr=False)
 
@@ -151,6 +155,9 @@ def build_parser() -> EnvArgumentParser:
         action="store_true",
         help="drain and exit once the process that started this one is gone (a router's child shipper)",
     )
+    # Set by a router for its child: told on this pipe that the configuration was taken, it can refuse to start
+    # (exit 2, the child's line) when the child refuses it, instead of restarting it for ever.
+    argparse.ArgumentParser.add_argument(parser, "--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument(
         "--service-token-file",
         default="",
@@ -175,6 +182,7 @@ def parse_args(argv: Sequence[str] | None) -> ShipperConfig:
             shadow_wait_s=args.shadow_wait_s,
             flush_timeout_s=args.flush_timeout_s,
             exit_with_parent=args.exit_with_parent,
+            ready_fd=args.ready_fd,
             recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
             service_token=read_service_token(args.service_token_file),
         )
@@ -222,11 +230,16 @@ class Shipper(Service):
         pass
 
     async def prepare(self, runtime: Runtime) -> None:
+        self.tail.open_locks()
         self.mirror.start()
         self._tailing = asyncio.create_task(self.tail.run(), name="log-tail")
 
     async def run(self, runtime: Runtime) -> None:
         await runtime.set_serving(True)
+        if self.config.ready_fd >= 0:
+            with contextlib.suppress(OSError):  # the router gone meanwhile: --exit-with-parent sees to it
+                os.write(self.config.ready_fd, b"ready\n")
+            os.close(self.config.ready_fd)
         self.log.info("shipper shipping", logs=list(self.config.log_dirs), recorder=self.config.recorder)
         parent = os.getppid()
         while True:
