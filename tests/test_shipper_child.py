@@ -61,3 +61,26 @@ def test_a_child_shipper_refusing_its_configuration_later_is_not_restarted_and_s
         assert router_metric("restarts_total") == restarts
     finally:
         stack.close()
+
+
+def test_a_child_shipper_ends_when_its_router_is_killed(tmp_path: Path) -> None:
+    """The child asks for the parent-death signal itself now (it was asked between fork and exec, running Python
+    in a fork of the router's threads): a router killed with SIGKILL still leaves no shipper holding its log."""
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.wait_recorded(call(stack, "before", 5))
+        child = shipper_pid(stack)
+        stack.router.kill()
+
+        def gone() -> bool:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return True
+            return Path(f"/proc/{child}/status").read_text().find("State:\tZ") >= 0
+
+        wait_for(gone, timeout_s=30, what="the child shipper to end with its router")
+        stack.router = stack.start_router()  # its own child takes the log
+        stack.wait_recorded(call(stack, "after", 5))
+    finally:
+        stack.close()

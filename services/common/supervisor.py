@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -49,24 +48,17 @@ from splitstream.common.runtime import (
     ServerSettings,
     bind_metrics,
     bind_problem,
+    parent_env,
 )
 
 #: prometheus-client reads it when it is first imported: set for the children only, never in the parent.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-_PR_SET_PDEATHSIG = 1
 _RESTART_FIRST_S = 0.2
 _RESTART_MAX_S = 5.0
 #: A child that served this long before dying is restarted after the first backoff again, not the last.
 _STABLE_S = 30.0
 #: On top of the children's own --drain-delay-s and --shutdown-grace-s, before a child that hangs is killed.
 _STOP_SLACK_S = 20.0
-
-
-def die_with_parent() -> None:
-    """Runs in a child before exec: SIGTERM when the parent exits, however it exits (Linux only), so a
-    parent killed with SIGKILL leaves no process behind serving or holding a log."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class Companion(Protocol):
@@ -239,7 +231,7 @@ class _Parent:
         child_env = {**env, PROCESS_INDEX_ENV: str(index)}
         while not self.stop.is_set():
             try:
-                process = await asyncio.create_subprocess_exec(*command, env=child_env, preexec_fn=die_with_parent)
+                process = await asyncio.create_subprocess_exec(*command, env=parent_env(child_env))
             except OSError as error:
                 self.log.error("child not started; retrying", index=index, error=str(error)[:300])
                 await self._pause(_RESTART_MAX_S)

@@ -22,8 +22,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.errors import ConfigError
-from splitstream.common.runtime import EXIT_CONFIG
-from splitstream.common.supervisor import die_with_parent
+from splitstream.common.runtime import EXIT_CONFIG, parent_env
 
 log = structlog.get_logger()
 
@@ -95,7 +94,7 @@ class ShipperChild:
         try:
             self._process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "splitstream.shipper", *self.args, "--ready-fd", str(write_fd),
-                pass_fds=(write_fd,), preexec_fn=die_with_parent,
+                pass_fds=(write_fd,), env=parent_env(),
             )  # fmt: skip
         except OSError as error:
             os.close(read_fd)
