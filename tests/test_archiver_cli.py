@@ -47,3 +47,31 @@ def test_an_empty_model_is_refused_with_exit_2_not_taken_for_every_model(tmp_pat
     result = run_module("splitstream.archiver", "--port", "0", "--metrics-port", "0", "--model", "")
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == ["splitstream-archive: error: --model: model is empty"], result.stderr
+
+
+def test_a_second_archive_on_a_consumer_group_is_refused_with_exit_2_and_the_first_misses_nothing(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two archivers sharing a group but writing to different archives split the entries between them: each
+    archive missed what the group handed the other's archiver. The second archive is refused; the same archive
+    spelled another way (a path, not a file URL) joins the group."""
+    client = redis_server.client()
+    add_calls(client, "m", 50)
+    first_dir = tmp_path / "archive"
+    first = start_archiver(tmp_path, redis_server.url, first_dir.as_uri(), consumer="a")
+    try:
+        other = tmp_path / "other-archive"
+        second = start_archiver(tmp_path, redis_server.url, str(other), consumer="b", wait=False)
+        assert second.wait(timeout_s=60) == 2, second.log()
+        assert second.log().strip().splitlines()[-1] == (
+            f"splitstream-archive: error: --group splitstream-archive: its archivers write to local:{first_dir}, "
+            f"this one to local:{other}: each archive needs its own --group (or delete the key "
+            "splitstream:archive-group:splitstream-archive in Redis to move the group to this archive)"
+        )
+        assert not any(other.rglob("*.parquet"))
+        same = start_archiver(tmp_path, redis_server.url, str(first_dir), consumer="c")
+        add_calls(client, "m", 50)
+        wait_for(lambda: archived_everything(client, stream_key("m")), timeout_s=60, what="every call archived")
+        same.stop()
+    finally:
+        first.stop()

@@ -28,7 +28,7 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.names import check_model_name
-from splitstream.common.records import ARCHIVE_GROUP, stream_key
+from splitstream.common.records import ARCHIVE_GROUP, archive_group_key, stream_key
 from splitstream.common.redis_url import (
     RedisSecurity,
     add_redis_security_arguments,
@@ -283,6 +283,7 @@ class ArchiverService(Service):
             except (RedisError, OSError) as error:
                 self.log.warning("redis unreachable; waiting", error=redact_text(str(error)))
                 await asyncio.sleep(1.0)
+        await self._claim_group()
         await runtime.set_serving(True)
         for model in sorted(m for m in self.config.settings.models if "," in m):
             if not await self.redis.exists(stream_key(model)):  # an old command line's ``--model a,b``, perhaps
@@ -292,6 +293,29 @@ class ArchiverService(Service):
                     model=model,
                 )
         await self.archiver.run()
+
+    def archive_identity(self) -> str:
+        """Which archive this is, as the group records it: the store and the path in it (a path resolved, so
+        ``./a`` and its absolute path are one archive), never a URL's credentials or query."""
+        archive = self.archive
+        where = os.path.realpath(archive.base) if archive.is_local else archive.base
+        endpoint = f" at {self.config.s3_endpoint}" if self.config.s3_endpoint else ""
+        return f"{archive.filesystem.type_name}:{where}{endpoint}"
+
+    async def _claim_group(self) -> None:
+        """Refuse a group that another archive's archivers read: the group hands each entry to one consumer, so
+        two archives sharing it each missed what the other's archiver was handed. The first archiver of a group
+        names its archive in Redis; one with another archive is exit 2 and one line."""
+        key = archive_group_key(self.config.settings.group)
+        mine = self.archive_identity()
+        await self.redis.set(key, mine, nx=True)
+        recorded = await self.redis.get(key)
+        theirs = recorded.decode(errors="replace") if isinstance(recorded, bytes) else str(recorded)
+        if recorded is not None and theirs != mine:
+            raise ConfigError(
+                f"--group {self.config.settings.group}: its archivers write to {theirs}, this one to {mine}: each "
+                f"archive needs its own --group (or delete the key {key} in Redis to move the group to this archive)"
+            )
 
     async def draining(self) -> None:
         """The drain gets ``--shutdown-grace-s``: a store that stopped answering would hold a SIGTERM for
