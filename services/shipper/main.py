@@ -16,6 +16,7 @@ import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 from grpc import aio
@@ -35,6 +36,7 @@ from splitstream.common.runtime import (
 )
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
+from splitstream.common.wal import WRITER_LOCK_FILE, segments
 from splitstream.shipper.batch_cutter import MIN_BATCH_BYTES
 from splitstream.shipper.mirror import MirrorSettings, RecordMirror
 from splitstream.shipper.spool import leftover
@@ -72,6 +74,12 @@ class ShipperConfig:
                 raise ConfigError("--log-dir: must name a directory, got an empty value")
             # Twice (``spool`` and ``spool/``, or through a link), the shipper waited for ever on the lock it
             # held itself and shipped nothing.
+            # Missing, it was created, and a typo (``--log-dir /var/lib/splitsream``) shipped nothing, silently: a
+            # router creates its log directory, the shipper only ships one.
+            if not os.path.exists(directory):
+                raise ConfigError(f"--log-dir {directory}: no such directory (give a router's --spool-dir)")
+            if not os.path.isdir(directory):
+                raise ConfigError(f"--log-dir {directory}: not a directory (give a router's --spool-dir)")
             real = os.path.realpath(directory)
             if real in seen:
                 raise ConfigError(f"--log-dir: {directory} is the same directory as {seen[real]}: give each log once")
@@ -114,7 +122,8 @@ def build_parser() -> EnvArgumentParser:
         "--log-dir",
         action="append",
         required=True,
-        help="a router's log directory (its --spool-dir); repeat for several routers on this host",
+        help="a router's log directory (its --spool-dir, which the router creates: a directory that does not exist "
+        "is refused); repeat for several routers on this host",
     )
     parser.add_argument("--recorder", required=True, help="recorder address host:port")
     add_server_arguments(parser, ServerDefaults(port=0, metrics_port=8012, drain_delay_s=0.0, shutdown_grace_s=1.0))
@@ -225,6 +234,12 @@ class Shipper(Service):
         except OSError as error:
             raise ConfigError(f"--log-dir/--spool-dir: {error.strerror or error}: {error.filename}") from None
         self._tailing: asyncio.Task[None] | None = None
+        # An existing directory mistaken for a log: said, not refused (a router's child ships what its router named).
+        for directory in () if config.exit_with_parent else config.log_dirs:
+            if not (os.path.exists(os.path.join(directory, WRITER_LOCK_FILE)) or segments(Path(directory))):
+                self.log.warning(
+                    "no router has logged to this directory: is it a router's --spool-dir?", log_dir=directory
+                )
 
     def register(self, server: aio.Server) -> None:
         pass
