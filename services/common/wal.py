@@ -92,6 +92,8 @@ _PREFIX = "wal-"
 CURSOR_FILE = "wal.cursor"
 #: Held (flock) by the router appending to the directory, holding its pid.
 WRITER_LOCK_FILE = "router.lock"
+#: Held (flock) by the shipper shipping the directory, holding its pid.
+SHIPPER_LOCK_FILE = "shipper.lock"
 #: A cursor slot: magic, sequence (the newer valid slot wins), segment, offset, crc32 of the 28 bytes before it.
 CURSOR_SLOT = struct.Struct("<4sQQQI")
 _CURSOR_MAGIC = b"\xf0CUR"
@@ -509,6 +511,57 @@ def being_written(directory: Path, number: int) -> bool:
     finally:
         os.close(fd)
     return False
+
+
+def _held_by_live_process(lock: Path) -> bool:
+    """Whether the pid a lock file holds is alive. Read, never locked: a lock taken even for an instant could
+    refuse a router or shipper starting on that directory just then."""
+    try:
+        text = lock.read_text(errors="replace").strip()
+    except OSError:
+        return False
+    if not text.isdigit():
+        return False
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def stranded_logs(directory: Path, *, also: Sequence[Path] = (), limit: int = 1000) -> list[tuple[Path, int]]:
+    """Logs beside ``directory`` (its siblings, their ``proc-*``, and ``also``) that hold unshipped calls while
+    neither a router nor a shipper is at them: what a router restarted with another ``--spool-dir`` left behind,
+    which nothing would ship. (directory, unshipped bytes) each; at most ``limit`` siblings are looked at."""
+    own = directory.resolve()
+    candidates: list[Path] = [path.resolve() for path in also]
+    with contextlib.suppress(OSError), os.scandir(own.parent) as entries:
+        for count, entry in enumerate(entries):
+            if count >= limit:
+                break
+            if entry.is_dir(follow_symlinks=False):
+                candidates.append(Path(entry.path))
+    found = []
+    seen = {own}
+    for top in candidates:
+        try:
+            logs = [top, *sorted(p for p in top.glob("proc-*") if p.is_dir())]
+        except OSError:
+            continue
+        for log_dir in logs:
+            if log_dir in seen or own in log_dir.parents:
+                continue
+            seen.add(log_dir)
+            if not segments(log_dir):
+                continue
+            if any(_held_by_live_process(log_dir / name) for name in (WRITER_LOCK_FILE, SHIPPER_LOCK_FILE)):
+                continue
+            pending = unshipped_bytes(log_dir)
+            if pending:
+                found.append((log_dir, pending))
+    return found
 
 
 def _lock_for_writing(directory: Path) -> int:

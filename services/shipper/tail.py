@@ -42,6 +42,7 @@ from splitstream.common.wal import (
     CALL,
     FEEDBACK,
     SHADOWS,
+    SHIPPER_LOCK_FILE,
     STREAM,
     CallEntry,
     Position,
@@ -57,8 +58,7 @@ log = structlog.get_logger()
 
 #: Calls queued in the mirror at most: the log is the buffer, the queue only feeds the batches.
 QUEUE_DEPTH = 4096
-#: In each log directory: locked by the shipper shipping it, holding its pid.
-LOCK_FILE = "shipper.lock"
+LOCK_FILE = SHIPPER_LOCK_FILE
 #: How often settled positions are written as cursors.
 COMMIT_INTERVAL_S = 0.1
 
