@@ -254,7 +254,8 @@ class Shipper(Service):
         if self.config.ready_fd >= 0:
             with contextlib.suppress(OSError):  # the router gone meanwhile: --exit-with-parent sees to it
                 os.write(self.config.ready_fd, b"ready\n")
-            os.close(self.config.ready_fd)
+            with contextlib.suppress(OSError):  # not a descriptor of ours (given by hand): nothing to tell
+                os.close(self.config.ready_fd)
         self.log.info("shipper shipping", logs=list(self.config.log_dirs), recorder=self.config.recorder)
         parent = os.getppid()
         while True:
