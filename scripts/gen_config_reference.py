@@ -67,8 +67,8 @@ def _parser_section(title: str, parser: argparse.ArgumentParser, *, level: int) 
     rows = []
     subcommands: list[tuple[str, argparse.ArgumentParser]] = []
     for action in parser._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue  # hidden: set by another command for its child (the shipper's --ready-fd), not by a user
         if isinstance(action, argparse._SubParsersAction):
             subcommands += list(action.choices.items())
             continue

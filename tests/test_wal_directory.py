@@ -12,7 +12,16 @@ from pathlib import Path
 import numpy as np
 
 from splitstream.common import wal
-from tests.harness import InferClient, free_port, make_request, run_module, wait_for, write_registry
+from tests.harness import (
+    InferClient,
+    free_port,
+    make_request,
+    metric_samples,
+    run_module,
+    scrape_metrics,
+    wait_for,
+    write_registry,
+)
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
 from tests.test_wal_recording import _call_payload, start_shipper
 
@@ -154,5 +163,54 @@ def test_damage_at_the_end_of_a_read_chunk_costs_only_the_damaged_entry(tmp_path
         expected = {f"chunk-{i}" for i in range(600)} - {f"chunk-{damaged}"} | {"chunk-after"}
         records = stack.wait_recorded(expected, timeout_s=60)
         assert f"chunk-{damaged}" not in {r.request_id for r in records}
+    finally:
+        stack.close()
+
+
+def test_a_segment_copied_in_numbered_above_the_live_one_costs_no_call_and_is_shipped(tmp_path: Path) -> None:
+    """A correctly named segment numbered above the router's (an operator copying a stopped router's segment in to
+    have it shipped) made the shipper take the router's segment for finished: it read on into the copy, then
+    deleted the segment the router was still appending to, and every call after that was lost. A segment is
+    finished once its router lets go of it; the copy is shipped after the router moves past it."""
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.wait_recorded(call(stack, "before", 5))
+        (live,) = wal.segments(stack.spool_dir)
+        copied = stack.spool_dir / wal.segment_name(live + 98)
+        copied.write_bytes(wal.frame(wal.CALL, _call_payload("copied-1")))
+        stack.wait_recorded(call(stack, "after", 20))
+        assert (stack.spool_dir / wal.segment_name(live)).exists()
+        stack.router.stop()
+        stack.router = stack.start_router()  # a new router numbers its segment past the copy: the copy is finished
+        stack.wait_recorded({"copied-1"} | call(stack, "restarted", 5))
+        wait_for(lambda: not copied.exists(), timeout_s=10, what="the shipped copy to be deleted")
+    finally:
+        stack.close()
+
+
+def test_a_router_restarted_with_another_spool_dir_says_the_old_log_holds_unshipped_calls(tmp_path: Path) -> None:
+    """Calls logged while the recorder was away stayed in the old ``--spool-dir`` once the router was restarted with
+    another: nothing shipped them and nothing said so. The router names the stranded log (log line, metric); an
+    external shipper given it ships every call."""
+    stack = RecordingStack(tmp_path)
+    try:
+        stack.wait_recorded(call(stack, "before", 5))
+        stack.recorder.stop()
+        stranded = call(stack, "stranded", 10)
+        old = stack.spool_dir
+        stack.router.stop()
+        stack.spool_dir = tmp_path / "spool-b"
+        stack.router = stack.start_router()
+        warnings = [line for line in stack.router.log().splitlines() if "holds unshipped calls" in line]
+        assert warnings, stack.router.log()[-3000:]
+        assert str(old) in warnings[-1]
+        stranded_bytes = metric_samples(
+            scrape_metrics(stack.router.metrics_port), "splitstream_router_log_stranded_bytes"
+        )
+        assert stranded_bytes
+        assert stranded_bytes[0][1] > 0
+        stack.restart_recorder()
+        start_shipper(stack, old, metrics_port=free_port())
+        stack.wait_recorded(stranded | call(stack, "after", 5))
     finally:
         stack.close()

@@ -500,3 +500,15 @@ def test_a_shipper_that_cannot_lock_its_log_exits_2_instead_of_serving_and_shipp
         f"splitstream-shipper: error: --log-dir: Is a directory: {log_dir / 'shipper.lock'}"
     ], result.stderr
     assert (log_dir / wal.segment_name(1)).exists()  # nothing read past, nothing deleted
+
+
+def test_a_log_dir_that_does_not_exist_is_refused_with_exit_2_not_created(tmp_path: Path) -> None:
+    """A mistyped ``--log-dir`` was created, locked and shipped: the shipper served, healthy, shipping nothing while
+    the router's real log grew. The router creates its log directory; the shipper only ships one that exists."""
+    typo = tmp_path / "splitsream-spool"
+    result = run_shipper("--log-dir", str(typo))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"splitstream-shipper: error: --log-dir {typo}: no such directory (give a router's --spool-dir)"
+    ], result.stderr
+    assert not typo.exists()

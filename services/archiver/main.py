@@ -27,7 +27,8 @@ from splitstream.common.archive import Archive, ArchiveError, check_archive, ope
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
-from splitstream.common.records import ARCHIVE_GROUP
+from splitstream.common.names import check_model_name
+from splitstream.common.records import ARCHIVE_GROUP, archive_group_key, stream_key
 from splitstream.common.redis_url import (
     RedisSecurity,
     add_redis_security_arguments,
@@ -90,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="endpoint of an S3-compatible store (MinIO, Ceph, R2): http://host:port (empty: AWS)",
     )
     parser.add_argument(
-        "--model", action="append", default=[], help="archive only this model (repeatable; default: every model)"
+        "--model",
+        action="append",
+        default=[],
+        help="archive only this model, its name whole, commas included (repeat for several; "
+        "default: every model; the environment variable is a comma-separated list)",
     )
     parser.add_argument("--group", default=ARCHIVE_GROUP, help="Redis consumer group archivers share")
     parser.add_argument(
@@ -176,7 +181,13 @@ def parse_args(argv: Sequence[str] | None) -> ArchiverConfig:
                 f"--claim-idle-s ({args.claim_idle_s}) must exceed --flush-interval-s ({args.flush_interval_s}): "
                 "entries waiting for their file would be taken over by another archiver"
             )
-        models = frozenset(m.strip() for spec in args.model for m in spec.split(",") if m.strip())
+        # Each value one name: model names may hold commas, and ``a,b`` split in two left model "a,b" unarchivable.
+        models = frozenset(args.model)
+        for model in sorted(models):
+            try:
+                check_model_name(model)
+            except ValueError as error:
+                raise ConfigError(f"--model: {error}") from None
         settings = ArchiverSettings(
             group=args.group,
             consumer=consumer_name(args.consumer or socket.gethostname()),
@@ -272,8 +283,39 @@ class ArchiverService(Service):
             except (RedisError, OSError) as error:
                 self.log.warning("redis unreachable; waiting", error=redact_text(str(error)))
                 await asyncio.sleep(1.0)
+        await self._claim_group()
         await runtime.set_serving(True)
+        for model in sorted(m for m in self.config.settings.models if "," in m):
+            if not await self.redis.exists(stream_key(model)):  # an old command line's ``--model a,b``, perhaps
+                self.log.warning(
+                    "--model names one model, commas included, and Redis holds no calls of it yet: "
+                    "give --model once per model to archive several",
+                    model=model,
+                )
         await self.archiver.run()
+
+    def archive_identity(self) -> str:
+        """Which archive this is, as the group records it: the store and the path in it (a path resolved, so
+        ``./a`` and its absolute path are one archive), never a URL's credentials or query."""
+        archive = self.archive
+        where = os.path.realpath(archive.base) if archive.is_local else archive.base
+        endpoint = f" at {self.config.s3_endpoint}" if self.config.s3_endpoint else ""
+        return f"{archive.filesystem.type_name}:{where}{endpoint}"
+
+    async def _claim_group(self) -> None:
+        """Refuse a group that another archive's archivers read: the group hands each entry to one consumer, so
+        two archives sharing it each missed what the other's archiver was handed. The first archiver of a group
+        names its archive in Redis; one with another archive is exit 2 and one line."""
+        key = archive_group_key(self.config.settings.group)
+        mine = self.archive_identity()
+        await self.redis.set(key, mine, nx=True)
+        recorded = await self.redis.get(key)
+        theirs = recorded.decode(errors="replace") if isinstance(recorded, bytes) else str(recorded)
+        if recorded is not None and theirs != mine:
+            raise ConfigError(
+                f"--group {self.config.settings.group}: its archivers write to {theirs}, this one to {mine}: each "
+                f"archive needs its own --group (or delete the key {key} in Redis to move the group to this archive)"
+            )
 
     async def draining(self) -> None:
         """The drain gets ``--shutdown-grace-s``: a store that stopped answering would hold a SIGTERM for

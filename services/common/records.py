@@ -127,6 +127,11 @@ def archive_mark_key(stream: str) -> str:
     return f"{ARCHIVED_PREFIX}{{{stream}}}"
 
 
+def archive_group_key(group: str) -> str:
+    """The key naming the archive an archiver consumer group writes to (set by its first archiver)."""
+    return f"splitstream:archive-group:{group}"
+
+
 #: Lua: whether stream id ARGV-style ``a`` sorts before ``b`` (``ms`` alone reads as ``ms-0``). Shared by
 #: the scripts that compare ids inside Redis (the archiver's mark, the recorder's archive-aware trim).
 LUA_ID_LESS = """

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ctypes
 import dataclasses
 import errno
 import math
@@ -39,7 +41,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,7 @@ from splitstream.common.tls import ServerTls
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
+_PR_SET_PDEATHSIG = 1
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: How often the drain repeats a cancel that :meth:`Service.run` (or a task of it) did not act on.
@@ -333,11 +336,38 @@ class Service:
         """The server has stopped: flush and release what the service holds."""
 
 
+#: Set in the environment of a child a service starts (see supervisor): the pid of the parent it must not outlive.
+PARENT_PID_ENV = "SPLITSTREAM_PARENT_PID"
+
+
+def parent_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (else this process's environment) naming this process as the parent (see :func:`die_with_parent`)."""
+    return {**(os.environ if env is None else env), PARENT_PID_ENV: str(os.getpid())}
+
+
+def die_with_parent() -> None:
+    """Runs in a child at its start: SIGTERM when the parent exits, however it exits (Linux only), so a
+    parent killed with SIGKILL leaves no process behind serving or holding a log.
+
+    Asked by the child itself, not by a ``preexec_fn`` between fork and exec: that ran Python (a ``dlopen``)
+    in a fork of a parent whose gRPC and executor threads held locks, and a child shipper restarted in a crash
+    loop was seen to die there (SIGSEGV, or to hang) before it ever ran. A parent gone before the request took
+    effect is seen by the pid: the child then ends as the signal would have ended it."""
+    parent = os.environ.pop(PARENT_PID_ENV, "")  # popped: the child's own children have another parent
+    if not parent.isdigit():
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run_service(settings: ServerSettings, build: Callable[[], Service], *, prog: str) -> int:
     """Run the service ``build()`` makes (called inside the event loop) until a signal; the exit code.
 
     ``prog`` names the command in the one-line error of a configuration problem found before
     the service exists (a taken gRPC port)."""
+    die_with_parent()
     runner = _Runner(settings, build, prog=prog)
     try:
         return asyncio.run(runner.serve())

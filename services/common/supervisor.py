@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -49,11 +48,11 @@ from splitstream.common.runtime import (
     ServerSettings,
     bind_metrics,
     bind_problem,
+    parent_env,
 )
 
 #: prometheus-client reads it when it is first imported: set for the children only, never in the parent.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-_PR_SET_PDEATHSIG = 1
 _RESTART_FIRST_S = 0.2
 _RESTART_MAX_S = 5.0
 #: A child that served this long before dying is restarted after the first backoff again, not the last.
@@ -62,17 +61,13 @@ _STABLE_S = 30.0
 _STOP_SLACK_S = 20.0
 
 
-def die_with_parent() -> None:
-    """Runs in a child before exec: SIGTERM when the parent exits, however it exits (Linux only), so a
-    parent killed with SIGKILL leaves no process behind serving or holding a log."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 class Companion(Protocol):
     """Something the parent runs beside the children and stops after them (the router's shipper)."""
 
     def start(self) -> None: ...
+
+    async def started(self) -> None:
+        """Return once it runs; ConfigError if it refused its configuration (the parent then exits 2)."""
 
     async def stop(self) -> None: ...
 
@@ -164,6 +159,11 @@ class _Parent:
         if self.make_companion is not None:
             self.companion = self.make_companion(self.registry)
             self.companion.start()
+            try:
+                await self.companion.started()
+            except ConfigError as error:
+                self.config_error = str(error)
+                self.stop.set()
         await self.stop.wait()
         self.log.info("draining every child", children=sorted(p.pid for p in self.children.values()))
         for process in self.children.values():
@@ -231,7 +231,7 @@ class _Parent:
         child_env = {**env, PROCESS_INDEX_ENV: str(index)}
         while not self.stop.is_set():
             try:
-                process = await asyncio.create_subprocess_exec(*command, env=child_env, preexec_fn=die_with_parent)
+                process = await asyncio.create_subprocess_exec(*command, env=parent_env(child_env))
             except OSError as error:
                 self.log.error("child not started; retrying", index=index, error=str(error)[:300])
                 await self._pause(_RESTART_MAX_S)

@@ -21,10 +21,11 @@ Layout of one log directory (one per router process; one shipper may ship severa
 The shipper's spool (``*.seg``, ``cursor.slots``) shares the directory by default, so a spool
 left by a router from before the log is shipped too.
 
-A segment is rotated once it holds ``segment_bytes``. The shipper reads segments in
-order, deletes a segment once its cursor (written durably first) is past it, and never
-writes into one. Entry framing, as the hardened spool has, so that damage costs only
-the entry it touches::
+A segment is rotated once it holds ``segment_bytes``; the router holds a flock on the segment
+it appends to. The shipper reads segments in order, takes a segment for finished only once no
+router holds its lock (a file numbered above it proves nothing: it may have been copied in),
+deletes a segment once its cursor (written durably first) is past it, and never writes into one.
+Entry framing, as the hardened spool has, so that damage costs only the entry it touches::
 
     magic b"\\xf0WAL" | u32 payload length | u8 kind | 3 zero bytes | u32 crc32(length, kind, payload) | payload
 
@@ -91,6 +92,8 @@ _PREFIX = "wal-"
 CURSOR_FILE = "wal.cursor"
 #: Held (flock) by the router appending to the directory, holding its pid.
 WRITER_LOCK_FILE = "router.lock"
+#: Held (flock) by the shipper shipping the directory, holding its pid.
+SHIPPER_LOCK_FILE = "shipper.lock"
 #: A cursor slot: magic, sequence (the newer valid slot wins), segment, offset, crc32 of the 28 bytes before it.
 CURSOR_SLOT = struct.Struct("<4sQQQI")
 _CURSOR_MAGIC = b"\xf0CUR"
@@ -424,7 +427,16 @@ class WalWriter:
         self._dirty = False
 
     def _open(self, number: int) -> int:
+        """The segment, locked (flock) for as long as this writer appends to it: a segment numbered above it
+        (copied in by hand) made the shipper take this one for finished and delete it while calls were still
+        appended, so the shipper asks the lock, not the numbering, whether a segment is finished. Blocking: a
+        shipper only tests the lock for an instant."""
         fd = os.open(self.directory / segment_name(number), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            os.close(fd)
+            raise
         fsync_directory(self.directory)
         return fd
 
@@ -449,9 +461,12 @@ class WalWriter:
         return True
 
     def _rotate(self) -> None:
+        # The next segment is opened (and locked) before the old one is closed, so that one of them is always
+        # locked; numbered past any segment copied in meanwhile, which is then shipped as a finished one.
         with self._lock:
             old = self._fd
-            self._number += 1
+            existing = segments(self.directory)
+            self._number = max(self._number, existing[-1] if existing else 0) + 1
             self._fd = self._open(self._number)
             self._offset = 0
         with contextlib.suppress(OSError):
@@ -480,6 +495,73 @@ class WalWriter:
             os.close(self._fd)
             self._fd = -1
         os.close(self._lock_fd)  # the next router may start here
+
+
+def being_written(directory: Path, number: int) -> bool:
+    """Whether a router holds the segment's lock (it appends to it). Asked before a segment is read: one whose lock
+    is free was closed by its router, every append of it already visible."""
+    try:
+        fd = os.open(directory / segment_name(number), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _held_by_live_process(lock: Path) -> bool:
+    """Whether the pid a lock file holds is alive. Read, never locked: a lock taken even for an instant could
+    refuse a router or shipper starting on that directory just then."""
+    try:
+        text = lock.read_text(errors="replace").strip()
+    except OSError:
+        return False
+    if not text.isdigit():
+        return False
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def stranded_logs(directory: Path, *, also: Sequence[Path] = (), limit: int = 1000) -> list[tuple[Path, int]]:
+    """Logs beside ``directory`` (its siblings, their ``proc-*``, and ``also``) that hold unshipped calls while
+    neither a router nor a shipper is at them: what a router restarted with another ``--spool-dir`` left behind,
+    which nothing would ship. (directory, unshipped bytes) each; at most ``limit`` siblings are looked at."""
+    own = directory.resolve()
+    candidates: list[Path] = [path.resolve() for path in also]
+    with contextlib.suppress(OSError), os.scandir(own.parent) as entries:
+        for count, entry in enumerate(entries):
+            if count >= limit:
+                break
+            if entry.is_dir(follow_symlinks=False):
+                candidates.append(Path(entry.path))
+    found = []
+    seen = {own}
+    for top in candidates:
+        try:
+            logs = [top, *sorted(p for p in top.glob("proc-*") if p.is_dir())]
+        except OSError:
+            continue
+        for log_dir in logs:
+            if log_dir in seen or own in log_dir.parents:
+                continue
+            seen.add(log_dir)
+            if not segments(log_dir):
+                continue
+            if any(_held_by_live_process(log_dir / name) for name in (WRITER_LOCK_FILE, SHIPPER_LOCK_FILE)):
+                continue
+            pending = unshipped_bytes(log_dir)
+            if pending:
+                found.append((log_dir, pending))
+    return found
 
 
 def _lock_for_writing(directory: Path) -> int:
@@ -570,7 +652,7 @@ class WalReader:
                 return entries
             if numbers[0] != self.position[0]:  # the cursor's segment is gone (deleted, or never existed)
                 self.position = (numbers[0], 0)
-            newest = numbers[-1] == self.position[0]
+            newest = numbers[-1] == self.position[0] or being_written(self.directory, self.position[0])
             if not self._read_segment(entries, max_entries, newest):
                 if newest:
                     return entries

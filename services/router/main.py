@@ -56,6 +56,8 @@ from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES, StreamPr
 from splitstream.shipper.batch_cutter import MIN_BATCH_BYTES
 
 PROG = "splitstream-router"
+#: Where a router logs unless told (--spool-dir): looked at for a log left there by an earlier router.
+SPOOL_DIR_DEFAULT = "splitstream-spool"
 #: After the registry watch failed in a way its backend did not report as an update (an exception,
 #: or the watch ending), wait this long before watching again: long enough not to spin on a file
 #: that keeps failing the same way, short next to the time an operator takes to fix it.
@@ -218,7 +220,7 @@ def build_parser() -> EnvArgumentParser:
     )
     recording.add_argument(
         "--spool-dir",
-        default="splitstream-spool",
+        default=SPOOL_DIR_DEFAULT,
         help="the write-ahead log directory: every answered call is appended here and shipped to the recorder "
         "by splitstream-shipper (one directory per router process; with --processes N, child i logs to "
         "SPOOL_DIR/proc-i)",
@@ -563,6 +565,8 @@ class Router(Service):
                 )
             except OSError as error:  # a directory that cannot be created or read is the operator's to fix
                 raise ConfigError(f"--spool-dir {config.spool_dir}: {error.strerror or error}") from None
+            if process_index() is None:  # a --processes child's siblings are its sibling routers' logs
+                self.mirror.warn_stranded(also=[SPOOL_DIR_DEFAULT])
             if config.shipper == "child":
                 # It stops after the router's drain: its SIGTERM drain gets the recorder's ack timeout and some.
                 self.shipper = ShipperChild(config.shipper_args, self.metrics, stop_timeout_s=15.0)
@@ -629,6 +633,7 @@ class Router(Service):
             self.mirror.start()
         if self.shipper is not None:
             self.shipper.start()
+            await self.shipper.started()
 
     async def run(self, runtime: Runtime) -> None:
         self.servicer.ready = True

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 import structlog
@@ -41,6 +42,7 @@ from splitstream.common.wal import (
     WalWriter,
     encode_feedback,
     encode_shadows,
+    stranded_logs,
 )
 from splitstream.router.core import CallOutcome
 from splitstream.router.recorded_metadata import RecordedMetadata
@@ -88,6 +90,13 @@ class LogMetrics:
             registry=registry,
             multiprocess_mode="livesum",  # --processes: the children's logs together
         )
+        self.stranded_bytes = Gauge(
+            "splitstream_router_log_stranded_bytes",
+            "Unshipped log bytes found at start beside --spool-dir in directories no router or shipper is at "
+            "(a router restarted with another --spool-dir left them): ship them with splitstream-shipper --log-dir",
+            registry=registry,
+            multiprocess_mode="max",
+        )
         for reason in _DROP_REASONS:
             self.records_dropped.labels(reason)
             self.feedback_dropped.labels(reason)
@@ -130,6 +139,19 @@ class CallLog:
             kind: self.metrics.appended.labels(name)
             for kind, name in ((CALL, "call"), (STREAM, "stream"), (SHADOWS, "shadows"), (FEEDBACK, "feedback"))
         }
+
+    def warn_stranded(self, *, also: Sequence[str] = ()) -> None:
+        """Say (log, metric) which logs beside this one hold calls nothing ships: a router restarted with another
+        ``--spool-dir`` left its old log unshipped without a word, and only the router can notice."""
+        stranded = stranded_logs(self.writer.directory, also=[Path(p) for p in also])
+        self.metrics.stranded_bytes.set(sum(size for _, size in stranded))
+        for directory, size in stranded:
+            log.warning(
+                "a log beside --spool-dir holds unshipped calls and no router or shipper is at it: ship it "
+                "with splitstream-shipper --log-dir (or start its router again)",
+                log_dir=str(directory),
+                unshipped_bytes=size,
+            )
 
     @property
     def closing(self) -> bool:

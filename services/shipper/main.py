@@ -8,12 +8,15 @@ several routers' log directories (``--shipper external`` on the routers, ``--log
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import math
 import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import structlog
 from grpc import aio
@@ -33,6 +36,7 @@ from splitstream.common.runtime import (
 )
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
+from splitstream.common.wal import WRITER_LOCK_FILE, segments
 from splitstream.shipper.batch_cutter import MIN_BATCH_BYTES
 from splitstream.shipper.mirror import MirrorSettings, RecordMirror
 from splitstream.shipper.spool import leftover
@@ -54,6 +58,8 @@ class ShipperConfig:
     shadow_wait_s: float
     flush_timeout_s: float
     exit_with_parent: bool = False
+    #: A pipe's write end (-1: none) written once the configuration is taken: a router's child says so.
+    ready_fd: int = -1
     recorder_tls: ClientTls = PLAINTEXT
     service_token: str = field(default="", repr=False)
 
@@ -68,6 +74,12 @@ class ShipperConfig:
                 raise ConfigError("--log-dir: must name a directory, got an empty value")
             # Twice (``spool`` and ``spool/``, or through a link), the shipper waited for ever on the lock it
             # held itself and shipped nothing.
+            # Missing, it was created, and a typo (``--log-dir /var/lib/splitsream``) shipped nothing, silently: a
+            # router creates its log directory, the shipper only ships one.
+            if not os.path.exists(directory):
+                raise ConfigError(f"--log-dir {directory}: no such directory (give a router's --spool-dir)")
+            if not os.path.isdir(directory):
+                raise ConfigError(f"--log-dir {directory}: not a directory (give a router's --spool-dir)")
             real = os.path.realpath(directory)
             if real in seen:
                 raise ConfigError(f"--log-dir: {directory} is the same directory as {seen[real]}: give each log once")
@@ -110,7 +122,8 @@ def build_parser() -> EnvArgumentParser:
         "--log-dir",
         action="append",
         required=True,
-        help="a router's log directory (its --spool-dir); repeat for several routers on this host",
+        help="a router's log directory (its --spool-dir, which the router creates: a directory that does not exist "
+        "is refused); repeat for several routers on this host",
     )
     parser.add_argument("--recorder", required=True, help="recorder address host:port")
     add_server_arguments(parser, ServerDefaults(port=0, metrics_port=8012, drain_delay_s=0.0, shutdown_grace_s=1.0))
@@ -151,6 +164,9 @@ def build_parser() -> EnvArgumentParser:
         action="store_true",
         help="drain and exit once the process that started this one is gone (a router's child shipper)",
     )
+    # Set by a router for its child: told on this pipe that the configuration was taken, it can refuse to start
+    # (exit 2, the child's line) when the child refuses it, instead of restarting it for ever.
+    argparse.ArgumentParser.add_argument(parser, "--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument(
         "--service-token-file",
         default="",
@@ -175,6 +191,7 @@ def parse_args(argv: Sequence[str] | None) -> ShipperConfig:
             shadow_wait_s=args.shadow_wait_s,
             flush_timeout_s=args.flush_timeout_s,
             exit_with_parent=args.exit_with_parent,
+            ready_fd=args.ready_fd,
             recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
             service_token=read_service_token(args.service_token_file),
         )
@@ -217,16 +234,28 @@ class Shipper(Service):
         except OSError as error:
             raise ConfigError(f"--log-dir/--spool-dir: {error.strerror or error}: {error.filename}") from None
         self._tailing: asyncio.Task[None] | None = None
+        # An existing directory mistaken for a log: said, not refused (a router's child ships what its router named).
+        for directory in () if config.exit_with_parent else config.log_dirs:
+            if not (os.path.exists(os.path.join(directory, WRITER_LOCK_FILE)) or segments(Path(directory))):
+                self.log.warning(
+                    "no router has logged to this directory: is it a router's --spool-dir?", log_dir=directory
+                )
 
     def register(self, server: aio.Server) -> None:
         pass
 
     async def prepare(self, runtime: Runtime) -> None:
+        self.tail.open_locks()
         self.mirror.start()
         self._tailing = asyncio.create_task(self.tail.run(), name="log-tail")
 
     async def run(self, runtime: Runtime) -> None:
         await runtime.set_serving(True)
+        if self.config.ready_fd >= 0:
+            with contextlib.suppress(OSError):  # the router gone meanwhile: --exit-with-parent sees to it
+                os.write(self.config.ready_fd, b"ready\n")
+            with contextlib.suppress(OSError):  # not a descriptor of ours (given by hand): nothing to tell
+                os.close(self.config.ready_fd)
         self.log.info("shipper shipping", logs=list(self.config.log_dirs), recorder=self.config.recorder)
         parent = os.getppid()
         while True:

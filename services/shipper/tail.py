@@ -42,6 +42,7 @@ from splitstream.common.wal import (
     CALL,
     FEEDBACK,
     SHADOWS,
+    SHIPPER_LOCK_FILE,
     STREAM,
     CallEntry,
     Position,
@@ -57,8 +58,7 @@ log = structlog.get_logger()
 
 #: Calls queued in the mirror at most: the log is the buffer, the queue only feeds the batches.
 QUEUE_DEPTH = 4096
-#: In each log directory: locked by the shipper shipping it, holding its pid.
-LOCK_FILE = "shipper.lock"
+LOCK_FILE = SHIPPER_LOCK_FILE
 #: How often settled positions are written as cursors.
 COMMIT_INTERVAL_S = 0.1
 
@@ -133,6 +133,7 @@ class Tail:
         self._generation = 0
         self._closing = False
         self._locks: list[int] = []
+        self._lock_files: list[int] = []
         self.metrics.held.set_function(lambda: len(self._held))
         self.metrics.pending.set_function(lambda: sum(r.pending_bytes() for r in self.readers))
 
@@ -185,14 +186,21 @@ class Tail:
 
     # -- the loop --------------------------------------------------------------------------------
 
+    def open_locks(self) -> None:
+        """Open every log's ``shipper.lock`` (not yet taken): one that cannot be opened is a configuration error,
+        found before the shipper says it serves, so that a router's child refuses its start, not its first read."""
+        for reader in self.readers:
+            try:
+                self._lock_files.append(os.open(reader.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600))
+            except OSError as error:  # a directory named so, a directory the shipper may not write to
+                raise ConfigError(f"--log-dir: {error.strerror or error}: {error.filename}") from None
+
     async def _lock(self) -> None:
         """Take every log's ``shipper.lock`` (holding our pid), waiting while another shipper holds one: the
         child of a restarted router waits for the old child to finish its drain."""
-        for reader in self.readers:
-            try:
-                fd = os.open(reader.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-            except OSError as error:  # a directory named so, a directory the shipper may not write to
-                raise ConfigError(f"--log-dir: {error.strerror or error}: {error.filename}") from None
+        if not self._lock_files:
+            self.open_locks()
+        for reader, fd in zip(self.readers, self._lock_files, strict=True):
             waited = False
             while True:
                 try:
