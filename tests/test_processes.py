@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
-from splitstream.common.runtime import parse_processes
+from splitstream.common.runtime import PROCESSES_PER_CORE, parse_processes, usable_cores
 from tests.harness import (
     ROOT,
     InferClient,
@@ -364,9 +364,15 @@ def test_port_0_with_two_processes_is_picked_by_the_parent_and_logged(tmp_path: 
         assert process.wait(timeout=60) == 0
 
 
+#: Past the bound, the smallest count (the parent would start that many) and a typo's ten thousand and more.
+TOO_MANY = [str(PROCESSES_PER_CORE * usable_cores() + 1), "100000000000000000000"]
+
+
 @pytest.mark.parametrize("module", ["splitstream.router", "splitstream.recorder"])
-@pytest.mark.parametrize("value", ["0", "abc"])
+@pytest.mark.parametrize("value", ["0", "abc", *TOO_MANY, "1_000", "\u0663"])  # ٣: an Arabic-Indic 3
 def test_a_bad_processes_value_exits_2_with_one_line(tmp_path: Path, module: str, value: str) -> None:
+    """Above :data:`PROCESSES_PER_CORE` per core the parent started every child asked for (ten thousand
+    Pythons for a typo, until the host ran out of memory), and read ``1_000`` and other scripts' digits."""
     registry = tmp_path / "registry.yaml"
     registry.write_text("models: {}\n")
     done = subprocess.run(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from splitstream.common.runtime import (
     add_server_arguments,
     process_index,
     run_service,
+    usable_cores,
 )
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.supervisor import supervise
@@ -125,14 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
         "usable cores per archiver process (--processes) or more, else a thread",
     )
     return parser
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, e.g. a container's cpuset), else all."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def consumer_name(base: str) -> str:

@@ -64,6 +64,8 @@ CANCEL_REPEAT_S = 1.0
 #: Set by the ``--processes`` parent (:mod:`splitstream.common.supervisor`) in each child: its index, 0..N-1.
 #: A child serves its port with SO_REUSEPORT, beside its siblings.
 PROCESS_INDEX_ENV = "SPLITSTREAM_PROCESS_INDEX"
+#: ``--processes`` above this many per usable core is refused: past one per core they only share the cores.
+PROCESSES_PER_CORE = 4
 #: gRPC takes message limits as a C int.
 _MAX_GRPC_INT = 2**31 - 1
 
@@ -89,16 +91,35 @@ class _ProcessesError(argparse.ArgumentTypeError, ValueError):
     """argparse shows an ArgumentTypeError's message; EnvArgumentParser reports a ValueError for the variable."""
 
 
-def parse_processes(value: str) -> int:
-    """``--processes``: a whole number >= 1, or ``auto`` (the cores this process may run on)."""
-    if value.strip().lower() == "auto":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a container's cpuset), else all."""
     try:
-        count = int(value)
-    except ValueError:
-        raise _ProcessesError(f"expected a whole number >= 1 or auto, got {value!r}") from None
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def parse_processes(value: str) -> int:
+    """``--processes``: a whole number from 1 to :data:`PROCESSES_PER_CORE` per usable core, or ``auto``
+    (one per usable core).
+
+    The bound is what keeps a typo (``--processes 10000`` for 10) from starting ten thousand Pythons,
+    each a router's or recorder's memory, until the host runs out; only ASCII digits are read, so
+    ``1_000`` or another script's digits are refused rather than taken as a count nobody meant."""
+    text = value.strip()
+    if text.lower() == "auto":
+        return usable_cores()
+    if not (text.isascii() and text.isdigit()):
+        raise _ProcessesError(f"expected a whole number >= 1 or auto, got {value!r}")
+    count = int(text)
     if count < 1:
         raise _ProcessesError(f"must be at least 1 (or auto), got {count}")
+    cores = usable_cores()
+    if count > PROCESSES_PER_CORE * cores:
+        raise _ProcessesError(
+            f"at most {PROCESSES_PER_CORE} per usable core ({PROCESSES_PER_CORE * cores} here, "
+            f"where auto is {cores}), got {count}"
+        )
     return count
 
 
@@ -115,8 +136,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaul
             type=parse_processes,
             default=1,
             help="processes serving --port together (SO_REUSEPORT, Linux only), each on its own core; auto: "
-            "one per usable core. A parent supervises them: restarts one that dies, drains all on SIGTERM, "
-            "serves --metrics-port with their totals",
+            f"one per usable core; at most {PROCESSES_PER_CORE} per usable core. A parent supervises them: restarts "
+            "one that dies, drains all on SIGTERM, serves --metrics-port with their totals",
         )
     group.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
     group.add_argument(
