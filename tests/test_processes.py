@@ -27,6 +27,7 @@ from tests.harness import (
     ROOT,
     InferClient,
     ServiceProcess,
+    Stack,
     SteadyLoad,
     free_port,
     health_status,
@@ -37,6 +38,7 @@ from tests.harness import (
     write_registry,
 )
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
+from tests.redis_server import RedisServer
 
 EXPERIMENT = {
     "salt": "processes",
@@ -444,3 +446,39 @@ def test_sigterm_while_the_children_are_still_starting_is_a_clean_stop(tmp_path:
         assert router.wait() == 0
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_prometheus_multiproc_dir_in_the_users_environment_is_not_used(tmp_path: Path, processes: str) -> None:
+    """Another app's ``PROMETHEUS_MULTIPROC_DIR`` left in the environment: a directory that is gone failed
+    the start (a traceback, exit 1), one that exists got this recorder's metric files (and a restart with
+    the same pid counted on from them). Now the recorder keeps its metrics as if the variable were unset."""
+    redis = RedisServer(tmp_path / "redis").start()
+    stack = Stack(tmp_path)
+    other_apps = tmp_path / "other-apps-metrics"
+    other_apps.mkdir()
+    try:
+        for directory in (tmp_path / "gone", other_apps):
+            port, metrics_port = free_port(), free_port()
+            recorder = stack.service(
+                f"recorder-{directory.name}",
+                "splitstream.recorder",
+                ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+                 "--redis-url", redis.url, "--processes", processes],
+                port=port,
+                env={"PROMETHEUS_MULTIPROC_DIR": str(directory), "SPLITSTREAM_HMAC_KEY": HMAC_KEY},
+            )  # fmt: skip
+            wait_for(
+                lambda port=metrics_port: (
+                    metric_samples(scrape_metrics(port), "splitstream_recorder_redis_up") == [({}, 1.0)]
+                ),
+                timeout_s=60,
+                what="the recorder's scrape to show Redis up",
+            )
+            recorder.signal(signal.SIGTERM)
+            assert recorder.wait(timeout_s=60) == 0, recorder.log()
+        assert not (tmp_path / "gone").exists()
+        assert list(other_apps.iterdir()) == []
+    finally:
+        stack.close()
+        redis.stop()

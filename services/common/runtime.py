@@ -48,6 +48,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import values as prometheus_values
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.handlers import ParseRequests
@@ -85,6 +86,26 @@ def process_index() -> int | None:
     """This process's index among its ``--processes`` siblings, or None when it was not started by a parent."""
     value = os.environ.get(PROCESS_INDEX_ENV, "")
     return int(value) if value.isdigit() else None
+
+
+#: prometheus-client's switch to multiprocess mode (both spellings it reads); see :func:`own_metrics`.
+MULTIPROC_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+
+def own_metrics() -> None:
+    """Keep this process's metrics in its own memory unless it is a ``--processes`` child.
+
+    The variable switches prometheus-client to files in that directory for every metric made after it
+    is imported. Left there by a user's environment (another app's, a stale one), a directory that does
+    not exist made a ``--processes`` parent fail its start with a traceback and one process fail on its
+    first metric; one that exists filled with files, and a process restarted with the same pid (pid 1
+    in a container) counted on from its previous life. Only the parent's fresh directory is the
+    children's business (:mod:`splitstream.common.supervisor`)."""
+    if process_index() is not None:
+        return
+    for name in MULTIPROC_VARIABLES:
+        os.environ.pop(name, None)
+    prometheus_values.ValueClass = prometheus_values.MutexValue
 
 
 class _ProcessesError(argparse.ArgumentTypeError, ValueError):
@@ -359,6 +380,7 @@ def run_service(settings: ServerSettings, build: Callable[[], Service], *, prog:
 
     ``prog`` names the command in the one-line error of a configuration problem found before
     the service exists (a taken gRPC port)."""
+    own_metrics()
     runner = _Runner(settings, build, prog=prog)
     try:
         return asyncio.run(runner.serve())

@@ -49,6 +49,7 @@ from splitstream.common.runtime import (
     ServerSettings,
     bind_metrics,
     bind_problem,
+    own_metrics,
 )
 
 #: prometheus-client reads it when it is first imported: set for the children only, never in the parent.
@@ -90,6 +91,7 @@ def supervise(
 
     ``service`` names the parent's own metrics (``splitstream_<service>_process_restarts``);
     ``companion`` is built with the parent's metrics registry and started once the children are."""
+    own_metrics()
     parent = _Parent(settings, module=module, argv=argv, service=service, companion=companion)
     try:
         code = asyncio.run(parent.run())
