@@ -22,11 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
-from splitstream.common.runtime import parse_processes
+from splitstream.common.runtime import PROCESSES_PER_CORE, parse_processes, usable_cores
 from tests.harness import (
     ROOT,
     InferClient,
     ServiceProcess,
+    Stack,
     SteadyLoad,
     free_port,
     health_status,
@@ -37,6 +38,7 @@ from tests.harness import (
     write_registry,
 )
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
+from tests.redis_server import RedisServer
 
 EXPERIMENT = {
     "salt": "processes",
@@ -364,9 +366,15 @@ def test_port_0_with_two_processes_is_picked_by_the_parent_and_logged(tmp_path: 
         assert process.wait(timeout=60) == 0
 
 
+#: Past the bound, the smallest count (the parent would start that many) and a typo's ten thousand and more.
+TOO_MANY = [str(PROCESSES_PER_CORE * usable_cores() + 1), "100000000000000000000"]
+
+
 @pytest.mark.parametrize("module", ["splitstream.router", "splitstream.recorder"])
-@pytest.mark.parametrize("value", ["0", "abc"])
+@pytest.mark.parametrize("value", ["0", "abc", *TOO_MANY, "1_000", "\u0663"])  # ٣: an Arabic-Indic 3
 def test_a_bad_processes_value_exits_2_with_one_line(tmp_path: Path, module: str, value: str) -> None:
+    """Above :data:`PROCESSES_PER_CORE` per core the parent started every child asked for (ten thousand
+    Pythons for a typo, until the host ran out of memory), and read ``1_000`` and other scripts' digits."""
     registry = tmp_path / "registry.yaml"
     registry.write_text("models: {}\n")
     done = subprocess.run(
@@ -438,3 +446,39 @@ def test_sigterm_while_the_children_are_still_starting_is_a_clean_stop(tmp_path:
         assert router.wait() == 0
     finally:
         stack.close()
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_prometheus_multiproc_dir_in_the_users_environment_is_not_used(tmp_path: Path, processes: str) -> None:
+    """Another app's ``PROMETHEUS_MULTIPROC_DIR`` left in the environment: a directory that is gone failed
+    the start (a traceback, exit 1), one that exists got this recorder's metric files (and a restart with
+    the same pid counted on from them). Now the recorder keeps its metrics as if the variable were unset."""
+    redis = RedisServer(tmp_path / "redis").start()
+    stack = Stack(tmp_path)
+    other_apps = tmp_path / "other-apps-metrics"
+    other_apps.mkdir()
+    try:
+        for directory in (tmp_path / "gone", other_apps):
+            port, metrics_port = free_port(), free_port()
+            recorder = stack.service(
+                f"recorder-{directory.name}",
+                "splitstream.recorder",
+                ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
+                 "--redis-url", redis.url, "--processes", processes],
+                port=port,
+                env={"PROMETHEUS_MULTIPROC_DIR": str(directory), "SPLITSTREAM_HMAC_KEY": HMAC_KEY},
+            )  # fmt: skip
+            wait_for(
+                lambda port=metrics_port: (
+                    metric_samples(scrape_metrics(port), "splitstream_recorder_redis_up") == [({}, 1.0)]
+                ),
+                timeout_s=60,
+                what="the recorder's scrape to show Redis up",
+            )
+            recorder.signal(signal.SIGTERM)
+            assert recorder.wait(timeout_s=60) == 0, recorder.log()
+        assert not (tmp_path / "gone").exists()
+        assert list(other_apps.iterdir()) == []
+    finally:
+        stack.close()
+        redis.stop()

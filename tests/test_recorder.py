@@ -446,6 +446,20 @@ async def test_retention_by_age_drops_records_older_than_the_limit(
     assert remaining == ["new-0", "new-1", "new-2"]
 
 
+async def test_an_age_retention_reaching_back_before_1970_keeps_every_record_and_refuses_no_batch(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    """127 years, meant as "keep for ever": the trim bound was a negative stream id, Redis refused every
+    batch ("Invalid stream ID", INTERNAL) and routers, halving the refused batches, dropped every record."""
+    recorder = start_recorder("--retention-age-s", "4000000000")
+    large = request_bytes("big", x=np.zeros(1 << 16, dtype=np.float32))  # 256 KiB: a blob, with its TTL
+    acks = await send(recorder.address, batch(1, call_record("small"), call_record("big", request=large)))
+    assert [ack.written for ack in acks] == [2]
+    stored = [item.record async for item in read_records(redis, "resnet")]
+    assert [r.request_id for r in stored] == ["small", "big"]
+    assert await payload_bytes(redis, stored[1].request) == large
+
+
 async def test_a_message_that_is_no_batch_is_refused_and_a_bad_record_is_rejected_alone(
     start_recorder: RecorderFactory, redis: Redis
 ) -> None:

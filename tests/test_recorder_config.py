@@ -25,6 +25,9 @@ from tests.harness import ROOT
         (["--port", "70000"], "--port: must be within 0..65535, got 70000"),
         (["--redis-timeout-s", "0"], "--redis-timeout-s: must be positive, got 0.0"),
         (["--redact-input", ":mask"], "--redact-input rule ':mask' names nothing"),
+        # Past int64 ms of expiry: Redis refused every batch with a blob (the blob TTL follows the retention).
+        (["--retention-age-s", "1e16"], "--retention-age-s: Input should be less than or equal to 1000000000000"),
+        (["--blob-ttl-s", "10000000000000000"], "--blob-ttl-s: Input should be less than or equal to 1000000000000"),
     ],
 )
 def test_a_recorder_given_a_value_its_schema_refuses_exits_2_naming_the_flag(args: list[str], problem: str) -> None:

@@ -43,6 +43,7 @@ from splitstream.common.runtime import (
     add_server_arguments,
     process_index,
     run_service,
+    usable_cores,
 )
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.supervisor import supervise
@@ -130,14 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
         "usable cores per archiver process (--processes) or more, else a thread",
     )
     return parser
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, e.g. a container's cpuset), else all."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def consumer_name(base: str) -> str:

@@ -50,6 +50,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import values as prometheus_values
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.handlers import ParseRequests
@@ -67,6 +68,8 @@ CANCEL_REPEAT_S = 1.0
 #: Set by the ``--processes`` parent (:mod:`splitstream.common.supervisor`) in each child: its index, 0..N-1.
 #: A child serves its port with SO_REUSEPORT, beside its siblings.
 PROCESS_INDEX_ENV = "SPLITSTREAM_PROCESS_INDEX"
+#: ``--processes`` above this many per usable core is refused: past one per core they only share the cores.
+PROCESSES_PER_CORE = 4
 #: gRPC takes message limits as a C int.
 _MAX_GRPC_INT = 2**31 - 1
 
@@ -88,20 +91,59 @@ def process_index() -> int | None:
     return int(value) if value.isdigit() else None
 
 
+#: prometheus-client's switch to multiprocess mode (both spellings it reads); see :func:`own_metrics`.
+MULTIPROC_VARIABLES = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+
+def own_metrics() -> None:
+    """Keep this process's metrics in its own memory unless it is a ``--processes`` child.
+
+    The variable switches prometheus-client to files in that directory for every metric made after it
+    is imported. Left there by a user's environment (another app's, a stale one), a directory that does
+    not exist made a ``--processes`` parent fail its start with a traceback and one process fail on its
+    first metric; one that exists filled with files, and a process restarted with the same pid (pid 1
+    in a container) counted on from its previous life. Only the parent's fresh directory is the
+    children's business (:mod:`splitstream.common.supervisor`)."""
+    if process_index() is not None:
+        return
+    for name in MULTIPROC_VARIABLES:
+        os.environ.pop(name, None)
+    prometheus_values.ValueClass = prometheus_values.MutexValue
+
+
 class _ProcessesError(argparse.ArgumentTypeError, ValueError):
     """argparse shows an ArgumentTypeError's message; EnvArgumentParser reports a ValueError for the variable."""
 
 
-def parse_processes(value: str) -> int:
-    """``--processes``: a whole number >= 1, or ``auto`` (the cores this process may run on)."""
-    if value.strip().lower() == "auto":
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a container's cpuset), else all."""
     try:
-        count = int(value)
-    except ValueError:
-        raise _ProcessesError(f"expected a whole number >= 1 or auto, got {value!r}") from None
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def parse_processes(value: str) -> int:
+    """``--processes``: a whole number from 1 to :data:`PROCESSES_PER_CORE` per usable core, or ``auto``
+    (one per usable core).
+
+    The bound is what keeps a typo (``--processes 10000`` for 10) from starting ten thousand Pythons,
+    each a router's or recorder's memory, until the host runs out; only ASCII digits are read, so
+    ``1_000`` or another script's digits are refused rather than taken as a count nobody meant."""
+    text = value.strip()
+    if text.lower() == "auto":
+        return usable_cores()
+    if not (text.isascii() and text.isdigit()):
+        raise _ProcessesError(f"expected a whole number >= 1 or auto, got {value!r}")
+    count = int(text)
     if count < 1:
         raise _ProcessesError(f"must be at least 1 (or auto), got {count}")
+    cores = usable_cores()
+    if count > PROCESSES_PER_CORE * cores:
+        raise _ProcessesError(
+            f"at most {PROCESSES_PER_CORE} per usable core ({PROCESSES_PER_CORE * cores} here, "
+            f"where auto is {cores}), got {count}"
+        )
     return count
 
 
@@ -118,8 +160,8 @@ def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaul
             type=parse_processes,
             default=1,
             help="processes serving --port together (SO_REUSEPORT, Linux only), each on its own core; auto: "
-            "one per usable core. A parent supervises them: restarts one that dies, drains all on SIGTERM, "
-            "serves --metrics-port with their totals",
+            f"one per usable core; at most {PROCESSES_PER_CORE} per usable core. A parent supervises them: restarts "
+            "one that dies, drains all on SIGTERM, serves --metrics-port with their totals",
         )
     group.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
     group.add_argument(
@@ -368,6 +410,7 @@ def run_service(settings: ServerSettings, build: Callable[[], Service], *, prog:
     ``prog`` names the command in the one-line error of a configuration problem found before
     the service exists (a taken gRPC port)."""
     die_with_parent()
+    own_metrics()
     runner = _Runner(settings, build, prog=prog)
     try:
         return asyncio.run(runner.serve())

@@ -48,6 +48,7 @@ from splitstream.common.runtime import (
     ServerSettings,
     bind_metrics,
     bind_problem,
+    own_metrics,
     parent_env,
 )
 
@@ -85,6 +86,7 @@ def supervise(
 
     ``service`` names the parent's own metrics (``splitstream_<service>_process_restarts``);
     ``companion`` is built with the parent's metrics registry and started once the children are."""
+    own_metrics()
     parent = _Parent(settings, module=module, argv=argv, service=service, companion=companion)
     try:
         code = asyncio.run(parent.run())

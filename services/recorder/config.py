@@ -25,6 +25,10 @@ PROG = "splitstream-recorder"
 #: deployment-wide variable beside the recorder's own SPLITSTREAM_RECORDER_HMAC_KEY.
 SHARED_HMAC_KEY_ENV = "SPLITSTREAM_HMAC_KEY"
 DAY_S = 86400.0
+#: The longest --retention-age-s and --blob-ttl-s (about 31,700 years): Redis refuses an expiry past
+#: int64 milliseconds (every batch with a blob, every feedback event with a key), so a longer one is
+#: refused at start rather than losing records at the first write. Longer than any retention is meant.
+MAX_KEEP_S = 10**12
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
@@ -69,9 +73,9 @@ class RecorderConfig(Document):
     redis_timeout_s: Seconds
     health_interval_s: Seconds
     retention_maxlen: Annotated[int, Field(ge=0)]
-    retention_age_s: Annotated[float, Field(ge=0)]
+    retention_age_s: Annotated[float, Field(ge=0, le=MAX_KEEP_S)]
     blob_threshold_bytes: Annotated[int, Field(ge=0)]
-    blob_ttl_s: Annotated[int, Field(ge=0)]
+    blob_ttl_s: Annotated[int, Field(ge=0, le=MAX_KEEP_S)]
     trim_archived: bool = False
     redis_wait_replicas: Annotated[int, Field(ge=0)] = 0
     redact_metadata: tuple[Rule, ...]

@@ -266,7 +266,7 @@ class RedisWriter:
             created = sum(1 for result in await self._checked_waits(await pipe.execute(), waits) if result)
             pipe = self.redis.pipeline(transaction=False)
         blob_commands = len(pipe)
-        minid = str(int(self._clock() * 1000) - self.retention_age_ms) if self.retention_age_ms else None
+        minid = self._age_bound()
         maxlen = self.retention_maxlen or None
         archive_bounds = (minid, maxlen)
         if self.trim_archived:
@@ -324,6 +324,13 @@ class RedisWriter:
             feedback_duplicates=dict(duplicates),
             trims_held=trims_held,
         )
+
+    def _age_bound(self) -> str | None:
+        """The stream id below which the age retention trims, or None (no age retention, or one reaching back
+        before 1970, which keeps everything): a negative bound is no stream id, Redis refused every batch
+        with "Invalid stream ID", and routers, halving the refused batches, dropped every record."""
+        bound = int(self._clock() * 1000) - self.retention_age_ms
+        return str(bound) if self.retention_age_ms and bound > 0 else None
 
     def _queue_waits(self, pipe: Any, keys: list[str]) -> list[int]:
         """Queue a WAIT behind the writes on each master ``keys`` live on (one on one Redis); the replica count
