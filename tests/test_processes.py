@@ -482,3 +482,48 @@ def test_a_prometheus_multiproc_dir_in_the_users_environment_is_not_used(tmp_pat
     finally:
         stack.close()
         redis.stop()
+
+
+def _children_of(pid: int) -> set[int]:
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children.update(int(child) for child in (task / "children").read_text().split())
+    return children
+
+
+def test_a_parent_whose_stderr_reader_went_away_still_restarts_children_and_stops_on_sigterm(tmp_path: Path) -> None:
+    """stderr a pipe whose reader ended (``| head`` exited, a log collector restarted): every log line
+    raised BrokenPipeError in the task writing it. The parent's restart task ended at its first
+    "starting it again" line, and its SIGTERM handler raised before it set the stop flag, so the
+    parent lived on without children and ignored SIGTERM."""
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: {}\n")
+    reader, writer = os.pipe()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--host", "127.0.0.1",
+         "--port", "0", "--metrics-port", "0", "--processes", "2"],
+        stdout=subprocess.DEVNULL, stderr=writer, cwd=ROOT,
+    )  # fmt: skip
+    os.close(writer)
+    try:
+        with os.fdopen(reader, "rb") as log:
+            listening = 0
+            while listening < 3:  # the parent and both children
+                line = log.readline()
+                assert line, "the router ended before its children listened"
+                listening += b'"event": "listening"' in line
+        # The reader is gone: every line from now on meets a broken pipe.
+        first = wait_for(lambda: len(_children_of(process.pid)) == 2 and _children_of(process.pid), timeout_s=30)
+        killed = min(first)
+        os.kill(killed, signal.SIGKILL)
+        wait_for(
+            lambda: killed not in _children_of(process.pid) and len(_children_of(process.pid)) == 2,
+            timeout_s=60,
+            what="the killed child to be started again",
+        )
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

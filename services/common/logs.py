@@ -11,9 +11,10 @@ call site knew would quote it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO, cast
 
 import structlog
 from structlog.typing import EventDict, WrappedLogger
@@ -41,6 +42,30 @@ def _scrubbed(value: Any) -> Any:
     return value
 
 
+class _StderrThatMayGoAway:
+    """``sys.stderr`` for log lines, dropping a line it cannot write.
+
+    stderr is often a pipe (``| head``, a log collector). Once its reader is gone every write raised
+    BrokenPipeError in whatever task was logging: a ``--processes`` parent's restart task ended at its
+    "starting it again" line, and its signal handler raised at its "signal received" line before it
+    set its stop flag, so the parent lived on without children and ignored SIGTERM. A lost log line
+    costs less than a service that no longer restarts or stops."""
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stderr.write(text)
+        except (OSError, ValueError):  # a broken pipe, a closed stream
+            return 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+
+
+#: One object, so structlog's per-file lock is one lock for every logger.
+_LOG_STREAM = _StderrThatMayGoAway()
+
+
 def configure_logging(level: str = "INFO", *, service: str) -> structlog.stdlib.BoundLogger:
     """Set up JSON logging for ``service`` and return its logger."""
     numeric = logging.getLevelNamesMapping().get(level.upper())
@@ -56,7 +81,7 @@ def configure_logging(level: str = "INFO", *, service: str) -> structlog.stdlib.
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _LOG_STREAM)),
         cache_logger_on_first_use=True,
     )
     logger: structlog.stdlib.BoundLogger = structlog.get_logger().bind(service=service)

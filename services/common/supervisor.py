@@ -196,8 +196,8 @@ class _Parent:
         if self.stop.is_set():
             self.log.warning("signal ignored, already shutting down", signal=signum.name)
             return
+        self.stop.set()  # first: nothing a log line does may cost the stop
         self.log.info("signal received, shutting down", signal=signum.name)
-        self.stop.set()
 
     def _reserve_port(self) -> int:
         """Bind (never listen on) a SO_REUSEPORT socket: the port is ours for as long as the parent lives.
