@@ -75,3 +75,23 @@ def test_a_second_archive_on_a_consumer_group_is_refused_with_exit_2_and_the_fir
         same.stop()
     finally:
         first.stop()
+
+
+def test_an_archiver_whose_acl_predates_the_group_check_warns_and_archives_as_before(tmp_path: Path) -> None:
+    """The README's archiver ACL before the group check had no ``~splitstream:archive-group:*``: NOPERM on
+    that key stopped the archiver at its upgrade, archiving nothing while retention trimmed on."""
+    from tests.test_tls import ARCHIVER_ACL
+
+    older_acl = ARCHIVER_ACL.replace(" ~splitstream:archive-group:*", "")
+    assert older_acl != ARCHIVER_ACL, "the README's archiver ACL names the group key"
+    with RedisServer(tmp_path / "redis", password="admin-pw", users=[older_acl]) as server:
+        client = server.client()
+        add_calls(client, "m", 20)
+        archiver = start_archiver(
+            tmp_path, server.url_for("splitstream-archiver", "archiver-pw"), (tmp_path / "archive").as_uri()
+        )
+        try:
+            wait_for(lambda: archived_everything(client, stream_key("m")), timeout_s=60, what="m to be archived")
+            assert "cannot check which archive this consumer group writes to" in archiver.log()
+        finally:
+            archiver.stop()

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import structlog
 from grpc import aio
-from redis.exceptions import RedisError
+from redis.exceptions import NoPermissionError, RedisError
 
 from splitstream.archiver.core import Archiver, ArchiverSettings
 from splitstream.archiver.metrics import ArchiverMetrics
@@ -301,8 +301,18 @@ class ArchiverService(Service):
         names its archive in Redis; one with another archive is exit 2 and one line."""
         key = archive_group_key(self.config.settings.group)
         mine = self.archive_identity()
-        await self.redis.set(key, mine, nx=True)
-        recorded = await self.redis.get(key)
+        try:
+            await self.redis.set(key, mine, nx=True)
+            recorded = await self.redis.get(key)
+        except NoPermissionError:
+            # An ACL written before this check (the README's set then) lacks the key: archiving as before beats
+            # an archiver that stops at its upgrade while retention trims what it has not archived yet.
+            self.log.warning(
+                "cannot check which archive this consumer group writes to: the Redis user may not use the key; "
+                "add ~splitstream:archive-group:* to its ACL",
+                key=key,
+            )
+            return
         theirs = recorded.decode(errors="replace") if isinstance(recorded, bytes) else str(recorded)
         if recorded is not None and theirs != mine:
             raise ConfigError(
