@@ -58,7 +58,6 @@ log = structlog.get_logger()
 
 #: Calls queued in the mirror at most: the log is the buffer, the queue only feeds the batches.
 QUEUE_DEPTH = 4096
-LOCK_FILE = SHIPPER_LOCK_FILE
 #: How often settled positions are written as cursors.
 COMMIT_INTERVAL_S = 0.1
 
@@ -191,7 +190,7 @@ class Tail:
         found before the shipper says it serves, so that a router's child refuses its start, not its first read."""
         for reader in self.readers:
             try:
-                self._lock_files.append(os.open(reader.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600))
+                self._lock_files.append(os.open(reader.directory / SHIPPER_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600))
             except OSError as error:  # a directory named so, a directory the shipper may not write to
                 raise ConfigError(f"--log-dir: {error.strerror or error}: {error.filename}") from None
 
