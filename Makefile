@@ -49,6 +49,8 @@ bench: install ## Run the benchmarks (prints tables; see README)
 	$(BIN)/python bench/dynamic_batching.py
 	$(BIN)/python bench/recorder_throughput.py
 	$(BIN)/python bench/recording_overhead.py
+	@if command -v valgrind >/dev/null; then $(BIN)/python bench/recording_instructions.py; \
+	else echo "bench/recording_instructions.py not run: it needs valgrind (apt-get install valgrind)"; fi
 	$(BIN)/python bench/replay_send_lag.py
 	$(BIN)/python bench/streaming.py
 	$(BIN)/python bench/exposures_feedback.py

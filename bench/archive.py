@@ -56,6 +56,7 @@ from concurrent.futures import ProcessPoolExecutor
 from splitstream.archiver.core import Archiver, ArchiverSettings
 from splitstream.archiver.metrics import ArchiverMetrics
 from splitstream.common.archive import Archive, ArchiveQuery, iter_calls, open_archive, read_calls
+from splitstream.common.logs import configure_logging
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import (
@@ -419,7 +420,9 @@ def main() -> None:
         default=[1, 2],
         help="splitstream-archive --processes values to time, comma-separated (each with both builders)",
     )
-    asyncio.run(main_async(parser.parse_args()))
+    args = parser.parse_args()
+    configure_logging("WARNING", service="bench")  # the archivers' per-file debug lines would bury the table
+    asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

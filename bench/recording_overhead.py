@@ -3,7 +3,9 @@
 One run: a worker, a recorder on its own redis-server, and two routers in front
 of the worker, identical except that one records every call (it appends each to
 its write-ahead log; its child splitstream-shipper ships the log to the recorder).
-Paths are measured in interleaved rounds so machine noise hits both alike; the
+At one call in flight the paths are taken in turn call by call (``--blocks``: in turns of
+``--seconds`` each, as at 32), so that each sees the same moments of a noisy machine; at 32
+they are measured in rotated rounds so machine noise hits them alike. The
 table gives throughput, p50, p99, router CPU per call (the router process alone),
 and the on/off ratios (router CPU also as the difference in µs per call, to set beside what an
 append costs in place: see the README). Targets: p50 and p99 on/off at most 1.05x and within 0.02
@@ -34,7 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import infer_request, measure
+import asyncio
+
+from bench.loadgen import Result, Summary, drive_alternating, infer_request, measure
 from tests.harness import ServiceProcess, Stack, free_port, write_registry
 from tests.models import add_version
 from tests.redis_server import RedisServer
@@ -65,6 +69,12 @@ def main() -> int:
         action="store_true",
         help='add a second router with recording off ("off\'"): its ratios to "off" show how far two identical '
         "paths differ in this run, i.e. how much of an on/off ratio is noise",
+    )
+    parser.add_argument(
+        "--blocks",
+        action="store_true",
+        help="at one call in flight, measure each path for --seconds in turn (as at 32) rather than taking the "
+        "paths in turn call by call",
     )
     args = parser.parse_args()
 
@@ -152,7 +162,10 @@ def main() -> int:
         print(header)
         print("-" * len(header))
         for concurrency in (1, 32):
-            summary = measure(paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds)
+            if concurrency == 1 and not args.blocks:
+                summary = alternating(paths, payload, seconds=args.seconds, rounds=args.rounds)
+            else:
+                summary = measure(paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds)
             for name, x in summary.items():
                 print(
                     f"{concurrency:>9} {name:<11} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "
@@ -182,6 +195,15 @@ def main() -> int:
         redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def alternating(paths: dict[str, tuple[str, list[int]]], payload: bytes, *, seconds: float, rounds: int) -> dict:
+    """One call in flight, the paths taken in turn call by call, ``rounds`` runs of ``seconds`` per path."""
+    merged: dict[str, list[Result]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, result in asyncio.run(drive_alternating(paths, payload, seconds * len(paths))).items():
+            merged[name].append(result)
+    return {name: Summary.of(results) for name, results in merged.items()}
 
 
 def shipper_pid(log_dir: Path, timeout_s: float = 30.0) -> int:
