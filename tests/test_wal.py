@@ -6,6 +6,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -139,3 +140,39 @@ def test_after_any_damage_exactly_the_undamaged_entries_come_back_in_order(
     # Every byte is either in an entry shipped or in a range reported as skipped.
     assert sum(size for _, size, _ in damage) == end - sum(size for _, size in kept)
     assert all(where[0] == 1 and 0 <= where[1] < end for _, _, where in damage)
+
+
+def test_an_append_landing_while_the_flusher_sizes_the_log_is_counted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's flusher thread re-reads the log's size while the event loop appends: an append landing during
+    that scan was counted twice (in the size read and in the appends since), so the log looked one call fuller
+    than it was until the next flush. The call that would have filled it was refused as over the cap, and the one
+    after the next flush logged in its place: a log at its cap kept a later call instead of the oldest (the cap
+    test lost seq-0159 to a later call). The segment appended to counts by the writer's own count."""
+    with tempfile.TemporaryDirectory() as name:
+        directory = Path(name)
+
+        def event(i: int) -> bytes:
+            return wal.encode_feedback([b"event-%02d" % i])
+
+        size = len(wal.frame(wal.FEEDBACK, event(0)))
+        writer = wal.WalWriter(directory, max_bytes=10 * size, segment_bytes=1 << 20)
+        for i in range(8):
+            assert writer.append(wal.FEEDBACK, event(i))
+        scan = wal.segments
+
+        def append_meanwhile(path: Path) -> list[int]:  # the event loop appends while the flusher's thread scans
+            monkeypatch.setattr(wal, "segments", scan)
+            assert writer.append(wal.FEEDBACK, event(8))
+            return scan(path)
+
+        monkeypatch.setattr(wal, "segments", append_meanwhile)
+        writer.flush()
+        assert wal.segments is scan  # the scan ran
+        assert writer.unshipped_bytes == 9 * size
+        assert writer.append(wal.FEEDBACK, event(9))  # it fits: the log is at its cap only now
+        assert not writer.append(wal.FEEDBACK, event(10))
+        writer.flush()
+        assert not writer.append(wal.FEEDBACK, event(11))  # nothing shipped: still full
+        writer.close()
+        logged = [wal.decode_feedback(entry.payload)[0] for entry in wal.iter_entries(directory)]
+        assert logged == [b"event-%02d" % i for i in range(10)]

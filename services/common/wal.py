@@ -400,10 +400,10 @@ class WalWriter:
     file-size limit) truncates the segment back to where the entry began and returns False, so the
     caller counts the call as dropped and answers it all the same. ``max_bytes`` caps the directory
     (what is past the shipper's cursor): past it appends are refused, never blocking, so the oldest
-    entries are the ones kept. The size is this writer's own count of appended bytes (no syscall per
-    append) plus the shipper's deletions as seen by re-reading the directory's size in :meth:`flush` (a
-    thread, every ``--log-flush-interval-s``), which also ``fdatasync``\\ s, bounding what a machine
-    crash can lose."""
+    entries are the ones kept. The size is the other segments' as :meth:`flush` last read it (a thread, every
+    ``--log-flush-interval-s``, which also ``fdatasync``\\ s, bounding what a machine crash can lose), so the
+    shipper's deletions count, plus the segment appended to by this writer's own count (no syscall per
+    append)."""
 
     def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, segment_bytes: int) -> None:
         self.directory = Path(directory)
@@ -419,11 +419,10 @@ class WalWriter:
         self._number = max(existing[-1] if existing else 0, cursor[1][0] if cursor else 0) + 1
         self._fd = self._open(self._number)
         self._offset = 0
-        #: Bytes appended by this writer, ever (only :meth:`append` adds, on the caller's thread).
-        self._appended = 0
-        #: The directory's size at the last size check and ``_appended`` just before it: one tuple, replaced
-        #: whole by :meth:`flush`'s thread, so the appender never reads half of an update.
-        self._checked = (unshipped_bytes(self.directory), 0)
+        #: The unshipped bytes of every segment but the one appended to, and the bytes of that one before the
+        #: shipper's cursor, at the last size check: one tuple, replaced whole (by :meth:`flush`'s thread, or at a
+        #: rotation), so the appender never reads half of an update.
+        self._checked = _unshipped_besides(self.directory, self._number)
         self._dirty = False
 
     def _open(self, number: int) -> int:
@@ -442,8 +441,7 @@ class WalWriter:
 
     def append(self, kind: int, payload: bytes) -> bool:
         data = frame(kind, payload)
-        size, appended_then = self._checked
-        if size + self._appended - appended_then + len(data) > self.max_bytes:
+        if self.unshipped_bytes + len(data) > self.max_bytes:
             return False
         try:
             written = os.write(self._fd, data)
@@ -454,7 +452,6 @@ class WalWriter:
                 os.ftruncate(self._fd, self._offset)
             raise
         self._offset += written
-        self._appended += written
         self._dirty = True
         if self._offset >= self.segment_bytes:
             self._rotate()
@@ -466,8 +463,11 @@ class WalWriter:
         with self._lock:
             old = self._fd
             existing = segments(self.directory)
-            self._number = max(self._number, existing[-1] if existing else 0) + 1
-            self._fd = self._open(self._number)
+            number = max(self._number, existing[-1] if existing else 0) + 1
+            self._fd = self._open(number)
+            others, shipped = self._checked
+            self._checked = (others + max(self._offset - shipped, 0), 0)  # the old segment is one of the others
+            self._number = number
             self._offset = 0
         with contextlib.suppress(OSError):
             os.fdatasync(old)
@@ -479,14 +479,21 @@ class WalWriter:
             if self._dirty:
                 self._dirty = False
                 os.fdatasync(self._fd)
-        appended = self._appended  # read first: an append landing during the scan is counted twice, never 0 times
-        self._checked = (unshipped_bytes(self.directory), appended)
+            number = self._number
+        # The segment appended to is not sized here: an append landing during the scan was counted in the size
+        # read and again in the appends since, the log one call fuller than it was until the next flush, and the
+        # call that filled it was refused while a later one was logged after that flush.
+        checked = _unshipped_besides(self.directory, number)
+        with self._lock:
+            if self._number == number:  # else rotated meanwhile: the next flush sizes the log again
+                self._checked = checked
 
     @property
     def unshipped_bytes(self) -> int:
-        """The log's size as the cap sees it: the last size check plus what was appended since."""
-        size, appended_then = self._checked
-        return size + self._appended - appended_then
+        """The log's size as the cap sees it: the other segments' at the last size check plus what of the one
+        appended to is past the shipper's cursor."""
+        others, shipped = self._checked
+        return others + max(self._offset - shipped, 0)
 
     def close(self) -> None:
         with self._lock:
@@ -495,6 +502,21 @@ class WalWriter:
             os.close(self._fd)
             self._fd = -1
         os.close(self._lock_fd)  # the next router may start here
+
+
+def _unshipped_besides(directory: Path, number: int) -> tuple[int, int]:
+    """The unshipped bytes of every segment but ``number`` (the one a writer appends to, which it sizes itself),
+    and the bytes of ``number`` before the shipper's cursor."""
+    cursor = read_cursor(directory)
+    segment, offset = (0, 0) if cursor is None else cursor[1]
+    total = 0
+    for other in segments(directory):
+        if other < segment or other == number:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            size = (directory / segment_name(other)).stat().st_size
+            total += max(size - offset, 0) if other == segment else size
+    return total, offset if segment == number else 0
 
 
 def being_written(directory: Path, number: int) -> bool:
