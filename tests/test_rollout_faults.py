@@ -520,3 +520,45 @@ def test_a_rollout_whose_terminal_goes_away_rolls_back(lab: Lab) -> None:
     process.send_signal(signal.SIGHUP)  # and the terminal is closed: what the rollout prints now fails
     assert process.wait(timeout=90) == 3
     assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
+
+
+# -- names that cannot be a model's or a version's ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "version", "named"),
+    [
+        ("", "v2", "the model name is empty ('')"),
+        ("   ", "v2", "model '   ' contains ' '"),
+        ("m\u200b", "v2", "model 'm\\u200b' contains '\\u200b'"),
+        (MODEL, "", "the version name is empty ('')"),
+        (MODEL, " \t", "the version name is only whitespace (' \\t')"),
+        (MODEL, "v2\u200b", "version 'v2\\u200b' contains '\\u200b' (U+200B), a character that does not show"),
+        (MODEL, "v2 ", "version 'v2 ' starts or ends with whitespace"),
+    ],
+    ids=["empty-model", "blank-model", "zero-width-model", "empty-version", "blank-version", "zero-width-version",
+         "trailing-space-version"],
+)  # fmt: skip
+def test_a_model_or_version_name_that_cannot_be_one_is_refused_with_exit_2_and_one_line_naming_it(
+    idle_registry: Path, model: str, version: str, named: str
+) -> None:
+    """``rollout m ''`` (a variable left empty in a script), a zero-width space pasted with the name: the name
+    was looked up all the same, and the answer (``model '' is not in ...``, ``no endpoint of version(s)  ...``,
+    the invisible character printed as itself) did not say what was wrong with it."""
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "rollout", model, version,
+                      "--metrics", "127.0.0.1:1")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert named in done.stderr
+    assert idle_registry.read_text() == before
+
+
+def test_an_empty_model_name_is_refused_before_consul_is_asked(tmp_path: Path) -> None:
+    """On Consul, model '' named the experiments prefix itself (``splitstream/experiments/``)."""
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        done = run_module("splitstream.admin", "--registry", emulator.spec, "rollout", "", "v2",
+                          "--metrics", "127.0.0.1:1")  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert_one_line_no_traceback(done.stderr)
+        assert "the model name is empty ('')" in done.stderr

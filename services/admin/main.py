@@ -56,6 +56,7 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
+from splitstream.common.names import check_model_name
 from splitstream.common.redis_url import add_redis_security_arguments, redis_security_from_args
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import join_relative_times
@@ -257,6 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.registry is None:
         parser.error("the following arguments are required: --registry")
     try:
+        check_names(args)
         store = open_store(args.registry, tls=admin_tls(args))
         if args.command == "experiment" and args.action == "get":
             return experiment_get(store, args.model)
@@ -269,6 +271,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(USAGE, error)
     except AdminError as error:
         return _fail(FAILED, error)
+
+
+def check_names(args: argparse.Namespace) -> None:
+    """Invalid (exit 2, one line) for a model name no registry can hold (empty, blank, a character that does
+    not show: a zero-width space pasted in), and for such a rollout version. Such a name was looked up all
+    the same, and the registry's answer (``model '' is not in ...``, ``no endpoint of version(s)  ...``) did
+    not say what was wrong with it. Names are shown with repr, so an invisible character shows as its escape."""
+    model = getattr(args, "model", None)
+    if model is not None:
+        try:
+            check_model_name(model)
+        except ValueError as error:
+            raise Invalid(str(error) if model else "the model name is empty ('')") from None
+    version = getattr(args, "version", None) if args.command == "rollout" else None
+    if version is None:
+        return
+    if not version.strip():
+        raise Invalid(f"the version name is {'empty' if not version else 'only whitespace'} ({version!r})")
+    hidden = next((ch for ch in version if not ch.isprintable()), None)
+    if hidden is not None:
+        raise Invalid(f"version {version!r} contains {hidden!r} (U+{ord(hidden):04X}), a character that does not show")
+    if version != version.strip():
+        raise Invalid(f"version {version!r} starts or ends with whitespace")
 
 
 def admin_tls(args: argparse.Namespace) -> ClientTls:
