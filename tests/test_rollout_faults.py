@@ -18,21 +18,25 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from tests.consul_emulator import ConsulEmulator
 from tests.harness import (
     ROOT,
+    InferClient,
     ServiceProcess,
     Stack,
     SteadyLoad,
     clean_env,
     free_port,
+    make_request,
     run_module,
     wait_for,
     write_registry,
@@ -562,3 +566,34 @@ def test_an_empty_model_name_is_refused_before_consul_is_asked(tmp_path: Path) -
         assert done.returncode == 2, done.stderr
         assert_one_line_no_traceback(done.stderr)
         assert "the model name is empty ('')" in done.stderr
+
+
+# -- one router named twice -----------------------------------------------------------------------------
+
+
+def test_a_router_named_twice_in_metrics_is_read_once_and_its_calls_counted_once(lab: Lab) -> None:
+    """``--metrics`` repeated for one router (the same flag twice in a script, or spelt otherwise: a trailing
+    slash, the scheme in capitals): its calls and errors were summed once per flag, so a step showed (and
+    --min-calls counted) twice or four times the calls v2 answered. Exactly 7 calls pinned to v2 in the step."""
+    lab.load.stop()
+    port = lab.router.metrics_port
+    spellings = (lab.metrics, lab.metrics, f"HTTP://127.0.0.1:{port}/", f"127.0.0.1:{port}/metrics/")
+    flags = [part for url in spellings for part in ("--metrics", url)]
+    run = rollout(lab.registry, "--steps", "50", "--interval", "4s", "--check-every", "0.5s", "--min-calls", "1",
+                  *flags)  # fmt: skip
+    run.wait_line("step 1/1")
+    time.sleep(1.0)  # past the step's first scrape
+    client = InferClient(lab.router.address)
+    try:
+        for number in range(7):
+            client.infer(make_request(MODEL, np.ones((1, 4), dtype=np.float32), version="v2",
+                                      request_id=f"pinned-{number}"))  # fmt: skip
+    finally:
+        client.close()
+    code = run.wait()
+    assert code == 0, run.output()
+    assert "Traceback" not in run.output()
+    assert "  v2: 7 calls, 0.00 % errors" in run.output(), run.output()
+    notes = [line for line in run.output().splitlines() if "it is read once" in line]
+    assert len(notes) == 3, run.output()
+    assert arms(lab.registry.read_text()) == {"v1": 50, "v2": 50}

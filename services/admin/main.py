@@ -209,7 +209,12 @@ def build_parser() -> EnvArgumentParser:
         help="token streams: new / control p99 gap between tokens at most this (default: not judged)",
     )
     rollout.add_argument(
-        "--metrics", action="append", default=[], metavar="URL", help="a router's /metrics (host:port or URL; repeat)"
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a router's /metrics (host:port or URL; repeat for every router; a router named twice, even "
+        "spelt otherwise: host case, a trailing slash, a default port, is read once)",
     )
     rollout.add_argument("--min-calls", type=int, default=20, help="calls of the new version a step needs")
     rollout.add_argument("--check-every", type=duration_s, default=1.0, help="how often metrics are read in a step")
@@ -479,10 +484,16 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
 
 
 def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
+    """Each router once: one named twice (the same URL, or one that differs in case, a trailing slash or a
+    default port) had its calls and errors counted twice. A note on stderr says which flag was dropped."""
     try:
-        return tuple(metrics.metrics_url(url) for url in flags)
+        urls = [metrics.metrics_url(url) for url in flags]
     except ValueError as error:
         raise Invalid(str(error)) from None
+    distinct, dropped = metrics.distinct_routers(urls)
+    for url, kept in dropped:
+        _say(f"{PROG}: note: --metrics {url} names the router of --metrics {kept}; it is read once", stream=sys.stderr)
+    return distinct
 
 
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
