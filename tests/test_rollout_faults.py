@@ -597,3 +597,74 @@ def test_a_router_named_twice_in_metrics_is_read_once_and_its_calls_counted_once
     notes = [line for line in run.output().splitlines() if "it is read once" in line]
     assert len(notes) == 3, run.output()
     assert arms(lab.registry.read_text()) == {"v1": 50, "v2": 50}
+
+
+# -- two rollouts of one model -----------------------------------------------------------------------------
+
+
+def refused_as_held(spec: str, holder: Cli) -> str:
+    """A second rollout of ``m`` while ``holder`` runs one: exit 2 at once, one line naming who holds it."""
+    started = time.monotonic()
+    done = run_module("splitstream.admin", "--registry", spec, "rollout", MODEL, "v2", "--metrics", "127.0.0.1:1",
+                      *JUDGED)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert time.monotonic() - started < 20  # (an interpreter's start on two busy cores; no step is waited for)
+    assert f"model '{MODEL}' already has a rollout running" in done.stderr
+    assert f"rollout of v2 by pid {holder.process.pid} on {socket.gethostname()}, since " in done.stderr
+    assert done.stdout == ""
+    return done.stderr
+
+
+def test_a_second_rollout_of_a_model_is_refused_while_one_runs_and_a_killed_one_leaves_no_lock(lab: Lab) -> None:
+    """Two rollouts of one model fought over its weights (one's rollback undid the other's step). The file
+    registry's lock is an flock beside the file: SIGKILL frees it, no stale lock to clear by hand."""
+    first = rollout(lab.registry, "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED, "--interval", "60s")
+    first.wait_line("step 1/3")
+    written = lab.registry.read_text()
+    refused_as_held(f"file:{lab.registry}", first)
+    assert lab.registry.read_text() == written  # the second changed nothing
+    first.process.send_signal(signal.SIGKILL)
+    first.wait()
+    assert arms(lab.registry.read_text()) == {"v1": 90, "v2": 10}  # where the killed one left v2
+    again = rollout(lab.registry, "--steps", "50,100", "--metrics", lab.metrics, *JUDGED)
+    code = again.wait()
+    assert code == 0, again.output()
+    assert "promoted" in again.output()
+    assert arms(lab.registry.read_text()) == {"v2": 100}
+    assert sorted(p.name for p in lab.registry.parent.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_second_rollout_on_consul_is_refused_and_the_lock_goes_with_its_holder(lab: Lab, tmp_path: Path) -> None:
+    """On Consul the lock is a session's acquire of ``splitstream/rollouts/m``: released when the rollout
+    ends (here by SIGTERM, rolling back), and by the session's TTL when the rollout is killed."""
+    from splitstream.admin.lock import CONSUL_TTL_S
+
+    key = f"splitstream/rollouts/{MODEL}"
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        on_consul(lab, emulator)
+        router = lab.stack.router(emulator.spec)
+        metrics_flag = ("--metrics", f"127.0.0.1:{router.metrics_port}")
+        with SteadyLoad(router.address, MODEL, threads=2, key_prefix="consul", pause_s=0.005):
+            first = rollout(emulator.spec, "--steps", "10,50,100", *metrics_flag, *JUDGED, "--interval", "60s")
+            first.wait_line("step 1/3")
+            refused_as_held(emulator.spec, first)
+            assert consul_arms(emulator) == {"v1": 90, "v2": 10}
+            first.process.send_signal(signal.SIGTERM)
+            assert first.wait() == 3, first.output()
+            assert consul_arms(emulator) == {"v1": 100, "v2": 0}
+            assert emulator.client().kv.get(key)[1] is None  # released at its end
+
+            killed = rollout(emulator.spec, "--steps", "10,50,100", *metrics_flag, *JUDGED, "--interval", "60s")
+            killed.wait_line("step 1/3")
+            killed.process.send_signal(signal.SIGKILL)
+            killed.wait()
+            refused_as_held(emulator.spec, killed)  # its session lives on until its TTL runs out
+            wait_for(lambda: emulator.client().kv.get(key)[1] is None, timeout_s=2 * CONSUL_TTL_S + 5,
+                     what="the killed rollout's session to expire")  # fmt: skip
+            again = rollout(emulator.spec, "--steps", "50,100", *metrics_flag, *JUDGED)
+            code = again.wait()
+        assert code == 0, again.output()
+        assert "promoted" in again.output()
+        assert consul_arms(emulator) == {"v2": 100}
+        assert emulator.client().kv.get(key)[1] is None

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitstream.admin import feedback_import, metrics
+from splitstream.admin import feedback_import, lock, metrics
 from splitstream.admin.outcomes import GUARD_SYNTAX, OutcomeGuard, OutcomeReader
 from splitstream.admin.rollout import (
     FAILED,
@@ -520,11 +520,23 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
     interrupts = Interrupts()
     interrupts.install()
     try:
-        reader = outcome_reader(args, plan) if guards else None
-    except KeyboardInterrupt:
+        # One rollout per model: a second one fought the first over its weights (Invalid if one holds it).
+        with lock.held(store, plan.model, plan.version) as held:
+            try:
+                reader = outcome_reader(args, plan) if guards else None
+            except KeyboardInterrupt:
+                verdict = interrupted_before_start(plan.model)
+            else:
+                verdict = Rollout(
+                    store,
+                    plan,
+                    out=_say,
+                    outcomes=reader.read if reader else None,
+                    interrupts=interrupts,
+                    lock_lost=held.lost,
+                ).run()
+    except KeyboardInterrupt:  # while the lock was being taken
         verdict = interrupted_before_start(plan.model)
-    else:
-        verdict = Rollout(store, plan, out=_say, outcomes=reader.read if reader else None, interrupts=interrupts).run()
     _say(verdict.message, stream=sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr)
     return verdict.code
 

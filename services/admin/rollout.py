@@ -145,6 +145,10 @@ class Tripped(Exception):
     """A guard failed; the message says which and by how much."""
 
 
+class LockLost(Exception):
+    """Another rollout took this one's lock (its session expired): it watches the model now."""
+
+
 class Won(Exception):
     """Every outcome guard shows a significant win: the step may end early."""
 
@@ -212,6 +216,7 @@ class Rollout:
         outcomes: Outcomes | None = None,
         wall_clock_ns: Callable[[], int] = time.time_ns,
         interrupts: Interrupts | None = None,
+        lock_lost: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``outcomes`` reads the analysis the outcome guards judge; needed when the plan has guards.
         ``interrupts``: the installed handler of SIGINT and SIGTERM, which holds them during writes."""
@@ -226,6 +231,8 @@ class Rollout:
         self.outcomes = outcomes
         self.wall_clock_ns = wall_clock_ns
         self.interrupts = interrupts or Interrupts()
+        #: Why this rollout's lock is no longer its own (:mod:`splitstream.admin.lock`), or None.
+        self.lock_lost = lock_lost
         #: Per guard, the control's p99 from the last step in which it had enough calls.
         self._references: dict[str, float] = {}
         self.control = ""
@@ -277,6 +284,8 @@ class Rollout:
                     self._judge_step(experiment)
                 except (Tripped, OSError, metrics.NotMetrics) as reason:
                     return self._roll_back(str(reason))
+                except LockLost as lost:  # a rollback now would undo the other rollout's step
+                    return Verdict(FAILED, f"{lost}; rollout stopped, the experiment left to it")
             if plan.steps[-1] < 100:
                 return Verdict(PROMOTED, f"{plan.model} {plan.version} holds at {plan.steps[-1]:g} %; every guard held")
             promoted = self._promoted(base)
@@ -430,6 +439,9 @@ class Rollout:
             if remaining > 0:
                 self.sleep(min(plan.check_every_s, remaining))
             counts = metrics.interval(before, self.scrape(plan.metrics_urls, plan.model))
+            lost = self.lock_lost()
+            if lost:
+                raise LockLost(lost)
             new = counts.get(plan.version, metrics.VersionCounts())
             if new.calls >= plan.min_calls and new.error_rate > plan.max_error_rate:
                 raise Tripped(self._error_rate_text(new))
