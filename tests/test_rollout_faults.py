@@ -668,3 +668,38 @@ def test_a_second_rollout_on_consul_is_refused_and_the_lock_goes_with_its_holder
         assert "promoted" in again.output()
         assert consul_arms(emulator) == {"v2": 100}
         assert emulator.client().kv.get(key)[1] is None
+
+
+# -- a single step to 100 % ---------------------------------------------------------------------------------
+
+
+def test_a_single_step_to_100_percent_judges_the_p99_guard_against_a_baseline_and_rolls_back_on_it(lab: Lab) -> None:
+    """With ``--steps 100`` the control takes no traffic in the only step, and no earlier step had measured
+    its p99: the guard was shown "not judged: no control reference yet" and v2 promoted on its error rate
+    alone. The control's p99 is now read first over one interval at the weights as they stand (nothing
+    written); a --max-p99-ratio no version can meet (0.001) rolls v2 back. (Under a load fast enough, the
+    control's calls in the moment the router takes to apply the step made a reference by chance: a slow
+    load here, about 20 calls a second, so those are fewer than --min-calls.)"""
+    lab.load.stop()
+    with SteadyLoad(lab.router.address, MODEL, threads=1, key_prefix="slow", pause_s=0.05) as slow:
+        slow.wait_calls(5)
+        run = rollout(lab.registry, "--steps", "100", "--metrics", lab.metrics, *JUDGED, "--min-calls", "15",
+                      "--max-p99-ratio", "0.001")  # fmt: skip
+        code = run.wait()
+    assert code == 3, run.output()
+    assert "Traceback" not in run.output()
+    assert "baseline: m v1 100 %, v2 0 % (control v1) as it stands" in run.output()
+    assert "ROLLED BACK: v2 p99" in run.output()
+    assert "over --max-p99-ratio 0.001" in run.output()
+    assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
+
+
+def test_a_single_step_to_100_percent_that_holds_shows_its_p99_ratio_and_promotes(lab: Lab) -> None:
+    run = rollout(lab.registry, "--steps", "100", "--metrics", lab.metrics, *JUDGED)
+    code = run.wait()
+    assert code == 0, run.output()
+    step = next(line for line in run.output().splitlines() if line.startswith("  v2: "))
+    assert "not judged" not in step
+    assert ", ratio " in step
+    assert step.endswith(": guards hold")
+    assert arms(lab.registry.read_text()) == {"v2": 100}
