@@ -670,6 +670,39 @@ def test_a_second_rollout_on_consul_is_refused_and_the_lock_goes_with_its_holder
         assert emulator.client().kv.get(key)[1] is None
 
 
+def test_a_rollout_whose_consul_session_expired_while_another_took_the_lock_stops_and_leaves_it_to_that_one(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """A rollout stopped (SIGSTOP, a laptop asleep) for longer than its session's TTL loses its lock; another
+    rollout may take it. When the first wakes it must not go on writing steps, or roll back the other's."""
+    from splitstream.admin.lock import CONSUL_TTL_S
+
+    key = f"splitstream/rollouts/{MODEL}"
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        on_consul(lab, emulator)
+        router = lab.stack.router(emulator.spec)
+        metrics_flag = ("--metrics", f"127.0.0.1:{router.metrics_port}")
+        with SteadyLoad(router.address, MODEL, threads=2, key_prefix="consul", pause_s=0.005):
+            first = rollout(emulator.spec, "--steps", "10,50,100", *metrics_flag, *JUDGED, "--interval", "60s")
+            first.wait_line("step 1/3")
+            first.process.send_signal(signal.SIGSTOP)
+            try:
+                wait_for(lambda: emulator.client().kv.get(key)[1] is None, timeout_s=2 * CONSUL_TTL_S + 5,
+                         what="the stopped rollout's session to expire")  # fmt: skip
+                second = rollout(emulator.spec, "--steps", "50,100", *metrics_flag, *JUDGED, "--interval", "60s")
+                second.wait_line("step 1/2")
+            finally:
+                first.process.send_signal(signal.SIGCONT)
+            assert first.wait() == 1, first.output()
+            assert "was lost (its session expired) and another rollout holds it" in first.output()
+            assert "rollout stopped, the experiment left to it" in first.output()
+            assert consul_arms(emulator) == {"v1": 50, "v2": 50}  # the second's step, not rolled back
+            second.process.send_signal(signal.SIGTERM)
+            assert second.wait() == 3, second.output()
+        assert consul_arms(emulator) == {"v1": 100, "v2": 0}
+        assert emulator.client().kv.get(key)[1] is None
+
+
 # -- a single step to 100 % ---------------------------------------------------------------------------------
 
 
