@@ -21,6 +21,21 @@ Consul behaviours it reproduces (where splitstream depends on them):
   ``ModifyIndex``; 404 when nothing matches), ``PUT /v1/kv/<key>[?cas=N]`` (cas 0:
   only if absent; else only if ModifyIndex equals N; answers ``true``/``false``),
   ``DELETE /v1/kv/<key>[?recurse]``.
+- Sessions and KV locks, as Consul's session API documents them: ``PUT /v1/session/create``
+  (``Name``, ``Behavior`` release|delete, ``TTL`` between 10s and 24h else 400, ``LockDelay``,
+  default 15s; answers ``{"ID": ...}``), ``PUT /v1/session/renew/<id>`` (``[session]``; 404
+  "Session id '<id>' not found" once it is gone), ``PUT /v1/session/destroy/<id>`` (``true``),
+  ``GET /v1/session/info/<id>``. ``PUT /v1/kv/<key>?acquire=<session>`` takes the key's lock
+  when no session holds it (or the same one does) and answers ``true``, else ``false``; an
+  unknown session is a 500 "invalid session". ``?release=<session>`` lets go of it (``false``
+  when that session does not hold it). A plain PUT or DELETE ignores locks, as in Consul (they
+  are advisory). Entries show ``Session`` while held and ``LockIndex`` counts acquisitions. A
+  session destroyed, or not renewed within its TTL, is invalidated: its locks are released
+  (``Behavior`` release) or their keys deleted (delete), and for ``LockDelay`` after that the
+  key cannot be acquired (``false``). Consul invalidates a TTL session between TTL and twice the TTL
+  after its last renewal; the emulator at TTL exactly (checked every 0.1 s). Sessions persist
+  with KV in ``--state-file`` and their TTL timers start again at a restart, as Consul's do
+  at a leader election.
 - Blocking queries on every GET above: ``?index=N&wait=D`` holds the answer until
   the result's index exceeds N or D passes (default 5m, at most 10m); every
   answer carries ``X-Consul-Index``. One raft-like index counts every write.
@@ -52,7 +67,8 @@ minimum and 30-second reaper granularity for DeregisterCriticalServiceAfter
 (honoured to the check here); the initial random stagger of checks (the first
 check runs at once); HTTP/TCP/TTL/script checks, check ``SuccessBeforePassing``/
 ``FailuresBeforeCritical``, maintenance mode, ``warning`` status; ACL policies
-(one token allows everything); KV sessions, locks, flags beyond storing them,
+(one token allows everything); sessions' health checks (a session's node is always
+healthy here), ``/v1/session/list`` and ``/node``; KV flags beyond storing them,
 transactions; tag/filter/near/node-meta query parameters; per-prefix index
 tracking (a recursive or missing-key KV query reports the whole KV index, so
 it may wake without a change, which Consul also allows); Connect, prepared
@@ -72,6 +88,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -147,12 +164,19 @@ class State:
         self.services: dict[str, Service] = {}
         self.service_index: dict[str, int] = {}  # service name → index of its last change
         self.catalog_index = 1
+        #: session ID → {ID, Name, Behavior, TTL, LockDelay (ns), CreateIndex}; and when each TTL runs out.
+        self.sessions: dict[str, dict[str, Any]] = {}
+        self.session_deadlines: dict[str, float] = {}
+        self.lock_delays: dict[str, float] = {}  # key → monotonic time before which it cannot be acquired
         if state_file is not None and state_file.exists():
             saved = json.loads(state_file.read_text())
             self.index = self.kv_index = self.catalog_index = int(saved["index"])
             for key, entry in saved["kv"].items():
                 value = entry["Value"]
                 self.kv[key] = {**entry, "Value": None if value is None else base64.b64decode(value)}
+            for session in saved.get("sessions", ()):
+                self.sessions[session["ID"]] = session
+                self._renew_timer(session["ID"])
 
     # -- writes (caller holds the lock) ------------------------------------------------------------
 
@@ -168,7 +192,8 @@ class State:
             for key, entry in self.kv.items()
         }
         staging = self.state_file.with_suffix(".tmp")
-        staging.write_text(json.dumps({"index": self.index, "kv": kv}))
+        sessions = list(self.sessions.values())
+        staging.write_text(json.dumps({"index": self.index, "kv": kv, "sessions": sessions}))
         staging.replace(self.state_file)
 
     def touch_service(self, name: str) -> None:
@@ -253,25 +278,111 @@ class State:
         self.touch_service(check.service_name)
         self.changed.notify_all()
 
-    def kv_put(self, key: str, value: bytes, cas: int | None) -> bool:
+    def kv_put(
+        self, key: str, value: bytes, cas: int | None, *, acquire: str | None = None, release: str | None = None
+    ) -> bool:
+        """Raises KeyError for an ``acquire``/``release`` session that does not exist (Consul: 500)."""
         existing = self.kv.get(key)
         if cas is not None:
             if cas == 0 and existing is not None:
                 return False
             if cas != 0 and (existing is None or existing["ModifyIndex"] != cas):
                 return False
+        holder = existing.get("Session") if existing else None
+        lock_index = existing.get("LockIndex", 0) if existing else 0
+        for session in (acquire, release):
+            if session is not None and session not in self.sessions:
+                raise KeyError(session)
+        if acquire is not None:
+            if holder is not None and holder != acquire:
+                return False
+            if holder is None and time.monotonic() < self.lock_delays.get(key, 0.0):
+                return False
+            if holder is None:
+                lock_index += 1
+            holder = acquire
+        elif release is not None:
+            if holder != release:
+                return False
+            holder = None
         index = self.bump()
         self.kv[key] = {
             "Value": value,
             "CreateIndex": existing["CreateIndex"] if existing else index,
             "ModifyIndex": index,
-            "LockIndex": 0,
+            "LockIndex": lock_index,
             "Flags": 0,
         }
+        if holder is not None:
+            self.kv[key]["Session"] = holder
         self.kv_index = index
         self.save()
         self.changed.notify_all()
         return True
+
+    # -- sessions (caller holds the lock) -------------------------------------------------------------
+
+    def session_create(self, body: dict[str, Any]) -> str:
+        """Raises ValueError with Consul's message for a bad TTL or behavior."""
+        data = _lower_keys(body)
+        behavior = (data.get("behavior") or "release").lower()
+        if behavior not in {"release", "delete"}:
+            raise ValueError(f"Invalid Behavior setting '{behavior}'")
+        ttl = data.get("ttl") or ""
+        if ttl and not 10 <= parse_duration(ttl) <= 86400:
+            raise ValueError(f"Invalid Session TTL '{ttl}', must be between [10s=24h0m0s]")
+        delay = data.get("lockdelay")
+        delay_s = 15.0 if delay is None else parse_duration(delay) if isinstance(delay, str) else float(delay) / 1e9
+        session_id = str(uuid.uuid4())
+        self.sessions[session_id] = {
+            "ID": session_id,
+            "Name": data.get("name") or "",
+            "Node": NODE,
+            "Behavior": behavior,
+            "TTL": ttl,
+            "LockDelay": int(delay_s * 1e9),
+            "CreateIndex": self.bump(),
+        }
+        self._renew_timer(session_id)
+        self.save()
+        return session_id
+
+    def _renew_timer(self, session_id: str) -> None:
+        ttl = self.sessions[session_id]["TTL"]
+        if ttl:
+            self.session_deadlines[session_id] = time.monotonic() + parse_duration(ttl)
+
+    def session_renew(self, session_id: str) -> dict[str, Any] | None:
+        if session_id not in self.sessions:
+            return None
+        self._renew_timer(session_id)
+        return self.sessions[session_id]
+
+    def session_destroy(self, session_id: str) -> None:
+        """Invalidate: release (or delete) what it holds, and start each key's lock delay."""
+        session = self.sessions.pop(session_id, None)
+        self.session_deadlines.pop(session_id, None)
+        if session is None:
+            return
+        held = [key for key, entry in self.kv.items() if entry.get("Session") == session_id]
+        for key in held:
+            if session["Behavior"] == "delete":
+                del self.kv[key]
+            else:
+                del self.kv[key]["Session"]
+                self.kv[key]["ModifyIndex"] = self.bump()
+            if session["LockDelay"]:
+                self.lock_delays[key] = time.monotonic() + session["LockDelay"] / 1e9
+        self.kv_index = self.bump()
+        self.save()
+        self.changed.notify_all()
+
+    def expire_sessions(self) -> list[str]:
+        now = time.monotonic()
+        expired = [sid for sid, deadline in self.session_deadlines.items() if deadline <= now]
+        for session_id in expired:
+            self.session_destroy(session_id)
+        return expired
 
     def kv_delete(self, key: str, recurse: bool) -> None:
         keys = [k for k in self.kv if k.startswith(key)] if recurse else [key] if key in self.kv else []
@@ -354,10 +465,12 @@ class State:
                     "Value": None if value is None else base64.b64encode(value).decode(),
                     "CreateIndex": entry["CreateIndex"],
                     "ModifyIndex": entry["ModifyIndex"],
-                    "LockIndex": 0,
+                    "LockIndex": entry.get("LockIndex", 0),
                     "Flags": entry["Flags"],
                 }
             )
+            if entry.get("Session"):
+                entries[-1]["Session"] = entry["Session"]
         index = self.kv_index if recurse else max(e["ModifyIndex"] for e in entries)
         return index, 200, entries
 
@@ -486,6 +599,11 @@ class Handler(BaseHTTPRequestHandler):
             key = path[len("/v1/kv/") :]
             self._blocking(query, lambda: state.read_kv(key, "recurse" in query))
             return
+        if path.startswith("/v1/session/info/"):
+            with state.lock:
+                session = state.sessions.get(path[len("/v1/session/info/") :])
+                self._send(200, [session] if session else None, state.index)
+            return
         self._send(404, b"unsupported by the emulator", raw=True)
 
     def _blocking(self, query: dict[str, str], read: Any) -> None:
@@ -535,9 +653,36 @@ class Handler(BaseHTTPRequestHandler):
         if path.startswith("/v1/kv/"):
             key = path[len("/v1/kv/") :]
             cas = int(query["cas"]) if "cas" in query else None
-            with state.lock:
-                done = state.kv_put(key, body, cas)
+            try:
+                with state.lock:
+                    done = state.kv_put(key, body, cas, acquire=query.get("acquire"), release=query.get("release"))
+            except KeyError:
+                self._send(500, b"invalid session", raw=True)
+                return
             self._send(200, done)
+            return
+        if path == "/v1/session/create":
+            try:
+                with state.lock:
+                    session_id = state.session_create(json.loads(body or b"{}"))
+            except (ValueError, TypeError) as error:
+                self._send(400, str(error).encode(), raw=True)
+                return
+            self._send(200, {"ID": session_id})
+            return
+        if path.startswith("/v1/session/renew/"):
+            session_id = path[len("/v1/session/renew/") :]
+            with state.lock:
+                session = state.session_renew(session_id)
+            if session is None:
+                self._send(404, f"Session id '{session_id}' not found".encode(), raw=True)
+            else:
+                self._send(200, [session])
+            return
+        if path.startswith("/v1/session/destroy/"):
+            with state.lock:
+                state.session_destroy(path[len("/v1/session/destroy/") :])
+            self._send(200, True)
             return
         self._send(404, b"unsupported by the emulator", raw=True)
 
@@ -579,6 +724,15 @@ class EmulatorServer(ThreadingHTTPServer):
         print(f"connection from {client_address} failed: {sys.exc_info()[1]}", flush=True)
 
 
+def _reap_sessions(state: State) -> None:
+    """Invalidate the sessions whose TTL ran out without a renewal."""
+    while True:
+        time.sleep(0.1)
+        with state.lock:
+            for session_id in state.expire_sessions():
+                print(f"session {session_id} invalidated: its TTL ran out", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Consul HTTP API emulator (a test double)")
     parser.add_argument("--port", type=int, required=True)
@@ -590,6 +744,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tls = (args.tls_ca, args.tls_cert, args.tls_key) if args.tls_cert else None
     server = EmulatorServer(args.port, State(args.state_file), args.token, tls)
+    threading.Thread(target=_reap_sessions, args=(server.state,), name="session-reaper", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # an agent killed mid-query: connections just drop
     print(f"consul emulator listening on 127.0.0.1:{args.port}", flush=True)
     server.serve_forever()

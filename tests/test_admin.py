@@ -888,3 +888,23 @@ def test_a_guard_from_the_environment_is_used_and_flags_replace_it(
     assert "--guard 'nonsense': expected" in capsys.readouterr().err
     assert main([*argv, "--guard", "click:lift>=-1%", "--guard", "click:sum:lift>=0", "--redis-url", "x"]) == 2
     assert "given two kinds" in capsys.readouterr().err
+
+
+def test_a_single_step_to_100_percent_reads_the_control_s_p99_first_and_judges_the_step_on_it() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, lines = rollout(store, ScriptedRouters(store, v2_latency_s=0.009), steps=(100.0,))
+    assert verdict.code == ROLLED_BACK, verdict.message
+    assert "--max-p99-ratio" in verdict.message
+    assert lines[0].startswith("baseline: m v1 100 %, v2 0 % (control v1) as it stands")
+    assert store.history == [{"v1": 0, "v2": 100}, {"v1": 100, "v2": 0}]  # the baseline wrote nothing
+
+
+def test_a_last_step_whose_latency_guard_no_step_could_judge_rolls_back_instead_of_promoting() -> None:
+    """At 99.9 % the control answers too few calls to measure its p99, and at 100 % none: promoting would
+    rest on a guard never judged."""
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    verdict, _lines = rollout(store, ScriptedRouters(store), steps=(99.9, 100.0))
+    assert verdict.code == ROLLED_BACK, verdict.message
+    assert "p99" in verdict.message
+    assert "could not be judged: no step measured the control's p99" in verdict.message
+    assert store.history[-1] == {"v1": 100, "v2": 0}

@@ -18,21 +18,25 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
 from tests.consul_emulator import ConsulEmulator
 from tests.harness import (
     ROOT,
+    InferClient,
     ServiceProcess,
     Stack,
     SteadyLoad,
     clean_env,
     free_port,
+    make_request,
     run_module,
     wait_for,
     write_registry,
@@ -520,3 +524,215 @@ def test_a_rollout_whose_terminal_goes_away_rolls_back(lab: Lab) -> None:
     process.send_signal(signal.SIGHUP)  # and the terminal is closed: what the rollout prints now fails
     assert process.wait(timeout=90) == 3
     assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
+
+
+# -- names that cannot be a model's or a version's ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "version", "named"),
+    [
+        ("", "v2", "the model name is empty ('')"),
+        ("   ", "v2", "model '   ' contains ' '"),
+        ("m\u200b", "v2", "model 'm\\u200b' contains '\\u200b'"),
+        (MODEL, "", "the version name is empty ('')"),
+        (MODEL, " \t", "the version name is only whitespace (' \\t')"),
+        (MODEL, "v2\u200b", "version 'v2\\u200b' contains '\\u200b' (U+200B), a character that does not show"),
+        (MODEL, "v2 ", "version 'v2 ' starts or ends with whitespace"),
+    ],
+    ids=["empty-model", "blank-model", "zero-width-model", "empty-version", "blank-version", "zero-width-version",
+         "trailing-space-version"],
+)  # fmt: skip
+def test_a_model_or_version_name_that_cannot_be_one_is_refused_with_exit_2_and_one_line_naming_it(
+    idle_registry: Path, model: str, version: str, named: str
+) -> None:
+    """``rollout m ''`` (a variable left empty in a script), a zero-width space pasted with the name: the name
+    was looked up all the same, and the answer (``model '' is not in ...``, ``no endpoint of version(s)  ...``,
+    the invisible character printed as itself) did not say what was wrong with it."""
+    before = idle_registry.read_text()
+    done = run_module("splitstream.admin", "--registry", f"file:{idle_registry}", "rollout", model, version,
+                      "--metrics", "127.0.0.1:1")  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert named in done.stderr
+    assert idle_registry.read_text() == before
+
+
+def test_an_empty_model_name_is_refused_before_consul_is_asked(tmp_path: Path) -> None:
+    """On Consul, model '' named the experiments prefix itself (``splitstream/experiments/``)."""
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        done = run_module("splitstream.admin", "--registry", emulator.spec, "rollout", "", "v2",
+                          "--metrics", "127.0.0.1:1")  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert_one_line_no_traceback(done.stderr)
+        assert "the model name is empty ('')" in done.stderr
+
+
+# -- one router named twice -----------------------------------------------------------------------------
+
+
+def test_a_router_named_twice_in_metrics_is_read_once_and_its_calls_counted_once(lab: Lab) -> None:
+    """``--metrics`` repeated for one router (the same flag twice in a script, or spelt otherwise: a trailing
+    slash, the scheme in capitals): its calls and errors were summed once per flag, so a step showed (and
+    --min-calls counted) twice or four times the calls v2 answered. Exactly 7 calls pinned to v2 in the step."""
+    lab.load.stop()
+    port = lab.router.metrics_port
+    spellings = (lab.metrics, lab.metrics, f"HTTP://127.0.0.1:{port}/", f"127.0.0.1:{port}/metrics/")
+    flags = [part for url in spellings for part in ("--metrics", url)]
+    run = rollout(lab.registry, "--steps", "50", "--interval", "4s", "--check-every", "0.5s", "--min-calls", "1",
+                  *flags)  # fmt: skip
+    run.wait_line("step 1/1")
+    time.sleep(1.0)  # past the step's first scrape
+    client = InferClient(lab.router.address)
+    try:
+        for number in range(7):
+            client.infer(make_request(MODEL, np.ones((1, 4), dtype=np.float32), version="v2",
+                                      request_id=f"pinned-{number}"))  # fmt: skip
+    finally:
+        client.close()
+    code = run.wait()
+    assert code == 0, run.output()
+    assert "Traceback" not in run.output()
+    assert "  v2: 7 calls, 0.00 % errors" in run.output(), run.output()
+    notes = [line for line in run.output().splitlines() if "it is read once" in line]
+    assert len(notes) == 3, run.output()
+    assert arms(lab.registry.read_text()) == {"v1": 50, "v2": 50}
+
+
+# -- two rollouts of one model -----------------------------------------------------------------------------
+
+
+def refused_as_held(spec: str, holder: Cli) -> str:
+    """A second rollout of ``m`` while ``holder`` runs one: exit 2 at once, one line naming who holds it."""
+    started = time.monotonic()
+    done = run_module("splitstream.admin", "--registry", spec, "rollout", MODEL, "v2", "--metrics", "127.0.0.1:1",
+                      *JUDGED)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert_one_line_no_traceback(done.stderr)
+    assert time.monotonic() - started < 20  # (an interpreter's start on two busy cores; no step is waited for)
+    assert f"model '{MODEL}' already has a rollout running" in done.stderr
+    assert f"rollout of v2 by pid {holder.process.pid} on {socket.gethostname()}, since " in done.stderr
+    assert done.stdout == ""
+    return done.stderr
+
+
+def test_a_second_rollout_of_a_model_is_refused_while_one_runs_and_a_killed_one_leaves_no_lock(lab: Lab) -> None:
+    """Two rollouts of one model fought over its weights (one's rollback undid the other's step). The file
+    registry's lock is an flock beside the file: SIGKILL frees it, no stale lock to clear by hand."""
+    first = rollout(lab.registry, "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED, "--interval", "60s")
+    first.wait_line("step 1/3")
+    written = lab.registry.read_text()
+    refused_as_held(f"file:{lab.registry}", first)
+    assert lab.registry.read_text() == written  # the second changed nothing
+    first.process.send_signal(signal.SIGKILL)
+    first.wait()
+    assert arms(lab.registry.read_text()) == {"v1": 90, "v2": 10}  # where the killed one left v2
+    again = rollout(lab.registry, "--steps", "50,100", "--metrics", lab.metrics, *JUDGED)
+    code = again.wait()
+    assert code == 0, again.output()
+    assert "promoted" in again.output()
+    assert arms(lab.registry.read_text()) == {"v2": 100}
+    assert sorted(p.name for p in lab.registry.parent.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_second_rollout_on_consul_is_refused_and_the_lock_goes_with_its_holder(lab: Lab, tmp_path: Path) -> None:
+    """On Consul the lock is a session's acquire of ``splitstream/rollouts/m``: released when the rollout
+    ends (here by SIGTERM, rolling back), and by the session's TTL when the rollout is killed."""
+    from splitstream.admin.lock import CONSUL_TTL_S
+
+    key = f"splitstream/rollouts/{MODEL}"
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        on_consul(lab, emulator)
+        router = lab.stack.router(emulator.spec)
+        metrics_flag = ("--metrics", f"127.0.0.1:{router.metrics_port}")
+        with SteadyLoad(router.address, MODEL, threads=2, key_prefix="consul", pause_s=0.005):
+            first = rollout(emulator.spec, "--steps", "10,50,100", *metrics_flag, *JUDGED, "--interval", "60s")
+            first.wait_line("step 1/3")
+            refused_as_held(emulator.spec, first)
+            assert consul_arms(emulator) == {"v1": 90, "v2": 10}
+            first.process.send_signal(signal.SIGTERM)
+            assert first.wait() == 3, first.output()
+            assert consul_arms(emulator) == {"v1": 100, "v2": 0}
+            assert emulator.client().kv.get(key)[1] is None  # released at its end
+
+            killed = rollout(emulator.spec, "--steps", "10,50,100", *metrics_flag, *JUDGED, "--interval", "60s")
+            killed.wait_line("step 1/3")
+            killed.process.send_signal(signal.SIGKILL)
+            killed.wait()
+            refused_as_held(emulator.spec, killed)  # its session lives on until its TTL runs out
+            wait_for(lambda: emulator.client().kv.get(key)[1] is None, timeout_s=2 * CONSUL_TTL_S + 5,
+                     what="the killed rollout's session to expire")  # fmt: skip
+            again = rollout(emulator.spec, "--steps", "50,100", *metrics_flag, *JUDGED)
+            code = again.wait()
+        assert code == 0, again.output()
+        assert "promoted" in again.output()
+        assert consul_arms(emulator) == {"v2": 100}
+        assert emulator.client().kv.get(key)[1] is None
+
+
+def test_a_rollout_whose_consul_session_expired_while_another_took_the_lock_stops_and_leaves_it_to_that_one(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """A rollout stopped (SIGSTOP, a laptop asleep) for longer than its session's TTL loses its lock; another
+    rollout may take it. When the first wakes it must not go on writing steps, or roll back the other's."""
+    from splitstream.admin.lock import CONSUL_TTL_S
+
+    key = f"splitstream/rollouts/{MODEL}"
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        on_consul(lab, emulator)
+        router = lab.stack.router(emulator.spec)
+        metrics_flag = ("--metrics", f"127.0.0.1:{router.metrics_port}")
+        with SteadyLoad(router.address, MODEL, threads=2, key_prefix="consul", pause_s=0.005):
+            first = rollout(emulator.spec, "--steps", "10,50,100", *metrics_flag, *JUDGED, "--interval", "60s")
+            first.wait_line("step 1/3")
+            first.process.send_signal(signal.SIGSTOP)
+            try:
+                wait_for(lambda: emulator.client().kv.get(key)[1] is None, timeout_s=2 * CONSUL_TTL_S + 5,
+                         what="the stopped rollout's session to expire")  # fmt: skip
+                second = rollout(emulator.spec, "--steps", "50,100", *metrics_flag, *JUDGED, "--interval", "60s")
+                second.wait_line("step 1/2")
+            finally:
+                first.process.send_signal(signal.SIGCONT)
+            assert first.wait() == 1, first.output()
+            assert "was lost (its session expired) and another rollout holds it" in first.output()
+            assert "rollout stopped, the experiment left to it" in first.output()
+            assert consul_arms(emulator) == {"v1": 50, "v2": 50}  # the second's step, not rolled back
+            second.process.send_signal(signal.SIGTERM)
+            assert second.wait() == 3, second.output()
+        assert consul_arms(emulator) == {"v1": 100, "v2": 0}
+        assert emulator.client().kv.get(key)[1] is None
+
+
+# -- a single step to 100 % ---------------------------------------------------------------------------------
+
+
+def test_a_single_step_to_100_percent_judges_the_p99_guard_against_a_baseline_and_rolls_back_on_it(lab: Lab) -> None:
+    """With ``--steps 100`` the control takes no traffic in the only step, and no earlier step had measured
+    its p99: the guard was shown "not judged: no control reference yet" and v2 promoted on its error rate
+    alone. The control's p99 is now read first over one interval at the weights as they stand (nothing
+    written); a --max-p99-ratio no version can meet (0.001) rolls v2 back. (Under a load fast enough, the
+    control's calls in the moment the router takes to apply the step made a reference by chance: a slow
+    load here, about 20 calls a second, so those are fewer than --min-calls.)"""
+    lab.load.stop()
+    with SteadyLoad(lab.router.address, MODEL, threads=1, key_prefix="slow", pause_s=0.05) as slow:
+        slow.wait_calls(5)
+        run = rollout(lab.registry, "--steps", "100", "--metrics", lab.metrics, *JUDGED, "--min-calls", "15",
+                      "--max-p99-ratio", "0.001")  # fmt: skip
+        code = run.wait()
+    assert code == 3, run.output()
+    assert "Traceback" not in run.output()
+    assert "baseline: m v1 100 %, v2 0 % (control v1) as it stands" in run.output()
+    assert "ROLLED BACK: v2 p99" in run.output()
+    assert "over --max-p99-ratio 0.001" in run.output()
+    assert arms(lab.registry.read_text()) == {"v1": 100, "v2": 0}
+
+
+def test_a_single_step_to_100_percent_that_holds_shows_its_p99_ratio_and_promotes(lab: Lab) -> None:
+    run = rollout(lab.registry, "--steps", "100", "--metrics", lab.metrics, *JUDGED)
+    code = run.wait()
+    assert code == 0, run.output()
+    step = next(line for line in run.output().splitlines() if line.startswith("  v2: "))
+    assert "not judged" not in step
+    assert ", ratio " in step
+    assert step.endswith(": guards hold")
+    assert arms(lab.registry.read_text()) == {"v2": 100}

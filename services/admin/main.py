@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitstream.admin import feedback_import, metrics
+from splitstream.admin import feedback_import, lock, metrics
 from splitstream.admin.outcomes import GUARD_SYNTAX, OutcomeGuard, OutcomeReader
 from splitstream.admin.rollout import (
     FAILED,
@@ -56,6 +56,7 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
+from splitstream.common.names import check_model_name
 from splitstream.common.redis_url import add_redis_security_arguments, redis_security_from_args
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import join_relative_times
@@ -208,7 +209,12 @@ def build_parser() -> EnvArgumentParser:
         help="token streams: new / control p99 gap between tokens at most this (default: not judged)",
     )
     rollout.add_argument(
-        "--metrics", action="append", default=[], metavar="URL", help="a router's /metrics (host:port or URL; repeat)"
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a router's /metrics (host:port or URL; repeat for every router; a router named twice, even "
+        "spelt otherwise: host case, a trailing slash, a default port, is read once)",
     )
     rollout.add_argument("--min-calls", type=int, default=20, help="calls of the new version a step needs")
     rollout.add_argument("--check-every", type=duration_s, default=1.0, help="how often metrics are read in a step")
@@ -257,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.registry is None:
         parser.error("the following arguments are required: --registry")
     try:
+        check_names(args)
         store = open_store(args.registry, tls=admin_tls(args))
         if args.command == "experiment" and args.action == "get":
             return experiment_get(store, args.model)
@@ -269,6 +276,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(USAGE, error)
     except AdminError as error:
         return _fail(FAILED, error)
+
+
+def check_names(args: argparse.Namespace) -> None:
+    """Invalid (exit 2, one line) for a model name no registry can hold (empty, blank, a character that does
+    not show: a zero-width space pasted in), and for such a rollout version. Such a name was looked up all
+    the same, and the registry's answer (``model '' is not in ...``, ``no endpoint of version(s)  ...``) did
+    not say what was wrong with it. Names are shown with repr, so an invisible character shows as its escape."""
+    model = getattr(args, "model", None)
+    if model is not None:
+        try:
+            check_model_name(model)
+        except ValueError as error:
+            raise Invalid(str(error) if model else "the model name is empty ('')") from None
+    version = getattr(args, "version", None) if args.command == "rollout" else None
+    if version is None:
+        return
+    if not version.strip():
+        raise Invalid(f"the version name is {'empty' if not version else 'only whitespace'} ({version!r})")
+    hidden = next((ch for ch in version if not ch.isprintable()), None)
+    if hidden is not None:
+        raise Invalid(f"version {version!r} contains {hidden!r} (U+{ord(hidden):04X}), a character that does not show")
+    if version != version.strip():
+        raise Invalid(f"version {version!r} starts or ends with whitespace")
 
 
 def admin_tls(args: argparse.Namespace) -> ClientTls:
@@ -454,10 +484,16 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
 
 
 def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
+    """Each router once: one named twice (the same URL, or one that differs in case, a trailing slash or a
+    default port) had its calls and errors counted twice. A note on stderr says which flag was dropped."""
     try:
-        return tuple(metrics.metrics_url(url) for url in flags)
+        urls = [metrics.metrics_url(url) for url in flags]
     except ValueError as error:
         raise Invalid(str(error)) from None
+    distinct, dropped = metrics.distinct_routers(urls)
+    for url, kept in dropped:
+        _say(f"{PROG}: note: --metrics {url} names the router of --metrics {kept}; it is read once", stream=sys.stderr)
+    return distinct
 
 
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
@@ -484,11 +520,23 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
     interrupts = Interrupts()
     interrupts.install()
     try:
-        reader = outcome_reader(args, plan) if guards else None
-    except KeyboardInterrupt:
+        # One rollout per model: a second one fought the first over its weights (Invalid if one holds it).
+        with lock.held(store, plan.model, plan.version) as held:
+            try:
+                reader = outcome_reader(args, plan) if guards else None
+            except KeyboardInterrupt:
+                verdict = interrupted_before_start(plan.model)
+            else:
+                verdict = Rollout(
+                    store,
+                    plan,
+                    out=_say,
+                    outcomes=reader.read if reader else None,
+                    interrupts=interrupts,
+                    lock_lost=held.lost,
+                ).run()
+    except KeyboardInterrupt:  # while the lock was being taken
         verdict = interrupted_before_start(plan.model)
-    else:
-        verdict = Rollout(store, plan, out=_say, outcomes=reader.read if reader else None, interrupts=interrupts).run()
     _say(verdict.message, stream=sys.stdout if verdict.code in (0, ROLLED_BACK) else sys.stderr)
     return verdict.code
 

@@ -190,3 +190,26 @@ def metrics_url(text: str) -> str:
     if not parts.hostname or port == 0:
         raise ValueError(f"--metrics {text!r}: expected HOST:PORT or a URL, e.g. 127.0.0.1:8002")
     return url
+
+
+def router_key(url: str) -> tuple[str, str, int, str, str]:
+    """What tells two ``--metrics`` URLs (as :func:`metrics_url` makes them) apart: scheme, host (case is
+    not), port (the scheme's default when none is given), path (a trailing slash is not) and query. Two
+    URLs of one key read one router; summed, its calls and errors were counted twice."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    port = parts.port or (443 if scheme == "https" else 80)
+    return scheme, (parts.hostname or "").lower(), port, parts.path.rstrip("/") or "/", parts.query
+
+
+def distinct_routers(urls: Iterable[str]) -> tuple[tuple[str, ...], list[tuple[str, str]]]:
+    """The URLs with each router once (the first URL naming it kept), and (dropped, kept) for the others."""
+    kept: dict[tuple[str, str, int, str, str], str] = {}
+    dropped: list[tuple[str, str]] = []
+    for url in urls:
+        key = router_key(url)
+        if key in kept:
+            dropped.append((url, kept[key]))
+        else:
+            kept[key] = url
+    return tuple(kept.values()), dropped

@@ -13,7 +13,13 @@ that interval only (deltas between scrapes, summed over routers):
 - p99 latency of the new version at most ``max_p99_ratio`` times the control's p99,
   both from histogram buckets over the interval. When the control took too few
   calls (its weight is 0 at the 100 % step) the control's p99 from the last step
-  that had them is the reference;
+  that had them is the reference. When the first step already leaves the control no
+  traffic (``--steps 100``), there is no such step: the rollout first reads the
+  control's p99 over one interval at the weights as they stand (the *baseline*,
+  nothing written), and stops there, nothing changed, if the control answers too few
+  calls in it. A latency guard still without a reference at a step where the control
+  takes no traffic (no step measured it) has not held: the rollout rolls back rather
+  than promote on a guard never judged;
 - for token streams (``ModelStreamInfer``; a stream counts as one call above),
   when asked: the p99 time to first token at most ``max_ttft_p99_ratio`` times the
   control's, and the p99 inter-token gap at most ``max_itl_p99_ratio`` times the
@@ -145,6 +151,10 @@ class Tripped(Exception):
     """A guard failed; the message says which and by how much."""
 
 
+class LockLost(Exception):
+    """Another rollout took this one's lock (its session expired): it watches the model now."""
+
+
 class Won(Exception):
     """Every outcome guard shows a significant win: the step may end early."""
 
@@ -212,6 +222,7 @@ class Rollout:
         outcomes: Outcomes | None = None,
         wall_clock_ns: Callable[[], int] = time.time_ns,
         interrupts: Interrupts | None = None,
+        lock_lost: Callable[[], str | None] = lambda: None,
     ) -> None:
         """``outcomes`` reads the analysis the outcome guards judge; needed when the plan has guards.
         ``interrupts``: the installed handler of SIGINT and SIGTERM, which holds them during writes."""
@@ -226,8 +237,12 @@ class Rollout:
         self.outcomes = outcomes
         self.wall_clock_ns = wall_clock_ns
         self.interrupts = interrupts or Interrupts()
-        #: Per guard, the control's p99 from the last step in which it had enough calls.
+        #: Why this rollout's lock is no longer its own (:mod:`splitstream.admin.lock`), or None.
+        self.lock_lost = lock_lost
+        #: Per guard, the control's p99 from the last step in which it had enough calls (or the baseline).
         self._references: dict[str, float] = {}
+        #: The step being judged leaves the control no traffic: no later step can measure its p99.
+        self._final = False
         self.control = ""
         #: The experiment the registry holds as far as this rollout knows: as read, then as last written.
         self._holds: Experiment | None = None
@@ -255,6 +270,12 @@ class Rollout:
                 raise Invalid(f"{error}; nothing changed") from None
             except OSError as error:
                 raise AdminError(f"{error}; nothing changed") from None
+            # A first step of 100 % leaves the control no traffic, and no earlier step measured its p99:
+            # the p99 guard went unjudged and the version was promoted on its error rate alone.
+            if self._control_weight(self._with_weight(base, plan.steps[0])) == 0:
+                refused = self._baseline(view.effective or base)
+                if refused is not None:
+                    return refused
         except KeyboardInterrupt:
             return interrupted_before_start(plan.model)
         revision = view.revision
@@ -277,6 +298,8 @@ class Rollout:
                     self._judge_step(experiment)
                 except (Tripped, OSError, metrics.NotMetrics) as reason:
                     return self._roll_back(str(reason))
+                except LockLost as lost:  # a rollback now would undo the other rollout's step
+                    return Verdict(FAILED, f"{lost}; rollout stopped, the experiment left to it")
             if plan.steps[-1] < 100:
                 return Verdict(PROMOTED, f"{plan.model} {plan.version} holds at {plan.steps[-1]:g} %; every guard held")
             promoted = self._promoted(base)
@@ -412,6 +435,43 @@ class Rollout:
 
     # -- judging ------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _control_weight(experiment: Experiment) -> float:
+        return next((a.weight for a in experiment.arms if a.version == experiment.control), 0)
+
+    def _baseline(self, current: Experiment) -> Verdict | None:
+        """The control's latency over one interval at the weights as they stand, as the reference of a first
+        step that leaves it no traffic; nothing is written. A Verdict (nothing changed) when it cannot be had."""
+        plan = self.plan
+        self.out(
+            f"baseline: {plan.model} {weights_text(current)} as it stands, the control's latency read over "
+            f"{plan.interval_s:g}s (at {plan.steps[0]:g} % {self.control} takes no traffic to compare with)"
+        )
+        try:
+            before = self.scrape(plan.metrics_urls, plan.model)
+            end = self.clock() + plan.interval_s
+            while (remaining := end - self.clock()) > 0:
+                self.sleep(min(plan.check_every_s, remaining))
+            counts = metrics.interval(before, self.scrape(plan.metrics_urls, plan.model))
+        except (OSError, metrics.NotMetrics) as error:
+            return Verdict(FAILED, f"baseline: {error}; {plan.model} left as it was")
+        control = counts.get(self.control, metrics.VersionCounts())
+        line = f"  {self.control}: {control.calls:g} calls"
+        for guard in self._guards:
+            histogram = guard.histogram(control)
+            if metrics.observations(histogram) >= plan.min_calls:
+                self._references[guard.name] = p99 = metrics.quantile(histogram, 0.99) or 0.0
+                line += f" | {guard.name} {_ms(p99)}"
+        if "p99" not in self._references:
+            return Verdict(
+                ROLLED_BACK,
+                f"baseline: {self.control} answered {metrics.observations(control.buckets):g} timed calls in "
+                f"{plan.interval_s:g}s, fewer than --min-calls {plan.min_calls}: no p99 to judge {plan.version} on "
+                f"at {plan.steps[0]:g} %; {plan.model} left as it was",
+            )
+        self.out(line + ": the reference of the steps where it takes no traffic")
+        return None
+
     def _judge_step(self, experiment: Experiment) -> None:
         plan = self.plan
         before = self.scrape(plan.metrics_urls, plan.model)
@@ -430,6 +490,9 @@ class Rollout:
             if remaining > 0:
                 self.sleep(min(plan.check_every_s, remaining))
             counts = metrics.interval(before, self.scrape(plan.metrics_urls, plan.model))
+            lost = self.lock_lost()
+            if lost:
+                raise LockLost(lost)
             new = counts.get(plan.version, metrics.VersionCounts())
             if new.calls >= plan.min_calls and new.error_rate > plan.max_error_rate:
                 raise Tripped(self._error_rate_text(new))
@@ -451,6 +514,7 @@ class Rollout:
                 + "; ".join(f"{r.guard.text}: {r.why}" for r in unjudged)
             )
         control = counts.get(self.control, metrics.VersionCounts())
+        self._final = self._control_weight(experiment) == 0
         if new.calls < plan.min_calls:
             raise Tripped(
                 f"{plan.version} answered {new.calls:g} calls in the step, fewer than --min-calls {plan.min_calls}: "
@@ -504,6 +568,12 @@ class Rollout:
             self._references[guard.name] = control_p99
         reference = self._references.get(guard.name)
         text = f" | {guard.name} {_ms(new_p99)} vs {self.control} {_ms(control_p99)}"
+        if new_p99 is not None and not reference and self._final:
+            raise Tripped(
+                f"{plan.version} {guard.name} {_ms(new_p99)} could not be judged: no step measured the control's "
+                f"{guard.name} (each had fewer than --min-calls {plan.min_calls} of its calls), and {self.control} "
+                "takes no traffic now"
+            )
         if new_p99 is None or not reference:
             reason = "none measured for this version" if new_p99 is None else "no control reference yet"
             return text + f" ({guard.name} ratio not judged: {reason})"
