@@ -441,7 +441,9 @@ class WalWriter:
 
     def append(self, kind: int, payload: bytes) -> bool:
         data = frame(kind, payload)
-        if self.unshipped_bytes + len(data) > self.max_bytes:
+        others, shipped = self._checked  # unshipped_bytes, inlined: this runs on the answering path
+        past = self._offset - shipped
+        if others + (past if past > 0 else 0) + len(data) > self.max_bytes:
             return False
         try:
             written = os.write(self._fd, data)
