@@ -110,6 +110,10 @@ class RouterConfig:
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{flag}: must be a finite number >= 0, got {value}")
+        # A float, checked as one: it was checked with the counts (>= 1), so 0.2 was refused as "not positive"
+        # while nan passed (nan < 1 is false) and the flusher's first sleep raised.
+        if not (math.isfinite(self.log_flush_interval_s) and self.log_flush_interval_s > 0):
+            raise ConfigError(f"--log-flush-interval-s: must be a finite number > 0, got {self.log_flush_interval_s}")
         if self.recorder:
             # A typo here ("recorder:80o3", "a b") was accepted: the router served, spooled every call
             # and only logged that the recorder was unreachable (found by probing).
@@ -135,7 +139,6 @@ class RouterConfig:
             ("--record-batch-max-bytes", self.record_batch_max_bytes),
             ("--spool-max-bytes", self.spool_max_bytes),
             ("--log-segment-bytes", self.log_segment_bytes),
-            ("--log-flush-interval-s", self.log_flush_interval_s),
             ("--shadow-max-in-flight", self.shadow_max_in_flight),
         ):
             if count < 1:
