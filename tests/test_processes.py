@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -527,3 +528,45 @@ def test_a_parent_whose_stderr_reader_went_away_still_restarts_children_and_stop
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("command", ["splitstream-router", "splitstream-recorder"])
+@pytest.mark.parametrize("moment", ["the parent imports", "the children import"])
+def test_ctrl_c_while_a_processes_server_starts_exits_0_without_a_traceback(
+    tmp_path: Path, command: str, moment: str
+) -> None:
+    """Ctrl-C reaches the whole process group. Before a process's event loop handled SIGINT, Python's
+    default handler raised KeyboardInterrupt wherever its imports had got to: a screenful of traceback per
+    process still starting, and a parent killed by the signal (exit -2) before it had started a child."""
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: {}\n")
+    own = (
+        ["--registry", f"file:{registry}"]
+        if command == "splitstream-router"
+        else ["--redis-url", "redis://127.0.0.1:1/0"]
+    )
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / command), *own, "--host", "127.0.0.1", "--port", "0",
+         "--metrics-port", "0", "--processes", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    assert process.stderr is not None
+    seen = b""
+    try:
+        if moment == "the children import":
+            while seen.count(b'"event": "child started"') < 2:
+                line = process.stderr.readline()
+                assert line, f"the parent ended before it started both children:\n{seen.decode()}"
+                seen += line
+        else:
+            time.sleep(0.1)  # the console script is still importing the router's modules
+        os.killpg(process.pid, signal.SIGINT)
+        _, rest = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    stderr = (seen + rest).decode(errors="replace")
+    assert "Traceback" not in stderr, stderr
+    assert "KeyboardInterrupt" not in stderr, stderr
+    assert process.returncode == 0, stderr

@@ -55,6 +55,7 @@ from prometheus_client import values as prometheus_values
 from splitstream.common.errors import ConfigError
 from splitstream.common.handlers import ParseRequests
 from splitstream.common.health import NOT_SERVING, SERVING, HealthServicer
+from splitstream.common.interrupts import quiet_interrupts
 from splitstream.common.tls import ServerTls
 
 EXIT_OK = 0
@@ -425,6 +426,8 @@ def run_service(settings: ServerSettings, build: Callable[[], Service], *, prog:
     except Exception:
         runner.log.exception("could not start")
         return EXIT_FAILED
+    finally:
+        quiet_interrupts()  # the closed loop put Python's KeyboardInterrupt back
 
 
 class _Runner:

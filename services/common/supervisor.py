@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.interrupts import quiet_interrupts
 from splitstream.common.runtime import (
     EXIT_CONFIG,
     EXIT_FAILED,
@@ -98,6 +99,7 @@ def supervise(
         print(f"{prog}: error: {error}", file=sys.stderr)
         return EXIT_CONFIG
     finally:
+        quiet_interrupts()  # the closed loop put Python's KeyboardInterrupt back
         parent.close()
 
 
@@ -182,8 +184,10 @@ class _Parent:
         await asyncio.gather(*pending, return_exceptions=True)
         code = EXIT_OK
         for returncode in self.codes.values():
-            if returncode == -signal.SIGTERM:
-                continue  # our SIGTERM reached a child still starting, before its handler: it served nothing
+            if returncode in (-signal.SIGTERM, -signal.SIGINT):
+                # Our SIGTERM, or a Ctrl-C sent to the whole group, reached a child still starting, before
+                # even Python's handlers were in place: it served nothing.
+                continue
             code = max(code, returncode if returncode >= 0 else EXIT_FAILED)
         if self.companion is not None:
             await self.companion.stop()
