@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from splitstream.common.errors import ConfigError
-from splitstream.common.interrupts import quiet_interrupts
+from splitstream.common.interrupts import interrupts_held, quiet_interrupts
 from splitstream.common.runtime import (
     EXIT_CONFIG,
     EXIT_FAILED,
@@ -275,7 +275,8 @@ class _Parent:
         child_env = {**env, PROCESS_INDEX_ENV: str(index)}
         while not self.stop.is_set():
             try:
-                process = await asyncio.create_subprocess_exec(*command, env=parent_env(child_env))
+                with interrupts_held():
+                    process = await asyncio.create_subprocess_exec(*command, env=parent_env(child_env))
             except OSError as error:
                 self.log.error("child not started; retrying", index=index, error=str(error)[:300])
                 await self._pause(_RESTART_MAX_S)
