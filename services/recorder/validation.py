@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from splitstream.common import records
 from splitstream.common.feedback import EventProblem, check_event
 from splitstream.common.names import check_model_name
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
@@ -31,11 +32,11 @@ RESERVED_TAG_PREFIX = "splitstream."
 #: clock (spooled records arrive late, never early; a day covers any clock a router could be allowed).
 EARLIEST_RECEIVE_NS = 946_684_800 * 10**9
 MAX_AHEAD_NS = 86_400 * 10**9
-#: Records and events one batch may hold (routers send 256 by default). Each item, even an empty one (2 bytes
-#: on the wire), cost the recorder about a kilobyte to reject and the ack ~60 bytes: a 2 MB batch of a million
-#: empty records took 12 s and 900 MB, its ack of 51 MB was over the sender's receive limit, and a batch at the
-#: 128 MiB receive limit would have needed some 60 GB. Counted on the wire before anything is parsed.
-MAX_BATCH_ITEMS = 4096
+#: Records and events one batch may hold (routers send 256 of each at most by default). Each item, even an
+#: empty one (2 bytes on the wire), cost the recorder about a kilobyte to reject and the ack ~60 bytes: a 2 MB
+#: batch of a million empty records took 12 s and 900 MB, its ack of 51 MB was over the sender's receive limit,
+#: and a batch at the 128 MiB receive limit would have needed some 60 GB. Counted on the wire before parsing.
+MAX_BATCH_ITEMS = records.MAX_BATCH_ITEMS
 #: What of a rejected record's request id and reason the ack carries: bounded, so an ack of
 #: :data:`MAX_BATCH_ITEMS` rejections stays well under a client's default 4 MiB receive limit.
 MAX_ACK_REQUEST_ID = 200
