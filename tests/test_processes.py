@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -527,3 +528,107 @@ def test_a_parent_whose_stderr_reader_went_away_still_restarts_children_and_stop
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("command", ["splitstream-router", "splitstream-recorder"])
+@pytest.mark.parametrize("moment", ["the parent imports", "the children import"])
+def test_ctrl_c_while_a_processes_server_starts_exits_0_without_a_traceback(
+    tmp_path: Path, command: str, moment: str
+) -> None:
+    """Ctrl-C reaches the whole process group. Before a process's event loop handled SIGINT, Python's
+    default handler raised KeyboardInterrupt wherever its imports had got to: a screenful of traceback per
+    process still starting, and a parent killed by the signal (exit -2) before it had started a child."""
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: {}\n")
+    own = (
+        ["--registry", f"file:{registry}"]
+        if command == "splitstream-router"
+        else ["--redis-url", "redis://127.0.0.1:1/0"]
+    )
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / command), *own, "--host", "127.0.0.1", "--port", "0",
+         "--metrics-port", "0", "--processes", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    assert process.stderr is not None
+    seen = b""
+    try:
+        if moment == "the children import":
+            while seen.count(b'"event": "child started"') < 2:
+                line = process.stderr.readline()
+                assert line, f"the parent ended before it started both children:\n{seen.decode()}"
+                seen += line
+        else:
+            time.sleep(0.1)  # the console script is still importing the router's modules
+        os.killpg(process.pid, signal.SIGINT)
+        _, rest = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    stderr = (seen + rest).decode(errors="replace")
+    assert "Traceback" not in stderr, stderr
+    assert "KeyboardInterrupt" not in stderr, stderr
+    assert process.returncode == 0, stderr
+
+
+def test_a_metrics_directory_left_by_a_sigkilled_parent_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    """A parent killed with SIGKILL never removes its children's metrics directory: each such death left a
+    ``splitstream-metrics-*`` directory of files in /tmp for good. The next parent removes those whose parent
+    is dead, and nothing else: not one whose pid lives, nor a link, nor one holding files it did not write."""
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: {}\n")
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    env = {**os.environ, "TMPDIR": str(temporary)}
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--host", "127.0.0.1",
+             "--port", "0", "--metrics-port", str(free_port()), "--processes", "2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env,
+        )  # fmt: skip
+
+    def metrics_dirs() -> set[Path]:
+        return {path for path in temporary.glob("splitstream-metrics-*") if path.is_dir() and not path.is_symlink()}
+
+    killed = start()
+    try:
+        wait_for(lambda: any(p.glob("*.db") for p in metrics_dirs()), timeout_s=60, what="the children's metrics")
+        children = _children_of(killed.pid)
+        killed.kill()
+        killed.wait()
+        wait_for(lambda: not any(alive(pid) for pid in children), timeout_s=30, what="the children to end")
+    finally:
+        if killed.poll() is None:
+            killed.kill()
+            killed.wait()
+    (stale,) = metrics_dirs()
+    assert stale.name.startswith(f"splitstream-metrics-{killed.pid}-")
+
+    # What the next start must leave alone.
+    living = temporary / f"splitstream-metrics-{os.getpid()}-living"  # this test's own pid: alive
+    living.mkdir()
+    (living / "counter_1.db").write_bytes(b"")
+    foreign = temporary / f"splitstream-metrics-{killed.pid}-foreign"  # a dead pid, but not only metrics files
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not prometheus-client's")
+    linked = temporary / f"splitstream-metrics-{killed.pid}-link"
+    linked.symlink_to(living)
+    plain = temporary / f"splitstream-metrics-{killed.pid}-file"
+    plain.write_text("a file")
+
+    second = start()
+    try:
+        wait_for(lambda: not stale.exists(), timeout_s=60, what="the stale metrics directory to be removed")
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=60) == 0
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert sorted(path.name for path in temporary.iterdir()) == sorted(
+        path.name for path in (living, foreign, linked, plain)
+    )
+    assert (living / "counter_1.db").exists()
+    assert (foreign / "notes.txt").exists()

@@ -38,7 +38,7 @@ from splitstream.common.records import (
 )
 from splitstream.recorder.config import Action, Rule, parse_args
 from splitstream.recorder.redaction import Redactor
-from splitstream.recorder.validation import parse_batch
+from splitstream.recorder.validation import MAX_BATCH_ITEMS, parse_batch
 from tests.harness import ROOT, ServiceProcess, free_port, health_status, metric_samples, scrape_metrics, wait_for
 from tests.records import read_records, request_of, response_of
 from tests.redis_server import RedisServer
@@ -482,6 +482,36 @@ async def test_a_message_that_is_no_batch_is_refused_and_a_bad_record_is_rejecte
     assert [item.record.request_id async for item in read_records(redis, "resnet")] == ["good-1", "good-2"]
     assert metric(recorder, "splitstream_recorder_batches_total", result="invalid") == 1
     assert metric(recorder, "splitstream_recorder_records_rejected_total") == 2
+    assert health_status(recorder.address) == SERVING
+
+
+async def test_a_batch_of_millions_of_empty_records_is_refused_unparsed_and_acks_stay_small(
+    start_recorder: RecorderFactory, redis: Redis
+) -> None:
+    """An empty record is 2 bytes on the wire and cost the recorder about a kilobyte to reject: a 2 MB batch
+    of a million took 12 s and 900 MB, and its 51 MB ack was over the sender's receive limit (a batch at the
+    128 MiB receive limit would have needed some 60 GB). More than MAX_BATCH_ITEMS is now RESOURCE_EXHAUSTED
+    before anything is parsed (the router's shipper resends it in smaller batches), and the ack cuts what it
+    quotes of a rejected record."""
+    recorder = start_recorder()
+    await send(recorder.address, batch(1, call_record("kept")))
+
+    started = time.monotonic()
+    error = await rpc_error(send(recorder.address, b"\x12\x00" * 1_000_000))
+    assert error.code() == StatusCode.RESOURCE_EXHAUSTED
+    assert f"more than {MAX_BATCH_ITEMS} records and events" in (error.details() or "")
+    assert time.monotonic() - started < 5
+    error = await rpc_error(send(recorder.address, b"\x12\x00" * (MAX_BATCH_ITEMS + 1)))
+    assert error.code() == StatusCode.RESOURCE_EXHAUSTED
+
+    (ack,) = await send(recorder.address, b"\x12\x00" * MAX_BATCH_ITEMS)  # the most a batch may hold
+    assert (ack.written, len(ack.rejected)) == (0, MAX_BATCH_ITEMS)
+    (ack,) = await send(recorder.address, batch(2, call_record("i" * 1_000_000, model="res net"), call_record("ok")))
+    assert ack.written == 1
+    (rejected,) = ack.rejected
+    assert (rejected.index, rejected.request_id) == (0, "i" * 200)
+    assert ack.ByteSize() < 1000
+    assert [item.record.request_id async for item in read_records(redis, "resnet")] == ["kept", "ok"]
     assert health_status(recorder.address) == SERVING
 
 

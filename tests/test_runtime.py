@@ -151,6 +151,8 @@ def test_a_taken_metrics_port_exits_2_with_one_line_naming_it(services: Services
         ("--port", "70000"),
         ("--metrics-port", "-1"),
         ("--drain-delay-s", "nan"),
+        ("--drain-delay-s", "1e300"),
+        ("--shutdown-grace-s", "inf"),
         ("--shutdown-grace-s", "-1"),
         ("--log-level", "LOUD"),
         ("--max-message-bytes", "0"),

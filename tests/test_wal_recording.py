@@ -420,6 +420,8 @@ def test_the_shipper_refuses_spool_max_bytes_with_exit_2_since_the_router_caps_t
         ("--record-batch-interval-ms", "inf", "must be a finite number, got inf"),
         ("--flush-timeout-s", "inf", "must be a finite number, got inf"),
         ("--record-batch-max-bytes", "1000", "must be at least 65536 (64 KiB), got 1000"),
+        # More records and events than the recorder takes in one batch: every full batch refused, then resent.
+        ("--record-batch-size", "99999999999999999999", "at most 2048 (a batch carries as many events; the recorder"),
     ],
 )
 def test_the_shipper_refuses_a_value_that_cannot_work_with_exit_2_naming_the_flag(
@@ -433,8 +435,24 @@ def test_the_shipper_refuses_a_value_that_cannot_work_with_exit_2_naming_the_fla
     (log_dir / wal.segment_name(1)).write_bytes(wal.frame(wal.CALL, _call_payload("kept")))
     result = run_shipper("--log-dir", str(log_dir), flag, value)
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [f"splitstream-shipper: error: {flag}: {named}"], result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"splitstream-shipper: error: {flag}: {named}"), result.stderr
     assert sorted(path.name for path in log_dir.iterdir()) == [wal.segment_name(1)]
+
+
+def test_the_router_refuses_a_record_batch_size_over_what_the_recorder_takes_with_exit_2(tmp_path: Path) -> None:
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
+    result = run_module(
+        "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
+        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"),
+        "--record-batch-size", "5000",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "splitstream-router: error: --record-batch-size: at most 2048 (a batch carries as many events; the "
+        "recorder takes 4096 a batch), got 5000"
+    ], result.stderr
 
 
 def test_the_router_refuses_a_record_batch_cap_its_child_shipper_would_refuse_with_exit_2(tmp_path: Path) -> None:

@@ -49,6 +49,11 @@ REDACTED_OUTPUTS_TAG = "splitstream.redacted-outputs"
 PAYLOAD_DROPPED_TAG = "splitstream.payload-dropped"
 #: The CallRecord layout this code reads and the recorder writes.
 SCHEMA_VERSION = 1
+#: Records and events one RecordBatch may hold: the recorder refuses more unparsed (RESOURCE_EXHAUSTED).
+MAX_BATCH_ITEMS = 4096
+#: The largest ``--record-batch-size`` (router, shipper): a batch carries up to that many records and as many
+#: events, so a full one stays within :data:`MAX_BATCH_ITEMS`.
+MAX_RECORD_BATCH_SIZE = MAX_BATCH_ITEMS // 2
 
 #: gRPC status code numbers → names, as the ``status`` field of each stream entry spells them.
 STATUS_NAMES: tuple[str, ...] = (

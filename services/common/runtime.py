@@ -55,6 +55,7 @@ from prometheus_client import values as prometheus_values
 from splitstream.common.errors import ConfigError
 from splitstream.common.handlers import ParseRequests
 from splitstream.common.health import NOT_SERVING, SERVING, HealthServicer
+from splitstream.common.interrupts import quiet_interrupts
 from splitstream.common.tls import ServerTls
 
 EXIT_OK = 0
@@ -72,6 +73,9 @@ PROCESS_INDEX_ENV = "SPLITSTREAM_PROCESS_INDEX"
 PROCESSES_PER_CORE = 4
 #: gRPC takes message limits as a C int.
 _MAX_GRPC_INT = 2**31 - 1
+#: The longest --drain-delay-s and --shutdown-grace-s: an hour is past any orchestrator's stop timeout, and a
+#: typo (1e300) made a SIGTERMed server wait for ever, never exiting short of SIGKILL.
+MAX_STOP_WAIT_S = 3600.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,13 +186,15 @@ def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaul
         "--drain-delay-s",
         type=float,
         default=defaults.drain_delay_s,
-        help="on SIGTERM: seconds to keep serving after reporting NOT_SERVING, so balancers and routers move away",
+        help="on SIGTERM: seconds to keep serving after reporting NOT_SERVING, so balancers and routers move "
+        f"away (at most {MAX_STOP_WAIT_S:g})",
     )
     group.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=defaults.shutdown_grace_s,
-        help="on SIGTERM: seconds the work in flight (calls; the archiver's drain) gets before it is cancelled",
+        help="on SIGTERM: seconds the work in flight (calls; the archiver's drain) gets before it is cancelled "
+        f"(at most {MAX_STOP_WAIT_S:g})",
     )
     group.add_argument(
         "--max-message-bytes",
@@ -255,8 +261,8 @@ class ServerSettings:
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"--log-level: must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         for flag, seconds in (("--drain-delay-s", self.drain_delay_s), ("--shutdown-grace-s", self.shutdown_grace_s)):
-            if not (math.isfinite(seconds) and seconds >= 0):  # NaN passes a plain `< 0` check
-                raise ConfigError(f"{flag}: must be a number of seconds >= 0, got {seconds}")
+            if not (math.isfinite(seconds) and 0 <= seconds <= MAX_STOP_WAIT_S):  # NaN passes a plain `< 0` check
+                raise ConfigError(f"{flag}: must be a number of seconds within 0..{MAX_STOP_WAIT_S:g}, got {seconds}")
         if not 0 < self.max_message_bytes <= _MAX_GRPC_INT:
             raise ConfigError(f"--max-message-bytes: must be within 1..{_MAX_GRPC_INT}, got {self.max_message_bytes}")
         self._check_tls()
@@ -420,6 +426,8 @@ def run_service(settings: ServerSettings, build: Callable[[], Service], *, prog:
     except Exception:
         runner.log.exception("could not start")
         return EXIT_FAILED
+    finally:
+        quiet_interrupts()  # the closed loop put Python's KeyboardInterrupt back
 
 
 class _Runner:

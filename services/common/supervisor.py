@@ -26,13 +26,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
@@ -40,6 +43,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.interrupts import interrupts_held, quiet_interrupts
 from splitstream.common.runtime import (
     EXIT_CONFIG,
     EXIT_FAILED,
@@ -54,6 +58,10 @@ from splitstream.common.runtime import (
 
 #: prometheus-client reads it when it is first imported: set for the children only, never in the parent.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: The children's metrics directory, ``<prefix><parent pid>-<random>`` in the temporary directory: the pid
+#: lets a later start remove one whose parent died without removing it (SIGKILL).
+METRICS_DIR_PREFIX = "splitstream-metrics-"
+_METRICS_DIR_NAME = re.compile(re.escape(METRICS_DIR_PREFIX) + r"([1-9][0-9]{0,9})-[A-Za-z0-9_]+")
 _RESTART_FIRST_S = 0.2
 _RESTART_MAX_S = 5.0
 #: A child that served this long before dying is restarted after the first backoff again, not the last.
@@ -98,6 +106,7 @@ def supervise(
         print(f"{prog}: error: {error}", file=sys.stderr)
         return EXIT_CONFIG
     finally:
+        quiet_interrupts()  # the closed loop put Python's KeyboardInterrupt back
         parent.close()
 
 
@@ -139,8 +148,9 @@ class _Parent:
             loop.add_signal_handler(signum, self._on_signal, signum)
         port = self._reserve_port()
         env = {**os.environ}
+        self._remove_stale_metrics_dirs()
         if settings.metrics_port:
-            self.metrics_dir = tempfile.mkdtemp(prefix="splitstream-metrics-")
+            self.metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
             env[MULTIPROC_ENV] = self.metrics_dir
             MultiProcessCollector(self.registry, path=self.metrics_dir)
             self.metrics_server = bind_metrics(settings, self.registry)
@@ -182,8 +192,10 @@ class _Parent:
         await asyncio.gather(*pending, return_exceptions=True)
         code = EXIT_OK
         for returncode in self.codes.values():
-            if returncode == -signal.SIGTERM:
-                continue  # our SIGTERM reached a child still starting, before its handler: it served nothing
+            if returncode in (-signal.SIGTERM, -signal.SIGINT):
+                # Our SIGTERM, or a Ctrl-C sent to the whole group, reached a child still starting, before
+                # even Python's handlers were in place: it served nothing.
+                continue
             code = max(code, returncode if returncode >= 0 else EXIT_FAILED)
         if self.companion is not None:
             await self.companion.stop()
@@ -191,6 +203,36 @@ class _Parent:
             code = EXIT_CONFIG
         self.log.info("stopped", exit_code=code)
         return code
+
+    def _remove_stale_metrics_dirs(self) -> None:
+        """Remove what parents that died without their cleanup (SIGKILL, the OOM killer, a power cut) left in
+        the temporary directory: a metrics directory per start, files of every child, never removed.
+
+        Only what a parent made: ``splitstream-metrics-<pid>-<random>``, a directory (not a link) of this
+        user holding nothing but prometheus-client's ``*.db`` files, named with a pid that is not alive.
+        A pid alive again (reused) keeps its directory: a later start gets it."""
+        parent = Path(tempfile.gettempdir())
+        try:
+            candidates = list(parent.glob(f"{METRICS_DIR_PREFIX}*-*"))
+        except OSError:
+            return
+        for path in candidates:
+            match = _METRICS_DIR_NAME.fullmatch(path.name)
+            if match is None:
+                continue
+            pid = int(match[1])
+            try:
+                info = path.lstat()
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or _pid_alive(pid):
+                    continue
+                if not all(
+                    entry.is_file(follow_symlinks=False) and entry.name.endswith(".db") for entry in os.scandir(path)
+                ):
+                    continue
+            except OSError:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            self.log.info("removed the metrics directory of a parent that died", path=str(path), pid=pid)
 
     def _on_signal(self, signum: signal.Signals) -> None:
         if self.stop.is_set():
@@ -233,7 +275,8 @@ class _Parent:
         child_env = {**env, PROCESS_INDEX_ENV: str(index)}
         while not self.stop.is_set():
             try:
-                process = await asyncio.create_subprocess_exec(*command, env=parent_env(child_env))
+                with interrupts_held():
+                    process = await asyncio.create_subprocess_exec(*command, env=parent_env(child_env))
             except OSError as error:
                 self.log.error("child not started; retrying", index=index, error=str(error)[:300])
                 await self._pause(_RESTART_MAX_S)
@@ -282,3 +325,14 @@ class _Parent:
         if self.metrics_dir:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             self.metrics_dir = ""
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's too: signalling it is refused, it is not absent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

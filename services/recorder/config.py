@@ -29,6 +29,17 @@ DAY_S = 86400.0
 #: int64 milliseconds (every batch with a blob, every feedback event with a key), so a longer one is
 #: refused at start rather than losing records at the first write. Longer than any retention is meant.
 MAX_KEEP_S = 10**12
+#: --redis-timeout-s and --health-interval-s: from a millisecond (below it every PING timed out and the recorder
+#: never served; an interval of 1e-300 PINGed Redis in a busy loop) to an hour (past it a dead Redis held a
+#: batch, and the router's stream, for ever; 1e300 made each WAIT's timeout one Redis refuses, so with
+#: --redis-wait-replicas every batch was refused and routers dropped its records).
+MIN_REDIS_WAIT_S = 0.001
+MAX_REDIS_WAIT_S = 3600.0
+#: --redis-wait-replicas: more replicas than any deployment has (WAIT for more than exist fails every batch).
+MAX_WAIT_REPLICAS = 100
+#: Redis reads counts (MAXLEN) as a signed 64-bit integer: past it every XADD is refused ("value is not an
+#: integer or out of range") and routers, halving the refused batches, dropped every record.
+MAX_REDIS_INT = 2**63 - 1
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
@@ -61,7 +72,7 @@ class Rule:
         return cls(name, action)
 
 
-Seconds = Annotated[float, Field(gt=0)]
+RedisSeconds = Annotated[float, Field(ge=MIN_REDIS_WAIT_S, le=MAX_REDIS_WAIT_S)]
 
 
 class RecorderConfig(Document):
@@ -70,14 +81,14 @@ class RecorderConfig(Document):
 
     server: InstanceOf[ServerSettings]
     redis_url: str
-    redis_timeout_s: Seconds
-    health_interval_s: Seconds
-    retention_maxlen: Annotated[int, Field(ge=0)]
+    redis_timeout_s: RedisSeconds
+    health_interval_s: RedisSeconds
+    retention_maxlen: Annotated[int, Field(ge=0, le=MAX_REDIS_INT)]
     retention_age_s: Annotated[float, Field(ge=0, le=MAX_KEEP_S)]
-    blob_threshold_bytes: Annotated[int, Field(ge=0)]
+    blob_threshold_bytes: Annotated[int, Field(ge=0, le=MAX_REDIS_INT)]
     blob_ttl_s: Annotated[int, Field(ge=0, le=MAX_KEEP_S)]
     trim_archived: bool = False
-    redis_wait_replicas: Annotated[int, Field(ge=0)] = 0
+    redis_wait_replicas: Annotated[int, Field(ge=0, le=MAX_WAIT_REPLICAS)] = 0
     redact_metadata: tuple[Rule, ...]
     redact_input: tuple[Rule, ...]
     redact_output: tuple[Rule, ...]
@@ -173,20 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--redis-timeout-s",
         type=float,
         default=2.0,
-        help="connect and reply timeout for Redis; a dead Redis fails a batch within about this long",
+        help="connect and reply timeout for Redis; a dead Redis fails a batch within about this long "
+        f"({MIN_REDIS_WAIT_S:g}..{MAX_REDIS_WAIT_S:g})",
     )
     parser.add_argument(
         "--redis-wait-replicas",
         type=int,
         default=0,
         help="a batch is acknowledged only once this many replicas of each master it wrote to hold it "
-        "(WAIT; 0: once the master does). With 1, a master lost in a failover loses no acknowledged record",
+        f"(WAIT; 0: once the master does; at most {MAX_WAIT_REPLICAS}). With 1, a master lost in a failover loses "
+        "no acknowledged record",
     )
     parser.add_argument(
         "--health-interval-s",
         type=float,
         default=1.0,
-        help="how often Redis is PINGed for the health status (NOT_SERVING while it does not answer)",
+        help="how often Redis is PINGed for the health status (NOT_SERVING while it does not answer; "
+        f"{MIN_REDIS_WAIT_S:g}..{MAX_REDIS_WAIT_S:g})",
     )
     parser.add_argument(
         "--retention-maxlen",

@@ -25,7 +25,7 @@ from splitstream.common.records import (
     stream_key,
 )
 from splitstream.recorder.blobs import BlobCollector
-from splitstream.recorder.errors import InvalidBatch, StoreUnavailable
+from splitstream.recorder.errors import BatchTooLarge, InvalidBatch, StoreUnavailable
 from splitstream.recorder.metrics import RecorderMetrics
 from splitstream.recorder.redaction import Redactor
 from splitstream.recorder.validation import Rejection, parse_batch
@@ -82,7 +82,7 @@ class RecorderCore:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._executor, self.prepare, data)
-        except InvalidBatch:
+        except (InvalidBatch, BatchTooLarge):
             self.metrics.batches.labels("invalid").inc()
             raise
 

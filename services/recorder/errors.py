@@ -26,3 +26,11 @@ class StoreRefused(SplitstreamError):
     """Redis answered an error reply about this batch's own keys (WRONGTYPE on one stream, say), while it
     still takes other writes → INTERNAL: the router resends it, then halves it down to the records at
     fault; the recorder stays SERVING for every other model."""
+
+
+class BatchTooLarge(SplitstreamError):
+    """A batch holds more records and events than one batch may (``validation.MAX_BATCH_ITEMS``)
+    → RESOURCE_EXHAUSTED, before any of it is parsed or written: a router's shipper sends it again in
+    smaller batches (it lowers its cap on that code), so nothing is lost."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -30,6 +30,7 @@ from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.recorder.core import PreparedBatch, RecorderCore
 from splitstream.recorder.errors import StoreUnavailable
 from splitstream.recorder.metrics import RecorderMetrics
+from splitstream.recorder.validation import MAX_ACK_REASON, MAX_ACK_REQUEST_ID, Rejection
 
 SERVICE = "splitstream.v1.Recorder"
 SHUTTING_DOWN = "recorder is shutting down; resend unacknowledged batches to another recorder or later"
@@ -88,16 +89,10 @@ class RecorderServicer:
                     recorder_pb2.RecordAck(
                         sequence=ack.sequence,
                         written=ack.written,
-                        rejected=[
-                            recorder_pb2.RejectedRecord(index=r.index, request_id=r.request_id, reason=r.reason)
-                            for r in ack.rejected
-                        ],
+                        rejected=[_rejected(r) for r in ack.rejected],
                         feedback_written=ack.feedback_written,
                         feedback_duplicates=ack.feedback_duplicates,
-                        rejected_feedback=[
-                            recorder_pb2.RejectedRecord(index=r.index, request_id=r.request_id, reason=r.reason)
-                            for r in ack.rejected_feedback
-                        ],
+                        rejected_feedback=[_rejected(r) for r in ack.rejected_feedback],
                     )
                 )
         finally:
@@ -159,3 +154,12 @@ class RecorderServicer:
         if self._drain is None:
             self._drain = asyncio.get_running_loop().create_future()
         return self._drain
+
+
+def _rejected(rejection: Rejection) -> recorder_pb2.RejectedRecord:
+    """A rejection as the ack names it: a request id or reason of any length is cut (the index says which)."""
+    return recorder_pb2.RejectedRecord(
+        index=rejection.index,
+        request_id=rejection.request_id[:MAX_ACK_REQUEST_ID],
+        reason=rejection.reason[:MAX_ACK_REASON],
+    )

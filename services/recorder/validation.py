@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from splitstream.common import records
 from splitstream.common.feedback import EventProblem, check_event
 from splitstream.common.names import check_model_name
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 from splitstream.common.records import PAYLOAD_DROPPED_TAG, SCHEMA_VERSION
-from splitstream.recorder.errors import InvalidBatch
+from splitstream.recorder.errors import BatchTooLarge, InvalidBatch
 
 #: Tags under ``splitstream.`` are the system's own; a router may set only these, the rest (such as
 #: ``splitstream.redacted-outputs``, which tells the replayer not to compare an output) are the recorder's.
@@ -31,6 +32,15 @@ RESERVED_TAG_PREFIX = "splitstream."
 #: clock (spooled records arrive late, never early; a day covers any clock a router could be allowed).
 EARLIEST_RECEIVE_NS = 946_684_800 * 10**9
 MAX_AHEAD_NS = 86_400 * 10**9
+#: Records and events one batch may hold (routers send 256 of each at most by default). Each item, even an
+#: empty one (2 bytes on the wire), cost the recorder about a kilobyte to reject and the ack ~60 bytes: a 2 MB
+#: batch of a million empty records took 12 s and 900 MB, its ack of 51 MB was over the sender's receive limit,
+#: and a batch at the 128 MiB receive limit would have needed some 60 GB. Counted on the wire before parsing.
+MAX_BATCH_ITEMS = records.MAX_BATCH_ITEMS
+#: What of a rejected record's request id and reason the ack carries: bounded, so an ack of
+#: :data:`MAX_BATCH_ITEMS` rejections stays well under a client's default 4 MiB receive limit.
+MAX_ACK_REQUEST_ID = 200
+MAX_ACK_REASON = 300
 
 
 @dataclass(slots=True)
@@ -80,6 +90,11 @@ def parse_batch(data: bytes, *, decode_requests: bool, decode_responses: bool = 
     first with records left as bytes, so even a record that does not parse is rejected alone.
     ``decode_requests``/``decode_responses``: decode (and so require decodable) requests, or responses
     and shadow responses, for the redaction that reads them."""
+    items = count_items(data, MAX_BATCH_ITEMS + 1)
+    if items > MAX_BATCH_ITEMS:
+        raise BatchTooLarge(
+            f"the batch holds more than {MAX_BATCH_ITEMS} records and events; send at most {MAX_BATCH_ITEMS} a batch"
+        )
     try:
         framed = recorder_pb2.EncodedRecordBatch.FromString(data)
     except DecodeError as error:
@@ -121,6 +136,51 @@ def parse_batch(data: bytes, *, decode_requests: bool, decode_responses: bool = 
             continue
         parsed.events.append(CheckedEvent(index, event))
     return parsed
+
+
+def count_items(data: bytes, limit: int) -> int:
+    """Records and events (fields 2 and 3) of a serialized RecordBatch, counted up to ``limit``: a walk over
+    the top-level fields that stops there, so a batch of millions costs no more than one of ``limit``.
+    Bytes that are no protobuf end the count early; the parse that follows names what is wrong."""
+    count = position = 0
+    end = len(data)
+    while position < end and count < limit:
+        key, position = _varint(data, position)
+        if position < 0:
+            break
+        wire_type = key & 7
+        if wire_type == 0:
+            _, position = _varint(data, position)
+        elif wire_type == 2:
+            length, position = _varint(data, position)
+            if position < 0:
+                break
+            position += length
+            count += (key >> 3) in (2, 3)
+        elif wire_type == 1:
+            position += 8
+        elif wire_type == 5:
+            position += 4
+        else:
+            break
+        if position < 0:
+            break
+    return count
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    """The varint at ``position`` and the position after it; (0, -1) when it runs past the end or on for
+    more than ten bytes."""
+    value = shift = 0
+    for offset in range(10):
+        if position + offset >= len(data):
+            return 0, -1
+        byte = data[position + offset]
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position + offset + 1
+        shift += 7
+    return 0, -1
 
 
 def check_stored_event(event: feedback_pb2.FeedbackEvent) -> None:

@@ -26,6 +26,7 @@ from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, router_pb2
+from splitstream.common.records import MAX_BATCH_ITEMS, MAX_RECORD_BATCH_SIZE
 from splitstream.common.registry import ConsulRegistry, FileRegistry, Registry, RegistryUpdate, parse_consul_spec
 from splitstream.common.runtime import (
     Runtime,
@@ -143,6 +144,12 @@ class RouterConfig:
         ):
             if count < 1:
                 raise ConfigError(f"{flag}: must be positive, got {count}")
+        if self.record_batch_size > MAX_RECORD_BATCH_SIZE:
+            # The recorder refuses a batch of more than MAX_BATCH_ITEMS records and events, unparsed.
+            raise ConfigError(
+                f"--record-batch-size: at most {MAX_RECORD_BATCH_SIZE} (a batch carries as many events; the "
+                f"recorder takes {MAX_BATCH_ITEMS} a batch), got {self.record_batch_size}"
+            )
         if self.record_batch_max_bytes < MIN_BATCH_BYTES:
             # Passed to the child shipper, which refuses it (below it every record would be dropped as too large):
             # refused here, once, rather than by a child restarted for ever.
@@ -269,7 +276,10 @@ def build_parser() -> EnvArgumentParser:
         secret=True,
     )
     recording.add_argument(
-        "--record-batch-size", type=int, default=256, help="records per batch (passed to the child shipper)"
+        "--record-batch-size",
+        type=int,
+        default=256,
+        help=f"records per batch, at most {MAX_RECORD_BATCH_SIZE} (passed to the child shipper)",
     )
     recording.add_argument(
         "--record-batch-interval-ms",

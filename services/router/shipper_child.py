@@ -22,6 +22,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.interrupts import interrupts_held
 from splitstream.common.runtime import EXIT_CONFIG, parent_env
 
 log = structlog.get_logger()
@@ -92,10 +93,11 @@ class ShipperChild:
         when it could not be started)."""
         read_fd, write_fd = os.pipe()
         try:
-            self._process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "splitstream.shipper", *self.args, "--ready-fd", str(write_fd),
-                pass_fds=(write_fd,), env=parent_env(),
-            )  # fmt: skip
+            with interrupts_held():  # a Ctrl-C while its interpreter starts waits for its handler
+                self._process = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "splitstream.shipper", *self.args, "--ready-fd", str(write_fd),
+                    pass_fds=(write_fd,), env=parent_env(),
+                )  # fmt: skip
         except OSError as error:
             os.close(read_fd)
             log.error("shipper not started; retrying", error=str(error)[:300])

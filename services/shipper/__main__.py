@@ -1,3 +1,10 @@
-from splitstream.shipper.main import main
+"""``python -m splitstream.shipper`` and the ``splitstream-shipper`` command."""
 
-raise SystemExit(main())
+from splitstream.common.interrupts import quiet_interrupts
+
+quiet_interrupts()  # first: Ctrl-C during the imports below is a quiet exit 0
+
+from splitstream.shipper.main import main  # noqa: E402
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -26,6 +26,7 @@ from splitstream.common.addresses import check_address
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
+from splitstream.common.records import MAX_BATCH_ITEMS, MAX_RECORD_BATCH_SIZE
 from splitstream.common.runtime import (
     Runtime,
     ServerDefaults,
@@ -93,6 +94,12 @@ class ShipperConfig:
         ):
             if not value > 0:
                 raise ConfigError(f"{flag}: must be positive, got {value}")
+        if self.record_batch_size > MAX_RECORD_BATCH_SIZE:
+            # The recorder refuses a batch of more than MAX_BATCH_ITEMS records and events, unparsed.
+            raise ConfigError(
+                f"--record-batch-size: at most {MAX_RECORD_BATCH_SIZE} (a batch carries as many events; the "
+                f"recorder takes {MAX_BATCH_ITEMS} a batch), got {self.record_batch_size}"
+            )
         if self.shadow_wait_s < 0:
             raise ConfigError(f"--shadow-wait-s: must not be negative, got {self.shadow_wait_s}")
         for flag, seconds in (
@@ -133,7 +140,9 @@ def build_parser() -> EnvArgumentParser:
         help="where a shipper or router from before the log may have left a spool (default: the first --log-dir): "
         "shipped first, then removed; nothing is spooled any more, the log is the spool",
     )
-    parser.add_argument("--record-batch-size", type=int, default=256, help="records per batch")
+    parser.add_argument(
+        "--record-batch-size", type=int, default=256, help=f"records per batch (at most {MAX_RECORD_BATCH_SIZE})"
+    )
     parser.add_argument(
         "--record-batch-interval-ms", type=float, default=200.0, help="longest a record waits for its batch to fill"
     )

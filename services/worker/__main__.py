@@ -1,6 +1,10 @@
-"""``python -m splitstream.worker``: the same as the ``splitstream-worker`` command."""
+"""``python -m splitstream.worker`` and the ``splitstream-worker`` command."""
 
-from splitstream.worker.main import main
+from splitstream.common.interrupts import quiet_interrupts
+
+quiet_interrupts()  # first: Ctrl-C during the imports below is a quiet exit 0
+
+from splitstream.worker.main import main  # noqa: E402
 
 if __name__ == "__main__":
     raise SystemExit(main())
