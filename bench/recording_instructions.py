@@ -230,8 +230,8 @@ def main() -> int:
                 x = counts[name]
                 raw = x.per_call / off.per_call
                 busy = x.busy_per_call(idle[name]) / off.busy_per_call(idle["off"])
-                extra = x.busy_per_call(idle[name]) - off.busy_per_call(idle["off"])
-                print(f"{'':>9} {name}/off: {raw:.3f}x, less idle {busy:.3f}x ({extra:+,.0f} instructions a call)")
+                added = x.busy_per_call(idle[name]) - off.busy_per_call(idle["off"])
+                print(f"{'':>9} {name}/off: {raw:.3f}x, less idle {busy:.3f}x ({added:+,.0f} instructions a call)")
             print()
     finally:
         stack.close()
