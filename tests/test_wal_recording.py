@@ -418,6 +418,8 @@ def test_the_shipper_refuses_spool_max_bytes_with_exit_2_since_the_router_caps_t
         ("--shadow-wait-s", "nan", "must be a finite number, got nan"),
         ("--shadow-wait-s", "inf", "must be a finite number, got inf"),
         ("--record-batch-interval-ms", "inf", "must be a finite number, got inf"),
+        # Finite, but it held a quiet router's calls until a batch filled.
+        ("--record-batch-interval-ms", "1e300", "at most 60000 (a minute), got 1e+300"),
         ("--flush-timeout-s", "inf", "must be a finite number, got inf"),
         ("--record-batch-max-bytes", "1000", "must be at least 65536 (64 KiB), got 1000"),
         # More records and events than the recorder takes in one batch: every full batch refused, then resent.
@@ -452,6 +454,22 @@ def test_the_router_refuses_a_record_batch_size_over_what_the_recorder_takes_wit
     assert result.stderr.strip().splitlines() == [
         "splitstream-router: error: --record-batch-size: at most 2048 (a batch carries as many events; the "
         "recorder takes 4096 a batch), got 5000"
+    ], result.stderr
+
+
+def test_the_router_refuses_a_record_batch_interval_over_a_minute_with_exit_2(tmp_path: Path) -> None:
+    """``--record-batch-interval-ms 1e300`` is finite, so it was taken and handed to the child shipper, which then
+    held a quiet router's calls until a batch filled (hours, or until the next SIGTERM's drain)."""
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
+    result = run_module(
+        "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
+        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"),
+        "--record-batch-interval-ms", "1e300",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "splitstream-router: error: --record-batch-interval-ms: at most 60000 (a minute), got 1e+300"
     ], result.stderr
 
 

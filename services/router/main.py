@@ -26,7 +26,7 @@ from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, router_pb2
-from splitstream.common.records import MAX_BATCH_ITEMS, MAX_RECORD_BATCH_SIZE
+from splitstream.common.records import MAX_BATCH_ITEMS, MAX_RECORD_BATCH_INTERVAL_MS, MAX_RECORD_BATCH_SIZE
 from splitstream.common.registry import ConsulRegistry, FileRegistry, Registry, RegistryUpdate, parse_consul_spec
 from splitstream.common.runtime import (
     Runtime,
@@ -111,6 +111,11 @@ class RouterConfig:
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{flag}: must be a finite number >= 0, got {value}")
+        if self.record_batch_interval_ms > MAX_RECORD_BATCH_INTERVAL_MS:
+            raise ConfigError(
+                f"--record-batch-interval-ms: at most {MAX_RECORD_BATCH_INTERVAL_MS:.0f} (a minute), "
+                f"got {self.record_batch_interval_ms}"
+            )
         # A float, checked as one: it was checked with the counts (>= 1), so 0.2 was refused as "not positive"
         # while nan passed (nan < 1 is false) and the flusher's first sleep raised.
         if not (math.isfinite(self.log_flush_interval_s) and self.log_flush_interval_s > 0):
@@ -285,7 +290,7 @@ def build_parser() -> EnvArgumentParser:
         "--record-batch-interval-ms",
         type=float,
         default=200.0,
-        help="longest a record waits for its batch to fill (passed to the child shipper)",
+        help="longest a record waits for its batch to fill, at most 60000 (passed to the child shipper)",
     )
     recording.add_argument(
         "--record-queue-size",

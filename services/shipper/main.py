@@ -26,7 +26,7 @@ from splitstream.common.addresses import check_address
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
-from splitstream.common.records import MAX_BATCH_ITEMS, MAX_RECORD_BATCH_SIZE
+from splitstream.common.records import MAX_BATCH_ITEMS, MAX_RECORD_BATCH_INTERVAL_MS, MAX_RECORD_BATCH_SIZE
 from splitstream.common.runtime import (
     Runtime,
     ServerDefaults,
@@ -110,6 +110,11 @@ class ShipperConfig:
             # nan shipped every call at once without its shadows; inf held records (or a SIGTERM) for ever.
             if not math.isfinite(seconds):
                 raise ConfigError(f"{flag}: must be a finite number, got {seconds}")
+        if self.record_batch_interval_ms > MAX_RECORD_BATCH_INTERVAL_MS:
+            raise ConfigError(
+                f"--record-batch-interval-ms: at most {MAX_RECORD_BATCH_INTERVAL_MS:.0f} (a minute), "
+                f"got {self.record_batch_interval_ms}"
+            )
         if self.record_batch_max_bytes < MIN_BATCH_BYTES:
             # Below it every record is too large even without its payloads: each call would be dropped.
             raise ConfigError(
@@ -144,7 +149,10 @@ def build_parser() -> EnvArgumentParser:
         "--record-batch-size", type=int, default=256, help=f"records per batch (at most {MAX_RECORD_BATCH_SIZE})"
     )
     parser.add_argument(
-        "--record-batch-interval-ms", type=float, default=200.0, help="longest a record waits for its batch to fill"
+        "--record-batch-interval-ms",
+        type=float,
+        default=200.0,
+        help="longest a record waits for its batch to fill, at most 60000",
     )
     parser.add_argument("--record-queue-size", type=int, default=100_000, help="feedback events held in memory at most")
     parser.add_argument(
