@@ -38,11 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import grpc
 
 from bench.loadgen import METHOD, infer_request, rotated
-from tests.harness import ROOT, ServiceProcess, Stack, free_port, health_status, wait_for, write_registry
-from tests.models import add_version
+from bench.recording_overhead import MODEL, start_backend
+from tests.harness import ROOT, ServiceProcess, Stack, free_port, wait_for, write_registry
 from tests.redis_server import RedisServer
-
-MODEL = "bench"
 
 
 class CountedRouter(ServiceProcess):
@@ -67,7 +65,7 @@ class CountedRouter(ServiceProcess):
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self._env, cwd=ROOT)
         if wait_serving:
-            wait_for(lambda: health_status(self.address) == 1, timeout_s=timeout_s, what=f"{self.name} to serve")
+            self.wait_serving(timeout_s=timeout_s)
         return self
 
     def _control(self, *flags: str) -> None:
@@ -155,22 +153,7 @@ def main() -> int:
     redis = RedisServer(tmp / "redis").start()
     stack = Stack(tmp)
     try:
-        repository = tmp / "models"
-        add_version(repository, MODEL, "v1", scale=2.0, config={"dynamic_batching": {"enabled": False}})
-        worker = stack.worker(repository, MODEL, "v1")
-        recorder_port = free_port()
-        recorder = ServiceProcess(
-            "recorder",
-            "splitstream.recorder",
-            [
-                *("--host", "127.0.0.1", "--port", str(recorder_port), "--metrics-port", "0"),
-                *("--redis-url", redis.url, "--log-level", "WARNING"),
-            ],
-            log_dir=tmp,
-            port=recorder_port,
-        )
-        stack.processes.append(recorder)
-        recorder.start()
+        worker, recorder = start_backend(stack, redis.url)
         registry = tmp / "registry.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
         recording = ["--recorder", recorder.address, "--hmac-key", "bench", "--spool-dir", str(tmp / "spool")]
@@ -190,7 +173,7 @@ def main() -> int:
             routers[name] = router.start(wait_serving=False)
         request = infer_request(MODEL)
         for name, router in routers.items():
-            wait_for(lambda r=router: health_status(r.address) == 1, timeout_s=300, what=f"{name} to serve")
+            router.wait_serving(timeout_s=300)  # started together above: valgrind takes seconds to start each
             wait_for(lambda r=router: _answers(r.address, request), timeout_s=120, what=f"{name} to answer")
             asyncio.run(send(router.address, request, 100, 4))  # warm: connections, the worker pool, caches
 

@@ -89,30 +89,7 @@ def main() -> int:
     redis = RedisServer(tmp / "redis").start()
     stack = Stack(tmp)
     try:
-        repository = tmp / "models"
-        add_version(repository, MODEL, "v1", scale=2.0, config={"dynamic_batching": {"enabled": False}})
-        worker = stack.worker(repository, MODEL, "v1")
-        recorder_port = free_port()
-        recorder = ServiceProcess(
-            "recorder",
-            "splitstream.recorder",
-            [
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(recorder_port),
-                "--metrics-port",
-                "0",
-                "--redis-url",
-                redis.url,
-                "--log-level",
-                "WARNING",
-            ],
-            log_dir=tmp,
-            port=recorder_port,
-        )
-        stack.processes.append(recorder)
-        recorder.start()
+        worker, recorder = start_backend(stack, redis.url)
         for pid in (recorder.process.pid, redis.process.pid):  # type: ignore[union-attr]
             if args.recorder_cpu == "idle":
                 os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
@@ -195,6 +172,25 @@ def main() -> int:
         redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def start_backend(stack: Stack, redis_url: str) -> tuple[ServiceProcess, ServiceProcess]:
+    """The worker of the bench's model and a recorder writing to ``redis_url``, logging warnings only (the
+    recording benches share them: this one and bench/recording_instructions.py)."""
+    repository = stack.tmp_path / "models"
+    add_version(repository, MODEL, "v1", scale=2.0, config={"dynamic_batching": {"enabled": False}})
+    worker = stack.worker(repository, MODEL, "v1")
+    port = free_port()
+    recorder = stack.service(
+        "recorder",
+        "splitstream.recorder",
+        [
+            *("--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"),
+            *("--redis-url", redis_url, "--log-level", "WARNING"),
+        ],
+        port=port,
+    )
+    return worker, recorder
 
 
 def alternating(paths: dict[str, tuple[str, list[int]]], payload: bytes, *, seconds: float, rounds: int) -> dict:

@@ -442,51 +442,37 @@ def test_the_shipper_refuses_a_value_that_cannot_work_with_exit_2_naming_the_fla
     assert sorted(path.name for path in log_dir.iterdir()) == [wal.segment_name(1)]
 
 
-def test_the_router_refuses_a_record_batch_size_over_what_the_recorder_takes_with_exit_2(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        # More records and events than the recorder takes in one batch.
+        (
+            ("--record-batch-size", "5000"),
+            "--record-batch-size: at most 2048 (a batch carries as many events; the recorder takes 4096 a batch), "
+            "got 5000",
+        ),
+        # Finite, so taken and handed to the child shipper, which held a quiet router's calls until a batch filled
+        # (hours, or until the next SIGTERM's drain).
+        (("--record-batch-interval-ms", "1e300"), "--record-batch-interval-ms: at most 60000 (a minute), got 1e+300"),
+        # Under 64 KiB (with a stream cap under half of it): handed to the child shipper, which dropped every record
+        # as too large.
+        (
+            ("--record-batch-max-bytes", "1000", "--record-stream-max-bytes", "100"),
+            "--record-batch-max-bytes: must be at least 65536 (64 KiB), got 1000",
+        ),
+    ],
+)
+def test_the_router_refuses_a_recording_flag_its_child_shipper_could_not_work_with_exit_2(
+    tmp_path: Path, flags: tuple[str, ...], line: str
+) -> None:
     registry = tmp_path / "registry.yaml"
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
     result = run_module(
         "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
-        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"),
-        "--record-batch-size", "5000",
+        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"), *flags,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "splitstream-router: error: --record-batch-size: at most 2048 (a batch carries as many events; the "
-        "recorder takes 4096 a batch), got 5000"
-    ], result.stderr
-
-
-def test_the_router_refuses_a_record_batch_interval_over_a_minute_with_exit_2(tmp_path: Path) -> None:
-    """``--record-batch-interval-ms 1e300`` is finite, so it was taken and handed to the child shipper, which then
-    held a quiet router's calls until a batch filled (hours, or until the next SIGTERM's drain)."""
-    registry = tmp_path / "registry.yaml"
-    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
-    result = run_module(
-        "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
-        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"),
-        "--record-batch-interval-ms", "1e300",
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "splitstream-router: error: --record-batch-interval-ms: at most 60000 (a minute), got 1e+300"
-    ], result.stderr
-
-
-def test_the_router_refuses_a_record_batch_cap_its_child_shipper_would_refuse_with_exit_2(tmp_path: Path) -> None:
-    """A router given ``--record-batch-max-bytes`` under 64 KiB (with a stream cap under half of it) started, and
-    handed the cap to its child shipper, which dropped every record as too large; the router refuses it now."""
-    registry = tmp_path / "registry.yaml"
-    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
-    result = run_module(
-        "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
-        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"),
-        "--record-batch-max-bytes", "1000", "--record-stream-max-bytes", "100",
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr
-    assert result.stderr.strip().splitlines() == [
-        "splitstream-router: error: --record-batch-max-bytes: must be at least 65536 (64 KiB), got 1000"
-    ], result.stderr
+    assert result.stderr.strip().splitlines() == [f"splitstream-router: error: {line}"], result.stderr
 
 
 def test_the_shipper_refuses_a_log_dir_given_twice_with_exit_2(tmp_path: Path) -> None:

@@ -245,8 +245,26 @@ class CallLog:
             len(request),
             len(response),
         )
-        fields = (request_id, model, version, arm, details, endpoint, router_id, principal, key_hmac, phase, recorded)
-        return (CALL if outcome.stream is None else STREAM), b"".join((head, *fields, stream, request, response))
+        entry = b"".join(
+            (
+                head,
+                request_id,
+                model,
+                version,
+                arm,
+                details,
+                endpoint,
+                router_id,
+                principal,
+                key_hmac,
+                phase,
+                recorded,
+                stream,
+                request,
+                response,
+            )
+        )
+        return (CALL if outcome.stream is None else STREAM), entry
 
     def offer_shadows(self, request_id: str, shadows: Sequence[ShadowEntry]) -> None:
         """Log a call's shadow outcomes (the shipper joins them to the call logged before)."""
