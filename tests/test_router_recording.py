@@ -112,6 +112,35 @@ def test_credential_headers_are_not_recorded_by_default_on_served_or_refused_cal
         assert value.encode() not in everything
 
 
+def test_credentials_are_left_out_after_clients_sent_more_header_names_than_the_router_keeps_decisions_for(
+    recording: RecordingStack,
+) -> None:
+    """The router decides once per header name whether it is recorded, and keeps at most 1,024 decisions per
+    routing-key header: names past that are decided afresh on every call, never waved through."""
+    x = np.ones((1, 4), dtype=np.float32)
+    client = InferClient(recording.router.address)
+    try:
+        for batch in range(22):  # 1,100 names nobody sends twice
+            odd = [(f"x-odd-{batch}-{i}", "v") for i in range(50)]
+            client.infer(make_request(MODEL, x, request_id=f"odd-names-{batch}"), metadata=odd)
+        late = [*CREDENTIALS.items(), (KEY_HEADER, "user-late"), ("x-tenant", "late"), ("x-odd-0-0", "again")]
+        client.infer(make_request(MODEL, x, request_id="credentials-after-odd-names"), metadata=late)
+    finally:
+        client.close()
+    (record,) = [
+        r
+        for r in recording.wait_recorded({"credentials-after-odd-names"})
+        if r.request_id == "credentials-after-odd-names"
+    ]
+    assert dict(record.metadata).keys() & {*CREDENTIALS, KEY_HEADER} == set()
+    assert record.metadata["x-tenant"] == "late"
+    assert record.metadata["x-odd-0-0"] == "again"
+    everything = recording.redis_bytes()
+    assert b"user-late" not in everything
+    for value in CREDENTIALS.values():
+        assert value.encode() not in everything
+
+
 def test_a_router_started_with_record_credential_headers_keeps_them_in_the_record(tmp_path: Path) -> None:
     """The opt-in, through the router's flag: the same headers the default drops reach Redis as sent."""
     stack = RecordingStack(tmp_path, router_args=("--record-credential-headers",))

@@ -534,3 +534,40 @@ def test_a_log_dir_that_does_not_exist_is_refused_with_exit_2_not_created(tmp_pa
         f"splitstream-shipper: error: --log-dir {typo}: no such directory (give a router's --spool-dir)"
     ], result.stderr
     assert not typo.exists()
+
+
+@pytest.mark.parametrize(
+    ("processes", "flush_s"),
+    [(1, "3600"), (2, "0.2")],
+    ids=["1-process-read-at-scrape", "2-processes-synced-at-each-flush"],
+)
+def test_the_appended_counter_counts_every_logged_call_whether_scraped_from_one_process_or_from_children_files(
+    tmp_path: Path, processes: int, flush_s: str
+) -> None:
+    """The router counts appends as plain integers (prometheus-client's ``Counter.inc`` was a ninth of an
+    append) and adds them to ``splitstream_router_log_appended_total`` when it is read: a single router at its
+    scrape (exact at once, however long its flush interval), a ``--processes`` child at each log flush (its
+    parent's scrape reads the children's metric files, which only the counter writes)."""
+    args = ("--log-flush-interval-s", flush_s) + (("--processes", str(processes)) if processes > 1 else ())
+    stack = RecordingStack(tmp_path, router_args=args)
+    try:
+        before = router_counter(stack, "log_appended_total", kind="call")
+        client = InferClient(stack.router.address)
+        calls = 60
+        for i in range(calls):
+            client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", f"count-{i}")])
+        client.close()
+        if processes == 1:
+            assert router_counter(stack, "log_appended_total", kind="call") == before + calls
+        else:
+            wait_for(
+                lambda: router_counter(stack, "log_appended_total", kind="call") == before + calls,
+                timeout_s=10,
+                what=f"the parent's scrape to count all {calls} appends",
+            )
+        time.sleep(0.5)  # a later flush or scrape adds nothing twice
+        assert router_counter(stack, "log_appended_total", kind="call") == before + calls
+        records = stack.wait_recorded({f"count-{i}" for i in range(calls)})
+        assert len({r.request_id for r in records}) == calls
+    finally:
+        stack.close()

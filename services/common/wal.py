@@ -4,7 +4,7 @@ Why a log: recording used to cost the router (records built, batched and streame
 event loop that answers calls) and a killed router lost what sat in its memory queue. Now
 the router only appends each finished call to a local log and the shipper, another
 process, turns the log into ``CallRecord`` batches for the recorder. An append is one
-``os.write`` of one framed entry to an already-open segment file: no protobuf record, no
+``os.writev`` of one framed entry to an already-open segment file: no protobuf record, no
 network, no fsync. Once the write returns the bytes are in the kernel's page cache, so a
 router crash (SIGKILL, OOM, a bug) loses nothing appended; only a machine crash can lose
 what the periodic ``fdatasync`` (``--log-flush-interval-s``) had not flushed yet.
@@ -164,6 +164,7 @@ def unshipped_bytes(directory: Path) -> int:
 
 
 def frame(kind: int, payload: bytes) -> bytes:
+    """One entry as the log holds it (what :meth:`WalWriter.append_parts` writes, for tests and tools)."""
     head = _CHECKED.pack(len(payload), kind)
     return MAGIC + head + _LEN.pack(zlib.crc32(payload, zlib.crc32(head))) + payload
 
@@ -396,7 +397,7 @@ def decode_feedback(payload: bytes) -> list[bytes]:
 class WalWriter:
     """Appends framed entries to the newest segment of one log directory.
 
-    :meth:`append` runs on the router's event loop: one ``os.write``, and a failure (a full disk, a
+    :meth:`append_parts` runs on the router's event loop: one ``os.writev``, and a failure (a full disk, a
     file-size limit) truncates the segment back to where the entry began and returns False, so the
     caller counts the call as dropped and answers it all the same. ``max_bytes`` caps the directory
     (what is past the shipper's cursor): past it appends are refused, never blocking, so the oldest
@@ -440,15 +441,29 @@ class WalWriter:
         return fd
 
     def append(self, kind: int, payload: bytes) -> bool:
-        data = frame(kind, payload)
+        return self.append_parts(kind, (payload,))
+
+    def append_parts(self, kind: int, parts: Sequence[bytes]) -> bool:
+        """Append one entry whose payload is ``parts`` in order: one ``writev`` of the frame and the parts as they
+        are, so a call's request and response bytes (up to 64 MiB each) are never copied into a joined payload
+        first. False (nothing written) when the log is at its cap."""
+        length = 0
+        for part in parts:
+            length += len(part)
+        checked = _CHECKED.pack(length, kind)
+        crc = zlib.crc32(checked)
+        for part in parts:
+            crc = zlib.crc32(part, crc)
+        head = FRAME.pack(MAGIC, length, kind, crc)
+        size = FRAME.size + length
         others, shipped = self._checked  # unshipped_bytes, inlined: this runs on the answering path
         past = self._offset - shipped
-        if others + (past if past > 0 else 0) + len(data) > self.max_bytes:
+        if others + (past if past > 0 else 0) + size > self.max_bytes:
             return False
         try:
-            written = os.write(self._fd, data)
-            if written != len(data):
-                raise OSError(f"short write ({written} of {len(data)} bytes)")
+            written = os.writev(self._fd, (head, *parts))
+            if written != size:
+                raise OSError(f"short write ({written} of {size} bytes)")
         except OSError:
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, self._offset)
