@@ -188,6 +188,43 @@ async def drive_alternating(
     return results
 
 
+async def drive_together(
+    paths: dict[str, tuple[str, list[int]]], request: bytes, concurrency: int, seconds: float
+) -> dict[str, Result]:
+    """``concurrency`` callers per path, every path driven at once for the same ``seconds``. Why: measured in
+    turns of seconds (:func:`measure`), two identical paths at 32 in flight differed by 5-25 % as the
+    neighbours' load drifted between turns; driven together, every path sees the same moments, and a path that
+    costs more CPU per call on a shared core shows it as lower throughput and higher latency beside the others.
+    CPU: each path's ``pids`` over the window, per call of that path."""
+    results = {name: Result() for name in paths}
+    channels = {name: PLAINTEXT.aio_channel(address, []) for name, (address, _) in paths.items()}
+    try:
+        calls = {name: channel.unary_unary(METHOD) for name, channel in channels.items()}
+        for call in calls.values():
+            for _ in range(50):
+                await call(request, timeout=10)
+        cpu_before = {name: cpu_seconds(pids) for name, (_, pids) in paths.items()}
+        started = time.perf_counter()
+        stop_at = started + seconds
+
+        async def loop(name: str) -> None:
+            call, latencies = calls[name], results[name].latencies_s
+            while time.perf_counter() < stop_at:
+                start = time.perf_counter()
+                await call(request, timeout=30)
+                latencies.append(time.perf_counter() - start)
+
+        await asyncio.gather(*(loop(name) for name in paths for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+        for name, (_, pids) in paths.items():
+            results[name].cpu_s = cpu_seconds(pids) - cpu_before[name]
+            results[name].wall_s = wall
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return results
+
+
 def grpc_frame(message: bytes) -> bytes:
     """``message`` as gRPC puts it in an HTTP/2 body (uncompressed flag + 4-byte length), for
     HTTP/2 tools that know nothing of gRPC (h2load as a client, nghttpd as a stand-in worker)."""

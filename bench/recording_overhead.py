@@ -3,9 +3,9 @@
 One run: a worker, a recorder on its own redis-server, and two routers in front
 of the worker, identical except that one records every call (it appends each to
 its write-ahead log; its child splitstream-shipper ships the log to the recorder).
-At one call in flight the paths are taken in turn call by call (``--blocks``: in turns of
-``--seconds`` each, as at 32), so that each sees the same moments of a noisy machine; at 32
-they are measured in rotated rounds so machine noise hits them alike. The
+At one call in flight the paths are taken in turn call by call, and at 32 every path is driven at
+once with 32 callers of its own, so that each sees the same moments of a noisy machine
+(``--blocks``: each path measured for ``--seconds`` in turn, in rotated rounds). The
 table gives throughput, p50, p99, router CPU per call (the router process alone),
 and the on/off ratios (router CPU also as the difference in µs per call, to set beside what an
 append costs in place: see the README). Targets: p50 and p99 on/off at most 1.05x and within 0.02
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import asyncio
 
-from bench.loadgen import Result, Summary, drive_alternating, infer_request, measure
+from bench.loadgen import Result, Summary, drive_alternating, drive_together, infer_request, measure
 from tests.harness import ServiceProcess, Stack, free_port, write_registry
 from tests.models import add_version
 from tests.redis_server import RedisServer
@@ -73,8 +73,8 @@ def main() -> int:
     parser.add_argument(
         "--blocks",
         action="store_true",
-        help="at one call in flight, measure each path for --seconds in turn (as at 32) rather than taking the "
-        "paths in turn call by call",
+        help="measure each path for --seconds in turn, in rotated rounds, rather than taking the paths in turn call "
+        "by call (1 in flight) or driving them all at once (32 in flight)",
     )
     args = parser.parse_args()
 
@@ -139,10 +139,12 @@ def main() -> int:
         print(header)
         print("-" * len(header))
         for concurrency in (1, 32):
-            if concurrency == 1 and not args.blocks:
+            if args.blocks:
+                summary = measure(paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds)
+            elif concurrency == 1:
                 summary = alternating(paths, payload, seconds=args.seconds, rounds=args.rounds)
             else:
-                summary = measure(paths, payload, concurrency=concurrency, seconds=args.seconds, rounds=args.rounds)
+                summary = together(paths, payload, concurrency, seconds=args.seconds, rounds=args.rounds)
             for name, x in summary.items():
                 print(
                     f"{concurrency:>9} {name:<11} {x.rate:9.0f} {x.p50_ms:8.3f} {x.p99_ms:8.3f} "
@@ -198,6 +200,17 @@ def alternating(paths: dict[str, tuple[str, list[int]]], payload: bytes, *, seco
     merged: dict[str, list[Result]] = {name: [] for name in paths}
     for _ in range(rounds):
         for name, result in asyncio.run(drive_alternating(paths, payload, seconds * len(paths))).items():
+            merged[name].append(result)
+    return {name: Summary.of(results) for name, results in merged.items()}
+
+
+def together(
+    paths: dict[str, tuple[str, list[int]]], payload: bytes, concurrency: int, *, seconds: float, rounds: int
+) -> dict:
+    """``concurrency`` callers per path, every path at once, ``rounds`` runs of ``seconds``."""
+    merged: dict[str, list[Result]] = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, result in asyncio.run(drive_together(paths, payload, concurrency, seconds)).items():
             merged[name].append(result)
     return {name: Summary.of(results) for name, results in merged.items()}
 
