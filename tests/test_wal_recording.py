@@ -571,3 +571,24 @@ def test_the_appended_counter_counts_every_logged_call_whether_scraped_from_one_
         assert len({r.request_id for r in records}) == calls
     finally:
         stack.close()
+
+
+def test_an_idle_shipper_backs_off_its_reads_and_still_ships_the_next_call(tmp_path: Path) -> None:
+    """Polled every 20 ms, a shipper with nothing to ship used 6 % of a core (one per router on a host). Caught
+    up, it now backs off to a read every 0.25 s; the first call after the quiet spell is shipped all the same."""
+    stack = RecordingStack(tmp_path)
+    try:
+        wait_for(lambda: shipper_metric(stack, "log_reads_total") > 0, timeout_s=10, what="the shipper's first read")
+        time.sleep(1.5)  # 20 + 40 + 80 + 160 ms, then 250: backed off well before this
+        started = time.monotonic()
+        before = shipper_metric(stack, "log_reads_total")
+        time.sleep(2.0)
+        reads = shipper_metric(stack, "log_reads_total") - before
+        window_s = time.monotonic() - started  # at least the window between the two counts
+        assert 0 < reads <= window_s / 0.25 + 2, f"{reads} reads in {window_s:.2f} s"  # at 20 ms: about 100
+        client = InferClient(stack.router.address)
+        client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", "after-quiet")])
+        client.close()
+        assert "after-quiet" in {r.request_id for r in stack.wait_recorded({"after-quiet"})}
+    finally:
+        stack.close()
