@@ -8,16 +8,19 @@ across the paths a benchmark compares.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from grpc import aio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -151,6 +154,28 @@ def measure(
     return {name: Summary.of(results) for name, results in merged.items()}
 
 
+@contextlib.asynccontextmanager
+async def warmed_calls(
+    paths: dict[str, tuple[str, list[int]]], request: bytes
+) -> AsyncIterator[dict[str, aio.UnaryUnaryMultiCallable]]:
+    """A channel per path, each warmed with 50 calls (connection, the path's caches), closed on the way out: what
+    the side-by-side drivers below share."""
+    channels = {name: PLAINTEXT.aio_channel(address, []) for name, (address, _) in paths.items()}
+    try:
+        calls = {name: channel.unary_unary(METHOD) for name, channel in channels.items()}
+        for call in calls.values():
+            for _ in range(50):
+                await call(request, timeout=10)
+        yield calls
+    finally:
+        for channel in channels.values():
+            await channel.close()
+
+
+def cpu_since(paths: dict[str, tuple[str, list[int]]], before: dict[str, float]) -> dict[str, float]:
+    return {name: cpu_seconds(pids) - before[name] for name, (_, pids) in paths.items()}
+
+
 async def drive_alternating(
     paths: dict[str, tuple[str, list[int]]], request: bytes, seconds: float
 ) -> dict[str, Result]:
@@ -160,12 +185,7 @@ async def drive_alternating(
     the same moments, so what differs between them is the path. CPU: each path's ``pids`` over the run,
     per call of that path (their idle work while the others are called included, alike for all)."""
     results = {name: Result() for name in paths}
-    channels = {name: PLAINTEXT.aio_channel(address, []) for name, (address, _) in paths.items()}
-    try:
-        calls = {name: channel.unary_unary(METHOD) for name, channel in channels.items()}
-        for call in calls.values():
-            for _ in range(50):
-                await call(request, timeout=10)
+    async with warmed_calls(paths, request) as calls:
         names = list(paths)
         cpu_before = {name: cpu_seconds(pids) for name, (_, pids) in paths.items()}
         started = time.perf_counter()
@@ -179,12 +199,9 @@ async def drive_alternating(
                 results[name].latencies_s.append(time.perf_counter() - start)
             cycle += 1
         wall = time.perf_counter() - started
-        for name, (_, pids) in paths.items():
-            results[name].cpu_s = cpu_seconds(pids) - cpu_before[name]
+        for name, cpu in cpu_since(paths, cpu_before).items():
+            results[name].cpu_s = cpu
             results[name].wall_s = wall / len(paths)  # each path had a share of the time
-    finally:
-        for channel in channels.values():
-            await channel.close()
     return results
 
 
@@ -197,12 +214,7 @@ async def drive_together(
     costs more CPU per call on a shared core shows it as lower throughput and higher latency beside the others.
     CPU: each path's ``pids`` over the window, per call of that path."""
     results = {name: Result() for name in paths}
-    channels = {name: PLAINTEXT.aio_channel(address, []) for name, (address, _) in paths.items()}
-    try:
-        calls = {name: channel.unary_unary(METHOD) for name, channel in channels.items()}
-        for call in calls.values():
-            for _ in range(50):
-                await call(request, timeout=10)
+    async with warmed_calls(paths, request) as calls:
         cpu_before = {name: cpu_seconds(pids) for name, (_, pids) in paths.items()}
         started = time.perf_counter()
         stop_at = started + seconds
@@ -216,12 +228,9 @@ async def drive_together(
 
         await asyncio.gather(*(loop(name) for name in paths for _ in range(concurrency)))
         wall = time.perf_counter() - started
-        for name, (_, pids) in paths.items():
-            results[name].cpu_s = cpu_seconds(pids) - cpu_before[name]
+        for name, cpu in cpu_since(paths, cpu_before).items():
+            results[name].cpu_s = cpu
             results[name].wall_s = wall
-    finally:
-        for channel in channels.values():
-            await channel.close()
     return results
 
 

@@ -32,7 +32,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -197,21 +199,22 @@ def start_backend(stack: Stack, redis_url: str) -> tuple[ServiceProcess, Service
 
 def alternating(paths: dict[str, tuple[str, list[int]]], payload: bytes, *, seconds: float, rounds: int) -> dict:
     """One call in flight, the paths taken in turn call by call, ``rounds`` runs of ``seconds`` per path."""
-    merged: dict[str, list[Result]] = {name: [] for name in paths}
-    for _ in range(rounds):
-        for name, result in asyncio.run(drive_alternating(paths, payload, seconds * len(paths))).items():
-            merged[name].append(result)
-    return {name: Summary.of(results) for name, results in merged.items()}
+    return merged_rounds(rounds, lambda: drive_alternating(paths, payload, seconds * len(paths)))
 
 
 def together(
     paths: dict[str, tuple[str, list[int]]], payload: bytes, concurrency: int, *, seconds: float, rounds: int
 ) -> dict:
     """``concurrency`` callers per path, every path at once, ``rounds`` runs of ``seconds``."""
-    merged: dict[str, list[Result]] = {name: [] for name in paths}
+    return merged_rounds(rounds, lambda: drive_together(paths, payload, concurrency, seconds))
+
+
+def merged_rounds(rounds: int, drive: Callable[[], Coroutine[Any, Any, dict[str, Result]]]) -> dict[str, Summary]:
+    """``drive`` run ``rounds`` times, each path's results merged."""
+    merged: dict[str, list[Result]] = {}
     for _ in range(rounds):
-        for name, result in asyncio.run(drive_together(paths, payload, concurrency, seconds)).items():
-            merged[name].append(result)
+        for name, result in asyncio.run(drive()).items():
+            merged.setdefault(name, []).append(result)
     return {name: Summary.of(results) for name, results in merged.items()}
 
 

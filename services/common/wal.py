@@ -165,8 +165,19 @@ def unshipped_bytes(directory: Path) -> int:
 
 def frame(kind: int, payload: bytes) -> bytes:
     """One entry as the log holds it (what :meth:`WalWriter.append_parts` writes, for tests and tools)."""
-    head = _CHECKED.pack(len(payload), kind)
-    return MAGIC + head + _LEN.pack(zlib.crc32(payload, zlib.crc32(head))) + payload
+    return frame_head(kind, (payload,))[0] + payload
+
+
+def frame_head(kind: int, parts: Sequence[bytes]) -> tuple[bytes, int]:
+    """The frame of an entry whose payload is ``parts`` in order, and the entry's whole size."""
+    length = 0
+    for part in parts:
+        length += len(part)
+    checked = _CHECKED.pack(length, kind)
+    crc = zlib.crc32(checked)
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return FRAME.pack(MAGIC, length, kind, crc), FRAME.size + length
 
 
 def _field(data: bytes) -> bytes:
@@ -447,15 +458,7 @@ class WalWriter:
         """Append one entry whose payload is ``parts`` in order: one ``writev`` of the frame and the parts as they
         are, so a call's request and response bytes (up to 64 MiB each) are never copied into a joined payload
         first. False (nothing written) when the log is at its cap."""
-        length = 0
-        for part in parts:
-            length += len(part)
-        checked = _CHECKED.pack(length, kind)
-        crc = zlib.crc32(checked)
-        for part in parts:
-            crc = zlib.crc32(part, crc)
-        head = FRAME.pack(MAGIC, length, kind, crc)
-        size = FRAME.size + length
+        head, size = frame_head(kind, parts)
         others, shipped = self._checked  # unshipped_bytes, inlined: this runs on the answering path
         past = self._offset - shipped
         if others + (past if past > 0 else 0) + size > self.max_bytes:

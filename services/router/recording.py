@@ -191,22 +191,19 @@ class CallLog:
     def closing(self) -> bool:
         return self._closing
 
-    def _append(self, kind: int, payload: bytes) -> str | None:
-        """None once appended, else the drop reason (shadow outcomes and feedback; calls append in :meth:`offer`)."""
+    def _append(self, kind: int, parts: Sequence[bytes]) -> str | None:
+        """None once appended, else the drop reason."""
         try:
-            if not self.writer.append(kind, payload):
+            if not self.writer.append_parts(kind, parts):
                 return "log_full"
         except OSError as error:
-            return self._append_failed(error)
+            now = time.monotonic()
+            if now - self._last_error_log > _ERROR_LOG_INTERVAL_S:
+                self._last_error_log = now
+                log.error("log append failed; calls are answered but not recorded", error=str(error)[:300])
+            return "log_error"
         self._appended.counts[kind] += 1
         return None
-
-    def _append_failed(self, error: OSError) -> str:
-        now = time.monotonic()
-        if now - self._last_error_log > _ERROR_LOG_INTERVAL_S:
-            self._last_error_log = now
-            log.error("log append failed; calls are answered but not recorded", error=str(error)[:300])
-        return "log_error"
 
     def offer(
         self,
@@ -226,20 +223,15 @@ class CallLog:
             log.exception("call not recordable; dropped", request_id=str(outcome.request_id)[:200])
             self.metrics.records_dropped.labels("unrecordable").inc()
             return
-        try:
-            if self.writer.append_parts(kind, parts):
-                self._appended.counts[kind] += 1
-                return
-            reason = "log_full"
-        except OSError as error:
-            reason = self._append_failed(error)
-        self.metrics.records_dropped.labels(reason).inc()
+        reason = self._append(kind, parts)
+        if reason is not None:
+            self.metrics.records_dropped.labels(reason).inc()
 
     def _encode(
         self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]], shadows_expected: int
     ) -> tuple[int, tuple[bytes, bytes, bytes]]:
-        """The entry's kind and its payload as three parts: the head and small fields joined, then the request and
-        the response bytes as they are (never copied here: a tensor can be megabytes)."""
+        """The entry's kind and its payload as three parts: the head and the other fields joined, then the request
+        and the response bytes as they are (never copied here: a tensor can be megabytes)."""
         stream = b""
         if outcome.stream is not None:  # a token stream: its messages, serialized once it ended
             call = recorder_pb2.StreamCall()
@@ -288,10 +280,24 @@ class CallLog:
             len(request),
             len(response),
         )
-        small = b"".join(
-            (head, request_id, model, version, arm, details, endpoint, router_id, principal, key_hmac, phase, recorded)
+        fields = b"".join(
+            (
+                head,
+                request_id,
+                model,
+                version,
+                arm,
+                details,
+                endpoint,
+                router_id,
+                principal,
+                key_hmac,
+                phase,
+                recorded,
+                stream,
+            )
         )
-        return (CALL if outcome.stream is None else STREAM), (small + stream if stream else small, request, response)
+        return (CALL if outcome.stream is None else STREAM), (fields, request, response)
 
     def offer_shadows(self, request_id: str, shadows: Sequence[ShadowEntry]) -> None:
         """Log a call's shadow outcomes (the shipper joins them to the call logged before)."""
@@ -300,7 +306,7 @@ class CallLog:
         except Exception:
             log.exception("shadow outcomes not recordable; dropped", request_id=request_id[:200])
             return
-        self._append(SHADOWS, payload)
+        self._append(SHADOWS, (payload,))
 
     def feedback_room(self) -> int:
         """Events one report may hold (0 while closing): the log, not a queue, bounds them."""
@@ -310,7 +316,7 @@ class CallLog:
         """Log serialized events, all or none: False (counted) when the log refuses them."""
         if self._closing:
             return False
-        reason = self._append(FEEDBACK, encode_feedback(events))
+        reason = self._append(FEEDBACK, (encode_feedback(events),))
         if reason is not None:
             self.metrics.feedback_dropped.labels(reason).inc(len(events))
             return False
