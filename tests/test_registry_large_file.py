@@ -1,7 +1,7 @@
 """A large registry file is parsed off the router's event loop, on a real router and worker.
 
-Found by probing a running stack: the YAML parse (pure Python) ran on the event loop, so while
-the router read a 10 MB file every call waited 2.3 s.
+The YAML parse is pure Python and takes seconds for a file of megabytes. On the event loop it would
+stall every call for the whole parse; off it, calls keep flowing, slowed only by sharing the GIL.
 """
 
 from __future__ import annotations
@@ -49,14 +49,19 @@ def test_calls_are_served_without_a_stall_while_the_router_parses_a_large_regist
             wait_for(lambda: len(latencies) >= 20, timeout_s=10, what="calls to flow")
             staging = tmp_path / "registry.tmp"
             staging.write_text("a" * 20_000_000)  # one 20 MB scalar: valid YAML, no registry
+            replaced = time.monotonic()
             staging.replace(registry)
             wait_for(lambda: router_status(router).registry_error, timeout_s=120, what="the file to be refused")
+            parse_s = time.monotonic() - replaced
             count = len(latencies)
             wait_for(lambda: len(latencies) >= count + 20, timeout_s=10, what="calls to go on")
         finally:
             stop.set()
             caller.join(timeout=60)
-        # The stall grew with the file (2.3 s for 10 MB); a loaded 2-core machine stays well under 1 s.
-        assert max(latencies) < 1.0, f"worst call took {max(latencies):.2f} s"
+        # A parse on the event loop stalls one call for all of it (the ratio is then near 1), whatever the
+        # machine's load; off the loop the worst call is a small share of it. A ratio, not seconds: a loaded
+        # machine slows the parse and the calls alike.
+        worst = max(latencies)
+        assert worst < parse_s / 4, f"worst call took {worst:.2f} s of the parse's {parse_s:.2f} s"
     finally:
         stack.close()
