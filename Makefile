@@ -44,7 +44,7 @@ format: install ## Apply ruff's fixes and formatting
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: install ## Run the benchmarks (prints tables; see README)
+bench: install ## Run the benchmarks (prints tables; see docs/benchmarks.md)
 	$(BIN)/python bench/router_overhead.py
 	$(BIN)/python bench/dynamic_batching.py
 	$(BIN)/python bench/recorder_throughput.py

@@ -27,7 +27,7 @@ Each measurement runs in a fresh process, so its peak RSS is its own:
 
 Peak memory is the process's peak RSS (``VmHWM``, reset after its imports) less its RSS then (``ru_maxrss``
 would not do: Linux carries it over from the parent, this script, across fork and exec). Target: the full analysis in at
-most 2x the raw read; memory bounded by users, not calls (see the README for what does grow with calls).
+most 2x the raw read; memory bounded by users, not calls (see docs/analysis.md, Cost, for what does grow with calls).
 Every child calls ``gc.freeze()`` after its imports, as the ``splitstream`` command does (``--no-gc-freeze``:
 none does), so the raw reads and the analyses are measured alike.
 
@@ -295,7 +295,7 @@ def main() -> int:
     parser.add_argument(
         "--no-gc-freeze",
         action="store_true",
-        help="measure without gc.freeze() after the imports (the splitstream command freezes; see the README)",
+        help="measure without gc.freeze() after the imports (the splitstream command freezes; see docs/benchmarks.md)",
     )
     parser.add_argument("--lateness-ns", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--attribution-ns", type=int, default=0, help=argparse.SUPPRESS)

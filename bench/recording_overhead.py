@@ -8,7 +8,7 @@ once with 32 callers of its own, so that each sees the same moments of a noisy m
 (``--blocks``: each path measured for ``--seconds`` in turn, in rotated rounds). The
 table gives throughput, p50, p99, router CPU per call (the router process alone),
 and the on/off ratios (router CPU also as the difference in µs per call, to set beside what an
-append costs in place: see the README). Targets: p50 and p99 on/off at most 1.05x and within 0.02
+append costs in place: see docs/benchmarks.md). Targets: p50 and p99 on/off at most 1.05x and within 0.02
 of the noise floor off'/off (``--noise-floor``); router CPU per call on/off at most
 1.05x. The shipper's CPU per record is printed on its own line: in production it
 runs on a core of its own, and here it runs with the recorder (see below).

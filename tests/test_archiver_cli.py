@@ -78,12 +78,12 @@ def test_a_second_archive_on_a_consumer_group_is_refused_with_exit_2_and_the_fir
 
 
 def test_an_archiver_whose_acl_predates_the_group_check_warns_and_archives_as_before(tmp_path: Path) -> None:
-    """The README's archiver ACL before the group check had no ``~splitstream:archive-group:*``: NOPERM on
+    """docs/security.md's archiver ACL before the group check had no ``~splitstream:archive-group:*``: NOPERM on
     that key stopped the archiver at its upgrade, archiving nothing while retention trimmed on."""
     from tests.test_tls import ARCHIVER_ACL
 
     older_acl = ARCHIVER_ACL.replace(" ~splitstream:archive-group:*", "")
-    assert older_acl != ARCHIVER_ACL, "the README's archiver ACL names the group key"
+    assert older_acl != ARCHIVER_ACL, "docs/security.md's archiver ACL names the group key"
     with RedisServer(tmp_path / "redis", password="admin-pw", users=[older_acl]) as server:
         client = server.client()
         add_calls(client, "m", 20)

@@ -58,7 +58,7 @@ def registry() -> dict[str, Any]:
     return {"models": {MODEL: {"endpoints": endpoints, "experiment": experiment()}}, "remove_models": ["gone"]}
 
 
-#: Experiment fields: path inside the experiment → the sample types it accepts (README, *Registry documents*).
+#: Experiment fields: path inside the experiment → the sample types it accepts (docs/configuration.md).
 EXPERIMENT_FIELDS: dict[tuple[Any, ...], set[str]] = {
     ("salt",): {"str", "null"},  # null: the model name
     ("control",): {"str"},  # "v2" is an arm

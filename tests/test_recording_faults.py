@@ -1,7 +1,7 @@
 """Recording under faults, on real router, worker, recorder and redis-server processes.
 
 Each test reproduces a way recording used to stop or lose records (issue 11, faults 4-6)
-or measures what a router SIGKILL can lose, as the README states it.
+or measures what a router SIGKILL can lose, as docs/recording.md states it.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_a_router_sigkill_under_load_loses_at_most_the_calls_answered_in_the_las
     tmp_path: Path,
 ) -> None:
     interval_s = 0.5
-    # The bound the README states: calls answered in the last batch interval, plus the batch in
+    # The bound docs/recording.md states: calls answered in the last batch interval, plus the batch in
     # flight to the recorder. Margin: a call's start (what the client records) precedes its answer,
     # and the batch timer and the ack round trip run late on 2 loaded cores (1.05 s seen).
     bound_s = interval_s + 2.5

@@ -1,8 +1,8 @@
 """A Redis Cluster over TLS with least-privilege ACL users: recorder, replayer and analysis reach it.
 
 Three masters listening on TLS only (client connections, the cluster bus and replication), the default
-user behind a password, and the README's ACL users: *Storage*'s lines plus the Redis Cluster section's
-additions, set on every node. The recorder writes as ``splitstream-recorder``, the replayer and
+user behind a password, and the documented ACL users: docs/security.md's lines plus docs/scaling.md's
+Redis Cluster additions, set on every node. The recorder writes as ``splitstream-recorder``, the replayer and
 ``splitstream analyze`` read as ``splitstream-reader``, each named in a ``rediss+cluster://`` URL. A
 recorder given the read-only user cannot write: it says so (NOT_SERVING, NOPERM in its log) and the router
 keeps every batch, so nothing is lost once the recorder runs as the right user.
@@ -33,12 +33,12 @@ SERVING, NOT_SERVING = 1, 2
 
 
 def readme_cluster_acl(user: str) -> str:
-    """The Redis Cluster section's ``ACL SETUSER`` additions for ``user`` (the tests apply the documented
-    lines, so the documentation cannot drift from what works)."""
-    for line in (ROOT / "README.md").read_text().splitlines():
+    """docs/scaling.md's ``ACL SETUSER`` additions for ``user`` (Redis Cluster; the tests apply the
+    documented lines, so the documentation cannot drift from what works)."""
+    for line in (ROOT / "docs" / "scaling.md").read_text().splitlines():
         if line.startswith("redis-cli ") and f" ACL SETUSER {user} " in line:
             return " ".join(shlex.split(line.partition(" ACL SETUSER ")[2]))
-    raise AssertionError(f"README's Redis Cluster section has no ACL SETUSER line for {user}")
+    raise AssertionError(f"docs/scaling.md has no Redis Cluster ACL SETUSER line for {user}")
 
 
 @pytest.fixture(scope="module")

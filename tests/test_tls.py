@@ -56,13 +56,13 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 def readme_acl(user: str, password: str) -> str:
-    """The README's ``ACL SETUSER`` line for ``user`` (Security → Redis), with ``password``: the tests use
+    """docs/security.md's ``ACL SETUSER`` line for ``user`` (Storage), with ``password``: the tests use
     the documented lines themselves, so the documentation cannot drift from what works."""
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "security.md").read_text().splitlines():
         if line.startswith(f"ACL SETUSER {user} "):
             rules = line.removeprefix("ACL SETUSER ")
             return re.sub(r">[A-Z_]+_PASSWORD", f">{password}", rules)
-    raise AssertionError(f"README has no ACL SETUSER line for {user}")
+    raise AssertionError(f"docs/security.md has no ACL SETUSER line for {user}")
 
 
 RECORDER_ACL = readme_acl("splitstream-recorder", "recorder-pw")
@@ -194,7 +194,7 @@ def test_a_rotated_certificate_is_served_to_new_connections_without_a_restart(
 
 @pytest.fixture
 def redis_tls(tmp_path: Path, pki: Pki) -> Iterator[RedisServer]:
-    """redis-server on a TLS port only, requiring client certificates, with the README's ACL users."""
+    """redis-server on a TLS port only, requiring client certificates, with docs/security.md's ACL users."""
     server = pki.issue("redis")
     harness = pki.issue("redis-admin")
     tls = RedisTls(server.cert, server.key, pki.ca, auth_clients=True, client_cert=harness.cert, client_key=harness.key)

@@ -219,7 +219,7 @@ def build_parser() -> EnvArgumentParser:
     rollout.add_argument("--min-calls", type=int, default=20, help="calls of the new version a step needs")
     rollout.add_argument("--check-every", type=duration_s, default=1.0, help="how often metrics are read in a step")
     outcomes = rollout.add_argument_group(
-        "outcome guards (business metrics from the recorder's Redis, judged at every check; see README)"
+        "outcome guards (business metrics from the recorder's Redis, judged at every check; see docs/rollouts.md)"
     )
     outcomes.add_argument(
         "--guard",
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(join_relative_times(sys.argv[1:] if argv is None else list(argv), analysis_cli.TIME_FLAGS))
     # Everything is imported: what exists now lives as long as the process. Frozen, the cyclic collector no
     # longer walks it at every full collection, which the lists redis-py makes of every page of a stream
-    # set off: about 40 % of an analysis's CPU, and more than half a bare read's (README, Benchmarks).
+    # set off: about 40 % of an analysis's CPU, and more than half a bare read's (docs/benchmarks.md, A/B analysis).
     gc.freeze()
     if args.command == "feedback":
         return feedback_import.run(args)

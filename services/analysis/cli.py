@@ -107,7 +107,7 @@ def add_command(commands: Any, env_prefix: str) -> None:
     )
     parser.add_argument("model")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
-    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see README, Security)"))
+    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see docs/security.md)"))
     parser.set_defaults(redis_env_prefix=env_prefix)
     parser.add_argument(
         "--source",

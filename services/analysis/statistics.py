@@ -56,7 +56,7 @@ DEFAULT_TUNING_UNITS = 5_000
 
 
 class MetricKind(StrEnum):
-    """What a metric measures per unit; the README defines each precisely."""
+    """What a metric measures per unit; docs/analysis.md defines each precisely."""
 
     #: Events with value > 0 per exposure call: a ratio over units (delta method); a two-proportion test per call.
     PROPORTION = "proportion"

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_arguments(parser, ServerDefaults(port=8005, metrics_port=8006, drain_delay_s=0.0), processes=True)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0", help="the recorder's Redis", secret=True)
     parser.add_argument("--redis-timeout-s", type=float, default=5.0, help="connect and reply timeout for Redis")
-    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see README, Security)"))
+    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see docs/security.md)"))
     parser.add_argument(
         "--archive",
         default="./splitstream-archive",
@@ -144,7 +144,7 @@ def builds_in_process(builder: str, processes: int) -> bool:
     """``--builder auto``: a builder process per archiver process only where each gets a second core.
 
     An archiver process keeps about one core busy reading and a builder process most of another; with
-    fewer than two usable cores per archiver process they would only take turns (see README, Archive)."""
+    fewer than two usable cores per archiver process they would only take turns (see docs/archive.md)."""
     if builder != "auto":
         return builder == "process"
     return usable_cores() >= 2 * processes
@@ -305,7 +305,7 @@ class ArchiverService(Service):
             await self.redis.set(key, mine, nx=True)
             recorded = await self.redis.get(key)
         except NoPermissionError:
-            # An ACL written before this check (the README's set then) lacks the key: archiving as before beats
+            # An ACL written before this check (docs/security.md's set then) lacks the key: archiving as before beats
             # an archiver that stops at its upgrade while retention trims what it has not archived yet.
             self.log.warning(
                 "cannot check which archive this consumer group writes to: the Redis user may not use the key; "

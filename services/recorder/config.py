@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Redis to write to: redis://[:PASSWORD@]HOST:PORT/DB, rediss://... for TLS, unix:///PATH?db=N",
         secret=True,
     )
-    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see README, Security)"))
+    add_redis_security_arguments(parser.add_argument_group("Redis TLS and ACL user (see docs/security.md)"))
     parser.add_argument(
         "--redis-timeout-s",
         type=float,

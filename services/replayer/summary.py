@@ -102,7 +102,7 @@ class GroupSummary(_Model):
 
 
 class Metrics(_Model):
-    """What ``--gate`` can bound, by name; each description is what ``--help`` and the README say of it."""
+    """What ``--gate`` can bound, by name; each description is what ``--help`` and docs/replay.md say of it."""
 
     mismatch_rate: float | None = Field(description="calls whose outputs differ / calls both sides answered OK")
     status_change_rate: float | None = Field(

@@ -244,7 +244,7 @@ class GenerationConfig(Document):
 
     The graph takes the last tokens (INT64 [batch, n]) and returns logits (FP32 [batch, 256]) over
     a byte vocabulary (token id = byte value). Clients call it as they call TensorRT-LLM's ensemble
-    (``text_input``, ``max_tokens``, ...; see the README's "Token streams: the worker"); every active
+    (``text_input``, ``max_tokens``, ...; see docs/streams.md, "The worker"); every active
     sequence is stepped in one backend run of up to ``max_batch_size`` rows (in-flight batching).
     """
 

@@ -282,7 +282,7 @@ def decode_experiment(model: str, value: bytes | None) -> Experiment:
         raise ConfigError(f"{where}: {error}") from None
 
 
-#: The experiment value that takes a model out of every router on purpose (docs: README, Registry).
+#: The experiment value that takes a model out of every router on purpose (docs/rollouts.md, Hot swap and rollouts).
 REMOVAL_VALUE = {"remove": True}
 HOW_TO_REMOVE = f"to remove a model on purpose, set its experiment key to {json.dumps(REMOVAL_VALUE)}"
 
