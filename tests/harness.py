@@ -47,23 +47,41 @@ def run_module(module: str, *args: str, cwd: Path = ROOT, timeout_s: float = 30)
     )
 
 
-_PORTS_HANDED_OUT: set[int] = set()
+#: Test ports come from below the kernel's ephemeral range (32768 and up on Linux), so a client socket's
+#: port never collides with one a test handed to a server; each pytest-xdist worker has its own share.
+_PORT_RANGE_START = 10000
+_PORT_RANGE_END = 32000
+_PORTS_PER_WORKER = 2000
+
+
+def _worker_ports() -> Iterator[int]:
+    """This test process's ports in turn, round and round: ``gw<N>`` of pytest-xdist takes share N."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    shares = (_PORT_RANGE_END - _PORT_RANGE_START) // _PORTS_PER_WORKER
+    first = _PORT_RANGE_START + (index % shares) * _PORTS_PER_WORKER
+    while True:
+        yield from range(first, first + _PORTS_PER_WORKER)
+
+
+_PORTS = _worker_ports()
 
 
 def free_port() -> int:
-    """A port nothing listens on, never the same one twice in a test run.
+    """A port nothing listens on, not handed out again until this process's share has gone round.
 
-    The kernel may give the same ephemeral port to two binds in a row once the first socket is
-    closed, so a worker asked for a gRPC port and a metrics port could be handed one port twice
-    and fail to start (seen in CI).
+    The kernel may give the same ephemeral port to two binds in a row once the first socket is closed,
+    so a worker asked for a gRPC port and a metrics port could have been handed one port twice; ports
+    taken in turn from a share of our own cannot, nor can another xdist worker's test take them.
     """
-    while True:
+    for port in _PORTS:
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port: int = sock.getsockname()[1]
-        if port not in _PORTS_HANDED_OUT:
-            _PORTS_HANDED_OUT.add(port)
-            return port
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # something (a server of an earlier test, another program) holds it
+                continue
+        return port
+    raise AssertionError("unreachable: the ports go round for ever")
 
 
 def wait_for(condition: Any, *, timeout_s: float, interval_s: float = 0.05, what: str = "condition") -> Any:
@@ -168,14 +186,36 @@ class ServiceProcess:
         return self.process.wait(timeout=timeout_s)
 
     def stop(self) -> None:
+        stop_all([self])
+
+    def _terminate(self) -> bool:
+        """SIGTERM, without waiting; False when it was not running."""
         if self.process is None or self.process.poll() is not None:
-            return
+            return False
         self.process.send_signal(signal.SIGTERM)
+        return True
+
+    def _reap(self, deadline: float) -> None:
+        """Wait for its exit until ``deadline`` (monotonic), then SIGKILL it."""
+        assert self.process is not None
         try:
-            self.process.wait(timeout=15)
+            self.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+#: How long a SIGTERMed process gets for its ordered drain before the harness kills it.
+STOP_TIMEOUT_S = 15.0
+
+
+def stop_all(processes: Sequence[ServiceProcess]) -> None:
+    """SIGTERM every process at once, then wait for each: their drains (each ``--drain-delay-s`` of serving
+    on, then the work in flight) overlap instead of adding up one after another."""
+    signalled = [process for process in processes if process._terminate()]
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in signalled:
+        process._reap(deadline)
 
 
 class Stack:
@@ -270,8 +310,7 @@ class Stack:
         return process.start() if start else process
 
     def close(self) -> None:
-        for process in reversed(self.processes):
-            process.stop()
+        stop_all(self.processes)
 
 
 @contextlib.contextmanager
