@@ -23,7 +23,7 @@ from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.records import redacted_outputs, routing_key_hmac
 from tests.harness import InferClient, SteadyLoad, make_request, metric_samples, scrape_metrics, wait_for
-from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
+from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
 from tests.records import request_of, response_of
 
 
@@ -94,11 +94,23 @@ def test_every_call_is_recorded_once_and_decodes_to_what_the_client_sent_and_rec
         assert record.routing_key_hmac == routing_key_hmac(HMAC_KEY.encode(), f"u{record.request_id.split('-')[1]}")
 
 
-def test_a_recorder_killed_for_ten_seconds_under_load_loses_no_record(recording: RecordingStack) -> None:
+def outage_under_load(recording: RecordingStack, load: SteadyLoad) -> None:
+    """Hold the outage until the shipper has tried the recorder five times, its backoff doubled up to the
+    cap (0.1 + 0.2 + 0.4 + 0.8 s between tries), and 200 calls were answered and logged meanwhile."""
+    failed = shipper_metric(recording, "recorder_stream_failures_total")
+    load.wait_calls(200)
+    wait_for(
+        lambda: shipper_metric(recording, "recorder_stream_failures_total") >= failed + 5,
+        timeout_s=30,
+        what="five failed tries of the recorder",
+    )
+
+
+def test_a_recorder_killed_under_load_loses_no_record(recording: RecordingStack) -> None:
     with SteadyLoad(recording.router.address, MODEL, threads=2, pause_s=0.01) as load:
         load.wait_calls(50)
         recording.recorder.kill()
-        time.sleep(10)  # the outage itself: calls keep coming and are spooled
+        outage_under_load(recording, load)  # calls keep coming and are logged
         recording.restart_recorder()
         load.wait_calls(50)
     assert load.errors() == []
@@ -115,11 +127,11 @@ def test_a_recorder_killed_for_ten_seconds_under_load_loses_no_record(recording:
     assert re.search(r'"error": "(UNAVAILABLE|INTERNAL): ', warnings[0]), warnings[0]
 
 
-def test_redis_stopped_for_ten_seconds_under_load_costs_no_call_and_no_record(recording: RecordingStack) -> None:
+def test_redis_stopped_under_load_costs_no_call_and_no_record(recording: RecordingStack) -> None:
     with SteadyLoad(recording.router.address, MODEL, threads=2, pause_s=0.01) as load:
         load.wait_calls(50)
         recording.redis.stop()
-        time.sleep(10)
+        outage_under_load(recording, load)
         recording.redis.start()
         load.wait_calls(50)
     assert load.errors() == []

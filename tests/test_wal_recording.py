@@ -79,6 +79,17 @@ def shipper_pid(stack: RecordingStack) -> int:
     return wait_for(pid, timeout_s=30, what="the shipper to lock the log")
 
 
+def tried_again(stack: RecordingStack) -> None:
+    """Wait until the shipper has tried the absent recorder twice more (its backoff between), so the log
+    has been read and offered meanwhile."""
+    failed = shipper_metric(stack, "recorder_stream_failures_total")
+    wait_for(
+        lambda: shipper_metric(stack, "recorder_stream_failures_total") >= failed + 2,
+        timeout_s=30,
+        what="the shipper to try the recorder again",
+    )
+
+
 def test_a_router_killed_under_load_loses_no_call_a_client_got_an_answer_for(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path)
     try:
@@ -172,7 +183,7 @@ def test_calls_answered_while_the_recorder_is_stopped_are_kept_in_the_log_alone_
                 timeout_s=30,
                 what="every answered call to be logged",
             )
-            time.sleep(1.0)  # the shipper tries the recorder again meanwhile (its backoff)
+            tried_again(stack)
         # No second copy: nothing but the log (and the shipper's cursor and lock) was ever in the directory,
         # and the log kept every call (nothing deleted while the recorder was away).
         assert watch.others == set()
@@ -198,7 +209,7 @@ def test_a_shipper_killed_while_the_recorder_is_away_loses_nothing_once_both_are
         with DirectoryWatch(stack.spool_dir) as watch:
             load = run_load(stack, CALLS, during=lambda: os.kill(first, signal.SIGKILL))
             assert shipper_pid(stack) != first  # the router started another, which resumes from the cursor
-            time.sleep(1.0)
+            tried_again(stack)
         assert watch.others == set()
         ids = answered(load)
         assert len(ids) >= CALLS
@@ -221,7 +232,7 @@ def test_a_log_at_its_cap_drops_the_newest_calls_counted_and_ships_the_oldest_in
             for request_id in ids:
                 client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
             client.close()
-            time.sleep(0.5)
+            tried_again(stack)
         # The router's log filled to its cap and refused the newest calls, counted by reason; the shipper
         # copied nothing to a spool of its own, so it dropped nothing.
         log_full = router_counter(stack, "log_records_dropped_total", reason="log_full")

@@ -192,6 +192,11 @@ class MirrorMetrics:
             "Damaged spool ranges skipped (their records, when known, count as dropped: spool_corrupt)",
             registry=registry,
         )
+        self.stream_failures = Counter(
+            "splitstream_shipper_recorder_stream_failures",
+            "Streams to the recorder that failed (an outage, a refusal): each is retried after a backoff",
+            registry=registry,
+        )
         self.errors = Counter(
             "splitstream_shipper_errors",
             "Unexpected errors in the mirror's loop (logged; the loop restarts)",
@@ -477,6 +482,7 @@ class RecordMirror:
         emit = log.debug if self._outage else log.warning
         emit("recorder stream failed; the log keeps what it did not acknowledge", error=reason[:300], unacked=unacked)
         self._outage = True
+        self.metrics.stream_failures.inc()
 
     async def _handle_refusal(
         self, code: grpc.StatusCode | None, details: str, unacked: collections.deque[_Sent]
