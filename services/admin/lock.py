@@ -35,7 +35,7 @@ from typing import Any
 import consul
 
 from splitstream.admin.store import AdminError, ConsulStore, FileStore, Invalid, Store
-from splitstream.common.registry.consul import CONSUL_ERRORS, describe_error
+from splitstream.common.registry.consul import consul_errors, describe_error
 
 #: KV prefix of the Consul rollout locks (a key per model).
 LOCK_PREFIX = "splitstream/rollouts/"
@@ -146,14 +146,14 @@ class ConsulLock(RolloutLock):
         client = self.address.client()
         try:
             self.session = self._acquire(client)
-        except CONSUL_ERRORS as error:
+        except consul_errors() as error:
             raise AdminError(
                 f"{self.description}: cannot lock {self.key}: {describe_error(error)}; nothing changed"
             ) from None
         if self.session is None:
             try:
                 _, entry = client.kv.get(self.key)
-            except CONSUL_ERRORS:
+            except consul_errors():
                 entry = None
             raise Invalid(_held_text(model, f"{self.key} in {self.description}", (entry or {}).get("Value")))
         self._renewer = threading.Thread(target=self._renew, name="rollout-lock", daemon=True)
@@ -168,10 +168,10 @@ class ConsulLock(RolloutLock):
             if client.kv.put(self.key, self.value, acquire=session):
                 return str(session)
         except BaseException:
-            with contextlib.suppress(*CONSUL_ERRORS):
+            with contextlib.suppress(*consul_errors()):
                 client.session.destroy(session)
             raise
-        with contextlib.suppress(*CONSUL_ERRORS):
+        with contextlib.suppress(*consul_errors()):
             client.session.destroy(session)
         return None
 
@@ -186,11 +186,11 @@ class ConsulLock(RolloutLock):
                 continue
             except consul.NotFound:
                 pass
-            except CONSUL_ERRORS:
+            except consul_errors():
                 continue
             try:
                 session = self._acquire(client)
-            except CONSUL_ERRORS:
+            except consul_errors():
                 continue
             if session is None:
                 self._lost = f"the rollout lock {self.key} was lost (its session expired) and another rollout holds it"
@@ -205,7 +205,7 @@ class ConsulLock(RolloutLock):
             return
         self._stop.set()
         self._renewer.join(timeout=5)
-        with contextlib.suppress(*CONSUL_ERRORS):  # (left to expire within two TTLs when Consul is down)
+        with contextlib.suppress(*consul_errors()):  # (left to expire within two TTLs when Consul is down)
             self.address.client(timeout_s=5).session.destroy(self.session)
 
 

@@ -26,8 +26,8 @@ from splitstream.common.experiment import Experiment
 from splitstream.common.files import atomic_write
 from splitstream.common.registry import parse_registry
 from splitstream.common.registry.consul import (
-    CONSUL_ERRORS,
     ConsulAddress,
+    consul_errors,
     decode_experiment,
     decode_instance,
     default_experiment,
@@ -215,7 +215,7 @@ class ConsulStore:
         try:
             _, entry = client.kv.get(experiment_key(model))
             _, instances = client.health.service(service_name(model))
-        except CONSUL_ERRORS as error:
+        except consul_errors() as error:
             raise self._fail(error) from None
         decoded = [i for i in (decode_instance(model, e) for e in instances or ()) if i is not None]
         endpoints = tuple(
@@ -251,7 +251,7 @@ class ConsulStore:
         client = self.address.client()
         try:
             done = client.kv.put(experiment_key(model), encode_experiment(experiment), cas=int(revision))
-        except CONSUL_ERRORS as error:
+        except consul_errors() as error:
             raise self._fail(error) from None
         if not done:
             raise Conflict(f"{experiment_key(model)} changed since it was read; nothing written, try again")

@@ -17,10 +17,12 @@ from __future__ import annotations
 import hmac
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import NoReturn, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
-from splitstream.common.redis_url import RedisClient
+
+if TYPE_CHECKING:
+    from splitstream.common.redis_url import RedisClient
 
 STREAM_PREFIX = "splitstream:calls:"
 FEEDBACK_PREFIX = "splitstream:feedback:"

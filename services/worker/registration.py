@@ -30,8 +30,8 @@ import structlog
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.registry.consul import (
-    CONSUL_ERRORS,
     ConsulAddress,
+    consul_errors,
     describe_error,
     parse_consul_spec,
     run_blocking,
@@ -216,7 +216,7 @@ class ConsulRegistration:
         self._task = None
         try:
             await asyncio.wait_for(run_blocking(self._deregister), CALL_TIMEOUT_S + 1)
-        except (*CONSUL_ERRORS, TimeoutError) as error:
+        except (*consul_errors(), TimeoutError) as error:
             self._logger.warning("could not deregister from consul", error=describe_error(error))
         else:
             self._logger.info("deregistered from consul")
@@ -235,7 +235,7 @@ class ConsulRegistration:
                     registered = True
                 delay = 0.2
                 await asyncio.sleep(self.settings.reregister_interval_s)
-            except CONSUL_ERRORS as error:
+            except consul_errors() as error:
                 self._logger.warning("consul unreachable; will retry", error=describe_error(error), retry_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.reregister_interval_s)

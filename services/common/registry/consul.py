@@ -55,10 +55,8 @@ import threading
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import consul
-import requests
 import structlog
 
 from splitstream.common.errors import ConfigError
@@ -67,6 +65,9 @@ from splitstream.common.names import check_model_name
 from splitstream.common.registry.base import ModelEntry, RegistryState, RegistryUpdate
 from splitstream.common.registry.removal import RemovalGuard
 from splitstream.common.tls import check_ca, check_key_pair
+
+if TYPE_CHECKING:
+    import consul
 
 log = structlog.get_logger()
 
@@ -119,6 +120,8 @@ class ConsulAddress:
 
         ``timeout_s`` bounds connecting and answering; a blocking query adds its wait to it.
         """
+        import consul  # py-consul and requests on first use: most processes never talk to Consul
+
         verify: bool | str = (self.ca_file or True) if self.verify else False
         cert = (self.cert_file, self.key_file) if self.cert_file else None
         return consul.Consul(
@@ -203,6 +206,9 @@ def _token_from_file() -> str | None:
 
 def describe_error(error: BaseException) -> str:
     """A one-line reason for a failed Consul call (requests' own messages run to several hundred characters)."""
+    import consul
+    import requests
+
     if isinstance(error, requests.Timeout):
         return "timed out"
     if isinstance(error, requests.ConnectionError):
@@ -213,8 +219,15 @@ def describe_error(error: BaseException) -> str:
     return " ".join(str(error).split())[:300] or type(error).__name__
 
 
-#: What a Consul call can raise when Consul is down, slow or refuses.
-CONSUL_ERRORS = (consul.ConsulException, requests.RequestException)
+def consul_errors() -> tuple[type[Exception], ...]:
+    """What a Consul call can raise when Consul is down, slow or refuses (``except consul_errors():``).
+
+    A function, so that importing this module does not import py-consul and requests (a third of a
+    router's start) in processes that never talk to Consul."""
+    import consul
+    import requests
+
+    return (consul.ConsulException, requests.RequestException)
 
 
 async def run_blocking(function: Callable[[], T]) -> T:
@@ -465,7 +478,7 @@ class _WatchSession:
         while True:
             try:
                 new_index, data = await run_blocking(functools.partial(fetch, client, index))
-            except Exception as error:  # CONSUL_ERRORS, and anything a garbled answer makes the client raise
+            except Exception as error:  # consul_errors(), and anything a garbled answer makes the client raise
                 reason = describe_error(error)
                 if self.errors.get(source) != reason:
                     log.warning("consul query failed; retrying", source=source, error=reason)

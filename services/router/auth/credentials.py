@@ -22,10 +22,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import consul
 import structlog
 import yaml
 
@@ -33,6 +32,9 @@ from splitstream.common.errors import ConfigError
 from splitstream.common.registry.consul import ConsulAddress, describe_error, parse_consul_spec, run_blocking
 from splitstream.common.secrets import redact_text
 from splitstream.router.auth.policy import Policy, parse_policy
+
+if TYPE_CHECKING:
+    import consul
 
 log = structlog.get_logger()
 

@@ -25,14 +25,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-import jwt
 import structlog
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.secrets import redact_text, redact_url
+
+if TYPE_CHECKING:
+    import jwt
 
 log = structlog.get_logger()
 
@@ -84,6 +86,8 @@ class JwksKeys:
     """The current key set and the rules for re-reading it."""
 
     def __init__(self, settings: JwtSettings) -> None:
+        import jwt  # PyJWT and its crypto on first use: a router without --jwt-jwks starts without them
+
         self.settings = settings
         self._keys: dict[str | None, jwt.PyJWK] = {}
         self._loaded_s = -float("inf")
@@ -154,6 +158,8 @@ class JwksKeys:
             )
 
     async def _refresh(self) -> None:
+        import jwt
+
         self._attempted_s = time.monotonic()
         data = await asyncio.to_thread(self._read)
         keys: dict[str | None, jwt.PyJWK] = {}
@@ -210,6 +216,8 @@ class JwtVerifier:
         return principal
 
     async def _verify(self, token: str) -> tuple[str, float, jwt.PyJWK]:
+        import jwt
+
         settings = self.settings
         try:
             header = jwt.get_unverified_header(token)
