@@ -318,6 +318,30 @@ def test_sixteen_concurrent_streams_are_stepped_in_shared_batches(deployment: De
     assert metric(worker, "splitstream_worker_step_sequences_sum") > steps
 
 
+def test_active_sequences_reads_0_once_every_generation_has_ended(deployment: Deployment) -> None:
+    """The gauge was set before each step and never after the last: idle, it read the last step's size."""
+    worker = deployment.workers["v1"]
+    answer = deployment.clients["v1"].generate(generation_request(MODEL, "The ", 5))
+    assert answer.finals == 1
+    assert metric(worker, "splitstream_worker_active_sequences") == 0
+    texts: list[str] = []
+
+    def one(n: int) -> None:
+        client = StreamClient(worker.address)
+        try:
+            texts.append(client.generate(generation_request(MODEL, f"{n} The ", 64 + n, request_id=f"a{n}")).text)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(texts) == 12
+    assert metric(worker, "splitstream_worker_active_sequences") == 0
+
+
 @pytest.mark.parametrize("path", ["direct", "router"])
 def test_a_client_that_stops_reading_pauses_its_generation_and_the_other_streams_go_on(
     deployment: Deployment, path: str, tmp_path: Path

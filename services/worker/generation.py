@@ -431,6 +431,7 @@ class GenerationScheduler:
                         self._finish(sequence, "error")
                 self._fail(active, BackendError("inference failed"))
                 active = []
+                self._active = 0
 
     def _step(self, active: list[_Sequence]) -> None:
         """One backend run over ``active``; the sequences it ends are marked done."""
@@ -441,12 +442,16 @@ class GenerationScheduler:
             raise ValueError(f"logits of shape {list(logits.shape)} for {len(active)} sequences")
         seconds = time.perf_counter() - began
         events: list[tuple[_Sequence, Token]] = []
+        ended_now = 0
         for row, sequence in enumerate(active):
             token, ended = sequence.advance(sequence.pick(logits[row]))
             events.append((sequence, token))
             sequence.produced += 1
             if ended is not None:
                 self._finish(sequence, ended)
+                ended_now += 1
+        # Before the tokens are handed over: a client that saw its last token sees the gauge without it.
+        self._active -= ended_now
         made = sum(token.text is not None for _, token in events)
         self._metrics.step_ran(sequences=len(active), tokens=made, seconds=seconds)
         assert self._loop is not None
