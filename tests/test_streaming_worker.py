@@ -168,9 +168,11 @@ def test_every_request_on_one_stream_gets_one_response_per_token_its_id_and_one_
         for response in answer.responses:
             assert response.infer_response.model_name == MODEL
             assert response.infer_response.model_version == "v2"
-            assert [o.name for o in response.infer_response.outputs] == ["text_output"]
+            assert response.infer_response.outputs[0].name == "text_output"
             assert list(response.infer_response.outputs[0].shape) == [1, 1]
             assert len(token_text(response) or b"") == 1
+        names = [[o.name for o in response.infer_response.outputs] for response in answer.responses]
+        assert names == [["text_output"]] * (5 + n) + [["text_output", "prompt_tokens", "completion_tokens"]]
 
 
 def test_an_end_token_ends_with_an_empty_final_response_only_when_the_request_asks_for_one(
