@@ -58,8 +58,8 @@ def is_final(response: oip.ModelStreamInferResponse) -> bool:
 
 
 def token_text(response: oip.ModelStreamInferResponse) -> bytes | None:
-    """The response's ``text_output`` element; None when it has no outputs (an empty final response)."""
-    if not response.infer_response.outputs:
+    """The response's ``text_output`` element; None when it has none (an empty final response)."""
+    if not any(output.name == "text_output" for output in response.infer_response.outputs):
         return None
     return bytes(tensors.output_arrays(response.infer_response)["text_output"].reshape(-1)[0])
 

@@ -168,9 +168,11 @@ def test_every_request_on_one_stream_gets_one_response_per_token_its_id_and_one_
         for response in answer.responses:
             assert response.infer_response.model_name == MODEL
             assert response.infer_response.model_version == "v2"
-            assert [o.name for o in response.infer_response.outputs] == ["text_output"]
+            assert response.infer_response.outputs[0].name == "text_output"
             assert list(response.infer_response.outputs[0].shape) == [1, 1]
             assert len(token_text(response) or b"") == 1
+        names = [[o.name for o in response.infer_response.outputs] for response in answer.responses]
+        assert names == [["text_output"]] * (5 + n) + [["text_output", "prompt_tokens", "completion_tokens"]]
 
 
 def test_an_end_token_ends_with_an_empty_final_response_only_when_the_request_asks_for_one(
@@ -316,6 +318,30 @@ def test_sixteen_concurrent_streams_are_stepped_in_shared_batches(deployment: De
     single = metric(worker, "splitstream_worker_step_sequences_bucket", le="1.0")
     assert steps > single, "some steps ran more than one sequence"
     assert metric(worker, "splitstream_worker_step_sequences_sum") > steps
+
+
+def test_active_sequences_reads_0_once_every_generation_has_ended(deployment: Deployment) -> None:
+    """The gauge was set before each step and never after the last: idle, it read the last step's size."""
+    worker = deployment.workers["v1"]
+    answer = deployment.clients["v1"].generate(generation_request(MODEL, "The ", 5))
+    assert answer.finals == 1
+    assert metric(worker, "splitstream_worker_active_sequences") == 0
+    texts: list[str] = []
+
+    def one(n: int) -> None:
+        client = StreamClient(worker.address)
+        try:
+            texts.append(client.generate(generation_request(MODEL, f"{n} The ", 64 + n, request_id=f"a{n}")).text)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert len(texts) == 12
+    assert metric(worker, "splitstream_worker_active_sequences") == 0
 
 
 @pytest.mark.parametrize("path", ["direct", "router"])

@@ -5,10 +5,15 @@ each row (INT64 [batch, n]) to next-token logits (FP32 [batch, 256]) over a byte
 id = byte value, so a UTF-8 prompt is its own token sequence and a token's text is one byte.
 
 Requests follow TensorRT-LLM's Triton ensemble (``all_models/inflight_batcher_llm/ensemble``), so
-clients written for it work unchanged: ``text_input`` (BYTES, one element), ``max_tokens``, and the
-optional ``temperature``, ``top_k``, ``random_seed``, ``stop_words``, ``end_id`` and ``stream``;
-the answer is ``text_output`` (BYTES). :func:`read_request` turns decoded tensors into a
-:class:`GenerationRequest`, raising InvalidInput that names the input.
+clients written for it (its ``end_to_end_grpc_client.py``) work unchanged: ``text_input`` (BYTES,
+one element), ``max_tokens``, and the optional sampling and output inputs of :data:`INPUT_DATATYPES`;
+the answer is ``text_output`` (BYTES), with ``cum_log_probs`` / ``output_log_probs`` when asked and
+the token usage (``prompt_tokens``, ``completion_tokens``) on the final response.
+:func:`read_request` turns decoded tensors into a :class:`GenerationRequest`, raising InvalidInput
+that names the input; a value the worker cannot honour (a beam width above 1) is refused, never
+ignored. :func:`replies` turns a generation's tokens into what its responses carry: whole UTF-8
+characters each (a byte-level model makes a multi-byte character over several steps), or the whole
+text at once when the request does not stream.
 
 :class:`GenerationScheduler` owns one thread that loops: admit waiting sequences (up to
 ``max_sequences``), run the backend once over all active rows, pick each row's token (greedy, or
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import csv
 import math
 import threading
 import time
@@ -53,19 +59,41 @@ TEXT_OUTPUT = "text_output"
 _INTEGERS = ("INT32", "INT64", "UINT32", "UINT64")
 _FLOATS = ("FP32", "FP64")
 #: Input name → datatypes accepted. TensorRT-LLM's ensemble has declared max_tokens as UINT32 and
-#: later INT32, random_seed as UINT64, top_k as UINT32 or INT32: any integer type is taken for them.
+#: later INT32, random_seed as UINT64, top_k and beam_width as UINT32 or INT32: any integer type is
+#: taken for them.
 INPUT_DATATYPES: Mapping[str, tuple[str, ...]] = {
     TEXT_INPUT: ("BYTES",),
     "max_tokens": _INTEGERS,
     "temperature": _FLOATS,
     "top_k": _INTEGERS,
+    "top_p": _FLOATS,
+    "repetition_penalty": _FLOATS,
     "random_seed": _INTEGERS,
+    "seed": _INTEGERS,
     "stop_words": ("BYTES",),
+    "bad_words": ("BYTES",),
     "end_id": _INTEGERS,
+    "pad_id": _INTEGERS,
+    "beam_width": _INTEGERS,
+    "exclude_input_in_output": ("BOOL",),
+    "return_log_probs": ("BOOL",),
     "stream": ("BOOL",),
+    "streaming": ("BOOL",),
 }
-#: Inputs that hold exactly one value (``stop_words`` holds any number).
-_SCALARS = tuple(name for name in INPUT_DATATYPES if name != "stop_words")
+#: Inputs that hold a list of words (any number of elements); every other input holds one value.
+_WORD_LISTS = ("stop_words", "bad_words")
+_SCALARS = tuple(name for name in INPUT_DATATYPES if name not in _WORD_LISTS)
+#: The same setting under an older name of the ensemble (``streaming`` until it became ``stream``) or of
+#: the tensorrt_llm model behind it (``seed``): either is taken, not both.
+_ALIASES: Mapping[str, str] = {"streaming": "stream", "seed": "random_seed"}
+
+CUM_LOG_PROBS = "cum_log_probs"
+OUTPUT_LOG_PROBS = "output_log_probs"
+PROMPT_TOKENS = "prompt_tokens"
+COMPLETION_TOKENS = "completion_tokens"
+#: Outputs a request may name; ``cum_log_probs`` and ``output_log_probs`` need ``return_log_probs``.
+OUTPUT_NAMES = (TEXT_OUTPUT, CUM_LOG_PROBS, OUTPUT_LOG_PROBS, PROMPT_TOKENS, COMPLETION_TOKENS)
+_LOG_PROB_OUTPUTS = (CUM_LOG_PROBS, OUTPUT_LOG_PROBS)
 
 #: What ModelMetadata shows for a generative model: the request interface, not the graph's tensors.
 METADATA = ModelMetadata(
@@ -74,12 +102,25 @@ METADATA = ModelMetadata(
         TensorSpec(name="max_tokens", datatype="INT32", shape=(DYNAMIC, 1)),
         TensorSpec(name="temperature", datatype="FP32", shape=(DYNAMIC, 1)),
         TensorSpec(name="top_k", datatype="INT32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="top_p", datatype="FP32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="repetition_penalty", datatype="FP32", shape=(DYNAMIC, 1)),
         TensorSpec(name="random_seed", datatype="UINT64", shape=(DYNAMIC, 1)),
         TensorSpec(name="stop_words", datatype="BYTES", shape=(DYNAMIC, DYNAMIC)),
+        TensorSpec(name="bad_words", datatype="BYTES", shape=(DYNAMIC, DYNAMIC)),
         TensorSpec(name="end_id", datatype="INT32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="pad_id", datatype="INT32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="beam_width", datatype="INT32", shape=(DYNAMIC, 1)),
+        TensorSpec(name="exclude_input_in_output", datatype="BOOL", shape=(DYNAMIC, 1)),
+        TensorSpec(name="return_log_probs", datatype="BOOL", shape=(DYNAMIC, 1)),
         TensorSpec(name="stream", datatype="BOOL", shape=(DYNAMIC, 1)),
     ),
-    outputs=(TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=(DYNAMIC, 1)),),
+    outputs=(
+        TensorSpec(name=TEXT_OUTPUT, datatype="BYTES", shape=(DYNAMIC, 1)),
+        TensorSpec(name=CUM_LOG_PROBS, datatype="FP32", shape=(DYNAMIC, 1)),
+        TensorSpec(name=OUTPUT_LOG_PROBS, datatype="FP32", shape=(DYNAMIC, 1, DYNAMIC)),
+        TensorSpec(name=PROMPT_TOKENS, datatype="INT32", shape=(DYNAMIC, 1)),
+        TensorSpec(name=COMPLETION_TOKENS, datatype="INT32", shape=(DYNAMIC, 1)),
+    ),
 )
 
 #: How many tokens a sequence may be ahead of its consumer before it is left out of the steps (see the
@@ -92,7 +133,7 @@ OUTCOMES = ("length", "stop_word", "end_id", "cancelled", "error")
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
-    """A validated request: what to continue, how far, and how to pick tokens."""
+    """A validated request: what to continue, how far, how to pick tokens and what to answer."""
 
     prompt: bytes
     max_tokens: int
@@ -100,12 +141,29 @@ class GenerationRequest:
     temperature: float = 0.0
     #: Sampling only: draw from the ``top_k`` most likely tokens; 0: from all of them.
     top_k: int = 0
+    #: Sampling only: draw from the fewest most likely tokens whose probabilities add up to ``top_p``
+    #: (nucleus sampling); 1: from all of them.
+    top_p: float = 1.0
+    #: Every token already in the prompt or the text has its logit divided by this (a positive logit)
+    #: or multiplied by it (a negative one) before picking, as TensorRT-LLM does; 1: no penalty.
+    repetition_penalty: float = 1.0
     #: Sampling only: the same seed gives the same text.
     seed: int = 0
     #: Generation stops once its text ends with one of these (the stop word is part of the text).
     stop_words: tuple[bytes, ...] = ()
+    #: Never generated: the token that would complete one of these (after the prompt and the text so
+    #: far) is never picked.
+    bad_words: tuple[bytes, ...] = ()
     #: Generation stops when this token is picked (it is not sent).
     end_id: int | None = None
+    #: Pads a prompt shorter than the graph's context; None: the model's ``pad_id``.
+    pad_id: int | None = None
+    #: False: a whole (non-streamed) answer starts with the prompt, as TensorRT-LLM's does.
+    exclude_input: bool = True
+    #: Answer the generated tokens' log-probabilities (``cum_log_probs``, ``output_log_probs``).
+    log_probs: bool = False
+    #: True: a response per token (per UTF-8 character); False: one response with the whole text.
+    stream: bool = True
     #: ``text_input``'s shape, so ``text_output`` has the same rank ([1] or [1, 1]).
     text_shape: tuple[int, ...] = (1, 1)
 
@@ -131,15 +189,20 @@ def check_headers(inputs: Sequence[InputHeader], requested_outputs: Sequence[str
             raise InvalidInput(
                 f"input '{header.name}': needs exactly one value (shape [1] or [1, 1]), got shape {list(header.shape)}"
             )
+    for alias, name in _ALIASES.items():
+        if alias in seen and name in seen:
+            raise InvalidInput(f"inputs '{alias}' and '{name}' are one setting under two names; send one of them")
     for required in (TEXT_INPUT, "max_tokens"):
         if required not in seen:
             raise InvalidInput(f"missing input '{required}'; a generative model needs {TEXT_INPUT} and max_tokens")
     for name in requested_outputs:
-        if name != TEXT_OUTPUT:
-            raise InvalidInput(f"unknown requested output '{name}'; a generative model returns ['{TEXT_OUTPUT}']")
+        if name not in OUTPUT_NAMES:
+            raise InvalidInput(f"unknown requested output '{name}'; a generative model returns {list(OUTPUT_NAMES)}")
 
 
-def read_request(arrays: Mapping[str, np.ndarray], *, max_tokens_limit: int) -> GenerationRequest:
+def read_request(
+    arrays: Mapping[str, np.ndarray], *, max_tokens_limit: int, requested_outputs: Sequence[str] = ()
+) -> GenerationRequest:
     """Decoded inputs (headers already checked) → a GenerationRequest; InvalidInput naming a bad value."""
     prompt = bytes(arrays[TEXT_INPUT].reshape(-1)[0])
     try:
@@ -147,46 +210,91 @@ def read_request(arrays: Mapping[str, np.ndarray], *, max_tokens_limit: int) -> 
     except UnicodeDecodeError as error:
         bad = f"byte {error.start} is {prompt[error.start]:#04x}"
         raise InvalidInput(f"input '{TEXT_INPUT}': not UTF-8 text ({bad})") from None
+    arrays = {_ALIASES.get(name, name): array for name, array in arrays.items()}
     max_tokens = _integer(arrays, "max_tokens")
     if not 1 <= max_tokens <= max_tokens_limit:
         raise InvalidInput(f"input 'max_tokens': must be between 1 and {max_tokens_limit}, got {max_tokens}")
-    temperature = 0.0
-    if "temperature" in arrays:
-        temperature = float(arrays["temperature"].reshape(-1)[0])
-        if not math.isfinite(temperature) or temperature < 0:
-            raise InvalidInput(f"input 'temperature': must be a finite number >= 0, got {temperature}")
+    if "beam_width" in arrays and (beam_width := _integer(arrays, "beam_width")) != 1:
+        raise InvalidInput(f"input 'beam_width': beam search is not supported, beam_width must be 1, got {beam_width}")
+    temperature = _number(arrays, "temperature", 0.0)
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidInput(f"input 'temperature': must be a finite number >= 0, got {temperature}")
     top_k = _integer(arrays, "top_k") if "top_k" in arrays else 0
     if top_k < 0:
         raise InvalidInput(f"input 'top_k': must be >= 0 (0: no limit), got {top_k}")
+    top_p = _number(arrays, "top_p", 1.0)
+    if not 0 <= top_p <= 1:  # NaN fails too
+        raise InvalidInput(f"input 'top_p': must be between 0 and 1 (0 or 1: no limit), got {top_p}")
+    repetition_penalty = _number(arrays, "repetition_penalty", 1.0)
+    if not math.isfinite(repetition_penalty) or repetition_penalty <= 0:
+        raise InvalidInput(
+            f"input 'repetition_penalty': must be a finite number > 0 (1: no penalty), got {repetition_penalty}"
+        )
     seed = _integer(arrays, "random_seed") if "random_seed" in arrays else 0
     if seed < 0:
-        raise InvalidInput(f"input 'random_seed': must be >= 0, got {seed}")
-    end_id = None
-    if "end_id" in arrays:
-        end_id = _integer(arrays, "end_id")
-        if not 0 <= end_id < VOCABULARY:
-            raise InvalidInput(f"input 'end_id': must be a token id between 0 and {VOCABULARY - 1}, got {end_id}")
-    stop_words: list[bytes] = []
-    if "stop_words" in arrays:
-        for index, word in enumerate(arrays["stop_words"].reshape(-1)):
-            word = bytes(word)
-            if not word:
-                raise InvalidInput(f"input 'stop_words': element {index} is empty")
-            stop_words.append(word)
+        raise InvalidInput(f"input 'random_seed' (or 'seed'): must be >= 0, got {seed}")
+    end_id = _token(arrays, "end_id")
+    pad_id = _token(arrays, "pad_id")
+    log_probs = _flag(arrays, "return_log_probs", False)
+    for name in requested_outputs:
+        if name in _LOG_PROB_OUTPUTS and not log_probs:
+            raise InvalidInput(f"requested output '{name}' needs the input 'return_log_probs' set to true")
     return GenerationRequest(
         prompt=prompt,
         max_tokens=max_tokens,
         temperature=temperature,
         top_k=top_k,
+        top_p=top_p if top_p > 0 else 1.0,
+        repetition_penalty=repetition_penalty,
         seed=seed,
-        stop_words=tuple(stop_words),
+        stop_words=_words(arrays, "stop_words"),
+        bad_words=_words(arrays, "bad_words"),
         end_id=end_id,
+        pad_id=pad_id,
+        exclude_input=_flag(arrays, "exclude_input_in_output", True),
+        log_probs=log_probs,
+        stream=_flag(arrays, "stream", True),
         text_shape=tuple(int(dim) for dim in arrays[TEXT_INPUT].shape),
     )
 
 
 def _integer(arrays: Mapping[str, np.ndarray], name: str) -> int:
     return int(arrays[name].reshape(-1)[0])
+
+
+def _number(arrays: Mapping[str, np.ndarray], name: str, default: float) -> float:
+    return float(arrays[name].reshape(-1)[0]) if name in arrays else default
+
+
+def _flag(arrays: Mapping[str, np.ndarray], name: str, default: bool) -> bool:
+    return bool(arrays[name].reshape(-1)[0]) if name in arrays else default
+
+
+def _token(arrays: Mapping[str, np.ndarray], name: str) -> int | None:
+    if name not in arrays:
+        return None
+    token = _integer(arrays, name)
+    if not 0 <= token < VOCABULARY:
+        raise InvalidInput(f"input '{name}': must be a token id between 0 and {VOCABULARY - 1}, got {token}")
+    return token
+
+
+def _words(arrays: Mapping[str, np.ndarray], name: str) -> tuple[bytes, ...]:
+    """A word list as TensorRT-LLM's preprocessing reads it: each element holds one or more words,
+    comma-separated (CSV: a word with a comma is quoted)."""
+    if name not in arrays:
+        return ()
+    words: list[bytes] = []
+    for index, element in enumerate(arrays[name].reshape(-1)):
+        try:
+            text = bytes(element).decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput(f"input '{name}': element {index} is not UTF-8 text") from None
+        fields = next(csv.reader([text]), [])
+        if not fields or not all(fields):
+            raise InvalidInput(f"input '{name}': element {index} has an empty word ({text!r})")
+        words.extend(field.encode() for field in fields)
+    return tuple(words)
 
 
 def step_interface(engine: ModelMetadata, source: str) -> tuple[str, str, int]:
@@ -214,10 +322,12 @@ def step_interface(engine: ModelMetadata, source: str) -> tuple[str, str, int]:
 @dataclass(frozen=True, slots=True)
 class Token:
     """One step's result for one sequence. ``text`` None: the generation ended without a new token
-    (its end token was picked), ``final`` is then True."""
+    (its end token was picked), ``final`` is then True. ``log_prob``: the token's log-probability,
+    when the request asked for them."""
 
     text: bytes | None
     final: bool
+    log_prob: float | None = None
 
 
 @dataclass(eq=False)
@@ -236,31 +346,76 @@ class _Sequence:
     #: Left out of the steps since it reached the window (step thread only, under the condition).
     paused: bool = False
     tail: bytes = b""
+    #: The last bytes of the prompt and text, as many as the longest bad word needs to be matched.
+    recent: bytes = b""
+    #: Tokens in the prompt or the text so far (the repetition penalty applies to them); None: no penalty.
+    seen: np.ndarray | None = None
     cancelled: bool = False
     done: bool = False
     admitted_at: float = field(default_factory=time.monotonic)
 
-    def pick(self, logits: np.ndarray) -> int:
+    def __post_init__(self) -> None:
         request = self.request
-        if request.temperature == 0:
-            return int(np.argmax(logits))
-        with np.errstate(over="ignore", invalid="ignore"):
-            scaled = logits.astype(np.float64) / request.temperature
-        if not np.isfinite(scaled.max()):
+        if request.bad_words:
+            self.recent = _last(request.prompt, self._recent_size)
+        if request.repetition_penalty != 1.0:
+            self.seen = np.zeros(VOCABULARY, dtype=np.bool_)
+            self.seen[np.frombuffer(request.prompt, dtype=np.uint8)] = True
+
+    @property
+    def _recent_size(self) -> int:
+        return max(len(word) for word in self.request.bad_words) - 1 if self.request.bad_words else 0
+
+    def pick(self, logits: np.ndarray) -> tuple[int, float | None]:
+        """The next token and, when the request asks for log-probabilities, its log-probability under
+        the distribution it was picked from (after the repetition penalty, bad words and temperature;
+        before top-k and top-p narrow it)."""
+        request = self.request
+        scores = logits.astype(np.float64)
+        if self.seen is not None:
+            penalty = request.repetition_penalty
+            repeated = scores[self.seen]
+            scores[self.seen] = np.where(repeated > 0, repeated / penalty, repeated * penalty)
+        if request.bad_words:
+            banned = [word[-1] for word in request.bad_words if self.recent.endswith(word[:-1])]
+            scores[banned] = -np.inf
+        token: int | None = None
+        if request.temperature > 0:
+            with np.errstate(over="ignore", invalid="ignore"):
+                scaled = scores / request.temperature
             # A temperature so close to 0 that the scaled logits overflow is greedy in the limit;
             # sampling from the overflowed values would draw the last token (an invalid UTF-8 byte).
-            return int(np.argmax(logits))
+            if np.isfinite(scaled.max()):
+                token, scores = self._sample(scaled), scaled
+        if token is None:
+            token = int(np.argmax(scores))
+        if not request.log_probs:
+            return token, None
+        top = scores.max()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            log_prob = float(scores[token] - top - np.log(np.sum(np.exp(scores - top))))
+        return token, log_prob
+
+    def _sample(self, scaled: np.ndarray) -> int:
+        request = self.request
         candidates: np.ndarray | None = None
         if 0 < request.top_k < len(scaled):
             candidates = np.argpartition(scaled, -request.top_k)[-request.top_k :]
             scaled = scaled[candidates]
         weights = np.exp(scaled - scaled.max())
+        if request.top_p < 1:
+            order = np.argsort(-weights, kind="stable")
+            kept = np.cumsum(weights[order])
+            nucleus = order[: int(np.searchsorted(kept, request.top_p * kept[-1], side="left")) + 1]
+            narrowed = np.zeros_like(weights)
+            narrowed[nucleus] = weights[nucleus]
+            weights = narrowed
         cumulative = np.cumsum(weights)
         drawn = self.rng.random() * cumulative[-1]
         chosen = min(int(np.searchsorted(cumulative, drawn, side="right")), len(scaled) - 1)
         return int(candidates[chosen]) if candidates is not None else chosen
 
-    def advance(self, token: int) -> tuple[Token, str | None]:
+    def advance(self, token: int, log_prob: float | None = None) -> tuple[Token, str | None]:
         """The event for ``token`` and, when the generation ends with it, why."""
         request = self.request
         if request.end_id is not None and token == request.end_id:
@@ -269,14 +424,98 @@ class _Sequence:
         self.context.append(token)
         del self.context[0]
         text = bytes((token,))
+        if self.seen is not None:
+            self.seen[token] = True
+        if request.bad_words:
+            self.recent = _last(self.recent + text, self._recent_size)
         if request.stop_words:
             longest = max(len(word) for word in request.stop_words)
             self.tail = (self.tail + text)[-longest:]
             if any(self.tail.endswith(word) for word in request.stop_words):
-                return Token(text=text, final=True), "stop_word"
+                return Token(text=text, final=True, log_prob=log_prob), "stop_word"
         if self.generated >= request.max_tokens:
-            return Token(text=text, final=True), "length"
-        return Token(text=text, final=False), None
+            return Token(text=text, final=True, log_prob=log_prob), "length"
+        return Token(text=text, final=False, log_prob=log_prob), None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What one response carries: text that is whole UTF-8 characters (a byte-level model makes a
+    multi-byte character over several tokens: they are held until it is complete; the final reply
+    carries whatever is left, complete or not), its tokens' log-probabilities and, on the final reply,
+    the token usage."""
+
+    #: None: the generation ended with no text left to send (its end token was picked).
+    text: bytes | None
+    final: bool
+    #: One per token in ``text`` (empty unless the request asked for log-probabilities).
+    log_probs: tuple[float, ...] = ()
+    #: The sum of the log-probabilities of every token so far.
+    cum_log_prob: float = 0.0
+    #: Final reply only: tokens of the prompt and tokens generated (the end token is not counted).
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+async def replies(tokens: AsyncIterator[Token], request: GenerationRequest, *, stream: bool) -> AsyncIterator[Reply]:
+    """``tokens`` as responses: with ``stream``, one reply per complete UTF-8 character or run of them
+    (tokens that leave a character unfinished make no reply), the last one ``final``; without, one final
+    reply with the whole text, preceded by the prompt unless the request excludes it. A streamed answer
+    never repeats the prompt (TensorRT-LLM's streamed responses hold new tokens only)."""
+    pending = bytearray(request.prompt if not stream and not request.exclude_input else b"")
+    log_probs: list[float] = []
+    cumulative = 0.0
+    completion = 0
+    async for token in tokens:
+        if token.text is not None:
+            completion += 1
+            pending += token.text
+            if token.log_prob is not None:
+                log_probs.append(token.log_prob)
+                cumulative += token.log_prob
+        if token.final:
+            text = bytes(pending) if pending or token.text is not None or not stream else None
+            yield Reply(
+                text=text,
+                final=True,
+                log_probs=tuple(log_probs),
+                cum_log_prob=cumulative,
+                prompt_tokens=len(request.prompt),
+                completion_tokens=completion,
+            )
+            return
+        if not stream or token.text is None:
+            continue
+        whole = len(pending) - _unfinished(pending)
+        if whole:
+            held = len(pending) - whole
+            yield Reply(
+                text=bytes(pending[:whole]),
+                final=False,
+                log_probs=tuple(log_probs[: len(log_probs) - held]),
+                cum_log_prob=cumulative - sum(log_probs[len(log_probs) - held :]),
+            )
+            del pending[:whole]
+            del log_probs[: len(log_probs) - held]
+
+
+def _last(data: bytes, size: int) -> bytes:
+    """The last ``size`` bytes of ``data`` (all of it when shorter; none for 0)."""
+    return data[max(0, len(data) - size) :]
+
+
+def _unfinished(data: bytes | bytearray) -> int:
+    """How many bytes at the end of ``data`` begin a UTF-8 character without finishing it (0 to 3).
+    A byte that can begin no character (or a sequence that is already invalid) is not held: it could
+    never be completed."""
+    for size in range(1, min(3, len(data)) + 1):
+        if data[-size] & 0xC0 != 0x80:  # not a continuation byte: the last character starts here
+            try:
+                bytes(data[-size:]).decode("utf-8")
+            except UnicodeDecodeError as error:
+                return size if error.reason == "unexpected end of data" else 0
+            return 0
+    return 0
 
 
 class GenerationScheduler:
@@ -358,7 +597,8 @@ class GenerationScheduler:
         prompt = list(request.prompt[-self._context :])
         sequence = _Sequence(
             request=request,
-            context=[self._pad_id] * (self._context - len(prompt)) + prompt,
+            context=[self._pad_id if request.pad_id is None else request.pad_id] * (self._context - len(prompt))
+            + prompt,
             deliver=queue.put_nowait,
             rng=np.random.default_rng(request.seed),
         )
@@ -431,6 +671,7 @@ class GenerationScheduler:
                         self._finish(sequence, "error")
                 self._fail(active, BackendError("inference failed"))
                 active = []
+                self._active = 0
 
     def _step(self, active: list[_Sequence]) -> None:
         """One backend run over ``active``; the sequences it ends are marked done."""
@@ -441,12 +682,16 @@ class GenerationScheduler:
             raise ValueError(f"logits of shape {list(logits.shape)} for {len(active)} sequences")
         seconds = time.perf_counter() - began
         events: list[tuple[_Sequence, Token]] = []
+        ended_now = 0
         for row, sequence in enumerate(active):
-            token, ended = sequence.advance(sequence.pick(logits[row]))
+            token, ended = sequence.advance(*sequence.pick(logits[row]))
             events.append((sequence, token))
             sequence.produced += 1
             if ended is not None:
                 self._finish(sequence, ended)
+                ended_now += 1
+        # Before the tokens are handed over: a client that saw its last token sees the gauge without it.
+        self._active -= ended_now
         made = sum(token.text is not None for _, token in events)
         self._metrics.step_ran(sequences=len(active), tokens=made, seconds=seconds)
         assert self._loop is not None

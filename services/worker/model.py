@@ -236,10 +236,14 @@ class ServedModel:
             raise ModelNotReady(f"model '{self.name}' version '{self.version}' is not ready")
         check_headers(inputs, requested_outputs)
 
-    def generation_request(self, arrays: Mapping[str, np.ndarray]) -> GenerationRequest:
+    def generation_request(
+        self, arrays: Mapping[str, np.ndarray], requested_outputs: Sequence[str] = ()
+    ) -> GenerationRequest:
         """Decoded inputs whose headers passed :meth:`check_generation` → a request (InvalidInput naming a value)."""
         assert self.config.generation is not None
-        return read_request(arrays, max_tokens_limit=self.config.generation.max_tokens_limit)
+        return read_request(
+            arrays, max_tokens_limit=self.config.generation.max_tokens_limit, requested_outputs=requested_outputs
+        )
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Token]:
         """The request's tokens as the scheduler steps them; the last one is ``final``."""

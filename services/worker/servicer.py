@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+import numpy as np
 import structlog
 
 import splitstream
@@ -23,7 +24,16 @@ from splitstream.common.handlers import parse, typed_unary
 from splitstream.common.headers import REQUEST_ID_HEADER, from_header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.tensors import datatype_of, input_arrays, to_raw
-from splitstream.worker.generation import TEXT_OUTPUT, GenerationRequest
+from splitstream.worker.generation import (
+    COMPLETION_TOKENS,
+    CUM_LOG_PROBS,
+    OUTPUT_LOG_PROBS,
+    PROMPT_TOKENS,
+    TEXT_OUTPUT,
+    GenerationRequest,
+    Reply,
+    replies,
+)
 from splitstream.worker.metrics import WorkerMetrics
 from splitstream.worker.model import ServedModel
 from splitstream.worker.validation import InputHeader
@@ -139,31 +149,31 @@ class InferenceServicer:
 
     async def _generate_whole(self, request: oip.ModelInferRequest) -> oip.ModelInferResponse:
         """ModelInfer on a generative model: the whole generation in one response (``text_output`` holds
-        every token's text), for clients that cannot stream; the same scheduler steps it."""
+        all of it, whatever ``stream`` says: a unary call answers once), for clients that cannot stream;
+        the same scheduler steps it."""
         generation = self._generation_request(request)
-        text = bytearray()
-        async with contextlib.aclosing(self._model.generate(generation)) as tokens:
-            async for token in tokens:
-                text += token.text or b""
         response = self._response_head(request)
-        response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=generation.text_shape)
-        response.raw_output_contents.append(_LENGTH.pack(len(text)) + bytes(text))
+        async with (
+            contextlib.aclosing(self._model.generate(generation)) as tokens,
+            contextlib.aclosing(replies(tokens, generation, stream=False)) as answer,
+        ):
+            async for reply in answer:
+                _add_reply(response, generation, reply, empty_final=False)
         return response
 
     def _generation_request(self, request: oip.ModelInferRequest) -> GenerationRequest:
         model = self._model
-        model.check_generation(
-            [InputHeader(t.name, t.datatype, tuple(t.shape)) for t in request.inputs],
-            [o.name for o in request.outputs],
-        )
-        return model.generation_request(input_arrays(request))
+        requested = [o.name for o in request.outputs]
+        model.check_generation([InputHeader(t.name, t.datatype, tuple(t.shape)) for t in request.inputs], requested)
+        return model.generation_request(input_arrays(request), requested)
 
     def _response_head(self, request: oip.ModelInferRequest) -> oip.ModelInferResponse:
         return oip.ModelInferResponse(model_name=self._model.name, model_version=self._model.version, id=request.id)
 
     async def ModelStreamInfer(self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
         """Triton's bidirectional stream: each request read is served concurrently with the others, its
-        responses written as they come (a generative model: one per token, ``triton_final_response`` true
+        responses written as they come (a generative model: one per token or whole UTF-8 character, or
+        one with the whole text when the request's ``stream`` is false, ``triton_final_response`` true
         on the last; a tensor model: one). A request that fails gets one response with ``error_message``
         and the stream goes on. The call ends OK once the client has closed its side and every request is
         answered; a client that cancels stops every generation of the stream at its next step. A client
@@ -223,9 +233,12 @@ class InferenceServicer:
                 return
             generation = self._generation_request(request)
             empty_final = _bool_parameter(request, ENABLE_EMPTY_FINAL)
-            async with contextlib.aclosing(self._model.generate(generation)) as tokens:
-                async for token in tokens:
-                    await emit(self._token_response(request, generation, token.text, token.final, empty_final))
+            async with (
+                contextlib.aclosing(self._model.generate(generation)) as tokens,
+                contextlib.aclosing(replies(tokens, generation, stream=generation.stream)) as answer,
+            ):
+                async for reply in answer:
+                    await emit(self._reply_response(request, generation, reply, empty_final))
         except SplitstreamError as error:
             code, message = status_of(error)
             await emit(self._error_response(request, message))
@@ -245,23 +258,13 @@ class InferenceServicer:
                 seconds=round(time.perf_counter() - started, 6),
             )
 
-    def _token_response(
-        self,
-        request: oip.ModelInferRequest,
-        generation: GenerationRequest,
-        text: bytes | None,
-        final: bool,
-        empty_final: bool,
+    def _reply_response(
+        self, request: oip.ModelInferRequest, generation: GenerationRequest, reply: Reply, empty_final: bool
     ) -> bytes:
-        """One token's response. ``text`` None (the end token was picked after the last token was sent):
-        an empty final response (no outputs) when the request set ``triton_enable_empty_final_response``,
-        as Triton sends one; otherwise a final response whose ``text_output`` is empty, as TensorRT-LLM's
-        last response is, so a client never waits for a final flag that does not come."""
+        """One reply's response (see :func:`_add_reply`), flagged final on the last."""
         response = self._response_head(request)
-        if text is not None or not empty_final:
-            response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=generation.text_shape)
-            response.raw_output_contents.append(_LENGTH.pack(len(text or b"")) + (text or b""))
-        response.parameters[FINAL_RESPONSE].bool_param = final
+        _add_reply(response, generation, reply, empty_final=empty_final)
+        response.parameters[FINAL_RESPONSE].bool_param = reply.final
         return oip.ModelStreamInferResponse(infer_response=response).SerializeToString()
 
     def _error_response(self, request: oip.ModelInferRequest, message: str) -> bytes:
@@ -269,6 +272,35 @@ class InferenceServicer:
         response = self._response_head(request)
         response.parameters[FINAL_RESPONSE].bool_param = True
         return oip.ModelStreamInferResponse(error_message=message, infer_response=response).SerializeToString()
+
+
+def _add_reply(
+    response: oip.ModelInferResponse, generation: GenerationRequest, reply: Reply, *, empty_final: bool
+) -> None:
+    """``reply`` as outputs: ``text_output`` (the shape of ``text_input``), with ``return_log_probs``
+    ``cum_log_probs`` (the same shape) and ``output_log_probs`` (that shape plus one dimension, a value
+    per token of the text), and on the final reply the usage, ``prompt_tokens`` and ``completion_tokens``
+    (INT32, the same shape). A reply without text (the end token was picked after the last token was
+    sent) has no text outputs when the request set ``triton_enable_empty_final_response``, as Triton's
+    empty final response has none, and otherwise an empty ``text_output``, as TensorRT-LLM's last
+    response is, so a client never waits for a final flag that does not come."""
+    shape = generation.text_shape
+    if reply.text is not None or not empty_final:
+        text = reply.text or b""
+        response.outputs.add(name=TEXT_OUTPUT, datatype="BYTES", shape=shape)
+        response.raw_output_contents.append(_LENGTH.pack(len(text)) + text)
+        if generation.log_probs:
+            _add_array(response, CUM_LOG_PROBS, np.full(shape, reply.cum_log_prob, dtype=np.float32))
+            log_probs = np.array(reply.log_probs, dtype=np.float32).reshape((*shape, len(reply.log_probs)))
+            _add_array(response, OUTPUT_LOG_PROBS, log_probs)
+    if reply.final:
+        _add_array(response, PROMPT_TOKENS, np.full(shape, reply.prompt_tokens, dtype=np.int32))
+        _add_array(response, COMPLETION_TOKENS, np.full(shape, reply.completion_tokens, dtype=np.int32))
+
+
+def _add_array(response: oip.ModelInferResponse, name: str, array: np.ndarray) -> None:
+    response.outputs.add(name=name, datatype=datatype_of(array), shape=array.shape)
+    response.raw_output_contents.append(to_raw(array))
 
 
 def _drain(queue: asyncio.Queue[bytes | None]) -> list[bytes | None]:
