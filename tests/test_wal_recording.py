@@ -454,6 +454,8 @@ def test_the_shipper_refuses_a_value_that_cannot_work_with_exit_2_naming_the_fla
         # Finite, so taken and handed to the child shipper, which held a quiet router's calls until a batch filled
         # (hours, or until the next SIGTERM's drain).
         (("--record-batch-interval-ms", "1e300"), "--record-batch-interval-ms: at most 60000 (a minute), got 1e+300"),
+        # The child shipper refuses 0 (and nan): the router checks the record-batch flags as the shipper does.
+        (("--record-batch-interval-ms", "0"), "--record-batch-interval-ms: must be positive, got 0.0"),
         # Under 64 KiB (with a stream cap under half of it): handed to the child shipper, which dropped every record
         # as too large.
         (
