@@ -375,7 +375,7 @@ def test_one_external_shipper_ships_the_logs_of_several_routers(tmp_path: Path) 
             f"127.0.0.1:{stack.recorder_port}",
             "--hmac-key",
             HMAC_KEY,
-            "--spool-dir",
+            "--log-dir",
             str(second_dir),
             "--shipper",
             "external",
@@ -471,7 +471,7 @@ def test_the_router_refuses_a_recording_flag_its_child_shipper_could_not_work_wi
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
     result = run_module(
         "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
-        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"), *flags,
+        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--log-dir", str(tmp_path / "log"), *flags,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [f"splitstream-router: error: {line}"], result.stderr
@@ -493,7 +493,7 @@ def test_the_shipper_refuses_a_log_dir_given_twice_with_exit_2(tmp_path: Path) -
 def test_an_empty_log_directory_is_refused_with_exit_2_not_taken_as_the_working_directory(
     tmp_path: Path, program: str
 ) -> None:
-    """``--log-dir "$UNSET"`` (``--spool-dir`` on a router) was the working directory: the shipper shipped it and
+    """``--log-dir "$UNSET"`` (on a shipper or a router) was the working directory: the shipper shipped it and
     wrote its cursor and lock there, the router its segments."""
     work = tmp_path / "work"
     work.mkdir()
@@ -501,7 +501,7 @@ def test_an_empty_log_directory_is_refused_with_exit_2_not_taken_as_the_working_
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
     flag, args = {
         "shipper": ("--log-dir", ["--recorder", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0"]),
-        "router": ("--spool-dir", ["--registry", f"file:{registry}", "--port", "0", "--recorder", "127.0.0.1:1",
+        "router": ("--log-dir", ["--registry", f"file:{registry}", "--port", "0", "--recorder", "127.0.0.1:1",
                                    "--hmac-key", "k"]),
     }[program]  # fmt: skip
     result = run_module(f"splitstream.{program}", *args, "--metrics-port", "0", flag, "", cwd=work)
@@ -533,7 +533,7 @@ def test_a_log_dir_that_does_not_exist_is_refused_with_exit_2_not_created(tmp_pa
     result = run_shipper("--log-dir", str(typo))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"splitstream-shipper: error: --log-dir {typo}: no such directory (give a router's --spool-dir)"
+        f"splitstream-shipper: error: --log-dir {typo}: no such directory (give a router's --log-dir)"
     ], result.stderr
     assert not typo.exists()
 

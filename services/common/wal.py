@@ -575,7 +575,7 @@ def _held_by_live_process(lock: Path) -> bool:
 
 def stranded_logs(directory: Path, *, also: Sequence[Path] = (), limit: int = 1000) -> list[tuple[Path, int]]:
     """Logs beside ``directory`` (its siblings, their ``proc-*``, and ``also``) that hold unshipped calls while
-    neither a router nor a shipper is at them: what a router restarted with another ``--spool-dir`` left behind,
+    neither a router nor a shipper is at them: what a router restarted with another ``--log-dir`` left behind,
     which nothing would ship. (directory, unshipped bytes) each; at most ``limit`` siblings are looked at."""
     own = directory.resolve()
     candidates: list[Path] = [path.resolve() for path in also]
@@ -607,7 +607,7 @@ def stranded_logs(directory: Path, *, also: Sequence[Path] = (), limit: int = 10
 
 
 def _lock_for_writing(directory: Path) -> int:
-    """Take ``router.lock`` or raise: two routers appending to one directory (``--spool-dir`` left at its default
+    """Take ``router.lock`` or raise: two routers appending to one directory (``--log-dir`` left at its default
     for both, say) each wrote a segment, and the shipper, reading the older as finished, deleted it while its
     router still appended: every call that router answered after that was lost. The kernel frees the lock when
     the router exits however it exits."""

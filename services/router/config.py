@@ -25,8 +25,14 @@ from splitstream.router.auth.jwks import JwtSettings, parse_algorithms
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES
 
 PROG = "splitstream-router"
-#: Where a router logs unless told (--spool-dir): looked at for a log left there by an earlier router.
-SPOOL_DIR_DEFAULT = "splitstream-spool"
+ENV_PREFIX = "SPLITSTREAM_ROUTER_"
+#: Where a router logs unless told (--log-dir): looked at for a log left there by an earlier router. Its name
+#: is from when the directory was called the spool; a router upgraded in place finds its log there.
+LOG_DIR_DEFAULT = "splitstream-spool"
+#: The log directory's flag before --log-dir (the shipper's name for it); taken, with a warning, for a release.
+DEPRECATED_LOG_DIR_FLAG = "--spool-dir"
+#: Deprecated flag → the flag that replaces it (their variables likewise: SPLITSTREAM_ROUTER_<FLAG>).
+RENAMED_FLAGS = {DEPRECATED_LOG_DIR_FLAG: "--log-dir"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +45,7 @@ class RouterConfig:
     eject_after_failures: int
     eject_duration_s: float
     recorder: str
-    spool_dir: str
+    log_dir: str
     spool_max_bytes: int
     hmac_key: str
     #: Passed to the child shipper (the router batches nothing itself), checked here as the shipper does.
@@ -60,6 +66,9 @@ class RouterConfig:
     jwt: JwtSettings | None = None
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
+    #: Deprecated flags (of :data:`RENAMED_FLAGS`, or their variables) that were used: main() says so once
+    #: logging is set up.
+    deprecated: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.eject_after_failures < 1:
@@ -76,9 +85,9 @@ class RouterConfig:
             raise ConfigError(f"--log-flush-interval-s: must be a finite number > 0, got {self.log_flush_interval_s}")
         if self.recorder:
             check_recorder_address(self.recorder)
-        if self.recorder and not self.spool_dir.strip():
-            # ``--spool-dir "$UNSET"``: the log (segments, cursor, lock) went into the working directory.
-            raise ConfigError("--spool-dir: must name a directory, got an empty value")
+        if self.recorder and not self.log_dir.strip():
+            # ``--log-dir "$UNSET"`` would put the log (segments, cursor, lock) in the working directory.
+            raise ConfigError("--log-dir: must name a directory, got an empty value")
         if self.recorder and not self.hmac_key:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         if self.jwt is not None and not self.auth_principals:
@@ -109,7 +118,7 @@ class RouterConfig:
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(
         prog=PROG,
-        env_prefix="SPLITSTREAM_ROUTER_",
+        env_prefix=ENV_PREFIX,
         description=(
             "Serve the Open Inference Protocol (KServe v2 gRPC) and splitstream.v1.Router on one port, "
             "split each model's traffic between its versions by a sticky hash of the routing key, and "
@@ -167,11 +176,16 @@ def build_parser() -> EnvArgumentParser:
         help="recorder address host:port; every call, and every event reported to Feedback/Report, is mirrored to it",
     )
     recording.add_argument(
-        "--spool-dir",
-        default=SPOOL_DIR_DEFAULT,
+        "--log-dir",
+        default=LOG_DIR_DEFAULT,
         help="the write-ahead log directory: every answered call is appended here and shipped to the recorder "
-        "by splitstream-shipper (one directory per router process; with --processes N, child i logs to "
-        "SPOOL_DIR/proc-i)",
+        "by splitstream-shipper (its --log-dir; one directory per router process; with --processes N, child i "
+        "logs to LOG_DIR/proc-i)",
+    )
+    recording.add_argument(
+        DEPRECATED_LOG_DIR_FLAG,
+        default=None,
+        help="deprecated: the old name of --log-dir, taken with a warning until the next release",
     )
     recording.add_argument(
         "--spool-max-bytes",
@@ -187,7 +201,7 @@ def build_parser() -> EnvArgumentParser:
         default="child",
         help="child: the router runs its own splitstream-shipper (restarted if it dies, stopped after the "
         "router's drain; with --processes N one shipper for all N logs); external: one shipper per host ships "
-        "this --spool-dir with other routers'",
+        "this --log-dir with other routers'",
     )
     recording.add_argument(
         "--shipper-metrics-port",
@@ -283,11 +297,17 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
     args = parser.parse_args(argv)
     index = process_index()
     router_id = args.router_id or f"{socket.gethostname()}-{os.getpid()}"
-    spool_dir = args.spool_dir
+    deprecated: tuple[str, ...] = ()
+    if args.spool_dir is not None:
+        if args.log_dir not in (LOG_DIR_DEFAULT, args.spool_dir):
+            parser.error(f"{DEPRECATED_LOG_DIR_FLAG} is the old name of --log-dir: give --log-dir only")
+        args.log_dir = args.spool_dir
+        deprecated = (DEPRECATED_LOG_DIR_FLAG,)
+    log_dir = args.log_dir
     shipper = args.shipper
     if index is not None:
         # A --processes child: its own log (resumed when it is restarted) and name; the parent runs the shipper.
-        spool_dir = child_spool_dir(args.spool_dir, index)
+        log_dir = child_log_dir(args.log_dir, index)
         router_id = f"{args.router_id}-{index}" if args.router_id else router_id
         shipper = "external"
     try:
@@ -299,7 +319,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             eject_after_failures=args.eject_after_failures,
             eject_duration_s=args.eject_duration_s,
             recorder=args.recorder,
-            spool_dir=spool_dir,
+            log_dir=log_dir,
             spool_max_bytes=args.spool_max_bytes,
             # One deployment-wide key serves router, recorder and replayer alike.
             hmac_key=args.hmac_key or os.environ.get("SPLITSTREAM_HMAC_KEY", ""),
@@ -321,15 +341,16 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             auth_principals=args.auth_principals,
             jwt=_jwt_settings(args),
             service_token=read_service_token(args.service_token_file),
+            deprecated=deprecated,
         )
     except ConfigError as error:
         parser.error(str(error))
     raise AssertionError("unreachable: parser.error exits")
 
 
-def child_spool_dir(spool_dir: str, index: int) -> str:
+def child_log_dir(log_dir: str, index: int) -> str:
     """The write-ahead log directory of ``--processes`` child ``index``."""
-    return os.path.join(spool_dir, f"proc-{index}")
+    return os.path.join(log_dir, f"proc-{index}")
 
 
 def _shipper_args(args: argparse.Namespace, record_batch: RecordBatchSettings) -> tuple[str, ...]:
@@ -337,10 +358,10 @@ def _shipper_args(args: argparse.Namespace, record_batch: RecordBatchSettings) -
     ``--processes N`` the parent's one shipper ships every child's log directory, and the top directory
     first: what a router of another ``--processes`` (or an older router's spool) left is shipped, not stranded."""
     processes = getattr(args, "processes", 1)
-    children = {child_spool_dir(args.spool_dir, i) for i in range(processes)} if processes > 1 else set()
+    children = {child_log_dir(args.log_dir, i) for i in range(processes)} if processes > 1 else set()
     # A router that ran with another --processes left its children's logs here: ship them too.
-    children |= {str(path) for path in Path(args.spool_dir).glob("proc-*") if path.is_dir()}
-    log_dirs = [args.spool_dir, *sorted(children)]
+    children |= {str(path) for path in Path(args.log_dir).glob("proc-*") if path.is_dir()}
+    log_dirs = [args.log_dir, *sorted(children)]
     out = [
         "--recorder", args.recorder,
         *(flag for log_dir in log_dirs for flag in ("--log-dir", log_dir)),

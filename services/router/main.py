@@ -29,7 +29,15 @@ from splitstream.router.auth.interceptor import Authenticator, AuthInterceptor, 
 from splitstream.router.auth.jwks import JwtVerifier
 from splitstream.router.auth.policy import Policy
 from splitstream.router.auth.ratelimit import RateLimiter
-from splitstream.router.config import PROG, SPOOL_DIR_DEFAULT, RouterConfig, child_spool_dir, parse_args
+from splitstream.router.config import (
+    ENV_PREFIX,
+    LOG_DIR_DEFAULT,
+    PROG,
+    RENAMED_FLAGS,
+    RouterConfig,
+    child_log_dir,
+    parse_args,
+)
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.feedback import FeedbackService
 from splitstream.router.metrics import RouterMetrics
@@ -65,7 +73,14 @@ def open_registry(spec: str) -> Registry:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``splitstream-router``; exit codes as :mod:`splitstream.common.runtime` says."""
     config = parse_args(argv)
-    configure_logging(config.server.log_level, service="router")
+    log = configure_logging(config.server.log_level, service="router")
+    for old in config.deprecated if process_index() is None else ():  # said once, by the parent of --processes
+        new = RENAMED_FLAGS[old]
+        log.warning(
+            f"{old} is deprecated and will be removed in the next release: use {new}",
+            deprecated=f"{old} ({_variable(old)})",
+            use=f"{new} ({_variable(new)})",
+        )
     try:
         registry = open_registry(config.registry)
     except ConfigError as error:
@@ -75,15 +90,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_service(config.server, lambda: Router(config, registry), prog=PROG)
 
 
+def _variable(flag: str) -> str:
+    return ENV_PREFIX + flag.removeprefix("--").upper().replace("-", "_")
+
+
 def _supervise(config: RouterConfig, argv: Sequence[str]) -> int:
     """``--processes N``: N routers on one port; with ``--shipper child`` one shipper for their N logs."""
     companion = None
     if config.recorder and config.shipper == "child":
         try:
             for index in range(config.server.processes):  # the shipper opens them before the children start
-                os.makedirs(child_spool_dir(config.spool_dir, index), exist_ok=True)
+                os.makedirs(child_log_dir(config.log_dir, index), exist_ok=True)
         except OSError as error:
-            fail(PROG, f"--spool-dir {config.spool_dir}: {error.strerror or error}")
+            fail(PROG, f"--log-dir {config.log_dir}: {error.strerror or error}")
 
         def companion(registry: CollectorRegistry) -> ShipperChild:
             return ShipperChild(config.shipper_args, registry, stop_timeout_s=15.0)
@@ -136,7 +155,7 @@ class Router(Service):
         if config.recorder:
             try:
                 self.mirror = CallLog(
-                    config.spool_dir,
+                    config.log_dir,
                     self.metrics,
                     router_id=config.router_id,
                     hmac_key=config.hmac_key.encode(),
@@ -146,9 +165,9 @@ class Router(Service):
                     record_credential_headers=config.record_credential_headers,
                 )
             except OSError as error:  # a directory that cannot be created or read is the operator's to fix
-                raise ConfigError(f"--spool-dir {config.spool_dir}: {error.strerror or error}") from None
+                raise ConfigError(f"--log-dir {config.log_dir}: {error.strerror or error}") from None
             if process_index() is None:  # a --processes child's siblings are its sibling routers' logs
-                self.mirror.warn_stranded(also=[SPOOL_DIR_DEFAULT])
+                self.mirror.warn_stranded(also=[LOG_DIR_DEFAULT])
             if config.shipper == "child":
                 # It stops after the router's drain: its SIGTERM drain gets the recorder's ack timeout and some.
                 self.shipper = ShipperChild(config.shipper_args, self.metrics, stop_timeout_s=15.0)

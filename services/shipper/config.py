@@ -45,9 +45,9 @@ class ShipperConfig:
             # Missing, it was created, and a typo (``--log-dir /var/lib/splitsream``) shipped nothing, silently: a
             # router creates its log directory, the shipper only ships one.
             if not os.path.exists(directory):
-                raise ConfigError(f"--log-dir {directory}: no such directory (give a router's --spool-dir)")
+                raise ConfigError(f"--log-dir {directory}: no such directory (give a router's --log-dir)")
             if not os.path.isdir(directory):
-                raise ConfigError(f"--log-dir {directory}: not a directory (give a router's --spool-dir)")
+                raise ConfigError(f"--log-dir {directory}: not a directory (give a router's --log-dir)")
             real = os.path.realpath(directory)
             if real in seen:
                 raise ConfigError(f"--log-dir: {directory} is the same directory as {seen[real]}: give each log once")
@@ -73,7 +73,7 @@ def build_parser() -> EnvArgumentParser:
         "--log-dir",
         action="append",
         required=True,
-        help="a router's log directory (its --spool-dir, which the router creates: a directory that does not exist "
+        help="a router's log directory (its --log-dir, which the router creates: a directory that does not exist "
         "is refused); repeat for several routers on this host",
     )
     parser.add_argument("--recorder", required=True, help="recorder address host:port")

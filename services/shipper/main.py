@@ -68,7 +68,7 @@ class Shipper(Service):
         for directory in () if config.exit_with_parent else config.log_dirs:
             if not (os.path.exists(os.path.join(directory, WRITER_LOCK_FILE)) or segments(Path(directory))):
                 self.log.warning(
-                    "no router has logged to this directory: is it a router's --spool-dir?", log_dir=directory
+                    "no router has logged to this directory: is it a router's --log-dir?", log_dir=directory
                 )
 
     def register(self, server: aio.Server) -> None:
