@@ -79,8 +79,8 @@ class RouterConfig:
         ):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{flag}: must be a finite number >= 0, got {value}")
-        # A float, checked as one: it was checked with the counts (>= 1), so 0.2 was refused as "not positive"
-        # while nan passed (nan < 1 is false) and the flusher's first sleep raised.
+        # A float, not a count: under a second is fine (0.2 bounds a machine crash's loss tighter); nan must be
+        # refused explicitly (every comparison with it is false) or the flusher's first sleep would raise.
         if not (math.isfinite(self.log_flush_interval_s) and self.log_flush_interval_s > 0):
             raise ConfigError(f"--log-flush-interval-s: must be a finite number > 0, got {self.log_flush_interval_s}")
         if self.recorder:

@@ -1,8 +1,8 @@
 """Recording on the router's side: each finished call appended to the local write-ahead log, nothing more.
 
-The router used to build, batch, stream and spool records on the event loop that answers
-calls, and a killed router lost what sat in its memory queue. Now an answered call costs
-one framed append (:mod:`splitstream.common.wal`: a compact header and the request and
+Building, batching and streaming records on the event loop that answers calls would cost
+the router, and a killed router would lose what sat in a memory queue; so an answered call
+costs only one framed append (:mod:`splitstream.common.wal`: a compact header and the request and
 response bytes as they are) to an open segment file; ``splitstream-shipper`` (a child
 process by default, see :mod:`splitstream.router.shipper_child`) turns the log into
 records. The append never waits on the shipper or the network: a log over

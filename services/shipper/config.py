@@ -38,12 +38,12 @@ class ShipperConfig:
         check_recorder_address(self.recorder)
         seen: dict[str, str] = {}
         for directory in self.log_dirs:
-            if not directory.strip():  # ``--log-dir "$UNSET"`` shipped (and wrote a cursor into) the working directory
+            if not directory.strip():  # ``--log-dir "$UNSET"`` would ship (and write a cursor into) the working dir
                 raise ConfigError("--log-dir: must name a directory, got an empty value")
-            # Twice (``spool`` and ``spool/``, or through a link), the shipper waited for ever on the lock it
-            # held itself and shipped nothing.
-            # Missing, it was created, and a typo (``--log-dir /var/lib/splitsream``) shipped nothing, silently: a
-            # router creates its log directory, the shipper only ships one.
+            # A missing directory is refused, not created: a router creates its log directory, the shipper only
+            # ships one, so a typo (``--log-dir /var/lib/splitsream``) would silently ship nothing.
+            # One given twice (``spool`` and ``spool/``, or through a link) is refused: the shipper would wait for
+            # ever on the lock it holds itself, and ship nothing.
             if not os.path.exists(directory):
                 raise ConfigError(f"--log-dir {directory}: no such directory (give a router's --log-dir)")
             if not os.path.isdir(directory):

@@ -303,8 +303,8 @@ def leftover(directory: str | os.PathLike[str], **kwargs: Any) -> Spool | None:
 
 def _numbered(directory: Path, suffix: str) -> set[int]:
     """Numbers of the segments in ``directory`` ending in ``suffix``: regular files named exactly as a spool
-    names them (``00000001.seg``). A foreign ``1.seg``, or a directory so named, was taken for a segment and
-    failed the shipper's start, for ever (a router restarts its child shipper)."""
+    names them (``00000001.seg``). A foreign ``1.seg``, or a directory so named, is not a segment: taken for
+    one, it would fail the shipper's start, for ever (a router restarts its child shipper)."""
     numbers = set()
     for entry in os.scandir(directory):
         stem = entry.name[: -len(suffix)]

@@ -118,8 +118,8 @@ class FileRegistry:
                 signature, text = await asyncio.to_thread(read_if_changed, self.path, last_signature)
                 last_signature = signature
                 if text is not None:
-                    # In a thread: YAML parsing is pure Python, and on the event loop a 10 MB file held
-                    # every call for 2.3 s (measured by probing a running router).
+                    # In a thread: YAML parsing is pure Python, and on the event loop a 10 MB file would hold
+                    # every call for 2.3 s (measured on a running router).
                     state, removed = await asyncio.to_thread(_parse_text, text, str(self.path))
                     refused = guard.check(state, removable=removed)
                     if refused is not None:
