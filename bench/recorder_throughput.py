@@ -97,8 +97,9 @@ def template_record() -> recorder_pb2.CallRecord:
     return record
 
 
-def serialized_batches(template: recorder_pb2.CallRecord, size: int, count: int) -> list[bytes]:
-    """Distinct pre-serialized batches, so the client spends its CPU on sending, not on protobuf."""
+def serialized_batches(template: recorder_pb2.CallRecord, size: int, count: int, models: int = 0) -> list[bytes]:
+    """Distinct pre-serialized batches, so the client spends its CPU on sending, not on protobuf; with
+    ``models``, each batch's records are spread round-robin over that many models."""
     batches = []
     now = time.time_ns()
     for b in range(count):
@@ -106,6 +107,8 @@ def serialized_batches(template: recorder_pb2.CallRecord, size: int, count: int)
         for i in range(size):
             record = batch.records.add()
             record.CopyFrom(template)
+            if models:
+                record.model = f"bench-{i % models}"
             record.request_id = f"req-{b}-{i}"
             record.receive_unix_ns = now + b * size + i
         batches.append(batch.SerializeToString())
@@ -181,22 +184,6 @@ def measured(run: Callable[[], Coroutine[Any, Any, float]], recorder_pid: int, r
     return Round(rate, used[0] / records * 1e6, used[1] / records * 1e6)
 
 
-def model_batches(template: recorder_pb2.CallRecord, size: int, count: int, models: int) -> list[bytes]:
-    """Like :func:`serialized_batches`, each batch's records spread round-robin over ``models`` models."""
-    batches = []
-    now = time.time_ns()
-    for b in range(count):
-        batch = recorder_pb2.RecordBatch(sequence=b)
-        for i in range(size):
-            record = batch.records.add()
-            record.CopyFrom(template)
-            record.model = f"bench-{i % models}"
-            record.request_id = f"req-{b}-{i}"
-            record.receive_unix_ns = now + b * size + i
-        batches.append(batch.SerializeToString())
-    return batches
-
-
 async def drive_many(addresses: list[str], batches: list[bytes], batch_size: int, window: int, seconds: float) -> float:
     """Records acknowledged per second by all of ``addresses`` together, one stream (and connection) each,
     concurrently."""
@@ -256,7 +243,7 @@ def scale_out(args: argparse.Namespace, template: recorder_pb2.CallRecord) -> di
             }
             try:
                 time.sleep(3)  # the health check reaches one child: let the second one start serving too
-                batches = model_batches(template, args.batch, 16, args.models)
+                batches = serialized_batches(template, args.batch, 16, args.models)
                 streams = {name: [r.address] * args.streams for name, r in recorders.items()}
                 for addresses in streams.values():  # warm-up: streams created, connections made
                     asyncio.run(drive_many(addresses, batches, args.batch, args.window, 0.5))

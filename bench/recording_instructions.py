@@ -156,7 +156,7 @@ def main() -> int:
         worker, recorder = start_backend(stack, redis.url)
         registry = tmp / "registry.yaml"
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
-        recording = ["--recorder", recorder.address, "--hmac-key", "bench", "--spool-dir", str(tmp / "spool")]
+        recording = ["--recorder", recorder.address, "--hmac-key", "bench", "--log-dir", str(tmp / "spool")]
         routers: dict[str, CountedRouter] = {}
         for name, extra in (("off", []), ("off'", []), ("on", recording)):
             port = free_port()

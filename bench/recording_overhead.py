@@ -118,7 +118,7 @@ def main() -> int:
                 recorder.address,
                 "--hmac-key",
                 "bench",
-                "--spool-dir",
+                "--log-dir",
                 str(tmp / f"spool-{len(paths)}"),
                 *extra,
                 name=f"router-recording-{len(paths)}",

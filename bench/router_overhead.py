@@ -46,7 +46,7 @@ from bench.loadgen import Result, Summary, cpu_seconds, grpc_frame, h2load_drive
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.tls import ClientTls
 from tests.certs import Pki
-from tests.harness import Stack, free_port, metric_samples, scrape_metrics, wait_for, write_registry
+from tests.harness import ServiceProcess, Stack, free_port, metric_samples, scrape_metrics, wait_for, write_registry
 from tests.models import add_version
 
 MODEL = "bench"
@@ -97,11 +97,7 @@ def scale_out(stack: Stack, repository: Path, worker: str, args: argparse.Namesp
     write_registry(registry, {MODEL: {"endpoints": {"v1": [worker, second.address]}}})
     paths: dict[str, tuple[str, list[int]]] = {}
     for count in (1, 2):
-        router = stack.router(registry, "--log-level", "WARNING", "--processes", str(count))
-        pid = router.process.pid  # type: ignore[union-attr]
-        if count > 1:
-            wait_for(lambda n=count, p=pid: len(_children(p)) == n, timeout_s=30, what="the router's children")
-            time.sleep(3)  # both have started serving by now (the health check reaches one)
+        router, pid = _router_processes(stack, registry, count)
         paths[f"{count} proc"] = (router.address, [pid, *_children(pid)])
     summary = measure(
         paths, infer_request(MODEL), concurrency=64, seconds=args.seconds, rounds=args.rounds, connections=8
@@ -181,11 +177,7 @@ def scale_out_c(stack: Stack, args: argparse.Namespace) -> None:
         write_registry(registry, {MODEL: {"endpoints": {"v1": [worker]}}})
         routers: dict[str, tuple[str, int, int]] = {}  # name -> (address, parent pid, metrics port)
         for count in (1, 2):
-            router = stack.router(registry, "--log-level", "WARNING", "--processes", str(count))
-            pid = router.process.pid  # type: ignore[union-attr]
-            if count > 1:
-                wait_for(lambda n=count, p=pid: len(_children(p)) == n, timeout_s=30, what="the router's children")
-                time.sleep(3)  # both have started serving by now (the health check reaches one)
+            router, pid = _router_processes(stack, registry, count)
             routers[f"{count} proc"] = (router.address, pid, router.metrics_port)
         flight, connections = 64, args.h2load_connections
 
@@ -286,6 +278,16 @@ def _children_cpu_s() -> float:
     """CPU seconds of this process's waited-for children (h2load, once its run has ended)."""
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
+
+
+def _router_processes(stack: Stack, registry: Path, count: int) -> tuple[ServiceProcess, int]:
+    """A router of ``--processes count`` once its children serve, and its (parent's) pid."""
+    router = stack.router(registry, "--log-level", "WARNING", "--processes", str(count))
+    pid = router.process.pid  # type: ignore[union-attr]
+    if count > 1:
+        wait_for(lambda: len(_children(pid)) == count, timeout_s=30, what="the router's children")
+        time.sleep(3)  # both have started serving by now (the health check reaches one)
+    return router, pid
 
 
 def _children(pid: int) -> list[int]:

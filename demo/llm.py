@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "splitstream-router",
                 *("--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", router.split(":")[1]),
                 *("--metrics-port", str(free_port()), "--recorder", recorder, "--hmac-key", hmac_key),
-                *("--spool-dir", str(workdir / "spool"), "--record-batch-interval-ms", "100"),
+                *("--log-dir", str(workdir / "spool"), "--record-batch-interval-ms", "100"),
             ],
             grpc_address=router,
         )

@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 str(router_metrics),
                 "--recorder",
                 recorder,
-                "--spool-dir",
+                "--log-dir",
                 str(workdir / "spool"),
                 "--record-batch-interval-ms",
                 "100",

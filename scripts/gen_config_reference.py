@@ -19,9 +19,9 @@ TARGET = ROOT / "docs" / "configuration.md"
 
 #: (command, module, function returning its ArgumentParser)
 COMMANDS = [
-    ("splitstream-router", "splitstream.router.main", "build_parser"),
+    ("splitstream-router", "splitstream.router.config", "build_parser"),
     ("splitstream-worker", "splitstream.worker.main", "build_parser"),
-    ("splitstream-shipper", "splitstream.shipper.main", "build_parser"),
+    ("splitstream-shipper", "splitstream.shipper.config", "build_parser"),
     ("splitstream-recorder", "splitstream.recorder.config", "build_parser"),
     ("splitstream-replay", "splitstream.replayer.main", "build_parser"),
     ("splitstream-archive", "splitstream.archiver.main", "build_parser"),

@@ -104,7 +104,7 @@ class RecordingStack:
             f"127.0.0.1:{self.recorder_port}",
             "--hmac-key",
             HMAC_KEY,
-            "--spool-dir",
+            "--log-dir",
             str(self.spool_dir),
             "--record-batch-interval-ms",
             "20",

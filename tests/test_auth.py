@@ -749,7 +749,7 @@ def test_a_router_without_the_recorder_s_token_keeps_its_records_in_its_log_and_
     auth: AuthStack, tmp_path: Path
 ) -> None:
     """A token missing on one router is an outage to fix, not a reason to lose its records."""
-    router = auth.stack.start_router("--spool-dir", str(tmp_path / "spool"))
+    router = auth.stack.start_router("--log-dir", str(tmp_path / "spool"))
     for n in range(5):
         assert call(router, rid=f"untokened-{n}")[0] == grpc.StatusCode.OK
     wait_for(

@@ -149,8 +149,8 @@ def test_every_service_command_parses_with_the_services_own_parser(monkeypatch: 
     """Values too, not only flag names: the parsers validate ports, rules and registry specs."""
     from splitstream.archiver.main import parse_args as archiver_args
     from splitstream.recorder.config import parse_args as recorder_args
+    from splitstream.router.config import parse_args as router_args
     from splitstream.router.main import open_registry
-    from splitstream.router.main import parse_args as router_args
     from splitstream.worker.main import build_parser
 
     monkeypatch.setenv("SPLITSTREAM_HMAC_KEY", "compose-check")

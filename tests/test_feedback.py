@@ -461,7 +461,7 @@ def test_an_import_flag_that_cannot_work_exits_2_naming_it_and_sends_nothing(
 def test_a_report_the_log_has_no_room_for_is_refused_whole_and_counted(stack: RecordingStack, tmp_path: Path) -> None:
     # No shipper ships this log and its cap is below one event: the report cannot be logged.
     small = stack.start_router(
-        "--spool-max-bytes", "64", "--spool-dir", str(tmp_path / "spool"), "--shipper", "external"
+        "--spool-max-bytes", "64", "--log-dir", str(tmp_path / "spool"), "--shipper", "external"
     )  # fmt: skip
     try:
         events = [Event(model=MODEL, request_id=f"q{i}", metric="queue", value=1.0) for i in range(6)]
@@ -524,7 +524,7 @@ def test_feedback_a_recorder_older_than_feedback_ignores_is_counted_and_said_not
             extra=(
                 "--recorder", f"127.0.0.1:{old.port}",
                 "--hmac-key", HMAC_KEY,
-                "--spool-dir", str(tmp_path / "spool"),
+                "--log-dir", str(tmp_path / "spool"),
                 "--shipper-metrics-port", str(shipper_port),
                 "--record-batch-interval-ms", "20",
             ),

@@ -28,7 +28,7 @@ from tests.redis_server import RedisServer
 
 def mirror_with_calls(tmp_path: Path, calls: int) -> RecordMirror:
     settings = MirrorSettings(recorder_address="127.0.0.1:1")
-    mirror = RecordMirror(settings, Spool(tmp_path, max_bytes=1 << 20), CollectorRegistry())
+    mirror = RecordMirror(settings, Spool(tmp_path), CollectorRegistry())
     for index in range(calls):
         mirror.offer(
             entry(
@@ -175,7 +175,7 @@ async def test_a_call_that_cannot_be_recorded_is_dropped_alone_and_the_mirror_go
 ) -> None:
     settings = MirrorSettings(recorder_address=backend.recorder_address, batch_interval_s=0.05)
     registry = CollectorRegistry()
-    mirror = RecordMirror(settings, Spool(tmp_path / "spool", max_bytes=1 << 20), registry)
+    mirror = RecordMirror(settings, Spool(tmp_path / "spool"), registry)
     for i in range(10):
         if i == 5:  # a stream field that does not parse: building its record raises
             mirror.offer(entry("odd", stream=b"\xff\xff\xff"))

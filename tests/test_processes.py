@@ -307,7 +307,7 @@ def test_one_and_two_processes_export_the_same_metrics_after_the_same_traffic(tm
         )  # fmt: skip
         router = stack.stack.router(
             stack.registry,
-            "--recorder", f"127.0.0.1:{recorder_port}", "--hmac-key", HMAC_KEY, "--spool-dir", str(tmp_path / "two"),
+            "--recorder", f"127.0.0.1:{recorder_port}", "--hmac-key", HMAC_KEY, "--log-dir", str(tmp_path / "two"),
             "--record-batch-interval-ms", "20", "--shipper-metrics-port", str(free_port()), "--processes", "2",
         )  # fmt: skip
         wait_children_serving(router)

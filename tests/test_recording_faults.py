@@ -20,9 +20,10 @@ import numpy as np
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import PAYLOAD_DROPPED_TAG
-from splitstream.shipper.spool import MAGIC, Spool
+from splitstream.shipper.spool import MAGIC
 from tests.harness import InferClient, SteadyLoad, make_request, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import MODEL, RecordingStack
+from tests.spools import append
 
 #: One batch per call on the router and worker (the worker's dynamic batching would hold large inputs).
 UNBATCHED = {"max_batch_size": 0, "dynamic_batching": {"enabled": False}}
@@ -124,7 +125,6 @@ def test_a_flipped_byte_in_a_spool_left_by_an_older_shipper_loses_only_the_damag
                 stale.unlink()
         # What a shipper from before the log spooled while the recorder was away: entries of a few records.
         ids = [f"spooled-{i:04d}" for i in range(200)]
-        spool = Spool(stack.spool_dir, max_bytes=1 << 30)
         for first in range(0, len(ids), 5):
             records = [
                 recorder_pb2.CallRecord(
@@ -132,7 +132,7 @@ def test_a_flipped_byte_in_a_spool_left_by_an_older_shipper_loses_only_the_damag
                 ).SerializeToString()
                 for request_id in ids[first : first + 5]
             ]
-            assert spool.append(recorder_pb2.EncodedRecordBatch(records=records).SerializeToString(), len(records))
+            append(stack.spool_dir, recorder_pb2.EncodedRecordBatch(records=records).SerializeToString(), len(records))
 
         # Flip one byte of a request id in the middle of the spool: its entry no longer checks.
         target = ids[100].encode()

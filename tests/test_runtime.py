@@ -280,10 +280,10 @@ def test_metrics_host_puts_the_metrics_endpoint_on_its_own_address(
 def test_a_router_whose_spool_dir_cannot_be_made_exits_2_with_one_line(services: Services, tmp_path: Path) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the spool directory should be\n")
-    extra = ("--recorder", f"127.0.0.1:{free_port()}", "--hmac-key", "k", "--spool-dir", str(blocker / "spool"))
+    extra = ("--recorder", f"127.0.0.1:{free_port()}", "--hmac-key", "k", "--log-dir", str(blocker / "spool"))
     args = services.args("router", port=free_port(), metrics_port=free_port(), extra=extra)
     line = one_error_line(services.run("router", args), "router")
-    assert "--spool-dir" in line
+    assert "--log-dir" in line
 
 
 def test_sigterm_ends_a_service_whose_work_lost_the_first_cancel(tmp_path: Path, started: list[ServiceProcess]) -> None:

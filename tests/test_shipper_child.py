@@ -24,7 +24,7 @@ def test_a_router_whose_child_shipper_refuses_its_configuration_at_start_exits_2
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
     result = run_module(
         "splitstream.router", "--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", "0",
-        "--metrics-port", "0", "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(spool),
+        "--metrics-port", "0", "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--log-dir", str(spool),
         timeout_s=60,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr

@@ -1,4 +1,6 @@
-"""The router's on-disk spool: order, cap, restart, torn writes, and damage that costs only what it touches."""
+"""Reading a spool an older shipper left: order, restart, torn writes, and damage that costs only what it touches.
+
+The spools are written as an older shipper wrote them (:mod:`tests.spools`): nothing in splitstream writes one."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitstream.shipper import spool as spool_module
-from splitstream.shipper.spool import CURSOR_WRITE_S, HEADER, Damage, Spool, frame
+from splitstream.shipper.spool import CURSOR_WRITE_S, HEADER, Damage, Spool
+from tests.spools import append, frame
 
 
 def drain(spool: Spool) -> list[bytes]:
@@ -27,17 +30,15 @@ def drain(spool: Spool) -> list[bytes]:
 
 
 def test_entries_come_back_in_order_across_segments_and_restarts(tmp_path: Path) -> None:
-    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=100)
     batches = [f"batch-{i}".encode() * 5 for i in range(30)]
-    for batch in batches[:20]:
-        assert spool.append(batch)
+    for batch in batches:
+        append(tmp_path, batch, segment_bytes=100)
+    spool = Spool(tmp_path)
     first = spool.peek()
     assert first is not None
     spool.commit(first[1])
     spool.flush()  # as the mirror does at shutdown (the cursor file is otherwise written every 0.1 s)
-    reopened = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=100)
-    for batch in batches[20:]:
-        assert reopened.append(batch)
+    reopened = Spool(tmp_path)
     assert drain(reopened) == batches[1:]
     assert reopened.empty()
     assert len(list(tmp_path.glob("*.seg"))) <= 1
@@ -48,72 +49,55 @@ def test_after_a_crash_the_cursor_lags_at_most_a_tenth_of_a_second_of_acknowledg
 ) -> None:
     now = [1000.0]  # the spool's clock, moved by the test: five fsync'd appends may take 0.1 s on a busy disk
     monkeypatch.setattr(spool_module, "time", SimpleNamespace(monotonic=lambda: now[0]))
-    spool = Spool(tmp_path, max_bytes=1 << 20)
     for i in range(5):
-        assert spool.append(b"entry-%d" % i)
+        append(tmp_path, b"entry-%d" % i)
+    spool = Spool(tmp_path)
     first = spool.peek()
     assert first is not None
     spool.commit(first[1])  # not yet on disk: a crash now resends entry-0 (at least once)
-    assert drain(Spool(tmp_path, max_bytes=1 << 20))[0] == b"entry-0"
+    assert drain(Spool(tmp_path))[0] == b"entry-0"
     now[0] += CURSOR_WRITE_S  # the throttle's period has passed
     second = spool.peek()
     assert second is not None
     spool.commit(second[1])  # more than 0.1 s after the last write: written now
-    assert drain(Spool(tmp_path, max_bytes=1 << 20))[0] == b"entry-2"
+    assert drain(Spool(tmp_path))[0] == b"entry-2"
 
 
 def test_segments_removed_by_hand_leave_no_cursor_that_hides_new_entries(tmp_path: Path) -> None:
-    spool = Spool(tmp_path, max_bytes=1 << 20, segment_bytes=10)
     for i in range(5):
-        assert spool.append(b"entry-%d" % i)
+        append(tmp_path, b"entry-%d" % i, segment_bytes=10)
+    spool = Spool(tmp_path)
     drain(spool)
     spool.flush()
     for segment in tmp_path.glob("*.seg"):
         segment.unlink()
-    reopened = Spool(tmp_path, max_bytes=1 << 20)
-    assert reopened.append(b"after")
-    assert drain(reopened) == [b"after"]
-
-
-def test_a_full_spool_refuses_without_writing_and_frees_space_when_drained(tmp_path: Path) -> None:
-    entry = HEADER.size + 40
-    spool = Spool(tmp_path, max_bytes=2 * entry + 10, segment_bytes=1000)
-    assert spool.append(b"x" * 40)
-    assert spool.append(b"y" * 40)
-    assert not spool.append(b"z" * 40)
-    assert spool.pending_bytes == 2 * entry
-    first = spool.peek()
-    assert first is not None
-    spool.commit(first[1])
-    assert spool.append(b"z" * 40)
-    assert drain(spool) == [b"y" * 40, b"z" * 40]
+    append(tmp_path, b"after")  # numbered 1 again, before the cursor's segment 5
+    assert drain(Spool(tmp_path)) == [b"after"]
 
 
 def test_a_torn_last_write_is_skipped_and_appends_after_it_are_delivered(tmp_path: Path) -> None:
     damages: list[Damage] = []
-    spool = Spool(tmp_path, max_bytes=1 << 20)
-    assert spool.append(b"complete-1", 3)
-    assert spool.append(b"complete-2", 4)
+    append(tmp_path, b"complete-1", 3)
+    append(tmp_path, b"complete-2", 4)
     (segment,) = tmp_path.glob("*.seg")
     with open(segment, "ab") as file:  # a crash in the middle of the third append
         file.write(frame(b"never-finished", 5)[:26])
-    reopened = Spool(tmp_path, max_bytes=1 << 20, on_damage=damages.append)
-    assert reopened.append(b"after-restart")
+    append(tmp_path, b"after-restart")  # the older shipper restarted: its next append lands after the torn one
+    reopened = Spool(tmp_path, on_damage=damages.append)
     assert drain(reopened) == [b"complete-1", b"complete-2", b"after-restart"]
     assert [(d.length, d.records) for d in damages] == [(26, 5)]
 
 
 def test_a_flipped_byte_mid_segment_loses_only_its_entry_and_reports_its_records(tmp_path: Path) -> None:
     damages: list[Damage] = []
-    spool = Spool(tmp_path, max_bytes=1 << 20)
     payloads = [bytes([i]) * 100 for i in range(10)]
     for index, payload in enumerate(payloads):
-        assert spool.append(payload, records=index + 1)
+        append(tmp_path, payload, records=index + 1)
     (segment,) = tmp_path.glob("*.seg")
     data = bytearray(segment.read_bytes())
     data[4 * (HEADER.size + 100) + HEADER.size + 50] ^= 0x01  # inside entry 4's payload
     segment.write_bytes(bytes(data))
-    recovered = drain(Spool(tmp_path, max_bytes=1 << 20, on_damage=damages.append))
+    recovered = drain(Spool(tmp_path, on_damage=damages.append))
     assert recovered == payloads[:4] + payloads[5:]
     assert [(d.offset, d.records) for d in damages] == [(4 * (HEADER.size + 100), 5)]
 
@@ -121,8 +105,9 @@ def test_a_flipped_byte_mid_segment_loses_only_its_entry_and_reports_its_records
 def test_a_spool_left_by_the_previous_layout_is_delivered_before_new_entries(tmp_path: Path) -> None:
     legacy = b"".join(struct.pack("<II", len(p), zlib.crc32(p)) + p for p in (b"old-1", b"old-2"))
     (tmp_path / "00000001.spool").write_bytes(legacy)
-    spool = Spool(tmp_path, max_bytes=1 << 20)
-    assert spool.append(b"new-1")
+    append(tmp_path, b"new-1")  # an older shipper appended to a new segment after it, never to it
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["00000001.spool", "00000002.seg"]
+    spool = Spool(tmp_path)
     assert drain(spool) == [b"old-1", b"old-2", b"new-1"]
     assert not list(tmp_path.glob("*.spool"))
 
@@ -168,9 +153,8 @@ def test_after_any_damage_exactly_the_undamaged_entries_come_back_in_order(
 ) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         directory = Path(scratch)
-        spool = Spool(directory, max_bytes=1 << 30, segment_bytes=segment_bytes)
         for payload, records in batches:
-            assert spool.append(payload, records)
+            append(directory, payload, records, segment_bytes=segment_bytes)
         entries = written_entries(directory)
         records_of = {(e.segment, e.start): r for e, (_, r) in zip(entries, batches, strict=True)}
         segments = sorted(directory.glob("*.seg"))
@@ -201,9 +185,9 @@ def test_after_any_damage_exactly_the_undamaged_entries_come_back_in_order(
             )
 
         damages: list[Damage] = []
-        reopened = Spool(directory, max_bytes=1 << 30, segment_bytes=segment_bytes, on_damage=damages.append)
-        for payload in later:
-            assert reopened.append(payload)
+        for payload in later:  # the older shipper restarted after the damage and spooled on
+            append(directory, payload, segment_bytes=segment_bytes)
+        reopened = Spool(directory, on_damage=damages.append)
         expected = [e.payload for e in entries if intact(e)] + later
         assert drain(reopened) == expected
         assert reopened.empty()

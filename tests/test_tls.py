@@ -278,7 +278,7 @@ def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_can
         "--recorder-tls-cert", str(router_client.cert),
         "--recorder-tls-key", str(router_client.key),
         "--hmac-key", HMAC_KEY,
-        "--spool-dir", str(tmp_path / "spool"),
+        "--log-dir", str(tmp_path / "spool"),
         "--record-batch-interval-ms", "20",
         tls=tls,
     )  # fmt: skip
@@ -313,7 +313,7 @@ def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_can
         "--recorder", f"127.0.0.1:{recorder_port}",
         "--recorder-tls-ca", str(pki.ca),
         "--hmac-key", HMAC_KEY,
-        "--spool-dir", str(tmp_path / "spool-certless"),
+        "--log-dir", str(tmp_path / "spool-certless"),
         "--record-batch-interval-ms", "20",
         "--shipper-metrics-port", str(certless_shipper_metrics := free_port()),
     )  # fmt: skip

@@ -115,7 +115,7 @@ def test_a_foreign_file_named_almost_like_an_old_spool_segment_costs_no_call(tmp
 
 
 def test_a_second_router_on_the_same_log_directory_exits_2_and_the_first_loses_no_call(tmp_path: Path) -> None:
-    """Two routers given one ``--spool-dir`` (the default, for two routers started in one directory) each
+    """Two routers given one ``--log-dir`` (the default, for two routers started in one directory) each
     appended to a segment of their own; the shipper read the first router's as finished and deleted it, and
     every call that router answered afterwards was lost. The second router is refused."""
     stack = RecordingStack(tmp_path)
@@ -126,12 +126,12 @@ def test_a_second_router_on_the_same_log_directory_exits_2_and_the_first_loses_n
         second = run_module(
             "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
             "--recorder", f"127.0.0.1:{stack.recorder_port}", "--hmac-key", HMAC_KEY,
-            "--spool-dir", str(stack.spool_dir),
+            "--log-dir", str(stack.spool_dir),
         )  # fmt: skip
         assert second.returncode == 2, second.stderr
         assert stack.router.process is not None
         assert second.stderr.strip().splitlines()[-1] == (
-            f"splitstream-router: error: --spool-dir {stack.spool_dir}: in use by another router "
+            f"splitstream-router: error: --log-dir {stack.spool_dir}: in use by another router "
             f"(pid {stack.router.process.pid}): give each router its own"
         )
         stack.wait_recorded(call(stack, "after", 20))
@@ -189,7 +189,7 @@ def test_a_segment_copied_in_numbered_above_the_live_one_costs_no_call_and_is_sh
 
 
 def test_a_router_restarted_with_another_spool_dir_says_the_old_log_holds_unshipped_calls(tmp_path: Path) -> None:
-    """Calls logged while the recorder was away stayed in the old ``--spool-dir`` once the router was restarted with
+    """Calls logged while the recorder was away stayed in the old ``--log-dir`` once the router was restarted with
     another: nothing shipped them and nothing said so. The router names the stranded log (log line, metric); an
     external shipper given it ships every call."""
     stack = RecordingStack(tmp_path)

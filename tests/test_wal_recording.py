@@ -386,7 +386,7 @@ def test_one_external_shipper_ships_the_logs_of_several_routers(tmp_path: Path) 
             f"127.0.0.1:{stack.recorder_port}",
             "--hmac-key",
             HMAC_KEY,
-            "--spool-dir",
+            "--log-dir",
             str(second_dir),
             "--shipper",
             "external",
@@ -465,6 +465,8 @@ def test_the_shipper_refuses_a_value_that_cannot_work_with_exit_2_naming_the_fla
         # Finite, so taken and handed to the child shipper, which held a quiet router's calls until a batch filled
         # (hours, or until the next SIGTERM's drain).
         (("--record-batch-interval-ms", "1e300"), "--record-batch-interval-ms: at most 60000 (a minute), got 1e+300"),
+        # The child shipper refuses 0 (and nan): the router checks the record-batch flags as the shipper does.
+        (("--record-batch-interval-ms", "0"), "--record-batch-interval-ms: must be positive, got 0.0"),
         # Under 64 KiB (with a stream cap under half of it): handed to the child shipper, which dropped every record
         # as too large.
         (
@@ -480,7 +482,7 @@ def test_the_router_refuses_a_recording_flag_its_child_shipper_could_not_work_wi
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
     result = run_module(
         "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
-        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--spool-dir", str(tmp_path / "log"), *flags,
+        "--recorder", "127.0.0.1:1", "--hmac-key", "k", "--log-dir", str(tmp_path / "log"), *flags,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [f"splitstream-router: error: {line}"], result.stderr
@@ -502,7 +504,7 @@ def test_the_shipper_refuses_a_log_dir_given_twice_with_exit_2(tmp_path: Path) -
 def test_an_empty_log_directory_is_refused_with_exit_2_not_taken_as_the_working_directory(
     tmp_path: Path, program: str
 ) -> None:
-    """``--log-dir "$UNSET"`` (``--spool-dir`` on a router) was the working directory: the shipper shipped it and
+    """``--log-dir "$UNSET"`` (on a shipper or a router) was the working directory: the shipper shipped it and
     wrote its cursor and lock there, the router its segments."""
     work = tmp_path / "work"
     work.mkdir()
@@ -510,7 +512,7 @@ def test_an_empty_log_directory_is_refused_with_exit_2_not_taken_as_the_working_
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
     flag, args = {
         "shipper": ("--log-dir", ["--recorder", f"127.0.0.1:{free_port()}", "--host", "127.0.0.1", "--port", "0"]),
-        "router": ("--spool-dir", ["--registry", f"file:{registry}", "--port", "0", "--recorder", "127.0.0.1:1",
+        "router": ("--log-dir", ["--registry", f"file:{registry}", "--port", "0", "--recorder", "127.0.0.1:1",
                                    "--hmac-key", "k"]),
     }[program]  # fmt: skip
     result = run_module(f"splitstream.{program}", *args, "--metrics-port", "0", flag, "", cwd=work)
@@ -542,7 +544,7 @@ def test_a_log_dir_that_does_not_exist_is_refused_with_exit_2_not_created(tmp_pa
     result = run_shipper("--log-dir", str(typo))
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"splitstream-shipper: error: --log-dir {typo}: no such directory (give a router's --spool-dir)"
+        f"splitstream-shipper: error: --log-dir {typo}: no such directory (give a router's --log-dir)"
     ], result.stderr
     assert not typo.exists()
 

@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
         print(f"{prog}: error: --batch-size: must be within 1..{MAX_BATCH}, got {args.batch_size}", file=err)
         return EXIT_USAGE
     if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
-        # 0, negative or nan failed every report as DEADLINE_EXCEEDED, said as the router failing part way (exit 1).
+        # 0, negative or nan would fail every report as DEADLINE_EXCEEDED, said as the router failing part way.
         print(f"{prog}: error: --timeout-s: must be a finite number of seconds > 0, got {args.timeout_s}", file=err)
         return EXIT_USAGE
     if args.show_rejected < 0:

@@ -271,7 +271,7 @@ class Rollout:
             except OSError as error:
                 raise AdminError(f"{error}; nothing changed") from None
             # A first step of 100 % leaves the control no traffic, and no earlier step measured its p99:
-            # the p99 guard went unjudged and the version was promoted on its error rate alone.
+            # without a baseline the p99 guard would go unjudged and promote the version on its error rate alone.
             if self._control_weight(self._with_weight(base, plan.steps[0])) == 0:
                 refused = self._baseline(view.effective or base)
                 if refused is not None:

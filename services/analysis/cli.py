@@ -46,10 +46,10 @@ TIME_FLAGS = ("--since", "--until", "--cuped-pre-since", "--cuped-pre-until")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 #: The longest --max-lateness and --attribution-window (ten years): times plus these are summed in int64 ns
-#: (numpy, Parquet), and 100000000d overflowed them (a traceback).
+#: (numpy, Parquet), which 100000000d would overflow (a traceback).
 MAX_ALLOWANCE_NS = 3_650 * 86_400 * 10**9
 #: Where a window is cut: the time flags take instants up to 9999-12-31, int64 ns end in 2262, and an end
-#: past them (--until 9999-12-31T00:00:00Z for "everything") overflowed once lateness and attribution were
+#: past them (--until 9999-12-31T00:00:00Z for "everything") would overflow once lateness and attribution are
 #: added. Nothing is recorded so late (this is about 2222), so an end past it reads as "until then".
 LAST_INSTANT_NS = 2**63 - 1 - 4 * MAX_ALLOWANCE_NS
 

@@ -304,8 +304,8 @@ class ArchiveQuery:
 
 
 #: The receive times a Parquet ``timestamp[ns]`` holds (int64 ns: 1677..2262). A window reaching past them
-#: (``--until 9999-12-31T00:00:00Z``, which the time flags accept) is read as cut to them; it was an
-#: OverflowError (a traceback) at the first file.
+#: (``--until 9999-12-31T00:00:00Z``, which the time flags accept) is read as cut to them, not left to
+#: overflow (a traceback) at the first file.
 _FIRST_NS, _LAST_NS = -(2**63), 2**63 - 1
 _HOUR_NS = 3600 * 10**9
 _DAY_NS = 24 * _HOUR_NS

@@ -1,8 +1,8 @@
 """Durations as people type them on a command line (``250ms``, ``90s``, ``15m``, ``2h``, ``1d``, ``60``), read one way.
 
 The admin CLI (``rollout --interval``) and the replayer (``--max-lateness``, ``--clock-skew``,
-``--since -15m``) used to read durations with two grammars (one took bare seconds but not days,
-the other days but not bare seconds). This is the union of both, and the one error message.
+``--since -15m``) read durations with this one grammar, and say the one error message: bare
+seconds and days alike, wherever a duration is typed.
 
 Values are read exactly (a decimal fraction, not a float), so ``0.1s`` is 100,000,000 ns, not
 99,999,999. Negative, NaN, infinite and exponent forms are refused: none is a duration anyone

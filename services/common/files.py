@@ -1,11 +1,17 @@
-"""Crash-safe file replacement, one implementation for every service that rewrites a file in place."""
+"""Files every service handles alike: crash-safe replacement of a file rewritten in place, and reading a
+watched file again only once it changed."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
+from stat import S_ISREG
+
+#: What tells a watched file's versions apart without reading it: inode (a file replaced by rename), mtime, size.
+FileSignature = tuple[int, int, int]
 
 
 def atomic_write(path: str | os.PathLike[str], data: bytes | str, *, mode: int | None = None) -> None:
@@ -42,3 +48,20 @@ def fsync_directory(directory: str | os.PathLike[str]) -> None:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
+
+
+def read_if_changed(path: str | os.PathLike[str], last: FileSignature | None) -> tuple[FileSignature, str | None]:
+    """``path``'s signature, and its text (UTF-8) unless the signature is ``last`` (then None). Blocks: call it
+    in a thread. OSError when it cannot be read, or is not a regular file.
+
+    Opened with O_NONBLOCK: a FIFO put in the file's place would otherwise wait for a writer for ever, in a
+    thread that no later poll replaces and that keeps the process from exiting after SIGTERM. For a regular
+    file the flag changes nothing."""
+    with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
+        stat = os.fstat(file.fileno())
+        if not S_ISREG(stat.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+        if signature == last:
+            return signature, None
+        return signature, file.read().decode("utf-8")

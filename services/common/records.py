@@ -53,12 +53,6 @@ PAYLOAD_DROPPED_TAG = "splitstream.payload-dropped"
 SCHEMA_VERSION = 1
 #: Records and events one RecordBatch may hold: the recorder refuses more unparsed (RESOURCE_EXHAUSTED).
 MAX_BATCH_ITEMS = 4096
-#: The largest ``--record-batch-size`` (router, shipper): a batch carries up to that many records and as many
-#: events, so a full one stays within :data:`MAX_BATCH_ITEMS`.
-MAX_RECORD_BATCH_SIZE = MAX_BATCH_ITEMS // 2
-#: The longest ``--record-batch-interval-ms`` (router, shipper): a record waits at most this long for its batch
-#: to fill; 1e300 was finite, so taken, and held the calls of a quiet router until a batch filled.
-MAX_RECORD_BATCH_INTERVAL_MS = 60_000.0
 
 #: gRPC status code numbers → names, as the ``status`` field of each stream entry spells them.
 STATUS_NAMES: tuple[str, ...] = (

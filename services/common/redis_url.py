@@ -154,7 +154,7 @@ def check_connection_options(client: Redis) -> None:
 
     redis-py's ``from_url`` passes query parameters it does not know (``?x=1``) and values it checks late
     (``?ssl_cert_reqs=bogus``) on to the connection's constructor, which raises only when the first
-    connection is made: found by probing, the recorder and the replayer exited 1 with a traceback (the
+    connection is made: without this check the recorder and the replayer would exit 1 with a traceback (the
     replayer's "gate failed" code) instead of refusing the flag."""
     pool = client.connection_pool
     try:

@@ -1,9 +1,9 @@
 """The router's write-ahead log of finished calls, written by the router and shipped by ``splitstream-shipper``.
 
-Why a log: recording used to cost the router (records built, batched and streamed on the
-event loop that answers calls) and a killed router lost what sat in its memory queue. Now
-the router only appends each finished call to a local log and the shipper, another
-process, turns the log into ``CallRecord`` batches for the recorder. An append is one
+Why a log: building, batching and streaming records on the event loop that answers calls
+would cost the router, and a killed router would lose what sat in a memory queue. So the
+router only appends each finished call to a local log and the shipper, another process,
+turns the log into ``CallRecord`` batches for the recorder. An append is one
 ``os.writev`` of one framed entry to an already-open segment file: no protobuf record, no
 network, no fsync. Once the write returns the bytes are in the kernel's page cache, so a
 router crash (SIGKILL, OOM, a bug) loses nothing appended; only a machine crash can lose
@@ -500,9 +500,9 @@ class WalWriter:
                 self._dirty = False
                 os.fdatasync(self._fd)
             number = self._number
-        # The segment appended to is not sized here: an append landing during the scan was counted in the size
-        # read and again in the appends since, the log one call fuller than it was until the next flush, and the
-        # call that filled it was refused while a later one was logged after that flush.
+        # The segment appended to is not sized here: an append landing during the scan would be counted in the size
+        # read and again in the appends since, the log one call fuller than it is until the next flush, and the
+        # call that filled it refused while a later one is logged after that flush.
         checked = _unshipped_besides(self.directory, number)
         with self._lock:
             if self._number == number:  # else rotated meanwhile: the next flush sizes the log again
@@ -575,7 +575,7 @@ def _held_by_live_process(lock: Path) -> bool:
 
 def stranded_logs(directory: Path, *, also: Sequence[Path] = (), limit: int = 1000) -> list[tuple[Path, int]]:
     """Logs beside ``directory`` (its siblings, their ``proc-*``, and ``also``) that hold unshipped calls while
-    neither a router nor a shipper is at them: what a router restarted with another ``--spool-dir`` left behind,
+    neither a router nor a shipper is at them: what a router restarted with another ``--log-dir`` left behind,
     which nothing would ship. (directory, unshipped bytes) each; at most ``limit`` siblings are looked at."""
     own = directory.resolve()
     candidates: list[Path] = [path.resolve() for path in also]
@@ -607,7 +607,7 @@ def stranded_logs(directory: Path, *, also: Sequence[Path] = (), limit: int = 10
 
 
 def _lock_for_writing(directory: Path) -> int:
-    """Take ``router.lock`` or raise: two routers appending to one directory (``--spool-dir`` left at its default
+    """Take ``router.lock`` or raise: two routers appending to one directory (``--log-dir`` left at its default
     for both, say) each wrote a segment, and the shipper, reading the older as finished, deleted it while its
     router still appended: every call that router answered after that was lost. The kernel frees the lock when
     the router exits however it exits."""
@@ -744,9 +744,9 @@ class WalReader:
                             more = file.read(self.chunk_bytes)
                             if not more:
                                 break  # the rest is waited for (newest segment) or torn (counted below)
-                            # The next entry may start past what was read (it used to be taken for a torn tail,
-                            # losing the rest of the segment): skip what was searched but a magic's first bytes,
-                            # and read on; the range is told once, whole, where it ends.
+                            # The next entry may start past what was read (taking it for a torn tail would lose
+                            # the rest of the segment): skip what was searched but a magic's first bytes, and
+                            # read on; the range is told once, whole, where it ends.
                             keep = max(len(data) - len(MAGIC) + 1, at + 1)
                             damaged_from = offset if damaged_from is None else damaged_from
                             offset += keep - at

@@ -29,16 +29,16 @@ DAY_S = 86400.0
 #: int64 milliseconds (every batch with a blob, every feedback event with a key), so a longer one is
 #: refused at start rather than losing records at the first write. Longer than any retention is meant.
 MAX_KEEP_S = 10**12
-#: --redis-timeout-s and --health-interval-s: from a millisecond (below it every PING timed out and the recorder
-#: never served; an interval of 1e-300 PINGed Redis in a busy loop) to an hour (past it a dead Redis held a
-#: batch, and the router's stream, for ever; 1e300 made each WAIT's timeout one Redis refuses, so with
-#: --redis-wait-replicas every batch was refused and routers dropped its records).
+#: --redis-timeout-s and --health-interval-s: from a millisecond (below it every PING times out and the recorder
+#: never serves; an interval of 1e-300 would PING Redis in a busy loop) to an hour (past it a dead Redis would hold
+#: a batch, and the router's stream, for ever; 1e300 makes each WAIT's timeout one Redis refuses, so with
+#: --redis-wait-replicas every batch would be refused and routers would drop its records).
 MIN_REDIS_WAIT_S = 0.001
 MAX_REDIS_WAIT_S = 3600.0
 #: --redis-wait-replicas: more replicas than any deployment has (WAIT for more than exist fails every batch).
 MAX_WAIT_REPLICAS = 100
 #: Redis reads counts (MAXLEN) as a signed 64-bit integer: past it every XADD is refused ("value is not an
-#: integer or out of range") and routers, halving the refused batches, dropped every record.
+#: integer or out of range") and routers, halving the refused batches, would drop every record.
 MAX_REDIS_INT = 2**63 - 1
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 

@@ -33,9 +33,10 @@ RESERVED_TAG_PREFIX = "splitstream."
 EARLIEST_RECEIVE_NS = 946_684_800 * 10**9
 MAX_AHEAD_NS = 86_400 * 10**9
 #: Records and events one batch may hold (routers send 256 of each at most by default). Each item, even an
-#: empty one (2 bytes on the wire), cost the recorder about a kilobyte to reject and the ack ~60 bytes: a 2 MB
-#: batch of a million empty records took 12 s and 900 MB, its ack of 51 MB was over the sender's receive limit,
-#: and a batch at the 128 MiB receive limit would have needed some 60 GB. Counted on the wire before parsing.
+#: empty one (2 bytes on the wire), costs the recorder about a kilobyte to reject and the ack ~60 bytes: a 2 MB
+#: batch of a million empty records would take 12 s and 900 MB, its ack of 51 MB would be over the sender's
+#: receive limit, and a batch at the 128 MiB receive limit would need some 60 GB. Counted on the wire before
+#: parsing.
 MAX_BATCH_ITEMS = records.MAX_BATCH_ITEMS
 #: What of a rejected record's request id and reason the ack carries: bounded, so an ack of
 #: :data:`MAX_BATCH_ITEMS` rejections stays well under a client's default 4 MiB receive limit.

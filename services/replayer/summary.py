@@ -1,8 +1,7 @@
 """``summary.json`` as one typed model: what the runner builds and the report, the gate and ``main`` read.
 
-The summary used to be a dict each consumer re-read by key (and the gate listed its metric names
-a second time); a renamed key then broke a consumer only at run time. These models are the one
-definition: :class:`Metrics`' fields are the gate's metric names, their descriptions its help.
+One definition, so that a renamed key breaks every consumer at type-check time, not one of them
+at run time: :class:`Metrics`' fields are the gate's metric names, their descriptions its help.
 
 A number that could not be measured (a rate over no calls, a ratio with no latency on one side)
 is ``None``, written as ``null``, never 0.0: a 0 % mismatch rate over nothing reads as "all fine",

@@ -1,8 +1,8 @@
 """Recording on the router's side: each finished call appended to the local write-ahead log, nothing more.
 
-The router used to build, batch, stream and spool records on the event loop that answers
-calls, and a killed router lost what sat in its memory queue. Now an answered call costs
-one framed append (:mod:`splitstream.common.wal`: a compact header and the request and
+Building, batching and streaming records on the event loop that answers calls would cost
+the router, and a killed router would lose what sat in a memory queue; so an answered call
+costs only one framed append (:mod:`splitstream.common.wal`: a compact header and the request and
 response bytes as they are) to an open segment file; ``splitstream-shipper`` (a child
 process by default, see :mod:`splitstream.router.shipper_child`) turns the log into
 records. The append never waits on the shipper or the network: a log over
@@ -130,8 +130,8 @@ class LogMetrics:
         )
         self.stranded_bytes = Gauge(
             "splitstream_router_log_stranded_bytes",
-            "Unshipped log bytes found at start beside --spool-dir in directories no router or shipper is at "
-            "(a router restarted with another --spool-dir left them): ship them with splitstream-shipper --log-dir",
+            "Unshipped log bytes found at start beside --log-dir in directories no router or shipper is at "
+            "(a router restarted with another --log-dir left them): ship them with splitstream-shipper --log-dir",
             registry=registry,
             multiprocess_mode="max",
         )
@@ -176,12 +176,12 @@ class CallLog:
 
     def warn_stranded(self, *, also: Sequence[str] = ()) -> None:
         """Say (log, metric) which logs beside this one hold calls nothing ships: a router restarted with another
-        ``--spool-dir`` left its old log unshipped without a word, and only the router can notice."""
+        ``--log-dir`` left its old log unshipped without a word, and only the router can notice."""
         stranded = stranded_logs(self.writer.directory, also=[Path(p) for p in also])
         self.metrics.stranded_bytes.set(sum(size for _, size in stranded))
         for directory, size in stranded:
             log.warning(
-                "a log beside --spool-dir holds unshipped calls and no router or shipper is at it: ship it "
+                "a log beside --log-dir holds unshipped calls and no router or shipper is at it: ship it "
                 "with splitstream-shipper --log-dir (or start its router again)",
                 log_dir=str(directory),
                 unshipped_bytes=size,

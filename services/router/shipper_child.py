@@ -57,7 +57,7 @@ class ShipperChild:
 
     async def started(self) -> None:
         """Wait until the first child took its configuration; ConfigError (the router exits 2) when it refused
-        it: an exit 2 cannot be mended by starting it again, and it was restarted for ever, shipping nothing."""
+        it: an exit 2 cannot be mended by starting it again, and a child restarted for ever would ship nothing."""
         assert self._first is not None, "start() first"
         await asyncio.shield(self._first)
 

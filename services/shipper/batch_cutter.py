@@ -24,6 +24,7 @@ import structlog
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import PAYLOAD_DROPPED_TAG
+from splitstream.common.shipping import MIN_BATCH_BYTES
 
 log = structlog.get_logger()
 
@@ -34,8 +35,6 @@ BATCH_OVERHEAD = 16
 _LIMIT = re.compile(r"larger than max \(\d+ vs\. (\d+)\)")
 #: Kept under a limit learned that way: the cap counts framing bytes by estimate, not exactly.
 _LIMIT_MARGIN = 4096
-#: A learned cap never goes below this: a recorder taking less is misconfigured, not a batch problem.
-MIN_BATCH_BYTES = 64 << 10
 
 
 class BatchCutter:

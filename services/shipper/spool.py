@@ -1,12 +1,13 @@
-"""A size-capped, append-only, crash-safe on-disk queue of record batches that survives damage.
+"""Reading a spool an older shipper or router left: shipped before the log, once, then removed.
 
-Kept to ship what an older router or shipper left: they spooled record batches here
-while the recorder was unreachable or slow. Nothing is spooled any more (the
-write-ahead log is the spool, :mod:`splitstream.common.wal`); a shipper that finds
-such a spool (:func:`leftover`) sends it, oldest first, before the log, then removes
-it (:meth:`Spool.remove`). Writing stays, for the tests that build such a spool. Layout: a directory of segment
-files (``00000001.seg`` …) and a cursor saying how far entries were acknowledged,
-written at most every 0.1 s and at :meth:`Spool.flush`.
+Before the write-ahead log (:mod:`splitstream.common.wal`) was the spool, a shipper (and before it a
+router) spooled record batches here while the recorder was unreachable or slow. Nothing writes a spool
+any more, but a host upgraded from such a version may still hold one, full of calls not yet recorded: a
+shipper that finds it (:func:`leftover`, in ``--spool-dir``, by default its first ``--log-dir``) sends it,
+oldest first, before the log, then removes it (:meth:`Spool.remove`). So this module stays, for reading
+only, as long as an upgrade from a spooling version is supported. Layout: a directory of segment files
+(``00000001.seg`` …) and a cursor saying how far entries were acknowledged, written at most every 0.1 s
+and at :meth:`Spool.flush`, so that a shipper restarted mid-way resends only what was not acknowledged.
 
 Entry framing, chosen so that damage costs only the entries it touches::
 
@@ -16,34 +17,26 @@ The header checksum makes a header trustworthy on its own; the magic lets the
 reader find the next entry after damage. When an entry does not check (a flipped
 bit in its header or payload, a truncation, a torn last write), the reader scans
 forward from the entry's first byte + 1 for the next magic whose header and
-payload both check, and resumes there. So a torn tail needs no repair at start
-(the next append lands after it and is found the same way), and a bad byte in the
-middle of a segment costs that one entry, never the entries after it. Each damaged
-range is reported (segment, offset, bytes, and the record count when its header
-survived) through ``on_damage`` and logged.
+payload both check, and resumes there. So a torn tail needs no repair, and a bad
+byte in the middle of a segment costs that one entry, never the entries after it.
+Each damaged range is reported (segment, offset, bytes, and the record count when
+its header survived) through ``on_damage`` and logged.
 
-Segments written by the previous layout (``*.spool``: ``<u32 length><u32 crc32>``
-entries, no magic) are still read, oldest first, so a spool left by an older
-router is delivered; they are never appended to. Damage in them cannot be resynced
+Segments of the layout before that (``*.spool``: ``<u32 length><u32 crc32>``
+entries, no magic) are read too, oldest first. Damage in them cannot be resynced
 past: the rest of that segment is reported damaged.
 
-The cap is on bytes not yet acknowledged; a full spool refuses the append (the
-caller drops and counts), it never blocks. Each append is fsync'd before it counts.
-
-A full disk must cost only the entries that did not fit. An append that fails part
-way (ENOSPC, EFBIG, EIO) truncates its segment back to where the entry began and
-fsyncs, so no torn entry is left for a restart to count a second time as damage;
-the caller counts the records once, as not spooled. The cursor must stay writable
-when segments have taken every free block, or every restart would resend all that
-was acknowledged: it lives in ``cursor.slots``, a 64-byte file allocated when the
-spool opens and from then on only overwritten in place (no new blocks, so no
-ENOSPC, on any file system that does not copy on write). It holds two slots of
-``magic | u64 sequence | u64 segment | u64 offset | u32 crc32``, written
-alternately with fsync; a torn slot write fails its checksum and the reader takes
-the other slot, the newer of the two that check, so a crash mid-write costs at
-most the previous 0.1 s of acknowledgements. A text ``cursor`` file left by an
-older router is read when no slot checks, and removed once a slot is written.
-All methods block on file I/O: call them off the event loop (``asyncio.to_thread``).
+The cursor must stay writable on a disk that the spool's segments filled, or every
+restart would resend all that was acknowledged: it lives in ``cursor.slots``, a
+64-byte file allocated when the spool opens and from then on only overwritten in
+place (no new blocks, so no ENOSPC, on any file system that does not copy on
+write). It holds two slots of ``magic | u64 sequence | u64 segment | u64 offset |
+u32 crc32``, written alternately with fsync; a torn slot write fails its checksum
+and the reader takes the other slot, the newer of the two that check, so a crash
+mid-write costs at most the previous 0.1 s of acknowledgements. A text ``cursor``
+file left by an older router is read when no slot checks, and removed once a slot
+is written. All methods block on file I/O: call them off the event loop
+(``asyncio.to_thread``).
 """
 
 from __future__ import annotations
@@ -94,24 +87,14 @@ class Damage:
     records: int | None
 
 
-def frame(payload: bytes, records: int) -> bytes:
-    """One entry as written to a segment."""
-    checked = _CHECKED.pack(MAGIC, len(payload), records, zlib.crc32(payload))
-    return checked + struct.pack("<I", zlib.crc32(checked)) + payload
-
-
 class Spool:
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
-        max_bytes: int,
-        segment_bytes: int = 8 << 20,
         on_damage: Callable[[Damage], None] | None = None,
     ) -> None:
         self.directory = Path(directory)
-        self.max_bytes = max_bytes
-        self.segment_bytes = segment_bytes
         #: Called (under the spool's lock, in the reading thread) for each damaged range skipped.
         self.on_damage = on_damage
         self._lock = threading.Lock()
@@ -129,34 +112,6 @@ class Spool:
         except OSError as error:  # a disk already full: retried at each cursor write
             log.error("spool: cursor file not allocated", error=str(error)[:300])
         self._drop_consumed_segments()
-
-    # -- writing ---------------------------------------------------------------------------
-
-    def append(self, payload: bytes, records: int = 0) -> bool:
-        """Durably append one entry holding ``records`` records; False (nothing written) past the cap."""
-        entry = frame(payload, records)
-        with self._lock:
-            if self._pending_bytes() + len(entry) > self.max_bytes:
-                return False
-            last = self._segments[-1] if self._segments else 0
-            if not self._segments or last in self._legacy or self._sizes[last] >= self.segment_bytes:
-                self._segments.append(last + 1)
-                self._sizes[last + 1] = 0
-            segment = self._segments[-1]
-            path = self._path(segment)
-            created = not path.exists()
-            try:
-                _append_whole(path, self._sizes[segment], entry)
-            except OSError:
-                if created:  # nothing of it is worth keeping, not even its name
-                    path.unlink(missing_ok=True)
-                    self._segments.remove(segment)
-                    self._sizes.pop(segment)
-                raise
-            if created:
-                fsync_directory(self.directory)  # the new segment's name must survive a crash too
-            self._sizes[segment] += len(entry)
-            return True
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -343,13 +298,13 @@ def leftover(directory: str | os.PathLike[str], **kwargs: Any) -> Spool | None:
             return None
     except FileNotFoundError:
         return None
-    return Spool(directory, max_bytes=1 << 62, **kwargs)
+    return Spool(directory, **kwargs)
 
 
 def _numbered(directory: Path, suffix: str) -> set[int]:
     """Numbers of the segments in ``directory`` ending in ``suffix``: regular files named exactly as a spool
-    names them (``00000001.seg``). A foreign ``1.seg``, or a directory so named, was taken for a segment and
-    failed the shipper's start, for ever (a router restarts its child shipper)."""
+    names them (``00000001.seg``). A foreign ``1.seg``, or a directory so named, is not a segment: taken for
+    one, it would fail the shipper's start, for ever (a router restarts its child shipper)."""
     numbers = set()
     for entry in os.scandir(directory):
         stem = entry.name[: -len(suffix)]
@@ -357,24 +312,6 @@ def _numbered(directory: Path, suffix: str) -> set[int]:
         if named and entry.name == f"{int(stem):08d}{suffix}" and entry.is_file():
             numbers.add(int(stem))
     return numbers
-
-
-def _append_whole(path: Path, size: int, entry: bytes) -> None:
-    """Append ``entry`` at ``size`` and fsync it, or leave the file at ``size`` and raise.
-
-    A write that fails part way (a full disk) would leave a torn entry that a restart reports as
-    damage, counting records the caller already counted as not spooled; so the file is cut back."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        try:
-            _write_all(descriptor, entry, size)
-            os.fsync(descriptor)
-        except OSError:
-            os.ftruncate(descriptor, size)  # shrinking needs no free block
-            os.fsync(descriptor)
-            raise
-    finally:
-        os.close(descriptor)
 
 
 def _write_all(descriptor: int, data: bytes, offset: int) -> None:

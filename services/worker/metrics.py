@@ -8,9 +8,13 @@ one), so several workers or tests in one process do not collide.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+_Metric = TypeVar("_Metric", bound=MetricWrapperBase)
 
 #: Rows per backend run; powers of two up to the largest batch sizes in use.
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -40,63 +44,57 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry, *, model: str, version: str) -> None:
         labels = ("model", "version")
+        self._registry = registry
+        self._model = model
+        self._version = version
         self._requests = Counter(
             "splitstream_worker_requests",
             "ModelInfer calls and ModelStreamInfer requests answered, by gRPC status code name.",
             (*labels, "status"),
             registry=registry,
         )
-        self._model = model
-        self._version = version
-        self._inference_seconds = Histogram(
+        self._inference_seconds = self._version_metric(
+            Histogram,
             "splitstream_worker_inference_seconds",
             "Backend run time per batch.",
-            labels,
             buckets=SECONDS_BUCKETS,
-            registry=registry,
-        ).labels(model, version)
-        self._queue_seconds = Histogram(
+        )
+        self._queue_seconds = self._version_metric(
+            Histogram,
             "splitstream_worker_queue_seconds",
             "Time a request waited before the backend run of its batch started.",
-            labels,
             buckets=SECONDS_BUCKETS,
-            registry=registry,
-        ).labels(model, version)
-        self._batch_size = Histogram(
+        )
+        self._batch_size = self._version_metric(
+            Histogram,
             "splitstream_worker_batch_size",
             "Rows per backend run.",
-            labels,
             buckets=BATCH_SIZE_BUCKETS,
-            registry=registry,
-        ).labels(model, version)
-        self._queue_depth = Gauge(
+        )
+        self._queue_depth = self._version_metric(
+            Gauge,
             "splitstream_worker_queue_depth",
             "Requests waiting for a backend run.",
-            labels,
-            registry=registry,
-        ).labels(model, version)
+        )
 
         # Generative models (``generation:``): one backend run per step over every active sequence.
-        self._step_sequences = Histogram(
+        self._step_sequences = self._version_metric(
+            Histogram,
             "splitstream_worker_step_sequences",
             "Sequences stepped together in one backend run (in-flight batching): > 1 means shared steps.",
-            labels,
             buckets=BATCH_SIZE_BUCKETS,
-            registry=registry,
-        ).labels(model, version)
-        self._step_seconds = Histogram(
+        )
+        self._step_seconds = self._version_metric(
+            Histogram,
             "splitstream_worker_step_seconds",
             "Backend run time of one generation step.",
-            labels,
             buckets=SECONDS_BUCKETS,
-            registry=registry,
-        ).labels(model, version)
-        self._tokens = Counter(
+        )
+        self._tokens = self._version_metric(
+            Counter,
             "splitstream_worker_tokens_generated",
             "Tokens generated (end tokens, which are not sent, not counted).",
-            labels,
-            registry=registry,
-        ).labels(model, version)
+        )
         self._generations = Counter(
             "splitstream_worker_generations",
             "Generations ended, by why: length (max_tokens), stop_word, end_id, cancelled (the client went "
@@ -111,27 +109,24 @@ class WorkerMetrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
             registry=registry,
         )
-        self._active_sequences = Gauge(
+        self._active_sequences = self._version_metric(
+            Gauge,
             "splitstream_worker_active_sequences",
             "Sequences being stepped now.",
-            labels,
-            registry=registry,
-        ).labels(model, version)
+        )
 
-        self._paused_sequences = Gauge(
+        self._paused_sequences = self._version_metric(
+            Gauge,
             "splitstream_worker_paused_sequences",
             "Active sequences left out of the steps because their client is not reading (their stream's "
             "queue is full) until it reads again.",
-            labels,
-            registry=registry,
-        ).labels(model, version)
-        self._queued_responses = Gauge(
+        )
+        self._queued_responses = self._version_metric(
+            Gauge,
             "splitstream_worker_stream_queued_responses",
             "Responses of token streams made and not yet handed to gRPC, summed over streams (each stream "
             "holds at most a fixed number: a client that does not read pauses its generations).",
-            labels,
-            registry=registry,
-        ).labels(model, version)
+        )
 
         self._engine_info = Gauge(
             "splitstream_worker_engine_info",
@@ -145,6 +140,11 @@ class WorkerMetrics:
             (*labels, "context"),
             registry=registry,
         )
+
+    def _version_metric(self, kind: type[_Metric], name: str, documentation: str, **options: Any) -> _Metric:
+        """A ``kind`` metric of this worker's model version alone: labelled with its model and version."""
+        metric = kind(name, documentation, ("model", "version"), registry=self._registry, **options)
+        return metric.labels(self._model, self._version)
 
     def engine_loaded(self, *, backend: str, engine_tag: str, context_device_memory_bytes: Sequence[int]) -> None:
         self._engine_info.labels(self._model, self._version, backend, engine_tag).set(1)

@@ -27,11 +27,9 @@ truncates the file first, and a poll landing then must not unroute everything.
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from stat import S_ISREG
 from typing import Annotated, Any
 
 import structlog
@@ -41,6 +39,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from splitstream.common.addresses import check_address
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment, ExperimentDocument, VersionName
+from splitstream.common.files import FileSignature, read_if_changed
 from splitstream.common.names import check_model_name
 from splitstream.common.registry.base import ModelEntry, RegistryState, RegistryUpdate
 from splitstream.common.registry.removal import RemovalGuard
@@ -110,17 +109,17 @@ class FileRegistry:
         should become) is logged and yielded as an error update, and polling goes on:
         a watch that died would leave the router healthy on a state nobody can change.
         """
-        last_signature: tuple[int, int, int] | None = None
+        last_signature: FileSignature | None = None
         last_error: str | None = None
         guard = self._guard
         while True:
             update: RegistryUpdate | None = None
             try:
-                signature, text = await asyncio.to_thread(self._read_if_changed, last_signature)
+                signature, text = await asyncio.to_thread(read_if_changed, self.path, last_signature)
                 last_signature = signature
                 if text is not None:
-                    # In a thread: YAML parsing is pure Python, and on the event loop a 10 MB file held
-                    # every call for 2.3 s (measured by probing a running router).
+                    # In a thread: YAML parsing is pure Python, and on the event loop a 10 MB file would hold
+                    # every call for 2.3 s (measured on a running router).
                     state, removed = await asyncio.to_thread(_parse_text, text, str(self.path))
                     refused = guard.check(state, removable=removed)
                     if refused is not None:
@@ -141,19 +140,6 @@ class FileRegistry:
                 last_error = update.error
                 yield update
             await asyncio.sleep(self.poll_interval_s)
-
-    def _read_if_changed(self, last: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], str | None]:
-        # O_NONBLOCK: opening a FIFO put in the file's place would wait for a writer for ever, in a thread
-        # no later poll replaces and that kept the router from exiting after SIGTERM (found by probing).
-        # For a regular file the flag changes nothing.
-        with open(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
-            stat = os.fstat(file.fileno())
-            if not S_ISREG(stat.st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-            if signature == last:
-                return signature, None
-            return signature, file.read().decode("utf-8")
 
 
 def _parse_text(text: str, source: str) -> tuple[RegistryState, frozenset[str]]:

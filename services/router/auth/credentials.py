@@ -15,13 +15,11 @@ as soon as Consul answers the blocking query).
 from __future__ import annotations
 
 import asyncio
-import errno
 import functools
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from stat import S_ISREG
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -29,6 +27,7 @@ import structlog
 import yaml
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.files import FileSignature, read_if_changed
 from splitstream.common.registry.consul import ConsulAddress, describe_error, parse_consul_spec, run_blocking
 from splitstream.common.secrets import redact_text
 from splitstream.router.auth.policy import Policy, parse_policy
@@ -55,11 +54,11 @@ class FilePrincipals:
 
     async def watch(self) -> AsyncIterator[PolicyUpdate]:
         """An update at start and per change; never raises (a failure is an error update)."""
-        last: tuple[int, int, int] | None = None
+        last: FileSignature | None = None
         while True:
             update: PolicyUpdate | None = None
             try:
-                signature, text = await asyncio.to_thread(self._read_if_changed, last)
+                signature, text = await asyncio.to_thread(read_if_changed, self.path, last)
                 last = signature
                 if text is not None:
                     policy = await asyncio.to_thread(_parse, text, str(self.path))
@@ -77,17 +76,6 @@ class FilePrincipals:
             if update is not None:
                 yield update
             await asyncio.sleep(self.poll_interval_s)
-
-    def _read_if_changed(self, last: tuple[int, int, int] | None) -> tuple[tuple[int, int, int], str | None]:
-        # O_NONBLOCK: a FIFO in the file's place must not hang the poll (as in the file registry).
-        with open(os.open(self.path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
-            stat = os.fstat(file.fileno())
-            if not S_ISREG(stat.st_mode):
-                raise OSError(errno.EINVAL, "not a regular file")
-            signature = (stat.st_ino, stat.st_mtime_ns, stat.st_size)
-            if signature == last:
-                return signature, None
-            return signature, file.read().decode("utf-8")
 
 
 class ConsulPrincipals:
