@@ -32,8 +32,11 @@ install: $(BIN)/.installed protos ## Create .venv, install splitstream (editable
 protos: $(BIN)/.installed ## Generate Python stubs (+ .pyi) from protos/
 	@$(BIN)/python scripts/gen_protos.py
 
+# Test processes in parallel (pytest-xdist): `auto` is one per core; 0 runs the suite in this process.
+TEST_WORKERS ?= auto
+
 test: install $(TRITON_VENV)/.installed ## Set up and run the whole test suite
-	SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python $(BIN)/pytest $(PYTEST_ARGS)
+	SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 lint: install ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check .
