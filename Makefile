@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 TRITON_VENV ?= .venv-triton
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos test lint format bench gpu-smoke clean up down up-tls down-tls demo demo-llm
+.PHONY: help install protos test test-fast lint format bench gpu-smoke clean up down up-tls down-tls demo demo-llm
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -37,6 +37,9 @@ TEST_WORKERS ?= auto
 
 test: install $(TRITON_VENV)/.installed ## Set up and run the whole test suite
 	SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+
+test-fast: install $(TRITON_VENV)/.installed ## The inner loop: every test but those marked slow (a few minutes)
+	SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope -m 'not slow' $(PYTEST_ARGS)
 
 lint: install ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check .

@@ -200,6 +200,7 @@ def lift_run(stack: RecordingStack, tmp_path_factory: pytest.TempPathFactory) ->
     return LiftRun(result, out, since)
 
 
+@pytest.mark.slow
 def test_the_analysis_finds_the_planted_click_lift_of_v2_and_a_clean_split(lift_run: LiftRun) -> None:
     result = lift_run.result
     assert result.returncode == 0, result.stderr
@@ -247,6 +248,7 @@ def test_the_analysis_page_renders_offline_in_headless_chromium_with_its_charts_
     assert pixels_of(image, CANDIDATE_COLOR) > 5_000
 
 
+@pytest.mark.slow
 def test_a_rollout_guarded_by_clicks_rolls_back_a_version_that_significantly_harms_them(
     stack: RecordingStack,
 ) -> None:
@@ -263,6 +265,7 @@ def test_a_rollout_guarded_by_clicks_rolls_back_a_version_that_significantly_har
     assert weights(stack) == {"v1": 100, "v2": 0}
 
 
+@pytest.mark.slow
 def test_a_broken_split_trips_the_sample_ratio_guard_and_the_rollout_rolls_back(stack: RecordingStack) -> None:
     set_experiment(stack, "srm", {"v1": 100, "v2": 0})
     at_50 = Experiment.build(model=MODEL, salt="srm", control="v1", arms=[("v1", 50), ("v2", 50)])
@@ -278,6 +281,7 @@ def test_a_broken_split_trips_the_sample_ratio_guard_and_the_rollout_rolls_back(
     assert weights(stack) == {"v1": 100, "v2": 0}
 
 
+@pytest.mark.slow
 def test_promote_on_win_ends_the_step_early_when_v2_significantly_lifts_clicks(stack: RecordingStack) -> None:
     set_experiment(stack, "win", {"v1": 100, "v2": 0})
     users = Users(stack, "win", {"v1": 0.2, "v2": 0.7}, seed=4)

@@ -399,6 +399,7 @@ def window_flags() -> list[str]:
     return ["--since", str(WINDOW.since_ns // 10**9), "--until", str(WINDOW.until_ns // 10**9)]
 
 
+@pytest.mark.slow
 def test_the_cli_prints_verdicts_and_writes_analysis_json_and_html(shop: Shop, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = cli(
@@ -429,6 +430,7 @@ def test_the_cli_prints_verdicts_and_writes_analysis_json_and_html(shop: Shop, t
         assert marker in html, marker
 
 
+@pytest.mark.slow
 def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "splitstream.admin", "analyze", SHOP, "--since", "-4h", "--until", "-1h",
@@ -444,6 +446,7 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
     assert "v2 better" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -488,6 +491,7 @@ def test_bad_flags_exit_2_with_one_line_naming_the_problem(flags: list[str], mes
     assert message in lines[0]
 
 
+@pytest.mark.slow
 def test_an_unknown_model_exits_2_listing_the_recorded_ones(shop: Shop, tmp_path: Path) -> None:
     result = cli("nope", "--redis-url", shop.redis.url, "--since", "-4h", "--metric", "click:proportion",
                  "--output-dir", str(tmp_path))  # fmt: skip
@@ -498,6 +502,7 @@ def test_an_unknown_model_exits_2_listing_the_recorded_ones(shop: Shop, tmp_path
     assert SHOP in lines[0]
 
 
+@pytest.mark.slow
 def test_unreachable_redis_exits_1_with_one_line(tmp_path: Path) -> None:
     result = cli("shop", "--redis-url", f"redis://:secret-pw@127.0.0.1:{free_port()}/0", "--since", "-4h",
                  "--metric", "click:proportion", "--output-dir", str(tmp_path))  # fmt: skip
@@ -556,6 +561,7 @@ def test_each_phase_is_analysed_on_its_own_weights_and_events_join_the_phase_of_
     assert result.feedback.used == 2_000
 
 
+@pytest.mark.slow
 def test_clicks_after_the_window_count_for_its_calls_within_the_attribution_window(tmp_path: Path) -> None:
     # Calls in the window's last minute, clicked 20 minutes later (past --until); a user-level purchase at the
     # same time stays out (it names no call of the window), and so does a click two hours late.

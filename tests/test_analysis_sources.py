@@ -226,6 +226,7 @@ def test_each_principal_gets_its_own_comparison_and_users_of_two_count_in_both(l
     assert plain.phases == result.phases
 
 
+@pytest.mark.slow
 def test_an_unknown_segment_field_exits_2_naming_the_choices(lab: Lab) -> None:
     done = cli(LAB, "--redis-url", lab.redis.url, *window_flags(), "--metric", "click:proportion",
                "--segment", "colour")  # fmt: skip
@@ -302,6 +303,7 @@ def assert_same(left: Any, right: Any, where: str = "") -> None:
         assert left == right, (where, left, right)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["directory", "s3"])
 def test_the_archive_gives_the_same_analysis_as_redis_straddling_and_after_a_flush(
     lab: Lab, tmp_path: Path, store: str
@@ -346,6 +348,7 @@ def test_the_archive_gives_the_same_analysis_as_redis_straddling_and_after_a_flu
             s3.stop()
 
 
+@pytest.mark.slow
 def test_the_cli_reads_a_straddling_window_with_archive_behind_redis(lab: Lab, tmp_path: Path) -> None:
     url = (tmp_path / "archive").as_uri()
     with RedisServer(tmp_path / "redis") as server:
@@ -368,6 +371,7 @@ def test_the_cli_reads_a_straddling_window_with_archive_behind_redis(lab: Lab, t
     assert read("b")["calls"]["calls"] < read("a")["calls"]["calls"]  # Redis alone has lost half
 
 
+@pytest.mark.slow
 def test_a_window_open_to_the_year_9999_reads_the_archive_as_redis(lab: Lab, tmp_path: Path) -> None:
     # The time flags take any instant up to 9999-12-31; the archive's times end in 2262 (int64 ns), and a
     # window reaching past that was an OverflowError traceback, alone or with the archive behind Redis.
@@ -408,6 +412,7 @@ def test_bad_archive_flags_exit_2_with_one_line(flags: list[str], message: str) 
     assert message in done.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_missing_bucket_or_directory_exits_2_with_one_line(tmp_path: Path) -> None:
     s3 = S3Server(tmp_path / "s3").start()
     try:
@@ -436,6 +441,7 @@ def test_a_request_id_has_one_fingerprint_whatever_page_it_comes_in() -> None:
     assert fingerprints([b"pre-1005", b"pre-1006"])[0] != fingerprints([b"pre-1006"])[0]
 
 
+@pytest.mark.slow
 def test_streams_through_a_real_router_and_recorder_are_judged_by_ttft_and_tokens_per_second(tmp_path: Path) -> None:
     """Generating workers (bigram v1, trigram v2) behind a router splitting users 50/50, recorded by the real
     recorder: the entries carry ``ttft_ms`` and ``tokens``, and the analysis reads its stream figures from them."""

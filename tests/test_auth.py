@@ -173,6 +173,7 @@ def metric(process: ServiceProcess, name: str, **labels: str) -> float:
 # -- API keys ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_call_without_credentials_is_unauthenticated_and_counted(auth: AuthStack) -> None:
     code, details = call(auth.router)
     assert code == grpc.StatusCode.UNAUTHENTICATED
@@ -402,6 +403,7 @@ def test_a_jwks_served_over_http_with_credentials_verifies_tokens_and_follows_ro
 # -- what is recorded ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_principal_is_recorded_never_its_credential_and_filters_a_replay(auth: AuthStack, tmp_path: Path) -> None:
     web_ids = {f"web-{uuid.uuid4().hex}" for _ in range(3)}
     ops_ids = {f"ops-{uuid.uuid4().hex}" for _ in range(2)}

@@ -219,6 +219,7 @@ json_values = st.recursive(
 REGISTRY_PATHS = all_paths(registry())
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(path=st.sampled_from(REGISTRY_PATHS), value=json_values)
 def test_any_json_value_anywhere_in_a_registry_is_a_state_or_a_config_error(path: tuple[Any, ...], value: Any) -> None:

@@ -193,6 +193,7 @@ def consul_worker(stack: Stack, repository: Path, version: str, emulator: Consul
     return worker
 
 
+@pytest.mark.slow
 def test_a_worker_registers_with_its_version_and_engine_tag_comes_back_if_forgotten_and_leaves_on_sigterm(
     emulator: ConsulEmulator, stack: Stack, tmp_path: Path
 ) -> None:
@@ -234,6 +235,7 @@ def consul_router(stack: Stack, emulator: ConsulEmulator, *extra: str) -> Servic
     return stack.router(emulator.spec, *extra, env=emulator.env)
 
 
+@pytest.mark.slow
 def test_a_router_applies_a_kv_change_within_a_second_and_never_an_invalid_experiment(
     emulator: ConsulEmulator, stack: Stack, health_servers: list[HealthServer]
 ) -> None:
@@ -297,6 +299,7 @@ def test_the_admin_cli_refuses_bad_input_against_consul_and_writes_nothing(
     ]
 
 
+@pytest.mark.slow
 def test_consul_stopped_for_ten_seconds_routers_keep_serving_then_converge(
     emulator: ConsulEmulator, stack: Stack, tmp_path: Path, monkeypatch: Any
 ) -> None:
@@ -346,6 +349,7 @@ def test_consul_stopped_for_ten_seconds_routers_keep_serving_then_converge(
     assert {o[2] for o in load.outcomes[-50:]} == {"v1", "v2"}
 
 
+@pytest.mark.slow
 def test_a_kv_experiment_of_the_wrong_types_is_reported_and_the_next_good_value_still_applies(
     emulator: ConsulEmulator, stack: Stack, health_servers: list[HealthServer]
 ) -> None:
@@ -384,6 +388,7 @@ def test_a_kv_experiment_of_the_wrong_types_is_reported_and_the_next_good_value_
     assert "Traceback" not in router.log()
 
 
+@pytest.mark.slow
 def test_a_model_whose_workers_all_deregister_stays_routed_until_its_key_says_remove(
     emulator: ConsulEmulator, stack: Stack, health_servers: list[HealthServer]
 ) -> None:

@@ -8,7 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.harness import ROOT
+
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
 
 
 def test_the_demo_tells_the_whole_story_and_leaves_nothing_running(tmp_path: Path) -> None:

@@ -63,6 +63,7 @@ def splitstream_services() -> list[tuple[str, list[str]]]:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("service", "command"), splitstream_services())
 def test_every_service_command_is_an_entry_point_given_flags_it_accepts(
     service: str, command: list[str], help_texts: dict[str, str]
@@ -119,6 +120,7 @@ def dashboard_metrics() -> set[str]:
     return names
 
 
+@pytest.mark.slow
 def test_every_metric_the_dashboard_plots_is_exported_by_a_running_service(tmp_path: Path) -> None:
     import numpy as np
 

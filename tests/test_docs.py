@@ -77,6 +77,7 @@ def broken_links(path: Path) -> list[str]:
     return broken
 
 
+@pytest.mark.slow
 def test_the_configuration_reference_matches_every_commands_parser() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
     result = subprocess.run(

@@ -31,6 +31,9 @@ from tests.harness import (
 )
 from tests.recording_stack import MODEL, RecordingStack
 
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
+
 SALT = "exposure-salt"
 HASH = recorder_pb2.ASSIGNMENT_HASH
 RANDOM = recorder_pb2.ASSIGNMENT_RANDOM

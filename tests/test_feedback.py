@@ -84,6 +84,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecordingStack]:
     stack.close()
 
 
+@pytest.mark.slow
 def test_events_by_request_id_and_by_routing_key_join_the_calls_with_the_hmac_and_never_the_key(
     stack: RecordingStack,
 ) -> None:
@@ -230,6 +231,7 @@ def redis_ttl(stack: RecordingStack, key: str) -> int:
         redis.close()
 
 
+@pytest.mark.slow
 def test_events_reported_while_the_recorder_is_down_arrive_when_it_is_back_even_across_a_router_restart(
     tmp_path: Path,
 ) -> None:
@@ -272,6 +274,7 @@ def test_events_reported_while_the_recorder_is_down_arrive_when_it_is_back_even_
         stack.close()
 
 
+@pytest.mark.slow
 def test_a_router_without_a_recorder_refuses_feedback_with_failed_precondition(tmp_path: Path) -> None:
     with one_version_router(tmp_path, MODEL, salt="no-recorder") as router:
         with pytest.raises(grpc.RpcError) as caught:
@@ -512,6 +515,7 @@ class RecorderBeforeFeedback:
         self.server.stop(grace=None)
 
 
+@pytest.mark.slow
 def test_feedback_a_recorder_older_than_feedback_ignores_is_counted_and_said_not_lost_silently(tmp_path: Path) -> None:
     """Recorders must be upgraded before routers; when they are not, the loss is loud and counted."""
     old = RecorderBeforeFeedback()

@@ -101,6 +101,7 @@ def health_check_of_bytes_that_do_not_parse(address: str) -> grpc.RpcError:
     return caught.value
 
 
+@pytest.mark.slow
 def test_real_router_worker_and_recorder_answer_bytes_that_do_not_parse_sent_to_health_invalid_argument(
     tmp_path: Path,
 ) -> None:

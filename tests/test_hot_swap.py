@@ -27,6 +27,9 @@ from tests.consul_emulator import ConsulEmulator
 from tests.harness import ROOT, ServiceProcess, Stack, SteadyLoad, router_status, wait_for, write_registry
 from tests.models import add_faulty_version, add_version
 
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
+
 MODEL = "affine"
 SALT = "hot-swap"
 Outcome = tuple[float, str, str, str]

@@ -149,6 +149,7 @@ def two_routers(tmp_path: Path) -> Iterator[RecordingStack]:
         stack.close()
 
 
+@pytest.mark.slow
 def test_two_router_processes_split_sticky_record_once_and_drain_on_sigterm(two_routers: RecordingStack) -> None:
     stack = two_routers
     keys = [f"user-{i}" for i in range(120)]
@@ -183,6 +184,7 @@ def test_two_router_processes_split_sticky_record_once_and_drain_on_sigterm(two_
     assert stack.raw_count() == len(request_ids)
 
 
+@pytest.mark.slow
 def test_a_killed_router_child_is_restarted_and_calls_go_on(two_routers: RecordingStack) -> None:
     stack = two_routers
     before = child_pids(stack.router)
@@ -202,6 +204,7 @@ def test_a_killed_router_child_is_restarted_and_calls_go_on(two_routers: Recordi
     ]
 
 
+@pytest.mark.slow
 def test_every_router_child_follows_a_registry_change_honours_pins_and_lets_a_version_drain(
     two_routers: RecordingStack,
 ) -> None:
@@ -230,6 +233,7 @@ def test_every_router_child_follows_a_registry_change_honours_pins_and_lets_a_ve
     assert load.errors() == []
 
 
+@pytest.mark.slow
 def test_an_arm_spilling_in_a_child_shows_on_the_parents_scrape_until_it_recovers(two_routers: RecordingStack) -> None:
     """``splitstream_router_arm_spilling`` with ``--processes 2``: the children set it as the state changes
     (a collector run at scrape time in a child is never asked: the parent reads the children's files)."""
@@ -292,6 +296,7 @@ def exported(port: int) -> dict[str, str]:
     }
 
 
+@pytest.mark.slow
 def test_one_and_two_processes_export_the_same_metrics_after_the_same_traffic(tmp_path: Path) -> None:
     """Whatever a router or recorder of one process exports, the parent of two exports too (with its own
     restart counter beside them)."""
@@ -328,6 +333,7 @@ def test_one_and_two_processes_export_the_same_metrics_after_the_same_traffic(tm
         stack.close()
 
 
+@pytest.mark.slow
 def test_two_recorder_processes_write_every_call_a_router_sends(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path, recorder_args=("--processes", "2"))
     try:
@@ -341,6 +347,7 @@ def test_two_recorder_processes_write_every_call_a_router_sends(tmp_path: Path) 
         stack.close()
 
 
+@pytest.mark.slow
 def test_port_0_with_two_processes_is_picked_by_the_parent_and_logged(tmp_path: Path) -> None:
     registry = tmp_path / "registry.yaml"
     registry.write_text("models: {}\n")
@@ -410,6 +417,7 @@ def test_processes_auto_is_the_cores_this_process_may_run_on() -> None:
     assert parse_processes("3") == 3
 
 
+@pytest.mark.slow
 def test_logs_left_by_a_router_of_another_process_count_are_shipped_when_it_comes_back(tmp_path: Path) -> None:
     """Changing ``--processes`` strands nothing: 1 → 2 ships the old top-level log, 2 → 1 the children's."""
     stack = RecordingStack(tmp_path, versions={"v1": {"scale": 2.0}}, experiment=None)
@@ -435,6 +443,7 @@ def test_logs_left_by_a_router_of_another_process_count_are_shipped_when_it_come
         stack.close()
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_children_are_still_starting_is_a_clean_stop(tmp_path: Path) -> None:
     """The parent's SIGTERM may reach a child before its handler is in place (it dies of the signal, having
     served nothing): that is a clean stop, exit 0, not a failed child."""
@@ -449,6 +458,7 @@ def test_sigterm_while_the_children_are_still_starting_is_a_clean_stop(tmp_path:
         stack.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", ["1", "2"])
 def test_a_prometheus_multiproc_dir_in_the_users_environment_is_not_used(tmp_path: Path, processes: str) -> None:
     """Another app's ``PROMETHEUS_MULTIPROC_DIR`` left in the environment: a directory that is gone failed
@@ -492,6 +502,7 @@ def _children_of(pid: int) -> set[int]:
     return children
 
 
+@pytest.mark.slow
 def test_a_parent_whose_stderr_reader_went_away_still_restarts_children_and_stops_on_sigterm(tmp_path: Path) -> None:
     """stderr a pipe whose reader ended (``| head`` exited, a log collector restarted): every log line
     raised BrokenPipeError in the task writing it. The parent's restart task ended at its first
@@ -530,6 +541,7 @@ def test_a_parent_whose_stderr_reader_went_away_still_restarts_children_and_stop
             process.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["splitstream-router", "splitstream-recorder"])
 @pytest.mark.parametrize("moment", ["the parent imports", "the children import"])
 def test_ctrl_c_while_a_processes_server_starts_exits_0_without_a_traceback(
@@ -572,6 +584,7 @@ def test_ctrl_c_while_a_processes_server_starts_exits_0_without_a_traceback(
     assert process.returncode == 0, stderr
 
 
+@pytest.mark.slow
 def test_a_metrics_directory_left_by_a_sigkilled_parent_is_removed_at_the_next_start(tmp_path: Path) -> None:
     """A parent killed with SIGKILL never removes its children's metrics directory: each such death left a
     ``splitstream-metrics-*`` directory of files in /tmp for good. The next parent removes those whose parent

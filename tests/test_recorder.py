@@ -413,6 +413,7 @@ async def test_an_unreadable_response_under_output_rules_is_rejected_alone_and_n
     assert metric(recorder, "splitstream_recorder_batches_total", result="invalid") == 0
 
 
+@pytest.mark.slow
 async def test_retention_by_count_keeps_about_maxlen_records_per_stream(
     start_recorder: RecorderFactory, redis: Redis
 ) -> None:

@@ -42,6 +42,7 @@ ONE_OR_TWO_ROUTER_PROCESSES = pytest.mark.parametrize(
 )
 
 
+@pytest.mark.slow
 @ONE_OR_TWO_ROUTER_PROCESSES
 def test_every_call_is_recorded_once_and_decodes_to_what_the_client_sent_and_received(
     recording: RecordingStack,
@@ -106,6 +107,7 @@ def outage_under_load(recording: RecordingStack, load: SteadyLoad) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_recorder_killed_under_load_loses_no_record(recording: RecordingStack) -> None:
     with SteadyLoad(recording.router.address, MODEL, threads=2, pause_s=0.01) as load:
         load.wait_calls(50)
@@ -127,6 +129,7 @@ def test_a_recorder_killed_under_load_loses_no_record(recording: RecordingStack)
     assert re.search(r'"error": "(UNAVAILABLE|INTERNAL): ', warnings[0]), warnings[0]
 
 
+@pytest.mark.slow
 def test_redis_stopped_under_load_costs_no_call_and_no_record(recording: RecordingStack) -> None:
     with SteadyLoad(recording.router.address, MODEL, threads=2, pause_s=0.01) as load:
         load.wait_calls(50)
@@ -140,6 +143,7 @@ def test_redis_stopped_under_load_costs_no_call_and_no_record(recording: Recordi
     assert {r.request_id for r in records} == ids
 
 
+@pytest.mark.slow
 def test_a_1mib_input_sent_twice_is_stored_as_one_blob_referenced_by_both(tmp_path: Path) -> None:
     stack = RecordingStack(
         tmp_path,
@@ -170,6 +174,7 @@ def test_a_1mib_input_sent_twice_is_stored_as_one_blob_referenced_by_both(tmp_pa
         stack.close()
 
 
+@pytest.mark.slow
 def test_no_routing_key_or_sensitive_value_is_stored_anywhere_in_redis(tmp_path: Path) -> None:
     stack = RecordingStack(
         tmp_path,
@@ -212,6 +217,7 @@ def test_no_routing_key_or_sensitive_value_is_stored_anywhere_in_redis(tmp_path:
         stack.close()
 
 
+@pytest.mark.slow
 def test_redacted_outputs_are_stored_nowhere_in_redis_neither_answered_nor_shadowed(tmp_path: Path) -> None:
     stack = RecordingStack(
         tmp_path,
@@ -253,6 +259,7 @@ def test_redacted_outputs_are_stored_nowhere_in_redis_neither_answered_nor_shado
         stack.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2], ids=["1-process", "2-processes"])
 def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_path: Path, processes: int) -> None:
     # The shadow's batcher holds each request until 500 ms after the oldest waiting one arrived
@@ -292,6 +299,7 @@ def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_pa
         stack.close()
 
 
+@pytest.mark.slow
 @ONE_OR_TWO_ROUTER_PROCESSES
 def test_the_router_flushes_recorded_calls_on_sigterm(recording: RecordingStack) -> None:
     client = InferClient(recording.router.address)
@@ -303,6 +311,7 @@ def test_the_router_flushes_recorded_calls_on_sigterm(recording: RecordingStack)
     recording.wait_recorded({f"f{i}" for i in range(30)}, timeout_s=10)
 
 
+@pytest.mark.slow
 def test_calls_recorded_while_the_recorder_is_down_survive_a_router_restart_in_the_spool(
     recording: RecordingStack,
 ) -> None:
@@ -323,6 +332,7 @@ def test_calls_recorded_while_the_recorder_is_down_survive_a_router_restart_in_t
     assert ids <= {r.request_id for r in records}
 
 
+@pytest.mark.slow
 def test_a_full_spool_drops_and_counts_records_and_never_holds_up_calls(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path, router_args=("--spool-max-bytes", "3000"))
     try:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
@@ -24,6 +25,9 @@ from splitstream.shipper.spool import MAGIC
 from tests.harness import InferClient, SteadyLoad, make_request, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import MODEL, RecordingStack
 from tests.spools import append
+
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
 
 #: One batch per call on the router and worker (the worker's dynamic batching would hold large inputs).
 UNBATCHED = {"max_batch_size": 0, "dynamic_batching": {"enabled": False}}

@@ -73,6 +73,7 @@ def test_the_layout_keeps_each_scripts_keys_in_one_slot(cluster: RedisClusterSer
         assert client.keyslot(archive_mark_key(calls)) == client.keyslot(calls)
 
 
+@pytest.mark.slow
 def test_a_window_recorded_into_a_cluster_replays_whole_with_its_blobs(stack: RecordingStack, tmp_path: Path) -> None:
     client = InferClient(stack.router.address)
     rng = np.random.default_rng(5)
@@ -126,6 +127,7 @@ def test_feedback_resent_with_one_idempotency_key_is_written_once_in_a_cluster(s
     assert "CROSSSLOT" not in stack.recorder.log()
 
 
+@pytest.mark.slow
 def test_the_analysis_reads_a_cluster_as_it_reads_one_redis(cluster: RedisClusterServers, tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     t0 = (time.time_ns() // 10**9 - 3 * 3600) * 10**9
@@ -163,6 +165,7 @@ def test_the_analysis_reads_a_cluster_as_it_reads_one_redis(cluster: RedisCluste
         single.stop()
 
 
+@pytest.mark.slow
 def test_the_archiver_consumes_a_cluster_and_trim_archived_trims_only_what_it_holds(tmp_path: Path) -> None:
     import pyarrow.dataset as ds
 
@@ -227,6 +230,7 @@ def start_archiver(tmp: Path, redis_url: str, archive: str) -> Any:
     return ServiceProcess(f"archiver-{port}", "splitstream.archiver", args, log_dir=tmp, port=port).start()
 
 
+@pytest.mark.slow
 def test_a_master_killed_under_load_loses_no_answered_call(tmp_path: Path) -> None:
     """SIGKILL the master holding the call stream mid-load: its replica is promoted, the recorder is
     NOT_SERVING meanwhile (the router keeps and resends its batches), and afterwards every call the router
@@ -299,6 +303,7 @@ async def test_with_wait_replicas_a_batch_no_replica_confirmed_is_not_acknowledg
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_recorder_started_before_its_cluster_is_not_serving_then_serves_once_the_cluster_is_up(
     tmp_path: Path,
 ) -> None:

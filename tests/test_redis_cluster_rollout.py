@@ -18,6 +18,9 @@ from tests.recording_stack import MODEL, RecordingStack
 from tests.redis_server import RedisClusterServers
 from tests.test_ab_end_to_end import Users, admin, rollout_with_traffic, set_experiment, weights
 
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecordingStack]:

@@ -29,6 +29,9 @@ from tests.redis_server import RedisClusterServers, RedisTls
 from tests.test_redis_cluster import run
 from tests.test_tls import ARCHIVER_ACL, READER_ACL, RECORDER_ACL
 
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
+
 SERVING, NOT_SERVING = 1, 2
 
 

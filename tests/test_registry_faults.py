@@ -85,6 +85,7 @@ def stop_cleanly(router: ServiceProcess) -> None:
     assert "Traceback" not in router.log()
 
 
+@pytest.mark.slow
 def test_a_bad_value_in_the_file_is_reported_and_the_next_good_edit_still_applies(
     stack: Stack, tmp_path: Path, workers: dict[str, str]
 ) -> None:
@@ -116,6 +117,7 @@ def test_a_bad_value_in_the_file_is_reported_and_the_next_good_edit_still_applie
     stop_cleanly(router)
 
 
+@pytest.mark.slow
 def test_a_registry_file_that_is_not_text_is_reported_and_the_next_good_edit_applies(
     stack: Stack, tmp_path: Path, workers: dict[str, str]
 ) -> None:
@@ -133,6 +135,7 @@ def test_a_registry_file_that_is_not_text_is_reported_and_the_next_good_edit_app
     stop_cleanly(router)
 
 
+@pytest.mark.slow
 def test_a_file_that_would_drop_every_model_is_refused_until_the_removal_is_explicit(
     stack: Stack, tmp_path: Path, workers: dict[str, str]
 ) -> None:
@@ -161,6 +164,7 @@ def test_a_file_that_would_drop_every_model_is_refused_until_the_removal_is_expl
     stop_cleanly(router)
 
 
+@pytest.mark.slow
 def test_dropping_one_serving_model_of_two_is_refused_unless_it_is_named_for_removal(
     stack: Stack, tmp_path: Path, workers: dict[str, str]
 ) -> None:

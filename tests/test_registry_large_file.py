@@ -11,9 +11,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from tests.harness import InferClient, Stack, make_request, router_status, wait_for, write_registry
 from tests.models import add_version
+
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
 
 MODEL = "affine"
 

@@ -11,8 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.harness import Stack, registry_healthy, router_status, wait_for, write_registry
 from tests.test_router_registry_watch import a_good_edit_applies_then_sigterm_exits_0, models
+
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
 
 
 def test_a_fifo_in_place_of_the_registry_file_is_refused_and_the_next_good_edit_still_applies(tmp_path: Path) -> None:

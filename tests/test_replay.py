@@ -225,6 +225,7 @@ def record_traffic(stack: RecordingStack) -> Traffic:
 # -- what comes back matches what went in ---------------------------------------------------
 
 
+@pytest.mark.slow
 def test_traffic_replayed_against_v1_matches_every_recorded_answer(traffic: Traffic, tmp_path: Path) -> None:
     run = replay(
         traffic,
@@ -255,6 +256,7 @@ def test_traffic_replayed_against_v1_matches_every_recorded_answer(traffic: Traf
     assert [r["receive_unix_ns"] for r in in_send_order] == sorted(r["receive_unix_ns"] for r in run.results)
 
 
+@pytest.mark.slow
 def test_traffic_replayed_against_v2_finds_exactly_the_expected_mismatches_by_request_id(
     traffic: Traffic, tmp_path: Path
 ) -> None:
@@ -310,6 +312,7 @@ def test_traffic_replayed_against_v2_finds_exactly_the_expected_mismatches_by_re
         assert external not in report
 
 
+@pytest.mark.slow
 def test_compare_to_diffs_two_targets_with_the_second_as_reference(traffic: Traffic, tmp_path: Path) -> None:
     run = replay(
         traffic,
@@ -338,6 +341,7 @@ def test_compare_to_diffs_two_targets_with_the_second_as_reference(traffic: Traf
 # -- outputs redacted at recording ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_outputs_redacted_at_recording_are_not_compared_and_the_others_still_are(tmp_path: Path) -> None:
     """Recorded with ``label`` dropped and ``score`` zeroed (the model's third output, sum(y)); ``y`` is kept.
     v2 adds 0.5 to ``y`` and so to ``score``: against v2, ``y`` mismatches and ``score`` is still not compared."""
@@ -408,6 +412,7 @@ def test_outputs_redacted_at_recording_are_not_compared_and_the_others_still_are
 # -- selection ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_filters_select_exactly_what_they_say(traffic: Traffic, tmp_path: Path) -> None:
     worker = traffic.stack.workers["v1"].address
     common = ["--target", worker, "--speed", "max"]
@@ -495,6 +500,7 @@ def test_corrupt_and_unknown_schema_entries_are_skipped_and_counted_never_fatal(
 # -- timing --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_speed_1_reproduces_the_recorded_gaps_at_the_router(traffic: Traffic, tmp_path: Path) -> None:
     """The 19 gaps of the burst (0 to 250 ms) as the router saw them, recorded vs replayed.
 
@@ -528,6 +534,7 @@ def test_speed_1_reproduces_the_recorded_gaps_at_the_router(traffic: Traffic, tm
     assert abs(again.sum() - original.sum()) < 30.0, shown  # the burst takes as long as it did
 
 
+@pytest.mark.slow
 def test_speed_max_never_has_more_than_the_concurrency_in_flight(traffic: Traffic, tmp_path: Path) -> None:
     # v2 holds a lone call up to 20 ms for a batch partner, so three callers keep three in flight.
     run = replay(
@@ -553,6 +560,7 @@ def test_speed_max_never_has_more_than_the_concurrency_in_flight(traffic: Traffi
     assert run.summary["send_lag"] is None
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_still_writes_a_partial_summary(traffic: Traffic, tmp_path: Path) -> None:
     # The burst takes ~0.6 s; at speed 0.05 it would take ~12 s.
     command = replay_command(
@@ -640,6 +648,7 @@ def test_usage_errors_exit_2_with_one_line(
             os.environ["SPLITSTREAM_HMAC_KEY"] = env_key
 
 
+@pytest.mark.slow
 def test_the_gate_exits_0_when_every_bound_holds_and_1_listing_those_that_fail(
     traffic: Traffic, tmp_path: Path
 ) -> None:
@@ -679,6 +688,7 @@ def test_the_report_renders_offline_in_headless_chromium_with_its_charts_drawn(
     assert pixels_of(image, CANDIDATE_COLOR) > 500
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is not installed")
 def test_tls_targets_are_verified_against_the_given_ca_and_server_name(traffic: Traffic, tmp_path: Path) -> None:
     from concurrent import futures
@@ -747,6 +757,7 @@ def write_window(traffic: Traffic, copies: dict[str, recorder_pb2.CallRecord]) -
     return ["--since", f"{start / 1e9:.9f}", "--until", f"{until / 1e9:.9f}"]
 
 
+@pytest.mark.slow
 def test_recorded_ids_that_are_not_printable_ascii_are_replayed_and_answered_not_counted_as_status_changes(
     traffic: Traffic, tmp_path: Path
 ) -> None:
@@ -772,6 +783,7 @@ def test_recorded_ids_that_are_not_printable_ascii_are_replayed_and_answered_not
     assert run.summary["counts"]["send_errors"] == 0
 
 
+@pytest.mark.slow
 def test_metadata_grpc_refuses_to_send_is_a_send_error_of_the_replayer_not_a_status_change(
     traffic: Traffic, tmp_path: Path
 ) -> None:
@@ -798,6 +810,7 @@ def test_metadata_grpc_refuses_to_send_is_a_send_error_of_the_replayer_not_a_sta
 # -- nothing measured never passes; an unusable output directory is a setup error ---------------
 
 
+@pytest.mark.slow
 def test_an_empty_window_with_a_gate_fails_it_as_not_measured_instead_of_passing_on_zero_rates(
     traffic: Traffic, tmp_path: Path
 ) -> None:
@@ -826,6 +839,7 @@ def test_an_empty_window_with_a_gate_fails_it_as_not_measured_instead_of_passing
     assert "gate" not in ungated.summary
 
 
+@pytest.mark.slow
 def test_an_output_dir_that_cannot_be_written_exits_2_with_one_line_not_a_traceback(
     traffic: Traffic, tmp_path: Path
 ) -> None:
@@ -858,6 +872,7 @@ def test_a_summary_that_cannot_be_written_after_the_replay_exits_2_with_one_line
     assert run.ids() == set(traffic.ids["A"] + traffic.ids["A-v2"])  # every finished call is kept
 
 
+@pytest.mark.slow
 def test_a_recorded_id_too_long_for_a_header_is_replayed_and_answered_not_counted_as_a_status_change(
     traffic: Traffic, tmp_path: Path
 ) -> None:

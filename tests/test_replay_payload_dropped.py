@@ -24,6 +24,9 @@ from tests.harness import InferClient, make_request
 from tests.recording_stack import MODEL, RecordingStack
 from tests.test_replay import Run, Traffic, replay
 
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
+
 #: One batch per call on the workers (dynamic batching would hold the large inputs).
 UNBATCHED = {"max_batch_size": 0, "dynamic_batching": {"enabled": False}}
 SMALL = [f"small-{i}" for i in range(4)]

@@ -17,6 +17,9 @@ from tests.harness import ROOT, Stack
 from tests.models import add_version
 from tests.redis_server import RedisServer
 
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
+
 MODEL = "affine"
 
 

@@ -44,6 +44,9 @@ from tests.harness import (
 from tests.models import add_version
 from tests.tmpfs import small_tmpfs
 
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
+
 MODEL = "m"
 #: Loose latency and few calls per step: two cores run the router, both workers and the load here.
 JUDGED = ("--interval", "3s", "--check-every", "0.3s", "--min-calls", "5", "--max-p99-ratio", "50")

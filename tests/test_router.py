@@ -109,6 +109,7 @@ def served_version(client: InferClient, key: str | None = None, version: str = "
 # -- outputs ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_outputs_through_the_router_equal_onnxruntime_with_raw_and_typed_contents(deployment: Deployment) -> None:
     session = onnxruntime.InferenceSession(str(deployment.repository / MODEL / "v1" / "model.onnx"))
     rng = np.random.default_rng(7)
@@ -174,6 +175,7 @@ def test_pinning_an_unknown_version_is_not_found_and_names_it(deployment: Deploy
     assert "v9" in caught.value.details()
 
 
+@pytest.mark.slow
 def test_one_key_gets_the_same_version_from_two_separate_routers(deployment: Deployment) -> None:
     second = deployment.stack.router(deployment.registry, name="second-router")
     other = InferClient(second.address)
@@ -188,6 +190,7 @@ def test_one_key_gets_the_same_version_from_two_separate_routers(deployment: Dep
         second.stop()
 
 
+@pytest.mark.slow
 def test_calls_without_a_key_split_by_weight(stack: Stack, tmp_path: Path) -> None:
     repository = tmp_path / "models"
     for version, scale in SCALES.items():
@@ -235,6 +238,7 @@ def test_editing_the_registry_changes_the_split_within_two_seconds_without_a_fai
         )
 
 
+@pytest.mark.slow
 def test_a_version_without_a_healthy_endpoint_spills_to_the_control(stack: Stack, tmp_path: Path) -> None:
     repository = tmp_path / "models"
     add_version(repository, MODEL, "v1", scale=SCALES["v1"])
@@ -252,6 +256,7 @@ def test_a_version_without_a_healthy_endpoint_spills_to_the_control(stack: Stack
     assert any(labels == {"model": MODEL, "arm": "v2", "version": "v1"} and value > 0 for labels, value in fallbacks)
 
 
+@pytest.mark.slow
 def test_an_arm_without_endpoints_is_shown_spilling_in_status_and_metrics_until_it_gets_one(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -284,6 +289,7 @@ def test_an_arm_without_endpoints_is_shown_spilling_in_status_and_metrics_until_
 # -- failures ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_worker_killed_under_load_fails_only_calls_in_flight_then_none(stack: Stack, tmp_path: Path) -> None:
     repository = tmp_path / "models"
     add_version(repository, MODEL, "v1", scale=SCALES["v1"])
@@ -305,6 +311,7 @@ def test_a_worker_killed_under_load_fails_only_calls_in_flight_then_none(stack: 
     assert load.count() > 400
 
 
+@pytest.mark.slow
 def test_a_worker_given_sigterm_under_load_drains_with_zero_failed_calls(stack: Stack, tmp_path: Path) -> None:
     repository = tmp_path / "models"
     add_version(repository, MODEL, "v1", scale=SCALES["v1"])
@@ -320,6 +327,7 @@ def test_a_worker_given_sigterm_under_load_drains_with_zero_failed_calls(stack: 
     assert load.errors() == []
 
 
+@pytest.mark.slow
 def test_the_router_drains_calls_in_flight_on_sigterm_and_exits_zero(stack: Stack, tmp_path: Path) -> None:
     repository = tmp_path / "models"
     # A long batching delay keeps each call in flight for ~300 ms.
@@ -577,6 +585,7 @@ def test_a_missing_registry_file_exits_2_with_one_line(tmp_path: Path) -> None:
     assert "absent.yaml" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_healthcheck_command_exits_0_for_a_serving_router_and_1_for_a_closed_port(
     deployment: Deployment,
 ) -> None:

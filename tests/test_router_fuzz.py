@@ -56,6 +56,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     target.close()
 
 
+@pytest.mark.slow
 @settings(
     max_examples=150,
     deadline=None,  # each example is bounded by the call's own deadline, asserted below

@@ -56,6 +56,7 @@ def test_a_log_flush_interval_that_is_no_positive_finite_number_is_refused_with_
     assert lines[0].startswith("splitstream-router: error: --log-flush-interval-s: must be a finite number > 0")
 
 
+@pytest.mark.slow
 def test_a_log_flush_interval_under_a_second_is_taken(tmp_path: Path) -> None:
     stack = Stack(tmp_path)
     try:

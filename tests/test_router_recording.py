@@ -51,6 +51,7 @@ def refused(client: InferClient, request: Any, metadata: list[tuple[str, str]]) 
     return code
 
 
+@pytest.mark.slow
 def test_calls_refused_at_routing_are_recorded_with_the_routing_key_only_as_its_hmac(
     recording: RecordingStack,
 ) -> None:
@@ -141,6 +142,7 @@ def test_credentials_are_left_out_after_clients_sent_more_header_names_than_the_
         assert value.encode() not in everything
 
 
+@pytest.mark.slow
 def test_a_router_started_with_record_credential_headers_keeps_them_in_the_record(tmp_path: Path) -> None:
     """The opt-in, through the router's flag: the same headers the default drops reach Redis as sent."""
     stack = RecordingStack(tmp_path, router_args=("--record-credential-headers",))
@@ -175,6 +177,7 @@ def test_a_request_id_that_is_not_printable_ascii_is_recorded_as_the_client_sent
     recording.wait_recorded({"bödy\tid", "hëader id"})
 
 
+@pytest.mark.slow
 def test_a_shadow_of_a_call_whose_id_is_not_printable_ascii_is_answered_and_recorded(tmp_path: Path) -> None:
     """The shadow copy carries the id in its metadata too: encoded, it is answered like the call."""
     stack = RecordingStack(

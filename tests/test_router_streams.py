@@ -72,6 +72,7 @@ def texts(result_responses: list[oip.ModelStreamInferResponse]) -> list[str]:
 # -- relaying ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_response_is_relayed_byte_for_byte_with_the_final_flag_on_the_last(deployment: Deployment) -> None:
     request = stream_request("relay-1", 5, model=MODEL)
     result = run_stream(deployment.router.address, [request], metadata=[("x-routing-key", "user-relay")])
@@ -233,6 +234,7 @@ def slow_stack(stack: Stack, tmp: Path, *, endpoints: int = 1, extra: tuple[str,
     return events
 
 
+@pytest.mark.slow
 def test_a_client_cancel_cancels_the_worker_stream(stack: Stack, tmp_path: Path) -> None:
     (events,) = slow_stack(stack, tmp_path)
     router = stack.router(tmp_path / "registry.yaml")
@@ -252,6 +254,7 @@ def test_a_client_cancel_cancels_the_worker_stream(stack: Stack, tmp_path: Path)
     assert len(sent) < 1000
 
 
+@pytest.mark.slow
 def test_the_client_deadline_ends_the_stream_and_the_worker_stream_with_it(stack: Stack, tmp_path: Path) -> None:
     (events,) = slow_stack(stack, tmp_path)
     router = stack.router(tmp_path / "registry.yaml")
@@ -268,6 +271,7 @@ def test_the_client_deadline_ends_the_stream_and_the_worker_stream_with_it(stack
 # -- failures ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_stream_ends_the_client_stream_with_its_status_and_is_not_retried(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -292,6 +296,7 @@ def test_a_worker_killed_mid_stream_ends_the_client_stream_with_its_status_and_i
     assert read_events(events[1 - index]) == []  # tokens had gone out: nothing was resent elsewhere
 
 
+@pytest.mark.slow
 def test_a_worker_failing_mid_stream_ends_the_client_stream_with_its_status_and_details(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -302,6 +307,7 @@ def test_a_worker_failing_mid_stream_ends_the_client_stream_with_its_status_and_
     assert len(result.responses) == 3
 
 
+@pytest.mark.slow
 def test_a_worker_failing_before_the_first_response_is_retried_on_another_endpoint(
     stack: Stack, tmp_path: Path
 ) -> None:
@@ -405,6 +411,7 @@ print(json.dumps(seen))
 # -- shutdown ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_draining_router_finishes_streams_in_flight_and_refuses_new_ones(stack: Stack, tmp_path: Path) -> None:
     slow_stack(stack, tmp_path)
     router = stack.router(tmp_path / "registry.yaml", "--drain-delay-s", "0", "--shutdown-grace-s", "20")

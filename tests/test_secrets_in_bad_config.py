@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.harness import ROOT, free_port
 
 PASSWORD = "probe-redis-secret-7"
@@ -37,6 +39,7 @@ def test_a_recorder_refused_for_a_rule_across_settings_does_not_quote_its_redis_
     assert PASSWORD not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_a_redis_url_without_its_scheme_is_refused_without_quoting_the_password() -> None:
     url = f":{PASSWORD}@127.0.0.1:{free_port()}/0"
     replay = run(

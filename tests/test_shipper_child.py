@@ -7,6 +7,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from splitstream.common import wal
 from tests.harness import metric_samples, run_module, scrape_metrics, wait_for, write_registry
 from tests.recording_stack import MODEL, RecordingStack
@@ -35,6 +37,7 @@ def test_a_router_whose_child_shipper_refuses_its_configuration_at_start_exits_2
     assert f"splitstream-shipper: error: --log-dir: Is a directory: {spool / 'shipper.lock'}" in lines, result.stderr
 
 
+@pytest.mark.slow
 def test_a_child_shipper_refusing_its_configuration_later_is_not_restarted_and_shows_in_the_metrics(
     tmp_path: Path,
 ) -> None:
@@ -63,6 +66,7 @@ def test_a_child_shipper_refusing_its_configuration_later_is_not_restarted_and_s
         stack.close()
 
 
+@pytest.mark.slow
 def test_a_child_shipper_ends_when_its_router_is_killed(tmp_path: Path) -> None:
     """The child asks for the parent-death signal itself now (it was asked between fork and exec, running Python
     in a fork of the router's threads): a router killed with SIGKILL still leaves no shipper holding its log."""

@@ -8,6 +8,7 @@ import asyncio
 import collections
 from pathlib import Path
 
+import pytest
 from redis.asyncio import Redis
 
 from splitstream.common.records import decode_entry, read_entries
@@ -15,6 +16,9 @@ from tests.harness import InferClient, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import MODEL, RecordingStack
 from tests.test_recording_faults import UNBATCHED, call, mirror_metric
 from tests.tmpfs import small_tmpfs
+
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
 
 
 def times_recorded(stack: RecordingStack) -> collections.Counter[str]:

@@ -62,6 +62,7 @@ def read_stream(recording: RecordingStack, record: recorder_pb2.CallRecord) -> R
     return asyncio.run(read())
 
 
+@pytest.mark.slow
 def test_a_stream_is_one_record_with_every_message_in_order_its_offsets_and_ttft(recording: RecordingStack) -> None:
     prompt = b"secret prompt " * 50
     first = stream_request("rec-1", 3, model=MODEL, text=prompt)

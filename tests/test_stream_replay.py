@@ -219,6 +219,7 @@ def against_v2(traffic: Traffic, tmp_path_factory: pytest.TempPathFactory) -> Ru
     return replay(traffic, tmp_path_factory.mktemp("against-v2"), "--speed", "4")
 
 
+@pytest.mark.slow
 def test_the_router_splits_streams_stickily_and_records_the_text_each_version_generates(traffic: Traffic) -> None:
     served = {version for _, version in traffic.streams.values()}
     assert served == {"v1", "v2"}, "a 50/50 split of a dozen users sends streams to both versions"
@@ -303,6 +304,7 @@ def test_a_stream_the_client_cancelled_is_replayed_as_far_as_it_went_and_compare
     assert line["stream"]["candidate_tokens"] == len(record.stream.responses)
 
 
+@pytest.mark.slow
 def test_the_gate_bounds_token_match_rate_exit_1_when_v1_streams_diverge_0_when_the_bound_holds(
     traffic: Traffic, against_v2: Run, tmp_path: Path
 ) -> None:
@@ -321,6 +323,7 @@ def test_the_gate_bounds_token_match_rate_exit_1_when_v1_streams_diverge_0_when_
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_the_report_renders_the_streams_section_with_its_charts_and_the_diverging_texts(
     against_v2: Run, tmp_path: Path

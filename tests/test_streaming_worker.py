@@ -344,6 +344,7 @@ def test_active_sequences_reads_0_once_every_generation_has_ended(deployment: De
     assert metric(worker, "splitstream_worker_active_sequences") == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["direct", "router"])
 def test_a_client_that_stops_reading_pauses_its_generation_and_the_other_streams_go_on(
     deployment: Deployment, path: str, tmp_path: Path
@@ -469,6 +470,7 @@ print(json.dumps(seen))
 # -- the TensorRT backend path ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_generative_model_on_the_tensorrt_backend_streams_the_same_text(tmp_path: Path) -> None:
     """The same next-token graph through the native TensorRT backend (engine built at start; on the fake GPU of
     tests/fakegpu, so this proves the backend's side of the step interface, not that real TensorRT builds it)."""
@@ -559,6 +561,7 @@ def test_a_step_the_backend_fails_ends_its_requests_with_an_error_and_the_worker
     assert after.text == "aaa"
 
 
+@pytest.mark.slow
 def test_a_worker_given_sigterm_during_a_long_generation_ends_it_and_exits_0(tmp_path: Path) -> None:
     language.write_version(tmp_path / "models", MODEL, "v1", order=2, generation={"max_tokens_limit": LIMIT})
     stack = Stack(tmp_path)

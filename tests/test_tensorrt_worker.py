@@ -159,6 +159,7 @@ def test_the_engine_builder_reports_a_config_error_in_one_line(tmp_path: Path) -
 # --- the whole path on the fake GPU ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_engines_built_in_ci_are_served_by_a_worker_on_the_same_gpu(tmp_path: Path) -> None:
     repo = repository(tmp_path, precision="fp16", contexts=2)
     add_version(repo, "other", "v1", scale=1.0, config={"backend": "onnxruntime"})  # not TensorRT: skipped
@@ -231,6 +232,7 @@ def hammered_repository(tmp_path: Path) -> Path:
     return tmp_path / "models"
 
 
+@pytest.mark.slow
 def test_concurrent_clients_each_get_the_answer_to_their_own_input(tmp_path: Path) -> None:
     """32 clients send distinct random inputs of 1..4 rows for a few seconds; the worker batches them, splits the
     batches over its profiles and runs them on 3 contexts at once. Each answer must be ONNX Runtime's (on CPU) for

@@ -238,6 +238,7 @@ def test_mutual_tls_at_the_recorder_refuses_clients_without_a_valid_certificate(
     assert "recorder-pw" not in recorder.log()
 
 
+@pytest.mark.slow
 def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_cannot_overwrite(
     tmp_path: Path, pki: Pki, stack: Stack, redis_tls: RedisServer
 ) -> None:
@@ -352,6 +353,7 @@ def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_can
     assert (out / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_a_bad_certificate_or_key_is_exit_2_with_one_line_naming_the_flag(tmp_path: Path, pki: Pki) -> None:
     registry = tmp_path / "registry.yaml"
     write_registry(registry, {})
@@ -386,6 +388,7 @@ def test_a_bad_certificate_or_key_is_exit_2_with_one_line_naming_the_flag(tmp_pa
         assert expected in lines[0], (flags, done.stderr)
 
 
+@pytest.mark.slow
 def test_bad_redis_and_consul_tls_settings_are_exit_2_with_one_line(tmp_path: Path, pki: Pki) -> None:
     client = pki.issue("client")
     registry = tmp_path / "registry.yaml"
@@ -418,6 +421,7 @@ def test_plaintext_stays_the_default(tmp_path: Path, stack: Stack) -> None:
     assert health_code(worker.address, ClientTls()) == SERVING
 
 
+@pytest.mark.slow
 def test_workers_and_routers_use_consul_over_https_with_a_client_certificate_and_the_token_as_a_header(
     tmp_path: Path, pki: Pki, stack: Stack
 ) -> None:
@@ -475,6 +479,7 @@ def test_workers_and_routers_use_consul_over_https_with_a_client_certificate_and
 ARCHIVER_ACL = readme_acl("splitstream-archiver", "archiver-pw")
 
 
+@pytest.mark.slow
 def test_analyze_reads_as_the_read_only_user_and_the_archiver_as_its_own_over_tls(
     tmp_path: Path, pki: Pki, stack: Stack
 ) -> None:
@@ -656,6 +661,7 @@ def test_an_allow_list_without_mutual_tls_exits_2_naming_the_flag(tmp_path: Path
     assert "--allowed-client-identities needs --grpc-use-ssl-mutual" in done.stderr
 
 
+@pytest.mark.slow
 def test_the_router_renews_its_worker_channels_when_its_client_certificate_rotates(
     tmp_path: Path, pki: Pki, stack: Stack
 ) -> None:

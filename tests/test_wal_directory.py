@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from splitstream.common import wal
 from tests.harness import (
@@ -24,6 +25,9 @@ from tests.harness import (
 )
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
 from tests.test_wal_recording import _call_payload, start_shipper
+
+#: Every test here starts several processes or waits out real time (make test-fast skips them).
+pytestmark = pytest.mark.slow
 
 
 def call(stack: RecordingStack, prefix: str, count: int) -> set[str]:

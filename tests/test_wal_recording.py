@@ -90,6 +90,7 @@ def tried_again(stack: RecordingStack) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_router_killed_under_load_loses_no_call_a_client_got_an_answer_for(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path)
     try:
@@ -106,6 +107,7 @@ def test_a_router_killed_under_load_loses_no_call_a_client_got_an_answer_for(tmp
         stack.close()
 
 
+@pytest.mark.slow
 def test_a_shipper_killed_under_load_loses_no_answered_call(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path)
     try:
@@ -167,6 +169,7 @@ def router_counter(stack: RecordingStack, name: str, **labels: str) -> float:
     return sum(value for sample_labels, value in samples if labels.items() <= sample_labels.items())
 
 
+@pytest.mark.slow
 def test_calls_answered_while_the_recorder_is_stopped_are_kept_in_the_log_alone_and_all_shipped_once_it_starts(
     tmp_path: Path,
 ) -> None:
@@ -201,6 +204,7 @@ def test_calls_answered_while_the_recorder_is_stopped_are_kept_in_the_log_alone_
         stack.close()
 
 
+@pytest.mark.slow
 def test_a_shipper_killed_while_the_recorder_is_away_loses_nothing_once_both_are_back(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path)
     try:
@@ -222,6 +226,7 @@ def test_a_shipper_killed_while_the_recorder_is_away_loses_nothing_once_both_are
         stack.close()
 
 
+@pytest.mark.slow
 def test_a_log_at_its_cap_drops_the_newest_calls_counted_and_ships_the_oldest_in_order(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path, router_args=("--spool-max-bytes", "60000"))
     try:
@@ -302,6 +307,7 @@ def start_shipper(stack: RecordingStack, *log_dirs: Path, metrics_port: int) -> 
     return process.start()
 
 
+@pytest.mark.slow
 def test_damaged_and_torn_log_entries_are_skipped_and_counted_and_the_rest_shipped(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path, router_args=("--shipper", "external"))
     try:
@@ -341,6 +347,7 @@ def test_damaged_and_torn_log_entries_are_skipped_and_counted_and_the_rest_shipp
         stack.close()
 
 
+@pytest.mark.slow
 def test_calls_are_answered_and_drops_counted_when_the_logs_disk_is_full(tmp_path: Path) -> None:
     with small_tmpfs(tmp_path / "spool", "256k"):
         stack = RecordingStack(tmp_path, versions={"v1": {"scale": 2.0, "config": UNBATCHED}})
@@ -376,6 +383,7 @@ def test_calls_are_answered_and_drops_counted_when_the_logs_disk_is_full(tmp_pat
             stack.close()
 
 
+@pytest.mark.slow
 def test_one_external_shipper_ships_the_logs_of_several_routers(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path, router_args=("--shipper", "external"))
     try:
@@ -549,6 +557,7 @@ def test_a_log_dir_that_does_not_exist_is_refused_with_exit_2_not_created(tmp_pa
     assert not typo.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("processes", "flush_s"),
     [(1, "3600"), (2, "0.2")],
@@ -586,6 +595,7 @@ def test_the_appended_counter_counts_every_logged_call_whether_scraped_from_one_
         stack.close()
 
 
+@pytest.mark.slow
 def test_an_idle_shipper_backs_off_its_reads_and_still_ships_the_next_call(tmp_path: Path) -> None:
     """Polled every 20 ms, a shipper with nothing to ship used 6 % of a core (one per router on a host). Caught
     up, it now backs off to a read every 0.25 s; the first call after the quiet spell is shipped all the same."""

@@ -467,6 +467,7 @@ def test_health_stays_not_serving_when_the_warm_up_inference_fails(tmp_path: Pat
     assert infer_error.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.slow
 async def test_sigterm_under_load_drains_finishes_in_flight_calls_and_exits_0(tmp_path: Path) -> None:
     repo = tmp_path / "models"
     # Requests wait 1.5 s for a batch, so they are still in flight when the drain delay ends and server.stop begins.
