@@ -48,6 +48,7 @@ from splitstream.router.auth.policy import Policy
 from splitstream.router.auth.ratelimit import RateLimiter
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.feedback import FeedbackService
+from splitstream.router.http.app import HttpFrontDoor
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.recording import CallLog
 from splitstream.router.servicer import RouterServicer
@@ -100,8 +101,11 @@ class RouterConfig:
     jwt: JwtSettings | None = None
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
+    #: The HTTP front door's port (OpenAI-compatible API; 0: off).
+    http_port: int = 0
 
     def __post_init__(self) -> None:
+        self._check_http()
         if self.eject_after_failures < 1:
             raise ConfigError("--eject-after-failures must be at least 1")
         for flag, value in (
@@ -172,6 +176,15 @@ class RouterConfig:
                 f"--record-batch-max-bytes ({self.record_batch_max_bytes})"
             )
 
+    def _check_http(self) -> None:
+        """--http-port: a port, and not (yet) where HTTP would bypass what gRPC enforces or shares."""
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"--http-port: must be within 0..65535, got {self.http_port}")
+        if self.http_port and self.auth_principals:
+            raise ConfigError("--http-port cannot be used with --auth-principals yet: HTTP calls are not authenticated")
+        if self.http_port and self.server.processes > 1:
+            raise ConfigError("--http-port cannot be used with --processes above 1 yet: serve HTTP from one process")
+
 
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(
@@ -193,6 +206,13 @@ def build_parser() -> EnvArgumentParser:
     )
     # Triton's ports, so Triton clients work with defaults.
     add_server_arguments(parser, ServerDefaults(port=8001, metrics_port=8002), processes=True)
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="HTTP port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on --host, "
+        "TLS as the gRPC port (0: off; Triton's HTTP port is 8000)",
+    )
     parser.add_argument(
         "--router-id",
         default="",
@@ -415,6 +435,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             auth_principals=args.auth_principals,
             jwt=_jwt_settings(args),
             service_token=read_service_token(args.service_token_file),
+            http_port=args.http_port,
         )
     except ConfigError as error:
         parser.error(str(error))
@@ -605,6 +626,16 @@ class Router(Service):
         if self.mirror is not None:
             self.streams.on_end = self.mirror.offer  # streams have no shadows: recorded as they end
         self._updates: AsyncIterator[RegistryUpdate] | None = None
+        # The HTTP front door: started after the gRPC server, stopped beside it (before_stop → teardown).
+        self.http: HttpFrontDoor | None = None
+        self._http_stop: asyncio.Task[None] | None = None
+        if config.http_port:
+            self.http = HttpFrontDoor(
+                self.core,
+                self.metrics,
+                max_body_bytes=server.max_message_bytes,
+                shutdown_grace_s=server.shutdown_grace_s,
+            )
         self.principals: PrincipalsStore | None = None
         self.jwt: JwtVerifier | None = None
         self.auth: AuthInterceptor | None = None
@@ -654,6 +685,10 @@ class Router(Service):
             await self.shipper.started()
 
     async def run(self, runtime: Runtime) -> None:
+        if self.http is not None:
+            server = self.config.server
+            port = await self.http.start(server.host, self.config.http_port, server.tls)
+            self.log.info("HTTP listening", host=server.host, http_port=port)
         self.servicer.ready = True
         await runtime.set_serving(True)
         self.log.info("router serving", registry=self.registry.description, models=self.core.model_names())
@@ -721,10 +756,16 @@ class Router(Service):
     async def draining(self) -> None:
         self.servicer.ready = False  # ServerReady/ModelReady say false, beside health's NOT_SERVING
 
+    async def before_stop(self) -> None:
+        if self.http is not None:  # stops accepting now; its calls in flight get the grace beside gRPC's
+            self._http_stop = asyncio.create_task(self.http.stop(), name="HTTP stop")
+
     async def teardown(self) -> None:
         """After the server stopped: shadows in flight finish (so their calls are recorded whole);
         every answered call is queued by now, so the mirror flushes to the recorder or the spool;
         worker channels close once their calls are done."""
+        if self._http_stop is not None:  # HTTP streams end before the worker channels close
+            await self._http_stop
         await self.shadows.close()
         if self.principals is not None:
             await self.principals.close()
