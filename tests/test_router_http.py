@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import socket
+import ssl
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -20,6 +22,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from demo import language
+from splitstream.common.tls import ClientTls
+from tests.certs import Pki, served_serial
 from tests.harness import (
     ServiceProcess,
     Stack,
@@ -394,3 +398,69 @@ def test_http_port_with_caller_authentication_is_refused_in_one_line(tmp_path: P
     )
     assert result.returncode == 2
     assert "--http-port cannot be used with --auth-principals" in result.stderr
+
+
+def test_a_worker_that_fails_mid_stream_ends_the_stream_with_an_error_event_and_no_done(
+    deployment: Deployment,
+) -> None:
+    """Its own worker and router: the worker is killed while its tokens are being relayed."""
+    worker = deployment.stack.worker(deployment.stack.tmp_path / "models", MODEL, "v1")
+    registry = deployment.stack.tmp_path / "registry-doomed.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
+    _, port = start_router(deployment.stack, registry)
+    response = open_stream(port, {"model": MODEL, "prompt": "The ", "max_tokens": LIMIT, "stream": True})
+    assert response.headers["x-splitstream-version"] == "v1"
+    stream = events(response)
+    for _ in range(3):
+        assert json.loads(next(stream))["object"] == "text_completion"
+    worker.kill()
+    rest = list(stream)  # ends: never a hang
+    assert "[DONE]" not in rest
+    error = json.loads(rest[-1])
+    assert_openai_error(error, param=None, code="unavailable")
+    assert error["error"]["type"] == "server_error"
+
+
+# -- TLS ------------------------------------------------------------------------------------------------
+
+
+def test_the_http_port_serves_tls_with_the_grpc_ports_files_and_follows_their_rotation(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    pki = Pki(tmp_path / "pki")
+    live = pki.issue("live")
+    tls = ["--grpc-use-ssl", "--grpc-server-cert", str(live.cert), "--grpc-server-key", str(live.key)]
+    http_port = free_port()
+    deployment.stack.router(
+        deployment.registry,
+        "--http-port",
+        str(http_port),
+        *tls,
+        tls=ClientTls(enabled=True, ca_file=str(pki.ca)),
+    )
+    wait_for(lambda: accepts(http_port), timeout_s=10, what="the HTTPS port to accept")
+    client = openai.OpenAI(
+        base_url=f"https://127.0.0.1:{http_port}/v1",
+        api_key="unused",
+        max_retries=0,
+        http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(pki.ca))),
+    )
+    answer = client.completions.create(model=MODEL, prompt="The ", max_tokens=3)
+    assert answer.usage is not None
+    assert answer.usage.completion_tokens == 3
+    plaintext = http.client.HTTPConnection("127.0.0.1", http_port, timeout=5)
+    plaintext.request("GET", "/v1/models")
+    with pytest.raises((http.client.RemoteDisconnected, http.client.BadStatusLine, ConnectionResetError)):
+        plaintext.getresponse()  # plaintext is not spoken there
+    assert served_serial("127.0.0.1", http_port, ca=pki.ca, alpn="http/1.1") == live.serial
+    renewed = pki.issue("renewed")
+    for source, destination in ((renewed.key, live.key), (renewed.cert, live.cert)):  # as renewal tools do
+        staging = destination.with_suffix(".new")
+        staging.write_bytes(source.read_bytes())
+        os.replace(staging, destination)
+    wait_for(
+        lambda: served_serial("127.0.0.1", http_port, ca=pki.ca, alpn="http/1.1") == renewed.serial,
+        timeout_s=10,
+        what="the renewed certificate to be served",
+    )
+    assert [model.id for model in client.models.list()] == [GHOST, MODEL]

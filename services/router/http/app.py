@@ -1,10 +1,10 @@
 """The router's HTTP front door: OpenAI's chat and completions API over the router's own routing.
 
 One aiohttp server on the router's event loop, beside the gRPC server (``--http-port``, same
-``--host``, the same TLS files). Each generation request is checked (:mod:`.openai_api`), turned into
-one ``ModelStreamInfer`` request and handed to the router's :class:`~splitstream.router.streams.StreamProxy`:
-the same sticky split, pin, health-aware pools, retry before the first token and stream metrics as a
-gRPC token stream. Nothing here routes.
+``--host``, the same TLS files, followed through rotation: :mod:`.tls`). Each generation request is
+checked (:mod:`.openai_api`), turned into one ``ModelStreamInfer`` request and handed to the router's
+:class:`~splitstream.router.streams.StreamProxy`: the same sticky split, pin, health-aware pools, retry
+before the first token and stream metrics as a gRPC token stream. Nothing here routes.
 
 - The routing key is the experiment's routing-key header if the request has it, else the body's
   ``user``, else none (a random split by weight); ``x-splitstream-version`` pins a version.
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -59,6 +58,7 @@ from splitstream.router.http.openai_api import (
     read_response,
     usage,
 )
+from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
 from splitstream.router.streams import StreamProxy
 
@@ -93,16 +93,6 @@ class HttpMetrics:
             buckets=TTFT_BUCKETS_S,
             registry=registry,
         )
-
-
-def ssl_context(tls: ServerTls) -> ssl.SSLContext:
-    """The HTTP port's TLS from the gRPC port's files (read when the router starts)."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(tls.cert_file, tls.key_file)
-    if tls.mutual:
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(cafile=tls.client_ca_file)
-    return context
 
 
 class HttpFrontDoor:
@@ -142,7 +132,8 @@ class HttpFrontDoor:
             access_log=None,  # per-request lines are metrics here, as on gRPC
         )
         await self.runner.setup()
-        site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context(tls) if tls else None)
+        context = RotatingContext(tls).context if tls is not None else None
+        site = web.TCPSite(self.runner, host, port, ssl_context=context)
         try:
             await site.start()
         except OSError as error:
