@@ -25,6 +25,7 @@ from demo import language
 from splitstream.common.tls import ClientTls
 from tests.certs import Pki, served_serial
 from tests.harness import (
+    ROOT,
     ServiceProcess,
     Stack,
     free_port,
@@ -34,6 +35,7 @@ from tests.harness import (
     wait_for,
     write_registry,
 )
+from tests.streams import StreamClient, generation_request
 
 MODEL = "writer"
 LIMIT = 1_000_000
@@ -205,6 +207,18 @@ def test_models_lists_the_registry_models(client: openai.OpenAI) -> None:
     assert client.models.retrieve(MODEL).owned_by == "splitstream"
 
 
+def test_the_worked_example_of_the_docs_runs(deployment: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "docs" / "http.md").read_text()
+    example = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert 'base_url="http://localhost:8000/v1"' in example
+    namespace: dict[str, Any] = {}
+    exec(example.replace("http://localhost:8000/v1", deployment.base_url), namespace)
+    assert namespace["version"] in ("v1", "v2")
+    assert namespace["streamed"] == namespace["answer"].choices[0].message.content
+    assert len(namespace["streamed"]) == 12
+    assert capsys.readouterr().out.startswith(namespace["version"])
+
+
 # -- routing ------------------------------------------------------------------------------------------
 
 
@@ -220,10 +234,20 @@ def test_the_same_user_always_gets_the_same_version_and_users_land_on_both(clien
         assert {served_version(client, user=user) for _ in range(3)} == {versions[user]}
 
 
-def test_the_routing_key_header_routes_as_the_grpc_split_and_wins_over_user(client: openai.OpenAI) -> None:
+def test_a_key_gets_the_same_version_over_http_and_grpc_and_the_header_wins_over_user(
+    client: openai.OpenAI, deployment: Deployment
+) -> None:
     by_user = {user: served_version(client, user=user) for user in (f"key-{i}" for i in range(12))}
-    for key, version in by_user.items():
-        assert served_version(client, user="someone-else", extra_headers={"x-routing-key": key}) == version
+    assert set(by_user.values()) == {"v1", "v2"}
+    grpc_client = StreamClient(deployment.router.address)
+    try:
+        for key, version in by_user.items():
+            assert served_version(client, user="someone-else", extra_headers={"x-routing-key": key}) == version
+            call: Any = grpc_client.stream([generation_request(MODEL, "a", 1)], metadata=[("x-routing-key", key)])
+            list(call)
+            assert dict(call.trailing_metadata())["x-splitstream-version"] == version
+    finally:
+        grpc_client.close()
 
 
 def test_the_pin_header_chooses_the_version(client: openai.OpenAI) -> None:
