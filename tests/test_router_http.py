@@ -377,6 +377,7 @@ def events(response: http.client.HTTPResponse) -> Iterator[str]:
 
 def test_a_client_that_disconnects_mid_stream_cancels_the_worker_stream(deployment: Deployment) -> None:
     worker = deployment.workers["v1"]
+    cancelled_before = cancelled_generations(worker)
     body = {"model": MODEL, "prompt": "The ", "max_tokens": LIMIT, "stream": True}
     response = open_stream(deployment.http_port, body, {"x-splitstream-version": "v1"})
     stream = events(response)
@@ -389,8 +390,12 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_worker_stream(deployme
         timeout_s=10,
         what="the worker's generation to end",
     )
-    cancelled = metric_samples(scrape_metrics(worker.metrics_port), "splitstream_worker_generations_total")
-    assert any(labels.get("outcome") == "cancelled" and value >= 1 for labels, value in cancelled)
+    assert cancelled_generations(worker) == cancelled_before + 1
+
+
+def cancelled_generations(worker: ServiceProcess) -> float:
+    samples = metric_samples(scrape_metrics(worker.metrics_port), "splitstream_worker_generations_total")
+    return sum(value for labels, value in samples if labels.get("outcome") == "cancelled")
 
 
 def test_sigterm_lets_a_stream_in_flight_finish_while_new_connections_are_refused(deployment: Deployment) -> None:
@@ -488,3 +493,35 @@ def test_the_http_port_serves_tls_with_the_grpc_ports_files_and_follows_their_ro
         what="the renewed certificate to be served",
     )
     assert [model.id for model in client.models.list()] == [GHOST, MODEL]
+
+
+# -- in-process: the pieces of the edge ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stop", "expected"),
+    [
+        (["ab", "c", "d"], ["cd"], ["ab", "", ""]),  # the stop sequence spans two pieces: neither is let out
+        (["ab", "c", "x"], ["cd"], ["ab", "", "cx"]),  # a held "c" that turns out not to be a stop: let out
+        (["a", "b", "c"], ["zz", "bc"], ["a", "", ""]),
+        (["hello"], [], ["hello"]),
+    ],
+)
+def test_stop_sequences_are_held_back_until_the_next_piece_tells(
+    pieces: list[str], stop: list[str], expected: list[str]
+) -> None:
+    from splitstream.router.http.openai_api import StopFilter
+
+    stops = StopFilter(stop)
+    out = [stops.feed(piece) for piece in pieces[:-1]]
+    out.append(stops.feed(pieces[-1]) + stops.end())
+    assert out == expected
+
+
+def test_the_chat_join_is_role_colon_content_lines_then_assistant() -> None:
+    from splitstream.router.http.openai_api import join_messages
+
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]
+    assert join_messages([{"role": "user", "content": parts}, {"role": "assistant", "content": None}]) == (
+        "user: Hi there\nassistant: \nassistant:"
+    )

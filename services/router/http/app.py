@@ -148,10 +148,17 @@ class HttpFrontDoor:
         return self.port
 
     async def stop(self) -> None:
-        """Stop accepting; requests and streams in flight get the shutdown grace, then are cancelled."""
-        if self.runner is not None:
+        """Stop accepting; requests and streams in flight get the shutdown grace, then are cancelled.
+
+        Never raises: a failure is logged, so the router's teardown after it (shadows, the log, the
+        shipper, the worker channels) always runs."""
+        if self.runner is None:
+            return
+        try:
             await self.runner.cleanup()
-            self.runner = None
+        except Exception:
+            log.exception("HTTP server stop failed")
+        self.runner = None
 
     # -- the edge: errors and metrics for every route ------------------------------------------
 
