@@ -525,3 +525,31 @@ def test_the_chat_join_is_role_colon_content_lines_then_assistant() -> None:
     assert join_messages([{"role": "user", "content": parts}, {"role": "assistant", "content": None}]) == (
         "user: Hi there\nassistant: \nassistant:"
     )
+
+
+def test_with_mutual_tls_the_http_port_refuses_clients_without_a_certificate(
+    deployment: Deployment, tmp_path: Path
+) -> None:
+    pki = Pki(tmp_path / "pki")
+    server, caller = pki.issue("server"), pki.issue("caller")
+    http_port = free_port()
+    deployment.stack.router(
+        deployment.registry,
+        *("--http-port", str(http_port)),
+        *("--grpc-use-ssl-mutual", "--grpc-root-cert", str(pki.ca)),
+        *("--grpc-server-cert", str(server.cert), "--grpc-server-key", str(server.key)),
+        tls=ClientTls(enabled=True, ca_file=str(pki.ca), cert_file=str(caller.cert), key_file=str(caller.key)),
+    )
+    wait_for(lambda: accepts(http_port), timeout_s=10, what="the HTTPS port to accept")
+
+    def models(context: ssl.SSLContext) -> Any:
+        url = f"https://127.0.0.1:{http_port}/v1/models"
+        with urllib.request.urlopen(url, timeout=10, context=context) as response:
+            return json.loads(response.read())
+
+    anonymous = ssl.create_default_context(cafile=str(pki.ca))
+    with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionResetError)):
+        models(anonymous)
+    known = ssl.create_default_context(cafile=str(pki.ca))
+    known.load_cert_chain(caller.cert, caller.key)
+    assert [model["id"] for model in models(known)["data"]] == [GHOST, MODEL]
