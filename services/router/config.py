@@ -66,11 +66,14 @@ class RouterConfig:
     jwt: JwtSettings | None = None
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
+    #: The HTTP front door's port (OpenAI-compatible API; 0: off).
+    http_port: int = 0
     #: Deprecated flags (of :data:`RENAMED_FLAGS`, or their variables) that were used: main() says so once
     #: logging is set up.
     deprecated: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_http()
         if self.eject_after_failures < 1:
             raise ConfigError("--eject-after-failures must be at least 1")
         for flag, value in (
@@ -114,6 +117,15 @@ class RouterConfig:
                 f"--record-batch-max-bytes ({self.record_batch.max_bytes})"
             )
 
+    def _check_http(self) -> None:
+        """--http-port: a port, and not (yet) where HTTP would bypass what gRPC enforces or shares."""
+        if not 0 <= self.http_port <= 65535:
+            raise ConfigError(f"--http-port: must be within 0..65535, got {self.http_port}")
+        if self.http_port and self.auth_principals:
+            raise ConfigError("--http-port cannot be used with --auth-principals yet: HTTP calls are not authenticated")
+        if self.http_port and self.server.processes > 1:
+            raise ConfigError("--http-port cannot be used with --processes above 1 yet: serve HTTP from one process")
+
 
 def build_parser() -> EnvArgumentParser:
     parser = EnvArgumentParser(
@@ -135,6 +147,13 @@ def build_parser() -> EnvArgumentParser:
     )
     # Triton's ports, so Triton clients work with defaults.
     add_server_arguments(parser, ServerDefaults(port=8001, metrics_port=8002), processes=True)
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=0,
+        help="HTTP port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on --host, "
+        "TLS as the gRPC port (0: off; Triton's HTTP port is 8000)",
+    )
     parser.add_argument(
         "--router-id",
         default="",
@@ -341,6 +360,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             auth_principals=args.auth_principals,
             jwt=_jwt_settings(args),
             service_token=read_service_token(args.service_token_file),
+            http_port=args.http_port,
             deprecated=deprecated,
         )
     except ConfigError as error:

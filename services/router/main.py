@@ -40,6 +40,7 @@ from splitstream.router.config import (
 )
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.feedback import FeedbackService
+from splitstream.router.http.app import HttpFrontDoor
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.recording import CallLog
 from splitstream.router.servicer import RouterServicer
@@ -188,6 +189,16 @@ class Router(Service):
         if self.mirror is not None:
             self.streams.on_end = self.mirror.offer  # streams have no shadows: recorded as they end
         self._updates: AsyncIterator[RegistryUpdate] | None = None
+        # The HTTP front door: started after the gRPC server, stopped beside it (before_stop → teardown).
+        self.http: HttpFrontDoor | None = None
+        self._http_stop: asyncio.Task[None] | None = None
+        if config.http_port:
+            self.http = HttpFrontDoor(
+                self.core,
+                self.metrics,
+                max_body_bytes=server.max_message_bytes,
+                shutdown_grace_s=server.shutdown_grace_s,
+            )
         self.principals: PrincipalsStore | None = None
         self.jwt: JwtVerifier | None = None
         self.auth: AuthInterceptor | None = None
@@ -237,6 +248,10 @@ class Router(Service):
             await self.shipper.started()
 
     async def run(self, runtime: Runtime) -> None:
+        if self.http is not None:
+            server = self.config.server
+            port = await self.http.start(server.host, self.config.http_port, server.tls)
+            self.log.info("HTTP listening", host=server.host, http_port=port)
         self.servicer.ready = True
         await runtime.set_serving(True)
         self.log.info("router serving", registry=self.registry.description, models=self.core.model_names())
@@ -304,10 +319,16 @@ class Router(Service):
     async def draining(self) -> None:
         self.servicer.ready = False  # ServerReady/ModelReady say false, beside health's NOT_SERVING
 
+    async def before_stop(self) -> None:
+        if self.http is not None:  # stops accepting now; its calls in flight get the grace beside gRPC's
+            self._http_stop = asyncio.create_task(self.http.stop(), name="HTTP stop")
+
     async def teardown(self) -> None:
         """After the server stopped: shadows in flight finish (so their calls are recorded whole);
         every answered call is queued by now, so the mirror flushes to the recorder or the spool;
         worker channels close once their calls are done."""
+        if self._http_stop is not None:  # HTTP streams end before the worker channels close
+            await self._http_stop
         await self.shadows.close()
         if self.principals is not None:
             await self.principals.close()

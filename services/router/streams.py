@@ -142,14 +142,21 @@ class StreamProxy:
         headers: Mapping[str, str],
         metadata: Metadata,
         timeout_s: float | None,
+        *,
+        on_start: Callable[[CallOutcome], None] | None = None,
     ) -> CallOutcome | None:
         """Relay one stream to its end; returns its outcome (``code`` OK or the status to end with), or None
         for a stream that ended without any request. Raises CancelledError when the client went away
-        (the worker's stream is cancelled and the stream recorded as CANCELLED first)."""
+        (the worker's stream is cancelled and the stream recorded as CANCELLED first).
+
+        ``on_start`` gets the outcome as the stream starts, filled in as it goes (the HTTP front door reads
+        the served version from it when it writes its response headers, at the first response)."""
         first = await anext(aiter(requests), None)
         if first is None:
             return None
         relay = _Relay(self, first, requests, write, headers, timeout_s)
+        if on_start is not None:
+            on_start(relay.outcome)
         try:
             await relay.run()
         except asyncio.CancelledError:

@@ -1,0 +1,418 @@
+"""The router's HTTP front door: OpenAI's chat and completions API over the router's own routing.
+
+One aiohttp server on the router's event loop, beside the gRPC server (``--http-port``, same
+``--host``, the same TLS files, followed through rotation: :mod:`.tls`). Each generation request is
+checked (:mod:`.openai_api`), turned into one ``ModelStreamInfer`` request and handed to the router's
+:class:`~splitstream.router.streams.StreamProxy`: the same sticky split, pin, health-aware pools, retry
+before the first token and stream metrics as a gRPC token stream. Nothing here routes.
+
+- The routing key is the experiment's routing-key header if the request has it, else the body's
+  ``user``, else none (a random split by weight); ``x-splitstream-version`` pins a version.
+- Responses carry ``x-splitstream-version`` (the version that served) and ``x-request-id`` (the
+  client's, else generated; the completion's ``id`` is built from it).
+- Streams are relayed as the worker answers, one SSE event per worker response, never buffered.
+- Errors are OpenAI's error object (:mod:`.errors`). A failure after an SSE stream began (the worker
+  broke off, or reported an error) ends the stream with one ``data: {"error": ...}`` event and no
+  ``data: [DONE]``, as vLLM and OpenAI's own streams do.
+- A client that goes away cancels the handler (aiohttp's ``handler_cancellation``), and with it the
+  worker's stream.
+
+Stopping (:meth:`HttpFrontDoor.stop`): the listening socket closes, requests and streams in flight get
+the shutdown grace to end, then connections close. The router runs it beside the gRPC server's stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from splitstream.common.errors import ConfigError
+from splitstream.common.headers import (
+    MAX_ID_HEADER_BYTES,
+    REQUEST_ID_HEADER,
+    VERSION_HEADER,
+    from_header_value,
+    header_value,
+)
+from splitstream.common.runtime import bind_problem
+from splitstream.common.tls import ServerTls
+from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
+from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
+from splitstream.router.http.openai_api import (
+    CHAT,
+    COMPLETION,
+    Generation,
+    Shapes,
+    StopFilter,
+    parse_body,
+    parse_generation,
+    read_response,
+    usage,
+)
+from splitstream.router.http.tls import RotatingContext
+from splitstream.router.metrics import TTFT_BUCKETS_S
+from splitstream.router.streams import StreamProxy
+
+log = structlog.get_logger()
+
+#: The route label of a request no route matched (bounded metric cardinality).
+OTHER_ROUTE = "other"
+
+
+class HttpMetrics:
+    """The front door's metrics, in the router's registry, named as the router's are."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "splitstream_router_http_requests",
+            "HTTP requests answered, by model, served version, route and HTTP status (a stream that failed after "
+            "it began: the status of its error event; a client that went away: 499)",
+            ["model", "version", "route", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "splitstream_router_http_request_seconds",
+            "Time from receiving an HTTP request to the end of its answer (a stream's last event)",
+            ["model", "version", "route"],
+            buckets=TTFT_BUCKETS_S,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "splitstream_router_http_ttft_seconds",
+            "Streamed requests: time from receiving the request to writing its first token's event",
+            ["model", "version", "route"],
+            buckets=TTFT_BUCKETS_S,
+            registry=registry,
+        )
+
+
+class HttpFrontDoor:
+    """The aiohttp application and server; ``core`` routes, ``streams`` relays (a proxy of its own, so
+    HTTP calls are not recorded in this slice)."""
+
+    def __init__(
+        self,
+        core: RouterCore,
+        registry: CollectorRegistry,
+        *,
+        max_body_bytes: int,
+        shutdown_grace_s: float,
+    ) -> None:
+        self.core = core
+        self.streams = StreamProxy(core)
+        self.metrics = HttpMetrics(registry)
+        self.shutdown_grace_s = shutdown_grace_s
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge])
+        self.app.router.add_get("/v1/models", self.list_models)
+        self.app.router.add_get("/v1/models/{model}", self.get_model)
+        self.app.router.add_post("/v1/chat/completions", self.chat_completions)
+        self.app.router.add_post("/v1/completions", self.completions)
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int, tls: ServerTls | None) -> int:
+        """Listen on ``host:port`` (0 picks a port; returns the port bound); ConfigError when it cannot."""
+        problem = bind_problem(host, port)
+        if problem:
+            raise ConfigError(f"cannot listen for HTTP on {host}:{port} (--host/--http-port): {problem}")
+        self.runner = web.AppRunner(
+            self.app,
+            handle_signals=False,  # the runtime owns SIGTERM and drains in order
+            shutdown_timeout=self.shutdown_grace_s,
+            handler_cancellation=True,  # a client that goes away cancels its worker stream
+            access_log=None,  # per-request lines are metrics here, as on gRPC
+        )
+        await self.runner.setup()
+        context = RotatingContext(tls).context if tls is not None else None
+        site = web.TCPSite(self.runner, host, port, ssl_context=context)
+        try:
+            await site.start()
+        except OSError as error:
+            await self.runner.cleanup()
+            self.runner = None
+            raise ConfigError(
+                f"cannot listen for HTTP on {host}:{port} (--host/--http-port): {error.strerror or error}"
+            ) from None
+        server = site._server  # aiohttp keeps the asyncio server private; its socket says the port bound
+        assert isinstance(server, asyncio.Server)
+        self.port = int(server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop accepting; requests and streams in flight get the shutdown grace, then are cancelled.
+
+        Never raises: a failure is logged, so the router's teardown after it (shadows, the log, the
+        shipper, the worker channels) always runs."""
+        if self.runner is None:
+            return
+        try:
+            await self.runner.cleanup()
+        except Exception:
+            log.exception("HTTP server stop failed")
+        self.runner = None
+
+    # -- the edge: errors and metrics for every route ------------------------------------------
+
+    @web.middleware
+    async def _edge(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> Any:
+        started = time.monotonic()
+        info = request.match_info.route.resource
+        route = info.canonical if info is not None else OTHER_ROUTE
+        request["started"] = started
+        request["route"] = route
+        request["labels"] = [UNKNOWN_MODEL, ""]  # model, version: set as far as the handler gets
+        status = 500
+        try:
+            response = await handler(request)
+            status = request.get("status", response.status)
+            return response
+        except ApiError as error:
+            status = error.status
+            return self._error_response(request, error)
+        except web.HTTPException as error:  # aiohttp's: unknown route, wrong method, body too large
+            status = error.status
+            return self._error_response(request, _from_http(error))
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
+        except Exception:
+            log.exception("HTTP request failed", path=request.path)
+            status = 500
+            return self._error_response(request, internal())
+        finally:
+            model, version = request["labels"]
+            self.metrics.requests.labels(model, version, route, str(status)).inc()
+            self.metrics.latency.labels(model, version, route).observe(time.monotonic() - started)
+
+    @staticmethod
+    def _error_response(request: web.Request, error: ApiError) -> web.Response:
+        headers = {}
+        if "request_id" in request:
+            headers.update(_id_header(request["request_id"]))
+        if request.get("version"):
+            headers[VERSION_HEADER] = header_value(request["version"])
+        return web.json_response(error.body(), status=error.status, headers=headers)
+
+    # -- models ---------------------------------------------------------------------------------
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model(name) for name in self.core.model_names()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if not self.core.serves(name):
+            raise model_not_found(f"The model '{name}' does not exist")
+        request["labels"][0] = name
+        return web.json_response(self._model(name))
+
+    def _model(self, name: str) -> dict[str, Any]:
+        created = self.core.applied_unix_ns // 1_000_000_000
+        return {"id": name, "object": "model", "created": created, "owned_by": "splitstream"}
+
+    # -- generations ----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, CHAT)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, COMPLETION)
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        sent_id = request.headers.get(REQUEST_ID_HEADER, "")
+        request_id = request["request_id"] = from_header_value(sent_id) if sent_id else uuid.uuid4().hex
+        generation = parse_generation(kind, parse_body(await request.read()))
+        if not self.core.serves(generation.model):
+            served = ", ".join(self.core.model_names()) or "none"
+            raise model_not_found(f"The model '{generation.model}' does not exist (served: {served})")
+        request["labels"][0] = generation.model
+        answer = _Answer(request, generation, Shapes.of(generation, request_id), self.metrics)
+        outcome = await self.streams.relay(
+            _one(generation.inference_request(request_id)),
+            answer.write,
+            self._routing_headers(request, generation, request_id),
+            (),
+            None,
+            on_start=answer.bind,
+        )
+        assert outcome is not None  # one request was sent
+        return await answer.finish(outcome)
+
+    def _routing_headers(self, request: web.Request, generation: Generation, request_id: str) -> dict[str, str]:
+        """What the core reads: the experiments' routing-key headers (the body's ``user`` where the header is
+        absent), the pin and the request id; the core picks the model's own routing-key header."""
+        headers = {REQUEST_ID_HEADER: request_id}
+        for name in self.core.routing_key_headers:
+            key = request.headers.get(name, generation.user)
+            if key is not None:
+                headers[name] = key
+        pin = request.headers.get(VERSION_HEADER)
+        if pin:
+            headers[VERSION_HEADER] = pin
+        return headers
+
+
+class _Answer:
+    """One generation's answer, built as the worker's responses arrive: an SSE stream opened at the first
+    one (``stream``: true), or the text gathered for one JSON object."""
+
+    def __init__(self, request: web.Request, generation: Generation, shapes: Shapes, metrics: HttpMetrics) -> None:
+        self.request = request
+        self.generation = generation
+        self.shapes = shapes
+        self.metrics = metrics
+        self.outcome: CallOutcome | None = None
+        self.sse: web.StreamResponse | None = None
+        self.error: ApiError | None = None
+        self.texts: list[str] = []
+        self.stop = StopFilter(generation.stop)
+        self.final = False
+        self.tokens = 0
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.gone = False
+
+    def bind(self, outcome: CallOutcome) -> None:
+        self.outcome = outcome
+
+    @property
+    def version(self) -> str:
+        return self.outcome.version if self.outcome is not None else ""
+
+    async def write(self, payload: bytes) -> None:
+        """One worker response (the relay calls this, one at a time, as each arrives)."""
+        if self.gone:
+            return
+        piece = read_response(payload)
+        if isinstance(piece, ApiError):
+            self.error = self.error or piece
+            return
+        if self.final or self.error is not None:
+            return
+        if piece.text:
+            self.tokens += 1
+        text = self.stop.feed(piece.text)
+        if piece.final:
+            text += self.stop.end()
+            self.final = True
+            self.prompt_tokens, self.completion_tokens = piece.prompt_tokens, piece.completion_tokens
+        if not self.generation.stream:
+            self.texts.append(text)
+            return
+        try:
+            await self._send(text)
+        except ConnectionError:
+            # The client went away between two tokens: stop the worker's stream as a cancel would.
+            self.gone = True
+            task = asyncio.current_task()
+            if task is not None:
+                task.cancel()
+
+    async def _send(self, text: str) -> None:
+        shapes, include_usage = self.shapes, self.generation.include_usage
+        if self.sse is None:
+            self.sse = await self._open()
+            if shapes.kind == CHAT:
+                await self._event(shapes.chunk(role=True, usage=include_usage))
+        if text:
+            await self._event(shapes.chunk(text=text, usage=include_usage))
+            if "ttft" not in self.request:
+                self.request["ttft"] = True
+                self.metrics.ttft.labels(self.generation.model, self.version, self.request["route"]).observe(
+                    time.monotonic() - self.request["started"]
+                )
+        if self.final:
+            await self._event(shapes.chunk(finish_reason=self.finish_reason, usage=include_usage))
+            if include_usage:
+                await self._event(shapes.usage_chunk(self.usage))
+
+    async def _open(self) -> web.StreamResponse:
+        self.request["labels"][1] = self.request["version"] = self.version
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                VERSION_HEADER: header_value(self.version),
+                **_id_header(self.request["request_id"]),
+            }
+        )
+        await response.prepare(self.request)
+        return response
+
+    async def _event(self, data: dict[str, Any] | str) -> None:
+        assert self.sse is not None
+        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        await self.sse.write(f"data: {text}\n\n".encode())
+
+    @property
+    def finish_reason(self) -> str:
+        """``length`` when the generation used all of ``max_tokens``, else ``stop`` (a stop word or end token)."""
+        produced = self.completion_tokens if self.completion_tokens is not None else self.tokens
+        return "length" if produced >= self.generation.max_tokens else "stop"
+
+    @property
+    def usage(self) -> dict[str, int]:
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else len(self.generation.prompt.encode())
+        return usage(prompt, self.completion_tokens if self.completion_tokens is not None else self.tokens)
+
+    async def finish(self, outcome: CallOutcome) -> web.StreamResponse:
+        """The answer once the worker's stream ended with ``outcome``."""
+        self.outcome = outcome
+        self.request["labels"][1] = self.request["version"] = outcome.version
+        failure = None if outcome.code == grpc.StatusCode.OK else from_status(outcome.code, outcome.details)
+        failure = failure or self.error
+        if failure is None and not self.final:
+            failure = ApiError(502, "the model's stream ended without a final response", type="server_error")
+        if self.sse is not None:
+            if failure is not None:
+                self.request["status"] = failure.status
+                await self._event(failure.body())
+            else:
+                await self._event("[DONE]")
+            await self.sse.write_eof()
+            return self.sse
+        if failure is not None:
+            raise failure
+        if self.generation.stream:  # an answer without any token still streams, as the client asked
+            self.sse = await self._open()
+            await self._send("")
+            await self._event("[DONE]")
+            await self.sse.write_eof()
+            return self.sse
+        body = self.shapes.whole("".join(self.texts), self.finish_reason, self.usage)
+        return web.json_response(
+            body, headers={VERSION_HEADER: header_value(outcome.version), **_id_header(self.request["request_id"])}
+        )
+
+
+async def _one(request: bytes) -> AsyncIterator[bytes]:
+    yield request
+
+
+def _id_header(request_id: str) -> dict[str, str]:
+    value = header_value(request_id)
+    return {REQUEST_ID_HEADER: value} if len(value) <= MAX_ID_HEADER_BYTES else {}
+
+
+def _from_http(error: web.HTTPException) -> ApiError:
+    """aiohttp's own refusals in OpenAI's shape."""
+    if isinstance(error, web.HTTPRequestEntityTooLarge):
+        return ApiError(413, f"the request body is too large: {error.text}", code="request_too_large")
+    if isinstance(error, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(error.allowed_methods))
+        return ApiError(
+            405, f"method {error.method} is not allowed here (allowed: {allowed})", code="method_not_allowed"
+        )
+    if isinstance(error, web.HTTPNotFound):
+        return ApiError(
+            404, "no such route (served: /v1/models, /v1/chat/completions, /v1/completions)", code="not_found"
+        )
+    return ApiError(error.status, error.reason, code=None)
