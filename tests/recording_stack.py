@@ -210,3 +210,16 @@ def shipper_metric(stack: RecordingStack, name: str, **labels: str) -> float:
         return 0.0
     samples = metric_samples(text, f"splitstream_shipper_{name}")
     return sum(value for sample_labels, value in samples if labels.items() <= sample_labels.items())
+
+
+def wait_recorder_tries(stack: RecordingStack, more: int) -> None:
+    """Wait until the stack's shipper has failed ``more`` more streams to the recorder (it is away), each
+    after its backoff: an outage held for what happens in it rather than for a time."""
+    from tests.harness import wait_for
+
+    failed = shipper_metric(stack, "recorder_stream_failures_total")
+    wait_for(
+        lambda: shipper_metric(stack, "recorder_stream_failures_total") >= failed + more,
+        timeout_s=30,
+        what=f"{more} more failed tries of the recorder",
+    )

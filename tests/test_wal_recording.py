@@ -29,7 +29,7 @@ from tests.harness import (
     wait_for,
     write_registry,
 )
-from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric
+from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack, shipper_metric, wait_recorder_tries
 from tests.test_recording_faults import UNBATCHED
 from tests.tmpfs import small_tmpfs
 
@@ -79,18 +79,6 @@ def shipper_pid(stack: RecordingStack) -> int:
     return wait_for(pid, timeout_s=30, what="the shipper to lock the log")
 
 
-def tried_again(stack: RecordingStack) -> None:
-    """Wait until the shipper has tried the absent recorder twice more (its backoff between), so the log
-    has been read and offered meanwhile."""
-    failed = shipper_metric(stack, "recorder_stream_failures_total")
-    wait_for(
-        lambda: shipper_metric(stack, "recorder_stream_failures_total") >= failed + 2,
-        timeout_s=30,
-        what="the shipper to try the recorder again",
-    )
-
-
-@pytest.mark.slow
 def test_a_router_killed_under_load_loses_no_call_a_client_got_an_answer_for(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path)
     try:
@@ -186,7 +174,7 @@ def test_calls_answered_while_the_recorder_is_stopped_are_kept_in_the_log_alone_
                 timeout_s=30,
                 what="every answered call to be logged",
             )
-            tried_again(stack)
+            wait_recorder_tries(stack, 2)
         # No second copy: nothing but the log (and the shipper's cursor and lock) was ever in the directory,
         # and the log kept every call (nothing deleted while the recorder was away).
         assert watch.others == set()
@@ -213,7 +201,7 @@ def test_a_shipper_killed_while_the_recorder_is_away_loses_nothing_once_both_are
         with DirectoryWatch(stack.spool_dir) as watch:
             load = run_load(stack, CALLS, during=lambda: os.kill(first, signal.SIGKILL))
             assert shipper_pid(stack) != first  # the router started another, which resumes from the cursor
-            tried_again(stack)
+            wait_recorder_tries(stack, 2)
         assert watch.others == set()
         ids = answered(load)
         assert len(ids) >= CALLS
@@ -237,7 +225,7 @@ def test_a_log_at_its_cap_drops_the_newest_calls_counted_and_ships_the_oldest_in
             for request_id in ids:
                 client.infer(make_request(MODEL, np.ones((1, 4), np.float32)), metadata=[("x-request-id", request_id)])
             client.close()
-            tried_again(stack)
+            wait_recorder_tries(stack, 2)
         # The router's log filled to its cap and refused the newest calls, counted by reason; the shipper
         # copied nothing to a spool of its own, so it dropped nothing.
         log_full = router_counter(stack, "log_records_dropped_total", reason="log_full")
