@@ -1,19 +1,33 @@
 """Faults of splitstream-archive found from outside (SIGKILL at the worst moments): no process it started outlives
-it. Real processes throughout: the archiver, its builder, redis-server."""
+it, and no temporary file or unfinished upload a crashed write left stays in the archive. Real processes
+throughout: the archiver, its builder, redis-server, a moto S3 server, the files."""
 
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
 import pytest
 
+from splitstream.common.records import ARCHIVE_GROUP, archive_group_key, stream_key
 from tests.harness import wait_for
 from tests.redis_server import RedisServer
-from tests.test_archive import redis_server, start_archiver
+from tests.s3_server import S3_ENV, S3Server
+from tests.test_archive import (
+    SYNTHETIC,
+    archived_everything,
+    raw_rows,
+    redis_server,
+    s3,
+    start_archiver,
+    write_synthetic,
+)
 
-__all__ = ["redis_server"]  # the fixture, used by name
+__all__ = ["redis_server", "s3"]  # the fixtures, used by name
 
 
 def descendants(pid: int) -> set[int]:
@@ -95,3 +109,83 @@ def test_an_archiver_killed_while_its_builder_starts_leaves_no_process_behind(
         what=f"the archiver's processes to exit: {lines}",
     )
     assert "leaked semaphore" not in archiver.log()
+
+
+def test_a_temporary_file_a_crashed_write_left_is_removed_at_start_and_a_fresh_one_kept(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A write killed mid-file leaves its hidden temporary file; the next archiver removes it once it is older
+    than --claim-idle-s (its writer is dead by then: its entries were claimed), and keeps a newer one (another
+    live archiver's write in progress)."""
+    client = redis_server.client()
+    archive = tmp_path / "archive"
+    partition = archive / "calls" / f"model={SYNTHETIC}" / "date=2026-12-01" / "hour=07"
+    partition.mkdir(parents=True)
+    stale = partition / f".1764572400000-0_1764572400999-0.parquet.{uuid.uuid4().hex}.tmp"
+    fresh = partition / f".1764572401000-0_1764572401999-0.parquet.{uuid.uuid4().hex}.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"PAR1" + b"\0" * 1000)  # half a file
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    archiver = start_archiver(tmp_path, redis_server.url, archive.as_uri(), "--claim-idle-s", "60")
+    try:
+        wait_for(lambda: not stale.exists(), timeout_s=30, what="the stale temporary file to be removed")
+        ids = write_synthetic(client, 0, 50, start_ns=time.time_ns())
+        wait_for(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the calls")
+    finally:
+        archiver.stop()
+    assert fresh.exists()
+    assert sorted(raw_rows(archive.as_uri())["request_id"].to_pylist()) == sorted(ids)
+    assert "removed temporary files and uploads that crashed writes left" in archiver.log()
+
+
+def test_an_unfinished_multipart_upload_a_crashed_write_left_is_aborted_at_start(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    """On S3 a write killed mid-upload leaves an open multipart upload (its parts kept, and billed, for ever);
+    the next archiver aborts those under its archive's prefix older than --claim-idle-s, and no other."""
+    store = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint,
+        region_name=S3_ENV["AWS_REGION"],
+        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+    )
+    key = f"crash/calls/model={SYNTHETIC}/date=2026-12-01/hour=07/1764572400000-0_1764572400999-0.parquet"
+    upload = store.create_multipart_upload(Bucket="archive", Key=key)["UploadId"]
+    store.upload_part(Bucket="archive", Key=key, UploadId=upload, PartNumber=1, Body=b"PAR1" + b"\0" * 1000)
+    elsewhere = store.create_multipart_upload(Bucket="archive", Key="other/file.parquet")["UploadId"]
+    created = time.monotonic()
+
+    def open_uploads() -> set[str]:
+        return {u["UploadId"] for u in store.list_multipart_uploads(Bucket="archive").get("Uploads", [])}
+
+    assert open_uploads() == {upload, elsewhere}
+    # moto stamps an upload with the time it was made, so the bound is made short rather than the upload old.
+    args = ("--s3-endpoint", s3.endpoint, "--flush-interval-s", "0.1", "--claim-idle-s", "0.5")
+    wait_for(lambda: time.monotonic() - created > 1.0, timeout_s=5, what="the upload to be past --claim-idle-s")
+    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/crash", *args)
+    try:
+        wait_for(lambda: upload not in open_uploads(), timeout_s=30, what="the stale upload to be aborted")
+    finally:
+        archiver.stop()
+    assert open_uploads() == {elsewhere}  # not under the archive's prefix: not the archiver's to abort
+
+
+def test_an_archiver_refused_by_its_consumer_group_removes_nothing_from_the_archive_it_was_given(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The group names the archive it writes to; an archiver given another archive exits 2 before it touches
+    that one: its temporary files are another group's (or another deployment's) business."""
+    client = redis_server.client()
+    client.set(archive_group_key(ARCHIVE_GROUP), "local:/somewhere/else")
+    archive = tmp_path / "archive"
+    partition = archive / "calls" / f"model={SYNTHETIC}" / "date=2026-12-01" / "hour=07"
+    partition.mkdir(parents=True)
+    stale = partition / f".1764572400000-0_1764572400999-0.parquet.{uuid.uuid4().hex}.tmp"
+    stale.write_bytes(b"PAR1")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    archiver = start_archiver(tmp_path, redis_server.url, archive.as_uri(), wait=False)
+    assert archiver.wait(timeout_s=60) == 2, archiver.log()
+    assert stale.exists()

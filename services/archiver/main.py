@@ -21,7 +21,7 @@ from redis.exceptions import NoPermissionError, RedisError
 from splitstream.archiver.config import PROG, ArchiverConfig, parse_args
 from splitstream.archiver.core import Archiver
 from splitstream.archiver.metrics import ArchiverMetrics
-from splitstream.common.archive import Archive, ArchiveError, check_archive, open_archive
+from splitstream.common.archive import Archive, ArchiveError, check_archive, open_archive, remove_abandoned_writes
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
 from splitstream.common.records import archive_group_key, stream_key
@@ -74,6 +74,7 @@ class ArchiverService(Service):
         self.archiver = Archiver(self.redis, self.archive, config.settings, self.archiver_metrics)
         #: The drain ran out of time with a write still under way (its builder is then not waited for).
         self._drain_cut = False
+        self._cleaning: asyncio.Task[None] | None = None
 
     def register(self, server: aio.Server) -> None:
         """Health and reflection only (added by the runtime)."""
@@ -101,6 +102,7 @@ class ArchiverService(Service):
                 self.log.warning("redis unreachable; waiting", error=redact_text(str(error)))
                 await asyncio.sleep(1.0)
         await self._claim_group()
+        self._cleaning = asyncio.create_task(self._remove_abandoned_writes(), name="remove-abandoned-writes")
         await runtime.set_serving(True)
         for model in sorted(m for m in self.config.settings.models if "," in m):
             if not await self.redis.exists(stream_key(model)):  # an old command line's ``--model a,b``, perhaps
@@ -110,6 +112,27 @@ class ArchiverService(Service):
                     model=model,
                 )
         await self.archiver.run()
+
+    async def _remove_abandoned_writes(self) -> None:
+        """Temporary files and S3 multipart uploads that writes killed mid-file left (an archiver and its
+        builder SIGKILLed): removed once the group is known to write to this archive (an archiver refused by
+        :meth:`_claim_group` touches nothing), in the background. Only those older than ``--claim-idle-s``:
+        several archivers share an archive and there is no lock between them, and a write as old as that
+        is dead by the group's own rule (its entries are claimed by then: --claim-idle-s must exceed
+        --flush-interval-s plus an upload), while a younger one may be another archiver's, under way."""
+        try:
+            removed = await asyncio.to_thread(
+                remove_abandoned_writes, self.archive, older_than_s=self.config.settings.claim_idle_s
+            )
+        except ArchiveError as error:
+            self.log.warning("could not remove what crashed writes left in the archive", error=str(error))
+            return
+        if removed.files or removed.uploads:
+            self.log.info(
+                "removed temporary files and uploads that crashed writes left",
+                files=removed.files,
+                uploads=removed.uploads,
+            )
 
     def archive_identity(self) -> str:
         """Which archive this is, as the group records it: the store and the path in it (a path resolved, so
@@ -160,5 +183,7 @@ class ArchiverService(Service):
             )
 
     async def teardown(self) -> None:
+        if self._cleaning is not None:
+            self._cleaning.cancel()
         await self.archiver.close(abandon=self._drain_cut)
         await self.redis.aclose()
