@@ -53,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import contextlib
 from concurrent.futures import ProcessPoolExecutor
 
-from splitstream.archiver.core import Archiver, ArchiverSettings
+from splitstream.archiver.config import ArchiverSettings
+from splitstream.archiver.core import Archiver
 from splitstream.archiver.metrics import ArchiverMetrics
 from splitstream.common.archive import Archive, ArchiveQuery, iter_calls, open_archive, read_calls
 from splitstream.common.logs import configure_logging

@@ -24,7 +24,7 @@ COMMANDS = [
     ("splitstream-shipper", "splitstream.shipper.config", "build_parser"),
     ("splitstream-recorder", "splitstream.recorder.config", "build_parser"),
     ("splitstream-replay", "splitstream.replayer.main", "build_parser"),
-    ("splitstream-archive", "splitstream.archiver.main", "build_parser"),
+    ("splitstream-archive", "splitstream.archiver.config", "build_parser"),
     ("splitstream", "splitstream.admin.main", "build_parser"),
     ("splitstream-build-engine", "splitstream.worker.engines.build_cli", "build_parser"),
 ]

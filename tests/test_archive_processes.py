@@ -53,13 +53,18 @@ def test_two_processes_archive_every_call_once_as_two_consumers_and_sigterm_leav
     archiver = start_archiver(tmp_path, redis_server.url, url, "--processes", "2", "--read-count", "25")
     try:
         ids: list[str] = []
-        for batch in range(20):
-            ids += write_synthetic(client, batch * 100, 100, start_ns=time.time_ns())
-            time.sleep(0.02)
+
+        def both_children_read() -> bool:
+            """Calls go on (2,000 at least) until each child has read: the parent serves once one child does,
+            and on a loaded machine the other starts a second later, by which time the first could have
+            archived every call alone."""
+            ids.extend(write_synthetic(client, len(ids), 100, start_ns=time.time_ns()))
+            return len(ids) >= 2000 and consumers(client, stream_key(SYNTHETIC)) == {"a-0", "a-1"}
+
+        wait_until(both_children_read, timeout_s=60, interval_s=0.02, what="both children to read")
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="two children")
-        assert consumers(client, stream_key(SYNTHETIC)) == {"a-0", "a-1"}
         # One scrape of the parent: the children's counts added up.
-        wait_until(lambda: metric(archiver, "splitstream_archive_records_total") == 2000, timeout_s=30)
+        wait_until(lambda: metric(archiver, "splitstream_archive_records_total") == len(ids), timeout_s=30)
         pids = set(child_pids(archiver).values())
         assert len(pids) == 2
         archiver.signal(signal.SIGTERM)
@@ -68,7 +73,7 @@ def test_two_processes_archive_every_call_once_as_two_consumers_and_sigterm_leav
     finally:
         archiver.stop()
     archived = archived_ids(url)
-    assert len(archived) == len(set(archived)) == 2000
+    assert len(archived) == len(set(archived)) == len(ids)
     assert set(archived) == set(ids)
 
 

@@ -149,7 +149,7 @@ def _family(name: str) -> str:
 
 def test_every_service_command_parses_with_the_services_own_parser(monkeypatch: pytest.MonkeyPatch) -> None:
     """Values too, not only flag names: the parsers validate ports, rules and registry specs."""
-    from splitstream.archiver.main import parse_args as archiver_args
+    from splitstream.archiver.config import parse_args as archiver_args
     from splitstream.recorder.config import parse_args as recorder_args
     from splitstream.router.config import parse_args as router_args
     from splitstream.router.main import open_registry

@@ -2,10 +2,9 @@
 
 from splitstream.common.interrupts import quiet_interrupts
 
-if __name__ != "__mp_main__":  # not in a spawned builder process: its pool handles its end
-    quiet_interrupts()  # first: Ctrl-C during the imports below is a quiet exit 0
+quiet_interrupts()  # first: Ctrl-C during the imports below is a quiet exit 0
 
-from splitstream.archiver.main import main
+from splitstream.archiver.main import main  # noqa: E402  (after quiet_interrupts, on purpose)
 
-if __name__ == "__main__":  # not in a spawned builder process
+if __name__ == "__main__":
     raise SystemExit(main())

@@ -43,6 +43,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError, ResponseError
 
 from splitstream.archiver.builder import Builder, UploadFailed, pack_entries
+from splitstream.archiver.config import ArchiverSettings
 from splitstream.archiver.metrics import ArchiverMetrics
 from splitstream.archiver.tables import Entry, id_key
 from splitstream.common.archive import Archive, partition_dir
@@ -89,22 +90,6 @@ redis.call('SET', KEYS[2], mark)
 return mark
 """
 )
-
-
-@dataclass(frozen=True, kw_only=True)
-class ArchiverSettings:
-    group: str
-    consumer: str
-    models: frozenset[str] = frozenset()  # empty: every model
-    max_file_rows: int = 100_000
-    max_file_bytes: int = 128 * 1024 * 1024
-    flush_interval_s: float = 30.0
-    claim_idle_s: float = 300.0
-    read_count: int = 1000
-    scan_interval_s: float = 5.0
-    retry_max_s: float = 30.0
-    #: Build and write files in a child process (False: in a thread, see :class:`Builder`).
-    builder_process: bool = True
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import os
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -100,6 +101,10 @@ class Archive:
     url: str
     filesystem: pafs.FileSystem
     base: str
+    #: An S3 archive's endpoint (``http(s)://host:port``, empty: AWS) and region, for the calls pyarrow does
+    #: not make (:func:`remove_abandoned_writes`).
+    s3_endpoint: str = ""
+    s3_region: str = ""
 
     @property
     def is_local(self) -> bool:
@@ -169,7 +174,8 @@ def _open_s3(url: str, bucket: str, path: str, query: dict[str, str], endpoint: 
         )
     except (ValueError, OSError, pa.ArrowException) as error:
         raise ArchiveError(f"archive URL {url!r}: {_one_line(error)}") from None
-    return Archive(url, filesystem, f"{bucket}{path}".rstrip("/"))
+    endpoint_url = f"{scheme}://{override}" if override else ""
+    return Archive(url, filesystem, f"{bucket}{path}".rstrip("/"), s3_endpoint=endpoint_url, s3_region=region)
 
 
 def check_archive(archive: Archive, *, create: bool) -> None:
@@ -286,6 +292,77 @@ def write_file(archive: Archive, relative_path: str, table: pa.Table, *, row_gro
     if target != final:
         archive.filesystem.move(target, final)
     return int(written)
+
+
+def is_temporary_name(name: str) -> bool:
+    """A local file :func:`write_file` has not renamed yet: ``.<first>_<last>.parquet.<uuid>.tmp``."""
+    return name.startswith(".") and name.endswith(".tmp") and ".parquet." in name
+
+
+@dataclass(frozen=True, slots=True)
+class Abandoned:
+    """What :func:`remove_abandoned_writes` removed."""
+
+    files: int = 0
+    uploads: int = 0
+
+
+def remove_abandoned_writes(archive: Archive, *, older_than_s: float) -> Abandoned:
+    """Remove what writes that died mid-file left: a directory's hidden temporary files last written more than
+    ``older_than_s`` ago, an S3 bucket's multipart uploads under the archive's ``calls/`` and ``feedback/``
+    started more than ``older_than_s`` ago (aborted: their parts are kept, and billed, until then). Readers
+    skip both; nothing else removes them. Younger ones are left: another archiver may be writing them.
+    Other stores (gs://, hdfs://...): nothing. Blocking: call it in a thread. Raises :class:`ArchiveError`."""
+    cutoff = time.time() - older_than_s
+    try:
+        if archive.is_local:
+            return Abandoned(files=_remove_temporary_files(archive, cutoff))
+        if isinstance(archive.filesystem, pafs.S3FileSystem):
+            return Abandoned(uploads=_abort_multipart_uploads(archive, cutoff))
+    except ArchiveError:
+        raise
+    except Exception as error:  # OSError, and botocore's errors (no common base worth importing)
+        raise ArchiveError(f"archive {archive.url!r}: abandoned writes not removed: {_one_line(error)}") from None
+    return Abandoned()
+
+
+def _remove_temporary_files(archive: Archive, cutoff: float) -> int:
+    removed = 0
+    for kind in (CALLS, FEEDBACK):
+        for directory, _, names in os.walk(archive.path(kind)):
+            for name in names:
+                if not is_temporary_name(name):
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    if os.stat(path).st_mtime < cutoff:
+                        os.unlink(path)
+                        removed += 1
+                except FileNotFoundError:  # renamed or removed meanwhile
+                    continue
+    return removed
+
+
+def _abort_multipart_uploads(archive: Archive, cutoff: float) -> int:
+    import boto3  # here: only an S3 archiver needs it, and it takes a while to import
+    from botocore.config import Config
+
+    bucket, _, prefix = archive.base.partition("/")
+    client = boto3.client(
+        "s3",
+        endpoint_url=archive.s3_endpoint or None,
+        region_name=archive.s3_region or None,
+        config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 3}),
+    )
+    aborted = 0
+    for kind in (CALLS, FEEDBACK):
+        under = f"{prefix}/{kind}/" if prefix else f"{kind}/"
+        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=under):
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"].timestamp() < cutoff and upload["Key"].endswith(".parquet"):
+                    client.abort_multipart_upload(Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                    aborted += 1
+    return aborted
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ Calls can also come from the archive (:mod:`splitstream.common.archive`): ``--so
 reads the whole window there (partition pruning, receive time and version pushed down to Parquet);
 with an archive configured beside Redis, the part of a window older than the stream's oldest entry
 (trimmed by retention) is read from the archive and the rest from Redis, merged in receive-time
-order, a request id the archive gave never taken again from Redis.
+order: each stream entry from one of them (by its stream id), a request id the archive gave never
+taken again from Redis.
 
 Delivery is at least once, so the same request id can appear twice; a second copy reaches
 Redis within the lateness window of the first, so :class:`RecentIds` remembers ids for that
@@ -344,14 +345,28 @@ async def model_calls(
         stats.max_buffered = max(stats.max_buffered, buffer.max_buffered)
 
 
-def _archived_selection(table: pa.Table, model: str, selection: Selection, stats: SelectionStats) -> list[SelectedCall]:
-    """The selected calls of one part of the archive (rows de-duplicated and in receive-time order)."""
+def _id_key(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _archived_selection(
+    table: pa.Table,
+    model: str,
+    selection: Selection,
+    stats: SelectionStats,
+    before_id: tuple[int, int] | None = None,
+) -> list[SelectedCall]:
+    """The selected calls of one part of the archive (rows de-duplicated and in receive-time order); with
+    ``before_id``, only rows of stream entries older than that id (the others are read from Redis)."""
     statuses = selection.statuses
     calls: list[SelectedCall] = []
     receive = table["receive_time"].cast("int64").to_pylist()
     for stream_id, receive_ns, data in zip(
         table["stream_id"].to_pylist(), receive, table["record"].to_pylist(), strict=True
     ):
+        if before_id is not None and _id_key(stream_id) >= before_id:
+            continue
         stats.scanned += 1
         stats.in_window += 1
         try:
@@ -383,10 +398,13 @@ async def archive_model_calls(
     *,
     since_ns: int | None = None,
     until_ns: int | None = None,
+    before_id: str | None = None,
 ) -> AsyncGenerator[SelectedCall, None]:
     """``model``'s selected calls received in ``[since_ns, until_ns)`` (default: the selection's window)
     from the archive, de-duplicated, in receive-time order, read a part (a row group) at a time (in a
-    thread), so neither a long window nor a busy hour sits in memory at once."""
+    thread), so neither a long window nor a busy hour sits in memory at once. With ``before_id``, only
+    those of stream entries older than that stream id."""
+    before = _id_key(before_id) if before_id is not None else None
     statuses = selection.statuses
     pushed: frozenset[int] | None = None
     if statuses is not None and not statuses.any_error:
@@ -402,7 +420,7 @@ async def archive_model_calls(
 
     def next_hour() -> list[SelectedCall] | None:
         table = next(hours, None)
-        return None if table is None else _archived_selection(table, model, selection, stats)
+        return None if table is None else _archived_selection(table, model, selection, stats, before)
 
     while (calls := await asyncio.to_thread(next_hour)) is not None:
         for call in calls:
@@ -416,16 +434,21 @@ async def straddling_model_calls(
 
     Entries retention removed were written before the oldest one left, so received before its id's time
     (plus clock skew): the archive is read up to there, and Redis for the whole window, the two merged
-    in receive-time order. A call in both (the archive also holds what Redis still has) shares its
-    receive time in both, so the archive's copy comes first and the Redis copy is dropped; the ids are
+    in receive-time order. Each stream entry is taken from one of them: from the archive only the rows of
+    entries older than Redis's oldest (archived rows keep their stream id), the rest from Redis. Receive
+    times alone cannot split them (a receive time and the id Redis gave differ by up to the clock skew, a
+    late record's by more): split by receive time, the entries of Redis's first ``clock_skew`` would be
+    read from both, each then dropped as a duplicate. A call still in both (one request recorded twice) shares
+    its receive time in both, so the archive's copy comes first and the Redis copy is dropped; the ids are
     remembered for the last ``max_lateness + clock_skew`` before the boundary, where Redis's calls can be."""
     oldest = cast(list[tuple[bytes, Any]], await redis.xrange(stream_key(model), min="-", max="+", count=1))
-    boundary_ns = (
-        stream_id_ms(oldest[0][0].decode()) * 1_000_000 + selection.clock_skew_ns if oldest else selection.until_ns
-    )
+    oldest_id = oldest[0][0].decode() if oldest else None
+    boundary_ns = stream_id_ms(oldest_id) * 1_000_000 + selection.clock_skew_ns if oldest_id else selection.until_ns
     horizon_ns = boundary_ns - selection.max_lateness_ns - selection.clock_skew_ns
     older = (
-        archive_model_calls(archive, model, selection, stats, until_ns=min(selection.until_ns, boundary_ns))
+        archive_model_calls(
+            archive, model, selection, stats, until_ns=min(selection.until_ns, boundary_ns), before_id=oldest_id
+        )
         if selection.since_ns < boundary_ns
         else None
     )

@@ -1,0 +1,191 @@
+"""Faults of splitstream-archive found from outside (SIGKILL at the worst moments): no process it started outlives
+it, and no temporary file or unfinished upload a crashed write left stays in the archive. Real processes
+throughout: the archiver, its builder, redis-server, a moto S3 server, the files."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+
+from splitstream.common.records import ARCHIVE_GROUP, archive_group_key, stream_key
+from tests.harness import wait_for
+from tests.redis_server import RedisServer
+from tests.s3_server import S3_ENV, S3Server
+from tests.test_archive import (
+    SYNTHETIC,
+    archived_everything,
+    raw_rows,
+    redis_server,
+    s3,
+    start_archiver,
+    write_synthetic,
+)
+
+__all__ = ["redis_server", "s3"]  # the fixtures, used by name
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (children, their children...), from /proc's children lists."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in map(int, children):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie's parent has not reaped it yet: it runs nothing)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def importing_pyarrow(pid: int) -> bool:
+    try:
+        return "libarrow" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return False
+
+
+@pytest.fixture
+def reap_left() -> Iterator[set[int]]:
+    """Pids a test saw under an archiver: any still running at the end (the fault) are killed, not left."""
+    pids: set[int] = set()
+    yield pids
+    for pid in pids:
+        if running(pid):
+            os.kill(pid, 9)
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_an_archiver_killed_while_its_builder_starts_leaves_no_process_behind(
+    tmp_path: Path, redis_server: RedisServer, reap_left: set[int], round_: int
+) -> None:
+    """The archiver is SIGKILLed the moment its builder child exists (it is still importing: about 1.4 s here):
+    the builder, and anything else the archiver started, is gone soon after, not left running under pid 1."""
+    url = (tmp_path / "archive").as_uri()
+    archiver = start_archiver(tmp_path, redis_server.url, url, "--builder", "process", wait=False)
+    assert archiver.process is not None
+    parent = archiver.process.pid
+    try:
+        # The builder is under way once a process below the archiver loads pyarrow (its imports, about a second
+        # here): it has its start-up data by then and has not yet begun to watch its parent.
+        def builder_started() -> set[int]:
+            below = descendants(parent)
+            return below if any(importing_pyarrow(pid) for pid in below) else set()
+
+        started = wait_for(builder_started, timeout_s=60, interval_s=0.005, what="the builder to start")
+    finally:
+        archiver.kill()
+    left = started | descendants(parent)
+    reap_left.update(left)
+    lines = {pid: command_line(pid) for pid in left}
+    wait_for(
+        lambda: not any(running(pid) for pid in left),
+        timeout_s=15,
+        what=f"the archiver's processes to exit: {lines}",
+    )
+    assert "leaked semaphore" not in archiver.log()
+
+
+def test_a_temporary_file_a_crashed_write_left_is_removed_at_start_and_a_fresh_one_kept(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A write killed mid-file leaves its hidden temporary file; the next archiver removes it once it is older
+    than --claim-idle-s (its writer is dead by then: its entries were claimed), and keeps a newer one (another
+    live archiver's write in progress)."""
+    client = redis_server.client()
+    archive = tmp_path / "archive"
+    partition = archive / "calls" / f"model={SYNTHETIC}" / "date=2026-12-01" / "hour=07"
+    partition.mkdir(parents=True)
+    stale = partition / f".1764572400000-0_1764572400999-0.parquet.{uuid.uuid4().hex}.tmp"
+    fresh = partition / f".1764572401000-0_1764572401999-0.parquet.{uuid.uuid4().hex}.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"PAR1" + b"\0" * 1000)  # half a file
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    archiver = start_archiver(tmp_path, redis_server.url, archive.as_uri(), "--claim-idle-s", "60")
+    try:
+        wait_for(lambda: not stale.exists(), timeout_s=30, what="the stale temporary file to be removed")
+        ids = write_synthetic(client, 0, 50, start_ns=time.time_ns())
+        wait_for(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the calls")
+    finally:
+        archiver.stop()
+    assert fresh.exists()
+    assert sorted(raw_rows(archive.as_uri())["request_id"].to_pylist()) == sorted(ids)
+    assert "removed temporary files and uploads that crashed writes left" in archiver.log()
+
+
+def test_an_unfinished_multipart_upload_a_crashed_write_left_is_aborted_at_start(
+    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+) -> None:
+    """On S3 a write killed mid-upload leaves an open multipart upload (its parts kept, and billed, for ever);
+    the next archiver aborts those under its archive's prefix older than --claim-idle-s, and no other."""
+    store = boto3.client(
+        "s3",
+        endpoint_url=s3.endpoint,
+        region_name=S3_ENV["AWS_REGION"],
+        aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+    )
+    key = f"crash/calls/model={SYNTHETIC}/date=2026-12-01/hour=07/1764572400000-0_1764572400999-0.parquet"
+    upload = store.create_multipart_upload(Bucket="archive", Key=key)["UploadId"]
+    store.upload_part(Bucket="archive", Key=key, UploadId=upload, PartNumber=1, Body=b"PAR1" + b"\0" * 1000)
+    elsewhere = store.create_multipart_upload(Bucket="archive", Key="other/file.parquet")["UploadId"]
+    created = time.monotonic()
+
+    def open_uploads() -> set[str]:
+        return {u["UploadId"] for u in store.list_multipart_uploads(Bucket="archive").get("Uploads", [])}
+
+    assert open_uploads() == {upload, elsewhere}
+    # moto stamps an upload with the time it was made, so the bound is made short rather than the upload old.
+    args = ("--s3-endpoint", s3.endpoint, "--flush-interval-s", "0.1", "--claim-idle-s", "0.5")
+    wait_for(lambda: time.monotonic() - created > 1.0, timeout_s=5, what="the upload to be past --claim-idle-s")
+    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/crash", *args)
+    try:
+        wait_for(lambda: upload not in open_uploads(), timeout_s=30, what="the stale upload to be aborted")
+    finally:
+        archiver.stop()
+    assert open_uploads() == {elsewhere}  # not under the archive's prefix: not the archiver's to abort
+
+
+def test_an_archiver_refused_by_its_consumer_group_removes_nothing_from_the_archive_it_was_given(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The group names the archive it writes to; an archiver given another archive exits 2 before it touches
+    that one: its temporary files are another group's (or another deployment's) business."""
+    client = redis_server.client()
+    client.set(archive_group_key(ARCHIVE_GROUP), "local:/somewhere/else")
+    archive = tmp_path / "archive"
+    partition = archive / "calls" / f"model={SYNTHETIC}" / "date=2026-12-01" / "hour=07"
+    partition.mkdir(parents=True)
+    stale = partition / f".1764572400000-0_1764572400999-0.parquet.{uuid.uuid4().hex}.tmp"
+    stale.write_bytes(b"PAR1")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    archiver = start_archiver(tmp_path, redis_server.url, archive.as_uri(), wait=False)
+    assert archiver.wait(timeout_s=60) == 2, archiver.log()
+    assert stale.exists()
