@@ -107,7 +107,7 @@ async def test_a_full_batch_runs_at_once_and_every_request_gets_its_own_rows(reg
         elapsed = time.monotonic() - began
 
     assert run.shapes == [(8, 4)]
-    assert elapsed < 1.0, "a full batch must not wait for the queue delay"
+    assert elapsed < 2.5, "a full batch must not wait for the queue delay (5 s)"
     for x, result in zip(inputs, results, strict=True):
         assert list(result) == ["y"]
         np.testing.assert_array_equal(result["y"], x * 2)
@@ -123,7 +123,7 @@ async def test_a_lone_request_runs_when_the_queue_delay_has_passed(registry: Col
         elapsed = time.monotonic() - began
 
     assert run.shapes == [(1, 4)]
-    assert 0.03 <= elapsed < 1.0
+    assert 0.03 <= elapsed < 5.0  # after the delay, and not held for ever
     np.testing.assert_array_equal(result["y"], rows(1) * 2)
 
 
