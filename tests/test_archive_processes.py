@@ -88,6 +88,9 @@ def test_a_child_killed_under_load_is_restarted_as_the_same_consumer_and_nothing
     try:
         wait_until(lambda: metric(archiver, "splitstream_archive_files_total") >= 3, timeout_s=60, what="some files")
         wait_until(lambda: len(child_pids(archiver)) == 2, timeout_s=30, what="both children")
+        # Both are consumers before one is killed (on a loaded machine child 0 may start when child 1 has read
+        # everything so far), so a restart under another name would show as a third.
+        wait_until(lambda: consumers(client, stream) == {"a-0", "a-1"}, timeout_s=60, what="both children to read")
         victim = child_pids(archiver)[0]
         os.kill(victim, signal.SIGKILL)
         wait_until(lambda: child_pids(archiver)[0] != victim, timeout_s=30, what="child 0 restarted")
