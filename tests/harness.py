@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -51,17 +52,20 @@ def run_module(module: str, *args: str, cwd: Path = ROOT, timeout_s: float = 30)
 #: port never collides with one a test handed to a server; each pytest-xdist worker has its own share.
 _PORT_RANGE_START = 10000
 _PORT_RANGE_END = 32000
-_PORTS_PER_WORKER = 2000
 
 
 def _worker_ports() -> Iterator[int]:
-    """This test process's ports in turn, round and round: ``gw<N>`` of pytest-xdist takes share N."""
+    """This test process's ports in turn, round and round: of N xdist workers, ``gw<i>`` takes share i."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) if worker[2:].isdigit() else 0
-    shares = (_PORT_RANGE_END - _PORT_RANGE_START) // _PORTS_PER_WORKER
-    first = _PORT_RANGE_START + (index % shares) * _PORTS_PER_WORKER
+    workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
+    size = (_PORT_RANGE_END - _PORT_RANGE_START) // workers
+    first = _PORT_RANGE_START + (index % workers) * size
+    # From a random point of the share: two test runs side by side (two checkouts, say) would otherwise
+    # walk the same ports in the same order, and one take a port the other just checked was free.
+    start = random.randrange(size)
     while True:
-        yield from range(first, first + _PORTS_PER_WORKER)
+        yield from (first + (start + i) % size for i in range(size))
 
 
 _PORTS = _worker_ports()

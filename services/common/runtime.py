@@ -41,16 +41,19 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import structlog
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client import values as prometheus_values
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.handlers import ParseRequests
@@ -571,14 +574,37 @@ def _bind_grpc(server: aio.Server, settings: ServerSettings) -> int:
         raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {error}") from None
 
 
+#: How often the /metrics server's loop looks for a stop: its shutdown() waits up to this long, and
+#: prometheus-client's start_http_server polls every 0.5 s, which every SIGTERMed server waited out.
+METRICS_POLL_S = 0.05
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """A request handler that logs nothing: scrapes are not news."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
 def bind_metrics(settings: ServerSettings, registry: CollectorRegistry) -> Any:
+    """Serve ``registry`` at /metrics from a thread (prometheus-client's WSGI app and threading server),
+    stopped at once by ``shutdown()``."""
     address = _host_port(settings.metrics_host, settings.metrics_port)
     try:
-        metrics_server, _ = start_http_server(settings.metrics_port, addr=settings.metrics_host, registry=registry)
+        family, _, _, _, sockaddr = socket.getaddrinfo(
+            settings.metrics_host, settings.metrics_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family, "daemon_threads": True})
+        server: ThreadingWSGIServer = make_server(
+            str(sockaddr[0]), settings.metrics_port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
+        )
     except OSError as error:
         reason = error.strerror or str(error)
         raise ConfigError(f"cannot serve metrics on {address} (--metrics-host/--metrics-port): {reason}") from None
-    return metrics_server
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": METRICS_POLL_S}, name="metrics", daemon=True
+    ).start()
+    return server
 
 
 def bind_problem(host: str, port: int, *, reuse_port: bool = False) -> str:
