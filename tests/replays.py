@@ -39,7 +39,7 @@ class ReplayRun:
         return [json.loads(line) for line in lines]
 
 
-def replay_command(redis_url: str, out: Path, *args: str) -> list[str]:
+def replay_command(redis_url: str, out: Path, *args: str, model: str = MODEL) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -47,7 +47,7 @@ def replay_command(redis_url: str, out: Path, *args: str) -> list[str]:
         "--redis-url",
         redis_url,
         "--model",
-        MODEL,
+        model,
         "--output-dir",
         str(out),
         *args,
