@@ -26,13 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import onnx
 import yaml
 from grpc import aio
-from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.mlp import mlp_model
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from tests.harness import Stack, free_port, metric_samples, scrape_metrics
 from tests.tensors import add_raw_input
@@ -40,30 +39,6 @@ from tests.tensors import add_raw_input
 MODEL = "mlp"
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 MAX_BATCH_SIZE = 32
-
-
-def mlp_model(path: Path, *, width: int, layers: int) -> None:
-    """``x [batch, width]`` through ``layers`` MatMul+Relu; weights from a fixed seed."""
-    rng = np.random.default_rng(0)
-    nodes = []
-    inits = []
-    current = "x"
-    for i in range(layers):
-        weights = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
-        inits.append(numpy_helper.from_array(weights, f"w{i}"))
-        nodes.append(helper.make_node("MatMul", [current, f"w{i}"], [f"m{i}"]))
-        out = "y" if i == layers - 1 else f"h{i}"
-        nodes.append(helper.make_node("Relu", [f"m{i}"], [out]))
-        current = out
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])
-    model = helper.make_model(
-        helper.make_graph(nodes, "mlp", [x], [y], initializer=inits), opset_imports=[helper.make_opsetid("", 17)]
-    )
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, path)
 
 
 def add_mlp_version(repository: Path, version: str, *, width: int, layers: int, batching: dict[str, object]) -> None:

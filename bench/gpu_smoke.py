@@ -54,38 +54,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import structlog
 import yaml
-from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.mlp import mlp_model  # noqa: E402
+
 MODEL, VERSION = "smoke-mlp", "v1"
 TOLERANCES = {"fp32": (1e-2, 1e-3), "fp16": (5e-2, 5e-3)}
-
-
-def mlp(path: Path, *, layers: int, width: int, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])
-    nodes, inits, previous = [], [], "x"
-    for layer in range(layers):
-        weight = (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
-        inits.append(numpy_helper.from_array(weight, f"w{layer}"))
-        output = "y" if layer == layers - 1 else f"h{layer}"
-        nodes.append(helper.make_node("MatMul", [previous, f"w{layer}"], [f"m{layer}"]))
-        nodes.append(helper.make_node("Relu", [f"m{layer}"], [output]))
-        previous = output
-    model = helper.make_model(
-        helper.make_graph(nodes, "mlp", [x], [y], initializer=inits), opset_imports=[helper.make_opsetid("", 17)]
-    )
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, path)
 
 
 def timed(run: Callable[[], object], iterations: int) -> tuple[float, float]:
@@ -199,7 +178,7 @@ def main() -> int:
     try:
         for precision in args.precisions.split(","):
             directory = workdir / precision / MODEL / VERSION
-            mlp(directory / "model.onnx", layers=args.layers, width=args.width)
+            mlp_model(directory / "model.onnx", layers=args.layers, width=args.width)
             settings = {
                 "backend": "tensorrt",
                 "max_batch_size": args.max_batch,

@@ -37,6 +37,7 @@ from splitstream.common.records import entry_fields, stream_key
 from tests.harness import ROOT, Stack, write_registry
 from tests.models import add_version
 from tests.redis_server import RedisServer
+from tests.replays import replay_command
 
 MODEL = "bench"
 RATES = (100, 1000, 3000)
@@ -70,27 +71,15 @@ def write_window(client: redis.Redis, start_ns: int, rate: int, seconds: float, 
 
 
 def replay(redis_url: str, target: str, since_ns: int, until_ns: int, out: Path, *extra: str) -> dict:
-    command = [
-        sys.executable,
-        "-m",
-        "splitstream.replayer",
-        "--redis-url",
-        redis_url,
-        "--model",
-        MODEL,
-        "--target",
-        target,
+    window = (
         "--since",
         f"{since_ns // 10**9}.{since_ns % 10**9:09d}",
         "--until",
         f"{until_ns // 10**9}.{until_ns % 10**9:09d}",
-        "--output-dir",
-        str(out),
-        "--no-progress",
-        "--max-lateness",
-        "0",
-        *extra,
-    ]
+    )
+    command = replay_command(
+        redis_url, out, "--target", target, *window, "--no-progress", "--max-lateness", "0", *extra, model=MODEL
+    )
     subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True)
     summary: dict = json.loads((out / "summary.json").read_text())
     return summary

@@ -19,8 +19,6 @@ import asyncio
 import json
 import random
 import secrets
-import shutil
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -29,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 from grpc import aio
 
 from demo import language
-from demo.processes import Supervisor, free_port, script_path, stepper
+from demo.processes import Supervisor, fresh_workdir, interruptible, stepper, write_registry
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
@@ -126,78 +123,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4, help="streams open at once")
     parser.add_argument("--replay-speed", default="1", help="the replay's --speed (1: as recorded)")
     args = parser.parse_args(argv)
-    try:
-        summary = run(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: everything the demo started has been stopped")
+    summary = interruptible(lambda: run(args))
+    if summary is None:
         return 130
     print_summary(summary)
     return 0
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    workdir: Path = args.workdir.resolve()
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
+    workdir = fresh_workdir(args.workdir)
     step = stepper()
     step("counting the language models: v1 bigram, v2 trigram")
     language.write_versions(workdir / "models", MODEL)
     hmac_key = secrets.token_hex(16)
     with Supervisor(workdir) as supervisor:
         step("starting redis-server, recorder, generating workers v1 and v2, router (50/50)")
-        redis_port = free_port()
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        supervisor.start(
-            "redis",
-            ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        )
-        recorder = f"127.0.0.1:{free_port()}"
-        supervisor.start(
-            "recorder",
-            [
-                "splitstream-recorder",
-                *("--host", "127.0.0.1", "--port", recorder.split(":")[1], "--metrics-port", str(free_port())),
-                *("--redis-url", redis_url, "--hmac-key", hmac_key),
-            ],
-            grpc_address=recorder,
-        )
-        workers = {}
-        for version in language.ORDERS:
-            workers[version] = f"127.0.0.1:{free_port()}"
-            supervisor.start(
-                f"worker-{version}",
-                [
-                    "splitstream-worker",
-                    *("--model-repository", str(workdir / "models"), "--model", MODEL, "--version", version),
-                    *("--host", "127.0.0.1", "--port", workers[version].split(":")[1]),
-                    *("--metrics-port", str(free_port())),
-                ],
-                grpc_address=workers[version],
-            )
-        registry = workdir / "registry.yaml"
+        redis_url = supervisor.start_redis()
+        recorder = supervisor.start_recorder(redis_url, "--hmac-key", hmac_key)
+        workers = {version: supervisor.start_worker(workdir / "models", MODEL, version) for version in language.ORDERS}
         experiment = {
             "salt": "demo-llm",
             "control": "v1",
             "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
         }
-        registry.write_text(
-            yaml.safe_dump(
-                {"models": {MODEL: {"endpoints": {v: [a] for v, a in workers.items()}, "experiment": experiment}}},
-                sort_keys=False,
-            )
-        )
-        router = f"127.0.0.1:{free_port()}"
-        supervisor.start(
-            "router",
-            [
-                "splitstream-router",
-                *("--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", router.split(":")[1]),
-                *("--metrics-port", str(free_port()), "--recorder", recorder, "--hmac-key", hmac_key),
-                *("--log-dir", str(workdir / "spool"), "--record-batch-interval-ms", "100"),
-            ],
-            grpc_address=router,
-        )
+        registry = write_registry(workdir, MODEL, workers, experiment)
+        router = supervisor.start_router(registry, recorder, "--hmac-key", hmac_key)
 
         since = time.time()
         step(f"{args.streams} chat streams from {args.users} users, {args.tokens} tokens each")
@@ -216,21 +166,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         step(f"replaying the streams against v2 (router, pinned; speed {args.replay_speed}) and writing the report")
         replay_dir = workdir / "replay"
-        replay = subprocess.run(
-            [
-                script_path("splitstream-replay"),
-                *("--redis-url", redis_url, "--model", MODEL, "--since", f"{since - 1:.3f}", "--until", f"{until:.3f}"),
-                *("--target", router, "--pin-version", "v2", "--speed", args.replay_speed, "--concurrency", "8"),
-                *("--output-dir", str(replay_dir), "--no-progress"),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+        replay_summary = supervisor.replay(
+            redis_url,
+            MODEL,
+            replay_dir,
+            *("--since", f"{since - 1:.3f}", "--until", f"{until:.3f}"),
+            *("--target", router, "--pin-version", "v2", "--speed", args.replay_speed, "--concurrency", "8"),
+            timeout_s=300,
         )
-        (workdir / "logs" / "replay.log").write_text(replay.stdout + replay.stderr)
-        if replay.returncode != 0:
-            raise RuntimeError(f"replay exited {replay.returncode}: {replay.stderr.strip()[-500:]}")
-        replay_summary = json.loads((replay_dir / "summary.json").read_text())
         step("stopping everything")
 
     summary = {

@@ -1,5 +1,8 @@
 """Start the demo's processes, wait until each serves, and stop every one of them on the way out.
 
+Both demos (``demo.run``, ``demo.llm``) start the same stack the same way, so they start it here:
+a flag a service renames is then renamed once.
+
 Each process logs to ``<workdir>/logs/<name>.log``. The supervisor is a context
 manager: leaving it (normally, on an error or on Ctrl-C) stops everything it
 started, SIGTERM first, so the services drain and exit as they do in production.
@@ -7,6 +10,7 @@ started, SIGTERM first, so the services drain and exit as they do in production.
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import socket
@@ -15,8 +19,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
+import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 
@@ -24,6 +30,39 @@ def script_path(name: str) -> str:
     """A console script of this environment (beside its Python), else ``name`` as found on PATH."""
     path = Path(sys.executable).parent / name
     return str(path) if path.exists() else name
+
+
+T = TypeVar("T")
+
+
+def fresh_workdir(workdir: Path) -> Path:
+    """``workdir`` resolved and emptied: a second run starts afresh, not on the last run's models and logs."""
+    workdir = workdir.resolve()
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    return workdir
+
+
+def interruptible(run: Callable[[], T]) -> T | None:
+    """``run()``, or None after Ctrl-C: the supervisor has stopped everything by then, so the demo says so."""
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print("\ninterrupted: everything the demo started has been stopped")
+        return None
+
+
+def write_registry(workdir: Path, model: str, endpoints: dict[str, str], experiment: dict[str, Any]) -> Path:
+    """A file registry of one model, one endpoint per version, split by ``experiment``."""
+    registry = workdir / "registry.yaml"
+    registry.write_text(
+        yaml.safe_dump(
+            {"models": {model: {"endpoints": {v: [a] for v, a in endpoints.items()}, "experiment": experiment}}},
+            sort_keys=False,
+        )
+    )
+    return registry
 
 
 def stepper() -> Callable[[str], None]:
@@ -48,6 +87,7 @@ def free_port() -> int:
 
 class Supervisor:
     def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
@@ -68,6 +108,62 @@ class Supervisor:
         log.close()
         if grpc_address is not None:
             self._wait_serving(name, grpc_address, timeout_s)
+
+    def start_redis(self, *extra: str) -> str:
+        """A redis-server that keeps nothing on disk; returns its URL."""
+        port = free_port()
+        self.start(
+            "redis",
+            ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra],
+        )
+        return f"redis://127.0.0.1:{port}/0"
+
+    def start_recorder(self, redis_url: str, *extra: str) -> str:
+        """Returns the recorder's address once it serves."""
+        address = f"127.0.0.1:{free_port()}"
+        argv = ["splitstream-recorder", "--host", "127.0.0.1", "--port", address.split(":")[1]]
+        argv += ["--metrics-port", str(free_port()), "--redis-url", redis_url, *extra]
+        self.start("recorder", argv, grpc_address=address)
+        return address
+
+    def start_worker(self, models: Path, model: str, version: str) -> str:
+        """Returns the worker's address once it serves."""
+        address = f"127.0.0.1:{free_port()}"
+        argv = ["splitstream-worker", "--model-repository", str(models), "--model", model, "--version", version]
+        argv += ["--host", "127.0.0.1", "--port", address.split(":")[1], "--metrics-port", str(free_port())]
+        self.start(f"worker-{version}", argv, grpc_address=address)
+        return address
+
+    def start_router(self, registry: Path, recorder: str, *extra: str, metrics_port: int | None = None) -> str:
+        """Returns the router's address once it serves. Records go out in 100 ms batches, so that they are
+        in Redis soon after the traffic ends; the spool is ``<workdir>/spool``."""
+        address = f"127.0.0.1:{free_port()}"
+        argv = ["splitstream-router", "--registry", f"file:{registry}", "--host", "127.0.0.1"]
+        argv += ["--port", address.split(":")[1], "--metrics-port", str(metrics_port or free_port())]
+        argv += ["--recorder", recorder, *extra, "--log-dir", str(self.workdir / "spool")]
+        argv += ["--record-batch-interval-ms", "100"]
+        self.start("router", argv, grpc_address=address)
+        return address
+
+    def run(
+        self, name: str, argv: list[str], *, timeout_s: float, log: str = "", whole_output: bool = False
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command-line step to its end (``argv[0]`` a console script of this venv), its output kept in
+        ``logs/<log or name>.log``; raises naming it if it fails, with the tail of its stderr or, with
+        ``whole_output``, all it wrote."""
+        done = subprocess.run([script_path(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=timeout_s)
+        (self.logs / f"{log or name}.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            detail = done.stdout + done.stderr if whole_output else done.stderr.strip()[-500:]
+            raise RuntimeError(f"{name} exited {done.returncode}: {detail}")
+        return done
+
+    def replay(self, redis_url: str, model: str, out: Path, *args: str, timeout_s: float) -> dict[str, Any]:
+        """``splitstream-replay`` of ``model``'s records, its report into ``out``; returns its summary.json."""
+        argv = ["splitstream-replay", "--redis-url", redis_url, "--model", model, *args]
+        self.run("replay", [*argv, "--output-dir", str(out), "--no-progress"], timeout_s=timeout_s)
+        summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+        return summary
 
     def _wait_serving(self, name: str, address: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -23,8 +23,6 @@ import json
 import os
 import random
 import secrets
-import shutil
-import subprocess
 import threading
 import time
 from collections import defaultdict
@@ -33,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 from grpc import aio
 
-from demo.processes import Supervisor, free_port, script_path, stepper
+from demo.processes import Supervisor, free_port, fresh_workdir, interruptible, stepper, write_registry
 from demo.train import MODEL, DemoData, train
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
@@ -146,123 +143,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4, help="calls in flight")
     parser.add_argument("--step-seconds", type=float, default=5.0, help="the rollout step's observation time")
     args = parser.parse_args(argv)
-    try:
-        summary = run(args)
-    except KeyboardInterrupt:
-        print("\ninterrupted: everything the demo started has been stopped")
+    summary = interruptible(lambda: run(args))
+    if summary is None:
         return 130
     print_summary(summary, args.workdir)
     return 0
 
 
 def run(args: argparse.Namespace) -> dict[str, object]:
-    workdir: Path = args.workdir.resolve()
-    if workdir.exists():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
+    workdir = fresh_workdir(args.workdir)
     step = stepper()
     step("training the digit classifier, v1 (150 images) and v2 (all 1078)")
     data, trained_accuracy = train(workdir / "models")
     os.environ["SPLITSTREAM_HMAC_KEY"] = secrets.token_hex(16)
     with Supervisor(workdir) as supervisor:
         step("starting redis-server, recorder, workers v1 and v2, router (90/10)")
-        redis_port = free_port()
-        redis_url = f"redis://127.0.0.1:{redis_port}/0"
-        supervisor.start(
-            "redis",
-            [
-                "redis-server",
-                "--port",
-                str(redis_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(workdir),
-            ],
-        )
-        recorder = f"127.0.0.1:{free_port()}"
-        supervisor.start(
-            "recorder",
-            [
-                "splitstream-recorder",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                recorder.split(":")[1],
-                "--metrics-port",
-                str(free_port()),
-                "--redis-url",
-                redis_url,
-            ],
-            grpc_address=recorder,
-        )
-        workers = {}
-        for version in ("v1", "v2"):
-            workers[version] = f"127.0.0.1:{free_port()}"
-            supervisor.start(
-                f"worker-{version}",
-                [
-                    "splitstream-worker",
-                    "--model-repository",
-                    str(workdir / "models"),
-                    "--model",
-                    MODEL,
-                    "--version",
-                    version,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    workers[version].split(":")[1],
-                    "--metrics-port",
-                    str(free_port()),
-                ],
-                grpc_address=workers[version],
-            )
-        registry = workdir / "registry.yaml"
-        registry.write_text(
-            yaml.safe_dump(
-                {
-                    "models": {
-                        MODEL: {
-                            "endpoints": {v: [a] for v, a in workers.items()},
-                            "experiment": {
-                                "salt": "demo",
-                                "control": "v1",
-                                "arms": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}],
-                            },
-                        }
-                    }
-                },
-                sort_keys=False,
-            )
-        )
-        router = f"127.0.0.1:{free_port()}"
+        redis_url = supervisor.start_redis("--dir", str(workdir))
+        recorder = supervisor.start_recorder(redis_url)
+        workers = {version: supervisor.start_worker(workdir / "models", MODEL, version) for version in ("v1", "v2")}
+        experiment = {
+            "salt": "demo",
+            "control": "v1",
+            "arms": [{"version": "v1", "weight": 90}, {"version": "v2", "weight": 10}],
+        }
+        registry = write_registry(workdir, MODEL, workers, experiment)
         router_metrics = free_port()
-        supervisor.start(
-            "router",
-            [
-                "splitstream-router",
-                "--registry",
-                f"file:{registry}",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                router.split(":")[1],
-                "--metrics-port",
-                str(router_metrics),
-                "--recorder",
-                recorder,
-                "--log-dir",
-                str(workdir / "spool"),
-                "--record-batch-interval-ms",
-                "100",
-            ],
-            grpc_address=router,
-        )
+        router = supervisor.start_router(registry, recorder, metrics_port=router_metrics)
 
         traffic = Traffic(router, data, users=args.users, concurrency=args.concurrency)
         warm_up = asyncio.run(traffic.run(calls=100, clicks=False))  # warm connections; not in any table
@@ -277,37 +183,20 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         background = threading.Thread(target=lambda: during.append(asyncio.run(traffic.run(stop=stop))))
         background.start()
         try:
-            rollout = subprocess.run(
+            supervisor.run(
+                "rollout",
                 [
-                    script_path("splitstream"),
-                    "--registry",
-                    f"file:{registry}",
-                    "rollout",
-                    MODEL,
-                    "v2",
-                    "--steps",
-                    "50",
-                    "--interval",
-                    f"{args.step_seconds}s",
-                    "--metrics",
-                    f"127.0.0.1:{router_metrics}",
-                    "--max-error-rate",
-                    "0.01",
-                    "--max-p99-ratio",
-                    "5",
-                    "--min-calls",
-                    "10",
+                    "splitstream",
+                    *("--registry", f"file:{registry}", "rollout", MODEL, "v2", "--steps", "50"),
+                    *("--interval", f"{args.step_seconds}s", "--metrics", f"127.0.0.1:{router_metrics}"),
+                    *("--max-error-rate", "0.01", "--max-p99-ratio", "5", "--min-calls", "10"),
                 ],
-                capture_output=True,
-                text=True,
-                timeout=120 + args.step_seconds * 3,
+                timeout_s=120 + args.step_seconds * 3,
+                whole_output=True,
             )
         finally:
             stop.set()
             background.join()
-        (workdir / "logs" / "rollout.log").write_text(rollout.stdout + rollout.stderr)
-        if rollout.returncode != 0:
-            raise RuntimeError(f"rollout exited {rollout.returncode}: {rollout.stdout}{rollout.stderr}")
 
         step(f"sending {args.calls} calls at 50/50")
         after = asyncio.run(traffic.run(calls=args.calls))
@@ -315,60 +204,26 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
         step("replaying the last minute against v2, compared with v1, and writing the report")
         replay_dir = workdir / "replay"
-        replay = subprocess.run(
-            [
-                script_path("splitstream-replay"),
-                "--redis-url",
-                redis_url,
-                "--model",
-                MODEL,
-                "--since",
-                f"{max(replay_since, time.time() - 60):.3f}",
-                "--until",
-                "now",
-                "--target",
-                workers["v2"],
-                "--compare-to",
-                workers["v1"],
-                "--speed",
-                "max",
-                "--concurrency",
-                "16",
-                "--output-dir",
-                str(replay_dir),
-                "--no-progress",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
+        replay_summary = supervisor.replay(
+            redis_url,
+            MODEL,
+            replay_dir,
+            *("--since", f"{max(replay_since, time.time() - 60):.3f}", "--until", "now"),
+            *("--target", workers["v2"], "--compare-to", workers["v1"], "--speed", "max", "--concurrency", "16"),
+            timeout_s=600,
         )
-        (workdir / "logs" / "replay.log").write_text(replay.stdout + replay.stderr)
-        if replay.returncode != 0:
-            raise RuntimeError(f"replay exited {replay.returncode}: {replay.stderr.strip()[-500:]}")
-        replay_summary = json.loads((replay_dir / "summary.json").read_text())
 
         step("analysing clicks per phase with `splitstream analyze` (v2's lift, its interval, the SRM check)")
-        analysis = subprocess.run(
+        analysis = supervisor.run(
+            "analyze",
             [
-                script_path("splitstream"),
-                "analyze",
-                MODEL,
-                "--redis-url",
-                redis_url,
-                "--since",
-                f"{analysis_since:.3f}",
-                "--metric",
-                "click:proportion",
-                "--output-dir",
-                str(replay_dir),
+                "splitstream",
+                *("analyze", MODEL, "--redis-url", redis_url, "--since", f"{analysis_since:.3f}"),
+                *("--metric", "click:proportion", "--output-dir", str(replay_dir)),
             ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+            timeout_s=300,
+            log="analysis",
         )
-        (workdir / "logs" / "analysis.log").write_text(analysis.stdout + analysis.stderr)
-        if analysis.returncode != 0:
-            raise RuntimeError(f"analyze exited {analysis.returncode}: {analysis.stderr.strip()[-500:]}")
         recorded = _recorded_count(redis_url)
         step("stopping everything")
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import math
 import string
+import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import grpc
 import numpy as np
 from hypothesis import strategies as st
 
@@ -23,6 +25,24 @@ from tests.harness import make_request
 
 INT64 = (-(2**63), 2**63 - 1)
 T = TypeVar("T")
+#: The fuzzed call's deadline; the services answer a valid call in milliseconds, so only a hang reaches it.
+DEADLINE_S = 10.0
+#: No client input is a server fault: UNKNOWN is an exception grpc caught, INTERNAL one we caught,
+#: DEADLINE_EXCEEDED a call left unanswered.
+FAULTS = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
+
+
+def call(method: grpc.UnaryUnaryMultiCallable, request: bytes, headers: Sequence[tuple[str, str | bytes]] = ()) -> None:
+    """One call, asserted to end within its deadline with a status other than a server fault: the one
+    promise the router and the worker both make whatever a client sends."""
+    started = time.monotonic()
+    try:
+        method(request, metadata=headers, timeout=DEADLINE_S)
+        code, details = grpc.StatusCode.OK, ""
+    except grpc.RpcError as error:
+        code, details = error.code(), error.details()
+    assert code not in FAULTS, (code, details)
+    assert time.monotonic() - started < DEADLINE_S
 
 
 def valid_request(model: str, version: str, request_id: str, rows: int) -> bytes:

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,17 +17,29 @@ from tests.harness import ROOT
 pytestmark = pytest.mark.slow
 
 
-def test_the_demo_tells_the_whole_story_and_leaves_nothing_running(tmp_path: Path) -> None:
-    workdir = tmp_path / "demo"
+def run_demo(module: str, workdir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """The demo as ``make`` runs it, asserted to succeed; its output and its summary.json."""
     result = subprocess.run(
-        [sys.executable, "-m", "demo.run", "--calls", "400", "--step-seconds", "2", "--workdir", str(workdir)],
+        [sys.executable, "-m", module, *args, "--workdir", str(workdir)],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((workdir / "summary.json").read_text())
+    summary: dict[str, Any] = json.loads((workdir / "summary.json").read_text())
+    return result, summary
+
+
+def assert_nothing_left_running(workdir: Path) -> None:
+    """No process the demo started with its workdir on the command line (workers, router) outlives it."""
+    leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"processes still running: {leftover.stdout}"
+
+
+def test_the_demo_tells_the_whole_story_and_leaves_nothing_running(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    result, summary = run_demo("demo.run", workdir, "--calls", "400", "--step-seconds", "2")
     before, after = summary["phases"]["90/10"], summary["phases"]["50/50"]
     # 400 calls from 1000 sticky users: a standard deviation of about 2 points on each share.
     assert abs(before["v2"]["share"] - 0.10) < 0.07
@@ -57,23 +70,14 @@ def test_the_demo_tells_the_whole_story_and_leaves_nothing_running(tmp_path: Pat
     page = Path(summary["analysis_report"])
     assert page.parent == Path(summary["report"]).parent
     assert "<svg" in page.read_text()
-    leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", f"processes still running: {leftover.stdout}"
+    assert_nothing_left_running(workdir)
 
 
 def test_the_llm_demo_records_streams_split_50_50_and_replays_them_against_v2_leaving_nothing_running(
     tmp_path: Path,
 ) -> None:
     workdir = tmp_path / "demo-llm"
-    result = subprocess.run(
-        [sys.executable, "-m", "demo.llm", "--streams", "24", "--tokens", "24", "--workdir", str(workdir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads((workdir / "summary.json").read_text())
+    result, summary = run_demo("demo.llm", workdir, "--streams", "24", "--tokens", "24")
     assert set(summary["users"]) == {"v1", "v2"}, "a 50/50 split of 24 streams reaches both versions"
     assert summary["errors"] == 0
     assert summary["recorded"] == summary["streams_sent"] == 24
@@ -87,5 +91,4 @@ def test_the_llm_demo_records_streams_split_50_50_and_replays_them_against_v2_le
     report = Path(summary["report"]).read_text()
     assert "Token streams" in report
     assert "TTFT" in result.stdout
-    leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", f"processes still running: {leftover.stdout}"
+    assert_nothing_left_running(workdir)

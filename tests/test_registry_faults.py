@@ -79,6 +79,20 @@ def wait_refused(router: ServiceProcess, fragment: str) -> None:
     assert registry_healthy(router) == 0
 
 
+def router_all_on_v1(stack: Stack, registry: Path, workers: dict[str, str]) -> ServiceProcess:
+    """A router on ``registry``, written to send every call to v1, checked to do so before any edit."""
+    edit_in_place(registry, registry_text("100", "0", workers=workers))
+    router = stack.router(registry)
+    assert served_version(router) == "v1"
+    return router
+
+
+def assert_applied(router: ServiceProcess) -> None:
+    """The last edit applied: no error in Status and the registry healthy again."""
+    assert router_status(router).registry_error == ""
+    assert registry_healthy(router) == 1
+
+
 def stop_cleanly(router: ServiceProcess) -> None:
     router.signal(signal.SIGTERM)
     assert router.wait() == 0, router.log()
@@ -90,9 +104,7 @@ def test_a_bad_value_in_the_file_is_reported_and_the_next_good_edit_still_applie
     stack: Stack, tmp_path: Path, workers: dict[str, str]
 ) -> None:
     registry = tmp_path / "registry.yaml"
-    edit_in_place(registry, registry_text("100", "0", workers=workers))
-    router = stack.router(registry)
-    assert served_version(router) == "v1"
+    router = router_all_on_v1(stack, registry, workers)
     assert registry_healthy(router) == 1
     good = {"v1": ("100", "0"), "v2": ("0", "100")}
     expect = "v2"
@@ -111,8 +123,7 @@ def test_a_bad_value_in_the_file_is_reported_and_the_next_good_edit_still_applie
         # The next good edit (here a full switch of the split) applies: the watch survived.
         edit_in_place(registry, registry_text(*good[expect], workers=workers))
         wait_for(lambda: served_version(router) == expect, timeout_s=10, what=f"the split to move to {expect}")  # noqa: B023
-        assert router_status(router).registry_error == ""
-        assert registry_healthy(router) == 1
+        assert_applied(router)
         expect = before
     stop_cleanly(router)
 
@@ -123,9 +134,7 @@ def test_a_registry_file_that_is_not_text_is_reported_and_the_next_good_edit_app
 ) -> None:
     """A UnicodeDecodeError is a ValueError, not an OSError: it too used to end the watch silently."""
     registry = tmp_path / "registry.yaml"
-    edit_in_place(registry, registry_text("100", "0", workers=workers))
-    router = stack.router(registry)
-    assert served_version(router) == "v1"
+    router = router_all_on_v1(stack, registry, workers)
     registry.write_bytes(b"models:\n  \xff\xfe: {}\n")
     wait_refused(router, "not UTF-8 text")
     assert served_version(router) == "v1"
@@ -140,10 +149,8 @@ def test_a_file_that_would_drop_every_model_is_refused_until_the_removal_is_expl
     stack: Stack, tmp_path: Path, workers: dict[str, str]
 ) -> None:
     registry = tmp_path / "registry.yaml"
-    text = registry_text("100", "0", workers=workers)
-    edit_in_place(registry, text)
-    router = stack.router(registry)
-    assert served_version(router) == "v1"
+    router = router_all_on_v1(stack, registry, workers)
+    text = registry_text("100", "0", workers=workers)  # what router_all_on_v1 wrote
     for empty, fragment in (
         ("", "the file is empty"),
         ("# models: gone for now\n", "the file is empty"),
@@ -156,8 +163,7 @@ def test_a_file_that_would_drop_every_model_is_refused_until_the_removal_is_expl
         wait_for(lambda: router_status(router).registry_error == "", timeout_s=10, what="the full file to apply again")
     edit_in_place(registry, f"models: {{}}\nremove_models: [{MODEL}]\n")
     wait_for(lambda: not router_status(router).models, timeout_s=10, what="the explicit removal to apply")
-    assert router_status(router).registry_error == ""
-    assert registry_healthy(router) == 1
+    assert_applied(router)
     with pytest.raises(grpc.RpcError) as failure:
         served_version(router)
     assert failure.value.code() == grpc.StatusCode.NOT_FOUND
@@ -182,8 +188,7 @@ def test_dropping_one_serving_model_of_two_is_refused_unless_it_is_named_for_rem
     assert served_version(router) == "v1"
     edit_in_place(registry, only_model + f"remove_models: [{OTHER}]\n")
     wait_for(lambda: routed() == [MODEL], timeout_s=10, what="the explicit removal to apply")
-    assert router_status(router).registry_error == ""
-    assert registry_healthy(router) == 1
+    assert_applied(router)
     stop_cleanly(router)
 
 

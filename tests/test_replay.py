@@ -24,7 +24,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +43,8 @@ from splitstream.replayer.summary import Summary
 from tests.browser import needs_chromium, pixels_of, screenshot
 from tests.harness import ROOT, InferClient, free_port, make_request, wait_for
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
+from tests.replays import ReplayRun, run_replay
+from tests.replays import replay_command as replayer_command
 
 V2_CONFIG = {"max_batch_size": 2, "dynamic_batching": {"max_queue_delay_us": 20_000}}
 #: Gaps before each call of the burst pattern (phase C), seconds.
@@ -68,56 +69,21 @@ class Traffic:
         return ["--since", f"{since / 1e9:.9f}", "--until", f"{until / 1e9:.9f}"]
 
 
-@dataclass
-class Run:
-    code: int
-    stdout: str
-    stderr: str
-    out: Path
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        """summary.json as plain JSON, after checking it is exactly the typed model (no key missing or extra)."""
-        text = (self.out / "summary.json").read_text()
-        Summary.model_validate_json(text)
-        data: dict[str, Any] = json.loads(text)
-        return data
-
+class Run(ReplayRun):
     @property
     def results(self) -> list[dict[str, Any]]:
-        lines = (self.out / "results.jsonl").read_text().splitlines()
-        return [json.loads(line) for line in lines]
+        return self.result_lines()
 
     def ids(self, outcome: str | None = None) -> set[str]:
         return {r["request_id"] for r in self.results if outcome is None or r["outcome"] == outcome}
 
 
 def replay_command(traffic: Traffic, out: Path, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "splitstream.replayer",
-        "--redis-url",
-        traffic.stack.redis.url,
-        "--model",
-        MODEL,
-        "--output-dir",
-        str(out),
-        *args,
-    ]
+    return replayer_command(traffic.stack.redis.url, out, *args)
 
 
 def replay(traffic: Traffic, out: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60) -> Run:
-    done = subprocess.run(
-        replay_command(traffic, out, *args),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        cwd=ROOT,
-        check=False,
-        env={**os.environ, **(env or {})},
-    )
-    return Run(done.returncode, done.stdout, done.stderr, out)
+    return Run(*run_replay(traffic.stack.redis.url, out, *args, env=env, timeout_s=timeout_s), out)
 
 
 def xadd_record(stack: RecordingStack, record: recorder_pb2.CallRecord) -> None:

@@ -8,7 +8,6 @@ takes seconds and a failure reproduces.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,15 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitstream.common.headers import VERSION_HEADER
-from tests.fuzzing import metadata, mutated, request_bytes
+from tests.fuzzing import call, metadata, mutated, request_bytes
 from tests.harness import InferClient, ServiceProcess, Stack, make_request, write_registry
 from tests.models import add_version
 
 MODEL = "affine"
 #: The two names of the one handler.
 INFER_METHODS = ("/inference.GRPCInferenceService/ModelInfer", "/splitstream.v1.Router/Infer")
-#: The fuzzed call's deadline; the worker answers a valid call in milliseconds, so only a hang reaches it.
-DEADLINE_S = 10.0
 
 
 class Fuzzed:
@@ -68,22 +65,8 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
 def test_any_bytes_and_metadata_end_within_the_deadline_with_a_status_other_than_unknown(
     fuzzed: Fuzzed, method: str, request: bytes, headers: list[tuple[str, str | bytes]]
 ) -> None:
-    started = time.monotonic()
-    try:
-        fuzzed.raw[method](request, metadata=headers, timeout=DEADLINE_S)
-        code = grpc.StatusCode.OK
-    except grpc.RpcError as error:
-        code = error.code()
-        details = error.details()
-    else:
-        details = ""
-    elapsed = time.monotonic() - started
-    # INTERNAL too: no client input is a server fault (it was gRPC's answer to a refused trailer).
-    assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL), (
-        code,
-        details,
-    )
-    assert elapsed < DEADLINE_S
+    # INTERNAL is a fault too: it was gRPC's answer to a refused trailer.
+    call(fuzzed.raw[method], request, headers)
 
 
 #: The router's other methods, whose requests it parses itself (health's through ParseRequests).
@@ -103,18 +86,8 @@ TYPED_METHODS = (
 def test_any_bytes_sent_to_the_other_methods_end_within_the_deadline_with_a_status_other_than_unknown(
     fuzzed: Fuzzed, method: str, request: bytes
 ) -> None:
-    started = time.monotonic()
-    try:
-        with grpc.insecure_channel(fuzzed.router.address) as channel:
-            channel.unary_unary(method)(request, timeout=DEADLINE_S)
-        code, details = grpc.StatusCode.OK, ""
-    except grpc.RpcError as error:
-        code, details = error.code(), error.details()
-    assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL), (
-        code,
-        details,
-    )
-    assert time.monotonic() - started < DEADLINE_S
+    with grpc.insecure_channel(fuzzed.router.address) as channel:
+        call(channel.unary_unary(method), request)
 
 
 def test_the_router_still_serves_a_normal_call_after_the_fuzzing(fuzzed: Fuzzed) -> None:

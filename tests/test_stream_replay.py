@@ -8,10 +8,6 @@ trigram's: the replayer must say which, where, and by how much."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,11 +23,11 @@ from demo import language
 from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER, VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.replayer.report import STREAM_CANDIDATE_COLOR, STREAM_REFERENCE_COLOR
-from splitstream.replayer.summary import Summary
 from tests.browser import needs_chromium, pixels_of, screenshot
-from tests.harness import ROOT, Stack, wait_for
+from tests.harness import Stack, wait_for
 from tests.recording_stack import MODEL, RecordingStack
 from tests.records import RecordedStream, stream_of
+from tests.replays import ReplayRun, run_replay
 from tests.stream_client import OpenStream, run_stream
 from tests.streams import generation_request, token_text
 
@@ -162,56 +158,16 @@ def stream_of_record(traffic: Traffic, record: recorder_pb2.CallRecord) -> Recor
     return asyncio.run(read())
 
 
-@dataclass
-class Run:
-    code: int
-    stdout: str
-    stderr: str
-    out: Path
-
-    @property
-    def summary(self) -> dict[str, Any]:
-        text = (self.out / "summary.json").read_text()
-        Summary.model_validate_json(text)  # exactly the typed model
-        data: dict[str, Any] = json.loads(text)
-        return data
-
+class Run(ReplayRun):
     @property
     def results(self) -> dict[str, dict[str, Any]]:
-        lines = (self.out / "results.jsonl").read_text().splitlines()
-        return {line["request_id"]: line for line in map(json.loads, lines)}
+        return {line["request_id"]: line for line in self.result_lines()}
 
 
 def replay(traffic: Traffic, out: Path, *args: str) -> Run:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "splitstream.replayer",
-            "--redis-url",
-            traffic.stack.redis.url,
-            "--model",
-            MODEL,
-            "--since",
-            f"{traffic.since_ns / 1e9:.9f}",
-            "--until",
-            f"{traffic.until_ns / 1e9:.9f}",
-            "--output-dir",
-            str(out),
-            "--target",
-            traffic.stack.router.address,
-            "--pin-version",
-            "v2",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        check=False,
-        env=dict(os.environ),
-    )
-    return Run(done.returncode, done.stdout, done.stderr, out)
+    window = ("--since", f"{traffic.since_ns / 1e9:.9f}", "--until", f"{traffic.until_ns / 1e9:.9f}")
+    target = ("--target", traffic.stack.router.address, "--pin-version", "v2")
+    return Run(*run_replay(traffic.stack.redis.url, out, *window, *target, *args, timeout_s=120), out)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.tensors import output_arrays
-from tests.fuzzing import metadata, mutated, request_bytes, structured_requests
+from tests.fuzzing import DEADLINE_S, FAULTS, call, metadata, mutated, request_bytes, structured_requests
 from tests.harness import ServiceProcess, Stack, make_request
 from tests.models import add_version
 
@@ -36,11 +36,6 @@ TYPED_METHODS = (
     "/inference.GRPCInferenceService/ModelMetadata",
     "/grpc.health.v1.Health/Check",
 )
-#: The fuzzed call's deadline; the worker answers a valid call in milliseconds, so only a hang reaches it.
-DEADLINE_S = 10.0
-#: No client input is a server fault: UNKNOWN is an exception grpc caught, INTERNAL one we caught,
-#: DEADLINE_EXCEEDED a call left unanswered.
-FAULTS = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL)
 
 
 #: Requests that parse, addressed to the served model: most reach its tensor checks, some the model.
@@ -68,18 +63,6 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     target = Fuzzed(tmp_path_factory.mktemp("worker-fuzz"))
     yield target
     target.close()
-
-
-def call(method: grpc.UnaryUnaryMultiCallable, request: bytes, headers: list[tuple[str, str | bytes]]) -> None:
-    """One call, asserted to end within its deadline with a status other than a server fault."""
-    started = time.monotonic()
-    try:
-        method(request, metadata=headers, timeout=DEADLINE_S)
-        code, details = grpc.StatusCode.OK, ""
-    except grpc.RpcError as error:
-        code, details = error.code(), error.details()
-    assert code not in FAULTS, (code, details)
-    assert time.monotonic() - started < DEADLINE_S
 
 
 FUZZ_SETTINGS = settings(

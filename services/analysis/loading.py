@@ -688,10 +688,10 @@ class ExposureReader:
             return
         ttft, has_ttft = _optional_numbers(found[b"ttft_ms"], pa.float64())
         tokens, is_stream, ttft, has_ttft = tokens[rows], is_stream[rows], ttft[rows], has_ttft[rows]
-        groups = (phase.astype(np.int64) << 32) | (arm.astype(np.int64) << 16) | (label.astype(np.int64) + 1)
+        groups = _group_keys(phase, arm, label)
         for key in np.unique(groups[is_stream]).tolist():
             mine = is_stream & (groups == key)
-            p, a, lab = key >> 32, (key >> 16) & 0xFFFF, (key & 0xFFFF) - 1
+            p, a, lab = _group_of(key)
             stats = self.streams.setdefault((p, a, lab), StreamStats())
             stats.streams += int(mine.sum())
             stats.tokens += int(tokens[mine].sum())
@@ -709,13 +709,12 @@ class ExposureReader:
         failed: npt.NDArray[np.bool_],
     ) -> None:
         buckets = _latency_buckets(latency_ms)
-        # One int64 per (phase, arm, label): codes are int16, the label -1 (randomized) or an assignment code.
-        groups = (phase.astype(np.int64) << 32) | (arm.astype(np.int64) << 16) | (label.astype(np.int64) + 1)
+        groups = _group_keys(phase, arm, label)
         keys, inverse = np.unique(groups, return_inverse=True)
         inverse = inverse.reshape(-1)
         for index, key in enumerate(keys.tolist()):
             mine = inverse == index
-            p, a, lab = key >> 32, (key >> 16) & 0xFFFF, (key & 0xFFFF) - 1
+            p, a, lab = _group_of(key)
             histogram = self.latency.setdefault((p, a, lab), Histogram())
             histogram.counts += np.bincount(buckets[mine], minlength=LATENCY_BUCKETS)
             histogram.calls += int(mine.sum())
@@ -746,6 +745,19 @@ class ExposureReader:
             duplicates=self.duplicates,
             corrupt=self.corrupt,
         )
+
+
+def _group_keys(
+    phase: npt.NDArray[np.int16], arm: npt.NDArray[np.int16], label: npt.NDArray[np.int64]
+) -> npt.NDArray[np.int64]:
+    """One int64 per (phase, arm, label), so that one ``np.unique`` groups the calls: codes are int16,
+    the label -1 (randomized) or an assignment code."""
+    return (phase.astype(np.int64) << 32) | (arm.astype(np.int64) << 16) | (label.astype(np.int64) + 1)
+
+
+def _group_of(key: int) -> tuple[int, int, int]:
+    """The (phase, arm, label) a :func:`_group_keys` key stands for."""
+    return key >> 32, (key >> 16) & 0xFFFF, (key & 0xFFFF) - 1
 
 
 def _latency_buckets(latency_ms: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:

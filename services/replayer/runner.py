@@ -580,16 +580,10 @@ class Replay:
         self, flight: Flight, diff: CallDiff, replayed: Outcome, lag_ms: float | None, *, kind: str = ""
     ) -> dict[str, Any]:
         """The results-line fields a unary call and a token stream share (``kind`` marks a stream's)."""
-        plan = flight.plan
-        record = plan.call.record
+        record = flight.plan.call.record
         origin = self._origin
         return {
-            "request_id": record.request_id,
-            "replay_request_id": plan.replay_id,
-            "model": record.model,
-            "receive_unix_ns": plan.call.receive_ns,
-            "stream_id": plan.call.stream_id,
-            "sequence": flight.sequence,
+            **_flight_ids(flight),
             **({"kind": kind} if kind else {}),
             "outcome": diff.outcome,
             "status_change": diff.status_change,
@@ -624,17 +618,11 @@ class Replay:
     def _send_error(self, flight: Flight, failed: list[tuple[int, Outcome]]) -> dict[str, Any]:
         """The results line of a call that never reached (one of) the targets: counted as a send error,
         neither a status change nor a match, since the target did not answer it."""
-        plan = flight.plan
-        record = plan.call.record
+        record = flight.plan.call.record
         errors = {self.targets[position].address: outcome.send_error for position, outcome in failed}
         self.aggregates.send_errors += 1
         return {
-            "request_id": record.request_id,
-            "replay_request_id": plan.replay_id,
-            "model": record.model,
-            "receive_unix_ns": plan.call.receive_ns,
-            "stream_id": plan.call.stream_id,
-            "sequence": flight.sequence,
+            **_flight_ids(flight),
             "outcome": "send_error",
             "send_error": "; ".join(f"{address}: {message}" for address, message in errors.items()),
             "recorded": {"version": record.version, "status": status_name(record.status_code)},
@@ -764,6 +752,20 @@ class Replay:
             out[f"reference_itl{suffix}"] = group.reference_itl
             out[f"candidate_itl{suffix}"] = group.candidate_itl
         return out
+
+
+def _flight_ids(flight: Flight) -> dict[str, Any]:
+    """What names a sent call in its results line, answered or not, so that lines join with the recording."""
+    plan = flight.plan
+    record = plan.call.record
+    return {
+        "request_id": record.request_id,
+        "replay_request_id": plan.replay_id,
+        "model": record.model,
+        "receive_unix_ns": plan.call.receive_ns,
+        "stream_id": plan.call.stream_id,
+        "sequence": flight.sequence,
+    }
 
 
 def _served_version(outcome: Outcome) -> str:

@@ -218,18 +218,17 @@ class WorstCalls:
     def offer(self, diff: CallDiff, line: dict[str, Any]) -> None:
         if diff.outcome in ("match", "not_compared"):
             return
-        self._sequence += 1
-        item = _Worst(diff.severity(), -self._sequence, line)
-        if len(self._heap) < self.capacity:
-            heapq.heappush(self._heap, item)
-        elif item > self._heap[0]:
-            heapq.heapreplace(self._heap, item)
+        self._push(diff.severity(), line)
 
     def offer_stream(self, diff: StreamDiff, line: dict[str, Any]) -> None:
         """A diverging stream, ranked by its edit distance (status changes first, as for calls)."""
         if diff.outcome in ("match", "not_compared"):
             return
         severity = (2, 1.0, 0.0) if diff.outcome == "status_change" else (1, diff.edit_distance or 0.0, 0.0)
+        self._push(severity, line)
+
+    def _push(self, severity: tuple[int, float, float], line: dict[str, Any]) -> None:
+        """Among equal severities the earliest offered stays: its sequence ranks highest."""
         self._sequence += 1
         item = _Worst(severity, -self._sequence, line)
         if len(self._heap) < self.capacity:

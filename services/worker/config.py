@@ -40,6 +40,7 @@ start-up with a message naming the field instead of being silently ignored::
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -395,3 +396,15 @@ class ModelConfig(Document):
         if not isinstance(data, dict):
             raise ConfigError(f"must be a mapping of settings, got {type(data).__name__}")
         return validate(cls, data)
+
+
+def add_model_repository_argument(parser: argparse.ArgumentParser) -> None:
+    """The worker and the engine builder read the same repository layout, so they take it the same way."""
+    parser.add_argument(
+        "--model-repository",
+        type=Path,
+        required=True,
+        default=argparse.SUPPRESS,
+        metavar="DIR",
+        help="directory holding MODEL/VERSION/{model.onnx,config.yaml}",
+    )

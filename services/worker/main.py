@@ -32,7 +32,7 @@ from splitstream.common.runtime import (
     add_server_arguments,
     run_service,
 )
-from splitstream.worker.config import ModelConfig
+from splitstream.worker.config import ModelConfig, add_model_repository_argument
 from splitstream.worker.metrics import WorkerMetrics
 from splitstream.worker.model import ServedModel
 from splitstream.worker.registration import (
@@ -86,14 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
             "Exit codes: 0 clean shutdown, 2 bad flag or model config or a taken port, 1 failed otherwise."
         ),
     )
-    parser.add_argument(
-        "--model-repository",
-        type=Path,
-        required=True,
-        default=argparse.SUPPRESS,
-        metavar="DIR",
-        help="directory holding MODEL/VERSION/{model.onnx,config.yaml}",
-    )
+    add_model_repository_argument(parser)
     parser.add_argument(
         "--model",
         required=True,

@@ -25,7 +25,7 @@ from pathlib import Path
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
-from splitstream.worker.config import ModelConfig
+from splitstream.worker.config import ModelConfig, add_model_repository_argument
 
 PROG = "splitstream-build-engine"
 ENV_PREFIX = "SPLITSTREAM_BUILD_"
@@ -46,14 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
             "errors are printed in full), 2 bad flag or config, or TensorRT / cuda-python / a GPU missing."
         ),
     )
-    parser.add_argument(
-        "--model-repository",
-        type=Path,
-        required=True,
-        default=argparse.SUPPRESS,
-        metavar="DIR",
-        help="directory holding MODEL/VERSION/{model.onnx,config.yaml}",
-    )
+    add_model_repository_argument(parser)
     parser.add_argument("--model", default="", metavar="NAME", help="only this model (default: every model)")
     parser.add_argument("--version", default="", metavar="V", help="only this version (needs --model)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the engine is already cached")
