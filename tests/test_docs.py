@@ -3,8 +3,12 @@ link in README.md and docs/*.md must lead to a file that exists, and to a headin
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +133,68 @@ def test_a_broken_link_or_anchor_is_found(tmp_path: Path) -> None:
 )
 def test_headings_get_githubs_anchors(heading: str, slug: str) -> None:
     assert github_slug(heading) == slug
+
+
+#: A shell code block in the docs (```sh and its kin); plain blocks hold pictures and output.
+_SHELL_BLOCK = re.compile(r"^```(?:sh|bash|shell|console)\n(.*?)^```", re.S | re.M)
+
+
+def documented_command_lines() -> list[tuple[str, str, list[str]]]:
+    """(page, line, argv) of every splitstream command in the docs' shell blocks, as a shell would split it:
+    continuations joined, comments and a trailing ``&`` dropped, ``...`` (the usual flags, elided) left out,
+    and ``--since -1d`` joined as the commands themselves join a relative time to its flag."""
+    commands = {name for name, _, _ in _config_commands()}
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in _SHELL_BLOCK.findall(page.read_text()):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                for part in re.split(r"\s(?:\||&&|;)\s", line.strip().removeprefix("$ ")):
+                    if "[--" in part:  # a usage synopsis, optional parts in brackets
+                        continue
+                    tokens = shlex.split(part, comments=True)
+                    while tokens and re.match(r"^[A-Z_]+=", tokens[0]):  # VARIABLE=value before the command
+                        tokens.pop(0)
+                    if not tokens or tokens[0].removeprefix(".venv/bin/") not in commands:
+                        continue
+                    argv: list[str] = []
+                    for token in tokens[1:]:
+                        if argv and argv[-1].startswith("--") and "=" not in argv[-1] and re.match(r"^-\d", token):
+                            argv[-1] += "=" + token
+                        elif token != "&":
+                            argv.append(token)
+                    found.append((page.name, part.strip(), [tokens[0].removeprefix(".venv/bin/"), *argv]))
+    return found
+
+
+def _config_commands() -> list[tuple[str, str, str]]:
+    """The commands and their parsers, as the configuration reference lists them."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gen_config_reference import COMMANDS
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return list(COMMANDS)
+
+
+def test_every_command_the_docs_show_is_taken_by_todays_parser(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flag renamed or removed leaves no example behind that a reader would copy and see refused. Lines with
+    ``...`` stand for a command with its usual flags, so only a flag they name must exist there."""
+    for name in [k for k in os.environ if k.startswith("SPLITSTREAM_")]:
+        monkeypatch.delenv(name)
+    parsers = {name: (module, function) for name, module, function in _config_commands()}
+    lines = documented_command_lines()
+    assert len(lines) >= 30, lines  # the docs' examples are found at all
+    refused = []
+    for page, line, (command, *argv) in lines:
+        module, function = parsers[command]
+        parser = getattr(importlib.import_module(module), function)()
+        elided = "..." in argv
+        errors = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+                parser.parse_args([a for a in argv if a != "..."])
+        except SystemExit as error:
+            message = errors.getvalue().strip().splitlines()[-1] if errors.getvalue().strip() else str(error)
+            if error.code and not (elided and "arguments are required" in message):
+                refused.append(f"{page}: {line[:120]} -> {message}")
+    assert refused == []
