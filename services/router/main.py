@@ -10,6 +10,7 @@ import asyncio
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 from grpc import aio
@@ -40,13 +41,15 @@ from splitstream.router.config import (
 )
 from splitstream.router.core import EndpointSettings, RouterCore
 from splitstream.router.feedback import FeedbackService
-from splitstream.router.http.app import HttpFrontDoor
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.recording import CallLog
 from splitstream.router.servicer import RouterServicer
 from splitstream.router.shadows import ShadowRunner
 from splitstream.router.shipper_child import ShipperChild
 from splitstream.router.streams import StreamProxy
+
+if TYPE_CHECKING:
+    from splitstream.router.http.app import HttpFrontDoor
 
 #: After the registry watch failed in a way its backend did not report as an update (an exception,
 #: or the watch ending), wait this long before watching again: long enough not to spin on a file
@@ -193,6 +196,9 @@ class Router(Service):
         self.http: HttpFrontDoor | None = None
         self._http_stop: asyncio.Task[None] | None = None
         if config.http_port:
+            # aiohttp and the front door on first use: a third of a router's imports, for a port most leave off.
+            from splitstream.router.http.app import HttpFrontDoor
+
             self.http = HttpFrontDoor(
                 self.core,
                 self.metrics,
