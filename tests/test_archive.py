@@ -260,6 +260,7 @@ def own_s3(tmp_path: Path) -> Iterator[S3Server]:
 # -- end to end: record, archive, replay from both -------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["directory", "s3"])
 def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_redis_is_flushed(
     tmp_path: Path, store: str, request: pytest.FixtureRequest
@@ -381,6 +382,7 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
 # -- S3 ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
@@ -473,6 +475,7 @@ def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     assert readable_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())["receive_ns"].to_pylist() == [start]
 
 
+@pytest.mark.slow
 def test_upload_errors_are_counted_and_retried_until_the_store_is_back(
     tmp_path: Path, redis_server: RedisServer, own_s3: S3Server
 ) -> None:
@@ -499,6 +502,7 @@ def test_upload_errors_are_counted_and_retried_until_the_store_is_back(
     assert set(ids) <= set(table["request_id"].to_pylist())
 
 
+@pytest.mark.slow
 def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
@@ -563,6 +567,7 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
         strict.stop()
 
 
+@pytest.mark.slow
 def test_without_archive_flag_the_default_directory_is_archived_to(tmp_path: Path, redis_server: RedisServer) -> None:
     # The default was file://./splitstream-archive, which the archive URL parser refuses (a file URL's host):
     # the archiver with no --archive exited 2 at once.
@@ -617,6 +622,7 @@ def test_bad_numeric_flags_exit_2_with_one_line(tmp_path: Path, flags: list[str]
 # -- sharing, crashes, dead archivers ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_archivers_share_a_stream_and_write_every_entry_once(tmp_path: Path, redis_server: RedisServer) -> None:
     client = redis_server.client()
     url = local_archive(tmp_path)
@@ -648,6 +654,7 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_a_killed_builder_process_is_replaced_and_a_killed_archiver_leaves_no_builder_behind(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -670,6 +677,7 @@ def test_a_killed_builder_process_is_replaced_and_a_killed_archiver_leaves_no_bu
     assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
 
 
+@pytest.mark.slow
 def test_with_the_builder_thread_no_child_is_started_and_every_call_is_archived(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -706,6 +714,7 @@ def archive_with_two_consumers(
     return url, copy
 
 
+@pytest.mark.slow
 def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -727,6 +736,7 @@ def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapp
     assert raw_rows(url).num_rows == len(ids) + pq.read_metadata(copy).num_rows
 
 
+@pytest.mark.slow
 def test_feedback_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -757,6 +767,7 @@ def test_feedback_is_read_in_bounded_parts_in_receive_time_order_across_overlapp
     assert raw_rows(url, kind="feedback").num_rows == 600 + pq.read_metadata(copy).num_rows
 
 
+@pytest.mark.slow
 def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_call_exactly_once(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
@@ -790,6 +801,7 @@ def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_ca
     assert sorted(raw) == sorted(load.written)
 
 
+@pytest.mark.slow
 def test_entries_a_dead_archiver_left_pending_are_claimed_and_archived(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -808,6 +820,7 @@ def test_entries_a_dead_archiver_left_pending_are_claimed_and_archived(
     assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
 
 
+@pytest.mark.slow
 def test_sigterm_writes_and_acknowledges_the_buffered_entries_then_exits_0(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -825,6 +838,7 @@ def test_sigterm_writes_and_acknowledges_the_buffered_entries_then_exits_0(
     assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_store_hangs_stops_within_the_shutdown_grace_leaving_the_entries_pending(
     tmp_path: Path, redis_server: RedisServer, own_s3: S3Server
 ) -> None:
@@ -854,6 +868,7 @@ def test_sigterm_while_the_store_hangs_stops_within_the_shutdown_grace_leaving_t
 # -- retention and straddling windows ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_trim_archived_keeps_every_unarchived_call_and_trims_once_archived(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path, recorder_args=("--retention-maxlen", "20", "--trim-archived"))
     try:
@@ -892,6 +907,7 @@ def test_trim_archived_keeps_every_unarchived_call_and_trims_once_archived(tmp_p
         stack.close()
 
 
+@pytest.mark.slow
 def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_repeats(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -937,6 +953,7 @@ def analyzed_calls(out: Path, model: str, *source: str) -> object:
     return json.loads((out / "analysis.json").read_text())["calls"]["calls"]
 
 
+@pytest.mark.slow
 def test_a_model_whose_name_is_too_long_for_a_directory_is_archived_and_read_back_and_holds_no_other_back(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -959,6 +976,7 @@ def test_a_model_whose_name_is_too_long_for_a_directory_is_archived_and_read_bac
     assert analyzed_calls(tmp_path / "analysis", long_name, "--source", f"archive:{url}") == 5
 
 
+@pytest.mark.slow
 def test_an_object_stores_files_under_a_long_models_uncut_name_are_still_read(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
@@ -985,6 +1003,7 @@ def test_an_object_stores_files_under_a_long_models_uncut_name_are_still_read(
     assert analyzed_calls(tmp_path / "analysis", long_name, *source) == 4
 
 
+@pytest.mark.slow
 def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1012,6 +1031,7 @@ def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
         stack.close()
 
 
+@pytest.mark.slow
 def test_an_archive_file_that_fails_mid_replay_exits_2_naming_it_with_the_partial_results_written(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1049,6 +1069,7 @@ def test_an_archive_file_that_fails_mid_replay_exits_2_naming_it_with_the_partia
     assert summary["counts"]["completed"] == len(rows)
 
 
+@pytest.mark.slow
 def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Path, redis_server: RedisServer) -> None:
     duckdb = pytest.importorskip("duckdb")
     client = redis_server.client()
@@ -1115,6 +1136,7 @@ async def test_the_recorders_trim_never_passes_the_archive_mark(tmp_path: Path, 
         server.stop()
 
 
+@pytest.mark.slow
 def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1145,6 +1167,7 @@ def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
     assert stats.skipped["corrupt"] == 1
 
 
+@pytest.mark.slow
 def test_times_past_int64_in_an_entrys_fields_are_archived_at_the_stream_ids_time_and_the_archiver_lives_on(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1175,6 +1198,7 @@ def test_times_past_int64_in_an_entrys_fields_are_archived_at_the_stream_ids_tim
     assert events["event_time"] == events["receive_time"]  # both unreadable: the stream id's time
 
 
+@pytest.mark.slow
 def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_in_one_file(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1231,6 +1255,7 @@ def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_i
         assert (row["streamed"], row["ttft_ms"], row["tokens"]) == ((True, 12.5, 7) if i == 7 else (False, None, None))
 
 
+@pytest.mark.slow
 def test_a_file_uploaded_but_never_acknowledged_is_rewritten_under_its_name_after_a_crash(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:

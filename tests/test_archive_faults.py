@@ -100,6 +100,7 @@ def test_an_archiver_killed_while_its_builder_starts_leaves_no_process_behind(
     assert "leaked semaphore" not in archiver.log()
 
 
+@pytest.mark.slow
 def test_a_temporary_file_a_crashed_write_left_is_removed_at_start_and_a_fresh_one_kept(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -125,6 +126,7 @@ def test_a_temporary_file_a_crashed_write_left_is_removed_at_start_and_a_fresh_o
     assert "removed temporary files and uploads that crashed writes left" in archiver.log()
 
 
+@pytest.mark.slow
 def test_an_unfinished_multipart_upload_a_crashed_write_left_is_aborted_at_start(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:

@@ -44,6 +44,7 @@ def archived_ids(url: str) -> list[str]:
     return list(table["request_id"].to_pylist())
 
 
+@pytest.mark.slow
 def test_two_processes_archive_every_call_once_as_two_consumers_and_sigterm_leaves_no_child(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -73,6 +74,7 @@ def test_two_processes_archive_every_call_once_as_two_consumers_and_sigterm_leav
     assert set(archived) == set(ids)
 
 
+@pytest.mark.slow
 def test_a_child_killed_under_load_is_restarted_as_the_same_consumer_and_nothing_is_missing(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -110,6 +112,7 @@ def acknowledged_but_not_archived(client: object, stream: str, url: str) -> set[
     return {stream_id for stream_id in delivered if stream_id not in held} - archived
 
 
+@pytest.mark.slow
 def test_sigterm_under_load_with_two_processes_and_builder_processes_exits_0_having_acked_only_what_is_written(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:

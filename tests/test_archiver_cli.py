@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from splitstream.common.records import entry_fields, stream_key
 from tests.harness import run_module, wait_for
 from tests.redis_server import RedisServer
@@ -19,6 +21,7 @@ def add_calls(client: object, model: str, count: int) -> None:
         client.xadd(stream_key(model), entry_fields(record))  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_a_model_whose_name_holds_a_comma_can_be_archived_alone(tmp_path: Path, redis_server: RedisServer) -> None:
     """``--model a,b`` was split into models ``a`` and ``b``, though a model may be named ``a,b``: that model could
     not be archived alone (nor at all with --model). Each --model is one name; repeat it for several."""
@@ -43,6 +46,7 @@ def test_an_empty_model_is_refused_with_exit_2_not_taken_for_every_model(tmp_pat
     assert result.stderr.strip().splitlines() == ["splitstream-archive: error: --model: model is empty"], result.stderr
 
 
+@pytest.mark.slow
 def test_a_second_archive_on_a_consumer_group_is_refused_with_exit_2_and_the_first_misses_nothing(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -68,6 +72,7 @@ def test_a_second_archive_on_a_consumer_group_is_refused_with_exit_2_and_the_fir
         same.stop()
 
 
+@pytest.mark.slow
 def test_an_archiver_whose_acl_predates_the_group_check_warns_and_archives_as_before(tmp_path: Path) -> None:
     """docs/security.md's archiver ACL before the group check had no ``~splitstream:archive-group:*``: NOPERM on
     that key stopped the archiver at its upgrade, archiving nothing while retention trimmed on."""
