@@ -88,6 +88,11 @@ def free_port() -> int:
     raise AssertionError("unreachable: the ports go round for ever")
 
 
+def listen_args(port: int) -> list[str]:
+    """Where a test's server listens: ``--host 127.0.0.1 --port PORT --metrics-port <a free port>``."""
+    return ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(free_port())]
+
+
 def wait_for(condition: Any, *, timeout_s: float, interval_s: float = 0.05, what: str = "condition") -> Any:
     """Poll ``condition()`` until it returns something truthy; fail after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -249,12 +254,7 @@ class Stack:
             model,
             "--version",
             version,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(free_port()),
+            *listen_args(port),
             *extra,
         ]
         process = ServiceProcess(
@@ -279,16 +279,10 @@ class Stack:
         tls: ClientTls = PLAINTEXT,
     ) -> ServiceProcess:
         port = free_port()
-        metrics_port = free_port()
         args = [
             "--registry",
             registry if isinstance(registry, str) else f"file:{registry}",  # a Path is a file registry
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--metrics-port",
-            str(metrics_port),
+            *listen_args(port),
             *extra,
         ]
         process = ServiceProcess(

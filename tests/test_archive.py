@@ -58,9 +58,11 @@ from tests.harness import (
     ServiceProcess,
     Stack,
     free_port,
+    listen_args,
     make_request,
     metric_samples,
     scrape_metrics,
+    stop_all,
 )
 from tests.harness import wait_for as wait_until
 from tests.models import add_version
@@ -77,12 +79,7 @@ def start_archiver(
 ) -> ServiceProcess:
     port = free_port()
     args = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(free_port()),
+        *listen_args(port),
         "--redis-url",
         redis_url,
         "--archive",
@@ -101,6 +98,62 @@ def start_archiver(
         f"archiver-{consumer}-{port}", "splitstream.archiver", args, log_dir=tmp, port=port, env=S3_ENV
     )
     return process.start(wait_serving=wait)
+
+
+def local_archive(tmp_path: Path) -> str:
+    """The URL of the test's archive directory, ``tmp_path/archive``."""
+    return (tmp_path / "archive").as_uri()
+
+
+@contextlib.contextmanager
+def running_archiver(
+    tmp_path: Path, redis_url: str, *extra: str, archive: str = "", consumer: str = "a"
+) -> Iterator[ServiceProcess]:
+    """An archiver (:func:`start_archiver`) writing to ``archive`` (by default :func:`local_archive`), stopped
+    at exit."""
+    archiver = start_archiver(tmp_path, redis_url, archive or local_archive(tmp_path), *extra, consumer=consumer)
+    try:
+        yield archiver
+    finally:
+        archiver.stop()
+
+
+@contextlib.contextmanager
+def running_archivers(
+    tmp_path: Path, redis_url: str, *extra: str, consumers: tuple[str, ...] = ("one", "two")
+) -> Iterator[list[ServiceProcess]]:
+    """Archivers sharing the group (one per consumer name) writing to :func:`local_archive`, all stopped at exit."""
+    archivers: list[ServiceProcess] = []
+    try:
+        for consumer in consumers:
+            archivers.append(start_archiver(tmp_path, redis_url, local_archive(tmp_path), *extra, consumer=consumer))
+        yield archivers
+    finally:
+        stop_all(archivers)
+
+
+def archive_all(
+    tmp_path: Path,
+    redis_server: RedisServer,
+    *extra: str,
+    archive: str = "",
+    stream: str = "",
+    timeout_s: float = 60,
+    what: str = "",
+) -> str:
+    """Run an archiver until ``stream`` (by default the synthetic model's) is archived to its end (within
+    ``timeout_s``), stop it, and return the archive's URL (by default :func:`local_archive`)."""
+    stream = stream or stream_key(SYNTHETIC)
+    archive = archive or local_archive(tmp_path)
+    client = redis_server.client()
+    try:
+        with running_archiver(tmp_path, redis_server.url, *extra, archive=archive):
+            wait_until(
+                lambda: archived_everything(client, stream), timeout_s=timeout_s, what=what or f"{stream} archived"
+            )
+    finally:
+        client.close()
+    return archive
 
 
 def synthetic_record(i: int, receive_ns: int, *, payload_bytes: int = 40) -> recorder_pb2.CallRecord:
@@ -162,6 +215,12 @@ class SyntheticLoad:
         self._stopping.set()
         self._thread.join()
 
+    def __enter__(self) -> SyntheticLoad:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def raw_rows(archive_url: str, endpoint: str = "", kind: str = "calls") -> pa.Table:
     """Every row of every file, duplicates included (what a careless reader would see)."""
@@ -190,14 +249,8 @@ def metric(process: ServiceProcess, name: str) -> float:
 
 
 @pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3(tmp_path: Path) -> Iterator[S3Server]:
+def own_s3(tmp_path: Path) -> Iterator[S3Server]:
+    """An S3 server of the test's own, with an ``archive`` bucket: for a test that stops or pauses it."""
     server = S3Server(tmp_path / "s3").start()
     server.create_bucket("archive")
     yield server
@@ -207,19 +260,18 @@ def s3(tmp_path: Path) -> Iterator[S3Server]:
 # -- end to end: record, archive, replay from both -------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["directory", "s3"])
 def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_redis_is_flushed(
-    tmp_path: Path, store: str
+    tmp_path: Path, store: str, request: pytest.FixtureRequest
 ) -> None:
     stack = RecordingStack(tmp_path, recorder_args=("--blob-threshold-bytes", "16"))  # every payload a blob
-    s3 = S3Server(tmp_path / "s3").start() if store == "s3" else None
+    s3: S3Server | None = request.getfixturevalue("s3") if store == "s3" else None
     endpoint_args: tuple[str, ...] = ()
     if s3 is not None:
-        s3.create_bucket("archive")
         url, endpoint_args = "s3://archive/recorded", ("--s3-endpoint", s3.endpoint)
     else:
-        url = (tmp_path / "archive").as_uri()
-    archiver = None
+        url = local_archive(tmp_path)
     try:
         client = InferClient(stack.router.address)
         rng = np.random.default_rng(3)
@@ -273,64 +325,64 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
             return {row["request_id"]: row["outcome"] for row in map(json.loads, lines)}
 
         from_redis = replay(tmp_path / "from-redis")
-        archiver = start_archiver(tmp_path, stack.redis.url, url, *endpoint_args)
-        redis = stack.redis.client()
-        wait_until(lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive to catch up")
+        with running_archiver(tmp_path, stack.redis.url, *endpoint_args, archive=url):
+            redis = stack.redis.client()
+            wait_until(
+                lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive to catch up"
+            )
 
-        # The files: partitioned model=/date=/hour=, zstd, readable columns beside the record.
-        os.environ.update(S3_ENV)
-        archive = open_archive(url, endpoint=s3.endpoint if s3 else "")
-        listing = archive.filesystem.get_file_info(pafs.FileSelector(archive.base, recursive=True))
-        files = sorted(info.path for info in listing if info.path.endswith(".parquet"))
-        assert files
-        assert all(
-            re.search(r"/calls/model=affine/date=\d{4}-\d\d-\d\d/hour=\d\d/[\d-]+_[\d-]+\.parquet$", f) for f in files
-        )
-        parquet = pq.ParquetFile(archive.filesystem.open_input_file(files[0]))
-        metadata = parquet.metadata
-        assert metadata.row_group(0).column(0).compression == "ZSTD"
-        assert metadata.metadata[b"splitstream.archive_schema"] == b"1"
-        columns = set(parquet.schema_arrow.names)
-        assert {
-            "request_id",
-            "receive_time",
-            "version",
-            "arm",
-            "assignment",
-            "phase",
-            "status",
-            "latency_ms",
-        } <= columns
-        assert {"routing_key_hmac", "principal", "tags", "record"} <= columns
-        assert parquet.schema_arrow.field("record").type == pa.binary()
+            # The files: partitioned model=/date=/hour=, zstd, readable columns beside the record.
+            os.environ.update(S3_ENV)
+            archive = open_archive(url, endpoint=s3.endpoint if s3 else "")
+            listing = archive.filesystem.get_file_info(pafs.FileSelector(archive.base, recursive=True))
+            files = sorted(info.path for info in listing if info.path.endswith(".parquet"))
+            assert files
+            assert all(
+                re.search(r"/calls/model=affine/date=\d{4}-\d\d-\d\d/hour=\d\d/[\d-]+_[\d-]+\.parquet$", f)
+                for f in files
+            )
+            parquet = pq.ParquetFile(archive.filesystem.open_input_file(files[0]))
+            metadata = parquet.metadata
+            assert metadata.row_group(0).column(0).compression == "ZSTD"
+            assert metadata.metadata[b"splitstream.archive_schema"] == b"1"
+            columns = set(parquet.schema_arrow.names)
+            assert {
+                "request_id",
+                "receive_time",
+                "version",
+                "arm",
+                "assignment",
+                "phase",
+                "status",
+                "latency_ms",
+            } <= columns
+            assert {"routing_key_hmac", "principal", "tags", "record"} <= columns
+            assert parquet.schema_arrow.field("record").type == pa.binary()
 
-        # Redis forgets everything, blobs included: the archive stands alone.
-        redis.flushall()
-        redis.close()
-        archived = read_calls(archive, ArchiveQuery(model=MODEL, since_ns=since, until_ns=until))
-        assert set(archived["request_id"].to_pylist()) == ids
-        for stored in stored_records(archived):
-            assert stored.record.request.WhichOneof("body") == "inline"
-            assert len(stored.record.request.inline) == stored.record.request.size_bytes
-        from_archive = replay(tmp_path / "from-archive", "--source", f"archive:{url}", *endpoint_args)
-        assert from_archive == from_redis
-        # The default source with the archive configured behind Redis: a window older than anything in
-        # Redis (here Redis holds nothing at all) comes from the archive.
-        assert replay(tmp_path / "behind-redis", "--archive", url, *endpoint_args) == from_redis
-        assert set(from_archive) == ids
-        assert "match" in from_archive.values()
-        assert "error" not in from_archive.values()
+            # Redis forgets everything, blobs included: the archive stands alone.
+            redis.flushall()
+            redis.close()
+            archived = read_calls(archive, ArchiveQuery(model=MODEL, since_ns=since, until_ns=until))
+            assert set(archived["request_id"].to_pylist()) == ids
+            for stored in stored_records(archived):
+                assert stored.record.request.WhichOneof("body") == "inline"
+                assert len(stored.record.request.inline) == stored.record.request.size_bytes
+            from_archive = replay(tmp_path / "from-archive", "--source", f"archive:{url}", *endpoint_args)
+            assert from_archive == from_redis
+            # The default source with the archive configured behind Redis: a window older than anything in
+            # Redis (here Redis holds nothing at all) comes from the archive.
+            assert replay(tmp_path / "behind-redis", "--archive", url, *endpoint_args) == from_redis
+            assert set(from_archive) == ids
+            assert "match" in from_archive.values()
+            assert "error" not in from_archive.values()
     finally:
-        if archiver is not None:
-            archiver.stop()
-        if s3 is not None:
-            s3.stop()
         stack.close()
 
 
 # -- S3 ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
@@ -342,14 +394,11 @@ def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     )
     client.xadd(feedback_key(SYNTHETIC), feedback_entry_fields(event))  # type: ignore[arg-type]
     url = "s3://archive/splitstream"
-    archiver = start_archiver(tmp_path, redis_server.url, url, "--s3-endpoint", s3.endpoint)
-    try:
+    with running_archiver(tmp_path, redis_server.url, "--s3-endpoint", s3.endpoint, archive=url) as archiver:
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="calls archived")
         wait_until(lambda: archived_everything(client, feedback_key(SYNTHETIC)), timeout_s=60, what="events archived")
         assert metric(archiver, "splitstream_archive_records_total") == 301
         assert metric(archiver, "splitstream_archive_upload_errors_total") == 0
-    finally:
-        archiver.stop()
     os.environ.update(S3_ENV)
     archive = open_archive(url, endpoint=s3.endpoint)
     keys = [
@@ -426,15 +475,17 @@ def test_calls_and_feedback_archived_to_an_s3_server_read_back_whole(
     assert readable_feedback(archive, SYNTHETIC, start - HOUR_NS, time.time_ns())["receive_ns"].to_pylist() == [start]
 
 
+@pytest.mark.slow
 def test_upload_errors_are_counted_and_retried_until_the_store_is_back(
-    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+    tmp_path: Path, redis_server: RedisServer, own_s3: S3Server
 ) -> None:
     client = redis_server.client()
-    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/x", "--s3-endpoint", s3.endpoint)
-    try:
+    with running_archiver(
+        tmp_path, redis_server.url, "--s3-endpoint", own_s3.endpoint, archive="s3://archive/x"
+    ) as archiver:
         write_synthetic(client, 0, 50, start_ns=time.time_ns())
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="first batch")
-        s3.stop()
+        own_s3.stop()
         ids = write_synthetic(client, 50, 100, start_ns=time.time_ns())
         wait_until(
             lambda: metric(archiver, "splitstream_archive_upload_errors_total") >= 2, timeout_s=60, what="upload errors"
@@ -442,17 +493,16 @@ def test_upload_errors_are_counted_and_retried_until_the_store_is_back(
         assert not archived_everything(client, stream_key(SYNTHETIC))  # nothing acknowledged while failing
         wait_until(lambda: metric(archiver, "splitstream_archive_lag_entries") == 100, timeout_s=30, what="lag")
         assert metric(archiver, "splitstream_archive_lag_seconds") > 0
-        s3.start()
-        s3.create_bucket("archive")  # moto forgets its buckets on restart
+        own_s3.start()
+        own_s3.create_bucket("archive")  # moto forgets its buckets on restart
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the retry")
         wait_until(lambda: metric(archiver, "splitstream_archive_lag_entries") == 0, timeout_s=30, what="no lag")
-    finally:
-        archiver.stop()
-    archive = open_archive("s3://archive/x", endpoint=s3.endpoint)
+    archive = open_archive("s3://archive/x", endpoint=own_s3.endpoint)
     table = read_calls(archive, ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns() + HOUR_NS))
     assert set(ids) <= set(table["request_id"].to_pylist())
 
 
+@pytest.mark.slow
 def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
@@ -517,6 +567,7 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
         strict.stop()
 
 
+@pytest.mark.slow
 def test_without_archive_flag_the_default_directory_is_archived_to(tmp_path: Path, redis_server: RedisServer) -> None:
     # The default was file://./splitstream-archive, which the archive URL parser refuses (a file URL's host):
     # the archiver with no --archive exited 2 at once.
@@ -571,21 +622,17 @@ def test_bad_numeric_flags_exit_2_with_one_line(tmp_path: Path, flags: list[str]
 # -- sharing, crashes, dead archivers ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_archivers_share_a_stream_and_write_every_entry_once(tmp_path: Path, redis_server: RedisServer) -> None:
     client = redis_server.client()
-    url = (tmp_path / "archive").as_uri()
-    first = start_archiver(tmp_path, redis_server.url, url, "--read-count", "25", consumer="one")
-    second = start_archiver(tmp_path, redis_server.url, url, "--read-count", "25", consumer="two")
-    try:
+    url = local_archive(tmp_path)
+    with running_archivers(tmp_path, redis_server.url, "--read-count", "25") as archivers:
         ids: list[str] = []
         for batch in range(20):
             ids += write_synthetic(client, batch * 100, 100, start_ns=time.time_ns())
             time.sleep(0.02)
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="both archivers")
-        counts = [metric(p, "splitstream_archive_records_total") for p in (first, second)]
-    finally:
-        first.stop()
-        second.stop()
+        counts = [metric(p, "splitstream_archive_records_total") for p in archivers]
     assert sum(counts) == 2000
     rows = raw_rows(url)["request_id"].to_pylist()
     assert sorted(rows) == sorted(ids)  # every entry once, before any de-duplication
@@ -599,6 +646,7 @@ def builder_pids(archiver: ServiceProcess) -> list[int]:
 
 
 def alive(pid: int) -> bool:
+    """Alive and not a zombie (a zombie's parent has not reaped it yet: it runs nothing)."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
@@ -606,15 +654,15 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_a_killed_builder_process_is_replaced_and_a_killed_archiver_leaves_no_builder_behind(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     """Files are built and written in a child process: if it dies, the write in hand fails, is counted and
     retried with a new child; if the archiver dies (SIGKILL), the child does not write on as an orphan."""
     client = redis_server.client()
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url)
-    try:
+    url = local_archive(tmp_path)
+    with running_archiver(tmp_path, redis_server.url) as archiver:
         ids = write_synthetic(client, 0, 100, start_ns=time.time_ns())
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the first files")
         (builder,) = builder_pids(archiver)
@@ -626,24 +674,20 @@ def test_a_killed_builder_process_is_replaced_and_a_killed_archiver_leaves_no_bu
         assert replacement != builder
         archiver.kill()
         wait_until(lambda: not alive(replacement), timeout_s=10, what="the orphaned builder to exit")
-    finally:
-        archiver.stop()
     assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
 
 
+@pytest.mark.slow
 def test_with_the_builder_thread_no_child_is_started_and_every_call_is_archived(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     """``--builder thread`` (a one-core host): the same files, blobs inlined, built in the archiver's own process."""
     client = redis_server.client()
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url, "--builder", "thread")
-    try:
+    url = local_archive(tmp_path)
+    with running_archiver(tmp_path, redis_server.url, "--builder", "thread") as archiver:
         ids = write_synthetic(client, 0, 100, start_ns=time.time_ns())
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the files")
         assert builder_pids(archiver) == []
-    finally:
-        archiver.stop()
     table = read_calls(open_archive(url), ArchiveQuery(model=SYNTHETIC, since_ns=0, until_ns=time.time_ns()))
     assert table["request_id"].to_pylist() == ids
     assert all(stored.record.request.inline == bytes([i % 251]) * 40 for i, stored in enumerate(stored_records(table)))
@@ -658,17 +702,11 @@ def archive_with_two_consumers(
     client = redis_server.client()
     archive_dir = tmp_path / "archive"
     url = archive_dir.as_uri()
-    args = ("--read-count", "10", "--max-file-rows", "40")
-    first = start_archiver(tmp_path, redis_server.url, url, *args, consumer="one")
-    second = start_archiver(tmp_path, redis_server.url, url, *args, consumer="two")
-    try:
+    with running_archivers(tmp_path, redis_server.url, "--read-count", "10", "--max-file-rows", "40"):
         for batch in range(12):
             write(batch)
             time.sleep(0.05)
         wait_until(lambda: archived_everything(client, stream), timeout_s=90, what="both archivers")
-    finally:
-        first.stop()
-        second.stop()
     files = sorted(archive_dir.rglob("*.parquet"))
     assert len(files) > 10
     copy = files[len(files) // 2]
@@ -676,6 +714,7 @@ def archive_with_two_consumers(
     return url, copy
 
 
+@pytest.mark.slow
 def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -697,6 +736,7 @@ def test_a_window_is_read_in_bounded_parts_in_receive_time_order_across_overlapp
     assert raw_rows(url).num_rows == len(ids) + pq.read_metadata(copy).num_rows
 
 
+@pytest.mark.slow
 def test_feedback_is_read_in_bounded_parts_in_receive_time_order_across_overlapping_files(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -727,27 +767,26 @@ def test_feedback_is_read_in_bounded_parts_in_receive_time_order_across_overlapp
     assert raw_rows(url, kind="feedback").num_rows == 600 + pq.read_metadata(copy).num_rows
 
 
+@pytest.mark.slow
 def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_call_exactly_once(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
     client = redis_server.client()
     url = "s3://archive/crash"
-    load = SyntheticLoad(redis_server)
     args = ("--s3-endpoint", s3.endpoint, "--max-file-rows", "400")
-    archiver = start_archiver(tmp_path, redis_server.url, url, *args)
-    try:
-        wait_until(lambda: metric(archiver, "splitstream_archive_files_total") >= 3, timeout_s=60, what="some files")
-        # Kill it while it holds entries it has read and not acknowledged (a file on its way).
-        wait_until(lambda: client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] > 0, timeout_s=30)
-        archiver.kill()
+    with SyntheticLoad(redis_server) as load:
+        with running_archiver(tmp_path, redis_server.url, *args, archive=url) as archiver:
+            wait_until(
+                lambda: metric(archiver, "splitstream_archive_files_total") >= 3, timeout_s=60, what="some files"
+            )
+            # Kill it while it holds entries it has read and not acknowledged (a file on its way).
+            wait_until(lambda: client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] > 0, timeout_s=30)
+            archiver.kill()
         pending = client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"]
-        archiver = start_archiver(tmp_path, redis_server.url, url, *args)
-        time.sleep(1.0)
-        load.stop()
-        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the restart")
-    finally:
-        load.stop()
-        archiver.stop()
+        with running_archiver(tmp_path, redis_server.url, *args, archive=url):
+            time.sleep(1.0)
+            load.stop()
+            wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=90, what="the restart")
     assert pending > 0
     table = read_calls(
         open_archive(url, endpoint=s3.endpoint),
@@ -762,6 +801,7 @@ def test_an_archiver_killed_mid_upload_under_load_restarts_and_archives_every_ca
     assert sorted(raw) == sorted(load.written)
 
 
+@pytest.mark.slow
 def test_entries_a_dead_archiver_left_pending_are_claimed_and_archived(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -772,55 +812,54 @@ def test_entries_a_dead_archiver_left_pending_are_claimed_and_archived(
     # A consumer that reads and dies before writing its file: its entries stay pending under its name.
     client.xreadgroup(ARCHIVE_GROUP, "dead", {stream: ">"}, count=80)
     assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 80
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url, "--claim-idle-s", "1.5", consumer="alive")
-    try:
+    url = local_archive(tmp_path)
+    with running_archiver(tmp_path, redis_server.url, "--claim-idle-s", "1.5", consumer="alive") as archiver:
         wait_until(lambda: archived_everything(client, stream), timeout_s=60, what="the claim")
         assert metric(archiver, "splitstream_archive_claimed_total") == 80
-    finally:
-        archiver.stop()
     assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 0
     assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
 
 
+@pytest.mark.slow
 def test_sigterm_writes_and_acknowledges_the_buffered_entries_then_exits_0(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     client = redis_server.client()
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url, "--flush-interval-s", "600", "--claim-idle-s", "1200")
-    ids = write_synthetic(client, 0, 70, start_ns=time.time_ns())
-    wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 70, timeout_s=30)
-    assert raw_rows(url).num_rows == 0
-    archiver.signal(signal.SIGTERM)
-    assert archiver.wait() == 0
+    url = local_archive(tmp_path)
+    with running_archiver(
+        tmp_path, redis_server.url, "--flush-interval-s", "600", "--claim-idle-s", "1200"
+    ) as archiver:
+        ids = write_synthetic(client, 0, 70, start_ns=time.time_ns())
+        wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 70, timeout_s=30)
+        assert raw_rows(url).num_rows == 0
+        archiver.signal(signal.SIGTERM)
+        assert archiver.wait() == 0
     assert sorted(raw_rows(url)["request_id"].to_pylist()) == sorted(ids)
     assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_while_the_store_hangs_stops_within_the_shutdown_grace_leaving_the_entries_pending(
-    tmp_path: Path, redis_server: RedisServer, s3: S3Server
+    tmp_path: Path, redis_server: RedisServer, own_s3: S3Server
 ) -> None:
     """An operator's SIGTERM must not wait out a store that no longer answers (each try on its own timeouts
     and retries: three minutes): ``--shutdown-grace-s`` bounds the drain, and what was not written stays
     pending in Redis for the next archiver."""
     client = redis_server.client()
-    archiver = start_archiver(
-        tmp_path, redis_server.url, "s3://archive/x", "--s3-endpoint", s3.endpoint, "--shutdown-grace-s", "3"
-    )
-    assert s3.process is not None
-    try:
-        write_synthetic(client, 0, 20, start_ns=time.time_ns())
-        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the first file")
-        s3.process.send_signal(signal.SIGSTOP)  # the store's socket still accepts; nothing answers
-        write_synthetic(client, 20, 40, start_ns=time.time_ns())
-        # Read: whether its file's upload has begun or the drain begins it, the write meets the hung store.
-        wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 40, timeout_s=30)
-        archiver.signal(signal.SIGTERM)
-        assert archiver.wait(timeout_s=30) == 0
-    finally:
-        s3.process.send_signal(signal.SIGCONT)
-        archiver.stop()
+    args = ("--s3-endpoint", own_s3.endpoint, "--shutdown-grace-s", "3")
+    with running_archiver(tmp_path, redis_server.url, *args, archive="s3://archive/x") as archiver:
+        assert own_s3.process is not None
+        try:
+            write_synthetic(client, 0, 20, start_ns=time.time_ns())
+            wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the first file")
+            own_s3.process.send_signal(signal.SIGSTOP)  # the store's socket still accepts; nothing answers
+            write_synthetic(client, 20, 40, start_ns=time.time_ns())
+            # Read: whether its file's upload has begun or the drain begins it, the write meets the hung store.
+            wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 40, timeout_s=30)
+            archiver.signal(signal.SIGTERM)
+            assert archiver.wait(timeout_s=30) == 0
+        finally:
+            own_s3.process.send_signal(signal.SIGCONT)
     assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 40
     assert "stay pending" in archiver.log()
     assert "Traceback" not in archiver.log()
@@ -829,9 +868,9 @@ def test_sigterm_while_the_store_hangs_stops_within_the_shutdown_grace_leaving_t
 # -- retention and straddling windows ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_trim_archived_keeps_every_unarchived_call_and_trims_once_archived(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path, recorder_args=("--retention-maxlen", "20", "--trim-archived"))
-    archiver = None
     try:
         client = InferClient(stack.router.address)
 
@@ -846,42 +885,36 @@ def test_trim_archived_keeps_every_unarchived_call_and_trims_once_archived(tmp_p
         before = send("before", 250)
         stack.wait_recorded(before)
         assert stack.raw_count() >= 250  # no archiver yet: retention trims nothing
-        url = (tmp_path / "archive").as_uri()
-        archiver = start_archiver(tmp_path, stack.redis.url, url)
-        redis = stack.redis.client()
-        wait_until(lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive")
-        after = send("after", 30)
-        wait_until(lambda: stack.raw_count() < 200, timeout_s=30, what="the recorder to trim what is archived")
+        url = local_archive(tmp_path)
+        with running_archiver(tmp_path, stack.redis.url):
+            redis = stack.redis.client()
+            wait_until(lambda: archived_everything(redis, stream_key(MODEL)), timeout_s=60, what="the archive")
+            after = send("after", 30)
+            wait_until(lambda: stack.raw_count() < 200, timeout_s=30, what="the recorder to trim what is archived")
 
-        def kept() -> set[str]:
-            """Every call id Redis or the archive holds."""
-            return {r.request_id for r in stack.records()} | set(raw_rows(url)["request_id"].to_pylist())
+            def kept() -> set[str]:
+                """Every call id Redis or the archive holds."""
+                return {r.request_id for r in stack.records()} | set(raw_rows(url)["request_id"].to_pylist())
 
-        # The last calls reach Redis a batch interval after their answers; then nothing is missing anywhere.
-        wait_until(lambda: before | after <= kept(), timeout_s=30, what="every call in Redis or the archive")
-        in_redis = {r.request_id for r in stack.records()}
-        assert len(before - in_redis) > 50  # trimmed, and only because they were archived
-        assert before - in_redis <= set(raw_rows(url)["request_id"].to_pylist())
-        assert metric(stack.recorder, "splitstream_recorder_trims_held_by_archive_total") > 0
-        client.close()
+            # The last calls reach Redis a batch interval after their answers; then nothing is missing anywhere.
+            wait_until(lambda: before | after <= kept(), timeout_s=30, what="every call in Redis or the archive")
+            in_redis = {r.request_id for r in stack.records()}
+            assert len(before - in_redis) > 50  # trimmed, and only because they were archived
+            assert before - in_redis <= set(raw_rows(url)["request_id"].to_pylist())
+            assert metric(stack.recorder, "splitstream_recorder_trims_held_by_archive_total") > 0
+            client.close()
     finally:
-        if archiver is not None:
-            archiver.stop()
         stack.close()
 
 
+@pytest.mark.slow
 def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_repeats(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     client = redis_server.client()
     start = time.time_ns()
     ids = write_synthetic(client, 0, 100, start_ns=start)
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url)
-    try:
-        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
-    finally:
-        archiver.stop()
+    url = archive_all(tmp_path, redis_server)
     entries: Any = client.xrange(stream_key(SYNTHETIC))
     client.xtrim(stream_key(SYNTHETIC), minid=entries[60][0])  # retention took the first 60
     ids += write_synthetic(client, 100, 20, start_ns=time.time_ns() - 50_000_000)  # new calls, not archived yet
@@ -909,6 +942,18 @@ def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_rep
     assert (stats.scanned, stats.duplicates) == (120, 0)
 
 
+def analyzed_calls(out: Path, model: str, *source: str) -> object:
+    """``splitstream-admin analyze`` of ``model`` over the hours around now from ``source``: the calls it counts."""
+    done = subprocess.run(
+        [sys.executable, "-m", "splitstream.admin", "analyze", model, *source,
+         "--since", "-1h", "--until", "+1h", "--metric", "click:proportion", "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False, env={**os.environ, **S3_ENV},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads((out / "analysis.json").read_text())["calls"]["calls"]
+
+
+@pytest.mark.slow
 def test_a_model_whose_name_is_too_long_for_a_directory_is_archived_and_read_back_and_holds_no_other_back(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -923,24 +968,15 @@ def test_a_model_whose_name_is_too_long_for_a_directory_is_archived_and_read_bac
             record = synthetic_record(i, now + i)
             record.model = model
             client.xadd(stream_key(model), entry_fields(record))  # type: ignore[arg-type]
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url)
-    try:
+    url = local_archive(tmp_path)
+    with running_archiver(tmp_path, redis_server.url):
         client.xadd(stream_key("later"), entry_fields(synthetic_record(9, time.time_ns())))  # type: ignore[arg-type]
         for model in ("later", "plain", long_name):
             wait_until(lambda m=model: archived_everything(client, stream_key(m)), timeout_s=60, what=model)
-    finally:
-        archiver.stop()
-    out = tmp_path / "analysis"
-    done = subprocess.run(
-        [sys.executable, "-m", "splitstream.admin", "analyze", long_name, "--source", f"archive:{url}",
-         "--since", "-1h", "--until", "+1h", "--metric", "click:proportion", "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert json.loads((out / "analysis.json").read_text())["calls"]["calls"] == 5
+    assert analyzed_calls(tmp_path / "analysis", long_name, "--source", f"archive:{url}") == 5
 
 
+@pytest.mark.slow
 def test_an_object_stores_files_under_a_long_models_uncut_name_are_still_read(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
@@ -953,11 +989,9 @@ def test_an_object_stores_files_under_a_long_models_uncut_name_are_still_read(
         record = synthetic_record(i, now + i)
         record.model = long_name
         client.xadd(stream_key(long_name), entry_fields(record))  # type: ignore[arg-type]
-    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/x", "--s3-endpoint", s3.endpoint)
-    try:
-        wait_until(lambda: archived_everything(client, stream_key(long_name)), timeout_s=60, what="the archive")
-    finally:
-        archiver.stop()
+    archive_all(
+        tmp_path, redis_server, "--s3-endpoint", s3.endpoint, archive="s3://archive/x", stream=stream_key(long_name)
+    )
     store = s3.filesystem()
     files = [i.path for i in store.get_file_info(pafs.FileSelector("archive/x", recursive=True)) if i.is_file]
     assert len(files) == 1
@@ -965,17 +999,11 @@ def test_an_object_stores_files_under_a_long_models_uncut_name_are_still_read(
     assert cut_dir.startswith("model=")
     assert "%~" in cut_dir
     store.move(files[0], files[0].replace(cut_dir, f"model={long_name}"))  # where an older archiver put it
-    out = tmp_path / "analysis"
-    done = subprocess.run(
-        [sys.executable, "-m", "splitstream.admin", "analyze", long_name, "--source", "archive:s3://archive/x",
-         "--s3-endpoint", s3.endpoint, "--since", "-1h", "--until", "+1h", "--metric", "click:proportion",
-         "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False, env={**os.environ, **S3_ENV},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert json.loads((out / "analysis.json").read_text())["calls"]["calls"] == 4
+    source = ("--source", "archive:s3://archive/x", "--s3-endpoint", s3.endpoint)
+    assert analyzed_calls(tmp_path / "analysis", long_name, *source) == 4
 
 
+@pytest.mark.slow
 def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -984,12 +1012,7 @@ def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
     # each named, 70 million of them from 1970).
     client = redis_server.client()
     ids = write_synthetic(client, 0, 30, start_ns=time.time_ns())
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url)
-    try:
-        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the archive")
-    finally:
-        archiver.stop()
+    url = archive_all(tmp_path, redis_server)
     add_version(tmp_path / "models", SYNTHETIC, "v1", scale=2.0)
     stack = Stack(tmp_path)
     try:
@@ -1008,6 +1031,7 @@ def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
         stack.close()
 
 
+@pytest.mark.slow
 def test_an_archive_file_that_fails_mid_replay_exits_2_naming_it_with_the_partial_results_written(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1017,12 +1041,7 @@ def test_an_archive_file_that_fails_mid_replay_exits_2_naming_it_with_the_partia
     now = time.time_ns()
     early = write_synthetic(client, 0, 20, start_ns=now - 3 * HOUR_NS)
     write_synthetic(client, 20, 20, start_ns=now - HOUR_NS)
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url)
-    try:
-        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the archive")
-    finally:
-        archiver.stop()
+    url = archive_all(tmp_path, redis_server)
     files = sorted((tmp_path / "archive").rglob("*.parquet"))
     assert len(files) == 2  # one per hour partition, the later one damaged
     damaged = files[-1]
@@ -1050,16 +1069,13 @@ def test_an_archive_file_that_fails_mid_replay_exits_2_naming_it_with_the_partia
     assert summary["counts"]["completed"] == len(rows)
 
 
+@pytest.mark.slow
 def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Path, redis_server: RedisServer) -> None:
     duckdb = pytest.importorskip("duckdb")
     client = redis_server.client()
     write_synthetic(client, 0, 90, start_ns=time.time_ns())
     archive_dir = tmp_path / "archive"
-    archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri())
-    try:
-        wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
-    finally:
-        archiver.stop()
+    archive_all(tmp_path, redis_server)
     rows = duckdb.sql(
         f"""
         SELECT model, version, date, hour,
@@ -1120,6 +1136,7 @@ async def test_the_recorders_trim_never_passes_the_archive_mark(tmp_path: Path, 
         server.stop()
 
 
+@pytest.mark.slow
 def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1130,13 +1147,10 @@ def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
     garbage["record"] = b"\xff\xff not a CallRecord"
     client.xadd(stream_key(SYNTHETIC), garbage)  # type: ignore[arg-type]
     write_synthetic(client, 5, 5, start_ns=now + 20_000_000)
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url)
-    try:
+    url = local_archive(tmp_path)
+    with running_archiver(tmp_path, redis_server.url) as archiver:
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
         assert metric(archiver, "splitstream_archive_corrupt_entries_total") == 1
-    finally:
-        archiver.stop()
     rows = raw_rows(url).sort_by("receive_time")
     assert rows["request_id"].to_pylist() == [f"r-{i}" for i in range(5)] + ["r-99"] + [f"r-{i}" for i in range(5, 10)]
     bad = rows.filter(pa.compute.equal(rows["request_id"], "r-99")).drop_columns(["receive_time"]).to_pylist()[0]
@@ -1153,6 +1167,7 @@ def test_an_entry_whose_record_does_not_decode_is_archived_as_it_is_and_counted(
     assert stats.skipped["corrupt"] == 1
 
 
+@pytest.mark.slow
 def test_times_past_int64_in_an_entrys_fields_are_archived_at_the_stream_ids_time_and_the_archiver_lives_on(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1168,15 +1183,12 @@ def test_times_past_int64_in_an_entrys_fields_are_archived_at_the_stream_ids_tim
     event: dict[str, str | bytes] = {"request_id": "r-1", "unit": "u", "metric": "click", "value": "1"}
     event |= {"idempotency_key": "", "event_ns": str(2**64), "receive_ns": str(-(2**64))}
     client.xadd(feedback_key(SYNTHETIC), event)  # type: ignore[arg-type]
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url)
-    try:
+    url = local_archive(tmp_path)
+    with running_archiver(tmp_path, redis_server.url) as archiver:
         for stream in (stream_key(SYNTHETIC), feedback_key(SYNTHETIC)):
             wait_until(lambda s=stream: archived_everything(client, s), timeout_s=60, what=f"{stream} archived")
         assert archiver.process is not None
         assert archiver.process.poll() is None, archiver.log()
-    finally:
-        archiver.stop()
     rows = raw_rows(url)
     assert sorted(rows["request_id"].to_pylist()) == sorted([f"r-{i}" for i in range(6)] + ["r-99"])
     odd_row = rows.filter(pa.compute.equal(rows["request_id"], "r-99"))
@@ -1186,6 +1198,7 @@ def test_times_past_int64_in_an_entrys_fields_are_archived_at_the_stream_ids_tim
     assert events["event_time"] == events["receive_time"]  # both unreadable: the stream id's time
 
 
+@pytest.mark.slow
 def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_in_one_file(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1217,13 +1230,10 @@ def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_i
         sent[record.request_id] = bytes(cast(bytes, fields["record"]))
         pipe.xadd(stream_key(SYNTHETIC), fields)  # type: ignore[arg-type]
     pipe.execute()
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url)
-    try:
+    url = local_archive(tmp_path)
+    with running_archiver(tmp_path, redis_server.url) as archiver:
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60)
         assert metric(archiver, "splitstream_archive_missing_blobs_total") == 0
-    finally:
-        archiver.stop()
     rows = {row["request_id"]: row for row in raw_rows(url).to_pylist()}
     assert sorted(rows) == sorted(sent)
     for request_id, row in rows.items():
@@ -1245,6 +1255,7 @@ def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_i
         assert (row["streamed"], row["ttft_ms"], row["tokens"]) == ((True, 12.5, 7) if i == 7 else (False, None, None))
 
 
+@pytest.mark.slow
 def test_a_file_uploaded_but_never_acknowledged_is_rewritten_under_its_name_after_a_crash(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -1253,8 +1264,7 @@ def test_a_file_uploaded_but_never_acknowledged_is_rewritten_under_its_name_afte
     client = redis_server.client()
     archive_dir = tmp_path / "archive"
     args = ("--flush-interval-s", "1", "--claim-idle-s", "60")
-    archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri(), *args)
-    try:
+    with running_archiver(tmp_path, redis_server.url, *args) as archiver:
         ids = write_synthetic(client, 0, 40, start_ns=time.time_ns())
         wait_until(lambda: metric(archiver, "splitstream_archive_buffered_entries") == 40, timeout_s=30)
         client.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
@@ -1264,13 +1274,11 @@ def test_a_file_uploaded_but_never_acknowledged_is_rewritten_under_its_name_afte
             archiver.kill()
         finally:
             client.execute_command("CLIENT", "UNPAUSE")
-        assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 40  # never acknowledged
-        archiver = start_archiver(tmp_path, redis_server.url, archive_dir.as_uri(), *args)
+    assert client.xpending(stream_key(SYNTHETIC), ARCHIVE_GROUP)["pending"] == 40  # never acknowledged
+    with running_archiver(tmp_path, redis_server.url, *args) as archiver:
         ids += write_synthetic(client, 40, 10, start_ns=time.time_ns())
         wait_until(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the restart")
         assert "rewriting a file uploaded but not acknowledged" in archiver.log()
-    finally:
-        archiver.stop()
     files = sorted(path.name for path in archive_dir.rglob("*.parquet"))
     assert set(first_upload) <= set(files)  # the same object, rewritten
     assert sorted(raw_rows(archive_dir.as_uri())["request_id"].to_pylist()) == sorted(ids)  # no row twice

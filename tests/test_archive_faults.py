@@ -19,15 +19,14 @@ from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
 from tests.test_archive import (
     SYNTHETIC,
+    alive,
     archived_everything,
+    local_archive,
     raw_rows,
-    redis_server,
-    s3,
+    running_archiver,
     start_archiver,
     write_synthetic,
 )
-
-__all__ = ["redis_server", "s3"]  # the fixtures, used by name
 
 
 def descendants(pid: int) -> set[int]:
@@ -45,15 +44,6 @@ def descendants(pid: int) -> set[int]:
                 found.add(child)
                 todo.append(child)
     return found
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a zombie's parent has not reaped it yet: it runs nothing)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def command_line(pid: int) -> str:
@@ -76,7 +66,7 @@ def reap_left() -> Iterator[set[int]]:
     pids: set[int] = set()
     yield pids
     for pid in pids:
-        if running(pid):
+        if alive(pid):
             os.kill(pid, 9)
 
 
@@ -86,8 +76,7 @@ def test_an_archiver_killed_while_its_builder_starts_leaves_no_process_behind(
 ) -> None:
     """The archiver is SIGKILLed the moment its builder child exists (it is still importing: about 1.4 s here):
     the builder, and anything else the archiver started, is gone soon after, not left running under pid 1."""
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url, "--builder", "process", wait=False)
+    archiver = start_archiver(tmp_path, redis_server.url, local_archive(tmp_path), "--builder", "process", wait=False)
     assert archiver.process is not None
     parent = archiver.process.pid
     try:
@@ -104,13 +93,14 @@ def test_an_archiver_killed_while_its_builder_starts_leaves_no_process_behind(
     reap_left.update(left)
     lines = {pid: command_line(pid) for pid in left}
     wait_for(
-        lambda: not any(running(pid) for pid in left),
+        lambda: not any(alive(pid) for pid in left),
         timeout_s=15,
         what=f"the archiver's processes to exit: {lines}",
     )
     assert "leaked semaphore" not in archiver.log()
 
 
+@pytest.mark.slow
 def test_a_temporary_file_a_crashed_write_left_is_removed_at_start_and_a_fresh_one_kept(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -127,18 +117,16 @@ def test_a_temporary_file_a_crashed_write_left_is_removed_at_start_and_a_fresh_o
         path.write_bytes(b"PAR1" + b"\0" * 1000)  # half a file
     old = time.time() - 3600
     os.utime(stale, (old, old))
-    archiver = start_archiver(tmp_path, redis_server.url, archive.as_uri(), "--claim-idle-s", "60")
-    try:
+    with running_archiver(tmp_path, redis_server.url, "--claim-idle-s", "60") as archiver:
         wait_for(lambda: not stale.exists(), timeout_s=30, what="the stale temporary file to be removed")
         ids = write_synthetic(client, 0, 50, start_ns=time.time_ns())
         wait_for(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the calls")
-    finally:
-        archiver.stop()
     assert fresh.exists()
     assert sorted(raw_rows(archive.as_uri())["request_id"].to_pylist()) == sorted(ids)
     assert "removed temporary files and uploads that crashed writes left" in archiver.log()
 
 
+@pytest.mark.slow
 def test_an_unfinished_multipart_upload_a_crashed_write_left_is_aborted_at_start(
     tmp_path: Path, redis_server: RedisServer, s3: S3Server
 ) -> None:
@@ -164,11 +152,8 @@ def test_an_unfinished_multipart_upload_a_crashed_write_left_is_aborted_at_start
     # moto stamps an upload with the time it was made, so the bound is made short rather than the upload old.
     args = ("--s3-endpoint", s3.endpoint, "--flush-interval-s", "0.1", "--claim-idle-s", "0.5")
     wait_for(lambda: time.monotonic() - created > 1.0, timeout_s=5, what="the upload to be past --claim-idle-s")
-    archiver = start_archiver(tmp_path, redis_server.url, "s3://archive/crash", *args)
-    try:
+    with running_archiver(tmp_path, redis_server.url, *args, archive="s3://archive/crash"):
         wait_for(lambda: upload not in open_uploads(), timeout_s=30, what="the stale upload to be aborted")
-    finally:
-        archiver.stop()
     assert open_uploads() == {elsewhere}  # not under the archive's prefix: not the archiver's to abort
 
 

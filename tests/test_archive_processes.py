@@ -21,16 +21,15 @@ from tests.test_archive import (
     HOUR_NS,
     SYNTHETIC,
     SyntheticLoad,
+    archive_all,
     archived_everything,
+    local_archive,
     metric,
     raw_rows,
-    redis_server,
-    start_archiver,
+    running_archiver,
     write_synthetic,
 )
 from tests.test_processes import alive, child_pids
-
-__all__ = ["redis_server"]  # the fixture, used by name
 
 
 def consumers(client: object, stream: str) -> set[str]:
@@ -45,13 +44,13 @@ def archived_ids(url: str) -> list[str]:
     return list(table["request_id"].to_pylist())
 
 
+@pytest.mark.slow
 def test_two_processes_archive_every_call_once_as_two_consumers_and_sigterm_leaves_no_child(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     client = redis_server.client()
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url, "--processes", "2", "--read-count", "25")
-    try:
+    url = local_archive(tmp_path)
+    with running_archiver(tmp_path, redis_server.url, "--processes", "2", "--read-count", "25") as archiver:
         ids: list[str] = []
 
         def both_children_read() -> bool:
@@ -70,22 +69,22 @@ def test_two_processes_archive_every_call_once_as_two_consumers_and_sigterm_leav
         archiver.signal(signal.SIGTERM)
         assert archiver.wait(timeout_s=60) == 0
         wait_until(lambda: not any(alive(pid) for pid in pids), timeout_s=10, what="the children to be gone")
-    finally:
-        archiver.stop()
     archived = archived_ids(url)
     assert len(archived) == len(set(archived)) == len(ids)
     assert set(archived) == set(ids)
 
 
+@pytest.mark.slow
 def test_a_child_killed_under_load_is_restarted_as_the_same_consumer_and_nothing_is_missing(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     client = redis_server.client()
     stream = stream_key(SYNTHETIC)
-    url = (tmp_path / "archive").as_uri()
-    load = SyntheticLoad(redis_server)
-    archiver = start_archiver(tmp_path, redis_server.url, url, "--processes", "2", "--max-file-rows", "400")
-    try:
+    url = local_archive(tmp_path)
+    with (
+        SyntheticLoad(redis_server) as load,
+        running_archiver(tmp_path, redis_server.url, "--processes", "2", "--max-file-rows", "400") as archiver,
+    ):
         wait_until(lambda: metric(archiver, "splitstream_archive_files_total") >= 3, timeout_s=60, what="some files")
         wait_until(lambda: len(child_pids(archiver)) == 2, timeout_s=30, what="both children")
         # Both are consumers before one is killed (on a loaded machine child 0 may start when child 1 has read
@@ -99,9 +98,6 @@ def test_a_child_killed_under_load_is_restarted_as_the_same_consumer_and_nothing
         wait_until(lambda: archived_everything(client, stream), timeout_s=90, what="the restarted child")
         assert consumers(client, stream) == {"a-0", "a-1"}  # the restart resumed as a-0, no new name
         assert metric(archiver, "splitstream_archiver_process_restarts_total") == 1
-    finally:
-        load.stop()
-        archiver.stop()
     assert client.xpending(stream, ARCHIVE_GROUP)["pending"] == 0
     archived = archived_ids(url)
     assert len(archived) == len(set(archived))
@@ -119,6 +115,7 @@ def acknowledged_but_not_archived(client: object, stream: str, url: str) -> set[
     return {stream_id for stream_id in delivered if stream_id not in held} - archived
 
 
+@pytest.mark.slow
 def test_sigterm_under_load_with_two_processes_and_builder_processes_exits_0_having_acked_only_what_is_written(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -134,14 +131,12 @@ def test_sigterm_under_load_with_two_processes_and_builder_processes_exits_0_hav
     sending commands, so a SIGTERM meets one often (failed in the first round before the fix)."""
     client = redis_server.client()
     stream = stream_key(SYNTHETIC)
-    url = (tmp_path / "archive").as_uri()
+    url = local_archive(tmp_path)
     args: tuple[str, ...] = ("--processes", "2", "--builder", "process", "--max-file-rows", "300")
     args += ("--shutdown-grace-s", "2", "--scan-interval-s", "0.01")
-    load = SyntheticLoad(redis_server)
-    try:
+    with SyntheticLoad(redis_server) as load:
         for round_ in range(6):
-            archiver = start_archiver(tmp_path, redis_server.url, url, *args)
-            try:
+            with running_archiver(tmp_path, redis_server.url, *args) as archiver:
                 wait_until(
                     lambda process=archiver: metric(process, "splitstream_archive_files_total") >= 2, timeout_s=60
                 )
@@ -150,16 +145,8 @@ def test_sigterm_under_load_with_two_processes_and_builder_processes_exits_0_hav
                     wait_until(lambda: client.xinfo_groups(stream)[0]["lag"] == 0, timeout_s=60, what="all delivered")
                 archiver.signal(signal.SIGTERM)
                 assert archiver.wait(timeout_s=90) == 0, f"round {round_ + 1}"
-            finally:
-                archiver.stop()
             assert not acknowledged_but_not_archived(client, stream, url), f"round {round_ + 1}"
-    finally:
-        load.stop()
-    last = start_archiver(tmp_path, redis_server.url, url)
-    try:
-        wait_until(lambda: archived_everything(client, stream), timeout_s=90, what="the rest archived")
-    finally:
-        last.stop()
+    archive_all(tmp_path, redis_server, stream=stream, timeout_s=90, what="the rest archived")
     archived = archived_ids(url)
     assert len(archived) == len(set(archived))
     assert set(archived) == set(load.written)

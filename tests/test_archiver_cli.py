@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from splitstream.common.records import entry_fields, stream_key
 from tests.harness import run_module, wait_for
 from tests.redis_server import RedisServer
-from tests.test_archive import archived_everything, redis_server, start_archiver, synthetic_record
-
-__all__ = ["redis_server"]  # the fixture, used by name
+from tests.test_archive import archived_everything, running_archiver, start_archiver, synthetic_record
 
 
 def add_calls(client: object, model: str, count: int) -> None:
@@ -21,6 +21,7 @@ def add_calls(client: object, model: str, count: int) -> None:
         client.xadd(stream_key(model), entry_fields(record))  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_a_model_whose_name_holds_a_comma_can_be_archived_alone(tmp_path: Path, redis_server: RedisServer) -> None:
     """``--model a,b`` was split into models ``a`` and ``b``, though a model may be named ``a,b``: that model could
     not be archived alone (nor at all with --model). Each --model is one name; repeat it for several."""
@@ -28,9 +29,7 @@ def test_a_model_whose_name_holds_a_comma_can_be_archived_alone(tmp_path: Path, 
     add_calls(client, "a,b", 5)
     add_calls(client, "a", 5)
     add_calls(client, "c", 5)
-    url = (tmp_path / "archive").as_uri()
-    archiver = start_archiver(tmp_path, redis_server.url, url, "--model", "a,b", "--model", "c")
-    try:
+    with running_archiver(tmp_path, redis_server.url, "--model", "a,b", "--model", "c"):
         wait_for(
             lambda: archived_everything(client, stream_key("a,b")) and archived_everything(client, stream_key("c")),
             timeout_s=60,
@@ -38,8 +37,6 @@ def test_a_model_whose_name_holds_a_comma_can_be_archived_alone(tmp_path: Path, 
         )
         assert not archived_everything(client, stream_key("a"))
         assert not (tmp_path / "archive" / "calls" / "model=a").exists()
-    finally:
-        archiver.stop()
 
 
 def test_an_empty_model_is_refused_with_exit_2_not_taken_for_every_model(tmp_path: Path) -> None:
@@ -49,6 +46,7 @@ def test_an_empty_model_is_refused_with_exit_2_not_taken_for_every_model(tmp_pat
     assert result.stderr.strip().splitlines() == ["splitstream-archive: error: --model: model is empty"], result.stderr
 
 
+@pytest.mark.slow
 def test_a_second_archive_on_a_consumer_group_is_refused_with_exit_2_and_the_first_misses_nothing(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -58,8 +56,7 @@ def test_a_second_archive_on_a_consumer_group_is_refused_with_exit_2_and_the_fir
     client = redis_server.client()
     add_calls(client, "m", 50)
     first_dir = tmp_path / "archive"
-    first = start_archiver(tmp_path, redis_server.url, first_dir.as_uri(), consumer="a")
-    try:
+    with running_archiver(tmp_path, redis_server.url, consumer="a"):
         other = tmp_path / "other-archive"
         second = start_archiver(tmp_path, redis_server.url, str(other), consumer="b", wait=False)
         assert second.wait(timeout_s=60) == 2, second.log()
@@ -73,10 +70,9 @@ def test_a_second_archive_on_a_consumer_group_is_refused_with_exit_2_and_the_fir
         add_calls(client, "m", 50)
         wait_for(lambda: archived_everything(client, stream_key("m")), timeout_s=60, what="every call archived")
         same.stop()
-    finally:
-        first.stop()
 
 
+@pytest.mark.slow
 def test_an_archiver_whose_acl_predates_the_group_check_warns_and_archives_as_before(tmp_path: Path) -> None:
     """docs/security.md's archiver ACL before the group check had no ``~splitstream:archive-group:*``: NOPERM on
     that key stopped the archiver at its upgrade, archiving nothing while retention trimmed on."""
@@ -87,11 +83,6 @@ def test_an_archiver_whose_acl_predates_the_group_check_warns_and_archives_as_be
     with RedisServer(tmp_path / "redis", password="admin-pw", users=[older_acl]) as server:
         client = server.client()
         add_calls(client, "m", 20)
-        archiver = start_archiver(
-            tmp_path, server.url_for("splitstream-archiver", "archiver-pw"), (tmp_path / "archive").as_uri()
-        )
-        try:
+        with running_archiver(tmp_path, server.url_for("splitstream-archiver", "archiver-pw")) as archiver:
             wait_for(lambda: archived_everything(client, stream_key("m")), timeout_s=60, what="m to be archived")
             assert "cannot check which archive this consumer group writes to" in archiver.log()
-        finally:
-            archiver.stop()

@@ -1,0 +1,44 @@
+"""Fixtures shared by the test modules.
+
+``s3``: one moto S3 server per test process (a session fixture: under pytest-xdist each worker has its own),
+emptied between tests through moto's reset API and given its ``archive`` bucket again. Starting moto costs
+seconds of CPU; emptying it, milliseconds. A test that stops, pauses or restarts its S3 server, or needs one
+with other settings, starts its own :class:`~tests.s3_server.S3Server`.
+
+``redis_server``: a redis-server of the test's own (it starts in milliseconds: sharing one would save nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.redis_server import RedisServer
+from tests.s3_server import S3Server
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """The test process's moto server; tests take it through :func:`s3`, which empties it first."""
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(shared_s3: S3Server) -> S3Server:
+    """An empty S3 server with an empty ``archive`` bucket (started again if an earlier test's left it dead)."""
+    if not shared_s3.running:
+        shared_s3.start()
+    shared_s3.reset()
+    shared_s3.create_bucket("archive")
+    return shared_s3
