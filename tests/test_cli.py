@@ -114,11 +114,11 @@ def test_the_rollout_s_metrics_flag_wins_over_its_variable(monkeypatch: pytest.M
     assert admin_parser().parse_args(["rollout", "m", "v2"]).metrics == ["a:1", "b:2"]
 
 
-@pytest.mark.parametrize("command", ["replayer", "admin", "archiver"])
+@pytest.mark.parametrize("command", ["replayer.main", "admin.main", "archiver.config"])
 def test_every_repeatable_flag_of_every_command_survives_its_variable_being_set(
     command: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = importlib.import_module(f"splitstream.{command}.main")
+    module = importlib.import_module(f"splitstream.{command}")
     parser: EnvArgumentParser = module.build_parser()
     flags = _append_actions(parser)
     assert flags
