@@ -398,6 +398,7 @@ def cancelled_generations(worker: ServiceProcess) -> float:
     return sum(value for labels, value in samples if labels.get("outcome") == "cancelled")
 
 
+@pytest.mark.slow
 def test_sigterm_lets_a_stream_in_flight_finish_while_new_connections_are_refused(deployment: Deployment) -> None:
     router, port = start_router(deployment.stack, deployment.registry)
     tokens = 20_000  # more than the socket buffers hold: the stream waits on this client while the router drains
