@@ -434,6 +434,8 @@ def test_nvidia_tritonclient_streams_tokens_with_start_stream_and_async_stream_i
     triton_python = os.environ.get("SPLITSTREAM_TRITON_PYTHON")
     assert triton_python, "run through `make test`, which provides tritonclient in its own venv"
     script = f"""
+import faulthandler, sys
+faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where it waits, before the test's limit
 import json, queue, numpy as np, tritonclient.grpc as tc
 client = tc.InferenceServerClient("{deployment.workers["v2"].address}")
 assert [i.name for i in client.get_model_metadata("{MODEL}").inputs][:2] == ["text_input", "max_tokens"]
@@ -458,7 +460,8 @@ while len(seen["t1"]) == 0 or not seen["t1"][-1][1] or not seen["t2"]:
 client.stop_stream()
 print(json.dumps(seen))
 """
-    done = subprocess.run([triton_python, "-c", script], check=True, timeout=180, capture_output=True, text=True)
+    done = subprocess.run([triton_python, "-c", script], check=False, timeout=180, capture_output=True, text=True)
+    assert done.returncode == 0, f"the script exited {done.returncode}:\n{done.stdout}\n{done.stderr[-4000:]}"
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     tokens = seen["t1"]
     assert "".join(text for text, _ in tokens) == greedy_reference("v2", b"The ", 12)
