@@ -157,6 +157,8 @@ def test_a_taken_metrics_port_exits_2_with_one_line_naming_it(services: Services
         ("--log-level", "LOUD"),
         ("--max-message-bytes", "0"),
         ("--host", "no.such.host.invalid"),
+        ("--host", "x" * 300),  # a DNS label over 63 characters: IDNA refuses to encode it
+        ("--metrics-host", "x" * 300),
     ],
 )
 def test_an_invalid_server_flag_exits_2_with_one_line_naming_the_flag(

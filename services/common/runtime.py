@@ -598,8 +598,8 @@ def bind_metrics(settings: ServerSettings, registry: CollectorRegistry) -> Any:
         server: ThreadingWSGIServer = make_server(
             str(sockaddr[0]), settings.metrics_port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
         )
-    except OSError as error:
-        reason = error.strerror or str(error)
+    except (OSError, UnicodeError) as error:  # UnicodeError: a host name IDNA cannot encode
+        reason = "not a valid host name" if isinstance(error, UnicodeError) else error.strerror or str(error)
         raise ConfigError(f"cannot serve metrics on {address} (--metrics-host/--metrics-port): {reason}") from None
     threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": METRICS_POLL_S}, name="metrics", daemon=True
@@ -619,6 +619,8 @@ def bind_problem(host: str, port: int, *, reuse_port: bool = False) -> str:
         )[0]
     except socket.gaierror as error:
         return f"cannot resolve {host!r}: {error.strerror}"
+    except UnicodeError:  # a name IDNA cannot encode (a label over 63 characters, an empty label)
+        return f"cannot resolve {host!r}: not a valid host name"
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
