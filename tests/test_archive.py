@@ -75,7 +75,13 @@ HOUR_NS = 3600 * 10**9
 
 
 def start_archiver(
-    tmp: Path, redis_url: str, archive: str, *extra: str, consumer: str = "a", wait: bool = True
+    tmp: Path,
+    redis_url: str,
+    archive: str,
+    *extra: str,
+    consumer: str = "a",
+    wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> ServiceProcess:
     port = free_port()
     args = [
@@ -95,7 +101,12 @@ def start_archiver(
         *extra,
     ]
     process = ServiceProcess(
-        f"archiver-{consumer}-{port}", "splitstream.archiver", args, log_dir=tmp, port=port, env=S3_ENV
+        f"archiver-{consumer}-{port}",
+        "splitstream.archiver",
+        args,
+        log_dir=tmp,
+        port=port,
+        env={**S3_ENV, **(env or {})},
     )
     return process.start(wait_serving=wait)
 
@@ -107,11 +118,18 @@ def local_archive(tmp_path: Path) -> str:
 
 @contextlib.contextmanager
 def running_archiver(
-    tmp_path: Path, redis_url: str, *extra: str, archive: str = "", consumer: str = "a"
+    tmp_path: Path,
+    redis_url: str,
+    *extra: str,
+    archive: str = "",
+    consumer: str = "a",
+    env: dict[str, str] | None = None,
 ) -> Iterator[ServiceProcess]:
     """An archiver (:func:`start_archiver`) writing to ``archive`` (by default :func:`local_archive`), stopped
     at exit."""
-    archiver = start_archiver(tmp_path, redis_url, archive or local_archive(tmp_path), *extra, consumer=consumer)
+    archiver = start_archiver(
+        tmp_path, redis_url, archive or local_archive(tmp_path), *extra, consumer=consumer, env=env
+    )
     try:
         yield archiver
     finally:

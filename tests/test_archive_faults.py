@@ -22,6 +22,7 @@ from tests.test_archive import (
     alive,
     archived_everything,
     local_archive,
+    metric,
     raw_rows,
     running_archiver,
     start_archiver,
@@ -174,3 +175,22 @@ def test_an_archiver_refused_by_its_consumer_group_removes_nothing_from_the_arch
     archiver = start_archiver(tmp_path, redis_server.url, archive.as_uri(), wait=False)
     assert archiver.wait(timeout_s=60) == 2, archiver.log()
     assert stale.exists()
+
+
+def test_what_the_builder_process_prints_on_stdout_does_not_break_its_answers(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The builder answers on a pipe of its own: a line on its stdout (here from a ``sitecustomize`` that prints as
+    the interpreter starts, as a library's print or a start-up hook would) goes to the log, and every call is
+    archived. Its answers used to share stdout, and such a line was read as the length of an answer."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text("print('a line a start-up hook printed on stdout', flush=True)\n")
+    path = os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH", "")]))
+    client = redis_server.client()
+    ids = write_synthetic(client, 0, 50, start_ns=time.time_ns())
+    with running_archiver(tmp_path, redis_server.url, "--builder", "process", env={"PYTHONPATH": path}) as archiver:
+        wait_for(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the calls")
+        assert metric(archiver, "splitstream_archive_upload_errors_total") == 0
+    assert sorted(raw_rows(local_archive(tmp_path))["request_id"].to_pylist()) == sorted(ids)
+    assert archiver.log().count("a line a start-up hook printed on stdout") >= 2  # the archiver's and its builder's

@@ -8,8 +8,9 @@ packed (marshal) as it arrives (one C-speed call while the reply is still in the
 only counts; it acknowledges the entries once :func:`write_batches` returned, that is once every
 file is written (an object store's upload complete), as before.
 
-The child is a plain ``python -m splitstream.archiver.builder_main`` process with two pipes (calls and
-their pickled answers, one at a time), not a :mod:`multiprocessing` pool: a pool's spawn machinery
+The child is a plain ``python -m splitstream.archiver.builder_main`` process with two pipes (calls on its
+stdin, their pickled answers on a pipe of their own: its stdout and stderr are the archiver's, for log
+lines; one call at a time), not a :mod:`multiprocessing` pool: a pool's spawn machinery
 starts a resource tracker beside the child and registers the pool's semaphores with it, and a
 SIGKILLed archiver leaves both behind (the tracker lives as long as the child) and then a
 "leaked semaphore objects" warning. The child ignores SIGINT and SIGTERM (the loop decides when to
@@ -162,28 +163,38 @@ def write_batches(
 
 
 class _Child:
-    """One builder process and its two pipes. :meth:`call` blocks: run it in a thread."""
+    """One builder process and its two pipes (its stdin; :attr:`answers`). :meth:`call` blocks: run it in a thread."""
 
     def __init__(self, archive: Archive) -> None:
         # Started from the loop's thread: the kernel's parent-death signal follows the thread that started the
         # child, and this one lives as long as the process (a pool thread may end before it).
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "splitstream.archiver.builder_main", str(os.getpid())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-        )
+        # The answers come on a pipe of their own (its fd number given on the command line), not on stdout:
+        # whatever else writes to the child's stdout (a start-up hook, a library's print) goes to the log as
+        # the archiver's own output does, and cannot be read as an answer.
+        answers, sink = os.pipe()
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "splitstream.archiver.builder_main", str(os.getpid()), str(sink)],
+                stdin=subprocess.PIPE,
+                pass_fds=(sink,),
+            )
+        except BaseException:
+            os.close(answers)
+            raise
+        finally:
+            os.close(sink)  # the child's copy is the only writer: its death is the end of the pipe here
+        self.answers = os.fdopen(answers, "rb")
         self.archive = archive
         self._configured = False
 
     def call(self, name: str, args: tuple[object, ...]) -> Any:
         assert self.process.stdin is not None
-        assert self.process.stdout is not None
         try:
             if not self._configured:
                 _send(self.process.stdin, self.archive)
                 self._configured = True
             _send(self.process.stdin, (name, args))
-            ok, value = _receive(self.process.stdout)
+            ok, value = _receive(self.answers)
         except (BuilderGone, OSError, ValueError) as error:  # BrokenPipeError: it died before reading
             self.kill()
             code = self.process.poll()
@@ -207,8 +218,7 @@ class _Child:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.kill()
-        if self.process.stdout is not None:
-            self.process.stdout.close()
+        self.answers.close()
 
 
 class Builder:

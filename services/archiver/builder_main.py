@@ -1,4 +1,4 @@
-"""``python -m splitstream.archiver.builder_main <archiver pid>``: the archiver's builder process
+"""``python -m splitstream.archiver.builder_main <archiver pid> <answers fd>``: the archiver's builder process
 (:mod:`splitstream.archiver.builder`), which must not outlive the archiver.
 
 Before anything else (its imports take a second or more), the child asks the kernel for SIGKILL when its
@@ -30,9 +30,9 @@ def main() -> None:
     # The loop decides when to stop (a drain lets the write in flight finish); a Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    # The answers go on a copy of stdout; stdout itself becomes stderr, so that a stray print cannot break them.
-    answers = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
+    # The answers go on their own pipe (the archiver's stdout and stderr stay this process's, for log lines): a
+    # line printed on stdout, even by a start-up hook before this ran, cannot be read as an answer.
+    answers = os.fdopen(int(sys.argv[2]), "wb")
     from splitstream.archiver.builder import serve
 
     serve(os.fdopen(0, "rb"), answers)
