@@ -13,7 +13,8 @@ from pathlib import Path
 import boto3
 import pytest
 
-from splitstream.common.records import ARCHIVE_GROUP, archive_group_key, stream_key
+from splitstream.common.archive import CALLS, file_name, partition_dir
+from splitstream.common.records import ARCHIVE_GROUP, archive_group_key, entry_fields, stream_key
 from tests.harness import wait_for
 from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
@@ -26,8 +27,10 @@ from tests.test_archive import (
     raw_rows,
     running_archiver,
     start_archiver,
+    synthetic_record,
     write_synthetic,
 )
+from tests.tmpfs import small_tmpfs
 
 
 def descendants(pid: int) -> set[int]:
@@ -194,3 +197,53 @@ def test_what_the_builder_process_prints_on_stdout_does_not_break_its_answers(
         assert metric(archiver, "splitstream_archive_upload_errors_total") == 0
     assert sorted(raw_rows(local_archive(tmp_path))["request_id"].to_pylist()) == sorted(ids)
     assert archiver.log().count("a line a start-up hook printed on stdout") >= 2  # the archiver's and its builder's
+
+
+def temporary_files(root: Path) -> list[Path]:
+    return [Path(directory, name) for directory, _, names in os.walk(root) for name in names if name.endswith(".tmp")]
+
+
+def test_a_local_write_that_fails_after_its_temporary_file_leaves_none_behind(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The file's final name is taken by a directory, so each write fails at its rename, its temporary file whole:
+    the failed write removes it (retried writes used to leave one each, until the next archiver's start), and once
+    the name is free the call is archived."""
+    client = redis_server.client()
+    receive_ns = time.time_ns()
+    record = synthetic_record(0, receive_ns)
+    added = client.xadd(stream_key(SYNTHETIC), entry_fields(record))
+    stream_id = added.decode() if isinstance(added, bytes) else str(added)
+    partition = tmp_path / "archive" / partition_dir(CALLS, SYNTHETIC, receive_ns)
+    taken = partition / file_name(stream_id, stream_id)
+    taken.mkdir(parents=True)
+    with running_archiver(tmp_path, redis_server.url) as archiver:
+        wait_for(
+            lambda: metric(archiver, "splitstream_archive_upload_errors_total") >= 3, timeout_s=60, what="failed writes"
+        )
+        assert temporary_files(tmp_path / "archive") == []
+        taken.rmdir()
+        wait_for(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the call")
+    assert raw_rows(local_archive(tmp_path))["request_id"].to_pylist() == [record.request_id]
+    assert temporary_files(tmp_path / "archive") == []
+
+
+@pytest.mark.slow
+def test_a_local_write_that_fills_the_disk_leaves_no_temporary_file(tmp_path: Path, redis_server: RedisServer) -> None:
+    """A disk that fills mid-file (a 64 KiB tmpfs, calls of incompressible payloads): each failed write removes its
+    partial temporary file, rather than leave the little room there was taken by it. Needs root (mount)."""
+    client = redis_server.client()
+    pipe = client.pipeline(transaction=False)
+    for i in range(20):
+        record = synthetic_record(i, time.time_ns())
+        record.request.inline = os.urandom(8 * 1024)
+        pipe.xadd(stream_key(SYNTHETIC), entry_fields(record))
+    pipe.execute()
+    with small_tmpfs(tmp_path / "archive", "64k") as archive, running_archiver(tmp_path, redis_server.url) as archiver:
+        wait_for(
+            lambda: metric(archiver, "splitstream_archive_upload_errors_total") >= 3,
+            timeout_s=60,
+            what="writes failing on the full disk",
+        )
+        assert temporary_files(archive) == []
+        assert not archived_everything(client, stream_key(SYNTHETIC))

@@ -24,6 +24,7 @@ filesystems understand (``gs://``, ``hdfs://``, ``abfs://``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import os
@@ -270,28 +271,41 @@ def write_file(archive: Archive, relative_path: str, table: pa.Table, *, row_gro
 
     An object store makes an object visible only once its upload completed; a local file is
     written under a hidden name (readers skip names starting with ``.``) and renamed, so readers
-    never meet half a file either way, and a second write of the same name replaces the first."""
+    never meet half a file either way, and a second write of the same name replaces the first. A
+    local write that fails (a full disk, a rename refused) removes its temporary file."""
     final = archive.path(relative_path)
     directory, _, name = final.rpartition("/")
     target = final
     if archive.is_local:
         archive.filesystem.create_dir(directory, recursive=True)
         target = f"{directory}/.{name}.{uuid.uuid4().hex}.tmp"
-    with archive.filesystem.open_output_stream(target) as sink:
-        pq.write_table(
-            table,
-            sink,
-            compression="zstd",
-            row_group_size=row_group_rows,
-            # Serialized records are all distinct: a dictionary is tried and given up, and their min/max
-            # statistics say nothing (measured: ~1 µs a row of a call file's write).
-            use_dictionary=[name for name in table.column_names if name != "record"],
-            write_statistics=[name for name in table.column_names if name != "record"],
-        )
-        written = sink.tell()
-    if target != final:
-        archive.filesystem.move(target, final)
+    try:
+        with archive.filesystem.open_output_stream(target) as sink:
+            pq.write_table(
+                table,
+                sink,
+                compression="zstd",
+                row_group_size=row_group_rows,
+                # Serialized records are all distinct: a dictionary is tried and given up, and their min/max
+                # statistics say nothing (measured: ~1 µs a row of a call file's write).
+                use_dictionary=[name for name in table.column_names if name != "record"],
+                write_statistics=[name for name in table.column_names if name != "record"],
+            )
+            written = sink.tell()
+        if target != final:
+            archive.filesystem.move(target, final)
+    except BaseException:
+        if target != final:
+            _remove_quietly(target)
+        raise
     return int(written)
+
+
+def _remove_quietly(path: str) -> None:
+    """Remove a failed write's temporary file (a full disk, a rename refused): each retry would otherwise leave
+    one more, taking the room a full disk has left, until an archiver's start removed them."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def is_temporary_name(name: str) -> bool:
