@@ -247,3 +247,30 @@ def test_a_local_write_that_fills_the_disk_leaves_no_temporary_file(tmp_path: Pa
         )
         assert temporary_files(archive) == []
         assert not archived_everything(client, stream_key(SYNTHETIC))
+
+
+def test_a_stream_whose_name_is_not_utf8_is_skipped_once_and_every_other_stream_archived(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Redis keys are bytes: a call stream named with bytes that are not UTF-8 (written by hand, or by another
+    program) names no model. It is skipped, logged once and counted; the archiver used to die at the name
+    (a UnicodeDecodeError out of its scan), so no stream was archived."""
+    client = redis_server.client()
+    odd = stream_key("odd").encode() + b"\xff\xfe"
+    client.xadd(odd, entry_fields(synthetic_record(0, time.time_ns())))
+    ids = write_synthetic(client, 0, 50, start_ns=time.time_ns())
+    with running_archiver(tmp_path, redis_server.url) as archiver:
+        wait_for(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the good stream")
+        wait_for(lambda: metric(archiver, "splitstream_archive_skipped_streams_total") == 1, timeout_s=10)
+        # The scan runs every 0.3 s: the ones while more calls are archived must not count the stream again.
+        more = write_synthetic(client, 50, 10, start_ns=time.time_ns())
+        wait_for(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="more calls")
+        assert metric(archiver, "splitstream_archive_skipped_streams_total") == 1
+        assert archiver.process is not None
+        assert archiver.process.poll() is None
+    assert sorted(raw_rows(local_archive(tmp_path))["request_id"].to_pylist()) == sorted(ids + more)
+    skipped = [line for line in archiver.log().splitlines() if "not UTF-8" in line]
+    assert len(skipped) == 1
+    assert "odd\\\\xff\\\\xfe" in skipped[0]  # escaped: the line is JSON, and says which bytes
+    assert "Traceback" not in archiver.log()
+    assert client.xlen(odd) == 1  # left as it is

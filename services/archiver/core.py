@@ -170,6 +170,8 @@ class Archiver:
         self.metrics = metrics
         self.log = structlog.get_logger()
         self.buffers: dict[str, Buffer] = {}
+        #: Streams whose name is not UTF-8 (not archived), each logged and counted once.
+        self._skipped: set[bytes] = set()
         self._raise_mark = redis.register_script(_RAISE_MARK)
         #: XREADGROUP replies as Redis sent them (fields as flat lists, no dict per entry); a cluster
         #: client's callbacks are shared by all its users, so it keeps its dicts.
@@ -278,8 +280,8 @@ class Archiver:
         new = []
         for prefix in (STREAM_PREFIX, FEEDBACK_PREFIX):
             async for raw in self.redis.scan_iter(match=prefix + "*", count=1000, _type="stream"):
-                stream = raw.decode() if isinstance(raw, bytes) else str(raw)
-                if stream in self.buffers:
+                stream = self._stream_name(raw)
+                if stream is None or stream in self.buffers:
                     continue
                 if self.settings.models and stream_model(stream)[1] not in self.settings.models:
                     continue
@@ -291,6 +293,25 @@ class Archiver:
                 self.buffers[stream] = Buffer(packed=self.settings.builder_process)
                 new.append(stream)
         return new
+
+    def _stream_name(self, raw: bytes | str) -> str | None:
+        """The stream's name, or None for one that is not UTF-8: Redis keys are bytes, and such a key (written by
+        hand, or by another program) names no model, nor a path in the archive. It is left alone, logged and counted
+        once, and every other stream archived (its name used to end the archiver at each scan, and so all
+        archiving)."""
+        if isinstance(raw, str):
+            return raw
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            if raw not in self._skipped:
+                self._skipped.add(raw)
+                self.metrics.skipped_streams.inc()
+                self.log.warning(
+                    "a stream whose name is not UTF-8 is not archived",
+                    stream=raw.decode("utf-8", errors="backslashreplace"),
+                )
+            return None
 
     async def read_own_pending(self, streams: Sequence[str]) -> None:
         """Entries this consumer read before a crash and never acknowledged, first, in id order. A file

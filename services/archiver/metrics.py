@@ -50,6 +50,11 @@ class ArchiverMetrics:
             "Payloads whose blob was gone from Redis when archived (kept as a reference only)",
             registry=self.registry,
         )
+        self.skipped_streams = Counter(
+            "splitstream_archive_skipped_streams",
+            "Streams not archived: their name is not UTF-8, so names no model (each counted once)",
+            registry=self.registry,
+        )
         self.lag_entries = Gauge(
             "splitstream_archive_lag_entries",
             "Entries in the stream not archived yet (not delivered to any archiver, or pending)",
