@@ -4,6 +4,7 @@ throughout: the archiver, its builder, redis-server, a moto S3 server, the files
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -13,7 +14,7 @@ from pathlib import Path
 import boto3
 import pytest
 
-from splitstream.common.archive import CALLS, file_name, partition_dir
+from splitstream.common.archive import CALLS, ArchiveQuery, file_name, open_archive, partition_dir, read_calls
 from splitstream.common.records import ARCHIVE_GROUP, archive_group_key, entry_fields, stream_key
 from tests.harness import wait_for
 from tests.redis_server import RedisServer
@@ -274,3 +275,35 @@ def test_a_stream_whose_name_is_not_utf8_is_skipped_once_and_every_other_stream_
     assert "odd\\\\xff\\\\xfe" in skipped[0]  # escaped: the line is JSON, and says which bytes
     assert "Traceback" not in archiver.log()
     assert client.xlen(odd) == 1  # left as it is
+
+
+def test_stream_names_with_control_characters_are_archived_under_escaped_paths_and_logged_safely(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Model names from stream names may hold any character: every directory the archive gets is printable
+    (control characters, DEL, C1 controls and line separators percent-encoded), every log line is one JSON
+    object, and each model's calls read back under its own name."""
+    client = redis_server.client()
+    models = ["a\nb", "tab\there", "del\x7f", "esc\x1b[31mred", "c1\x85next", "line\u2028sep", "bidi\u202eevil"]
+    ids: dict[str, list[str]] = {}
+    for index, model in enumerate(models):
+        records = [synthetic_record(index * 10 + i, time.time_ns()) for i in range(3)]
+        for record in records:
+            record.model = model
+            client.xadd(stream_key(model), entry_fields(record))
+        ids[model] = [record.request_id for record in records]
+    with running_archiver(tmp_path, redis_server.url, "--log-level", "DEBUG") as archiver:
+        for model in models:
+            wait_for(lambda m=model: archived_everything(client, stream_key(m)), timeout_s=60, what=repr(model))
+    archive = open_archive(local_archive(tmp_path))
+    for model in models:
+        table = read_calls(archive, ArchiveQuery(model=model, since_ns=0, until_ns=time.time_ns() + 3600 * 10**9))
+        assert sorted(table["request_id"].to_pylist()) == ids[model]
+    for _, names, files in os.walk(tmp_path / "archive"):
+        for name in [*names, *files]:
+            assert name.isprintable(), repr(name)
+    for line in archiver.log().splitlines():
+        if line.strip():
+            json.loads(line)
+            assert line.isprintable(), repr(line)
+    assert "Traceback" not in archiver.log()

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -213,7 +213,8 @@ def _one_line(error: BaseException) -> str:
 
 def partition_dir(kind: str, model: str, receive_ns: int) -> str:
     """``calls/model=m/date=2026-11-30/hour=07`` for a call received then (UTC). ``/``, ``%``, ``\\``
-    and control characters in a model name are percent-encoded, so a name never escapes its directory."""
+    and characters that are not printable in a model name are percent-encoded (:func:`_escape`), so a name
+    never escapes its directory nor hides what it is."""
     when = dt.datetime.fromtimestamp(receive_ns / 1e9, tz=dt.UTC)
     return f"{kind}/model={_escape(model)}/date={when:%Y-%m-%d}/hour={when:%H}"
 
@@ -228,9 +229,12 @@ def model_dirs(archive: Archive, kind: str, model: str) -> list[str]:
     (:func:`_escape`) in an object store, the uncut one the store took before names were cut (a local
     directory never could: asking for it fails, too long)."""
     names = [_escape(model)]
-    if not archive.is_local and _escape(model, cut=False) != names[0]:
+    if not archive.is_local:
         names.append(_escape(model, cut=False))
-    return [archive.path(kind, f"model={name}") for name in names]
+    # Written before every character that is not printable was escaped (only the ASCII controls were): DEL, C1
+    # controls, line separators and format characters went into the name as they were.
+    names.append(_escape(model, printable=False))
+    return [archive.path(kind, f"model={name}") for name in dict.fromkeys(names)]
 
 
 def holds_model(archive: Archive, model: str) -> bool:
@@ -243,12 +247,22 @@ def holds_model(archive: Archive, model: str) -> bool:
     return any(info.type == pafs.FileType.Directory for info in found)
 
 
-def _escape(name: str, *, cut: bool = True) -> str:
-    """The model's name in its partition directory. One longer than :data:`_MAX_ESCAPED_BYTES` once escaped
-    is cut, and the digest of the whole name added after ``%~`` (no escaped name holds ``%`` without two hex
-    digits after it, so it names no other model): a filesystem refused it (ENAMETOOLONG), and its file,
-    failing on every retry, held every other model's files back with it: the whole archive stalled."""
-    pieces = [f"%{ord(c):02X}" if c in "/%\\" or ord(c) < 32 else c for c in name]
+def _escape(name: str, *, cut: bool = True, printable: bool = True) -> str:
+    """The model's name in its partition directory: ``/``, ``%``, ``\\`` and every character that is not
+    printable (controls, DEL, C1 controls, line and paragraph separators, format characters such as a
+    right-to-left override) percent-encoded as UTF-8 bytes, so a path shown in a terminal or a log is what it
+    seems. (``printable`` False: the older rule, which escaped only the ASCII controls, to find what it wrote.)
+
+    One longer than :data:`_MAX_ESCAPED_BYTES` once escaped is cut, and the digest of the whole name added
+    after ``%~`` (no escaped name holds ``%`` without two hex digits after it, so it names no other model): a
+    filesystem refused it (ENAMETOOLONG), and its file, failing on every retry, held every other model's files
+    back with it: the whole archive stalled."""
+    pieces = [
+        quote(c, safe="", errors="surrogatepass")
+        if c in "/%\\" or ord(c) < 32 or (printable and not c.isprintable() and c != " ")
+        else c
+        for c in name
+    ]
     escaped = "".join(pieces) or "%00"
     if not cut or len(escaped.encode()) <= _MAX_ESCAPED_BYTES:
         return escaped
