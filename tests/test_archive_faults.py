@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import boto3
@@ -307,3 +309,56 @@ def test_stream_names_with_control_characters_are_archived_under_escaped_paths_a
             json.loads(line)
             assert line.isprintable(), repr(line)
     assert "Traceback" not in archiver.log()
+
+
+@contextmanager
+def unremovable(path: Path) -> Iterator[None]:
+    """``path`` made impossible to remove: immutable (``chattr +i``) for root, which ignores permissions, else its
+    directory read-only. Skips the test where neither works."""
+    if os.geteuid() == 0:
+        made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        if made.returncode != 0:
+            pytest.skip(f"cannot make a file immutable here: {made.stderr.strip()[:200]}")
+        try:
+            yield
+        finally:
+            subprocess.run(["chattr", "-i", str(path)], check=False)
+        return
+    mode = path.parent.stat().st_mode
+    path.parent.chmod(0o555)
+    try:
+        yield
+    finally:
+        path.parent.chmod(mode)
+
+
+@pytest.mark.slow
+def test_a_stale_temporary_file_that_cannot_be_removed_is_logged_and_the_others_are_removed(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """At start, a crashed write's temporary file that cannot be removed (permissions, an immutable file) is
+    logged by name and left; the cleanup goes on to the others (the calls' files are cleaned before the
+    feedback's, so it used to stop at the first and leave all of these) and the archiver archives."""
+    client = redis_server.client()
+    archive = tmp_path / "archive"
+    stuck_dir = archive / "calls" / f"model={SYNTHETIC}" / "date=2026-12-01" / "hour=07"
+    stuck_dir.mkdir(parents=True)
+    stuck = stuck_dir / f".1764572400000-0_1764572400999-0.parquet.{uuid.uuid4().hex}.tmp"
+    others = []
+    for hour in ("07", "08"):
+        directory = archive / "feedback" / f"model={SYNTHETIC}" / "date=2026-12-01" / f"hour={hour}"
+        directory.mkdir(parents=True)
+        others.append(directory / f".1764572400000-0_1764572400999-0.parquet.{uuid.uuid4().hex}.tmp")
+    old = time.time() - 3600
+    for path in (stuck, *others):
+        path.write_bytes(b"PAR1")
+        os.utime(path, (old, old))
+    with unremovable(stuck):
+        with running_archiver(tmp_path, redis_server.url, "--claim-idle-s", "60") as archiver:
+            wait_for(lambda: not any(path.exists() for path in others), timeout_s=30, what="the others removed")
+            ids = write_synthetic(client, 0, 50, start_ns=time.time_ns())
+            wait_for(lambda: archived_everything(client, stream_key(SYNTHETIC)), timeout_s=60, what="the calls")
+        assert stuck.exists()
+    log = archiver.log()
+    assert stuck.name in log
+    assert sorted(raw_rows(archive.as_uri())["request_id"].to_pylist()) == sorted(ids)

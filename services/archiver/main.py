@@ -133,6 +133,8 @@ class ArchiverService(Service):
                 files=removed.files,
                 uploads=removed.uploads,
             )
+        for path, reason in removed.left:  # the archiver goes on: readers skip them, a person may remove them
+            self.log.warning("could not remove a temporary file a crashed write left", path=path, error=reason)
 
     def archive_identity(self) -> str:
         """Which archive this is, as the group records it: the store and the path in it (a path resolved, so

@@ -329,10 +329,11 @@ def is_temporary_name(name: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Abandoned:
-    """What :func:`remove_abandoned_writes` removed."""
+    """What :func:`remove_abandoned_writes` removed, and the temporary files it could not remove (path, why)."""
 
     files: int = 0
     uploads: int = 0
+    left: tuple[tuple[str, str], ...] = ()
 
 
 def remove_abandoned_writes(archive: Archive, *, older_than_s: float) -> Abandoned:
@@ -344,7 +345,8 @@ def remove_abandoned_writes(archive: Archive, *, older_than_s: float) -> Abandon
     cutoff = time.time() - older_than_s
     try:
         if archive.is_local:
-            return Abandoned(files=_remove_temporary_files(archive, cutoff))
+            removed, left = _remove_temporary_files(archive, cutoff)
+            return Abandoned(files=removed, left=tuple(left))
         if isinstance(archive.filesystem, pafs.S3FileSystem):
             return Abandoned(uploads=_abort_multipart_uploads(archive, cutoff))
     except ArchiveError:
@@ -354,8 +356,12 @@ def remove_abandoned_writes(archive: Archive, *, older_than_s: float) -> Abandon
     return Abandoned()
 
 
-def _remove_temporary_files(archive: Archive, cutoff: float) -> int:
+def _remove_temporary_files(archive: Archive, cutoff: float) -> tuple[int, list[tuple[str, str]]]:
+    """How many were removed, and those that could not be (path, the error): one that cannot be removed (its
+    directory read-only to this user, an immutable file) is left to a person, and the others are still removed
+    (the first such file used to end the cleanup, and the rest stayed)."""
     removed = 0
+    left: list[tuple[str, str]] = []
     for kind in (CALLS, FEEDBACK):
         for directory, _, names in os.walk(archive.path(kind)):
             for name in names:
@@ -368,7 +374,9 @@ def _remove_temporary_files(archive: Archive, cutoff: float) -> int:
                         removed += 1
                 except FileNotFoundError:  # renamed or removed meanwhile
                     continue
-    return removed
+                except OSError as error:
+                    left.append((path, error.strerror or _one_line(error)))
+    return removed, left
 
 
 def _abort_multipart_uploads(archive: Archive, cutoff: float) -> int:
