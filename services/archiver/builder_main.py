@@ -11,22 +11,15 @@ archiver). Only the standard library is imported before that check.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import signal
 import sys
 
-#: prctl's option number (linux/prctl.h), as in :mod:`splitstream.common.runtime` (not imported: it loads grpc).
-_PR_SET_PDEATHSIG = 1
+from splitstream.common.parent import end_with_parent  # the standard library only
 
 
 def main() -> None:
-    parent = int(sys.argv[1])
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:
-        os._exit(0)  # the archiver died before the request took effect
+    end_with_parent(int(sys.argv[1]), signal.SIGKILL)
     # The loop decides when to stop (a drain lets the write in flight finish); a Ctrl-C reaches the whole group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

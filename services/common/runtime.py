@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import dataclasses
 import errno
 import math
@@ -59,12 +57,12 @@ from splitstream.common.errors import ConfigError
 from splitstream.common.handlers import ParseRequests
 from splitstream.common.health import NOT_SERVING, SERVING, HealthServicer
 from splitstream.common.interrupts import quiet_interrupts
+from splitstream.common.parent import end_with_parent
 from splitstream.common.tls import ServerTls
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
-_PR_SET_PDEATHSIG = 1
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: How often the drain repeats a cancel that :meth:`Service.run` (or a task of it) did not act on.
@@ -398,19 +396,11 @@ def parent_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
 
 def die_with_parent() -> None:
     """Runs in a child at its start: SIGTERM when the parent exits, however it exits (Linux only), so a
-    parent killed with SIGKILL leaves no process behind serving or holding a log.
-
-    Asked by the child itself, not by a ``preexec_fn`` between fork and exec: that ran Python (a ``dlopen``)
-    in a fork of a parent whose gRPC and executor threads held locks, and a child shipper restarted in a crash
-    loop was seen to die there (SIGSEGV, or to hang) before it ever ran. A parent gone before the request took
-    effect is seen by the pid: the child then ends as the signal would have ended it."""
+    parent killed with SIGKILL leaves no process behind serving or holding a log (see
+    :func:`splitstream.common.parent.end_with_parent`). SIGTERM, so the child drains as on any stop."""
     parent = os.environ.pop(PARENT_PID_ENV, "")  # popped: the child's own children have another parent
-    if not parent.isdigit():
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):
-        os.kill(os.getpid(), signal.SIGTERM)
+    if parent.isdigit():
+        end_with_parent(int(parent), signal.SIGTERM)
 
 
 def run_service(settings: ServerSettings, build: Callable[[], Service], *, prog: str) -> int:
