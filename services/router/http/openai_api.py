@@ -116,15 +116,34 @@ def _add(request: oip.ModelInferRequest, name: str, array: np.ndarray) -> None:
 # -- requests -------------------------------------------------------------------------------------
 
 
+#: The deepest nesting of arrays and objects a body may have: OpenAI's requests need a few levels, and Python's
+#: own limits (the parser's, ``json.dumps``' in an error message) are near 1,000.
+MAX_DEPTH = 64
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body; 400 when it is not one."""
+    """The JSON object of a request body; 400 when it is not one, or is nested deeper than :data:`MAX_DEPTH`."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise bad_request(f"the request body is not valid JSON: {error}") from None
+    except RecursionError:  # a hundred thousand nested arrays: the parser's own limit
+        raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
+    _check_depth(body)
     return body
+
+
+def _check_depth(body: dict[str, Any]) -> None:
+    """400 for a body nested deeper than :data:`MAX_DEPTH` (walked without recursion)."""
+    todo: list[tuple[Any, int]] = [(body, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)")
+        items = value.values() if isinstance(value, dict) else value
+        todo.extend((item, depth + 1) for item in items if isinstance(item, dict | list))
 
 
 def parse_generation(kind: str, body: Mapping[str, Any]) -> Generation:
@@ -178,10 +197,9 @@ def join_messages(messages: Any) -> str:
         if not isinstance(message, dict):
             raise bad_request(f"'{where}' must be an object, got {_json_type(message)}", where)
         role = message.get("role")
-        if role not in ROLES:
-            raise bad_request(
-                f"'{where}.role' must be one of {', '.join(sorted(ROLES))}, got {json.dumps(role)}", f"{where}.role"
-            )
+        if not isinstance(role, str) or role not in ROLES:  # a list or an object is not even hashable
+            got = json.dumps(role) if isinstance(role, str) or role is None else _json_type(role)
+            raise bad_request(f"'{where}.role' must be one of {', '.join(sorted(ROLES))}, got {got}", f"{where}.role")
         lines.append(f"{role}: {_content(message.get('content'), f'{where}.content')}")
     lines.append("assistant:")
     return "\n".join(lines)

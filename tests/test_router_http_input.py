@@ -1,0 +1,48 @@
+"""The HTTP front door's refusals of odd input: what a client sends that the JSON or HTTP layers accept but the
+router cannot use (a role that is not a string, a nesting too deep, a lone surrogate, header bytes that are not
+UTF-8, a request larger than the worker takes) is a 4xx naming what is wrong, never a 500. Real processes: the
+deployment of ``tests/test_router_http.py`` (a router with --http-port in front of two generating workers)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests import test_router_http
+from tests.test_router_http import CHAT, MODEL, Deployment, assert_openai_error, post
+
+#: The HTTP tests' deployment (a fixture of that module, its own instance here).
+deployment = test_router_http.deployment
+
+
+def chat(**fields: Any) -> bytes:
+    return json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": 2, **fields}).encode()
+
+
+@pytest.mark.parametrize("role", [["user"], {"name": "user"}, 7])
+def test_a_role_that_is_not_a_string_is_a_400_naming_it(deployment: Deployment, role: Any) -> None:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}, {"role": role, "content": "b"}]})
+    status, _, answer = post(deployment, "/v1/chat/completions", body.encode())
+    assert status == 400
+    assert "'messages[1].role'" in assert_openai_error(answer, param="messages[1].role")
+
+
+def test_a_body_nested_too_deep_is_a_400(deployment: Deployment) -> None:
+    depth = 100_000
+    status, _, answer = post(deployment, "/v1/chat/completions", b"[" * depth + b"]" * depth)
+    assert status == 400
+    assert "nested" in assert_openai_error(answer, param=None)
+    inside = b'{"model": "writer", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    status, _, answer = post(deployment, "/v1/chat/completions", inside)
+    assert status == 400
+    # Within what the parser takes, but as deep as Python's own limit once an error message quotes the field.
+    quoted = chat()[:-1] + b', "n": ' + b"[" * 950 + b"]" * 950 + b"}"
+    status, _, answer = post(deployment, "/v1/chat/completions", quoted)
+    assert status == 400
+    assert "nested" in assert_openai_error(answer, param=None)
+
+
+#: A JSON escape of a lone UTF-16 surrogate: valid JSON, but no Unicode text (it cannot be encoded as UTF-8).
+SURROGATE = "\\ud800"
