@@ -46,3 +46,31 @@ def test_a_body_nested_too_deep_is_a_400(deployment: Deployment) -> None:
 
 #: A JSON escape of a lone UTF-16 surrogate: valid JSON, but no Unicode text (it cannot be encoded as UTF-8).
 SURROGATE = "\\ud800"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", '{"model": "writer", "prompt": "a%s"}', "prompt"),
+        ("/v1/completions", '{"model": "writer", "prompt": ["a%s"]}', "prompt[0]"),
+        ("/v1/chat/completions", '{"model": "writer", "messages": [{"role": "user", "content": "%s"}]}', None),
+        (
+            "/v1/chat/completions",
+            '{"model": "writer", "messages": [{"role": "user", "content": [{"type": "text", "text": "%s"}]}]}',
+            None,
+        ),
+        ("/v1/completions", '{"model": "writer", "prompt": "a", "stop": ["x%s"]}', "stop[0]"),
+        ("/v1/completions", '{"model": "writer", "prompt": "a", "user": "u%s"}', "user"),
+        ("/v1/completions", '{"model": "w%s", "prompt": "a"}', "model"),
+        ("/v1/completions", '{"model": "writer", "prompt": "a", "x%s": 1}', "x\ud800"),
+    ],
+)
+def test_a_lone_surrogate_in_a_string_field_is_a_400_naming_the_field(
+    deployment: Deployment, path: str, body: str, param: str | None
+) -> None:
+    status, _, answer = post(deployment, path, (body % SURROGATE).encode())
+    assert status == 400, answer
+    if param is None:  # a message's content: the message is named
+        param = answer["error"]["param"]
+        assert param.startswith("messages[0].content"), answer
+    assert "UTF-8" in assert_openai_error(answer, param=param)

@@ -131,19 +131,43 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
-    _check_depth(body)
+    _check_values(body)
     return body
 
 
-def _check_depth(body: dict[str, Any]) -> None:
-    """400 for a body nested deeper than :data:`MAX_DEPTH` (walked without recursion)."""
-    todo: list[tuple[Any, int]] = [(body, 1)]
+def _check_values(body: dict[str, Any]) -> None:
+    """400 for a body nested deeper than :data:`MAX_DEPTH`, or holding a string that is not Unicode text: JSON's
+    ``"\\ud800"`` is a lone UTF-16 surrogate, which parses but cannot be encoded (as the prompt sent to the
+    worker, a routing key hashed, a stop word), and failed the request with a 500 there. The field is named
+    (``messages[0].content``). Walked without recursion."""
+    todo: list[tuple[Any, str, int]] = [(body, "", 1)]
     while todo:
-        value, depth = todo.pop()
+        value, where, depth = todo.pop()
         if depth > MAX_DEPTH:
             raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)")
-        items = value.values() if isinstance(value, dict) else value
-        todo.extend((item, depth + 1) for item in items if isinstance(item, dict | list))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                _check_text(key, f"{where}.{key}" if where else key, key=True)
+                place = f"{where}.{key}" if where else key
+            else:
+                place = f"{where}[{key}]"
+            if isinstance(item, str):
+                _check_text(item, place)
+            elif isinstance(item, dict | list):
+                todo.append((item, place, depth + 1))
+
+
+def _check_text(text: str, where: str, *, key: bool = False) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        what = "a field name" if key else "the string"
+        raise bad_request(
+            f"{what} at '{where}' is not valid Unicode text (UTF-8): it holds a lone UTF-16 surrogate", where
+        ) from None
 
 
 def parse_generation(kind: str, body: Mapping[str, Any]) -> Generation:
