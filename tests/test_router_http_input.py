@@ -6,6 +6,7 @@ deployment of ``tests/test_router_http.py`` (a router with --http-port in front 
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 import pytest
@@ -74,3 +75,24 @@ def test_a_lone_surrogate_in_a_string_field_is_a_400_naming_the_field(
         param = answer["error"]["param"]
         assert param.startswith("messages[0].content"), answer
     assert "UTF-8" in assert_openai_error(answer, param=param)
+
+
+def raw_request(port: int, head: bytes, body: bytes) -> tuple[int, dict[str, str], Any]:
+    """One HTTP/1.1 request written byte for byte on a socket (a client library would refuse such headers)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    header_block, _, content = data.partition(b"\r\n\r\n")
+    lines = header_block.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, json.loads(content)
+
+
+@pytest.mark.parametrize("header", [b"x-routing-key", b"x-request-id", b"x-splitstream-version"])
+def test_a_header_value_that_is_not_utf8_is_a_400_naming_the_header(deployment: Deployment, header: bytes) -> None:
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+    status, _, answer = raw_request(deployment.http_port, head + header + b": k\xff\xfe1\r\n", chat())
+    assert status == 400, answer
+    assert header.decode() in assert_openai_error(answer, param=header.decode())

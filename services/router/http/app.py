@@ -227,7 +227,7 @@ class HttpFrontDoor:
         return await self._generate(request, COMPLETION)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        sent_id = request.headers.get(REQUEST_ID_HEADER, "")
+        sent_id = _header(request, REQUEST_ID_HEADER) or ""
         request_id = request["request_id"] = from_header_value(sent_id) if sent_id else uuid.uuid4().hex
         generation = parse_generation(kind, parse_body(await request.read()))
         if not self.core.serves(generation.model):
@@ -251,10 +251,11 @@ class HttpFrontDoor:
         absent), the pin and the request id; the core picks the model's own routing-key header."""
         headers = {REQUEST_ID_HEADER: request_id}
         for name in self.core.routing_key_headers:
-            key = request.headers.get(name, generation.user)
+            key = _header(request, name)
+            key = generation.user if key is None else key
             if key is not None:
                 headers[name] = key
-        pin = request.headers.get(VERSION_HEADER)
+        pin = _header(request, VERSION_HEADER)
         if pin:
             headers[VERSION_HEADER] = pin
         return headers
@@ -391,6 +392,19 @@ class _Answer:
         return web.json_response(
             body, headers={VERSION_HEADER: header_value(outcome.version), **_id_header(self.request["request_id"])}
         )
+
+
+def _header(request: web.Request, name: str) -> str | None:
+    """A header's value; 400 naming the header when its bytes are not UTF-8 (aiohttp keeps such bytes as lone
+    surrogates, which failed the request with a 500 where the value was encoded: a routing key hashed, a request
+    id put in the worker's request)."""
+    value = request.headers.get(name)
+    if value is not None and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise ApiError(400, f"the header '{name}' is not UTF-8 text", param=name) from None
+    return value
 
 
 async def _one(request: bytes) -> AsyncIterator[bytes]:
