@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from demo import language
 from tests import test_router_http
-from tests.test_router_http import CHAT, MODEL, Deployment, assert_openai_error, post
+from tests.harness import Stack, write_registry
+from tests.test_router_http import CHAT, LIMIT, MODEL, Deployment, assert_openai_error, post, start_router
 
 #: The HTTP tests' deployment (a fixture of that module, its own instance here).
 deployment = test_router_http.deployment
@@ -96,3 +99,24 @@ def test_a_header_value_that_is_not_utf8_is_a_400_naming_the_header(deployment: 
     status, _, answer = raw_request(deployment.http_port, head + header + b": k\xff\xfe1\r\n", chat())
     assert status == 400, answer
     assert header.decode() in assert_openai_error(answer, param=header.decode())
+
+
+@pytest.mark.slow
+def test_a_request_larger_than_the_worker_takes_is_a_413_not_a_429(tmp_path: Path) -> None:
+    language.write_versions(tmp_path / "models", MODEL, generation={"max_tokens_limit": LIMIT})
+    stack = Stack(tmp_path)
+    try:
+        worker = stack.worker(tmp_path / "models", MODEL, "v1", "--max-message-bytes", "4096")
+        registry = tmp_path / "registry.yaml"
+        write_registry(registry, {MODEL: {"endpoints": {"v1": [worker.address]}}})
+        _, port = start_router(stack, registry)
+        deployment = Deployment(stack, registry, {"v1": worker}, stack.processes[-1], port)
+        small = json.dumps({"model": MODEL, "prompt": "The ", "max_tokens": 2}).encode()
+        assert post(deployment, "/v1/completions", small)[0] == 200
+        large = json.dumps({"model": MODEL, "prompt": "x" * 20_000, "max_tokens": 2}).encode()
+        status, headers, answer = post(deployment, "/v1/completions", large)
+        assert status == 413, answer
+        assert "retry-after" not in {name.lower() for name in headers}
+        assert_openai_error(answer, param=None, code="request_too_large")
+    finally:
+        stack.close()

@@ -73,9 +73,17 @@ _STATUSES: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 
 
+#: gRPC core's words for a message over ``grpc.max_receive_message_length`` (or the sender's own limit).
+_TOO_LARGE = "message larger than max"
+
+
 def from_status(code: grpc.StatusCode, details: str) -> ApiError:
     """The HTTP error for a call that ended with ``code`` (never OK)."""
     if code == grpc.StatusCode.NOT_FOUND:
         return model_not_found(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in details:
+        # Over a worker's (or the router's) gRPC message limit: the same request fails again, so not a 429,
+        # which tells a client to retry. gRPC says so only in its text ("Received message larger than max").
+        return ApiError(413, f"the request is too large for the model's worker: {details}", code="request_too_large")
     status, kind = _STATUSES.get(code, (502, "server_error"))
     return ApiError(status, details or code.name.lower(), type=kind, code=code.name.lower())
