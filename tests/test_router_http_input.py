@@ -10,11 +10,14 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from demo import language
+from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from tests import test_router_http
 from tests.harness import Stack, write_registry
+from tests.streams import generation_request
 from tests.test_router_http import CHAT, LIMIT, MODEL, Deployment, assert_openai_error, post, start_router
 
 #: The HTTP tests' deployment (a fixture of that module, its own instance here).
@@ -99,6 +102,26 @@ def test_a_header_value_that_is_not_utf8_is_a_400_naming_the_header(deployment: 
     status, _, answer = raw_request(deployment.http_port, head + header + b": k\xff\xfe1\r\n", chat())
     assert status == 400, answer
     assert header.decode() in assert_openai_error(answer, param=header.decode())
+
+
+def test_the_request_id_is_echoed_as_the_grpc_edge_echoes_it(deployment: Deployment) -> None:
+    """One helper decides for both edges: an id that merely holds ``%`` comes back as sent (HTTP re-encoded
+    ``a%41`` as ``a%2541``), a percent-encoded one is decoded for the completion's id and echoed as sent, and a
+    long one a client could send is echoed as sent (HTTP left out any over 4 KiB)."""
+    with grpc.insecure_channel(deployment.router.address) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        for sent in ("a%41", "100%", "%C3%BC-1", "plain-id", "r" * 5000):
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            status, headers, answer = raw_request(
+                deployment.http_port, head + b"x-request-id: " + sent.encode() + b"\r\n", chat()
+            )
+            assert status == 200, answer
+            responses = stub.ModelStreamInfer(
+                iter([generation_request(MODEL, "The ", 2)]), metadata=(("x-request-id", sent),), timeout=30
+            )
+            list(responses)
+            trailers = dict(responses.trailing_metadata())
+            assert headers["x-request-id"] == trailers["x-request-id"] == sent
 
 
 @pytest.mark.slow

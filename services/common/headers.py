@@ -60,3 +60,14 @@ def request_id_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
     call. The id still travels in the request's and the response's ``id`` field."""
     value = header_value(request_id)
     return ((REQUEST_ID_HEADER, value),) if len(value) <= MAX_ID_HEADER_BYTES else ()
+
+
+def echoed_request_id(sent: str | None, request_id: str) -> tuple[tuple[str, str], ...]:
+    """The ``x-request-id`` an edge answers with (gRPC's trailers, HTTP's headers: both use this, so both echo
+    the same ids). The client's header comes back as it was sent when it is printable ASCII and decodes
+    (:func:`from_header_value`) to the call's id: ``a%41`` is echoed ``a%41``, not re-encoded as ``a%2541``,
+    and one longer than :data:`MAX_ID_HEADER_BYTES` that the client could send is echoed too. Otherwise (an id
+    from the request's body, a generated one) the id is encoded by :func:`request_id_metadata`: none when too long."""
+    if sent is not None and sent.isascii() and sent.isprintable() and from_header_value(sent) == request_id:
+        return ((REQUEST_ID_HEADER, sent),)
+    return request_id_metadata(request_id)

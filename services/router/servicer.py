@@ -23,9 +23,9 @@ from splitstream.common.handlers import typed_unary
 from splitstream.common.headers import (
     REQUEST_ID_HEADER,
     VERSION_HEADER,
+    echoed_request_id,
     from_header_value,
     header_value,
-    request_id_metadata,
 )
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
@@ -246,10 +246,7 @@ def _trailers(outcome: CallOutcome, sent_id: str | None) -> tuple[tuple[str, str
     is not printable ASCII, and a refused trailer turns the answer into INTERNAL "Invalid metadata"; an id
     too long for a header is left out (the response's ``id`` field has it). An id the client sent as a
     header comes back as sent (it is valid metadata already), so ``a%41`` is echoed as ``a%41``."""
-    if sent_id is not None and from_header_value(sent_id) == outcome.request_id:
-        trailers: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, sent_id),)
-    else:
-        trailers = request_id_metadata(outcome.request_id)
+    trailers = echoed_request_id(sent_id, outcome.request_id)
     if outcome.version:
         trailers = ((VERSION_HEADER, header_value(outcome.version)), *trailers)
     return trailers

@@ -37,9 +37,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from splitstream.common.errors import ConfigError
 from splitstream.common.headers import (
-    MAX_ID_HEADER_BYTES,
     REQUEST_ID_HEADER,
     VERSION_HEADER,
+    echoed_request_id,
     from_header_value,
     header_value,
 )
@@ -197,7 +197,7 @@ class HttpFrontDoor:
     def _error_response(request: web.Request, error: ApiError) -> web.Response:
         headers = {}
         if "request_id" in request:
-            headers.update(_id_header(request["request_id"]))
+            headers.update(_id_header(request))
         if request.get("version"):
             headers[VERSION_HEADER] = header_value(request["version"])
         return web.json_response(error.body(), status=error.status, headers=headers)
@@ -228,6 +228,7 @@ class HttpFrontDoor:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         sent_id = _header(request, REQUEST_ID_HEADER) or ""
+        request["sent_id"] = sent_id or None
         request_id = request["request_id"] = from_header_value(sent_id) if sent_id else uuid.uuid4().hex
         generation = parse_generation(kind, parse_body(await request.read()))
         if not self.core.serves(generation.model):
@@ -342,7 +343,7 @@ class _Answer:
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 VERSION_HEADER: header_value(self.version),
-                **_id_header(self.request["request_id"]),
+                **_id_header(self.request),
             }
         )
         await response.prepare(self.request)
@@ -390,7 +391,7 @@ class _Answer:
             return self.sse
         body = self.shapes.whole("".join(self.texts), self.finish_reason, self.usage)
         return web.json_response(
-            body, headers={VERSION_HEADER: header_value(outcome.version), **_id_header(self.request["request_id"])}
+            body, headers={VERSION_HEADER: header_value(outcome.version), **_id_header(self.request)}
         )
 
 
@@ -411,9 +412,9 @@ async def _one(request: bytes) -> AsyncIterator[bytes]:
     yield request
 
 
-def _id_header(request_id: str) -> dict[str, str]:
-    value = header_value(request_id)
-    return {REQUEST_ID_HEADER: value} if len(value) <= MAX_ID_HEADER_BYTES else {}
+def _id_header(request: web.Request) -> dict[str, str]:
+    """The ``x-request-id`` answered, as the gRPC edge answers it (:func:`echoed_request_id`)."""
+    return dict(echoed_request_id(request.get("sent_id"), request["request_id"]))
 
 
 def _from_http(error: web.HTTPException) -> ApiError:
