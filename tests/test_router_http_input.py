@@ -16,7 +16,7 @@ import pytest
 from demo import language
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from tests import test_router_http
-from tests.harness import Stack, write_registry
+from tests.harness import Stack, metric_samples, scrape_metrics, wait_for, write_registry
 from tests.streams import generation_request
 from tests.test_router_http import CHAT, LIMIT, MODEL, Deployment, assert_openai_error, post, start_router
 
@@ -122,6 +122,29 @@ def test_the_request_id_is_echoed_as_the_grpc_edge_echoes_it(deployment: Deploym
             list(responses)
             trailers = dict(responses.trailing_metadata())
             assert headers["x-request-id"] == trailers["x-request-id"] == sent
+
+
+def test_a_client_that_goes_away_is_counted_under_the_version_serving_it(deployment: Deployment) -> None:
+    body = json.dumps({"model": MODEL, "prompt": "The ", "max_tokens": LIMIT}).encode()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+    worker = deployment.workers["v2"]
+    with socket.create_connection(("127.0.0.1", deployment.http_port), timeout=30) as sock:
+        sock.sendall(head + b"x-splitstream-version: v2\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: active(worker) == 1, timeout_s=10, what="the generation to start")
+    wait_for(lambda: active(worker) == 0, timeout_s=10, what="the generation to be cancelled")
+
+    def gone() -> set[str]:
+        samples = metric_samples(
+            scrape_metrics(deployment.router.metrics_port), "splitstream_router_http_requests_total"
+        )
+        return {labels["version"] for labels, value in samples if labels["status"] == "499" and value > 0}
+
+    assert wait_for(gone, timeout_s=10, what="a 499 counted") == {"v2"}
+
+
+def active(worker: Any) -> float:
+    samples = metric_samples(scrape_metrics(worker.metrics_port), "splitstream_worker_active_sequences")
+    return sum(value for _, value in samples)
 
 
 @pytest.mark.slow

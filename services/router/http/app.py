@@ -183,6 +183,9 @@ class HttpFrontDoor:
             return self._error_response(request, _from_http(error))
         except asyncio.CancelledError:
             status = CLIENT_CLOSED
+            outcome = request.get("outcome")  # routed before the client went away: counted under its version
+            if outcome is not None:
+                request["labels"][1] = outcome.version
             raise
         except Exception:
             log.exception("HTTP request failed", path=request.path)
@@ -283,7 +286,7 @@ class _Answer:
         self.gone = False
 
     def bind(self, outcome: CallOutcome) -> None:
-        self.outcome = outcome
+        self.outcome = self.request["outcome"] = outcome
 
     @property
     def version(self) -> str:
