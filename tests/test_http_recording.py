@@ -24,6 +24,7 @@ from demo import language
 from splitstream.common.archive import ArchiveQuery, open_archive, read_calls, stored_records
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import feedback_key, routing_key_hmac, stream_key
+from splitstream.router.http.recording import HttpExchange
 from tests.harness import ServiceProcess, Stack, free_port, metric_samples, scrape_metrics, wait_for
 from tests.recording_stack import HMAC_KEY, RecordingStack
 from tests.test_archive import archived_everything, local_archive, running_archiver
@@ -216,6 +217,7 @@ def test_a_client_that_goes_away_mid_stream_is_recorded_as_499_with_the_events_i
     assert record.usage.ByteSize() == 0  # the generation never reported its usage
 
 
+@pytest.mark.slow
 def test_an_http_record_read_back_from_the_archive_has_its_exchange_and_usage_with_blobs_inlined(
     recording: tuple[RecordingStack, int], client: openai.OpenAI, tmp_path: Path
 ) -> None:
@@ -334,3 +336,24 @@ def test_a_bad_feedback_body_is_a_400_naming_the_field(
     assert answer["error"]["param"] == param
     if param is not None:
         assert f"'{param}'" in answer["error"]["message"]
+
+
+def test_sse_bytes_written_in_any_pieces_are_recorded_event_by_event_with_the_first_texts_offset() -> None:
+    """A relay passes an upstream's stream through in whatever chunks it comes: events are cut out of the bytes
+    as they end, whatever the cut."""
+    stream = (
+        b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+        b": a comment\n\n"
+        b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    for cut in range(1, len(stream)):
+        exchange = HttpExchange("POST", "/v1/chat/completions", "chat", max_bytes=1 << 20, started_ns=0)
+        exchange.written(stream[:cut])
+        exchange.written(stream[cut:])
+        assert [data for _, _, data in exchange.events] == [
+            b'{"choices":[{"delta":{"role":"assistant"}}]}',
+            b'{"choices":[{"delta":{"content":"Hi"}}]}',
+            b"[DONE]",
+        ]
+        assert exchange.first_token_ns == exchange.events[1][1]

@@ -63,7 +63,7 @@ from splitstream.router.http.openai_api import (
     read_response,
     usage,
 )
-from splitstream.router.http.recording import HttpExchange, recorded_headers
+from splitstream.router.http.recording import HttpExchange, recorded_headers, stream_response
 from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES, StreamProxy
@@ -400,7 +400,7 @@ class _Answer:
             if shapes.kind == CHAT:
                 await self._event(shapes.chunk(role=True, usage=include_usage))
         if text:
-            await self._event(shapes.chunk(text=text, usage=include_usage), token=True)
+            await self._event(shapes.chunk(text=text, usage=include_usage))
             if "ttft" not in self.request:
                 self.request["ttft"] = True
                 self.metrics.ttft.labels(self.generation.model, self.version, self.request["route"]).observe(
@@ -413,23 +413,22 @@ class _Answer:
 
     async def _open(self) -> web.StreamResponse:
         self.request["labels"][1] = self.request["version"] = self.version
-        response = web.StreamResponse(
+        response = stream_response(
+            self.request,
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 VERSION_HEADER: header_value(self.version),
                 **_id_header(self.request["request_id"]),
-            }
+            },
         )
         await response.prepare(self.request)
         return response
 
-    async def _event(self, data: dict[str, Any] | str, *, token: bool = False) -> None:
+    async def _event(self, data: dict[str, Any] | str) -> None:
         assert self.sse is not None
-        encoded = (data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))).encode()
-        await self.sse.write(b"data: " + encoded + b"\n\n")
-        if self.exchange is not None:
-            self.exchange.event(encoded, token=token)
+        text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+        await self.sse.write(f"data: {text}\n\n".encode())
 
     @property
     def finish_reason(self) -> str:

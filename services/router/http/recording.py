@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from aiohttp import web
+
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 
 #: Headers about the connection, not the call: never recorded (a replay sets its own).
@@ -45,6 +47,7 @@ class HttpExchange:
         "max_bytes",
         "method",
         "path",
+        "pending",
         "request_body",
         "response_body",
         "response_content_type",
@@ -70,19 +73,31 @@ class HttpExchange:
         self.kept_bytes = 0
         self.truncated = False
         self.first_token_ns = 0
+        self.pending = b""  # the written bytes of an event not ended yet
         #: (prompt tokens, completion tokens) as the answer reported them; None when it reported none.
         self.usage: tuple[int, int] | None = None
 
     def received(self, body: bytes, content_type: str, parsed: Mapping[str, Any] | None = None) -> None:
         self.request_body, self.content_type, self.body = body, content_type, parsed
 
-    def event(self, data: bytes, *, token: bool = False) -> None:
-        """An SSE event's ``data`` just written; ``token``: it carries generated text (the first one's offset
-        is the call's TTFT)."""
+    def written(self, chunk: bytes) -> None:
+        """Bytes of a server-sent event stream as written to the client, cut anywhere (a relay passes chunks
+        through as they come): each event that ends in them is recorded by its ``data``."""
+        data = self.pending + chunk
+        start = 0
+        while (end := data.find(b"\n\n", start)) >= 0:
+            lines = [line[5:].removeprefix(b" ") for line in data[start:end].split(b"\n") if line.startswith(b"data:")]
+            if lines:
+                self.event(b"\n".join(lines))
+            start = end + 2
+        self.pending = data[start:]
+
+    def event(self, data: bytes) -> None:
+        """An SSE event's ``data`` just written. The first one carrying generated text sets the call's TTFT."""
         offset_ns = max(time.monotonic_ns() - self.started_ns, 1)
         index = self.events_total
         self.events_total += 1
-        if token and not self.first_token_ns:
+        if not self.first_token_ns and _carries_text(data):
             self.first_token_ns = offset_ns
         if self.truncated:
             return
@@ -125,6 +140,45 @@ class HttpExchange:
         if body is None or not isinstance(body.get("user"), str):
             return self.request_body
         return json.dumps({**body, "user": mask(body["user"])}, separators=(",", ":")).encode()
+
+
+class RecordedStreamResponse(web.StreamResponse):
+    """A streamed response whose written bytes also go to its call's :class:`HttpExchange`: whatever writes
+    the stream (the front door's own answers, a relay of an upstream's events), the record sees what the
+    client was sent, once the write returned."""
+
+    def __init__(self, exchange: HttpExchange, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.exchange = exchange
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        await super().write(data)
+        self.exchange.written(bytes(data))
+
+
+def stream_response(request: web.Request, **kwargs: Any) -> web.StreamResponse:
+    """The ``web.StreamResponse`` to answer ``request`` with: recorded when the call is (it has an exchange)."""
+    exchange = request.get("exchange")
+    if isinstance(exchange, HttpExchange):
+        return RecordedStreamResponse(exchange, **kwargs)
+    return web.StreamResponse(**kwargs)
+
+
+def _carries_text(data: bytes) -> bool:
+    """Whether an OpenAI chunk holds generated text (a chat delta's content or a completion's text). Parsed only
+    until the call's first such event: the rest need not be."""
+    try:
+        chunk = json.loads(data)
+    except ValueError:
+        return False
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    for choice in choices if isinstance(choices, list) else ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if choice.get("text") or (isinstance(delta, dict) and delta.get("content")):
+            return True
+    return False
 
 
 def recorded_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
