@@ -34,6 +34,8 @@ SECRET = "sk-http-recording-5ecret-token"
 USER = "user-http-rec-alice"
 #: Payloads over this are stored once as blobs (a long prompt's body): the archive inlines them back.
 BLOB_THRESHOLD = 1024
+#: --record-stream-max-bytes: a short answer's events fit, a long one's are cut.
+STREAM_CAP = 4000
 CHAT: list[ChatCompletionMessageParam] = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "The "},
@@ -60,8 +62,8 @@ def recording(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Record
             "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
         },
         worker=worker,
-        router_args=("--http-port", str(http_port)),
-        recorder_args=("--blob-threshold-bytes", str(BLOB_THRESHOLD)),
+        router_args=("--http-port", str(http_port), "--record-stream-max-bytes", str(STREAM_CAP)),
+        recorder_args=("--blob-threshold-bytes", str(BLOB_THRESHOLD), "--redact-metadata", "x-user-email:mask"),
     )
     try:
         wait_for(lambda: accepts(http_port), timeout_s=30, what="the HTTP port to accept")
@@ -100,7 +102,9 @@ def test_a_chat_is_one_record_with_its_http_exchange_routing_fields_and_usage(
     recording: tuple[RecordingStack, int], client: openai.OpenAI
 ) -> None:
     stack, _ = recording
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT, max_tokens=12, user=USER)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=CHAT, max_tokens=12, user=USER, extra_headers={"x-user-email": "alice@example.com"}
+    )
     completion = raw.parse()
     request_id = raw.headers["x-request-id"]
     record = recorded(stack, request_id)
@@ -138,6 +142,7 @@ def test_a_chat_is_one_record_with_its_http_exchange_routing_fields_and_usage(
     # The client's headers, less credentials.
     assert record.metadata["user-agent"].startswith("OpenAI/Python")
     assert "authorization" not in record.metadata
+    assert record.metadata["x-user-email"].startswith("hmac:")  # the recorder's metadata rules, as for gRPC
     everything = stack.redis_bytes()
     assert SECRET.encode() not in everything
     assert USER.encode() not in everything
@@ -212,7 +217,7 @@ def test_a_client_that_goes_away_mid_stream_is_recorded_as_499_with_the_events_i
     kept = [e.payload.inline for e in record.http.events]
     assert kept[:5] == got  # what the client read, in order; perhaps a few more were written before it left
     assert b"[DONE]" not in kept
-    assert record.http.events_total == len(kept)
+    assert record.http.events_total >= len(kept)
     assert "authorization" not in record.metadata
     assert record.usage.ByteSize() == 0  # the generation never reported its usage
 
@@ -259,6 +264,24 @@ def test_an_http_record_read_back_from_the_archive_has_its_exchange_and_usage_wi
         )
         != (0, 0)
     )
+
+
+def test_a_stream_over_the_cap_keeps_a_prefix_of_its_events_and_counts_them_all(
+    recording: tuple[RecordingStack, int],
+) -> None:
+    stack, port = recording
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = {"model": MODEL, "prompt": "The ", "max_tokens": 80, "stream": True}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"x-request-id": "http-long-1"})
+    sent = [line for line in connection.getresponse().read().split(b"\n") if line.startswith(b"data: ")]
+    connection.close()
+    record = recorded(stack, "http-long-1")
+    events = record.http.events
+    assert record.http.truncated
+    assert record.http.events_total == len(sent)  # every event counted
+    assert 0 < len(events) < len(sent)
+    assert [e.payload.inline for e in events] == [line[6:] for line in sent[: len(events)]]  # a prefix, in order
+    assert sum(e.payload.size_bytes for e in events) <= STREAM_CAP
 
 
 def feedback_entries(stack: RecordingStack, metric: str) -> list[dict[str, str]]:
