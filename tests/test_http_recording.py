@@ -370,10 +370,11 @@ def test_sse_bytes_written_in_any_pieces_are_recorded_event_by_event_with_the_fi
         b'data: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
         b"data: [DONE]\n\n"
     )
-    for cut in range(1, len(stream)):
+    cuts = [(written, cut) for written in (stream, stream.replace(b"\n", b"\r\n")) for cut in range(1, len(written))]
+    for written, cut in cuts:  # LF line ends, then CRLF, cut at every byte
         exchange = HttpExchange("POST", "/v1/chat/completions", "chat", max_bytes=1 << 20, started_ns=0)
-        exchange.written(stream[:cut])
-        exchange.written(stream[cut:])
+        exchange.written(written[:cut])
+        exchange.written(written[cut:])
         assert [data for _, _, data in exchange.events] == [
             b'{"choices":[{"delta":{"role":"assistant"}}]}',
             b'{"choices":[{"delta":{"content":"Hi"}}]}',

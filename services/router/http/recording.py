@@ -82,8 +82,9 @@ class HttpExchange:
 
     def written(self, chunk: bytes) -> None:
         """Bytes of a server-sent event stream as written to the client, cut anywhere (a relay passes chunks
-        through as they come): each event that ends in them is recorded by its ``data``."""
-        data = self.pending + chunk
+        through as they come): each event that ends in them is recorded by its ``data`` (lines ending in CRLF as
+        in LF, as the SSE format allows both)."""
+        data = (self.pending + chunk).replace(b"\r\n", b"\n")
         start = 0
         while (end := data.find(b"\n\n", start)) >= 0:
             lines = [line[5:].removeprefix(b" ") for line in data[start:end].split(b"\n") if line.startswith(b"data:")]
