@@ -48,9 +48,12 @@ class RecordingStack:
         router_args: tuple[str, ...] = (),
         worker: Callable[[Stack, str], ServiceProcess] | None = None,
         redis: RedisClusterServers | None = None,
+        model: str = MODEL,
     ) -> None:
-        """``redis``: record into this (started) Redis Cluster instead of a Redis of the stack's own."""
+        """``redis``: record into this (started) Redis Cluster instead of a Redis of the stack's own; ``model``:
+        the registry's model name (with ``worker``, the model the stand-ins serve)."""
         self.tmp = tmp
+        self.model = model
         tmp.mkdir(parents=True, exist_ok=True)
         # Persistent, as production Redis is: a stop and restart keeps what was written.
         self.redis: RedisServer | RedisClusterServers = (
@@ -79,10 +82,10 @@ class RecordingStack:
                 )
                 self.workers[version] = self.stack.worker(repository, MODEL, version)
             registry = tmp / "registry.yaml"
-            model: dict = {"endpoints": {v: [w.address] for v, w in self.workers.items()}}
+            entry: dict = {"endpoints": {v: [w.address] for v, w in self.workers.items()}}
             if experiment:
-                model["experiment"] = experiment
-            write_registry(registry, {MODEL: model})
+                entry["experiment"] = experiment
+            write_registry(registry, {self.model: entry})
             self.registry = registry
             self.spool_dir = tmp / "spool"
             #: The Prometheus port of the child shipper of the router started last (the recording counters).
@@ -144,7 +147,7 @@ class RecordingStack:
         """Every readable record, once per request id (entries a test wrote as garbage are left out)."""
 
         async def readable(client: RedisClient) -> AsyncIterator[StoredRecord]:
-            async for entry in read_entries(client, MODEL):
+            async for entry in read_entries(client, self.model):
                 with contextlib.suppress(CorruptEntry, UnsupportedSchema):
                     yield decode_entry(entry)
 
@@ -160,7 +163,7 @@ class RecordingStack:
     def raw_count(self) -> int:
         client = self.redis.client()
         try:
-            return int(client.xlen(stream_key(MODEL)))
+            return int(client.xlen(stream_key(self.model)))
         finally:
             client.close()
 

@@ -29,6 +29,7 @@ from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2, recorder_pb2_grpc
 from splitstream.common.records import (
+    REDACTED_HTTP_TAG,
     REDACTED_OUTPUTS_TAG,
     MissingBlob,
     blob_key,
@@ -668,6 +669,14 @@ def test_bad_flags_exit_2_with_one_line(args: list[str], env: dict[str, str], pr
 # --- in-process logic -------------------------------------------------------------------------------
 
 
+def _http_events(*events: tuple[int, int], total: int | None = None) -> recorder_pb2.HttpCall:
+    """An HTTP exchange of status 200 with events of these (index, offset_ns)."""
+    call = recorder_pb2.HttpCall(status=200, events_total=len(events) if total is None else total)
+    for index, offset_ns in events:
+        call.events.add(index=index, offset_ns=offset_ns).payload.inline = b"{}"
+    return call
+
+
 def _bad(**changes: object) -> recorder_pb2.CallRecord:
     record = call_record("bad-one")
     for field, value in changes.items():
@@ -677,6 +686,8 @@ def _bad(**changes: object) -> recorder_pb2.CallRecord:
             record.request.size_bytes = int(value)  # type: ignore[call-overload]
         elif field == "request_inline":
             record.request.inline = value  # type: ignore[assignment]
+        elif field == "http":
+            record.http.CopyFrom(value)  # type: ignore[arg-type]
         else:
             setattr(record, field, value)
     return record
@@ -694,6 +705,10 @@ def _bad(**changes: object) -> recorder_pb2.CallRecord:
         (_bad(request_blob="ab" * 32), "blob reference"),
         (_bad(request_size=99999), "size_bytes 99999"),
         (_bad(request_inline=b"\xff\xff\xff"), "not an inference.ModelInferRequest"),
+        (_bad(http=recorder_pb2.HttpCall(status=0)), "http.status is 0"),
+        (_bad(http=_http_events((0, 5), (1, 3))), "http.events[1].offset_ns is 3, before the previous 5"),
+        (_bad(http=_http_events((1, 5), (1, 6))), "http.events[1].index is 1, after index 1"),
+        (_bad(http=_http_events((0, 5), total=0)), "http.events_total is 0 but 1 events are kept"),
     ],
 )
 def test_each_kind_of_bad_record_is_named_in_the_rejection(record: recorder_pb2.CallRecord, problem: str) -> None:
@@ -725,6 +740,41 @@ def test_masked_inputs_keep_name_type_and_shape_with_zeroed_data_raw_or_typed() 
     typed_arrays = tensors.input_arrays(typed)
     assert typed_arrays["secret"].tolist() == [0.0, 0.0]
     assert typed_arrays["keep"].tolist() == [7, 8]
+
+
+def test_an_http_calls_bodies_are_dropped_where_rules_of_their_kind_redacted_or_cannot_tell() -> None:
+    """A JSON body holds what the translated tensors hold and no rule masks a JSON field: a body goes when a rule
+    redacted its translated side, or when there is none to tell (passed through); otherwise it is kept."""
+
+    def http_record(*, translated: bool) -> recorder_pb2.CallRecord:
+        record = call_record("http-1", request=request_bytes("http-1", text_input=np.array([b"secret"], np.object_)))
+        if not translated:
+            record.ClearField("request")
+            record.ClearField("response")
+        record.http.status = 200
+        record.http.request_body.inline = b'{"prompt": "secret"}'
+        record.http.response_body.inline = b'{"choices": []}'
+        return record
+
+    inputs = Redactor(metadata=(), inputs=(Rule("text_input", Action.MASK),), hmac_key=b"k")
+    translated = http_record(translated=True)
+    inputs.redact(translated, oip.ModelInferRequest.FromString(translated.request.inline))
+    assert not translated.http.HasField("request_body")
+    assert translated.http.response_body.inline == b'{"choices": []}'  # no output rule: kept
+    assert translated.tags[REDACTED_HTTP_TAG] == "request_body"
+
+    other = Redactor(metadata=(), inputs=(Rule("image", Action.MASK),), hmac_key=b"k")
+    untouched = http_record(translated=True)
+    other.redact(untouched, oip.ModelInferRequest.FromString(untouched.request.inline))
+    assert untouched.http.request_body.inline == b'{"prompt": "secret"}'  # the rule matched nothing: kept
+    assert REDACTED_HTTP_TAG not in untouched.tags
+
+    passed = http_record(translated=False)
+    outputs = Redactor(metadata=(), inputs=(Rule("x", Action.DROP),), outputs=(Rule("y", Action.DROP),), hmac_key=b"")
+    outputs.redact(passed, oip.ModelInferRequest(), oip.ModelInferResponse())
+    assert not passed.http.HasField("request_body")
+    assert not passed.http.HasField("response_body")
+    assert passed.tags[REDACTED_HTTP_TAG] == "request_body,response_body"
 
 
 def test_masked_outputs_keep_name_type_and_shape_with_zeroed_data_and_dropped_ones_leave_no_slot() -> None:

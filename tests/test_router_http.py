@@ -329,6 +329,14 @@ def test_a_body_over_the_limit_is_a_413(deployment: Deployment) -> None:
     assert "too large" in assert_openai_error(answer, param=None, code="request_too_large")
 
 
+def test_feedback_to_a_router_that_records_nothing_is_a_503_saying_so(deployment: Deployment) -> None:
+    body = json.dumps({"id": "chatcmpl-abc", "metric": "click", "value": 1, "model": MODEL}).encode()
+    status, _, answer = post(deployment, "/v1/feedback", body)
+    assert status == 503
+    assert answer["error"]["code"] == "not_recording"
+    assert "--recorder" in answer["error"]["message"]
+
+
 def test_an_unknown_route_is_a_404_and_a_wrong_method_a_405(deployment: Deployment) -> None:
     status, _, body = post(deployment, "/v1/embeddings", b"{}")
     assert status == 404

@@ -241,3 +241,36 @@ def test_a_parted_append_failing_part_way_leaves_no_torn_entry_and_gives_its_spa
     reader.close()
     assert damage == []
     assert payloads == [bytes([i]) * 100 + b"r" * 100 + b"s" * 100 for i in range(appended)] + [b"small"]
+
+
+def test_an_http_entry_carries_the_records_http_fields_and_a_call_entry_read_as_one_does_not_parse() -> None:
+    fields = dict(
+        request_id="r-1",
+        model="writer",
+        version="v1",
+        arm="v1",
+        code=1,
+        details="the client went away",
+        endpoint="127.0.0.1:9000",
+        router_id="router-a",
+        principal="",
+        receive_unix_ns=1,
+        latency_ns=2,
+        flags=0,
+        assignment=1,
+        shadows_expected=0,
+        routing_key_hmac="ab" * 32,
+        phase=b"",
+        metadata=wal.encode_metadata({"user-agent": "OpenAI/Python"}),
+        stream=b"",
+        request=b"worker request",
+        response=None,
+    )
+    payload = wal.encode_call(kind=wal.HTTP, record_fields=b"\xd2\x01\x02\x18\x63", **fields)  # type: ignore[arg-type]
+    entry = wal.decode_call(wal.HTTP, payload)
+    assert (entry.kind, entry.request_id, entry.request, entry.response) == (wal.HTTP, "r-1", b"worker request", None)
+    assert entry.metadata == {"user-agent": "OpenAI/Python"}
+    assert entry.record_fields == b"\xd2\x01\x02\x18\x63"
+    assert wal.decode_call(wal.STREAM, wal.encode_call(kind=wal.STREAM, **fields)).record_fields == b""  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="do not add up"):
+        wal.decode_call(wal.HTTP, wal.encode_call(kind=wal.CALL, **fields))  # type: ignore[arg-type]

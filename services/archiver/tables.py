@@ -27,6 +27,7 @@ from splitstream.common.records import (
     STATUS_NAMES,
     UnsupportedSchema,
     decode_record,
+    record_payloads,
     status_code,
     stream_id_ms,
 )
@@ -69,12 +70,9 @@ def id_key(stream_id: str) -> tuple[int, int]:
 
 
 def blob_payloads(record: recorder_pb2.CallRecord) -> Iterator[recorder_pb2.Payload]:
-    """Every payload of ``record`` stored as a blob reference (request, response, shadows, stream messages)."""
-    payloads = [record.request, record.response, *(shadow.response for shadow in record.shadows)]
-    if record.HasField("stream"):
-        payloads += [message.payload for message in record.stream.requests]
-        payloads += [message.payload for message in record.stream.responses]
-    for payload in payloads:
+    """Every payload of ``record`` stored as a blob reference (:func:`record_payloads`: request, response,
+    shadows, stream messages, an HTTP call's bodies and events)."""
+    for payload in record_payloads(record):
         if payload.WhichOneof("body") == "blob_sha256":
             yield payload
 

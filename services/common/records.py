@@ -49,6 +49,10 @@ REDACTED_OUTPUTS_TAG = "splitstream.redacted-outputs"
 #: ``request``, ``response`` and ``shadows[<i>].response``. A replay cannot send a request that is not
 #: there, nor compare an answer that is not.
 PAYLOAD_DROPPED_TAG = "splitstream.payload-dropped"
+#: The tag in which the recorder names the parts of an HTTP call it dropped under input or output rules
+#: (``request_body``, ``response_body``, ``events``, comma-separated): JSON bodies hold what the rules'
+#: tensors hold, and no rule masks a JSON field.
+REDACTED_HTTP_TAG = "splitstream.redacted-http"
 #: The CallRecord layout this code reads and the recorder writes.
 SCHEMA_VERSION = 1
 #: Records and events one RecordBatch may hold: the recorder refuses more unparsed (RESOURCE_EXHAUSTED).
@@ -202,13 +206,23 @@ def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
     }
 
 
-def blob_references(record: recorder_pb2.CallRecord) -> int:
-    """How many of ``record``'s payloads (request, response, shadows, stream messages) are blob references."""
+def record_payloads(record: recorder_pb2.CallRecord) -> list[recorder_pb2.Payload]:
+    """Every payload ``record`` holds: request, response, shadows' responses, a token stream's messages, an HTTP
+    call's bodies and events. The recorder stores each over its threshold as a blob, the archive inlines them
+    back: one list, so a payload field added to the record is covered by both."""
     payloads = [record.request, record.response, *(shadow.response for shadow in record.shadows)]
     if record.HasField("stream"):
         payloads += [message.payload for message in record.stream.requests]
         payloads += [message.payload for message in record.stream.responses]
-    return sum(1 for payload in payloads if payload.blob_sha256)
+    if record.HasField("http"):
+        payloads += [record.http.request_body, record.http.response_body]
+        payloads += [message.payload for message in record.http.events]
+    return payloads
+
+
+def blob_references(record: recorder_pb2.CallRecord) -> int:
+    """How many of ``record``'s payloads (:func:`record_payloads`) are blob references."""
+    return sum(1 for payload in record_payloads(record) if payload.blob_sha256)
 
 
 def feedback_entry_fields(event: feedback_pb2.FeedbackEvent) -> dict[str, str | bytes]:

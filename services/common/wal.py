@@ -49,6 +49,9 @@ Entry kinds and payloads (integers little-endian; a *field* is a u32 length then
   joins them to the call by request id within a bounded window; a call whose shadows never
   come is shipped without them.
 * ``FEEDBACK`` (3): serialized ``FeedbackEvent`` messages (routing keys already HMACs), each a field.
+* ``HTTP`` (5, a call to the router's HTTP front door): the ``STREAM`` layout with a 15th length and field,
+  the record's HTTP fields already serialized (``CallRecord.http`` and ``CallRecord.usage``, as a CallRecord
+  holding only them: the shipper appends these bytes to the record it builds, as it does the phase's).
 """
 
 from __future__ import annotations
@@ -78,13 +81,16 @@ CALL = 1
 SHADOWS = 2
 FEEDBACK = 3
 STREAM = 4
-KINDS = frozenset({CALL, SHADOWS, FEEDBACK, STREAM})
+HTTP = 5
+KINDS = frozenset({CALL, SHADOWS, FEEDBACK, STREAM, HTTP})
 #: Largest payload a reader believes (a length past it is damage): the router takes 64 MiB calls, and an
 #: entry holds a request and its response.
 MAX_ENTRY_BYTES = 512 << 20
 _CALL_FIELDS = 14
 #: A call entry's fixed part and its fields' lengths (the router packs it itself on its hot path).
 CALL_HEAD = struct.Struct(f"<qqiBbBx{_CALL_FIELDS}I")
+#: An HTTP call entry's: the call's, with one more field (the record's HTTP fields, serialized).
+HTTP_HEAD = struct.Struct(f"<qqiBbBx{_CALL_FIELDS + 1}I")
 _SHADOW_FIXED = struct.Struct("<iqB")
 _LEN = struct.Struct("<I")
 _SUFFIX = ".log"
@@ -207,12 +213,13 @@ def encode_call(
     stream: bytes,
     request: bytes,
     response: bytes | None,
+    record_fields: bytes = b"",
 ) -> bytes:
     """A call entry's payload: one pack of the fixed part and the lengths, one join (measured: the per-field
-    length-then-bytes layout cost twice as much, every call)."""
+    length-then-bytes layout cost twice as much, every call). ``record_fields``: an ``HTTP`` entry's 15th field."""
     if response is not None:
         flags |= HAS_RESPONSE
-    fields = (
+    fields: tuple[bytes, ...] = (
         request_id.encode(),
         model.encode(),
         version.encode(),
@@ -228,7 +235,9 @@ def encode_call(
         request,
         response or b"",
     )
-    head = CALL_HEAD.pack(
+    if kind == HTTP:
+        fields += (record_fields,)
+    head = (HTTP_HEAD if kind == HTTP else CALL_HEAD).pack(
         receive_unix_ns, latency_ns, code, flags, assignment, shadows_expected, *[len(f) for f in fields]
     )
     return head + b"".join(fields)
@@ -327,23 +336,27 @@ class CallEntry:
     request: bytes
     response: bytes | None
     shadows: list[ShadowEntry] = field(default_factory=list)
+    #: Serialized CallRecord fields the router built itself (an HTTP call's ``http`` and ``usage``): appended
+    #: to the record as they are.
+    record_fields: bytes = b""
     #: Where the shipper read it (its log's position before the entry): what it may commit once shipped.
     position: object = None
 
 
 def decode_call(kind: int, payload: bytes) -> CallEntry:
-    if len(payload) < CALL_HEAD.size:
+    head = HTTP_HEAD if kind == HTTP else CALL_HEAD
+    if len(payload) < head.size:
         raise ValueError("entry shorter than its fixed part")
-    receive_ns, latency_ns, code, flags, assignment, expected, *lengths = CALL_HEAD.unpack_from(payload)
-    if CALL_HEAD.size + sum(lengths) != len(payload):
+    receive_ns, latency_ns, code, flags, assignment, expected, *lengths = head.unpack_from(payload)
+    if head.size + sum(lengths) != len(payload):
         raise ValueError("the call entry's field lengths do not add up to its size")
     values = []
-    at = CALL_HEAD.size
+    at = head.size
     for length in lengths:
         values.append(payload[at : at + length])
         at += length
     texts = [value.decode() for value in values[:9]]
-    phase, metadata, stream, request, response = values[9:]
+    phase, metadata, stream, request, response = values[9:14]
     return CallEntry(
         kind=kind,
         request_id=texts[0],
@@ -366,6 +379,7 @@ def decode_call(kind: int, payload: bytes) -> CallEntry:
         stream=stream,
         request=request,
         response=response if flags & HAS_RESPONSE else None,
+        record_fields=values[14] if kind == HTTP else b"",
     )
 
 

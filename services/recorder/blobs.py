@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import record_payloads
 
 
 class BlobCollector:
@@ -23,15 +24,8 @@ class BlobCollector:
 
     def externalize(self, record: recorder_pb2.CallRecord) -> None:
         """Every payload of ``record`` gets its size; those over the threshold become references."""
-        self._payload(record.request)
-        self._payload(record.response)
-        for shadow in record.shadows:
-            self._payload(shadow.response)
-        if record.HasField("stream"):  # a long prompt, or a large response, of a token stream
-            for message in record.stream.requests:
-                self._payload(message.payload)
-            for message in record.stream.responses:
-                self._payload(message.payload)
+        for payload in record_payloads(record):  # a token stream's and an HTTP call's too
+            self._payload(payload)
 
     def _payload(self, payload: recorder_pb2.Payload) -> None:
         data = payload.inline

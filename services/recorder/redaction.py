@@ -23,7 +23,7 @@ from google.protobuf.message import Message
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import mark_redacted_outputs
+from splitstream.common.records import REDACTED_HTTP_TAG, mark_redacted_outputs
 from splitstream.common.tensors import Tensor
 from splitstream.recorder.config import Action, Rule
 
@@ -68,14 +68,29 @@ class Redactor:
                     del record.metadata[key]
                 else:
                     record.metadata[key] = self.mask_value(record.metadata[key])
+        inputs_matched = False
         if self._inputs and request is not None and self.redact_request(request):
             _store(record.request, request)
+            inputs_matched = True
         if self._inputs:
             for message, stream_request in zip(record.stream.requests, stream_requests, strict=True):
                 if self.redact_request(stream_request):
                     _store(message.payload, stream_request)
+                    inputs_matched = True
+        outputs_matched = self._redact_outputs(record, response, shadow_responses, stream_responses)
+        if record.HasField("http"):
+            self._redact_http(record, inputs_matched, outputs_matched)
+
+    def _redact_outputs(
+        self,
+        record: recorder_pb2.CallRecord,
+        response: oip.ModelInferResponse | None,
+        shadow_responses: Sequence[oip.ModelInferResponse],
+        stream_responses: Sequence[oip.ModelStreamInferResponse],
+    ) -> bool:
+        """Output rules on the answer, a stream's responses and the shadows'; whether one matched the answer's."""
         if not self._outputs:
-            return
+            return False
         redacted: list[str] = []
         for message, stream_response in zip(record.stream.responses, stream_responses, strict=True):
             names = self.redact_response(stream_response.infer_response)
@@ -89,9 +104,33 @@ class Redactor:
             if names:
                 _store(record.response, response)
                 mark_redacted_outputs(record, names)
+                redacted += names
         for shadow, shadow_response in zip(record.shadows, shadow_responses, strict=True):
             if self.redact_response(shadow_response):
                 _store(shadow.response, shadow_response)
+        return bool(redacted)
+
+    def _redact_http(self, record: recorder_pb2.CallRecord, inputs_matched: bool, outputs_matched: bool) -> None:
+        """An HTTP call's bodies hold, as JSON, what its translated messages hold as tensors, and no rule can
+        mask a field of them: a body is dropped when a rule redacted its translated side, and when there is
+        no translated side to tell (a call passed through to an HTTP upstream) while rules of its kind are
+        set. What was dropped is named in :data:`REDACTED_HTTP_TAG`."""
+        http = record.http
+        dropped = []
+        translated_in = bool(record.request.inline) or len(record.stream.requests) > 0
+        if self._inputs and (inputs_matched or not translated_in) and http.HasField("request_body"):
+            http.ClearField("request_body")
+            dropped.append("request_body")
+        translated_out = bool(record.response.inline) or len(record.stream.responses) > 0
+        if self._outputs and (outputs_matched or not translated_out):
+            if http.HasField("response_body"):
+                http.ClearField("response_body")
+                dropped.append("response_body")
+            if http.events:
+                del http.events[:]
+                dropped.append("events")
+        if dropped:
+            record.tags[REDACTED_HTTP_TAG] = ",".join(dropped)
 
     def redact_request(self, request: oip.ModelInferRequest) -> bool:
         """Drop or mask configured inputs in place; returns whether anything changed."""

@@ -222,6 +222,8 @@ def check_record(record: recorder_pb2.CallRecord, *, decode_request: bool) -> oi
         check_payload(shadow.response, f"shadows[{index}].response")
     if record.HasField("stream"):
         check_stream(record)
+    if record.HasField("http"):
+        check_http(record.http)
     if not decode_request:
         return None
     try:
@@ -278,6 +280,28 @@ def check_stream(record: recorder_pb2.CallRecord) -> None:
             f"stream.first_response_ns is {stream.first_response_ns}, not the first response's offset "
             f"{stream.responses[0].offset_ns}"
         )
+
+
+def check_http(http: recorder_pb2.HttpCall) -> None:
+    """An HTTP call's exchange: a status HTTP has, bodies and events inline, events in order (indices
+    increasing, offsets from the call's start never going back), counts that add up."""
+    if not 100 <= http.status <= 599:
+        raise ValueError(f"http.status is {http.status}, not an HTTP status (100-599)")
+    check_payload(http.request_body, "http.request_body")
+    check_payload(http.response_body, "http.response_body")
+    last_index, last_offset = -1, 0
+    for position, message in enumerate(http.events):
+        name = f"http.events[{position}]"
+        if message.index <= last_index:
+            raise ValueError(f"{name}.index is {message.index}, after index {last_index}: indices must increase")
+        if message.offset_ns < last_offset:
+            raise ValueError(f"{name}.offset_ns is {message.offset_ns}, before the previous {last_offset}")
+        last_index, last_offset = message.index, message.offset_ns
+        check_payload(message.payload, f"{name}.payload")
+    if http.events_total < len(http.events):
+        raise ValueError(f"http.events_total is {http.events_total} but {len(http.events)} events are kept")
+    if http.first_token_ns < 0:
+        raise ValueError(f"http.first_token_ns is {http.first_token_ns}, a time cannot be negative")
 
 
 def decode_stream(

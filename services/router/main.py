@@ -204,6 +204,9 @@ class Router(Service):
                 self.metrics,
                 max_body_bytes=server.max_message_bytes,
                 shutdown_grace_s=server.shutdown_grace_s,
+                recording=self.mirror,
+                feedback=self.feedback,
+                record_max_bytes=config.record_stream_max_bytes,
             )
         self.principals: PrincipalsStore | None = None
         self.jwt: JwtVerifier | None = None

@@ -36,6 +36,7 @@ from splitstream.common.wal import (
     FALLBACK,
     FEEDBACK,
     HAS_RESPONSE,
+    HTTP,
     KINDS,
     PINNED,
     RETRIED,
@@ -43,6 +44,7 @@ from splitstream.common.wal import (
     STREAM,
     ShadowEntry,
     WalWriter,
+    encode_call,
     encode_feedback,
     encode_shadows,
     stranded_logs,
@@ -83,7 +85,13 @@ class AppendedCounts:
         self._lock = threading.Lock()  # a scrape (another thread) and a flush may sync at once
 
     def bind(self, counter: Counter) -> None:
-        for kind, name in ((CALL, "call"), (STREAM, "stream"), (SHADOWS, "shadows"), (FEEDBACK, "feedback")):
+        for kind, name in (
+            (CALL, "call"),
+            (STREAM, "stream"),
+            (SHADOWS, "shadows"),
+            (FEEDBACK, "feedback"),
+            (HTTP, "http"),
+        ):
             self._counters[kind] = counter.labels(name)
 
     def sync(self) -> None:
@@ -298,6 +306,77 @@ class CallLog:
             )
         )
         return (CALL if outcome.stream is None else STREAM), (fields, request, response)
+
+    def offer_http(
+        self,
+        outcome: CallOutcome,
+        request: bytes,
+        metadata: Sequence[tuple[str, str | bytes]],
+        record_fields: bytes,
+    ) -> None:
+        """Log a finished call of the HTTP front door: ``outcome`` and ``request`` as for a token stream (the
+        translated worker stream, its first request), ``metadata`` the client's headers, ``record_fields`` the
+        record's ``http`` and ``usage`` fields already serialized. One append, as :meth:`offer`; an HTTP call
+        has no shadows."""
+        if self._closing:
+            self.metrics.records_dropped.labels("closing").inc()
+            return
+        try:
+            payload = self._encode_http(outcome, request, metadata, record_fields)
+        except Exception:
+            log.exception("HTTP call not recordable; dropped", request_id=str(outcome.request_id)[:200])
+            self.metrics.records_dropped.labels("unrecordable").inc()
+            return
+        reason = self._append(HTTP, (payload,))
+        if reason is not None:
+            self.metrics.records_dropped.labels(reason).inc()
+
+    def _encode_http(
+        self,
+        outcome: CallOutcome,
+        request: bytes,
+        metadata: Sequence[tuple[str, str | bytes]],
+        record_fields: bytes,
+    ) -> bytes:
+        stream = b""
+        if outcome.stream is not None:
+            call = recorder_pb2.StreamCall()
+            outcome.stream.fill(call)
+            stream = call.SerializeToString()
+        return encode_call(
+            kind=HTTP,
+            request_id=outcome.request_id,
+            model=outcome.model,
+            version=outcome.version,
+            arm=outcome.arm,
+            code=_CODE_NUMBERS[id(outcome.code)],
+            details=outcome.details,
+            endpoint=outcome.endpoint,
+            router_id=self.router_id,
+            principal=outcome.principal,
+            receive_unix_ns=outcome.receive_unix_ns,
+            latency_ns=int(outcome.latency_s * 1e9),
+            flags=(
+                (FALLBACK if outcome.fallback else 0)
+                | (PINNED if outcome.pinned else 0)
+                | (RETRIED if outcome.retried else 0)
+            ),
+            assignment=-1 if outcome.assignment is None else _ASSIGNMENTS[id(outcome.assignment)],
+            shadows_expected=0,
+            routing_key_hmac=""
+            if outcome.routing_key is None
+            else self._routing_key_hmac(outcome.routing_key).decode(),
+            phase=b"" if outcome.phase is None else self._phase_field(outcome.phase),
+            metadata=self._recorded_metadata.encoded(metadata, outcome.routing_key_header),
+            stream=stream,
+            request=request,
+            response=None,
+            record_fields=record_fields,
+        )
+
+    def routing_key_hmac(self, routing_key: str) -> str:
+        """The HMAC records carry for ``routing_key`` (the HTTP front door masks a body's ``user`` with it)."""
+        return self._routing_key_hmac(routing_key).decode()
 
     def offer_shadows(self, request_id: str, shadows: Sequence[ShadowEntry]) -> None:
         """Log a call's shadow outcomes (the shipper joins them to the call logged before)."""

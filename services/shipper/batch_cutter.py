@@ -97,10 +97,15 @@ class BatchCutter:
         if len(record) <= limit:
             return record
         message = recorder_pb2.CallRecord.FromString(record)
-        holders: list[tuple[str, recorder_pb2.CallRecord | recorder_pb2.ShadowResult, str]] = [
+        holders: list[tuple[str, recorder_pb2.CallRecord | recorder_pb2.ShadowResult | recorder_pb2.HttpCall, str]] = [
             ("request", message, "request"),
             ("response", message, "response"),
         ]
+        if message.HasField("http"):  # an HTTP call's bodies as the client sent and got them
+            holders += [
+                ("http.request_body", message.http, "request_body"),
+                ("http.response_body", message.http, "response_body"),
+            ]
         holders += [(f"shadows[{i}].response", shadow, "response") for i, shadow in enumerate(message.shadows)]
         holders.sort(key=lambda h: -len(getattr(h[1], h[2]).inline))
         dropped = []

@@ -746,7 +746,7 @@ class RecordMirror:
         """One call as a serialized record; None (logged, counted: unrecordable) if it cannot be built, so
         one odd call never costs the calls batched with it."""
         try:
-            return self._record(entry).SerializeToString() + entry.phase
+            return self._record(entry).SerializeToString() + entry.phase + entry.record_fields
         except Exception:
             log.exception("call not recordable; dropped", request_id=str(entry.request_id)[:200])
             self.metrics.records_dropped.labels("unrecordable").inc()

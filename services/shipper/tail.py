@@ -41,6 +41,7 @@ from splitstream.common.errors import ConfigError
 from splitstream.common.wal import (
     CALL,
     FEEDBACK,
+    HTTP,
     SHADOWS,
     SHIPPER_LOCK_FILE,
     STREAM,
@@ -93,7 +94,7 @@ class TailMetrics:
         self.pending = Gauge(
             "splitstream_shipper_log_pending_bytes", "Log bytes past the cursors (not yet settled)", registry=registry
         )
-        for kind in ("call", "stream", "shadows", "feedback"):
+        for kind in ("call", "stream", "shadows", "feedback", "http"):
             self.entries.labels(kind)
         for reason in ("damaged", "torn", "undecodable"):
             self.damaged.labels(reason)
@@ -101,7 +102,7 @@ class TailMetrics:
             self.shadows.labels(result)
 
 
-_KIND_NAMES = {CALL: "call", STREAM: "stream", SHADOWS: "shadows", FEEDBACK: "feedback"}
+_KIND_NAMES = {CALL: "call", STREAM: "stream", SHADOWS: "shadows", FEEDBACK: "feedback", HTTP: "http"}
 
 
 class Tail:
@@ -285,7 +286,7 @@ class Tail:
     def _hand_on(self, index: int, kind: int, payload: bytes, start: Position) -> bool:
         self.metrics.entries.labels(_KIND_NAMES.get(kind, "call")).inc()
         try:
-            if kind in (CALL, STREAM):
+            if kind in (CALL, STREAM, HTTP):
                 call = decode_call(kind, payload)
                 call.position = (index, start)
                 if call.shadows_expected:

@@ -16,6 +16,10 @@ before the first token and stream metrics as a gRPC token stream. Nothing here r
   ``data: [DONE]``, as vLLM and OpenAI's own streams do.
 - A client that goes away cancels the handler (aiohttp's ``handler_cancellation``), and with it the
   worker's stream.
+- Recording (with ``--recorder``): each generation that reached routing is one record in the router's log,
+  appended when its answer has been written (:mod:`.recording`: the HTTP exchange beside the worker stream);
+  ``POST /v1/feedback`` takes an outcome event for a call (:mod:`.feedback`) into the same log as
+  ``splitstream.v1.Feedback/Report`` does.
 
 Stopping (:meth:`HttpFrontDoor.stop`): the listening socket closes, requests and streams in flight get
 the shutdown grace to end, then connections close. The router runs it beside the gRPC server's stop.
@@ -28,7 +32,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -47,6 +51,7 @@ from splitstream.common.runtime import bind_problem
 from splitstream.common.tls import ServerTls
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
+from splitstream.router.http.feedback import HttpFeedback
 from splitstream.router.http.openai_api import (
     CHAT,
     COMPLETION,
@@ -58,9 +63,14 @@ from splitstream.router.http.openai_api import (
     read_response,
     usage,
 )
+from splitstream.router.http.recording import HttpExchange, recorded_headers, stream_response
 from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
-from splitstream.router.streams import StreamProxy
+from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES, StreamProxy
+
+if TYPE_CHECKING:
+    from splitstream.router.feedback import FeedbackService
+    from splitstream.router.recording import CallLog
 
 log = structlog.get_logger()
 
@@ -96,8 +106,9 @@ class HttpMetrics:
 
 
 class HttpFrontDoor:
-    """The aiohttp application and server; ``core`` routes, ``streams`` relays (a proxy of its own, so
-    HTTP calls are not recorded in this slice)."""
+    """The aiohttp application and server; ``core`` routes, ``streams`` relays (a proxy of its own, whose
+    streams are not recorded as gRPC streams: the front door records each call whole, HTTP exchange and all,
+    into ``recording``, the router's log; None when the router records nothing)."""
 
     def __init__(
         self,
@@ -106,16 +117,25 @@ class HttpFrontDoor:
         *,
         max_body_bytes: int,
         shutdown_grace_s: float,
+        recording: CallLog | None = None,
+        feedback: FeedbackService | None = None,
+        record_max_bytes: int = DEFAULT_RECORD_STREAM_MAX_BYTES,
     ) -> None:
         self.core = core
-        self.streams = StreamProxy(core)
+        self.streams = StreamProxy(core, record_max_bytes=record_max_bytes)
         self.metrics = HttpMetrics(registry)
         self.shutdown_grace_s = shutdown_grace_s
+        self.recording = recording
+        self.record_max_bytes = record_max_bytes
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge])
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model}", self.get_model)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
+        self.feedback: HttpFeedback | None = None
+        if feedback is not None:
+            self.feedback = HttpFeedback(feedback, core.model_names)
+            self.app.router.add_post("/v1/feedback", self.feedback.post)
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -170,17 +190,22 @@ class HttpFrontDoor:
         request["started"] = started
         request["route"] = route
         request["labels"] = [UNKNOWN_MODEL, ""]  # model, version: set as far as the handler gets
+        if self.recording is not None:
+            request["receive_unix_ns"] = time.time_ns()
         status = 500
+        response: web.StreamResponse | None = None
         try:
             response = await handler(request)
             status = request.get("status", response.status)
             return response
         except ApiError as error:
             status = error.status
-            return self._error_response(request, error)
+            response = self._error_response(request, error)
+            return response
         except web.HTTPException as error:  # aiohttp's: unknown route, wrong method, body too large
             status = error.status
-            return self._error_response(request, _from_http(error))
+            response = self._error_response(request, _from_http(error))
+            return response
         except asyncio.CancelledError:
             status = CLIENT_CLOSED
             outcome = request.get("outcome")  # routed before the client went away: counted under its version
@@ -190,11 +215,46 @@ class HttpFrontDoor:
         except Exception:
             log.exception("HTTP request failed", path=request.path)
             status = 500
-            return self._error_response(request, internal())
+            response = self._error_response(request, internal())
+            return response
         finally:
             model, version = request["labels"]
             self.metrics.requests.labels(model, version, route, str(status)).inc()
             self.metrics.latency.labels(model, version, route).observe(time.monotonic() - started)
+            if "exchange" in request:
+                self._record(request, status, response)
+
+    def _exchange(self, request: web.Request, api: str) -> HttpExchange | None:
+        """The recording of this call, kept on the request (None when the router records nothing)."""
+        if self.recording is None:
+            return None
+        started_ns = int(request["started"] * 1e9)  # time.monotonic(), as the metrics time the call
+        exchange = request["exchange"] = HttpExchange(
+            request.method, request.path_qs, api, max_bytes=self.record_max_bytes, started_ns=started_ns
+        )
+        return exchange
+
+    def _record(self, request: web.Request, status: int, response: web.StreamResponse | None) -> None:
+        """Append the ended call to the router's log: one append, no network (a log that refuses it counts the
+        call as dropped). Only calls that reached routing (their model known) are recorded, as gRPC streams."""
+        outcome: CallOutcome | None = request.get("outcome")
+        exchange: HttpExchange = request["exchange"]
+        if self.recording is None or outcome is None or outcome.model == UNKNOWN_MODEL:
+            return
+        if isinstance(response, web.Response) and isinstance(response.body, bytes):
+            exchange.answered(response.body, response.content_type)
+        if self.feedback is not None:  # a feedback body may name the call by its id alone
+            self.feedback.recent.note(outcome.request_id, outcome.model)
+        outcome.receive_unix_ns = request["receive_unix_ns"]
+        outcome.latency_s = time.monotonic() - request["started"]
+        recording = self.recording
+        try:
+            fields = exchange.serialize(status, lambda user: "hmac:" + recording.routing_key_hmac(user))
+        except Exception:
+            log.exception("HTTP call not recordable; dropped", request_id=outcome.request_id[:200])
+            recording.metrics.records_dropped.labels("unrecordable").inc()
+            return
+        recording.offer_http(outcome, request.get("worker_request", b""), recorded_headers(request.headers), fields)
 
     @staticmethod
     def _error_response(request: web.Request, error: ApiError) -> web.Response:
@@ -233,14 +293,20 @@ class HttpFrontDoor:
         sent_id = _header(request, REQUEST_ID_HEADER) or ""
         request["sent_id"] = sent_id or None
         request_id = request["request_id"] = from_header_value(sent_id) if sent_id else uuid.uuid4().hex
-        generation = parse_generation(kind, parse_body(await request.read()))
+        exchange = self._exchange(request, kind)
+        raw = await request.read()
+        body = parse_body(raw)
+        if exchange is not None:
+            exchange.received(raw, request.headers.get("Content-Type", ""), body)
+        generation = parse_generation(kind, body)
         if not self.core.serves(generation.model):
             served = ", ".join(self.core.model_names()) or "none"
             raise model_not_found(f"The model '{generation.model}' does not exist (served: {served})")
         request["labels"][0] = generation.model
-        answer = _Answer(request, generation, Shapes.of(generation, request_id), self.metrics)
+        answer = _Answer(request, generation, Shapes.of(generation, request_id), self.metrics, exchange)
+        worker_request = request["worker_request"] = generation.inference_request(request_id)
         outcome = await self.streams.relay(
-            _one(generation.inference_request(request_id)),
+            _one(worker_request),
             answer.write,
             self._routing_headers(request, generation, request_id),
             (),
@@ -269,8 +335,16 @@ class _Answer:
     """One generation's answer, built as the worker's responses arrive: an SSE stream opened at the first
     one (``stream``: true), or the text gathered for one JSON object."""
 
-    def __init__(self, request: web.Request, generation: Generation, shapes: Shapes, metrics: HttpMetrics) -> None:
+    def __init__(
+        self,
+        request: web.Request,
+        generation: Generation,
+        shapes: Shapes,
+        metrics: HttpMetrics,
+        exchange: HttpExchange | None = None,
+    ) -> None:
         self.request = request
+        self.exchange = exchange
         self.generation = generation
         self.shapes = shapes
         self.metrics = metrics
@@ -309,6 +383,9 @@ class _Answer:
             text += self.stop.end()
             self.final = True
             self.prompt_tokens, self.completion_tokens = piece.prompt_tokens, piece.completion_tokens
+            if self.exchange is not None:
+                reported = self.usage
+                self.exchange.usage = (reported["prompt_tokens"], reported["completion_tokens"])
         if not self.generation.stream:
             self.texts.append(text)
             return
@@ -341,13 +418,14 @@ class _Answer:
 
     async def _open(self) -> web.StreamResponse:
         self.request["labels"][1] = self.request["version"] = self.version
-        response = web.StreamResponse(
+        response = stream_response(
+            self.request,
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 VERSION_HEADER: header_value(self.version),
                 **_id_header(self.request),
-            }
+            },
         )
         await response.prepare(self.request)
         return response
@@ -431,6 +509,8 @@ def _from_http(error: web.HTTPException) -> ApiError:
         )
     if isinstance(error, web.HTTPNotFound):
         return ApiError(
-            404, "no such route (served: /v1/models, /v1/chat/completions, /v1/completions)", code="not_found"
+            404,
+            "no such route (served: /v1/models, /v1/chat/completions, /v1/completions, /v1/feedback)",
+            code="not_found",
         )
     return ApiError(error.status, error.reason, code=None)
