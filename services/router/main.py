@@ -192,6 +192,16 @@ class Router(Service):
         if self.mirror is not None:
             self.streams.on_end = self.mirror.offer  # streams have no shadows: recorded as they end
         self._updates: AsyncIterator[RegistryUpdate] | None = None
+        self.principals: PrincipalsStore | None = None
+        self.jwt: JwtVerifier | None = None
+        self.auth: AuthInterceptor | None = None
+        if config.auth_principals:
+            self.auth_metrics = AuthMetrics(self.metrics)
+            self.limiter = RateLimiter()
+            self.principals = PrincipalsStore(open_principals(config.auth_principals), on_update=self._on_principals)
+            self.jwt = JwtVerifier(config.jwt) if config.jwt is not None else None
+            authenticator = Authenticator(self.principals, jwt=self.jwt, api_keys=True, limiter=self.limiter)
+            self.auth = AuthInterceptor(authenticator, self.auth_metrics)
         # The HTTP front door: started after the gRPC server, stopped beside it (before_stop → teardown).
         self.http: HttpFrontDoor | None = None
         self._http_stop: asyncio.Task[None] | None = None
@@ -204,17 +214,8 @@ class Router(Service):
                 self.metrics,
                 max_body_bytes=server.max_message_bytes,
                 shutdown_grace_s=server.shutdown_grace_s,
+                gate=self.auth.gate if self.auth is not None else None,  # the same checks as gRPC's
             )
-        self.principals: PrincipalsStore | None = None
-        self.jwt: JwtVerifier | None = None
-        self.auth: AuthInterceptor | None = None
-        if config.auth_principals:
-            self.auth_metrics = AuthMetrics(self.metrics)
-            self.limiter = RateLimiter()
-            self.principals = PrincipalsStore(open_principals(config.auth_principals), on_update=self._on_principals)
-            self.jwt = JwtVerifier(config.jwt) if config.jwt is not None else None
-            authenticator = Authenticator(self.principals, jwt=self.jwt, api_keys=True, limiter=self.limiter)
-            self.auth = AuthInterceptor(authenticator, self.auth_metrics)
 
     def interceptors(self) -> list[aio.ServerInterceptor]:
         """Calls are counted first (refused ones too), then authenticated and authorized."""

@@ -45,7 +45,9 @@ from splitstream.common.headers import (
 )
 from splitstream.common.runtime import bind_problem
 from splitstream.common.tls import ServerTls
+from splitstream.router.auth.gate import Gate
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
+from splitstream.router.http.auth import HttpGuard, authorize_model, may_see
 from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
 from splitstream.router.http.openai_api import (
     CHAT,
@@ -106,12 +108,15 @@ class HttpFrontDoor:
         *,
         max_body_bytes: int,
         shutdown_grace_s: float,
+        gate: Gate | None = None,
     ) -> None:
         self.core = core
         self.streams = StreamProxy(core)
         self.metrics = HttpMetrics(registry)
         self.shutdown_grace_s = shutdown_grace_s
-        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge])
+        # With --auth-principals every route is checked by default (http/auth.py), inside the edge's errors.
+        guard = [HttpGuard(gate).middleware] if gate is not None else []
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge, *guard])
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model}", self.get_model)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -195,7 +200,7 @@ class HttpFrontDoor:
 
     @staticmethod
     def _error_response(request: web.Request, error: ApiError) -> web.Response:
-        headers = {}
+        headers = dict(error.headers)
         if "request_id" in request:
             headers.update(_id_header(request["request_id"]))
         if request.get("version"):
@@ -205,7 +210,8 @@ class HttpFrontDoor:
     # -- models ---------------------------------------------------------------------------------
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model(name) for name in self.core.model_names()]})
+        names = [name for name in self.core.model_names() if may_see(request, name)]
+        return web.json_response({"object": "list", "data": [self._model(name) for name in names]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -228,8 +234,10 @@ class HttpFrontDoor:
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         sent_id = request.headers.get(REQUEST_ID_HEADER, "")
-        request_id = request["request_id"] = from_header_value(sent_id) if sent_id else uuid.uuid4().hex
+        request_id = request.get("request_id") or (from_header_value(sent_id) if sent_id else uuid.uuid4().hex)
+        request["request_id"] = request_id
         generation = parse_generation(kind, parse_body(await request.read()))
+        authorize_model(request, generation.model)
         if not self.core.serves(generation.model):
             served = ", ".join(self.core.model_names()) or "none"
             raise model_not_found(f"The model '{generation.model}' does not exist (served: {served})")
