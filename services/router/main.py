@@ -24,7 +24,7 @@ from splitstream.common.proto.splitstream.v1 import feedback_pb2, router_pb2
 from splitstream.common.registry import ConsulRegistry, FileRegistry, Registry, RegistryUpdate, parse_consul_spec
 from splitstream.common.runtime import Runtime, Service, process_index, run_service
 from splitstream.common.secrets import redact_text, redact_url
-from splitstream.common.supervisor import supervise
+from splitstream.common.supervisor import SharedPort, supervise
 from splitstream.router.auth.credentials import PrincipalsStore, open_principals
 from splitstream.router.auth.interceptor import Authenticator, AuthInterceptor, AuthMetrics
 from splitstream.router.auth.jwks import JwtVerifier
@@ -111,8 +111,16 @@ def _supervise(config: RouterConfig, argv: Sequence[str]) -> int:
         def companion(registry: CollectorRegistry) -> ShipperChild:
             return ShipperChild(config.shipper_args, registry, stop_timeout_s=15.0)
 
+    # Every child serves the HTTP port too, as it serves --port.
+    shared = [SharedPort("--http-port", "HTTP", config.http_port)] if config.http_port else []
     return supervise(
-        config.server, module="splitstream.router", argv=argv, prog=PROG, service="router", companion=companion
+        config.server,
+        module="splitstream.router",
+        argv=argv,
+        prog=PROG,
+        service="router",
+        companion=companion,
+        shared_ports=shared,
     )
 
 
@@ -258,7 +266,13 @@ class Router(Service):
         if self.http is not None:
             server = self.config.server
             port = await self.http.start(server.host, self.config.http_port, server.tls)
-            self.log.info("HTTP listening", host=server.host, http_port=port)
+            index = process_index()
+            self.log.info(
+                "HTTP listening",
+                host=server.host,
+                http_port=port,
+                **({"process_index": index} if index is not None else {}),
+            )
         self.servicer.ready = True
         await runtime.set_serving(True)
         self.log.info("router serving", registry=self.registry.description, models=self.core.model_names())

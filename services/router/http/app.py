@@ -43,7 +43,7 @@ from splitstream.common.headers import (
     from_header_value,
     header_value,
 )
-from splitstream.common.runtime import bind_problem
+from splitstream.common.runtime import bind_problem, process_index
 from splitstream.common.tls import ServerTls
 from splitstream.router.auth.gate import Gate
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
@@ -126,7 +126,8 @@ class HttpFrontDoor:
 
     async def start(self, host: str, port: int, tls: ServerTls | None) -> int:
         """Listen on ``host:port`` (0 picks a port; returns the port bound); ConfigError when it cannot."""
-        problem = bind_problem(host, port)
+        shared = process_index() is not None  # a --processes child: the port is its siblings' and parent's too
+        problem = bind_problem(host, port, reuse_port=shared)
         if problem:
             raise ConfigError(f"cannot listen for HTTP on {host}:{port} (--host/--http-port): {problem}")
         self.runner = web.AppRunner(
@@ -138,7 +139,7 @@ class HttpFrontDoor:
         )
         await self.runner.setup()
         context = RotatingContext(tls).context if tls is not None else None
-        site = web.TCPSite(self.runner, host, port, ssl_context=context)
+        site = web.TCPSite(self.runner, host, port, ssl_context=context, reuse_port=shared)
         try:
             await site.start()
         except OSError as error:
