@@ -30,7 +30,6 @@ from tests.harness import (
     Stack,
     free_port,
     metric_samples,
-    run_module,
     scrape_metrics,
     wait_for,
     write_registry,
@@ -423,19 +422,6 @@ def test_sigterm_lets_a_stream_in_flight_finish_while_new_connections_are_refuse
     assert len("".join(chunk["choices"][0]["text"] for chunk in chunks)) == tokens
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert router.wait(timeout_s=30) == 0
-
-
-def test_http_port_with_caller_authentication_is_refused_in_one_line(tmp_path: Path) -> None:
-    registry = tmp_path / "registry.yaml"
-    write_registry(registry, {})
-    principals = tmp_path / "principals.yaml"
-    principals.write_text("principals: {}\n")
-    result = run_module(
-        "splitstream.router",
-        *("--registry", f"file:{registry}", "--http-port", "18000", "--auth-principals", f"file:{principals}"),
-    )
-    assert result.returncode == 2
-    assert "--http-port cannot be used with --auth-principals" in result.stderr
 
 
 def test_a_worker_that_fails_mid_stream_ends_the_stream_with_an_error_event_and_no_done(

@@ -11,7 +11,8 @@ write-ahead log directory per index, so a restarted child resumes its own).
 What the parent does:
 
 - reserves the port: a ``SO_REUSEPORT`` socket bound and never listening keeps it from anyone else
-  (a port already taken is exit 2 and one line, as with one process);
+  (a port already taken is exit 2 and one line, as with one process); likewise each of the service's
+  other shared ports (:class:`SharedPort`: the router's HTTP port), given to every child by its flag;
 - serves ``--metrics-port`` for all children at once: prometheus-client's multiprocess mode, children
   writing to a fresh ``PROMETHEUS_MULTIPROC_DIR`` that the parent reads at each scrape, so one scrape
   shows the totals and histograms merge bucket by bucket;
@@ -35,6 +36,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -70,6 +72,17 @@ _STABLE_S = 30.0
 _STOP_SLACK_S = 20.0
 
 
+@dataclass(frozen=True, slots=True)
+class SharedPort:
+    """A port beside ``--port`` that every child serves too (SO_REUSEPORT), reserved by the parent: the
+    children get ``flag PORT`` (the port the parent bound, when ``port`` is 0)."""
+
+    flag: str
+    #: What is served there, for the error of a port that cannot be had ("HTTP").
+    what: str
+    port: int
+
+
 class Companion(Protocol):
     """Something the parent runs beside the children and stops after them (the router's shipper)."""
 
@@ -89,13 +102,17 @@ def supervise(
     prog: str,
     service: str,
     companion: Callable[[CollectorRegistry], Companion] | None = None,
+    shared_ports: Sequence[SharedPort] = (),
 ) -> int:
     """Run ``settings.processes`` children of ``python -m module argv`` until a signal; the exit code.
 
     ``service`` names the parent's own metrics (``splitstream_<service>_process_restarts``);
-    ``companion`` is built with the parent's metrics registry and started once the children are."""
+    ``companion`` is built with the parent's metrics registry and started once the children are;
+    ``shared_ports`` are served by every child beside ``--port``."""
     own_metrics()
-    parent = _Parent(settings, module=module, argv=argv, service=service, companion=companion)
+    parent = _Parent(
+        settings, module=module, argv=argv, service=service, companion=companion, shared_ports=shared_ports
+    )
     try:
         code = asyncio.run(parent.run())
         if parent.config_error is not None:
@@ -119,8 +136,15 @@ class _Parent:
         argv: Sequence[str],
         service: str,
         companion: Callable[[CollectorRegistry], Companion] | None,
+        shared_ports: Sequence[SharedPort] = (),
     ) -> None:
         self.settings = settings
+        self.shared_ports = tuple(shared_ports)
+        #: The shared ports' reservations, and the flags that give each child their ports.
+        self.shared_reservations: list[socket.socket] = []
+        self.shared_args: list[str] = []
+        #: The shared ports bound, for the "listening" line (``http_port=8000``).
+        self.shared_bound: dict[str, int] = {}
         self.module = module
         self.argv = list(argv)
         self.log = structlog.get_logger().bind(supervisor=True)
@@ -147,6 +171,8 @@ class _Parent:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
         port = self._reserve_port()
+        for shared in self.shared_ports:
+            self.shared_args += [shared.flag, str(self._reserve_shared(shared))]
         env = {**os.environ}
         self._remove_stale_metrics_dirs()
         if settings.metrics_port:
@@ -163,6 +189,7 @@ class _Parent:
             metrics_host=settings.metrics_host,
             metrics_port=settings.metrics_port or None,
             processes=settings.processes,
+            **self.shared_bound,
         )
         keepers = [
             asyncio.create_task(self._keep(index, port, env), name=f"child-{index}")
@@ -242,35 +269,24 @@ class _Parent:
         self.log.info("signal received, shutting down", signal=signum.name)
 
     def _reserve_port(self) -> int:
-        """Bind (never listen on) a SO_REUSEPORT socket: the port is ours for as long as the parent lives.
+        """Reserve ``--port``: the port is ours for as long as the parent lives."""
+        self.reservation = _reserve(self.settings.host, self.settings.port, what="gRPC", flag="--port")
+        return int(self.reservation.getsockname()[1])
 
-        A plain probe first: a process already listening on the port with SO_REUSEPORT set (another
-        router started with --processes on the same port) would otherwise share it silently."""
-        host, port = self.settings.host, self.settings.port
-        address = f"{host}:{port}"
-        problem = bind_problem(host, port)
-        if problem:
-            raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {problem}")
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        reservation = socket.socket(family, kind, proto)
-        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            reservation.bind(sockaddr)
-        except OSError as error:
-            reservation.close()
-            raise ConfigError(f"cannot listen for gRPC on {address} (--host/--port): {error.strerror}") from None
-        self.reservation = reservation
-        return int(reservation.getsockname()[1])
+    def _reserve_shared(self, shared: SharedPort) -> int:
+        """Reserve a shared port as ``--port`` is; ConfigError naming its flag when it cannot be had."""
+        reservation = _reserve(self.settings.host, shared.port, what=shared.what, flag=shared.flag)
+        self.shared_reservations.append(reservation)
+        port = int(reservation.getsockname()[1])
+        self.shared_bound[shared.flag.removeprefix("--").replace("-", "_")] = port
+        return port
 
     async def _keep(self, index: int, port: int, env: dict[str, str]) -> None:
         """Child ``index``, started again each time it dies, until the drain or a configuration error."""
         backoff_s = _RESTART_FIRST_S
         command = [
             sys.executable, "-m", self.module, *self.argv,
-            "--processes", "1", "--port", str(port), "--metrics-port", "0",
+            "--processes", "1", "--port", str(port), "--metrics-port", "0", *self.shared_args,
         ]  # fmt: skip
         child_env = {**env, PROCESS_INDEX_ENV: str(index)}
         while not self.stop.is_set():
@@ -322,9 +338,36 @@ class _Parent:
         if self.reservation is not None:
             self.reservation.close()
             self.reservation = None
+        for reservation in self.shared_reservations:
+            reservation.close()
+        self.shared_reservations = []
         if self.metrics_dir:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             self.metrics_dir = ""
+
+
+def _reserve(host: str, port: int, *, what: str, flag: str) -> socket.socket:
+    """Bind (never listen on) a SO_REUSEPORT socket to ``host:port``; ConfigError naming ``flag`` when it
+    cannot be had.
+
+    A plain probe first: a process already listening on the port with SO_REUSEPORT set (another
+    router started with --processes on the same port) would otherwise share it silently."""
+    address = f"{host}:{port}"
+    problem = bind_problem(host, port)
+    if problem:
+        raise ConfigError(f"cannot listen for {what} on {address} (--host/{flag}): {problem}")
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    reservation = socket.socket(family, kind, proto)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    reservation.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        reservation.bind(sockaddr)
+    except OSError as error:
+        reservation.close()
+        raise ConfigError(f"cannot listen for {what} on {address} (--host/{flag}): {error.strerror}") from None
+    return reservation
 
 
 def _pid_alive(pid: int) -> bool:

@@ -118,13 +118,9 @@ class RouterConfig:
             )
 
     def _check_http(self) -> None:
-        """--http-port: a port, and not (yet) where HTTP would bypass what gRPC enforces or shares."""
+        """--http-port: a port."""
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"--http-port: must be within 0..65535, got {self.http_port}")
-        if self.http_port and self.auth_principals:
-            raise ConfigError("--http-port cannot be used with --auth-principals yet: HTTP calls are not authenticated")
-        if self.http_port and self.server.processes > 1:
-            raise ConfigError("--http-port cannot be used with --processes above 1 yet: serve HTTP from one process")
 
 
 def build_parser() -> EnvArgumentParser:

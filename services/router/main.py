@@ -24,7 +24,7 @@ from splitstream.common.proto.splitstream.v1 import feedback_pb2, router_pb2
 from splitstream.common.registry import ConsulRegistry, FileRegistry, Registry, RegistryUpdate, parse_consul_spec
 from splitstream.common.runtime import Runtime, Service, process_index, run_service
 from splitstream.common.secrets import redact_text, redact_url
-from splitstream.common.supervisor import supervise
+from splitstream.common.supervisor import SharedPort, supervise
 from splitstream.router.auth.credentials import PrincipalsStore, open_principals
 from splitstream.router.auth.interceptor import Authenticator, AuthInterceptor, AuthMetrics
 from splitstream.router.auth.jwks import JwtVerifier
@@ -111,8 +111,16 @@ def _supervise(config: RouterConfig, argv: Sequence[str]) -> int:
         def companion(registry: CollectorRegistry) -> ShipperChild:
             return ShipperChild(config.shipper_args, registry, stop_timeout_s=15.0)
 
+    # Every child serves the HTTP port too, as it serves --port.
+    shared = [SharedPort("--http-port", "HTTP", config.http_port)] if config.http_port else []
     return supervise(
-        config.server, module="splitstream.router", argv=argv, prog=PROG, service="router", companion=companion
+        config.server,
+        module="splitstream.router",
+        argv=argv,
+        prog=PROG,
+        service="router",
+        companion=companion,
+        shared_ports=shared,
     )
 
 
@@ -192,6 +200,16 @@ class Router(Service):
         if self.mirror is not None:
             self.streams.on_end = self.mirror.offer  # streams have no shadows: recorded as they end
         self._updates: AsyncIterator[RegistryUpdate] | None = None
+        self.principals: PrincipalsStore | None = None
+        self.jwt: JwtVerifier | None = None
+        self.auth: AuthInterceptor | None = None
+        if config.auth_principals:
+            self.auth_metrics = AuthMetrics(self.metrics)
+            self.limiter = RateLimiter()
+            self.principals = PrincipalsStore(open_principals(config.auth_principals), on_update=self._on_principals)
+            self.jwt = JwtVerifier(config.jwt) if config.jwt is not None else None
+            authenticator = Authenticator(self.principals, jwt=self.jwt, api_keys=True, limiter=self.limiter)
+            self.auth = AuthInterceptor(authenticator, self.auth_metrics)
         # The HTTP front door: started after the gRPC server, stopped beside it (before_stop → teardown).
         self.http: HttpFrontDoor | None = None
         self._http_stop: asyncio.Task[None] | None = None
@@ -207,17 +225,8 @@ class Router(Service):
                 recording=self.mirror,
                 feedback=self.feedback,
                 record_max_bytes=config.record_stream_max_bytes,
+                gate=self.auth.gate if self.auth is not None else None,  # the same checks as gRPC's
             )
-        self.principals: PrincipalsStore | None = None
-        self.jwt: JwtVerifier | None = None
-        self.auth: AuthInterceptor | None = None
-        if config.auth_principals:
-            self.auth_metrics = AuthMetrics(self.metrics)
-            self.limiter = RateLimiter()
-            self.principals = PrincipalsStore(open_principals(config.auth_principals), on_update=self._on_principals)
-            self.jwt = JwtVerifier(config.jwt) if config.jwt is not None else None
-            authenticator = Authenticator(self.principals, jwt=self.jwt, api_keys=True, limiter=self.limiter)
-            self.auth = AuthInterceptor(authenticator, self.auth_metrics)
 
     def interceptors(self) -> list[aio.ServerInterceptor]:
         """Calls are counted first (refused ones too), then authenticated and authorized."""
@@ -260,7 +269,13 @@ class Router(Service):
         if self.http is not None:
             server = self.config.server
             port = await self.http.start(server.host, self.config.http_port, server.tls)
-            self.log.info("HTTP listening", host=server.host, http_port=port)
+            index = process_index()
+            self.log.info(
+                "HTTP listening",
+                host=server.host,
+                http_port=port,
+                **({"process_index": index} if index is not None else {}),
+            )
         self.servicer.ready = True
         await runtime.set_serving(True)
         self.log.info("router serving", registry=self.registry.description, models=self.core.model_names())

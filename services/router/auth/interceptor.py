@@ -1,13 +1,9 @@
-"""Caller authentication and authorization at the router's edge: one server interceptor.
+"""Caller authentication and authorization at the router's gRPC edge: one server interceptor.
 
-Credentials, read from the call's metadata (Triton and KServe clients can set headers):
-
-- ``x-api-key: <key>``: an API key whose SHA-256 the principals document lists;
-- ``authorization: Bearer <jwt>``: a JWT verified against the JWKS (:mod:`.jwks`), whose principal
-  claim names an entry of the principals document (its grants).
-
-A call carrying both is refused (which one should win is a guess the router does not make). What
-each method needs:
+The checks themselves are :mod:`.gate`'s, shared with the HTTP front door; this module says which
+each gRPC method needs and turns a refusal into the call's status. Credentials come from the call's
+metadata (Triton and KServe clients can set headers): ``x-api-key: <key>``, or ``authorization:
+Bearer <key or JWT>`` (:mod:`.gate`). What each method needs:
 
 ==============================================================  =========================================
 method                                                          needs
@@ -40,26 +36,42 @@ from __future__ import annotations
 import contextvars
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.headers import VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import router_pb2
-from splitstream.router.auth.credentials import PrincipalsStore
-from splitstream.router.auth.jwks import JwtVerifier, TokenRejected, bearer_token
+from splitstream.router.auth.gate import (
+    API_KEY_HEADER,
+    AUTHORIZATION_HEADER,
+    CALL_PRINCIPAL,
+    FAILURE_REASONS,
+    FEEDBACK,
+    STATUS,
+    Authenticator,
+    AuthMetrics,
+    Gate,
+    Refusal,
+    Refused,
+)
 from splitstream.router.auth.policy import Principal
-from splitstream.router.auth.ratelimit import RateLimiter
 
-API_KEY_HEADER = "x-api-key"
-AUTHORIZATION_HEADER = "authorization"
+__all__ = [
+    "API_KEY_HEADER",
+    "AUTHORIZATION_HEADER",
+    "CALL_HEAD",
+    "CALL_PRINCIPAL",
+    "FAILURE_REASONS",
+    "AuthInterceptor",
+    "AuthMetrics",
+    "Authenticator",
+    "check_model",
+    "read_head",
+]
 
-#: The authenticated caller of the call running now ("" when authentication is off).
-CALL_PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("splitstream_call_principal", default="")
 #: The request head the interceptor parsed for this call, if it did.
 CALL_HEAD: contextvars.ContextVar[router_pb2.InferRequestHead | None] = contextvars.ContextVar(
     "splitstream_call_head", default=None
@@ -72,140 +84,11 @@ _STATUS = "/splitstream.v1.Router/Status"
 _FEEDBACK = "/splitstream.v1.Feedback/Report"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-FAILURE_REASONS = (
-    "missing",
-    "ambiguous",
-    "api_key",
-    "malformed",
-    "algorithm",
-    "unknown_key",
-    "expired",
-    "not_yet_valid",
-    "audience",
-    "issuer",
-    "missing_claim",
-    "signature",
-    "invalid",
-    "unknown_principal",
-    "model",
-    "pin",
-    "status",
-    "feedback",
-    "bad_request",
-)
-
-
-class AuthMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.failures = Counter(
-            "splitstream_router_auth_failures",
-            "Calls refused by caller authentication (UNAUTHENTICATED) or authorization (PERMISSION_DENIED), by reason",
-            ["code", "reason"],
-            registry=registry,
-        )
-        self.allowed = Counter(
-            "splitstream_router_auth_calls", "Calls let through, by principal", ["principal"], registry=registry
-        )
-        self.rate_limited = Counter(
-            "splitstream_router_auth_rate_limited",
-            "Calls refused RESOURCE_EXHAUSTED by the principal's rate limit, by principal",
-            ["principal"],
-            registry=registry,
-        )
-        self.reloads = Counter(
-            "splitstream_router_auth_reloads",
-            "Principals documents read: ok, or error (the last good one kept)",
-            ["result"],
-            registry=registry,
-        )
-        self.principals = Gauge(
-            "splitstream_router_auth_principals",
-            "Principals in the document in force",
-            registry=registry,
-            multiprocess_mode="livemax",  # --processes: every child reads the same document
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    code: grpc.StatusCode
-    message: str
-    reason: str
-
-
-class Refused(Exception):
-    def __init__(self, refusal: Refusal) -> None:
-        super().__init__(refusal.message)
-        self.refusal = refusal
-
-
-class Authenticator:
-    """Credentials → principal, and the grant checks; knows nothing of gRPC servers (metadata in, names out)."""
-
-    def __init__(
-        self, store: PrincipalsStore, *, jwt: JwtVerifier | None, api_keys: bool, limiter: RateLimiter
-    ) -> None:
-        self.store = store
-        self.jwt = jwt
-        self.api_keys = api_keys
-        self.limiter = limiter
-
-    def _accepted(self) -> str:
-        forms = []
-        if self.api_keys:
-            forms.append(f"an API key in '{API_KEY_HEADER}'")
-        if self.jwt is not None:
-            forms.append(f"a JWT in '{AUTHORIZATION_HEADER}: Bearer ...'")
-        return " or ".join(forms)
-
-    async def authenticate(self, metadata: tuple[tuple[str, str | bytes], ...]) -> Principal:
-        keys = [v for k, v in metadata if k == API_KEY_HEADER and isinstance(v, str)]
-        authorizations = [v for k, v in metadata if k == AUTHORIZATION_HEADER and isinstance(v, str)]
-        token = bearer_token(authorizations) if self.jwt is not None else None
-        if self.api_keys and keys and token is not None:
-            raise _unauthenticated(
-                f"send one credential: both '{API_KEY_HEADER}' and '{AUTHORIZATION_HEADER}' were sent", "ambiguous"
-            )
-        policy = self.store.policy
-        assert policy is not None  # loaded before serving
-        if self.api_keys and keys:
-            principal = policy.by_api_key(keys[0].strip())
-            if principal is None:
-                raise _unauthenticated(f"the API key in '{API_KEY_HEADER}' is not valid", "api_key")
-            return principal
-        if token is not None and self.jwt is not None:
-            try:
-                name = await self.jwt.verify(token)
-            except TokenRejected as error:
-                raise _unauthenticated(str(error), error.reason) from None
-            principal = policy.principals.get(name)
-            if principal is None:
-                raise Refused(
-                    Refusal(
-                        grpc.StatusCode.PERMISSION_DENIED,
-                        f"principal '{name}' is not in the router's principals document (no grants)",
-                        "unknown_principal",
-                    )
-                )
-            return principal
-        raise _unauthenticated(f"no credentials: send {self._accepted()}", "missing")
-
-
-def _unauthenticated(message: str, reason: str) -> Refused:
-    return Refused(Refusal(grpc.StatusCode.UNAUTHENTICATED, message, reason))
-
-
-def _denied(message: str, reason: str) -> Refused:
-    return Refused(Refusal(grpc.StatusCode.PERMISSION_DENIED, message, reason))
-
 
 def check_model(
     principal: Principal, head: router_pb2.InferRequestHead, *, pinned_header: str | None, infer: bool
 ) -> None:
-    if not principal.may_call(head.model_name):
-        raise _denied(f"principal '{principal.name}' may not call model '{head.model_name}'", "model")
-    if infer and (pinned_header or head.model_version) and not principal.pin:
-        raise _denied(f"principal '{principal.name}' may not pin a version ({VERSION_HEADER} or model_version)", "pin")
+    Gate.check_model(principal, head.model_name, pinned=infer and bool(pinned_header or head.model_version))
 
 
 def read_head(request: bytes, method: str = "") -> router_pb2.InferRequestHead:
@@ -224,8 +107,7 @@ class AuthInterceptor(aio.ServerInterceptor):
     """Wraps each handler so that the call is authenticated and authorized before the handler runs."""
 
     def __init__(self, authenticator: Authenticator, metrics: AuthMetrics) -> None:
-        self.auth = authenticator
-        self.metrics = metrics
+        self.gate = Gate(authenticator, metrics)
         # Registered handlers are the same objects call after call: each is wrapped once, not per call.
         self._wrapped: dict[tuple[str, grpc.RpcMethodHandler], grpc.RpcMethodHandler] = {}
 
@@ -246,23 +128,13 @@ class AuthInterceptor(aio.ServerInterceptor):
     async def _admit(self, method: str, context: aio.ServicerContext[Any, Any], request: bytes | None) -> Principal:
         """Authenticate, rate-limit and authorize one call (``request``: the unary request's bytes)."""
         metadata = tuple(context.invocation_metadata() or ())
+        gate = self.gate
         try:
-            principal = await self.auth.authenticate(metadata)
-            if not self.auth.limiter.allow(principal):
-                self.metrics.rate_limited.labels(principal.name).inc()
-                limit = principal.rate_limit
-                assert limit is not None
-                raise Refused(
-                    Refusal(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"principal '{principal.name}' is over its rate limit ({limit.per_s:g}/s, burst {limit.burst})",
-                        "rate_limited",
-                    )
-                )
-            if method == _STATUS and not principal.status:
-                raise _denied(f"principal '{principal.name}' may not read Status", "status")
-            if method == _FEEDBACK and not principal.feedback:
-                raise _denied(f"principal '{principal.name}' may not report feedback", "feedback")
+            principal = await gate.admit(metadata)
+            if method == _STATUS:
+                gate.require(principal, STATUS)
+            if method == _FEEDBACK:
+                gate.require(principal, FEEDBACK)
             if request is not None and (method in _INFER or method in _MODEL):
                 head = read_head(request, method)
                 pinned = _header(metadata, VERSION_HEADER)
@@ -270,17 +142,15 @@ class AuthInterceptor(aio.ServerInterceptor):
                 CALL_HEAD.set(head if method in _INFER else None)
         except Refused as refused:
             refusal = refused.refusal
-            if refusal.reason != "rate_limited":
-                self.metrics.failures.labels(refusal.code.name, refusal.reason).inc()
+            gate.count(refusal)
             await context.abort(refusal.code, refusal.message)
             raise AssertionError("unreachable: abort raises") from None
-        CALL_PRINCIPAL.set(principal.name)
-        self.metrics.allowed.labels(principal.name).inc()
+        gate.let_through(principal)
         return principal
 
     def _wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         admit = self._admit
-        metrics = self.metrics
+        gate = self.gate
         if handler.unary_unary is not None and inspect.iscoroutinefunction(handler.unary_unary):
             unary = handler.unary_unary
 
@@ -323,7 +193,7 @@ class AuthInterceptor(aio.ServerInterceptor):
                         check_model(principal, read_head(request), pinned_header=pinned, infer=True)
                     except Refused as refused:
                         refusal = refused.refusal
-                        metrics.failures.labels(refusal.code.name, refusal.reason).inc()
+                        gate.count(refusal)
                         await context.abort(refusal.code, refusal.message)
                 yield request
 

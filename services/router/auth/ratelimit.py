@@ -54,6 +54,16 @@ class RateLimiter:
             bucket = self._buckets[principal.name] = TokenBucket(limit, float(limit.burst), now)
         return bucket.take(now)
 
+    def retry_after_s(self, principal: Principal) -> float:
+        """Seconds until ``principal``'s bucket holds a token again (0 when it holds one, or has no limit):
+        the ``Retry-After`` of an HTTP 429."""
+        bucket = self._buckets.get(principal.name)
+        if bucket is None or bucket.limit != principal.rate_limit:
+            return 0.0
+        elapsed = max(self._clock() - bucket.updated_s, 0.0)
+        tokens = min(bucket.tokens + elapsed * bucket.limit.per_s, float(bucket.limit.burst))
+        return max(1.0 - tokens, 0.0) / bucket.limit.per_s
+
     def forget_except(self, names: frozenset[str]) -> None:
         """Drop the buckets of principals no longer configured (after a reload)."""
         for name in [n for n in self._buckets if n not in names]:

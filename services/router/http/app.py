@@ -47,9 +47,11 @@ from splitstream.common.headers import (
     from_header_value,
     header_value,
 )
-from splitstream.common.runtime import bind_problem
+from splitstream.common.runtime import bind_problem, process_index
 from splitstream.common.tls import ServerTls
+from splitstream.router.auth.gate import Gate
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
+from splitstream.router.http.auth import HttpGuard, authorize_model, may_see
 from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
 from splitstream.router.http.feedback import HttpFeedback
 from splitstream.router.http.openai_api import (
@@ -120,6 +122,7 @@ class HttpFrontDoor:
         recording: CallLog | None = None,
         feedback: FeedbackService | None = None,
         record_max_bytes: int = DEFAULT_RECORD_STREAM_MAX_BYTES,
+        gate: Gate | None = None,
     ) -> None:
         self.core = core
         self.streams = StreamProxy(core, record_max_bytes=record_max_bytes)
@@ -127,7 +130,9 @@ class HttpFrontDoor:
         self.shutdown_grace_s = shutdown_grace_s
         self.recording = recording
         self.record_max_bytes = record_max_bytes
-        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge])
+        # With --auth-principals every route is checked by default (http/auth.py), inside the edge's errors.
+        guard = [HttpGuard(gate).middleware] if gate is not None else []
+        self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge, *guard])
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model}", self.get_model)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -141,7 +146,8 @@ class HttpFrontDoor:
 
     async def start(self, host: str, port: int, tls: ServerTls | None) -> int:
         """Listen on ``host:port`` (0 picks a port; returns the port bound); ConfigError when it cannot."""
-        problem = bind_problem(host, port)
+        shared = process_index() is not None  # a --processes child: the port is its siblings' and parent's too
+        problem = bind_problem(host, port, reuse_port=shared)
         if problem:
             raise ConfigError(f"cannot listen for HTTP on {host}:{port} (--host/--http-port): {problem}")
         self.runner = web.AppRunner(
@@ -153,7 +159,7 @@ class HttpFrontDoor:
         )
         await self.runner.setup()
         context = RotatingContext(tls).context if tls is not None else None
-        site = web.TCPSite(self.runner, host, port, ssl_context=context)
+        site = web.TCPSite(self.runner, host, port, ssl_context=context, reuse_port=shared)
         try:
             await site.start()
         except OSError as error:
@@ -258,7 +264,7 @@ class HttpFrontDoor:
 
     @staticmethod
     def _error_response(request: web.Request, error: ApiError) -> web.Response:
-        headers = {}
+        headers = dict(error.headers)
         if "request_id" in request:
             headers.update(_id_header(request))
         if request.get("version"):
@@ -268,7 +274,8 @@ class HttpFrontDoor:
     # -- models ---------------------------------------------------------------------------------
 
     async def list_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [self._model(name) for name in self.core.model_names()]})
+        names = [name for name in self.core.model_names() if may_see(request, name)]
+        return web.json_response({"object": "list", "data": [self._model(name) for name in names]})
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
@@ -292,13 +299,15 @@ class HttpFrontDoor:
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         sent_id = _header(request, REQUEST_ID_HEADER) or ""
         request["sent_id"] = sent_id or None
-        request_id = request["request_id"] = from_header_value(sent_id) if sent_id else uuid.uuid4().hex
+        request_id = request.get("request_id") or (from_header_value(sent_id) if sent_id else uuid.uuid4().hex)
+        request["request_id"] = request_id
         exchange = self._exchange(request, kind)
         raw = await request.read()
         body = parse_body(raw)
         if exchange is not None:
             exchange.received(raw, request.headers.get("Content-Type", ""), body)
         generation = parse_generation(kind, body)
+        authorize_model(request, generation.model)
         if not self.core.serves(generation.model):
             served = ", ".join(self.core.model_names()) or "none"
             raise model_not_found(f"The model '{generation.model}' does not exist (served: {served})")

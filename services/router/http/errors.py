@@ -30,6 +30,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",  # OpenAI's field name
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -37,6 +38,8 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        #: Response headers the error needs (``WWW-Authenticate`` on a 401, ``Retry-After`` on a 429).
+        self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
