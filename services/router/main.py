@@ -204,6 +204,7 @@ class Router(Service):
                 self.metrics,
                 max_body_bytes=server.max_message_bytes,
                 shutdown_grace_s=server.shutdown_grace_s,
+                servicer=self.servicer,
             )
         self.principals: PrincipalsStore | None = None
         self.jwt: JwtVerifier | None = None

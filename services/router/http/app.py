@@ -47,6 +47,8 @@ from splitstream.common.runtime import bind_problem
 from splitstream.common.tls import ServerTls
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
+from splitstream.router.http.kserve import ROUTES as KSERVE_ROUTES
+from splitstream.router.http.kserve import KServeRoutes, kserve_error
 from splitstream.router.http.openai_api import (
     CHAT,
     COMPLETION,
@@ -60,6 +62,7 @@ from splitstream.router.http.openai_api import (
 )
 from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
+from splitstream.router.servicer import RouterServicer
 from splitstream.router.streams import StreamProxy
 
 log = structlog.get_logger()
@@ -106,8 +109,11 @@ class HttpFrontDoor:
         *,
         max_body_bytes: int,
         shutdown_grace_s: float,
+        servicer: RouterServicer | None = None,
     ) -> None:
         self.core = core
+        #: The gRPC servicer: KServe's health and metadata answer as it does, its ``after_answer`` records.
+        self.servicer = servicer
         self.streams = StreamProxy(core)
         self.metrics = HttpMetrics(registry)
         self.shutdown_grace_s = shutdown_grace_s
@@ -116,6 +122,7 @@ class HttpFrontDoor:
         self.app.router.add_get("/v1/models/{model}", self.get_model)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_post("/v1/completions", self.completions)
+        KServeRoutes(self).register(self.app)
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -180,14 +187,15 @@ class HttpFrontDoor:
             return self._error_response(request, error)
         except web.HTTPException as error:  # aiohttp's: unknown route, wrong method, body too large
             status = error.status
-            return self._error_response(request, _from_http(error))
+            refusal = _from_http(error)
+            return self._error_response(request, kserve_error(refusal) if _is_kserve(request) else refusal)
         except asyncio.CancelledError:
             status = CLIENT_CLOSED
             raise
         except Exception:
             log.exception("HTTP request failed", path=request.path)
             status = 500
-            return self._error_response(request, internal())
+            return self._error_response(request, kserve_error(internal()) if _is_kserve(request) else internal())
         finally:
             model, version = request["labels"]
             self.metrics.requests.labels(model, version, route, str(status)).inc()
@@ -402,6 +410,11 @@ def _id_header(request_id: str) -> dict[str, str]:
     return {REQUEST_ID_HEADER: value} if len(value) <= MAX_ID_HEADER_BYTES else {}
 
 
+def _is_kserve(request: web.Request) -> bool:
+    """KServe's routes (and unknown paths under /v2) answer errors in KServe's shape."""
+    return request.path == "/v2" or request.path.startswith("/v2/")
+
+
 def _from_http(error: web.HTTPException) -> ApiError:
     """aiohttp's own refusals in OpenAI's shape."""
     if isinstance(error, web.HTTPRequestEntityTooLarge):
@@ -412,7 +425,6 @@ def _from_http(error: web.HTTPException) -> ApiError:
             405, f"method {error.method} is not allowed here (allowed: {allowed})", code="method_not_allowed"
         )
     if isinstance(error, web.HTTPNotFound):
-        return ApiError(
-            404, "no such route (served: /v1/models, /v1/chat/completions, /v1/completions)", code="not_found"
-        )
+        served = ", ".join(["/v1/models", "/v1/chat/completions", "/v1/completions", *KSERVE_ROUTES])
+        return ApiError(404, f"no such route (served: {served})", code="not_found")
     return ApiError(error.status, error.reason, code=None)
