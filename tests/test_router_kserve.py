@@ -20,9 +20,21 @@ import onnxruntime
 import pytest
 
 from demo import language
-from tests.harness import ServiceProcess, Stack, free_port, metric_samples, scrape_metrics, write_registry
+from splitstream.common import tensors
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from tests.harness import (
+    ServiceProcess,
+    Stack,
+    free_port,
+    metric_samples,
+    scrape_metrics,
+    wait_for,
+    write_registry,
+)
 from tests.models import add_version
-from tests.test_router_http import start_router
+from tests.recording_stack import MODEL, RecordingStack
+from tests.replays import run_replay
+from tests.test_router_http import accepts, start_router
 
 AFFINE = "affine"
 SCALES = {"v1": 2.0, "v2": 3.0}
@@ -350,3 +362,54 @@ def test_health_routes_answer_200_and_model_ready_400_without_a_healthy_endpoint
     assert call(deployment, f"/v2/models/{AFFINE}/versions/v1/ready")[0] == 200
     assert call(deployment, f"/v2/models/{GHOST}/ready")[0] == 400
     assert error_of(call(deployment, "/v2/models/nope/ready"))[0] == 404
+
+
+# -- recording and replay ----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_kserve_infer_is_recorded_as_a_grpc_model_infer_and_replays(tmp_path: Path) -> None:
+    """The record holds the translated ModelInferRequest and ModelInferResponse, the routing fields and the
+    client's own headers (not HTTP's), so the replayer sends it over gRPC as any recorded ModelInfer."""
+    stack = RecordingStack(
+        tmp_path / "stack",
+        versions={"v1": {"scale": 2.0}, "v2": {"scale": 3.0}},
+        experiment={"salt": "kserve", "control": "v1", "arms": [{"version": "v1", "weight": 100}]},
+        router_args=("--http-port", str(http_port := free_port())),
+    )
+    try:
+        wait_for(lambda: accepts(http_port), timeout_s=10, what="the HTTP port to accept")
+        deployment = Deployment(tmp_path, tmp_path, stack.router, http_port)
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        x_binary = {"name": "x", "shape": [1, 4], "datatype": "FP32", "parameters": {"binary_data_size": 16}}
+        head = json.dumps({"id": "k-bin", "inputs": [x_binary]}).encode()
+        status, _, _ = call(
+            deployment,
+            f"/v2/models/{MODEL}/versions/v2/infer",
+            head + x.tobytes(),
+            {"Inference-Header-Content-Length": str(len(head)), "x-tenant": "acme"},
+        )
+        assert status == 200
+        document = {"id": "k-json", "inputs": [{**FP32_X, "data": x.reshape(-1).tolist()}]}
+        assert post_json(deployment, f"/v2/models/{MODEL}/infer", document)[0] == 200
+        records = {r.request_id: r for r in stack.wait_recorded({"k-bin", "k-json"})}
+        pinned = records["k-bin"]
+        assert (pinned.version, pinned.pinned, pinned.status_code) == ("v2", True, 0)
+        request = oip.ModelInferRequest.FromString(pinned.request.inline)
+        assert (request.model_name, request.model_version, request.id) == (MODEL, "v2", "k-bin")
+        assert request.raw_input_contents == [x.tobytes()]
+        response = oip.ModelInferResponse.FromString(pinned.response.inline)
+        np.testing.assert_array_equal(tensors.output_arrays(response)["y"], x * 3)
+        assert pinned.metadata["x-tenant"] == "acme"
+        assert not {"content-type", "host", "inference-header-content-length"} & set(pinned.metadata)
+        assert records["k-json"].version == "v1"
+        received = [record.receive_unix_ns for record in records.values()]
+        window = ["--since", f"{min(received) / 1e9 - 1:.9f}", "--until", f"{max(received) / 1e9 + 1:.9f}"]
+        code, _, stderr = run_replay(
+            stack.redis.url, tmp_path / "replay", "--target", stack.router.address, "--speed", "max", *window
+        )
+        assert code == 0, stderr
+        summary = json.loads((tmp_path / "replay" / "summary.json").read_text())
+        assert summary["outcomes"] == {"match": 2, "mismatch": 0, "status_change": 0}
+    finally:
+        stack.close()
