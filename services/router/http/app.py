@@ -1,4 +1,5 @@
-"""The router's HTTP front door: OpenAI's chat and completions API over the router's own routing.
+"""The router's HTTP front door: OpenAI's chat and completions API over the router's own routing (and
+KServe v2 REST with Triton's extensions, registered from :mod:`.kserve`).
 
 One aiohttp server on the router's event loop, beside the gRPC server (``--http-port``, same
 ``--host``, the same TLS files, followed through rotation: :mod:`.tls`). Each generation request is
