@@ -5,6 +5,7 @@ protobuf symbols as our stubs) and with raw HTTP requests, as curl would send th
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -148,9 +149,10 @@ for binary in (False, True):
             assert ("binary_data_size" in output.get("parameters", {{}})) == binary, output
         np.save("{tmp_path}/y-" + version + "-" + str(binary) + ".npy", result.as_numpy("y"))
         np.save("{tmp_path}/label-" + version + "-" + str(binary) + ".npy", result.as_numpy("label"))
-# No outputs named: tritonclient asks for every output as binary data (binary_data_output).
+# No outputs named: tritonclient asks for every output as binary data (binary_data_output); compressed both ways.
 inp = th.InferInput("x", list(x.shape), "FP32"); inp.set_data_from_numpy(x, binary_data=True)
-result = client.infer("{AFFINE}", [inp], model_version="v2")
+result = client.infer("{AFFINE}", [inp], model_version="v2", request_compression_algorithm="gzip",
+                      response_compression_algorithm="deflate")
 np.save("{tmp_path}/y-all.npy", result.as_numpy("y"))
 """)
     for version in SCALES:
@@ -413,3 +415,19 @@ def test_a_kserve_infer_is_recorded_as_a_grpc_model_infer_and_replays(tmp_path: 
         assert summary["outcomes"] == {"match": 2, "mismatch": 0, "status_change": 0}
     finally:
         stack.close()
+
+
+def test_an_infer_body_may_be_compressed_both_ways_as_tritonclient_can_ask(deployment: Deployment) -> None:
+    document = {"inputs": [FP32_X], "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}
+    status, headers, body = call(
+        deployment,
+        f"/v2/models/{AFFINE}/versions/v1/infer",
+        gzip.compress(json.dumps(document).encode()),
+        {"Content-Encoding": "gzip", "Accept-Encoding": "gzip"},
+    )
+    assert status == 200, body
+    assert headers["Content-Encoding"] == "gzip"
+    plain = gzip.decompress(body)
+    length = int(headers["Inference-Header-Content-Length"])  # of the JSON before compression
+    assert json.loads(plain[:length])["outputs"][0]["parameters"] == {"binary_data_size": 16}
+    np.testing.assert_array_equal(np.frombuffer(plain[length:], dtype="<f4"), [2, 4, 6, 8])

@@ -533,9 +533,13 @@ class KServeRoutes:
         body, header_length = infer_answer(oip.ModelInferResponse.FromString(outcome.response), choice)
         response_headers = self._answer_headers(outcome)
         if header_length is None:
-            return web.Response(body=body, content_type="application/json", headers=response_headers)
-        response_headers[HEADER_LENGTH] = str(header_length)
-        return web.Response(body=body, content_type="application/octet-stream", headers=response_headers)
+            answer = web.Response(body=body, content_type="application/json", headers=response_headers)
+        else:
+            response_headers[HEADER_LENGTH] = str(header_length)  # of the JSON before compression, as Triton's
+            answer = web.Response(body=body, content_type="application/octet-stream", headers=response_headers)
+        if request.headers.get("Accept-Encoding"):
+            answer.enable_compression()  # gzip or deflate when the client accepts one (tritonclient may ask)
+        return answer
 
     def _routing_headers(self, request: web.Request) -> dict[str, str]:
         """What the core reads, as the gRPC servicer passes it: the request id (decoded), the routing-key
