@@ -6,6 +6,7 @@ protobuf symbols as our stubs) and with raw HTTP requests, as curl would send th
 from __future__ import annotations
 
 import gzip
+import http.client
 import json
 import os
 import subprocess
@@ -35,12 +36,12 @@ from tests.harness import (
 from tests.models import add_version
 from tests.recording_stack import MODEL, RecordingStack
 from tests.replays import run_replay
-from tests.test_router_http import accepts, start_router
+from tests.test_router_http import accepts, cancelled_generations, events, start_router, worker_metric
 
 AFFINE = "affine"
 SCALES = {"v1": 2.0, "v2": 3.0}
 WRITER = "writer"
-LIMIT = 64
+LIMIT = 1_000_000
 #: A model listed with an endpoint nobody serves: no healthy version.
 GHOST = "ghost"
 
@@ -51,6 +52,7 @@ class Deployment:
     repository: Path
     router: ServiceProcess
     http_port: int
+    writers: dict[str, ServiceProcess]
 
     @property
     def url(self) -> str:
@@ -85,7 +87,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
             },
         )
         router, http_port = start_router(stack, registry)
-        yield Deployment(tmp, repository, router, http_port)
+        yield Deployment(tmp, repository, router, http_port, writer)
     finally:
         stack.close()
 
@@ -358,6 +360,37 @@ def test_generate_errors_are_kserve_errors(deployment: Deployment) -> None:
     assert (status, "nope" in answer["error"]) == (404, True), answer
 
 
+def test_a_client_that_leaves_generate_stream_cancels_the_worker_stream(deployment: Deployment) -> None:
+    worker = deployment.writers["v1"]
+    cancelled_before = cancelled_generations(worker)
+    connection = http.client.HTTPConnection("127.0.0.1", deployment.http_port, timeout=30)
+    body = {"text_input": "The ", "max_tokens": LIMIT}
+    connection.request("POST", f"/v2/models/{WRITER}/versions/v1/generate_stream", json.dumps(body))
+    response = connection.getresponse()
+    assert response.status == 200
+    stream = events(response)
+    for _ in range(5):
+        json.loads(next(stream))
+    assert worker_metric(worker, "splitstream_worker_active_sequences") == 1
+    response.close()
+    connection.close()  # the socket goes: the router's handler is cancelled, and the worker's stream with it
+    wait_for(
+        lambda: worker_metric(worker, "splitstream_worker_active_sequences") == 0,
+        timeout_s=10,
+        what="the worker's generation to end",
+    )
+    assert cancelled_generations(worker) == cancelled_before + 1
+    route = "/v2/models/{model}/versions/{version}/generate_stream"
+    wait_for(
+        lambda: (
+            ({"route": route, "model": WRITER, "version": "v1", "status": "499"}, 1.0)
+            in metric_samples(scrape_metrics(deployment.router.metrics_port), "splitstream_router_http_requests_total")
+        ),
+        timeout_s=10,
+        what="the call to be counted as a client that went away (499), not a failure of ours",
+    )
+
+
 def test_health_routes_answer_200_and_model_ready_400_without_a_healthy_endpoint(deployment: Deployment) -> None:
     assert call(deployment, "/v2/health/live")[0] == 200
     assert call(deployment, "/v2/health/ready")[0] == 200
@@ -381,7 +414,7 @@ def test_a_kserve_infer_is_recorded_as_a_grpc_model_infer_and_replays(tmp_path: 
     )
     try:
         wait_for(lambda: accepts(http_port), timeout_s=10, what="the HTTP port to accept")
-        deployment = Deployment(tmp_path, tmp_path, stack.router, http_port)
+        deployment = Deployment(tmp_path, tmp_path, stack.router, http_port, {})
         x = np.arange(4, dtype=np.float32).reshape(1, 4)
         x_binary = {"name": "x", "shape": [1, 4], "datatype": "FP32", "parameters": {"binary_data_size": 16}}
         head = json.dumps({"id": "k-bin", "inputs": [x_binary]}).encode()

@@ -23,6 +23,7 @@ Health answers 200 for true and 400 for false, as Triton does.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -603,17 +604,28 @@ class _GenerateRelay:
         self.stream = stream
         self.outcome: CallOutcome | None = None
         self.sse: web.StreamResponse | None = None
+        self.gone = False
 
     def bind(self, outcome: CallOutcome) -> None:
         self.outcome = outcome
 
     async def write(self, payload: bytes) -> None:
+        if self.gone:
+            return
         event = self.answer.read(payload, gather=not self.stream)
         if event is None or not self.stream or self.answer.error:
             return
-        if self.sse is None:
-            self.sse = await self._open()
-        await self._event(event)
+        try:
+            if self.sse is None:
+                self.sse = await self._open()
+            await self._event(event)
+        except ConnectionError:
+            # The client went away between two tokens: stop the worker's stream as a cancel would.
+            self.gone = True
+            task = asyncio.current_task()
+            if task is not None:
+                task.cancel()
+            return
         if "ttft" not in self.request:
             self.request["ttft"] = True
             self.front.metrics.ttft.labels(self.answer.model, self.answer.version, self.request["route"]).observe(
