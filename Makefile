@@ -24,7 +24,7 @@ $(BIN)/.installed: pyproject.toml
 $(TRITON_VENV)/.installed:
 	$(PYTHON) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/pip install --quiet --upgrade pip
-	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc]>=2.50,<3' 'numpy>=1.26,<3'
+	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc,http]>=2.50,<3' 'numpy>=1.26,<3'
 	@touch $@
 
 install: $(BIN)/.installed protos ## Create .venv, install splitstream (editable) with dev tools, generate stubs

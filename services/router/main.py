@@ -226,6 +226,7 @@ class Router(Service):
                 feedback=self.feedback,
                 record_max_bytes=config.record_stream_max_bytes,
                 gate=self.auth.gate if self.auth is not None else None,  # the same checks as gRPC's
+                servicer=self.servicer,
             )
 
     def interceptors(self) -> list[aio.ServerInterceptor]:

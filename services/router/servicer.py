@@ -157,22 +157,26 @@ class RouterServicer:
     ) -> oip.ModelMetadataResponse:
         """Ask a worker of the requested version (else the control) and list every version the router knows."""
         try:
-            endpoint, version, versions = self.core.metadata_endpoint(request.name, request.version)
+            return await self.fetch_model_metadata(request.name, request.version, context.time_remaining())
         except SplitstreamError as error:
             await context.abort(*status_of(error))
             raise AssertionError("unreachable: abort raises") from error
+        except aio.AioRpcError as error:
+            await context.abort(error.code(), error.details() or "")
+            raise AssertionError("unreachable: abort raises") from error
+
+    async def fetch_model_metadata(self, name: str, version: str, timeout_s: float | None) -> oip.ModelMetadataResponse:
+        """ModelMetadata's answer, for the gRPC method and the HTTP front door's KServe route alike: raises
+        SplitstreamError (unknown model or version, no healthy endpoint) or the worker's AioRpcError."""
+        endpoint, version, versions = self.core.metadata_endpoint(name, version)
         stub = endpoint.channel.unary_unary(
             "/inference.GRPCInferenceService/ModelMetadata",
             request_serializer=oip.ModelMetadataRequest.SerializeToString,
             response_deserializer=oip.ModelMetadataResponse.FromString,
         )
-        try:
-            response: oip.ModelMetadataResponse = await stub(
-                oip.ModelMetadataRequest(name=request.name, version=version), timeout=context.time_remaining()
-            )
-        except aio.AioRpcError as error:
-            await context.abort(error.code(), error.details() or "")
-            raise AssertionError("unreachable: abort raises") from error
+        response: oip.ModelMetadataResponse = await stub(
+            oip.ModelMetadataRequest(name=name, version=version), timeout=timeout_s
+        )
         del response.versions[:]
         response.versions.extend(versions)
         return response

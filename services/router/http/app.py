@@ -1,4 +1,5 @@
-"""The router's HTTP front door: OpenAI's chat and completions API over the router's own routing.
+"""The router's HTTP front door: OpenAI's chat and completions API over the router's own routing (and
+KServe v2 REST with Triton's extensions, registered from :mod:`.kserve`).
 
 One aiohttp server on the router's event loop, beside the gRPC server (``--http-port``, same
 ``--host``, the same TLS files, followed through rotation: :mod:`.tls`). Each generation request is
@@ -54,6 +55,8 @@ from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.http.auth import HttpGuard, authorize_model, may_see
 from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
 from splitstream.router.http.feedback import HttpFeedback
+from splitstream.router.http.kserve import ROUTES as KSERVE_ROUTES
+from splitstream.router.http.kserve import KServeRoutes, kserve_error
 from splitstream.router.http.openai_api import (
     CHAT,
     COMPLETION,
@@ -68,6 +71,7 @@ from splitstream.router.http.openai_api import (
 from splitstream.router.http.recording import HttpExchange, recorded_headers, stream_response
 from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
+from splitstream.router.servicer import RouterServicer
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES, StreamProxy
 
 if TYPE_CHECKING:
@@ -123,8 +127,11 @@ class HttpFrontDoor:
         feedback: FeedbackService | None = None,
         record_max_bytes: int = DEFAULT_RECORD_STREAM_MAX_BYTES,
         gate: Gate | None = None,
+        servicer: RouterServicer | None = None,
     ) -> None:
         self.core = core
+        #: The gRPC servicer: KServe's health and metadata answer as it does, its ``after_answer`` records.
+        self.servicer = servicer
         self.streams = StreamProxy(core, record_max_bytes=record_max_bytes)
         self.metrics = HttpMetrics(registry)
         self.shutdown_grace_s = shutdown_grace_s
@@ -141,6 +148,7 @@ class HttpFrontDoor:
         if feedback is not None:
             self.feedback = HttpFeedback(feedback, core.model_names)
             self.app.router.add_post("/v1/feedback", self.feedback.post)
+        KServeRoutes(self).register(self.app)
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -210,8 +218,8 @@ class HttpFrontDoor:
             return response
         except web.HTTPException as error:  # aiohttp's: unknown route, wrong method, body too large
             status = error.status
-            response = self._error_response(request, _from_http(error))
-            return response
+            refusal = _from_http(error)
+            return self._error_response(request, kserve_error(refusal) if _is_kserve(request) else refusal)
         except asyncio.CancelledError:
             status = CLIENT_CLOSED
             outcome = request.get("outcome")  # routed before the client went away: counted under its version
@@ -221,8 +229,7 @@ class HttpFrontDoor:
         except Exception:
             log.exception("HTTP request failed", path=request.path)
             status = 500
-            response = self._error_response(request, internal())
-            return response
+            return self._error_response(request, kserve_error(internal()) if _is_kserve(request) else internal())
         finally:
             model, version = request["labels"]
             self.metrics.requests.labels(model, version, route, str(status)).inc()
@@ -507,6 +514,11 @@ def _id_header(request: web.Request) -> dict[str, str]:
     return dict(echoed_request_id(request.get("sent_id"), request["request_id"]))
 
 
+def _is_kserve(request: web.Request) -> bool:
+    """KServe's routes (and unknown paths under /v2) answer errors in KServe's shape."""
+    return request.path == "/v2" or request.path.startswith("/v2/")
+
+
 def _from_http(error: web.HTTPException) -> ApiError:
     """aiohttp's own refusals in OpenAI's shape."""
     if isinstance(error, web.HTTPRequestEntityTooLarge):
@@ -517,9 +529,6 @@ def _from_http(error: web.HTTPException) -> ApiError:
             405, f"method {error.method} is not allowed here (allowed: {allowed})", code="method_not_allowed"
         )
     if isinstance(error, web.HTTPNotFound):
-        return ApiError(
-            404,
-            "no such route (served: /v1/models, /v1/chat/completions, /v1/completions, /v1/feedback)",
-            code="not_found",
-        )
+        served = ", ".join(["/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/feedback", *KSERVE_ROUTES])
+        return ApiError(404, f"no such route (served: {served})", code="not_found")
     return ApiError(error.status, error.reason, code=None)
