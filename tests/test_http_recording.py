@@ -188,6 +188,45 @@ def test_a_streamed_chat_is_recorded_event_by_event_with_offsets_ttft_and_the_us
     )
 
 
+def test_tritons_generate_and_generate_stream_are_recorded_with_their_events_ttft_and_usage(
+    recording: tuple[RecordingStack, int],
+) -> None:
+    """Triton's generate extension on the same port is recorded as the OpenAI routes are: the body as received,
+    the answer (one JSON object, or each SSE event with its offset), TTFT and the tokens the last answer gave."""
+    stack, port = recording
+    body = json.dumps({"text_input": "The ", "max_tokens": 6}).encode()
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("POST", f"/v2/models/{MODEL}/generate", body, {"x-request-id": "kserve-generate-1"})
+    response = connection.getresponse()
+    whole = json.loads(response.read())
+    assert response.status == 200
+    record = recorded(stack, "kserve-generate-1")
+    assert (record.http.status, record.http.api, record.http.path) == (200, "generate", f"/v2/models/{MODEL}/generate")
+    assert record.http.request_body.inline == body
+    assert json.loads(record.http.response_body.inline) == whole
+    assert (record.usage.prompt_tokens, record.usage.completion_tokens) == (
+        whole["prompt_tokens"],
+        whole["completion_tokens"],
+    )
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request("POST", f"/v2/models/{MODEL}/generate_stream", body, {"x-request-id": "kserve-generate-2"})
+    response = connection.getresponse()
+    sent = [line[6:] for line in response.read().split(b"\n") if line.startswith(b"data: ")]
+    assert response.status == 200
+    assert len(sent) == 6
+    record = recorded(stack, "kserve-generate-2")
+    assert (record.http.status, record.http.api, record.http.events_total) == (200, "generate-stream", 6)
+    assert [e.payload.inline for e in record.http.events] == sent
+    assert 0 < record.http.first_token_ns == record.http.events[0].offset_ns
+    last = json.loads(sent[-1])
+    assert (record.usage.prompt_tokens, record.usage.completion_tokens) == (
+        last["prompt_tokens"],
+        last["completion_tokens"],
+    )
+    assert record.stream.responses_total == 6  # the translated worker stream, as for the OpenAI routes
+
+
 def test_a_client_that_goes_away_mid_stream_is_recorded_as_499_with_the_events_it_was_sent(
     recording: tuple[RecordingStack, int],
 ) -> None:

@@ -237,7 +237,7 @@ class HttpFrontDoor:
             if "exchange" in request:
                 self._record(request, status, response)
 
-    def _exchange(self, request: web.Request, api: str) -> HttpExchange | None:
+    def recorded(self, request: web.Request, api: str) -> HttpExchange | None:
         """The recording of this call, kept on the request (None when the router records nothing)."""
         if self.recording is None:
             return None
@@ -308,7 +308,7 @@ class HttpFrontDoor:
         request["sent_id"] = sent_id or None
         request_id = request.get("request_id") or (from_header_value(sent_id) if sent_id else uuid.uuid4().hex)
         request["request_id"] = request_id
-        exchange = self._exchange(request, kind)
+        exchange = self.recorded(request, kind)
         raw = await request.read()
         body = parse_body(raw)
         if exchange is not None:

@@ -43,6 +43,7 @@ from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER, from_h
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome
 from splitstream.router.http.errors import ApiError, from_status
+from splitstream.router.http.recording import stream_response
 
 if TYPE_CHECKING:
     from splitstream.router.http.app import HttpFrontDoor
@@ -435,6 +436,14 @@ class GenerateAnswer:
         self.fields.update(event)
         return event
 
+    def usage(self) -> tuple[int, int] | None:
+        """(prompt, completion) tokens as the last response reported them (our workers and TensorRT-LLM's
+        ensemble send both outputs); None when it reported none."""
+        prompt, completion = self.fields.get("prompt_tokens"), self.fields.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            return prompt, completion
+        return None
+
 
 # -- the routes -------------------------------------------------------------------------------------
 
@@ -585,11 +594,17 @@ class KServeRoutes:
         headers = self._routing_headers(request)
         request_id = headers.get(REQUEST_ID_HEADER) or _new_id()
         headers[REQUEST_ID_HEADER] = request["request_id"] = request_id
-        payload = parse_generate(model, version, await request.read(), stream=stream, request_id=request_id)
+        exchange = self.front.recorded(request, "generate-stream" if stream else "generate")
+        raw = await request.read()
+        if exchange is not None:
+            exchange.received(raw, request.headers.get("Content-Type", ""))
+        payload = request["worker_request"] = parse_generate(model, version, raw, stream=stream, request_id=request_id)
         answer = GenerateAnswer(model, version)
         relay = _GenerateRelay(self.front, request, answer, stream=stream)
         outcome = await self.front.streams.relay(_one(payload), relay.write, headers, (), None, on_start=relay.bind)
         assert outcome is not None  # one request was sent
+        if exchange is not None:
+            exchange.usage = answer.usage()
         return await relay.finish(outcome)
 
 
@@ -607,7 +622,7 @@ class _GenerateRelay:
         self.gone = False
 
     def bind(self, outcome: CallOutcome) -> None:
-        self.outcome = outcome
+        self.outcome = self.request["outcome"] = outcome  # the front door records and counts the call by it
 
     async def write(self, payload: bytes) -> None:
         if self.gone:
@@ -636,13 +651,14 @@ class _GenerateRelay:
         version = self.outcome.version if self.outcome is not None else ""
         self.answer.version = self.answer.version or version
         self.request["labels"][1] = self.request["version"] = version
-        response = web.StreamResponse(
+        response = stream_response(
+            self.request,
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
                 "Cache-Control": "no-cache",
                 VERSION_HEADER: header_value(version),
                 REQUEST_ID_HEADER: header_value(self.request["request_id"]),
-            }
+            },
         )
         await response.prepare(self.request)
         return response

@@ -166,12 +166,14 @@ def stream_response(request: web.Request, **kwargs: Any) -> web.StreamResponse:
 
 
 def _carries_text(data: bytes) -> bool:
-    """Whether an OpenAI chunk holds generated text (a chat delta's content or a completion's text). Parsed only
-    until the call's first such event: the rest need not be."""
+    """Whether an event holds generated text (an OpenAI chat delta's content or a completion's text; Triton's
+    generate ``text_output``). Parsed only until the call's first such event: the rest need not be."""
     try:
         chunk = json.loads(data)
     except ValueError:
         return False
+    if isinstance(chunk, dict) and chunk.get("text_output"):
+        return True
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
     for choice in choices if isinstance(choices, list) else ():
         if not isinstance(choice, dict):
