@@ -35,7 +35,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from splitstream.common.errors import ConfigError
+from splitstream.common.errors import ConfigError, SplitstreamError
 from splitstream.common.headers import (
     MAX_ID_HEADER_BYTES,
     REQUEST_ID_HEADER,
@@ -43,6 +43,7 @@ from splitstream.common.headers import (
     from_header_value,
     header_value,
 )
+from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.runtime import bind_problem
 from splitstream.common.tls import ServerTls
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
@@ -58,6 +59,7 @@ from splitstream.router.http.openai_api import (
     read_response,
     usage,
 )
+from splitstream.router.http.passthrough import PassThrough, Spill
 from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
 from splitstream.router.streams import StreamProxy
@@ -110,6 +112,7 @@ class HttpFrontDoor:
         self.core = core
         self.streams = StreamProxy(core)
         self.metrics = HttpMetrics(registry)
+        self.passthrough = PassThrough(core, self._observe_ttft)
         self.shutdown_grace_s = shutdown_grace_s
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge])
         self.app.router.add_get("/v1/models", self.list_models)
@@ -227,31 +230,72 @@ class HttpFrontDoor:
         return await self._generate(request, COMPLETION)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """Route the request, then pass it through to an ``openai`` upstream unchanged, or translate it for
+        our generating workers. Routed once, here: a random split must not land elsewhere when the
+        translated relay starts."""
         sent_id = request.headers.get(REQUEST_ID_HEADER, "")
         request_id = request["request_id"] = from_header_value(sent_id) if sent_id else uuid.uuid4().hex
-        generation = parse_generation(kind, parse_body(await request.read()))
-        if not self.core.serves(generation.model):
+        body = await request.read()
+        data = parse_body(body)
+        # Checked only for a translated answer: an upstream gets fields (tools, ...) our workers do not take.
+        refusal: ApiError | None = None
+        try:
+            generation: Generation | None = parse_generation(kind, data)
+        except ApiError as error:
+            generation, refusal = None, error
+        model = data.get("model")
+        if not isinstance(model, str) or not model or not self.core.serves(model):
+            if refusal is not None:
+                raise refusal
             served = ", ".join(self.core.model_names()) or "none"
-            raise model_not_found(f"The model '{generation.model}' does not exist (served: {served})")
-        request["labels"][0] = generation.model
+            raise model_not_found(f"The model '{model}' does not exist (served: {served})")
+        request["labels"][0] = model
+        user = data.get("user") if isinstance(data.get("user"), str) else None
+        headers = self._routing_headers(request, user, request_id)
+        outcome = CallOutcome(request_id, model, grpc.StatusCode.OK, "", None, receive_unix_ns=time.time_ns())
+        try:
+            routes, route = self.core.route(
+                outcome, b"", headers, router_pb2.InferRequestHead(model_name=model, id=request_id), http=True
+            )
+        except SplitstreamError as error:
+            if refusal is not None:
+                raise refusal from None
+            request["version"] = outcome.version
+            raise from_status(error.code, str(error)) from None
+        if route.pool.upstream is not None:
+            path = "chat/completions" if kind == CHAT else "completions"
+            try:
+                return await self.passthrough.forward(
+                    request, path, body, data, outcome, routes, route, _id_header(request_id)
+                )
+            except Spill as spill:  # the upstreams failed before a byte: the control is our worker
+                route = spill.route
+        if refusal is not None:
+            raise refusal
+        assert generation is not None
         answer = _Answer(request, generation, Shapes.of(generation, request_id), self.metrics)
-        outcome = await self.streams.relay(
+        relayed = await self.streams.relay(
             _one(generation.inference_request(request_id)),
             answer.write,
-            self._routing_headers(request, generation, request_id),
+            headers,
             (),
             None,
             on_start=answer.bind,
+            routed=(outcome, routes, route),
         )
-        assert outcome is not None  # one request was sent
-        return await answer.finish(outcome)
+        assert relayed is not None  # one request was sent
+        return await answer.finish(relayed)
 
-    def _routing_headers(self, request: web.Request, generation: Generation, request_id: str) -> dict[str, str]:
+    def _observe_ttft(self, request: web.Request, version: str) -> None:
+        model = request["labels"][0]
+        self.metrics.ttft.labels(model, version, request["route"]).observe(time.monotonic() - request["started"])
+
+    def _routing_headers(self, request: web.Request, user: str | None, request_id: str) -> dict[str, str]:
         """What the core reads: the experiments' routing-key headers (the body's ``user`` where the header is
         absent), the pin and the request id; the core picks the model's own routing-key header."""
         headers = {REQUEST_ID_HEADER: request_id}
         for name in self.core.routing_key_headers:
-            key = request.headers.get(name, generation.user)
+            key = request.headers.get(name, user)
             if key is not None:
                 headers[name] = key
         pin = request.headers.get(VERSION_HEADER)
