@@ -1,15 +1,22 @@
 """``openai`` upstreams, end to end: a router whose experiment splits 50/50, sticky by user, between v1 (our
 generating worker, translated) and v2 (an OpenAI-compatible HTTP server, passed through).
 
-The v2 upstream here is another process speaking OpenAI's HTTP API: a second splitstream router's HTTP port
-in front of its own worker (the trigram model of demo/language.py), reached only over HTTP. Its worker's
-metrics show what the upstream saw (a generation in flight, a cancel).
+- v2 is an independent server: LiteLLM's proxy (``make test`` installs it in its own venv and names its
+  ``litellm`` in ``SPLITSTREAM_LITELLM``) answering a mock response, with a master key, so it answers
+  only calls that carry the API key the registry names.
+- The fault tests need an upstream whose generation can be watched and that streams as long as asked:
+  another splitstream router's HTTP port in front of its own worker (the trigram model of
+  demo/language.py), reached only over HTTP; its worker's metrics show what the upstream saw.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import subprocess
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -37,8 +44,12 @@ from tests.harness import (
 from tests.streams import StreamClient, generation_request
 from tests.test_router_http import accepts, events, start_router, worker_metric
 
-#: The model clients call; v1 is our worker of it, v2 the upstream, which serves it as UPSTREAM_MODEL.
+#: The model of the experiment: v1 is our worker of it, v2 LiteLLM, which knows it as MOCK_MODEL.
 MODEL = "chat"
+MOCK_MODEL = "mock-llm"
+MOCK_ANSWER = "Hello from an independent server."
+#: A model served only by the splitstream upstream, which knows it as UPSTREAM_MODEL.
+RELAY = "relay"
 UPSTREAM_MODEL = "writer"
 #: A model whose only version is an upstream that a test kills mid-stream.
 DOOMED = "doomed"
@@ -65,6 +76,7 @@ class Deployment:
     router: ServiceProcess
     http_port: int
     v1: ServiceProcess
+    litellm_url: str
     upstream: Upstream
     doomed: Upstream
     refusing: Upstream
@@ -86,7 +98,70 @@ def start_upstream(stack: Stack, name: str, worker: ServiceProcess, address: str
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def litellm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """LiteLLM's proxy on a free port, answering MOCK_ANSWER to calls carrying SECRET; its base URL."""
+    command = os.environ.get("SPLITSTREAM_LITELLM")
+    assert command, "run through `make test`, which installs LiteLLM's proxy in its own venv (SPLITSTREAM_LITELLM)"
+    tmp = tmp_path_factory.mktemp("litellm")
+    config = tmp / "config.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "model_list": [
+                    {
+                        "model_name": MOCK_MODEL,
+                        "litellm_params": {
+                            "model": f"openai/{MOCK_MODEL}",
+                            "api_key": "unused",
+                            "mock_response": MOCK_ANSWER,
+                        },
+                    }
+                ],
+                "general_settings": {"master_key": SECRET},
+            }
+        )
+    )
+    port = free_port()
+    # No network here: LiteLLM must not try to fetch its model price list at start.
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"}
+    with open(tmp / "litellm.log", "wb") as log:
+        process = subprocess.Popen(
+            [command, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+
+        def serving() -> bool:
+            assert process.poll() is None, (tmp / "litellm.log").read_text(errors="replace")
+            return get(f"{base_url}/models", SECRET) == 200
+
+        wait_for(serving, timeout_s=180, what="LiteLLM's proxy to serve")
+        yield base_url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def get(url: str, key: str = "") -> int:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, litellm: str) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("upstreams")
     models = tmp / "models"
     language.write_versions(models, MODEL, generation={"max_tokens_limit": LIMIT})
@@ -108,7 +183,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 MODEL: {
                     "endpoints": {
                         "v1": [v1.address],
-                        "v2": {"openai": [upstream.base_url], "model": UPSTREAM_MODEL, "api_key_file": str(key_file)},
+                        "v2": {"openai": [litellm], "model": MOCK_MODEL, "api_key_file": str(key_file)},
                     },
                     "experiment": {
                         "salt": "upstream-tests",
@@ -116,6 +191,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                         "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
                     },
                 },
+                RELAY: {"endpoints": {"v1": {"openai": upstream.base_url, "model": UPSTREAM_MODEL}}},
                 DOOMED: {"endpoints": {"v1": {"openai": doomed.base_url, "model": UPSTREAM_MODEL}}},
                 FLAKY: {
                     "endpoints": {
@@ -124,8 +200,8 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                 },
             },
         )
-        router, http_port = start_router(stack, registry)
-        yield Deployment(stack, router, http_port, v1, upstream, doomed, refusing, dead_url)
+        router, http_port = start_router(stack, registry, "--log-level", "debug")
+        yield Deployment(stack, router, http_port, v1, litellm, upstream, doomed, refusing, dead_url)
     finally:
         stack.close()
 
@@ -138,11 +214,11 @@ def client(deployment: Deployment) -> openai.OpenAI:
 MESSAGES: list[Any] = [{"role": "user", "content": "The "}]
 
 
-def open_stream(port: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+def open_stream(
+    port: int, body: dict[str, Any], headers: dict[str, str] | None = None, *, path: str = "/v1/completions"
+) -> http.client.HTTPResponse:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request(
-        "POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", **(headers or {})}
-    )
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
     return connection.getresponse()
 
 
@@ -171,31 +247,56 @@ def test_both_versions_answer_the_openai_client_sticky_per_user_streamed_and_who
         assert whole.object == "chat.completion"
         assert whole.choices[0].message.content
         assert whole.usage is not None
-        assert whole.usage.completion_tokens == 8
 
         stream = client.chat.completions.with_raw_response.create(
             model=MODEL, messages=MESSAGES, max_tokens=8, user=user, stream=True
         )
         assert stream.headers["x-splitstream-version"] == version
         chunks = [chunk for chunk in stream.parse() if chunk.choices]
+        assert len(chunks) > 1  # token by token
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
-        assert streamed == whole.choices[0].message.content  # greedy: the same text, token by token
-    # v2's answers come from the upstream, which knows the model by its own name: `model` was rewritten.
-    v2 = client.completions.with_raw_response.create(model=MODEL, prompt="The ", max_tokens=4, user=seen["v2"][0])
-    assert v2.headers["x-splitstream-version"] == "v2"
-    assert v2.parse().model == UPSTREAM_MODEL
+        assert streamed == whole.choices[0].message.content
+        if version == "v2":  # LiteLLM's answer, which it gives only with the key (its master key) and its model name
+            assert whole.choices[0].message.content == MOCK_ANSWER
+            assert whole.model == MOCK_MODEL
+        else:
+            assert whole.choices[0].message.content != MOCK_ANSWER
+    completion = client.completions.with_raw_response.create(model=MODEL, prompt="The ", user=seen["v2"][0])
+    assert completion.headers["x-splitstream-version"] == "v2"
+    assert completion.parse().choices[0].text == MOCK_ANSWER
+
+
+def test_the_api_key_from_the_file_is_what_lets_the_upstream_answer_and_is_never_logged(
+    deployment: Deployment, client: openai.OpenAI
+) -> None:
+    assert get(f"{deployment.litellm_url}/models") != 200  # the upstream refuses a call without the key
+    assert get(f"{deployment.litellm_url}/models", SECRET) == 200
+    answer = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, extra_headers={"x-splitstream-version": "v2"}
+    )
+    assert answer.choices[0].message.content == MOCK_ANSWER
+    assert "Bearer" not in deployment.router.log()
+    assert SECRET not in deployment.router.log()  # at --log-level debug
+
+
+def test_fields_our_workers_refuse_pass_through_to_the_upstream_unchanged(deployment: Deployment) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    body = {"model": MODEL, "messages": MESSAGES, "tools": [tool]}
+    translated = open_stream(deployment.http_port, body, {"x-splitstream-version": "v1"}, path="/v1/chat/completions")
+    assert translated.status == 400
+    assert json.loads(translated.read())["error"]["param"] == "tools"
+    passed = open_stream(deployment.http_port, body, {"x-splitstream-version": "v2"}, path="/v1/chat/completions")
+    assert passed.status == 200
+    assert passed.headers["x-splitstream-version"] == "v2"
+    assert json.loads(passed.read())["choices"][0]["message"]["content"] == MOCK_ANSWER
 
 
 def test_the_upstreams_refusal_reaches_the_client_as_it_sent_it(deployment: Deployment) -> None:
     """The body goes through unchanged (no check of ours in the way): what the upstream refuses, it says."""
-    response = open_stream(
-        deployment.http_port,
-        {"model": MODEL, "prompt": "The ", "max_tokens": 4, "tools": []},
-        {"x-splitstream-version": "v2"},
-    )
+    response = open_stream(deployment.http_port, {"model": RELAY, "prompt": "The ", "max_tokens": 4, "tools": []})
     body = json.loads(response.read())
     assert response.status == 400
-    assert response.headers["x-splitstream-version"] == "v2"
+    assert response.headers["x-splitstream-version"] == "v1"
     assert body["error"]["param"] == "tools"  # the upstream's (another splitstream router's) own refusal
 
 
@@ -251,8 +352,8 @@ def test_events_reach_the_client_as_the_upstream_sends_them_and_a_disconnect_can
     deployment: Deployment,
 ) -> None:
     worker = deployment.upstream.worker
-    body = {"model": MODEL, "prompt": "The ", "max_tokens": LIMIT, "stream": True}
-    response = open_stream(deployment.http_port, body, {"x-splitstream-version": "v2"})
+    body = {"model": RELAY, "prompt": "The ", "max_tokens": LIMIT, "stream": True}
+    response = open_stream(deployment.http_port, body)
     assert response.status == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     stream = events(response)
@@ -284,13 +385,6 @@ def test_an_upstream_killed_mid_stream_ends_the_clients_stream_with_an_error_eve
     assert error["error"]["type"] == "server_error"
     assert "broke off" in error["error"]["message"]
     wait_for(lambda: not accepts(deployment.doomed.http_port), timeout_s=5, what="the upstream to be gone")
-
-
-# -- the API key -------------------------------------------------------------------------------------------
-
-
-def test_the_api_key_never_appears_in_the_routers_log(deployment: Deployment) -> None:
-    assert SECRET not in deployment.router.log()
 
 
 # -- the registry ------------------------------------------------------------------------------------------
