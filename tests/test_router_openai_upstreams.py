@@ -55,6 +55,8 @@ UPSTREAM_MODEL = "writer"
 DOOMED = "doomed"
 #: A model whose v1 lists an upstream that answers 503 (healthy, yet every call fails), a dead URL and a good one.
 FLAKY = "flaky"
+#: A model split 50/50 between our worker (v1, the control) and an upstream that answers 503 (v2).
+SPILL = "spill"
 LIMIT = 1_000_000
 SECRET = "sk-test-0123456789abcdef"
 
@@ -166,9 +168,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, litellm: str) -> Iterat
     models = tmp / "models"
     language.write_versions(models, MODEL, generation={"max_tokens_limit": LIMIT})
     language.write_versions(models, UPSTREAM_MODEL, generation={"max_tokens_limit": LIMIT})
+    language.write_versions(models, SPILL)
     stack = Stack(tmp)
     try:
         v1 = stack.worker(models, MODEL, "v1")
+        spill_v1 = stack.worker(models, SPILL, "v1")
         worker = stack.worker(models, UPSTREAM_MODEL, "v2")
         upstream = start_upstream(stack, "upstream", worker)
         doomed = start_upstream(stack, "doomed", worker)
@@ -187,6 +191,17 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, litellm: str) -> Iterat
                     },
                     "experiment": {
                         "salt": "upstream-tests",
+                        "control": "v1",
+                        "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
+                    },
+                },
+                SPILL: {
+                    "endpoints": {
+                        "v1": [spill_v1.address],
+                        "v2": {"openai": refusing.base_url, "model": UPSTREAM_MODEL},
+                    },
+                    "experiment": {
+                        "salt": "spill-tests",
                         "control": "v1",
                         "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
                     },
@@ -279,6 +294,25 @@ def test_the_api_key_from_the_file_is_what_lets_the_upstream_answer_and_is_never
     assert SECRET not in deployment.router.log()  # at --log-level debug
 
 
+def test_passed_through_requests_are_counted_and_timed_as_translated_ones(
+    deployment: Deployment, client: openai.OpenAI
+) -> None:
+    pin = {"x-splitstream-version": "v2"}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers=pin)
+    for _ in client.chat.completions.create(model=MODEL, messages=MESSAGES, extra_headers=pin, stream=True):
+        pass
+    text = scrape_metrics(deployment.router.metrics_port)
+    v2 = {"model": MODEL, "version": "v2", "route": "/v1/chat/completions"}
+
+    def total(name: str, **labels: str) -> float:
+        wanted = {**v2, **labels}
+        return sum(value for found, value in metric_samples(text, name) if wanted.items() <= found.items())
+
+    assert total("splitstream_router_http_requests_total", status="200") >= 2
+    assert total("splitstream_router_http_request_seconds_count") >= 2
+    assert total("splitstream_router_http_ttft_seconds_count") >= 1
+
+
 def test_fields_our_workers_refuse_pass_through_to_the_upstream_unchanged(deployment: Deployment) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
     body = {"model": MODEL, "messages": MESSAGES, "tools": [tool]}
@@ -343,6 +377,19 @@ def test_a_dead_upstream_is_skipped_and_a_failing_one_retried_before_the_first_b
             assert answer.choices[0].text  # type: ignore[union-attr]
     retries = metric_samples(scrape_metrics(deployment.router.metrics_port), "splitstream_router_retries_total")
     assert sum(value for labels, value in retries if labels["model"] == FLAKY) >= 1
+
+
+def test_a_failing_upstream_arm_spills_to_the_control_worker_translated(
+    deployment: Deployment, client: openai.OpenAI
+) -> None:
+    for index in range(8):
+        raw = client.completions.with_raw_response.create(
+            model=SPILL, prompt="The ", max_tokens=4, user=f"spilled-{index}", stream=index % 2 == 1
+        )
+        assert raw.headers["x-splitstream-version"] == "v1"  # half the users' arm is v2: its 503 spilled to v1
+        assert raw.status_code == 200
+    retries = metric_samples(scrape_metrics(deployment.router.metrics_port), "splitstream_router_retries_total")
+    assert sum(value for labels, value in retries if labels["model"] == SPILL) >= 1
 
 
 # -- streams -----------------------------------------------------------------------------------------------
