@@ -55,6 +55,8 @@ UPSTREAM_MODEL = "writer"
 DOOMED = "doomed"
 #: A model whose v1 lists an upstream that answers 503 (healthy, yet every call fails), a dead URL and a good one.
 FLAKY = "flaky"
+#: A model whose only upstream's API key file is missing.
+KEYLESS = "keyless"
 #: A model split 50/50 between our worker (v1, the control) and an upstream that answers 503 (v2).
 SPILL = "spill"
 LIMIT = 1_000_000
@@ -206,6 +208,11 @@ def deployment(tmp_path_factory: pytest.TempPathFactory, litellm: str) -> Iterat
                         "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
                     },
                 },
+                KEYLESS: {
+                    "endpoints": {
+                        "v1": {"openai": litellm, "model": MOCK_MODEL, "api_key_file": str(tmp / "missing.key")}
+                    }
+                },
                 RELAY: {"endpoints": {"v1": {"openai": upstream.base_url, "model": UPSTREAM_MODEL}}},
                 DOOMED: {"endpoints": {"v1": {"openai": doomed.base_url, "model": UPSTREAM_MODEL}}},
                 FLAKY: {
@@ -286,10 +293,11 @@ def test_the_api_key_from_the_file_is_what_lets_the_upstream_answer_and_is_never
 ) -> None:
     assert get(f"{deployment.litellm_url}/models") != 200  # the upstream refuses a call without the key
     assert get(f"{deployment.litellm_url}/models", SECRET) == 200
-    answer = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, extra_headers={"x-splitstream-version": "v2"}
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, extra_headers={"x-splitstream-version": "v2", "x-request-id": "key-check-1"}
     )
-    assert answer.choices[0].message.content == MOCK_ANSWER
+    assert raw.parse().choices[0].message.content == MOCK_ANSWER
+    assert raw.headers["x-request-id"] == "key-check-1"
     assert "Bearer" not in deployment.router.log()
     assert SECRET not in deployment.router.log()  # at --log-level debug
 
@@ -390,6 +398,20 @@ def test_a_failing_upstream_arm_spills_to_the_control_worker_translated(
         assert raw.status_code == 200
     retries = metric_samples(scrape_metrics(deployment.router.metrics_port), "splitstream_router_retries_total")
     assert sum(value for labels, value in retries if labels["model"] == SPILL) >= 1
+
+
+def test_an_upstream_whose_key_file_is_missing_is_not_serving_and_the_log_names_the_file(
+    deployment: Deployment, client: openai.OpenAI
+) -> None:
+    def health() -> int:
+        (pool,) = router_status(deployment.router, KEYLESS).models[0].versions
+        return int(pool.endpoints[0].health)
+
+    wait_for(lambda: health() == 2, timeout_s=10, what="the keyless upstream to be not serving")
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.chat.completions.create(model=KEYLESS, messages=MESSAGES)
+    assert raised.value.status_code == 503
+    assert "missing.key (api_key_file) cannot be read" in deployment.router.log()
 
 
 # -- streams -----------------------------------------------------------------------------------------------
