@@ -412,6 +412,8 @@ def test_an_upstream_whose_key_file_is_missing_is_not_serving_and_the_log_names_
         client.chat.completions.create(model=KEYLESS, messages=MESSAGES)
     assert raised.value.status_code == 503
     assert "missing.key (api_key_file) cannot be read" in deployment.router.log()
+    streams = metric_samples(scrape_metrics(deployment.router.metrics_port), "splitstream_router_streams_total")
+    assert sum(value for labels, value in streams if labels["model"] == KEYLESS and labels["status"] == "UNAVAILABLE")
 
 
 # -- streams -----------------------------------------------------------------------------------------------

@@ -260,7 +260,11 @@ class HttpFrontDoor:
         except SplitstreamError as error:
             if refusal is not None:
                 raise refusal from None
-            request["version"] = outcome.version
+            # Counted and logged as a stream refused at routing, as the relay did when it routed.
+            outcome.code, outcome.details = error.code, str(error)
+            self.core.metrics.streams.labels(model, outcome.version, outcome.code.name).inc()
+            self.core.log_call(outcome)
+            request["labels"][1] = request["version"] = outcome.version
             raise from_status(error.code, str(error)) from None
         if route.pool.upstream is not None:
             path = "chat/completions" if kind == CHAT else "completions"
