@@ -1,5 +1,9 @@
 """Worker endpoints and the per-version pools the router picks from.
 
+A pool's members are gRPC workers (:class:`Endpoint`, below) or, for a version the registry declares
+``openai``, OpenAI-compatible HTTP servers (``splitstream.router.upstreams``); both subclass
+:class:`PoolMember`, so eligibility, the pick and the breaker are one code. For a gRPC worker:
+
 An endpoint is eligible when its grpc.health.v1 status is SERVING (or not yet
 known) and the circuit breaker has not ejected it. Health comes from a Watch
 stream per endpoint, so a worker that starts draining (NOT_SERVING) leaves the
@@ -292,7 +296,7 @@ class VersionPool:
     """The endpoints serving one model version; picks by least outstanding requests.
 
     ``upstream`` is set for a version served by OpenAI-compatible HTTP servers: its members are then
-    ``OpenAIEndpoint``\\s, which only the HTTP front door can call; gRPC callers ask :meth:`pick_grpc`."""
+    ``OpenAIEndpoint`` objects, which only the HTTP front door can call; gRPC callers ask :meth:`pick_grpc`."""
 
     def __init__(self, version: str, endpoints: Sequence[PoolMember], upstream: OpenAIUpstream | None = None) -> None:
         self.version = version
