@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -29,6 +30,7 @@ import pytest
 from demo import language
 from splitstream.common.errors import ConfigError
 from splitstream.common.registry import parse_registry
+from tests.consul_emulator import ConsulEmulator
 from tests.harness import (
     InferClient,
     ServiceProcess,
@@ -468,6 +470,47 @@ def test_an_upstream_killed_mid_stream_ends_the_clients_stream_with_an_error_eve
             model=PAIR, prompt="The ", max_tokens=4, stream=index % 2 == 1
         )
         assert raw.status_code == 200
+
+
+# -- Consul -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_consul_instance_with_protocol_openai_is_an_upstream(deployment: Deployment, tmp_path: Path) -> None:
+    """Consul registers the v2 upstream as an instance with meta protocol: openai (no gRPC check: it is not a
+    gRPC server); the router passes v2 calls through to its base URL. An instance whose meta makes no valid
+    base URL is left out, with a warning naming it."""
+    service = f"splitstream-{MODEL}"
+    with ConsulEmulator(tmp_path / "consul") as emulator:
+        agent = emulator.client().agent.service
+        host, port = deployment.v1.address.rsplit(":", 1)
+        agent.register(service, service_id="chat-v1", address=host, port=int(port), meta={"version": "v1"})
+        upstream = {"version": "v2", "protocol": "openai", "openai_model": UPSTREAM_MODEL}
+        agent.register(
+            service, service_id="chat-v2", address="127.0.0.1", port=deployment.upstream.http_port, meta=upstream
+        )
+        bad = {"version": "v2", "protocol": "openai", "scheme": "ftp"}
+        agent.register(service, service_id="chat-v2-bad", address="127.0.0.1", port=1, meta=bad)
+        http_port = free_port()
+        router = deployment.stack.router(emulator.spec, "--http-port", str(http_port))
+        wait_for(lambda: accepts(http_port), timeout_s=10, what="the HTTP port to accept")
+
+        def routed() -> bool:
+            (model,) = router_status(router).models or [None]
+            if model is None:
+                return False
+            versions = {pool.version: [e.address for e in pool.endpoints] for pool in model.versions}
+            return versions.get("v2") == [deployment.upstream.base_url]
+
+        wait_for(routed, timeout_s=10, what="v2 to be the upstream's base URL")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0)
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt="The ", max_tokens=4, extra_headers={"x-splitstream-version": "v2"}
+        )
+        assert raw.headers["x-splitstream-version"] == "v2"
+        assert raw.parse().model == UPSTREAM_MODEL  # answered by the upstream, which knows the model by its name
+        assert "chat-v2-bad" in router.log()
+        router.stop()
 
 
 # -- the registry ------------------------------------------------------------------------------------------
