@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -48,7 +48,9 @@ from splitstream.common.tls import PLAINTEXT, ClientFilesWatch, ClientTls
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.pools import Endpoint, PoolMember, VersionPool
 from splitstream.router.routing import EMPTY_TABLE, Assignment, ModelRoutes, Route, RoutingTable
-from splitstream.router.upstreams import OpenAIEndpoint, UpstreamHttp
+
+if TYPE_CHECKING:
+    from splitstream.router.upstreams import UpstreamHttp
 
 log = structlog.get_logger()
 
@@ -134,8 +136,9 @@ class RouterCore:
         self._warned_at: dict[tuple[str, str, grpc.StatusCode], float] = {}
         #: Whether an export of the arms' spilling state is scheduled (events coalesce into one).
         self._arms_pending = False
-        #: The one HTTP client session of every ``openai`` upstream (health checks and the front door's calls).
-        self.upstream_http = UpstreamHttp()
+        #: The one HTTP client session of every ``openai`` upstream (health checks and the front door's calls);
+        #: made with the first such endpoint, so a router without any never imports aiohttp.
+        self._upstream_http: UpstreamHttp | None = None
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -390,7 +393,7 @@ class RouterCore:
                 for address in entry.endpoints.get(version, ()):
                     key = (model, version, address)
                     endpoint = old.get(key)
-                    if endpoint is None or _upstream_of(endpoint) != upstream:  # new, or its settings changed
+                    if endpoint is None or endpoint.upstream != upstream:  # new, or its settings changed
                         endpoint = self._new_endpoint(model, version, address, upstream)
                     endpoints[key] = endpoint
                     members.append(endpoint)
@@ -407,10 +410,14 @@ class RouterCore:
 
     def _new_endpoint(self, model: str, version: str, address: str, upstream: OpenAIUpstream | None) -> PoolMember:
         if upstream is not None:
+            from splitstream.router.upstreams import OpenAIEndpoint, UpstreamHttp  # aiohttp: on first use
+
+            if self._upstream_http is None:
+                self._upstream_http = UpstreamHttp()
             member = OpenAIEndpoint(
                 address,
                 upstream,
-                self.upstream_http,
+                self._upstream_http,
                 eject_after_failures=self.settings.eject_after_failures,
                 eject_duration_s=self.settings.eject_duration_s,
                 on_eject=self.metrics.ejections.labels(model, version, address).inc,
@@ -483,11 +490,8 @@ class RouterCore:
         self.metrics.set_arms({})
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
-        await self.upstream_http.close()
-
-
-def _upstream_of(endpoint: PoolMember) -> OpenAIUpstream | None:
-    return endpoint.upstream if isinstance(endpoint, OpenAIEndpoint) else None
+        if self._upstream_http is not None:
+            await self._upstream_http.close()
 
 
 def _spilling(routes: ModelRoutes) -> set[str]:

@@ -49,6 +49,9 @@ class PoolMember:
     OpenAI-compatible HTTP server) follow their health each in their own way and share the rest, so the
     split's spill to the control, the least-loaded pick and ejection work the same for both."""
 
+    #: How to call an ``openai`` upstream; None for a gRPC worker.
+    upstream: OpenAIUpstream | None = None
+
     def __init__(
         self,
         address: str,

@@ -119,7 +119,7 @@ class OpenAIEndpoint(PoolMember):
             on_eligibility=on_eligibility,
         )
         self.base_url = base_url.rstrip("/")
-        self.upstream = upstream
+        self.upstream: OpenAIUpstream = upstream
         self.http = http
         self.api_key = ApiKey(upstream)
         self._key_problem = ""
