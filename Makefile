@@ -5,6 +5,10 @@ BIN := $(VENV)/bin
 # tritonclient pins protobuf<7 and registers the same `inference.*` protobuf
 # symbols as our stubs, so the external-client tests run it from its own venv.
 TRITON_VENV ?= .venv-triton
+# LiteLLM's proxy (an OpenAI-compatible server of its own, answering mock responses) is the independent
+# `openai` upstream of the upstream tests; its many pins live in their own venv.
+LITELLM_VENV ?= .venv-litellm
+TEST_ENV = SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python SPLITSTREAM_LITELLM=$(abspath $(LITELLM_VENV))/bin/litellm
 
 .DEFAULT_GOAL := help
 .PHONY: help install protos test test-fast lint format bench gpu-smoke clean up down up-tls down-tls demo demo-llm
@@ -27,6 +31,12 @@ $(TRITON_VENV)/.installed:
 	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc,http]>=2.50,<3' 'numpy>=1.26,<3'
 	@touch $@
 
+$(LITELLM_VENV)/.installed:
+	$(PYTHON) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(LITELLM_VENV)/bin/pip install --quiet 'litellm[proxy]>=1.50,<2'
+	@touch $@
+
 install: $(BIN)/.installed protos ## Create .venv, install splitstream (editable) with dev tools, generate stubs
 
 protos: $(BIN)/.installed ## Generate Python stubs (+ .pyi) from protos/
@@ -35,11 +45,11 @@ protos: $(BIN)/.installed ## Generate Python stubs (+ .pyi) from protos/
 # Test processes in parallel (pytest-xdist): `auto` is one per core; 0 runs the suite in this process.
 TEST_WORKERS ?= auto
 
-test: install $(TRITON_VENV)/.installed ## Set up and run the whole test suite
-	SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+test: install $(TRITON_VENV)/.installed $(LITELLM_VENV)/.installed ## Set up and run the whole test suite
+	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
-test-fast: install $(TRITON_VENV)/.installed ## The inner loop: every test but those marked slow (a few minutes)
-	SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope -m 'not slow' $(PYTEST_ARGS)
+test-fast: install $(TRITON_VENV)/.installed $(LITELLM_VENV)/.installed ## The inner loop: every test but those marked slow (a few minutes)
+	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope -m 'not slow' $(PYTEST_ARGS)
 
 lint: install ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check .

@@ -34,6 +34,13 @@ class ModelNotReady(SplitstreamError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class WrongProtocol(SplitstreamError):
+    """The version is served over another protocol than the call's (an ``openai`` HTTP upstream called
+    over gRPC) → FAILED_PRECONDITION: the call would fail the same way on every retry."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ConfigError(Exception):
     """A configuration file or flag is invalid; the message names the field and the problem."""
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, PlainValidator, ValidationError
 from pydantic_core import PydanticCustomError
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.secrets import redact_text
 
 D = TypeVar("D", bound="Document")
 
@@ -109,7 +110,7 @@ _MESSAGES = {"extra_forbidden": "unknown field (a typo?)", "missing": "is requir
 
 
 def _value_text(value: Any) -> str:
-    text = repr(value)
+    text = redact_text(repr(value))  # a URL's password (``http://user:pw@host``) is never quoted
     return text if len(text) <= 60 else text[:57] + "..."
 
 

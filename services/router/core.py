@@ -32,22 +32,25 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from splitstream.common.errors import InvalidInput, ModelNotFound, ModelNotReady, SplitstreamError
+from splitstream.common.errors import InvalidInput, ModelNotFound, ModelNotReady, SplitstreamError, WrongProtocol
 from splitstream.common.experiment import Experiment, Phase, Shadow
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import router_pb2
-from splitstream.common.registry import RegistryState
+from splitstream.common.registry import OpenAIUpstream, RegistryState
 from splitstream.common.tls import PLAINTEXT, ClientFilesWatch, ClientTls
 from splitstream.router.metrics import RouterMetrics
-from splitstream.router.pools import Endpoint, VersionPool
+from splitstream.router.pools import Endpoint, PoolMember, VersionPool
 from splitstream.router.routing import EMPTY_TABLE, Assignment, ModelRoutes, Route, RoutingTable
+
+if TYPE_CHECKING:
+    from splitstream.router.upstreams import UpstreamHttp
 
 log = structlog.get_logger()
 
@@ -133,6 +136,9 @@ class RouterCore:
         self._warned_at: dict[tuple[str, str, grpc.StatusCode], float] = {}
         #: Whether an export of the arms' spilling state is scheduled (events coalesce into one).
         self._arms_pending = False
+        #: The one HTTP client session of every ``openai`` upstream (health checks and the front door's calls);
+        #: made with the first such endpoint, so a router without any never imports aiohttp.
+        self._upstream_http: UpstreamHttp | None = None
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -198,16 +204,16 @@ class RouterCore:
             outcome.code, outcome.details = error.code, str(error)
             return outcome
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        endpoint = route.pool.pick()
+        endpoint = route.pool.pick_grpc()
         if endpoint is None:
             return self.unavailable(outcome, route)
         failure = await self._forward(outcome, endpoint, request, deadline)
         if failure is None or failure.code() != grpc.StatusCode.UNAVAILABLE:
             return outcome
         retry = self.retry_target(routes, route, endpoint)
-        if retry is None:
+        if retry is None or not isinstance(retry[1], Endpoint):  # no retry on an openai control over gRPC
             return outcome
-        route, endpoint = retry
+        route, endpoint = retry[0], retry[1]
         self.metrics.retries.labels(outcome.model, outcome.version).inc()
         outcome.retried = True
         outcome.version = route.version
@@ -222,11 +228,16 @@ class RouterCore:
         request: bytes,
         headers: Mapping[str, str],
         head: router_pb2.InferRequestHead | None = None,
+        *,
+        http: bool = False,
     ) -> tuple[ModelRoutes, Route]:
         """Read the request head (no tensors decoded) and pick the version: pin, sticky split, or the
         control when the arm has no eligible endpoint. Fills ``outcome`` (id, model, key, version, arm)
         as far as it gets; raises SplitstreamError (InvalidInput, ModelNotFound, ModelNotReady) with the
-        id always set. Unary calls and the first request of a token stream route alike."""
+        id always set. Unary calls and the first request of a token stream route alike.
+
+        A version served by an ``openai`` HTTP upstream is refused (WrongProtocol) unless ``http``: only
+        the HTTP front door can pass a request through to it."""
         try:
             head = head or _read_head(request)
             outcome.request_id = outcome.request_id or head.id
@@ -246,6 +257,11 @@ class RouterCore:
         outcome.version, outcome.arm = route.version, route.arm
         outcome.fallback, outcome.pinned = route.fallback, route.pinned
         outcome.assignment = route.assignment
+        if route.pool.upstream is not None and not http:
+            raise WrongProtocol(
+                f"model '{outcome.model}' version '{route.version}' is served by an OpenAI-compatible HTTP "
+                "upstream; call it over the router's HTTP port (POST /v1/chat/completions or /v1/completions)"
+            )
         return routes, route
 
     async def _forward(
@@ -273,7 +289,9 @@ class RouterCore:
         return None
 
     @staticmethod
-    def retry_target(routes: ModelRoutes, route: Route, failed: Endpoint) -> tuple[Route, Endpoint] | None:
+    def retry_target(routes: ModelRoutes, route: Route, failed: PoolMember) -> tuple[Route, PoolMember] | None:
+        """Another endpoint of the version, else an endpoint of the control (unless pinned); the caller
+        checks that it speaks its protocol (the control of a model may be an ``openai`` upstream)."""
         other = route.pool.pick(exclude=failed)
         if other is not None:
             return route, other
@@ -313,7 +331,9 @@ class RouterCore:
         pool = routes.pools.get(version)
         if pool is None:
             raise ModelNotFound(f"model '{model}' has no version '{version}'")
-        endpoint = pool.pick()
+        if pool.upstream is not None:
+            raise WrongProtocol(f"model '{model}' version '{version}' is an OpenAI-compatible HTTP upstream")
+        endpoint = pool.pick_grpc()
         if endpoint is None:
             raise ModelNotReady(f"model '{model}' version '{version}' has no healthy endpoint")
         return endpoint, version, sorted(routes.pools)
@@ -327,7 +347,7 @@ class RouterCore:
         """The least-loaded eligible endpoint of a shadow version, if it has one now."""
         routes = self._table.models.get(model)
         pool = None if routes is None else routes.pools.get(version)
-        return None if pool is None else pool.pick()
+        return None if pool is None else pool.pick_grpc()
 
     def views(self, model: str = "") -> list[ModelView]:
         """Every model (or the one named), by name, for Status."""
@@ -362,30 +382,49 @@ class RouterCore:
     def apply(self, state: RegistryState) -> None:
         """Swap in a table for ``state``, keeping endpoints (and their connections) that remain."""
         old = self._table.endpoints
-        endpoints: dict[tuple[str, str, str], Endpoint] = {}
+        endpoints: dict[tuple[str, str, str], PoolMember] = {}
         models: dict[str, ModelRoutes] = {}
         for model, entry in state.models.items():
             pools: dict[str, VersionPool] = {}
             versions = dict.fromkeys([*entry.experiment.versions, *entry.endpoints])
             for version in versions:
                 members = []
+                upstream = entry.upstreams.get(version)
                 for address in entry.endpoints.get(version, ()):
                     key = (model, version, address)
-                    endpoint = old.get(key) or self._new_endpoint(model, version, address)
+                    endpoint = old.get(key)
+                    if endpoint is None or endpoint.upstream != upstream:  # new, or its settings changed
+                        endpoint = self._new_endpoint(model, version, address, upstream)
                     endpoints[key] = endpoint
                     members.append(endpoint)
-                pools[version] = VersionPool(version, members)
+                pools[version] = VersionPool(version, members, upstream)
             models[model] = ModelRoutes(experiment=entry.experiment, pools=pools)
         self.routing_key_headers = frozenset(routes.experiment.routing_key_header for routes in models.values())
         self._table = RoutingTable(models=models, endpoints=endpoints)
         self.generation += 1
         self.applied_unix_ns = time.time_ns()
         for key, endpoint in old.items():
-            if key not in endpoints:
+            if endpoints.get(key) is not endpoint:
                 self._close_later(endpoint)
         self.metrics.set_arms(self.arm_spilling())
 
-    def _new_endpoint(self, model: str, version: str, address: str) -> Endpoint:
+    def _new_endpoint(self, model: str, version: str, address: str, upstream: OpenAIUpstream | None) -> PoolMember:
+        if upstream is not None:
+            from splitstream.router.upstreams import OpenAIEndpoint, UpstreamHttp  # aiohttp: on first use
+
+            if self._upstream_http is None:
+                self._upstream_http = UpstreamHttp()
+            member = OpenAIEndpoint(
+                address,
+                upstream,
+                self._upstream_http,
+                eject_after_failures=self.settings.eject_after_failures,
+                eject_duration_s=self.settings.eject_duration_s,
+                on_eject=self.metrics.ejections.labels(model, version, address).inc,
+                on_eligibility=self._eligibility_changed,
+            )
+            member.start_health_watch()
+            return member
         endpoint = Endpoint(
             address,
             channel_options=self.settings.channel_options,
@@ -413,12 +452,14 @@ class RouterCore:
                 self.credentials_generation += 1
                 self.metrics.upstream_tls_reloads.inc()
             stale = [
-                e for e in self._table.endpoints.values() if e.credentials_generation < self.credentials_generation
+                e
+                for e in self._table.endpoints.values()
+                if isinstance(e, Endpoint) and e.credentials_generation < self.credentials_generation
             ]
             if stale:
                 await asyncio.gather(*(self._renew(endpoint, ready_timeout_s) for endpoint in stale))
 
-    async def _renew(self, endpoint: Endpoint, ready_timeout_s: float) -> None:
+    async def _renew(self, endpoint: Endpoint, ready_timeout_s: float) -> None:  # gRPC endpoints only
         generation = self.credentials_generation
         try:
             old = await endpoint.renew_channel(ready_timeout_s=ready_timeout_s)
@@ -435,7 +476,7 @@ class RouterCore:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
 
-    def _close_later(self, endpoint: Endpoint) -> None:
+    def _close_later(self, endpoint: PoolMember) -> None:
         """Close a removed endpoint once its calls in flight are done; the task is tracked, not fired and forgotten."""
         task = asyncio.create_task(endpoint.close(drain_timeout_s=self.settings.drain_timeout_s))
         self._closing.add(task)
@@ -449,6 +490,8 @@ class RouterCore:
         self.metrics.set_arms({})
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._upstream_http is not None:
+            await self._upstream_http.close()
 
 
 def _spilling(routes: ModelRoutes) -> set[str]:

@@ -1,5 +1,9 @@
 """Worker endpoints and the per-version pools the router picks from.
 
+A pool's members are gRPC workers (:class:`Endpoint`, below) or, for a version the registry declares
+``openai``, OpenAI-compatible HTTP servers (``splitstream.router.upstreams``); both subclass
+:class:`PoolMember`, so eligibility, the pick and the breaker are one code. For a gRPC worker:
+
 An endpoint is eligible when its grpc.health.v1 status is SERVING (or not yet
 known) and the circuit breaker has not ejected it. Health comes from a Watch
 stream per endpoint, so a worker that starts draining (NOT_SERVING) leaves the
@@ -20,6 +24,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitstream.common.headers import request_id_metadata
+from splitstream.common.registry import OpenAIUpstream
 from splitstream.common.tls import PLAINTEXT, ClientTls
 
 log = structlog.get_logger()
@@ -37,15 +42,20 @@ class Health(enum.IntEnum):
     UNREACHABLE = 3
 
 
-class Endpoint:
-    """One worker address: its channel, health, load and circuit breaker."""
+class PoolMember:
+    """What a pool needs of an endpoint, whatever protocol it speaks: its health, load and circuit breaker.
+
+    :class:`Endpoint` (a gRPC worker) and ``splitstream.router.upstreams.OpenAIEndpoint`` (an
+    OpenAI-compatible HTTP server) follow their health each in their own way and share the rest, so the
+    split's spill to the control, the least-loaded pick and ejection work the same for both."""
+
+    #: How to call an ``openai`` upstream; None for a gRPC worker.
+    upstream: OpenAIUpstream | None = None
 
     def __init__(
         self,
         address: str,
         *,
-        channel_options: Sequence[tuple[str, int | str]],
-        tls: ClientTls = PLAINTEXT,
         eject_after_failures: int,
         eject_duration_s: float,
         on_eject: Callable[[], None] | None = None,
@@ -55,12 +65,6 @@ class Endpoint:
         starting, running out or cleared by a success), so whoever exports it sets it then: with
         ``--processes`` nothing is computed at scrape time (the parent reads what the children set)."""
         self.address = address
-        self._tls = tls
-        self._channel_options = tuple(channel_options)
-        self.channel = tls.aio_channel(address, channel_options)
-        # Raw bytes in and out: the router forwards request bytes without decoding tensors.
-        self.infer = self.channel.unary_unary(INFER_METHOD)
-        self.stream_infer = self.channel.stream_stream(STREAM_INFER_METHOD)
         #: Which reading of the client TLS files this endpoint's channel was made from (see RouterCore).
         self.credentials_generation = 0
         self._closed = False
@@ -86,29 +90,6 @@ class Endpoint:
     @property
     def ejected(self) -> bool:
         return self.ejected_until > time.monotonic()
-
-    async def call(self, request: bytes, *, timeout_s: float | None, request_id: str) -> bytes:
-        """Forward ``request`` and keep the books every caller relies on: calls in flight (for the
-        least-outstanding pick), call and failure counts, and the circuit breaker. Raises the
-        worker's AioRpcError unchanged.
-
-        The metadata is built here, from the id, and nowhere else: a client's id that is not printable
-        ASCII in a header makes gRPC core refuse the call's start without ever finishing it, so the
-        forward hung until the client's deadline (for ever without one). :func:`request_id_metadata`
-        makes any id valid, and leaves out one too long for a header."""
-        metadata = request_id_metadata(request_id)
-        self.outstanding += 1
-        self.calls += 1
-        try:
-            response: bytes = await self.infer(request, timeout=timeout_s, metadata=metadata)
-        except aio.AioRpcError as error:
-            if error.code() == grpc.StatusCode.UNAVAILABLE:
-                self.transport_failed()
-            raise
-        finally:
-            self.outstanding -= 1
-        self.succeeded()
-        return response
 
     def transport_failed(self) -> None:
         """Count an UNAVAILABLE answer for the circuit breaker (and the ejection metric when it ejects)."""
@@ -165,6 +146,86 @@ class Endpoint:
         self._watch_task = asyncio.create_task(self._watch_health(), name=f"health-watch {self.address}")
 
     async def _watch_health(self) -> None:
+        raise NotImplementedError
+
+    def _health_is(self, health: Health) -> None:
+        if health != self.health:
+            log.info("endpoint health", endpoint=self.address, health=health.name)
+            self.health = health
+            if health is Health.SERVING:
+                self.succeeded()
+            self._eligibility_changed()
+
+    def _set_unreachable(self) -> None:
+        if self.health is not Health.UNREACHABLE:
+            log.info("endpoint health", endpoint=self.address, health=Health.UNREACHABLE.name)
+            self.health = Health.UNREACHABLE
+            self._eligibility_changed()
+
+    def _stop_watching(self) -> None:
+        self._closed = True
+        if self._ejection_end is not None:
+            self._ejection_end.cancel()
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+
+    async def close(self, *, drain_timeout_s: float) -> None:
+        """Stop watching; a subclass also lets calls in flight finish (at most ``drain_timeout_s``)."""
+        self._stop_watching()
+
+
+class Endpoint(PoolMember):
+    """One gRPC worker address: its channel, followed by a grpc.health.v1 Watch."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        channel_options: Sequence[tuple[str, int | str]],
+        tls: ClientTls = PLAINTEXT,
+        eject_after_failures: int,
+        eject_duration_s: float,
+        on_eject: Callable[[], None] | None = None,
+        on_eligibility: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__(
+            address,
+            eject_after_failures=eject_after_failures,
+            eject_duration_s=eject_duration_s,
+            on_eject=on_eject,
+            on_eligibility=on_eligibility,
+        )
+        self._tls = tls
+        self._channel_options = tuple(channel_options)
+        self.channel = tls.aio_channel(address, channel_options)
+        # Raw bytes in and out: the router forwards request bytes without decoding tensors.
+        self.infer = self.channel.unary_unary(INFER_METHOD)
+        self.stream_infer = self.channel.stream_stream(STREAM_INFER_METHOD)
+
+    async def call(self, request: bytes, *, timeout_s: float | None, request_id: str) -> bytes:
+        """Forward ``request`` and keep the books every caller relies on: calls in flight (for the
+        least-outstanding pick), call and failure counts, and the circuit breaker. Raises the
+        worker's AioRpcError unchanged.
+
+        The metadata is built here, from the id, and nowhere else: a client's id that is not printable
+        ASCII in a header makes gRPC core refuse the call's start without ever finishing it, so the
+        forward hung until the client's deadline (for ever without one). :func:`request_id_metadata`
+        makes any id valid, and leaves out one too long for a header."""
+        metadata = request_id_metadata(request_id)
+        self.outstanding += 1
+        self.calls += 1
+        try:
+            response: bytes = await self.infer(request, timeout=timeout_s, metadata=metadata)
+        except aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                self.transport_failed()
+            raise
+        finally:
+            self.outstanding -= 1
+        self.succeeded()
+        return response
+
+    async def _watch_health(self) -> None:
         """Follow the worker's health; fall back to polling Check where Watch is unimplemented."""
         stub = health_pb2_grpc.HealthStub(self.channel)
         backoff_s = 0.05
@@ -192,19 +253,7 @@ class Endpoint:
             backoff_s = min(backoff_s * 2, 2.0)
 
     def _set_health(self, status: int) -> None:
-        health = Health.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING
-        if health != self.health:
-            log.info("endpoint health", endpoint=self.address, health=health.name)
-            self.health = health
-            if health is Health.SERVING:
-                self.succeeded()
-            self._eligibility_changed()
-
-    def _set_unreachable(self) -> None:
-        if self.health is not Health.UNREACHABLE:
-            log.info("endpoint health", endpoint=self.address, health=Health.UNREACHABLE.name)
-            self.health = Health.UNREACHABLE
-            self._eligibility_changed()
+        self._health_is(Health.SERVING if status == health_pb2.HealthCheckResponse.SERVING else Health.NOT_SERVING)
 
     async def renew_channel(self, *, ready_timeout_s: float) -> aio.Channel | None:
         """Replace the channel by one made from the client TLS files as they are now; the old channel,
@@ -242,30 +291,35 @@ class Endpoint:
 
     async def close(self, *, drain_timeout_s: float) -> None:
         """Stop watching, then close the channel once calls in flight finish (at most ``drain_timeout_s``)."""
-        self._closed = True
-        if self._ejection_end is not None:
-            self._ejection_end.cancel()
-        if self._watch_task is not None:
-            self._watch_task.cancel()
+        self._stop_watching()
         await self.channel.close(grace=drain_timeout_s)
 
 
 class VersionPool:
-    """The endpoints serving one model version; picks by least outstanding requests."""
+    """The endpoints serving one model version; picks by least outstanding requests.
 
-    def __init__(self, version: str, endpoints: Sequence[Endpoint]) -> None:
+    ``upstream`` is set for a version served by OpenAI-compatible HTTP servers: its members are then
+    ``OpenAIEndpoint`` objects, which only the HTTP front door can call; gRPC callers ask :meth:`pick_grpc`."""
+
+    def __init__(self, version: str, endpoints: Sequence[PoolMember], upstream: OpenAIUpstream | None = None) -> None:
         self.version = version
         self.endpoints = tuple(endpoints)
+        self.upstream = upstream
         self._rotation = 0
 
-    def pick(self, exclude: Endpoint | None = None) -> Endpoint | None:
+    def pick_grpc(self, exclude: PoolMember | None = None) -> Endpoint | None:
+        """:meth:`pick` for a gRPC call: None for a version whose endpoints are not gRPC workers."""
+        endpoint = self.pick(exclude)
+        return endpoint if isinstance(endpoint, Endpoint) else None
+
+    def pick(self, exclude: PoolMember | None = None) -> PoolMember | None:
         """The eligible endpoint with the fewest calls in flight; ties rotate so load spreads."""
         endpoints = self.endpoints
         count = len(endpoints)
         if count == 0:
             return None
         self._rotation = (self._rotation + 1) % count
-        best: Endpoint | None = None
+        best: PoolMember | None = None
         for offset in range(count):
             endpoint = endpoints[(self._rotation + offset) % count]
             if endpoint is exclude or not endpoint.eligible:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from splitstream.common.errors import ModelNotFound, ModelNotReady
 from splitstream.common.experiment import Experiment
-from splitstream.router.pools import Endpoint, VersionPool
+from splitstream.router.pools import PoolMember, VersionPool
 
 
 class Assignment(enum.Enum):
@@ -96,7 +96,7 @@ class ModelRoutes:
 @dataclass(frozen=True, slots=True)
 class RoutingTable:
     models: Mapping[str, ModelRoutes]
-    endpoints: Mapping[tuple[str, str, str], Endpoint]  # (model, version, address) → endpoint
+    endpoints: Mapping[tuple[str, str, str], PoolMember]  # (model, version, address) → endpoint
 
     def model(self, name: str) -> ModelRoutes:
         routes = self.models.get(name)

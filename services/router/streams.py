@@ -58,6 +58,8 @@ DEFAULT_RECORD_STREAM_MAX_BYTES = 4 << 20
 Write = Callable[[bytes], Awaitable[None]]
 Metadata = Sequence[tuple[str, str | bytes]]
 OnEnd = Callable[[CallOutcome, bytes, Metadata], None]
+#: A stream routed by its caller: the outcome filled by ``RouterCore.route``, the model's routes and the route.
+Routed = tuple[CallOutcome, ModelRoutes, Route]
 
 
 class StreamTrace:
@@ -144,17 +146,21 @@ class StreamProxy:
         timeout_s: float | None,
         *,
         on_start: Callable[[CallOutcome], None] | None = None,
+        routed: Routed | None = None,
     ) -> CallOutcome | None:
         """Relay one stream to its end; returns its outcome (``code`` OK or the status to end with), or None
         for a stream that ended without any request. Raises CancelledError when the client went away
         (the worker's stream is cancelled and the stream recorded as CANCELLED first).
 
         ``on_start`` gets the outcome as the stream starts, filled in as it goes (the HTTP front door reads
-        the served version from it when it writes its response headers, at the first response)."""
+        the served version from it when it writes its response headers, at the first response).
+        ``routed``: the outcome and route of a stream its caller routed already (the HTTP front door routes
+        first, to know whether the version is a gRPC worker or an ``openai`` upstream), so it is not routed
+        twice (a random split could land elsewhere the second time)."""
         first = await anext(aiter(requests), None)
         if first is None:
             return None
-        relay = _Relay(self, first, requests, write, headers, timeout_s)
+        relay = _Relay(self, first, requests, write, headers, timeout_s, routed)
         if on_start is not None:
             on_start(relay.outcome)
         try:
@@ -221,6 +227,7 @@ class _Relay:
         write: Write,
         headers: Mapping[str, str],
         timeout_s: float | None,
+        routed: Routed | None = None,
     ) -> None:
         self.started_ns = time.monotonic_ns()
         self.proxy = proxy
@@ -231,15 +238,20 @@ class _Relay:
         self.headers = headers
         self.deadline = None if timeout_s is None else time.monotonic() + timeout_s
         request_id = headers.get(REQUEST_ID_HEADER, "")
-        self.outcome = CallOutcome(
-            request_id,
-            UNKNOWN_MODEL,
-            grpc.StatusCode.OK,
-            "",
-            None,
-            receive_unix_ns=time.time_ns(),
-            principal=CALL_PRINCIPAL.get(),  # set by the auth interceptor in this task ("" when auth is off)
-        )
+        self.routed = routed
+        if routed is not None:
+            self.outcome = routed[0]
+            self.outcome.receive_unix_ns = self.outcome.receive_unix_ns or time.time_ns()
+        else:
+            self.outcome = CallOutcome(
+                request_id,
+                UNKNOWN_MODEL,
+                grpc.StatusCode.OK,
+                "",
+                None,
+                receive_unix_ns=time.time_ns(),
+                principal=CALL_PRINCIPAL.get(),  # set by the auth interceptor in this task ("" when auth is off)
+            )
         self.trace = StreamTrace(proxy.record_max_bytes)
         self.outcome.stream = self.trace
         self.trace.request(0, first)
@@ -255,13 +267,16 @@ class _Relay:
 
     async def run(self) -> None:
         outcome = self.outcome
-        try:
-            routes, route = self.proxy.core.route(outcome, self.first, self.headers)
-        except SplitstreamError as error:
-            outcome.code, outcome.details = error.code, str(error)
-            return
+        if self.routed is not None:
+            _, routes, route = self.routed
+        else:
+            try:
+                routes, route = self.proxy.core.route(outcome, self.first, self.headers)
+            except SplitstreamError as error:
+                outcome.code, outcome.details = error.code, str(error)
+                return
         self.pinned_version = route.version if route.pinned else ""
-        endpoint = route.pool.pick()
+        endpoint = route.pool.pick_grpc()
         if endpoint is None:
             self.proxy.core.unavailable(outcome, route)
             return
@@ -284,7 +299,7 @@ class _Relay:
 
     def _retry(self, routes: ModelRoutes, route: Route, failed: Endpoint) -> tuple[Route, Endpoint] | None:
         retry = self.proxy.core.retry_target(routes, route, failed)
-        if retry is None:
+        if retry is None or not isinstance(retry[1], Endpoint):  # an openai control is no retry for a gRPC stream
             return None
         outcome = self.outcome
         self.metrics.retries.labels(outcome.model, outcome.version).inc()
@@ -292,7 +307,7 @@ class _Relay:
         outcome.version, outcome.fallback = retry[0].version, retry[0].fallback
         outcome.assignment = retry[0].assignment  # RETRY when it went to the control
         self._activate(outcome.version)
-        return retry
+        return retry[0], retry[1]
 
     async def _attempt(self, endpoint: Endpoint) -> aio.AioRpcError | None:
         """One worker stream: forward the requests, relay the responses; the error it ended with, if any."""

@@ -17,6 +17,12 @@ query it holds open, well within a second.
 Rules a router follows (one place, so every router derives the same table):
 
 - A model's endpoints are its passing instances, grouped by meta ``version``.
+- An instance with meta ``protocol: openai`` is an OpenAI-compatible HTTP server, not a gRPC worker:
+  its endpoint is the base URL ``{scheme}://{address}:{port}{base_path}`` (meta ``scheme``, default
+  ``http``; ``base_path``, default ``/v1``) and meta ``openai_model``, ``api_key_file`` or
+  ``api_key_env`` say what the file registry's ``openai:`` mapping says. A version with any such
+  instance is an ``openai`` version (its gRPC instances, if any, are left out, with a warning); an
+  instance whose meta does not make a valid base URL is left out, with a warning naming it.
 - No experiment key: one version → it takes 100 %; several versions → the
   lowest version in natural order (``v2`` < ``v10``) takes 100 % and the others
   are reachable only by pin, until an experiment says otherwise. New versions
@@ -59,10 +65,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
+from splitstream.common.addresses import check_base_url
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 from splitstream.common.names import check_model_name
-from splitstream.common.registry.base import ModelEntry, RegistryState, RegistryUpdate
+from splitstream.common.registry.base import ModelEntry, OpenAIUpstream, RegistryState, RegistryUpdate
 from splitstream.common.registry.removal import RemovalGuard
 from splitstream.common.tls import check_ca, check_key_pair
 
@@ -324,6 +331,32 @@ class Instance:
     engine_tag: str = ""
     backend: str = ""
     precision: str = ""
+    #: Set for an OpenAI-compatible HTTP server (meta ``protocol: openai``); ``address`` is then its base URL.
+    upstream: OpenAIUpstream | None = None
+
+
+#: Meta ``protocol`` of an instance that is an OpenAI-compatible HTTP server (absent: a gRPC worker).
+OPENAI_PROTOCOL = "openai"
+
+
+def _openai_instance(service_id: str, address: str, meta: Mapping[str, Any]) -> tuple[str, OpenAIUpstream] | None:
+    """The base URL and settings of an ``openai`` instance; None (logged) when its meta cannot make them."""
+    scheme = str(meta.get("scheme") or "http")
+    base_path = str(meta.get("base_path") or "/v1")
+    key_file, key_env = meta.get("api_key_file") or None, meta.get("api_key_env") or None
+    try:
+        url = check_base_url(f"{scheme}://{address}{base_path if base_path.startswith('/') else '/' + base_path}")
+        if key_file is not None and key_env is not None:
+            raise ValueError("name the API key with api_key_file or api_key_env, not both")
+    except ValueError as error:
+        log.warning("consul instance left out: its openai meta is invalid", service_id=service_id, problem=str(error))
+        return None
+    model = meta.get("openai_model") or None
+    return url, OpenAIUpstream(
+        model=None if model is None else str(model),
+        api_key_file=None if key_file is None else str(key_file),
+        api_key_env=None if key_env is None else str(key_env),
+    )
 
 
 def decode_instance(model: str, entry: Mapping[str, Any]) -> Instance | None:
@@ -340,11 +373,19 @@ def decode_instance(model: str, entry: Mapping[str, Any]) -> Instance | None:
     for worse in ("warning", "critical", "maintenance"):
         if worse in statuses:
             status = "critical" if worse == "maintenance" else worse
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    upstream = None
+    if meta.get("protocol") == OPENAI_PROTOCOL:
+        found = _openai_instance(str(service.get("ID", "")), address, meta)
+        if found is None:
+            return None
+        address, upstream = found
     return Instance(
         service_id=str(service.get("ID", "")),
         model=model,
         version=str(version),
-        address=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+        address=address,
+        upstream=upstream,
         status=status,
         engine_tag=str(meta.get("engine_tag", "")),
         backend=str(meta.get("backend", "")),
@@ -358,6 +399,21 @@ def group_endpoints(instances: Iterable[Instance]) -> dict[str, tuple[str, ...]]
     for instance in instances:
         grouped.setdefault(instance.version, set()).add(instance.address)
     return {version: tuple(sorted(addresses)) for version, addresses in sorted(grouped.items())}
+
+
+def group_versions(instances: Iterable[Instance]) -> tuple[dict[str, tuple[str, ...]], dict[str, OpenAIUpstream]]:
+    """version → sorted endpoints, and version → upstream settings for the ``openai`` versions (the settings
+    of the instance with the lowest base URL; a version's gRPC instances are left out once it has one)."""
+    instances = sorted(instances, key=lambda instance: instance.address)
+    upstreams: dict[str, OpenAIUpstream] = {}
+    for instance in instances:
+        if instance.upstream is not None:
+            upstreams.setdefault(instance.version, instance.upstream)
+    mixed = sorted({i.service_id for i in instances if i.upstream is None and i.version in upstreams})
+    if mixed:
+        log.warning("consul instances left out: gRPC workers in a version of openai upstreams", service_ids=mixed)
+    kept = [i for i in instances if (i.upstream is not None) == (i.version in upstreams)]
+    return group_endpoints(kept), upstreams
 
 
 def model_of_service(name: str) -> str | None:
@@ -418,6 +474,7 @@ class _WatchSession:
         # Kept across answers, per model: last good experiment (and the value it came from), last endpoints.
         self.good_experiments: dict[str, tuple[bytes | None, Experiment]] = {}
         self.last_endpoints: dict[str, dict[str, tuple[str, ...]]] = {}
+        self.last_upstreams: dict[str, dict[str, OpenAIUpstream]] = {}
         self.defaulted: frozenset[str] = frozenset()
         self.guard = guard
 
@@ -555,19 +612,21 @@ class _WatchSession:
         removed = frozenset(m for m, value in self.experiment_values.items() if is_removal(value))
         for model in removed:
             self.last_endpoints.pop(model, None)
+            self.last_upstreams.pop(model, None)
             self.good_experiments.pop(model, None)
         for model in sorted({*self.instances, *self.experiment_values, *self.last_endpoints} - removed):
-            endpoints = group_endpoints(self.instances.get(model, ()))
+            endpoints, upstreams = group_versions(self.instances.get(model, ()))
             if endpoints:
-                self.last_endpoints[model] = endpoints
+                self.last_endpoints[model], self.last_upstreams[model] = endpoints, upstreams
             else:
                 endpoints = self.last_endpoints.get(model, {})
+                upstreams = self.last_upstreams.get(model, {})
             experiment = self._experiment(model, endpoints, problems)
             if experiment is None:
                 continue
             if model not in self.experiment_values and len(endpoints) > 1:
                 defaulted.add(model)
-            models[model] = ModelEntry(experiment=experiment, endpoints=endpoints)
+            models[model] = ModelEntry(experiment=experiment, endpoints=endpoints, upstreams=upstreams)
         if defaulted != self.defaulted:
             self.defaulted = frozenset(defaulted)
             if defaulted:

@@ -7,6 +7,10 @@ Format (schema: :class:`RegistryDocument`)::
         endpoints:                 # version → worker addresses (host:port)
           v1: [127.0.0.1:9001, 127.0.0.1:9002]
           v2: [127.0.0.1:9003]
+          v3:                      # or an OpenAI-compatible HTTP server (vLLM, NIM, ...)
+            openai: [http://10.0.0.5:8000/v1]
+            model: served-name     # optional: the upstream's own model name
+            api_key_file: /etc/splitstream/v3.key   # optional (or api_key_env: VAR)
         experiment:                # optional when the model has one version
           salt: <string>           # default: the model name
           control: v1
@@ -34,14 +38,14 @@ from typing import Annotated, Any
 
 import structlog
 import yaml
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from splitstream.common.addresses import check_address
+from splitstream.common.addresses import check_address, check_base_url
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment, ExperimentDocument, VersionName
 from splitstream.common.files import FileSignature, read_if_changed
 from splitstream.common.names import check_model_name
-from splitstream.common.registry.base import ModelEntry, RegistryState, RegistryUpdate
+from splitstream.common.registry.base import ModelEntry, OpenAIUpstream, RegistryState, RegistryUpdate
 from splitstream.common.registry.removal import RemovalGuard
 from splitstream.common.schema import Document, validate
 
@@ -60,13 +64,62 @@ ModelName = Annotated[str, AfterValidator(_model_name)]
 Address = Annotated[str, AfterValidator(check_address)]
 #: One address may be written without the list around it (``v1: 127.0.0.1:9001``).
 Addresses = Annotated[list[Address], BeforeValidator(lambda value: [value] if isinstance(value, str) else value)]
+BaseUrl = Annotated[str, AfterValidator(check_base_url)]
+#: One base URL may be written without the list around it (``openai: http://10.0.0.5:8000/v1``).
+BaseUrls = Annotated[list[BaseUrl], BeforeValidator(lambda value: [value] if isinstance(value, str) else value)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+
+
+class OpenAIVersionDocument(Document):
+    """A version served by OpenAI-compatible HTTP servers: the router passes requests through to them."""
+
+    openai: BaseUrls = Field(
+        description="base URLs (`http(s)://host:port/v1`; one may go without the list); the router calls "
+        "`{base}/chat/completions`, `{base}/completions` and checks health with `GET {base}/models`"
+    )
+    model: NonEmpty | None = Field(
+        None, description="the upstream's own model name, written into each request's `model`; null: unchanged"
+    )
+    api_key_file: NonEmpty | None = Field(
+        None, description="a file holding the API key, sent as `Authorization: Bearer` (never inline here)"
+    )
+    api_key_env: NonEmpty | None = Field(
+        None, description="an environment variable of the router's holding the API key (instead of a file)"
+    )
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> OpenAIVersionDocument:
+        if self.api_key_file is not None and self.api_key_env is not None:
+            raise ValueError("name the API key with api_key_file or api_key_env, not both")
+        return self
+
+    def upstream(self) -> OpenAIUpstream:
+        return OpenAIUpstream(model=self.model, api_key_file=self.api_key_file, api_key_env=self.api_key_env)
+
+
+#: The union's branch names: pydantic puts them in an error's path, where :func:`_without_branches` takes them
+#: out again (``<`` is in no version name, so no path of the user's is touched).
+_GRPC, _OPENAI = "<grpc>", "<openai>"
+
+
+def _without_branches(path: str) -> str:
+    return path.replace(f".{_GRPC}", "").replace(f".{_OPENAI}", "")
+
+
+#: A version's endpoints: gRPC addresses (a list, or one string), or a mapping with ``openai:`` base URLs.
+VersionEndpoints = Annotated[
+    Annotated[Addresses, Tag(_GRPC)] | Annotated[OpenAIVersionDocument, Tag(_OPENAI)],
+    Discriminator(lambda value: _OPENAI if isinstance(value, dict | OpenAIVersionDocument) else _GRPC),
+]
 
 
 class ModelDocument(Document):
     """One model: where its versions run and how traffic splits between them."""
 
-    endpoints: dict[VersionName, Addresses] | None = Field(
-        None, description="version → list of `host:port` (one address may go without the list); null: none"
+    endpoints: dict[VersionName, VersionEndpoints] | None = Field(
+        None,
+        description="version → list of `host:port` (one address may go without the list), or `{openai: "
+        "[base URL, ...], model, api_key_file | api_key_env}` for OpenAI-compatible HTTP servers; null: none",
     )
     experiment: ExperimentDocument | None = Field(
         None, description="the split; may be left out when the model has exactly one version (it takes 100 %)"
@@ -161,15 +214,22 @@ def parse_registry_file(data: Any, *, source: str = "registry") -> tuple[Registr
     """
     if data is None:
         raise ConfigError(f"{source}: the file is empty (a save in progress, or truncated); a registry needs 'models:'")
-    document = validate(RegistryDocument, data, where=source)
+    document = validate(RegistryDocument, data, where=source, rename=_without_branches)
     models: dict[str, ModelEntry] = {}
     for model, entry in document.models.items():
-        endpoints = {version: tuple(dict.fromkeys(addresses)) for version, addresses in (entry.endpoints or {}).items()}
+        endpoints: dict[str, tuple[str, ...]] = {}
+        upstreams: dict[str, OpenAIUpstream] = {}
+        for version, value in (entry.endpoints or {}).items():
+            if isinstance(value, OpenAIVersionDocument):
+                endpoints[version] = tuple(dict.fromkeys(value.openai))
+                upstreams[version] = value.upstream()
+            else:
+                endpoints[version] = tuple(dict.fromkeys(value))
         try:
             experiment = _experiment(model, entry, endpoints)
         except ConfigError as error:
             raise ConfigError(f"{source}: {error}") from None
-        models[model] = ModelEntry(experiment=experiment, endpoints=endpoints)
+        models[model] = ModelEntry(experiment=experiment, endpoints=endpoints, upstreams=upstreams)
     return RegistryState(models=models), frozenset(document.remove_models or ())
 
 

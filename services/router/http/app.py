@@ -40,7 +40,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from splitstream.common.errors import ConfigError
+from splitstream.common.errors import ConfigError, SplitstreamError
 from splitstream.common.headers import (
     REQUEST_ID_HEADER,
     VERSION_HEADER,
@@ -48,6 +48,7 @@ from splitstream.common.headers import (
     from_header_value,
     header_value,
 )
+from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.runtime import bind_problem, process_index
 from splitstream.common.tls import ServerTls
 from splitstream.router.auth.gate import Gate
@@ -68,6 +69,7 @@ from splitstream.router.http.openai_api import (
     read_response,
     usage,
 )
+from splitstream.router.http.passthrough import PassThrough, Spill
 from splitstream.router.http.recording import HttpExchange, recorded_headers, stream_response
 from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
@@ -134,6 +136,7 @@ class HttpFrontDoor:
         self.servicer = servicer
         self.streams = StreamProxy(core, record_max_bytes=record_max_bytes)
         self.metrics = HttpMetrics(registry)
+        self.passthrough = PassThrough(core, self._observe_ttft)
         self.shutdown_grace_s = shutdown_grace_s
         self.recording = recording
         self.record_max_bytes = record_max_bytes
@@ -256,6 +259,8 @@ class HttpFrontDoor:
             return
         if isinstance(response, web.Response) and isinstance(response.body, bytes):
             exchange.answered(response.body, response.content_type)
+        if exchange.usage is None:  # passed through to an upstream: what its answer reported
+            exchange.usage = exchange.reported_usage()
         if self.feedback is not None:  # a feedback body may name the call by its id alone
             self.feedback.recent.note(outcome.request_id, outcome.model)
         outcome.receive_unix_ns = request["receive_unix_ns"]
@@ -304,41 +309,86 @@ class HttpFrontDoor:
         return await self._generate(request, COMPLETION)
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        """Route the request, then pass it through to an ``openai`` upstream unchanged, or translate it for
+        our generating workers. Routed once, here: a random split must not land elsewhere when the
+        translated relay starts."""
         sent_id = _header(request, REQUEST_ID_HEADER) or ""
         request["sent_id"] = sent_id or None
         request_id = request.get("request_id") or (from_header_value(sent_id) if sent_id else uuid.uuid4().hex)
         request["request_id"] = request_id
         exchange = self.recorded(request, kind)
-        raw = await request.read()
-        body = parse_body(raw)
+        body = await request.read()
+        data = parse_body(body)
         if exchange is not None:
-            exchange.received(raw, request.headers.get("Content-Type", ""), body)
-        generation = parse_generation(kind, body)
-        authorize_model(request, generation.model)
-        if not self.core.serves(generation.model):
+            exchange.received(body, request.headers.get("Content-Type", ""), data)
+        # Checked only for a translated answer: an upstream gets fields (tools, ...) our workers do not take.
+        refusal: ApiError | None = None
+        try:
+            generation: Generation | None = parse_generation(kind, data)
+        except ApiError as error:
+            generation, refusal = None, error
+        model = data.get("model")
+        if isinstance(model, str) and model:
+            authorize_model(request, model)  # before saying whether the model exists
+        if not isinstance(model, str) or not model or not self.core.serves(model):
+            if refusal is not None:
+                raise refusal
             served = ", ".join(self.core.model_names()) or "none"
-            raise model_not_found(f"The model '{generation.model}' does not exist (served: {served})")
-        request["labels"][0] = generation.model
+            raise model_not_found(f"The model '{model}' does not exist (served: {served})")
+        request["labels"][0] = model
+        user = data.get("user") if isinstance(data.get("user"), str) else None
+        headers = self._routing_headers(request, user, request_id)
+        outcome = CallOutcome(request_id, model, grpc.StatusCode.OK, "", None, receive_unix_ns=time.time_ns())
+        try:
+            routes, route = self.core.route(
+                outcome, b"", headers, router_pb2.InferRequestHead(model_name=model, id=request_id), http=True
+            )
+        except SplitstreamError as error:
+            if refusal is not None:
+                raise refusal from None
+            # Counted and logged as a stream refused at routing, as the relay did when it routed.
+            outcome.code, outcome.details = error.code, str(error)
+            self.core.metrics.streams.labels(model, outcome.version, outcome.code.name).inc()
+            self.core.log_call(outcome)
+            request["labels"][1] = request["version"] = outcome.version
+            raise from_status(error.code, str(error)) from None
+        if route.pool.upstream is not None:
+            path = "chat/completions" if kind == CHAT else "completions"
+            request["outcome"] = outcome  # recorded and counted by it, as a translated call by its relay's
+            try:
+                return await self.passthrough.forward(
+                    request, path, body, data, outcome, routes, route, _id_header(request)
+                )
+            except Spill as spill:  # the upstreams failed before a byte: the control is our worker
+                route = spill.route
+        if refusal is not None:
+            raise refusal
+        assert generation is not None
         answer = _Answer(request, generation, Shapes.of(generation, request_id), self.metrics, exchange)
         worker_request = request["worker_request"] = generation.inference_request(request_id)
-        outcome = await self.streams.relay(
+        relayed = await self.streams.relay(
             _one(worker_request),
             answer.write,
-            self._routing_headers(request, generation, request_id),
+            headers,
             (),
             None,
             on_start=answer.bind,
+            routed=(outcome, routes, route),
         )
-        assert outcome is not None  # one request was sent
-        return await answer.finish(outcome)
+        assert relayed is not None  # one request was sent
+        return await answer.finish(relayed)
 
-    def _routing_headers(self, request: web.Request, generation: Generation, request_id: str) -> dict[str, str]:
+    def _observe_ttft(self, request: web.Request, version: str) -> None:
+        model = request["labels"][0]
+        self.metrics.ttft.labels(model, version, request["route"]).observe(time.monotonic() - request["started"])
+
+    def _routing_headers(self, request: web.Request, user: str | None, request_id: str) -> dict[str, str]:
         """What the core reads: the experiments' routing-key headers (the body's ``user`` where the header is
         absent), the pin and the request id; the core picks the model's own routing-key header."""
         headers = {REQUEST_ID_HEADER: request_id}
         for name in self.core.routing_key_headers:
             key = _header(request, name)
-            key = generation.user if key is None else key
+            key = user if key is None else key
             if key is not None:
                 headers[name] = key
         pin = _header(request, VERSION_HEADER)

@@ -112,6 +112,23 @@ class HttpExchange:
         """A whole (not streamed) answer's body, as sent."""
         self.response_body, self.response_content_type = body, content_type
 
+    def reported_usage(self) -> tuple[int, int] | None:
+        """The tokens an OpenAI answer reported (a whole answer's ``usage``, or the last streamed chunk that
+        has one: ``include_usage``, which comes just before ``[DONE]``), for an answer the front door relayed
+        without reading it."""
+        bodies = [self.response_body] if self.response_body is not None else [e[2] for e in self.events[-3:]][::-1]
+        for body in bodies:
+            try:
+                answer = json.loads(body)
+            except ValueError:
+                continue
+            usage = answer.get("usage") if isinstance(answer, dict) else None
+            if isinstance(usage, dict):
+                prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+                if isinstance(prompt, int) and isinstance(completion, int):
+                    return prompt, completion
+        return None
+
     def serialize(self, status: int, mask: Callable[[str], str]) -> bytes:
         """The record's ``http`` and ``usage`` fields, as a serialized CallRecord holding only them (the shipper
         appends these bytes to the record it builds). ``mask(user)``: what a body's ``user`` is stored as."""

@@ -1,0 +1,269 @@
+"""Pass-through to ``openai`` upstreams: a chat or completions request whose routed version is served by an
+OpenAI-compatible HTTP server goes to it unchanged, and its answer comes back as it was sent.
+
+- The body is forwarded as received; only ``model`` is rewritten when the registry names the upstream's
+  own model name. The answer's status, ``Content-Type`` and body are relayed; an SSE stream is written to
+  the client event by event as the upstream sends it (only a partial event waits for its end, so a
+  failure never leaves half an event before the error event).
+- Before the client got a byte, a refused or broken connection, or a 502/503 answer, is retried once on
+  another endpoint of the version, else on the control unless pinned (:class:`Spill` when the control is a
+  gRPC worker: the front door translates then), as a gRPC call is retried.
+- After that, a failure ends the client's stream with one ``data: {"error": ...}`` event, as for a worker
+  of ours; the stream always ends, never hangs.
+- A client that goes away cancels the handler, and the upstream's connection is closed with it (the
+  upstream sees its client go).
+
+Recording hook: :meth:`PassThrough.forward` has the body as received (``body``) and writes every event
+the client gets in :meth:`_Relay._write` (whole answers in :meth:`_Relay.whole`); a recorder taps there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import grpc
+import structlog
+from aiohttp import web
+
+from splitstream.common.headers import VERSION_HEADER, header_value
+from splitstream.router.core import CallOutcome, RouterCore
+from splitstream.router.http.errors import ApiError
+from splitstream.router.http.recording import stream_response
+from splitstream.router.pools import PoolMember
+from splitstream.router.routing import ModelRoutes, Route
+from splitstream.router.upstreams import ApiKeyUnavailable, OpenAIEndpoint
+
+log = structlog.get_logger()
+
+#: Upstream answers retried elsewhere when nothing reached the client yet: the gateway's own "try again".
+_RETRIED_STATUSES = frozenset({502, 503})
+#: Hop-by-hop and framing headers never relayed (aiohttp frames the client's answer itself).
+_RELAYED_HEADERS = ("Content-Type", "Cache-Control")
+#: Where one SSE event ends (the spec allows either line ending).
+_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+
+
+class Spill(Exception):
+    """Nothing reached the client and the retry goes to the control, a gRPC worker: the front door
+    translates the request for it (``route``), as a gRPC call spills."""
+
+    def __init__(self, route: Route) -> None:
+        super().__init__(route.version)
+        self.route = route
+
+
+class PassThrough:
+    """Forwards one request to an ``openai`` upstream of its routed version; ``ttft`` observes a streamed
+    answer's first event (the front door's histogram)."""
+
+    def __init__(self, core: RouterCore, ttft: Callable[[web.Request, str], None]) -> None:
+        self.core = core
+        self.ttft = ttft
+
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        data: dict[str, Any],
+        outcome: CallOutcome,
+        routes: ModelRoutes,
+        route: Route,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """Answer ``request`` from the upstream (``path``: ``chat/completions`` or ``completions``).
+
+        ``headers`` are the ones every answer carries (request id); the served version is added here.
+        Raises ApiError before any byte was written, Spill to hand the request to a gRPC control."""
+        started_ns = time.monotonic_ns()
+        relay = _Relay(self, request, outcome, headers)
+        try:
+            return await self._forward(relay, path, body, data, routes, route)
+        except asyncio.CancelledError:
+            outcome.code, outcome.details = grpc.StatusCode.CANCELLED, "the client went away"
+            raise
+        finally:
+            outcome.latency_s = (time.monotonic_ns() - started_ns) / 1e9
+            self.core.log_call(outcome)
+
+    async def _forward(
+        self, relay: _Relay, path: str, body: bytes, data: dict[str, Any], routes: ModelRoutes, route: Route
+    ) -> web.StreamResponse:
+        outcome = relay.outcome
+        endpoint = route.pool.pick()
+        if endpoint is None:
+            self.core.unavailable(outcome, route)
+            raise ApiError(503, outcome.details, type="server_error", code="unavailable")
+        while True:
+            assert isinstance(endpoint, OpenAIEndpoint)  # the caller routed to an openai version
+            outcome.version, outcome.endpoint = route.version, endpoint.address
+            failure = await relay.attempt(endpoint, path, _payload(body, data, endpoint))
+            if failure is None:
+                return relay.answer()
+            retry = None if outcome.retried else self.core.retry_target(routes, route, endpoint)
+            if retry is None:
+                relay.request["labels"][1] = relay.request["version"] = outcome.version
+                raise failure
+            self.core.metrics.retries.labels(outcome.model, outcome.version).inc()
+            outcome.retried = True
+            route, endpoint = retry
+            outcome.version, outcome.fallback, outcome.assignment = route.version, route.fallback, route.assignment
+            if not isinstance(endpoint, OpenAIEndpoint):
+                raise Spill(route)
+
+
+def _payload(body: bytes, data: dict[str, Any], endpoint: OpenAIEndpoint) -> bytes:
+    """The body as the client sent it, or with ``model`` set to the upstream's own name for the model."""
+    name = endpoint.upstream.model
+    if name is None or data.get("model") == name:
+        return body
+    return json.dumps({**data, "model": name}, separators=(",", ":")).encode()
+
+
+class _Relay:
+    """One request's answer from an upstream: the upstream's response while it is being relayed, and the
+    client's response once a byte went out (then no retry)."""
+
+    def __init__(self, owner: PassThrough, request: web.Request, outcome: CallOutcome, headers: dict[str, str]):
+        self.owner = owner
+        self.request = request
+        self.outcome = outcome
+        self.headers = headers
+        self.answered: web.StreamResponse | None = None
+        self.sse: web.StreamResponse | None = None
+
+    async def attempt(self, endpoint: OpenAIEndpoint, path: str, payload: bytes) -> ApiError | None:
+        """Call ``endpoint``; None once the client has its answer (or a stream that began and ended, even
+        with an error event), else the failure to retry or answer with."""
+        outcome = self.outcome
+        try:
+            headers = {"Content-Type": "application/json", **await endpoint.headers()}
+        except ApiKeyUnavailable as error:
+            outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, str(error)
+            return ApiError(502, f"upstream {endpoint.address}: {error}", type="server_error")
+        request_id = self.headers.get("x-request-id")
+        if request_id:
+            headers["x-request-id"] = request_id
+        url = f"{endpoint.base_url}/{path}"
+        endpoint.outstanding += 1
+        endpoint.calls += 1
+        try:
+            try:
+                upstream = await endpoint.http.session.post(url, data=payload, headers=headers)
+            except (aiohttp.ClientError, TimeoutError) as error:
+                endpoint.transport_failed()
+                outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, f"{endpoint.address}: {error}"
+                return ApiError(502, f"upstream {endpoint.address} is unreachable: {error}", type="server_error")
+            try:
+                return await self._relay(endpoint, upstream)
+            finally:
+                upstream.close()  # a no-op after a full read; else the upstream sees its client go
+        finally:
+            endpoint.outstanding -= 1
+
+    async def _relay(self, endpoint: PoolMember, upstream: aiohttp.ClientResponse) -> ApiError | None:
+        outcome = self.outcome
+        if upstream.status in _RETRIED_STATUSES:
+            endpoint.transport_failed()
+            text = await _text(upstream)
+            outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, f"upstream answered {upstream.status}"
+            return _relayed_error(upstream.status, text)
+        content_type = upstream.headers.get("Content-Type", "")
+        if not content_type.startswith("text/event-stream"):
+            try:
+                body = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as error:
+                endpoint.transport_failed()
+                outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, f"{endpoint.address}: {error}"
+                return ApiError(502, f"upstream {endpoint.address} broke off its answer: {error}", type="server_error")
+            self._settle(endpoint, upstream.status)
+            self.answered = self.whole(upstream, body)
+            return None
+        # Recorded as the front door's own streams are: each event as the client was sent it.
+        self.sse = stream_response(self.request, status=upstream.status, headers=self._headers(upstream))
+        await self.sse.prepare(self.request)
+        self.request["labels"][1] = self.request["version"] = outcome.version
+        pending = b""
+        try:
+            async for chunk in upstream.content.iter_any():
+                pending += chunk
+                end = _complete(pending)
+                if end:
+                    await self._write(pending[:end])
+                    pending = pending[end:]
+        except (aiohttp.ClientError, TimeoutError) as error:
+            endpoint.transport_failed()
+            failure = ApiError(502, f"upstream {endpoint.address} broke off the stream: {error}", type="server_error")
+            outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, failure.message
+            self.request["status"] = failure.status
+            await self._write(f"data: {json.dumps(failure.body(), separators=(',', ':'))}\n\n".encode())
+        else:
+            if pending:
+                await self._write(pending)
+            self._settle(endpoint, upstream.status)
+        await self.sse.write_eof()
+        self.answered = self.sse
+        return None
+
+    def _settle(self, endpoint: PoolMember, status: int) -> None:
+        """The upstream answered whole: its status is the call's (a 4xx is the client's, not a failure)."""
+        endpoint.succeeded()
+        self.request["status"] = status
+        outcome = self.outcome
+        if status < 400:
+            outcome.code, outcome.details = grpc.StatusCode.OK, ""
+        else:
+            outcome.code = grpc.StatusCode.INVALID_ARGUMENT if status < 500 else grpc.StatusCode.INTERNAL
+            outcome.details = f"upstream answered {status}"
+
+    def _headers(self, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+        relayed = {name: upstream.headers[name] for name in _RELAYED_HEADERS if name in upstream.headers}
+        return {**relayed, **self.headers, VERSION_HEADER: header_value(self.outcome.version)}
+
+    def whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
+        """A whole (not streamed) answer, relayed as the upstream sent it."""
+        self.request["labels"][1] = self.request["version"] = self.outcome.version
+        return web.Response(status=upstream.status, body=body, headers=self._headers(upstream))
+
+    async def _write(self, data: bytes) -> None:
+        """Every byte of a streamed answer goes through here, in order."""
+        assert self.sse is not None
+        if "ttft" not in self.request:
+            self.request["ttft"] = True
+            self.owner.ttft(self.request, self.outcome.version)
+        try:
+            await self.sse.write(data)
+        except ConnectionError:  # the client went away between two events: as a cancel (499)
+            raise asyncio.CancelledError from None
+
+    def answer(self) -> web.StreamResponse:
+        assert self.answered is not None
+        return self.answered
+
+
+def _complete(data: bytes) -> int:
+    """How many bytes at the start of ``data`` are whole SSE events (0: none yet)."""
+    return max((data.rfind(mark) + len(mark) for mark in _EVENT_ENDS if mark in data), default=0)
+
+
+async def _text(upstream: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await upstream.read()
+    except (aiohttp.ClientError, TimeoutError):
+        return b""
+
+
+def _relayed_error(status: int, body: bytes) -> ApiError:
+    """An upstream's 502/503 as the client gets it when no retry is left: its error message if it sent
+    OpenAI's error object, else a generic one."""
+    try:
+        error = json.loads(body)["error"]
+        message = str(error["message"])
+    except (ValueError, KeyError, TypeError):
+        message = f"the upstream answered {status}"
+    return ApiError(status, message, type="server_error")
