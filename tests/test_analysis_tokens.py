@@ -25,10 +25,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import yaml
 
 from demo import language
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
-from tests.harness import ROOT, ServiceProcess, Stack
+from tests.harness import ROOT, ServiceProcess, Stack, router_status, wait_for, write_registry
 from tests.recording_stack import MODEL, RecordingStack
 from tests.stream_client import STREAM_METHOD
 from tests.streams import generation_request, is_final, token_text
@@ -267,3 +268,62 @@ def test_a_bad_price_or_metric_of_the_calls_exits_2_with_one_line_naming_it(flag
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert message in lines[0]
+
+
+def set_weights(stack: RecordingStack, salt: str, weights: dict[str, float]) -> None:
+    registry = yaml.safe_load(stack.registry.read_text())["models"]
+    registry[MODEL]["experiment"] = {
+        "salt": salt,
+        "control": "v1",
+        "arms": [{"version": v, "weight": w} for v, w in weights.items()],
+    }
+    write_registry(stack.registry, registry)
+    wait_for(
+        lambda: router_status(stack.router, MODEL).models[0].experiment.salt == salt,
+        timeout_s=30,
+        interval_s=0.2,
+        what=f"the router to follow experiment {salt}",
+    )
+
+
+def current_weights(stack: RecordingStack) -> dict[str, float]:
+    experiment = yaml.safe_load(stack.registry.read_text())["models"][MODEL]["experiment"]
+    return {arm["version"]: arm["weight"] for arm in experiment["arms"]}
+
+
+@pytest.mark.slow
+def test_a_rollout_guarded_by_cost_per_call_rolls_back_a_version_that_costs_more(
+    stack: RecordingStack, run: Run
+) -> None:
+    set_weights(stack, "guard", {"v1": 100, "v2": 0})
+    stop = threading.Event()
+    traffic = threading.Thread(target=lambda: users(stack, "guard", 100_000, Observed(), stop))
+    traffic.start()
+    try:
+        result = admin(
+            "--registry", f"file:{stack.registry}", "rollout", MODEL, "v2", "--steps", "50,100", "--interval", "120s",
+            "--metrics", f"127.0.0.1:{stack.router.metrics_port}", "--redis-url", stack.redis.url,
+            "--check-every", "1s", "--max-p99-ratio", "100", "--min-calls", "5", "--guard-min-units", "10",
+            "--guard", "cost:lift<=10%", *PRICE_FLAGS,
+        )  # fmt: skip
+    finally:
+        stop.set()
+        traffic.join()
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "ROLLED BACK" in result.stdout
+    assert "v2 harms cost" in result.stdout
+    assert "(guard cost:mean:lift<=10%)" in result.stdout
+    assert current_weights(stack) == {"v1": 100, "v2": 0}
+
+
+@pytest.mark.slow
+def test_a_guard_on_cost_without_a_price_for_the_new_version_exits_2_changing_nothing(stack: RecordingStack) -> None:
+    before = stack.registry.read_text()
+    result = admin(
+        "--registry", f"file:{stack.registry}", "rollout", MODEL, "v2", "--steps", "50", "--interval", "60s",
+        "--metrics", f"127.0.0.1:{stack.router.metrics_port}", "--redis-url", stack.redis.url,
+        "--guard", "cost:lift<=10%", "--price", "v1=0.15/1M-in,0.60/1M-out", timeout_s=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "needs --price for v2" in result.stderr
+    assert stack.registry.read_text() == before

@@ -3,7 +3,7 @@
 What TensorRT-LLM's ensemble answers has no ``prompt_tokens``/``completion_tokens`` outputs, so the analysis
 counts the responses carrying text as the completion tokens and leaves the prompt tokens unknown (and the
 calls uncosted), saying so, never guessing them from the prompt's bytes. v2's stand-in waits 40 ms before
-each token against v1's 2 ms: ``ttft_ms`` gets a "worse" verdict.
+each token against v1's 2 ms: ``ttft_ms`` gets a "worse" verdict, and a rollout guarded by it rolls back.
 Real processes: redis-server, a recorder, a router at 50/50 and two stand-ins (tests/triton_decoupled.py).
 """
 
@@ -21,7 +21,7 @@ import pytest
 from tests.harness import ServiceProcess, Stack
 from tests.recording_stack import MODEL, RecordingStack
 from tests.stream_client import run_stream
-from tests.test_analysis_tokens import admin
+from tests.test_analysis_tokens import admin, current_weights, set_weights
 from tests.triton_decoupled import start_standin, stream_request
 
 DELAY_MS = {"v1": "2", "v2": "40"}
@@ -104,3 +104,25 @@ def test_without_usage_outputs_the_text_responses_are_the_tokens_out_and_the_pro
     ttft = next(c for c in phase["comparisons"] if c["metric"] == "ttft_ms")
     assert (ttft["direction"], ttft["verdict"]) == ("lower", "worse")
     assert "v2 vs v1: ttft_ms" in result.stdout
+
+
+@pytest.mark.slow
+def test_a_rollout_guarded_by_ttft_rolls_back_a_version_whose_first_token_comes_later(stack: RecordingStack) -> None:
+    set_weights(stack, "ttft-guard", {"v1": 100, "v2": 0})
+    stop = threading.Event()
+    traffic = threading.Thread(target=lambda: streams(stack, "guard", 100_000, {}, stop))
+    traffic.start()
+    try:
+        result = admin(
+            "--registry", f"file:{stack.registry}", "rollout", MODEL, "v2", "--steps", "50,100", "--interval", "120s",
+            "--metrics", f"127.0.0.1:{stack.router.metrics_port}", "--redis-url", stack.redis.url,
+            "--check-every", "1s", "--max-p99-ratio", "100", "--max-ttft-p99-ratio", "100", "--min-calls", "5",
+            "--guard-min-units", "10", "--guard", "ttft_ms:lift<=10%",
+        )  # fmt: skip
+    finally:
+        stop.set()
+        traffic.join()
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "v2 harms ttft_ms" in result.stdout
+    assert "(guard ttft_ms:mean:lift<=10%)" in result.stdout
+    assert current_weights(stack) == {"v1": 100, "v2": 0}
