@@ -4,9 +4,11 @@
 2. Start redis-server, the recorder, a generating worker per version and the router (file registry, 50/50).
 3. Simulated users (sticky routing keys) open chat-like streams (``ModelStreamInfer``); every stream is
    recorded as one record with its requests, responses and their timing.
-4. Replay the window against v2 (through the router, pinned) and write the HTML report.
-5. Print TTFT and inter-token gaps per version, as the users saw them, and how the texts agree on replay:
-   streams v2 wrote come back token for token; those v1 wrote diverge, and the report shows where.
+4. ``splitstream analyze``: per arm the tokens in and out, TTFT p50/p99 and the cost per call at a price per
+   version (v2, the larger model, priced at twice v1), with verdicts on ``ttft_ms`` and ``cost``.
+5. Replay the window against v2 (through the router, pinned) and write the HTML report.
+6. Print TTFT and inter-token gaps per version, as the users saw them, the analysis, and how the texts agree
+   on replay: streams v2 wrote come back token for token; those v1 wrote diverge, and the report shows where.
 
 Greedy decoding, so each version's text is a function of the prompt. Everything it starts is stopped at the
 end, on an error or on Ctrl-C; a second run starts afresh.
@@ -36,6 +38,8 @@ from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 
 MODEL = "chat"
+#: ``splitstream analyze --price`` per version, per million tokens in and out: v2, the larger model, costs twice.
+PRICES = ("v1=0.15/1M-in,0.60/1M-out", "v2=0.30/1M-in,1.20/1M-out")
 PROMPTS = (
     "Hello! Can you tell me a story? ",
     "What is the best way to learn a language? ",
@@ -164,6 +168,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         until = time.time()
         recorded = _wait_recorded(redis_url, args.streams - observed.errors)
 
+        step("tokens, TTFT and cost per arm with `splitstream analyze` (verdicts on ttft_ms and cost)")
+        analysis_dir = workdir / "analysis"
+        analysis = supervisor.run(
+            "analyze",
+            [
+                "splitstream",
+                *("analyze", MODEL, "--redis-url", redis_url, "--since", f"{since - 1:.3f}"),
+                *("--metric", "ttft_ms", "--metric", "cost", "--price", PRICES[0], "--price", PRICES[1]),
+                *("--output-dir", str(analysis_dir)),
+            ],
+            timeout_s=300,
+            log="analysis",
+        )
+
         step(f"replaying the streams against v2 (router, pinned; speed {args.replay_speed}) and writing the report")
         replay_dir = workdir / "replay"
         replay_summary = supervisor.replay(
@@ -182,6 +200,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "streams_sent": sum(observed.streams.values()) + observed.errors,
         "recorded": recorded,
         "replay": replay_summary.get("streams"),
+        "analysis": _analysis(json.loads((analysis_dir / "analysis.json").read_text())),
+        "analysis_table": analysis.stdout,
+        "analysis_report": str(analysis_dir / "analysis.html"),
         "report": str(replay_dir / "report.html"),
         "logs": str(workdir / "logs"),
     }
@@ -204,6 +225,13 @@ def _users_table(observed: Observed) -> dict[str, dict[str, float | int | None]]
         }
         for version in sorted(observed.streams)
     }
+
+
+def _analysis(document: dict[str, Any]) -> dict[str, Any]:
+    """Per arm of the analysis's 50/50 phase: tokens in and out, TTFT and cost; and the verdict lines."""
+    keys = ("generations", "tokens_in", "tokens_out", "ttft_p50_ms", "ttft_p99_ms", "cost_per_call", "price")
+    arms = {arm["arm"]: {key: arm[key] for key in keys} for phase in document["phases"] for arm in phase["arms"]}
+    return {"arms": arms, "verdicts": document["verdicts"]}
 
 
 def _wait_recorded(redis_url: str, expected: int, timeout_s: float = 20.0) -> int:
@@ -239,6 +267,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"streams sent {summary['streams_sent']}, client errors {summary['errors']}, records in Redis "
         f"{summary['recorded']}"
     )
+    print("\nsplitstream analyze: tokens, TTFT (router clock) and cost per arm, v2 against v1\n")
+    print(summary["analysis_table"])
     streams = summary["replay"]
     if not streams:
         print("\nreplay: no stream was replayed")
@@ -262,8 +292,9 @@ def print_summary(summary: dict[str, Any]) -> None:
             "(greedy decoding: v2's own streams come back token for token; v1's diverge where the bigram's "
             "text leaves the trigram's)"
         )
-    print(f"\nreport:  {summary['report']}")
-    print(f"logs:    {summary['logs']}")
+    print(f"\nreport:   {summary['report']}")
+    print(f"analysis: {summary['analysis_report']}")
+    print(f"logs:     {summary['logs']}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ class Call:
     #: A token stream: the responses it got (None: a unary call), and its time to first token (None: none came).
     tokens: int | None = None
     ttft_ms: float | None = None
+    #: A generation's reported usage, prompt and completion tokens (``CallRecord.usage``; None: none reported).
+    usage: tuple[int, int] | None = None
 
 
 def call_record(
@@ -69,6 +71,8 @@ def call_record(
         fallback=call.assignment == "spill",
         principal=call.principal,
     )
+    if call.usage is not None:
+        record.usage.prompt_tokens, record.usage.completion_tokens = call.usage
     if call.tokens is not None:
         record.stream.CopyFrom(
             recorder_pb2.StreamCall(first_response_ns=int((call.ttft_ms or 0) * 1e6), responses_total=call.tokens)

@@ -631,6 +631,9 @@ def test_a_stream_guard_ratio_that_is_not_positive_is_a_usage_error_naming_the_f
         ("revenue.usd:sum:lift>=-0.5", "revenue.usd", "sum", ">=", -0.5, False),
         ("wait_s:mean:lift<=5%", "wait_s", "mean", "<=", 0.05, True),
         ("click:proportion:lift >= 0", "click", "proportion", ">=", 0.0, False),
+        # The metrics of the calls are per call (mean) unless a kind says otherwise.
+        ("ttft_ms:lift<=10%", "ttft_ms", "mean", "<=", 0.1, True),
+        ("cost:sum:lift<=0.01", "cost", "sum", "<=", 0.01, False),
     ],
 )
 def test_a_guard_names_its_metric_kind_direction_and_bound(
@@ -664,6 +667,15 @@ def test_a_guard_bounds_a_lower_is_better_metric_from_above_and_says_so_to_the_a
             "metric 'click' is given two kinds",
         ),
         (["--guard", "click:lift>=-1%", "--redis-url", "redis://127.0.0.1:1/0?bogus=1"], "bad --redis-url"),
+        (["--guard", "ttft_ms:proportion:lift<=10%"], "ttft_ms is measured on the calls: its kind is mean"),
+        (
+            ["--guard", "cost:lift<=10%", "--redis-url", "redis://127.0.0.1:1", "--price", "v1=1/1M-in"],
+            "bad --price 'v1=1/1M-in': v1 has no 'out' price",
+        ),
+        (
+            ["--guard", "cost:lift<=10%", "--redis-url", "redis://127.0.0.1:1", "--price", "v1=1/1M-in,2/1M-out"],
+            "--guard on cost needs --price for v2",
+        ),
     ],
 )
 def test_bad_outcome_guard_flags_exit_2_with_one_line_and_change_nothing(

@@ -33,6 +33,7 @@ from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Source, Window, fingerprints
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.sources import ArchiveSource, StraddlingSource
+from splitstream.analysis.usage import parse_prices
 from splitstream.common.archive import ArchiveQuery, open_archive, readable_calls
 from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 from splitstream.common.records import entry_fields, feedback_key, stream_key
@@ -108,6 +109,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
                 latency_ms=STREAM_MS if stream else 5.0,
                 tokens=(0 if silent else TOKENS[arm]) if stream else None,
                 ttft_ms=None if silent or not stream else TTFT_MS[arm],
+                usage=(8 + i % 5, TOKENS[arm]) if stream and not silent else None,
             )
             streams[arm] += int(stream)
             calls.append(call)
@@ -156,7 +158,16 @@ def window_flags() -> list[str]:
     return ["--since", str(WINDOW.since_ns // 10**9), "--until", str(WINDOW.until_ns // 10**9)]
 
 
-FULL = Query(model=LAB, window=WINDOW, metrics=METRICS, pre_window=PRE, segment="principal")
+#: Prices of the lab's versions: each generation's cost, the same from every source.
+PRICES = ("v1=0.15/1M-in,0.60/1M-out", "v2=3/1M-in,12/1M-out")
+FULL = Query(
+    model=LAB,
+    window=WINDOW,
+    metrics=(*METRICS, MetricSpec.parse("cost")),
+    pre_window=PRE,
+    segment="principal",
+    prices=parse_prices(PRICES),
+)
 
 
 # -- token streams ---------------------------------------------------------------------------
@@ -321,6 +332,7 @@ def test_the_archive_gives_the_same_analysis_as_redis_straddling_and_after_a_flu
             client = copy_of(lab, server)
             expected = comparable(run(server.url, FULL))
             assert expected["phases"][0]["comparisons"]
+            assert all(arm["cost"] and arm["tokens_in"] for arm in expected["phases"][0]["arms"])
             extra = ("--s3-endpoint", endpoint) if endpoint else ()
             archive_lab(tmp_path, server, client, url, *extra)
             archive = open_archive(url, endpoint=endpoint)
@@ -337,7 +349,8 @@ def test_the_archive_gives_the_same_analysis_as_redis_straddling_and_after_a_flu
             client.close()
             out = tmp_path / "out"
             done = cli(LAB, "--source", f"archive:{url}", *extra, *window_flags(), "--metric", "click:proportion",
-                       "--metric", "revenue:sum", "--cuped-pre-since", str(PRE.since_ns // 10**9),
+                       "--metric", "revenue:sum", "--metric", "cost", "--price", PRICES[0], "--price", PRICES[1],
+                       "--cuped-pre-since", str(PRE.since_ns // 10**9),
                        "--cuped-pre-until", str(PRE.until_ns // 10**9), "--segment", "principal",
                        "--output-dir", str(out))  # fmt: skip
             assert done.returncode == 0, done.stderr

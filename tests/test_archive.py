@@ -1238,6 +1238,8 @@ def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_i
             record.tags["team"] = "search"
         if i == 7:
             record.stream.first_response_ns, record.stream.responses_total = 12_500_000, 7
+        if i in (3, 4):  # a generation's usage: from the entry's fields (4), and from the parsed record (3)
+            record.usage.prompt_tokens, record.usage.completion_tokens = 10 + i, 20 + i
         fields = entry_fields(record)
         if i == 9:  # an older recorder's entry, its request a blob
             digest = hashlib.sha256(b"old" + record.request.inline).hexdigest()
@@ -1260,6 +1262,8 @@ def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_i
         if i in (3, 9):  # the blob inlined, its size unchanged; nothing else changed
             expected = synthetic_record(i, now + i * 1_000_000)
             del expected.tags["team"]
+            if i == 3:
+                expected.usage.prompt_tokens, expected.usage.completion_tokens = 13, 23
             if i == 9:
                 expected.request.inline = b"old" + expected.request.inline
             assert record.request.WhichOneof("body") == "inline"
@@ -1271,6 +1275,8 @@ def test_plain_records_are_archived_as_their_bytes_and_blob_references_inlined_i
         assert row["status"] == ("OK" if i % 5 else "UNAVAILABLE")
         assert row["tags"] == ([("team", "search")] if i == 5 else [])
         assert (row["streamed"], row["ttft_ms"], row["tokens"]) == ((True, 12.5, 7) if i == 7 else (False, None, None))
+        usage = (10 + i, 20 + i) if i in (3, 4) else (None, None)
+        assert (row["prompt_tokens"], row["completion_tokens"]) == usage
 
 
 @pytest.mark.slow

@@ -91,4 +91,16 @@ def test_the_llm_demo_records_streams_split_50_50_and_replays_them_against_v2_le
     report = Path(summary["report"]).read_text()
     assert "Token streams" in report
     assert "TTFT" in result.stdout
+    # splitstream analyze: per arm the tokens the users received, TTFT and the cost at v2's double price.
+    arms = summary["analysis"]["arms"]
+    for version, row in summary["users"].items():
+        assert arms[version]["generations"] == row["streams"]
+        assert arms[version]["tokens_out"] == row["tokens"]
+        assert arms[version]["ttft_p50_ms"] is not None
+    assert arms["v2"]["cost_per_call"] > arms["v1"]["cost_per_call"]
+    assert any(
+        line.startswith("v2 vs v1: cost") and line.endswith("v2 worse") for line in summary["analysis"]["verdicts"]
+    )
+    assert "COST/CALL" in result.stdout
+    assert Path(summary["analysis_report"]).exists()
     assert_nothing_left_running(workdir)

@@ -217,6 +217,7 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
     sent[2].arm, sent[2].assignment, sent[2].routing_key_hmac = "v1", recorder_pb2.ASSIGNMENT_SPILL, ""
     sent[2].phase.id, sent[2].phase.control = "0123456789abcdef", "v1"
     sent[2].principal = "web-frontend"
+    sent[2].usage.prompt_tokens, sent[2].usage.completion_tokens = 12, 34  # a generation that reported its usage
     streamed = call_record("b-2", model="bert", version="v2")
     streamed.stream.first_response_ns, streamed.stream.responses_total = 12_500_000, 7
     shadow = sent[0].shadows.add(version="v2", endpoint="127.0.0.1:9001", status_code=0, latency_ns=3_000_000)
@@ -228,7 +229,8 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
     entries = await xrange(redis, stream_key("resnet")) + await xrange(redis, stream_key("bert"))
     readable = [{k.decode(): v.decode() for k, v in fields.items() if k != b"record"} for _, fields in entries]
     plain = {"blobs": "0", "tags": ""}  # no payload stored as a blob (default threshold), no tags
-    unit = {"unit": "ab" * 32, "principal": "", "ttft_ms": "", "tokens": ""} | plain  # unary: no stream figures
+    no_usage = {"prompt_tokens": "", "completion_tokens": ""}
+    unit = {"unit": "ab" * 32, "principal": "", "ttft_ms": "", "tokens": ""} | no_usage | plain  # unary: no figures
     assert readable == [
         {"request_id": "a-1", "time_ns": str(sent[0].receive_unix_ns), "model": "resnet", "version": "v1"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v1", "assignment": "unspecified", "phase": ""}
@@ -240,10 +242,12 @@ async def test_records_arrive_in_their_model_stream_with_readable_fields_and_ack
         {"request_id": "b-1", "time_ns": str(sent[2].receive_unix_ns), "model": "bert", "version": "v2"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v1", "assignment": "spill", "phase": "0123456789abcdef"}
         | {"unit": "", "principal": "web-frontend", "ttft_ms": "", "tokens": ""}
+        | {"prompt_tokens": "12", "completion_tokens": "34"}
         | plain,
         {"request_id": "b-2", "time_ns": str(streamed.receive_unix_ns), "model": "bert", "version": "v2"}
         | {"status": "OK", "latency_ms": "2.500", "arm": "v2", "assignment": "unspecified", "phase": ""}
         | {"unit": "ab" * 32, "principal": "", "ttft_ms": "12.500", "tokens": "7"}
+        | no_usage  # seven responses counted, none kept: their tokens are unknown, not zero
         | plain,
     ]
     stored = [item.record async for item in read_records(redis, "resnet")]

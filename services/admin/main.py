@@ -52,6 +52,7 @@ from splitstream.admin.store import (
     weights_text,
 )
 from splitstream.analysis import cli as analysis_cli
+from splitstream.analysis.usage import parse_prices
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
@@ -236,6 +237,14 @@ def build_parser() -> EnvArgumentParser:
     )
     outcomes.add_argument(
         "--redis-url", default=None, secret=True, help="the recorder's Redis, where calls and feedback are read"
+    )
+    outcomes.add_argument(
+        "--price",
+        action=analysis_cli.AppendPrices,
+        default=None,
+        metavar="PRICE",
+        help="VERSION=IN/1M-in,OUT/1M-out (repeat per version): the price per million tokens that a guard on cost "
+        "(e.g. 'cost:lift<=10%%') reads, as analyze --price",
     )
     outcomes.add_argument(
         "--guard-min-units", type=int, default=30, help="units each arm needs in a step before a guard is judged"
@@ -466,6 +475,15 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
         security = redis_security_from_args(args, url=args.redis_url, env_prefix=ENV_PREFIX)
     except ConfigError as error:
         raise Invalid(str(error)) from None
+    try:
+        prices = parse_prices([args.price] if isinstance(args.price, str) else list(args.price or ()))
+    except ValueError as error:
+        raise Invalid(str(error)) from None
+    if any(g.metric.name == "cost" for g in plan.guards) and plan.version not in prices:
+        raise Invalid(
+            f"--guard on cost needs --price for {plan.version} (and for the control): a call's cost is its tokens "
+            "at its version's price"
+        )
     metrics_by_name = {g.metric.name: g.metric for g in plan.guards}
     reader = OutcomeReader(
         args.redis_url,
@@ -473,6 +491,7 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
         metrics=tuple(metrics_by_name.values()),
         alpha=plan.guard_alpha,
         security=security,
+        prices=prices,
     )
     try:
         reader.check_reachable()

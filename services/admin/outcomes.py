@@ -7,7 +7,8 @@ A guard bounds the new version's lift over the control on one metric of ``splits
 
 The side of the bound is the metric's direction (the analysis's verdicts say "better" and "worse" by it);
 ``NAME:KIND:lower:lift<=BOUND`` may write it out, as ``--metric`` of ``analyze`` does, and must agree.
-KIND is ``proportion`` (the default), ``mean`` or ``sum``, as ``--metric`` of ``analyze`` takes it; BOUND
+KIND is ``proportion`` (the default; ``mean`` for the metrics of the calls: ``ttft_ms``, ``cost``, ``tokens_out``,
+``tokens_in``), ``mean`` or ``sum``, as ``--metric`` of ``analyze`` takes it; BOUND
 is relative to the control's value with a ``%`` (``-1%``) or absolute in the metric's own unit without one
 (``-0.002``). A rollout reads the analysis at every check, so the test must stay valid however often it is
 looked at: the guards use the always-valid (mSPRT) confidence sequence of the absolute lift, which holds
@@ -36,6 +37,7 @@ from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window
 from splitstream.analysis.model import DIRECTIONS, Analysis, Direction, MetricComparison, MetricSpec, PhaseResult
 from splitstream.analysis.statistics import MetricKind
+from splitstream.analysis.usage import Price, is_call_metric
 from splitstream.common.redis_url import NO_REDIS_SECURITY, RedisClient, RedisSecurity, open_redis
 from splitstream.common.secrets import redact_text, redact_url
 
@@ -88,7 +90,12 @@ class OutcomeGuard:
                     f"--guard {text!r}: {kind!r} is neither a kind ({', '.join(kinds)}) nor a direction (higher, "
                     f"lower, after the kind); for a metric named {metric!r}, give its kind: {metric}:proportion"
                 )
-            name, kind = metric, MetricKind.PROPORTION.value
+            # A metric of the calls (ttft_ms, cost, ...) is per call unless a kind says otherwise.
+            name, kind = metric, (MetricKind.MEAN if is_call_metric(metric) else MetricKind.PROPORTION).value
+        if is_call_metric(name) and kind.lower() == MetricKind.PROPORTION.value:
+            raise ValueError(
+                f"--guard {text!r}: {name} is measured on the calls: its kind is mean (per call) or sum, not proportion"
+            )
         bound = float(match["bound"])
         if not math.isfinite(bound):  # 1e400 reads as infinity: a bound nothing can cross
             raise ValueError(f"--guard {text!r}: the bound {match['bound']} is past any number")
@@ -220,8 +227,11 @@ class OutcomeReader:
         alpha: float,
         security: RedisSecurity = NO_REDIS_SECURITY,
         timeout_s: float = 10.0,
+        prices: dict[str, Price] | None = None,
     ) -> None:
         self.url = url
+        #: ``--price`` per version, for guards on ``cost``.
+        self.prices = prices or {}
         self.model = model
         self.metrics = tuple(metrics)
         self.alpha = alpha
@@ -263,6 +273,7 @@ class OutcomeReader:
                     metrics=self.metrics,
                     alpha=self.alpha,
                     sequential=True,
+                    prices=self.prices,
                 )
                 return await analyze(client, query)
             except (RedisError, OSError) as error:

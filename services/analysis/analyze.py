@@ -12,7 +12,7 @@ earlier ones are the lift-over-time chart.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from splitstream.analysis.loading import (
     PhaseInfo,
     Source,
     StreamStats,
+    UsageStats,
     Window,
     fingerprints,
     mixed,
@@ -55,6 +56,7 @@ from splitstream.analysis.model import (
     Verdict,
 )
 from splitstream.analysis.sources import RedisSource
+from splitstream.analysis.usage import CALL_METRICS, Price, is_call_metric
 from splitstream.common.redis_url import RedisClient
 
 FloatArray = npt.NDArray[np.float64]
@@ -77,6 +79,8 @@ class Query:
     page_size: int = 5_000
     #: A readable call field to segment by (``principal``): the comparison again per value of it.
     segment: str | None = None
+    #: ``--price`` per version: each call's cost (metric ``cost``, and per arm in the report).
+    prices: dict[str, Price] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -86,6 +90,12 @@ class Query:
         names = [m.name for m in self.metrics]
         if len(set(names)) != len(names):
             raise ValueError(f"a metric is named twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+        for metric in self.metrics:
+            if is_call_metric(metric.name) and metric.kind is st.MetricKind.PROPORTION:
+                raise ValueError(
+                    f"metric {metric.name!r} is measured on the calls ({CALL_METRICS[metric.name][0]}): its kind is "
+                    f"mean (per call) or sum (per {'user' if self.unit == 'user' else 'call'}), not proportion"
+                )
         if self.window.until_ns <= self.window.since_ns:
             raise ValueError("the window's end must be after its start")
         if self.pre_window is not None and self.unit == "call":
@@ -114,6 +124,7 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
         per_call=per_call,
         page_size=query.page_size,
         segment=query.segment,
+        prices=query.prices,
     )
     exposures, feedback, overall, parts = loaded.exposures, loaded.feedback, loaded.folder, loaded.segments
     pre: _PreValues | None = None
@@ -184,6 +195,8 @@ def summarize(
                 crossover_units=int(pc.sum(pc.equal(crossover["phase"], code)).as_py() or 0),
                 latency=exposures.latency,
                 streams=exposures.streams,
+                usage=exposures.usage,
+                prices=query.prices,
                 pre=pre,
             )
         )
@@ -313,6 +326,8 @@ def _analyse_phase(
     crossover_units: int,
     latency: dict[tuple[str, str, str], Histogram],
     streams: dict[tuple[str, str, str], StreamStats],
+    usage: dict[tuple[str, str, str], UsageStats],
+    prices: dict[str, Price],
     pre: _PreValues | None,
 ) -> PhaseResult:
     matrix = _unit_matrix(units, bucket_calls, arm_names)
@@ -341,6 +356,8 @@ def _analyse_phase(
         rows = arm_rows[arm]
         histogram = latency.get((info.id, arm, "randomized"), Histogram())
         stream = streams.get((info.id, arm, "randomized"), StreamStats())
+        tokens = usage.get((info.id, arm, "randomized"), UsageStats())
+        price = prices.get(arm)
         arms.append(
             ArmSummary(
                 arm=arm,
@@ -358,6 +375,16 @@ def _analyse_phase(
                 ttft_p99_ms=stream.ttft.quantile_ms(0.99),
                 tokens=stream.tokens,
                 tokens_per_s=stream.tokens_per_s(),
+                generations=tokens.generations,
+                tokens_in=tokens.tokens_in,
+                tokens_out=tokens.tokens_out,
+                tokens_in_per_call=tokens.tokens_in / tokens.prompt_known if tokens.prompt_known else None,
+                tokens_out_per_call=tokens.tokens_out / tokens.generations if tokens.generations else None,
+                prompt_tokens_unknown=tokens.generations - tokens.prompt_known,
+                price=price.text if price else None,
+                costed_calls=tokens.costed,
+                cost=tokens.cost if price and tokens.costed else None,
+                cost_per_call=tokens.cost / tokens.costed if price and tokens.costed else None,
             )
         )
     comparisons = [c for arm in ordered for c in by_arm[arm]]
@@ -637,6 +664,7 @@ async def _load_pre_values(source: Source, query: Query, window: Window) -> _Pre
         page_size=query.page_size,
         randomized_only=False,
         exclude_crossover=False,
+        prices=query.prices,
     )
     exposures = loaded.exposures
     # One pseudo-phase and arm: the unit's rows of every phase and arm are added up.

@@ -26,6 +26,7 @@ from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.report import render_html, render_table
 from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
+from splitstream.analysis.usage import parse_prices
 from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, model_dirs, open_archive
 from splitstream.common.durations import BadDuration, parse_duration_ns
 from splitstream.common.errors import ConfigError
@@ -81,6 +82,16 @@ class _AppendMetrics(argparse.Action):
         except ValueError as error:
             parser.error(str(error))
         setattr(namespace, self.dest, items)
+
+
+class AppendPrices(argparse.Action):
+    """``--price`` (repeatable): flags given replace the environment's value rather than extend it."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, [*(current if isinstance(current, list) else []), str(values)])
 
 
 def _alpha(text: str) -> float:
@@ -142,6 +153,13 @@ def add_command(commands: Any, env_prefix: str) -> None:
         required=True,
         help="NAME:KIND[:DIRECTION], KIND proportion, mean or sum, DIRECTION higher (the default) or lower: which "
         "way is better (repeat, or comma-separate), e.g. click:proportion, latency_ms:mean:lower",
+    )
+    parser.add_argument(
+        "--price",
+        action=AppendPrices,
+        default=None,
+        help="a version's price per million tokens in and out, VERSION=IN/1M-in,OUT/1M-out (repeat per version, "
+        "or comma-join them): each call's cost, per arm and as metric cost; a version without one has no cost",
     )
     parser.add_argument(
         "--unit",
@@ -206,6 +224,8 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
     if not 0 < args.connect_timeout_s < math.inf:
         raise ValueError("--connect-timeout-s must be a positive number of seconds")
     metrics = args.metric if isinstance(args.metric, list) else metric_list(str(args.metric))  # from the environment
+    price_texts = [args.price] if isinstance(args.price, str) else list(args.price or ())  # str: from the environment
+    prices = parse_prices(price_texts)
     source = args.source.strip()
     if source != "redis" and not source.startswith("archive:"):
         raise ValueError(f"bad --source {source!r} (expected redis or archive:URL)")
@@ -226,6 +246,7 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         sequential=args.sequential,
         pre_window=pre,
         segment=args.segment,
+        prices=prices,
     )
 
 

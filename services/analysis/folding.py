@@ -52,6 +52,7 @@ from splitstream.analysis.loading import (
     take_rows,
 )
 from splitstream.analysis.statistics import MetricKind
+from splitstream.analysis.usage import Price, is_call_metric
 
 FloatArray = npt.NDArray[np.float64]
 #: "No positive event yet" in the per-call first-positive bucket.
@@ -206,9 +207,13 @@ class Folder:
         exclude_crossover: bool = True,
         unknown: int = 0,
         joining: bool = True,
+        from_calls: Sequence[str | None] = (),
     ) -> None:
         self.units = units
         self.kinds = tuple(kinds)
+        #: Per metric, the name of the call value it is measured on (a metric of the calls: ``ttft_ms``,
+        #: ``cost``, ...), or None for a feedback metric.
+        self.from_calls = tuple(from_calls) or (None,) * len(self.kinds)
         self.window = window
         self.per_call = per_call
         self.exclude_crossover = exclude_crossover
@@ -229,9 +234,29 @@ class Folder:
         self.crossed = 0
 
     def add_calls(self, calls: NewCalls | None) -> None:
-        """Hold a page's calls for the events that may name them (none once the feedback is read)."""
-        if calls is not None and self.joining:
+        """Hold a page's calls for the events that may name them (none once the feedback is read), and add
+        their own values of the metrics of the calls to their rows."""
+        if calls is None:
+            return
+        if self.joining:
             self.index.add(calls)
+        self._add_call_values(calls)
+
+    def _add_call_values(self, calls: NewCalls) -> None:
+        """A metric of the calls is folded as if each call with a value were an event of it at the call's
+        time: its row's sum gains the value and its count one, so ``mean`` is per call and ``sum`` per unit."""
+        if not any(self.from_calls):
+            return
+        self._grow()
+        bucket = self.window.bucket_of(calls.times).astype(np.int64)
+        for code, name in enumerate(self.from_calls):
+            if name is None:
+                continue
+            values = calls.values[name]
+            chosen = np.flatnonzero((calls.rows >= 0) & ~np.isnan(values))
+            cells = calls.rows[chosen].astype(np.int64) * TIMELINE_POINTS + bucket[chosen]
+            np.add.at(self.sums[code].reshape(-1), cells, values[chosen])
+            np.add.at(self.counts[code].reshape(-1), cells, 1)
 
     def _grow(self) -> None:
         """As many rows as the units have (new units came with the calls read), the capacity doubled."""
@@ -326,7 +351,11 @@ class Folder:
             return
         crossed = np.zeros(self.rows, dtype=bool)
         crossed[units["key"].to_numpy()] = among(units, self.crossover)
-        events = sum(int(counts[: self.rows][crossed].sum(dtype=np.float64)) for counts in self.counts)
+        events = sum(
+            int(counts[: self.rows][crossed].sum(dtype=np.float64))
+            for counts, name in zip(self.counts, self.from_calls, strict=True)
+            if name is None  # the values of the calls are no events
+        )
         self.crossed += events
         self.used -= events
 
@@ -365,6 +394,7 @@ async def load(
     randomized_only: bool = True,
     exclude_crossover: bool = True,
     segment: str | None = None,
+    prices: dict[str, Price] | None = None,
 ) -> Loaded:
     """The calls of ``model`` received in the window and its feedback, read side by side in stream order.
 
@@ -372,8 +402,10 @@ async def load(
     ``randomized_only=False``: every call counts in the units (a CUPED pre-period, where the covariate is what
     a unit did, however it was routed), and ``exclude_crossover=False`` keeps units seen in two arms.
     ``segment``: a readable call field; the exposures' ``segments`` hold the same per value of it, and
-    ``Loaded.segments`` their folders."""
+    ``Loaded.segments`` their folders. Metrics of the calls (:data:`splitstream.analysis.usage.CALL_METRICS`)
+    are measured on the calls, a call's cost by ``prices`` (per version)."""
     events = FeedbackReader(window, metrics)
+    from_calls = [name if is_call_metric(name) else None for name in metrics]
 
     def joined(reader: ExposureReader) -> Folder:
         return Folder(
@@ -384,10 +416,11 @@ async def load(
             exclude_crossover=exclude_crossover,
             unknown=events.sent,
             joining=reading_feedback,
+            from_calls=from_calls,
         )
 
     reading_feedback = True
-    overall = ExposureReader(window, per_call=per_call, randomized_only=randomized_only)
+    overall = ExposureReader(window, per_call=per_call, randomized_only=randomized_only, prices=prices)
     overall_folder = joined(overall)
     parts: dict[bytes, tuple[ExposureReader, Folder]] = {}
     field_name = segment.encode() if segment else None
@@ -407,7 +440,7 @@ async def load(
             return True
         for value, rows in split_rows(page.columns[field_name]).items():
             if value not in parts:
-                reader = ExposureReader(window, per_call=per_call, randomized_only=randomized_only)
+                reader = ExposureReader(window, per_call=per_call, randomized_only=randomized_only, prices=prices)
                 parts[value] = reader, joined(reader)
             part, folder = parts[value]
             columns = page.columns if len(rows) == len(page.columns[field_name]) else take_rows(page.columns, rows)

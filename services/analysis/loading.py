@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from splitstream.analysis.usage import CALL_METRICS, Price
 from splitstream.common.records import decode_record
 from splitstream.common.redis_url import RedisClient
 
@@ -46,7 +47,8 @@ LATENCY_BUCKETS = 1 + int(math.log(3_600_000 / LATENCY_FLOOR_MS) / math.log(LATE
 #: The fields of a feedback entry the analysis reads.
 FEEDBACK_FIELDS = (b"metric", b"request_id", b"unit", b"value", b"event_ns", b"idempotency_key")
 #: The readable fields of a call entry the analysis reads (the record only once per phase). ``principal``,
-#: ``ttft_ms`` and ``tokens`` are newer: entries without them read as empty (no principal, not a stream).
+#: ``ttft_ms``, ``tokens``, ``prompt_tokens`` and ``completion_tokens`` are newer: entries without them read as
+#: empty (no principal, not a stream, tokens unknown).
 CALL_FIELDS = (
     b"request_id",
     b"time_ns",
@@ -59,6 +61,8 @@ CALL_FIELDS = (
     b"principal",
     b"ttft_ms",
     b"tokens",
+    b"prompt_tokens",
+    b"completion_tokens",
 )
 #: Fields a segment may be taken from (``--segment``): readable fields of a call entry.
 SEGMENT_FIELDS = ("principal",)
@@ -192,6 +196,19 @@ class StreamStats:
 
 
 @dataclass(slots=True)
+class UsageStats:
+    """Generations of one group of calls (calls whose completion tokens are known): tokens in and out, the
+    calls among them whose prompt tokens are unknown, and the cost of those a price applies to."""
+
+    generations: int = 0
+    tokens_out: int = 0
+    prompt_known: int = 0
+    tokens_in: int = 0
+    costed: int = 0
+    cost: float = 0.0
+
+
+@dataclass(slots=True)
 class Exposures:
     """The calls of a window, reduced. Units and request ids are 64-bit fingerprints (:func:`fingerprints`),
     phases and arms codes into ``phases.names`` and ``arms.names``.
@@ -214,8 +231,10 @@ class Exposures:
     calls: int = 0
     duplicates: int = 0
     corrupt: int = 0
-    #: Token streams per (phase, arm, assignment class), as ``latency``.
+    #: Token streams per (phase, arm, assignment class), as ``latency`` (the TTFT of every call that has one).
     streams: dict[tuple[str, str, str], StreamStats] = field(default_factory=dict)
+    #: Tokens and cost per (phase, arm, assignment class), as ``latency``.
+    usage: dict[tuple[str, str, str], UsageStats] = field(default_factory=dict)
     #: With a segment field: the same, per value of the field (a call in the segment of its own value).
     segments: dict[str, Exposures] = field(default_factory=dict)
 
@@ -518,7 +537,9 @@ class FeedbackReader:
         self.metrics = len(metrics)
         self.codes = Names()
         for name in metrics:
-            self.codes.code(name.encode())
+            # A metric of the calls (ttft_ms, cost, ...) is not read from feedback: its code goes to a name no
+            # event can carry (metric names are [A-Za-z0-9_.:-]), so events of that name count as other metrics.
+            self.codes.code(b"\x00" + name.encode() if name in CALL_METRICS else name.encode())
         self.seen = RecentFingerprints(window.settled_ns() // 4)
         self.result = Feedback()
         #: Events the sinks have taken so far (one made later counts them as unknown: it could have joined none).
@@ -579,6 +600,8 @@ class NewCalls:
     requests: npt.NDArray[np.uint64]
     rows: npt.NDArray[np.int32]
     times: npt.NDArray[np.int64]
+    #: Per metric of the calls (:data:`splitstream.analysis.usage.CALL_METRICS`), each call's value (NaN: none).
+    values: dict[str, npt.NDArray[np.float64]] = field(default_factory=dict)
 
 
 class ExposureReader:
@@ -586,8 +609,12 @@ class ExposureReader:
     :class:`Exposures`. Request fingerprints are kept to drop calls stored twice only while a copy may still
     come (within the lateness allowance of the call's time: :class:`RecentFingerprints`)."""
 
-    def __init__(self, window: Window, *, per_call: bool, randomized_only: bool) -> None:
+    def __init__(
+        self, window: Window, *, per_call: bool, randomized_only: bool, prices: dict[str, Price] | None = None
+    ) -> None:
         self.window = window
+        #: ``--price`` per version: the cost of a call of that arm.
+        self.prices = prices or {}
         self.per_call = per_call
         self.randomized_only = randomized_only
         self.seen = RecentFingerprints(window.settled_ns() // 4)
@@ -601,6 +628,7 @@ class ExposureReader:
         self.other: dict[tuple[int, int, int], list[int]] = {}
         self.latency: dict[tuple[int, int, int], Histogram] = {}
         self.streams: dict[tuple[int, int, int], StreamStats] = {}
+        self.usage: dict[tuple[int, int, int], UsageStats] = {}
         self.phase_info: dict[str, PhaseInfo] = {}
         self.entries_read = 0
         self.calls = 0
@@ -636,6 +664,8 @@ class ExposureReader:
         label = np.where(randomized, -1, assignment)
         self._add_latency(phase, arm, label, latency, failed)
         self._add_streams(found, rows, phase, arm, label, latency)
+        values = self._call_values(found, rows, arm)
+        self._add_usage(values, phase, arm, label)
         unit = fingerprints(found[b"unit"])[rows]
         own = mixed(requests, CALL_UNIT_SALT)
         unit = own if self.per_call else np.where(unit == 0, own, unit)
@@ -652,7 +682,7 @@ class ExposureReader:
                 counts = self.other.setdefault((int(p), int(a), int(s)), [0, 0])
                 counts[0] += 1
                 counts[1] += int(f)
-        return self._phases_to_note(phase, rows), NewCalls(requests, call_rows, times)
+        return self._phases_to_note(phase, rows), NewCalls(requests, call_rows, times, values)
 
     def _phases_to_note(self, phase: npt.NDArray[np.int16], rows: npt.NDArray[np.int64]) -> dict[str, int]:
         needed: dict[str, int] = {}
@@ -682,23 +712,67 @@ class ExposureReader:
         label: npt.NDArray[np.int64],
         duration_ms: npt.NDArray[np.float64],
     ) -> None:
-        """Token streams (calls with a ``tokens`` field): count, TTFT histogram, tokens and seconds per group."""
+        """Token streams (calls with a ``tokens`` field): count, tokens and seconds per group; the TTFT histogram
+        of every call with a ``ttft_ms``."""
         tokens, is_stream = _optional_numbers(found[b"tokens"], pa.int64())
-        if not is_stream.any():
-            return
         ttft, has_ttft = _optional_numbers(found[b"ttft_ms"], pa.float64())
+        if not is_stream.any() and not has_ttft.any():
+            return
         tokens, is_stream, ttft, has_ttft = tokens[rows], is_stream[rows], ttft[rows], has_ttft[rows]
         groups = _group_keys(phase, arm, label)
-        for key in np.unique(groups[is_stream]).tolist():
+        # TTFT of every call that has one: a gRPC stream's first response, an HTTP call's first token.
+        for key in np.unique(groups[is_stream | has_ttft]).tolist():
             mine = is_stream & (groups == key)
             p, a, lab = _group_of(key)
             stats = self.streams.setdefault((p, a, lab), StreamStats())
             stats.streams += int(mine.sum())
             stats.tokens += int(tokens[mine].sum())
             stats.seconds += float(duration_ms[mine].sum()) / 1e3
-            first = ttft[mine & has_ttft]
+            first = ttft[(groups == key) & has_ttft]
             stats.ttft.calls += len(first)
             stats.ttft.counts += np.bincount(_latency_buckets(first), minlength=LATENCY_BUCKETS)
+
+    def _call_values(
+        self, found: dict[bytes, list[bytes]], rows: npt.NDArray[np.int64], arm: npt.NDArray[np.int16]
+    ) -> dict[str, npt.NDArray[np.float64]]:
+        """Each call's value of every metric of the calls (NaN where it has none): tokens in and out, TTFT,
+        and the cost its arm's price gives it (NaN without a price, or without both token counts)."""
+        values = {}
+        for name, field_name in (("tokens_in", b"prompt_tokens"), ("tokens_out", b"completion_tokens")):
+            numbers, present = _optional_numbers(found[field_name], pa.int64())
+            values[name] = np.where(present[rows], numbers[rows].astype(np.float64), np.nan)
+        ttft, has_ttft = _optional_numbers(found[b"ttft_ms"], pa.float64())
+        values["ttft_ms"] = np.where(has_ttft[rows], ttft[rows], np.nan)
+        prices = [self.prices.get(name) for name in self.arms.names]
+        per_in = np.array([p.per_token_in if p else np.nan for p in prices], dtype=np.float64)
+        per_out = np.array([p.per_token_out if p else np.nan for p in prices], dtype=np.float64)
+        codes = arm.astype(np.int64)
+        values["cost"] = values["tokens_in"] * per_in[codes] + values["tokens_out"] * per_out[codes]
+        return values
+
+    def _add_usage(
+        self,
+        values: dict[str, npt.NDArray[np.float64]],
+        phase: npt.NDArray[np.int16],
+        arm: npt.NDArray[np.int16],
+        label: npt.NDArray[np.int64],
+    ) -> None:
+        """Generations (completion tokens known): tokens in and out, and cost, per group."""
+        generated = ~np.isnan(values["tokens_out"])
+        if not generated.any():
+            return
+        groups = _group_keys(phase, arm, label)
+        for key in np.unique(groups[generated]).tolist():
+            mine = generated & (groups == key)
+            stats = self.usage.setdefault(_group_of(key), UsageStats())
+            stats.generations += int(mine.sum())
+            stats.tokens_out += int(values["tokens_out"][mine].sum())
+            prompt = mine & ~np.isnan(values["tokens_in"])
+            stats.prompt_known += int(prompt.sum())
+            stats.tokens_in += int(values["tokens_in"][prompt].sum())
+            costed = mine & ~np.isnan(values["cost"])
+            stats.costed += int(costed.sum())
+            stats.cost += float(values["cost"][costed].sum())
 
     def _add_latency(
         self,
@@ -737,6 +811,7 @@ class ExposureReader:
             streams={
                 (self.phases.names[p], self.arms.names[a], label(lab)): s for (p, a, lab), s in self.streams.items()
             },
+            usage={(self.phases.names[p], self.arms.names[a], label(lab)): u for (p, a, lab), u in self.usage.items()},
             phase_info=self.phase_info,
             phases=self.phases,
             arms=self.arms,

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitstream.analysis.statistics import MetricKind
+from splitstream.analysis.usage import CALL_METRICS
 
 Unit = Literal["user", "call"]
 Verdict = Literal["better", "worse", "inconclusive", "no data"]
@@ -37,12 +38,15 @@ class MetricSpec(_Model):
     @staticmethod
     def parse(text: str) -> MetricSpec:
         body, sep, last = text.strip().rpartition(":")
-        direction: Direction = "higher"
+        given: Direction | None = None
         if sep and last.lower() in DIRECTIONS:
-            direction = "lower" if last.lower() == "lower" else "higher"
+            given = "lower" if last.lower() == "lower" else "higher"
         else:
             body = text.strip()
+        if body in CALL_METRICS:  # a metric of the calls (ttft_ms, cost, ...): per call unless a kind is given
+            body = f"{body}:{MetricKind.MEAN.value}"
         name, sep, kind = body.rpartition(":")
+        direction: Direction = given or (CALL_METRICS[name][1] if name in CALL_METRICS else "higher")
         kinds = ", ".join(k.value for k in MetricKind)
         if not sep or not name:
             example = "e.g. click:proportion, wait_s:mean:lower"
@@ -73,7 +77,8 @@ class ArmMetric(_Model):
 
     value: float | None
     ci: Interval
-    #: Feedback events of this metric attributed to the arm's units.
+    #: Feedback events of this metric attributed to the arm's units (a metric of the calls: the calls with a
+    #: value of it).
     events: int
 
 
@@ -90,13 +95,28 @@ class ArmSummary(_Model):
     metrics: dict[str, ArmMetric]
     #: (latency ms, cumulative fraction) points of the arm's randomized calls, for the report's CDF.
     latency_cdf: list[tuple[float, float]] = Field(default_factory=list)
-    #: Token streams among the calls (each stream one call: its latency is the stream's duration), their time to
-    #: first token (streams that got a response), tokens (responses) in all, and tokens / stream seconds.
+    #: Token streams among the calls (each stream one call: its latency is the stream's duration), the time to
+    #: first token (calls that got one: streams, HTTP calls), tokens (responses) in all, and tokens / stream seconds.
     streams: int = 0
     ttft_p50_ms: float | None = None
     ttft_p99_ms: float | None = None
     tokens: int = 0
     tokens_per_s: float | None = None
+    #: Generations among the calls (calls whose completion tokens are known: a ``usage``, a stream's usage
+    #: outputs, or its responses carrying text), their tokens in and out, and how many of them have no known
+    #: prompt tokens (a stream whose model reports no usage: its prompt is not counted, never guessed).
+    generations: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+    tokens_in_per_call: float | None = None
+    tokens_out_per_call: float | None = None
+    prompt_tokens_unknown: int = 0
+    #: ``--price`` of the arm's version (``v1=0.15/1M-in,0.60/1M-out``; None: not priced, so no cost), the
+    #: generations it prices (tokens in and out known), their cost in all and per call, in the price's unit.
+    price: str | None = None
+    costed_calls: int = 0
+    cost: float | None = None
+    cost_per_call: float | None = None
 
 
 class TimelinePoint(_Model):

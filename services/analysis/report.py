@@ -12,7 +12,15 @@ from collections.abc import Callable, Sequence
 from html import escape
 
 from splitstream.analysis import statistics as st
-from splitstream.analysis.model import Analysis, Interval, MetricComparison, PhaseResult, Segment, TimelinePoint
+from splitstream.analysis.model import (
+    Analysis,
+    Interval,
+    MetricComparison,
+    MetricSpec,
+    PhaseResult,
+    Segment,
+    TimelinePoint,
+)
 from splitstream.common import charts
 from splitstream.common.charts import fmt, fmt_rate
 from splitstream.common.timewindow import format_instant
@@ -56,6 +64,40 @@ def _has_streams(phase: PhaseResult) -> bool:
     return any(arm.streams for arm in phase.arms)
 
 
+def _has_ttft(phase: PhaseResult) -> bool:
+    return any(arm.ttft_p50_ms is not None for arm in phase.arms)
+
+
+def _has_tokens(phase: PhaseResult) -> bool:
+    return any(arm.generations for arm in phase.arms)
+
+
+def _cost(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def usage_lines(phase: PhaseResult) -> list[str]:
+    """Per arm: its generations' tokens in and out (totals and per call) and their cost, saying what is not
+    counted: prompts whose tokens are unknown, an arm without a price."""
+    lines = []
+    for arm in phase.arms:
+        if not arm.generations:
+            continue
+        line = (
+            f"{arm.arm}: {arm.generations} generations, tokens in {arm.tokens_in} "
+            f"({_num(arm.tokens_in_per_call)}/call), out {arm.tokens_out} ({_num(arm.tokens_out_per_call)}/call)"
+        )
+        if arm.prompt_tokens_unknown:
+            line += f"; prompt tokens unknown for {arm.prompt_tokens_unknown} (not counted in, nor costed)"
+        if arm.price is None:
+            line += "; no --price for it: no cost"
+        else:
+            per_call = f"{_cost(arm.cost_per_call)}/call, {arm.costed_calls} calls"
+            line += f"; cost {_cost(arm.cost)} ({per_call}) at {arm.price}"
+        lines.append(line)
+    return lines
+
+
 def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list[str]:
     lines = ["", indent + _phase_title(phase)]
     pad = indent + "  "
@@ -70,10 +112,16 @@ def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list
         )
     if phase.crossover_units:
         lines.append(f"{pad}units seen in two arms (excluded): {phase.crossover_units}")
-    streams = _has_streams(phase)
+    streams, ttft, tokens = _has_streams(phase), _has_ttft(phase), _has_tokens(phase)
     header = ["ARM", "WEIGHT", "UNITS", "CALLS", "ERROR RATE", "P50 MS", "P99 MS"]
     if streams:
-        header += ["STREAMS", "TTFT P50 MS", "TTFT P99 MS", "TOKENS/S"]
+        header += ["STREAMS"]
+    if streams or ttft:
+        header += ["TTFT P50 MS", "TTFT P99 MS"]
+    if streams:
+        header += ["TOKENS/S"]
+    if tokens:
+        header += ["IN/CALL", "OUT/CALL", "COST/CALL"]
     rows = [header + list(analysis.metrics)]
     for arm in phase.arms:
         cells = [
@@ -86,9 +134,15 @@ def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list
             fmt(arm.latency_p99_ms),
         ]
         if streams:
-            cells += [str(arm.streams), fmt(arm.ttft_p50_ms), fmt(arm.ttft_p99_ms), fmt(arm.tokens_per_s)]
+            cells += [str(arm.streams)]
+        if streams or ttft:
+            cells += [fmt(arm.ttft_p50_ms), fmt(arm.ttft_p99_ms)]
+        if streams:
+            cells += [fmt(arm.tokens_per_s)]
+        if tokens:
+            cells += [_num(arm.tokens_in_per_call), _num(arm.tokens_out_per_call), _cost(arm.cost_per_call)]
         for spec in analysis.metrics:
-            metric = arm.metrics.get(spec.rpartition(":")[0])
+            metric = arm.metrics.get(MetricSpec.parse(spec).name)
             cells.append(
                 "-"
                 if metric is None or metric.value is None
@@ -96,6 +150,7 @@ def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list
             )
         rows.append(cells)
     lines += [pad + line for line in _columns(rows)]
+    lines += [pad + line for line in usage_lines(phase)]
     lines += [pad + c.verdict_line for c in phase.comparisons]
     return lines
 
@@ -274,12 +329,20 @@ def _srm_panel(phase: PhaseResult) -> str:
 
 
 def _arms_table(analysis: Analysis, phase: PhaseResult) -> str:
-    names = [m.rpartition(":")[0] for m in analysis.metrics]
-    streams = _has_streams(phase)
+    names = [MetricSpec.parse(m).name for m in analysis.metrics]  # "wait_s:mean:lower" → "wait_s"
+    streams, ttft, tokens = _has_streams(phase), _has_ttft(phase), _has_tokens(phase)
     head = (
         "<tr><th class='l'>arm</th><th>weight</th><th>units</th><th>calls</th><th>error rate</th><th>p50 ms</th>"
         "<th>p99 ms</th>"
-        + ("<th>streams</th><th>TTFT p50 ms</th><th>TTFT p99 ms</th><th>tokens/s</th>" if streams else "")
+        + ("<th>streams</th>" if streams else "")
+        + ("<th>TTFT p50 ms</th><th>TTFT p99 ms</th>" if streams or ttft else "")
+        + ("<th>tokens/s</th>" if streams else "")
+        + (
+            "<th>generations</th><th>tokens in</th><th>in/call</th><th>tokens out</th><th>out/call</th>"
+            "<th>cost</th><th>cost/call</th>"
+            if tokens
+            else ""
+        )
         + "".join(f"<th>{escape(m)}</th>" for m in analysis.metrics)
         + "</tr>"
     )
@@ -299,15 +362,20 @@ def _arms_table(analysis: Analysis, phase: PhaseResult) -> str:
             f"<tr><td class='l'>{label}</td><td>{'-' if arm.weight is None else f'{arm.weight:g} %'}</td>"
             f"<td>{arm.units}</td><td>{arm.calls}</td><td>{fmt_rate(arm.error_rate)}</td>"
             f"<td>{fmt(arm.latency_p50_ms)}</td><td>{fmt(arm.latency_p99_ms)}</td>"
+            + (f"<td>{arm.streams}</td>" if streams else "")
+            + (f"<td>{fmt(arm.ttft_p50_ms)}</td><td>{fmt(arm.ttft_p99_ms)}</td>" if streams or ttft else "")
+            + (f"<td>{fmt(arm.tokens_per_s)}</td>" if streams else "")
             + (
-                f"<td>{arm.streams}</td><td>{fmt(arm.ttft_p50_ms)}</td><td>{fmt(arm.ttft_p99_ms)}</td>"
-                f"<td>{fmt(arm.tokens_per_s)}</td>"
-                if streams
+                f"<td>{arm.generations}</td><td>{arm.tokens_in}</td><td>{_num(arm.tokens_in_per_call)}</td>"
+                f"<td>{arm.tokens_out}</td><td>{_num(arm.tokens_out_per_call)}</td><td>{_cost(arm.cost)}</td>"
+                f"<td>{_cost(arm.cost_per_call)}</td>"
+                if tokens
                 else ""
             )
             + f"{''.join(cells)}</tr>"
         )
-    return f"<table class='arms'>{head}{''.join(rows)}</table>"
+    notes = "".join(f"<p class='muted'>{escape(line)}</p>" for line in usage_lines(phase))
+    return f"<table class='arms'>{head}{''.join(rows)}</table>{notes}"
 
 
 def _lift_section(phase: PhaseResult) -> str:

@@ -48,6 +48,8 @@ _CALL_COLUMNS = {
     "principal": b"principal",
     "ttft_ms": b"ttft_ms",
     "tokens": b"tokens",
+    "prompt_tokens": b"prompt_tokens",
+    "completion_tokens": b"completion_tokens",
 }
 _FEEDBACK_COLUMNS = {
     "metric": b"metric",

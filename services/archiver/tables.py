@@ -31,6 +31,7 @@ from splitstream.common.records import (
     status_code,
     stream_id_ms,
 )
+from splitstream.common.token_usage import token_counts, ttft_ns
 
 
 @dataclass(slots=True)
@@ -91,6 +92,8 @@ _CALL_FIELDS = (
     b"principal",
     b"ttft_ms",
     b"tokens",
+    b"prompt_tokens",
+    b"completion_tokens",
     b"blobs",
     b"tags",
     b"record",
@@ -141,6 +144,8 @@ class Parsed:
     streamed: bool = False
     ttft_ms: bytes = b""
     tokens: bytes = b""
+    prompt_tokens: bytes = b""
+    completion_tokens: bytes = b""
 
 
 @dataclass(slots=True)
@@ -247,13 +252,16 @@ def _decode_one(decoded: DecodedCalls, index: int, data: bytes) -> None:
         decoded.parsed[index] = Parsed()
         return
     is_stream = record.HasField("stream")
-    first_ns = record.stream.first_response_ns if is_stream else 0
+    first_ns = ttft_ns(record)
+    prompt, completion = token_counts(record)
     decoded.parsed[index] = Parsed(
         record.principal.encode(),
         list(record.tags.items()) if len(record.tags) else [],
         is_stream,
         f"{first_ns / 1e6!r}".encode() if first_ns > 0 else b"",
         str(int(record.stream.responses_total)).encode() if is_stream else b"",
+        b"" if prompt is None else str(prompt).encode(),
+        b"" if completion is None else str(completion).encode(),
     )
     digests = [payload.blob_sha256 for payload in blob_payloads(record)]
     if digests:
@@ -305,6 +313,8 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
                     tokens != b"",
                     entry.fields.get(b"ttft_ms") or b"",
                     tokens,
+                    entry.fields.get(b"prompt_tokens") or b"",
+                    entry.fields.get(b"completion_tokens") or b"",
                 )
             rows.append(
                 _row_from_fields(
@@ -315,6 +325,8 @@ def call_files(model: str, decoded: DecodedCalls, blob_bytes: dict[str, bytes]) 
                     parsed.streamed,
                     _float_or_none(parsed.ttft_ms),
                     _int_or_none(parsed.tokens),
+                    _int_or_none(parsed.prompt_tokens),
+                    _int_or_none(parsed.completion_tokens),
                 )
             )
         named = [dict(zip(CALL_SCHEMA.names, row, strict=True)) for row in rows]
@@ -424,6 +436,8 @@ def _fast_table(decoded: DecodedCalls, data: pa.Array, keep: np.ndarray | None) 
         "record": pick(data),
         "ttft_ms": _optional_number(of_parsed(b"ttft_ms", "ttft_ms"), pa.float64()),
         "tokens": _optional_number(of_parsed(b"tokens", "tokens"), pa.int64()),
+        "prompt_tokens": _optional_number(of_parsed(b"prompt_tokens", "prompt_tokens"), pa.int64()),
+        "completion_tokens": _optional_number(of_parsed(b"completion_tokens", "completion_tokens"), pa.int64()),
     }
     return pa.table(columns, schema=CALL_SCHEMA)
 
@@ -461,6 +475,8 @@ def _row_from_fields(
     streamed: bool,
     ttft_ms: float | None = None,
     tokens: int | None = None,
+    prompt_tokens: int | None = None,
+    completion_tokens: int | None = None,
 ) -> tuple:
     """A row for an entry whose record does not decode (or whose fields do not convert): what its
     readable fields say, with every conversion's own fallback, and the record's bytes kept."""
@@ -495,6 +511,8 @@ def _row_from_fields(
         data,
         ttft_ms,
         tokens,
+        prompt_tokens,
+        completion_tokens,
     )
 
 

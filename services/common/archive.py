@@ -70,6 +70,10 @@ CALL_SCHEMA = pa.schema(
         # time to the first response in ms (null when none came) and the responses received.
         ("ttft_ms", pa.float64()),
         ("tokens", pa.int64()),
+        # Tokens in and out of a generation (splitstream.common.token_usage; null where unknown, and in files
+        # written before these columns existed).
+        ("prompt_tokens", pa.int64()),
+        ("completion_tokens", pa.int64()),
     ],
     metadata={SCHEMA_METADATA_KEY: str(ARCHIVE_SCHEMA_VERSION).encode()},
 )
@@ -655,6 +659,8 @@ ENTRY_COLUMNS = (
     "unit",
     "ttft_ms",
     "tokens",
+    "prompt_tokens",
+    "completion_tokens",
 )
 
 
@@ -664,7 +670,8 @@ def readable_calls(archive: Archive, query: ArchiveQuery) -> pa.Table:
     Redis column by column gets, so it can read the archive the same way. One row per request id
     (``ttft_ms``/``tokens`` null for unary calls and in files older than those columns). Blocking."""
     columns = ["request_id", "receive_time", "version", "status", "latency_ms", "arm", "assignment", "phase"]
-    table = read_calls(archive, query, columns=[*columns, "routing_key_hmac", "principal", "ttft_ms", "tokens"])
+    usage = ["ttft_ms", "tokens", "prompt_tokens", "completion_tokens"]
+    table = read_calls(archive, query, columns=[*columns, "routing_key_hmac", "principal", *usage])
     return pa.table(
         {
             "request_id": table["request_id"],
@@ -679,6 +686,8 @@ def readable_calls(archive: Archive, query: ArchiveQuery) -> pa.Table:
             "unit": table["routing_key_hmac"],
             "ttft_ms": table["ttft_ms"],
             "tokens": table["tokens"],
+            "prompt_tokens": table["prompt_tokens"],
+            "completion_tokens": table["completion_tokens"],
             "principal": table["principal"],
         }
     )

@@ -2,7 +2,8 @@
 
 The recorder writes each call to the stream ``splitstream:calls:<model>`` (fields
 ``request_id``, ``time_ns``, ``model``, ``version``, ``status``, ``latency_ms``, ``arm``,
-``assignment``, ``phase``, ``unit`` and ``record``, the serialized CallRecord), payloads over
+``assignment``, ``phase``, ``unit``, ``principal``, ``ttft_ms``, ``tokens``, ``prompt_tokens``,
+``completion_tokens``, ``blobs``, ``tags`` and ``record``, the serialized CallRecord), payloads over
 its threshold once to ``splitstream:blob:<sha256>``, and each outcome event to the stream
 ``splitstream:feedback:<model>`` (fields of :func:`feedback_entry_fields`, no protobuf: the
 analysis reads them column by column). The readable fields let readers filter and analyse
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn, cast
 
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
+from splitstream.common.token_usage import token_counts, ttft_ns
 
 if TYPE_CHECKING:
     from splitstream.common.redis_url import RedisClient
@@ -180,6 +182,8 @@ def stream_id_ms(stream_id: str) -> int:
 def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
     """The stream entry the recorder writes for ``record``: readable fields beside the serialized record.
     (Tools and tests that write records, e.g. to stand in for a spooled record arriving late, use it too.)"""
+    first_token_ns = ttft_ns(record)
+    prompt_tokens, completion_tokens = token_counts(record)
     return {
         "request_id": record.request_id,
         "time_ns": str(record.receive_unix_ns),
@@ -194,10 +198,13 @@ def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
         "unit": record.routing_key_hmac,
         # The authenticated caller (a configured principal's name; empty when callers are not authenticated).
         "principal": record.principal,
-        # Token streams: time to the first response and responses received (empty for a unary call,
-        # TTFT empty when no response came), so the analysis need not parse records.
-        "ttft_ms": f"{record.stream.first_response_ns / 1e6:.3f}" if record.stream.first_response_ns > 0 else "",
+        # Token streams: time to the first token and responses received (empty for a unary call,
+        # TTFT empty when no token came), so the analysis need not parse records.
+        "ttft_ms": f"{first_token_ns / 1e6:.3f}" if first_token_ns > 0 else "",
         "tokens": str(record.stream.responses_total) if record.HasField("stream") else "",
+        # Tokens in and out of a generation (splitstream.common.token_usage); empty where unknown.
+        "prompt_tokens": "" if prompt_tokens is None else str(prompt_tokens),
+        "completion_tokens": "" if completion_tokens is None else str(completion_tokens),
         # Payloads stored as blob references, and the record's tag names: a reader that needs neither (the
         # archiver, for most records) keeps the record's bytes as they are without parsing them.
         "blobs": str(blob_references(record)),
