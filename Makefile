@@ -75,7 +75,7 @@ bench: install ## Run the benchmarks (prints tables; see docs/benchmarks.md)
 demo: install ## The whole story on this machine: train, split 90/10, record, ramp to 50/50, replay, report
 	$(BIN)/python -m demo.run
 
-demo-llm: install ## Token streams: bigram v1 and trigram v2 behind a 50/50 router, recorded, replayed against v2
+demo-llm: install ## Token streams: bigram v1 and trigram v2 behind a 50/50 router, recorded, replayed; OpenAI chats rated
 	$(BIN)/python -m demo.llm
 
 up: ## Start the docker-compose stack (needs a Docker engine): redis, consul, recorder, router, workers, prometheus, grafana

@@ -7,8 +7,14 @@
 4. ``splitstream analyze``: per arm the tokens in and out, TTFT p50/p99 and the cost per call at a price per
    version (v2, the larger model, priced at twice v1), with verdicts on ``ttft_ms`` and ``cost``.
 5. Replay the window against v2 (through the router, pinned) and write the HTML report.
-6. Print TTFT and inter-token gaps per version, as the users saw them, the analysis, and how the texts agree
-   on replay: streams v2 wrote come back token for token; those v1 wrote diverge, and the report shows where.
+6. The OpenAI act: the router's HTTP port (``--http-port``, OpenAI's API) serves chat users calling it with
+   ``openai.AsyncOpenAI`` (``user=`` set: the split is sticky by user), streamed with usage; each answer is
+   rated (a thumbs-up more likely the more real words it has: v2's trigram writes more) and the rating
+   reported with ``POST /v1/feedback`` under the chat's id; ``splitstream analyze`` then gives the verdict on
+   ``thumbs_up`` with TTFT, tokens and cost per arm.
+7. Print TTFT and inter-token gaps per version, as the users saw them, the analysis, how the texts agree
+   on replay (streams v2 wrote come back token for token; those v1 wrote diverge, and the report shows
+   where), then the OpenAI act's chats and its verdict.
 
 Greedy decoding, so each version's text is a function of the prompt. Everything it starts is stopped at the
 end, on an error or on Ctrl-C; a second run starts afresh.
@@ -24,18 +30,21 @@ import secrets
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from grpc import aio
 
-from demo import language
-from demo.processes import Supervisor, fresh_workdir, interruptible, stepper, write_registry
+from demo import chat, language
+from demo.processes import Supervisor, free_port, fresh_workdir, interruptible, stepper, write_registry
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import feedback_key, stream_key
 
 MODEL = "chat"
 #: ``splitstream analyze --price`` per version, per million tokens in and out: v2, the larger model, costs twice.
@@ -126,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=48, help="tokens each stream asks for")
     parser.add_argument("--concurrency", type=int, default=4, help="streams open at once")
     parser.add_argument("--replay-speed", default="1", help="the replay's --speed (1: as recorded)")
+    parser.add_argument("--chat-users", type=int, default=200, help="users of the OpenAI act (HTTP, openai client)")
+    parser.add_argument("--chats-per-user", type=int, default=2, help="questions each chat user asks in turn")
+    parser.add_argument("--chat-tokens", type=int, default=24, help="tokens each chat answer asks for")
+    parser.add_argument("--chat-concurrency", type=int, default=16, help="chat users at once")
     args = parser.parse_args(argv)
     summary = interruptible(lambda: run(args))
     if summary is None:
@@ -151,7 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
         }
         registry = write_registry(workdir, MODEL, workers, experiment)
-        router = supervisor.start_router(registry, recorder, "--hmac-key", hmac_key)
+        http_port = free_port()
+        router = supervisor.start_router(registry, recorder, "--hmac-key", hmac_key, "--http-port", str(http_port))
 
         since = time.time()
         step(f"{args.streams} chat streams from {args.users} users, {args.tokens} tokens each")
@@ -166,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
         )
         until = time.time()
-        recorded = _wait_recorded(redis_url, args.streams - observed.errors)
+        recorded = _wait_entries(redis_url, stream_key(MODEL), args.streams - observed.errors)
 
         step("tokens, TTFT and cost per arm with `splitstream analyze` (verdicts on ttft_ms and cost)")
         analysis_dir = workdir / "analysis"
@@ -192,6 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             *("--target", router, "--pin-version", "v2", "--speed", args.replay_speed, "--concurrency", "8"),
             timeout_s=300,
         )
+        chats, chat_analysis = _openai_act(args, supervisor, step, redis_url, http_port, workdir)
         step("stopping everything")
 
     summary = {
@@ -205,23 +220,102 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "analysis_report": str(analysis_dir / "analysis.html"),
         "report": str(replay_dir / "report.html"),
         "logs": str(workdir / "logs"),
+        "openai": chats,
+        "openai_analysis": chat_analysis,
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
 
 
-def _users_table(observed: Observed) -> dict[str, dict[str, float | int | None]]:
-    def ms(values: list[float], q: float) -> float | None:
-        return round(float(np.percentile(values, q)) * 1000, 3) if values else None
+def _openai_act(
+    args: argparse.Namespace,
+    supervisor: Supervisor,
+    step: Callable[[str], None],
+    redis_url: str,
+    http_port: int,
+    workdir: Path,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Chat users over the router's HTTP port with OpenAI's client, each answer rated and the rating reported
+    with ``POST /v1/feedback``; then ``splitstream analyze`` of that window: thumbs-up, TTFT, tokens, cost."""
+    chats_wanted = args.chat_users * args.chats_per_user
+    step(
+        f"the OpenAI act: {args.chat_users} chat users x {args.chats_per_user} streamed chats over HTTP "
+        f"(openai.AsyncOpenAI, user=..., include_usage), each answer's thumbs-up or not sent to POST /v1/feedback"
+    )
+    since = time.time()
+    chats = asyncio.run(
+        chat.chat_users(
+            f"http://127.0.0.1:{http_port}",
+            MODEL,
+            chat.vocabulary(language.corpus()),
+            users=args.chat_users,
+            chats_per_user=args.chats_per_user,
+            max_tokens=args.chat_tokens,
+            concurrency=args.chat_concurrency,
+            seed=2,
+        )
+    )
+    until = time.time()
+    served = sum(chats.chats.values())
+    recorded = _wait_http_records(redis_url, int(since * 1e9), served)
+    feedback = _wait_entries(redis_url, feedback_key(MODEL), chats.feedback_accepted)
 
+    step("thumbs-up, TTFT, tokens and cost per arm of the chats with `splitstream analyze`")
+    analysis_dir = workdir / "openai-analysis"
+    analysis = supervisor.run(
+        "analyze-openai",
+        [
+            "splitstream",
+            *("analyze", MODEL, "--redis-url", redis_url, "--since", f"{since:.3f}", "--until", f"{until + 1:.3f}"),
+            *("--metric", f"{chat.THUMBS_UP}:proportion", "--metric", "ttft_ms", "--metric", "cost"),
+            *("--price", PRICES[0], "--price", PRICES[1], "--output-dir", str(analysis_dir)),
+        ],
+        timeout_s=300,
+        log="analysis-openai",
+    )
+    versions = sorted(chats.chats)
+    table = {
+        version: {
+            "users": len(chats.users[version]),
+            "chats": chats.chats[version],
+            "tokens_in": chats.tokens_in[version],
+            "tokens_out": chats.tokens_out[version],
+            "ttft_p50_ms": _ms(chats.ttft_s[version], 50),
+            "thumbs_up_rate": round(chats.thumbs_up[version] / chats.chats[version], 4),
+        }
+        for version in versions
+    }
+    summary = {
+        "versions": table,
+        "chats_wanted": chats_wanted,
+        "chats": served,
+        "errors": chats.errors[:10],
+        "error_count": len(chats.errors),
+        "switched_users": chats.switched_users,
+        "feedback_accepted": chats.feedback_accepted,
+        "feedback_in_redis": feedback,
+        "recorded_http": recorded,
+    }
+    return summary, {
+        **_analysis(json.loads((analysis_dir / "analysis.json").read_text())),
+        "table": analysis.stdout,
+        "report": str(analysis_dir / "analysis.html"),
+    }
+
+
+def _ms(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)) * 1000, 3) if values else None
+
+
+def _users_table(observed: Observed) -> dict[str, dict[str, float | int | None]]:
     return {
         version: {
             "streams": observed.streams[version],
             "tokens": observed.tokens[version],
-            "ttft_p50_ms": ms(observed.ttft_s[version], 50),
-            "ttft_p99_ms": ms(observed.ttft_s[version], 99),
-            "itl_p50_ms": ms(observed.gaps_s[version], 50),
-            "itl_p99_ms": ms(observed.gaps_s[version], 99),
+            "ttft_p50_ms": _ms(observed.ttft_s[version], 50),
+            "ttft_p99_ms": _ms(observed.ttft_s[version], 99),
+            "itl_p50_ms": _ms(observed.gaps_s[version], 50),
+            "itl_p99_ms": _ms(observed.gaps_s[version], 99),
         }
         for version in sorted(observed.streams)
     }
@@ -234,17 +328,42 @@ def _analysis(document: dict[str, Any]) -> dict[str, Any]:
     return {"arms": arms, "verdicts": document["verdicts"]}
 
 
-def _wait_recorded(redis_url: str, expected: int, timeout_s: float = 20.0) -> int:
-    """Records in Redis once the router's last batches landed (or what is there after ``timeout_s``)."""
+def _wait_entries(redis_url: str, key: str, expected: int, timeout_s: float = 20.0) -> int:
+    """Entries of the stream ``key`` in Redis once the router's last batches landed (or what is there after
+    ``timeout_s``)."""
     import redis
 
     client = redis.Redis.from_url(redis_url)
     try:
         deadline = time.monotonic() + timeout_s
         while True:
-            count = int(client.xlen(f"splitstream:calls:{MODEL}"))
+            count = int(client.xlen(key))
             if count >= expected or time.monotonic() > deadline:
                 return count
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
+def _wait_http_records(redis_url: str, since_ns: int, expected: int, timeout_s: float = 20.0) -> dict[str, int]:
+    """Per version, the HTTP calls recorded from ``since_ns`` on (the calls stream also holds the gRPC streams
+    and their replay), once ``expected`` of them landed or ``timeout_s`` passed."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            versions: dict[str, int] = defaultdict(int)
+            entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream_key(MODEL)))
+            for _, fields in entries:
+                if int(fields[b"time_ns"]) < since_ns:
+                    continue
+                record = recorder_pb2.CallRecord.FromString(fields[b"record"])
+                if record.HasField("http"):
+                    versions[record.version] += 1
+            if sum(versions.values()) >= expected or time.monotonic() > deadline:
+                return dict(sorted(versions.items()))
             time.sleep(0.1)
     finally:
         client.close()
@@ -292,9 +411,37 @@ def print_summary(summary: dict[str, Any]) -> None:
             "(greedy decoding: v2's own streams come back token for token; v1's diverge where the bigram's "
             "text leaves the trigram's)"
         )
+    print_openai_act(summary["openai"], summary["openai_analysis"])
     print(f"\nreport:   {summary['report']}")
     print(f"analysis: {summary['analysis_report']}")
+    print(f"          {summary['openai_analysis']['report']}")
     print(f"logs:     {summary['logs']}")
+
+
+def print_openai_act(chats: dict[str, Any], analysis: dict[str, Any]) -> None:
+    """The OpenAI act in a few lines: who chatted with which version, what they rated, then the verdicts."""
+    print(
+        "\nthe OpenAI act: chat users over HTTP with openai.AsyncOpenAI (streamed, include_usage), split by user=, "
+        "each answer's thumbs-up (1) or not (0) sent to POST /v1/feedback"
+    )
+    print(
+        f"{'version':<8} {'users':>6} {'chats':>6} {'tokens in':>9} {'tokens out':>10} {'TTFT p50':>9} {'thumbs-up':>9}"
+    )
+    for version, row in chats["versions"].items():
+        print(
+            f"{version:<8} {row['users']:>6} {row['chats']:>6} {row['tokens_in']:>9} {row['tokens_out']:>10} "
+            f"{_fmt(row['ttft_p50_ms']):>9} {row['thumbs_up_rate']:>9.1%}"
+        )
+    print(
+        f"chats {chats['chats']} of {chats['chats_wanted']}, client errors {chats['error_count']}, users served by "
+        f"two versions {chats['switched_users']}, feedback accepted {chats['feedback_accepted']}, HTTP calls recorded "
+        f"{sum(chats['recorded_http'].values())} ({', '.join(f'{v} {n}' for v, n in chats['recorded_http'].items())})"
+    )
+    print("(a thumbs-up is as likely as the answer's share of real words: v2's trigram writes more of them)")
+    print(
+        "\nsplitstream analyze: thumbs-up, TTFT (router clock), tokens and cost per arm of the chats, v2 against v1\n"
+    )
+    print(analysis["table"])
 
 
 if __name__ == "__main__":

@@ -73,11 +73,13 @@ def test_the_demo_tells_the_whole_story_and_leaves_nothing_running(tmp_path: Pat
     assert_nothing_left_running(workdir)
 
 
-def test_the_llm_demo_records_streams_split_50_50_and_replays_them_against_v2_leaving_nothing_running(
+def test_the_llm_demo_records_streams_split_50_50_replays_them_and_rates_openai_chats_leaving_nothing_running(
     tmp_path: Path,
 ) -> None:
     workdir = tmp_path / "demo-llm"
-    result, summary = run_demo("demo.llm", workdir, "--streams", "24", "--tokens", "24")
+    result, summary = run_demo(
+        "demo.llm", workdir, "--streams", "24", "--tokens", "24", "--chat-users", "120", "--chats-per-user", "2"
+    )
     assert set(summary["users"]) == {"v1", "v2"}, "a 50/50 split of 24 streams reaches both versions"
     assert summary["errors"] == 0
     assert summary["recorded"] == summary["streams_sent"] == 24
@@ -103,4 +105,32 @@ def test_the_llm_demo_records_streams_split_50_50_and_replays_them_against_v2_le
     )
     assert "COST/CALL" in result.stdout
     assert Path(summary["analysis_report"]).exists()
+    # The OpenAI act: chat users over HTTP with the openai client, sticky by user=, each answer rated by its id.
+    chats = summary["openai"]
+    assert chats["error_count"] == 0, chats["errors"]
+    assert chats["chats"] == chats["chats_wanted"] == 240
+    assert set(chats["versions"]) == {"v1", "v2"}, "both versions answered over HTTP"
+    assert chats["switched_users"] == 0, "a user keeps its version: the split is sticky by the body's user"
+    assert chats["recorded_http"] == {v: row["chats"] for v, row in chats["versions"].items()}, "recorded as HTTP"
+    assert chats["feedback_accepted"] == chats["chats"], "POST /v1/feedback accepted every chat's rating"
+    assert chats["feedback_in_redis"] == chats["feedback_accepted"]
+    rated = summary["openai_analysis"]
+    for version, row in chats["versions"].items():
+        arm = rated["arms"][version]
+        assert arm["generations"] == row["chats"]
+        assert arm["tokens_in"] == row["tokens_in"]
+        assert arm["tokens_out"] == row["tokens_out"]
+        assert arm["ttft_p50_ms"] is not None
+        assert arm["cost_per_call"] > 0
+    assert rated["arms"]["v2"]["cost_per_call"] > rated["arms"]["v1"]["cost_per_call"]
+    # The planted better version (the trigram writes more real words, so it earns more thumbs-up) wins.
+    assert any(line.startswith("v2 vs v1: thumbs_up") and line.endswith("v2 better") for line in rated["verdicts"]), (
+        rated["verdicts"]
+    )
+    assert any(line.startswith("v2 vs v1: ttft_ms") for line in rated["verdicts"])
+    assert any(line.startswith("v2 vs v1: cost") for line in rated["verdicts"])
+    assert "the OpenAI act" in result.stdout
+    assert "thumbs_up:proportion" in rated["table"]
+    assert rated["table"] in result.stdout
+    assert Path(rated["report"]).exists()
     assert_nothing_left_running(workdir)
