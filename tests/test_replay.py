@@ -472,8 +472,10 @@ def test_speed_1_reproduces_the_recorded_gaps_at_the_router(traffic: Traffic, tm
 
     Measured on the 2-core development machine (three runs): every gap within 0.94 ms of the
     recorded one, median 0.2-0.35 ms; the replayer's own send lag p99 under 0.1 ms. The bounds
-    leave room for other test suites sharing the two cores: median error under 3 ms, at least
-    15 of 19 gaps within 5 ms, the whole burst's length within 30 ms; and never early."""
+    leave room for other test suites sharing the two cores (a loaded run saw a median of 3.6 ms):
+    median error under 8 ms, at least 15 of 19 gaps within 10 ms, the whole burst's length within
+    30 ms; and never early. They still fail a replay that ignores the pace: the five gaps of 40 to
+    250 ms would be off by about their length, and only 14 gaps could be within 10 ms."""
     run = replay(
         traffic, tmp_path, "--target", traffic.stack.router.address, "--id-suffix", ":speed1", *traffic.window_args("C")
     )
@@ -495,8 +497,8 @@ def test_speed_1_reproduces_the_recorded_gaps_at_the_router(traffic: Traffic, tm
     errors_ms = np.abs(again - original)
     print("gap errors ms:", errors_ms.round(3).tolist(), "send lag:", lag)
     shown = list(zip(original.round(2).tolist(), again.round(2).tolist(), strict=True))
-    assert float(np.median(errors_ms)) < 3.0, shown
-    assert int(np.sum(errors_ms < 5.0)) >= 15, shown
+    assert float(np.median(errors_ms)) < 8.0, shown
+    assert int(np.sum(errors_ms < 10.0)) >= 15, shown
     assert abs(again.sum() - original.sum()) < 30.0, shown  # the burst takes as long as it did
 
 
