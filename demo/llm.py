@@ -267,7 +267,7 @@ def _openai_act(
         [
             "splitstream",
             *("analyze", MODEL, "--redis-url", redis_url, "--since", f"{since:.3f}", "--until", f"{until + 1:.3f}"),
-            *("--metric", f"{chat.THUMBS_UP}:proportion", "--metric", "ttft_ms", "--metric", "cost"),
+            *("--metric", f"{chat.THUMBS_UP}:rate", "--metric", "ttft_ms", "--metric", "cost"),
             *("--price", PRICES[0], "--price", PRICES[1], "--output-dir", str(analysis_dir)),
         ],
         timeout_s=300,

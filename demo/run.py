@@ -219,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             [
                 "splitstream",
                 *("analyze", MODEL, "--redis-url", redis_url, "--since", f"{analysis_since:.3f}"),
-                *("--metric", "click:proportion", "--output-dir", str(replay_dir)),
+                *("--metric", "click:rate", "--output-dir", str(replay_dir)),
             ],
             timeout_s=300,
             log="analysis",

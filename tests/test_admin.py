@@ -627,10 +627,13 @@ def test_a_stream_guard_ratio_that_is_not_positive_is_a_usage_error_naming_the_f
 @pytest.mark.parametrize(
     ("text", "name", "kind", "op", "bound", "relative"),
     [
-        ("click:lift>=-1%", "click", "proportion", ">=", -0.01, True),
+        ("click:lift>=-1%", "click", "rate", ">=", -0.01, True),
         ("revenue.usd:sum:lift>=-0.5", "revenue.usd", "sum", ">=", -0.5, False),
         ("wait_s:mean:lift<=5%", "wait_s", "mean", "<=", 0.05, True),
-        ("click:proportion:lift >= 0", "click", "proportion", ">=", 0.0, False),
+        # proportion is the old name of rate: read as rate.
+        ("click:proportion:lift >= 0", "click", "rate", ">=", 0.0, False),
+        ("click:rate:lift >= 0", "click", "rate", ">=", 0.0, False),
+        ("buy:conversion:lift>=-2%", "buy", "conversion", ">=", -0.02, True),
         # The metrics of the calls are per call (mean) unless a kind says otherwise.
         ("ttft_ms:lift<=10%", "ttft_ms", "mean", "<=", 0.1, True),
         ("cost:sum:lift<=0.01", "cost", "sum", "<=", 0.01, False),
@@ -744,12 +747,15 @@ class ScriptedOutcomes:
         srm = st.sample_ratio_mismatch(units, weights)
         assert srm is not None
         no_interval = Interval(low=None, high=None)
+        base = self.control_value
         comparison = MetricComparison(
-            metric=self.metric, kind=st.MetricKind.PROPORTION, arm="v2", control="v1", test="z",
-            control_value=self.control_value, arm_value=self.control_value + self.lift, absolute_lift=self.lift,
-            absolute_ci=no_interval, relative_lift=None, relative_ci=no_interval, p_value=None,
-            sequential_ci=Interval(low=self.interval[0], high=self.interval[1]), verdict="inconclusive",
-            verdict_line="",
+            metric=self.metric, kind=st.MetricKind.RATE, arm="v2", control="v1", test="z",
+            control_value=base, arm_value=base + self.lift, absolute_lift=self.lift,
+            absolute_ci=no_interval, relative_lift=self.lift / base if base else None, relative_ci=no_interval,
+            p_value=None, sequential_ci=Interval(low=self.interval[0], high=self.interval[1]),
+            sequential_relative_ci=Interval(low=self.interval[0] / base, high=self.interval[1] / base)
+            if base else None,
+            verdict="inconclusive", verdict_line="",
         )  # fmt: skip
         arms = [
             ArmSummary(arm=v, weight=weights[v], units=n, calls=n, errors=0, error_rate=0.0, latency_p50_ms=None,
@@ -769,7 +775,7 @@ class ScriptedOutcomes:
         )  # fmt: skip
         return Analysis(
             model="m", since_ns=since_ns, until_ns=since_ns + 1, unit="user", alpha=0.05, sequential=True,
-            metrics=["click:proportion"], calls=zero_calls, feedback=zero_feedback, phases=[phase],
+            metrics=["click:rate"], calls=zero_calls, feedback=zero_feedback, phases=[phase],
             non_randomized=[], verdicts=[],
         )  # fmt: skip
 
@@ -865,9 +871,7 @@ def test_guards_wait_for_enough_units_and_a_step_that_ends_without_them_rolls_ba
     assert "click not judged (10 units in an arm, fewer than 30)" in lines[1]
     assert "SRM not tested yet" in lines[1]
     assert verdict.code == ROLLED_BACK
-    assert "before every outcome guard could be judged: click:proportion:lift>=-1%: 10 units in an arm" in (
-        verdict.message
-    )
+    assert "before every outcome guard could be judged: click:rate:lift>=-1%: 10 units in an arm" in (verdict.message)
 
 
 def test_a_guard_on_a_metric_without_events_is_never_judged_and_the_step_rolls_back() -> None:
@@ -875,7 +879,7 @@ def test_a_guard_on_a_metric_without_events_is_never_judged_and_the_step_rolls_b
     outcomes = ScriptedOutcomes(store, lift=0.1, interval=(0.05, 0.15))
     verdict, _ = guarded_rollout(store, outcomes, "clik:lift>=-1%")
     assert verdict.code == ROLLED_BACK
-    assert "clik:proportion:lift>=-1%: no comparison with the control" in verdict.message
+    assert "clik:rate:lift>=-1%: no comparison with the control" in verdict.message
 
 
 def test_rollout_help_shows_the_guard_syntax(capsys: pytest.CaptureFixture[str]) -> None:

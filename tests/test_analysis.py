@@ -24,8 +24,9 @@ from typing import Any, cast
 import numpy as np
 import pytest
 from redis.asyncio import Redis
+from scipy import stats
 
-from splitstream.analysis.analyze import Query, analyze
+from splitstream.analysis.analyze import PER_CALL_LABEL, Query, analyze
 from splitstream.analysis.loading import Window, read_pages
 from splitstream.analysis.model import Analysis, MetricComparison, MetricSpec, PhaseResult
 from splitstream.common.records import stream_key
@@ -65,6 +66,9 @@ class Shop:
     crossover_events: int
     #: Events naming a user, not a call.
     revenue_events: int
+    #: Per arm, the units (users, or a keyless call) with a click on a randomized call, and the units there are.
+    converted: dict[str, set[str]]
+    units: dict[str, set[str]]
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +80,17 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
     calls: list[Call] = []
     events: list[Event] = []
     clicks = {"v1": 0, "v2": 0}
+    converted: dict[str, set[str]] = {"v1": set(), "v2": set()}
+    units: dict[str, set[str]] = {"v1": set(), "v2": set()}
 
     def call_events(call: Call, click_rate: float) -> None:
+        units[call.arm].add(call.unit or call.request_id)
         if rng.random() < click_rate:
             events.append(Event("click", 1.0, call.time_ns + 10**9, request_id=call.request_id,
                                 idempotency_key=f"click-{call.request_id}"))  # fmt: skip
             if call.assignment in ("hash", "random") and call.time_ns + 10**9 < WINDOW.until_ns:
                 clicks[call.arm] += 1
+                converted[call.arm].add(call.unit or call.request_id)
         if rng.random() < 0.5:
             events.append(Event("satisfaction", float(rng.normal(4, 1)), call.time_ns + 2 * 10**9,
                                 request_id=call.request_id, idempotency_key=f"sat-{call.request_id}"))  # fmt: skip
@@ -133,7 +141,9 @@ def shop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shop]:
     write_feedback(client, SHOP, clicks_written[:DUPLICATE_CLICKS], written_at_ns=late_ns)
     client.close()
     try:
-        yield Shop(server, clicks, PINNED, crossover_events, sum(e.metric == "revenue" for e in events))
+        yield Shop(
+            server, clicks, PINNED, crossover_events, sum(e.metric == "revenue" for e in events), converted, units
+        )
     finally:
         server.stop()
 
@@ -188,7 +198,7 @@ def test_a_lower_is_better_metric_calls_a_rise_worse(shop: Shop, shop_analysis: 
     assert click.verdict_line.endswith(": v2 worse"), click.verdict_line
     # The lift itself is arm minus control whatever the direction: the same number as read higher-is-better.
     assert click.absolute_lift == comparison(shop_analysis.phases[0], "click").absolute_lift
-    assert analysis.metrics == ["click:proportion:lower"]
+    assert analysis.metrics == ["click:rate:lower"]  # proportion, the old name, reads as rate
 
 
 def test_metrics_without_a_difference_are_inconclusive_with_a_sample_size_estimate(shop_analysis: Analysis) -> None:
@@ -196,8 +206,15 @@ def test_metrics_without_a_difference_are_inconclusive_with_a_sample_size_estima
     for metric in ("satisfaction", "revenue"):
         verdict = comparison(result, metric)
         assert verdict.verdict == "inconclusive", verdict.verdict_line
-        assert verdict.more_units_per_arm_needed is not None
-        assert f"about {verdict.more_units_per_arm_needed:,} more users per arm are needed" in verdict.verdict_line
+        assert verdict.more_units_needed is not None
+        assert (
+            f"about {verdict.more_units_needed:,} more users in total are needed at the current split"
+            in verdict.verdict_line
+        )
+        # Not significant means the lift is inside ±1.96 standard errors, so below what 80 % power detects.
+        assert verdict.minimum_detectable_effect is not None
+        assert verdict.absolute_lift is not None
+        assert abs(verdict.absolute_lift) < verdict.minimum_detectable_effect
     assert comparison(result, "revenue").test == "welch"
     assert comparison(result, "satisfaction").test == "z"
 
@@ -323,6 +340,73 @@ def test_sequential_analysis_gives_always_valid_p_values_wider_than_fixed_interv
     assert "always-valid 95 % CI" in click.verdict_line
 
 
+def test_the_sequential_verdict_shows_the_relative_lifts_own_sequence(shop: Shop) -> None:
+    result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, sequential=True))
+    click = comparison(result.phases[0], "click")
+    relative = click.sequential_relative_ci
+    assert relative is not None
+    assert relative.low is not None
+    assert relative.high is not None
+    assert click.relative_ci.low is not None
+    assert relative.low < click.relative_ci.low  # wider than the fixed interval: looks may be taken any time
+    shown = f"always-valid 95 % CI {relative.low * 100:+.1f} .. {relative.high * 100:+.1f} %"
+    assert shown in click.verdict_line, click.verdict_line
+    assert result.phases[0].comparisons[0].timeline[-1].sequential_relative_ci == relative
+
+
+def test_a_later_tuning_narrows_the_sequence_later(shop: Shop) -> None:
+    """The sequence is tightest near its tuning: at this window's ~3,000 users the default (5,000 in total) fits,
+    and tuning for a million users leaves it wider now."""
+    early = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, sequential=True))
+    late = run_analysis(
+        shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, sequential=True, tuning_units=1_000_000)
+    )
+    fitted, far = comparison(early.phases[0], "click").sequential_ci, comparison(late.phases[0], "click").sequential_ci
+    assert fitted is not None
+    assert far is not None
+    assert fitted.low is not None
+    assert far.low is not None
+    assert fitted.high is not None
+    assert far.high is not None
+    assert far.high - far.low > fitted.high - fitted.low
+
+
+def test_the_detectable_effect_is_given_now_and_at_the_planned_size(shop: Shop) -> None:
+    result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, planned_units=100_000))
+    [phase_result] = result.phases
+    users = sum(arm.units for arm in phase_result.arms)
+    for c in phase_result.comparisons:
+        assert c.minimum_detectable_effect is not None
+        assert c.planned_minimum_detectable_effect is not None
+        # The same split, more units: the effect shrinks with the square root of the size.
+        ratio = c.planned_minimum_detectable_effect / c.minimum_detectable_effect
+        assert ratio == pytest.approx((users / 100_000) ** 0.5, rel=1e-9)
+        assert c.control_value
+        assert c.minimum_detectable_relative_effect == pytest.approx(c.minimum_detectable_effect / c.control_value)
+
+
+def test_a_conversion_is_the_share_of_units_with_a_positive_event_and_a_rate_is_per_call(
+    shop: Shop, shop_analysis: Analysis
+) -> None:
+    result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=(MetricSpec.parse("click:conversion"),)))
+    conversion = comparison(result.phases[0], "click")
+    assert conversion.kind == "conversion"
+    assert conversion.test == "welch"
+    converted = {
+        arm: np.array([1.0 if unit in shop.converted[arm] else 0.0 for unit in sorted(shop.units[arm])])
+        for arm in ("v1", "v2")
+    }
+    assert conversion.control_value == pytest.approx(converted["v1"].mean(), rel=1e-12)
+    assert conversion.arm_value == pytest.approx(converted["v2"].mean(), rel=1e-12)
+    reference = stats.ttest_ind(converted["v2"], converted["v1"], equal_var=False)
+    assert conversion.p_value == pytest.approx(reference.pvalue, rel=1e-9)
+    # Per call, the same clicks read differently: users make 2.5 calls on average.
+    rate = comparison(shop_analysis.phases[0], "click")
+    assert rate.kind == "rate"
+    assert rate.control_value is not None
+    assert conversion.control_value > rate.control_value * 1.5
+
+
 def test_per_call_analysis_uses_the_two_proportion_test_and_its_always_valid_form(shop: Shop) -> None:
     result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, unit="call", sequential=True))
     [phase_result] = result.phases
@@ -335,6 +419,30 @@ def test_per_call_analysis_uses_the_two_proportion_test_and_its_always_valid_for
     assert sum(arm.units for arm in phase_result.arms) == sum(arm.calls for arm in phase_result.arms)
     # User-level events name no call: unknown when the unit is the call.
     assert result.feedback.unknown > UNKNOWN_EVENTS
+    # The router split these calls by user: calls of one user are not independent, and the result says so.
+    keyed = result.calls.randomized - KEYLESS_CALLS
+    assert result.unit_warning is not None
+    assert f"{keyed:,} of {result.calls.randomized:,} randomized calls were split by their routing key" in (
+        result.unit_warning
+    )
+    assert all(line.endswith(PER_CALL_LABEL) for line in result.verdicts)
+    assert result.verdicts
+    assert run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS)).unit_warning is None
+
+
+def test_per_call_analysis_of_calls_sent_without_a_routing_key_carries_no_warning(tmp_path: Path) -> None:
+    calls = [Call(f"k{i}", T0 + i * 10**8, "v2" if i % 2 else "v1", assignment="random") for i in range(200)]
+    events = [Event("click", 1.0, c.time_ns + 10**9, request_id=c.request_id) for c in calls[::3]]
+    with RedisServer(tmp_path / "redis") as server:
+        client = server.client()
+        write_calls(client, "keyless", calls, phase({"v1": 50, "v2": 50}, "v1"))
+        write_feedback(client, "keyless", events)
+        client.close()
+        metrics = (MetricSpec.parse("click:rate"),)
+        result = run_analysis(server, Query(model="keyless", window=WINDOW, metrics=metrics, unit="call"))
+    assert result.calls.randomized == 200
+    assert result.unit_warning is None
+    assert not any(line.endswith(PER_CALL_LABEL) for line in result.verdicts)
 
 
 def test_a_52_48_split_of_a_50_50_experiment_is_flagged_with_expected_and_observed(tmp_path: Path) -> None:
@@ -461,6 +569,8 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
         (["--metric", "click:proportion", "--cuped-pre-since", "-9h"], "give both --cuped-pre-since"),
         (["--metric", "click:proportion", "--metric", "click:sum"], "a metric is named twice: click"),
         (["--metric", "click:proportion", "--max-lateness", "100000000d"], "--max-lateness: at most 3650d"),
+        (["--metric", "click:rate", "--sequential-tuning", "0"], "--sequential-tuning: must be between 2"),
+        (["--metric", "click:rate", "--planned-units", "lots"], "--planned-units: not a whole number of units"),
         (["--metric", "click:proportion", "--since", "9000-01-01T00:00:00Z"], "is after anything recorded can be"),
         (
             ["--metric", "click:proportion", "--unit", "call", "--cuped-pre-since", "-9h", "--cuped-pre-until", "-8h"],
@@ -479,6 +589,8 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
         "half-cuped",
         "twice",
         "lateness-past-int64",
+        "zero-tuning",
+        "bad-planned-units",
         "since-past-int64",
         "cuped-per-call",
     ],

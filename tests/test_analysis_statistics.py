@@ -18,18 +18,22 @@ from statsmodels.stats.proportion import confint_proportions_2indep, proportions
 from statsmodels.stats.weightstats import CompareMeans, DescrStatsW
 
 from splitstream.analysis.statistics import (
+    DEFAULT_TUNING_UNITS,
+    Estimate,
     UnitValues,
     compare,
     confidence_sequence_half_width,
     cuped_estimates,
     estimate,
+    minimum_detectable_effect,
     mixing_variance,
     msprt_p_value,
     power,
     running_msprt_p_values,
     sample_ratio_mismatch,
     two_proportions,
-    units_per_arm_needed,
+    units_needed,
+    with_sequential,
 )
 
 SIMULATIONS = 2_000
@@ -114,10 +118,10 @@ def test_peeking_20_times_inflates_the_naive_test_but_not_the_always_valid_one()
     diffs, variances = _peeks(rng, looks=20, block=50)
     naive = 2 * stats.norm.sf(np.abs(diffs) / np.sqrt(variances))
     naive_rate = float((naive < 0.05).any(axis=1).mean())
-    # σ² per unit estimated at each look, as compare() does (the plug-in GrowthBook uses), tuned for 500 units.
+    # The variance estimated at each look, as compare() does (the plug-in GrowthBook uses), tuned for 1,000 units
+    # in both arms.
     units = np.arange(1, 21) * 50
-    unit_variance = variances * units / 2
-    tau2 = np.vectorize(lambda v: mixing_variance(v, alpha=0.05, tuning_units=500))(unit_variance)
+    tau2 = mixing_variance(variances, 2 * units, alpha=0.05, tuning_units=1_000)
     always_valid = running_msprt_p_values(diffs, variances, tau2)
     sequential_rate = float((always_valid[:, -1] < 0.05).mean())
     assert naive_rate > 0.10
@@ -125,7 +129,8 @@ def test_peeking_20_times_inflates_the_naive_test_but_not_the_always_valid_one()
 
 
 def test_the_confidence_sequence_excludes_zero_exactly_when_the_msprt_p_value_is_below_alpha() -> None:
-    variance, tau2 = 0.01, mixing_variance(1.0, alpha=0.05, tuning_units=1000)
+    variance = 0.01
+    tau2 = float(mixing_variance(variance, 200, alpha=0.05, tuning_units=1000))
     half = confidence_sequence_half_width(variance, tau2, alpha=0.05)
     assert msprt_p_value(half * 1.001, variance, tau2) < 0.05 < msprt_p_value(half * 0.999, variance, tau2)
     fixed_half = stats.norm.ppf(0.975) * math.sqrt(variance)
@@ -135,7 +140,7 @@ def test_the_confidence_sequence_excludes_zero_exactly_when_the_msprt_p_value_is
 def test_a_planted_lift_is_found_as_often_as_the_power_calculation_predicts() -> None:
     rng = np.random.default_rng(6)
     units, lift = 400, 0.18
-    predicted = power(lift, 1.0, 1.0, units, alpha=0.05)
+    predicted = power(lift, 1.0, 1.0, units, units, alpha=0.05)
     assert 0.6 < predicted < 0.8  # a case where power matters, not a sure thing
     data = rng.normal(0.0, 1.0, size=(SIMULATIONS, 2, units))
     data[:, 1] += lift
@@ -146,11 +151,90 @@ def test_a_planted_lift_is_found_as_often_as_the_power_calculation_predicts() ->
     assert abs(detected / SIMULATIONS - predicted) < 0.04
 
 
-def test_units_needed_agrees_with_statsmodels_power_solver() -> None:
-    needed = units_per_arm_needed(0.1, 1.0, 1.0, alpha=0.05, power=0.8)
-    reference = NormalIndPower().solve_power(effect_size=0.1, alpha=0.05, power=0.8, ratio=1.0)
-    assert needed == pytest.approx(reference, rel=0.01)
-    assert units_per_arm_needed(0.0, 1.0, 1.0, alpha=0.05) is None
+def test_units_needed_agrees_with_statsmodels_power_solver_at_even_and_uneven_splits() -> None:
+    # statsmodels solves for the first sample's size, the second being ratio times it: here the treatment's.
+    for control_share in (0.5, 0.9, 0.2):
+        needed = units_needed(0.1, 1.0, 1.0, control_share=control_share, alpha=0.05, power=0.8)
+        ratio = control_share / (1 - control_share)
+        treatment = NormalIndPower().solve_power(effect_size=0.1, alpha=0.05, power=0.8, ratio=ratio)
+        # statsmodels counts the far tail's sliver of power too: a few parts in a million.
+        assert needed == pytest.approx(treatment * (1 + ratio), rel=1e-4)
+    assert units_needed(0.0, 1.0, 1.0, control_share=0.5, alpha=0.05) is None
+    assert units_needed(0.1, 1.0, 1.0, control_share=1.0, alpha=0.05) is None
+
+
+def test_power_and_the_detectable_effect_use_each_arms_own_size() -> None:
+    """The uneven split the issue measured: 2,691 and 309 users. Power with both arms at the smaller arm's size
+    (what the analysis used to compute) is far lower than with the sizes there are."""
+    effect, variance = 0.03, 0.0625  # a 3-point lift of a 6.7 % conversion
+    actual = power(effect, variance, variance, 2_691, 309, alpha=0.05)
+    reference = NormalIndPower().power(
+        effect_size=effect / math.sqrt(variance), nobs1=309, alpha=0.05, ratio=2691 / 309
+    )
+    assert actual == pytest.approx(reference, rel=1e-6)
+    assert actual > power(effect, variance, variance, 309, 309, alpha=0.05) + 0.1
+    mde = minimum_detectable_effect(variance, variance, 2_691, 309, alpha=0.05, power=0.8)
+    solved = NormalIndPower().solve_power(nobs1=309, alpha=0.05, power=0.8, ratio=2691 / 309)
+    assert mde == pytest.approx(solved * math.sqrt(variance), rel=1e-4)
+    assert power(mde, variance, variance, 2_691, 309, alpha=0.05) == pytest.approx(0.8, abs=1e-3)
+
+
+def _growthbook_half_width(variance: float, total: int, alpha: float, tuning: int) -> float:
+    """The confidence sequence's half-width as GrowthBook's gbstats writes it (SequentialTwoSidedTTest): ``s2`` the
+    difference's variance times the units in both arms, ``rho`` from the tuning parameter, in total units."""
+    rho = math.sqrt((-2 * math.log(alpha) + math.log(-2 * math.log(alpha) + 1)) / tuning)
+    s2 = variance * total
+    return math.sqrt(s2) * math.sqrt(
+        ((total * rho**2 + 1) / (total**2 * rho**2)) * math.log((total * rho**2 + 1) / alpha**2)
+    )
+
+
+def test_the_confidence_sequences_match_growthbooks_formula_with_the_tuning_in_total_units() -> None:
+    rng = np.random.default_rng(8)
+    control = rng.normal(10.0, 3.0, 700)
+    treatment = rng.normal(10.9, 4.0, 300)
+    c, t = estimate(UnitValues.of_means(control)), estimate(UnitValues.of_means(treatment))
+    for tuning in (DEFAULT_TUNING_UNITS, 500, 100_000):
+        result = compare(c, t, alpha=0.05, test="z", sequential=True, tuning_units=tuning)
+        assert result.sequential_ci is not None
+        assert result.sequential_relative_ci is not None
+        half = _growthbook_half_width(c.variance + t.variance, 1_000, 0.05, tuning)
+        assert result.sequential_ci == pytest.approx((result.absolute - half, result.absolute + half), rel=1e-9)
+        # The relative lift's own variance by the delta method, written out independently.
+        mc, mt = control.mean(), treatment.mean()
+        relative_variance = t.variance / mc**2 + mt**2 * c.variance / mc**4
+        relative_half = _growthbook_half_width(relative_variance, 1_000, 0.05, tuning)
+        lift = mt / mc - 1
+        assert result.sequential_relative_ci == pytest.approx((lift - relative_half, lift + relative_half), rel=1e-9)
+    assert DEFAULT_TUNING_UNITS == 5_000  # GrowthBook's default, which counts units in both arms
+
+
+def test_the_relative_sequence_counts_the_controls_variance() -> None:
+    """Dividing the absolute sequence by the control's mean leaves out the control's own noise: with a noisy
+    control the relative sequence must be wider than that."""
+    control, treatment = Estimate(10.0, 0.25, 500), Estimate(11.0, 0.04, 500)
+    result = with_sequential(compare(control, treatment, test="z"), alpha=0.05)
+    assert result.sequential_ci is not None
+    assert result.sequential_relative_ci is not None
+    naive = (result.sequential_ci[1] - result.sequential_ci[0]) / control.value
+    assert result.sequential_relative_ci[1] - result.sequential_relative_ci[0] > naive * 1.05
+
+
+def test_peeking_at_the_relative_sequence_20_times_stays_under_alpha_in_aa_experiments() -> None:
+    rng = np.random.default_rng(9)
+    looks, block, simulations = 20, 50, 1_000
+    data = rng.exponential(2.0, size=(simulations, 2, looks * block))  # skewed, like revenue
+    false_alarms = 0
+    for control, treatment in data:
+        for n in range(block, looks * block + 1, block):
+            c, t = estimate(UnitValues.of_means(control[:n])), estimate(UnitValues.of_means(treatment[:n]))
+            result = with_sequential(compare(c, t, test="z"), alpha=0.05, tuning_units=1_000)
+            assert result.sequential_relative_ci is not None
+            low, high = result.sequential_relative_ci
+            if low > 0 or high < 0:
+                false_alarms += 1
+                break
+    assert false_alarms / simulations <= 0.05
 
 
 def test_a_52_48_split_of_100000_units_is_flagged_with_expected_and_observed_counts() -> None:

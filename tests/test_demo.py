@@ -130,7 +130,7 @@ def test_the_llm_demo_records_streams_split_50_50_replays_them_and_rates_openai_
     assert any(line.startswith("v2 vs v1: ttft_ms") for line in rated["verdicts"])
     assert any(line.startswith("v2 vs v1: cost") for line in rated["verdicts"])
     assert "the OpenAI act" in result.stdout
-    assert "thumbs_up:proportion" in rated["table"]
+    assert "thumbs_up:rate" in rated["table"]
     assert rated["table"] in result.stdout
     assert Path(rated["report"]).exists()
     assert_nothing_left_running(workdir)

@@ -8,7 +8,7 @@
         --redis-url redis://127.0.0.1:6379/0 --guard 'click:lift>=-1%' --promote-on-win
     splitstream feedback import outcomes.csv --router router-a:8001 --model resnet
     splitstream analyze resnet --redis-url redis://127.0.0.1:6379/0 --since -1d \\
-        --metric click:proportion --metric revenue:sum --output-dir ab
+        --metric click:rate --metric revenue:sum --output-dir ab
 
 Exit codes: 0 done (a rollout promoted, or held at its last step below 100 %);
 1 the registry or the routers' metrics could not be read or written, or the

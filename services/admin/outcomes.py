@@ -7,8 +7,8 @@ A guard bounds the new version's lift over the control on one metric of ``splits
 
 The side of the bound is the metric's direction (the analysis's verdicts say "better" and "worse" by it);
 ``NAME:KIND:lower:lift<=BOUND`` may write it out, as ``--metric`` of ``analyze`` does, and must agree.
-KIND is ``proportion`` (the default; ``mean`` for the metrics of the calls: ``ttft_ms``, ``cost``, ``tokens_out``,
-``tokens_in``), ``mean`` or ``sum``, as ``--metric`` of ``analyze`` takes it; BOUND
+KIND is ``rate`` (the default; ``mean`` for the metrics of the calls: ``ttft_ms``, ``cost``, ``tokens_out``,
+``tokens_in``), ``conversion``, ``mean`` or ``sum``, as ``--metric`` of ``analyze`` takes it; BOUND
 is relative to the control's value with a ``%`` (``-1%``) or absolute in the metric's own unit without one
 (``-0.002``). A rollout reads the analysis at every check, so the test must stay valid however often it is
 looked at: the guards use the always-valid (mSPRT) confidence sequence of the absolute lift, which holds
@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window
 from splitstream.analysis.model import DIRECTIONS, Analysis, Direction, MetricComparison, MetricSpec, PhaseResult
-from splitstream.analysis.statistics import MetricKind
+from splitstream.analysis.statistics import KIND_NAMES, MetricKind
 from splitstream.analysis.usage import Price, is_call_metric
 from splitstream.common.redis_url import NO_REDIS_SECURITY, RedisClient, RedisSecurity, open_redis
 from splitstream.common.secrets import redact_text, redact_url
@@ -81,20 +81,21 @@ class OutcomeGuard:
                 )
             metric = head
         name, _, kind = metric.rpartition(":")
-        kinds = [k.value for k in MetricKind]
+        kinds = list(KIND_NAMES)
         if not name or kind.lower() not in kinds:
             # A metric name may hold colons, but a last part a letter or two off a kind or a direction is a
             # typo: taken as part of the name, the guard would wait for a metric no feedback ever names.
             if name and difflib.get_close_matches(kind.lower(), [*kinds, *DIRECTIONS], n=1, cutoff=0.6):
                 raise ValueError(
                     f"--guard {text!r}: {kind!r} is neither a kind ({', '.join(kinds)}) nor a direction (higher, "
-                    f"lower, after the kind); for a metric named {metric!r}, give its kind: {metric}:proportion"
+                    f"lower, after the kind); for a metric named {metric!r}, give its kind: {metric}:rate"
                 )
             # A metric of the calls (ttft_ms, cost, ...) is per call unless a kind says otherwise.
-            name, kind = metric, (MetricKind.MEAN if is_call_metric(metric) else MetricKind.PROPORTION).value
-        if is_call_metric(name) and kind.lower() == MetricKind.PROPORTION.value:
+            name, kind = metric, (MetricKind.MEAN if is_call_metric(metric) else MetricKind.RATE).value
+        kind = MetricKind(kind.lower()).value  # proportion, the old name, reads as rate
+        if is_call_metric(name) and MetricKind(kind).counts_positive_calls:
             raise ValueError(
-                f"--guard {text!r}: {name} is measured on the calls: its kind is mean (per call) or sum, not proportion"
+                f"--guard {text!r}: {name} is measured on the calls: its kind is mean (per call) or sum, not {kind}"
             )
         bound = float(match["bound"])
         if not math.isfinite(bound):  # 1e400 reads as infinity: a bound nothing can cross
@@ -200,10 +201,12 @@ def _reading(result: PhaseResult, version: str, guard: OutcomeGuard, units: dict
         return Reading(guard=guard, state="not judged", why="no interval yet")
     estimate = comparison.absolute_lift
     if guard.relative:
-        base = abs(comparison.control_value or 0.0)
-        if not base:
+        # The relative lift's own sequence (delta method): dividing the absolute one by the control's value
+        # would leave out the control's variance and judge too early.
+        relative = comparison.sequential_relative_ci
+        if comparison.relative_lift is None or relative is None or relative.low is None or relative.high is None:
             return Reading(guard=guard, state="not judged", why="the control's value is 0: no relative lift")
-        estimate, low, high = estimate / base, low / base, high / base
+        estimate, low, high = comparison.relative_lift, relative.low, relative.high
     if guard.op == ">=":
         harm, win = high < guard.bound, low > 0
     else:

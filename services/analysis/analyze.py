@@ -12,7 +12,7 @@ earlier ones are the lift-over-time chart.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -75,7 +75,10 @@ class Query:
     alpha: float = 0.05
     sequential: bool = False
     pre_window: Window | None = None
+    #: Units in both arms at which the confidence sequence is narrowest (``--sequential-tuning``).
     tuning_units: int = st.DEFAULT_TUNING_UNITS
+    #: Units planned in total (``--planned-units``): the minimum detectable effect is also given at that size.
+    planned_units: int | None = None
     page_size: int = 5_000
     #: A readable call field to segment by (``principal``): the comparison again per value of it.
     segment: str | None = None
@@ -86,15 +89,15 @@ class Query:
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be between 0 and 1 (exclusive), got {self.alpha}")
         if not self.metrics:
-            raise ValueError("give at least one metric (NAME:KIND, e.g. click:proportion)")
+            raise ValueError("give at least one metric (NAME:KIND, e.g. click:rate)")
         names = [m.name for m in self.metrics]
         if len(set(names)) != len(names):
             raise ValueError(f"a metric is named twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
         for metric in self.metrics:
-            if is_call_metric(metric.name) and metric.kind is st.MetricKind.PROPORTION:
+            if is_call_metric(metric.name) and metric.kind.counts_positive_calls:
                 raise ValueError(
                     f"metric {metric.name!r} is measured on the calls ({CALL_METRICS[metric.name][0]}): its kind is "
-                    f"mean (per call) or sum (per {'user' if self.unit == 'user' else 'call'}), not proportion"
+                    f"mean (per call) or sum (per {'user' if self.unit == 'user' else 'call'}), not {metric.kind}"
                 )
         if self.window.until_ns <= self.window.since_ns:
             raise ValueError("the window's end must be after its start")
@@ -102,6 +105,10 @@ class Query:
             raise ValueError("CUPED needs units that come back (--unit user): a call has no pre-period")
         if self.segment is not None and self.segment not in SEGMENT_FIELDS:
             raise ValueError(f"cannot segment by {self.segment!r} (fields: {', '.join(SEGMENT_FIELDS)})")
+        if self.tuning_units < 1:
+            raise ValueError(f"the sequential tuning must be at least 1 unit, got {self.tuning_units}")
+        if self.planned_units is not None and self.planned_units < 2:
+            raise ValueError(f"the planned units must be at least 2 (one per arm), got {self.planned_units}")
         if self.pre_window is not None and self.pre_window.until_ns <= self.pre_window.since_ns:
             raise ValueError("the CUPED pre-period's end must be after its start")
 
@@ -202,6 +209,9 @@ def summarize(
         )
     non_randomized = _non_randomized(exposures)
     randomized_calls = int(pc.sum(exposures.units["calls"]).as_py() or 0)
+    warning = _unit_warning(query, exposures)
+    if warning:
+        phases = [_labelled(phase, PER_CALL_LABEL) for phase in phases]
     return Analysis(
         model=query.model,
         since_ns=query.window.since_ns,
@@ -236,7 +246,30 @@ def summarize(
         phases=phases,
         non_randomized=non_randomized,
         verdicts=[c.verdict_line for p in phases for c in p.comparisons],
+        unit_warning=warning,
     )
+
+
+#: What a verdict line says when calls were compared one by one on traffic split by user.
+PER_CALL_LABEL = "[--unit call on traffic split by user: intervals too narrow]"
+
+
+def _unit_warning(query: Query, exposures: Exposures) -> str | None:
+    """``--unit call`` treats calls as independent. Where the router split by routing key, a user's calls
+    share an arm and their outcomes are correlated, so per-call intervals are too narrow and p-values too small:
+    say so, with how many calls were split that way."""
+    if query.unit != "call" or not exposures.keyed_calls:
+        return None
+    return (
+        f"--unit call: {exposures.keyed_calls:,} of {exposures.randomized_calls:,} randomized calls were split by "
+        "their routing key (a user's calls share an arm), so treating calls as independent overstates precision; "
+        "use --unit user, or --unit call only on calls sent without a routing key"
+    )
+
+
+def _labelled(phase: PhaseResult, label: str) -> PhaseResult:
+    comparisons = [c.model_copy(update={"verdict_line": f"{c.verdict_line} {label}"}) for c in phase.comparisons]
+    return phase.model_copy(update={"comparisons": comparisons})
 
 
 def _phase_order(units: pa.Table) -> list[int]:
@@ -311,6 +344,8 @@ def _unit_values(
         return st.UnitValues.of_means(metric.sums[rows, bucket])
     if kind is st.MetricKind.MEAN:
         return st.UnitValues(metric.sums[rows, bucket], metric.counts[rows, bucket])
+    if kind is st.MetricKind.CONVERSION:
+        return st.UnitValues.of_means(metric.positives[rows, bucket] > 0)
     exposures = calls[rows, bucket]
     return st.UnitValues(np.minimum(metric.positives[rows, bucket], exposures), exposures)
 
@@ -413,7 +448,8 @@ def _compare_at(
     covariates: tuple[st.UnitValues, st.UnitValues] | None,
 ) -> tuple[st.Comparison, float | None, st.Comparison | None]:
     """The comparison (CUPED-adjusted when covariates are given), θ, and the unadjusted one."""
-    if query.unit == "call" and spec.kind is st.MetricKind.PROPORTION:
+    if query.unit == "call" and spec.kind.counts_positive_calls:
+        # A call is its own unit: converted or not, so a conversion and a rate are the same 0/1 per call.
         result = st.two_proportions(
             int(control_values.y.sum()),
             control_values.units,
@@ -422,9 +458,9 @@ def _compare_at(
             alpha=query.alpha,
         )
         if query.sequential:
-            result = _with_sequential(query, result)
+            result = st.with_sequential(result, alpha=query.alpha, tuning_units=query.tuning_units)
         return result, None, None
-    test = "welch" if spec.kind is st.MetricKind.SUM else "z"
+    test = "welch" if spec.kind in (st.MetricKind.SUM, st.MetricKind.CONVERSION) else "z"
     plain = st.compare(
         st.estimate(control_values),
         st.estimate(arm_values),
@@ -440,15 +476,6 @@ def _compare_at(
         control, arm, alpha=query.alpha, test=test, sequential=query.sequential, tuning_units=query.tuning_units
     )
     return adjusted, theta, plain
-
-
-def _with_sequential(query: Query, result: st.Comparison) -> st.Comparison:
-    """The two-proportion comparison with the mSPRT p-value and confidence sequence added (on the same
-    difference and its unpooled variance)."""
-    sequential = st.compare(
-        result.control, result.treatment, alpha=query.alpha, test="z", sequential=True, tuning_units=query.tuning_units
-    )
-    return replace(result, sequential_p_value=sequential.sequential_p_value, sequential_ci=sequential.sequential_ci)
 
 
 def _comparison(
@@ -490,6 +517,9 @@ def _comparison(
                 p_value=_num(point.p_value),
                 sequential_p_value=_num(point.sequential_p_value),
                 sequential_ci=_interval(*point.sequential_ci) if point.sequential_ci else None,
+                sequential_relative_ci=_interval(*point.sequential_relative_ci)
+                if point.sequential_relative_ci
+                else None,
             )
         )
         if bucket == TIMELINE_POINTS - 1:
@@ -515,8 +545,8 @@ def _comparison(
             timeline=timeline,
         )
     result, theta, plain = final
-    power, needed, more = _power(query, result)
-    verdict, line = _verdict(query, spec, control, arm, result, more)
+    sizing = _sizing(query, result)
+    verdict, line = _verdict(query, spec, control, arm, result, sizing.more_units_needed)
     return MetricComparison(
         metric=spec.name,
         kind=spec.kind,
@@ -533,28 +563,58 @@ def _comparison(
         p_value=_num(result.p_value),
         sequential_p_value=_num(result.sequential_p_value),
         sequential_ci=_interval(*result.sequential_ci) if result.sequential_ci else None,
+        sequential_relative_ci=_interval(*result.sequential_relative_ci) if result.sequential_relative_ci else None,
         cuped_theta=theta,
         unadjusted_ci=_interval(*plain.absolute_ci) if plain is not None else None,
-        power=power,
-        units_per_arm_needed=needed,
-        more_units_per_arm_needed=more,
+        minimum_detectable_effect=sizing.mde,
+        minimum_detectable_relative_effect=sizing.mde_relative,
+        planned_minimum_detectable_effect=sizing.planned_mde,
+        units_needed=sizing.units_needed,
+        more_units_needed=sizing.more_units_needed,
         verdict=verdict,
         verdict_line=line,
         timeline=timeline,
     )
 
 
-def _power(query: Query, result: st.Comparison) -> tuple[float | None, float | None, int | None]:
+@dataclass(frozen=True, slots=True)
+class _Sizing:
+    mde: float | None = None
+    mde_relative: float | None = None
+    planned_mde: float | None = None
+    units_needed: float | None = None
+    more_units_needed: int | None = None
+
+
+def _sizing(query: Query, result: st.Comparison) -> _Sizing:
+    """What the arms' actual sizes can detect, and how many units in total the observed effect would need at the
+    split as it runs (an uneven split needs more than twice its smaller arm)."""
     control, treatment = result.control, result.treatment
     if not (math.isfinite(control.variance) and math.isfinite(treatment.variance)):
-        return None, None, None
-    units = min(control.units, treatment.units)
-    power = st.power(result.absolute, control.unit_variance, treatment.unit_variance, units, alpha=query.alpha)
-    needed = st.units_per_arm_needed(
-        result.absolute, control.unit_variance, treatment.unit_variance, alpha=query.alpha, power=TARGET_POWER
+        return _Sizing()
+    if min(control.units, treatment.units) < 2:
+        return _Sizing()
+    variances = (control.unit_variance, treatment.unit_variance)
+    mde = st.minimum_detectable_effect(
+        *variances, control.units, treatment.units, alpha=query.alpha, power=TARGET_POWER
     )
-    more = max(0, math.ceil(needed - units)) if needed is not None else None
-    return _num(power), _num(needed), more
+    total = control.units + treatment.units
+    share = control.units / total
+    planned = None
+    if query.planned_units is not None:
+        planned_control = query.planned_units * share
+        planned = st.minimum_detectable_effect(
+            *variances, planned_control, query.planned_units - planned_control, alpha=query.alpha, power=TARGET_POWER
+        )
+    needed = st.units_needed(result.absolute, *variances, control_share=share, alpha=query.alpha, power=TARGET_POWER)
+    base = control.value
+    return _Sizing(
+        mde=_num(mde),
+        mde_relative=_num(mde / abs(base)) if base and math.isfinite(base) else None,
+        planned_mde=_num(planned),
+        units_needed=_num(needed),
+        more_units_needed=max(0, math.ceil(needed - total)) if needed is not None and math.isfinite(needed) else None,
+    )
 
 
 def _verdict(
@@ -571,14 +631,9 @@ def _verdict(
         low, high = result.absolute_ci
         p = result.p_value
         label = f"{level} CI"
-    base = result.control.value
-    if result.relative is not None and base:
-        # The relative interval: the absolute one over the control's value (the sequential one has no
-        # delta-method relative form; the fixed one uses the delta method).
-        if not query.sequential and result.relative_ci is not None:
-            rel_low, rel_high = result.relative_ci
-        else:
-            rel_low, rel_high = low / abs(base), high / abs(base)
+    relative_ci = result.sequential_relative_ci if query.sequential else result.relative_ci
+    if result.relative is not None and relative_ci is not None:
+        rel_low, rel_high = relative_ci  # by the delta method, the control's variance included
         effect = f"{spec.name} {result.relative * 100:+.1f} % ({label} {rel_low * 100:+.1f} .. {rel_high * 100:+.1f} %)"
     else:
         effect = f"{spec.name} {result.absolute:+.4g} ({label} {low:+.4g} .. {high:+.4g})"
@@ -590,7 +645,8 @@ def _verdict(
     if more:
         return (
             "inconclusive",
-            f"{head}: inconclusive: at this effect size about {more:,} more {noun} per arm are needed",
+            f"{head}: inconclusive: at this effect size about {more:,} more {noun} in total are needed "
+            f"at the current split",
         )
     if result.absolute == 0:
         return "inconclusive", f"{head}: inconclusive: no difference measured"
@@ -649,6 +705,8 @@ class _PreValues:
         if spec.kind is st.MetricKind.MEAN:
             return st.UnitValues(sums, np.where(found, metric.counts[at, last], 0.0))
         positives = np.where(found, metric.positives[at, last], 0.0)
+        if spec.kind is st.MetricKind.CONVERSION:
+            return st.UnitValues.of_means(positives > 0)
         return st.UnitValues(np.minimum(positives, calls), calls)
 
 

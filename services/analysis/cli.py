@@ -26,6 +26,7 @@ from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.report import render_html, render_table
 from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
+from splitstream.analysis.statistics import DEFAULT_TUNING_UNITS
 from splitstream.analysis.usage import parse_prices
 from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, model_dirs, open_archive
 from splitstream.common.durations import BadDuration, parse_duration_ns
@@ -64,7 +65,7 @@ class UsageError(Exception):
 
 
 def metric_list(text: str) -> list[MetricSpec]:
-    """``click:proportion`` or ``click:proportion,revenue:sum``; ValueError naming the bad one."""
+    """``click:rate`` or ``click:rate,revenue:sum``; ValueError naming the bad one."""
     return [MetricSpec.parse(part) for part in text.split(",") if part.strip()]
 
 
@@ -101,6 +102,20 @@ def _alpha(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"alpha must be between 0 and 1, got {text!r}")
+    return value
+
+
+#: The most units a sizing flag takes: far past any experiment, short of a float's exact integers.
+MAX_UNITS = 10**12
+
+
+def _units(text: str) -> int:
+    try:
+        value = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of units: {text!r}") from None
+    if not 2 <= value <= MAX_UNITS:
+        raise argparse.ArgumentTypeError(f"must be between 2 and {MAX_UNITS:,} units, got {text!r}")
     return value
 
 
@@ -151,8 +166,10 @@ def add_command(commands: Any, env_prefix: str) -> None:
         "--metric",
         action=_AppendMetrics,
         required=True,
-        help="NAME:KIND[:DIRECTION], KIND proportion, mean or sum, DIRECTION higher (the default) or lower: which "
-        "way is better (repeat, or comma-separate), e.g. click:proportion, latency_ms:mean:lower",
+        help="NAME:KIND[:DIRECTION], KIND conversion (units with an event > 0, per unit), rate (calls with an "
+        "event > 0, per call; proportion is its old name), mean (per event) or sum (per unit), DIRECTION higher "
+        "(the default) or lower: which way is better (repeat, or comma-separate), e.g. buy:conversion, click:rate, "
+        "latency_ms:mean:lower",
     )
     parser.add_argument(
         "--price",
@@ -172,6 +189,22 @@ def add_command(commands: Any, env_prefix: str) -> None:
         "--sequential",
         action="store_true",
         help="always-valid p-values and confidence sequences (mSPRT): safe to check as often as you like",
+    )
+    parser.add_argument(
+        "--sequential-tuning",
+        type=_units,
+        default=DEFAULT_TUNING_UNITS,
+        metavar="N",
+        help="units in both arms together at which the confidence sequence is narrowest (GrowthBook's default, "
+        "5,000); set it near the size the experiment will reach",
+    )
+    parser.add_argument(
+        "--planned-units",
+        type=_units,
+        default=None,
+        metavar="N",
+        help="units the experiment is planned to reach in total: the minimum detectable effect is also given at "
+        "that size, split as now",
     )
     parser.add_argument("--cuped-pre-since", default=None, help="CUPED pre-period start (same forms as --since)")
     parser.add_argument("--cuped-pre-until", default=None, help="CUPED pre-period end (exclusive)")
@@ -244,6 +277,8 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         unit=args.unit,
         alpha=args.alpha,
         sequential=args.sequential,
+        tuning_units=args.sequential_tuning,
+        planned_units=args.planned_units,
         pre_window=pre,
         segment=args.segment,
         prices=prices,

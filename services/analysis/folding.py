@@ -223,7 +223,7 @@ class Folder:
         self.sums = [np.zeros((0, TIMELINE_POINTS)) for _ in kinds]
         self.counts = [np.zeros((0, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
         self.positives = [np.zeros((0, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
-        proportions = tuple(kind is MetricKind.PROPORTION for kind in kinds)
+        proportions = tuple(kind.counts_positive_calls for kind in kinds)
         span = window.join_horizon_ns() + window.settled_ns()
         self.index = JoinIndex(max(span // 8, 10**9), proportions)
         self.crossover = pa.table({"phase": pa.array([], pa.int16()), "unit": pa.array([], pa.uint64())})
@@ -266,7 +266,7 @@ class Folder:
         self.capacity = max(self.rows, 2 * self.capacity, 1024)
         for code, kind in enumerate(self.kinds):
             for matrices in (self.sums, self.counts, self.positives):
-                if matrices is self.positives and kind is not MetricKind.PROPORTION:
+                if matrices is self.positives and not kind.counts_positive_calls:
                     continue
                 grown = np.zeros((self.capacity, TIMELINE_POINTS), dtype=matrices[code].dtype)
                 grown[: len(matrices[code])] = matrices[code]
@@ -311,7 +311,7 @@ class Folder:
             cells = rows * TIMELINE_POINTS + bucket[chosen]
             np.add.at(self.sums[code].reshape(-1), cells, value[chosen])
             np.add.at(self.counts[code].reshape(-1), cells, 1)
-            if kind is MetricKind.PROPORTION:
+            if kind.counts_positive_calls:
                 # A call counts once, in the bucket of its first positive event: noted on the call while held.
                 positive = randomized & (metric[by_request] == code) & (value[by_request] > 0)
                 self.index.note_positive(code, hits, positive, bucket[by_request])
@@ -332,7 +332,7 @@ class Folder:
         """Add the first positives of calls let go to their rows."""
         self._grow()
         for code, kind in enumerate(self.kinds):
-            if kind is not MetricKind.PROPORTION:
+            if not kind.counts_positive_calls:
                 continue
             for run in runs:
                 first = run.first[code]
@@ -366,7 +366,7 @@ class Folder:
             RowMetric(
                 self.sums[code][:n],
                 self.counts[code][:n],
-                self.positives[code][:n] if kind is MetricKind.PROPORTION else self.positives[code][:0],
+                self.positives[code][:n] if kind.counts_positive_calls else self.positives[code][:0],
             )
             for code, kind in enumerate(self.kinds)
         ]

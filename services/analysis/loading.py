@@ -237,6 +237,9 @@ class Exposures:
     usage: dict[tuple[str, str, str], UsageStats] = field(default_factory=dict)
     #: With a segment field: the same, per value of the field (a call in the segment of its own value).
     segments: dict[str, Exposures] = field(default_factory=dict)
+    #: Randomized calls, and those among them that carried a routing key: split by user, not call by call.
+    randomized_calls: int = 0
+    keyed_calls: int = 0
 
 
 @dataclass(slots=True)
@@ -634,6 +637,8 @@ class ExposureReader:
         self.calls = 0
         self.duplicates = 0
         self.corrupt = 0
+        self.randomized_calls = 0
+        self.keyed_calls = 0
 
     def add_columns(self, found: dict[bytes, list[bytes]]) -> tuple[dict[str, int], NewCalls | None]:
         """Add a page's calls; returns the phases met for the first time, each with a row of the page whose
@@ -667,6 +672,8 @@ class ExposureReader:
         values = self._call_values(found, rows, arm)
         self._add_usage(values, phase, arm, label)
         unit = fingerprints(found[b"unit"])[rows]
+        self.randomized_calls += int(randomized.sum())
+        self.keyed_calls += int((randomized & (unit != 0)).sum())
         own = mixed(requests, CALL_UNIT_SALT)
         unit = own if self.per_call else np.where(unit == 0, own, unit)
         chosen = randomized if self.randomized_only else np.ones(len(rows), dtype=bool)
@@ -819,6 +826,8 @@ class ExposureReader:
             calls=self.calls,
             duplicates=self.duplicates,
             corrupt=self.corrupt,
+            randomized_calls=self.randomized_calls,
+            keyed_calls=self.keyed_calls,
         )
 
 

@@ -24,11 +24,11 @@ class _Model(BaseModel):
 #: Which way a metric is better: ``higher`` (clicks, revenue: the default) or ``lower`` (latency, wait, refunds).
 Direction = Literal["higher", "lower"]
 DIRECTIONS: tuple[Direction, ...] = ("higher", "lower")
-METRIC_SYNTAX = "NAME:KIND[:DIRECTION], KIND proportion, mean or sum, DIRECTION higher (default) or lower"
+METRIC_SYNTAX = "NAME:KIND[:DIRECTION], KIND conversion, rate, mean or sum, DIRECTION higher (default) or lower"
 
 
 class MetricSpec(_Model):
-    """``click:proportion`` or ``wait_s:mean:lower``: a metric name as feedback reports it, how it is measured
+    """``click:rate`` or ``wait_s:mean:lower``: a metric name as feedback reports it, how it is measured
     per unit, and which way is better (a verdict says "better" or "worse" by it)."""
 
     name: str
@@ -49,7 +49,7 @@ class MetricSpec(_Model):
         direction: Direction = given or (CALL_METRICS[name][1] if name in CALL_METRICS else "higher")
         kinds = ", ".join(k.value for k in MetricKind)
         if not sep or not name:
-            example = "e.g. click:proportion, wait_s:mean:lower"
+            example = "e.g. click:rate, buy:conversion, wait_s:mean:lower"
             raise ValueError(f"bad metric {text!r} (expected {METRIC_SYNTAX}; {example})")
         try:
             return MetricSpec(name=name, kind=MetricKind(kind.lower()), direction=direction)
@@ -132,6 +132,7 @@ class TimelinePoint(_Model):
     p_value: float | None
     sequential_p_value: float | None = None
     sequential_ci: Interval | None = None
+    sequential_relative_ci: Interval | None = None
 
 
 class MetricComparison(_Model):
@@ -151,16 +152,22 @@ class MetricComparison(_Model):
     relative_lift: float | None
     relative_ci: Interval
     p_value: float | None
-    #: Always-valid (mSPRT) p-value and confidence sequence on the absolute lift, with ``--sequential``.
+    #: Always-valid (mSPRT) p-value and confidence sequence on the absolute lift, with ``--sequential``, and the
+    #: confidence sequence of the relative lift (delta method).
     sequential_p_value: float | None = None
     sequential_ci: Interval | None = None
+    sequential_relative_ci: Interval | None = None
     #: CUPED: θ, and the interval's width without the adjustment (to show what it bought).
     cuped_theta: float | None = None
     unadjusted_ci: Interval | None = None
-    #: Power to detect the lift observed with the units there are, and units per arm it would need (80 %).
-    power: float | None = None
-    units_per_arm_needed: float | None = None
-    more_units_per_arm_needed: int | None = None
+    #: The smallest absolute lift (and relative, to the control's value) a test at alpha detects with 80 % power
+    #: at the arms' sizes; at ``--planned-units`` in total split as now, when given.
+    minimum_detectable_effect: float | None = None
+    minimum_detectable_relative_effect: float | None = None
+    planned_minimum_detectable_effect: float | None = None
+    #: Units in both arms the observed lift would need for 80 % power at the current split, and how many more.
+    units_needed: float | None = None
+    more_units_needed: int | None = None
     verdict: Verdict
     verdict_line: str
     timeline: list[TimelinePoint] = Field(default_factory=list)
@@ -272,3 +279,5 @@ class Analysis(_Model):
     segment_field: str | None = None
     segments: list[Segment] = Field(default_factory=list)
     units_in_several_segments: int = 0
+    #: ``--unit call`` on calls the router split by routing key: why the intervals are too narrow (None otherwise).
+    unit_warning: str | None = None

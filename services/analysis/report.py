@@ -30,6 +30,8 @@ from splitstream.common.timewindow import format_instant
 
 def render_table(analysis: Analysis) -> str:
     lines = [_title(analysis), _calls_line(analysis), _feedback_line(analysis)]
+    if analysis.unit_warning:
+        lines += [f"warning: {analysis.unit_warning}"]
     for phase in analysis.phases:
         lines += _phase_lines(analysis, phase, indent="")
     if analysis.non_randomized:
@@ -222,6 +224,7 @@ def render_html(analysis: Analysis) -> str:
         _verdicts(analysis),
         "<h2 id='counts'>Counts</h2>",
         f"<p>{escape(_calls_line(analysis))}</p><p>{escape(_feedback_line(analysis))}</p>",
+        f"<p class='warn'>{escape(analysis.unit_warning)}</p>" if analysis.unit_warning else "",
     ]
     for index, phase in enumerate(analysis.phases):
         parts.append(_phase_section(analysis, phase, index))
@@ -384,24 +387,27 @@ def _lift_section(phase: PhaseResult) -> str:
     chart = _lift_chart(phase.comparisons)
     rows = []
     for c in phase.comparisons:
-        seq = (
-            f"<td>{escape(st.p_text(c.sequential_p_value))}</td><td>{escape(_interval(c.sequential_ci))}</td>"
-            if c.sequential_ci is not None
-            else "<td>-</td><td>-</td>"
-        )
+        seq = "<td>-</td><td>-</td>"
+        if c.sequential_ci is not None:
+            sequence = _interval(c.sequential_ci)
+            if c.sequential_relative_ci is not None:
+                sequence += f" ({_pct_interval(c.sequential_relative_ci)})"
+            seq = f"<td>{escape(st.p_text(c.sequential_p_value))}</td><td>{escape(sequence)}</td>"
         cuped = "-" if c.cuped_theta is None else f"θ {c.cuped_theta:.3g}, unadjusted {_interval(c.unadjusted_ci)}"
         rows.append(
             f"<tr><td class='l'>{escape(c.arm)} vs {escape(c.control)}</td><td class='l'>{escape(c.metric)} "
             f"({escape(c.kind.value)})</td><td>{_num(c.control_value)}</td><td>{_num(c.arm_value)}</td>"
             f"<td>{_num(c.absolute_lift)}</td><td>{escape(_interval(c.absolute_ci))}</td>"
             f"<td>{_pct(c.relative_lift)}</td><td>{escape(_pct_interval(c.relative_ci))}</td>"
-            f"<td>{escape(st.p_text(c.p_value))}</td>{seq}<td class='l'>{escape(c.test)}</td>"
+            f"<td>{escape(st.p_text(c.p_value))}</td>{seq}<td>{escape(_detectable(c))}</td>"
+            f"<td class='l'>{escape(c.test)}</td>"
             f"<td class='l'>{escape(cuped)}</td><td class='l'>{escape(c.verdict)}</td></tr>"
         )
     table = (
         "<table><tr><th class='l'>comparison</th><th class='l'>metric</th><th>control</th><th>arm</th>"
         "<th>abs. lift</th><th>CI</th><th>rel. lift</th><th>CI</th><th>p</th><th>always-valid p</th>"
-        "<th>confidence sequence</th><th class='l'>test</th><th class='l'>CUPED</th><th class='l'>verdict</th></tr>"
+        "<th>confidence sequence</th><th>detectable (80 %)</th><th class='l'>test</th><th class='l'>CUPED</th>"
+        "<th class='l'>verdict</th></tr>"
         f"{''.join(rows)}</table>"
     )
     return f"<div class='charts lift'>{chart}</div>{table}"
@@ -555,6 +561,13 @@ def _interval(interval: Interval | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value * 100:+.2f} %"
+
+
+def _detectable(c: MetricComparison) -> str:
+    """The minimum detectable effect at the arms' sizes, relative when the control's value allows."""
+    if c.minimum_detectable_relative_effect is not None:
+        return f"±{c.minimum_detectable_relative_effect * 100:.2f} %"
+    return "-" if c.minimum_detectable_effect is None else f"±{c.minimum_detectable_effect:.4g}"
 
 
 def _pct_interval(interval: Interval | None) -> str:

@@ -20,15 +20,20 @@ that scipy has no function for are named with their source:
   always-valid p-value is ``min(1, 1/Λ)`` (and its running minimum over looks), and the confidence
   sequence is ``Δ̂ ± sqrt(V(V+τ²)/τ² · (2 log(1/α) + log((V+τ²)/V)))``. With ``V = σ²/n`` this is
   the asymptotic confidence sequence of Waudby-Smith et al. (2023, "Time-uniform central limit
-  theory and asymptotic confidence sequences", Annals of Statistics) that GrowthBook uses, with
-  ``τ² = ρ² σ²`` and ``ρ`` tuned so the sequence is narrowest at ``n*`` units.
-- Power: the normal approximation ``n = (z_{1-α/2} + z_{power})² (σ_t² + σ_c²) / Δ²`` per arm.
+  theory and asymptotic confidence sequences", Annals of Statistics) in the form GrowthBook's gbstats
+  computes it: ``τ² = ρ² V N`` with ``N`` the units in both arms and ``ρ`` tuned so the sequence is
+  narrowest at ``N*`` units in total. The relative lift gets the same sequence on its delta-method
+  variance.
+- Power at the arms' actual sizes, by the normal approximation: the standard error of the difference
+  is ``sqrt(σ_c²/n_c + σ_t²/n_t)``; the minimum detectable effect is ``(z_{1-α/2} + z_{power})`` times
+  it, and the units needed in total at the current shares ``w`` are
+  ``(z_{1-α/2} + z_{power})² (σ_c²/w_c + σ_t²/w_t) / Δ²``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
@@ -51,19 +56,45 @@ def p_clause(p: float | None) -> str:
     return f"p {text}" if text.startswith("<") else f"p = {text}"
 
 
-#: Units at which the confidence sequence is tightest (GrowthBook's default tuning, 5,000).
+#: Units in both arms together at which the confidence sequence is tightest (``--sequential-tuning``): 5,000,
+#: GrowthBook's default for its ``sequentialTestingTuningParameter``, which counts units in total too.
 DEFAULT_TUNING_UNITS = 5_000
 
 
 class MetricKind(StrEnum):
-    """What a metric measures per unit; docs/analysis.md defines each precisely."""
+    """What a metric measures per unit; docs/analysis.md defines each precisely.
 
-    #: Events with value > 0 per exposure call: a ratio over units (delta method); a two-proportion test per call.
-    PROPORTION = "proportion"
+    ``proportion``, the name ``rate`` had before, is still read as ``rate``: GrowthBook and most readers take a
+    proportion to be per user, which is ``conversion`` here."""
+
+    #: Units with at least one event of value > 0, per unit (0 or 1 each): Welch's t-test on the 0/1 values.
+    CONVERSION = "conversion"
+    #: Calls with an event of value > 0 per exposure call: a ratio over units (delta method); per call, the
+    #: two-proportion test.
+    RATE = "rate"
     #: Mean value per event: a ratio over units (delta method).
     MEAN = "mean"
     #: Total value per unit, units without events counting 0: Welch's t-test.
     SUM = "sum"
+
+    @classmethod
+    def _missing_(cls, value: object) -> MetricKind | None:
+        if isinstance(value, str):
+            lowered = value.lower()
+            if lowered == "proportion":
+                return cls.RATE
+            if lowered != value:
+                return cls(lowered)
+        return None
+
+    @property
+    def counts_positive_calls(self) -> bool:
+        """Whether the metric is measured on the calls with a positive event (each counted once), not on values."""
+        return self in (MetricKind.CONVERSION, MetricKind.RATE)
+
+
+#: The kinds a metric may be given as: the kinds, and ``proportion`` (read as ``rate``).
+KIND_NAMES = (*(kind.value for kind in MetricKind), "proportion")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +151,11 @@ class Comparison:
     p_value: float
     #: Welch's t-test, two-proportion z-test, or a z-test on delta-method variances.
     test: str
-    #: Always-valid p-value and confidence sequence on the absolute difference (mSPRT), when asked for.
+    #: Always-valid p-value and confidence sequence on the absolute difference (mSPRT), when asked for, and
+    #: the confidence sequence of the relative lift (on its delta-method variance).
     sequential_p_value: float | None = None
     sequential_ci: tuple[float, float] | None = None
+    sequential_relative_ci: tuple[float, float] | None = None
 
 
 # -- per-arm estimates ---------------------------------------------------------------------
@@ -196,7 +229,8 @@ def compare(
 ) -> Comparison:
     """Treatment minus control. ``test``: ``welch`` (Welch's t-test with Welch–Satterthwaite degrees of
     freedom, for per-unit means) or ``z`` (normal, for delta-method ratios). Relative lift is
-    ``treatment/control - 1`` with a delta-method interval (None when the control's value is 0)."""
+    ``treatment/control - 1`` with a delta-method interval (None when the control's value is 0).
+    ``tuning_units``: the units in both arms at which the confidence sequence is narrowest."""
     diff = treatment.value - control.value
     var = treatment.variance + control.variance
     se = math.sqrt(var) if var > 0 else 0.0
@@ -209,15 +243,30 @@ def compare(
         p = _two_sided_p(diff, se, math.inf)
     absolute_ci = (diff - critical * se, diff + critical * se)
     relative, relative_ci = relative_lift(control, treatment, critical)
-    seq_p: float | None = None
-    seq_ci: tuple[float, float] | None = None
-    if sequential:
-        unit_var = _pooled_unit_variance(control, treatment)
-        tau2 = mixing_variance(unit_var, alpha=alpha, tuning_units=tuning_units)
-        seq_p = msprt_p_value(diff, var, tau2)
-        half = confidence_sequence_half_width(var, tau2, alpha=alpha)
-        seq_ci = (diff - half, diff + half)
-    return Comparison(control, treatment, diff, absolute_ci, relative, relative_ci, p, test, seq_p, seq_ci)
+    result = Comparison(control, treatment, diff, absolute_ci, relative, relative_ci, p, test)
+    return with_sequential(result, alpha=alpha, tuning_units=tuning_units) if sequential else result
+
+
+def with_sequential(result: Comparison, *, alpha: float, tuning_units: int = DEFAULT_TUNING_UNITS) -> Comparison:
+    """``result`` with the mSPRT p-value and the confidence sequences of its absolute and relative lifts, on the
+    unpooled variance of the difference (so a two-proportion comparison gets them too)."""
+    control, treatment = result.control, result.treatment
+    variance = control.variance + treatment.variance
+    total = control.units + treatment.units
+    tau2 = float(mixing_variance(variance, total, alpha=alpha, tuning_units=tuning_units))
+    half = confidence_sequence_half_width(variance, tau2, alpha=alpha)
+    relative_ci: tuple[float, float] | None = None
+    relative_variance = _relative_variance(control, treatment)
+    if result.relative is not None and relative_variance is not None:
+        relative_tau2 = float(mixing_variance(relative_variance, total, alpha=alpha, tuning_units=tuning_units))
+        relative_half = confidence_sequence_half_width(relative_variance, relative_tau2, alpha=alpha)
+        relative_ci = (result.relative - relative_half, result.relative + relative_half)
+    return replace(
+        result,
+        sequential_p_value=msprt_p_value(result.absolute, variance, tau2),
+        sequential_ci=(result.absolute - half, result.absolute + half),
+        sequential_relative_ci=relative_ci,
+    )
 
 
 def welch_df(control: Estimate, treatment: Estimate) -> float:
@@ -243,13 +292,20 @@ def relative_lift(
     control: Estimate, treatment: Estimate, critical: float
 ) -> tuple[float | None, tuple[float, float] | None]:
     """``μt/μc - 1`` and its interval, ``Var ≈ Var_t/μc² + μt² Var_c/μc⁴`` (delta method, independent arms)."""
-    mc, mt = control.value, treatment.value
-    if not mc or not math.isfinite(mc) or not math.isfinite(mt):
+    var = _relative_variance(control, treatment)
+    if var is None:
         return None, None
-    lift = mt / mc - 1
-    var = treatment.variance / mc**2 + mt**2 * control.variance / mc**4
+    lift = treatment.value / control.value - 1
     half = critical * math.sqrt(var) if var > 0 else 0.0
     return lift, (lift - half, lift + half)
+
+
+def _relative_variance(control: Estimate, treatment: Estimate) -> float | None:
+    """``Var(μt/μc) ≈ Var_t/μc² + μt² Var_c/μc⁴`` (delta method, independent arms); None when μc is 0."""
+    mc, mt = control.value, treatment.value
+    if not mc or not math.isfinite(mc) or not math.isfinite(mt):
+        return None
+    return treatment.variance / mc**2 + mt**2 * control.variance / mc**4
 
 
 def two_proportions(
@@ -284,21 +340,23 @@ def _proportion(successes: int, trials: int) -> Estimate:
     return Estimate(rate, variance, trials)
 
 
-def _pooled_unit_variance(control: Estimate, treatment: Estimate) -> float:
-    values = [e.unit_variance for e in (control, treatment) if e.units > 0 and math.isfinite(e.variance)]
-    return float(np.mean(values)) if values else 0.0
-
-
 # -- always-valid inference ------------------------------------------------------------------
 
 
-def mixing_variance(unit_variance: float, *, alpha: float, tuning_units: int = DEFAULT_TUNING_UNITS) -> float:
-    """``τ² = ρ² σ²`` with ``ρ² = (-2 log α + log(-2 log α + 1)) / n*`` (Waudby-Smith et al. 2023, eq. for the
-    ρ that makes the sequence tightest at ``n*`` units; GrowthBook's tuning). ``σ²`` is the per-unit variance
-    of the difference's terms; for two arms each with ``n`` units the difference has variance ``2σ²/n``."""
+def mixing_variance(
+    variance: float | FloatArray,
+    total_units: float | FloatArray,
+    *,
+    alpha: float,
+    tuning_units: int = DEFAULT_TUNING_UNITS,
+) -> float | FloatArray:
+    """``τ² = ρ² V N`` with ``ρ² = (-2 log α + log(-2 log α + 1)) / N*`` (Waudby-Smith et al. 2023, the ρ that
+    makes the sequence tightest at ``N*`` units), as GrowthBook's gbstats computes it: ``V`` is the variance of
+    the estimated difference and ``N`` the units in both arms, so ``V N`` is the difference's variance per unit
+    whatever the split, and ``N*`` counts units in total."""
     two_log = -2 * math.log(alpha)
     rho2 = (two_log + math.log(two_log + 1)) / max(tuning_units, 1)
-    return rho2 * 2 * unit_variance
+    return rho2 * variance * total_units
 
 
 def msprt_p_value(diff: float | FloatArray, variance: float | FloatArray, tau2: float | FloatArray) -> float:
@@ -370,10 +428,16 @@ def sample_ratio_mismatch(
 
 
 def power(
-    effect: float, unit_variance_control: float, unit_variance_treatment: float, units_per_arm: float, *, alpha: float
+    effect: float,
+    unit_variance_control: float,
+    unit_variance_treatment: float,
+    units_control: float,
+    units_treatment: float,
+    *,
+    alpha: float,
 ) -> float:
-    """The probability a two-sided test at ``alpha`` detects ``effect`` with ``units_per_arm`` per arm (normal)."""
-    se = math.sqrt((unit_variance_control + unit_variance_treatment) / units_per_arm)
+    """The probability a two-sided test at ``alpha`` detects ``effect`` with the arms' sizes as given (normal)."""
+    se = math.sqrt(unit_variance_control / units_control + unit_variance_treatment / units_treatment)
     if not se > 0:
         return 1.0
     z = stats.norm.ppf(1 - alpha / 2)
@@ -381,11 +445,34 @@ def power(
     return float(stats.norm.sf(z - shift) + stats.norm.cdf(-z - shift))
 
 
-def units_per_arm_needed(
-    effect: float, unit_variance_control: float, unit_variance_treatment: float, *, alpha: float, power: float = 0.8
+def minimum_detectable_effect(
+    unit_variance_control: float,
+    unit_variance_treatment: float,
+    units_control: float,
+    units_treatment: float,
+    *,
+    alpha: float,
+    power: float = 0.8,
+) -> float:
+    """The smallest absolute effect a two-sided test at ``alpha`` detects with ``power`` at these arm sizes:
+    what the data can show, where power at the observed effect would only restate the p-value."""
+    se = math.sqrt(unit_variance_control / units_control + unit_variance_treatment / units_treatment)
+    return float((stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)) * se)
+
+
+def units_needed(
+    effect: float,
+    unit_variance_control: float,
+    unit_variance_treatment: float,
+    *,
+    control_share: float,
+    alpha: float,
+    power: float = 0.8,
 ) -> float | None:
-    """Units per arm for a two-sided test at ``alpha`` to detect ``effect`` with ``power``; None for no effect."""
-    if not effect or not math.isfinite(effect):
+    """Units in both arms together for a two-sided test at ``alpha`` to detect ``effect`` with ``power`` when a
+    ``control_share`` of them go to control (the split as it runs); None for no effect or a one-arm split."""
+    if not effect or not math.isfinite(effect) or not 0 < control_share < 1:
         return None
     z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
-    return float(z**2 * (unit_variance_control + unit_variance_treatment) / effect**2)
+    spread = unit_variance_control / control_share + unit_variance_treatment / (1 - control_share)
+    return float(z**2 * spread / effect**2)

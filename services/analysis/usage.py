@@ -11,8 +11,8 @@ version), so an arm's cost or TTFT is compared with the same statistics as click
   arm whose tokens are both known).
 
 Kind ``mean`` is per call (the sum over the unit's calls over their number, delta method), ``sum`` per unit
-(a user's total); ``proportion`` means nothing for them and is refused. A feedback metric of one of these
-names is not read: the name is the calls'.
+(a user's total); ``rate`` and ``conversion`` mean nothing for them and are refused. A feedback metric of one
+of these names is not read: the name is the calls'.
 """
 
 from __future__ import annotations

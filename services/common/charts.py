@@ -20,7 +20,7 @@ h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd;padding-bottom:
 h3{font-size:15px;margin:18px 0 6px}
 table{border-collapse:collapse;margin:6px 0 12px;font-size:13px}
 th,td{border:1px solid #ddd;padding:4px 8px;text-align:right}
-th{background:#f4f4f4}td.l,th.l{text-align:left}code{font-size:12px}.muted{color:#777}
+th{background:#f4f4f4}td.l,th.l{text-align:left}code{font-size:12px}.muted{color:#777}.warn{color:#a40000}
 .pass{color:#1a7f37;font-weight:600}.fail{color:#cf222e;font-weight:600}
 .charts{display:flex;flex-wrap:wrap;gap:18px}
 figure{margin:0}figcaption{font-size:12px;color:#555;text-align:center}
