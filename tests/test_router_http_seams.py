@@ -103,6 +103,7 @@ def seams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seams]:
                 "--http-port", str(http_port),
                 "--auth-principals", f"file:{principals}",
                 "--upstream-idle-timeout-s", str(IDLE_S),
+                "--http-body-timeout-s", str(IDLE_S),
             ),
         )  # fmt: skip
         wait_for(lambda: accepts(http_port), timeout_s=30, what="the HTTP port to accept")
@@ -359,3 +360,34 @@ def test_a_header_that_is_not_utf8_is_served_and_recorded_with_its_odd_bytes_rep
 def test_the_idle_timeout_default_is_sane() -> None:
     config = parse_args(["--registry", "file:registry.yaml"])
     assert math.isclose(config.upstream_idle_timeout_s, 300)
+
+
+@pytest.mark.parametrize("route", ["infer", "generate"])
+def test_a_kserve_call_routed_to_an_openai_upstream_is_a_400_naming_why(seams: Seams, route: str) -> None:
+    """KServe's tensors have no OpenAI form: the client is told the version is an HTTP upstream and where to
+    call it, in KServe's shape."""
+    body = AFFINE_BODY if route == "infer" else {"text_input": "The "}
+    status, answered = answer(send(seams.http_port, f"/v2/models/{up('ok')}/{route}", body))
+    assert_kserve_error(status, answered, 400, "OpenAI-compatible HTTP upstream", "/v1/chat/completions")
+
+
+@pytest.mark.parametrize(
+    ("path", "kserve"), [("/v1/completions", False), (f"/v2/models/{AFFINE}/infer", True)], ids=["openai", "kserve"]
+)
+def test_a_body_that_stops_arriving_is_a_408_in_the_routes_shape(seams: Seams, path: str, kserve: bool) -> None:
+    """Headers, then a few of the body's bytes, then nothing: the handler must not wait forever."""
+    connection = http.client.HTTPConnection("127.0.0.1", seams.http_port, timeout=IDLE_S * 10)
+    connection.putrequest("POST", path)
+    for name, value in (
+        ("Content-Type", "application/json"),
+        ("Content-Length", "1000"),
+        ("Authorization", f"Bearer {KEYS['alice']}"),
+    ):
+        connection.putheader(name, value)
+    connection.endheaders(b'{"model": ')
+    status, body = answer(connection.getresponse())
+    if kserve:
+        assert_kserve_error(status, body, 408, "--http-body-timeout-s")
+    else:
+        assert status == 408
+        assert "--http-body-timeout-s" in body["error"]["message"]

@@ -52,9 +52,10 @@ from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.runtime import bind_problem, process_index
 from splitstream.common.tls import ServerTls
 from splitstream.router.auth.gate import Gate
-from splitstream.router.config import DEFAULT_UPSTREAM_IDLE_TIMEOUT_S
+from splitstream.router.config import DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_UPSTREAM_IDLE_TIMEOUT_S
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.http.auth import HttpGuard, authorize_model, may_see
+from splitstream.router.http.body import BODY_TIMEOUT_S, read_body
 from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
 from splitstream.router.http.feedback import HttpFeedback
 from splitstream.router.http.headers import header_text
@@ -134,6 +135,7 @@ class HttpFrontDoor:
         gate: Gate | None = None,
         servicer: RouterServicer | None = None,
         upstream_idle_timeout_s: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT_S,
+        body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S,
     ) -> None:
         self.core = core
         #: The gRPC servicer: KServe's health and metadata answer as it does, its ``after_answer`` records.
@@ -147,6 +149,7 @@ class HttpFrontDoor:
         # With --auth-principals every route is checked by default (http/auth.py), inside the edge's errors.
         guard = [HttpGuard(gate).middleware] if gate is not None else []
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge, *guard])
+        self.app[BODY_TIMEOUT_S] = body_timeout_s
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model}", self.get_model)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -322,7 +325,7 @@ class HttpFrontDoor:
         request_id = request.get("request_id") or (from_header_value(sent_id) if sent_id else uuid.uuid4().hex)
         request["request_id"] = request_id
         exchange = self.recorded(request, kind)
-        body = await request.read()
+        body = await read_body(request)
         data = parse_body(body)
         if exchange is not None:
             exchange.received(body, request.headers.get("Content-Type", ""), data)

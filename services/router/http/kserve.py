@@ -42,6 +42,7 @@ from splitstream.common.errors import InvalidInput, SplitstreamError, status_of
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER, from_header_value, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome
+from splitstream.router.http.body import read_body
 from splitstream.router.http.errors import ApiError, from_status
 from splitstream.router.http.headers import as_text, header_text
 from splitstream.router.http.openai_api import parse_body
@@ -535,7 +536,9 @@ class KServeRoutes:
     async def infer(self, request: web.Request) -> web.Response:
         """One KServe inference, routed and recorded as a gRPC ModelInfer."""
         model, version = self._model(request)
-        infer_request, choice = parse_infer(model, version, await request.read(), request.headers.get(HEADER_LENGTH))
+        infer_request, choice = parse_infer(
+            model, version, await read_body(request), request.headers.get(HEADER_LENGTH)
+        )
         payload = infer_request.SerializeToString()
         headers = self._routing_headers(request)
         outcome = await self.front.core.infer(payload, headers, None)
@@ -606,7 +609,7 @@ class KServeRoutes:
         request_id = headers.get(REQUEST_ID_HEADER) or _new_id()
         headers[REQUEST_ID_HEADER] = request["request_id"] = request_id
         exchange = self.front.recorded(request, "generate-stream" if stream else "generate")
-        raw = await request.read()
+        raw = await read_body(request)
         if exchange is not None:
             exchange.received(raw, request.headers.get("Content-Type", ""))
         payload = request["worker_request"] = parse_generate(model, version, raw, stream=stream, request_id=request_id)
