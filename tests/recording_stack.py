@@ -49,9 +49,11 @@ class RecordingStack:
         worker: Callable[[Stack, str], ServiceProcess] | None = None,
         redis: RedisClusterServers | None = None,
         model: str = MODEL,
+        more_models: dict[str, Any] | None = None,
     ) -> None:
         """``redis``: record into this (started) Redis Cluster instead of a Redis of the stack's own; ``model``:
-        the registry's model name (with ``worker``, the model the stand-ins serve)."""
+        the registry's model name (with ``worker``, the model the stand-ins serve); ``more_models``: other
+        models' registry entries, as they are."""
         self.tmp = tmp
         self.model = model
         tmp.mkdir(parents=True, exist_ok=True)
@@ -85,7 +87,7 @@ class RecordingStack:
             entry: dict = {"endpoints": {v: [w.address] for v, w in self.workers.items()}}
             if experiment:
                 entry["experiment"] = experiment
-            write_registry(registry, {self.model: entry})
+            write_registry(registry, {self.model: entry, **(more_models or {})})
             self.registry = registry
             self.spool_dir = tmp / "spool"
             #: The Prometheus port of the child shipper of the router started last (the recording counters).
@@ -143,11 +145,12 @@ class RecordingStack:
     def restart_recorder(self) -> None:
         self.recorder = self._recorder()
 
-    def records(self) -> list[recorder_pb2.CallRecord]:
-        """Every readable record, once per request id (entries a test wrote as garbage are left out)."""
+    def records(self, model: str = "") -> list[recorder_pb2.CallRecord]:
+        """Every readable record of ``model`` (the stack's own by default), once per request id (entries a test
+        wrote as garbage are left out)."""
 
         async def readable(client: RedisClient) -> AsyncIterator[StoredRecord]:
-            async for entry in read_entries(client, self.model):
+            async for entry in read_entries(client, model or self.model):
                 with contextlib.suppress(CorruptEntry, UnsupportedSchema):
                     yield decode_entry(entry)
 
@@ -167,15 +170,17 @@ class RecordingStack:
         finally:
             client.close()
 
-    def wait_recorded(self, request_ids: set[str], timeout_s: float = 30.0) -> list[recorder_pb2.CallRecord]:
+    def wait_recorded(
+        self, request_ids: set[str], timeout_s: float = 30.0, *, model: str = ""
+    ) -> list[recorder_pb2.CallRecord]:
         def done() -> list[recorder_pb2.CallRecord] | None:
-            records = self.records()
+            records = self.records(model)
             return records if request_ids <= {r.request_id for r in records} else None
 
         try:
             return wait_for(done, timeout_s=timeout_s, interval_s=0.25, what="every call to be recorded")
         except TimeoutError:
-            missing = request_ids - {r.request_id for r in self.records()}
+            missing = request_ids - {r.request_id for r in self.records(model)}
             raise AssertionError(
                 f"{len(missing)} of {len(request_ids)} calls never recorded, e.g. "
                 f"{sorted(missing)[:5]}\n{self.router.log()[-3000:]}"

@@ -33,6 +33,13 @@ LOG_DIR_DEFAULT = "splitstream-spool"
 DEPRECATED_LOG_DIR_FLAG = "--spool-dir"
 #: Deprecated flag → the flag that replaces it (their variables likewise: SPLITSTREAM_ROUTER_<FLAG>).
 RENAMED_FLAGS = {DEPRECATED_LOG_DIR_FLAG: "--log-dir"}
+#: An ``openai`` upstream's silence that ends a call (--upstream-idle-timeout-s): long enough for a long
+#: prompt's prefill on a loaded server, and at most an hour, so a stalled upstream never holds a client forever.
+DEFAULT_UPSTREAM_IDLE_TIMEOUT_S = 300.0
+MAX_UPSTREAM_IDLE_TIMEOUT_S = 3600.0
+#: How long a request body may take to arrive (--http-body-timeout-s): a trickled body must not hold a handler
+#: forever; a minute carries the largest body (--max-message-bytes) over any link a client should use.
+DEFAULT_HTTP_BODY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +75,11 @@ class RouterConfig:
     service_token: str = field(default="", repr=False)
     #: The HTTP front door's port (OpenAI-compatible API; 0: off).
     http_port: int = 0
+    #: How long an ``openai`` upstream may send nothing (before its answer's first byte or between two)
+    #: before the front door gives up on it: 504 to the client, or an error event mid-stream.
+    upstream_idle_timeout_s: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT_S
+    #: How long a request's body may take to arrive before the front door answers 408.
+    http_body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S
     #: Deprecated flags (of :data:`RENAMED_FLAGS`, or their variables) that were used: main() says so once
     #: logging is set up.
     deprecated: tuple[str, ...] = ()
@@ -118,9 +130,17 @@ class RouterConfig:
             )
 
     def _check_http(self) -> None:
-        """--http-port: a port."""
+        """--http-port: a port; --upstream-idle-timeout-s: bounded, so a stalled upstream always ends a call."""
         if not 0 <= self.http_port <= 65535:
             raise ConfigError(f"--http-port: must be within 0..65535, got {self.http_port}")
+        for flag, value in (
+            ("--upstream-idle-timeout-s", self.upstream_idle_timeout_s),
+            ("--http-body-timeout-s", self.http_body_timeout_s),
+        ):
+            if not (math.isfinite(value) and 0 < value <= MAX_UPSTREAM_IDLE_TIMEOUT_S):
+                raise ConfigError(
+                    f"{flag}: must be a number of seconds in (0, {MAX_UPSTREAM_IDLE_TIMEOUT_S:g}], got {value}"
+                )
 
 
 def build_parser() -> EnvArgumentParser:
@@ -149,6 +169,21 @@ def build_parser() -> EnvArgumentParser:
         default=0,
         help="HTTP port of the OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models) on --host, "
         "TLS as the gRPC port (0: off; Triton's HTTP port is 8000)",
+    )
+    parser.add_argument(
+        "--http-body-timeout-s",
+        type=float,
+        default=DEFAULT_HTTP_BODY_TIMEOUT_S,
+        help="how long a request's body may take to arrive on the HTTP port before the answer is a 408 "
+        f"(at most {MAX_UPSTREAM_IDLE_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--upstream-idle-timeout-s",
+        type=float,
+        default=DEFAULT_UPSTREAM_IDLE_TIMEOUT_S,
+        help="how long an openai upstream may send nothing, before its answer or between two pieces of a stream, "
+        f"before the HTTP front door gives up on it: 504 to the client, or an error event mid-stream "
+        f"(at most {MAX_UPSTREAM_IDLE_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--router-id",
@@ -357,6 +392,8 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             jwt=_jwt_settings(args),
             service_token=read_service_token(args.service_token_file),
             http_port=args.http_port,
+            upstream_idle_timeout_s=args.upstream_idle_timeout_s,
+            http_body_timeout_s=args.http_body_timeout_s,
             deprecated=deprecated,
         )
     except ConfigError as error:

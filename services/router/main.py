@@ -227,6 +227,8 @@ class Router(Service):
                 record_max_bytes=config.record_stream_max_bytes,
                 gate=self.auth.gate if self.auth is not None else None,  # the same checks as gRPC's
                 servicer=self.servicer,
+                upstream_idle_timeout_s=config.upstream_idle_timeout_s,
+                body_timeout_s=config.http_body_timeout_s,
             )
 
     def interceptors(self) -> list[aio.ServerInterceptor]:

@@ -52,10 +52,13 @@ from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.runtime import bind_problem, process_index
 from splitstream.common.tls import ServerTls
 from splitstream.router.auth.gate import Gate
+from splitstream.router.config import DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_UPSTREAM_IDLE_TIMEOUT_S
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.http.auth import HttpGuard, authorize_model, may_see
+from splitstream.router.http.body import BODY_TIMEOUT_S, read_body
 from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
 from splitstream.router.http.feedback import HttpFeedback
+from splitstream.router.http.headers import header_text
 from splitstream.router.http.kserve import ROUTES as KSERVE_ROUTES
 from splitstream.router.http.kserve import KServeRoutes, kserve_error
 from splitstream.router.http.openai_api import (
@@ -71,6 +74,7 @@ from splitstream.router.http.openai_api import (
 )
 from splitstream.router.http.passthrough import PassThrough, Spill
 from splitstream.router.http.recording import HttpExchange, recorded_headers, stream_response
+from splitstream.router.http.sse import COMPLETE, end_stream
 from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
 from splitstream.router.servicer import RouterServicer
@@ -130,19 +134,22 @@ class HttpFrontDoor:
         record_max_bytes: int = DEFAULT_RECORD_STREAM_MAX_BYTES,
         gate: Gate | None = None,
         servicer: RouterServicer | None = None,
+        upstream_idle_timeout_s: float = DEFAULT_UPSTREAM_IDLE_TIMEOUT_S,
+        body_timeout_s: float = DEFAULT_HTTP_BODY_TIMEOUT_S,
     ) -> None:
         self.core = core
         #: The gRPC servicer: KServe's health and metadata answer as it does, its ``after_answer`` records.
         self.servicer = servicer
         self.streams = StreamProxy(core, record_max_bytes=record_max_bytes)
         self.metrics = HttpMetrics(registry)
-        self.passthrough = PassThrough(core, self._observe_ttft)
+        self.passthrough = PassThrough(core, self._observe_ttft, idle_timeout_s=upstream_idle_timeout_s)
         self.shutdown_grace_s = shutdown_grace_s
         self.recording = recording
         self.record_max_bytes = record_max_bytes
         # With --auth-principals every route is checked by default (http/auth.py), inside the edge's errors.
         guard = [HttpGuard(gate).middleware] if gate is not None else []
         self.app = web.Application(client_max_size=max_body_bytes, middlewares=[self._edge, *guard])
+        self.app[BODY_TIMEOUT_S] = body_timeout_s
         self.app.router.add_get("/v1/models", self.list_models)
         self.app.router.add_get("/v1/models/{model}", self.get_model)
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -215,16 +222,17 @@ class HttpFrontDoor:
             response = await handler(request)
             status = request.get("status", response.status)
             return response
-        except ApiError as error:
+        except ApiError as error:  # a handler's, or the auth middleware's refusal: in the route's shape
             status = error.status
-            response = self._error_response(request, error)
+            response = self._error_response(request, kserve_error(error) if _is_kserve(request) else error)
             return response
         except web.HTTPException as error:  # aiohttp's: unknown route, wrong method, body too large
             status = error.status
             refusal = _from_http(error)
             return self._error_response(request, kserve_error(refusal) if _is_kserve(request) else refusal)
         except asyncio.CancelledError:
-            status = CLIENT_CLOSED
+            # Gone after the stream's last event: it had its whole answer, and that is what is counted.
+            status = request.get("status", 200) if request.get(COMPLETE) else CLIENT_CLOSED
             outcome = request.get("outcome")  # routed before the client went away: counted under its version
             if outcome is not None:
                 request["labels"][1] = outcome.version
@@ -312,12 +320,12 @@ class HttpFrontDoor:
         """Route the request, then pass it through to an ``openai`` upstream unchanged, or translate it for
         our generating workers. Routed once, here: a random split must not land elsewhere when the
         translated relay starts."""
-        sent_id = _header(request, REQUEST_ID_HEADER) or ""
+        sent_id = header_text(request, REQUEST_ID_HEADER) or ""
         request["sent_id"] = sent_id or None
         request_id = request.get("request_id") or (from_header_value(sent_id) if sent_id else uuid.uuid4().hex)
         request["request_id"] = request_id
         exchange = self.recorded(request, kind)
-        body = await request.read()
+        body = await read_body(request)
         data = parse_body(body)
         if exchange is not None:
             exchange.received(body, request.headers.get("Content-Type", ""), data)
@@ -338,7 +346,15 @@ class HttpFrontDoor:
         request["labels"][0] = model
         user = data.get("user") if isinstance(data.get("user"), str) else None
         headers = self._routing_headers(request, user, request_id)
-        outcome = CallOutcome(request_id, model, grpc.StatusCode.OK, "", None, receive_unix_ns=time.time_ns())
+        outcome = CallOutcome(
+            request_id,
+            model,
+            grpc.StatusCode.OK,
+            "",
+            None,
+            receive_unix_ns=time.time_ns(),
+            principal=request.get("principal", ""),  # recorded as a gRPC call's (auth's middleware set it)
+        )
         try:
             routes, route = self.core.route(
                 outcome, b"", headers, router_pb2.InferRequestHead(model_name=model, id=request_id), http=True
@@ -387,11 +403,11 @@ class HttpFrontDoor:
         absent), the pin and the request id; the core picks the model's own routing-key header."""
         headers = {REQUEST_ID_HEADER: request_id}
         for name in self.core.routing_key_headers:
-            key = _header(request, name)
+            key = header_text(request, name)
             key = user if key is None else key
             if key is not None:
                 headers[name] = key
-        pin = _header(request, VERSION_HEADER)
+        pin = header_text(request, VERSION_HEADER)
         if pin:
             headers[VERSION_HEADER] = pin
         return headers
@@ -526,7 +542,7 @@ class _Answer:
                 await self._event(failure.body())
             else:
                 await self._event("[DONE]")
-            await self.sse.write_eof()
+            await end_stream(self.request, self.sse)
             return self.sse
         if failure is not None:
             raise failure
@@ -534,25 +550,12 @@ class _Answer:
             self.sse = await self._open()
             await self._send("")
             await self._event("[DONE]")
-            await self.sse.write_eof()
+            await end_stream(self.request, self.sse)
             return self.sse
         body = self.shapes.whole("".join(self.texts), self.finish_reason, self.usage)
         return web.json_response(
             body, headers={VERSION_HEADER: header_value(outcome.version), **_id_header(self.request)}
         )
-
-
-def _header(request: web.Request, name: str) -> str | None:
-    """A header's value; 400 naming the header when its bytes are not UTF-8 (aiohttp keeps such bytes as lone
-    surrogates, which failed the request with a 500 where the value was encoded: a routing key hashed, a request
-    id put in the worker's request)."""
-    value = request.headers.get(name)
-    if value is not None and not value.isascii():
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise ApiError(400, f"the header '{name}' is not UTF-8 text", param=name) from None
-    return value
 
 
 async def _one(request: bytes) -> AsyncIterator[bytes]:

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from splitstream.common.proto.splitstream.v1 import feedback_pb2
 from splitstream.router.feedback import FeedbackService, ReportRefused
+from splitstream.router.http.body import read_body
 from splitstream.router.http.errors import ApiError, bad_request
 from splitstream.router.http.openai_api import parse_body
 
@@ -71,7 +72,7 @@ class HttpFeedback:
         self.recent = RecentCalls()
 
     async def post(self, request: web.Request) -> web.Response:
-        body = parse_body(await request.read())
+        body = parse_body(await read_body(request))
         event, shown_id = self._event(body)
         try:
             reply = await self.service.handle(feedback_pb2.FeedbackReport(events=[event]))

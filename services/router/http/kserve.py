@@ -42,8 +42,12 @@ from splitstream.common.errors import InvalidInput, SplitstreamError, status_of
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER, from_header_value, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome
+from splitstream.router.http.body import read_body
 from splitstream.router.http.errors import ApiError, from_status
+from splitstream.router.http.headers import as_text, header_text
+from splitstream.router.http.openai_api import parse_body
 from splitstream.router.http.recording import stream_response
+from splitstream.router.http.sse import end_stream
 
 if TYPE_CHECKING:
     from splitstream.router.http.app import HttpFrontDoor
@@ -99,8 +103,11 @@ def bad_input(message: str) -> KServeError:
 
 
 def kserve_error(error: ApiError) -> KServeError:
-    """Any refusal of the front door (aiohttp's, the core's) in KServe's shape."""
-    return error if isinstance(error, KServeError) else KServeError(error.status, error.message)
+    """Any refusal of the front door (aiohttp's, the core's, the auth middleware's) in KServe's shape, with the
+    headers it needs (``WWW-Authenticate``, ``Retry-After``)."""
+    if isinstance(error, KServeError):
+        return error
+    return KServeError(error.status, error.message, headers=error.headers)
 
 
 # -- /infer: JSON (and binary) tensors → ModelInferRequest ------------------------------------------
@@ -529,10 +536,13 @@ class KServeRoutes:
     async def infer(self, request: web.Request) -> web.Response:
         """One KServe inference, routed and recorded as a gRPC ModelInfer."""
         model, version = self._model(request)
-        infer_request, choice = parse_infer(model, version, await request.read(), request.headers.get(HEADER_LENGTH))
+        infer_request, choice = parse_infer(
+            model, version, await read_body(request), request.headers.get(HEADER_LENGTH)
+        )
         payload = infer_request.SerializeToString()
         headers = self._routing_headers(request)
         outcome = await self.front.core.infer(payload, headers, None)
+        outcome.principal = request.get("principal", "")  # recorded as a gRPC call's (auth's middleware set it)
         request["labels"][1] = request["version"] = outcome.version
         request["request_id"] = outcome.request_id
         servicer = self.front.servicer
@@ -555,14 +565,14 @@ class KServeRoutes:
         """What the core reads, as the gRPC servicer passes it: the request id (decoded), the routing-key
         headers and the pin."""
         headers: dict[str, str] = {}
-        sent_id = request.headers.get(REQUEST_ID_HEADER)
+        sent_id = header_text(request, REQUEST_ID_HEADER)
         if sent_id:
             headers[REQUEST_ID_HEADER] = from_header_value(sent_id)
         for name in self.front.core.routing_key_headers:
-            key = request.headers.get(name)
+            key = header_text(request, name)
             if key is not None:
                 headers[name] = key
-        pin = request.headers.get(VERSION_HEADER)
+        pin = header_text(request, VERSION_HEADER)
         if pin:
             headers[VERSION_HEADER] = pin
         return headers
@@ -571,7 +581,11 @@ class KServeRoutes:
     def _metadata(request: web.Request) -> list[tuple[str, str | bytes]]:
         """The client's headers as the call's metadata (the recorder drops credentials and routing keys as for
         gRPC), less HTTP's own, which are no gRPC metadata."""
-        return [(key.lower(), value) for key, value in request.headers.items() if key.lower() not in _TRANSPORT_HEADERS]
+        return [
+            (key.lower(), as_text(value))  # odd bytes must not cost the call its record
+            for key, value in request.headers.items()
+            if key.lower() not in _TRANSPORT_HEADERS
+        ]
 
     @staticmethod
     def _answer_headers(outcome: CallOutcome) -> dict[str, str]:
@@ -595,7 +609,7 @@ class KServeRoutes:
         request_id = headers.get(REQUEST_ID_HEADER) or _new_id()
         headers[REQUEST_ID_HEADER] = request["request_id"] = request_id
         exchange = self.front.recorded(request, "generate-stream" if stream else "generate")
-        raw = await request.read()
+        raw = await read_body(request)
         if exchange is not None:
             exchange.received(raw, request.headers.get("Content-Type", ""))
         payload = request["worker_request"] = parse_generate(model, version, raw, stream=stream, request_id=request_id)
@@ -679,13 +693,13 @@ class _GenerateRelay:
             if failure is not None:
                 self.request["status"] = failure.status
                 await self._event(failure.body())
-            await self.sse.write_eof()
+            await end_stream(self.request, self.sse)
             return self.sse
         if failure is not None:
             raise failure
         if self.stream:  # no response had outputs: an empty stream, as the client asked for a stream
             self.sse = await self._open()
-            await self.sse.write_eof()
+            await end_stream(self.request, self.sse)
             return self.sse
         fields = {"model_name": self.answer.model, "model_version": outcome.version, **self.answer.fields}
         fields["model_version"] = fields["model_version"] or outcome.version
@@ -714,13 +728,12 @@ def _tensor_metadata(tensor: oip.ModelMetadataResponse.TensorMetadata) -> dict[s
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body's JSON object, checked as the OpenAI routes check theirs: a body nested past the limit or
+    holding a lone surrogate (which fails where it is encoded, as a BYTES element) is bad input, not a 500."""
     try:
-        document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise bad_input(f"the request body is not valid JSON: {error}") from None
-    if not isinstance(document, dict):
-        raise bad_input("the request body must be a JSON object")
-    return document
+        return parse_body(raw)
+    except ApiError as error:
+        raise bad_input(error.message) from None
 
 
 def _object(value: Any, where: str) -> dict[str, Any]:

@@ -11,7 +11,15 @@ OpenAI-compatible HTTP server goes to it unchanged, and its answer comes back as
 - After that, a failure ends the client's stream with one ``data: {"error": ...}`` event, as for a worker
   of ours; the stream always ends, never hangs.
 - A client that goes away cancels the handler, and the upstream's connection is closed with it (the
-  upstream sees its client go).
+  upstream sees its client go). Once ``data: [DONE]`` went out the answer is whole: the upstream's
+  connection is closed then (nothing follows it in OpenAI's protocol), and a client that leaves at once
+  is still a 200 (:func:`~.sse.end_stream`).
+- An upstream silent for the idle timeout (``--upstream-idle-timeout-s``) before its first byte is a 504
+  (not retried: it may be generating, and a second wait doubles the client's); after it, the stream ends
+  with a 504 error event. An upstream refusing its own credentials (401/403) is a 502 naming the
+  upstream: the client's credentials were fine.
+- A stream counts in the router's stream metrics (TTFT, gap, responses, duration, outcome), per version,
+  as a translated one does.
 
 Recording hook: :meth:`PassThrough.forward` has the body as received (``body``) and writes every event
 the client gets in :meth:`_Relay._write` (whole answers in :meth:`_Relay.whole`); a recorder taps there.
@@ -34,9 +42,11 @@ from splitstream.common.headers import VERSION_HEADER, header_value
 from splitstream.router.core import CallOutcome, RouterCore
 from splitstream.router.http.errors import ApiError
 from splitstream.router.http.recording import stream_response
+from splitstream.router.http.sse import end_stream
+from splitstream.router.metrics import StreamChildren
 from splitstream.router.pools import PoolMember
 from splitstream.router.routing import ModelRoutes, Route
-from splitstream.router.upstreams import ApiKeyUnavailable, OpenAIEndpoint
+from splitstream.router.upstreams import CONNECT_TIMEOUT_S, ApiKeyUnavailable, OpenAIEndpoint
 
 log = structlog.get_logger()
 
@@ -46,6 +56,10 @@ _RETRIED_STATUSES = frozenset({502, 503})
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
 #: Where one SSE event ends (the spec allows either line ending).
 _EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
+#: The last event of an OpenAI stream.
+_DONE = b"data: [DONE]"
+#: An upstream refusing the credentials the registry gave the router for it.
+_CREDENTIALS_REFUSED = frozenset({401, 403})
 
 
 class Spill(Exception):
@@ -59,11 +73,17 @@ class Spill(Exception):
 
 class PassThrough:
     """Forwards one request to an ``openai`` upstream of its routed version; ``ttft`` observes a streamed
-    answer's first event (the front door's histogram)."""
+    answer's first event (the front door's histogram); ``idle_timeout_s`` is how long the upstream may send
+    nothing."""
 
-    def __init__(self, core: RouterCore, ttft: Callable[[web.Request, str], None]) -> None:
+    def __init__(
+        self, core: RouterCore, ttft: Callable[[web.Request, str], None], *, idle_timeout_s: float = 300.0
+    ) -> None:
         self.core = core
         self.ttft = ttft
+        self.idle_timeout_s = idle_timeout_s
+        # Connecting is bounded by the session; waiting for the answer and each piece of it, here.
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=idle_timeout_s)
 
     async def forward(
         self,
@@ -85,10 +105,12 @@ class PassThrough:
         try:
             return await self._forward(relay, path, body, data, routes, route)
         except asyncio.CancelledError:
-            outcome.code, outcome.details = grpc.StatusCode.CANCELLED, "the client went away"
+            if not relay.complete:  # gone after the last event: it had its whole answer
+                outcome.code, outcome.details = grpc.StatusCode.CANCELLED, "the client went away"
             raise
         finally:
             outcome.latency_s = (time.monotonic_ns() - started_ns) / 1e9
+            relay.stream_ended()
             self.core.log_call(outcome)
 
     async def _forward(
@@ -102,7 +124,11 @@ class PassThrough:
         while True:
             assert isinstance(endpoint, OpenAIEndpoint)  # the caller routed to an openai version
             outcome.version, outcome.endpoint = route.version, endpoint.address
-            failure = await relay.attempt(endpoint, path, _payload(body, data, endpoint))
+            try:
+                failure = await relay.attempt(endpoint, path, _payload(body, data, endpoint))
+            except ApiError:  # not retried: another try would fail alike, or wait as long again
+                relay.request["labels"][1] = relay.request["version"] = outcome.version
+                raise
             if failure is None:
                 return relay.answer()
             retry = None if outcome.retried else self.core.retry_target(routes, route, endpoint)
@@ -136,6 +162,13 @@ class _Relay:
         self.headers = headers
         self.answered: web.StreamResponse | None = None
         self.sse: web.StreamResponse | None = None
+        #: The stream's last event went out: the client has its whole answer.
+        self.complete = False
+        #: The served version's stream metrics while a stream is relayed; when the last event went out.
+        self.metrics: StreamChildren | None = None
+        self.events = 0
+        self.started_ns = time.monotonic_ns()
+        self.last_ns = 0
 
     async def attempt(self, endpoint: OpenAIEndpoint, path: str, payload: bytes) -> ApiError | None:
         """Call ``endpoint``; None once the client has its answer (or a stream that began and ended, even
@@ -154,7 +187,11 @@ class _Relay:
         endpoint.calls += 1
         try:
             try:
-                upstream = await endpoint.http.session.post(url, data=payload, headers=headers)
+                upstream = await endpoint.http.session.post(
+                    url, data=payload, headers=headers, timeout=self.owner.timeout
+                )
+            except aiohttp.ServerTimeoutError:
+                raise self._stalled(endpoint, "before answering") from None
             except (aiohttp.ClientError, TimeoutError) as error:
                 endpoint.transport_failed()
                 outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, f"{endpoint.address}: {error}"
@@ -173,10 +210,19 @@ class _Relay:
             text = await _text(upstream)
             outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, f"upstream answered {upstream.status}"
             return _relayed_error(upstream.status, text)
+        if upstream.status in _CREDENTIALS_REFUSED:
+            await _text(upstream)
+            problem = f"upstream {endpoint.address} refused the router's credentials for it ({upstream.status})"
+            outcome.code, outcome.details = grpc.StatusCode.INTERNAL, problem
+            self.request["status"] = 502
+            # Not the client's 401/403: its own credentials were accepted. The operator fixes the registry's key.
+            raise ApiError(502, f"{problem}: the API key the registry names for it is wrong", type="server_error")
         content_type = upstream.headers.get("Content-Type", "")
         if not content_type.startswith("text/event-stream"):
             try:
                 body = await upstream.read()
+            except aiohttp.ServerTimeoutError:
+                raise self._stalled(endpoint, "in the middle of its answer") from None
             except (aiohttp.ClientError, TimeoutError) as error:
                 endpoint.transport_failed()
                 outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, f"{endpoint.address}: {error}"
@@ -188,27 +234,60 @@ class _Relay:
         self.sse = stream_response(self.request, status=upstream.status, headers=self._headers(upstream))
         await self.sse.prepare(self.request)
         self.request["labels"][1] = self.request["version"] = outcome.version
+        self.metrics = self.owner.core.metrics.stream_children(outcome.model, outcome.version)
+        self.metrics.active.inc()
         pending = b""
         try:
             async for chunk in upstream.content.iter_any():
                 pending += chunk
                 end = _complete(pending)
                 if end:
-                    await self._write(pending[:end])
-                    pending = pending[end:]
+                    events, pending = pending[:end], pending[end:]
+                    await self._write(events)
+                    if events.rstrip().endswith(_DONE):  # the answer is whole: nothing follows [DONE]
+                        break
+        except aiohttp.ServerTimeoutError:
+            stalled = self._stalled(endpoint, "in the middle of its stream")
+            await self._error_event(stalled)
         except (aiohttp.ClientError, TimeoutError) as error:
             endpoint.transport_failed()
             failure = ApiError(502, f"upstream {endpoint.address} broke off the stream: {error}", type="server_error")
             outcome.code, outcome.details = grpc.StatusCode.UNAVAILABLE, failure.message
-            self.request["status"] = failure.status
-            await self._write(f"data: {json.dumps(failure.body(), separators=(',', ':'))}\n\n".encode())
+            await self._error_event(failure)
         else:
             if pending:
                 await self._write(pending)
             self._settle(endpoint, upstream.status)
-        await self.sse.write_eof()
+        self.complete = True
+        await end_stream(self.request, self.sse)
         self.answered = self.sse
         return None
+
+    def _stalled(self, endpoint: PoolMember, when: str) -> ApiError:
+        """The upstream sent nothing for the idle timeout: a 504, and a failure of the endpoint's."""
+        endpoint.transport_failed()
+        idle = self.owner.idle_timeout_s
+        problem = f"upstream {endpoint.address} sent nothing for {idle:g} s {when} (--upstream-idle-timeout-s)"
+        self.outcome.code, self.outcome.details = grpc.StatusCode.DEADLINE_EXCEEDED, problem
+        self.request["status"] = 504
+        return ApiError(504, problem, type="server_error", code="deadline_exceeded")
+
+    async def _error_event(self, failure: ApiError) -> None:
+        """End a stream that began with ``failure``, as the front door ends a worker's: one error event."""
+        self.request["status"] = failure.status
+        await self._write(f"data: {json.dumps(failure.body(), separators=(',', ':'))}\n\n".encode())
+
+    def stream_ended(self) -> None:
+        """Count a relayed stream in the router's stream metrics, under its version and gRPC status."""
+        children = self.metrics
+        if children is None:
+            return
+        self.metrics = None
+        outcome = self.outcome
+        children.active.dec()
+        self.owner.core.metrics.stream_ended(children, outcome.model, outcome.version, outcome.code.name)
+        children.seconds.observe((time.monotonic_ns() - self.started_ns) / 1e9)
+        children.responses.observe(self.events)
 
     def _settle(self, endpoint: PoolMember, status: int) -> None:
         """The upstream answered whole: its status is the call's (a 4xx is the client's, not a failure)."""
@@ -236,6 +315,14 @@ class _Relay:
         if "ttft" not in self.request:
             self.request["ttft"] = True
             self.owner.ttft(self.request, self.outcome.version)
+        if self.metrics is not None:
+            now = time.monotonic_ns()
+            if self.events:
+                self.metrics.gap.observe((now - self.last_ns) / 1e9)
+            else:
+                self.metrics.ttft.observe((now - self.started_ns) / 1e9)
+            self.events += sum(data.count(end) for end in _EVENT_ENDS)  # JSON text holds no raw line break
+            self.last_ns = now
         try:
             await self.sse.write(data)
         except ConnectionError:  # the client went away between two events: as a cancel (499)

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.router.http.headers import as_text
 
 #: Headers about the connection, not the call: never recorded (a replay sets its own).
 CONNECTION_HEADERS = frozenset(
@@ -208,7 +209,7 @@ def recorded_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     for name, value in headers.items():
         lower = name.lower()
         if lower not in CONNECTION_HEADERS:
-            pairs.append((lower, value))
+            pairs.append((lower, as_text(value)))  # odd bytes must not cost the call its record
     return pairs
 
 
