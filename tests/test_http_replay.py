@@ -246,7 +246,9 @@ def test_the_summary_counts_http_calls_by_route_compares_usage_and_ttft_and_the_
     assert streams["ttft"]["candidate"]["count"] > 0
     assert streams["itl"]["candidate"]["count"] > 0
     assert "1 not replayed (gRPC calls: they need a host:port target)" in against_v2.stdout
-    assert (against_v2.out / "report.html").read_text().count("Token streams") >= 1
+    report = (against_v2.out / "report.html").read_text()
+    assert "Token streams" in report
+    assert f"HTTP calls: <b>{http_calls}</b>; usage compared on <b>{http_calls}</b>" in report
 
 
 def test_replayed_against_the_other_version_the_v2_calls_diverge_and_the_v1_calls_match(
