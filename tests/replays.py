@@ -55,11 +55,16 @@ def replay_command(redis_url: str, out: Path, *args: str, model: str = MODEL) ->
 
 
 def run_replay(
-    redis_url: str, out: Path, *args: str, env: dict[str, str] | None = None, timeout_s: float = 60
+    redis_url: str,
+    out: Path,
+    *args: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60,
+    model: str = MODEL,
 ) -> tuple[int, str, str]:
     """The replayer's exit code, stdout and stderr, run from the repository with ``env`` over ours."""
     done = subprocess.run(
-        replay_command(redis_url, out, *args),
+        replay_command(redis_url, out, *args, model=model),
         capture_output=True,
         text=True,
         timeout=timeout_s,

@@ -120,12 +120,16 @@ class CallDiff:
     #: Outputs left out (only when both sides answered OK), all for the one reason ``not_compared_why``.
     not_compared: tuple[str, ...] = ()
     not_compared_why: str = REDACTED_AT_RECORDING
+    #: How the two statuses are written when they are not gRPC codes (an HTTP call's ``("200", "401")``).
+    status_labels: tuple[str, str] | None = None
 
     @property
     def status_change(self) -> str | None:
-        """``"OK->INVALID_ARGUMENT"``-style transition, or None when the status stayed the same."""
+        """``"OK->INVALID_ARGUMENT"``-style transition (``"200->401"`` for HTTP), or None when the status stayed."""
         if self.reference_code == self.candidate_code:
             return None
+        if self.status_labels is not None:
+            return "->".join(self.status_labels)
         return f"{status_name(self.reference_code)}->{status_name(self.candidate_code)}"
 
     @property

@@ -43,12 +43,13 @@ from splitstream.common.timewindow import BadTime, join_relative_times, parse_in
 from splitstream.common.tls import ClientTls, client_tls_from_args
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
+from splitstream.replayer.http_sender import HttpTarget, TargetRefused, check_http_target, is_http_target
 from splitstream.replayer.outputs import ResultsWriter, write_summary
 from splitstream.replayer.report import write_report
 from splitstream.replayer.runner import Replay, ReplaySettings
 from splitstream.replayer.selection import Selection, StatusFilter
 from splitstream.replayer.sender import Target, TargetUnreachable
-from splitstream.replayer.summary import METRICS, Summary
+from splitstream.replayer.summary import METRICS, NEEDS_GRPC_TARGET, NEEDS_HTTP_TARGET, REQUEST_NOT_RECORDED, Summary
 
 PROG = "splitstream-replay"
 EXIT_GATE_FAILED = 1
@@ -167,9 +168,17 @@ def build_parser() -> EnvArgumentParser:
     )
 
     target = parser.add_argument_group("targets")
-    target.add_argument("--target", required=True, help="host:port of a router or a worker")
     target.add_argument(
-        "--compare-to", default="", help="host:port of a second target; its answers become the reference"
+        "--target",
+        required=True,
+        help="host:port of a router or a worker (gRPC: the window's gRPC calls are replayed), or "
+        "http(s)://host:port of a router's HTTP port, a version or an OpenAI-compatible server (the window's "
+        "HTTP calls are replayed); calls of the other kind are counted as not replayed",
+    )
+    target.add_argument(
+        "--compare-to",
+        default="",
+        help="a second target of the same kind; its answers become the reference",
     )
     target.add_argument("--pin-version", default="", help="send x-splitstream-version: V (a router then serves V)")
     target.add_argument("--tls", action="store_true", help="TLS to the targets")
@@ -195,8 +204,15 @@ def build_parser() -> EnvArgumentParser:
     target.add_argument(
         "--api-key-file",
         default="",
-        help="file holding the replayer's own API key, sent as x-api-key on every call (for a router that "
-        "authenticates callers; recorded credentials are then never re-sent)",
+        help="file holding the replayer's own API key, sent on every call (gRPC: x-api-key; HTTP: "
+        "Authorization: Bearer), for a target that authenticates callers; recorded credentials are then never "
+        "re-sent. Without it, the key in the environment variable SPLITSTREAM_REPLAY_API_KEY, if set",
+    )
+    target.add_argument(
+        "--drop-user",
+        action="store_true",
+        help="leave the body's user out of replayed HTTP calls (it is recorded as hmac:..., not as sent: "
+        "re-sent, it routes and is billed as a user of its own)",
     )
 
     timing = parser.add_argument_group("timing (open loop)")
@@ -276,11 +292,22 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             # A version name is the registry's, never a client's: one gRPC would refuse is a typo, not a pin.
             raise ValueError(f"--pin-version {args.pin_version!r} is not a version name (printable ASCII, no %)")
         targets = (args.target,) + ((args.compare_to,) if args.compare_to else ())
+        http = is_http_target(args.target)
         for address in targets:
+            if is_http_target(address) != http:
+                raise ValueError(
+                    f"--target {args.target!r} and --compare-to {args.compare_to!r} must both be gRPC (host:port) "
+                    "or both HTTP (http(s)://host:port)"
+                )
+            if http:
+                check_http_target(address)
+                continue
             try:
                 check_address(address)
             except ValueError:
-                raise ValueError(f"bad target {address!r} (expected host:port, port 1..65535, or unix:PATH)") from None
+                raise ValueError(
+                    f"bad target {address!r} (expected host:port, port 1..65535, unix:PATH, or http(s)://host:port)"
+                ) from None
         settings = ReplaySettings(
             targets=targets,
             speed=speed,
@@ -293,7 +320,8 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             output_dir=Path(args.output_dir),
             progress=not args.no_progress,
             sender_nice=args.sender_nice,
-            credentials=_credentials(args.api_key_file),
+            credentials=_credentials(args.api_key_file, http=http),
+            drop_user=args.drop_user,
         )
         gate = parse_gate(args.gate) if args.gate else None
         source = args.source.strip()
@@ -325,18 +353,30 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
     )
 
 
-def _credentials(path: str) -> tuple[tuple[str, str], ...]:
-    """The x-api-key header from ``path`` (none without a path); ValueError naming the flag, never the key."""
-    if not path:
+#: The replayer's own API key, when no --api-key-file names one: an environment variable, never a flag, so the
+#: key is in no process listing.
+API_KEY_VARIABLE = "SPLITSTREAM_REPLAY_API_KEY"
+
+
+def _credentials(path: str, *, http: bool) -> tuple[tuple[str, str], ...]:
+    """The credential header from ``path``, else from :data:`API_KEY_VARIABLE` (none without either):
+    ``x-api-key`` to a gRPC target, ``Authorization: Bearer`` to an HTTP one (the header OpenAI's clients
+    send). ValueError naming the flag or the variable, never the key."""
+    if path:
+        where = f"--api-key-file {path}"
+        try:
+            key = Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else "cannot be read as text"
+            raise ValueError(f"{where}: {reason}") from None
+    elif os.environ.get(API_KEY_VARIABLE, ""):  # set but empty reads as not set, as shells unset with VAR=
+        where = API_KEY_VARIABLE
+        key = os.environ[API_KEY_VARIABLE].strip()
+    else:
         return ()
-    try:
-        key = Path(path).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else "cannot be read as text"
-        raise ValueError(f"--api-key-file {path}: {reason}") from None
     if not key or not key.isascii() or not key.isprintable():
-        raise ValueError(f"--api-key-file {path}: the key must be one line of printable ASCII")
-    return (("x-api-key", key),)
+        raise ValueError(f"{where}: the key must be one line of printable ASCII")
+    return (("authorization", f"Bearer {key}"),) if http else (("x-api-key", key),)
 
 
 def _mebibytes(flag: str, mib: float) -> int:
@@ -371,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def run(config: ReplayConfig) -> int:
     archive = await _open_archive(config)
     redis = None if config.source_archive else await _open_redis(config)
-    targets: list[Target] = []
+    targets: list[Target | HttpTarget] = []
     try:
         try:
             if redis is not None:
@@ -381,16 +421,24 @@ async def run(config: ReplayConfig) -> int:
         except RedisError as error:  # answered PING, refuses the rest (ACLs, a replica loading, ...)
             raise SetupError(f"Redis at {redact_url(config.redis_url)} failed: {redact_text(str(error))}") from None
         for address in config.settings.targets:
+            target: Target | HttpTarget
             try:
-                target = Target(address, tls=config.tls)
+                if is_http_target(address):
+                    target = HttpTarget(address, tls=config.tls, concurrency=config.settings.concurrency)
+                else:
+                    target = Target(address, tls=config.tls)
             except OSError as error:  # a TLS file that cannot be read (permissions, gone since parsing)
                 raise SetupError(f"cannot read a TLS file: {_os_reason(error)}") from None
             except ConfigError as error:  # the same, as the shared TLS module words it (names the flag)
                 raise SetupError(f"cannot read a TLS file: {error}") from None
             targets.append(target)
             try:
-                await asyncio.to_thread(target.wait_ready, config.connect_timeout_s)
-            except TargetUnreachable as error:
+                if isinstance(target, HttpTarget):
+                    probe = config.settings.credentials
+                    await asyncio.to_thread(target.wait_ready, config.connect_timeout_s, probe)
+                else:
+                    await asyncio.to_thread(target.wait_ready, config.connect_timeout_s)
+            except (TargetUnreachable, TargetRefused) as error:
                 raise SetupError(str(error)) from None
         results = _open_results(config.settings.output_dir)
         replay = Replay(redis, config.selection, config.settings, targets, archive=archive, archive_only=redis is None)
@@ -456,13 +504,22 @@ def _one_line(summary: Summary, output_dir: Path) -> str:
     rate_text = "not measured" if rate is None else f"{rate:.2%}"
     errors_text = f", {counts.send_errors} not sent (send errors)" if counts.send_errors else ""
     not_compared = f", {outcomes.not_compared} not compared (response not recorded)" if outcomes.not_compared else ""
-    not_replayed = sum(counts.not_replayed.values())
-    errors_text += not_compared + (f", {not_replayed} not replayed (request not recorded)" if not_replayed else "")
+    errors_text += not_compared + "".join(
+        f", {count} not replayed ({_NOT_REPLAYED_WHY.get(why, why)})" for why, count in counts.not_replayed.items()
+    )
     return (
         f"replayed {counts.completed} of {counts.selected} selected calls: {outcomes.match} match, "
         f"{outcomes.mismatch} mismatch, {outcomes.status_change} status change{errors_text} "
         f"(mismatch rate {rate_text}){lag_text}; outputs in {output_dir}/"
     )
+
+
+#: How the one-line outcome says why calls were not replayed.
+_NOT_REPLAYED_WHY = {
+    REQUEST_NOT_RECORDED: "request not recorded",
+    NEEDS_HTTP_TARGET: "HTTP calls: they need an http(s):// target",
+    NEEDS_GRPC_TARGET: "gRPC calls: they need a host:port target",
+}
 
 
 def _open_results(output_dir: Path) -> ResultsWriter:

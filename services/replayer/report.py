@@ -73,6 +73,7 @@ def render(summary: Summary, histograms: Mapping[str, LogHistogram]) -> str:
             if summary.streams is not None
             else []
         ),
+        *(["<h2 id='http'>HTTP calls</h2>", _http_section(summary)] if summary.http is not None else []),
         "</body></html>",
     ]
     return "\n".join(parts)
@@ -320,6 +321,24 @@ def _versions_section(summary: Summary, histograms: Mapping[str, LogHistogram], 
         f"{''.join(rows)}</table>"
     )
     return f"<div class='charts'>{chart}</div>{table}"
+
+
+def _http_section(summary: Summary) -> str:
+    """HTTP calls per route kind, and whether the usage their answers reported agrees (the text is compared in
+    the streams section above, the statuses in the status changes)."""
+    http = summary.http
+    assert http is not None
+    rows = "".join(
+        f"<tr><td class='l'><code>{escape(api)}</code></td><td>{count}</td></tr>" for api, count in http.apis.items()
+    )
+    return (
+        f"<p>HTTP calls: <b>{http.calls}</b>; usage compared on <b>{http.usage_compared}</b> (the reference "
+        f"reported tokens), differing on <b>{http.usage_mismatches}</b> (usage mismatch rate "
+        f"<b>{_fmt_rate(http.usage_mismatch_rate, none=NOT_MEASURED)}</b>: prompt tokens "
+        f"{http.prompt_tokens_mismatches}, completion tokens {http.completion_tokens_mismatches}); bodies "
+        f"differing (compared whole) <b>{http.body_mismatches}</b>.</p>"
+        f"<table><tr><th class='l'>route</th><th>calls</th></tr>{rows}</table>"
+    )
 
 
 #: Diverging streams shown with their texts side by side.

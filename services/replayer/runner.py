@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import math
 import os
 import queue
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,17 +42,29 @@ from splitstream.common.headers import (
 )
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import MissingBlob, dropped_payloads, payload_bytes, redacted_outputs, status_name
+from splitstream.common.records import (
+    REDACTED_HTTP_TAG,
+    MissingBlob,
+    dropped_payloads,
+    payload_bytes,
+    redacted_outputs,
+    status_name,
+)
 from splitstream.common.redis_url import RedisClient
 from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_answers
+from splitstream.replayer.http_compare import CLIENT_LEFT, HttpAnswer, Text, compare_http, read_text, status_code
+from splitstream.replayer.http_compare import reported_usage as http_usage
+from splitstream.replayer.http_sender import HttpRequest, HttpTarget
 from splitstream.replayer.outputs import ResultsWriter
 from splitstream.replayer.progress import Progress
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
 from splitstream.replayer.selection import SelectedCall, Selection, SelectionStats, select_calls
 from splitstream.replayer.sender import Outcome, Target
-from splitstream.replayer.stats import GroupTotals, LogHistogram, OutputTotals, StreamTotals, WorstCalls
-from splitstream.replayer.stream_compare import CANCELLED, StreamAnswer, compare_streams
+from splitstream.replayer.stats import GroupTotals, HttpTotals, LogHistogram, OutputTotals, StreamTotals, WorstCalls
+from splitstream.replayer.stream_compare import CANCELLED, StreamAnswer, StreamDiff, compare_streams
 from splitstream.replayer.summary import (
+    NEEDS_GRPC_TARGET,
+    NEEDS_HTTP_TARGET,
     REQUEST_NOT_RECORDED,
     Counts,
     Metrics,
@@ -79,6 +93,8 @@ _NOT_FORWARDED = frozenset(
 )
 #: A recorded credential is not forwarded when the replayer sends its own (a call carrying two is refused).
 _CREDENTIAL_HEADERS = frozenset({"authorization", "x-api-key"})
+#: Recorded HTTP headers that are the connection's or the body's, set again by the replay itself.
+_HTTP_NOT_FORWARDED = _NOT_FORWARDED | {"content-length", "accept-encoding", "cookie", "transfer-encoding", "expect"}
 _END = object()
 
 
@@ -102,6 +118,8 @@ class ReplaySettings:
     #: The replayer's own credential headers (``x-api-key``), sent on every call to a router that
     #: authenticates callers; recorded credential headers are then never forwarded.
     credentials: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    #: Leave the body's ``user`` out of replayed HTTP calls (it is recorded as ``hmac:...``, not the user).
+    drop_user: bool = False
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -117,6 +135,11 @@ class ReplaySettings:
     def compare_to(self) -> str:
         return self.targets[1] if len(self.targets) > 1 else ""
 
+    @property
+    def http(self) -> bool:
+        """Whether the targets speak HTTP (``http(s)://``): HTTP records are replayed, gRPC ones are not."""
+        return self.targets[0].startswith(("http://", "https://"))
+
 
 @dataclass(frozen=True, slots=True)
 class StreamPlan:
@@ -131,6 +154,15 @@ class StreamPlan:
     stop_after: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class HttpPlan:
+    """What a recorded HTTP call adds to its plan: the request as it goes out, and the recorded answer."""
+
+    api: str
+    request: HttpRequest
+    recorded: HttpAnswer
+
+
 @dataclass(slots=True)
 class Plan:
     """A selected call, ready to send: request bytes, headers, and the recorded answer."""
@@ -142,6 +174,7 @@ class Plan:
     recorded: Answer
     replay_id: str
     stream: StreamPlan | None = None
+    http: HttpPlan | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +208,10 @@ class Aggregates:
     status_changes: Counter[str] = field(default_factory=Counter)
     transitions: Counter[str] = field(default_factory=Counter)
     worst: WorstCalls = field(default_factory=WorstCalls)
-    #: Token streams (none in a replay of unary calls only).
+    #: Token streams (none in a replay of unary calls only); an HTTP call's generated text counts as one.
     streams: StreamTotals = field(default_factory=StreamTotals)
+    #: HTTP calls (none in a replay of gRPC calls).
+    http: HttpTotals = field(default_factory=HttpTotals)
     max_in_flight: int = 0
     not_sent: int = 0
     #: Calls the replayer could not send (a header gRPC refuses, over the send limit): not the target's doing.
@@ -195,7 +230,7 @@ class Replay:
         redis: RedisClient | None,
         selection: Selection,
         settings: ReplaySettings,
-        targets: list[Target],
+        targets: Sequence[Target | HttpTarget],
         *,
         archive: Archive | None = None,
         archive_only: bool = False,
@@ -285,7 +320,13 @@ class Replay:
             async for call in calls:
                 if self.stopping.is_set():
                     return
-                if "request" in dropped_payloads(call.record):
+                is_http = call.record.HasField("http")
+                if is_http != self.settings.http:
+                    # A recorded HTTP call is an HTTP exchange, a gRPC call a gRPC one: neither can be sent to the
+                    # other kind of target as it was made. Counted, with a line, never silently left out.
+                    self._done_queue.put(NotReplayed(call, NEEDS_HTTP_TARGET if is_http else NEEDS_GRPC_TARGET))
+                    continue
+                if _request_dropped(call.record):
                     # Straight to the collector (unbounded queue; it only writes a line): the sender has
                     # nothing to send, and _END reaches the collector after this through the sender.
                     self._done_queue.put(NotReplayed(call, REQUEST_NOT_RECORDED))
@@ -303,6 +344,8 @@ class Replay:
 
     async def _prepare(self, index: int, call: SelectedCall) -> Plan:
         record = call.record
+        if record.HasField("http"):
+            return await self._prepare_http(index, call)
         request = await self._payload(record.request)
         answered = record.status_code == 0
         response_recorded = not (answered and "response" in dropped_payloads(record))
@@ -325,6 +368,58 @@ class Replay:
         recorded = Answer(record.status_code, response, redacted_outputs(record), response_recorded)
         stream = await self._prepare_stream(record, request) if record.HasField("stream") else None
         return Plan(index, call, request, metadata, recorded, replay_id, stream)
+
+    async def _prepare_http(self, index: int, call: SelectedCall) -> Plan:
+        """An HTTP call's plan: the recorded method, path, body and content type; the recorded headers but
+        credentials, ids, pins and masked values (as gRPC metadata); the replayer's own credential; the
+        recorded answer (body, or events with their offsets) to compare with."""
+        record = call.record
+        http = record.http
+        body = await self._payload(http.request_body)
+        if self.settings.drop_user:
+            body = _without_user(body)
+        replay_id = record.request_id + self.settings.id_suffix
+        headers = [*request_id_metadata(replay_id)]
+        if http.request_content_type:
+            headers.append(("content-type", http.request_content_type))
+        own = {key for key, _ in self.settings.credentials}
+        if self.settings.forward_metadata:
+            headers += [
+                (key, value)
+                for key, value in sorted(record.metadata.items())
+                if key.lower() not in _HTTP_NOT_FORWARDED
+                and not value.startswith("hmac:")
+                and not (own and key.lower() in _CREDENTIAL_HEADERS)
+            ]
+        headers += self.settings.credentials
+        if self.settings.pin_version:
+            headers.append((VERSION_HEADER, self.settings.pin_version))
+        redacted = set(filter(None, record.tags.get(REDACTED_HTTP_TAG, "").split(",")))
+        recorded_ok = not (redacted & {"response_body", "events"}) and "http.response_body" not in dropped_payloads(
+            record
+        )
+        streamed = bool(http.events_total) or http.response_content_type == "text/event-stream"
+        events = [await self._payload(event.payload) for event in http.events] if recorded_ok and streamed else []
+        answered: bytes | None = None
+        if not streamed:
+            has_body = recorded_ok and http.HasField("response_body")
+            answered = await self._payload(http.response_body) if has_body else b""
+        usage = (
+            (int(record.usage.prompt_tokens), int(record.usage.completion_tokens)) if record.HasField("usage") else None
+        )
+        answer = HttpAnswer(
+            status=http.status,
+            body=answered,
+            events=tuple(events),
+            event_times_s=tuple(event.offset_ns / 1e9 for event in http.events) if streamed else (),
+            ttft_s=http.first_token_ns / 1e9 if http.first_token_ns else None,
+            usage=usage,
+            prefix_only=http.truncated,
+            recorded=recorded_ok,
+        )
+        request = HttpRequest(http.method or "POST", http.path, body, tuple(headers))
+        recorded = Answer(status_code(http.status), None, frozenset(), recorded_ok)
+        return Plan(index, call, body, headers, recorded, replay_id, http=HttpPlan(http.api, request, answer))
 
     async def _prepare_stream(self, record: Any, first_request: bytes) -> StreamPlan:
         """The requests and recorded responses of a stream record (payloads fetched from blobs)."""
@@ -401,6 +496,14 @@ class Replay:
             flight = Flight(plan, self.aggregates.sent, planned, [None] * len(self.targets), len(self.targets))
             self.aggregates.sent += 1
             for position, target in enumerate(self.targets):
+                if isinstance(target, HttpTarget):
+                    assert plan.http is not None  # the reader plans HTTP records only for HTTP targets
+                    target.send(
+                        plan.http.request,
+                        timeout_s=timeout_s,
+                        on_done=lambda outcome, f=flight, p=position: self._finished(f, p, outcome),
+                    )
+                    continue
                 if plan.stream is not None:
                     target.send_stream(
                         plan.stream.requests,
@@ -482,6 +585,8 @@ class Replay:
         if failed:
             return self._send_error(flight, failed), None
         compared = flight.outcomes[1] if len(flight.outcomes) > 1 else None
+        if plan.http is not None:
+            return self._judge_http(flight, plan.http, replayed, compared)
         if plan.stream is not None:
             return self._judge_stream(flight, plan.stream, replayed, compared)
         if compared is not None:
@@ -545,6 +650,67 @@ class Replay:
             line["compare_to"] = _side(self.targets[1].address, compared) | {"ttft_ms": _ms(reference.ttft_s)}
             line["compare_to"]["sent_s"] = round(compared.sent_at - self._origin, 6)
         self.aggregates.worst.offer_stream(sdiff, line)
+        return line, diff
+
+    def _judge_http(
+        self, flight: Flight, plan: HttpPlan, replayed: Outcome, compared: Outcome | None
+    ) -> tuple[dict[str, Any], CallDiff]:
+        """An HTTP call's results line: status, text or body, usage; TTFT and inter-token gaps on both sides of a
+        generating call, whose text also counts among the streams' (:mod:`http_compare`)."""
+        record = flight.plan.call.record
+        candidate = _http_answer(replayed, plan.api)
+        if compared is not None:
+            reference = _http_answer(compared, plan.api)
+            reference_latency_s = compared.latency_s
+            reference_version = compared.version
+        else:
+            reference = plan.recorded
+            reference_latency_s = record.latency_ns / 1e9
+            reference_version = record.version
+        hdiff = compare_http(plan.api, reference, candidate, self.settings.tolerance)
+        labels = (str(hdiff.reference_status), str(hdiff.candidate_status))
+        code_ref = status_code(reference.status)
+        code_cand = status_code(candidate.status)
+        if reference.status == CLIENT_LEFT:  # a prefix: its status says nothing of the replay's
+            code_ref = code_cand
+        why = hdiff.not_compared_why
+        diff = CallDiff(hdiff.outcome, code_ref, code_cand, not_compared_why=why, status_labels=labels)
+        lag_ms = self._count(flight, diff, replayed, replayed.version, reference_version, reference_latency_s)
+        self.aggregates.http.add(plan.api, hdiff)
+        line = self._line(flight, diff, replayed, lag_ms, kind="http")
+        line["api"] = plan.api
+        line["recorded"] |= {"status": str(record.http.status), "ttft_ms": _ms(plan.recorded.ttft_s)}
+        line["replayed"] |= {"status": str(candidate.status), "ttft_ms": _ms(candidate.ttft_s)}
+        if hdiff.usage.compared or hdiff.usage.candidate is not None:
+            line["usage"] = hdiff.usage.as_dict()
+        if hdiff.text is not None:
+            reference_text = read_text(plan.api, reference)
+            candidate_text = read_text(plan.api, candidate)
+            self.aggregates.streams.add(
+                reference_version or "?",
+                hdiff.text,
+                _text_stream(reference, reference_text),
+                _text_stream(candidate, candidate_text),
+            )
+            line["text"] = hdiff.text.as_dict()
+            self.aggregates.worst.offer_stream(hdiff.text, line)
+        else:
+            if hdiff.body_difference:
+                line["body_difference"] = hdiff.body_difference
+            if diff.outcome == "status_change":
+                self.aggregates.worst.offer(diff, line)
+            elif diff.outcome == "mismatch":
+                self.aggregates.worst.offer_stream(_BODY_DIFFERS, line)
+        if hdiff.not_compared_why:
+            line["not_compared"] = hdiff.not_compared_why
+        if candidate.status >= 400 and replayed.http is not None and replayed.http.body:
+            line["replayed"]["message"] = replayed.http.body[:300].decode("utf-8", errors="replace")
+        if compared is not None:
+            line["compare_to"] = _side(self.targets[1].address, compared) | {
+                "status": str(reference.status),
+                "ttft_ms": _ms(reference.ttft_s),
+            }
+            line["compare_to"]["sent_s"] = round(compared.sent_at - self._origin, 6)
         return line, diff
 
     def _count(
@@ -647,6 +813,7 @@ class Replay:
             else 0.0
         )
         streams = agg.streams.summary(active_s)
+        http = agg.http.summary()
         metrics = Metrics(
             mismatch_rate=overall.mismatch_rate,
             status_change_rate=rate(overall.status_changes, completed),
@@ -674,6 +841,7 @@ class Replay:
             itl_p50_ratio=streams.itl.p50_ratio if streams else None,
             itl_p99_ratio=streams.itl.p99_ratio if streams else None,
             tokens_per_s=streams.tokens_per_s if streams else None,
+            usage_mismatch_rate=http.usage_mismatch_rate if http else None,
         )
         tolerance = self.settings.tolerance
         return Summary(
@@ -724,6 +892,7 @@ class Replay:
             replay_rate_calls_per_s=round(completed / active_s, 1) if active_s > 0 else None,
             metrics=metrics,
             streams=streams,
+            http=http,
             worst_calls=agg.worst.worst_first(),
         )
 
@@ -752,6 +921,60 @@ class Replay:
             out[f"reference_itl{suffix}"] = group.reference_itl
             out[f"candidate_itl{suffix}"] = group.candidate_itl
         return out
+
+
+#: A differing non-text body, ranked among the worst calls as a wholly differing text would be.
+_BODY_DIFFERS = StreamDiff("mismatch", 0, 0, edit_distance=1.0)
+
+
+def _request_dropped(record: recorder_pb2.CallRecord) -> bool:
+    """Whether the request to send is not in the record: left out for size, or an HTTP body redacted."""
+    dropped = dropped_payloads(record)
+    if not record.HasField("http"):
+        return "request" in dropped
+    redacted = record.tags.get(REDACTED_HTTP_TAG, "").split(",")
+    return "http.request_body" in dropped or "request_body" in redacted
+
+
+def _without_user(body: bytes) -> bytes:
+    """The JSON body without its ``user`` (``--drop-user``); a body that is no JSON object is sent as it is."""
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(parsed, dict) or "user" not in parsed:
+        return body
+    del parsed["user"]
+    return json.dumps(parsed, separators=(",", ":")).encode()
+
+
+def _http_answer(outcome: Outcome, api: str) -> HttpAnswer:
+    """A replayed HTTP answer, its event times counted from when the request went out."""
+    reply = outcome.http
+    if reply is None:
+        return HttpAnswer(status=-1)
+    events = tuple(data for _, data in reply.events)
+    answer = HttpAnswer(reply.status, reply.body, events, tuple(at for at, _ in reply.events))
+    times = read_text(api, answer).times_s
+    return HttpAnswer(
+        answer.status,
+        answer.body,
+        answer.events,
+        answer.event_times_s,
+        ttft_s=times[0] if times else None,
+        usage=http_usage(answer),
+    )
+
+
+def _text_stream(answer: HttpAnswer, text: Text) -> StreamAnswer:
+    """An HTTP answer's text as a token stream for the streams' totals: one token per piece, timed."""
+    return StreamAnswer(
+        status_code(answer.status),
+        tuple(piece.encode() for piece in text.pieces),
+        text.times_s,
+        answer.ttft_s,
+        prefix_only=answer.prefix_only,
+    )
 
 
 def _flight_ids(flight: Flight) -> dict[str, Any]:

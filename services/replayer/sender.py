@@ -20,11 +20,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from splitstream.common.headers import VERSION_HEADER, from_header_value
 from splitstream.common.tls import ClientTls
+
+if TYPE_CHECKING:
+    from splitstream.replayer.http_sender import HttpReply
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
@@ -50,6 +54,8 @@ class Outcome:
     send_error: str = ""
     #: A token stream's responses as they came: (perf_counter time, serialized ModelStreamInferResponse).
     stream_responses: tuple[tuple[float, bytes], ...] | None = None
+    #: An HTTP target's answer (then ``code`` is 0 for a 2xx status, else the HTTP status).
+    http: HttpReply | None = None
 
     @property
     def latency_s(self) -> float:

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitstream.replayer.compare import CallDiff, OutputDiff
+from splitstream.replayer.http_compare import HttpDiff
 from splitstream.replayer.stream_compare import StreamAnswer, StreamDiff, gaps_s
 from splitstream.replayer.summary import (
     GroupSummary,
+    HttpSummary,
     LatencyComparison,
     OutputSummary,
     Quantiles,
@@ -342,4 +344,46 @@ class StreamTotals:
             edit_distance_edges=list(EDIT_DISTANCE_EDGES),
             tokens_per_s=round(tokens / active_s, 1) if active_s > 0 and tokens else None,
             versions={version: group.summary() for version, group in sorted(self.by_version.items())},
+        )
+
+
+@dataclass
+class HttpTotals:
+    """Every replayed HTTP call: per route kind, and the reported token usage compared."""
+
+    calls: int = 0
+    apis: Counter[str] = field(default_factory=Counter)
+    usage_compared: int = 0
+    usage_mismatches: int = 0
+    prompt_mismatches: int = 0
+    completion_mismatches: int = 0
+    body_mismatches: int = 0
+
+    def add(self, api: str, diff: HttpDiff) -> None:
+        self.calls += 1
+        self.apis[api or "?"] += 1
+        self.body_mismatches += bool(diff.body_difference)
+        usage = diff.usage
+        if usage.reference is None:
+            return
+        self.usage_compared += 1
+        if usage.match:
+            return
+        self.usage_mismatches += 1
+        candidate = usage.candidate
+        self.prompt_mismatches += candidate is None or candidate[0] != usage.reference[0]
+        self.completion_mismatches += candidate is None or candidate[1] != usage.reference[1]
+
+    def summary(self) -> HttpSummary | None:
+        if not self.calls:
+            return None
+        return HttpSummary(
+            calls=self.calls,
+            apis=dict(sorted(self.apis.items())),
+            usage_compared=self.usage_compared,
+            usage_mismatches=self.usage_mismatches,
+            usage_mismatch_rate=rate(self.usage_mismatches, self.usage_compared),
+            prompt_tokens_mismatches=self.prompt_mismatches,
+            completion_tokens_mismatches=self.completion_mismatches,
+            body_mismatches=self.body_mismatches,
         )

@@ -237,3 +237,43 @@ def compare_streams(reference: StreamAnswer, candidate: StreamAnswer) -> StreamD
 def gaps_s(times_s: Sequence[float]) -> list[float]:
     """Inter-token gaps: between consecutive response times."""
     return [later - earlier for earlier, later in itertools.pairwise(times_s)]
+
+
+def compare_texts(
+    reference: str,
+    candidate: str,
+    *,
+    reference_pieces: int,
+    candidate_pieces: int,
+    prefix: bool,
+    reference_errors: tuple[str, ...] = (),
+    candidate_errors: tuple[str, ...] = (),
+) -> StreamDiff:
+    """Compare two generated texts as text (an HTTP answer's: its events are cut where the server pleases,
+    so pieces are counted but not compared). ``first_divergence`` is a character offset; both edit distances
+    are the texts'. ``prefix``: the reference holds only the start of its answer, so the candidate is cut to
+    its length."""
+    compared = candidate[: len(reference)] if prefix else candidate
+    divergence = None
+    if reference != compared:
+        common = next((i for i, (a, b) in enumerate(zip(reference, compared, strict=False)) if a != b), None)
+        divergence = common if common is not None else min(len(reference), len(compared))
+    errors_differ = reference_errors != (candidate_errors[: len(reference_errors)] if prefix else candidate_errors)
+    if divergence is None and errors_differ:
+        divergence = len(reference)
+    edit = Levenshtein.normalized_distance(reference, compared)
+    return StreamDiff(
+        "match" if divergence is None else "mismatch",
+        0,
+        0,
+        reference_tokens=reference_pieces,
+        candidate_tokens=candidate_pieces,
+        first_divergence=divergence,
+        edit_distance=edit,
+        text_edit_distance=edit,
+        reference_text=reference[:EXAMPLE_CHARS],
+        candidate_text=compared[:EXAMPLE_CHARS],
+        prefix_compared=prefix,
+        reference_errors=reference_errors,
+        candidate_errors=candidate_errors,
+    )

@@ -148,6 +148,11 @@ class Metrics(_Model):
     tokens_per_s: float | None = Field(
         default=None, description="tokens (responses) the replayed streams received per second"
     )
+    usage_mismatch_rate: float | None = Field(
+        default=None,
+        description="HTTP calls whose reported prompt or completion tokens differ / HTTP calls whose reference "
+        "reported usage",
+    )
 
     def value(self, name: str) -> float | None:
         """The metric called ``name`` (one of :data:`METRICS`)."""
@@ -215,6 +220,26 @@ class SelectionSummary(_Model):
 #: Why a selected call was not replayed (``Counts.not_replayed``): the router left its request out of the
 #: record for size (``splitstream.payload-dropped``), so there is nothing to send.
 REQUEST_NOT_RECORDED = "request_not_recorded"
+#: Why a selected call was not replayed: a recorded HTTP call, and the target is a gRPC one.
+NEEDS_HTTP_TARGET = "http_call_needs_http_target"
+#: Why a selected call was not replayed: a recorded gRPC call, and the target is an HTTP one.
+NEEDS_GRPC_TARGET = "grpc_call_needs_grpc_target"
+
+
+class HttpSummary(_Model):
+    """The HTTP calls replayed: how many per route kind, and how their reported token usage agrees."""
+
+    calls: int
+    #: Calls per route kind (``chat``, ``completion``, ``kserve-infer``, ``generate``, ``generate-stream``).
+    apis: dict[str, int]
+    #: Calls whose reference reported usage (the ones whose usage was compared).
+    usage_compared: int
+    usage_mismatches: int
+    usage_mismatch_rate: float | None
+    prompt_tokens_mismatches: int
+    completion_tokens_mismatches: int
+    #: Calls whose bodies differ, by why (KServe outputs, or bytes), beside the generated texts' comparison.
+    body_mismatches: int
 
 
 class Counts(_Model):
@@ -288,6 +313,8 @@ class Summary(_Model):
     metrics: Metrics
     #: Token streams (written only when the window held some).
     streams: StreamsSummary | None = Field(default=None, exclude_if=lambda streams: streams is None)
+    #: HTTP calls (written only when the window's HTTP calls were replayed).
+    http: HttpSummary | None = Field(default=None, exclude_if=lambda http: http is None)
     #: The calls that differ most, as their ``results.jsonl`` lines.
     worst_calls: list[dict[str, Any]]
     #: Written only with ``--gate``.
