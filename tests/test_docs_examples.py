@@ -7,6 +7,8 @@ A page whose example cannot run here is in :data:`NOT_RUN` with the reason; a pa
 
 from __future__ import annotations
 
+import json
+import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -16,16 +18,22 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import redis as redis_lib
 import yaml
 
+from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.records import entry_fields, stream_key
 from tests.doc_examples import Background, Rewrite, block, documents, marked_blocks, page_name, run_block
-from tests.harness import InferClient, free_port, make_request, wait_for
+from tests.experiments import Call, call_record, phase
+from tests.harness import InferClient, Stack, free_port, listen_args, make_request, wait_for, write_registry
+from tests.models import add_version
 from tests.redis_server import RedisServer
 
 #: The marked examples this file runs, page by page.
 RUN: dict[str, set[str]] = {
     "rollouts.md": {"serve", "ramp"},
     "recording.md": {"serve", "read"},
+    "replay.md": {"incident", "ci", "compare"},
 }
 
 #: Pages whose worked example is not run here, and why.
@@ -40,7 +48,6 @@ NOT_RUN: dict[str, str] = {
     "analysis.md": "to do",
     "archive.md": "to do",
     "http.md": "to do",
-    "replay.md": "to do",
     "scaling.md": "to do",
     "security.md": "to do",
     "streams.md": "to do",
@@ -231,3 +238,170 @@ def test_recording_records_every_call_and_redis_cli_reads_the_last_five_back(
     shown = [line for line in lines if line.startswith("doc-recording-")]
     assert shown == ids[:1:-1], output  # the last five, newest first
     assert {"version", "latency_ms", "record"} <= set(lines)  # the readable fields, then the record
+
+
+# -- resnet: the model of replay.md, analysis.md and archive.md ----------------------------------------
+
+HMAC_KEY = "docs-examples-key"
+#: The incident window of replay.md, and last month's window of archive.md: calls written there as the
+#: recorder writes them (their requests are real ones), since no test can answer calls in the past.
+INCIDENT = (1795960920, 1795961100)  # 2026-11-29T14:02:00Z .. 14:05:00Z
+LAST_MONTH = (1790812800, 1790834400)  # 2026-10-01T00:00Z .. 06:00Z
+
+
+@dataclass
+class Resnet:
+    cwd: Path
+    router: str
+    workers: dict[str, str]
+    live: list[str]
+    incident: list[str]
+    last_month: list[str]
+
+
+def past_calls(prefix: str, window: tuple[int, int], n: int) -> list[Call]:
+    """``n`` calls of v1 in the window, 30 s after its start and 0.1 s apart (a replay at the recorded pace
+    takes 1.2 s, not the window's minutes)."""
+    start_ns = (window[0] + 30) * 1_000_000_000
+    return [Call(f"{prefix}-{i}", start_ns + i * 100_000_000, "v1", unit=f"unit-{i}") for i in range(n)]
+
+
+def write_past(client: redis_lib.Redis, calls: list[Call], request: bytes, response: bytes) -> None:
+    """The calls' entries as the recorder writes them, at their time (tests/experiments.py), each with the
+    request and the answer of a real call."""
+    call_phase = phase({"v1": 50, "v2": 50}, "v1", salt="resnet-docs")
+    for call in calls:
+        record = call_record("resnet", call, call_phase, request)
+        record.response.CopyFrom(recorder_pb2.Payload(inline=response, size_bytes=len(response)))
+        client.xadd(stream_key("resnet"), entry_fields(record), id=f"{call.time_ns // 1_000_000}-*")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[Resnet]:
+    """Model resnet, v1 and v2 (the same y = 2x, so a replay of one against the other matches), behind a
+    router recording to the shared Redis; 40 live calls, and the past windows the pages replay."""
+    tmp = tmp_path_factory.mktemp("resnet")
+    for version in ("v1", "v2"):
+        add_version(tmp / "models", "resnet", version, scale=2.0)
+    stack = Stack(tmp)
+    try:
+        workers = {v: stack.worker(tmp / "models", "resnet", v).address for v in ("v1", "v2")}
+        recorder_port = free_port()
+        stack.service(
+            "recorder",
+            "splitstream.recorder",
+            [*listen_args(recorder_port), "--redis-url", redis.url, "--hmac-key", HMAC_KEY],
+            port=recorder_port,
+        )
+        experiment = {
+            "salt": "resnet-docs",
+            "control": "v1",
+            "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
+        }
+        registry = tmp / "registry.yaml"
+        write_registry(
+            registry, {"resnet": {"endpoints": {v: [a] for v, a in workers.items()}, "experiment": experiment}}
+        )
+        router = stack.router(
+            registry, "--recorder", f"127.0.0.1:{recorder_port}", "--hmac-key", HMAC_KEY, "--log-dir", str(tmp / "log")
+        )
+        x = np.ones((1, 4), dtype=np.float32)
+        worker = InferClient(workers["v1"])
+        answer, _ = worker.infer(make_request("resnet", x))
+        worker.close()
+        incident = past_calls("incident", INCIDENT, 12)
+        last_month = past_calls("october", LAST_MONTH, 10)
+        writer = redis.client()
+        write_past(
+            writer, [*last_month, *incident], make_request("resnet", x).SerializeToString(), answer.SerializeToString()
+        )
+        client = InferClient(router.address)
+        live = [f"live-{i}" for i in range(40)]
+        for i, request_id in enumerate(live):
+            client.infer(make_request("resnet", x, request_id=request_id), metadata=[("x-routing-key", f"user-{i}")])
+        client.close()
+        wait_for(
+            lambda: writer.xlen("splitstream:calls:resnet") >= len(live) + len(incident) + len(last_month),
+            timeout_s=30,
+            what="the live calls in Redis",
+        )
+        writer.close()
+        yield Resnet(
+            tmp, router.address, workers, live, [c.request_id for c in incident], [c.request_id for c in last_month]
+        )
+    finally:
+        stack.close()
+
+
+def replay_env(redis: RedisServer) -> dict[str, str]:
+    """What the lines that name no --redis-url read, and the deployment's key."""
+    return {"SPLITSTREAM_REPLAY_REDIS_URL": redis.url, "SPLITSTREAM_HMAC_KEY": HMAC_KEY}
+
+
+def summary(directory: Path) -> dict:
+    return json.loads((directory / "summary.json").read_text())
+
+
+# -- replay.md ----------------------------------------------------------------------------------------
+
+
+def replay_rewrite(resnet: Resnet, redis: RedisServer) -> Rewrite:
+    return Rewrite(
+        {
+            "redis://127.0.0.1:6379/0": redis.url,
+            "localhost:8001": resnet.router,
+            "candidate:9002": resnet.workers["v2"],
+            "new-worker:9002": resnet.workers["v2"],
+            "old-worker:9001": resnet.workers["v1"],
+        }
+    )
+
+
+def run_replay_example(name: str, resnet: Resnet, redis: RedisServer) -> tuple[subprocess.CompletedProcess[str], Path]:
+    example = block("replay.md", name)
+    rewrite = Rewrite({k: v for k, v in replay_rewrite(resnet, redis).replacements.items() if k in example.text})
+    cwd = resnet.cwd / f"replay-{name}"
+    return run_block(example, cwd, rewrite=rewrite, env=replay_env(redis), timeout_s=180), cwd
+
+
+@pytest.mark.slow
+def test_replay_resends_the_incident_window_to_v2_through_the_router(resnet: Resnet, redis: RedisServer) -> None:
+    result, cwd = run_replay_example("incident", resnet, redis)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = cwd / "incident-1402"
+    for name in ("results.jsonl", "summary.json", "report.html"):
+        assert (out / name).is_file(), name
+    replayed = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(r["request_id"] for r in replayed) == sorted(resnet.incident)
+    assert {r["replayed"]["version"] for r in replayed} == {"v2"}, replayed[0]
+    assert {r["outcome"] for r in replayed} == {"match"}, replayed[0]
+
+
+@pytest.mark.slow
+def test_replay_gates_the_candidate_on_yesterdays_traffic(resnet: Resnet, redis: RedisServer) -> None:
+    """The candidate answers as recorded (same model), so no drift; its p99 against the recorded one is what a
+    shared machine makes it, so the test holds the gate to its own summary: exit 1 exactly when a bound
+    fails, and the bound named."""
+    result, cwd = run_replay_example("ci", resnet, redis)
+    report = summary(cwd / "replay-out")
+    assert report["metrics"]["mismatch_rate"] == 0, report["metrics"]
+    assert report["metrics"]["error_rate"] == 0, report["metrics"]
+    replayed = {
+        json.loads(line)["request_id"] for line in (cwd / "replay-out" / "results.jsonl").read_text().splitlines()
+    }
+    assert set(resnet.live) <= replayed  # yesterday's calls (and the incident's replays the router recorded)
+    assert replayed.isdisjoint(resnet.incident + resnet.last_month)  # not last week's or last month's
+    if report["gate"]["passed"]:
+        assert result.returncode == 0, result.stdout + result.stderr
+    else:
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert [line.split("=")[0] for line in report["gate"]["failures"]] == ["p99_ratio"], report["gate"]
+        assert "gate failed: p99_ratio=" in result.stderr
+
+
+@pytest.mark.slow
+def test_replay_compares_two_targets_on_the_failed_calls(resnet: Resnet, redis: RedisServer) -> None:
+    result, cwd = run_replay_example("compare", resnet, redis)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "replayed 0 of 0 selected calls" in result.stdout  # no call failed in the last 15 minutes
+    assert (cwd / "replay-out" / "summary.json").is_file()
