@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -62,10 +63,8 @@ def started(command: list[str], log: Path, env: dict[str, str] | None = None) ->
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
-def answers(base_url: str, process: subprocess.Popen[bytes] | None = None, log: Path | None = None) -> bool:
+def answers(base_url: str) -> bool:
     """Whether a chat call through ``base_url`` is answered 200 (the path is up and its upstream healthy)."""
-    if process is not None and process.poll() is not None:
-        raise RuntimeError(f"exited {process.returncode}: {log.read_text(errors='replace')[-3000:] if log else ''}")
     request = urllib.request.Request(
         base_url + "/chat/completions",
         data=chat_body(MODEL, stream=False),
@@ -78,23 +77,36 @@ def answers(base_url: str, process: subprocess.Popen[bytes] | None = None, log: 
         return False
 
 
+def wait_answering(base_url: str, what: str, timeout_s: float, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Until ``base_url`` answers; RuntimeError with the end of ``log`` as soon as ``process`` has exited."""
+    deadline = time.monotonic() + timeout_s
+    while not answers(base_url):
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited {process.returncode}: {log.read_text(errors='replace')[-2000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not answer within {timeout_s:g} s (see {log})")
+        time.sleep(0.1)
+
+
 def start_standin(tmp: Path, tokens: int, gap_ms: float) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     command = [sys.executable, "bench/openai_standin.py", "--port", str(port), "--tokens", str(tokens)]
     process = started([*command, "--gap-ms", str(gap_ms)], tmp / "standin.log")
     base_url = f"http://127.0.0.1:{port}/v1"
-    wait_for(lambda: answers(base_url, process, tmp / "standin.log"), timeout_s=30, what="the stand-in")
+    wait_answering(base_url, "the stand-in", 30, process, tmp / "standin.log")
     return process, base_url
 
 
-def start_floor(tmp: Path, upstream: str, python: str = sys.executable, stack: str = "aiohttp") -> tuple:
+def start_floor(
+    tmp: Path, upstream: str, python: str = sys.executable, stack: str = "aiohttp"
+) -> tuple[subprocess.Popen[bytes], str]:
     """A bare pass-through of ``stack`` (``bench/http_passthrough.py``) in its own process: (process, base URL)."""
     port = free_port()
     log = tmp / f"passthrough-{stack}.log"
     command = [python, "bench/http_passthrough.py", "--stack", stack, "--port", str(port), "--upstream", upstream]
     process = started(command, log)
     base_url = f"http://127.0.0.1:{port}/v1"
-    wait_for(lambda: answers(base_url, process, log), timeout_s=60, what=f"the {stack} pass-through")
+    wait_answering(base_url, f"the {stack} pass-through", 60, process, log)
     return process, base_url
 
 
@@ -171,7 +183,7 @@ def start_litellm(tmp: Path, litellm: str, upstream: str) -> tuple[subprocess.Po
     command = [litellm, "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     process = started(command, log, env)
     base_url = f"http://127.0.0.1:{port}/v1"
-    wait_for(lambda: answers(base_url, process, log), timeout_s=240, interval_s=0.5, what="LiteLLM's proxy")
+    wait_answering(base_url, "LiteLLM's proxy", 240, process, log)
     return process, base_url
 
 
@@ -207,7 +219,7 @@ http {{
 """)
     process = started([nginx, "-p", str(tmp), "-c", str(conf)], tmp / "nginx.log")
     base_url = f"http://127.0.0.1:{port}/v1"
-    wait_for(lambda: answers(base_url, process, tmp / "nginx-error.log"), timeout_s=10, what="nginx")
+    wait_answering(base_url, "nginx", 10, process, tmp / "nginx-error.log")
     return process, base_url
 
 
@@ -219,9 +231,9 @@ def _ratio(value: float, floor: float) -> str:
     return f"{value / floor:.2f}x" if floor > 0 and not math.isnan(value) and not math.isnan(floor) else ""
 
 
-def report(kind: str, flight: int, summary: dict[str, HttpSummary]) -> list[str]:
-    """The case's table rows (markdown), each path against direct and the floor."""
-    direct, floor = summary["direct"], summary.get("floor")
+def report(kind: str, flight: int, summary: dict[str, HttpSummary], reference: str = "floor") -> list[str]:
+    """The case's table rows (markdown), each path against direct and against ``reference``."""
+    direct, floor = summary["direct"], summary.get(reference)
     rows = []
     for name, x in summary.items():
         hop = name != "direct"
@@ -257,15 +269,58 @@ def report(kind: str, flight: int, summary: dict[str, HttpSummary]) -> list[str]
     return rows
 
 
-UNARY_HEADER = (
-    "| in flight | path | calls/s | p50 ms | p99 ms | added p50 ms | added p99 ms | added p50 x floor "
-    "| CPU µs/call | CPU x floor |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-)
-STREAM_HEADER = (
-    "| in flight | path | tokens/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | added TTFT x floor "
-    "| added p50 ms (whole stream) | CPU µs/call | CPU µs/token | CPU/token x floor |\n"
-    "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
-)
+def table_header(kind: str, reference: str = "floor") -> str:
+    if kind == "unary":
+        return (
+            "| in flight | path | calls/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
+            f"| added p50 x {reference} | CPU µs/call | CPU x {reference} |\n"
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+        )
+    return (
+        "| in flight | path | tokens/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms "
+        f"| added TTFT x {reference} | added p50 ms (whole stream) | CPU µs/call | CPU µs/token "
+        f"| CPU/token x {reference} |\n"
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+    )
+
+
+def print_tables(results: dict[tuple[str, int], dict[str, HttpSummary]], reference: str = "floor") -> None:
+    for kind in ("unary", "stream"):
+        rows = [row for (k, n), summary in results.items() if k == kind for row in report(k, n, summary, reference)]
+        if rows:
+            print(f"\n{'Unary JSON' if kind == 'unary' else 'Streamed chat (SSE)'}:\n\n{table_header(kind, reference)}")
+            print("\n".join(rows))
+
+
+def parse_cases(text: str) -> list[tuple[str, int]]:
+    """``unary:1,stream:32``: (kind, calls in flight) pairs; ValueError naming a case that is not one."""
+    cases = []
+    for case in text.split(","):
+        kind, _, flight = case.strip().partition(":")
+        if kind not in ("unary", "stream") or not flight.isdigit() or int(flight) < 1:
+            raise ValueError(f"{case!r} is not unary:N or stream:N")
+        cases.append((kind, int(flight)))
+    return cases
+
+
+def run_cases(
+    paths: list[HttpPath], cases: list[tuple[str, int]], *, tokens: int, seconds: float, rounds: int
+) -> dict[tuple[str, int], dict[str, HttpSummary]]:
+    """Every case on every path, in interleaved rounds."""
+    results: dict[tuple[str, int], dict[str, HttpSummary]] = {}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {MASTER_KEY}"}
+    for kind, flight in cases:
+        body = chat_body(MODEL, stream=kind == "stream", max_tokens=tokens)
+        results[(kind, flight)] = measure(
+            paths,
+            body,
+            headers,
+            concurrency=flight,
+            seconds=seconds,
+            rounds=rounds,
+            progress=_progress(f"{kind} {flight} in flight"),
+        )
+    return results
 
 
 def verdicts(results: dict[tuple[str, int], dict[str, HttpSummary]]) -> list[str]:
@@ -329,12 +384,10 @@ def main() -> int:
         "a second router with recording off",
     )
     args = parser.parse_args()
-    cases: list[tuple[str, int]] = []
-    for case in args.cases.split(","):
-        kind, _, flight = case.strip().partition(":")
-        if kind not in ("unary", "stream") or not flight.isdigit() or int(flight) < 1:
-            parser.error(f"--cases: {case!r} is not unary:N or stream:N")
-        cases.append((kind, int(flight)))
+    try:
+        cases = parse_cases(args.cases)
+    except ValueError as error:
+        parser.error(f"--cases: {error}")
     wanted = set(args.paths.split(",")) if args.paths else {"direct", "floor", "router", "litellm", "nginx"}
 
     tmp = Path(tempfile.mkdtemp(prefix="splitstream-bench-"))
@@ -370,7 +423,6 @@ def main() -> int:
             else:
                 processes.append(nginx[0])
                 paths.append(HttpPath("nginx", nginx[1], descendants(nginx[0].pid)))
-        paths = [path for path in paths if path.name in wanted | {"direct"}]
 
         print(
             f"HTTP hop overhead: {args.rounds} rounds x {args.seconds:g} s per path and case; stand-in answers "
@@ -378,24 +430,8 @@ def main() -> int:
         )
         for reason in skipped:
             print(f"left out: {reason}")
-        results: dict[tuple[str, int], dict[str, HttpSummary]] = {}
-        for kind, flight in cases:
-            body = chat_body(MODEL, stream=kind == "stream", max_tokens=args.tokens)
-            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {MASTER_KEY}"}
-            results[(kind, flight)] = measure(
-                paths,
-                body,
-                headers,
-                concurrency=flight,
-                seconds=args.seconds,
-                rounds=args.rounds,
-                progress=_progress(f"{kind} {flight} in flight"),
-            )
-        for kind, header in (("unary", UNARY_HEADER), ("stream", STREAM_HEADER)):
-            rows = [row for (k, n), summary in results.items() if k == kind for row in report(k, n, summary)]
-            if rows:
-                print(f"\n{'Unary JSON' if kind == 'unary' else 'Streamed chat (SSE)'}:\n\n{header}")
-                print("\n".join(rows))
+        results = run_cases(paths, cases, tokens=args.tokens, seconds=args.seconds, rounds=args.rounds)
+        print_tables(results)
         shipper = [
             f"{k} {n}: {summary['router'].apart_us_per_call:.0f}"
             for (k, n), summary in results.items()
