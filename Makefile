@@ -8,10 +8,12 @@ TRITON_VENV ?= .venv-triton
 # LiteLLM's proxy (an OpenAI-compatible server of its own, answering mock responses) is the independent
 # `openai` upstream of the upstream tests; its many pins live in their own venv.
 LITELLM_VENV ?= .venv-litellm
+# The HTTP stacks the router's own (aiohttp) is measured against: bench/http_stack.py only.
+BENCH_VENV ?= .venv-bench
 TEST_ENV = SPLITSTREAM_TRITON_PYTHON=$(abspath $(TRITON_VENV))/bin/python SPLITSTREAM_LITELLM=$(abspath $(LITELLM_VENV))/bin/litellm
 
 .DEFAULT_GOAL := help
-.PHONY: help install protos test test-fast lint format bench gpu-smoke clean up down up-tls down-tls demo demo-llm
+.PHONY: help install protos test test-fast lint format bench bench-http gpu-smoke clean up down up-tls down-tls demo demo-llm
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -35,6 +37,13 @@ $(LITELLM_VENV)/.installed:
 	$(PYTHON) -m venv $(LITELLM_VENV)
 	$(LITELLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(LITELLM_VENV)/bin/pip install --quiet 'litellm[proxy]>=1.50,<2'
+	@touch $@
+
+$(BENCH_VENV)/.installed:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install --quiet --upgrade pip
+	$(BENCH_VENV)/bin/pip install --quiet 'aiohttp>=3.10,<4' 'uvicorn[standard]>=0.30,<1' 'starlette>=0.40,<2' \
+		'httpx>=0.27,<1' 'granian>=2,<3'
 	@touch $@
 
 install: $(BIN)/.installed protos ## Create .venv, install splitstream (editable) with dev tools, generate stubs
@@ -72,6 +81,11 @@ bench: install ## Run the benchmarks (prints tables; see docs/benchmarks.md)
 	$(BIN)/python bench/exposures_feedback.py
 	$(BIN)/python bench/analysis.py
 
+bench-http: install $(LITELLM_VENV)/.installed $(BENCH_VENV)/.installed ## HTTP hop overhead (router, floor, LiteLLM, nginx) and the HTTP stack comparison
+	@command -v nginx >/dev/null || echo "nginx not installed: its row is left out (apt-get install nginx)"
+	$(BIN)/python bench/http_overhead.py --litellm $(LITELLM_VENV)/bin/litellm
+	$(BIN)/python bench/http_stack.py --bench-python $(BENCH_VENV)/bin/python
+
 demo: install ## The whole story on this machine: train, split 90/10, record, ramp to 50/50, replay, report
 	$(BIN)/python -m demo.run
 
@@ -95,4 +109,4 @@ gpu-smoke: install ## On a GPU machine: build, load and time a TensorRT engine a
 	$(BIN)/python bench/gpu_smoke.py
 
 clean: ## Remove the virtual environments and generated files
-	rm -rf $(VENV) $(TRITON_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(TRITON_VENV) $(BENCH_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache

@@ -329,17 +329,11 @@ class HttpFrontDoor:
         data = parse_body(body)
         if exchange is not None:
             exchange.received(body, request.headers.get("Content-Type", ""), data)
-        # Checked only for a translated answer: an upstream gets fields (tools, ...) our workers do not take.
-        refusal: ApiError | None = None
-        try:
-            generation: Generation | None = parse_generation(kind, data)
-        except ApiError as error:
-            generation, refusal = None, error
         model = data.get("model")
         if isinstance(model, str) and model:
             authorize_model(request, model)  # before saying whether the model exists
         if not isinstance(model, str) or not model or not self.core.serves(model):
-            if refusal is not None:
+            if (refusal := _refusal(kind, data)) is not None:
                 raise refusal
             served = ", ".join(self.core.model_names()) or "none"
             raise model_not_found(f"The model '{model}' does not exist (served: {served})")
@@ -360,7 +354,7 @@ class HttpFrontDoor:
                 outcome, b"", headers, router_pb2.InferRequestHead(model_name=model, id=request_id), http=True
             )
         except SplitstreamError as error:
-            if refusal is not None:
+            if (refusal := _refusal(kind, data)) is not None:
                 raise refusal from None
             # Counted and logged as a stream refused at routing, as the relay did when it routed.
             outcome.code, outcome.details = error.code, str(error)
@@ -377,9 +371,7 @@ class HttpFrontDoor:
                 )
             except Spill as spill:  # the upstreams failed before a byte: the control is our worker
                 route = spill.route
-        if refusal is not None:
-            raise refusal
-        assert generation is not None
+        generation = parse_generation(kind, data)  # 400 naming the field our workers cannot take
         answer = _Answer(request, generation, Shapes.of(generation, request_id), self.metrics, exchange)
         worker_request = request["worker_request"] = generation.inference_request(request_id)
         relayed = await self.streams.relay(
@@ -556,6 +548,18 @@ class _Answer:
         return web.json_response(
             body, headers={VERSION_HEADER: header_value(outcome.version), **_id_header(self.request)}
         )
+
+
+def _refusal(kind: str, data: dict[str, Any]) -> ApiError | None:
+    """The 400 a translated answer would get for this body, if any: answered before a 404 or a routing error, so
+    that a client learns what is wrong with its request first. Checked only where it is answered or the answer
+    is translated, never for a pass-through: an upstream takes fields (tools, ...) our workers do not, so the
+    check would be work spent on every passed-through call for nothing."""
+    try:
+        parse_generation(kind, data)
+    except ApiError as error:
+        return error
+    return None
 
 
 async def _one(request: bytes) -> AsyncIterator[bytes]:

@@ -1,0 +1,53 @@
+"""The HTTP benchmarks run end to end with tiny settings: every path answers every call and the tables
+come out (``bench/http_overhead.py``'s floor and recording router, ``bench/http_stack.py``'s aiohttp
+pass-through). Nothing here times anything: the figures are the scripts' own business."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT, clean_env
+
+TINY = ("--seconds", "0.2", "--rounds", "1")
+
+
+def run_bench(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, f"bench/{script}", *TINY, *args],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def rows(output: str, flight: int) -> dict[str, str]:
+    """The table rows of ``flight`` calls in flight, by path (a path with errors is named with them)."""
+    found = {}
+    for line in output.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) > 2 and cells[0] == str(flight):
+            found[cells[1]] = line
+    return found
+
+
+@pytest.mark.slow
+def test_http_overhead_measures_the_floor_and_the_recording_router_unary_and_streamed() -> None:
+    output = run_bench("http_overhead.py", "--paths", "floor,router", "--cases", "unary:1,stream:2")
+    assert "Unary JSON" in output
+    assert "Streamed chat (SSE)" in output
+    for flight in (1, 2):
+        assert set(rows(output, flight)) == {"direct", "floor", "router"}, output
+    assert "router added p50" in output  # the targets' lines
+
+
+def test_http_stack_measures_the_aiohttp_pass_through() -> None:
+    output = run_bench("http_stack.py", "--stacks", "aiohttp", "--cases", "unary:1")
+    assert set(rows(output, 1)) == {"direct", "aiohttp"}, output
