@@ -22,6 +22,7 @@ import pytest
 import redis as redis_lib
 import yaml
 
+from splitstream.common.headers import VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import entry_fields, stream_key
 from tests.doc_examples import Background, Rewrite, block, documents, marked_blocks, page_name, run_block
@@ -168,6 +169,14 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Digits]:
         for port in ("9001", "9002"):
             wait_serving(background, f"127.0.0.1:{ports[port]}")
         wait_serving(background, f"127.0.0.1:{router}")
+        # The router serves before its health watch has seen both workers (it started alongside them): wait
+        # until each version answers through it, so the load the tests put on it meets a ready deployment.
+        for version in ("v1", "v2"):
+            wait_for(
+                lambda version=version: _answers(f"127.0.0.1:{router}", version),
+                timeout_s=30,
+                what=f"{version} answering through the router",
+            )
         yield Digits(
             cwd,
             f"127.0.0.1:{router}",
@@ -176,6 +185,17 @@ def digits(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Digits]:
         )
     finally:
         background.stop()
+
+
+def _answers(router: str, version: str) -> bool:
+    client = InferClient(router)
+    try:
+        client.infer(make_request("digits", np.zeros((1, 64), dtype=np.float32)), metadata=[(VERSION_HEADER, version)])
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        client.close()
 
 
 def arm_weights(registry: Path) -> dict[str, float]:
