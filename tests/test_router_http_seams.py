@@ -9,9 +9,11 @@ call's record in Redis, or the router's metrics.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +32,8 @@ from tests.test_auth import sha256
 from tests.test_router_http import accepts
 
 WRITER = "writer"
+#: A generating model on a worker of its own, which a test stops (SIGSTOP) to stall it.
+STALLING = "stalling"
 AFFINE = "affine"
 #: The faulty upstream's behaviours; model ``up-<behaviour>`` is served by it, asked as ``<behaviour>``.
 BEHAVIOURS = ("ok", "linger", "endless", "stall", "stall-mid", "unauthorized", "forbidden")
@@ -48,6 +52,7 @@ class Seams:
     recording: RecordingStack
     http_port: int
     upstream: ServiceProcess
+    stalling: ServiceProcess
 
     def records(self, model: str, request_id: str) -> recorder_pb2.CallRecord:
         (record,) = [r for r in self.recording.wait_recorded({request_id}, model=model) if r.request_id == request_id]
@@ -62,6 +67,7 @@ class Seams:
 def seams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seams]:
     tmp = tmp_path_factory.mktemp("http-seams")
     language.write_versions(tmp / "models", WRITER)
+    language.write_versions(tmp / "models", STALLING)
     principals = tmp / "principals.yaml"
     atomic_write(
         principals,
@@ -92,7 +98,11 @@ def seams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seams]:
         wait_for(lambda: accepts(port), timeout_s=30, what="the faulty upstream to accept")
         writer = own.worker(tmp / "models", WRITER, "v1")
         base = f"http://127.0.0.1:{port}/v1"
-        more: dict[str, Any] = {WRITER: {"endpoints": {"v1": [writer.address]}}}
+        stalling = own.worker(tmp / "models", STALLING, "v1")
+        more: dict[str, Any] = {
+            WRITER: {"endpoints": {"v1": [writer.address]}},
+            STALLING: {"endpoints": {"v1": [stalling.address]}},
+        }
         for behaviour in BEHAVIOURS:
             more[up(behaviour)] = {"endpoints": {"v1": {"openai": base, "model": behaviour}}}
         http_port = free_port()
@@ -107,7 +117,7 @@ def seams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seams]:
             ),
         )  # fmt: skip
         wait_for(lambda: accepts(http_port), timeout_s=30, what="the HTTP port to accept")
-        yield Seams(recording, http_port, upstream)
+        yield Seams(recording, http_port, upstream, stalling)
     finally:
         if recording is not None:
             recording.close()
@@ -241,6 +251,52 @@ def test_an_upstream_that_stalls_mid_stream_ends_the_clients_stream_with_a_504_e
     record = seams.records(up("stall-mid"), "mid-1")
     assert (record.http.status, record.status_code) == (504, grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
     assert record.http.events[-1].payload.inline.decode() == got[-1]
+
+
+@contextlib.contextmanager
+def stopped(worker: ServiceProcess) -> Iterator[None]:
+    """The worker frozen (SIGSTOP) and thawed after, whatever happens: a worker that stalls mid-generation."""
+    worker.signal(signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        worker.signal(signal.SIGCONT)
+
+
+def test_a_generating_worker_that_sends_nothing_is_a_504_naming_the_idle_timeout(seams: Seams) -> None:
+    """Our own worker stalls as an upstream can: the translated call must end too, not wait for the client's own
+    timeout (an OpenAI client waits 10 minutes)."""
+    with stopped(seams.stalling):
+        status, body = answer(
+            send(seams.http_port, "/v1/completions", completion(STALLING, stream=False), {"x-request-id": "ws-1"})
+        )
+    assert status == 504, body
+    assert body["error"]["code"] == "deadline_exceeded"
+    assert "sent nothing for 2 s (--upstream-idle-timeout-s)" in body["error"]["message"]
+    record = seams.records(STALLING, "ws-1")
+    assert (record.http.status, record.status_code) == (504, grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
+
+
+def test_a_generating_worker_that_stalls_mid_stream_ends_the_clients_stream_with_an_error_event(
+    seams: Seams,
+) -> None:
+    body = completion(STALLING, stream=True, max_tokens=4096)
+    response = send(seams.http_port, "/v1/completions", body, {"x-request-id": "ws-2"})
+    assert response.status == 200
+    stream = events(response)
+    got = [next(stream)]
+    with stopped(seams.stalling):
+        got += list(stream)  # ends: never a hang (the connection's own timeout is 10x the idle one)
+    assert "[DONE]" not in got
+    error = json.loads(got[-1])["error"]
+    assert error["code"] == "deadline_exceeded"
+    assert "sent nothing" in error["message"]
+    assert len(got) < 4096
+    record = seams.records(STALLING, "ws-2")
+    assert (record.http.status, record.status_code) == (504, grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
+    # Thawed, the worker serves again.
+    status, _ = answer(send(seams.http_port, "/v1/completions", completion(STALLING, stream=False)))
+    assert status == 200
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601"])

@@ -181,8 +181,9 @@ def build_parser() -> EnvArgumentParser:
         "--upstream-idle-timeout-s",
         type=float,
         default=DEFAULT_UPSTREAM_IDLE_TIMEOUT_S,
-        help="how long an openai upstream may send nothing, before its answer or between two pieces of a stream, "
-        f"before the HTTP front door gives up on it: 504 to the client, or an error event mid-stream "
+        help="how long an openai upstream, or a generating worker behind the HTTP front door, may send nothing, "
+        "before its answer or between two pieces of a stream, before the front door gives up on it: 504 to the "
+        "client, or an error event mid-stream "
         f"(at most {MAX_UPSTREAM_IDLE_TIMEOUT_S:g})",
     )
     parser.add_argument(

@@ -147,6 +147,7 @@ class StreamProxy:
         *,
         on_start: Callable[[CallOutcome], None] | None = None,
         routed: Routed | None = None,
+        idle_timeout_s: float | None = None,
     ) -> CallOutcome | None:
         """Relay one stream to its end; returns its outcome (``code`` OK or the status to end with), or None
         for a stream that ended without any request. Raises CancelledError when the client went away
@@ -156,11 +157,13 @@ class StreamProxy:
         the served version from it when it writes its response headers, at the first response).
         ``routed``: the outcome and route of a stream its caller routed already (the HTTP front door routes
         first, to know whether the version is a gRPC worker or an ``openai`` upstream), so it is not routed
-        twice (a random split could land elsewhere the second time)."""
+        twice (a random split could land elsewhere the second time). ``idle_timeout_s``: how long the worker may
+        send nothing before its first response or between two, before the stream ends DEADLINE_EXCEEDED (the
+        HTTP front door's clients have no gRPC deadline to end a stalled worker's stream; None: no limit)."""
         first = await anext(aiter(requests), None)
         if first is None:
             return None
-        relay = _Relay(self, first, requests, write, headers, timeout_s, routed)
+        relay = _Relay(self, first, requests, write, headers, timeout_s, routed, idle_timeout_s)
         if on_start is not None:
             on_start(relay.outcome)
         try:
@@ -228,8 +231,10 @@ class _Relay:
         headers: Mapping[str, str],
         timeout_s: float | None,
         routed: Routed | None = None,
+        idle_timeout_s: float | None = None,
     ) -> None:
         self.started_ns = time.monotonic_ns()
+        self.idle_timeout_s = idle_timeout_s
         self.proxy = proxy
         self.metrics = proxy.core.metrics
         self.first = first
@@ -318,9 +323,21 @@ class _Relay:
         endpoint.outstanding += 1
         endpoint.calls += 1
         forwarder = asyncio.create_task(self._forward(call))
+        loop = asyncio.get_running_loop()
+        idle = self.idle_timeout_s
         try:
-            async for response in call:
-                await self._relay(response)
+            async with asyncio.timeout_at(None if idle is None else loop.time() + idle) as quiet:
+                async for response in call:
+                    await self._relay(response)
+                    if idle is not None:
+                        quiet.reschedule(loop.time() + idle)
+        except TimeoutError:
+            # Not retried, even before a response: the request may be generating still, and a stall is no refusal.
+            outcome.code = grpc.StatusCode.DEADLINE_EXCEEDED
+            outcome.details = (
+                f"the worker at {endpoint.address} sent nothing for {idle:g} s (--upstream-idle-timeout-s)"
+            )
+            return None
         except aio.AioRpcError as error:
             outcome.code, outcome.details = error.code(), error.details() or ""
             if error.code() == grpc.StatusCode.UNAVAILABLE:

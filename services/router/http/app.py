@@ -143,6 +143,8 @@ class HttpFrontDoor:
         self.streams = StreamProxy(core, record_max_bytes=record_max_bytes)
         self.metrics = HttpMetrics(registry)
         self.passthrough = PassThrough(core, self._observe_ttft, idle_timeout_s=upstream_idle_timeout_s)
+        #: How long a generating worker may send nothing in a translated call (``--upstream-idle-timeout-s``).
+        self.idle_timeout_s = upstream_idle_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.recording = recording
         self.record_max_bytes = record_max_bytes
@@ -382,6 +384,7 @@ class HttpFrontDoor:
             None,
             on_start=answer.bind,
             routed=(outcome, routes, route),
+            idle_timeout_s=self.idle_timeout_s,
         )
         assert relayed is not None  # one request was sent
         return await answer.finish(relayed)

@@ -615,7 +615,9 @@ class KServeRoutes:
         payload = request["worker_request"] = parse_generate(model, version, raw, stream=stream, request_id=request_id)
         answer = GenerateAnswer(model, version)
         relay = _GenerateRelay(self.front, request, answer, stream=stream)
-        outcome = await self.front.streams.relay(_one(payload), relay.write, headers, (), None, on_start=relay.bind)
+        outcome = await self.front.streams.relay(
+            _one(payload), relay.write, headers, (), None, on_start=relay.bind, idle_timeout_s=self.front.idle_timeout_s
+        )
         assert outcome is not None  # one request was sent
         if exchange is not None:
             exchange.usage = answer.usage()
