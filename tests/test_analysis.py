@@ -25,10 +25,12 @@ import numpy as np
 import pytest
 from redis.asyncio import Redis
 from scipy import stats
+from statsmodels.stats.multitest import multipletests
 
 from splitstream.analysis.analyze import PER_CALL_LABEL, Query, analyze
 from splitstream.analysis.loading import Window, read_pages
 from splitstream.analysis.model import Analysis, MetricComparison, MetricSpec, PhaseResult
+from splitstream.analysis.report import render_table
 from splitstream.common.records import stream_key
 from tests.experiments import Call, Event, phase, write_arrivals, write_calls, write_feedback
 from tests.harness import ROOT, free_port
@@ -407,6 +409,45 @@ def test_a_conversion_is_the_share_of_units_with_a_positive_event_and_a_rate_is_
     assert conversion.control_value > rate.control_value * 1.5
 
 
+def test_holm_adjusts_every_metric_and_arm_as_one_family(shop: Shop, shop_analysis: Analysis) -> None:
+    result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, correction="holm"))
+    assert (result.correction, result.family_size) == ("holm", 3)
+    plain = {c.metric: c for c in shop_analysis.phases[0].comparisons}
+    adjusted = {c.metric: c for c in result.phases[0].comparisons}
+    names = sorted(plain)
+    expected = multipletests([plain[n].p_value for n in names], method="holm")[1]
+    for name, reference in zip(names, expected, strict=True):
+        c = adjusted[name]
+        assert c.correction == "holm"
+        assert c.adjusted_p_value == pytest.approx(reference, rel=1e-12)
+        assert c.p_value == plain[name].p_value  # the unadjusted one stays beside it
+        assert "Holm-adjusted 95 % CI" in c.verdict_line
+        assert ", adjusted p" in c.verdict_line
+    # Bonferroni's level for the intervals: alpha / 3, so the click (a z-test) interval widens by the z ratio.
+    click, before = adjusted["click"], plain["click"]
+    assert click.adjusted_ci is not None
+    assert click.adjusted_ci.low is not None
+    assert click.adjusted_ci.high is not None
+    assert before.absolute_ci.low is not None
+    assert before.absolute_ci.high is not None
+    widened = (click.adjusted_ci.high - click.adjusted_ci.low) / (before.absolute_ci.high - before.absolute_ci.low)
+    assert widened == pytest.approx(stats.norm.ppf(1 - 0.05 / 6) / stats.norm.ppf(0.975), rel=1e-9)
+    assert click.verdict == "better"  # a planted 50 % lift survives three tests
+    assert result.verdicts == [c.verdict_line for c in result.phases[0].comparisons]
+    assert "Verdicts adjusted by Holm (family-wise) over 3 comparisons" in render_table(result)
+
+
+def test_bh_counts_the_segments_in_its_family_and_marks_each_line(shop: Shop) -> None:
+    query = Query(model=SHOP, window=WINDOW, metrics=METRICS, correction="bh", segment="principal")
+    result = run_analysis(shop.redis, query)
+    per_segment = sum(len(p.comparisons) for s in result.segments for p in s.phases)
+    assert per_segment > 0
+    assert result.family_size == len(result.phases[0].comparisons) + per_segment
+    lines = result.verdicts + [line for s in result.segments for line in s.verdicts]
+    assert lines
+    assert all("BH-adjusted" in line for line in lines)
+
+
 def test_per_call_analysis_uses_the_two_proportion_test_and_its_always_valid_form(shop: Shop) -> None:
     result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, unit="call", sequential=True))
     [phase_result] = result.phases
@@ -570,6 +611,7 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
         (["--metric", "click:proportion", "--metric", "click:sum"], "a metric is named twice: click"),
         (["--metric", "click:proportion", "--max-lateness", "100000000d"], "--max-lateness: at most 3650d"),
         (["--metric", "click:rate", "--sequential-tuning", "0"], "--sequential-tuning: must be between 2"),
+        (["--metric", "click:rate", "--correction", "bonferroni"], "invalid choice: 'bonferroni'"),
         (["--metric", "click:rate", "--planned-units", "lots"], "--planned-units: not a whole number of units"),
         (["--metric", "click:proportion", "--since", "9000-01-01T00:00:00Z"], "is after anything recorded can be"),
         (
@@ -590,6 +632,7 @@ def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, 
         "twice",
         "lateness-past-int64",
         "zero-tuning",
+        "bad-correction",
         "bad-planned-units",
         "since-past-int64",
         "cuped-per-call",

@@ -12,8 +12,8 @@ earlier ones are the lift-over-time chart.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,7 @@ from splitstream.analysis.model import (
     ArmMetric,
     ArmSummary,
     CallCounts,
+    Correction,
     FeedbackCounts,
     Interval,
     MetricComparison,
@@ -84,6 +85,8 @@ class Query:
     segment: str | None = None
     #: ``--price`` per version: each call's cost (metric ``cost``, and per arm in the report).
     prices: dict[str, Price] = field(default_factory=dict)
+    #: ``--correction``: adjust p-values and intervals over every comparison of the analysis.
+    correction: Correction = "none"
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -105,6 +108,8 @@ class Query:
             raise ValueError("CUPED needs units that come back (--unit user): a call has no pre-period")
         if self.segment is not None and self.segment not in SEGMENT_FIELDS:
             raise ValueError(f"cannot segment by {self.segment!r} (fields: {', '.join(SEGMENT_FIELDS)})")
+        if self.correction not in ("none", "holm", "bh"):
+            raise ValueError(f"unknown correction {self.correction!r} (none, holm or bh)")
         if self.tuning_units < 1:
             raise ValueError(f"the sequential tuning must be at least 1 unit, got {self.tuning_units}")
         if self.planned_units is not None and self.planned_units < 2:
@@ -139,7 +144,7 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
         pre = await _load_pre_values(source, query, query.pre_window)
     analysis = summarize(query, exposures, feedback, overall, pre)
     if query.segment is None:
-        return analysis
+        return _corrected(query, analysis)
     segments = []
     for value, part in exposures.segments.items():
         result = summarize(query, part, feedback, parts[value], pre)
@@ -153,11 +158,97 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
                 verdicts=result.verdicts,
             )
         )
+    return _corrected(
+        query,
+        analysis.model_copy(
+            update={
+                "segment_field": query.segment,
+                "segments": segments,
+                "units_in_several_segments": _units_in_several(exposures),
+            }
+        ),
+    )
+
+
+# -- multiple comparisons ------------------------------------------------------------------
+
+#: How a verdict line names the adjustment of its interval and p-value.
+CORRECTION_LABELS = {"holm": "Holm-adjusted", "bh": "BH-adjusted"}
+
+
+def _corrected(query: Query, analysis: Analysis) -> Analysis:
+    """Every comparison of the analysis (each metric and arm, in each phase and segment) adjusted as one family:
+    its p-value by Holm or Benjamini-Hochberg, its interval recomputed at the level that matches (Bonferroni's
+    for Holm, the false-coverage-rate level for BH), and its verdict judged on both."""
+    if query.correction == "none":
+        return analysis
+    parts = [analysis.phases, *(segment.phases for segment in analysis.segments)]
+    family = [c for phases in parts for phase in phases for c in phase.comparisons if _p_of(query, c) is not None]
+    if not family:
+        return analysis.model_copy(update={"correction": query.correction})
+    adjusted = st.adjusted_p_values([_p_of(query, c) for c in family], query.correction)
+    level = st.corrected_alpha(adjusted, query.correction, query.alpha)
+    done = {id(c): _adjusted(query, c, float(p), level) for c, p in zip(family, adjusted, strict=True)}
+
+    def redo(phases: list[PhaseResult]) -> list[PhaseResult]:
+        return [
+            phase.model_copy(update={"comparisons": [done.get(id(c), c) for c in phase.comparisons]})
+            for phase in phases
+        ]
+
+    def lines(phases: list[PhaseResult]) -> list[str]:
+        return [c.verdict_line for phase in phases for c in phase.comparisons]
+
+    phases = redo(analysis.phases)
+    segments = [
+        segment.model_copy(update={"phases": (redone := redo(segment.phases)), "verdicts": lines(redone)})
+        for segment in analysis.segments
+    ]
     return analysis.model_copy(
         update={
-            "segment_field": query.segment,
+            "phases": phases,
             "segments": segments,
-            "units_in_several_segments": _units_in_several(exposures),
+            "verdicts": lines(phases),
+            "correction": query.correction,
+            "family_size": len(family),
+        }
+    )
+
+
+def _p_of(query: Query, comparison: MetricComparison) -> float | None:
+    """The p-value the verdict reads: the always-valid one with ``--sequential``."""
+    if comparison._basis is None:
+        return None
+    return comparison.sequential_p_value if query.sequential else comparison.p_value
+
+
+def _adjusted(query: Query, comparison: MetricComparison, p: float, level: float) -> MetricComparison:
+    result, spec, more = cast(tuple[st.Comparison, MetricSpec, int | None], comparison._basis)
+    test = "welch" if result.test == "welch" else "z"  # a two-proportion test's interval is the unpooled z one
+    again = st.compare(
+        result.control,
+        result.treatment,
+        alpha=level,
+        test=test,
+        sequential=query.sequential,
+        tuning_units=query.tuning_units,
+    )
+    again = replace(again, sequential_p_value=p) if query.sequential else replace(again, p_value=p)
+    verdict, line = _verdict(
+        query, spec, comparison.control, comparison.arm, again, more, adjusted=CORRECTION_LABELS[query.correction]
+    )
+    if query.unit == "call" and comparison.verdict_line.endswith(PER_CALL_LABEL):
+        line = f"{line} {PER_CALL_LABEL}"
+    interval = again.sequential_ci if query.sequential else again.absolute_ci
+    relative = again.sequential_relative_ci if query.sequential else again.relative_ci
+    return comparison.model_copy(
+        update={
+            "correction": query.correction,
+            "adjusted_p_value": _num(p),
+            "adjusted_ci": _interval(*interval) if interval else None,
+            "adjusted_relative_ci": _interval(*relative) if relative else None,
+            "verdict": verdict,
+            "verdict_line": line,
         }
     )
 
@@ -547,7 +638,7 @@ def _comparison(
     result, theta, plain = final
     sizing = _sizing(query, result)
     verdict, line = _verdict(query, spec, control, arm, result, sizing.more_units_needed)
-    return MetricComparison(
+    comparison = MetricComparison(
         metric=spec.name,
         kind=spec.kind,
         direction=spec.direction,
@@ -575,6 +666,8 @@ def _comparison(
         verdict_line=line,
         timeline=timeline,
     )
+    comparison._basis = (result, spec, sizing.more_units_needed)
+    return comparison
 
 
 @dataclass(frozen=True, slots=True)
@@ -618,10 +711,18 @@ def _sizing(query: Query, result: st.Comparison) -> _Sizing:
 
 
 def _verdict(
-    query: Query, spec: MetricSpec, control: str, arm: str, result: st.Comparison, more: int | None
+    query: Query,
+    spec: MetricSpec,
+    control: str,
+    arm: str,
+    result: st.Comparison,
+    more: int | None,
+    *,
+    adjusted: str | None = None,
 ) -> tuple[Verdict, str]:
     """``v2 vs v1: click +3.1 % (95 % CI +1.2 .. +5.0 %), p = 0.002: v2 better``: better when the lift goes the
-    metric's way (up, or down for ``lower``), worse when it goes the other."""
+    metric's way (up, or down for ``lower``), worse when it goes the other. ``adjusted`` names a correction
+    whose p-value and interval ``result`` carries (``Holm-adjusted 95 % CI ..., adjusted p = ...``)."""
     level = f"{(1 - query.alpha) * 100:g} %"
     if query.sequential and result.sequential_ci is not None and result.sequential_p_value is not None:
         low, high = result.sequential_ci
@@ -631,13 +732,15 @@ def _verdict(
         low, high = result.absolute_ci
         p = result.p_value
         label = f"{level} CI"
+    if adjusted:
+        label = f"{adjusted} {label}"
     relative_ci = result.sequential_relative_ci if query.sequential else result.relative_ci
     if result.relative is not None and relative_ci is not None:
         rel_low, rel_high = relative_ci  # by the delta method, the control's variance included
         effect = f"{spec.name} {result.relative * 100:+.1f} % ({label} {rel_low * 100:+.1f} .. {rel_high * 100:+.1f} %)"
     else:
         effect = f"{spec.name} {result.absolute:+.4g} ({label} {low:+.4g} .. {high:+.4g})"
-    head = f"{arm} vs {control}: {effect}, {st.p_clause(p)}"
+    head = f"{arm} vs {control}: {effect}, {'adjusted ' if adjusted else ''}{st.p_clause(p)}"
     if p < query.alpha and (low > 0 or high < 0):
         verdict: Verdict = "better" if (result.absolute > 0) == spec.higher_is_better else "worse"
         return verdict, f"{head}: {arm} {verdict}"

@@ -199,6 +199,14 @@ def add_command(commands: Any, env_prefix: str) -> None:
         "5,000); set it near the size the experiment will reach",
     )
     parser.add_argument(
+        "--correction",
+        choices=("none", "holm", "bh"),
+        default="none",
+        help="adjust p-values and intervals over every comparison (metrics x arms x phases, and segments): holm "
+        "(any false positive at most alpha) or bh (Benjamini-Hochberg: false discoveries at most alpha of those "
+        "declared)",
+    )
+    parser.add_argument(
         "--planned-units",
         type=_units,
         default=None,
@@ -279,6 +287,7 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         sequential=args.sequential,
         tuning_units=args.sequential_tuning,
         planned_units=args.planned_units,
+        correction=args.correction,
         pre_window=pre,
         segment=args.segment,
         prices=prices,

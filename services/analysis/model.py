@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from splitstream.analysis.statistics import MetricKind
 from splitstream.analysis.usage import CALL_METRICS
 
 Unit = Literal["user", "call"]
+#: ``--correction``: none, Holm's step-down (family-wise error) or Benjamini-Hochberg (false discovery rate).
+Correction = Literal["none", "holm", "bh"]
 Verdict = Literal["better", "worse", "inconclusive", "no data"]
 
 
@@ -168,9 +170,17 @@ class MetricComparison(_Model):
     #: Units in both arms the observed lift would need for 80 % power at the current split, and how many more.
     units_needed: float | None = None
     more_units_needed: int | None = None
+    #: ``--correction``: the method, the p-value adjusted over the family (every comparison of the analysis), and
+    #: the interval at the matching level (the sequence's, with ``--sequential``): what the verdict used.
+    correction: Correction = "none"
+    adjusted_p_value: float | None = None
+    adjusted_ci: Interval | None = None
+    adjusted_relative_ci: Interval | None = None
     verdict: Verdict
     verdict_line: str
     timeline: list[TimelinePoint] = Field(default_factory=list)
+    #: The comparison's estimates and metric, kept (not written) so a correction can recompute its intervals.
+    _basis: object = PrivateAttr(default=None)
 
 
 class SampleRatioMismatch(_Model):
@@ -281,3 +291,6 @@ class Analysis(_Model):
     units_in_several_segments: int = 0
     #: ``--unit call`` on calls the router split by routing key: why the intervals are too narrow (None otherwise).
     unit_warning: str | None = None
+    #: ``--correction`` and how many comparisons it adjusted over (metrics x arms x phases, x segments).
+    correction: Correction = "none"
+    family_size: int = 0

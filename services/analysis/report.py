@@ -32,6 +32,8 @@ def render_table(analysis: Analysis) -> str:
     lines = [_title(analysis), _calls_line(analysis), _feedback_line(analysis)]
     if analysis.unit_warning:
         lines += [f"warning: {analysis.unit_warning}"]
+    if analysis.correction != "none":
+        lines += [_correction_line(analysis)]
     for phase in analysis.phases:
         lines += _phase_lines(analysis, phase, indent="")
     if analysis.non_randomized:
@@ -53,6 +55,14 @@ def render_table(analysis: Analysis) -> str:
             for phase in segment.phases:
                 lines += _phase_lines(analysis, phase, indent="  ")
     return "\n".join(lines)
+
+
+def _correction_line(analysis: Analysis) -> str:
+    method = "Holm (family-wise)" if analysis.correction == "holm" else "Benjamini-Hochberg (false discovery rate)"
+    return (
+        f"Verdicts adjusted by {method} over {analysis.family_size} comparisons (metrics x arms x phases"
+        f"{' x segments' if analysis.segment_field else ''}); the tables show unadjusted p-values and intervals."
+    )
 
 
 def _segments_line(analysis: Analysis) -> str:
@@ -225,6 +235,7 @@ def render_html(analysis: Analysis) -> str:
         "<h2 id='counts'>Counts</h2>",
         f"<p>{escape(_calls_line(analysis))}</p><p>{escape(_feedback_line(analysis))}</p>",
         f"<p class='warn'>{escape(analysis.unit_warning)}</p>" if analysis.unit_warning else "",
+        f"<p>{escape(_correction_line(analysis))}</p>" if analysis.correction != "none" else "",
     ]
     for index, phase in enumerate(analysis.phases):
         parts.append(_phase_section(analysis, phase, index))

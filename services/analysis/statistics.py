@@ -390,6 +390,40 @@ def confidence_sequence_half_width(variance: float, tau2: float, *, alpha: float
     )
 
 
+# -- multiple comparisons --------------------------------------------------------------------
+
+
+def adjusted_p_values(p_values: npt.ArrayLike, method: str) -> FloatArray:
+    """p-values adjusted for testing them all: ``holm`` (Holm 1979, step-down Bonferroni: controls the chance of
+    any false positive) or ``bh`` (Benjamini–Hochberg 1995, scipy's ``false_discovery_control``: controls the
+    expected share of false positives among those declared). Holm is written out: scipy has no function for it,
+    and the step-down is three array operations (statsmodels' ``multipletests`` checks it in the tests)."""
+    p = np.asarray(p_values, dtype=np.float64)
+    if not len(p):
+        return p
+    if method == "bh":
+        return np.asarray(stats.false_discovery_control(p, method="bh"), dtype=np.float64)
+    if method != "holm":
+        raise ValueError(f"unknown correction {method!r} (holm or bh)")
+    order = np.argsort(p, kind="stable")
+    stepped = np.maximum.accumulate((len(p) - np.arange(len(p))) * p[order])
+    adjusted = np.empty_like(p)
+    adjusted[order] = np.minimum(stepped, 1.0)
+    return adjusted
+
+
+def corrected_alpha(adjusted: FloatArray, method: str, alpha: float) -> float:
+    """The level for intervals that match the adjusted p-values: Bonferroni's ``α/m`` for Holm (simultaneous
+    coverage), and for BH the false-coverage-rate level ``α R/m`` of Benjamini & Yekutieli (2005), ``R`` the
+    hypotheses BH rejects (``α/m`` when it rejects none)."""
+    m = len(adjusted)
+    if not m:
+        return alpha
+    if method == "bh":
+        return alpha * max(int((adjusted < alpha).sum()), 1) / m
+    return alpha / m
+
+
 # -- sample ratio mismatch and power ---------------------------------------------------------
 
 
