@@ -109,4 +109,4 @@ gpu-smoke: install ## On a GPU machine: build, load and time a TensorRT engine a
 	$(BIN)/python bench/gpu_smoke.py
 
 clean: ## Remove the virtual environments and generated files
-	rm -rf $(VENV) $(TRITON_VENV) $(BENCH_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(TRITON_VENV) $(BENCH_VENV) $(LITELLM_VENV) services/common/proto .pytest_cache .ruff_cache .mypy_cache
