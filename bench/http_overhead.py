@@ -47,6 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.http_load import HttpPath, HttpSummary, chat_body, descendants, load_note, measure
+from bench.loadgen import find_nginx, stop_all
 from tests.harness import Stack, free_port, wait_for, write_registry
 from tests.redis_server import RedisServer
 
@@ -189,7 +190,7 @@ def start_litellm(tmp: Path, litellm: str, upstream: str) -> tuple[subprocess.Po
 
 def start_nginx(tmp: Path, upstream: str) -> tuple[subprocess.Popen[bytes], str] | str:
     """nginx as a reverse proxy in front of the stand-in; the reason it is left out when it cannot run."""
-    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    nginx = find_nginx()
     if nginx is None:
         return "nginx is not installed (apt-get install nginx)"
     port = free_port()
@@ -446,14 +447,7 @@ def main() -> int:
         print(f"\ntargets (router against the floor, same rounds; {load_note()} at the end):")
         print("\n".join(verdicts(results)) or "- (no case of the targets was run)")
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_all(processes)
         stack.close()
         for cleanup in stack_cleanup:
             cleanup()

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.http_load import HttpPath, descendants, load_note
 from bench.http_overhead import ROOT, parse_cases, print_tables, run_cases, start_floor, start_standin
 from bench.http_passthrough import STACKS
+from bench.loadgen import stop_all
 
 DEFAULT_CASES = "unary:1,unary:16,stream:1"
 
@@ -83,14 +84,7 @@ def main() -> int:
         print_tables(results, reference="aiohttp")
         print(f"\n{load_note()} at the end")
     finally:
-        for process in processes:
-            process.terminate()
-        for process in processes:
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_all(processes)
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 

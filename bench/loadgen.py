@@ -41,6 +41,23 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / TICKS
 
 
+def find_nginx() -> str | None:
+    """nginx's binary: on PATH, or where Debian's package puts it (/usr/sbin is off a non-root PATH)."""
+    return shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+
+
+def stop_all(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process at once, then wait for each (SIGKILL after 10 s): a bench's paths end together."""
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def rotated(names: list[str], round_index: int) -> list[str]:
     """The paths in a different order each round, so the order of measuring does not bias a path."""
     shift = round_index % len(names)

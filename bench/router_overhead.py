@@ -42,7 +42,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.loadgen import Result, Summary, cpu_seconds, grpc_frame, h2load_drive, infer_request, measure, rotated
+from bench.loadgen import (
+    Result,
+    Summary,
+    cpu_seconds,
+    find_nginx,
+    grpc_frame,
+    h2load_drive,
+    infer_request,
+    measure,
+    rotated,
+)
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.tls import ClientTls
 from tests.certs import Pki
@@ -53,7 +63,7 @@ MODEL = "bench"
 
 
 def start_nginx(tmp: Path, upstream: str) -> tuple[subprocess.Popen[bytes], str, list[int]] | None:
-    nginx = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    nginx = find_nginx()
     if nginx is None:
         return None
     port = free_port()

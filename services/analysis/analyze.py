@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -223,7 +223,8 @@ def _p_of(query: Query, comparison: MetricComparison) -> float | None:
 
 
 def _adjusted(query: Query, comparison: MetricComparison, p: float, level: float) -> MetricComparison:
-    result, spec, more = cast(tuple[st.Comparison, MetricSpec, int | None], comparison._basis)
+    assert comparison._basis is not None  # the family holds only comparisons with their estimates
+    result, spec, more = comparison._basis
     test = "welch" if result.test == "welch" else "z"  # a two-proportion test's interval is the unpooled z one
     again = st.compare(
         result.control,

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from splitstream.analysis.statistics import MetricKind
+from splitstream.analysis.statistics import Comparison, MetricKind
 from splitstream.analysis.usage import CALL_METRICS
 
 Unit = Literal["user", "call"]
@@ -180,7 +180,7 @@ class MetricComparison(_Model):
     verdict_line: str
     timeline: list[TimelinePoint] = Field(default_factory=list)
     #: The comparison's estimates and metric, kept (not written) so a correction can recompute its intervals.
-    _basis: object = PrivateAttr(default=None)
+    _basis: tuple[Comparison, MetricSpec, int | None] | None = PrivateAttr(default=None)
 
 
 class SampleRatioMismatch(_Model):

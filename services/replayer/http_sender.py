@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from splitstream.common.headers import VERSION_HEADER, from_header_value
+from splitstream.common.sse import EventData
 from splitstream.common.tls import ClientTls
 from splitstream.replayer.sender import Outcome, TargetUnreachable
 
@@ -201,20 +202,14 @@ class HttpTarget:
         return Outcome(code, "", None, version, sent_at, done_at, http=reply)
 
     async def _events(self, response: aiohttp.ClientResponse, sent_at: float) -> tuple[tuple[float, bytes], ...]:
-        """Each event's ``data`` (its lines joined by LF), timed when its blank line arrived."""
+        """Each event's ``data`` (its lines joined by LF), timed when the bytes that ended it arrived."""
         events: list[tuple[float, bytes]] = []
-        lines: list[bytes] = []
-        async for raw in response.content:  # line by line, as the bytes arrive
-            line = raw.rstrip(b"\r\n")
-            if line:
-                if line.startswith(b"data:"):
-                    lines.append(line[5:].removeprefix(b" "))
-                continue
-            if lines:
-                events.append((time.perf_counter() - sent_at, b"\n".join(lines)))
-                lines = []
-        if lines:
-            events.append((time.perf_counter() - sent_at, b"\n".join(lines)))
+        reader = EventData()
+        async for chunk in response.content.iter_any():  # as the bytes arrive
+            arrived = time.perf_counter() - sent_at
+            events += [(arrived, data) for data in reader.feed(chunk)]
+        if (last := reader.rest()) is not None:
+            events.append((time.perf_counter() - sent_at, last))
         return tuple(events)
 
     def close(self) -> None:

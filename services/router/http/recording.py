@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
+from splitstream.common.sse import EventData
 from splitstream.router.http.headers import as_text
 
 #: Headers about the connection, not the call: never recorded (a replay sets its own).
@@ -48,7 +49,7 @@ class HttpExchange:
         "max_bytes",
         "method",
         "path",
-        "pending",
+        "reader",
         "request_body",
         "response_body",
         "response_content_type",
@@ -74,7 +75,7 @@ class HttpExchange:
         self.kept_bytes = 0
         self.truncated = False
         self.first_token_ns = 0
-        self.pending = b""  # the written bytes of an event not ended yet
+        self.reader = EventData()  # the written bytes of an event not ended yet
         #: (prompt tokens, completion tokens) as the answer reported them; None when it reported none.
         self.usage: tuple[int, int] | None = None
 
@@ -85,14 +86,8 @@ class HttpExchange:
         """Bytes of a server-sent event stream as written to the client, cut anywhere (a relay passes chunks
         through as they come): each event that ends in them is recorded by its ``data`` (lines ending in CRLF as
         in LF, as the SSE format allows both)."""
-        data = (self.pending + chunk).replace(b"\r\n", b"\n")
-        start = 0
-        while (end := data.find(b"\n\n", start)) >= 0:
-            lines = [line[5:].removeprefix(b" ") for line in data[start:end].split(b"\n") if line.startswith(b"data:")]
-            if lines:
-                self.event(b"\n".join(lines))
-            start = end + 2
-        self.pending = data[start:]
+        for data in self.reader.feed(chunk):
+            self.event(data)
 
     def event(self, data: bytes) -> None:
         """An SSE event's ``data`` just written. The first one carrying generated text sets the call's TTFT."""
