@@ -324,7 +324,7 @@ def print_summary(summary: dict[str, object], workdir: Path) -> None:
     for name, rates in clicks.items():
         shown = ", ".join(f"{version} {rate:.1%}" for version, rate in rates.items())
         print(f"clicks per answer at {name}: {shown}")
-    print("\nsplitstream analyze: clicks per user, v2 against v1, phase by phase\n")
+    print("\nsplitstream analyze: clicks per answer (click:rate, users as units), v2 against v1, phase by phase\n")
     print(summary["analysis_table"])
     print(f"\nreport:  {summary['report']}")
     print(f"analysis: {summary['analysis_report']}")
