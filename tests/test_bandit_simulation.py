@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from scipy import stats
+from scipy import integrate, stats
 
 from splitstream.admin import thompson
 
@@ -108,3 +108,37 @@ def test_inverse_variance_weights_would_bias_the_read_out(steady: Runs) -> None:
     by_units, _ = thompson.stratified(lifts, variances, np.full(lifts.shape, n.sum()))
     assert monte_carlo_z(inverse_variance, TRUE_LIFT) > 10
     assert abs(monte_carlo_z(by_units, TRUE_LIFT)) < 3.5
+
+
+def test_p_best_of_two_beta_posteriors_matches_the_integral_scipy_computes() -> None:
+    # P(B > A) = ∫ f_B(x) F_A(x) dx for A ~ Beta(1 + 12, 1 + 88), B ~ Beta(1 + 18, 1 + 82).
+    a, b = stats.beta(13, 89), stats.beta(19, 83)
+    exact, _ = integrate.quad(lambda x: b.pdf(x) * a.cdf(x), 0, 1)
+    means, samples = thompson.beta_draws([12, 18], [100, 100], 200_000, np.random.default_rng(1))
+    p = thompson.p_best(samples)
+    assert abs(p[1] - exact) < 4 * np.sqrt(exact * (1 - exact) / 200_000)
+    assert p.sum() == pytest.approx(1.0)
+    assert means == pytest.approx([13 / 102, 19 / 102])
+
+
+def test_p_best_of_normal_posteriors_follows_the_direction() -> None:
+    # P(B > A) = Φ((μ_B - μ_A) / sqrt(v_A + v_B)); lower is better reverses it.
+    exact = stats.norm.cdf((5.2 - 5.0) / np.sqrt(0.01 + 0.02))
+    _, samples = thompson.normal_draws([5.0, 5.2], [0.01, 0.02], 200_000, np.random.default_rng(2))
+    higher, lower = thompson.p_best(samples), thompson.p_best(samples, higher_is_better=False)
+    assert abs(higher[1] - exact) < 4 * np.sqrt(exact * (1 - exact) / 200_000)
+    assert lower[1] == pytest.approx(1 - higher[1])
+
+
+def test_weights_keep_the_holdout_and_the_floor_and_sum_to_100() -> None:
+    # Three arms, one sure to be best: the holdout's 20 % is split evenly; the floor (5 %) lifts nobody here.
+    # (86.67, 6.67, 6.67: the two percents left over go to the first two, in order)
+    assert thompson.whole_percents(thompson.allocate([1.0, 0.0, 0.0], holdout=0.2, min_weight=0.05)) == [87, 7, 6]
+    # No holdout: the floor of 10 % is taken from the best arm.
+    assert thompson.whole_percents(thompson.allocate([0.98, 0.01, 0.01], holdout=0.0, min_weight=0.10)) == [80, 10, 10]
+    weights = thompson.allocate(
+        np.random.default_rng(3).dirichlet(np.ones(4), size=1_000), holdout=0.1, min_weight=0.08
+    )
+    assert np.allclose(weights.sum(axis=-1), 1)
+    assert (weights >= 0.08 - 1e-9).all()
+    assert all(sum(thompson.whole_percents(w)) == 100 for w in weights[:50])

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitstream.admin import feedback_import, lock, metrics
+from splitstream.admin import bandit, feedback_import, lock, metrics
 from splitstream.admin.outcomes import GUARD_SYNTAX, OutcomeGuard, OutcomeReader
 from splitstream.admin.rollout import (
     FAILED,
@@ -255,6 +255,7 @@ def build_parser() -> EnvArgumentParser:
     add_redis_security_arguments(outcomes)
     feedback_import.add_parser(commands, env_prefix=ENV_PREFIX)
     analysis_cli.add_command(commands, ENV_PREFIX)
+    bandit.add_parser(commands, ENV_PREFIX)
     return parser
 
 
@@ -280,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return experiment_set(store, args)
         if args.command == "versions":
             return list_versions(store, args.model, as_json=args.json)
+        if args.command == "bandit":
+            return bandit.run(store, args, env_prefix=ENV_PREFIX, say=_say)
         return run_rollout(store, args)
     except Invalid as error:
         return _fail(USAGE, error)

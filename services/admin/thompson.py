@@ -69,15 +69,17 @@ def allocate(probabilities: npt.ArrayLike, *, holdout: float, min_weight: float)
     p = np.asarray(probabilities, dtype=np.float64)
     arms = p.shape[-1]
     weights = holdout / arms + (1.0 - holdout) * p
-    for _ in range(arms):  # each round fixes at least one more arm at the floor
-        low = weights < min_weight - 1e-12
-        if not low.any():
+    fixed = np.zeros(weights.shape, dtype=bool)
+    for _ in range(arms):  # each round fixes at least one more arm at the floor, or ends
+        low = fixed | (weights < min_weight - 1e-12)
+        if (low == fixed).all():
             break
-        floor_mass = min_weight * low.sum(axis=-1, keepdims=True)
-        free = np.where(low, 0.0, weights)
+        fixed = low
+        floor_mass = min_weight * fixed.sum(axis=-1, keepdims=True)
+        free = np.where(fixed, 0.0, weights)
         free_mass = free.sum(axis=-1, keepdims=True)
         scale = np.divide(1.0 - floor_mass, free_mass, out=np.zeros_like(free_mass), where=free_mass > 0)
-        weights = np.where(low, min_weight, free * scale)
+        weights = np.where(fixed, min_weight, free * scale)
     return weights
 
 
