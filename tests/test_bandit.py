@@ -105,6 +105,8 @@ def test_the_bandit_moves_most_traffic_onto_the_version_that_converts_better(sta
     assert "ended after --max-steps 6" in result.stdout
     (read_out,) = [line for line in lines if line.startswith("read-out: v2 - v1 click:conversion")]
     assert read_out.split()[5].startswith("+"), read_out  # v2 converts better: a positive lift
+    # The per-phase analysis is one command away.
+    assert any(line.startswith(f"each phase: splitstream analyze {MODEL} --since ") for line in lines)
 
 
 @pytest.mark.slow

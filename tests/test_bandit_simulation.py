@@ -73,7 +73,7 @@ def drifting() -> Runs:
 
 
 def monte_carlo_z(values: np.ndarray, truth: float) -> float:
-    return float((values.mean() - truth) / (values.std(ddof=1) / np.sqrt(len(values))))
+    return float((values.mean() - truth) / monte_carlo_se(values))
 
 
 def test_most_traffic_ends_on_the_arm_that_converts_better(steady: Runs) -> None:
@@ -95,7 +95,11 @@ def test_pooling_every_phase_is_biased_when_the_base_rate_drifts(drifting: Runs)
     assert monte_carlo_z(drifting.pooled, TRUE_LIFT) > 10
 
 
-def test_inverse_variance_weights_would_bias_the_read_out(steady: Runs) -> None:
+def test_inverse_variance_weights_would_bias_the_read_out() -> None:
+    inverse_variance_at_10_90()
+
+
+def inverse_variance_at_10_90() -> tuple[float, float]:
     """Why the read-out weighs phases by units: estimated binomial variances are smallest where a starved
     arm's rate came out low by chance, so inverse-variance weights favour the phases with the largest lifts."""
     rng = np.random.default_rng(7)
@@ -108,6 +112,7 @@ def test_inverse_variance_weights_would_bias_the_read_out(steady: Runs) -> None:
     by_units, _ = thompson.stratified(lifts, variances, np.full(lifts.shape, n.sum()))
     assert monte_carlo_z(inverse_variance, TRUE_LIFT) > 10
     assert abs(monte_carlo_z(by_units, TRUE_LIFT)) < 3.5
+    return float(inverse_variance.mean()), monte_carlo_se(inverse_variance)
 
 
 def test_p_best_of_two_beta_posteriors_matches_the_integral_scipy_computes() -> None:
@@ -142,3 +147,29 @@ def test_weights_keep_the_holdout_and_the_floor_and_sum_to_100() -> None:
     assert np.allclose(weights.sum(axis=-1), 1)
     assert (weights >= 0.08 - 1e-9).all()
     assert all(sum(thompson.whole_percents(w)) == 100 for w in weights[:50])
+
+
+def figures() -> None:
+    """The figures docs/bandits.md quotes: ``python -m tests.test_bandit_simulation``."""
+    z = stats.norm.ppf(0.975)
+    for name, runs in (
+        ("steady", simulate(drift_per_interval=0.0, seed=20261206)),
+        ("drift +0.004/interval", simulate(drift_per_interval=0.004, seed=20261207)),
+    ):
+        covered = np.mean(np.abs(runs.stratified - TRUE_LIFT) <= z * runs.stratified_se)
+        print(
+            f"{name}: better arm's final weight {runs.final_share.mean():.3f} "
+            f"(over 50 % in {np.mean(runs.final_share > 0.5):.1%} of runs); read-out {runs.stratified.mean():.5f} "
+            f"(MC se {monte_carlo_se(runs.stratified):.5f}, 95 % CI "
+            f"covers {covered:.1%}); pooled {runs.pooled.mean():.5f} (MC se {monte_carlo_se(runs.pooled):.5f})"
+        )
+    mean, se = inverse_variance_at_10_90()
+    print(f"inverse-variance weights at a 10/90 split: {mean:.5f} (MC se {se:.5f})")
+
+
+def monte_carlo_se(values: np.ndarray) -> float:
+    return float(values.std(ddof=1) / np.sqrt(len(values)))
+
+
+if __name__ == "__main__":
+    figures()

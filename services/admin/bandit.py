@@ -123,6 +123,7 @@ class Bandit:
         self._holds: Experiment | None = None
         self._start: Experiment | None = None
         self._last: Analysis | None = None
+        self._since_ns = 0
 
     # -- the loop -----------------------------------------------------------------------------------
 
@@ -144,7 +145,7 @@ class Bandit:
         self._start, self._holds = start, view.stored
         first = self._with_weights(start, self._weights(np.full(len(arms), 1 / len(arms))))
         check_versions_exist(view, first)
-        since_ns = self.wall_clock_ns() - CLOCK_SKEW_NS
+        since_ns = self._since_ns = self.wall_clock_ns() - CLOCK_SKEW_NS
         started = self.clock()
         revision = view.revision
         try:
@@ -321,6 +322,10 @@ class Bandit:
                 f"({(1 - plan.alpha) * 100:g} % CI {interval[0]:+.4g} .. {interval[1]:+.4g}), per-phase lifts "
                 f"averaged by units over {pooled.phases} phase{'s' if pooled.phases != 1 else ''}"
             )
+        self.out(
+            f"each phase: splitstream analyze {plan.model} --since {self._since_ns / 1e9:.0f} --metric {plan.metric} "
+            "--redis-url ..."
+        )
 
     # -- writing ------------------------------------------------------------------------------------
 
