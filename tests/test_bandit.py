@@ -110,6 +110,23 @@ def test_the_bandit_moves_most_traffic_onto_the_version_that_converts_better(sta
 
 
 @pytest.mark.slow
+def test_a_per_call_rate_where_lower_is_better_moves_traffic_onto_the_version_clicked_less(
+    stack: RecordingStack,
+) -> None:
+    # The same clicks read as something to keep low (complaints): the normal posterior of the per-call rate,
+    # the smaller draw best. --duration ends it, keeping the weights.
+    set_experiment(stack, "bandit-lower", {"v1": 50, "v2": 50})
+    users = Users(stack, "lower", {"v1": 0.1, "v2": 0.6}, seed=15)
+    with Traffic(users):
+        result = admin(*bandit_flags(stack, "--metric", "click:rate:lower", "--duration", "5s", "--seed", "2"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ended after --duration 5s" in result.stdout
+    assert weights(stack)["v1"] >= 70, result.stdout
+    (read_out,) = [line for line in result.stdout.splitlines() if line.startswith("read-out: v2 - v1 click:rate:lower")]
+    assert read_out.split()[5].startswith("+"), read_out  # the lift is v2 minus v1 whatever the direction
+
+
+@pytest.mark.slow
 def test_a_broken_split_trips_the_sample_ratio_guard_and_the_starting_weights_come_back(
     stack: RecordingStack,
 ) -> None:
@@ -147,7 +164,7 @@ def test_an_arm_failing_its_calls_trips_the_error_guard_and_the_starting_weights
 
 
 @pytest.mark.slow
-def test_sigint_reverts_to_the_starting_weights(stack: RecordingStack) -> None:
+def test_sigint_reverts_to_the_starting_weights_and_a_rollout_meanwhile_is_refused(stack: RecordingStack) -> None:
     set_experiment(stack, "bandit-int", {"v1": 60, "v2": 40})
     users = Users(stack, "int", {"v1": 0.1, "v2": 0.6}, seed=13)
     with Traffic(users):
@@ -159,6 +176,12 @@ def test_sigint_reverts_to_the_starting_weights(stack: RecordingStack) -> None:
         try:
             # The bandit's first weights (an even split: nothing is known yet) are written, then it is stopped.
             wait_for(lambda: weights(stack) == {"v1": 50, "v2": 50}, timeout_s=30, what="the bandit's first weights")
+            # It holds the model's rollout lock: a rollout now would fight it over the weights.
+            refused = admin(
+                "--registry", f"file:{stack.registry}", "rollout", MODEL, "v2", "--metrics", "127.0.0.1:1"
+            )  # fmt: skip
+            assert refused.returncode == 2, refused.stdout + refused.stderr
+            assert "already has a rollout running (rollout of bandit by pid" in refused.stderr
             process.send_signal(signal.SIGINT)
             out, err = process.communicate(timeout=60)
         finally:
