@@ -28,7 +28,16 @@ from scipy import stats
 
 from splitstream.admin import lock, thompson
 from splitstream.admin.outcomes import Check, OutcomeReader, judge
-from splitstream.admin.rollout import FAILED, ROLLED_BACK, Interrupts, LockLost, Tripped, Verdict, _tidy
+from splitstream.admin.rollout import (
+    FAILED,
+    ROLLED_BACK,
+    Interrupts,
+    LockLost,
+    Tripped,
+    Verdict,
+    rebuilt,
+    write_checked,
+)
 from splitstream.admin.store import AdminError, Conflict, Invalid, Store, check_versions_exist, weights_text
 from splitstream.analysis.model import Analysis, MetricSpec, PhaseResult
 from splitstream.analysis.statistics import MetricKind
@@ -330,41 +339,15 @@ class Bandit:
     # -- writing ------------------------------------------------------------------------------------
 
     def _with_weights(self, base: Experiment, weights: Sequence[float]) -> Experiment:
-        arms = [(a.version, _tidy(w)) for a, w in zip(base.arms, weights, strict=True)]
-        live = {v for v, w in arms if w > 0}
-        try:
-            return Experiment.build(
-                model=base.model,
-                salt=base.salt,
-                control=base.control,
-                arms=arms,
-                shadows=[(s.version, s.sample_rate) for s in base.shadows if s.version not in live],
-                routing_key_header=base.routing_key_header,
-            )
-        except ConfigError as error:
-            raise Invalid(str(error)) from None
+        return rebuilt(base, base.control, {a.version: w for a, w in zip(base.arms, weights, strict=True)})
 
     def _write(self, experiment: Experiment, revision: object) -> object:
-        """Check-and-set write, read back; Conflict when someone else changed the experiment (an edit elsewhere
-        in a registry file is written over again, as a rollout does)."""
-        model = self.plan.model
-        for _ in range(5):
-            try:
-                self.store.write(model, experiment, revision)
-                break
-            except Conflict:
-                view = self.store.read(model)
-                if view.stored != self._holds:
-                    raise
-                revision = view.revision
-        else:
-            raise Conflict(f"{self.store.description} kept changing while we wrote; nothing written")
-        view = self.store.read(model)
-        if view.stored != experiment:
-            raise Conflict("someone else changed the experiment right after our write")
+        """The rollout's check-and-set write (an edit elsewhere in a registry file is written over again;
+        a change to the experiment is a Conflict)."""
+        revision = write_checked(self.store, self.plan.model, experiment, revision, holds=self._holds)
         self._holds = experiment
         self.phases.append(experiment.phase.id)
-        return view.revision
+        return revision
 
     def _revert(self, why: str) -> Verdict:
         """The starting weights back, whatever signals come now; the read-out of what was measured first."""

@@ -346,43 +346,12 @@ class Rollout:
         return self._rebuilt(base, self.plan.version, weights)
 
     def _rebuilt(self, base: Experiment, control: str, weights: dict[str, float]) -> Experiment:
-        live = {v for v, w in weights.items() if w > 0}
-        try:
-            return Experiment.build(
-                model=base.model,
-                salt=base.salt,
-                control=control,
-                arms=[(v, _tidy(w)) for v, w in weights.items()],
-                shadows=[(s.version, s.sample_rate) for s in base.shadows if s.version not in live],
-                routing_key_header=base.routing_key_header,
-            )
-        except ConfigError as error:
-            raise Invalid(str(error)) from None
+        return rebuilt(base, control, weights)
 
     def _write(self, experiment: Experiment, revision: object) -> object:
-        """Write with check-and-set; return the new revision, read back with the experiment it must hold.
-
-        A file registry's revision is the whole file's: an edit elsewhere in it during a step (another
-        model, a comment) made the next step's write a conflict, which stopped the rollout with v2 at its
-        step's weight. While the experiment is still the one last written, the write is made again on the
-        file as it is now, keeping that edit; a change to the experiment itself stays a conflict."""
-        model = self.plan.model
-        for _ in range(5):
-            try:
-                self.store.write(model, experiment, revision)
-                break
-            except Conflict:
-                view = self.store.read(model)
-                if view.stored != self._holds:
-                    raise
-                revision = view.revision
-        else:
-            raise Conflict(f"{self.store.description} kept changing while we wrote; nothing written")
-        view = self.store.read(model)
-        if view.stored != experiment:
-            raise Conflict("someone else changed the experiment right after our write")
+        revision = write_checked(self.store, self.plan.model, experiment, revision, holds=self._holds)
         self._holds = experiment
-        return view.revision
+        return revision
 
     def _roll_back(self, why: str, *, failed: bool = False) -> Verdict:
         """Move the new version's share to the control in the experiment as it is now (retrying a conflict).
@@ -590,6 +559,50 @@ class Rollout:
             f"{self.plan.version} error rate {_percent(new.error_rate)} ({new.errors:g} of {new.calls:g} calls) "
             f"exceeds --max-error-rate {_percent(self.plan.max_error_rate)}"
         )
+
+
+def rebuilt(base: Experiment, control: str, weights: dict[str, float]) -> Experiment:
+    """``base`` with these weights and control (its salt, header and the shadows of versions not taking
+    traffic kept); Invalid when the result is no valid experiment."""
+    live = {v for v, w in weights.items() if w > 0}
+    try:
+        return Experiment.build(
+            model=base.model,
+            salt=base.salt,
+            control=control,
+            arms=[(v, _tidy(w)) for v, w in weights.items()],
+            shadows=[(s.version, s.sample_rate) for s in base.shadows if s.version not in live],
+            routing_key_header=base.routing_key_header,
+        )
+    except ConfigError as error:
+        raise Invalid(str(error)) from None
+
+
+def write_checked(
+    store: Store, model: str, experiment: Experiment, revision: object, *, holds: Experiment | None
+) -> object:
+    """Write with check-and-set; return the new revision, read back with the experiment it must hold.
+    ``holds``: the experiment the registry held as far as the writer knows (as read, then as last written).
+
+    A file registry's revision is the whole file's: an edit elsewhere in it during a step (another
+    model, a comment) made the next step's write a conflict, which stopped the rollout with v2 at its
+    step's weight. While the experiment is still the one last written, the write is made again on the
+    file as it is now, keeping that edit; a change to the experiment itself stays a conflict."""
+    for _ in range(5):
+        try:
+            store.write(model, experiment, revision)
+            break
+        except Conflict:
+            view = store.read(model)
+            if view.stored != holds:
+                raise
+            revision = view.revision
+    else:
+        raise Conflict(f"{store.description} kept changing while we wrote; nothing written")
+    view = store.read(model)
+    if view.stored != experiment:
+        raise Conflict("someone else changed the experiment right after our write")
+    return view.revision
 
 
 def interrupted_before_start(model: str) -> Verdict:
