@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from splitstream.analysis import bayes, bayes_readout
 from splitstream.analysis import statistics as st
 from splitstream.analysis.folding import Folder, RowMetric, among, load
 from splitstream.analysis.loading import (
@@ -87,6 +88,11 @@ class Query:
     prices: dict[str, Price] = field(default_factory=dict)
     #: ``--correction``: adjust p-values and intervals over every comparison of the analysis.
     correction: Correction = "none"
+    #: ``--engine``: ``bayes`` reads each verdict from the lift's posterior (:mod:`splitstream.analysis.bayes`)
+    #: under ``prior``, better at a chance to beat control of ``bayes_threshold``.
+    engine: bayes.Engine = "frequentist"
+    prior: bayes.Prior = field(default_factory=bayes.Prior)
+    bayes_threshold: float = bayes.DEFAULT_THRESHOLD
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -116,6 +122,7 @@ class Query:
             raise ValueError(f"the planned units must be at least 2 (one per arm), got {self.planned_units}")
         if self.pre_window is not None and self.pre_window.until_ns <= self.pre_window.since_ns:
             raise ValueError("the CUPED pre-period's end must be after its start")
+        bayes.check_query(self.engine, self.prior, self.bayes_threshold, self.sequential, self.correction)
 
 
 async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
@@ -144,7 +151,7 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
         pre = await _load_pre_values(source, query, query.pre_window)
     analysis = summarize(query, exposures, feedback, overall, pre)
     if query.segment is None:
-        return _corrected(query, analysis)
+        return _engine(query, _corrected(query, analysis))
     segments = []
     for value, part in exposures.segments.items():
         result = summarize(query, part, feedback, parts[value], pre)
@@ -158,16 +165,26 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
                 verdicts=result.verdicts,
             )
         )
-    return _corrected(
+    return _engine(
         query,
-        analysis.model_copy(
-            update={
-                "segment_field": query.segment,
-                "segments": segments,
-                "units_in_several_segments": _units_in_several(exposures),
-            }
+        _corrected(
+            query,
+            analysis.model_copy(
+                update={
+                    "segment_field": query.segment,
+                    "segments": segments,
+                    "units_in_several_segments": _units_in_several(exposures),
+                }
+            ),
         ),
     )
+
+
+def _engine(query: Query, analysis: Analysis) -> Analysis:
+    """The verdicts by ``--engine``: as they are (frequentist), or read from the posterior (bayes)."""
+    if query.engine != "bayes":
+        return analysis
+    return bayes_readout.apply(analysis, query.prior, query.bayes_threshold)
 
 
 # -- multiple comparisons ------------------------------------------------------------------

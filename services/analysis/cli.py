@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 from redis.exceptions import RedisError
 
+from splitstream.analysis import bayes
 from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
@@ -93,6 +94,16 @@ class AppendPrices(argparse.Action):
     ) -> None:
         current = getattr(namespace, self.dest, None)
         setattr(namespace, self.dest, [*(current if isinstance(current, list) else []), str(values)])
+
+
+def _finite(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def _alpha(text: str) -> float:
@@ -214,6 +225,33 @@ def add_command(commands: Any, env_prefix: str) -> None:
         help="units the experiment is planned to reach in total: the minimum detectable effect is also given at "
         "that size, split as now",
     )
+    parser.add_argument(
+        "--engine",
+        choices=bayes.ENGINES,
+        default="frequentist",
+        help="how verdicts are read: frequentist (p-values and confidence intervals) or bayes (GrowthBook's "
+        "Gaussian effect model: chance to beat control, expected loss, credible interval of the lift)",
+    )
+    parser.add_argument(
+        "--prior-mean",
+        type=_finite,
+        default=0.0,
+        help="with --engine bayes and --prior-sd: the prior's mean relative lift (0.05: five percent up)",
+    )
+    parser.add_argument(
+        "--prior-sd",
+        type=_finite,
+        default=None,
+        help="with --engine bayes: a proper normal prior on the relative lift with this standard deviation (0.3: "
+        "GrowthBook's suggestion); default a flat prior",
+    )
+    parser.add_argument(
+        "--bayes-threshold",
+        type=_finite,
+        default=bayes.DEFAULT_THRESHOLD,
+        help="with --engine bayes: the chance to beat control at which an arm is better (at 1 - it, worse); "
+        "GrowthBook's default 0.95",
+    )
     parser.add_argument("--cuped-pre-since", default=None, help="CUPED pre-period start (same forms as --since)")
     parser.add_argument("--cuped-pre-until", default=None, help="CUPED pre-period end (exclusive)")
     parser.add_argument(
@@ -291,6 +329,9 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         pre_window=pre,
         segment=args.segment,
         prices=prices,
+        engine=args.engine,
+        prior=bayes.Prior(args.prior_mean, args.prior_sd),
+        bayes_threshold=args.bayes_threshold,
     )
 
 

@@ -137,6 +137,24 @@ class TimelinePoint(_Model):
     sequential_relative_ci: Interval | None = None
 
 
+class BayesianReading(_Model):
+    """``--engine bayes``: the posterior of the lift (gbstats' effect model: a normal likelihood from the
+    delta-method variance, the analysis' prior on the relative lift) and what GrowthBook reads off it. The chance
+    and the losses are on the relative lift in the metric's good direction (down for ``lower``)."""
+
+    relative_mean: float
+    relative_sd: float
+    relative_credible_interval: Interval
+    absolute_mean: float | None
+    absolute_sd: float | None
+    absolute_credible_interval: Interval
+    chance_to_beat_control: float
+    #: Expected relative loss of choosing the arm (were it worse), and of staying with the control (were the
+    #: arm better): gbstats' ``risk``.
+    expected_loss_choosing_arm: float
+    expected_loss_keeping_control: float
+
+
 class MetricComparison(_Model):
     metric: str
     kind: MetricKind
@@ -179,6 +197,9 @@ class MetricComparison(_Model):
     verdict: Verdict
     verdict_line: str
     timeline: list[TimelinePoint] = Field(default_factory=list)
+    #: ``--engine bayes``: the Bayesian reading, which then gives the verdict (the p-value and intervals above
+    #: are still the frequentist ones, shown beside it); None otherwise or without a relative lift.
+    bayes: BayesianReading | None = None
     #: The comparison's estimates and metric, kept (not written) so a correction can recompute its intervals.
     _basis: tuple[Comparison, MetricSpec, int | None] | None = PrivateAttr(default=None)
 
@@ -294,3 +315,9 @@ class Analysis(_Model):
     #: ``--correction`` and how many comparisons it adjusted over (metrics x arms x phases, x segments).
     correction: Correction = "none"
     family_size: int = 0
+    #: ``--engine``: which reading gives the verdicts; with ``bayes``, the prior on the relative lift (sd None:
+    #: flat) and the chance to beat control at which an arm is better (at 1 - it, worse).
+    engine: Literal["frequentist", "bayes"] = "frequentist"
+    prior_mean: float | None = None
+    prior_sd: float | None = None
+    bayes_threshold: float | None = None

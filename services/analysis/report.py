@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from html import escape
 
+from splitstream.analysis import bayes_text
 from splitstream.analysis import statistics as st
 from splitstream.analysis.model import (
     Analysis,
@@ -175,6 +176,8 @@ def _title(analysis: Analysis) -> str:
         )
     if analysis.sequential:
         extras.append("always-valid (mSPRT)")
+    if analysis.engine == "bayes":
+        extras.append(bayes_text.engine_text(analysis))
     if analysis.cuped_since_ns is not None and analysis.cuped_until_ns is not None:
         extras.append(
             f"CUPED pre-period {format_instant(analysis.cuped_since_ns)} .. {format_instant(analysis.cuped_until_ns)}"
@@ -421,7 +424,7 @@ def _lift_section(phase: PhaseResult) -> str:
         "<th class='l'>verdict</th></tr>"
         f"{''.join(rows)}</table>"
     )
-    return f"<div class='charts lift'>{chart}</div>{table}"
+    return f"<div class='charts lift'>{chart}</div>{table}{bayes_text.html_table(phase.comparisons)}"
 
 
 def _lift_chart(comparisons: Sequence[MetricComparison]) -> str:
