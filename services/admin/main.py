@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitstream.admin import bandit, feedback_import, lock, metrics
+from splitstream.admin import bandit, feedback_import, judge_cli, lock, metrics
 from splitstream.admin.outcomes import GUARD_SYNTAX, OutcomeGuard, OutcomeReader
 from splitstream.admin.rollout import (
     FAILED,
@@ -253,6 +253,7 @@ def build_parser() -> EnvArgumentParser:
         "--guard-alpha", type=float, default=0.05, help="1 - confidence of the guards' always-valid intervals"
     )
     add_redis_security_arguments(outcomes)
+    judge_cli.add_arguments(rollout)
     feedback_import.add_parser(commands, env_prefix=ENV_PREFIX)
     analysis_cli.add_command(commands, ENV_PREFIX)
     bandit.add_parser(commands, ENV_PREFIX)
@@ -521,6 +522,10 @@ def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
     # From the environment, argparse converts the variable's one guard; from flags, a list.
     guards = (args.guard,) if isinstance(args.guard, OutcomeGuard) else tuple(args.guard or ())
+    try:
+        judge = judge_cli.config_from_args(args)
+    except ValueError as error:
+        raise Invalid(str(error)) from None
     plan = RolloutPlan(
         model=args.model,
         version=args.version,
@@ -537,6 +542,7 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         promote_on_win=args.promote_on_win,
         guard_min_units=args.guard_min_units,
         guard_alpha=args.guard_alpha,
+        judge=judge,
     )
     # SIGTERM (a CI job cancelled) and SIGHUP (a terminal closed) roll back like Ctrl-C does.
     interrupts = Interrupts()

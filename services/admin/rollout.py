@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from splitstream.admin import metrics
+from splitstream.admin.judge import JudgeConfig, Series
 from splitstream.admin.outcomes import Check, OutcomeGuard, judge
 from splitstream.admin.store import AdminError, Conflict, Invalid, ModelView, Store, check_versions_exist, weights_text
 from splitstream.analysis.model import Analysis
@@ -91,6 +92,8 @@ class RolloutPlan:
     guard_min_units: int = 30
     #: 1 - the confidence of the guards' always-valid intervals.
     guard_alpha: float = 0.05
+    #: ``--judge``: Kayenta's canary judge on the step's per-interval metrics (:mod:`splitstream.admin.judge`).
+    judge: JudgeConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.steps:
@@ -454,11 +457,16 @@ class Rollout:
         started = self.clock()
         end = started + plan.interval_s
         last_check: Check | None = None
+        series = self._judge_series(control_weight)
+        counts: dict[str, metrics.VersionCounts] = {}
+        held = False
         while True:
             remaining = end - self.clock()
             if remaining > 0:
                 self.sleep(min(plan.check_every_s, remaining))
-            counts = metrics.interval(before, self.scrape(plan.metrics_urls, plan.model))
+            previous, counts = counts, metrics.interval(before, self.scrape(plan.metrics_urls, plan.model))
+            if series is not None:
+                series.add(*(_since(counts, previous, v) for v in (self.control, plan.version)))
             lost = self.lock_lost()
             if lost:
                 raise LockLost(lost)
@@ -473,6 +481,9 @@ class Rollout:
                     last_check = None
                     break
             if remaining <= 0:
+                if series is not None and self._judged_marginal(series, held):
+                    held, end = True, end + plan.interval_s
+                    continue
                 break
         # Like --min-calls: a guard the step could not judge (too few units, no events of its metric) has
         # not held; promoting on it would let a misspelt metric wave every version through.
@@ -496,6 +507,39 @@ class Rollout:
         for guard in self._guards:
             line += self._judge(guard, new, control)
         self.out(line + ": guards hold")
+
+    def _judge_series(self, control_weight: float) -> Series | None:
+        """Where the step's per-interval values go for ``--judge``; None when not judging this step."""
+        if self.plan.judge is None:
+            return None
+        if control_weight <= 0:
+            self.out(f"  judge not applied in this step: {self.control} takes no traffic to compare with")
+            return None
+        return Series(self.plan.judge.names)
+
+    def _judged_marginal(self, series: Series, held: bool) -> bool:
+        """Judge the step so far: True to hold it one more interval (a first marginal score); raises Tripped on a
+        failing score, or on a marginal one after the hold."""
+        config = self.plan.judge
+        assert config is not None
+        judgement = config.judge(series)
+        decision = config.decide(judgement)
+        points = len(next(iter(series.canary.values()), []))
+        self.out(f"  {judgement.text()} over {points} intervals: {decision}")
+        if decision == "pass":
+            return False
+        if decision == "marginal" and not held:
+            self.out(
+                f"  judge: marginal (--judge-marginal {config.marginal_score:g} <= score < --judge-pass "
+                f"{config.pass_score:g}): holding the step one more interval"
+            )
+            return True
+        bound = (
+            f"below --judge-marginal {config.marginal_score:g}"
+            if decision == "fail"
+            else f"still below --judge-pass {config.pass_score:g} after holding the step one more interval"
+        )
+        raise Tripped(f"{self.plan.version} {judgement.text()}, {bound}")
 
     def _judge_outcomes(self, experiment: Experiment, since_ns: int, elapsed_s: float) -> Check:
         """One check of the outcome guards; prints its line, raises Tripped on harm or SRM, Won on a win."""
@@ -608,6 +652,14 @@ def write_checked(
 def interrupted_before_start(model: str) -> Verdict:
     """Interrupted before any write: nothing to roll back, the exit code of an interrupt all the same."""
     return Verdict(ROLLED_BACK, f"interrupted before the first step; {model} left as it was")
+
+
+def _since(
+    counts: Mapping[str, metrics.VersionCounts], previous: Mapping[str, metrics.VersionCounts], version: str
+) -> metrics.VersionCounts:
+    """A version's calls between two reads of the step (the judge's per-interval values)."""
+    now = counts.get(version, metrics.VersionCounts())
+    return now.minus(previous.get(version, metrics.VersionCounts()))
 
 
 def _tidy(weight: float) -> float:
