@@ -214,8 +214,16 @@ def test_a_marginal_score_holds_the_step_one_more_interval_then_rolls_back(tmp_p
         (["--judge", "--judge-pass", "70"], "need 0 <= marginal <= pass <= 100"),
         (["--judge", "--judge-confidence", "1.5"], "--judge-confidence: must be between 0.5 and 1"),
         (["--judge-metric", "error_rate"], "go with --judge"),
+        (["--judge", "--judge-metric", "click"], "unknown metric 'click' (one of latency_p50"),
     ],
-    ids=["unknown-metric", "weights-over-100", "pass-below-marginal", "confidence", "metric-without-judge"],
+    ids=[
+        "unknown-metric",
+        "weights-over-100",
+        "pass-below-marginal",
+        "confidence",
+        "metric-without-judge",
+        "outcome-without-guard",
+    ],
 )
 def test_bad_judge_flags_exit_2_with_one_line_and_change_nothing(
     tmp_path: Path, flags: list[str], message: str

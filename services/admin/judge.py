@@ -6,9 +6,11 @@ step's intervals, control against canary, with a Mann-Whitney U test, and scores
 at once, as Spinnaker's automated canary analysis (Kayenta) does. What follows is Kayenta's method (its
 ``MannWhitneyClassifier``, ``WeightedSumScorer`` and ``ThresholdScoreClassifier``), re-expressed here:
 
-- **Values.** Per metric, one value per check interval and version (the routers' counters between two reads):
-  its p50 or p99 latency, or its error rate. An interval in which a version answered nothing has no value
-  (NaN), and NaN values are removed, Kayenta's default ``nanStrategy``.
+- **Values.** Per metric, one value per check interval and version: from the routers' counters between two
+  reads, its p50 or p99 latency, or its error rate; for the metric of a ``--guard``, from the analysis the
+  guard reads, what the metric's total grew by over what its denominator grew by since the last check. An
+  interval with nothing to measure has no value (NaN), and NaN values are removed, Kayenta's default
+  ``nanStrategy``.
 - **Classification.** No value left on a side: *NoData*. Both sides the same values, or one value everywhere:
   *Pass*. Otherwise the two-sided Mann-Whitney interval of the location shift (canary minus control) at
   ``confidence`` (Kayenta: 0.98): the normal approximation with the ties and continuity corrections,
@@ -18,8 +20,8 @@ at once, as Spinnaker's automated canary analysis (Kayenta) does. What follows i
   at least the control's (Kayenta's mean-ratio effect size, allowed increase 1.0; ignored when it cannot be
   computed), *Low* the mirror image, else *Pass*. Where both sides hold a single repeated value each,
   Kayenta adds Gaussian noise of 1e-5 times the value before ranking; so does this (seeded).
-- **Direction.** Every metric here is better low (latency, errors), so *High* fails it; *Low* is shown and
-  counts as a pass (Kayenta's ``direction: increase``).
+- **Direction.** Latency and errors are better low, so *High* fails them; *Low* is shown and counts as a
+  pass (Kayenta's ``direction: increase``). A guard's metric fails on the side its guard calls harm.
 - **Score.** Each metric is its own group, of the weight given (percent) or an equal share of what the given
   weights leave. A group scores 100 on a pass, 0 on a failure; a *NoData* group counts 100, but when half of
   the metrics or more have no data the score is 0 (Kayenta's ``NODATA_THRESHOLD``).
@@ -28,6 +30,7 @@ at once, as Spinnaker's automated canary analysis (Kayenta) does. What follows i
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -37,6 +40,8 @@ import numpy.typing as npt
 from scipy import optimize, stats
 
 from splitstream.admin import metrics
+from splitstream.analysis.model import Analysis, ArmSummary
+from splitstream.analysis.statistics import MetricKind
 
 Classification = Literal["Pass", "High", "Low", "NoData"]
 Decision = Literal["pass", "marginal", "fail"]
@@ -47,6 +52,8 @@ JUDGE_METRICS: dict[str, str] = {
     "error_rate": "failed calls / calls in the interval",
 }
 DEFAULT_METRICS = ("latency_p50", "latency_p99", "error_rate")
+#: A feedback metric's name, as the router takes it.
+METRIC_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 #: Kayenta's defaults: NetflixACAJudge's confidence level and tolerance, and the canary config's score
 #: thresholds (pass 95, marginal 75).
 DEFAULT_CONFIDENCE = 0.98
@@ -67,10 +74,13 @@ class JudgeMetric:
 
     @staticmethod
     def parse(text: str) -> JudgeMetric:
+        """``latency_p99`` or ``click=30``. Any metric name is taken here; the rollout checks it is one of
+        :data:`JUDGE_METRICS` or of its ``--guard`` metrics."""
         name, sep, weight_text = text.strip().partition("=")
         name = name.strip()
-        if name not in JUDGE_METRICS:
-            raise ValueError(f"unknown metric {name!r} (one of {', '.join(JUDGE_METRICS)}; NAME or NAME=WEIGHT)")
+        if not METRIC_NAME.fullmatch(name):
+            raise ValueError(f"bad metric {name!r} (NAME or NAME=WEIGHT; NAME one of {', '.join(JUDGE_METRICS)} or "
+                             "a --guard metric)")  # fmt: skip
         if not sep:
             return JudgeMetric(name)
         try:
@@ -100,19 +110,21 @@ def weights(chosen: Sequence[JudgeMetric]) -> dict[str, float]:
 class JudgeConfig:
     """``--judge`` and its flags; ValueError naming the flag for settings that cannot judge anything."""
 
-    metrics: tuple[JudgeMetric, ...] = tuple(JudgeMetric(name) for name in DEFAULT_METRICS)
+    #: ``--judge-metric``s; None: :data:`DEFAULT_METRICS` and every ``--guard`` metric, equally weighted.
+    metrics: tuple[JudgeMetric, ...] | None = None
     pass_score: float = DEFAULT_PASS
     marginal_score: float = DEFAULT_MARGINAL
     confidence: float = DEFAULT_CONFIDENCE
     tolerance: float = DEFAULT_TOLERANCE
 
     def __post_init__(self) -> None:
-        if not self.metrics:
-            raise ValueError("--judge-metric: give at least one metric")
-        try:
-            weights(self.metrics)
-        except ValueError as error:
-            raise ValueError(f"--judge-metric: {error}") from None
+        if self.metrics is not None:
+            if not self.metrics:
+                raise ValueError("--judge-metric: give at least one metric")
+            try:
+                weights(self.metrics)
+            except ValueError as error:
+                raise ValueError(f"--judge-metric: {error}") from None
         if not 0 <= self.marginal_score <= self.pass_score <= 100:
             raise ValueError(
                 f"--judge-pass and --judge-marginal: need 0 <= marginal <= pass <= 100, got pass "
@@ -123,12 +135,21 @@ class JudgeConfig:
         if not 0 <= self.tolerance < math.inf:
             raise ValueError(f"--judge-tolerance: must be a finite number >= 0, got {self.tolerance:g}")
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(m.name for m in self.metrics)
+    def chosen(self, guard_metrics: Sequence[str] = ()) -> tuple[JudgeMetric, ...]:
+        """The metrics judged: as given, or the defaults and the guards' metrics. ValueError for a name that is
+        neither a router metric nor a guard's."""
+        if self.metrics is None:
+            return tuple(JudgeMetric(name) for name in (*DEFAULT_METRICS, *dict.fromkeys(guard_metrics)))
+        for metric in self.metrics:
+            if metric.name not in JUDGE_METRICS and metric.name not in guard_metrics:
+                raise ValueError(
+                    f"--judge-metric: unknown metric {metric.name!r} (one of {', '.join(JUDGE_METRICS)}, or the "
+                    f"metric of a --guard{': ' + ', '.join(guard_metrics) if guard_metrics else ''})"
+                )
+        return self.metrics
 
     def judge(self, series: Series) -> Judgement:
-        return series.judge(weights(self.metrics), confidence=self.confidence, tolerance=self.tolerance)
+        return series.judge(weights(series.chosen), confidence=self.confidence, tolerance=self.tolerance)
 
     def decide(self, judgement: Judgement) -> Decision:
         return decide(judgement, self.pass_score, self.marginal_score)
@@ -155,10 +176,13 @@ class MetricResult:
     mean_ratio: float | None = None
     #: scipy's two-sided Mann-Whitney p-value, shown for reference (the classification reads the interval).
     p_value: float | None = None
+    #: Which classification fails the metric: High for what is better low (latency, errors, a ``lift<=``
+    #: guard), Low for what is better high (a ``lift>=`` guard: clicks).
+    fails_on: Classification = "High"
 
     @property
     def failed(self) -> bool:
-        return self.classification == "High"
+        return self.classification == self.fails_on
 
     def text(self) -> str:
         if self.classification == "NoData":
@@ -226,14 +250,15 @@ def classify(
     weight: float = 100.0,
     confidence: float = DEFAULT_CONFIDENCE,
     tolerance: float = DEFAULT_TOLERANCE,
+    fails_on: Classification = "High",
 ) -> MetricResult:
     """One metric's classification, as Kayenta's MannWhitneyClassifier with ``direction: either`` (the score
     decides which side fails)."""
     x, y = _finite(canary), _finite(control)
     if len(x) == 0 or len(y) == 0:
-        return MetricResult(name, "NoData", weight, len(y), len(x))
+        return MetricResult(name, "NoData", weight, len(y), len(x), fails_on=fails_on)
     if np.array_equal(np.sort(x), np.sort(y)) or len(np.unique(np.concatenate([x, y]))) == 1:
-        return MetricResult(name, "Pass", weight, len(y), len(x), mean_ratio=_ratio(x, y))
+        return MetricResult(name, "Pass", weight, len(y), len(x), mean_ratio=_ratio(x, y), fails_on=fails_on)
     if len(np.unique(x)) == 1 and len(np.unique(y)) == 1:  # Kayenta's noise for degenerate samples
         rng = np.random.default_rng(0)
         x = x + rng.normal(0.0, abs(x[0]) * 1e-5, len(x))
@@ -245,7 +270,7 @@ def classify(
     low = shift.high < -bound and (ratio is None or ratio <= 1.0)
     p_value = float(stats.mannwhitneyu(x, y, alternative="two-sided").pvalue)
     label: Classification = "High" if high else "Low" if low else "Pass"
-    return MetricResult(name, label, weight, len(y), len(x), shift, ratio, p_value)
+    return MetricResult(name, label, weight, len(y), len(x), shift, ratio, p_value, fails_on)
 
 
 def _ratio(canary: npt.NDArray[np.float64], control: npt.NDArray[np.float64]) -> float | None:
@@ -285,32 +310,74 @@ def interval_values(name: str, counts: metrics.VersionCounts) -> float:
     return math.nan if value is None else value
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class OutcomeSpec:
+    """A ``--guard`` metric the judge compares: how the analysis measures it, and which side fails it."""
+
+    kind: MetricKind
+    fails_on: Classification
+
+
 class Series:
-    """The step's per-interval values of each judge metric, per version (control and canary)."""
+    """The step's per-interval values of each judge metric, per version (control and canary): router metrics
+    from the counters between two reads, outcome metrics from the analysis between two checks."""
 
-    names: tuple[str, ...]
+    def __init__(self, chosen: Sequence[JudgeMetric], outcomes: dict[str, OutcomeSpec] | None = None) -> None:
+        self.chosen = tuple(chosen)
+        self.outcomes = {m.name: (outcomes or {})[m.name] for m in chosen if m.name in (outcomes or {})}
+        self.control: dict[str, list[float]] = {m.name: [] for m in chosen}
+        self.canary: dict[str, list[float]] = {m.name: [] for m in chosen}
+        #: Per outcome metric and side, the (numerator, denominator) the last analysis gave.
+        self._totals: dict[tuple[str, str], tuple[float, float]] = {}
 
-    def __post_init__(self) -> None:
-        self.control: dict[str, list[float]] = {n: [] for n in self.names}
-        self.canary: dict[str, list[float]] = {n: [] for n in self.names}
+    @property
+    def intervals(self) -> int:
+        return max((len(v) for v in self.canary.values()), default=0)
 
     def add(self, control: metrics.VersionCounts, canary: metrics.VersionCounts) -> None:
-        for name in self.names:
-            self.control[name].append(interval_values(name, control))
-            self.canary[name].append(interval_values(name, canary))
+        for metric in self.chosen:
+            if metric.name in JUDGE_METRICS:
+                self.control[metric.name].append(interval_values(metric.name, control))
+                self.canary[metric.name].append(interval_values(metric.name, canary))
+
+    def add_outcomes(self, analysis: Analysis, phase: str, control: str, canary: str) -> None:
+        """The outcome metrics' values since the previous check: what the arm's totals grew by over what its
+        units (or calls, or events: the metric's denominator) grew by."""
+        arms = {a.arm: a for p in analysis.phases if p.id == phase for a in p.arms}
+        for name, spec in self.outcomes.items():
+            for side, version, values in (("control", control, self.control), ("canary", canary, self.canary)):
+                totals = _totals(arms.get(version), name, spec.kind)
+                before = self._totals.get((name, side), (0.0, 0.0))
+                if totals is None:
+                    values[name].append(math.nan)
+                    continue
+                self._totals[(name, side)] = totals
+                grown = totals[1] - before[1]
+                values[name].append((totals[0] - before[0]) / grown if grown > 0 else math.nan)
 
     def judge(self, weights_by_name: dict[str, float], *, confidence: float, tolerance: float) -> Judgement:
         return score(
             [
                 classify(
-                    name,
-                    self.control[name],
-                    self.canary[name],
-                    weight=weights_by_name[name],
+                    m.name,
+                    self.control[m.name],
+                    self.canary[m.name],
+                    weight=weights_by_name[m.name],
                     confidence=confidence,
                     tolerance=tolerance,
+                    fails_on=self.outcomes[m.name].fails_on if m.name in self.outcomes else "High",
                 )
-                for name in self.names
+                for m in self.chosen
             ]
         )
+
+
+def _totals(arm: ArmSummary | None, name: str, kind: MetricKind) -> tuple[float, float] | None:
+    """An arm's cumulative (numerator, denominator) of an outcome metric: the value is their ratio."""
+    if arm is None:
+        return None
+    metric = arm.metrics.get(name)
+    if metric is None or metric.value is None:
+        return None
+    denominator = {MetricKind.RATE: arm.calls, MetricKind.MEAN: metric.events}.get(kind, arm.units)
+    return metric.value * denominator, float(denominator)

@@ -33,9 +33,9 @@ def add_arguments(parser: Any) -> None:
         action="append",
         default=None,
         metavar="NAME[=WEIGHT]",
-        help=f"a metric the judge compares, one of {', '.join(judge.JUDGE_METRICS)}, with its weight in percent "
-        f"(repeat; metrics without a weight share what is left of 100); default {', '.join(judge.DEFAULT_METRICS)}, "
-        "equally weighted",
+        help=f"a metric the judge compares, one of {', '.join(judge.JUDGE_METRICS)} or the metric of a --guard, "
+        "with its weight in percent (repeat; metrics without a weight share what is left of 100); default "
+        f"{', '.join(judge.DEFAULT_METRICS)} and every --guard metric, equally weighted",
     )
     group.add_argument(
         "--judge-pass", type=_number, default=judge.DEFAULT_PASS, help="score at which a step passes (Kayenta: 95)"
@@ -85,7 +85,7 @@ def config_from_args(args: argparse.Namespace) -> judge.JudgeConfig | None:
                 except ValueError as error:
                     raise ValueError(f"--judge-metric: {error}") from None
     return judge.JudgeConfig(
-        metrics=tuple(chosen) or judge.JudgeConfig().metrics,
+        metrics=tuple(chosen) or None,
         pass_score=args.judge_pass,
         marginal_score=args.judge_marginal,
         confidence=args.judge_confidence,

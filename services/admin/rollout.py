@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from splitstream.admin import metrics
-from splitstream.admin.judge import JudgeConfig, Series
+from splitstream.admin.judge import JudgeConfig, OutcomeSpec, Series
 from splitstream.admin.outcomes import Check, OutcomeGuard, judge
 from splitstream.admin.store import AdminError, Conflict, Invalid, ModelView, Store, check_versions_exist, weights_text
 from splitstream.analysis.model import Analysis
@@ -132,6 +132,11 @@ class RolloutPlan:
         for guard in self.guards:
             if kinds.setdefault(guard.metric.name, guard.metric.kind.value) != guard.metric.kind.value:
                 raise Invalid(f"--guard: metric '{guard.metric.name}' is given two kinds")
+        if self.judge is not None:
+            try:
+                self.judge.chosen([g.metric.name for g in self.guards])
+            except ValueError as error:
+                raise Invalid(str(error)) from None
 
 
 @dataclass(frozen=True)
@@ -475,7 +480,7 @@ class Rollout:
                 raise Tripped(self._error_rate_text(new))
             if judge_outcomes and remaining > 0:  # (the step's closing scrape follows the last check at once)
                 try:
-                    last_check = self._judge_outcomes(experiment, since_ns, self.clock() - started)
+                    last_check = self._judge_outcomes(experiment, since_ns, self.clock() - started, series)
                 except Won as won:
                     self.out(f"  {won}: advancing early")
                     last_check = None
@@ -515,7 +520,11 @@ class Rollout:
         if control_weight <= 0:
             self.out(f"  judge not applied in this step: {self.control} takes no traffic to compare with")
             return None
-        return Series(self.plan.judge.names)
+        guards = self.plan.guards
+        outcomes = {
+            g.metric.name: OutcomeSpec(g.metric.kind, "Low" if g.metric.higher_is_better else "High") for g in guards
+        }
+        return Series(self.plan.judge.chosen([g.metric.name for g in guards]), outcomes)
 
     def _judged_marginal(self, series: Series, held: bool) -> bool:
         """Judge the step so far: True to hold it one more interval (a first marginal score); raises Tripped on a
@@ -524,8 +533,7 @@ class Rollout:
         assert config is not None
         judgement = config.judge(series)
         decision = config.decide(judgement)
-        points = len(next(iter(series.canary.values()), []))
-        self.out(f"  {judgement.text()} over {points} intervals: {decision}")
+        self.out(f"  {judgement.text()} over {series.intervals} intervals: {decision}")
         if decision == "pass":
             return False
         if decision == "marginal" and not held:
@@ -541,12 +549,18 @@ class Rollout:
         )
         raise Tripped(f"{self.plan.version} {judgement.text()}, {bound}")
 
-    def _judge_outcomes(self, experiment: Experiment, since_ns: int, elapsed_s: float) -> Check:
-        """One check of the outcome guards; prints its line, raises Tripped on harm or SRM, Won on a win."""
+    def _judge_outcomes(
+        self, experiment: Experiment, since_ns: int, elapsed_s: float, series: Series | None = None
+    ) -> Check:
+        """One check of the outcome guards; prints its line, raises Tripped on harm or SRM, Won on a win.
+        ``series``: where ``--judge`` keeps the outcome metrics' values since the last check."""
         plan = self.plan
         assert self.outcomes is not None
+        analysis = self.outcomes(since_ns)
+        if series is not None:
+            series.add_outcomes(analysis, experiment.phase.id, self.control, plan.version)
         check: Check = judge(
-            self.outcomes(since_ns),
+            analysis,
             phase=experiment.phase.id,
             version=plan.version,
             guards=plan.guards,
