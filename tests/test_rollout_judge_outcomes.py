@@ -34,3 +34,19 @@ def test_a_canary_clicked_less_is_classified_low_on_clicks_and_rolled_back_by_th
     assert "ROLLED BACK: v2 judge score 50 " in result.stdout
     assert "v2 harms" not in result.stdout  # the guard itself held
     assert weights(stack) == {"v1": 100, "v2": 0}
+
+
+def test_an_early_win_advances_only_with_the_judges_pass(stack: RecordingStack) -> None:
+    set_experiment(stack, "judge-win", {"v1": 100, "v2": 0})
+    users = Users(stack, "judge-win", {"v1": 0.2, "v2": 0.7}, seed=6)
+    result = rollout_with_traffic(
+        stack, users, "--steps", "50", "--interval", "10m", "--guard", "click:lift>=-1%", "--promote-on-win",
+        "--judge", "--judge-metric", "click",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    advanced = next(i for i, line in enumerate(lines) if line.endswith("advancing early"))
+    # The judge passed the step just before it ended early: clicks up is High, the good side of this metric.
+    assert lines[advanced - 1].startswith("  judge score 100 (click "), lines[advanced - 1]
+    assert lines[advanced - 1].endswith(": pass")
+    assert weights(stack) == {"v1": 50, "v2": 50}

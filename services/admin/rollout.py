@@ -482,9 +482,10 @@ class Rollout:
                 try:
                     last_check = self._judge_outcomes(experiment, since_ns, self.clock() - started, series)
                 except Won as won:
-                    self.out(f"  {won}: advancing early")
-                    last_check = None
-                    break
+                    if series is None or self._judge_passes(series):
+                        self.out(f"  {won}: advancing early")
+                        last_check = None
+                        break
             if remaining <= 0:
                 if series is not None and self._judged_marginal(series, held):
                     held, end = True, end + plan.interval_s
@@ -525,6 +526,17 @@ class Rollout:
             g.metric.name: OutcomeSpec(g.metric.kind, "Low" if g.metric.higher_is_better else "High") for g in guards
         }
         return Series(self.plan.judge.chosen([g.metric.name for g in guards]), outcomes)
+
+    def _judge_passes(self, series: Series) -> bool:
+        """Whether ``--judge`` passes the step so far: an early advance (``--promote-on-win``) needs it too, or
+        the judge would be skipped by the very steps that end soonest. A step it does not pass goes on."""
+        config = self.plan.judge
+        assert config is not None
+        judgement = config.judge(series)
+        if config.decide(judgement) == "pass":
+            self.out(f"  {judgement.text()} over {series.intervals} intervals: pass")
+            return True
+        return False
 
     def _judged_marginal(self, series: Series, held: bool) -> bool:
         """Judge the step so far: True to hold it one more interval (a first marginal score); raises Tripped on a
