@@ -113,7 +113,7 @@ def test_each_metric_is_tested_one_sided_against_the_margin_on_its_bad_side(plan
     assert "; not shown non-inferior (margin -0.5 of v1" in comparisons["tip"]["verdict_line"]
     assert comparisons["revenue"]["verdict_line"] in stdout
     html = (tmp_path / "ni" / "analysis.html").read_text()
-    assert "non-inferior (within -0.5 of v1" in html
+    assert "revenue: v2 vs v1 non-inferior (within -0.5 of v1" in html
 
 
 def test_a_relative_margin_and_its_always_valid_form_and_holm(planted: Planted, tmp_path: Path) -> None:

@@ -449,7 +449,13 @@ def _lift_section(phase: PhaseResult) -> str:
         for c in phase.comparisons
         if c.cap is not None
     )
-    return f"<div class='charts lift'>{chart}</div>{table}{caps}"
+    margins = "".join(
+        f"<p class='non-inferiority'>{escape(c.metric)}: {escape(c.arm)} vs {escape(c.control)} "
+        f"{escape(c.non_inferiority.text)}</p>"
+        for c in phase.comparisons
+        if c.non_inferiority is not None
+    )
+    return f"<div class='charts lift'>{chart}</div>{table}{caps}{margins}"
 
 
 def _lift_chart(comparisons: Sequence[MetricComparison]) -> str:
