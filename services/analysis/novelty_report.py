@@ -86,7 +86,8 @@ def _chart(c: MetricComparison, bucket_ns: int) -> str:
         f"{c.metric}: {c.arm} vs {c.control} ({'relative' if relative else 'absolute'}) by time since first exposure"
     )
     out = [charts.svg_open(title)]
-    for tick in (low, 0.0, high):
+    ticks = [low, high] + ([0.0] if all(abs(y_of(0.0) - y_of(t)) > 14 for t in (low, high)) else [])
+    for tick in ticks:  # zero's label left out where it would overlap an end's
         out.append(
             f"<text x='{charts.LEFT - 6}' y='{y_of(tick) + 4:.1f}' text-anchor='end'>"
             f"{escape(_shown(tick, relative) if relative else fmt(tick))}</text>"
