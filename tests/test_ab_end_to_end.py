@@ -291,3 +291,16 @@ def test_promote_on_win_ends_the_step_early_when_v2_significantly_lifts_clicks(s
     assert result.returncode == 0, result.stdout + result.stderr
     assert "significant win: advancing early" in result.stdout
     assert weights(stack) == {"v1": 50, "v2": 50}
+
+
+@pytest.mark.slow
+def test_a_guard_whose_sequence_clears_its_bound_says_non_inferior_at_each_check(stack: RecordingStack) -> None:
+    # v2 clicked as often as v1: no win, but soon the always-valid lower edge is above -50 %: sequential
+    # non-inferiority, what ``analyze --sequential --non-inferiority 50%`` would say on the same phase.
+    set_experiment(stack, "same", {"v1": 100, "v2": 0})
+    users = Users(stack, "same", {"v1": 0.5, "v2": 0.5}, seed=5)
+    result = rollout_with_traffic(stack, users, "--steps", "50", "--interval", "20s", "--guard", "click:lift>=-50%")
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = [line for line in result.stdout.splitlines() if line.strip().startswith("check ")]
+    assert any(line.endswith("bound >= -50.0 %: non-inferior") for line in checks), checks
+    assert weights(stack) == {"v1": 50, "v2": 50}

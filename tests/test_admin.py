@@ -826,6 +826,15 @@ def test_an_interval_that_still_reaches_the_bound_keeps_the_rollout_going_and_sh
     assert any("outcome guards not judged in this step: v1 takes no traffic" in line for line in lines)
 
 
+def test_a_sequence_whose_lower_edge_clears_the_bound_reads_non_inferior_and_keeps_going() -> None:
+    store = MemoryStore(two_arms(), ["v1", "v2"])
+    outcomes = ScriptedOutcomes(store, lift=0.0, interval=(-0.004, 0.004))
+    verdict, lines = guarded_rollout(store, outcomes, "click:lift>=-1%")
+    assert verdict.code == PROMOTED, verdict.message
+    checks = [line for line in lines if line.strip().startswith("check ")]
+    assert "click lift +0.0 % (always-valid CI -0.8 % .. +0.8 %), bound >= -1.0 %: non-inferior" in checks[0]
+
+
 def test_an_absolute_bound_and_a_lower_is_better_guard_are_judged_on_their_own_scale() -> None:
     store = MemoryStore(two_arms(), ["v1", "v2"])
     outcomes = ScriptedOutcomes(store, lift=0.1, interval=(0.05, 0.15), metric="wait_s")

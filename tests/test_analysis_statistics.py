@@ -325,3 +325,142 @@ def test_a_family_of_ten_aa_comparisons_is_wrong_at_most_alpha_of_the_time_once_
     assert uncorrected > 0.3
     assert holm <= 0.06
     assert bh <= 0.06
+
+
+# -- capping ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [200, 1_000, 1_001, 5_000])
+def test_a_percentile_cap_winsorizes_as_scipy_does_and_the_estimate_is_of_the_capped_values(n: int) -> None:
+    from scipy.stats import mstats
+
+    from splitstream.analysis.capping import CapRule, cap_value, capped, units_capped
+
+    rng = np.random.default_rng(n)
+    values = rng.lognormal(2.0, 1.5, n)
+    cap = cap_value(CapRule.parse("P99"), values)
+    winsorized = np.asarray(mstats.winsorize(values, limits=(0, 0.01)))
+    np.testing.assert_array_equal(capped(values, cap), winsorized)
+    assert units_capped(values, cap) == round(0.01 * n)
+    result = estimate(UnitValues.of_means(capped(values, cap)))
+    assert result.value == pytest.approx(winsorized.mean())
+    assert result.variance == pytest.approx(winsorized.var(ddof=1) / n)
+
+
+def test_a_capped_mean_caps_each_units_total_and_keeps_its_event_count() -> None:
+    from splitstream.analysis.capping import CapRule, cap_value, capped
+
+    rng = np.random.default_rng(3)
+    counts = rng.integers(1, 5, 800).astype(np.float64)
+    totals = counts * rng.lognormal(1.0, 1.0, 800)
+    cap = cap_value(CapRule.parse("250"), totals)
+    assert cap == 250
+    result = estimate(UnitValues(capped(totals, cap), counts))
+    clipped = np.clip(totals, None, 250)
+    ratio = clipped.sum() / counts.sum()
+    linear = (clipped - ratio * counts) / counts.mean()  # the delta method written out
+    assert result.value == pytest.approx(ratio)
+    assert result.variance == pytest.approx(linear.var(ddof=1) / 800)
+
+
+# -- non-inferiority --------------------------------------------------------------------------
+
+
+def _arms(rng: np.random.Generator, n: int, control: float, treatment: float, sd: float) -> tuple[np.ndarray, ...]:
+    return rng.normal(control, sd, n), rng.normal(treatment, sd * 1.3, n + 37)
+
+
+@pytest.mark.parametrize("higher", [True, False])
+def test_an_absolute_margin_is_welchs_one_sided_test_on_shifted_data(higher: bool) -> None:
+    from splitstream.analysis.noninferiority import Margin, margin_test
+
+    rng = np.random.default_rng(8)
+    control, treatment = _arms(rng, 400, 10.0, 9.9, 2.0)
+    result = compare(estimate(UnitValues.of_means(control)), estimate(UnitValues.of_means(treatment)))
+    found = margin_test(result, Margin.parse("0.3"), higher_is_better=higher, alpha=0.05, sequential=False)
+    assert found is not None
+    # Higher is better: H0 mean(t) - mean(c) <= -0.3, i.e. mean(t + 0.3) <= mean(c); lower: the margin is above.
+    shifted = treatment + 0.3 if higher else treatment - 0.3
+    reference = stats.ttest_ind(shifted, control, equal_var=False, alternative="greater" if higher else "less")
+    assert found.p_value == pytest.approx(reference.pvalue, rel=1e-9)
+    interval = reference.confidence_interval(0.95)
+    bound = interval.low - 0.3 if higher else interval.high + 0.3
+    assert found.bound == pytest.approx(bound, rel=1e-9)
+    assert found.margin == (-0.3 if higher else 0.3)
+
+
+def test_a_relative_margin_uses_the_delta_method_bound_written_out() -> None:
+    from splitstream.analysis.noninferiority import Margin, margin_test
+
+    rng = np.random.default_rng(9)
+    control, treatment = _arms(rng, 3_000, 20.0, 19.9, 5.0)
+    result = compare(estimate(UnitValues.of_means(control)), estimate(UnitValues.of_means(treatment)))
+    found = margin_test(result, Margin.parse("1%"), higher_is_better=True, alpha=0.05, sequential=False)
+    assert found is not None
+    mc, mt = control.mean(), treatment.mean()
+    vc, vt = control.var(ddof=1) / len(control), treatment.var(ddof=1) / len(treatment)
+    lift = mt / mc - 1
+    se = math.sqrt(vt / mc**2 + mt**2 * vc / mc**4)
+    assert found.p_value == pytest.approx(stats.norm.sf((lift + 0.01) / se), rel=1e-9)
+    assert found.bound == pytest.approx(lift - stats.norm.ppf(0.95) * se, rel=1e-9)
+    assert found.far_bound == pytest.approx(lift + stats.norm.ppf(0.95) * se, rel=1e-9)
+
+
+def test_the_always_valid_bound_is_the_edge_of_the_confidence_sequence() -> None:
+    from splitstream.analysis.noninferiority import Margin, margin_test
+
+    rng = np.random.default_rng(10)
+    control, treatment = _arms(rng, 2_000, 5.0, 5.0, 1.0)
+    result = compare(estimate(UnitValues.of_means(control)), estimate(UnitValues.of_means(treatment)), sequential=True)
+    found = margin_test(result, Margin.parse("0.1"), higher_is_better=True, alpha=0.05, sequential=True)
+    assert found is not None
+    assert result.sequential_ci is not None
+    assert found.bound == pytest.approx(result.sequential_ci[0])
+    # The always-valid p-value against the margin is below alpha exactly when the sequence clears it.
+    assert (found.p_value < 0.05) == (found.bound > -0.1)
+    variance = result.control.variance + result.treatment.variance
+    tau2 = float(mixing_variance(variance, len(control) + len(treatment), alpha=0.05))
+    assert found.p_value == pytest.approx(msprt_p_value(result.absolute + 0.1, variance, tau2))
+
+
+SIMULATIONS = 2_000
+
+
+def test_at_the_margin_non_inferiority_is_declared_at_most_alpha_of_the_time() -> None:
+    """The true lift sits exactly at the margin (-1 % relative, -0.1 absolute): the rate of "non-inferior" is the
+    test's error rate, which must be at most alpha; the always-valid form checked 20 times per experiment too
+    (vectorised: the sequence's edge, which the test above ties to :func:`margin_test`)."""
+    from splitstream.analysis.noninferiority import Margin, margin_test
+
+    rng = np.random.default_rng(2026)
+    n, looks, alpha = 500, 20, 0.05
+    control = rng.normal(10.0, 2.0, (SIMULATIONS, n))
+    treatment = rng.normal(9.9, 2.0, (SIMULATIONS, n))
+    declared = {"relative 1%": 0, "absolute 0.1": 0}
+    margins = {name: Margin.parse(name.split()[1]) for name in declared}
+    mean_c, mean_t = control.mean(axis=1), treatment.mean(axis=1)
+    var_c, var_t = control.var(axis=1, ddof=1) / n, treatment.var(axis=1, ddof=1) / n
+    for i in range(SIMULATIONS):
+        result = compare(Estimate(mean_c[i], var_c[i], n), Estimate(mean_t[i], var_t[i], n))
+        for name, margin in margins.items():
+            found = margin_test(result, margin, higher_is_better=True, alpha=alpha, sequential=False)
+            assert found is not None
+            declared[name] += found.p_value < alpha
+    # Always valid: 20 looks at 25, 50, ... 500 units per arm; declared once any look's sequence clears -0.1.
+    sizes = np.arange(1, looks + 1) * (n // looks)
+    sums_c, sums_t = np.cumsum(control, axis=1), np.cumsum(treatment, axis=1)
+    squares_c, squares_t = np.cumsum(control**2, axis=1), np.cumsum(treatment**2, axis=1)
+    k = sizes - 1
+    diff = sums_t[:, k] / sizes - sums_c[:, k] / sizes
+    var = sum(
+        (sq[:, k] - s[:, k] ** 2 / sizes) / (sizes - 1) / sizes for s, sq in ((sums_c, squares_c), (sums_t, squares_t))
+    )
+    tau2 = mixing_variance(var, 2 * sizes, alpha=alpha)
+    half = np.sqrt(var * (var + tau2) / tau2 * (2 * math.log(1 / alpha) + np.log((var + tau2) / var)))
+    sequential = float(((diff - half) > -0.1).any(axis=1).mean())
+    rates = {name: count / SIMULATIONS for name, count in declared.items()} | {"always-valid, 20 looks": sequential}
+    # 2,000 experiments: the binomial error of a 5 % rate is about 0.5 %.
+    assert 0.035 <= rates["relative 1%"] <= 0.062, rates
+    assert 0.035 <= rates["absolute 0.1"] <= 0.062, rates
+    assert rates["always-valid, 20 looks"] <= alpha, rates
+    print(f"declared non-inferior at the margin, of {SIMULATIONS:,}: {rates}")

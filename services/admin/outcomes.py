@@ -47,7 +47,8 @@ GUARD_SYNTAX = (
 )
 _GUARD = re.compile(r"^(?P<metric>.+):lift\s*(?P<op>>=|<=)\s*(?P<bound>[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?)(?P<pct>%?)$")
 
-State = Literal["harm", "win", "open", "not judged"]
+#: ``non-inferior``: the sequence's bad-side edge has cleared the bound (no harm past it, always valid), no win yet.
+State = Literal["harm", "win", "non-inferior", "open", "not judged"]
 #: Pearson's chi-square is trusted once every arm expects this many units (the textbook rule): below it, a
 #: 10 % arm's first handful of units would raise a false alarm (30 units split 20/10 gives p = 2e-5 where the
 #: exact binomial test gives 0.008).
@@ -208,10 +209,12 @@ def _reading(result: PhaseResult, version: str, guard: OutcomeGuard, units: dict
             return Reading(guard=guard, state="not judged", why="the control's value is 0: no relative lift")
         estimate, low, high = comparison.relative_lift, relative.low, relative.high
     if guard.op == ">=":
-        harm, win = high < guard.bound, low > 0
+        harm, win, clear = high < guard.bound, low > 0, low > guard.bound
     else:
-        harm, win = low > guard.bound, high < 0
-    state: State = "harm" if harm else "win" if win else "open"
+        harm, win, clear = low > guard.bound, high < 0, high < guard.bound
+    # ``clear``: sequential non-inferiority at the bound (``analyze --sequential --non-inferiority`` with the
+    # bound as margin and --guard-alpha as alpha says "non-inferior" on the same phase).
+    state: State = "harm" if harm else "win" if win else "non-inferior" if clear else "open"
     return Reading(guard=guard, state=state, estimate=estimate, low=low, high=high)
 
 

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from splitstream.analysis import bayes, bayes_readout
+from splitstream.analysis import bayes, bayes_readout, capping
 from splitstream.analysis import statistics as st
 from splitstream.analysis.folding import Folder, RowMetric, among, load
 from splitstream.analysis.loading import (
@@ -57,6 +57,8 @@ from splitstream.analysis.model import (
     Unit,
     Verdict,
 )
+from splitstream.analysis.noninferiority import Margin, annotated
+from splitstream.analysis.novelty import DEFAULT_BUCKET_NS, NoveltyFold, novelty_points
 from splitstream.analysis.sources import RedisSource
 from splitstream.analysis.usage import CALL_METRICS, Price, is_call_metric
 from splitstream.common.redis_url import RedisClient
@@ -93,6 +95,10 @@ class Query:
     engine: bayes.Engine = "frequentist"
     prior: bayes.Prior = field(default_factory=bayes.Prior)
     bayes_threshold: float = bayes.DEFAULT_THRESHOLD
+    #: ``--non-inferiority``: test every comparison against this margin too (one-sided).
+    non_inferiority: Margin | None = None
+    #: ``--novelty-bucket``: the comparison also per bucket of time since each unit's first exposure (None: not).
+    novelty_bucket_ns: int | None = DEFAULT_BUCKET_NS
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -120,6 +126,8 @@ class Query:
             raise ValueError(f"the sequential tuning must be at least 1 unit, got {self.tuning_units}")
         if self.planned_units is not None and self.planned_units < 2:
             raise ValueError(f"the planned units must be at least 2 (one per arm), got {self.planned_units}")
+        if self.novelty_bucket_ns is not None and self.novelty_bucket_ns <= 0:
+            raise ValueError(f"the novelty bucket must be longer than 0, got {self.novelty_bucket_ns} ns")
         if self.pre_window is not None and self.pre_window.until_ns <= self.pre_window.since_ns:
             raise ValueError("the CUPED pre-period's end must be after its start")
         bayes.check_query(self.engine, self.prior, self.bayes_threshold, self.sequential, self.correction)
@@ -128,6 +136,10 @@ class Query:
 async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
     """Read the window from Redis (or another :class:`Source`: the archive, both) and analyse it. Raises
     RedisError/OSError when Redis fails mid-way, ArchiveError when the archive does."""
+    return _non_inferior(query, await _analyzed(source, query))
+
+
+async def _analyzed(source: RedisClient | Source, query: Query) -> Analysis:
     if isinstance(source, Redis | RedisCluster):
         source = RedisSource(source)
     per_call = query.unit == "call"
@@ -144,6 +156,7 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
         page_size=query.page_size,
         segment=query.segment,
         prices=query.prices,
+        novelty_ns=query.novelty_bucket_ns,
     )
     exposures, feedback, overall, parts = loaded.exposures, loaded.feedback, loaded.folder, loaded.segments
     pre: _PreValues | None = None
@@ -185,6 +198,18 @@ def _engine(query: Query, analysis: Analysis) -> Analysis:
     if query.engine != "bayes":
         return analysis
     return bayes_readout.apply(analysis, query.prior, query.bayes_threshold)
+
+
+def _non_inferior(query: Query, analysis: Analysis) -> Analysis:
+    if query.non_inferiority is None:
+        return analysis
+    return annotated(
+        analysis,
+        query.non_inferiority,
+        alpha=query.alpha,
+        sequential=query.sequential,
+        tuning_units=query.tuning_units,
+    )
 
 
 # -- multiple comparisons ------------------------------------------------------------------
@@ -314,6 +339,7 @@ def summarize(
                 usage=exposures.usage,
                 prices=query.prices,
                 pre=pre,
+                novelty=folder.novelty,
             )
         )
     non_randomized = _non_randomized(exposures)
@@ -356,6 +382,7 @@ def summarize(
         non_randomized=non_randomized,
         verdicts=[c.verdict_line for p in phases for c in p.comparisons],
         unit_warning=warning,
+        novelty_bucket_ns=query.novelty_bucket_ns,
     )
 
 
@@ -446,13 +473,30 @@ def _metric_matrix(matrix: _UnitMatrix, metric: RowMetric) -> _MetricMatrix:
     return _MetricMatrix(per_unit(metric.sums), per_unit(metric.counts), per_unit(metric.positives))
 
 
+def _cap(spec: MetricSpec, metric: _MetricMatrix) -> float | None:
+    """The phase's cap of a capped metric, over the pooled units of every arm: each unit's total (``sum``: units
+    without events too, as they are compared; ``mean``: units with an event, the ratio's other units add nothing)."""
+    rule = spec.cap_rule
+    if rule is None:
+        return None
+    totals = metric.sums[:, TIMELINE_POINTS - 1]
+    if spec.kind is st.MetricKind.MEAN:
+        totals = totals[metric.counts[:, TIMELINE_POINTS - 1] > 0]
+    return capping.cap_value(rule, totals)
+
+
 def _unit_values(
-    kind: st.MetricKind, metric: _MetricMatrix, calls: FloatArray, rows: npt.NDArray[np.bool_], bucket: int
+    kind: st.MetricKind,
+    metric: _MetricMatrix,
+    calls: FloatArray,
+    rows: npt.NDArray[np.bool_],
+    bucket: int,
+    cap: float | None = None,
 ) -> st.UnitValues:
     if kind is st.MetricKind.SUM:
-        return st.UnitValues.of_means(metric.sums[rows, bucket])
+        return st.UnitValues.of_means(capping.capped(metric.sums[rows, bucket], cap))
     if kind is st.MetricKind.MEAN:
-        return st.UnitValues(metric.sums[rows, bucket], metric.counts[rows, bucket])
+        return st.UnitValues(capping.capped(metric.sums[rows, bucket], cap), metric.counts[rows, bucket])
     if kind is st.MetricKind.CONVERSION:
         return st.UnitValues.of_means(metric.positives[rows, bucket] > 0)
     exposures = calls[rows, bucket]
@@ -473,6 +517,7 @@ def _analyse_phase(
     usage: dict[tuple[str, str, str], UsageStats],
     prices: dict[str, Price],
     pre: _PreValues | None,
+    novelty: NoveltyFold | None = None,
 ) -> PhaseResult:
     matrix = _unit_matrix(units, bucket_calls, arm_names)
     last = TIMELINE_POINTS - 1
@@ -485,15 +530,39 @@ def _analyse_phase(
     # One metric at a time: its per-unit matrices are the largest things the analysis holds.
     for code, spec in enumerate(query.metrics):
         metric = _metric_matrix(matrix, metrics[code])
+        cap = _cap(spec, metric)
         for arm in ordered:
             rows = arm_rows[arm]
-            values = _unit_values(spec.kind, metric, matrix.calls, rows, last)
+            values = _unit_values(spec.kind, metric, matrix.calls, rows, last, cap)
             estimate = st.estimate(values)
             low, high = estimate.interval(query.alpha) if values.units > 1 else (math.nan, math.nan)
             count = int(metric.counts[rows, last].sum())
-            arm_metrics[arm][spec.name] = ArmMetric(value=_num(estimate.value), ci=_interval(low, high), events=count)
+            arm_metrics[arm][spec.name] = ArmMetric(
+                value=_num(estimate.value),
+                ci=_interval(low, high),
+                events=count,
+                cap=cap,
+                capped_units=capping.units_capped(metric.sums[rows, last], cap),
+            )
             if info.control in arm_rows and arm != info.control:
-                by_arm[arm].append(_comparison(query, spec, info.control, arm, matrix, metric, arm_rows, pre))
+                comparison = _comparison(query, spec, info.control, arm, matrix, metric, arm_rows, pre, cap)
+                if cap is not None:
+                    capped = {a: arm_metrics[a][spec.name].capped_units for a in (info.control, arm)}
+                    comparison = comparison.model_copy(update={"cap": cap, "capped_units": capped})
+                if novelty is not None:
+                    points = novelty_points(
+                        novelty,
+                        code,
+                        folder_rows=matrix.rows,
+                        unit_of_row=matrix.unit_of_row,
+                        units=len(matrix.keys),
+                        control_rows=arm_rows[info.control],
+                        arm_rows=rows,
+                        cap=cap,
+                        alpha=query.alpha,
+                    )
+                    comparison = comparison.model_copy(update={"novelty": points})
+                by_arm[arm].append(comparison)
         del metric
     arms = []
     for arm in ordered:
@@ -596,6 +665,7 @@ def _comparison(
     metric: _MetricMatrix,
     arm_rows: dict[str, npt.NDArray[np.bool_]],
     pre: _PreValues | None,
+    cap: float | None = None,
 ) -> MetricComparison:
     timeline = []
     final: tuple[st.Comparison, float | None, st.Comparison | None] | None = None
@@ -605,8 +675,8 @@ def _comparison(
         treatment_rows = arm_rows[arm] & started
         if control_rows.sum() < 2 or treatment_rows.sum() < 2:
             continue
-        control_values = _unit_values(spec.kind, metric, matrix.calls, control_rows, bucket)
-        arm_values = _unit_values(spec.kind, metric, matrix.calls, treatment_rows, bucket)
+        control_values = _unit_values(spec.kind, metric, matrix.calls, control_rows, bucket, cap)
+        arm_values = _unit_values(spec.kind, metric, matrix.calls, treatment_rows, bucket, cap)
         covariates = (
             (pre.values(spec, matrix.keys, control_rows), pre.values(spec, matrix.keys, treatment_rows))
             if pre is not None

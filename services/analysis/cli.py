@@ -25,6 +25,7 @@ from splitstream.analysis import bayes
 from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
+from splitstream.analysis.noninferiority import Margin
 from splitstream.analysis.report import render_html, render_table
 from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
 from splitstream.analysis.statistics import DEFAULT_TUNING_UNITS
@@ -177,10 +178,11 @@ def add_command(commands: Any, env_prefix: str) -> None:
         "--metric",
         action=_AppendMetrics,
         required=True,
-        help="NAME:KIND[:DIRECTION], KIND conversion (units with an event > 0, per unit), rate (calls with an "
-        "event > 0, per call; proportion is its old name), mean (per event) or sum (per unit), DIRECTION higher "
+        help="NAME:KIND[:DIRECTION][:cap=CAP], KIND conversion (units with an event > 0, per unit), rate (calls with "
+        "an event > 0, per call; proportion is its old name), mean (per event) or sum (per unit), DIRECTION higher "
         "(the default) or lower: which way is better (repeat, or comma-separate), e.g. buy:conversion, click:rate, "
-        "latency_ms:mean:lower",
+        "latency_ms:mean:lower; mean and sum take a last :cap=P99 (a percentile of the units pooled over the arms) "
+        "or :cap=250 (a value) capping each unit's value",
     )
     parser.add_argument(
         "--price",
@@ -216,6 +218,20 @@ def add_command(commands: Any, env_prefix: str) -> None:
         help="adjust p-values and intervals over every comparison (metrics x arms x phases, and segments): holm "
         "(any false positive at most alpha) or bh (Benjamini-Hochberg: false discoveries at most alpha of those "
         "declared)",
+    )
+    parser.add_argument(
+        "--non-inferiority",
+        default=None,
+        metavar="MARGIN",
+        help="also test every metric one-sided against a margin on its bad side: relative to the control with %% "
+        "(1%%) or absolute in the metric's unit (0.002); says non-inferior, inferior or not shown non-inferior",
+    )
+    parser.add_argument(
+        "--novelty-bucket",
+        default="1d",
+        metavar="DURATION",
+        help="the comparison again per bucket of time since each unit's first exposure, this wide (1d, 6h, 2s): "
+        "over the units active in the bucket, on their calls and events of it, to see an effect that fades",
     )
     parser.add_argument(
         "--planned-units",
@@ -316,6 +332,18 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
             open_archive(url, endpoint=args.s3_endpoint)
         except ArchiveError as error:
             raise ValueError(str(error)) from None
+    try:
+        novelty = parse_duration_ns(args.novelty_bucket, unit_required=True)
+    except BadDuration as error:
+        raise ValueError(f"--novelty-bucket: {error}") from None
+    if novelty <= 0:
+        raise ValueError(f"--novelty-bucket: must be longer than 0, got {args.novelty_bucket!r}")
+    margin = None
+    if args.non_inferiority is not None:
+        try:
+            margin = Margin.parse(args.non_inferiority)
+        except ValueError as error:
+            raise ValueError(f"--non-inferiority: {error}") from None
     return Query(
         model=args.model,
         window=Window(since, until, max_lateness_ns=lateness, attribution_ns=attribution),
@@ -326,6 +354,8 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         tuning_units=args.sequential_tuning,
         planned_units=args.planned_units,
         correction=args.correction,
+        non_inferiority=margin,
+        novelty_bucket_ns=novelty,
         pre_window=pre,
         segment=args.segment,
         prices=prices,

@@ -51,6 +51,7 @@ from splitstream.analysis.loading import (
     split_rows,
     take_rows,
 )
+from splitstream.analysis.novelty import NoveltyFold, bucket_count
 from splitstream.analysis.statistics import MetricKind
 from splitstream.analysis.usage import Price, is_call_metric
 
@@ -232,6 +233,8 @@ class Folder:
         self.unknown = unknown
         self.not_randomized = 0
         self.crossed = 0
+        #: The same calls and events by time since each unit's first exposure (:mod:`splitstream.analysis.novelty`).
+        self.novelty: NoveltyFold | None = None
 
     def add_calls(self, calls: NewCalls | None) -> None:
         """Hold a page's calls for the events that may name them (none once the feedback is read), and add
@@ -241,6 +244,8 @@ class Folder:
         if self.joining:
             self.index.add(calls)
         self._add_call_values(calls)
+        if self.novelty is not None:
+            self.novelty.add_calls(calls)
 
     def _add_call_values(self, calls: NewCalls) -> None:
         """A metric of the calls is folded as if each call with a value were an event of it at the call's
@@ -311,6 +316,8 @@ class Folder:
             cells = rows * TIMELINE_POINTS + bucket[chosen]
             np.add.at(self.sums[code].reshape(-1), cells, value[chosen])
             np.add.at(self.counts[code].reshape(-1), cells, 1)
+            if self.novelty is not None:
+                self.novelty.add_events(code, rows, value[chosen], event_ns[chosen])
             if kind.counts_positive_calls:
                 # A call counts once, in the bucket of its first positive event: noted on the call while held.
                 positive = randomized & (metric[by_request] == code) & (value[by_request] > 0)
@@ -395,6 +402,7 @@ async def load(
     exclude_crossover: bool = True,
     segment: str | None = None,
     prices: dict[str, Price] | None = None,
+    novelty_ns: int | None = None,
 ) -> Loaded:
     """The calls of ``model`` received in the window and its feedback, read side by side in stream order.
 
@@ -403,7 +411,8 @@ async def load(
     a unit did, however it was routed), and ``exclude_crossover=False`` keeps units seen in two arms.
     ``segment``: a readable call field; the exposures' ``segments`` hold the same per value of it, and
     ``Loaded.segments`` their folders. Metrics of the calls (:data:`splitstream.analysis.usage.CALL_METRICS`)
-    are measured on the calls, a call's cost by ``prices`` (per version)."""
+    are measured on the calls, a call's cost by ``prices`` (per version). ``novelty_ns``: also fold by time since
+    each unit's first exposure, in buckets this wide (:mod:`splitstream.analysis.novelty`)."""
     events = FeedbackReader(window, metrics)
     from_calls = [name if is_call_metric(name) else None for name in metrics]
 
@@ -422,6 +431,9 @@ async def load(
     reading_feedback = True
     overall = ExposureReader(window, per_call=per_call, randomized_only=randomized_only, prices=prices)
     overall_folder = joined(overall)
+    if novelty_ns:  # the whole window's units only (not a segment's, nor a CUPED pre-period's)
+        buckets = bucket_count(window, novelty_ns)
+        overall_folder.novelty = NoveltyFold(overall.units, kinds, from_calls, novelty_ns, buckets)
     parts: dict[bytes, tuple[ExposureReader, Folder]] = {}
     field_name = segment.encode() if segment else None
     calls = aiter(source.call_pages(model, window, page_size))

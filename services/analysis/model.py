@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from splitstream.analysis.capping import CapRule
 from splitstream.analysis.statistics import Comparison, MetricKind
 from splitstream.analysis.usage import CALL_METRICS
 
@@ -26,7 +27,10 @@ class _Model(BaseModel):
 #: Which way a metric is better: ``higher`` (clicks, revenue: the default) or ``lower`` (latency, wait, refunds).
 Direction = Literal["higher", "lower"]
 DIRECTIONS: tuple[Direction, ...] = ("higher", "lower")
-METRIC_SYNTAX = "NAME:KIND[:DIRECTION], KIND conversion, rate, mean or sum, DIRECTION higher (default) or lower"
+METRIC_SYNTAX = (
+    "NAME:KIND[:DIRECTION][:cap=CAP], KIND conversion, rate, mean or sum, DIRECTION higher (default) or lower, "
+    "CAP (mean and sum) a percentile P99 or a value 250"
+)
 
 
 class MetricSpec(_Model):
@@ -36,9 +40,31 @@ class MetricSpec(_Model):
     name: str
     kind: MetricKind
     direction: Direction = "higher"
+    #: ``:cap=P99`` or ``:cap=250``: per-unit values capped above before the test (:mod:`splitstream.analysis.capping`).
+    cap: str | None = None
 
     @staticmethod
     def parse(text: str) -> MetricSpec:
+        spec, cap = split_cap(text)
+        if cap is None:
+            return MetricSpec._parse(spec)
+        parsed = MetricSpec._parse(spec)
+        if parsed.kind not in (MetricKind.MEAN, MetricKind.SUM):
+            raise ValueError(
+                f"bad metric {text!r}: a cap applies to a number per unit (kinds mean and sum), not to {parsed.kind}"
+            )
+        try:
+            rule = CapRule.parse(cap)
+        except ValueError as error:
+            raise ValueError(f"bad metric {text!r}: {error}") from None
+        return parsed.model_copy(update={"cap": str(rule)})
+
+    @property
+    def cap_rule(self) -> CapRule | None:
+        return CapRule.parse(self.cap) if self.cap is not None else None
+
+    @staticmethod
+    def _parse(text: str) -> MetricSpec:
         body, sep, last = text.strip().rpartition(":")
         given: Direction | None = None
         if sep and last.lower() in DIRECTIONS:
@@ -66,7 +92,21 @@ class MetricSpec(_Model):
 
     def __str__(self) -> str:
         suffix = "" if self.direction == "higher" else f":{self.direction}"
-        return f"{self.name}:{self.kind.value}{suffix}"
+        cap = "" if self.cap is None else f":cap={self.cap}"
+        return f"{self.name}:{self.kind.value}{suffix}{cap}"
+
+
+def split_cap(text: str) -> tuple[str, str | None]:
+    """``revenue:sum:cap=P99`` as (``revenue:sum``, ``P99``). The cap goes last, after the direction: a ``cap=``
+    anywhere else is refused rather than read as part of the name."""
+    head, sep, last = text.strip().rpartition(":")
+    if sep and last.lower().startswith("cap="):
+        if "cap=" in head.lower():
+            raise ValueError(f"bad metric {text!r}: one cap per metric ({METRIC_SYNTAX})")
+        return head, last[4:]
+    if "cap=" in text.lower():
+        raise ValueError(f"bad metric {text!r}: the cap goes last, e.g. wait_s:mean:lower:cap=P99 ({METRIC_SYNTAX})")
+    return text, None
 
 
 class Interval(_Model):
@@ -82,6 +122,10 @@ class ArmMetric(_Model):
     #: Feedback events of this metric attributed to the arm's units (a metric of the calls: the calls with a
     #: value of it).
     events: int
+    #: ``:cap=``: the cap applied to each unit's value (the same for every arm of the phase), and how many of
+    #: this arm's units it lowered. The value and interval above are of the capped values.
+    cap: float | None = None
+    capped_units: int = 0
 
 
 class ArmSummary(_Model):
@@ -155,6 +199,47 @@ class BayesianReading(_Model):
     expected_loss_keeping_control: float
 
 
+class NonInferiority(_Model):
+    """``--non-inferiority``: the one-sided test of the lift against the margin (docs/analysis.md)."""
+
+    #: The margin on the lift's scale, signed: below 0 for a higher-is-better metric (the lift may fall this
+    #: far), above 0 for a lower-is-better one; a fraction when ``relative``.
+    margin: float
+    relative: bool
+    #: Always-valid (``--sequential``): the bound is the confidence sequence's edge, the p-value the mSPRT's.
+    sequential: bool
+    #: The one-sided p-value of H0 "the lift is at or past the margin" (unadjusted).
+    p_value: float | None
+    #: The one-sided 1 - alpha bound on the metric's bad side (lower for higher-is-better): non-inferior when it
+    #: clears the margin. ``far_bound``: the one on the other side: inferior when even it is past the margin.
+    bound: float | None
+    far_bound: float | None
+    #: ``--correction``: the p-value adjusted over the family of non-inferiority tests, and the bound at the
+    #: matching level (what the verdict used).
+    adjusted_p_value: float | None = None
+    adjusted_bound: float | None = None
+    verdict: Literal["non-inferior", "inferior", "not shown non-inferior"]
+    text: str
+
+
+class NoveltyPoint(_Model):
+    """The comparison over the units active in one bucket of time since their first exposure (``--novelty-bucket``),
+    on their calls and events of that bucket alone."""
+
+    bucket: int
+    #: The bucket's start, in seconds after each unit's first exposure.
+    since_first_s: float
+    units_control: int
+    units_arm: int
+    control_value: float | None
+    arm_value: float | None
+    absolute: float | None
+    absolute_ci: Interval
+    relative: float | None
+    relative_ci: Interval
+    p_value: float | None
+
+
 class MetricComparison(_Model):
     metric: str
     kind: MetricKind
@@ -180,6 +265,9 @@ class MetricComparison(_Model):
     #: CUPED: θ, and the interval's width without the adjustment (to show what it bought).
     cuped_theta: float | None = None
     unadjusted_ci: Interval | None = None
+    #: ``:cap=``: the cap applied to every unit's value before the test, and the units it lowered per arm.
+    cap: float | None = None
+    capped_units: dict[str, int] = Field(default_factory=dict)
     #: The smallest absolute lift (and relative, to the control's value) a test at alpha detects with 80 % power
     #: at the arms' sizes; at ``--planned-units`` in total split as now, when given.
     minimum_detectable_effect: float | None = None
@@ -200,6 +288,10 @@ class MetricComparison(_Model):
     #: ``--engine bayes``: the Bayesian reading, which then gives the verdict (the p-value and intervals above
     #: are still the frequentist ones, shown beside it); None otherwise or without a relative lift.
     bayes: BayesianReading | None = None
+    #: ``--non-inferiority``: the test against the margin (its clause ends the verdict line).
+    non_inferiority: NonInferiority | None = None
+    #: The comparison per bucket of time since each unit's first exposure (buckets with 2 units per arm or more).
+    novelty: list[NoveltyPoint] = Field(default_factory=list)
     #: The comparison's estimates and metric, kept (not written) so a correction can recompute its intervals.
     _basis: tuple[Comparison, MetricSpec, int | None] | None = PrivateAttr(default=None)
 
@@ -321,3 +413,7 @@ class Analysis(_Model):
     prior_mean: float | None = None
     prior_sd: float | None = None
     bayes_threshold: float | None = None
+    #: ``--non-inferiority``: the margin as given (``1 %``, or absolute ``0.002``); None without the flag.
+    non_inferiority_margin: str | None = None
+    #: ``--novelty-bucket``: the width of the buckets of time since first exposure (``novelty`` per comparison).
+    novelty_bucket_ns: int | None = None

@@ -22,6 +22,7 @@ from splitstream.analysis.model import (
     Segment,
     TimelinePoint,
 )
+from splitstream.analysis.novelty_report import novelty_lines, novelty_section
 from splitstream.common import charts
 from splitstream.common.charts import fmt, fmt_rate
 from splitstream.common.timewindow import format_instant
@@ -164,7 +165,27 @@ def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list
         rows.append(cells)
     lines += [pad + line for line in _columns(rows)]
     lines += [pad + line for line in usage_lines(phase)]
+    lines += [pad + line for line in cap_lines(analysis, phase)]
+    lines += [pad + line for line in novelty_lines(phase, analysis.novelty_bucket_ns)]
     lines += [pad + c.verdict_line for c in phase.comparisons]
+    return lines
+
+
+def cap_lines(analysis: Analysis, phase: PhaseResult) -> list[str]:
+    """Per capped metric: the cap (and its rule) and the units it lowered in each arm."""
+    lines = []
+    for text in analysis.metrics:
+        spec = MetricSpec.parse(text)
+        if spec.cap is None:
+            continue
+        arms = [(arm.arm, arm.metrics.get(spec.name)) for arm in phase.arms]
+        cap = next((m.cap for _, m in arms if m is not None and m.cap is not None), None)
+        if cap is None:
+            lines.append(f"{spec.name} capped at {spec.cap}: no unit with a value")
+            continue
+        counts = ", ".join(f"{arm} {m.capped_units}" for arm, m in arms if m is not None)
+        rule = f" ({spec.cap}, pooled over the arms)" if spec.cap.startswith("P") else ""
+        lines.append(f"{spec.name} capped at {cap:.4g}{rule} per unit; units capped: {counts}")
     return lines
 
 
@@ -277,6 +298,7 @@ def _phase_section(analysis: Analysis, phase: PhaseResult, index: int) -> str:
             "<p class='muted'>Dashed: the always-valid confidence sequence (mSPRT, normal mixture), valid "
             "however often the analysis is looked at; the band is the fixed-horizon interval at each point.</p>"
         )
+    out.append(novelty_section(phase, analysis.novelty_bucket_ns))
     out.append("<h3>Latency</h3>")
     series = [
         charts.CdfSeries(arm.arm, charts.PALETTE[i % len(charts.PALETTE)], arm.latency_cdf, arm.latency_cdf[0][0])
@@ -424,7 +446,19 @@ def _lift_section(phase: PhaseResult) -> str:
         "<th class='l'>verdict</th></tr>"
         f"{''.join(rows)}</table>"
     )
-    return f"<div class='charts lift'>{chart}</div>{table}{bayes_text.html_table(phase.comparisons)}"
+    caps = "".join(
+        f"<p class='cap'>{escape(c.metric)}: {escape(c.arm)} vs {escape(c.control)} capped at {c.cap:.4g} per unit; "
+        f"units capped: {escape(', '.join(f'{arm} {n}' for arm, n in c.capped_units.items()))}</p>"
+        for c in phase.comparisons
+        if c.cap is not None
+    )
+    margins = "".join(
+        f"<p class='non-inferiority'>{escape(c.metric)}: {escape(c.arm)} vs {escape(c.control)} "
+        f"{escape(c.non_inferiority.text)}</p>"
+        for c in phase.comparisons
+        if c.non_inferiority is not None
+    )
+    return f"<div class='charts lift'>{chart}</div>{table}{caps}{margins}{bayes_text.html_table(phase.comparisons)}"
 
 
 def _lift_chart(comparisons: Sequence[MetricComparison]) -> str:
