@@ -240,6 +240,19 @@ class Exposures:
     #: Randomized calls, and those among them that carried a routing key: split by user, not call by call.
     randomized_calls: int = 0
     keyed_calls: int = 0
+    #: Every randomized call's row of ``units``, latency and TTFT (ms, NaN: none), for the quantile comparisons
+    #: (:mod:`splitstream.analysis.quantiles`): a quantile's clustered interval needs each unit's calls.
+    call_samples: CallSamples | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallSamples:
+    """Randomized calls, one entry each: the row of :class:`UnitIndex` (phase, arm, unit) and the values of
+    the quantile metrics. 10 bytes a call, the one thing the analysis holds per call for the whole window."""
+
+    rows: npt.NDArray[np.int32]
+    latency_ms: npt.NDArray[np.float32]
+    ttft_ms: npt.NDArray[np.float32]
 
 
 @dataclass(slots=True)
@@ -639,6 +652,7 @@ class ExposureReader:
         self.corrupt = 0
         self.randomized_calls = 0
         self.keyed_calls = 0
+        self._samples: list[tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]] = []
 
     def add_columns(self, found: dict[bytes, list[bytes]]) -> tuple[dict[str, int], NewCalls | None]:
         """Add a page's calls; returns the phases met for the first time, each with a row of the page whose
@@ -681,6 +695,14 @@ class ExposureReader:
         if chosen.any():
             call_rows[chosen] = self.units.add(
                 phase[chosen], arm[chosen], unit[chosen], self.window.bucket_of(times[chosen]), times[chosen]
+            )
+            sampled = chosen & randomized
+            self._samples.append(
+                (
+                    call_rows[sampled],
+                    latency[sampled].astype(np.float32),
+                    values["ttft_ms"][sampled].astype(np.float32),
+                )
             )
         if self.randomized_only and not randomized.all():
             for p, a, s, f in zip(
@@ -828,6 +850,11 @@ class ExposureReader:
             corrupt=self.corrupt,
             randomized_calls=self.randomized_calls,
             keyed_calls=self.keyed_calls,
+            call_samples=CallSamples(
+                np.concatenate([r for r, _, _ in self._samples]) if self._samples else np.zeros(0, np.int32),
+                np.concatenate([lat for _, lat, _ in self._samples]) if self._samples else np.zeros(0, np.float32),
+                np.concatenate([t for _, _, t in self._samples]) if self._samples else np.zeros(0, np.float32),
+            ),
         )
 
 
