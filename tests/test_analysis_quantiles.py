@@ -14,6 +14,7 @@ from scipy import stats
 from splitstream.admin.main import main
 from splitstream.admin.quantile_guards import QuantileGuard
 from splitstream.analysis import quantiles as qt
+from splitstream.analysis.unit_buckets import UnitBuckets
 from tests.harness import write_registry
 
 
@@ -49,6 +50,23 @@ def test_the_clustered_standard_error_agrees_with_scipys_bootstrap_over_users(q:
     naive = qt.estimate(arm, q, clustered=False)
     assert naive is not None
     assert naive.std_error < 0.7 * boot.standard_error
+
+
+def test_calls_counted_per_unit_and_bucket_give_the_quantile_and_interval_of_the_calls_one_by_one() -> None:
+    """What the analysis keeps (a unit's calls per latency bucket, merged across pages) changes nothing."""
+    rng = np.random.default_rng(2)
+    arm = clustered_arm(rng, 500)
+    values = np.round(arm.values)  # coarse, so units repeat a value and pairs merge
+    pairs = UnitBuckets(merge_after=500)  # merged every few pages, as a long window's are
+    for page in np.array_split(np.arange(len(values)), 20):
+        pairs.add(arm.units[page], values[page].astype(np.int64))
+    merged = pairs.result()
+    assert int(merged.counts.sum()) == len(values)
+    assert len(merged.rows) == len(np.unique(arm.units * 10_000 + values))
+    weighted = qt.CallValues.of(merged.buckets.astype(float), merged.rows, merged.counts)
+    one_by_one = qt.CallValues(values, arm.units)
+    for q in qt.QUANTILES:
+        assert qt.estimate(weighted, q) == qt.estimate(one_by_one, q)
 
 
 def test_an_aa_test_of_the_ratio_holds_alpha_clustered_and_not_per_call() -> None:

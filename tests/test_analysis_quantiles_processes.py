@@ -84,6 +84,11 @@ def test_analyze_compares_latency_and_ttft_quantiles_with_clustered_intervals(
             assert q["ratio_ci"]["low"] > 2, (metric, q)
             assert q["p_value"] < 0.001
     assert found["ttft", "p50"]["arm_value"] >= 40 > found["ttft", "p50"]["control_value"]
+    # The same 2 % latency buckets as the arms' table: the quantiles agree with it.
+    for version, side in (("v1", "control_value"), ("v2", "arm_value")):
+        assert found["latency", "p50"][side] == pytest.approx(arms[version]["latency_p50_ms"])
+        assert found["latency", "p99"][side] == pytest.approx(arms[version]["latency_p99_ms"])
+        assert found["ttft", "p50"][side] == pytest.approx(arms[version]["ttft_p50_ms"])
     assert "quantiles of the calls pooled per arm, intervals clustered by unit" in result.stdout
     assert "Latency quantiles" in (tmp_path / "analysis.html").read_text()
 

@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from splitstream.analysis.unit_buckets import UnitBucketCounts, UnitBuckets
 from splitstream.analysis.usage import CALL_METRICS, Price
 from splitstream.common.records import decode_record
 from splitstream.common.redis_url import RedisClient
@@ -240,19 +241,21 @@ class Exposures:
     #: Randomized calls, and those among them that carried a routing key: split by user, not call by call.
     randomized_calls: int = 0
     keyed_calls: int = 0
-    #: Every randomized call's row of ``units``, latency and TTFT (ms, NaN: none), for the quantile comparisons
-    #: (:mod:`splitstream.analysis.quantiles`): a quantile's clustered interval needs each unit's calls.
+    #: Randomized calls per (row of ``units``, latency bucket), and those with a TTFT per (row, TTFT bucket), for
+    #: the quantile comparisons (:mod:`splitstream.analysis.quantiles`): their clustered interval needs each
+    #: unit's calls (:mod:`splitstream.analysis.unit_buckets`).
     call_samples: CallSamples | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CallSamples:
-    """Randomized calls, one entry each: the row of :class:`UnitIndex` (phase, arm, unit) and the values of
-    the quantile metrics. 10 bytes a call, the one thing the analysis holds per call for the whole window."""
+    latency: UnitBucketCounts
+    ttft: UnitBucketCounts
 
-    rows: npt.NDArray[np.int32]
-    latency_ms: npt.NDArray[np.float32]
-    ttft_ms: npt.NDArray[np.float32]
+
+def bucket_middle_ms(buckets: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+    """A bucket's geometric middle, the value :meth:`Histogram.quantile_ms` gives it too."""
+    return np.asarray(LATENCY_FLOOR_MS * LATENCY_GROWTH ** (buckets + 0.5), dtype=np.float64)
 
 
 @dataclass(slots=True)
@@ -652,7 +655,8 @@ class ExposureReader:
         self.corrupt = 0
         self.randomized_calls = 0
         self.keyed_calls = 0
-        self._samples: list[tuple[npt.NDArray[np.int32], npt.NDArray[np.float32], npt.NDArray[np.float32]]] = []
+        self._latency_by_unit = UnitBuckets()
+        self._ttft_by_unit = UnitBuckets()
 
     def add_columns(self, found: dict[bytes, list[bytes]]) -> tuple[dict[str, int], NewCalls | None]:
         """Add a page's calls; returns the phases met for the first time, each with a row of the page whose
@@ -697,13 +701,9 @@ class ExposureReader:
                 phase[chosen], arm[chosen], unit[chosen], self.window.bucket_of(times[chosen]), times[chosen]
             )
             sampled = chosen & randomized
-            self._samples.append(
-                (
-                    call_rows[sampled],
-                    latency[sampled].astype(np.float32),
-                    values["ttft_ms"][sampled].astype(np.float32),
-                )
-            )
+            self._latency_by_unit.add(call_rows[sampled], _latency_buckets(latency[sampled]))
+            timed = sampled & ~np.isnan(values["ttft_ms"])
+            self._ttft_by_unit.add(call_rows[timed], _latency_buckets(values["ttft_ms"][timed]))
         if self.randomized_only and not randomized.all():
             for p, a, s, f in zip(
                 phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True
@@ -850,11 +850,7 @@ class ExposureReader:
             corrupt=self.corrupt,
             randomized_calls=self.randomized_calls,
             keyed_calls=self.keyed_calls,
-            call_samples=CallSamples(
-                np.concatenate([r for r, _, _ in self._samples]) if self._samples else np.zeros(0, np.int32),
-                np.concatenate([lat for _, lat, _ in self._samples]) if self._samples else np.zeros(0, np.float32),
-                np.concatenate([t for _, _, t in self._samples]) if self._samples else np.zeros(0, np.float32),
-            ),
+            call_samples=CallSamples(self._latency_by_unit.result(), self._ttft_by_unit.result()),
         )
 
 

@@ -12,8 +12,9 @@ import numpy as np
 import numpy.typing as npt
 
 from splitstream.analysis import quantiles as qt
-from splitstream.analysis.loading import CallSamples
+from splitstream.analysis.loading import CallSamples, bucket_middle_ms
 from splitstream.analysis.model import Interval, QuantileComparison
+from splitstream.analysis.unit_buckets import UnitBucketCounts
 
 
 def phase_quantiles(
@@ -29,32 +30,47 @@ def phase_quantiles(
 ) -> list[QuantileComparison]:
     """Every arm against ``control`` at p50, p90 and p99 of latency, and of TTFT where both arms have calls with
     one. ``rows``/``unit_of_row``: the phase's rows of the unit index and the unit (of this phase) of each."""
-    if samples is None or not len(samples.rows) or control not in arm_names or not len(rows):
+    if samples is None or control not in arm_names or not len(rows):
         return []
-    unit_at = np.full(int(max(rows.max(), samples.rows.max())) + 1, -1, dtype=np.int64)
-    unit_at[rows] = unit_of_row
-    unit = unit_at[samples.rows]
-    mine = unit >= 0
-    unit = unit[mine]
-    arm = arm_of_unit[unit]
-    values = {"latency": samples.latency_ms[mine].astype(np.float64), "ttft": samples.ttft_ms[mine].astype(np.float64)}
     control_code = list(arm_names).index(control)
+    per_arm = {
+        "latency": _by_arm(samples.latency, rows, unit_of_row, arm_of_unit),
+        "ttft": _by_arm(samples.ttft, rows, unit_of_row, arm_of_unit),
+    }
+    empty = qt.CallValues.of([], [], [])
     out = []
     for code, name in enumerate(arm_names):
         if code == control_code:
             continue
-        for metric, column in values.items():
-            present = ~np.isnan(column)
-            control_calls = qt.CallValues.of(
-                column[present & (arm == control_code)], unit[present & (arm == control_code)]
-            )
-            arm_calls = qt.CallValues.of(column[present & (arm == code)], unit[present & (arm == code)])
-            if metric == "ttft" and not (len(control_calls.values) and len(arm_calls.values)):
+        for metric, arms in per_arm.items():
+            control_calls, arm_calls = arms.get(control_code, empty), arms.get(code, empty)
+            if metric == "ttft" and not (control_calls.calls and arm_calls.calls):
                 continue  # no streams or HTTP calls with a first token: nothing to compare
             for q in qt.QUANTILES:
                 effect = qt.compare(control_calls, arm_calls, q, alpha=alpha, tuning_units=tuning_units)
                 out.append(_comparison(metric, q, name, control, control_calls, arm_calls, effect))
     return out
+
+
+def _by_arm(
+    pairs: UnitBucketCounts,
+    rows: npt.NDArray[np.int64],
+    unit_of_row: npt.NDArray[np.int64],
+    arm_of_unit: npt.NDArray[np.int64],
+) -> dict[int, qt.CallValues]:
+    """The phase's (row, bucket) pairs as each arm's calls: a bucket's middle as the value, weighted by its calls."""
+    if not len(pairs.rows):
+        return {}
+    unit_at = np.full(int(max(rows.max(), pairs.rows.max())) + 1, -1, dtype=np.int64)
+    unit_at[rows] = unit_of_row
+    unit = unit_at[pairs.rows]
+    mine = unit >= 0  # other phases' rows, and crossover units, are no unit of this phase
+    unit, values, counts = unit[mine], bucket_middle_ms(pairs.buckets[mine]), pairs.counts[mine]
+    arm = arm_of_unit[unit]
+    return {
+        int(code): qt.CallValues.of(values[arm == code], unit[arm == code], counts[arm == code])
+        for code in np.unique(arm)
+    }
 
 
 def _comparison(
@@ -73,8 +89,8 @@ def _comparison(
         "quantile": q,
         "arm": arm,
         "control": control,
-        "control_calls": len(control_calls.values),
-        "arm_calls": len(arm_calls.values),
+        "control_calls": control_calls.calls,
+        "arm_calls": arm_calls.calls,
         "control_units": control_calls.unit_count,
         "arm_units": arm_calls.unit_count,
         "method": qt.METHOD,

@@ -9,7 +9,7 @@ runs), with the user as the unit:
 
 - the estimate ``ξ̂_p`` is the arm's empirical ``p``-quantile of its calls;
 - ``F̂(ξ̂_p) = Σ_i S_i / Σ_i N_i`` with ``N_i`` the calls of unit ``i`` and ``S_i`` those at or below ``ξ̂_p`` is a
-  ratio of per-unit sums, so its variance is the delta method's ``σ_p² = Var(l)/n`` with ``l_i = (S_i - p N_i)/N̄``
+  ratio of per-unit sums, so its variance is the delta method's ``σ_p² = Var(l)/n`` with ``l_i = (S_i - F̂ N_i)/N̄``
   over the ``n`` units (the call-level ``p(1-p)/N`` times the design effect of the clustering);
 - the ``1-α`` interval of ``ξ_p`` is ``[ξ̂_{p - z σ_p}, ξ̂_{p + z σ_p}]`` (Woodruff's outer interval: no density
   of the latency has to be estimated), and the standard error of ``ξ̂_p`` is its width over ``2z``;
@@ -53,21 +53,32 @@ def quantile_name(q: float) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CallValues:
-    """One arm's calls: a value each (latency or TTFT, ms) and its unit (``0 .. units-1``)."""
+    """One arm's calls: values (latency or TTFT, ms), the unit of each (``0 .. units-1``), and how many calls
+    each stands for (``None``: one each; the analysis passes a unit's calls per latency bucket)."""
 
     values: FloatArray
     units: IntArray
+    counts: FloatArray | None = None
 
     @staticmethod
-    def of(values: npt.ArrayLike, units: npt.ArrayLike) -> CallValues:
+    def of(values: npt.ArrayLike, units: npt.ArrayLike, counts: npt.ArrayLike | None = None) -> CallValues:
         """Units renumbered ``0 .. n-1`` (any labels in; a unit without a call is no unit)."""
         v = np.asarray(values, dtype=np.float64)
         _, dense = np.unique(np.asarray(units), return_inverse=True)
-        return CallValues(v, dense.reshape(-1).astype(np.int64))
+        weights = None if counts is None else np.asarray(counts, dtype=np.float64)
+        return CallValues(v, dense.reshape(-1).astype(np.int64), weights)
 
     @property
     def unit_count(self) -> int:
         return int(self.units.max()) + 1 if len(self.units) else 0
+
+    @property
+    def weights(self) -> FloatArray:
+        return np.ones(len(self.values)) if self.counts is None else self.counts
+
+    @property
+    def calls(self) -> int:
+        return len(self.values) if self.counts is None else int(self.counts.sum())
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,40 +109,43 @@ class QuantileEffect:
     sequential_ratio_ci: tuple[float, float] | None
 
 
-def _order_statistic(ordered: FloatArray, p: float) -> float:
-    """The empirical ``p``-quantile (inverse of the empirical CDF: the smallest value with ``F̂ ≥ p``)."""
-    n = len(ordered)
-    index = min(max(math.ceil(p * n) - 1, 0), n - 1)
-    return float(ordered[index])
+def _order_statistic(ordered: FloatArray, cumulative: FloatArray, p: float) -> float:
+    """The empirical ``p``-quantile (inverse of the empirical CDF: the smallest value with ``F̂ ≥ p``); the
+    tolerance keeps ``0.9 × 100`` (90.00000000000001 in floating point) at the 90th call."""
+    total = cumulative[-1]
+    index = int(np.searchsorted(cumulative, p * total - 1e-9 * total, side="left"))
+    return float(ordered[min(index, len(ordered) - 1)])
 
 
 def estimate(calls: CallValues, p: float, *, alpha: float = 0.05, clustered: bool = True) -> QuantileEstimate | None:
     """The arm's ``p``-quantile with the delta-method interval (``clustered=False``: each call its own unit, the
     naive interval, kept to show in the docs how much too narrow it is). None without calls."""
-    values = calls.values
-    n_calls = len(values)
+    values, weights = calls.values, calls.weights
+    n_calls = calls.calls
     if not n_calls:
         return None
-    ordered = np.sort(values)
-    xi = _order_statistic(ordered, p)
+    if calls.counts is None:
+        ordered, cumulative = np.sort(values), np.arange(1.0, n_calls + 1)
+    else:
+        order = np.argsort(values)
+        ordered, cumulative = values[order], np.cumsum(weights[order])
+    xi = _order_statistic(ordered, cumulative, p)
     if clustered:
         units = calls.unit_count
-        per_unit = np.bincount(calls.units, minlength=units).astype(np.float64)
-        below = np.bincount(calls.units, weights=(values <= xi).astype(np.float64), minlength=units)
-    else:
+        per_unit = np.bincount(calls.units, weights=weights, minlength=units)
+        below = np.bincount(calls.units, weights=weights * (values <= xi), minlength=units)
+        share = float(below.sum()) / n_calls  # F̂(ξ̂), p itself but for ties at ξ̂
+        lin = (below - share * per_unit) / per_unit.mean()
+        sigma = math.sqrt(float(lin.var(ddof=1)) / units) if units > 1 else math.nan
+    else:  # each call its own unit: the 0/1 "at or below" of independent calls, p(1-p)/N in effect
         units = n_calls
-        per_unit = np.ones(n_calls)
-        below = (values <= xi).astype(np.float64)
-    if units > 1:
-        lin = (below - p * per_unit) / per_unit.mean()
-        sigma = math.sqrt(float(lin.var(ddof=1)) / units)
-    else:
-        sigma = math.nan
+        share = float(weights[values <= xi].sum()) / n_calls
+        sigma = math.sqrt(share * (1 - share) / (n_calls - 1)) if n_calls > 1 else math.nan
     z = float(stats.norm.ppf(1 - alpha / 2))
     if not math.isfinite(sigma):
         return QuantileEstimate(xi, math.nan, math.nan, math.nan, n_calls, units)
-    low = _order_statistic(ordered, max(p - z * sigma, 0.0))
-    high = _order_statistic(ordered, min(p + z * sigma, 1.0))
+    low = _order_statistic(ordered, cumulative, max(p - z * sigma, 0.0))
+    high = _order_statistic(ordered, cumulative, min(p + z * sigma, 1.0))
     return QuantileEstimate(xi, low, high, (high - low) / (2 * z), n_calls, units)
 
 
