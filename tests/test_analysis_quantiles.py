@@ -69,23 +69,44 @@ def test_calls_counted_per_unit_and_bucket_give_the_quantile_and_interval_of_the
         assert qt.estimate(weighted, q) == qt.estimate(one_by_one, q)
 
 
+def test_a_p99_of_few_calls_has_no_interval_rather_than_a_false_one() -> None:
+    """30 calls: the p99 is the largest, and nothing past it bounds it; an interval of 0 width would trip a guard
+    on noise."""
+    rng = np.random.default_rng(4)
+    control = qt.CallValues(rng.lognormal(3, 0.5, 30), np.arange(30))
+    treatment = qt.CallValues(rng.lognormal(3, 0.5, 30), np.arange(30))
+    estimate = qt.estimate(control, 0.99)
+    assert estimate is not None
+    assert estimate.value == control.values.max()
+    assert np.isnan(estimate.high)
+    effect = qt.compare(control, treatment, 0.99)
+    assert effect is not None
+    assert (effect.ratio_ci, effect.p_value, effect.sequential_ratio_ci) == (None, None, None)
+    assert qt.compare(control, treatment, 0.5).ratio_ci is not None  # type: ignore[union-attr]
+
+
 def test_an_aa_test_of_the_ratio_holds_alpha_clustered_and_not_per_call() -> None:
-    """1,000 A/A experiments of 300 users per arm at p50, p90 and p99 (the figures of docs/analysis.md)."""
+    """1,000 A/A experiments of 300 users per arm at p50, p90 and p99 (the figures of docs/analysis.md). A p99
+    without an interval (too few calls past it: p + z sigma > 1) rejects nothing, as a guard leaves it unjudged."""
     rng = np.random.default_rng(11)
     simulations = 1000
     rejected = {(q, clustered): 0 for q in qt.QUANTILES for clustered in (True, False)}
+    unbounded = 0
     for _ in range(simulations):
         control, treatment = clustered_arm(rng, 300), clustered_arm(rng, 300)
         for q in qt.QUANTILES:
             for clustered in (True, False):
                 effect = qt.compare(control, treatment, q, clustered=clustered)
                 assert effect is not None
-                assert effect.p_value is not None
+                if effect.p_value is None:
+                    unbounded += 1
+                    continue
                 rejected[q, clustered] += effect.p_value < 0.05
     rates = {key: count / simulations for key, count in rejected.items()}
-    print(rates)
+    print(rates, f"{unbounded} without an interval")
+    assert unbounded < 0.05 * simulations
     for q in qt.QUANTILES:
-        assert 0.025 <= rates[q, True] <= 0.075, rates
+        assert 0.03 <= rates[q, True] <= 0.07, rates
         assert rates[q, False] > 0.12, rates
 
 
@@ -125,8 +146,8 @@ def test_under_repeated_looks_the_sequence_keeps_the_guards_false_trips_rare_and
                 tuning_units=users,
             )
             assert effect is not None
-            assert effect.ratio_ci is not None
-            assert effect.sequential_ratio_ci is not None
+            if effect.ratio_ci is None or effect.sequential_ratio_ci is None:
+                continue  # too few calls past the p90 at this look: not judged, as the guard does
             fixed |= effect.ratio_ci[0] > 1.0
             sequential |= effect.sequential_ratio_ci[0] > 1.0
         tripped_sequential += sequential

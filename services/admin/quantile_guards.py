@@ -97,7 +97,7 @@ class QuantileGuard:
             return "not judged", None, None, None, f"no {what} of both arms to compare"
         ci = comparison.sequential_ratio_ci
         if comparison.ratio is None or ci is None or ci.low is None or ci.high is None:
-            return "not judged", None, None, None, "no interval of the ratio yet"
+            return "not judged", None, None, None, f"too few calls past the {self.quantile} for an interval yet"
         harm, win = ci.low > self.bound, ci.high < 1.0
         state: QuantileState = "harm" if harm else "win" if win else "open"
         return state, comparison.ratio, ci.low, ci.high, ""

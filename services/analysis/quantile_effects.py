@@ -12,7 +12,7 @@ import numpy as np
 import numpy.typing as npt
 
 from splitstream.analysis import quantiles as qt
-from splitstream.analysis.loading import CallSamples, bucket_middle_ms
+from splitstream.analysis.loading import LATENCY_GROWTH, CallSamples, bucket_middle_ms
 from splitstream.analysis.model import Interval, QuantileComparison
 from splitstream.analysis.unit_buckets import UnitBucketCounts
 
@@ -47,7 +47,9 @@ def phase_quantiles(
             if metric == "ttft" and not (control_calls.calls and arm_calls.calls):
                 continue  # no streams or HTTP calls with a first token: nothing to compare
             for q in qt.QUANTILES:
-                effect = qt.compare(control_calls, arm_calls, q, alpha=alpha, tuning_units=tuning_units)
+                effect = qt.compare(
+                    control_calls, arm_calls, q, alpha=alpha, tuning_units=tuning_units, resolution=LATENCY_GROWTH
+                )
                 out.append(_comparison(metric, q, name, control, control_calls, arm_calls, effect))
     return out
 

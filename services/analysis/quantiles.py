@@ -1,4 +1,4 @@
-# ruff: noqa: RUF002  (the formulas are written with their Greek letters, as in the paper cited)
+# ruff: noqa: RUF002, RUF003  (the formulas are written with their Greek letters, as in the paper cited)
 """Quantile treatment effects (p50, p90, p99 of latency and TTFT) with intervals that respect users.
 
 A quantile of an arm is taken over its calls pooled, but the calls of one user are correlated (one user's
@@ -10,11 +10,13 @@ runs), with the user as the unit:
 - the estimate ``ξ̂_p`` is the arm's empirical ``p``-quantile of its calls;
 - ``F̂(ξ̂_p) = Σ_i S_i / Σ_i N_i`` with ``N_i`` the calls of unit ``i`` and ``S_i`` those at or below ``ξ̂_p`` is a
   ratio of per-unit sums, so its variance is the delta method's ``σ_p² = Var(l)/n`` with ``l_i = (S_i - F̂ N_i)/N̄``
-  over the ``n`` units (the call-level ``p(1-p)/N`` times the design effect of the clustering);
-- the ``1-α`` interval of ``ξ_p`` is ``[ξ̂_{p - z σ_p}, ξ̂_{p + z σ_p}]`` (Woodruff's outer interval: no density
-  of the latency has to be estimated), and the standard error of ``ξ̂_p`` is its width over ``2z``;
+  over the ``n`` units (the call-level ``p(1-p)/N`` times the design effect of the clustering), floored at
+  ``p(1-p)/N`` (at the sample's extremes the empirical ``Var(l)`` is 0);
+- the ``1-α`` interval of ``ξ_p`` is ``[L, U] = [ξ̂_{p - z σ_p}, ξ̂_{p + z σ_p}]`` (Woodruff's outer interval: no
+  density of the latency has to be estimated; none where ``p ± z σ_p`` leaves (0, 1): too few calls past the
+  quantile), and the standard error of ``ξ̂_p`` is ``(U - L)/2z``, of ``log ξ̂_p`` ``(log U - log L)/2z``;
 - treatment against control (independent arms): the difference ``ξ_t - ξ_c`` with ``se = sqrt(se_t² + se_c²)``;
-  the ratio on the log scale, ``se(log ξ_t/ξ_c) = sqrt((se_t/ξ_t)² + (se_c/ξ_c)²)``, its interval
+  the ratio on the log scale, ``se(log ξ_t/ξ_c) = sqrt(se_log,t² + se_log,c²)``, its interval
   ``exp(log r ± z se)`` and the p-value of ``ratio = 1`` from ``|log r| / se``;
 - the always-valid (mSPRT) confidence sequence of the log-ratio on that variance
   (:func:`splitstream.analysis.statistics.confidence_sequence_half_width`), for the rollout guard that looks
@@ -86,9 +88,12 @@ class QuantileEstimate:
     """An arm's quantile, its interval, and the standard error the comparison uses."""
 
     value: float
+    #: NaN where ``p ∓ zσ`` falls outside (0, 1): too few calls past the quantile to bound it on that side.
     low: float
     high: float
+    #: ``(high - low) / 2z``, and the same on the log scale (what the ratio uses); NaN without both ends.
     std_error: float
+    log_std_error: float
     calls: int
     units: int
 
@@ -117,9 +122,15 @@ def _order_statistic(ordered: FloatArray, cumulative: FloatArray, p: float) -> f
     return float(ordered[min(index, len(ordered) - 1)])
 
 
-def estimate(calls: CallValues, p: float, *, alpha: float = 0.05, clustered: bool = True) -> QuantileEstimate | None:
+def estimate(
+    calls: CallValues, p: float, *, alpha: float = 0.05, clustered: bool = True, resolution: float = 1.0
+) -> QuantileEstimate | None:
     """The arm's ``p``-quantile with the delta-method interval (``clustered=False``: each call its own unit, the
-    naive interval, kept to show in the docs how much too narrow it is). None without calls."""
+    naive interval, kept to show in the docs how much too narrow it is). None without calls.
+
+    ``resolution``: the ratio between neighbouring values the calls can take (1.02 for the analysis's latency
+    buckets): the interval reaches half a step past its order statistics, so that a quantile whose interval
+    falls in one bucket still has the bucket's width, not a standard error of 0."""
     values, weights = calls.values, calls.weights
     n_calls = calls.calls
     if not n_calls:
@@ -130,23 +141,28 @@ def estimate(calls: CallValues, p: float, *, alpha: float = 0.05, clustered: boo
         order = np.argsort(values)
         ordered, cumulative = values[order], np.cumsum(weights[order])
     xi = _order_statistic(ordered, cumulative, p)
+    # Independent calls: p(1-p)/N, with p itself (at the sample's extremes the empirical F̂ says 0 or 1, and a
+    # variance of 0: the p99 of 30 calls would be known exactly). Users' calls are correlated, mostly positively,
+    # so the clustered variance replaces it only where larger: never narrower than calls that were independent.
+    sigma = math.sqrt(p * (1 - p) / n_calls)
+    units = n_calls
     if clustered:
         units = calls.unit_count
         per_unit = np.bincount(calls.units, weights=weights, minlength=units)
         below = np.bincount(calls.units, weights=weights * (values <= xi), minlength=units)
         share = float(below.sum()) / n_calls  # F̂(ξ̂), p itself but for ties at ξ̂
         lin = (below - share * per_unit) / per_unit.mean()
-        sigma = math.sqrt(float(lin.var(ddof=1)) / units) if units > 1 else math.nan
-    else:  # each call its own unit: the 0/1 "at or below" of independent calls, p(1-p)/N in effect
-        units = n_calls
-        share = float(weights[values <= xi].sum()) / n_calls
-        sigma = math.sqrt(share * (1 - share) / (n_calls - 1)) if n_calls > 1 else math.nan
+        sigma = max(sigma, math.sqrt(float(lin.var(ddof=1)) / units)) if units > 1 else math.nan
     z = float(stats.norm.ppf(1 - alpha / 2))
     if not math.isfinite(sigma):
-        return QuantileEstimate(xi, math.nan, math.nan, math.nan, n_calls, units)
-    low = _order_statistic(ordered, cumulative, max(p - z * sigma, 0.0))
-    high = _order_statistic(ordered, cumulative, min(p + z * sigma, 1.0))
-    return QuantileEstimate(xi, low, high, (high - low) / (2 * z), n_calls, units)
+        return QuantileEstimate(xi, math.nan, math.nan, math.nan, math.nan, n_calls, units)
+    # Past the smallest or largest call the empirical CDF says nothing: p99 of 50 calls has no upper bound.
+    half_step = math.sqrt(resolution)
+    low = _order_statistic(ordered, cumulative, p - z * sigma) / half_step if p - z * sigma >= 0 else math.nan
+    high = _order_statistic(ordered, cumulative, p + z * sigma) * half_step if p + z * sigma <= 1 else math.nan
+    std_error = (high - low) / (2 * z)
+    log_std_error = math.log(high / low) / (2 * z) if low > 0 else math.nan
+    return QuantileEstimate(xi, low, high, std_error, log_std_error, n_calls, units)
 
 
 def compare(
@@ -157,10 +173,13 @@ def compare(
     alpha: float = 0.05,
     clustered: bool = True,
     tuning_units: int = DEFAULT_TUNING_UNITS,
+    resolution: float = 1.0,
 ) -> QuantileEffect | None:
-    """Treatment against control at the ``p``-quantile; None when an arm has no call."""
-    c = estimate(control, p, alpha=alpha, clustered=clustered)
-    t = estimate(treatment, p, alpha=alpha, clustered=clustered)
+    """Treatment against control at the ``p``-quantile; None when an arm has no call. The ratio's variance is
+    taken on the log scale (the interval of ``log ξ`` is the log of the interval of ``ξ``: quantiles commute
+    with monotone maps), where a latency's long right tail makes the interval of ``ξ`` itself lopsided."""
+    c = estimate(control, p, alpha=alpha, clustered=clustered, resolution=resolution)
+    t = estimate(treatment, p, alpha=alpha, clustered=clustered, resolution=resolution)
     if c is None or t is None:
         return None
     z = float(stats.norm.ppf(1 - alpha / 2))
@@ -170,7 +189,7 @@ def compare(
     if not (c.value > 0 and t.value > 0):
         return QuantileEffect(c, t, difference, difference_ci, None, None, None, None, None)
     log_ratio = math.log(t.value / c.value)
-    variance = (t.std_error / t.value) ** 2 + (c.std_error / c.value) ** 2
+    variance = t.log_std_error**2 + c.log_std_error**2
     if not math.isfinite(variance):
         return QuantileEffect(c, t, difference, difference_ci, t.value / c.value, None, None, None, None)
     se_log = math.sqrt(variance)
