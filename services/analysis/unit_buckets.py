@@ -24,7 +24,7 @@ class UnitBucketCounts:
 
     rows: npt.NDArray[np.int64]
     buckets: npt.NDArray[np.int64]
-    counts: npt.NDArray[np.int64]
+    counts: npt.NDArray[np.int32]
 
 
 @dataclass(slots=True)
@@ -32,7 +32,8 @@ class UnitBuckets:
     #: Unmerged pairs allowed before a merge (and at least as many as the merged ones).
     merge_after: int = 100_000
     _keys: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
-    _counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: Calls per pair: int32, so a kept pair costs 12 bytes (a unit row's calls fit: a row counts them in int32 too).
+    _counts: npt.NDArray[np.int32] = field(default_factory=lambda: np.zeros(0, np.int32))
     _pending: list[npt.NDArray[np.int64]] = field(default_factory=list)
     _pending_size: int = 0
 
@@ -49,12 +50,12 @@ class UnitBuckets:
         if not self._pending:
             return
         keys = np.concatenate([self._keys, *self._pending])
-        counts = np.concatenate([self._counts, np.ones(self._pending_size, np.int64)])
+        counts = np.concatenate([self._counts, np.ones(self._pending_size, np.int32)])
         self._keys, inverse = np.unique(keys, return_inverse=True)
-        self._counts = np.bincount(inverse.reshape(-1), weights=counts, minlength=len(self._keys)).astype(np.int64)
+        self._counts = np.bincount(inverse.reshape(-1), weights=counts, minlength=len(self._keys)).astype(np.int32)
         self._pending, self._pending_size = [], 0
 
     def result(self) -> UnitBucketCounts:
         self._merge()
         mask = (1 << _BUCKET_BITS) - 1
-        return UnitBucketCounts(self._keys >> _BUCKET_BITS, self._keys & mask, self._counts.copy())
+        return UnitBucketCounts(self._keys >> _BUCKET_BITS, self._keys & mask, self._counts)
