@@ -1,7 +1,8 @@
 """Quantile effects and the quantile guard on real processes: redis-server, a recorder, a router and three
 stand-ins for Triton's decoupled models, v1 and v3 waiting 2 ms before each token, v2 40 ms (so v2 is slower
 at every quantile of latency and TTFT). ``analyze`` shows the clustered quantile comparisons; a rollout of v2
-guarded by ``latency:p99:ratio<=1.10`` rolls back, one of v3 (as fast as v1) holds."""
+guarded by ``latency:p99:ratio<=1.10`` (or ``ttft:p50:ratio<=1.2``) rolls back, one of v3 (as fast as
+v1) holds."""
 
 from __future__ import annotations
 
@@ -113,3 +114,14 @@ def test_a_rollout_of_a_version_as_fast_as_the_control_holds_under_the_p99_ratio
     assert all(line.endswith("bound <= 1.250x: open") for line in judged), output
     assert "every guard held" in output
     assert current_weights(stack) == {"v1": 50, "v3": 50}
+
+
+@pytest.mark.slow
+def test_a_rollout_guarded_by_the_ttft_p50_ratio_rolls_back_a_version_slower_to_its_first_token(
+    stack: RecordingStack,
+) -> None:
+    output, code = rollout(stack, "v2", "120s", "ttft:p50:ratio<=1.2")
+    assert code == 3, output
+    assert "v2 harms ttft p50 ratio" in output
+    assert "(guard ttft:p50:ratio<=1.2)" in output
+    assert current_weights(stack) == {"v1": 100, "v2": 0}
