@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from splitstream.admin import bandit, feedback_import, judge_cli, lock, metrics
-from splitstream.admin.outcomes import GUARD_SYNTAX, OutcomeGuard, OutcomeReader
+from splitstream.admin.outcomes import GUARD_SYNTAX, Guard, OutcomeGuard, OutcomeReader
+from splitstream.admin.quantile_guards import QUANTILE_GUARD_SYNTAX, QuantileGuard, is_quantile_guard
 from splitstream.admin.rollout import (
     FAILED,
     ROLLED_BACK,
@@ -52,6 +53,7 @@ from splitstream.admin.store import (
     weights_text,
 )
 from splitstream.analysis import cli as analysis_cli
+from splitstream.analysis.model import MetricSpec
 from splitstream.analysis.usage import parse_prices
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.durations import BadDuration, parse_duration_s
@@ -90,9 +92,9 @@ def steps(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"not a list of percentages: {text!r} (e.g. 10,50,100)") from None
 
 
-def outcome_guard(text: str) -> OutcomeGuard:
+def outcome_guard(text: str) -> Guard:
     try:
-        return OutcomeGuard.parse(text)
+        return QuantileGuard.parse(text) if is_quantile_guard(text) else OutcomeGuard.parse(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -228,7 +230,9 @@ def build_parser() -> EnvArgumentParser:
         type=outcome_guard,
         default=None,
         metavar="GUARD",
-        help=GUARD_SYNTAX.replace("%", "%%") + "; e.g. 'click:lift>=-1%%' (repeat; significant harm rolls back)",
+        help=GUARD_SYNTAX.replace("%", "%%")
+        + f", or {QUANTILE_GUARD_SYNTAX}; e.g. 'click:lift>=-1%%', 'latency:p99:ratio<=1.10' "
+        + "(repeat; significant harm rolls back)",
     )
     outcomes.add_argument(
         "--promote-on-win",
@@ -483,12 +487,15 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
         prices = parse_prices([args.price] if isinstance(args.price, str) else list(args.price or ()))
     except ValueError as error:
         raise Invalid(str(error)) from None
-    if any(g.metric.name == "cost" for g in plan.guards) and plan.version not in prices:
+    outcome_guards = [g for g in plan.guards if isinstance(g, OutcomeGuard)]
+    if any(g.metric.name == "cost" for g in outcome_guards) and plan.version not in prices:
         raise Invalid(
             f"--guard on cost needs --price for {plan.version} (and for the control): a call's cost is its tokens "
             "at its version's price"
         )
-    metrics_by_name = {g.metric.name: g.metric for g in plan.guards}
+    metrics_by_name = {g.metric.name: g.metric for g in outcome_guards}
+    if not metrics_by_name:  # the analysis wants a metric; quantile guards read the quantiles every phase has
+        metrics_by_name = {"ttft_ms": MetricSpec.parse("ttft_ms")}
     reader = OutcomeReader(
         args.redis_url,
         model=plan.model,
@@ -521,7 +528,7 @@ def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
 
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
     # From the environment, argparse converts the variable's one guard; from flags, a list.
-    guards = (args.guard,) if isinstance(args.guard, OutcomeGuard) else tuple(args.guard or ())
+    guards = (args.guard,) if isinstance(args.guard, OutcomeGuard | QuantileGuard) else tuple(args.guard or ())
     try:
         judge = judge_cli.config_from_args(args)
     except ValueError as error:

@@ -29,10 +29,11 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
 from redis.exceptions import RedisError
 
+from splitstream.admin.quantile_guards import QuantileGuard
 from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window
 from splitstream.analysis.model import DIRECTIONS, Analysis, Direction, MetricComparison, MetricSpec, PhaseResult
@@ -110,17 +111,28 @@ class OutcomeGuard:
             text=f"{name}:{kind.lower()}:lift{match['op']}{match['bound']}{match['pct']}",
         )
 
+    @property
+    def name(self) -> str:
+        return self.metric.name
+
+    #: What a reading's estimate is (a quantile guard's is a ratio).
+    quantity = "lift"
+
     def lift_text(self, value: float | None) -> str:
         if value is None:
             return "n/a"
         return f"{value * 100:+.1f} %" if self.relative else f"{value:+.4g}"
 
 
+#: A ``--guard``: on a lift of an outcome, or on a latency quantile's ratio (:mod:`splitstream.admin.quantile_guards`).
+Guard: TypeAlias = OutcomeGuard | QuantileGuard
+
+
 @dataclass(frozen=True, kw_only=True)
 class Reading:
     """One guard at one check: the lift and its always-valid interval on the guard's scale."""
 
-    guard: OutcomeGuard
+    guard: Guard
     state: State
     estimate: float | None = None
     low: float | None = None
@@ -131,10 +143,10 @@ class Reading:
     def text(self) -> str:
         g = self.guard
         if self.state == "not judged":
-            return f"{g.metric.name} not judged ({self.why})"
+            return f"{g.name} not judged ({self.why})"
         interval = f"always-valid CI {g.lift_text(self.low)} .. {g.lift_text(self.high)}"
         bound = f"bound {g.op} {g.lift_text(g.bound)}"
-        return f"{g.metric.name} lift {g.lift_text(self.estimate)} ({interval}), {bound}: {self.state}"
+        return f"{g.name} {g.quantity} {g.lift_text(self.estimate)} ({interval}), {bound}: {self.state}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +171,7 @@ def judge(
     *,
     phase: str,
     version: str,
-    guards: Sequence[OutcomeGuard],
+    guards: Sequence[Guard],
     min_units: int,
 ) -> Check:
     """The guards' readings for ``version`` against its phase's control in the phase ``phase``."""
@@ -188,10 +200,13 @@ def judge(
     )
 
 
-def _reading(result: PhaseResult, version: str, guard: OutcomeGuard, units: dict[str, int], min_units: int) -> Reading:
+def _reading(result: PhaseResult, version: str, guard: Guard, units: dict[str, int], min_units: int) -> Reading:
     fewest = min(units.get(result.control, 0), units.get(version, 0))
     if fewest < min_units:
         return Reading(guard=guard, state="not judged", why=f"{fewest} units in an arm, fewer than {min_units}")
+    if isinstance(guard, QuantileGuard):
+        judged, ratio, ratio_low, ratio_high, why = guard.judge(result, version)
+        return Reading(guard=guard, state=judged, estimate=ratio, low=ratio_low, high=ratio_high, why=why)
     comparison: MetricComparison | None = next(
         (c for c in result.comparisons if c.metric == guard.metric.name and c.arm == version), None
     )

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 from splitstream.admin import metrics
 from splitstream.admin.judge import JudgeConfig, OutcomeSpec, Series
-from splitstream.admin.outcomes import Check, OutcomeGuard, judge
+from splitstream.admin.outcomes import Check, Guard, OutcomeGuard, judge
 from splitstream.admin.store import AdminError, Conflict, Invalid, ModelView, Store, check_versions_exist, weights_text
 from splitstream.analysis.model import Analysis
 from splitstream.common.errors import ConfigError
@@ -85,7 +85,7 @@ class RolloutPlan:
     max_ttft_p99_ratio: float | None = None
     max_itl_p99_ratio: float | None = None
     #: Outcome guards (judged from Redis at every check; none: outcomes are not judged).
-    guards: tuple[OutcomeGuard, ...] = ()
+    guards: tuple[Guard, ...] = ()
     #: Advance to the next step as soon as every outcome guard shows a significant win.
     promote_on_win: bool = False
     #: Units each arm needs in the step's phase before an outcome guard is judged.
@@ -129,12 +129,12 @@ class RolloutPlan:
         if not 0 < self.guard_alpha < 1:
             raise Invalid(f"--guard-alpha: must be between 0 and 1, got {self.guard_alpha}")
         kinds: dict[str, str] = {}
-        for guard in self.guards:
+        for guard in (g for g in self.guards if isinstance(g, OutcomeGuard)):
             if kinds.setdefault(guard.metric.name, guard.metric.kind.value) != guard.metric.kind.value:
                 raise Invalid(f"--guard: metric '{guard.metric.name}' is given two kinds")
         if self.judge is not None:
             try:
-                self.judge.chosen([g.metric.name for g in self.guards])
+                self.judge.chosen([g.metric.name for g in self.guards if isinstance(g, OutcomeGuard)])
             except ValueError as error:
                 raise Invalid(str(error)) from None
 
@@ -521,7 +521,7 @@ class Rollout:
         if control_weight <= 0:
             self.out(f"  judge not applied in this step: {self.control} takes no traffic to compare with")
             return None
-        guards = self.plan.guards
+        guards = [g for g in self.plan.guards if isinstance(g, OutcomeGuard)]  # (quantile guards: no metric)
         outcomes = {
             g.metric.name: OutcomeSpec(g.metric.kind, "Low" if g.metric.higher_is_better else "High") for g in guards
         }

@@ -28,6 +28,7 @@ from splitstream.analysis.folding import Folder, RowMetric, among, load
 from splitstream.analysis.loading import (
     SEGMENT_FIELDS,
     TIMELINE_POINTS,
+    CallSamples,
     Exposures,
     Feedback,
     Histogram,
@@ -59,6 +60,7 @@ from splitstream.analysis.model import (
 )
 from splitstream.analysis.noninferiority import Margin, annotated
 from splitstream.analysis.novelty import DEFAULT_BUCKET_NS, NoveltyFold, novelty_points
+from splitstream.analysis.quantile_effects import phase_quantiles
 from splitstream.analysis.sources import RedisSource
 from splitstream.analysis.usage import CALL_METRICS, Price, is_call_metric
 from splitstream.common.redis_url import RedisClient
@@ -340,6 +342,7 @@ def summarize(
                 prices=query.prices,
                 pre=pre,
                 novelty=folder.novelty,
+                samples=exposures.call_samples,
             )
         )
     non_randomized = _non_randomized(exposures)
@@ -518,6 +521,7 @@ def _analyse_phase(
     prices: dict[str, Price],
     pre: _PreValues | None,
     novelty: NoveltyFold | None = None,
+    samples: CallSamples | None = None,
 ) -> PhaseResult:
     matrix = _unit_matrix(units, bucket_calls, arm_names)
     last = TIMELINE_POINTS - 1
@@ -615,6 +619,16 @@ def _analyse_phase(
         else None,
         arms=arms,
         comparisons=comparisons,
+        quantiles=phase_quantiles(
+            samples,
+            rows=matrix.rows,
+            unit_of_row=matrix.unit_of_row,
+            arm_of_unit=matrix.arm_of,
+            arm_names=matrix.arm_names,
+            control=info.control,
+            alpha=query.alpha,
+            tuning_units=query.tuning_units,
+        ),
     )
 
 

@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from splitstream.analysis.unit_buckets import UnitBucketCounts, UnitBuckets
 from splitstream.analysis.usage import CALL_METRICS, Price
 from splitstream.common.records import decode_record
 from splitstream.common.redis_url import RedisClient
@@ -240,6 +241,21 @@ class Exposures:
     #: Randomized calls, and those among them that carried a routing key: split by user, not call by call.
     randomized_calls: int = 0
     keyed_calls: int = 0
+    #: Randomized calls per (row of ``units``, latency bucket), and those with a TTFT per (row, TTFT bucket), for
+    #: the quantile comparisons (:mod:`splitstream.analysis.quantiles`): their clustered interval needs each
+    #: unit's calls (:mod:`splitstream.analysis.unit_buckets`).
+    call_samples: CallSamples | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallSamples:
+    latency: UnitBucketCounts
+    ttft: UnitBucketCounts
+
+
+def bucket_middle_ms(buckets: npt.NDArray[np.int64]) -> npt.NDArray[np.float64]:
+    """A bucket's geometric middle, the value :meth:`Histogram.quantile_ms` gives it too."""
+    return np.asarray(LATENCY_FLOOR_MS * LATENCY_GROWTH ** (buckets + 0.5), dtype=np.float64)
 
 
 @dataclass(slots=True)
@@ -639,6 +655,8 @@ class ExposureReader:
         self.corrupt = 0
         self.randomized_calls = 0
         self.keyed_calls = 0
+        self._latency_by_unit = UnitBuckets()
+        self._ttft_by_unit = UnitBuckets()
 
     def add_columns(self, found: dict[bytes, list[bytes]]) -> tuple[dict[str, int], NewCalls | None]:
         """Add a page's calls; returns the phases met for the first time, each with a row of the page whose
@@ -682,6 +700,10 @@ class ExposureReader:
             call_rows[chosen] = self.units.add(
                 phase[chosen], arm[chosen], unit[chosen], self.window.bucket_of(times[chosen]), times[chosen]
             )
+            sampled = chosen & randomized
+            self._latency_by_unit.add(call_rows[sampled], _latency_buckets(latency[sampled]))
+            timed = sampled & ~np.isnan(values["ttft_ms"])
+            self._ttft_by_unit.add(call_rows[timed], _latency_buckets(values["ttft_ms"][timed]))
         if self.randomized_only and not randomized.all():
             for p, a, s, f in zip(
                 phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True
@@ -828,6 +850,7 @@ class ExposureReader:
             corrupt=self.corrupt,
             randomized_calls=self.randomized_calls,
             keyed_calls=self.keyed_calls,
+            call_samples=CallSamples(self._latency_by_unit.result(), self._ttft_by_unit.result()),
         )
 
 

@@ -306,6 +306,37 @@ class SampleRatioMismatch(_Model):
     flagged: bool
 
 
+class QuantileComparison(_Model):
+    """One quantile (p50, p90, p99) of latency or TTFT, treatment against control, over the phase's randomized
+    calls pooled per arm, with intervals clustered by unit (:mod:`splitstream.analysis.quantiles`)."""
+
+    metric: Literal["latency", "ttft"]
+    #: ``p50``, ``p90``, ``p99``, and the same as a fraction.
+    name: str
+    quantile: float
+    arm: str
+    control: str
+    #: Milliseconds; each arm's interval of its own quantile.
+    control_value: float | None
+    control_ci: Interval
+    arm_value: float | None
+    arm_ci: Interval
+    control_calls: int
+    arm_calls: int
+    control_units: int
+    arm_units: int
+    #: Arm minus control, ms.
+    difference: float | None
+    difference_ci: Interval
+    #: Arm over control, its interval (log scale) and the p-value of ``ratio = 1``.
+    ratio: float | None
+    ratio_ci: Interval
+    p_value: float | None
+    #: The always-valid confidence sequence of the ratio (mSPRT on the log-ratio): what a rollout guard reads.
+    sequential_ratio_ci: Interval | None = None
+    method: str
+
+
 class PhaseResult(_Model):
     id: str
     control: str
@@ -317,6 +348,8 @@ class PhaseResult(_Model):
     srm: SampleRatioMismatch | None
     arms: list[ArmSummary]
     comparisons: list[MetricComparison]
+    #: p50, p90 and p99 of latency (and TTFT, where calls have one) per arm against the control.
+    quantiles: list[QuantileComparison] = Field(default_factory=list)
 
 
 class NonRandomizedCalls(_Model):

@@ -23,6 +23,7 @@ from splitstream.analysis.model import (
     TimelinePoint,
 )
 from splitstream.analysis.novelty_report import novelty_lines, novelty_section
+from splitstream.analysis.quantile_report import quantile_lines, quantile_section
 from splitstream.common import charts
 from splitstream.common.charts import fmt, fmt_rate
 from splitstream.common.timewindow import format_instant
@@ -168,6 +169,7 @@ def _phase_lines(analysis: Analysis, phase: PhaseResult, *, indent: str) -> list
     lines += [pad + line for line in cap_lines(analysis, phase)]
     lines += [pad + line for line in novelty_lines(phase, analysis.novelty_bucket_ns)]
     lines += [pad + c.verdict_line for c in phase.comparisons]
+    lines += [pad + line for line in quantile_lines(phase)]
     return lines
 
 
@@ -290,6 +292,7 @@ def _phase_section(analysis: Analysis, phase: PhaseResult, index: int) -> str:
     out.append(_arms_table(analysis, phase))
     out.append("<h3>Lift per metric</h3>")
     out.append(_lift_section(phase))
+    out.append(quantile_section(phase))
     out.append("<h3>Cumulative lift over time</h3>")
     timelines = [_timeline_chart(c) for c in phase.comparisons if c.timeline]
     out.append(f"<div class='charts'>{''.join(timelines)}</div>" if timelines else "<p class='muted'>No data.</p>")
