@@ -273,7 +273,7 @@ class Tail:
         :meth:`WalReader.peek` (two stats) and read once they have waited ``linger_s`` or add up to
         ``READ_NOW_BYTES``; a read every ``idle_poll_s`` whatever the peeks say catches what they cannot see."""
         now = time.monotonic()
-        if not self._caught_up or now >= self._read_by:
+        if not self._caught_up:
             return True
         waiting = 0
         for index, reader in enumerate(self.readers):
@@ -281,6 +281,8 @@ class Tail:
             if pending is None:
                 return True
             waiting += pending
+        if now >= self._read_by:
+            return True
         if not waiting:
             self._waiting_since = None
             return False
@@ -304,20 +306,22 @@ class Tail:
                 break
             generation = self._generation
             peeked, self._peeked[index] = self._peeked[index], None
+            wanted = min(room, self.read_entries)
             if peeked is not None and peeked <= READ_INLINE_BYTES:
                 # A few entries of a page-cache file: read here, as cheap as handing the read to a thread.
-                entries = reader.read(min(room, self.read_entries))
+                entries = reader.read(wanted)
             else:
-                entries = await asyncio.to_thread(reader.read, min(room, self.read_entries))
+                entries = await asyncio.to_thread(reader.read, wanted)
             if generation != self._generation:  # rewound while reading: these are read again
                 reader.position = self._consumed[index]
                 caught_up = False
                 break
-            if entries:
+            if len(entries) >= wanted:  # fewer: the read reached the log's end (reading again at once found none)
                 caught_up = False
             for entry in entries:
                 if not self._hand_on(index, entry.kind, entry.payload, entry.start):
                     reader.position = entry.start  # no room now: read it again next time
+                    caught_up = False
                     break
                 self._consumed[index] = entry.end
                 total += 1
