@@ -274,3 +274,23 @@ def test_an_http_entry_carries_the_records_http_fields_and_a_call_entry_read_as_
     assert wal.decode_call(wal.STREAM, wal.encode_call(kind=wal.STREAM, **fields)).record_fields == b""  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="do not add up"):
         wal.decode_call(wal.HTTP, wal.encode_call(kind=wal.CALL, **fields))  # type: ignore[arg-type]
+
+
+def test_a_peek_sees_appends_and_asks_for_a_read_once_a_segment_is_created(tmp_path: Path) -> None:
+    """The shipper reads only once a peek (two stats) saw something to read: a peek that missed an append or a
+    new segment would leave calls unshipped until the next read made regardless."""
+    writer = wal.WalWriter(tmp_path, max_bytes=1 << 20, segment_bytes=1 << 20)
+    reader = wal.WalReader(tmp_path)
+    try:
+        assert reader.peek() is None  # nothing read yet: only a read knows where the log starts
+        assert reader.read(10) == []
+        assert reader.peek() == 0
+        assert writer.append(wal.CALL, b"x" * 100)
+        assert reader.peek() == wal.FRAME.size + 100
+        assert [entry.payload for entry in reader.read(10)] == [b"x" * 100]
+        assert reader.peek() == 0
+        (tmp_path / wal.segment_name(99)).write_bytes(wal.frame(wal.CALL, b"copied in"))
+        assert reader.peek() is None  # a segment appeared: a read must look
+    finally:
+        writer.close()
+        reader.close()

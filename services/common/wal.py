@@ -666,6 +666,8 @@ class WalReader:
         self.chunk_bytes = chunk_bytes
         self._sequence = 0
         self._cursor_fd = -1
+        #: The directory's mtime when the last read began (-1: unknown): see :meth:`peek`.
+        self._scanned_mtime_ns = -1
         self.committed = self._read_cursor()
         self.position = self.committed
         try:  # now, while the disk has room: the log may fill it while the recorder is away
@@ -698,9 +700,28 @@ class WalReader:
     def rewind(self) -> None:
         self.position = self.committed
 
+    def peek(self) -> int | None:
+        """The bytes appended to the position's segment past the position, found by two stats and no read; None
+        when only a read can tell (a segment was created or deleted since the last read began, or the position's
+        segment is gone). Cheap enough to ask every poll, where a read opens the segment and scans the
+        directory. A segment created within the filesystem's timestamp tick of a read's start can leave the
+        directory's mtime as it was: a caller must still read now and then without asking."""
+        try:
+            directory = os.stat(self.directory).st_mtime_ns
+            size = os.stat(self.directory / segment_name(self.position[0])).st_size
+        except FileNotFoundError:
+            return None
+        if directory != self._scanned_mtime_ns:
+            return None
+        return max(size - self.position[1], 0)
+
     def read(self, max_entries: int) -> list[Entry]:
         """Up to ``max_entries`` whole entries from the current position ([] when caught up)."""
         entries: list[Entry] = []
+        try:  # before the scan: a segment created during it changes the mtime after this, and the next peek reads
+            self._scanned_mtime_ns = os.stat(self.directory).st_mtime_ns
+        except FileNotFoundError:
+            self._scanned_mtime_ns = -1
         while len(entries) < max_entries:
             numbers = segments(self.directory)
             numbers = [n for n in numbers if n >= self.position[0]]

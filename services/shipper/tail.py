@@ -61,6 +61,10 @@ log = structlog.get_logger()
 QUEUE_DEPTH = 4096
 #: How often settled positions are written as cursors.
 COMMIT_INTERVAL_S = 0.1
+#: New log bytes that are read at once rather than left to wait for more (about a full batch of small calls).
+READ_NOW_BYTES = 1 << 20
+#: New log bytes read on the event loop rather than in a thread (a peek saw no more than this).
+READ_INLINE_BYTES = 1 << 20
 
 
 class TailMetrics:
@@ -86,8 +90,9 @@ class TailMetrics:
         )
         self.reads = Counter(
             "splitstream_shipper_log_reads",
-            "Passes over the logs for new entries: one every --poll interval (20 ms) while there are some, backing "
-            "off to one every 0.25 s while every log is caught up",
+            "Passes over the logs for new entries: new entries are seen by a stat every 20 ms and read once they "
+            "waited a quarter of --record-batch-interval-ms (at most 0.25 s) or add up to 1 MiB; caught up, one "
+            "every 0.25 s",
             registry=registry,
         )
         self.held = Gauge("splitstream_shipper_calls_waiting_for_shadows", "Calls held for shadows", registry=registry)
@@ -116,6 +121,7 @@ class Tail:
         max_held: int = 10_000,
         poll_s: float = 0.02,
         idle_poll_s: float = 0.25,
+        linger_s: float | None = None,
         read_entries: int = 1024,
     ) -> None:
         self.metrics = TailMetrics(registry)
@@ -125,12 +131,20 @@ class Tail:
         self.shadow_wait_s = shadow_wait_s
         self.max_held = max_held
         self.poll_s = poll_s
-        #: The longest wait between reads while every log is caught up: polling every 20 ms cost an idle shipper
-        #: 6 % of a core (59 ms of CPU a second, measured), one per router on a host; the price is at most this
-        #: much more delay before the first call after a quiet spell is shipped.
+        #: The longest wait between reads while every log is caught up: reading every 20 ms cost an idle shipper
+        #: 6 % of a core (59 ms of CPU a second, measured), one per router on a host. Between reads a peek (two
+        #: stats) every ``poll_s`` sees new entries; this read catches what a peek cannot see.
         self.idle_poll_s = idle_poll_s
+        #: How long new entries wait in the log to be read with those that follow (see :meth:`_due`): a quarter of
+        #: the mirror's batch interval, which bounds how long a batch waits to fill, and at most ``idle_poll_s``.
+        self.linger_s = min(mirror.settings.batch_interval_s / 4, idle_poll_s) if linger_s is None else linger_s
         #: Whether the last read found every log at its end (rather than stopped for want of room).
         self._caught_up = False
+        #: When a read is due whatever the peeks say, and since when peeked entries wait to be read (None: none).
+        self._read_by = 0.0
+        self._waiting_since: float | None = None
+        #: Per log: what its last peek saw (None: not peeked since the last read, or a read must look).
+        self._peeked: list[int | None] = [None] * len(directories)
         self.read_entries = read_entries
         #: Per log: the position past the last entry handed on (read in a thread, handed on here).
         self._consumed: list[Position] = [reader.committed for reader in self.readers]
@@ -196,6 +210,8 @@ class Tail:
         self._consumed = list(self._settled_upto)
         for reader, position in zip(self.readers, self._settled_upto, strict=True):
             reader.position = position
+        self._read_by = 0.0  # read again at once, not after a linger
+        self._peeked = [None] * len(self.readers)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -231,30 +247,54 @@ class Tail:
     async def run(self) -> None:
         await self._lock()
         committer = asyncio.create_task(self._commit_loop())
-        wait_s = self.poll_s
         try:
             while not self._closing:
-                try:
-                    read = await self._read_once()
-                except Exception:
-                    log.exception("log tail failed; retrying")
-                    read = 0
-                    await asyncio.sleep(1.0)
+                read = 0
+                if self._due():
+                    try:
+                        read = await self._read_once()
+                    except Exception:
+                        log.exception("log tail failed; retrying")
+                        await asyncio.sleep(1.0)
                 self._expire()
-                if read or not self._caught_up:  # entries came, or room ran out: full pace
-                    wait_s = self.poll_s
-                if not read:
-                    await asyncio.sleep(wait_s)
-                    if self._caught_up:
-                        wait_s = min(wait_s * 2, self.idle_poll_s)
+                if read and not self._caught_up:  # a backlog, and room for it: read on at once
+                    await asyncio.sleep(0)
+                else:
+                    await asyncio.sleep(self.poll_s)
         finally:
             committer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await committer
 
+    def _due(self) -> bool:
+        """Whether to read the logs now. A read found one or two entries at a low call rate, and each cost the
+        shipper a thread hop, a directory scan and an open (half its CPU at 100 calls/s, measured); the mirror cuts
+        a batch only every ``--record-batch-interval-ms`` anyway. So new entries are first seen by
+        :meth:`WalReader.peek` (two stats) and read once they have waited ``linger_s`` or add up to
+        ``READ_NOW_BYTES``; a read every ``idle_poll_s`` whatever the peeks say catches what they cannot see."""
+        now = time.monotonic()
+        if not self._caught_up:
+            return True
+        waiting = 0
+        for index, reader in enumerate(self.readers):
+            pending = self._peeked[index] = reader.peek()
+            if pending is None:
+                return True
+            waiting += pending
+        if now >= self._read_by:
+            return True
+        if not waiting:
+            self._waiting_since = None
+            return False
+        if self._waiting_since is None:
+            self._waiting_since = now
+        return waiting >= READ_NOW_BYTES or now - self._waiting_since >= self.linger_s
+
     async def _read_once(self) -> int:
         """Entries handed on from every log; sets whether each log was read to its end."""
         self.metrics.reads.inc()
+        self._waiting_since = None
+        self._read_by = time.monotonic() + self.idle_poll_s
         total = 0
         caught_up = True
         for index, reader in enumerate(self.readers):
@@ -265,16 +305,23 @@ class Tail:
                 caught_up = False
                 break
             generation = self._generation
-            entries = await asyncio.to_thread(reader.read, min(room, self.read_entries))
+            peeked, self._peeked[index] = self._peeked[index], None
+            wanted = min(room, self.read_entries)
+            if peeked is not None and peeked <= READ_INLINE_BYTES:
+                # A few entries of a page-cache file: read here, as cheap as handing the read to a thread.
+                entries = reader.read(wanted)
+            else:
+                entries = await asyncio.to_thread(reader.read, wanted)
             if generation != self._generation:  # rewound while reading: these are read again
                 reader.position = self._consumed[index]
                 caught_up = False
                 break
-            if entries:
+            if len(entries) >= wanted:  # fewer: the read reached the log's end (reading again at once found none)
                 caught_up = False
             for entry in entries:
                 if not self._hand_on(index, entry.kind, entry.payload, entry.start):
                     reader.position = entry.start  # no room now: read it again next time
+                    caught_up = False
                     break
                 self._consumed[index] = entry.end
                 total += 1
@@ -345,8 +392,8 @@ class Tail:
             # ended), so the cursor moves on and the segments behind it go even while no call comes.
             self._settled = self._settled_upto = self._safe()
         settled, self._settled = self._settled, None
-        if settled is None:
-            return
+        if settled is None or all(p <= r.committed for p, r in zip(settled, self.readers, strict=True)):
+            return  # nothing new to write: no thread woken ten times a second for nothing
         try:
             await asyncio.to_thread(self._commit, settled)
         except OSError as error:  # a stale cursor only ships settled entries again

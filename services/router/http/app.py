@@ -115,6 +115,31 @@ class HttpMetrics:
             buckets=TTFT_BUCKETS_S,
             registry=registry,
         )
+        #: The children of ``requests`` and ``latency`` by their labels: ``labels()`` checks and looks up its
+        #: arguments on every call (most of the cost of counting a call); this holds no label set the metrics
+        #: do not hold already, and the front door never removes one.
+        self._ended: dict[tuple[str, str, str, int], tuple[Any, Any]] = {}
+        self._ttft: dict[tuple[str, str, str], Any] = {}
+
+    def ended(self, model: str, version: str, route: str, status: int, seconds: float) -> None:
+        """Count an answered request and its duration."""
+        key = (model, version, route, status)
+        children = self._ended.get(key)
+        if children is None:
+            children = self._ended[key] = (
+                self.requests.labels(model, version, route, str(status)),
+                self.latency.labels(model, version, route),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
+
+    def first_token(self, model: str, version: str, route: str, seconds: float) -> None:
+        """Time a stream's first token (cached as :meth:`ended`'s)."""
+        key = (model, version, route)
+        child = self._ttft.get(key)
+        if child is None:
+            child = self._ttft[key] = self.ttft.labels(model, version, route)
+        child.observe(seconds)
 
 
 class HttpFrontDoor:
@@ -245,8 +270,7 @@ class HttpFrontDoor:
             return self._error_response(request, kserve_error(internal()) if _is_kserve(request) else internal())
         finally:
             model, version = request["labels"]
-            self.metrics.requests.labels(model, version, route, str(status)).inc()
-            self.metrics.latency.labels(model, version, route).observe(time.monotonic() - started)
+            self.metrics.ended(model, version, route, status, time.monotonic() - started)
             if "exchange" in request:
                 self._record(request, status, response)
 
@@ -391,7 +415,7 @@ class HttpFrontDoor:
 
     def _observe_ttft(self, request: web.Request, version: str) -> None:
         model = request["labels"][0]
-        self.metrics.ttft.labels(model, version, request["route"]).observe(time.monotonic() - request["started"])
+        self.metrics.first_token(model, version, request["route"], time.monotonic() - request["started"])
 
     def _routing_headers(self, request: web.Request, user: str | None, request_id: str) -> dict[str, str]:
         """What the core reads: the experiments' routing-key headers (the body's ``user`` where the header is
