@@ -37,6 +37,7 @@ from splitstream.common.proto.splitstream.v1 import recorder_pb2, router_pb2, ro
 from splitstream.common.records import PAYLOAD_DROPPED_TAG, REDACTED_OUTPUTS_TAG, stream_key
 from splitstream.common.service_auth import ServiceAuth
 from splitstream.recorder.validation import parse_batch
+from tests.certs import Pki
 from tests.harness import (
     ROOT,
     InferClient,
@@ -593,10 +594,15 @@ def test_records_a_router_could_never_make_are_named_in_the_rejection(change: di
     assert problem in rejection.reason
 
 
-def test_a_verified_client_certificate_identity_is_allowed_only_when_listed() -> None:
+def test_a_verified_client_certificate_identity_is_allowed_only_when_listed(tmp_path: Path) -> None:
+    pki = Pki(tmp_path)
     auth = ServiceAuth(allowed_identities=frozenset({"router-a.splitstream"}))
-    assert auth.identity_allowed({"x509_subject_alternative_name": [b"router-a.splitstream"]})
-    assert not auth.identity_allowed({"x509_common_name": [b"router-b.splitstream"]})
+    named = pki.issue("a", names=("router-a.splitstream",), server=False).cert.read_bytes()
+    other = pki.issue("b", names=("router-b.splitstream",), server=False).cert.read_bytes()
+    assert auth.identity_allowed({"x509_pem_cert": [named]})
+    assert not auth.identity_allowed({"x509_pem_cert": [other]})
+    # gRPC's SAN property lists every SAN type as one: it is never read.
+    assert not auth.identity_allowed({"x509_subject_alternative_name": [b"router-a.splitstream"]})
     assert not auth.identity_allowed({})
 
 
