@@ -337,6 +337,12 @@ def build_parser() -> EnvArgumentParser:
         default=10.0,
         help="shortest time between two reads of the JWKS (a token with an unknown kid triggers one)",
     )
+    auth.add_argument(
+        "--allow-insecure-jwks",
+        action="store_true",
+        help="fetch an http:// --jwt-jwks from a host other than loopback (refused by default: anyone on the "
+        "path could swap in their key)",
+    )
     return parser
 
 
@@ -458,4 +464,5 @@ def _jwt_settings(args: argparse.Namespace) -> JwtSettings | None:
         leeway_s=args.jwt_leeway_s,
         refresh_s=args.jwks_refresh_s,
         min_refresh_s=args.jwks_min_refresh_s,
+        allow_insecure=args.allow_insecure_jwks,
     )
