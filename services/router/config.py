@@ -21,6 +21,7 @@ from splitstream.common.shipping import (
     check_recorder_address,
 )
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
+from splitstream.common.token_transport import INSECURE_TOKEN_FLAG, INSECURE_TOKEN_HELP, check_token_sent
 from splitstream.router.auth.jwks import JwtSettings, parse_algorithms
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES
 
@@ -73,6 +74,8 @@ class RouterConfig:
     jwt: JwtSettings | None = None
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
+    #: ``--allow-insecure-token``: send the token to a plaintext recorder on another host.
+    allow_insecure_token: bool = False
     #: The HTTP front door's port (OpenAI-compatible API; 0: off).
     http_port: int = 0
     #: How long an ``openai`` upstream may send nothing (before its answer's first byte or between two)
@@ -100,6 +103,12 @@ class RouterConfig:
             raise ConfigError(f"--log-flush-interval-s: must be a finite number > 0, got {self.log_flush_interval_s}")
         if self.recorder:
             check_recorder_address(self.recorder)
+            check_token_sent(
+                token=self.service_token,
+                target=self.recorder,
+                tls=self.recorder_tls.enabled,
+                allow_insecure=self.allow_insecure_token,
+            )
         if self.recorder and not self.log_dir.strip():
             # ``--log-dir "$UNSET"`` would put the log (segments, cursor, lock) in the working directory.
             raise ConfigError("--log-dir: must name a directory, got an empty value")
@@ -302,6 +311,7 @@ def build_parser() -> EnvArgumentParser:
         help=f"file holding the service token sent to the recorder (else {SERVICE_TOKEN_ENV}); needed when the "
         "recorder checks one",
     )
+    recording.add_argument(INSECURE_TOKEN_FLAG, action="store_true", help=INSECURE_TOKEN_HELP)
     auth = parser.add_argument_group(
         "caller authentication (off unless --auth-principals is set; grpc health and reflection stay open)"
     )
@@ -398,6 +408,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             auth_principals=args.auth_principals,
             jwt=_jwt_settings(args),
             service_token=read_service_token(args.service_token_file),
+            allow_insecure_token=args.allow_insecure_token,
             http_port=args.http_port,
             upstream_idle_timeout_s=args.upstream_idle_timeout_s,
             http_body_timeout_s=args.http_body_timeout_s,
@@ -436,6 +447,8 @@ def _shipper_args(args: argparse.Namespace, record_batch: RecordBatchSettings) -
     out += ["--metrics-host", args.metrics_host or args.host]  # where Prometheus reaches the router's own
     if args.service_token_file:
         out += ["--service-token-file", args.service_token_file]
+    if args.allow_insecure_token:
+        out.append(INSECURE_TOKEN_FLAG)
     if args.recorder_tls:
         out.append("--recorder-tls")
     for suffix in ("ca", "cert", "key", "server_name"):
