@@ -671,7 +671,7 @@ def test_bad_auth_settings_exit_2_with_one_line(
     registry.write_text("models: {}\n")
     jwks_file = tmp_path / "jwks.json"
     jwks_file.write_text(jwks(SigningKey.new("k")))
-    args = ["--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0"]
+    args = ["--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0"]
     args += [arg.format(jwks=jwks_file) for arg in extra]
     if document is not None:
         principals = tmp_path / "principals.yaml"

@@ -186,7 +186,7 @@ def test_an_unreachable_jwks_url_s_error_hides_its_password(tmp_path: Path) -> N
     principals.write_text("principals: {}\n")
     result = run(
         "splitstream.router",
-        "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
+        "--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
         "--auth-principals", f"file:{principals}", "--jwt-audience", "a", "--jwt-issuer", "i",
         env={"SPLITSTREAM_ROUTER_JWT_JWKS": f"http://reader:jwks-url-secret@127.0.0.1:{free_port()}/jwks.json"},
     )  # fmt: skip
@@ -207,7 +207,7 @@ def test_a_jwks_over_plain_http_from_another_host_is_refused_unless_allowed(tmp_
     principals.write_text("principals: {}\n")
     result = run(
         "splitstream.router",
-        "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
+        "--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
         "--auth-principals", f"file:{principals}", "--jwt-audience", "a", "--jwt-issuer", "i",
         "--jwt-jwks", "http://reader:jwks-url-secret@192.0.2.1:8080/jwks.json",
         *(["--allow-insecure-jwks"] if allow else []),

@@ -97,3 +97,39 @@ def test_a_recorder_refuses_a_token_over_plaintext_beyond_loopback(
         )
         assert health_status(recorder.address, tls=client) == SERVING
         recorder.stop()
+
+
+def test_a_router_refuses_callers_credentials_over_plaintext_beyond_loopback(tmp_path: Path, stack: Stack) -> None:
+    """API keys and JWTs sent to a plaintext router on the network can be read and reused by whoever sees the
+    traffic (on both ports: the HTTP front door serves the same TLS as gRPC)."""
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {})
+    principals = tmp_path / "principals.yaml"
+    principals.write_text("principals: {}\n")
+    auth = ["--auth-principals", f"file:{principals}"]
+    done = run(
+        "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0", *auth, env={}
+    )
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("splitstream-router: error: --auth-principals: callers' API keys and JWTs would be "), last
+    assert "--grpc-use-ssl" in last
+    assert "--allow-insecure-token" in last
+    pki = Pki(tmp_path / "pki")
+    server = pki.issue("router")
+    tls_args = ["--grpc-use-ssl", "--grpc-server-cert", str(server.cert), "--grpc-server-key", str(server.key)]
+    for extra, client in (
+        (["--allow-insecure-token"], PLAINTEXT),
+        (tls_args, ClientTls(enabled=True, ca_file=str(pki.ca))),
+    ):
+        port = free_port()
+        router = stack.service(
+            "router",
+            "splitstream.router",
+            ["--registry", f"file:{registry}", "--host", "0.0.0.0", "--port", str(port), "--metrics-port", "0",
+             *auth, *extra],
+            port=port,
+            tls=client,
+        )  # fmt: skip
+        assert health_status(router.address, tls=client) == SERVING
+        router.stop()

@@ -15,8 +15,8 @@ from splitstream.common.loopback import is_local_target, is_loopback_host
 
 INSECURE_TOKEN_FLAG = "--allow-insecure-token"
 INSECURE_TOKEN_HELP = (
-    "send or accept the service token over plaintext gRPC beyond loopback (refused by default: anyone who sees "
-    "the traffic can reuse it); for a network already encrypted below gRPC"
+    "send or accept a service token, API key or JWT over plaintext beyond loopback (refused by default: anyone "
+    "who sees the traffic can reuse it); for a network already encrypted below gRPC, or TLS ended by a proxy"
 )
 
 
@@ -29,10 +29,13 @@ def check_token_sent(*, token: str, target: str, tls: bool, allow_insecure: bool
         )
 
 
-def check_token_accepted(*, token: str, host: str, tls: bool, allow_insecure: bool) -> None:
-    """ConfigError unless a server taking a token listens with TLS or on loopback only."""
+def check_token_accepted(*, token: str, host: str, tls: bool, allow_insecure: bool, what: str = "") -> None:
+    """ConfigError unless a server taking a credential listens with TLS or on loopback only. ``what``: the flag
+    that makes it take callers' credentials (the router's --auth-principals), else the service token."""
     if token and not tls and not allow_insecure and not (host.startswith("unix:") or is_loopback_host(host)):
+        taken = f"{what}: callers' API keys and JWTs" if what else f"--host {host}: the service token"
+        where = f" (--host {host})" if what else ""
         raise ConfigError(
-            f"--host {host}: the service token would be accepted in clear from other hosts; serve TLS "
-            f"(--grpc-use-ssl), listen on loopback, or pass {INSECURE_TOKEN_FLAG}"
+            f"{taken} would be accepted in clear from other hosts{where}; serve TLS (--grpc-use-ssl), listen on "
+            f"loopback, or pass {INSECURE_TOKEN_FLAG}"
         )

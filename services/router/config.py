@@ -21,7 +21,12 @@ from splitstream.common.shipping import (
     check_recorder_address,
 )
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
-from splitstream.common.token_transport import INSECURE_TOKEN_FLAG, INSECURE_TOKEN_HELP, check_token_sent
+from splitstream.common.token_transport import (
+    INSECURE_TOKEN_FLAG,
+    INSECURE_TOKEN_HELP,
+    check_token_accepted,
+    check_token_sent,
+)
 from splitstream.router.auth.jwks import JwtSettings, parse_algorithms
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES
 
@@ -137,6 +142,13 @@ class RouterConfig:
                 f"--record-stream-max-bytes {self.record_stream_max_bytes} must be at most half of "
                 f"--record-batch-max-bytes ({self.record_batch.max_bytes})"
             )
+        check_token_accepted(
+            token="callers' API keys and JWTs" if self.auth_principals else "",
+            host=self.server.host,
+            tls=self.server.tls is not None,
+            allow_insecure=self.allow_insecure_token,
+            what="--auth-principals",
+        )
 
     def _check_http(self) -> None:
         """--http-port: a port; --upstream-idle-timeout-s: bounded, so a stalled upstream always ends a call."""
@@ -311,7 +323,6 @@ def build_parser() -> EnvArgumentParser:
         help=f"file holding the service token sent to the recorder (else {SERVICE_TOKEN_ENV}); needed when the "
         "recorder checks one",
     )
-    recording.add_argument(INSECURE_TOKEN_FLAG, action="store_true", help=INSECURE_TOKEN_HELP)
     auth = parser.add_argument_group(
         "caller authentication (off unless --auth-principals is set; grpc health and reflection stay open)"
     )
@@ -353,6 +364,7 @@ def build_parser() -> EnvArgumentParser:
         help="fetch an http:// --jwt-jwks from a host other than loopback (refused by default: anyone on the "
         "path could swap in their key)",
     )
+    auth.add_argument(INSECURE_TOKEN_FLAG, action="store_true", help=INSECURE_TOKEN_HELP)
     return parser
 
 
