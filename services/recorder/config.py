@@ -263,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"key for masking metadata (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
         secret=True,
+        file_flag="--hmac-key-file",
     )
     parser.add_argument(
         "--service-token-file",
@@ -300,6 +301,7 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
         )
         values["redact_input"] = _rules(args.redact_input, what="--redact-input")
         values["redact_output"] = _rules(args.redact_output, what="--redact-output")
+        values.pop("hmac_key_file")  # read into hmac_key by the parser
         key = args.hmac_key if args.hmac_key is not None else os.environ.get(SHARED_HMAC_KEY_ENV, "")
         values["hmac_key"] = key.encode()
         values["service_token"] = read_service_token(values.pop("service_token_file"))

@@ -298,6 +298,7 @@ def build_parser() -> EnvArgumentParser:
         default="",
         help="key for the routing-key HMAC in records; else SPLITSTREAM_HMAC_KEY (shared with recorder and replayer)",
         secret=True,
+        file_flag="--hmac-key-file",
     )
     add_record_batch_arguments(recording, passed=" (passed to the child shipper)")
     recording.add_argument(
