@@ -29,13 +29,14 @@ def check_token_sent(*, token: str, target: str, tls: bool, allow_insecure: bool
         )
 
 
-def check_token_accepted(*, token: str, host: str, tls: bool, allow_insecure: bool, what: str = "") -> None:
-    """ConfigError unless a server taking a credential listens with TLS or on loopback only. ``what``: the flag
-    that makes it take callers' credentials (the router's --auth-principals), else the service token."""
-    if token and not tls and not allow_insecure and not (host.startswith("unix:") or is_loopback_host(host)):
-        taken = f"{what}: callers' API keys and JWTs" if what else f"--host {host}: the service token"
+def check_token_accepted(*, taken: bool, host: str, tls: bool, allow_insecure: bool, what: str = "") -> None:
+    """ConfigError unless a server that takes a credential (``taken``) listens with TLS or on loopback only.
+    ``what``: the flag that makes it take callers' credentials (the router's --auth-principals); empty: the
+    service token."""
+    if taken and not tls and not allow_insecure and not (host.startswith("unix:") or is_loopback_host(host)):
+        credential = f"{what}: callers' API keys and JWTs" if what else f"--host {host}: the service token"
         where = f" (--host {host})" if what else ""
         raise ConfigError(
-            f"{taken} would be accepted in clear from other hosts{where}; serve TLS (--grpc-use-ssl), listen on "
-            f"loopback, or pass {INSECURE_TOKEN_FLAG}"
+            f"{credential} would be accepted in clear from other hosts{where}; serve TLS (--grpc-use-ssl), listen "
+            f"on loopback, or pass {INSECURE_TOKEN_FLAG}"
         )

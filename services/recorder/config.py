@@ -306,7 +306,7 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
         values["hmac_key"] = key.encode()
         values["service_token"] = read_service_token(values.pop("service_token_file"))
         check_token_accepted(
-            token=values["service_token"],
+            taken=bool(values["service_token"]),
             host=values["server"].host,
             tls=args.grpc_use_ssl or args.grpc_use_ssl_mutual,
             allow_insecure=values.pop("allow_insecure_token"),

@@ -79,7 +79,8 @@ class RouterConfig:
     jwt: JwtSettings | None = None
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
-    #: ``--allow-insecure-token``: send the token to a plaintext recorder on another host.
+    #: ``--allow-insecure-token``: send the token to a plaintext recorder on another host, and take callers'
+    #: keys and JWTs on a plaintext port beyond loopback.
     allow_insecure_token: bool = False
     #: The HTTP front door's port (OpenAI-compatible API; 0: off).
     http_port: int = 0
@@ -143,7 +144,7 @@ class RouterConfig:
                 f"--record-batch-max-bytes ({self.record_batch.max_bytes})"
             )
         check_token_accepted(
-            token="callers' API keys and JWTs" if self.auth_principals else "",
+            taken=bool(self.auth_principals),
             host=self.server.host,
             tls=self.server.tls is not None,
             allow_insecure=self.allow_insecure_token,
