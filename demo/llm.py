@@ -152,11 +152,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step = stepper()
     step("counting the language models: v1 bigram, v2 trigram")
     language.write_versions(workdir / "models", MODEL)
-    hmac_key = secrets.token_hex(16)
+    # From a file, not the command line, where every local user could read it (ps).
+    hmac_key_file = workdir / "hmac-key"
+    hmac_key_file.touch(mode=0o600)
+    hmac_key_file.write_text(secrets.token_hex(16) + "\n")
     with Supervisor(workdir) as supervisor:
         step("starting redis-server, recorder, generating workers v1 and v2, router (50/50)")
         redis_url = supervisor.start_redis()
-        recorder = supervisor.start_recorder(redis_url, "--hmac-key", hmac_key)
+        recorder = supervisor.start_recorder(redis_url, "--hmac-key-file", str(hmac_key_file))
         workers = {version: supervisor.start_worker(workdir / "models", MODEL, version) for version in language.ORDERS}
         experiment = {
             "salt": "demo-llm",
@@ -165,7 +168,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         registry = write_registry(workdir, MODEL, workers, experiment)
         http_port = free_port()
-        router = supervisor.start_router(registry, recorder, "--hmac-key", hmac_key, "--http-port", str(http_port))
+        router = supervisor.start_router(
+            registry, recorder, "--hmac-key-file", str(hmac_key_file), "--http-port", str(http_port)
+        )
 
         since = time.time()
         step(f"{args.streams} chat streams from {args.users} users, {args.tokens} tokens each")

@@ -85,9 +85,12 @@ class Pki:
         expired: bool = False,
         client: bool = True,
         server: bool = True,
+        common_name: str | None = None,
+        other_names: tuple[x509.GeneralName, ...] = (),
     ) -> Issued:
         """A leaf certificate for ``names`` (DNS names or IP addresses), usable by servers and clients
-        unless told otherwise; ``expired``: its validity ended an hour ago."""
+        unless told otherwise; ``expired``: its validity ended an hour ago. ``common_name`` (default: the
+        first name) is the subject's CN; ``other_names`` are SANs of other types (emails, URIs)."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         start, end = (
@@ -101,6 +104,7 @@ class Pki:
                 alternative.append(x509.IPAddress(ipaddress.ip_address(name)))
             except ValueError:
                 alternative.append(x509.DNSName(name))
+        alternative.extend(other_names)
         usages = [
             *([ExtendedKeyUsageOID.SERVER_AUTH] if server else []),
             *([ExtendedKeyUsageOID.CLIENT_AUTH] if client else []),
@@ -108,7 +112,7 @@ class Pki:
         serial = x509.random_serial_number()
         cert = (
             x509.CertificateBuilder()
-            .subject_name(_name(names[0] if names else stem))
+            .subject_name(_name(common_name or (names[0] if names else stem)))
             .issuer_name(self._cert.subject)
             .public_key(key.public_key())
             .serial_number(serial)

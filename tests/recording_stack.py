@@ -57,6 +57,9 @@ class RecordingStack:
         self.tmp = tmp
         self.model = model
         tmp.mkdir(parents=True, exist_ok=True)
+        # The key from a file, as docs/security.md says: on the command line every local user could read it.
+        self.hmac_key_file = tmp / "hmac-key"
+        self.hmac_key_file.write_text(HMAC_KEY + "\n")
         # Persistent, as production Redis is: a stop and restart keeps what was written.
         self.redis: RedisServer | RedisClusterServers = (
             redis or RedisServer(tmp / "redis", config=("--appendonly", "yes", "--appendfsync", "always")).start()
@@ -107,8 +110,8 @@ class RecordingStack:
             self.registry,
             "--recorder",
             f"127.0.0.1:{self.recorder_port}",
-            "--hmac-key",
-            HMAC_KEY,
+            "--hmac-key-file",
+            str(self.hmac_key_file),
             "--log-dir",
             str(self.spool_dir),
             "--record-batch-interval-ms",
@@ -126,8 +129,8 @@ class RecordingStack:
             str(free_port()),
             "--redis-url",
             self.redis.url,
-            "--hmac-key",
-            HMAC_KEY,
+            "--hmac-key-file",
+            str(self.hmac_key_file),
             "--redis-timeout-s",
             "1",
             *self.recorder_args,

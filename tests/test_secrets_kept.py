@@ -186,7 +186,7 @@ def test_an_unreachable_jwks_url_s_error_hides_its_password(tmp_path: Path) -> N
     principals.write_text("principals: {}\n")
     result = run(
         "splitstream.router",
-        "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0",
+        "--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
         "--auth-principals", f"file:{principals}", "--jwt-audience", "a", "--jwt-issuer", "i",
         env={"SPLITSTREAM_ROUTER_JWT_JWKS": f"http://reader:jwks-url-secret@127.0.0.1:{free_port()}/jwks.json"},
     )  # fmt: skip
@@ -194,3 +194,26 @@ def test_an_unreachable_jwks_url_s_error_hides_its_password(tmp_path: Path) -> N
     assert "jwks-url-secret" not in result.stdout + result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("splitstream-router: error: --jwt-jwks http://reader:***@127.0.0.1:")
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["refused", "allowed"])
+def test_a_jwks_over_plain_http_from_another_host_is_refused_unless_allowed(tmp_path: Path, allow: bool) -> None:
+    """Anyone on the path of an http:// JWKS could serve their own key and mint tokens for any principal: the
+    router refuses to start (the URL's password never shown); --allow-insecure-jwks restores the fetch (which
+    then fails here on an unreachable documentation address, 192.0.2.1, exactly as an https:// one would)."""
+    registry = tmp_path / "registry.yaml"
+    registry.write_text("models: {}\n")
+    principals = tmp_path / "principals.yaml"
+    principals.write_text("principals: {}\n")
+    result = run(
+        "splitstream.router",
+        "--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0",
+        "--auth-principals", f"file:{principals}", "--jwt-audience", "a", "--jwt-issuer", "i",
+        "--jwt-jwks", "http://reader:jwks-url-secret@192.0.2.1:8080/jwks.json",
+        *(["--allow-insecure-jwks"] if allow else []),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "jwks-url-secret" not in result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("splitstream-router: error: --jwt-jwks http://reader:***@192.0.2.1:8080/jwks.json")
+    assert ("plain http://" in last) is not allow

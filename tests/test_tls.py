@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import redis
 import requests
+from cryptography import x509
 from grpc import aio
 from grpc_health.v1 import health_pb2
 
@@ -649,6 +650,74 @@ def test_the_recorder_takes_records_only_from_client_certificates_it_names(
         finally:
             client.close()
         assert [fields[b"request_id"] for _, fields in entries] == [b"a-1"]
+
+
+def test_the_allow_list_matches_the_cn_dns_sans_and_spiffe_ids_never_other_san_types(
+    tmp_path: Path, pki: Pki, stack: Stack
+) -> None:
+    """Certificates from the recorder's own CA whose only match is an email or a non-SPIFFE URI SAN spelled
+    like an allowed name are refused, and nothing they send reaches Redis (gRPC's
+    ``x509_subject_alternative_name`` lists every SAN type as one: they were let through before)."""
+    allowed = "router-a.example"
+    spiffe = "spiffe://splitstream.test/router-b"
+    certificates = {
+        "dns": pki.issue("dns", names=(allowed,), common_name="evil", server=False),
+        "cn": pki.issue("cn", names=("elsewhere.example",), common_name=allowed, server=False),
+        "spiffe": pki.issue(
+            "spiffe", names=(), common_name="evil", other_names=(x509.UniformResourceIdentifier(spiffe),), server=False
+        ),
+        "email": pki.issue(
+            "email", names=(), common_name="evil", other_names=(x509.RFC822Name(allowed),), server=False
+        ),
+        "uri": pki.issue(
+            "uri", names=(), common_name="evil", other_names=(x509.UniformResourceIdentifier(allowed),), server=False
+        ),
+        "other-spiffe": pki.issue(
+            "other-spiffe",
+            names=(),
+            common_name="evil",
+            other_names=(x509.UniformResourceIdentifier("spiffe://splitstream.test/router-c"),),
+            server=False,
+        ),
+        "ip": pki.issue("ip", names=("10.0.0.1",), common_name="evil", server=False),
+    }
+    with RedisServer(tmp_path / "redis") as redis_server:
+        port = free_port()
+        recorder = stack.service(
+            "recorder",
+            "splitstream.recorder",
+            [
+                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+                "--redis-url", redis_server.url, "--hmac-key", HMAC_KEY,
+                "--allowed-client-identities", f"{allowed},{spiffe},10.0.0.1",
+                *tls_server_args(pki.issue("recorder"), mutual_ca=pki.ca),
+            ],
+            port=port,
+            tls=trusting(pki, certificates["email"]),
+        )  # fmt: skip
+        outcomes = {}
+        for kind, issued in certificates.items():
+            call = recorder_pb2.CallRecord(
+                schema_version=1, request_id=f"{kind}-1", receive_unix_ns=time.time_ns(), model=MODEL, version="v1"
+            )
+            call.request.inline = b"\x00"
+            tls = trusting(pki, issued)
+            _, status = asyncio.run(record_over_tls(recorder.address, tls, None))  # the refusal's own status
+            acks, _ = asyncio.run(
+                record_over_tls(recorder.address, tls, recorder_pb2.RecordBatch(sequence=1, records=[call]))
+            )
+            outcomes[kind] = (status, len(acks))
+        client = redis_server.client()
+        try:
+            entries = cast(list[tuple[bytes, dict[bytes, bytes]]], client.xrange(stream_key(MODEL)))
+        finally:
+            client.close()
+    assert outcomes == {
+        **{kind: (grpc.StatusCode.OK, 1) for kind in ("dns", "cn", "spiffe")},
+        # IP SANs are no identity either: an allow-list entry spelled as an address matches nothing.
+        **{kind: (grpc.StatusCode.UNAUTHENTICATED, 0) for kind in ("email", "uri", "other-spiffe", "ip")},
+    }
+    assert sorted(fields[b"request_id"] for _, fields in entries) == [b"cn-1", b"dns-1", b"spiffe-1"]
 
 
 def test_an_allow_list_without_mutual_tls_exits_2_naming_the_flag(tmp_path: Path, pki: Pki) -> None:

@@ -6,7 +6,9 @@ how containers are configured. A flag given on the command line wins.
 
 Flags that carry secrets (HMAC keys, URLs that may hold a password) are marked once,
 ``add_argument(..., secret=True)``: their help says whether the variable is set but
-never shows its value, and no error message quotes it.
+never shows its value, and no error message quotes it. ``file_flag="--x-file"`` adds a
+flag naming a file that holds the secret; one given on the command line draws a
+deprecation warning (:mod:`splitstream.common.argv_secrets`).
 
 A repeatable flag (``action="append"``) reads its variable as a comma-separated list
 (``SPLITSTREAM_REPLAY_MODEL=a,b`` is ``--model a --model b``); given on the command line,
@@ -18,8 +20,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from splitstream.common.argv_secrets import (
+    drop_warnings,
+    note_secrets_on_command_line,
+    on_command_line,
+    read_secret_file,
+)
 from splitstream.common.secrets import REDACTED
 
 #: Attributes set on a secret flag's argparse Action: it is secret; its default came from the environment.
@@ -65,19 +74,59 @@ class EnvArgumentParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, env_prefix: str, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _HelpFormatter)
         self.env_prefix = env_prefix
+        #: (flag, its dest, its file flag, the file flag's dest) for each flag added with ``file_flag=``.
+        self._secret_files: list[tuple[str, str, str, str]] = []
         super().__init__(*args, **kwargs)
 
-    def add_argument(self, *names: Any, secret: bool = False, **kwargs: Any) -> argparse.Action:
+    def add_argument(self, *names: Any, secret: bool = False, file_flag: str = "", **kwargs: Any) -> argparse.Action:
         action = super().add_argument(*names, **self._from_environment(names, kwargs, secret=secret))
+        self._add_file_flag(super().add_argument, action, file_flag)
         return self._marked(action, names, secret)
+
+    def _add_file_flag(self, add: Any, action: argparse.Action, file_flag: str) -> None:
+        """``file_flag``: a sibling that names a file holding the secret (kept out of ``ps``; see
+        :mod:`splitstream.common.argv_secrets`); its content becomes ``action``'s value after parsing."""
+        if not file_flag:
+            return
+        flag = action.option_strings[-1]
+        names = (file_flag,)
+        file_action = add(
+            *names,
+            **self._from_environment(
+                names, {"default": "", "help": f"file holding the value of {flag} (kept out of ps)"}, secret=False
+            ),
+        )
+        self._marked(file_action, names, False)
+        self._secret_files.append((flag, action.dest, file_flag, file_action.dest))
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """Parse, then put each ``file_flag``'s file in its flag and warn of secrets on the command line."""
+        given = list(sys.argv[1:] if args is None else args)
+        parsed, extras = super().parse_known_args(given, namespace)
+        for flag, dest, file_flag, file_dest in self._secret_files:
+            path = getattr(parsed, file_dest, "")
+            if not path:
+                continue
+            if on_command_line(given, flag):
+                self.error(f"{file_flag}: give {flag} or {file_flag}, not both")
+            try:
+                setattr(parsed, dest, read_secret_file(file_flag, path))
+            except ValueError as error:
+                self.error(str(error))
+        note_secrets_on_command_line(self, given, parsed, self.env_prefix)
+        return parsed, extras
 
     def add_argument_group(self, *args: Any, **kwargs: Any) -> argparse._ArgumentGroup:
         """Groups read the environment too (argparse's groups have their own ``add_argument``)."""
         group = super().add_argument_group(*args, **kwargs)
         add = group.add_argument
 
-        def add_argument(*names: Any, secret: bool = False, **options: Any) -> argparse.Action:
-            return self._marked(add(*names, **self._from_environment(names, options, secret=secret)), names, secret)
+        def add_argument(*names: Any, secret: bool = False, file_flag: str = "", **options: Any) -> argparse.Action:
+            action = add(*names, **self._from_environment(names, options, secret=secret))
+            self._add_file_flag(add, action, file_flag)
+            return self._marked(action, names, secret)
 
         group.add_argument = add_argument  # type: ignore[method-assign]
         return group
@@ -127,10 +176,12 @@ class EnvArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """Usage errors: one line on stderr and exit code 2."""
+        drop_warnings()
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def fail(prog: str, message: str) -> NoReturn:
     """Exit 2 with one clear line (configuration errors found after parsing)."""
+    drop_warnings()
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(2)

@@ -6,9 +6,10 @@ Two ways, either or both:
   (``--service-token-file``) or the ``SPLITSTREAM_SERVICE_TOKEN`` variable, never from argv. The
   router sends it as ``authorization: Bearer <token>`` on its Record stream; the recorder compares
   it in constant time and refuses anything else UNAUTHENTICATED before reading a message;
-- a verified **client-certificate identity** (mTLS): :func:`peer_identities` reads the subject
-  common name and subject alternative names gRPC verified (``context.auth_context()``), and
-  :meth:`ServiceAuth.identity_allowed` checks them against an allow-list. The TLS setup that makes
+- a verified **client-certificate identity** (mTLS): :func:`~splitstream.common.cert_identity.peer_identities`
+  reads the subject common name, DNS SANs and SPIFFE URI SANs of the certificate gRPC verified
+  (``context.auth_context()``), each by its type, and :meth:`ServiceAuth.identity_allowed` checks them
+  against an allow-list. The TLS setup that makes
   gRPC verify client certificates is the transport's; with it, an allow-list is one more setting.
 
 The token is high-entropy (``openssl rand -hex 32``): at least 16 characters are required, so a
@@ -23,14 +24,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitstream.common.cert_identity import peer_identities
 from splitstream.common.errors import ConfigError
 
 #: The deployment-wide variable both routers and recorders read when ``--service-token-file`` is not given.
 SERVICE_TOKEN_ENV = "SPLITSTREAM_SERVICE_TOKEN"
 AUTHORIZATION_HEADER = "authorization"
 MIN_TOKEN_CHARS = 16
-#: The auth-context properties gRPC fills from a verified client certificate.
-_IDENTITY_PROPERTIES = ("x509_common_name", "x509_subject_alternative_name")
 
 
 def read_service_token(path: str, *, flag: str = "--service-token-file") -> str:
@@ -58,15 +58,6 @@ def read_service_token(path: str, *, flag: str = "--service-token-file") -> str:
 def token_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """The metadata a router sends on its Record stream (none without a token)."""
     return ((AUTHORIZATION_HEADER, f"Bearer {token}"),) if token else ()
-
-
-def peer_identities(auth_context: Mapping[str, Iterable[bytes]]) -> frozenset[str]:
-    """The names a verified client certificate carries (empty without mTLS)."""
-    names: set[str] = set()
-    for prop in _IDENTITY_PROPERTIES:
-        for value in auth_context.get(prop, ()):
-            names.add(value.decode("utf-8", "replace"))
-    return frozenset(names)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from splitstream.common.redis_url import RedisSecurity, add_redis_security_argum
 from splitstream.common.runtime import SERVER_ARGUMENTS, ServerDefaults, ServerSettings, add_server_arguments
 from splitstream.common.schema import Document, validate
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
+from splitstream.common.token_transport import INSECURE_TOKEN_FLAG, INSECURE_TOKEN_HELP, check_token_accepted
 
 PROG = "splitstream-recorder"
 #: The HMAC key is shared with the routers (they HMAC routing keys with it), hence a
@@ -262,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"key for masking metadata (prefer the environment: {SHARED_HMAC_KEY_ENV}, shared with the routers)",
         secret=True,
+        file_flag="--hmac-key-file",
     )
     parser.add_argument(
         "--service-token-file",
@@ -275,9 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME[,NAME...]",
         help="with --grpc-use-ssl-mutual: take records only from routers whose verified client certificate "
-        "names one of these (subject CN or DNS SAN); others are refused UNAUTHENTICATED before a message is "
-        "read (repeatable; comma-separated in the environment). A call carrying the service token is taken too",
+        "names one of these (subject CN, a DNS SAN, or a spiffe:// URI SAN; no other SAN type); others are "
+        "refused UNAUTHENTICATED before a message is read (repeatable; comma-separated in the environment). A call "
+        "carrying the service token is taken too",
     )
+    parser.add_argument(INSECURE_TOKEN_FLAG, action="store_true", help=INSECURE_TOKEN_HELP)
     return parser
 
 
@@ -297,9 +301,16 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
         )
         values["redact_input"] = _rules(args.redact_input, what="--redact-input")
         values["redact_output"] = _rules(args.redact_output, what="--redact-output")
+        values.pop("hmac_key_file")  # read into hmac_key by the parser
         key = args.hmac_key if args.hmac_key is not None else os.environ.get(SHARED_HMAC_KEY_ENV, "")
         values["hmac_key"] = key.encode()
         values["service_token"] = read_service_token(values.pop("service_token_file"))
+        check_token_accepted(
+            taken=bool(values["service_token"]),
+            host=values["server"].host,
+            tls=args.grpc_use_ssl or args.grpc_use_ssl_mutual,
+            allow_insecure=values.pop("allow_insecure_token"),
+        )
         values["allowed_client_identities"] = _identities(args.allowed_client_identities, args.grpc_use_ssl_mutual)
         return validate(RecorderConfig, values, rename=_flag)
     except ConfigError as error:

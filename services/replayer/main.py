@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 
 from splitstream.common.addresses import check_address
 from splitstream.common.archive import Archive, ArchiveError, check_archive, holds_model, open_archive
+from splitstream.common.argv_secrets import give_warnings
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
 from splitstream.common.errors import ConfigError
@@ -135,7 +136,11 @@ def build_parser() -> EnvArgumentParser:
         help="only calls made by this authenticated caller (the router's principal name; repeatable)",
     )
     source.add_argument(
-        "--hmac-key", default="", help="the deployment's routing-key HMAC key; else SPLITSTREAM_HMAC_KEY", secret=True
+        "--hmac-key",
+        default="",
+        help="the deployment's routing-key HMAC key; else SPLITSTREAM_HMAC_KEY",
+        secret=True,
+        file_flag="--hmac-key-file",
     )
     source.add_argument(
         "--sample", type=float, default=1.0, help="replay this fraction of the calls (fixed per request id)"
@@ -400,7 +405,10 @@ def _speed(text: str) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     try:
-        return asyncio.run(run(config))
+        code = asyncio.run(run(config))
+        if code == 0:
+            give_warnings()  # after the replay: a failed one's error line stays the only line
+        return code
     except SetupError as error:
         fail(PROG, str(error))
     except KeyboardInterrupt:  # before the replay installed its own handler: nothing to write yet

@@ -21,6 +21,12 @@ from splitstream.common.shipping import (
     check_recorder_address,
 )
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
+from splitstream.common.token_transport import (
+    INSECURE_TOKEN_FLAG,
+    INSECURE_TOKEN_HELP,
+    check_token_accepted,
+    check_token_sent,
+)
 from splitstream.router.auth.jwks import JwtSettings, parse_algorithms
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES
 
@@ -73,6 +79,9 @@ class RouterConfig:
     jwt: JwtSettings | None = None
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
+    #: ``--allow-insecure-token``: send the token to a plaintext recorder on another host, and take callers'
+    #: keys and JWTs on a plaintext port beyond loopback.
+    allow_insecure_token: bool = False
     #: The HTTP front door's port (OpenAI-compatible API; 0: off).
     http_port: int = 0
     #: How long an ``openai`` upstream may send nothing (before its answer's first byte or between two)
@@ -100,6 +109,12 @@ class RouterConfig:
             raise ConfigError(f"--log-flush-interval-s: must be a finite number > 0, got {self.log_flush_interval_s}")
         if self.recorder:
             check_recorder_address(self.recorder)
+            check_token_sent(
+                token=self.service_token,
+                target=self.recorder,
+                tls=self.recorder_tls.enabled,
+                allow_insecure=self.allow_insecure_token,
+            )
         if self.recorder and not self.log_dir.strip():
             # ``--log-dir "$UNSET"`` would put the log (segments, cursor, lock) in the working directory.
             raise ConfigError("--log-dir: must name a directory, got an empty value")
@@ -128,6 +143,13 @@ class RouterConfig:
                 f"--record-stream-max-bytes {self.record_stream_max_bytes} must be at most half of "
                 f"--record-batch-max-bytes ({self.record_batch.max_bytes})"
             )
+        check_token_accepted(
+            taken=bool(self.auth_principals),
+            host=self.server.host,
+            tls=self.server.tls is not None,
+            allow_insecure=self.allow_insecure_token,
+            what="--auth-principals",
+        )
 
     def _check_http(self) -> None:
         """--http-port: a port; --upstream-idle-timeout-s: bounded, so a stalled upstream always ends a call."""
@@ -277,6 +299,7 @@ def build_parser() -> EnvArgumentParser:
         default="",
         help="key for the routing-key HMAC in records; else SPLITSTREAM_HMAC_KEY (shared with recorder and replayer)",
         secret=True,
+        file_flag="--hmac-key-file",
     )
     add_record_batch_arguments(recording, passed=" (passed to the child shipper)")
     recording.add_argument(
@@ -337,6 +360,13 @@ def build_parser() -> EnvArgumentParser:
         default=10.0,
         help="shortest time between two reads of the JWKS (a token with an unknown kid triggers one)",
     )
+    auth.add_argument(
+        "--allow-insecure-jwks",
+        action="store_true",
+        help="fetch an http:// --jwt-jwks from a host other than loopback (refused by default: anyone on the "
+        "path could swap in their key)",
+    )
+    auth.add_argument(INSECURE_TOKEN_FLAG, action="store_true", help=INSECURE_TOKEN_HELP)
     return parser
 
 
@@ -392,6 +422,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             auth_principals=args.auth_principals,
             jwt=_jwt_settings(args),
             service_token=read_service_token(args.service_token_file),
+            allow_insecure_token=args.allow_insecure_token,
             http_port=args.http_port,
             upstream_idle_timeout_s=args.upstream_idle_timeout_s,
             http_body_timeout_s=args.http_body_timeout_s,
@@ -430,6 +461,8 @@ def _shipper_args(args: argparse.Namespace, record_batch: RecordBatchSettings) -
     out += ["--metrics-host", args.metrics_host or args.host]  # where Prometheus reaches the router's own
     if args.service_token_file:
         out += ["--service-token-file", args.service_token_file]
+    if args.allow_insecure_token:
+        out.append(INSECURE_TOKEN_FLAG)
     if args.recorder_tls:
         out.append("--recorder-tls")
     for suffix in ("ca", "cert", "key", "server_name"):
@@ -458,4 +491,5 @@ def _jwt_settings(args: argparse.Namespace) -> JwtSettings | None:
         leeway_s=args.jwt_leeway_s,
         refresh_s=args.jwks_refresh_s,
         min_refresh_s=args.jwks_min_refresh_s,
+        allow_insecure=args.allow_insecure_jwks,
     )

@@ -15,6 +15,7 @@ from splitstream.common.runtime import ServerDefaults, ServerSettings, add_serve
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.shipping import RecordBatchSettings, add_record_batch_arguments, check_recorder_address
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
+from splitstream.common.token_transport import INSECURE_TOKEN_FLAG, INSECURE_TOKEN_HELP, check_token_sent
 
 PROG = "splitstream-shipper"
 
@@ -113,6 +114,7 @@ def build_parser() -> EnvArgumentParser:
         default="",
         help=f"file holding the service token sent to the recorder (else {SERVICE_TOKEN_ENV})",
     )
+    parser.add_argument(INSECURE_TOKEN_FLAG, action="store_true", help=INSECURE_TOKEN_HELP)
     return parser
 
 
@@ -120,7 +122,7 @@ def parse_args(argv: Sequence[str] | None) -> ShipperConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return ShipperConfig(
+        config = ShipperConfig(
             server=ServerSettings.from_args(args),
             log_dirs=tuple(args.log_dir),
             recorder=args.recorder,
@@ -133,6 +135,13 @@ def parse_args(argv: Sequence[str] | None) -> ShipperConfig:
             recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
             service_token=read_service_token(args.service_token_file),
         )
+        check_token_sent(
+            token=config.service_token,
+            target=config.recorder,
+            tls=config.recorder_tls.enabled,
+            allow_insecure=args.allow_insecure_token,
+        )
+        return config
     except ConfigError as error:
         parser.error(str(error))
     raise AssertionError("unreachable: parser.error exits")

@@ -31,6 +31,7 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import structlog
 
 from splitstream.common.errors import ConfigError
+from splitstream.common.loopback import is_loopback_host
 from splitstream.common.secrets import redact_text, redact_url
 
 if TYPE_CHECKING:
@@ -65,6 +66,8 @@ class JwtSettings:
     refresh_s: float = 300.0
     min_refresh_s: float = 10.0
     fetch_timeout_s: float = 5.0
+    #: ``--allow-insecure-jwks``: fetch an ``http://`` JWKS from another host (anyone on the path could swap keys).
+    allow_insecure: bool = False
 
     def __post_init__(self) -> None:
         if not self.audience or not self.issuer:
@@ -80,6 +83,12 @@ class JwtSettings:
         scheme = urlsplit(self.jwks).scheme
         if scheme not in ("file", "http", "https"):
             raise ConfigError(f"--jwt-jwks: expected file:PATH or an http(s):// URL, got {redact_url(self.jwks)!r}")
+        if scheme == "http" and not self.allow_insecure and not is_loopback_host(urlsplit(self.jwks).hostname or ""):
+            # Whoever is on the path could serve their own key and mint tokens for any principal.
+            raise ConfigError(
+                f"--jwt-jwks {redact_url(self.jwks)}: a JWKS over plain http:// can be swapped by anyone on the "
+                "path; use https:// (or file:PATH), or --allow-insecure-jwks"
+            )
 
 
 class JwksKeys:
