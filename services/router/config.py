@@ -71,6 +71,8 @@ class RouterConfig:
     #: Where the principals document is ("": callers are not authenticated).
     auth_principals: str = ""
     jwt: JwtSettings | None = None
+    #: ``--revoked-file``: JWTs (by jti) and principals refused before their credentials expire ("": none).
+    revoked_file: str = ""
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
     #: The HTTP front door's port (OpenAI-compatible API; 0: off).
@@ -107,6 +109,8 @@ class RouterConfig:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         if self.jwt is not None and not self.auth_principals:
             raise ConfigError("--jwt-jwks needs --auth-principals: a JWT's principal takes its grants from it")
+        if self.revoked_file and not self.auth_principals:
+            raise ConfigError("--revoked-file needs --auth-principals: without it no caller is authenticated")
         if self.auth_principals and self.record_credential_headers:
             raise ConfigError(
                 "--record-credential-headers cannot be used with --auth-principals: records would keep callers' "
@@ -337,6 +341,12 @@ def build_parser() -> EnvArgumentParser:
         default=10.0,
         help="shortest time between two reads of the JWKS (a token with an unknown kid triggers one)",
     )
+    auth.add_argument(
+        "--revoked-file",
+        default="",
+        help="revocation list: one 'jti:<id>' or 'principal:<name>' a line (# comments); re-read on change and "
+        "on SIGHUP (which re-reads the JWKS too); a listed credential is refused UNAUTHENTICATED",
+    )
     return parser
 
 
@@ -391,6 +401,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
             auth_principals=args.auth_principals,
             jwt=_jwt_settings(args),
+            revoked_file=args.revoked_file,
             service_token=read_service_token(args.service_token_file),
             http_port=args.http_port,
             upstream_idle_timeout_s=args.upstream_idle_timeout_s,

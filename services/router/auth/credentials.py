@@ -183,6 +183,17 @@ class PrincipalsStore:
             self._updates = None
             await asyncio.sleep(1.0)
 
+    async def reread(self) -> None:
+        """Read a ``file:`` document now (SIGHUP), not at the next poll; a Consul key is watched already."""
+        if not isinstance(self.source, FilePrincipals):
+            return
+        path = self.source.path
+        try:
+            text = await asyncio.to_thread(path.read_text, encoding="utf-8")
+            self._apply(PolicyUpdate(policy=await asyncio.to_thread(_parse, text, str(path))))
+        except (OSError, UnicodeDecodeError, ConfigError, yaml.YAMLError) as error:
+            self._apply(PolicyUpdate(error=f"{path}: {' '.join(str(error).split())}"))
+
     def _apply(self, update: PolicyUpdate) -> None:
         if update.policy is None:
             log.error("principals document refused; keeping the last good one", error=update.error)
