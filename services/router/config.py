@@ -22,6 +22,7 @@ from splitstream.common.shipping import (
 )
 from splitstream.common.tls import PLAINTEXT, ClientTls, add_client_tls_arguments, client_tls_from_args
 from splitstream.router.auth.jwks import JwtSettings, parse_algorithms
+from splitstream.router.auth.keys import read_api_key_secret
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES
 
 PROG = "splitstream-router"
@@ -73,6 +74,8 @@ class RouterConfig:
     jwt: JwtSettings | None = None
     #: ``--revoked-file``: JWTs (by jti) and principals refused before their credentials expire ("": none).
     revoked_file: str = ""
+    #: ``--api-key-secret-file``'s secret: the key of the principals document's ``api_keys_hmac_sha256``.
+    api_key_secret: bytes = field(default=b"", repr=False)
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
     #: The HTTP front door's port (OpenAI-compatible API; 0: off).
@@ -109,6 +112,8 @@ class RouterConfig:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         if self.jwt is not None and not self.auth_principals:
             raise ConfigError("--jwt-jwks needs --auth-principals: a JWT's principal takes its grants from it")
+        if self.api_key_secret and not self.auth_principals:
+            raise ConfigError("--api-key-secret-file needs --auth-principals: it keys the document's API key digests")
         if self.revoked_file and not self.auth_principals:
             raise ConfigError("--revoked-file needs --auth-principals: without it no caller is authenticated")
         if self.auth_principals and self.record_credential_headers:
@@ -342,6 +347,12 @@ def build_parser() -> EnvArgumentParser:
         help="shortest time between two reads of the JWKS (a token with an unknown kid triggers one)",
     )
     auth.add_argument(
+        "--api-key-secret-file",
+        default="",
+        help="file holding the secret (at least 32 characters: openssl rand -hex 32) that keys the HMAC-SHA256 of "
+        "API keys in the principals document (api_keys_hmac_sha256, written by 'splitstream keys add')",
+    )
+    auth.add_argument(
         "--revoked-file",
         default="",
         help="revocation list: one 'jti:<id>' or 'principal:<name>' a line (# comments); re-read on change and "
@@ -402,6 +413,7 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             auth_principals=args.auth_principals,
             jwt=_jwt_settings(args),
             revoked_file=args.revoked_file,
+            api_key_secret=read_api_key_secret(args.api_key_secret_file) if args.api_key_secret_file else b"",
             service_token=read_service_token(args.service_token_file),
             http_port=args.http_port,
             upstream_idle_timeout_s=args.upstream_idle_timeout_s,

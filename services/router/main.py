@@ -211,6 +211,7 @@ class Router(Service):
             self.auth_metrics = AuthMetrics(self.metrics)
             self.limiter = RateLimiter()
             self.principals = PrincipalsStore(open_principals(config.auth_principals), on_update=self._on_principals)
+            self.principals.api_key_secret = config.api_key_secret
             self.jwt = JwtVerifier(config.jwt) if config.jwt is not None else None
             authenticator = Authenticator(self.principals, jwt=self.jwt, api_keys=True, limiter=self.limiter)
             authenticator.revocations = self.revocations
@@ -246,6 +247,14 @@ class Router(Service):
             self.auth_metrics.reloads.labels("error").inc()
             return
         self.auth_metrics.reloads.labels("ok").inc()
+        if policy.key_owners:
+            self.log.warning(
+                "api_keys_sha256 (unsalted SHA-256) is deprecated and read for one more release: re-issue these "
+                "keys with 'splitstream keys add' (docs/upgrading.md)",
+                principals=sorted({name for name in policy.key_owners.values()}),
+            )
+        if policy.hmac_owners and not self.config.api_key_secret:
+            self.log.error("api_keys_hmac_sha256 digests cannot be checked without --api-key-secret-file")
         self.auth_metrics.principals.set(len(policy.principals))
         self.limiter.forget_except(frozenset(policy.principals))
 
@@ -265,6 +274,11 @@ class Router(Service):
         self._apply(first)
         if self.principals is not None:
             await self.principals.load()
+            policy = self.principals.policy
+            if policy is not None and policy.hmac_owners and not self.config.api_key_secret:
+                raise ConfigError(
+                    "--api-key-secret-file is needed: the principals document lists api_keys_hmac_sha256 digests"
+                )
             if self.jwt is not None:
                 await self.jwt.keys.load()
             if self.revocations is not None:
