@@ -28,6 +28,7 @@ from splitstream.common.token_transport import (
     check_token_sent,
 )
 from splitstream.router.auth.jwks import JwtSettings, parse_algorithms
+from splitstream.router.auth.keys import read_api_key_secret
 from splitstream.router.streams import DEFAULT_RECORD_STREAM_MAX_BYTES
 
 PROG = "splitstream-router"
@@ -77,6 +78,10 @@ class RouterConfig:
     #: Where the principals document is ("": callers are not authenticated).
     auth_principals: str = ""
     jwt: JwtSettings | None = None
+    #: ``--revoked-file``: JWTs (by jti) and principals refused before their credentials expire ("": none).
+    revoked_file: str = ""
+    #: ``--api-key-secret-file``'s secret: the key of the principals document's ``api_keys_hmac_sha256``.
+    api_key_secret: bytes = field(default=b"", repr=False)
     #: Sent to the recorder on the Record stream ("": none).
     service_token: str = field(default="", repr=False)
     #: ``--allow-insecure-token``: send the token to a plaintext recorder on another host, and take callers'
@@ -122,6 +127,10 @@ class RouterConfig:
             raise ConfigError("--recorder needs --hmac-key (or SPLITSTREAM_HMAC_KEY) for routing-key HMACs")
         if self.jwt is not None and not self.auth_principals:
             raise ConfigError("--jwt-jwks needs --auth-principals: a JWT's principal takes its grants from it")
+        if self.api_key_secret and not self.auth_principals:
+            raise ConfigError("--api-key-secret-file needs --auth-principals: it keys the document's API key digests")
+        if self.revoked_file and not self.auth_principals:
+            raise ConfigError("--revoked-file needs --auth-principals: without it no caller is authenticated")
         if self.auth_principals and self.record_credential_headers:
             raise ConfigError(
                 "--record-credential-headers cannot be used with --auth-principals: records would keep callers' "
@@ -367,6 +376,18 @@ def build_parser() -> EnvArgumentParser:
         "path could swap in their key)",
     )
     auth.add_argument(INSECURE_TOKEN_FLAG, action="store_true", help=INSECURE_TOKEN_HELP)
+    auth.add_argument(
+        "--api-key-secret-file",
+        default="",
+        help="file holding the secret (at least 32 characters: openssl rand -hex 32) that keys the HMAC-SHA256 of "
+        "API keys in the principals document (api_keys_hmac_sha256, written by 'splitstream keys add')",
+    )
+    auth.add_argument(
+        "--revoked-file",
+        default="",
+        help="revocation list: one 'jti:<id>' or 'principal:<name>' a line (# comments); re-read on change and "
+        "on SIGHUP (which re-reads the JWKS too); a listed credential is refused UNAUTHENTICATED",
+    )
     return parser
 
 
@@ -421,6 +442,8 @@ def parse_args(argv: Sequence[str] | None) -> RouterConfig:
             recorder_tls=client_tls_from_args(args, flag="--recorder-tls"),
             auth_principals=args.auth_principals,
             jwt=_jwt_settings(args),
+            revoked_file=args.revoked_file,
+            api_key_secret=read_api_key_secret(args.api_key_secret_file) if args.api_key_secret_file else b"",
             service_token=read_service_token(args.service_token_file),
             allow_insecure_token=args.allow_insecure_token,
             http_port=args.http_port,

@@ -30,6 +30,8 @@ from splitstream.router.auth.interceptor import Authenticator, AuthInterceptor, 
 from splitstream.router.auth.jwks import JwtVerifier
 from splitstream.router.auth.policy import Policy
 from splitstream.router.auth.ratelimit import RateLimiter
+from splitstream.router.auth.reload import CredentialReloader
+from splitstream.router.auth.revocation import RevocationStore
 from splitstream.router.config import (
     ENV_PREFIX,
     LOG_DIR_DEFAULT,
@@ -203,12 +205,17 @@ class Router(Service):
         self.principals: PrincipalsStore | None = None
         self.jwt: JwtVerifier | None = None
         self.auth: AuthInterceptor | None = None
+        self.revocations = RevocationStore(config.revoked_file) if config.revoked_file else None
+        self.reloader: CredentialReloader | None = None
         if config.auth_principals:
             self.auth_metrics = AuthMetrics(self.metrics)
             self.limiter = RateLimiter()
             self.principals = PrincipalsStore(open_principals(config.auth_principals), on_update=self._on_principals)
+            self.principals.api_key_secret = config.api_key_secret
             self.jwt = JwtVerifier(config.jwt) if config.jwt is not None else None
             authenticator = Authenticator(self.principals, jwt=self.jwt, api_keys=True, limiter=self.limiter)
+            authenticator.revocations = self.revocations
+            self.reloader = CredentialReloader(self.principals, self.jwt, self.revocations)
             self.auth = AuthInterceptor(authenticator, self.auth_metrics)
         # The HTTP front door: started after the gRPC server, stopped beside it (before_stop → teardown).
         self.http: HttpFrontDoor | None = None
@@ -240,6 +247,14 @@ class Router(Service):
             self.auth_metrics.reloads.labels("error").inc()
             return
         self.auth_metrics.reloads.labels("ok").inc()
+        if policy.key_owners:
+            self.log.warning(
+                "api_keys_sha256 (unsalted SHA-256) is deprecated and read for one more release: re-issue these "
+                "keys with 'splitstream keys add' (docs/upgrading.md)",
+                principals=sorted({name for name in policy.key_owners.values()}),
+            )
+        if policy.hmac_owners and not self.config.api_key_secret:
+            self.log.error("api_keys_hmac_sha256 digests cannot be checked without --api-key-secret-file")
         self.auth_metrics.principals.set(len(policy.principals))
         self.limiter.forget_except(frozenset(policy.principals))
 
@@ -259,9 +274,19 @@ class Router(Service):
         self._apply(first)
         if self.principals is not None:
             await self.principals.load()
+            policy = self.principals.policy
+            if policy is not None and policy.hmac_owners and not self.config.api_key_secret:
+                raise ConfigError(
+                    "--api-key-secret-file is needed: the principals document lists api_keys_hmac_sha256 digests"
+                )
             if self.jwt is not None:
                 await self.jwt.keys.load()
+            if self.revocations is not None:
+                await self.revocations.load()
+                self.revocations.start()
             self.principals.start()
+            if self.reloader is not None:
+                self.reloader.install()
         if self.mirror is not None:
             self.mirror.start()
         if self.shipper is not None:
@@ -359,6 +384,10 @@ class Router(Service):
         await self.shadows.close()
         if self.principals is not None:
             await self.principals.close()
+        if self.revocations is not None:
+            await self.revocations.close()
+        if self.reloader is not None:
+            await self.reloader.close()
         if self.mirror is not None:
             await self.mirror.close()
         if self.shipper is not None:

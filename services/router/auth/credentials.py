@@ -15,6 +15,7 @@ as soon as Consul answers the blocking query).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import os
 from collections.abc import AsyncIterator, Callable
@@ -144,6 +145,8 @@ class PrincipalsStore:
     def __init__(self, source: PrincipalsSource, *, on_update: Callable[[Policy | None, str], None]) -> None:
         self.source = source
         self.policy: Policy | None = None
+        #: ``--api-key-secret-file``: the key of the document's ``api_keys_hmac_sha256`` digests.
+        self.api_key_secret = b""
         self._on_update = on_update
         self._updates: AsyncIterator[PolicyUpdate] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -183,14 +186,28 @@ class PrincipalsStore:
             self._updates = None
             await asyncio.sleep(1.0)
 
+    async def reread(self) -> None:
+        """Read a ``file:`` document now (SIGHUP), not at the next poll; a Consul key is watched already."""
+        if not isinstance(self.source, FilePrincipals):
+            return
+        path = self.source.path
+        try:
+            text = await asyncio.to_thread(path.read_text, encoding="utf-8")
+            self._apply(PolicyUpdate(policy=await asyncio.to_thread(_parse, text, str(path))))
+        except (OSError, UnicodeDecodeError, ConfigError, yaml.YAMLError) as error:
+            self._apply(PolicyUpdate(error=f"{path}: {' '.join(str(error).split())}"))
+
     def _apply(self, update: PolicyUpdate) -> None:
         if update.policy is None:
             log.error("principals document refused; keeping the last good one", error=update.error)
             self._on_update(None, update.error)
             return
-        self.policy = update.policy
-        log.info("principals loaded", source=self.source.description, principals=sorted(update.policy.principals))
-        self._on_update(update.policy, "")
+        policy = update.policy
+        if self.api_key_secret:
+            policy = dataclasses.replace(policy, hmac_secret=self.api_key_secret)
+        self.policy = policy
+        log.info("principals loaded", source=self.source.description, principals=sorted(policy.principals))
+        self._on_update(policy, "")
 
 
 def _parse(text: str, source: str) -> Policy:

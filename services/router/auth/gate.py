@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.headers import VERSION_HEADER
@@ -41,6 +42,9 @@ from splitstream.router.auth.credentials import PrincipalsStore
 from splitstream.router.auth.jwks import JwtVerifier, TokenRejected, bearer_token
 from splitstream.router.auth.policy import Principal
 from splitstream.router.auth.ratelimit import RateLimiter
+from splitstream.router.auth.revocation import REVOKED_MESSAGE, RevocationStore
+
+log = structlog.get_logger()
 
 API_KEY_HEADER = "x-api-key"
 AUTHORIZATION_HEADER = "authorization"
@@ -75,6 +79,7 @@ FAILURE_REASONS = (
     "feedback",
     "bad_request",
     "route",
+    "revoked",
 )
 
 Metadata = Sequence[tuple[str, str | bytes]]
@@ -150,6 +155,8 @@ class Authenticator:
         self.jwt = jwt
         self.api_keys = api_keys
         self.limiter = limiter
+        #: ``--revoked-file``: credentials refused before they expire (None: no list).
+        self.revocations: RevocationStore | None = None
 
     def _accepted(self) -> str:
         forms = []
@@ -205,6 +212,11 @@ class Gate:
         """The caller's principal, once it is authenticated and within its rate limit; Refused otherwise
         (not counted yet: the edge counts with :meth:`count`, once, whatever refused the call)."""
         principal = await self.auth.authenticate(metadata)
+        if self.auth.revocations is not None:
+            entry = self.auth.revocations.check(principal, metadata)
+            if entry is not None:  # the caller is told nothing of the list; the log says which entry
+                log.warning("revoked credential refused", principal=principal.name, entry=entry)
+                raise unauthenticated(REVOKED_MESSAGE, "revoked")
         if not self.auth.limiter.allow(principal):
             limit = principal.rate_limit
             assert limit is not None

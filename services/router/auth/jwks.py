@@ -135,6 +135,11 @@ class JwksKeys:
         if now - self._loaded_s >= self.settings.refresh_s and now - self._attempted_s >= self.settings.min_refresh_s:
             self._start_refresh()
 
+    async def reload_now(self) -> None:
+        """Read the set now, whatever ``min_refresh_s`` says (SIGHUP: an operator removed a key). Every
+        remembered token is forgotten with the old key objects; a failed read keeps the last set."""
+        await self._refresh_logged()
+
     def holds(self, key: jwt.PyJWK) -> bool:
         """Whether ``key`` (the object) is in the current set: false after any re-read of the JWKS."""
         return self._keys.get(key.key_id) is key

@@ -17,18 +17,21 @@ with them every metric label that names one, are a bounded, configured set::
         models: ["*"]
         pin: true
 
-Keys are stored as SHA-256, not a slow password hash: an API key is a random value of 128 bits or
-more (``python -c 'import secrets; print(secrets.token_urlsafe(32))'``), so no dictionary or brute
-force reaches it through a fast hash, and a slow hash would cost every call milliseconds. The
+Keys are stored as HMAC-SHA256 keyed with a server secret (``--api-key-secret-file``;
+``api_keys_hmac_sha256``, written by ``splitstream keys add``), not a slow password hash: a slow hash
+would cost every call milliseconds or more (docs/security.md has the figures), and with the secret kept
+apart from the document a leaked document no longer lets anyone test guesses of a human-chosen key.
+Unsalted SHA-256 entries (``api_keys_sha256``) are still read for one release, with a warning. The
 presented key's digest is looked up (:meth:`Policy.by_api_key` says why that is safe).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, model_validator
@@ -76,7 +79,14 @@ class PrincipalDocument(Document):
     """One caller: how it authenticates (API keys; a JWT names it by its principal claim) and what it may do."""
 
     api_keys_sha256: list[Annotated[str, AfterValidator(_digest)]] = Field(
-        [], description="SHA-256 (64 lower-case hex digits) of each API key it may send in `x-api-key`"
+        [],
+        description="deprecated (read for one more release): unsalted SHA-256 (64 lower-case hex digits) of each "
+        "API key it may send; use `api_keys_hmac_sha256` (`splitstream keys add`)",
+    )
+    api_keys_hmac_sha256: list[Annotated[str, AfterValidator(_digest)]] = Field(
+        [],
+        description="HMAC-SHA256 (64 lower-case hex digits), keyed with the router's `--api-key-secret-file`, of "
+        "each API key it may send; written by `splitstream keys add`",
     )
     models: list[Annotated[str, AfterValidator(_model)]] = Field(
         [], description="models it may call (ModelInfer, ModelMetadata, ModelReady): names, or `*` for every one"
@@ -100,7 +110,7 @@ class PrincipalsDocument(Document):
     def _keys_are_unique(self) -> PrincipalsDocument:
         owner: dict[str, str] = {}
         for name, principal in self.principals.items():
-            for digest in principal.api_keys_sha256:
+            for digest in [*principal.api_keys_sha256, *principal.api_keys_hmac_sha256]:
                 if owner.setdefault(digest, name) != name:
                     raise ValueError(f"one API key is listed for both '{owner[digest]}' and '{name}'")
         return self
@@ -132,8 +142,12 @@ class Policy:
     """One version of the principals document, ready for lookups."""
 
     principals: Mapping[str, Principal]
-    #: SHA-256 hex of an API key → the principal's name.
+    #: SHA-256 hex of an API key → the principal's name (deprecated unsalted entries).
     key_owners: Mapping[str, str]
+    #: HMAC-SHA256 hex of an API key (keyed with :attr:`hmac_secret`) → the principal's name.
+    hmac_owners: Mapping[str, str] = field(default_factory=dict)
+    #: ``--api-key-secret-file``'s secret, set by the store that loads the document (b"": none).
+    hmac_secret: bytes = field(default=b"", repr=False)
 
     def by_api_key(self, key: str) -> Principal | None:
         """The principal ``key`` belongs to, or None.
@@ -142,8 +156,12 @@ class Policy:
         lookup's timing can reveal is how much of the *SHA-256 of the caller's own guess* matches a
         stored digest, which brings no preimage closer (the reason constant-time comparison matters
         for raw secrets does not hold for their digests), and it costs the same for 10 keys or 10,000."""
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
-        owner = self.key_owners.get(digest)
+        raw = key.encode("utf-8", "surrogatepass")
+        owner = None
+        if self.hmac_owners and self.hmac_secret:
+            owner = self.hmac_owners.get(hmac.new(self.hmac_secret, raw, hashlib.sha256).hexdigest())
+        if owner is None and self.key_owners:
+            owner = self.key_owners.get(hashlib.sha256(raw).hexdigest())
         return None if owner is None else self.principals[owner]
 
 
@@ -157,6 +175,7 @@ def parse_policy(data: Any, *, source: str) -> Policy:
     document = validate(PrincipalsDocument, data, where=source)
     principals: dict[str, Principal] = {}
     owners: dict[str, str] = {}
+    hmac_owners: dict[str, str] = {}
     for name, entry in document.principals.items():
         limit = entry.rate_limit
         principals[name] = Principal(
@@ -169,4 +188,6 @@ def parse_policy(data: Any, *, source: str) -> Policy:
         )
         for digest in entry.api_keys_sha256:
             owners[digest] = name
-    return Policy(principals=principals, key_owners=owners)
+        for digest in entry.api_keys_hmac_sha256:
+            hmac_owners[digest] = name
+    return Policy(principals=principals, key_owners=owners, hmac_owners=hmac_owners)

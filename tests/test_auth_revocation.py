@@ -1,0 +1,200 @@
+"""Credentials refused before they expire: the revocation list (``--revoked-file``) and SIGHUP, on a real
+router whose JWKS is served over loopback HTTP. Calls need a principal only (gRPC ``ServerReady``, HTTP
+``GET /v1/models``), so no worker is started.
+"""
+
+from __future__ import annotations
+
+import http.client
+import signal
+import threading
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import yaml
+
+from splitstream.common.files import atomic_write
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.inference import grpc_service_pb2_grpc
+from tests.harness import ServiceProcess, Stack, free_port, run_module, wait_for, write_registry
+from tests.test_auth import AUDIENCE, ISSUER, SigningKey, _JwksServer, jwks, sha256
+from tests.test_router_http import accepts
+
+MODEL = "digits"
+KEY = "web-key-" + uuid.uuid4().hex * 2
+
+
+@dataclass
+class Deployment:
+    router: ServiceProcess
+    http_port: int
+    revoked: Path
+    handler: Any
+    key_a: SigningKey
+    key_b: SigningKey
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp("revocation")
+    principals = tmp / "principals.yaml"
+    document = {
+        "principals": {
+            "web": {"api_keys_sha256": [sha256(KEY)], "models": [MODEL]},
+            "jwt-user": {"models": [MODEL]},
+            "jwt-other": {"models": [MODEL]},
+        }
+    }
+    atomic_write(principals, yaml.safe_dump(document))
+    revoked = tmp / "revoked.txt"
+    atomic_write(revoked, "# nothing revoked yet\n")
+    key_a, key_b = SigningKey.new("key-a"), SigningKey.new("key-b")
+    handler: Any = type("Handler", (_JwksServer,), {"keys": jwks(key_a, key_b), "authorization": None})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    registry = tmp / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [f"127.0.0.1:{free_port()}"]}}})
+    stack = Stack(tmp)
+    try:
+        http_port = free_port()
+        router = stack.router(
+            registry,
+            "--http-port", str(http_port),
+            "--auth-principals", f"file:{principals}",
+            "--jwt-jwks", f"http://127.0.0.1:{server.server_port}/jwks.json",
+            "--jwt-audience", AUDIENCE,
+            "--jwt-issuer", ISSUER,
+            "--revoked-file", str(revoked),
+        )  # fmt: skip  # --jwks-refresh-s stays 300 s: only SIGHUP can make the router read the set again
+        wait_for(lambda: accepts(http_port), timeout_s=10, what="the HTTP port to accept")
+        yield Deployment(router, http_port, revoked, handler, key_a, key_b)
+    finally:
+        stack.close()
+        server.shutdown()
+        server.server_close()
+
+
+def grpc_code(router: ServiceProcess, credential: str) -> grpc.StatusCode:
+    """ServerReady (any authenticated principal) with ``authorization: Bearer <credential>``."""
+    with grpc.insecure_channel(router.address) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            stub.ServerReady(oip.ServerReadyRequest(), metadata=[("authorization", f"Bearer {credential}")], timeout=10)
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+
+def http_answer(port: int, credential: str) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/v1/models", headers={"Authorization": f"Bearer {credential}"})
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def test_a_jwt_whose_jti_is_listed_is_refused_on_both_ports_within_the_poll(deployment: Deployment) -> None:
+    jti = uuid.uuid4().hex
+    token = deployment.key_a.token(jti=jti)
+    kept = deployment.key_a.token(jti=uuid.uuid4().hex)
+    assert grpc_code(deployment.router, token) == grpc.StatusCode.OK
+    assert http_answer(deployment.http_port, token)[0] == 200
+    atomic_write(deployment.revoked, f"# leaked in a ticket\njti:{jti}\n")
+    wait_for(
+        lambda: grpc_code(deployment.router, token) == grpc.StatusCode.UNAUTHENTICATED,
+        timeout_s=10,
+        what="the revoked jti to be refused over gRPC",
+    )
+    status, body = http_answer(deployment.http_port, token)
+    assert status == 401
+    assert jti.encode() not in body
+    assert b"revok" not in body
+    assert grpc_code(deployment.router, kept) == grpc.StatusCode.OK  # another token of the same principal
+    log = deployment.router.log()
+    assert "revoked credential refused" in log
+    assert f"jti:{jti}" in log
+    atomic_write(deployment.revoked, "")
+    wait_for(lambda: grpc_code(deployment.router, token) == grpc.StatusCode.OK, timeout_s=10, what="un-revoked")
+
+
+def test_a_revoked_principal_loses_its_api_keys_and_its_jwts(deployment: Deployment) -> None:
+    token = deployment.key_a.token()  # sub: jwt-user
+    other = deployment.key_a.token(sub="jwt-other")
+    assert grpc_code(deployment.router, KEY) == grpc.StatusCode.OK
+    atomic_write(deployment.revoked, "principal:web\nprincipal:jwt-user   # off-boarded\n")
+    wait_for(
+        lambda: grpc_code(deployment.router, KEY) == grpc.StatusCode.UNAUTHENTICATED,
+        timeout_s=10,
+        what="the revoked principal's key to be refused",
+    )
+    assert grpc_code(deployment.router, token) == grpc.StatusCode.UNAUTHENTICATED
+    assert http_answer(deployment.http_port, KEY)[0] == 401
+    assert grpc_code(deployment.router, other) == grpc.StatusCode.OK
+    atomic_write(deployment.revoked, "")
+    wait_for(lambda: grpc_code(deployment.router, KEY) == grpc.StatusCode.OK, timeout_s=10, what="un-revoked")
+
+
+def test_a_broken_revocation_list_keeps_the_last_good_one(deployment: Deployment) -> None:
+    atomic_write(deployment.revoked, "principal:web\n")
+    wait_for(lambda: grpc_code(deployment.router, KEY) == grpc.StatusCode.UNAUTHENTICATED, timeout_s=10)
+    atomic_write(deployment.revoked, "principal web\n")  # no colon: refused, the last list stays
+    wait_for(lambda: "revocation list refused" in deployment.router.log(), timeout_s=10, what="the error logged")
+    assert grpc_code(deployment.router, KEY) == grpc.StatusCode.UNAUTHENTICATED
+    atomic_write(deployment.revoked, "")
+    wait_for(lambda: grpc_code(deployment.router, KEY) == grpc.StatusCode.OK, timeout_s=10, what="un-revoked")
+
+
+def test_a_key_removed_from_the_jwks_is_refused_at_once_after_sighup(deployment: Deployment) -> None:
+    token = deployment.key_b.token()
+    assert grpc_code(deployment.router, token) == grpc.StatusCode.OK
+    deployment.handler.keys = jwks(deployment.key_a)  # the issuer withdraws key-b
+    fresh = deployment.key_b.token(jti=uuid.uuid4().hex)
+    # Without a signal the set is re-read only every --jwks-refresh-s (300 s): both are still taken.
+    assert grpc_code(deployment.router, token) == grpc.StatusCode.OK
+    assert grpc_code(deployment.router, fresh) == grpc.StatusCode.OK
+    deployment.router.signal(signal.SIGHUP)
+    wait_for(
+        lambda: grpc_code(deployment.router, token) == grpc.StatusCode.UNAUTHENTICATED,
+        timeout_s=5,
+        what="the token of the withdrawn key to be refused after SIGHUP",
+    )
+    assert grpc_code(deployment.router, fresh) == grpc.StatusCode.UNAUTHENTICATED
+    assert http_answer(deployment.http_port, token)[0] == 401
+    assert grpc_code(deployment.router, deployment.key_a.token()) == grpc.StatusCode.OK
+    assert deployment.router.process is not None
+    assert deployment.router.process.poll() is None
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [(None, "--revoked-file"), ("jti:\n", "line 1"), ("user:bob\n", "line 1")],
+    ids=["missing", "empty-id", "unknown-kind"],
+)
+def test_an_unusable_revocation_list_at_start_is_exit_2_naming_the_flag(
+    tmp_path: Path, content: str | None, problem: str
+) -> None:
+    principals = tmp_path / "principals.yaml"
+    principals.write_text(yaml.safe_dump({"principals": {"web": {"models": [MODEL]}}}))
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [f"127.0.0.1:{free_port()}"]}}})
+    revoked = tmp_path / "revoked.txt"
+    if content is not None:
+        revoked.write_text(content)
+    result = run_module(
+        "splitstream.router",
+        "--registry", f"file:{registry}",
+        "--port", "0",
+        "--auth-principals", f"file:{principals}",
+        "--revoked-file", str(revoked),
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "--revoked-file" in result.stderr
+    assert problem in result.stderr
