@@ -53,6 +53,8 @@ NOT_RUN: dict[str, str] = {
     "tests/test_redis_cluster.py and tests/test_processes.py run the same flags on a local cluster",
     "security.md": "its commands elide their usual flags (`...`); tests/test_tls.py runs these TLS flags and the "
     "cluster tests apply the page's ACL lines",
+    "bandits.md": "its example moves weights on feedback over minutes; tests/test_bandit.py runs the same command "
+    "on real processes with one-second intervals",
     "streams.md": "its worked example is `make demo-llm`, which tests/test_demo.py runs",
     # Run by another test file, not yet through this file's markers:
     "http.md": "its Python example is run by tests/test_router_http.py (test_the_worked_example_of_the_docs_runs)",
