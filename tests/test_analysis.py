@@ -27,9 +27,9 @@ from redis.asyncio import Redis
 from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
-from splitstream.analysis.analyze import PER_CALL_LABEL, Query, analyze
+from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window, read_pages
-from splitstream.analysis.model import Analysis, MetricComparison, MetricSpec, PhaseResult
+from splitstream.analysis.model import PER_CALL_LABEL, Analysis, MetricComparison, MetricSpec, PhaseResult
 from splitstream.analysis.report import render_table
 from splitstream.common.records import stream_key
 from tests.experiments import Call, Event, phase, write_arrivals, write_calls, write_feedback

@@ -41,6 +41,7 @@ from splitstream.analysis.loading import (
     mixed,
 )
 from splitstream.analysis.model import (
+    PER_CALL_LABEL,
     Analysis,
     ArmMetric,
     ArmSummary,
@@ -387,10 +388,6 @@ def summarize(
         unit_warning=warning,
         novelty_bucket_ns=query.novelty_bucket_ns,
     )
-
-
-#: What a verdict line says when calls were compared one by one on traffic split by user.
-PER_CALL_LABEL = "[--unit call on traffic split by user: intervals too narrow]"
 
 
 def _unit_warning(query: Query, exposures: Exposures) -> str | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from splitstream.analysis import bayes
 from splitstream.analysis.model import (
+    PER_CALL_LABEL,
     Analysis,
     BayesianReading,
     Interval,
@@ -16,9 +17,6 @@ from splitstream.analysis.model import (
     PhaseResult,
 )
 from splitstream.analysis.statistics import Comparison
-
-#: Appended to a verdict line by ``--unit call`` on traffic split by user (kept when the line is rewritten).
-_PER_CALL_SUFFIX = "[--unit call on traffic split by user: intervals too narrow]"
 
 
 def apply(analysis: Analysis, prior: bayes.Prior, threshold: float) -> Analysis:
@@ -56,7 +54,7 @@ def _read(comparison: MetricComparison, prior: bayes.Prior, threshold: float, al
         return comparison
     result, spec, _ = comparison._basis
     reading = bayes.read(result.control, result.treatment, prior, higher_is_better=spec.higher_is_better)
-    suffix = f" {_PER_CALL_SUFFIX}" if comparison.verdict_line.endswith(_PER_CALL_SUFFIX) else ""
+    suffix = f" {PER_CALL_LABEL}" if comparison.verdict_line.endswith(PER_CALL_LABEL) else ""
     if reading is None:
         line = (
             f"{comparison.arm} vs {comparison.control}: {spec.name}: no Bayesian reading: the control's value is "

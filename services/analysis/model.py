@@ -18,6 +18,8 @@ Unit = Literal["user", "call"]
 #: ``--correction``: none, Holm's step-down (family-wise error) or Benjamini-Hochberg (false discovery rate).
 Correction = Literal["none", "holm", "bh"]
 Verdict = Literal["better", "worse", "inconclusive", "no data"]
+#: Ends every verdict line of an analysis by ``--unit call`` of traffic split by user (its intervals are too narrow).
+PER_CALL_LABEL = "[--unit call on traffic split by user: intervals too narrow]"
 
 
 class _Model(BaseModel):
