@@ -123,6 +123,17 @@ def test_the_default_day_buckets_put_a_short_experiment_in_one_bucket(planted: P
     assert "since first exposure" not in stdout  # one bucket: nothing to show apart
 
 
+def test_novelty_off_leaves_the_buckets_out(planted: Planted, tmp_path: Path) -> None:
+    _, analysis = analysed(planted, tmp_path / "off", "--novelty-bucket", "off")
+    assert analysis["novelty_bucket_ns"] is None
+    [click] = analysis["phases"][0]["comparisons"]
+    assert click["novelty"] == []
+    assert click["arm_value"] == pytest.approx(
+        (planted.clicks["v2", 0] + planted.clicks["v2", 2]) / (planted.calls["v2", 0] + planted.calls["v2", 2])
+    )
+    assert "Lift by time since first exposure" not in (tmp_path / "off" / "analysis.html").read_text()
+
+
 @pytest.mark.parametrize(
     ("bucket", "message"),
     [("soon", "--novelty-bucket: bad duration 'soon'"), ("0s", "must be longer than 0"), ("5", "a number and a unit")],

@@ -295,6 +295,7 @@ class OutcomeReader:
                     alpha=self.alpha,
                     sequential=True,
                     prices=self.prices,
+                    novelty_bucket_ns=None,  # a guard reads the step's lift, not its age profile
                 )
                 return await analyze(client, query)
             except (RedisError, OSError) as error:

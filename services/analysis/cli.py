@@ -231,7 +231,7 @@ def add_command(commands: Any, env_prefix: str) -> None:
         default="1d",
         metavar="DURATION",
         help="the comparison again per bucket of time since each unit's first exposure, this wide (1d, 6h, 2s): "
-        "over the units active in the bucket, on their calls and events of it, to see an effect that fades",
+        "over the units active in the bucket, on their calls and events of it, to see an effect that fades; off: not",
     )
     parser.add_argument(
         "--planned-units",
@@ -332,12 +332,7 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
             open_archive(url, endpoint=args.s3_endpoint)
         except ArchiveError as error:
             raise ValueError(str(error)) from None
-    try:
-        novelty = parse_duration_ns(args.novelty_bucket, unit_required=True)
-    except BadDuration as error:
-        raise ValueError(f"--novelty-bucket: {error}") from None
-    if novelty <= 0:
-        raise ValueError(f"--novelty-bucket: must be longer than 0, got {args.novelty_bucket!r}")
+    novelty = _novelty_bucket(args.novelty_bucket)
     margin = None
     if args.non_inferiority is not None:
         try:
@@ -363,6 +358,19 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
         prior=bayes.Prior(args.prior_mean, args.prior_sd),
         bayes_threshold=args.bayes_threshold,
     )
+
+
+def _novelty_bucket(text: str) -> int | None:
+    """``--novelty-bucket``: its width in ns, or None for ``off`` (a rollout's guard reads need no novelty)."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        novelty = parse_duration_ns(text, unit_required=True)
+    except BadDuration as error:
+        raise ValueError(f"--novelty-bucket: {error}") from None
+    if novelty <= 0:
+        raise ValueError(f"--novelty-bucket: must be longer than 0, got {text!r}")
+    return novelty
 
 
 def _instant(flag: str, text: str, now_ns: int) -> int:
