@@ -28,6 +28,7 @@ from statsmodels.stats.proportion import confint_proportions_2indep
 
 from splitstream.replayer.main import parse_args
 from splitstream.replayer.noise import DiffHistogram, NoiseSettings, NoiseTotals, newcombe_interval
+from tests.doc_examples import Rewrite, block, run_block
 from tests.harness import InferClient, ServiceProcess, Stack, make_request
 from tests.models import save_graph
 from tests.recording_stack import MODEL, RecordingStack
@@ -170,6 +171,25 @@ def test_without_noise_flags_nothing_changes(noisy: Noisy, tmp_path: Path) -> No
     assert "noise" not in run.summary
     assert run.summary["metrics"]["diff_above_noise_rate"] is None
     assert all("control" not in line for line in run.result_lines())
+
+
+def test_the_docs_worked_example(noisy: Noisy, tmp_path: Path) -> None:
+    """docs/replay.md's noise-floor example, as it stands on the page but for the router and the window."""
+    window = f"--since {noisy.since:.9f} --until {noisy.until:.9f}"
+    rewrite = Rewrite({"localhost:8001": noisy.stack.router.address, "--since -10m": window})
+    result = run_block(
+        block("replay.md", "noise-floor"),
+        tmp_path,
+        rewrite=rewrite,
+        env={"SPLITSTREAM_REPLAY_REDIS_URL": noisy.stack.redis.url},
+        timeout_s=120,
+    )
+    print(result.stdout + result.stderr)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "gate failed: diff_above_noise_rate=0.5" in result.stderr
+    summary = json.loads((tmp_path / "noise-v2" / "summary.json").read_text())
+    print(json.dumps(summary["noise"], indent=2))
+    assert summary["noise"]["fields"]["z"]["above_noise"] is True
 
 
 @pytest.mark.parametrize(
