@@ -143,7 +143,7 @@ def test_a_shift_smaller_than_the_noise_is_found_on_its_output_only(noisy: Noisy
 
 
 def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) -> None:
-    """``--noise-target ADDR``: the second pass goes to another address (here v1's worker itself). 60 calls of
+    """``--noise-target ADDR``: the second pass goes to another address (v1's worker, then the router). 60 calls of
     64 elements are fewer than the 10,000 a 0.999 floor needs: no verdict, and a gate on it fails as not
     measured; at the 0.99 quantile (1,000 needed) the shift is found."""
     v1 = noisy.stack.workers["v1"].address
@@ -157,9 +157,14 @@ def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) 
     assert noise["fields"]["z"]["above_noise"] is None
     assert early.result_lines()[0]["control"]["target"] == v1
 
-    args = ("--pin-version", "v2", "--noise-target", v1, "--limit", "60", "--noise-quantile", "0.99")
+    # A router as --noise-target: the control's pass goes out without the candidate's pin, so the router's
+    # own split (all v1) serves it.
+    router = noisy.stack.router.address
+    args = ("--pin-version", "v2", "--noise-target", router, "--limit", "60", "--noise-quantile", "0.99")
     run = noisy.replay(tmp_path / "late", *args)
     assert run.code == 0, run.stderr
+    assert {line["control"]["version"] for line in run.result_lines()} == {"v1"}
+    assert {line["replayed"]["version"] for line in run.result_lines()} == {"v2"}
     fields = run.summary["noise"]["fields"]
     assert fields["z"]["above_noise"] is True
     assert fields["y"]["above_noise"] is False

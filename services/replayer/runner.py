@@ -386,7 +386,7 @@ class Replay:
         recorded = Answer(record.status_code, response, redacted_outputs(record), response_recorded)
         stream = await self._prepare_stream(record, request) if record.HasField("stream") else None
         plan = Plan(index, call, request, metadata, recorded, replay_id, stream)
-        if self.settings.noise_pin:
+        if self.settings.noise is not None:
             plan.noise_metadata = _pinned(metadata, self.settings.noise_pin)
         return plan
 
@@ -441,7 +441,7 @@ class Replay:
         request = HttpRequest(http.method or "POST", http.path, body, tuple(headers))
         recorded = Answer(status_code(http.status), None, frozenset(), recorded_ok)
         plan = Plan(index, call, body, headers, recorded, replay_id, http=HttpPlan(http.api, request, answer))
-        if self.settings.noise_pin:
+        if self.settings.noise is not None:
             pinned = tuple(_pinned(headers, self.settings.noise_pin))
             plan.noise_request = HttpRequest(request.method, request.path, request.body, pinned)
         return plan
@@ -998,8 +998,10 @@ _BODY_DIFFERS = StreamDiff("mismatch", 0, 0, edit_distance=1.0)
 
 
 def _pinned(metadata: Sequence[tuple[str, str]], version: str) -> list[tuple[str, str]]:
-    """``metadata`` pinned to ``version`` instead of ``--pin-version`` (the control's second pass)."""
-    return [(key, value) for key, value in metadata if key != VERSION_HEADER] + [(VERSION_HEADER, version)]
+    """The control's second pass: ``metadata`` pinned to ``version`` (``--noise-from``) instead of the candidate's
+    ``--pin-version``, or not pinned at all (``--noise-target``: a router there serves its own control)."""
+    kept = [(key, value) for key, value in metadata if key != VERSION_HEADER]
+    return [*kept, (VERSION_HEADER, version)] if version else kept
 
 
 def _request_dropped(record: recorder_pb2.CallRecord) -> bool:
