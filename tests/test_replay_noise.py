@@ -140,6 +140,10 @@ def test_a_shift_smaller_than_the_noise_is_found_on_its_output_only(noisy: Noisy
     # The planted change is smaller than the largest difference of the control against itself.
     assert z["control"]["max"] > OFFSET
     assert z["candidate_rate"] > 10 * z["control_rate"]
+    report = (tmp_path / "report.html").read_text()
+    assert "<code>z</code>" in report
+    assert "above the noise" in report
+    assert "within the noise" in report
 
 
 def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) -> None:
