@@ -38,6 +38,9 @@ SIGMA = 0.01
 OFFSET = 0.02
 FEATURES = 64
 CALLS = 200
+#: The end-to-end runs that expect a field within the noise judge at 99.9 % for the run (0.1 % of A/A runs flag a
+#: field), so that they are not flaky at the default's 1 %; the planted shift is found at either.
+STRICT = ("--noise-confidence", "0.999")
 
 
 def noisy_model(path: Path, *, offset: float) -> Path:
@@ -109,7 +112,9 @@ def noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Noisy]:
 
 
 def test_control_against_itself_shows_nothing_above_the_floor(noisy: Noisy, tmp_path: Path) -> None:
-    run = noisy.replay(tmp_path, "--pin-version", "v1", "--noise-from", "v1", "--gate", "diff_above_noise_rate<=0")
+    run = noisy.replay(
+        tmp_path, "--pin-version", "v1", "--noise-from", "v1", *STRICT, "--gate", "diff_above_noise_rate<=0"
+    )
     assert run.code == 0, run.stderr
     summary = run.summary
     # Under the fixed tolerance the model's own noise floods the report: every call mismatches.
@@ -129,7 +134,9 @@ def test_control_against_itself_shows_nothing_above_the_floor(noisy: Noisy, tmp_
 
 
 def test_a_shift_smaller_than_the_noise_is_found_on_its_output_only(noisy: Noisy, tmp_path: Path) -> None:
-    run = noisy.replay(tmp_path, "--pin-version", "v2", "--noise-from", "v1", "--gate", "diff_above_noise_rate<=0")
+    run = noisy.replay(
+        tmp_path, "--pin-version", "v2", "--noise-from", "v1", *STRICT, "--gate", "diff_above_noise_rate<=0"
+    )
     assert run.code == 1, run.stderr
     assert "diff_above_noise_rate=0.5" in run.stderr
     fields = run.summary["noise"]["fields"]
@@ -164,7 +171,7 @@ def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) 
     # A router as --noise-target: the control's pass goes out without the candidate's pin, so the router's
     # own split (all v1) serves it.
     router = noisy.stack.router.address
-    args = ("--pin-version", "v2", "--noise-target", router, "--limit", "60", "--noise-quantile", "0.99")
+    args = ("--pin-version", "v2", "--noise-target", router, "--limit", "60", "--noise-quantile", "0.99", *STRICT)
     run = noisy.replay(tmp_path / "late", *args)
     assert run.code == 0, run.stderr
     assert {line["control"]["version"] for line in run.result_lines()} == {"v1"}
@@ -206,6 +213,7 @@ def test_the_docs_worked_example(noisy: Noisy, tmp_path: Path) -> None:
     [
         (["--noise-from", "v1", "--noise-quantile", "1.5"], "--noise-quantile 1.5 must be at least 0.5 and below 1"),
         (["--noise-from", "v1", "--noise-min-calls", "0"], "--noise-min-calls 0 must be at least 1"),
+        (["--noise-from", "v1", "--noise-confidence", "1"], "--noise-confidence 1 must be at least 0.5 and below 1"),
         (["--noise-from", "v1", "--noise-target", "localhost:1"], "--noise-target: not allowed with argument"),
         (["--noise-target", "http://localhost:1"], "--noise-target 'http://localhost:1' must both be gRPC"),
         (["--noise-from", "v 1\n"], "--noise-from 'v 1\\n' is not a version name"),

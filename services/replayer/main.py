@@ -45,7 +45,7 @@ from splitstream.common.tls import ClientTls, client_tls_from_args
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
 from splitstream.replayer.http_sender import HttpTarget, TargetRefused, check_http_target, is_http_target
-from splitstream.replayer.noise import DEFAULT_MIN_CALLS, DEFAULT_QUANTILE, NoiseSettings
+from splitstream.replayer.noise import CONFIDENCE, DEFAULT_MIN_CALLS, DEFAULT_QUANTILE, NoiseSettings
 from splitstream.replayer.outputs import ResultsWriter, write_summary
 from splitstream.replayer.report import write_report
 from splitstream.replayer.runner import Replay, ReplaySettings
@@ -208,6 +208,13 @@ def build_parser() -> EnvArgumentParser:
         type=int,
         default=DEFAULT_MIN_CALLS,
         help="control pairs an output needs before its floor is trusted (and judged)",
+    )
+    target.add_argument(
+        "--noise-confidence",
+        type=float,
+        default=CONFIDENCE,
+        help="confidence for the run that a field judged above the noise is: a control against itself flags "
+        "a field in at most 1 - this of runs (split over the fields, Bonferroni)",
     )
     target.add_argument("--tls", action="store_true", help="TLS to the targets")
     target.add_argument("--tls-ca", default="", help="PEM CA bundle (default: the system's)")
@@ -421,10 +428,17 @@ def _noise_settings(args: argparse.Namespace) -> NoiseSettings | None:
         raise ValueError(f"--noise-quantile {args.noise_quantile:g} must be at least 0.5 and below 1")
     if args.noise_min_calls < 1:
         raise ValueError(f"--noise-min-calls {args.noise_min_calls} must be at least 1")
+    if not 0.5 <= args.noise_confidence < 1:  # NaN fails this too
+        raise ValueError(f"--noise-confidence {args.noise_confidence:g} must be at least 0.5 and below 1")
     if not (args.noise_from or args.noise_target):
         return None
     control = f"{args.noise_from} at --target" if args.noise_from else args.noise_target
-    return NoiseSettings(control=control, quantile=args.noise_quantile, min_calls=args.noise_min_calls)
+    return NoiseSettings(
+        control=control,
+        quantile=args.noise_quantile,
+        min_calls=args.noise_min_calls,
+        confidence=args.noise_confidence,
+    )
 
 
 def _mebibytes(flag: str, mib: float) -> int:

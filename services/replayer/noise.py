@@ -49,9 +49,9 @@ UPPER_EDGES: Final = np.concatenate(
 DEFAULT_QUANTILE: Final = 0.999
 #: Default pairs of control answers before a field's floor is trusted.
 DEFAULT_MIN_CALLS: Final = 30
-#: Two-sided confidence of the intervals that decide "above the floor", for the run as a whole: each of a run's
-#: F judged fields gets ``1 - (1 - CONFIDENCE) / F`` (Bonferroni), so a control judged against itself shows a
-#: field above the noise in at most 1 % of runs, however many outputs the model has.
+#: Default two-sided confidence of the intervals that decide "above the floor", for the run as a whole: each of
+#: a run's F judged fields gets ``1 - (1 - confidence) / F`` (Bonferroni), so a control judged against itself
+#: shows a field above the noise in at most 1 % of runs, however many outputs the model has.
 CONFIDENCE: Final = 0.99
 #: The field name of generated text (token streams, HTTP generated text) and of whole HTTP bodies.
 TEXT_FIELD: Final = "text"
@@ -166,8 +166,11 @@ class NoiseSettings:
     control: str
     quantile: float = DEFAULT_QUANTILE
     min_calls: int = DEFAULT_MIN_CALLS
+    confidence: float = CONFIDENCE
 
     def __post_init__(self) -> None:
+        if not 0.5 <= self.confidence < 1:
+            raise ValueError("--noise-confidence must be in [0.5, 1)")
         if not 0.5 <= self.quantile < 1:
             raise ValueError("--noise-quantile must be in [0.5, 1)")
         if self.min_calls < 1:
@@ -238,7 +241,7 @@ class NoiseTotals:
         judged = sum(self._trusted(t) for t in self.tensors.values()) + sum(
             self._trusted(t) for t in self.texts.values()
         )
-        confidence = 1 - (1 - CONFIDENCE) / max(judged, 1)
+        confidence = 1 - (1 - settings.confidence) / max(judged, 1)
         fields: dict[str, FieldNoise] = {}
         for name, tensor in sorted(self.tensors.items()):
             fields[name] = self._tensor_summary(tensor, confidence)
@@ -249,7 +252,7 @@ class NoiseTotals:
             control=settings.control,
             quantile=settings.quantile,
             min_calls=settings.min_calls,
-            confidence=CONFIDENCE,
+            confidence=settings.confidence,
             fields=fields,
             field_confidence=round(confidence, 6),
             diff_above_noise_rate=round(sum(verdicts) / len(verdicts), 6) if verdicts else None,
