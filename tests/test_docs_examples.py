@@ -36,7 +36,8 @@ from tests.s3_server import S3_ENV, S3Server
 RUN: dict[str, set[str]] = {
     "rollouts.md": {"serve", "ramp"},
     "recording.md": {"serve", "read"},
-    "replay.md": {"incident", "ci", "compare"},
+    # noise-floor: run by tests/test_replay_noise.py, against the noisy model it builds.
+    "replay.md": {"incident", "ci", "compare", "noise-floor"},
     "analysis.md": {"analyze", "archive"},
     "archive.md": {"archive", "replay"},
 }

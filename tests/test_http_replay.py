@@ -339,3 +339,18 @@ def test_drop_user_sends_the_body_without_the_recorded_user(traffic: Traffic, tm
     sent = json.loads(replayed[chat + ":dropped"].http.request_body.inline)
     assert "user" not in sent
     assert run.results[chat]["outcome"] == "match"
+
+
+def test_noise_from_v1_pins_the_second_pass_and_counts_each_text_as_one_trial(traffic: Traffic, tmp_path: Path) -> None:
+    """``--pin-version v2 --noise-from v1``: the control's pass goes out pinned to v1 (not to v2), so it matches
+    exactly the calls v1 answered; the text field's rates are the shares each side differs, one call one trial."""
+    run = replay(traffic, tmp_path, "--pin-version", "v2", "--noise-from", "v1", "--noise-min-calls", "1")
+    assert run.code == 0, run.stderr
+    lines = {request_id: line for request_id, line in run.results.items() if request_id != "grpc-1"}
+    for request_id, line in lines.items():
+        assert line["control"]["outcome"] == ("match" if traffic.served[request_id] == "v1" else "mismatch"), line
+    text = run.summary["noise"]["fields"]["text"]
+    served_v1 = sum(traffic.served[request_id] == "v1" for request_id in lines)
+    assert text["calls"] == len(lines)
+    assert text["control_rate"] == pytest.approx((len(lines) - served_v1) / len(lines), abs=1e-6)
+    assert text["candidate_rate"] == pytest.approx(served_v1 / len(lines), abs=1e-6)

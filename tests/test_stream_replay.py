@@ -294,3 +294,23 @@ def test_the_report_renders_the_streams_section_with_its_charts_and_the_divergin
     image = screenshot(page, tmp_path / "streams.png", height=1600)
     assert pixels_of(image, STREAM_REFERENCE_COLOR) > 300
     assert pixels_of(image, STREAM_CANDIDATE_COLOR) > 300
+
+
+def test_noise_from_the_control_counts_each_stream_as_one_trial_of_the_text_field(
+    traffic: Traffic, tmp_path: Path
+) -> None:
+    """``--noise-from v1`` over the streams v1 answered: greedy v1 regenerates its recorded text (the control
+    never differs), v2 diverges on some; the text field's rates are those shares, one stream one trial."""
+    run = replay(traffic, tmp_path, "--speed", "max", "--version", "v1", "--noise-from", "v1", "--noise-min-calls", "1")
+    assert run.code == 0, run.stderr
+    streams = [line for line in run.result_lines() if line.get("kind") == "stream"]
+    compared = [line for line in streams if line["outcome"] in ("match", "mismatch")]
+    assert compared
+    assert {line["control"]["version"] for line in compared} == {"v1"}
+    assert {line["control"]["outcome"] for line in compared} == {"match"}
+    text = run.summary["noise"]["fields"]["text"]
+    assert text["kind"] == "text"
+    assert text["calls"] == len(compared)
+    assert text["control_rate"] == 0.0
+    diverged = sum(line["outcome"] == "mismatch" for line in compared)
+    assert text["candidate_rate"] == pytest.approx(diverged / len(compared), abs=1e-6)

@@ -11,6 +11,7 @@ interrupted by Ctrl-C (SIGINT) or SIGTERM, after writing the partial results, su
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import math
 import os
@@ -45,6 +46,7 @@ from splitstream.common.tls import ClientTls, client_tls_from_args
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
 from splitstream.replayer.http_sender import HttpTarget, TargetRefused, check_http_target, is_http_target
+from splitstream.replayer.noise import CONFIDENCE, DEFAULT_MIN_CALLS, DEFAULT_QUANTILE, NoiseSettings
 from splitstream.replayer.outputs import ResultsWriter, write_summary
 from splitstream.replayer.report import write_report
 from splitstream.replayer.runner import Replay, ReplaySettings
@@ -186,6 +188,39 @@ def build_parser() -> EnvArgumentParser:
         help="a second target of the same kind; its answers become the reference",
     )
     target.add_argument("--pin-version", default="", help="send x-splitstream-version: V (a router then serves V)")
+    noise = target.add_mutually_exclusive_group()
+    noise.add_argument(
+        "--noise-from",
+        default="",
+        metavar="VERSION",
+        help="also send each call to --target pinned to VERSION (a second pass of the control): its differences "
+        "from the reference set a noise floor per output, and the candidate's are judged above or within it",
+    )
+    noise.add_argument(
+        "--noise-target",
+        default="",
+        metavar="ADDR",
+        help="the same with a second instance of the control at ADDR (same kind as --target)",
+    )
+    target.add_argument(
+        "--noise-quantile",
+        type=float,
+        default=DEFAULT_QUANTILE,
+        help="quantile of the control's absolute differences taken as an output's floor",
+    )
+    target.add_argument(
+        "--noise-min-calls",
+        type=int,
+        default=DEFAULT_MIN_CALLS,
+        help="control pairs an output needs before its floor is trusted (and judged)",
+    )
+    target.add_argument(
+        "--noise-confidence",
+        type=float,
+        default=CONFIDENCE,
+        help="confidence for the run that a field judged above the noise is: a control against itself flags "
+        "a field in at most 1 - this of runs (split over the fields, Bonferroni)",
+    )
     target.add_argument("--tls", action="store_true", help="TLS to the targets")
     target.add_argument("--tls-ca", default="", help="PEM CA bundle (default: the system's)")
     target.add_argument("--tls-cert", default="", help="PEM client certificate (mutual TLS)")
@@ -297,11 +332,15 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             # A version name is the registry's, never a client's: one gRPC would refuse is a typo, not a pin.
             raise ValueError(f"--pin-version {args.pin_version!r} is not a version name (printable ASCII, no %)")
         targets = (args.target,) + ((args.compare_to,) if args.compare_to else ())
+        noise = _noise_settings(args)
+        if noise is not None:
+            targets += (args.noise_target or args.target,)
         http = is_http_target(args.target)
         for address in targets:
             if is_http_target(address) != http:
+                flag = "--noise-target" if address == args.noise_target else "--compare-to"
                 raise ValueError(
-                    f"--target {args.target!r} and --compare-to {args.compare_to!r} must both be gRPC (host:port) "
+                    f"--target {args.target!r} and {flag} {address!r} must both be gRPC (host:port) "
                     "or both HTTP (http(s)://host:port)"
                 )
             if http:
@@ -327,6 +366,8 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
             sender_nice=args.sender_nice,
             credentials=_credentials(args.api_key_file, http=http),
             drop_user=args.drop_user,
+            noise=noise,
+            noise_pin=args.noise_from,
         )
         gate = parse_gate(args.gate) if args.gate else None
         source = args.source.strip()
@@ -382,6 +423,27 @@ def _credentials(path: str, *, http: bool) -> tuple[tuple[str, str], ...]:
     if not key or not key.isascii() or not key.isprintable():
         raise ValueError(f"{where}: the key must be one line of printable ASCII")
     return (("authorization", f"Bearer {key}"),) if http else (("x-api-key", key),)
+
+
+def _noise_settings(args: argparse.Namespace) -> NoiseSettings | None:
+    """The noise floor's settings, None without ``--noise-from`` or ``--noise-target``."""
+    if args.noise_from and args.noise_from != header_value(args.noise_from):
+        raise ValueError(f"--noise-from {args.noise_from!r} is not a version name (printable ASCII, no %)")
+    if not 0.5 <= args.noise_quantile < 1:  # NaN fails this too
+        raise ValueError(f"--noise-quantile {args.noise_quantile:g} must be at least 0.5 and below 1")
+    if args.noise_min_calls < 1:
+        raise ValueError(f"--noise-min-calls {args.noise_min_calls} must be at least 1")
+    if not 0.5 <= args.noise_confidence < 1:  # NaN fails this too
+        raise ValueError(f"--noise-confidence {args.noise_confidence:g} must be at least 0.5 and below 1")
+    if not (args.noise_from or args.noise_target):
+        return None
+    control = f"{args.noise_from} at --target" if args.noise_from else args.noise_target
+    return NoiseSettings(
+        control=control,
+        quantile=args.noise_quantile,
+        min_calls=args.noise_min_calls,
+        confidence=args.noise_confidence,
+    )
 
 
 def _mebibytes(flag: str, mib: float) -> int:

@@ -19,6 +19,7 @@ from splitstream.common import charts
 from splitstream.common.files import atomic_write
 from splitstream.common.timewindow import format_instant
 from splitstream.replayer.compare import REDACTED_AT_RECORDING, RESPONSE_NOT_RECORDED
+from splitstream.replayer.noise_report import noise_section
 from splitstream.replayer.stats import LogHistogram
 from splitstream.replayer.summary import REQUEST_NOT_RECORDED, Quantiles, Summary
 
@@ -74,6 +75,7 @@ def render(summary: Summary, histograms: Mapping[str, LogHistogram]) -> str:
             else []
         ),
         *(["<h2 id='http'>HTTP calls</h2>", _http_section(summary)] if summary.http is not None else []),
+        *(["<h2 id='noise'>Noise floor</h2>", noise_section(summary.noise)] if summary.noise is not None else []),
         "</body></html>",
     ]
     return "\n".join(parts)

@@ -55,6 +55,7 @@ from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_an
 from splitstream.replayer.http_compare import CLIENT_LEFT, HttpAnswer, Text, compare_http, read_text, status_code
 from splitstream.replayer.http_compare import reported_usage as http_usage
 from splitstream.replayer.http_sender import HttpRequest, HttpTarget
+from splitstream.replayer.noise import TEXT_FIELD, NoiseSettings, NoiseTotals
 from splitstream.replayer.outputs import ResultsWriter
 from splitstream.replayer.progress import Progress
 from splitstream.replayer.schedule import OpenLoopClock, sleep_until
@@ -120,6 +121,10 @@ class ReplaySettings:
     credentials: tuple[tuple[str, str], ...] = field(default=(), repr=False)
     #: Leave the body's ``user`` out of replayed HTTP calls (it is recorded as ``hmac:...``, not the user).
     drop_user: bool = False
+    #: ``--noise-from``/``--noise-target``: the control's second pass, always the last of ``targets``.
+    noise: NoiseSettings | None = None
+    #: ``--noise-from VERSION``: the pin of the control's second pass (sent to ``--target``).
+    noise_pin: str = ""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
@@ -133,7 +138,13 @@ class ReplaySettings:
 
     @property
     def compare_to(self) -> str:
-        return self.targets[1] if len(self.targets) > 1 else ""
+        compared = len(self.targets) - (1 if self.noise is not None else 0)
+        return self.targets[1] if compared > 1 else ""
+
+    @property
+    def noise_position(self) -> int | None:
+        """Which of ``targets`` is the control's second pass (None without a noise floor)."""
+        return len(self.targets) - 1 if self.noise is not None else None
 
     @property
     def http(self) -> bool:
@@ -175,6 +186,9 @@ class Plan:
     replay_id: str
     stream: StreamPlan | None = None
     http: HttpPlan | None = None
+    #: ``--noise-from VERSION``: the metadata (HTTP: the request) the control's second pass goes out with.
+    noise_metadata: list[tuple[str, str]] | None = None
+    noise_request: HttpRequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +226,8 @@ class Aggregates:
     streams: StreamTotals = field(default_factory=StreamTotals)
     #: HTTP calls (none in a replay of gRPC calls).
     http: HttpTotals = field(default_factory=HttpTotals)
+    #: The noise floor's evidence (only with ``--noise-from``/``--noise-target``).
+    noise: NoiseTotals | None = None
     max_in_flight: int = 0
     not_sent: int = 0
     #: Calls the replayer could not send (a header gRPC refuses, over the send limit): not the target's doing.
@@ -245,6 +261,8 @@ class Replay:
         self.targets = targets
         self.stats = SelectionStats()
         self.aggregates = Aggregates()
+        if settings.noise is not None:
+            self.aggregates.noise = NoiseTotals(settings.noise)
         self.stopping = threading.Event()
         self.interrupted = False
         self._send_queue: queue.Queue[Any] = queue.Queue(maxsize=_READ_AHEAD)
@@ -367,7 +385,10 @@ class Replay:
             metadata.append((VERSION_HEADER, self.settings.pin_version))
         recorded = Answer(record.status_code, response, redacted_outputs(record), response_recorded)
         stream = await self._prepare_stream(record, request) if record.HasField("stream") else None
-        return Plan(index, call, request, metadata, recorded, replay_id, stream)
+        plan = Plan(index, call, request, metadata, recorded, replay_id, stream)
+        if self.settings.noise is not None:
+            plan.noise_metadata = _pinned(metadata, self.settings.noise_pin)
+        return plan
 
     async def _prepare_http(self, index: int, call: SelectedCall) -> Plan:
         """An HTTP call's plan: the recorded method, path, body and content type; the recorded headers but
@@ -419,7 +440,11 @@ class Replay:
         )
         request = HttpRequest(http.method or "POST", http.path, body, tuple(headers))
         recorded = Answer(status_code(http.status), None, frozenset(), recorded_ok)
-        return Plan(index, call, body, headers, recorded, replay_id, http=HttpPlan(http.api, request, answer))
+        plan = Plan(index, call, body, headers, recorded, replay_id, http=HttpPlan(http.api, request, answer))
+        if self.settings.noise is not None:
+            pinned = tuple(_pinned(headers, self.settings.noise_pin))
+            plan.noise_request = HttpRequest(request.method, request.path, request.body, pinned)
+        return plan
 
     async def _prepare_stream(self, record: Any, first_request: bytes) -> StreamPlan:
         """The requests and recorded responses of a stream record (payloads fetched from blobs)."""
@@ -496,10 +521,12 @@ class Replay:
             flight = Flight(plan, self.aggregates.sent, planned, [None] * len(self.targets), len(self.targets))
             self.aggregates.sent += 1
             for position, target in enumerate(self.targets):
+                noise = position == self.settings.noise_position
+                metadata = plan.noise_metadata if noise and plan.noise_metadata is not None else plan.metadata
                 if isinstance(target, HttpTarget):
                     assert plan.http is not None  # the reader plans HTTP records only for HTTP targets
                     target.send(
-                        plan.http.request,
+                        plan.noise_request if noise and plan.noise_request is not None else plan.http.request,
                         timeout_s=timeout_s,
                         on_done=lambda outcome, f=flight, p=position: self._finished(f, p, outcome),
                     )
@@ -508,7 +535,7 @@ class Replay:
                     target.send_stream(
                         plan.stream.requests,
                         plan.stream.offsets_s,
-                        plan.metadata,
+                        metadata,
                         timeout_s=timeout_s,
                         stop_after=plan.stream.stop_after,
                         on_done=lambda outcome, f=flight, p=position: self._finished(f, p, outcome),
@@ -516,7 +543,7 @@ class Replay:
                     continue
                 target.send(
                     plan.request,
-                    plan.metadata,
+                    metadata,
                     timeout_s=timeout_s,
                     on_done=lambda outcome, f=flight, p=position: self._finished(f, p, outcome),
                 )
@@ -584,11 +611,13 @@ class Replay:
         failed = [(position, o) for position, o in enumerate(flight.outcomes) if o is not None and o.send_error]
         if failed:
             return self._send_error(flight, failed), None
-        compared = flight.outcomes[1] if len(flight.outcomes) > 1 else None
+        compared = flight.outcomes[1] if self.settings.compare_to else None
+        noise_at = self.settings.noise_position
+        control = flight.outcomes[noise_at] if noise_at is not None else None
         if plan.http is not None:
-            return self._judge_http(flight, plan.http, replayed, compared)
+            return self._judge_http(flight, plan.http, replayed, compared, control)
         if plan.stream is not None:
-            return self._judge_stream(flight, plan.stream, replayed, compared)
+            return self._judge_stream(flight, plan.stream, replayed, compared, control)
         if compared is not None:
             reference = Answer(compared.code, compared.response)
             reference_latency_s = compared.latency_s
@@ -597,8 +626,14 @@ class Replay:
             reference = plan.recorded
             reference_latency_s = record.latency_ns / 1e9
             reference_version = record.version
-        diff = compare_answers(reference, Answer(replayed.code, replayed.response), self.settings.tolerance)
+        candidate = Answer(replayed.code, replayed.response)
+        diff = compare_answers(reference, candidate, self.settings.tolerance)
         replayed_version = _served_version(replayed)
+        control_diff = None
+        if control is not None and self.aggregates.noise is not None:
+            control_answer = Answer(control.code, control.response)
+            control_diff = compare_answers(reference, control_answer, self.settings.tolerance)
+            self.aggregates.noise.add_answers(reference, control_answer, candidate)
 
         agg = self.aggregates
         lag_ms = self._count(flight, diff, replayed, replayed_version, reference_version, reference_latency_s)
@@ -614,11 +649,22 @@ class Replay:
             line["outputs"] = {o.name: o.as_dict() for o in diff.outputs}
         if diff.not_compared:
             line["not_compared"] = dict.fromkeys(diff.not_compared, diff.not_compared_why)
+        if control is not None and control_diff is not None:
+            line["control"] = self._control_side(control, control_diff.outcome)
+            line["control"]["outputs"] = {o.name: o.as_dict() for o in control_diff.outputs}
         agg.worst.offer(diff, line)
         return line, diff
 
+    def _control_side(self, control: Outcome, outcome: str) -> dict[str, Any]:
+        """The results line's ``control``: the control's second pass, and how it compared with the reference."""
+        noise_at = self.settings.noise_position
+        assert noise_at is not None
+        side = _side(self.targets[noise_at].address, control) | {"outcome": outcome}
+        side["sent_s"] = round(control.sent_at - self._origin, 6)
+        return side
+
     def _judge_stream(
-        self, flight: Flight, stream: StreamPlan, replayed: Outcome, compared: Outcome | None
+        self, flight: Flight, stream: StreamPlan, replayed: Outcome, compared: Outcome | None, control: Outcome | None
     ) -> tuple[dict[str, Any], CallDiff]:
         """A token stream's results line: the token comparison (:mod:`stream_compare`) and TTFT/ITL on
         both sides. It counts as one call in the overall outcomes and latencies (its duration)."""
@@ -635,6 +681,10 @@ class Replay:
             reference_version = record.version
         sdiff = compare_streams(reference, candidate)
         diff = CallDiff(sdiff.outcome, sdiff.reference_code, sdiff.candidate_code)
+        control_outcome = None
+        if control is not None and self.aggregates.noise is not None:
+            control_outcome = compare_streams(reference, _stream_answer(control)).outcome
+            self._count_text(sdiff.outcome, control_outcome)
         replayed_version = _served_version(replayed)
         lag_ms = self._count(flight, diff, replayed, replayed_version, reference_version, reference_latency_s)
         self.aggregates.streams.add(reference_version or "?", sdiff, reference, candidate)
@@ -646,6 +696,8 @@ class Replay:
         }
         line["replayed"]["ttft_ms"] = _ms(candidate.ttft_s)
         line["stream"] = sdiff.as_dict()
+        if control is not None and control_outcome is not None:
+            line["control"] = self._control_side(control, control_outcome)
         if compared is not None:
             line["compare_to"] = _side(self.targets[1].address, compared) | {"ttft_ms": _ms(reference.ttft_s)}
             line["compare_to"]["sent_s"] = round(compared.sent_at - self._origin, 6)
@@ -653,7 +705,7 @@ class Replay:
         return line, diff
 
     def _judge_http(
-        self, flight: Flight, plan: HttpPlan, replayed: Outcome, compared: Outcome | None
+        self, flight: Flight, plan: HttpPlan, replayed: Outcome, compared: Outcome | None, control: Outcome | None
     ) -> tuple[dict[str, Any], CallDiff]:
         """An HTTP call's results line: status, text or body, usage; TTFT and inter-token gaps on both sides of a
         generating call, whose text also counts among the streams' (:mod:`http_compare`)."""
@@ -668,6 +720,12 @@ class Replay:
             reference_latency_s = record.latency_ns / 1e9
             reference_version = record.version
         hdiff = compare_http(plan.api, reference, candidate, self.settings.tolerance)
+        control_outcome = None
+        if control is not None and self.aggregates.noise is not None:
+            control_outcome = compare_http(
+                plan.api, reference, _http_answer(control, plan.api), self.settings.tolerance
+            ).outcome
+            self._count_text(hdiff.outcome, control_outcome)
         labels = (str(hdiff.reference_status), str(hdiff.candidate_status))
         code_ref = status_code(reference.status)
         code_cand = status_code(candidate.status)
@@ -679,6 +737,8 @@ class Replay:
         self.aggregates.http.add(plan.api, hdiff)
         line = self._line(flight, diff, replayed, lag_ms, kind="http")
         line["api"] = plan.api
+        if control is not None and control_outcome is not None:
+            line["control"] = self._control_side(control, control_outcome)
         line["recorded"] |= {"status": str(record.http.status), "ttft_ms": _ms(plan.recorded.ttft_s)}
         line["replayed"] |= {"status": str(candidate.status), "ttft_ms": _ms(candidate.ttft_s)}
         if hdiff.usage.compared or hdiff.usage.candidate is not None:
@@ -712,6 +772,13 @@ class Replay:
             }
             line["compare_to"]["sent_s"] = round(compared.sent_at - self._origin, 6)
         return line, diff
+
+    def _count_text(self, candidate_outcome: str, control_outcome: str) -> None:
+        """A generated text (or body) as one trial of the text field, when all three answered alike and it was
+        compared: whether the candidate's and the control's differ from the reference."""
+        outcomes = {candidate_outcome, control_outcome}
+        if self.aggregates.noise is not None and outcomes <= {"match", "mismatch"}:
+            self.aggregates.noise.add_text(TEXT_FIELD, control_outcome == "mismatch", candidate_outcome == "mismatch")
 
     def _count(
         self,
@@ -814,6 +881,7 @@ class Replay:
         )
         streams = agg.streams.summary(active_s)
         http = agg.http.summary()
+        noise = agg.noise.summary() if agg.noise is not None else None
         metrics = Metrics(
             mismatch_rate=overall.mismatch_rate,
             status_change_rate=rate(overall.status_changes, completed),
@@ -842,6 +910,7 @@ class Replay:
             itl_p99_ratio=streams.itl.p99_ratio if streams else None,
             tokens_per_s=streams.tokens_per_s if streams else None,
             usage_mismatch_rate=http.usage_mismatch_rate if http else None,
+            diff_above_noise_rate=noise.diff_above_noise_rate if noise else None,
         )
         tolerance = self.settings.tolerance
         return Summary(
@@ -893,6 +962,7 @@ class Replay:
             metrics=metrics,
             streams=streams,
             http=http,
+            noise=noise,
             worst_calls=agg.worst.worst_first(),
         )
 
@@ -925,6 +995,13 @@ class Replay:
 
 #: A differing non-text body, ranked among the worst calls as a wholly differing text would be.
 _BODY_DIFFERS = StreamDiff("mismatch", 0, 0, edit_distance=1.0)
+
+
+def _pinned(metadata: Sequence[tuple[str, str]], version: str) -> list[tuple[str, str]]:
+    """The control's second pass: ``metadata`` pinned to ``version`` (``--noise-from``) instead of the candidate's
+    ``--pin-version``, or not pinned at all (``--noise-target``: a router there serves its own control)."""
+    kept = [(key, value) for key, value in metadata if key != VERSION_HEADER]
+    return [*kept, (VERSION_HEADER, version)] if version else kept
 
 
 def _request_dropped(record: recorder_pb2.CallRecord) -> bool:

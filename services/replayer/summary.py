@@ -15,6 +15,8 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from splitstream.replayer.noise import NoiseSummary
+
 #: ``format`` of every summary this code writes; a new layout gets a new number.
 FORMAT: Final = "splitstream-replay-summary/1"
 
@@ -152,6 +154,11 @@ class Metrics(_Model):
         default=None,
         description="HTTP calls whose reported prompt or completion tokens differ / HTTP calls whose reference "
         "reported usage",
+    )
+    diff_above_noise_rate: float | None = Field(
+        default=None,
+        description="output fields whose candidate differences exceed the control's own noise floor / fields "
+        "with a trusted floor (with --noise-from or --noise-target)",
     )
 
     def value(self, name: str) -> float | None:
@@ -315,6 +322,8 @@ class Summary(_Model):
     streams: StreamsSummary | None = Field(default=None, exclude_if=lambda streams: streams is None)
     #: HTTP calls (written only when the window's HTTP calls were replayed).
     http: HttpSummary | None = Field(default=None, exclude_if=lambda http: http is None)
+    #: The noise floor (written only with ``--noise-from`` or ``--noise-target``).
+    noise: NoiseSummary | None = Field(default=None, exclude_if=lambda noise: noise is None)
     #: The calls that differ most, as their ``results.jsonl`` lines.
     worst_calls: list[dict[str, Any]]
     #: Written only with ``--gate``.
