@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitstream.admin import bandit, feedback_import, judge_cli, lock, metrics
+from splitstream.admin import bandit, feedback_import, judge_cli, lock, metrics, pairwise_cli
 from splitstream.admin import keys as keys_cli
 from splitstream.admin.outcomes import GUARD_SYNTAX, Guard, OutcomeGuard, OutcomeReader
 from splitstream.admin.quantile_guards import QUANTILE_GUARD_SYNTAX, QuantileGuard, is_quantile_guard
@@ -263,6 +263,7 @@ def build_parser() -> EnvArgumentParser:
     analysis_cli.add_command(commands, ENV_PREFIX)
     bandit.add_parser(commands, ENV_PREFIX)
     keys_cli.add_parser(commands, env_prefix=ENV_PREFIX)
+    pairwise_cli.add_parser(commands, env_prefix=ENV_PREFIX)
     return parser
 
 
@@ -279,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return analysis_cli.run(args, parser)
     if args.command == "keys":
         return keys_cli.run(args)
+    if args.command == "judge":
+        return pairwise_cli.run(args)
     if args.registry is None:
         parser.error("the following arguments are required: --registry")
     try:

@@ -1,0 +1,327 @@
+"""Pairwise judging of recorded chat calls: the recorded answer against another version's, by a judge model.
+
+For each HTTP chat call of a window recorded on one of two versions, the prompt is sent again to the other
+version (through a router's HTTP port with the version pinned, or to a URL serving it), and a judge model
+behind an OpenAI-compatible ``/chat/completions`` is asked which of the two answers is better. The two
+answers go in as A and B in an order drawn per pair (a hash of the request id and ``--seed``, so a re-run
+draws the same), so a judge that prefers a position favours neither version; the order and the judge's raw
+answer are kept with each pair.
+
+A pair already judged (same request id, other version, judge model and rubric) is read from the cache file
+instead: a re-run neither replays nor asks the judge again. The judge is asked again after a 429 or a 5xx,
+waiting its ``Retry-After`` when it gives one, else an exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import xxhash
+
+from splitstream.common.headers import VERSION_HEADER
+from splitstream.common.records import payload_bytes
+from splitstream.common.redis_url import RedisClient
+from splitstream.common.sse import EventData
+from splitstream.replayer.http_compare import HttpAnswer, read_text
+from splitstream.replayer.selection import SelectedCall
+
+#: The rubric used without ``--rubric``: its placeholders are replaced by the conversation and the answers.
+DEFAULT_RUBRIC = """You are judging two answers of AI assistants to the same conversation.
+
+Conversation:
+{{conversation}}
+
+Answer A:
+{{answer_a}}
+
+Answer B:
+{{answer_b}}
+
+Which answer serves the user better: more helpful, correct, relevant and clear? Do not let the order
+of the answers or their length sway you. Explain briefly, then end with one line that is exactly
+"Verdict: A", "Verdict: B" or "Verdict: tie".
+"""
+PLACEHOLDERS = ("{{conversation}}", "{{answer_a}}", "{{answer_b}}")
+#: The last "verdict: X" wins (a judge may quote the instructions first); else an answer that is only the letter.
+_VERDICT = re.compile(r"verdict\s*[:=\-]?\s*[\*\[\"'(]*\s*(A|B|tie)\b", re.IGNORECASE)
+_BARE = re.compile(r"^\W*(A|B|tie)\W*$", re.IGNORECASE)
+_RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+class JudgeFailed(RuntimeError):
+    """The judge endpoint could not be used (refused, unreachable after every retry, an answer of no JSON)."""
+
+
+def parse_verdict(answer: str) -> str | None:
+    """``"A"``, ``"B"`` or ``"tie"`` from the judge's raw answer; None when it names none."""
+    found = _VERDICT.findall(answer)
+    if found:
+        choice = found[-1]
+    elif match := _BARE.match(answer.strip()):
+        choice = match.group(1)
+    else:
+        return None
+    return "tie" if choice.lower() == "tie" else choice.upper()
+
+
+def check_rubric(text: str) -> None:
+    """ValueError naming the placeholders a rubric lacks: without them the judge never sees the answers."""
+    missing = [name for name in PLACEHOLDERS if name not in text]
+    if missing:
+        raise ValueError(f"the rubric lacks {', '.join(missing)}")
+
+
+def render_conversation(body: bytes) -> str:
+    """A chat request's messages as ``role: content`` lines (text parts of multi-part contents joined)."""
+    request = json.loads(body)
+    lines = []
+    for message in request.get("messages") or []:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        lines.append(f"{message.get('role', 'user')}: {content or ''}")
+    return "\n".join(lines)
+
+
+def recorded_first(request_id: str, seed: int) -> bool:
+    """Whether the recorded answer is shown as A: drawn per pair, fixed by the request id and the seed."""
+    return xxhash.xxh3_64_intdigest(request_id.encode(), seed=seed) % 2 == 0
+
+
+def cache_key(request_id: str, other: str, judge_model: str, rubric: str) -> str:
+    text = json.dumps([request_id, other, judge_model, hashlib.sha256(rubric.encode()).hexdigest()])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_cache(path: Path | None) -> dict[str, dict[str, Any]]:
+    """The pairs a former run judged, by cache key (a torn last line, from a run killed mid-write, is skipped)."""
+    pairs: dict[str, dict[str, Any]] = {}
+    if path is None or not path.exists():
+        return pairs
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            pair = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(pair, dict) and "cache_key" in pair:
+            pairs[pair["cache_key"]] = pair
+    return pairs
+
+
+@dataclass(frozen=True, kw_only=True)
+class JudgeSettings:
+    url: str
+    model: str
+    api_key: str
+    rubric: str
+    max_tokens: int | None
+    retries: int
+    backoff_s: float
+    timeout_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class OtherSide:
+    """Where the other version's answer comes from: ``url`` (a router's HTTP port, pinned to ``version``, or a
+    server of that version alone), with the key it wants."""
+
+    url: str
+    version: str
+    pin: bool
+    api_key: str
+
+
+@dataclass
+class Budget:
+    """Judge tokens spent (prompt + completion, as the judge reports them) against ``--max-tokens``."""
+
+    limit: int | None
+    spent: int = 0
+    judge_calls: int = 0
+    retries: int = 0
+
+    def exhausted(self) -> bool:
+        return self.limit is not None and self.spent >= self.limit
+
+
+@dataclass
+class Judging:
+    """One run's state: the HTTP session, the cache, the budget, and where pairs are written."""
+
+    session: aiohttp.ClientSession
+    redis: RedisClient
+    judge: JudgeSettings
+    others: dict[str, OtherSide]
+    seed: int
+    cache: dict[str, dict[str, Any]]
+    write_pair: Callable[[dict[str, Any]], None]
+    budget: Budget
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    async def pair(self, call: SelectedCall) -> dict[str, Any] | None:
+        """The judged pair of ``call`` (from the cache, or replayed and judged), None when it cannot be one."""
+        record = call.record
+        recorded_version = record.version
+        other = self.others.get(recorded_version)
+        if other is None:
+            self.count("other_version")
+            return None
+        if not record.HasField("http") or record.http.api != "chat":
+            self.count("not_http_chat")
+            return None
+        key = cache_key(record.request_id, other.version, self.judge.model, self.judge.rubric)
+        if key in self.cache:
+            self.count("cached")
+            return self.cache[key]
+        if self.budget.exhausted():
+            self.count("over_budget")
+            return None
+        http = record.http
+        body = await payload_bytes(self.redis, http.request_body)
+        recorded_text = read_text("chat", await self._recorded_answer(record)).text
+        if not (200 <= http.status < 300) or not recorded_text:
+            self.count("recorded_no_text")
+            return None
+        other_text, why = await self._other_answer(other, http.path, body, record.request_id)
+        if other_text is None:
+            self.count("other_failed")
+            return {"request_id": record.request_id, "error": why}
+        first = recorded_first(record.request_id, self.seed)
+        answer_a, answer_b = (recorded_text, other_text) if first else (other_text, recorded_text)
+        prompt = self.judge.rubric
+        for name, value in zip(PLACEHOLDERS, (render_conversation(body), answer_a, answer_b), strict=True):
+            prompt = prompt.replace(name, value)
+        raw, usage = await self._ask(prompt)
+        verdict = parse_verdict(raw)
+        winner = None
+        if verdict == "tie":
+            winner = "tie"
+        elif verdict is not None:
+            winner = recorded_version if (verdict == "A") == first else other.version
+        self.count("judged")
+        return {
+            "cache_key": key,
+            "request_id": record.request_id,
+            "receive_unix_ns": call.receive_ns,
+            "routing_key_hmac": record.routing_key_hmac,
+            "recorded_version": recorded_version,
+            "other_version": other.version,
+            "order": {
+                "A": recorded_version if first else other.version,
+                "B": other.version if first else recorded_version,
+            },
+            "verdict": verdict,
+            "winner": winner,
+            "judge_model": self.judge.model,
+            "judge_raw": raw,
+            "judge_usage": usage,
+            "recorded_answer": recorded_text,
+            "other_answer": other_text,
+        }
+
+    async def _recorded_answer(self, record: Any) -> HttpAnswer:
+        http = record.http
+        streamed = bool(http.events_total) or http.response_content_type == "text/event-stream"
+        if streamed:
+            events = tuple([await payload_bytes(self.redis, event.payload) for event in http.events])
+            return HttpAnswer(status=http.status, events=events)
+        body = await payload_bytes(self.redis, http.response_body) if http.HasField("response_body") else b""
+        return HttpAnswer(status=http.status, body=body)
+
+    async def _other_answer(self, other: OtherSide, path: str, body: bytes, request_id: str) -> tuple[str | None, str]:
+        """The other version's text for the recorded request, sent as recorded (streamed if it was)."""
+        headers = {"content-type": "application/json", "x-request-id": f"{request_id}:judge"}
+        if other.pin:
+            headers[VERSION_HEADER] = other.version
+        if other.api_key:
+            headers["authorization"] = f"Bearer {other.api_key}"
+        try:
+            async with self.session.post(
+                other.url.rstrip("/") + path,
+                data=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=self.judge.timeout_s),
+            ) as response:
+                if not 200 <= response.status < 300:
+                    return None, f"{other.url} answered HTTP {response.status}"
+                if response.headers.get("content-type", "").startswith("text/event-stream"):
+                    reader = EventData()
+                    events: list[bytes] = []
+                    async for chunk in response.content.iter_any():
+                        events += reader.feed(chunk)
+                    if (last := reader.rest()) is not None:
+                        events.append(last)
+                    answer = HttpAnswer(status=response.status, events=tuple(events))
+                else:
+                    answer = HttpAnswer(status=response.status, body=await response.read())
+        except (aiohttp.ClientError, TimeoutError) as error:
+            return None, f"{other.url}: {type(error).__name__}: {error}"
+        text = read_text("chat", answer).text
+        return (text, "") if text else (None, f"{other.url} answered no text")
+
+    async def _ask(self, prompt: str) -> tuple[str, dict[str, int]]:
+        """The judge's raw answer and token usage; retried on 429/5xx/connection errors with backoff."""
+        request: dict[str, Any] = {
+            "model": self.judge.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0,
+        }
+        if self.judge.max_tokens is not None:
+            request["max_tokens"] = self.judge.max_tokens
+        headers = {"authorization": f"Bearer {self.judge.api_key}"} if self.judge.api_key else {}
+        url = self.judge.url.rstrip("/") + "/chat/completions"
+        why = ""
+        for attempt in range(self.judge.retries + 1):
+            wait_s = self.judge.backoff_s * 2**attempt * (0.5 + random.random())
+            self.budget.judge_calls += 1
+            try:
+                async with self.session.post(
+                    url, json=request, headers=headers, timeout=aiohttp.ClientTimeout(total=self.judge.timeout_s)
+                ) as response:
+                    if response.status in _RETRIED_STATUSES:
+                        why = f"HTTP {response.status}"
+                        wait_s = _retry_after(response.headers.get("retry-after"), wait_s)
+                    elif response.status != 200:
+                        raise JudgeFailed(
+                            f"the judge at {url} answered HTTP {response.status}: {await response.text()}"
+                        )
+                    else:
+                        reply = await response.json(content_type=None)
+                        raw = reply["choices"][0]["message"].get("content") or ""
+                        usage = reply.get("usage") or {}
+                        spent = {k: int(usage.get(k, 0)) for k in ("prompt_tokens", "completion_tokens")}
+                        self.budget.spent += spent["prompt_tokens"] + spent["completion_tokens"]
+                        return str(raw), spent
+            except (aiohttp.ClientConnectionError, TimeoutError) as error:
+                why = f"{type(error).__name__}: {error}"
+            except (ValueError, KeyError, IndexError, TypeError) as error:
+                raise JudgeFailed(f"the judge at {url} answered no chat completion: {error}") from None
+            if attempt < self.judge.retries:
+                self.budget.retries += 1
+                await asyncio.sleep(wait_s)
+        raise JudgeFailed(f"the judge at {url} failed {self.judge.retries + 1} times, last: {why}")
+
+
+def _retry_after(value: str | None, default_s: float) -> float:
+    """Seconds from a ``Retry-After`` of delta-seconds (an HTTP date is rare from APIs: the backoff then)."""
+    try:
+        return min(max(float(value), 0.0), 60.0) if value is not None else default_s
+    except ValueError:
+        return default_s
+
+
+def now_ns() -> int:
+    return time.time_ns()

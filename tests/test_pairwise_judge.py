@@ -1,0 +1,384 @@
+"""``splitstream judge`` end to end: chat calls recorded through a router's HTTP port (two generating workers,
+demo/language.py's bigram v1 and trigram v2, 50/50 by user, a recorder and redis-server), judged by a real
+HTTP server speaking OpenAI's chat completions API (tests/judge_server.py: scripted verdicts).
+
+Greedy generation answers every chat prompt with the same text per version (the prompt ends in
+"assistant:"), so calls differ by ``max_tokens``: each length is a different pair of answers. The scripted
+judge prefers v2's text (an answer that starts v2's long answer), except one pair in four (a hash of the two
+answers): v2 must come out preferred with an interval above 0.5 (clustered by user, checked against
+statsmodels), ``analyze --metric judge:rate`` must read the verdicts written as feedback, a judge that always
+says "A" must not make either version win, a re-run must not ask the judge again, and a 429 is retried."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import statsmodels.api as sm
+import yaml
+
+from demo import language
+from splitstream.admin.pairwise import parse_verdict
+from splitstream.admin.pairwise_stats import clustered_mean
+from splitstream.common.files import atomic_write
+from tests.harness import ROOT, ServiceProcess, Stack, free_port, wait_for
+from tests.recording_stack import RecordingStack
+
+MODEL = "writer"
+KEY = "sk-judge-http-" + "5" * 32
+JUDGE_KEY = "sk-the-judge-0123456789"
+USERS = 16
+CALLS_PER_USER = 3
+
+
+def accepts(port: int) -> bool:
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        connection.request("GET", "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+
+
+@dataclass
+class Traffic:
+    stack: RecordingStack
+    http_port: int
+    since_ns: int
+    until_ns: int
+    served: dict[str, str]
+    preferred: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+
+@pytest.fixture(scope="module")
+def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
+    tmp = tmp_path_factory.mktemp("pairwise")
+    models = tmp / "models"
+    language.write_versions(models, MODEL, generation={"max_tokens_limit": 1_000_000})
+    principals = tmp / "principals.yaml"
+    digest = hashlib.sha256(KEY.encode()).hexdigest()
+    atomic_write(
+        principals,
+        yaml.safe_dump(
+            {"principals": {"app": {"api_keys_sha256": [digest], "models": ["*"], "pin": True, "feedback": True}}}
+        ),
+    )
+    http_port = free_port()
+    stack = RecordingStack(
+        tmp,
+        model=MODEL,
+        versions={"v1": {}, "v2": {}},
+        experiment={
+            "salt": "pairwise",
+            "control": "v1",
+            "arms": [{"version": "v1", "weight": 50}, {"version": "v2", "weight": 50}],
+        },
+        worker=lambda stack, version: stack.worker(models, MODEL, version),
+        router_args=("--http-port", str(http_port), "--auth-principals", f"file:{principals}"),
+    )
+    try:
+        wait_for(lambda: accepts(http_port), timeout_s=30, what="the HTTP port to accept")
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEY, max_retries=0, timeout=30)
+        # v2's long answer, before the window: the scripted judge prefers what starts it.
+        long = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=64,
+            extra_headers={"x-splitstream-version": "v2"},
+        )
+        preferred = tmp / "preferred.jsonl"
+        preferred.write_text(json.dumps(long.choices[0].message.content) + "\n")
+        since_ns = time.time_ns()
+        served: dict[str, str] = {}
+        for user in range(USERS):
+            for call in range(CALLS_PER_USER):
+                request_id = f"chat-{user}-{call}"
+                tokens = 6 + (user * CALLS_PER_USER + call) % 29
+                messages: Any = [{"role": "user", "content": f"Question {call} of user {user}"}]
+                raw: Any = client.chat.completions.with_raw_response.create(
+                    model=MODEL,
+                    messages=messages,
+                    max_tokens=tokens,
+                    stream=call == 2,  # streamed: the recorded answer is its events
+                    user=f"user-{user}",
+                    extra_headers={"x-request-id": request_id},
+                )
+                if call == 2:
+                    list(raw.parse())
+                served[request_id] = raw.headers["x-splitstream-version"]
+        stack.wait_recorded(set(served))
+        yield Traffic(stack, http_port, since_ns, time.time_ns(), served, preferred)
+    finally:
+        stack.close()
+
+
+@dataclass
+class Judge:
+    process: ServiceProcess
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stats(self) -> dict[str, int]:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=5) as response:
+            data: dict[str, int] = json.load(response)
+        return data
+
+
+def start_judge(tmp: Path, *args: str) -> Judge:
+    port = free_port()
+    stack = Stack(tmp)
+    process = stack.service(
+        f"judge-{port}", "tests.judge_server", ["--port", str(port), "--key", JUDGE_KEY, *args], port=port, start=False
+    )
+    process.start(wait_serving=False)
+    judge = Judge(process, port)
+
+    def up() -> bool:
+        try:
+            judge.stats()
+            return True
+        except OSError:
+            return False
+
+    wait_for(up, timeout_s=30, what="the judge server")
+    return judge
+
+
+@pytest.fixture
+def judges(tmp_path: Path) -> Iterator[list[Judge]]:
+    started: list[Judge] = []
+    yield started
+    for judge in started:
+        judge.process.stop()
+
+
+@dataclass
+class JudgeRun:
+    code: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.out / "summary.json").read_text())
+        return data
+
+    def pairs(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (self.out / "pairs.jsonl").read_text().splitlines()]
+
+
+def run_judge(traffic: Traffic, judge: Judge, out: Path, *args: str) -> JudgeRun:
+    command = [
+        sys.executable,
+        "-m",
+        "splitstream.admin",
+        "judge",
+        MODEL,
+        "--redis-url",
+        traffic.stack.redis.url,
+        "--since",
+        f"{traffic.since_ns / 1e9:.9f}",
+        "--until",
+        f"{traffic.until_ns / 1e9:.9f}",
+        "--version",
+        "v1",
+        "--other-version",
+        "v2",
+        "--target",
+        traffic.url,
+        "--judge-url",
+        judge.url,
+        "--judge-model",
+        "judge-1",
+        "--output-dir",
+        str(out),
+        "--backoff-s",
+        "0.05",
+        *args,
+    ]
+    env = {**os.environ, "SPLITSTREAM_JUDGE_API_KEY": JUDGE_KEY, "SPLITSTREAM_JUDGE_TARGET_API_KEY": KEY}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    return JudgeRun(done.returncode, done.stdout, done.stderr, out)
+
+
+@pytest.mark.slow
+def test_the_version_the_judge_prefers_wins_with_an_interval_above_one_half(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--prefer", str(traffic.preferred), "--flip-every", "4"))
+    run = run_judge(traffic, judge, tmp_path / "out", "--feedback-router", traffic.stack.router.address)
+    assert run.code == 0, run.stderr
+    summary = run.summary
+    pairs = run.pairs()
+    assert len(pairs) == USERS * CALLS_PER_USER
+    assert {pair["recorded_version"] for pair in pairs} == {"v1", "v2"}  # both directions judged
+    for pair in pairs:
+        assert pair["judge_raw"].endswith(f"Verdict: {pair['verdict']}")
+        assert set(pair["order"].values()) == {"v1", "v2"}
+    v2 = summary["by_version"]["v2"]
+    assert v2["preference_interval"][0] > 0.5, summary
+    assert summary["by_version"]["v1"]["preference_interval"][1] < 0.5
+    assert v2["wins"] + v2["ties"] + v2["losses"] == len(pairs)
+    assert v2["losses"] > 0  # the flipped pairs: the interval has width
+    # The interval against statsmodels' cluster-robust standard error of a mean (clusters: users).
+    scores = np.array([0 if p["winner"] == "tie" else (1 if p["winner"] == "v2" else -1) for p in pairs], float)
+    users = [p["routing_key_hmac"] for p in pairs]
+    groups = np.unique(users, return_inverse=True)[1]
+    fit = sm.OLS(scores, np.ones(len(scores))).fit(cov_type="cluster", cov_kwds={"groups": groups})
+    half = 1.959963984540054 * float(fit.bse[0]) / 2
+    assert v2["preference"] == pytest.approx((1 + fit.params[0]) / 2)
+    assert v2["preference_interval"] == pytest.approx([(1 + fit.params[0]) / 2 - half, (1 + fit.params[0]) / 2 + half])
+    assert summary["feedback"]["accepted"] == len(pairs)
+
+    # The verdicts are feedback: analyze reads judge:rate per arm, v2's answers won more often.
+    def analyzed() -> dict[str, Any] | None:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "splitstream.admin",
+                "analyze",
+                MODEL,
+                "--redis-url",
+                traffic.stack.redis.url,
+                "--since",
+                f"{traffic.since_ns / 1e9:.9f}",
+                "--until",
+                f"{traffic.until_ns / 1e9:.9f}",
+                "--metric",
+                "judge:rate",
+                "--output-dir",
+                str(tmp_path / "analysis"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert done.returncode == 0, done.stderr
+        analysis: dict[str, Any] = json.loads((tmp_path / "analysis" / "analysis.json").read_text())
+        if analysis["feedback"]["used"] < len(pairs):
+            return None
+        return analysis
+
+    analysis = wait_for(analyzed, timeout_s=30, what="the verdicts to be recorded as feedback")
+    arms = {arm["arm"]: arm for arm in analysis["phases"][0]["arms"]}
+    rates = {name: next(iter(arm["metrics"].values()))["value"] for name, arm in arms.items()}
+    wins = {v: sum(1 for p in pairs if p["recorded_version"] == v and p["winner"] == v) for v in ("v1", "v2")}
+    calls = {v: sum(1 for p in pairs if p["recorded_version"] == v) for v in ("v1", "v2")}
+    assert rates == pytest.approx({v: wins[v] / calls[v] for v in ("v1", "v2")})
+    assert rates["v2"] > rates["v1"]
+
+    # A re-run reads every pair from the cache: the judge is not asked again.
+    asked = judge.stats()["completions"]
+    again = run_judge(traffic, judge, tmp_path / "out")
+    assert again.code == 0, again.stderr
+    assert judge.stats()["completions"] == asked
+    assert again.summary["judge_calls"] == 0
+    assert again.summary["by_version"] == summary["by_version"]
+
+
+@pytest.mark.slow
+def test_random_order_cancels_a_judge_that_always_says_a(traffic: Traffic, judges: list[Judge], tmp_path: Path) -> None:
+    judges.append(judge := start_judge(tmp_path, "--first"))
+    run = run_judge(traffic, judge, tmp_path / "out")
+    assert run.code == 0, run.stderr
+    summary = run.summary
+    assert summary["position"]["first_win_rate"] == 1.0
+    low, high = summary["by_version"]["v2"]["preference_interval"]
+    assert low < 0.5 < high, summary
+    assert 0.3 < summary["by_version"]["v2"]["win_rate"] < 0.7
+
+
+@pytest.mark.slow
+def test_a_429_is_retried_after_its_retry_after(traffic: Traffic, judges: list[Judge], tmp_path: Path) -> None:
+    judges.append(judge := start_judge(tmp_path, "--first", "--throttle", "2"))
+    run = run_judge(traffic, judge, tmp_path / "out", "--max-pairs", "3", "--concurrency", "1")
+    assert run.code == 0, run.stderr
+    assert len(run.pairs()) == 3
+    assert run.summary["judge_retries"] == 2
+    assert judge.stats() == {"completions": 3, "throttled": 2}
+
+
+def test_a_rubric_without_the_answers_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text("Which is better? {{conversation}}")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitstream.admin",
+            "judge",
+            MODEL,
+            "--since",
+            "-1h",
+            "--version",
+            "v1",
+            "--other-version",
+            "v2",
+            "--target",
+            "http://127.0.0.1:9",
+            "--judge-url",
+            "http://127.0.0.1:9/v1",
+            "--judge-model",
+            "j",
+            "--rubric",
+            str(rubric),
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"splitstream judge: error: --rubric {rubric}: the rubric lacks {{{{answer_a}}}}, {{{{answer_b}}}}"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("answer", "verdict"),
+    [
+        ("A is clearer.\nVerdict: B", "B"),
+        ("The rubric says 'Verdict: A' or 'Verdict: B'. I pick...\n**Verdict: tie**", "tie"),
+        ("verdict = [[A]]", "A"),
+        (" B. ", "B"),
+        ("I cannot decide.", None),
+    ],
+)
+def test_verdicts_are_read_from_the_last_verdict_line(answer: str, verdict: str | None) -> None:
+    assert parse_verdict(answer) == verdict
+
+
+def test_the_clustered_standard_error_is_statsmodels_on_random_clusters() -> None:
+    rng = np.random.default_rng(7)
+    scores = rng.choice([-1.0, 0.0, 1.0], size=400, p=[0.3, 0.2, 0.5])
+    groups = rng.integers(0, 37, size=400)
+    mean, se = clustered_mean(list(scores), [str(g) for g in groups])
+    fit = sm.OLS(scores, np.ones(400)).fit(cov_type="cluster", cov_kwds={"groups": groups})
+    assert mean == pytest.approx(fit.params[0])
+    assert se == pytest.approx(fit.bse[0])
