@@ -356,7 +356,7 @@ def summarize(pairs: list[dict[str, Any]], judging: Judging, args: argparse.Name
         "judge_model": args.judge_model,
         "versions": [a, b],
         "alpha": args.alpha,
-        "interval": "cluster-robust (by user) normal interval of the preference (wins + ties/2) / pairs",
+        "interval": "cluster-robust (by user) t interval, users - 1 df, of the preference (wins + ties/2) / pairs",
         "counts": dict(sorted(judging.counts.items())),
         "unparsed": sum(1 for pair in pairs if pair.get("verdict") is None),
         "judge_calls": judging.budget.judge_calls,

@@ -5,7 +5,9 @@ answer, 0 for a tie, -1 when it preferred the other's. A user's calls share thei
 difficulty, so their pairs are not independent: the interval of the mean score is the cluster-robust one
 (Liang-Zeger, clusters = users; a call without a user is its own cluster), with the small-sample factor
 G/(G-1) that statsmodels' ``OLS(...).fit(cov_type="cluster")`` applies to a mean (its (N-1)/(N-K) is 1 for
-one regressor). The preference ``(wins + ties/2) / pairs`` is ``(1 + mean score) / 2``: its interval is the
+one regressor), and Student's t with G-1 degrees of freedom for the critical value (statsmodels' ``use_t``,
+Stata's default): with few users the normal's would reject a true null too often (docs/replay.md has
+the A/A rates). The preference ``(wins + ties/2) / pairs`` is ``(1 + mean score) / 2``: its interval is the
 score's, halved and shifted, and excluding 0.5 means the judge preferred one version.
 """
 
@@ -16,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scipy.stats import norm
+from scipy.stats import t as student_t
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,8 @@ def version_summary(judged: Sequence[Judged], *, sign: int, alpha: float) -> dic
     losses = sum(1 for score in scores if score < 0)
     ties = n - wins - losses
     mean, se = clustered_mean(scores, [item.cluster for item in judged])
-    z = float(norm.ppf(1 - alpha / 2))
+    users = len({item.cluster for item in judged})
+    z = float(student_t.ppf(1 - alpha / 2, users - 1)) if users > 1 else math.nan
     preference = (1 + mean) / 2 if n else None
     interval = (
         [max(0.0, (1 + mean - z * se) / 2), min(1.0, (1 + mean + z * se) / 2)] if n and math.isfinite(se) else None
@@ -67,7 +70,7 @@ def version_summary(judged: Sequence[Judged], *, sign: int, alpha: float) -> dic
         "loss_rate": losses / n if n else None,
         "preference": preference,
         "preference_interval": interval,
-        "users": len({item.cluster for item in judged}),
+        "users": users,
     }
 
 
