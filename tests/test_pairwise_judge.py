@@ -321,6 +321,23 @@ def test_a_429_is_retried_after_its_retry_after(traffic: Traffic, judges: list[J
     assert judge.stats() == {"completions": 3, "throttled": 2}
 
 
+@pytest.mark.slow
+def test_the_token_budget_stops_asking_and_a_refused_key_fails_the_run(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--first"))
+    run = run_judge(traffic, judge, tmp_path / "budget", "--max-tokens", "100", "--concurrency", "1")
+    assert run.code == 0, run.stderr
+    # Each verdict costs ~74 tokens here: the second call passes 100, the rest are not asked.
+    assert judge.stats()["completions"] == 2
+    assert run.summary["counts"]["over_budget"] == USERS * CALLS_PER_USER - 2
+
+    refused = run_judge(traffic, judge, tmp_path / "refused", "--judge-api-key-file", str(traffic.preferred))
+    assert refused.code == 1
+    assert "answered HTTP 401" in refused.stderr
+    assert judge.stats()["completions"] == 2
+
+
 def test_a_rubric_without_the_answers_is_refused_naming_the_flag(tmp_path: Path) -> None:
     rubric = tmp_path / "rubric.txt"
     rubric.write_text("Which is better? {{conversation}}")
