@@ -35,12 +35,15 @@ from splitstream.admin.pairwise_stats import Judged, clustered_mean, version_sum
 from splitstream.common.files import atomic_write
 from tests.harness import ROOT, ServiceProcess, Stack, free_port, wait_for
 from tests.recording_stack import RecordingStack
+from tests.streams import StreamClient, generation_request
 
 MODEL = "writer"
 KEY = "sk-judge-http-" + "5" * 32
 JUDGE_KEY = "sk-the-judge-0123456789"
 USERS = 16
 CALLS_PER_USER = 3
+STREAM_USERS = 8
+STREAM_PROMPT = "The quick brown fox "
 
 
 def accepts(port: int) -> bool:
@@ -122,6 +125,16 @@ def traffic(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traffic]:
                 if call == 2:
                     list(raw.parse())
                 served[request_id] = raw.headers["x-splitstream-version"]
+        # Token streams over gRPC, one per user of the first STREAM_USERS, judged only with --grpc-target.
+        streams = StreamClient(stack.router.address)
+        try:
+            for user in range(STREAM_USERS):
+                request = generation_request(MODEL, STREAM_PROMPT, 16, request_id=f"stream-{user}")
+                metadata = [("x-api-key", KEY), ("x-routing-key", f"user-{user}"), ("x-request-id", f"stream-{user}")]
+                list(streams.stream([request], metadata=metadata))
+                served[f"stream-{user}"] = ""
+        finally:
+            streams.close()
         stack.wait_recorded(set(served))
         yield Traffic(stack, http_port, since_ns, time.time_ns(), served, preferred)
     finally:
@@ -286,8 +299,9 @@ def test_the_version_the_judge_prefers_wins_with_an_interval_above_one_half(
     arms = {arm["arm"]: arm for arm in analysis["phases"][0]["arms"]}
     rates = {name: next(iter(arm["metrics"].values()))["value"] for name, arm in arms.items()}
     wins = {v: sum(1 for p in pairs if p["recorded_version"] == v and p["winner"] == v) for v in ("v1", "v2")}
-    calls = {v: sum(1 for p in pairs if p["recorded_version"] == v) for v in ("v1", "v2")}
-    assert rates == pytest.approx({v: wins[v] / calls[v] for v in ("v1", "v2")})
+    # Per exposure call of the arm: the gRPC streams of the window (not judged in this run) count too.
+    assert sum(arm["calls"] for arm in arms.values()) == len(pairs) + STREAM_USERS
+    assert rates == pytest.approx({v: wins[v] / arms[v]["calls"] for v in ("v1", "v2")})
     assert rates["v2"] > rates["v1"]
 
     # A re-run reads every pair from the cache: the judge is not asked again.
@@ -319,6 +333,24 @@ def test_a_429_is_retried_after_its_retry_after(traffic: Traffic, judges: list[J
     assert len(run.pairs()) == 3
     assert run.summary["judge_retries"] == 2
     assert judge.stats() == {"completions": 3, "throttled": 2}
+
+
+@pytest.mark.slow
+def test_token_streams_are_judged_against_the_other_versions_stream(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--first"))
+    run = run_judge(traffic, judge, tmp_path / "out", "--grpc-target", traffic.stack.router.address)
+    assert run.code == 0, run.stderr
+    streams = [pair for pair in run.pairs() if pair["request_id"].startswith("stream-")]
+    assert len(streams) == STREAM_USERS
+    recorded = {pair["recorded_version"]: pair["recorded_answer"] for pair in streams}
+    assert set(recorded) == {"v1", "v2"}
+    assert recorded["v1"] != recorded["v2"]
+    for pair in streams:  # greedy: the other version's stream answers the prompt as its own recorded ones did
+        assert pair["other_answer"] == recorded[pair["other_version"]]
+        assert pair["verdict"] == "A"
+    assert len(run.pairs()) == USERS * CALLS_PER_USER + STREAM_USERS
 
 
 @pytest.mark.slow

@@ -26,14 +26,20 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import xxhash
 
 from splitstream.common.headers import VERSION_HEADER
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.records import payload_bytes
 from splitstream.common.redis_url import RedisClient
 from splitstream.common.sse import EventData
 from splitstream.replayer.http_compare import HttpAnswer, read_text
 from splitstream.replayer.selection import SelectedCall
+from splitstream.replayer.stream_compare import read_tokens
+
+#: The token streams' method (a stream record is always one): requests and responses go as recorded bytes.
+STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
 
 #: The rubric used without ``--rubric``: its placeholders are replaced by the conversation and the answers.
 DEFAULT_RUBRIC = """You are judging two answers of AI assistants to the same conversation.
@@ -166,6 +172,9 @@ class Judging:
     cache: dict[str, dict[str, Any]]
     write_pair: Callable[[dict[str, Any]], None]
     budget: Budget
+    #: A router's gRPC channel for token streams (``--grpc-target``), pinned like ``--target``; None: not judged.
+    grpc_channel: grpc.aio.Channel | None = None
+    grpc_key: str = ""
     counts: dict[str, int] = field(default_factory=dict)
 
     def count(self, what: str) -> None:
@@ -179,7 +188,11 @@ class Judging:
         if other is None:
             self.count("other_version")
             return None
-        if not record.HasField("http") or record.http.api != "chat":
+        streamed = record.HasField("stream") and not record.HasField("http")
+        if streamed and self.grpc_channel is None:
+            self.count("no_grpc_target")
+            return None
+        if not streamed and (not record.HasField("http") or record.http.api != "chat"):
             self.count("not_http_chat")
             return None
         key = cache_key(record.request_id, other.version, self.judge.model, self.judge.rubric)
@@ -189,20 +202,28 @@ class Judging:
         if self.budget.exhausted():
             self.count("over_budget")
             return None
-        http = record.http
-        body = await payload_bytes(self.redis, http.request_body)
-        recorded_text = read_text("chat", await self._recorded_answer(record)).text
-        if not (200 <= http.status < 300) or not recorded_text:
+        if streamed:
+            conversation, recorded_text, other_text, why = await self._stream_pair(record, other)
+        else:
+            http = record.http
+            body = await payload_bytes(self.redis, http.request_body)
+            conversation = render_conversation(body)
+            recorded_text = read_text("chat", await self._recorded_answer(record)).text
+            if not (200 <= http.status < 300):
+                recorded_text = ""
+            other_text, why = None, ""
+            if recorded_text:
+                other_text, why = await self._other_answer(other, http.path, body, record.request_id)
+        if not recorded_text:
             self.count("recorded_no_text")
             return None
-        other_text, why = await self._other_answer(other, http.path, body, record.request_id)
         if other_text is None:
             self.count("other_failed")
             return {"request_id": record.request_id, "error": why}
         first = recorded_first(record.request_id, self.seed)
         answer_a, answer_b = (recorded_text, other_text) if first else (other_text, recorded_text)
         prompt = self.judge.rubric
-        for name, value in zip(PLACEHOLDERS, (render_conversation(body), answer_a, answer_b), strict=True):
+        for name, value in zip(PLACEHOLDERS, (conversation, answer_a, answer_b), strict=True):
             prompt = prompt.replace(name, value)
         raw, usage = await self._ask(prompt)
         verdict = parse_verdict(raw)
@@ -231,6 +252,38 @@ class Judging:
             "recorded_answer": recorded_text,
             "other_answer": other_text,
         }
+
+    async def _stream_pair(self, record: Any, other: OtherSide) -> tuple[str, str, str | None, str]:
+        """A token stream's prompt (its first request's ``text_input``), recorded text, and the other version's
+        text: the recorded requests sent again on a stream to ``--grpc-target``, pinned."""
+        stream = record.stream
+        requests = [await payload_bytes(self.redis, message.payload) for message in stream.requests]
+        if not requests:
+            requests = [await payload_bytes(self.redis, record.request)]
+        prompt = ""
+        first = oip.ModelInferRequest.FromString(requests[0])
+        for tensor, raw in zip(first.inputs, first.raw_input_contents, strict=False):
+            if tensor.name == "text_input":
+                prompt = raw[4:].decode(errors="replace")  # one BYTES element: 4-byte length, then the text
+        responses = [await payload_bytes(self.redis, message.payload) for message in stream.responses]
+        recorded = b"".join(read_tokens(responses).tokens).decode(errors="replace") if record.status_code == 0 else ""
+        if not recorded:
+            return "", "", None, ""
+        assert self.grpc_channel is not None
+        metadata = [(VERSION_HEADER, other.version), ("x-request-id", f"{record.request_id}:judge")]
+        if self.grpc_key:
+            metadata.append(("x-api-key", self.grpc_key))
+        call = self.grpc_channel.stream_stream(STREAM_METHOD)(
+            iter(requests), metadata=metadata, timeout=self.judge.timeout_s
+        )
+        answered: list[bytes] = []
+        try:
+            async for response in call:
+                answered.append(response)
+        except grpc.aio.AioRpcError as error:
+            return "", recorded, None, f"--grpc-target: {error.code().name}: {error.details()}"
+        text = b"".join(read_tokens(answered).tokens).decode(errors="replace")
+        return f"user: {prompt}", recorded, (text or None), "" if text else "--grpc-target answered no tokens"
 
     async def _recorded_answer(self, record: Any) -> HttpAnswer:
         http = record.http

@@ -85,6 +85,12 @@ def add_parser(commands: Any, *, env_prefix: str) -> None:
         "not answer it, so the calls of both versions are judged",
     )
     parser.add_argument(
+        "--grpc-target",
+        default="",
+        help="a router's gRPC host:port: token streams (ModelStreamInfer) of the window are judged too, their "
+        "requests sent there pinned to the other version (only with --target)",
+    )
+    parser.add_argument(
         "--other-target",
         default="",
         help="instead of --target: a server of --other-version alone; only --version's calls are judged",
@@ -180,6 +186,13 @@ def _settings(args: argparse.Namespace) -> tuple[Selection, JudgeSettings, dict[
                 check_http_target(url)
             except ValueError as error:
                 raise Usage(f"{flag}: {error}") from None
+    if args.grpc_target:
+        if not args.target:
+            raise Usage("--grpc-target: needs --target (both versions behind one router)")
+        try:
+            check_address(args.grpc_target)
+        except ValueError as error:
+            raise Usage(f"--grpc-target: {error}") from None
     if not METRIC_PATTERN.fullmatch(args.metric):
         raise Usage(f"--metric: {args.metric!r} is not a metric name (letters, digits and _ . : -)")
     if args.feedback_router:
@@ -248,7 +261,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
         print(f"{PROG}: error: --output-dir {output}: {error.strerror}", file=err)
         return EXIT_USAGE
     try:
-        pairs, judging = asyncio.run(_judge_all(args, selection, judge, others, security, cache_path, output))
+        pairs, judging = asyncio.run(_judge_all(args, selection, judge, others, security, cache_path, output, tls))
     except (JudgeFailed, RedisError, OSError) as error:
         print(
             f"{PROG}: error: {redact_text(str(error))} (pairs judged so far are in {output / 'pairs.jsonl'})", file=err
@@ -275,6 +288,7 @@ async def _judge_all(
     security: Any,
     cache_path: Path,
     output: Path,
+    tls: Any,
 ) -> tuple[list[dict[str, Any]], Judging]:
     try:
         redis = open_redis(args.redis_url, security=security, socket_connect_timeout=5, socket_timeout=30)
@@ -307,6 +321,9 @@ async def _judge_all(
                 write_pair=write,
                 budget=Budget(args.max_tokens),
             )
+            if args.grpc_target:
+                judging.grpc_channel = tls.aio_channel(args.grpc_target)
+                judging.grpc_key = others[args.version].api_key
             slots = asyncio.Semaphore(args.concurrency)
             tasks: list[asyncio.Task[None]] = []
 
@@ -325,8 +342,12 @@ async def _judge_all(
                 async for call in select_calls(redis, selection, stats):
                     if args.max_pairs is not None and len(tasks) >= args.max_pairs:
                         break
-                    if not call.record.HasField("http") or call.record.http.api != "chat":
+                    record = call.record
+                    if record.HasField("http") and record.http.api != "chat":
                         judging.count("not_http_chat")
+                        continue
+                    if not record.HasField("http") and not (record.HasField("stream") and args.grpc_target):
+                        judging.count("no_grpc_target" if record.HasField("stream") else "not_http_chat")
                         continue
                     await slots.acquire()
                     tasks.append(asyncio.create_task(one(call)))
@@ -335,6 +356,8 @@ async def _judge_all(
                 for task in tasks:
                     task.cancel()
                 await redis.aclose()
+                if judging.grpc_channel is not None:
+                    await judging.grpc_channel.close()
     judging.counts["selected"] = stats.selected
     return pairs, judging
 
