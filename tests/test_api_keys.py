@@ -164,7 +164,8 @@ def test_a_router_refuses_keyed_digests_without_the_secret(tmp_path: Path) -> No
     registry = tmp_path / "registry.yaml"
     write_registry(registry, {MODEL: {"endpoints": {"v1": [f"127.0.0.1:{free_port()}"]}}})
     result = run_module(
-        "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--auth-principals", f"file:{principals}"
-    )
+        "splitstream.router", "--registry", f"file:{registry}", "--host", "127.0.0.1", "--port", "0",
+        "--auth-principals", f"file:{principals}",
+    )  # fmt: skip
     assert result.returncode == 2
     assert "--api-key-secret-file" in result.stderr

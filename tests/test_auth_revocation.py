@@ -191,6 +191,7 @@ def test_an_unusable_revocation_list_at_start_is_exit_2_naming_the_flag(
     result = run_module(
         "splitstream.router",
         "--registry", f"file:{registry}",
+        "--host", "127.0.0.1",
         "--port", "0",
         "--auth-principals", f"file:{principals}",
         "--revoked-file", str(revoked),

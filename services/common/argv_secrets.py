@@ -10,7 +10,7 @@ names the flag and what to use instead and never the value.
 with ``file_flag=`` gets that sibling flag (its file's content, surrounding whitespace removed,
 becomes the flag's value), and :func:`note_secrets_on_command_line` runs after each parse. The warning
 is held until the configuration is known to be valid (a usage error stays one line on stderr) and
-given by :func:`give_warnings`: the services' logging set-up calls it (a JSON line in their log), and
+given by :func:`give_warnings`: a service gives it once it listens (a JSON line in its log), and
 the replayer on stderr once it has replayed successfully (a failed run's one error line stays the only
 one).
 """

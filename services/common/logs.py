@@ -19,7 +19,6 @@ from typing import Any, TextIO, cast
 import structlog
 from structlog.typing import EventDict, WrappedLogger
 
-from splitstream.common.argv_secrets import give_warnings
 from splitstream.common.secrets import redact_text
 
 #: Cheap tests before the regular expressions: most log strings contain neither.
@@ -86,5 +85,4 @@ def configure_logging(level: str = "INFO", *, service: str) -> structlog.stdlib.
         cache_logger_on_first_use=True,
     )
     logger: structlog.stdlib.BoundLogger = structlog.get_logger().bind(service=service)
-    give_warnings(lambda line: logger.warning("secret on the command line (deprecated)", detail=line))
     return logger

@@ -53,6 +53,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client import values as prometheus_values
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from splitstream.common.argv_secrets import give_warnings
 from splitstream.common.errors import ConfigError
 from splitstream.common.handlers import ParseRequests
 from splitstream.common.health import NOT_SERVING, SERVING, HealthServicer
@@ -477,6 +478,8 @@ class _Runner:
             metrics_port=settings.metrics_port or None,
             tls="mutual" if settings.grpc_use_ssl_mutual else ("on" if settings.grpc_use_ssl else "off"),
         )
+        # Held until now: a start that fails on its configuration stays one line on stderr.
+        give_warnings(lambda line: self.log.warning("secret on the command line (deprecated)", detail=line))
         running = asyncio.create_task(service.run(runtime), name="service-run")
         stopping = asyncio.create_task(stop.wait(), name="wait-for-signal")
         await asyncio.wait({running, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -44,6 +44,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
+from splitstream.common.argv_secrets import give_warnings
 from splitstream.common.errors import ConfigError
 from splitstream.common.interrupts import interrupts_held, quiet_interrupts
 from splitstream.common.runtime import (
@@ -191,6 +192,8 @@ class _Parent:
             processes=settings.processes,
             **self.shared_bound,
         )
+        # Held until now: a start that fails on its configuration stays one line on stderr.
+        give_warnings(lambda line: self.log.warning("secret on the command line (deprecated)", detail=line))
         keepers = [
             asyncio.create_task(self._keep(index, port, env), name=f"child-{index}")
             for index in range(settings.processes)
