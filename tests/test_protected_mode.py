@@ -160,6 +160,11 @@ def test_a_worker_serves_only_the_client_identities_it_names(tmp_path: Path, sta
             refused.infer(request)
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "router-b" not in (error.value.details() or "")
+        # The token stream too: refused before the worker reads a request.
+        stream = refused.stub.ModelStreamInfer(iter([request]), timeout=10)
+        with pytest.raises(grpc.RpcError) as error:
+            list(stream)
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         refused.close()
 
@@ -194,3 +199,18 @@ def test_metrics_stay_on_loopback_unless_metrics_host_is_given(tmp_path: Path, s
         assert wait_for(lambda p=metrics_port: scrape("127.0.0.1", p), timeout_s=10, what="metrics on loopback")
         assert scrape(ip, metrics_port) is reachable
         worker.stop()
+
+
+def test_a_worker_allow_list_without_mutual_tls_exits_2_naming_the_flag(tmp_path: Path) -> None:
+    """Without mutual TLS no client certificate is verified: the list would refuse every router."""
+    module, args = server_args("worker", tmp_path, "")
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args, "--port", "0", "--metrics-port", "0", "--allowed-client-identities", "r"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines == [
+        "splitstream-worker: error: --allowed-client-identities needs --grpc-use-ssl-mutual (only then are client "
+        "certificates verified)"
+    ]

@@ -17,7 +17,8 @@ from splitstream.common.loopback import is_loopback_host
 INSECURE_FLAG = "--insecure"
 INSECURE_HELP = (
     "listen beyond loopback in plaintext with no caller authentication (refused by default: anyone who reaches "
-    "the port can call it); for a network that is private or encrypted below gRPC"
+    "the port can call it); for a network that is private or encrypted below gRPC. Router, recorder and worker; "
+    "the archiver and shipper serve only health and start either way"
 )
 #: Where a server that must be reachable only by this machine's Prometheus exposes /metrics unless told.
 DEFAULT_METRICS_HOST = "127.0.0.1"
