@@ -108,8 +108,9 @@ def test_a_router_refuses_callers_credentials_over_plaintext_beyond_loopback(tmp
     principals.write_text("principals: {}\n")
     auth = ["--auth-principals", f"file:{principals}"]
     done = run(
-        "splitstream.router", "--registry", f"file:{registry}", "--port", "0", "--metrics-port", "0", *auth, env={}
-    )
+        "splitstream.router", "--registry", f"file:{registry}", "--host", "0.0.0.0", "--port", "0", "--metrics-port",
+        "0", *auth, env={},
+    )  # fmt: skip
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("splitstream-router: error: --auth-principals: callers' API keys and JWTs would be "), last

@@ -591,5 +591,5 @@ def test_help_explains_every_flag_and_its_default() -> None:
         "--drain-delay-s", "--shutdown-grace-s", "SPLITSTREAM_WORKER_PORT", "SPLITSTREAM_WORKER_MODEL_REPOSITORY",
     ):  # fmt: skip
         assert flag in text
-    for default in ("(default: 0.0.0.0)", "(default: 9000)", "(default: 0.5)", "(default: 30.0)"):
+    for default in ("(default: 127.0.0.1)", "(default: 9000)", "(default: 0.5)", "(default: 30.0)"):
         assert default in text

@@ -6,7 +6,7 @@ builds a :class:`Service` and hands it to :func:`run_service`, which:
 
 1. binds the gRPC port on ``--host`` (TLS with ``--grpc-use-ssl``, mutual with
    ``--grpc-use-ssl-mutual``; :mod:`splitstream.common.tls`) and the Prometheus port on ``--metrics-host``
-   (default ``--host``); a taken port or a bad address is a configuration error;
+   (default 127.0.0.1); a taken port or a bad address is a configuration error;
 2. registers the service's handlers, grpc.health.v1 (every name NOT_SERVING until the
    service says otherwise) and server reflection, runs :meth:`Service.prepare`, starts
    serving and runs :meth:`Service.run` in the background;
@@ -59,6 +59,7 @@ from splitstream.common.handlers import ParseRequests
 from splitstream.common.health import NOT_SERVING, SERVING, HealthServicer
 from splitstream.common.interrupts import quiet_interrupts
 from splitstream.common.parent import end_with_parent
+from splitstream.common.protected_mode import DEFAULT_METRICS_HOST, INSECURE_FLAG, INSECURE_HELP
 from splitstream.common.tls import ServerTls
 
 EXIT_OK = 0
@@ -169,18 +170,25 @@ def add_server_arguments(parser: argparse.ArgumentParser, defaults: ServerDefaul
             f"one per usable core; at most {PROCESSES_PER_CORE} per usable core. A parent supervises them: restarts "
             "one that dies, drains all on SIGTERM, serves --metrics-port with their totals",
         )
-    group.add_argument("--host", default="0.0.0.0", help="address the gRPC server listens on")
+    group.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address the gRPC server listens on (this machine only by default; 0.0.0.0: every interface, which "
+        f"needs TLS or caller authentication, or {INSECURE_FLAG})",
+    )
     group.add_argument(
         "--port", type=int, default=defaults.port, help="gRPC port (0 picks a free one; the log says which)"
     )
     group.add_argument(
         "--metrics-host",
         default="",
-        help="address the Prometheus /metrics endpoint listens on (empty: the same as --host)",
+        help="address the Prometheus /metrics endpoint listens on (empty: 127.0.0.1, this machine only; "
+        "0.0.0.0 for a Prometheus elsewhere)",
     )
     group.add_argument(
         "--metrics-port", type=int, default=defaults.metrics_port, help="Prometheus /metrics port (0: off)"
     )
+    group.add_argument(INSECURE_FLAG, action="store_true", help=INSECURE_HELP)
     group.add_argument(
         "--log-level", type=str.upper, default="INFO", help=f"level of the JSON log on stderr: {', '.join(LOG_LEVELS)}"
     )
@@ -231,9 +239,9 @@ class ServerSettings:
     the checks are ranges whose messages must name the *flag* (``--port``), not a field, and
     the services' own settings are dataclasses of the same shape."""
 
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
     port: int
-    metrics_host: str = ""  # empty: the same as host
+    metrics_host: str = ""  # empty: loopback (DEFAULT_METRICS_HOST)
     metrics_port: int
     log_level: str = "INFO"
     drain_delay_s: float = 0.5
@@ -245,6 +253,7 @@ class ServerSettings:
     grpc_server_key: str = ""
     grpc_root_cert: str = ""
     processes: int = 1
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         if not self.host.strip():
@@ -256,7 +265,7 @@ class ServerSettings:
                 f"--processes {self.processes}: sharing a port needs SO_REUSEPORT as Linux has it; use 1 here"
             )
         if not self.metrics_host:
-            object.__setattr__(self, "metrics_host", self.host)
+            object.__setattr__(self, "metrics_host", DEFAULT_METRICS_HOST)
         for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port)):
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{flag}: must be within 0..65535, got {port}")

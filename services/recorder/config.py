@@ -13,8 +13,10 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, InstanceOf, model_validator
 
+from splitstream.common.caller_identities import parse_identities
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
+from splitstream.common.protected_mode import check_protected_mode
 from splitstream.common.redis_url import RedisSecurity, add_redis_security_arguments, redis_security_from_args
 from splitstream.common.runtime import SERVER_ARGUMENTS, ServerDefaults, ServerSettings, add_server_arguments
 from splitstream.common.schema import Document, validate
@@ -312,21 +314,21 @@ def parse_args(argv: Sequence[str] | None) -> RecorderConfig:
             allow_insecure=values.pop("allow_insecure_token"),
         )
         values["allowed_client_identities"] = _identities(args.allowed_client_identities, args.grpc_use_ssl_mutual)
+        check_protected_mode(
+            host=values["server"].host,
+            tls=values["server"].tls is not None,
+            authenticated=bool(values["service_token"] or values["allowed_client_identities"]),
+            insecure=values["server"].insecure,
+            auth_flag="--service-token-file",
+        )
         return validate(RecorderConfig, values, rename=_flag)
     except ConfigError as error:
         parser.error(str(error))
 
 
 def _identities(value: str | list[str] | None, mutual: bool) -> frozenset[str]:
-    """The allow-list from repeated flags or one comma-separated environment value. Without mutual TLS no
-    client certificate is verified, so a list would refuse every router: a configuration error, not that."""
-    specs = value if isinstance(value, list) else [value or ""]
-    names = frozenset(part.strip() for spec in specs for part in spec.split(",") if part.strip())
-    if names and not mutual:
-        raise ConfigError(
-            "--allowed-client-identities needs --grpc-use-ssl-mutual (only then are client certificates verified)"
-        )
-    return names
+    """The allow-list, matched as the workers' (:mod:`splitstream.common.caller_identities`)."""
+    return parse_identities(value, mutual=mutual)
 
 
 def _flag(field: str) -> str:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
+from splitstream.common.protected_mode import check_protected_mode
 from splitstream.common.runtime import ServerDefaults, ServerSettings, add_server_arguments, process_index
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.shipping import (
@@ -158,6 +159,13 @@ class RouterConfig:
             tls=self.server.tls is not None,
             allow_insecure=self.allow_insecure_token,
             what="--auth-principals",
+        )
+        check_protected_mode(
+            host=self.server.host,
+            tls=self.server.tls is not None,
+            authenticated=bool(self.auth_principals),
+            insecure=self.server.insecure,
+            auth_flag="--auth-principals",
         )
 
     def _check_http(self) -> None:
@@ -481,7 +489,8 @@ def _shipper_args(args: argparse.Namespace, record_batch: RecordBatchSettings) -
         "--metrics-port", str(args.shipper_metrics_port),
         "--exit-with-parent",
     ]  # fmt: skip
-    out += ["--metrics-host", args.metrics_host or args.host]  # where Prometheus reaches the router's own
+    if args.metrics_host:  # where Prometheus reaches the router's own; else the shipper's loopback default
+        out += ["--metrics-host", args.metrics_host]
     if args.service_token_file:
         out += ["--service-token-file", args.service_token_file]
     if args.allow_insecure_token:

@@ -20,9 +20,16 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
+from splitstream.common.caller_identities import (
+    ALLOWED_IDENTITIES_FLAG,
+    IdentityGate,
+    add_allowed_identities_argument,
+    parse_identities,
+)
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.errors import ConfigError
 from splitstream.common.logs import configure_logging
+from splitstream.common.protected_mode import check_protected_mode
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.runtime import (
     Runtime,
@@ -56,12 +63,21 @@ class WorkerSettings:
     model: str
     version: str
     registration: RegistrationSettings | None = None  # Consul registration; None: not registered
+    #: Verified client-certificate identities served (mutual TLS); empty: any caller.
+    allowed_client_identities: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ConfigError("--model: must not be empty")
         if not self.version:
             raise ConfigError("--version: must not be empty")
+        check_protected_mode(
+            host=self.server.host,
+            tls=self.server.tls is not None,
+            authenticated=bool(self.allowed_client_identities),
+            insecure=self.server.insecure,
+            auth_flag=f"{ALLOWED_IDENTITIES_FLAG} (with mutual TLS)",
+        )
 
     @property
     def model_directory(self) -> Path:
@@ -102,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="version of the model to serve, e.g. v1",
     )
     add_server_arguments(parser, ServerDefaults(port=9000, metrics_port=9001))
+    add_allowed_identities_argument(parser, callers="routers")
     add_registration_arguments(parser)
     return parser
 
@@ -127,6 +144,10 @@ class Worker(Service):
         )
         self._registration: ConsulRegistration | None = None
 
+    def interceptors(self) -> Sequence[grpc.aio.ServerInterceptor]:
+        allowed = self._settings.allowed_client_identities
+        return [IdentityGate(allowed)] if allowed else []
+
     def health_names(self) -> Sequence[str]:
         return (self._settings.model,)
 
@@ -140,6 +161,14 @@ class Worker(Service):
         leaves health NOT_SERVING: the process stays up and says so, and a registry keeps
         it out of rotation.
         """
+        if not self._settings.allowed_client_identities:
+            # Whoever reaches this port skips the router's permissions and its recording: say so where it is read
+            # (here, once listening: a worker that fails its start has one error line, nothing else).
+            self._logger.warning(
+                f"any caller is served: a call sent here directly skips the router's permissions and recording; "
+                f"{ALLOWED_IDENTITIES_FLAG} (with --grpc-use-ssl-mutual) serves only the routers named",
+                host=runtime.settings.host,
+            )
         await self.model.load()
         try:
             await self.model.warm_up()
@@ -186,6 +215,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             model=args.model,
             version=args.version,
             registration=registration_settings(args, host=server.host),
+            allowed_client_identities=parse_identities(
+                args.allowed_client_identities, mutual=server.grpc_use_ssl_mutual
+            ),
         )
         if not settings.model_directory.is_dir():
             raise ConfigError(f"--model-repository: no directory {settings.model_directory} for this model version")
