@@ -17,6 +17,8 @@ from prometheus_client import CollectorRegistry
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.wal import HTTP, RETRIED, decode_call, encode_call, iter_entries
 from splitstream.router.core import CallOutcome
+from splitstream.router.http.errors import ApiError
+from splitstream.router.http.openai_api import parse_body
 from splitstream.router.http.recording import HttpExchange
 from splitstream.router.recording import CallLog
 from splitstream.router.routing import Assignment
@@ -124,3 +126,22 @@ def test_http_entry_is_the_generic_encoders(tmp_path: Path) -> None:
     )
     assert entry.payload == expected
     assert decode_call(HTTP, entry.payload).record_fields == b"record-fields"
+
+
+@pytest.mark.parametrize(
+    ("raw", "refused"),
+    [
+        (b'{"model":"m","user":"\\ud800"}', "not valid Unicode"),  # an ASCII body spelling a lone surrogate
+        (b'{"model":"m","x":' + b"[" * 64 + b"]" * 64 + b"}", "nested too deeply"),  # 65 levels
+        (b'{"model":"m","x":' + b"[" * 63 + b"]" * 63 + b"}", None),  # 64 levels: the most allowed
+        (b'{"model":"m","user":"caf\\u00e9"}', None),
+    ],
+)
+def test_the_body_check_skipped_for_plain_bodies_still_refuses(raw: bytes, refused: str | None) -> None:
+    """A plain body is not walked (:func:`_plain`); the ones the walk refuses are never taken for plain."""
+    if refused is None:
+        assert parse_body(raw)["model"] == "m"
+        return
+    with pytest.raises(ApiError) as error:
+        parse_body(raw)
+    assert refused in error.value.message
