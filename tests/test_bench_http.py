@@ -51,3 +51,16 @@ def test_http_overhead_measures_the_floor_and_the_recording_router_unary_and_str
 def test_http_stack_measures_the_aiohttp_pass_through() -> None:
     output = run_bench("http_stack.py", "--stacks", "aiohttp", "--cases", "unary:1")
     assert set(rows(output, 1)) == {"direct", "aiohttp"}, output
+
+
+def test_http_record_path_times_each_step_and_refuses_a_bad_count() -> None:
+    command = [sys.executable, "bench/http_record_path.py", "--number", "20", "--repeat", "1"]
+    done = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for step in ("recording a call, all of it", "the answer's usage", "the entry encoded and appended"):
+        assert step in done.stdout, done.stdout
+    refused = subprocess.run(
+        [*command[:2], "--number", "0"], cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=False
+    )
+    assert refused.returncode == 2
+    assert "--number" in refused.stderr

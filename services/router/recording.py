@@ -37,6 +37,7 @@ from splitstream.common.wal import (
     FEEDBACK,
     HAS_RESPONSE,
     HTTP,
+    HTTP_HEAD,
     KINDS,
     PINNED,
     RETRIED,
@@ -44,7 +45,6 @@ from splitstream.common.wal import (
     STREAM,
     ShadowEntry,
     WalWriter,
-    encode_call,
     encode_feedback,
     encode_shadows,
     stranded_logs,
@@ -322,12 +322,12 @@ class CallLog:
             self.metrics.records_dropped.labels("closing").inc()
             return
         try:
-            payload = self._encode_http(outcome, request, metadata, record_fields)
+            parts = self._encode_http(outcome, request, metadata, record_fields)
         except Exception:
             log.exception("HTTP call not recordable; dropped", request_id=str(outcome.request_id)[:200])
             self.metrics.records_dropped.labels("unrecordable").inc()
             return
-        reason = self._append(HTTP, (payload,))
+        reason = self._append(HTTP, parts)
         if reason is not None:
             self.metrics.records_dropped.labels(reason).inc()
 
@@ -337,42 +337,72 @@ class CallLog:
         request: bytes,
         metadata: Sequence[tuple[str, str | bytes]],
         record_fields: bytes,
-    ) -> bytes:
+    ) -> tuple[bytes, bytes, bytes]:
+        """The entry's payload as three parts (as :meth:`_encode`'s, packed here rather than through
+        ``wal.encode_call``'s keywords): the head and the fields up to the stream, the request, the record's
+        fields. The response field is empty: the answer is in ``record_fields``."""
         stream = b""
         if outcome.stream is not None:
             call = recorder_pb2.StreamCall()
             outcome.stream.fill(call)
             stream = call.SerializeToString()
-        return encode_call(
-            kind=HTTP,
-            request_id=outcome.request_id,
-            model=outcome.model,
-            version=outcome.version,
-            arm=outcome.arm,
-            code=_CODE_NUMBERS[id(outcome.code)],
-            details=outcome.details,
-            endpoint=outcome.endpoint,
-            router_id=self.router_id,
-            principal=outcome.principal,
-            receive_unix_ns=outcome.receive_unix_ns,
-            latency_ns=int(outcome.latency_s * 1e9),
-            flags=(
-                (FALLBACK if outcome.fallback else 0)
-                | (PINNED if outcome.pinned else 0)
-                | (RETRIED if outcome.retried else 0)
-            ),
-            assignment=-1 if outcome.assignment is None else _ASSIGNMENTS[id(outcome.assignment)],
-            shadows_expected=0,
-            routing_key_hmac=""
-            if outcome.routing_key is None
-            else self._routing_key_hmac(outcome.routing_key).decode(),
-            phase=b"" if outcome.phase is None else self._phase_field(outcome.phase),
-            metadata=self._recorded_metadata.encoded(metadata, outcome.routing_key_header),
-            stream=stream,
-            request=request,
-            response=None,
-            record_fields=record_fields,
+        request_id = outcome.request_id.encode()
+        model = outcome.model.encode()
+        version = outcome.version.encode()
+        arm = outcome.arm.encode()
+        details = outcome.details.encode()
+        endpoint = outcome.endpoint.encode()
+        router_id = self._router_id
+        principal = outcome.principal.encode()
+        key_hmac = b"" if outcome.routing_key is None else self._routing_key_hmac(outcome.routing_key)
+        phase = b"" if outcome.phase is None else self._phase_field(outcome.phase)
+        recorded = self._recorded_metadata.encoded(metadata, outcome.routing_key_header)
+        flags = (
+            (FALLBACK if outcome.fallback else 0)
+            | (PINNED if outcome.pinned else 0)
+            | (RETRIED if outcome.retried else 0)
         )
+        head = HTTP_HEAD.pack(
+            outcome.receive_unix_ns,
+            int(outcome.latency_s * 1e9),
+            _CODE_NUMBERS[id(outcome.code)],
+            flags,
+            -1 if outcome.assignment is None else _ASSIGNMENTS[id(outcome.assignment)],
+            0,  # an HTTP call has no shadows
+            len(request_id),
+            len(model),
+            len(version),
+            len(arm),
+            len(details),
+            len(endpoint),
+            len(router_id),
+            len(principal),
+            len(key_hmac),
+            len(phase),
+            len(recorded),
+            len(stream),
+            len(request),
+            0,  # the response: in record_fields
+            len(record_fields),
+        )
+        fields = b"".join(
+            (
+                head,
+                request_id,
+                model,
+                version,
+                arm,
+                details,
+                endpoint,
+                router_id,
+                principal,
+                key_hmac,
+                phase,
+                recorded,
+                stream,
+            )
+        )
+        return fields, request, record_fields
 
     def routing_key_hmac(self, routing_key: str) -> str:
         """The HMAC records carry for ``routing_key`` (the HTTP front door masks a body's ``user`` with it)."""

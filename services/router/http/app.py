@@ -301,12 +301,17 @@ class HttpFrontDoor:
         outcome.latency_s = time.monotonic() - request["started"]
         recording = self.recording
         try:
-            fields = exchange.serialize(status, lambda user: "hmac:" + recording.routing_key_hmac(user))
+            fields = exchange.serialize(status, self._mask_user)
         except Exception:
             log.exception("HTTP call not recordable; dropped", request_id=outcome.request_id[:200])
             recording.metrics.records_dropped.labels("unrecordable").inc()
             return
         recording.offer_http(outcome, request.get("worker_request", b""), recorded_headers(request.headers), fields)
+
+    def _mask_user(self, user: str) -> str:
+        """What a recorded body's ``user`` (a routing key) is stored as."""
+        assert self.recording is not None
+        return "hmac:" + self.recording.routing_key_hmac(user)
 
     @staticmethod
     def _error_response(request: web.Request, error: ApiError) -> web.Response:

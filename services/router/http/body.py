@@ -19,6 +19,8 @@ BODY_TIMEOUT_S = web.AppKey("body_timeout_s", float)
 
 async def read_body(request: web.Request) -> bytes:
     """The whole body (aiohttp keeps it: a second call costs nothing); 408 when it takes too long."""
+    if request.content.is_eof():  # all of it came with the headers (most calls): nothing to wait for, or bound
+        return await request.read()
     timeout_s = request.config_dict[BODY_TIMEOUT_S]
     try:
         async with asyncio.timeout(timeout_s):

@@ -131,8 +131,16 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"the request body is nested too deeply (at most {MAX_DEPTH} levels)") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
-    _check_values(body)
+    if not _plain(raw):
+        _check_values(body)
     return body
+
+
+def _plain(raw: bytes) -> bool:
+    """Whether :func:`_check_values` cannot refuse this body, so need not walk it (most calls): it holds too few
+    ``[`` and ``{`` to nest past :data:`MAX_DEPTH`, and no string that is not ASCII (every byte ASCII, and no
+    ``\\u`` escape, which is how JSON spells a lone surrogate)."""
+    return raw.isascii() and b"\\u" not in raw and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH
 
 
 def _check_values(body: dict[str, Any]) -> None:

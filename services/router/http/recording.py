@@ -112,6 +112,10 @@ class HttpExchange:
         """The tokens an OpenAI answer reported (a whole answer's ``usage``, or the last streamed chunk that
         has one: ``include_usage``, which comes just before ``[DONE]``), for an answer the front door relayed
         without reading it."""
+        if self.response_body is not None:
+            tail = _tail_usage(self.response_body)
+            if tail is not None:
+                return tail
         bodies = [self.response_body] if self.response_body is not None else [e[2] for e in self.events[-3:]][::-1]
         for body in bodies:
             try:
@@ -197,15 +201,60 @@ def _carries_text(data: bytes) -> bool:
     return False
 
 
+#: A header name as sent → its lower-case name, or "" for a connection header: clients send the same few names
+#: on every call, so each is lowered and checked once (bounded: odd names past the cap are decided afresh).
+_HEADER_NAMES: dict[str, str] = {}
+_HEADER_NAMES_KEPT = 1024
+
+
 def recorded_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
     """The client's headers as the recorder's metadata pairs (lower-case names), less the connection's own; the
     router's recorded-metadata rules then leave out credentials and routing keys."""
     pairs = []
+    names = _HEADER_NAMES
     for name, value in headers.items():
-        lower = name.lower()
-        if lower not in CONNECTION_HEADERS:
-            pairs.append((lower, as_text(value)))  # odd bytes must not cost the call its record
+        lower = names.get(name)
+        if lower is None:
+            lower = name.lower()
+            if lower in CONNECTION_HEADERS:
+                lower = ""
+            if len(names) < _HEADER_NAMES_KEPT:
+                names[name] = lower
+        if lower:
+            # odd bytes must not cost the call its record
+            pairs.append((lower, value if value.isascii() else as_text(value)))
     return pairs
+
+
+#: Where a whole answer's top-level ``usage`` can be read without parsing the answer: OpenAI's servers (and
+#: vLLM's, and the front door's own) write it as the object's last member, after the generated text.
+_USAGE_KEY = b'"usage"'
+_TAIL_DECODER = json.JSONDecoder()
+
+
+def _tail_usage(body: bytes) -> tuple[int, int] | None:
+    """The usage of a whole answer whose last top-level member is ``"usage": {...}``, read from that member alone
+    (the whole answer, generated text and all, was parsed again on every call for two integers). None when the
+    answer is not so shaped, or is not a JSON object: the caller then parses it whole, as before. The member is
+    the top-level object's when only that object's ``}`` follows it, and the object must start as one does."""
+    at = body.rfind(_USAGE_KEY)
+    if at <= 0 or body[at - 1] == 0x5C or not body.lstrip().startswith(b"{"):  # 0x5C: an escaped quote, in text
+        return None
+    try:
+        text = body[at + len(_USAGE_KEY) :].decode()
+        rest = text.lstrip()
+        if not rest.startswith(":"):
+            return None
+        rest = rest[1:].lstrip()
+        usage, end = _TAIL_DECODER.raw_decode(rest)
+    except ValueError:  # not UTF-8, or not JSON there: the whole parse decides
+        return None
+    if rest[end:].strip() != "}" or not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(prompt, int) and isinstance(completion, int):
+        return prompt, completion
+    return None
 
 
 def _fill(payload: recorder_pb2.Payload, data: bytes) -> None:
