@@ -175,18 +175,25 @@ def test_a_key_removed_from_the_jwks_is_refused_at_once_after_sighup(deployment:
 
 @pytest.mark.parametrize(
     ("content", "problem"),
-    [(None, "--revoked-file"), ("jti:\n", "line 1"), ("user:bob\n", "line 1")],
-    ids=["missing", "empty-id", "unknown-kind"],
+    [
+        (None, "--revoked-file"),
+        ("jti:\n", "line 1"),
+        ("user:bob\n", "line 1"),
+        (b"jti:caf\xe9\n", "not UTF-8"),  # Latin-1: a traceback and exit 1 before
+    ],
+    ids=["missing", "empty-id", "unknown-kind", "not-utf8"],
 )
 def test_an_unusable_revocation_list_at_start_is_exit_2_naming_the_flag(
-    tmp_path: Path, content: str | None, problem: str
+    tmp_path: Path, content: str | bytes | None, problem: str
 ) -> None:
     principals = tmp_path / "principals.yaml"
     principals.write_text(yaml.safe_dump({"principals": {"web": {"models": [MODEL]}}}))
     registry = tmp_path / "registry.yaml"
     write_registry(registry, {MODEL: {"endpoints": {"v1": [f"127.0.0.1:{free_port()}"]}}})
     revoked = tmp_path / "revoked.txt"
-    if content is not None:
+    if isinstance(content, bytes):
+        revoked.write_bytes(content)
+    elif content is not None:
         revoked.write_text(content)
     result = run_module(
         "splitstream.router",

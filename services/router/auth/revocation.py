@@ -115,11 +115,16 @@ class RevocationStore:
         """Read the file if it changed (``force``: whatever its signature). A problem raises when
         ``strict`` (at startup), else it is logged once and the last good list stays."""
         try:
-            signature, text = await asyncio.to_thread(read_if_changed, self.path, None if force else self._signature)
+            try:
+                signature, text = await asyncio.to_thread(
+                    read_if_changed, self.path, None if force else self._signature
+                )
+            except UnicodeDecodeError as error:  # a ConfigError: exit 2 naming the flag at startup, not a traceback
+                raise ConfigError(f"--revoked-file {self.path}: not UTF-8 text (byte {error.start})") from None
             if text is None:
                 return
             revoked = parse_revocations(text, source=str(self.path))
-        except (OSError, UnicodeDecodeError, ConfigError) as error:
+        except (OSError, ConfigError) as error:
             if strict:
                 raise
             problem = str(error) if not isinstance(error, OSError) else f"{self.path}: {error.strerror or error}"
