@@ -135,6 +135,8 @@ def test_http_entry_is_the_generic_encoders(tmp_path: Path) -> None:
         (b'{"model":"m","x":' + b"[" * 64 + b"]" * 64 + b"}", "nested too deeply"),  # 65 levels
         (b'{"model":"m","x":' + b"[" * 63 + b"]" * 63 + b"}", None),  # 64 levels: the most allowed
         (b'{"model":"m","user":"caf\\u00e9"}', None),
+        ('{"model":"m","user":"\\ud800"}'.encode("utf-16-le"), "not valid Unicode"),  # every byte ASCII
+        ('{"model":"m","user":"\\ud800"}'.encode("utf-32-be"), "not valid Unicode"),
     ],
 )
 def test_the_body_check_skipped_for_plain_bodies_still_refuses(raw: bytes, refused: str | None) -> None:

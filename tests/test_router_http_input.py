@@ -83,6 +83,16 @@ def test_a_lone_surrogate_in_a_string_field_is_a_400_naming_the_field(
     assert "UTF-8" in assert_openai_error(answer, param=param)
 
 
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-32-le"])
+def test_a_lone_surrogate_in_a_body_not_in_utf8_is_a_400(deployment: Deployment, encoding: str) -> None:
+    """JSON may come in UTF-16 or UTF-32 (the parser detects it): every byte of an ASCII text so encoded is
+    ASCII, and its ``\\u`` escape is not the two bytes ``\\u``, so it must not pass for a plain body."""
+    body = '{"model": "writer", "prompt": "a", "user": "u' + SURROGATE + '"}'
+    status, _, answer = post(deployment, "/v1/completions", body.encode(encoding))
+    assert status == 400, answer
+    assert "UTF-8" in assert_openai_error(answer, param="user")
+
+
 def raw_request(port: int, head: bytes, body: bytes) -> tuple[int, dict[str, str], Any]:
     """One HTTP/1.1 request written byte for byte on a socket (a client library would refuse such headers)."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:

@@ -139,8 +139,10 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 def _plain(raw: bytes) -> bool:
     """Whether :func:`_check_values` cannot refuse this body, so need not walk it (most calls): it holds too few
     ``[`` and ``{`` to nest past :data:`MAX_DEPTH`, and no string that is not ASCII (every byte ASCII, and no
-    ``\\u`` escape, which is how JSON spells a lone surrogate)."""
-    return raw.isascii() and b"\\u" not in raw and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH
+    ``\\u`` escape, which is how JSON spells a lone surrogate), and is UTF-8: ``json.loads`` also reads UTF-16
+    and UTF-32, whose ASCII text is every byte ASCII with a NUL beside each character, and whose ``\\u`` is not the
+    two bytes looked for (a NUL is in no UTF-8 JSON: JSON forbids raw control characters)."""
+    return raw.isascii() and b"\0" not in raw and b"\\u" not in raw and raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH
 
 
 def _check_values(body: dict[str, Any]) -> None:
