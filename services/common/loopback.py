@@ -24,6 +24,12 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def is_local_listen_host(host: str) -> bool:
+    """A server bound to ``host`` (``--host``) takes connections from this machine only: loopback or a Unix
+    socket. What protected mode and the service token's transport both ask of a listening server."""
+    return host.startswith(("unix:", "unix-abstract:")) or is_loopback_host(host)
+
+
 def is_local_target(target: str) -> bool:
     """A gRPC target (``host:port``, ``unix:PATH``, ``unix-abstract:NAME``, ``dns:///host:port``) that reaches
     only this machine."""

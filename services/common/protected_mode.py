@@ -12,7 +12,7 @@ tests listen on ``127.0.0.1`` and need nothing.
 from __future__ import annotations
 
 from splitstream.common.errors import ConfigError
-from splitstream.common.loopback import is_loopback_host
+from splitstream.common.loopback import is_local_listen_host
 
 INSECURE_FLAG = "--insecure"
 INSECURE_HELP = (
@@ -24,15 +24,10 @@ INSECURE_HELP = (
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 
-def reachable_beyond_loopback(host: str) -> bool:
-    """Whether a server bound to ``host`` takes connections from other machines (a Unix socket does not)."""
-    return not (host.startswith(("unix:", "unix-abstract:")) or is_loopback_host(host))
-
-
 def check_protected_mode(*, host: str, tls: bool, authenticated: bool, insecure: bool, auth_flag: str) -> None:
     """ConfigError unless a server on ``host`` serves TLS, authenticates its callers, listens on loopback,
     or was told ``--insecure``. ``auth_flag``: the flag that makes this server authenticate callers."""
-    if reachable_beyond_loopback(host) and not (tls or authenticated or insecure):
+    if not is_local_listen_host(host) and not (tls or authenticated or insecure):
         raise ConfigError(
             f"--host {host}: plaintext beyond loopback with no caller authentication, anyone who reaches the port "
             f"can call it; serve TLS (--grpc-use-ssl), add {auth_flag}, listen on --host 127.0.0.1, "

@@ -11,7 +11,7 @@ refuses to start (exit 2, one line), unless ``--allow-insecure-token`` says the 
 from __future__ import annotations
 
 from splitstream.common.errors import ConfigError
-from splitstream.common.loopback import is_local_target, is_loopback_host
+from splitstream.common.loopback import is_local_listen_host, is_local_target
 
 INSECURE_TOKEN_FLAG = "--allow-insecure-token"
 INSECURE_TOKEN_HELP = (
@@ -33,7 +33,7 @@ def check_token_accepted(*, taken: bool, host: str, tls: bool, allow_insecure: b
     """ConfigError unless a server that takes a credential (``taken``) listens with TLS or on loopback only.
     ``what``: the flag that makes it take callers' credentials (the router's --auth-principals); empty: the
     service token."""
-    if taken and not tls and not allow_insecure and not (host.startswith("unix:") or is_loopback_host(host)):
+    if taken and not tls and not allow_insecure and not is_local_listen_host(host):
         credential = f"{what}: callers' API keys and JWTs" if what else f"--host {host}: the service token"
         where = f" (--host {host})" if what else ""
         raise ConfigError(
