@@ -137,8 +137,12 @@ class JwksKeys:
 
     async def reload_now(self) -> None:
         """Read the set now, whatever ``min_refresh_s`` says (SIGHUP: an operator removed a key). Every
-        remembered token is forgotten with the old key objects; a failed read keeps the last set."""
-        await self._refresh_logged()
+        remembered token is forgotten with the old key objects; a failed read keeps the last set. A read already
+        under way may hold the set from before the change, and would install it after this one: it is waited
+        for, and this read starts after it (calls that miss a kid meanwhile share this read)."""
+        if self._refreshing is not None and not self._refreshing.done():
+            await asyncio.shield(self._refreshing)
+        await self._refresh_shared()  # a read begun since the held one ended began after the change: shared
 
     def holds(self, key: jwt.PyJWK) -> bool:
         """Whether ``key`` (the object) is in the current set: false after any re-read of the JWKS."""
