@@ -236,10 +236,17 @@ class CallLog:
             self.metrics.records_dropped.labels(reason).inc()
 
     def _encode(
-        self, outcome: CallOutcome, request: bytes, metadata: Sequence[tuple[str, str | bytes]], shadows_expected: int
+        self,
+        outcome: CallOutcome,
+        request: bytes,
+        metadata: Sequence[tuple[str, str | bytes]],
+        shadows_expected: int,
+        record_fields: bytes | None = None,
     ) -> tuple[int, tuple[bytes, bytes, bytes]]:
         """The entry's kind and its payload as three parts: the head and the other fields joined, then the request
-        and the response bytes as they are (never copied here: a tensor can be megabytes)."""
+        and the response bytes as they are (never copied here: a tensor can be megabytes). With ``record_fields``
+        (the HTTP front door's record fields, serialized) an HTTP entry: its response field is empty (the answer
+        is in ``record_fields``, the third part) and it has no shadows."""
         stream = b""
         if outcome.stream is not None:  # a token stream: its messages, serialized once it ended
             call = recorder_pb2.StreamCall()
@@ -248,7 +255,15 @@ class CallLog:
         # The call entry's layout (splitstream.common.wal): packed here in one go rather than through
         # wal.encode_call's keywords, which cost a third more on every call (measured side by side), and each
         # length taken with len() by name, which costs a third of what *map(len, fields) did (callgrind).
-        response = outcome.response or b""
+        tail: tuple[int, ...]  # the head's last lengths: the response's, and an HTTP entry's record fields'
+        if record_fields is None:
+            kind = CALL if outcome.stream is None else STREAM
+            response = outcome.response or b""
+            has_response = HAS_RESPONSE if outcome.response is not None else 0
+            last, head_struct, tail = response, CALL_HEAD, (len(response),)
+        else:
+            kind, has_response, shadows_expected = HTTP, 0, 0
+            last, head_struct, tail = record_fields, HTTP_HEAD, (0, len(record_fields))
         request_id = outcome.request_id.encode()
         model = outcome.model.encode()
         version = outcome.version.encode()
@@ -264,9 +279,9 @@ class CallLog:
             (FALLBACK if outcome.fallback else 0)
             | (PINNED if outcome.pinned else 0)
             | (RETRIED if outcome.retried else 0)
-            | (HAS_RESPONSE if outcome.response is not None else 0)
+            | has_response
         )
-        head = CALL_HEAD.pack(
+        head = head_struct.pack(
             outcome.receive_unix_ns,
             int(outcome.latency_s * 1e9),
             _CODE_NUMBERS[id(outcome.code)],
@@ -286,7 +301,7 @@ class CallLog:
             len(recorded),
             len(stream),
             len(request),
-            len(response),
+            *tail,
         )
         fields = b"".join(
             (
@@ -305,7 +320,7 @@ class CallLog:
                 stream,
             )
         )
-        return (CALL if outcome.stream is None else STREAM), (fields, request, response)
+        return kind, (fields, request, last)
 
     def offer_http(
         self,
@@ -322,7 +337,7 @@ class CallLog:
             self.metrics.records_dropped.labels("closing").inc()
             return
         try:
-            parts = self._encode_http(outcome, request, metadata, record_fields)
+            _, parts = self._encode(outcome, request, metadata, 0, record_fields)
         except Exception:
             log.exception("HTTP call not recordable; dropped", request_id=str(outcome.request_id)[:200])
             self.metrics.records_dropped.labels("unrecordable").inc()
@@ -330,79 +345,6 @@ class CallLog:
         reason = self._append(HTTP, parts)
         if reason is not None:
             self.metrics.records_dropped.labels(reason).inc()
-
-    def _encode_http(
-        self,
-        outcome: CallOutcome,
-        request: bytes,
-        metadata: Sequence[tuple[str, str | bytes]],
-        record_fields: bytes,
-    ) -> tuple[bytes, bytes, bytes]:
-        """The entry's payload as three parts (as :meth:`_encode`'s, packed here rather than through
-        ``wal.encode_call``'s keywords): the head and the fields up to the stream, the request, the record's
-        fields. The response field is empty: the answer is in ``record_fields``."""
-        stream = b""
-        if outcome.stream is not None:
-            call = recorder_pb2.StreamCall()
-            outcome.stream.fill(call)
-            stream = call.SerializeToString()
-        request_id = outcome.request_id.encode()
-        model = outcome.model.encode()
-        version = outcome.version.encode()
-        arm = outcome.arm.encode()
-        details = outcome.details.encode()
-        endpoint = outcome.endpoint.encode()
-        router_id = self._router_id
-        principal = outcome.principal.encode()
-        key_hmac = b"" if outcome.routing_key is None else self._routing_key_hmac(outcome.routing_key)
-        phase = b"" if outcome.phase is None else self._phase_field(outcome.phase)
-        recorded = self._recorded_metadata.encoded(metadata, outcome.routing_key_header)
-        flags = (
-            (FALLBACK if outcome.fallback else 0)
-            | (PINNED if outcome.pinned else 0)
-            | (RETRIED if outcome.retried else 0)
-        )
-        head = HTTP_HEAD.pack(
-            outcome.receive_unix_ns,
-            int(outcome.latency_s * 1e9),
-            _CODE_NUMBERS[id(outcome.code)],
-            flags,
-            -1 if outcome.assignment is None else _ASSIGNMENTS[id(outcome.assignment)],
-            0,  # an HTTP call has no shadows
-            len(request_id),
-            len(model),
-            len(version),
-            len(arm),
-            len(details),
-            len(endpoint),
-            len(router_id),
-            len(principal),
-            len(key_hmac),
-            len(phase),
-            len(recorded),
-            len(stream),
-            len(request),
-            0,  # the response: in record_fields
-            len(record_fields),
-        )
-        fields = b"".join(
-            (
-                head,
-                request_id,
-                model,
-                version,
-                arm,
-                details,
-                endpoint,
-                router_id,
-                principal,
-                key_hmac,
-                phase,
-                recorded,
-                stream,
-            )
-        )
-        return fields, request, record_fields
 
     def routing_key_hmac(self, routing_key: str) -> str:
         """The HMAC records carry for ``routing_key`` (the HTTP front door masks a body's ``user`` with it)."""
