@@ -29,6 +29,7 @@ from tests.harness import (
     free_port,
     health_status,
     make_request,
+    running_stack,
     wait_for,
     write_registry,
 )
@@ -56,11 +57,8 @@ HOSTS = [h for h in (non_loopback_ip(), "0.0.0.0") if h]
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(tmp_path)
-    try:
+    with running_stack(tmp_path) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 def server_args(service: str, tmp_path: Path, redis_url: str) -> tuple[str, list[str]]:

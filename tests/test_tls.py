@@ -44,6 +44,7 @@ from tests.harness import (
     health_status,
     make_request,
     metric_samples,
+    running_stack,
     scrape_metrics,
     wait_for,
     write_registry,
@@ -77,11 +78,8 @@ def pki(tmp_path: Path) -> Pki:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(tmp_path)
-    try:
+    with running_stack(tmp_path) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 def tls_server_args(issued: Issued, *, mutual_ca: Path | None = None) -> list[str]:

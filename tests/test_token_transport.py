@@ -15,8 +15,9 @@ from grpc_health.v1 import health_pb2
 
 from splitstream.common.tls import PLAINTEXT, ClientTls
 from tests.certs import Pki
-from tests.harness import ROOT, Stack, free_port, health_status, write_registry
+from tests.harness import ROOT, Stack, free_port, health_status, running_stack, write_registry
 from tests.redis_server import RedisServer
+from tests.test_tls import tls_server_args
 
 TOKEN = "transport-token-" + "9" * 32
 HMAC_ENV = {"SPLITSTREAM_HMAC_KEY": "transport-test-hmac-key"}
@@ -25,11 +26,18 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    stack = Stack(tmp_path)
-    try:
+    with running_stack(tmp_path) as stack:
         yield stack
-    finally:
-        stack.close()
+
+
+def token_taken_safely(tmp_path: Path, name: str) -> list[tuple[list[str], ClientTls]]:
+    """The two ways a server beyond loopback may take a credential, as (its flags, how a client reaches it):
+    ``--allow-insecure-token``, and TLS with a certificate issued to ``name``."""
+    pki = Pki(tmp_path / "pki")
+    return [
+        (["--allow-insecure-token"], PLAINTEXT),
+        (tls_server_args(pki.issue(name)), ClientTls(enabled=True, ca_file=str(pki.ca))),
+    ]
 
 
 @pytest.fixture
@@ -84,13 +92,7 @@ def test_a_recorder_refuses_a_token_over_plaintext_beyond_loopback(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("splitstream-recorder: error: --host 0.0.0.0: the service token would be accepted in clear")
     assert TOKEN not in done.stderr
-    pki = Pki(tmp_path / "pki")
-    server = pki.issue("recorder")
-    tls_args = ["--grpc-use-ssl", "--grpc-server-cert", str(server.cert), "--grpc-server-key", str(server.key)]
-    for extra, client in (
-        (["--allow-insecure-token"], PLAINTEXT),
-        (tls_args, ClientTls(enabled=True, ca_file=str(pki.ca))),
-    ):
+    for extra, client in token_taken_safely(tmp_path, "recorder"):
         port = free_port()
         recorder = stack.service(
             "recorder", "splitstream.recorder", [*base, "--port", str(port), *extra], port=port, env=env, tls=client
@@ -116,13 +118,7 @@ def test_a_router_refuses_callers_credentials_over_plaintext_beyond_loopback(tmp
     assert last.startswith("splitstream-router: error: --auth-principals: callers' API keys and JWTs would be "), last
     assert "--grpc-use-ssl" in last
     assert "--allow-insecure-token" in last
-    pki = Pki(tmp_path / "pki")
-    server = pki.issue("router")
-    tls_args = ["--grpc-use-ssl", "--grpc-server-cert", str(server.cert), "--grpc-server-key", str(server.key)]
-    for extra, client in (
-        (["--allow-insecure-token"], PLAINTEXT),
-        (tls_args, ClientTls(enabled=True, ca_file=str(pki.ca))),
-    ):
+    for extra, client in token_taken_safely(tmp_path, "router"):
         port = free_port()
         router = stack.service(
             "router",
