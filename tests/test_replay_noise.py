@@ -15,6 +15,7 @@ simulation.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -151,6 +152,20 @@ def test_a_shift_smaller_than_the_noise_is_found_on_its_output_only(noisy: Noisy
     assert "<code>z</code>" in report
     assert "above the noise" in report
     assert "within the noise" in report
+
+
+def test_a_confidence_next_to_one_still_finds_the_shift(noisy: Noisy, tmp_path: Path) -> None:
+    """``--noise-confidence`` one ulp below 1: each field's tail (1.1e-16 / 2) is below what ``1 - tail`` keeps,
+    and an interval built from ``ppf(1 - tail)`` was infinitely wide, so nothing was ever above the noise."""
+    run = noisy.replay(
+        tmp_path, "--pin-version", "v2", "--noise-from", "v1", "--noise-quantile", "0.99",
+        "--noise-confidence", "0.9999999999999999", "--gate", "diff_above_noise_rate<=0",
+    )  # fmt: skip
+    assert run.code == 1, run.stderr
+    fields = run.summary["noise"]["fields"]
+    assert fields["z"]["above_noise"] is True
+    assert fields["y"]["above_noise"] is False
+    assert all(math.isfinite(f["excess_low"]) and math.isfinite(f["excess_high"]) for f in fields.values())
 
 
 def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) -> None:
