@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,10 +31,10 @@ from statsmodels.stats.proportion import confint_proportions_2indep
 from splitstream.replayer.main import parse_args
 from splitstream.replayer.noise import DiffHistogram, NoiseSettings, NoiseTotals, newcombe_interval
 from tests.doc_examples import Rewrite, block, run_block
-from tests.harness import InferClient, ServiceProcess, Stack, make_request
+from tests.harness import ROOT, InferClient, ServiceProcess, Stack, make_request, wait_for
 from tests.models import save_graph
 from tests.recording_stack import MODEL, RecordingStack
-from tests.replays import ReplayRun, run_replay
+from tests.replays import ReplayRun, replay_command, run_replay
 
 SIGMA = 0.01
 OFFSET = 0.02
@@ -67,14 +68,17 @@ def noisy_model(path: Path, *, offset: float) -> Path:
 @dataclass
 class Noisy:
     stack: RecordingStack
+    repository: Path
     since: float
     until: float
 
+    def window(self) -> list[str]:
+        return ["--since", f"{self.since:.9f}", "--until", f"{self.until:.9f}"]
+
     def replay(self, out: Path, *args: str) -> ReplayRun:
-        window = ["--since", f"{self.since:.9f}", "--until", f"{self.until:.9f}"]
         code, stdout, stderr = run_replay(
             self.stack.redis.url, out, "--target", self.stack.router.address, "--speed", "max", "--no-progress",
-            *window, *args, timeout_s=120,
+            *self.window(), *args, timeout_s=120,
         )  # fmt: skip
         return ReplayRun(code, stdout, stderr, out)
 
@@ -107,7 +111,7 @@ def noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Noisy]:
             client.infer(make_request(MODEL, x), metadata=[("x-request-id", f"noise-{i}")])
         until = time.time()
         stack.wait_recorded({f"noise-{i}" for i in range(CALLS)})
-        yield Noisy(stack, since - 0.001, until + 0.001)
+        yield Noisy(stack, repository, since - 0.001, until + 0.001)
     finally:
         stack.close()
 
@@ -194,6 +198,36 @@ def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) 
     fields = run.summary["noise"]["fields"]
     assert fields["z"]["above_noise"] is True
     assert fields["y"]["above_noise"] is False
+
+
+def test_a_noise_target_killed_mid_run_leaves_the_floor_to_the_calls_before(noisy: Noisy, tmp_path: Path) -> None:
+    """The control's instance dies (SIGKILL) partway: the replay does not hang or fail; the calls after answer
+    UNAVAILABLE on the control's side and carry no evidence, so the floor counts only the calls before."""
+    control = noisy.stack.stack.worker(noisy.repository, MODEL, "v1", name="noise-control")
+    command = replay_command(
+        noisy.stack.redis.url, tmp_path, "--target", noisy.stack.router.address, "--pin-version", "v2",
+        "--noise-target", control.address, "--noise-min-calls", "5", "--speed", "0.1", "--no-progress",
+        *noisy.window(),
+    )  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = tmp_path / "results.jsonl"
+    try:
+        wait_for(lambda: results.exists() and results.read_text().count("\n") >= 10, timeout_s=60, what="ten calls")
+        control.kill()
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(lines) == CALLS
+    assert all(line["replayed"]["status"] == "OK" for line in lines)
+    answered = sum(line["control"]["status"] == "OK" for line in lines)
+    assert {line["control"]["status"] for line in lines} == {"OK", "UNAVAILABLE"}
+    assert 10 <= answered < CALLS
+    fields = json.loads((tmp_path / "summary.json").read_text())["noise"]["fields"]
+    assert fields["z"]["calls"] == fields["y"]["calls"] == answered
+    assert fields["y"]["control"]["elements"] == answered * FEATURES
 
 
 def test_without_noise_flags_nothing_changes(noisy: Noisy, tmp_path: Path) -> None:
