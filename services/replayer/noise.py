@@ -179,12 +179,12 @@ class NoiseSettings:
     confidence: float = CONFIDENCE
 
     def __post_init__(self) -> None:
-        if not 0.5 <= self.confidence < 1:
-            raise ValueError("--noise-confidence must be in [0.5, 1)")
-        if not 0.5 <= self.quantile < 1:
-            raise ValueError("--noise-quantile must be in [0.5, 1)")
+        if not 0.5 <= self.quantile < 1:  # NaN fails this too
+            raise ValueError(f"--noise-quantile {self.quantile:g} must be at least 0.5 and below 1")
         if self.min_calls < 1:
-            raise ValueError("--noise-min-calls must be at least 1")
+            raise ValueError(f"--noise-min-calls {self.min_calls} must be at least 1")
+        if not 0.5 <= self.confidence < 1:  # NaN fails this too
+            raise ValueError(f"--noise-confidence {self.confidence:g} must be at least 0.5 and below 1")
 
 
 @dataclass
