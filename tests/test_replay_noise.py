@@ -28,6 +28,8 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 from statsmodels.stats.proportion import confint_proportions_2indep
 
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.replayer.compare import Answer
 from splitstream.replayer.main import parse_args
 from splitstream.replayer.noise import DiffHistogram, NoiseSettings, NoiseTotals, newcombe_interval
 from tests.doc_examples import Rewrite, block, run_block
@@ -334,3 +336,25 @@ def test_summary_reads_back(tmp_path: Path) -> None:
     summary = totals.summary()
     assert summary.fields["y"].above_noise is True
     assert json.loads(summary.model_dump_json())["diff_above_noise_rate"] == 1.0
+
+
+def test_answers_the_same_bytes_as_the_reference_count_as_zero_differences() -> None:
+    """A deterministic control (the same bytes as the reference, not decoded again) and a candidate that differs
+    in every element: zero differences on one side, every element beyond the floor of 0 on the other."""
+
+    def response(values: np.ndarray) -> bytes:
+        message = oip.ModelInferResponse(model_name=MODEL)
+        message.outputs.add(name="y", datatype="FP32", shape=list(values.shape))
+        message.raw_output_contents.append(values.astype(np.float32).tobytes())
+        return message.SerializeToString()
+
+    values = np.arange(64, dtype=np.float32).reshape(1, 64)
+    reference = response(values)
+    totals = NoiseTotals(NoiseSettings(control="v1", quantile=0.5, min_calls=1))
+    totals.add_answers(Answer(0, reference), Answer(0, bytes(reference)), Answer(0, response(values + 0.5)))
+    y = totals.summary().fields["y"]
+    assert y.floor == 0.0
+    assert y.control is not None
+    assert y.candidate is not None
+    assert (y.control.elements, y.control.max, y.candidate.elements) == (64, 0.0, 64)
+    assert (y.control_rate, y.candidate_rate, y.above_noise) == (0.0, 1.0, True)

@@ -33,7 +33,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 from scipy.stats import norm
 
-from splitstream.replayer.compare import Answer, decode_outputs
+from splitstream.replayer.compare import Answer, Tensor, decode_outputs
 
 #: Bins of the difference histogram: 0 (exact), then log bins of 1e-12..1e12, then beyond (and infinite).
 _LOW_DECADE: Final = -12
@@ -228,10 +228,16 @@ class NoiseTotals:
             return
         skip = reference.redacted
         ref, ref_problem = decode_outputs(reference.response, skip)
-        ctrl, ctrl_problem = decode_outputs(control.response, skip)
-        cand, cand_problem = decode_outputs(candidate.response, skip)
         if ref_problem:
             return
+
+        def decoded(side: Answer) -> tuple[dict[str, Tensor], str]:
+            # The same bytes as the reference's (a deterministic model, the common case): the same outputs,
+            # not decoded again.
+            return (ref, "") if side.response == reference.response else decode_outputs(side.response, skip)
+
+        ctrl, ctrl_problem = decoded(control)
+        cand, cand_problem = decoded(candidate)
         for name, (ref_type, ref_array) in ref.items():
             sides: list[np.ndarray | None] = []
             for outputs, problem in ((ctrl, ctrl_problem), (cand, cand_problem)):
