@@ -15,6 +15,8 @@ simulation.
 from __future__ import annotations
 
 import json
+import math
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,13 +28,15 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 from statsmodels.stats.proportion import confint_proportions_2indep
 
+from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.replayer.compare import Answer
 from splitstream.replayer.main import parse_args
 from splitstream.replayer.noise import DiffHistogram, NoiseSettings, NoiseTotals, newcombe_interval
 from tests.doc_examples import Rewrite, block, run_block
-from tests.harness import InferClient, ServiceProcess, Stack, make_request
+from tests.harness import ROOT, InferClient, ServiceProcess, Stack, make_request, wait_for
 from tests.models import save_graph
 from tests.recording_stack import MODEL, RecordingStack
-from tests.replays import ReplayRun, run_replay
+from tests.replays import ReplayRun, replay_command, run_replay
 
 SIGMA = 0.01
 OFFSET = 0.02
@@ -66,14 +70,17 @@ def noisy_model(path: Path, *, offset: float) -> Path:
 @dataclass
 class Noisy:
     stack: RecordingStack
+    repository: Path
     since: float
     until: float
 
+    def window(self) -> list[str]:
+        return ["--since", f"{self.since:.9f}", "--until", f"{self.until:.9f}"]
+
     def replay(self, out: Path, *args: str) -> ReplayRun:
-        window = ["--since", f"{self.since:.9f}", "--until", f"{self.until:.9f}"]
         code, stdout, stderr = run_replay(
             self.stack.redis.url, out, "--target", self.stack.router.address, "--speed", "max", "--no-progress",
-            *window, *args, timeout_s=120,
+            *self.window(), *args, timeout_s=120,
         )  # fmt: skip
         return ReplayRun(code, stdout, stderr, out)
 
@@ -106,7 +113,7 @@ def noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Noisy]:
             client.infer(make_request(MODEL, x), metadata=[("x-request-id", f"noise-{i}")])
         until = time.time()
         stack.wait_recorded({f"noise-{i}" for i in range(CALLS)})
-        yield Noisy(stack, since - 0.001, until + 0.001)
+        yield Noisy(stack, repository, since - 0.001, until + 0.001)
     finally:
         stack.close()
 
@@ -153,6 +160,20 @@ def test_a_shift_smaller_than_the_noise_is_found_on_its_output_only(noisy: Noisy
     assert "within the noise" in report
 
 
+def test_a_confidence_next_to_one_still_finds_the_shift(noisy: Noisy, tmp_path: Path) -> None:
+    """``--noise-confidence`` one ulp below 1: each field's tail (1.1e-16 / 2) is below what ``1 - tail`` keeps,
+    and an interval built from ``ppf(1 - tail)`` was infinitely wide, so nothing was ever above the noise."""
+    run = noisy.replay(
+        tmp_path, "--pin-version", "v2", "--noise-from", "v1", "--noise-quantile", "0.99",
+        "--noise-confidence", "0.9999999999999999", "--gate", "diff_above_noise_rate<=0",
+    )  # fmt: skip
+    assert run.code == 1, run.stderr
+    fields = run.summary["noise"]["fields"]
+    assert fields["z"]["above_noise"] is True
+    assert fields["y"]["above_noise"] is False
+    assert all(math.isfinite(f["excess_low"]) and math.isfinite(f["excess_high"]) for f in fields.values())
+
+
 def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) -> None:
     """``--noise-target ADDR``: the second pass goes to another address (v1's worker, then the router). 60 calls of
     64 elements are fewer than the 10,000 a 0.999 floor needs: no verdict, and a gate on it fails as not
@@ -179,6 +200,36 @@ def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) 
     fields = run.summary["noise"]["fields"]
     assert fields["z"]["above_noise"] is True
     assert fields["y"]["above_noise"] is False
+
+
+def test_a_noise_target_killed_mid_run_leaves_the_floor_to_the_calls_before(noisy: Noisy, tmp_path: Path) -> None:
+    """The control's instance dies (SIGKILL) partway: the replay does not hang or fail; the calls after answer
+    UNAVAILABLE on the control's side and carry no evidence, so the floor counts only the calls before."""
+    control = noisy.stack.stack.worker(noisy.repository, MODEL, "v1", name="noise-control")
+    command = replay_command(
+        noisy.stack.redis.url, tmp_path, "--target", noisy.stack.router.address, "--pin-version", "v2",
+        "--noise-target", control.address, "--noise-min-calls", "5", "--speed", "0.1", "--no-progress",
+        *noisy.window(),
+    )  # fmt: skip
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = tmp_path / "results.jsonl"
+    try:
+        wait_for(lambda: results.exists() and results.read_text().count("\n") >= 10, timeout_s=60, what="ten calls")
+        control.kill()
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, stderr
+    lines = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(lines) == CALLS
+    assert all(line["replayed"]["status"] == "OK" for line in lines)
+    answered = sum(line["control"]["status"] == "OK" for line in lines)
+    assert {line["control"]["status"] for line in lines} == {"OK", "UNAVAILABLE"}
+    assert 10 <= answered < CALLS
+    fields = json.loads((tmp_path / "summary.json").read_text())["noise"]["fields"]
+    assert fields["z"]["calls"] == fields["y"]["calls"] == answered
+    assert fields["y"]["control"]["elements"] == answered * FEATURES
 
 
 def test_without_noise_flags_nothing_changes(noisy: Noisy, tmp_path: Path) -> None:
@@ -285,3 +336,25 @@ def test_summary_reads_back(tmp_path: Path) -> None:
     summary = totals.summary()
     assert summary.fields["y"].above_noise is True
     assert json.loads(summary.model_dump_json())["diff_above_noise_rate"] == 1.0
+
+
+def test_answers_the_same_bytes_as_the_reference_count_as_zero_differences() -> None:
+    """A deterministic control (the same bytes as the reference, not decoded again) and a candidate that differs
+    in every element: zero differences on one side, every element beyond the floor of 0 on the other."""
+
+    def response(values: np.ndarray) -> bytes:
+        message = oip.ModelInferResponse(model_name=MODEL)
+        message.outputs.add(name="y", datatype="FP32", shape=list(values.shape))
+        message.raw_output_contents.append(values.astype(np.float32).tobytes())
+        return message.SerializeToString()
+
+    values = np.arange(64, dtype=np.float32).reshape(1, 64)
+    reference = response(values)
+    totals = NoiseTotals(NoiseSettings(control="v1", quantile=0.5, min_calls=1))
+    totals.add_answers(Answer(0, reference), Answer(0, bytes(reference)), Answer(0, response(values + 0.5)))
+    y = totals.summary().fields["y"]
+    assert y.floor == 0.0
+    assert y.control is not None
+    assert y.candidate is not None
+    assert (y.control.elements, y.control.max, y.candidate.elements) == (64, 0.0, 64)
+    assert (y.control_rate, y.candidate_rate, y.above_noise) == (0.0, 1.0, True)

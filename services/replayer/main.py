@@ -429,21 +429,14 @@ def _noise_settings(args: argparse.Namespace) -> NoiseSettings | None:
     """The noise floor's settings, None without ``--noise-from`` or ``--noise-target``."""
     if args.noise_from and args.noise_from != header_value(args.noise_from):
         raise ValueError(f"--noise-from {args.noise_from!r} is not a version name (printable ASCII, no %)")
-    if not 0.5 <= args.noise_quantile < 1:  # NaN fails this too
-        raise ValueError(f"--noise-quantile {args.noise_quantile:g} must be at least 0.5 and below 1")
-    if args.noise_min_calls < 1:
-        raise ValueError(f"--noise-min-calls {args.noise_min_calls} must be at least 1")
-    if not 0.5 <= args.noise_confidence < 1:  # NaN fails this too
-        raise ValueError(f"--noise-confidence {args.noise_confidence:g} must be at least 0.5 and below 1")
-    if not (args.noise_from or args.noise_target):
-        return None
     control = f"{args.noise_from} at --target" if args.noise_from else args.noise_target
-    return NoiseSettings(
+    settings = NoiseSettings(  # checks its numbers, with the noise floor on or off
         control=control,
         quantile=args.noise_quantile,
         min_calls=args.noise_min_calls,
         confidence=args.noise_confidence,
     )
+    return settings if args.noise_from or args.noise_target else None
 
 
 def _mebibytes(flag: str, mib: float) -> int:

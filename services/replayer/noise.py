@@ -33,7 +33,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 from scipy.stats import norm
 
-from splitstream.replayer.compare import Answer, decode_outputs
+from splitstream.replayer.compare import Answer, Tensor, decode_outputs
 
 #: Bins of the difference histogram: 0 (exact), then log bins of 1e-12..1e12, then beyond (and infinite).
 _LOW_DECADE: Final = -12
@@ -61,9 +61,19 @@ def newcombe_interval(k1: int, n1: int, k2: int, n2: int, confidence: float = CO
     """Newcombe's hybrid score interval (1998, method 10) for ``k1/n1 - k2/n2``: the Wilson intervals of both
     proportions combined. Chosen because it keeps its coverage at proportions near 0 (a floor's 0.1 %) where the
     Wald interval collapses to a point."""
+    return _newcombe(k1, n1, k2, n2, _critical(1 - confidence))
+
+
+def _critical(alpha: float) -> float:
+    """The two-sided normal critical value at ``alpha``, from the tail itself: through ``ppf(1 - alpha / 2)`` a
+    tail near 1e-16 (``--noise-confidence 0.9999999999999999``, or a small one split over the fields) rounds to
+    ``ppf(1)``, an infinite z, whose intervals all hold 0: no field would ever be judged above the noise."""
+    return float(norm.isf(alpha / 2))
+
+
+def _newcombe(k1: int, n1: int, k2: int, n2: int, z: float) -> tuple[float, float]:
     if n1 <= 0 or n2 <= 0:
         raise ValueError("both samples need at least one trial")
-    z = float(norm.ppf(0.5 + confidence / 2))
     p1, p2 = k1 / n1, k2 / n2
     l1, u1 = _wilson(k1, n1, z)
     l2, u2 = _wilson(k2, n2, z)
@@ -169,12 +179,12 @@ class NoiseSettings:
     confidence: float = CONFIDENCE
 
     def __post_init__(self) -> None:
-        if not 0.5 <= self.confidence < 1:
-            raise ValueError("--noise-confidence must be in [0.5, 1)")
-        if not 0.5 <= self.quantile < 1:
-            raise ValueError("--noise-quantile must be in [0.5, 1)")
+        if not 0.5 <= self.quantile < 1:  # NaN fails this too
+            raise ValueError(f"--noise-quantile {self.quantile:g} must be at least 0.5 and below 1")
         if self.min_calls < 1:
-            raise ValueError("--noise-min-calls must be at least 1")
+            raise ValueError(f"--noise-min-calls {self.min_calls} must be at least 1")
+        if not 0.5 <= self.confidence < 1:  # NaN fails this too
+            raise ValueError(f"--noise-confidence {self.confidence:g} must be at least 0.5 and below 1")
 
 
 @dataclass
@@ -218,10 +228,16 @@ class NoiseTotals:
             return
         skip = reference.redacted
         ref, ref_problem = decode_outputs(reference.response, skip)
-        ctrl, ctrl_problem = decode_outputs(control.response, skip)
-        cand, cand_problem = decode_outputs(candidate.response, skip)
         if ref_problem:
             return
+
+        def decoded(side: Answer) -> tuple[dict[str, Tensor], str]:
+            # The same bytes as the reference's (a deterministic model, the common case): the same outputs,
+            # not decoded again.
+            return (ref, "") if side.response == reference.response else decode_outputs(side.response, skip)
+
+        ctrl, ctrl_problem = decoded(control)
+        cand, cand_problem = decoded(candidate)
         for name, (ref_type, ref_array) in ref.items():
             sides: list[np.ndarray | None] = []
             for outputs, problem in ((ctrl, ctrl_problem), (cand, cand_problem)):
@@ -241,12 +257,13 @@ class NoiseTotals:
         judged = sum(self._trusted(t) for t in self.tensors.values()) + sum(
             self._trusted(t) for t in self.texts.values()
         )
-        confidence = 1 - (1 - settings.confidence) / max(judged, 1)
+        alpha = (1 - settings.confidence) / max(judged, 1)
+        z = _critical(alpha)
         fields: dict[str, FieldNoise] = {}
         for name, tensor in sorted(self.tensors.items()):
-            fields[name] = self._tensor_summary(tensor, confidence)
+            fields[name] = self._tensor_summary(tensor, z)
         for name, text in sorted(self.texts.items()):
-            fields[name] = self._text_summary(text, confidence)
+            fields[name] = self._text_summary(text, z)
         verdicts = [f.above_noise for f in fields.values() if f.above_noise is not None]
         return NoiseSummary(
             control=settings.control,
@@ -254,7 +271,7 @@ class NoiseTotals:
             min_calls=settings.min_calls,
             confidence=settings.confidence,
             fields=fields,
-            field_confidence=round(confidence, 6),
+            field_confidence=round(1 - alpha, 6),
             diff_above_noise_rate=round(sum(verdicts) / len(verdicts), 6) if verdicts else None,
         )
 
@@ -266,7 +283,7 @@ class NoiseTotals:
             return True
         return totals.control.total * (1 - self.settings.quantile) >= 10 and totals.candidate.total > 0
 
-    def _tensor_summary(self, tensor: _TensorField, confidence: float) -> FieldNoise:
+    def _tensor_summary(self, tensor: _TensorField, z: float) -> FieldNoise:
         q = self.settings.quantile
         n_control, n_candidate = tensor.control.total, tensor.candidate.total
         trusted = self._trusted(tensor)
@@ -276,7 +293,7 @@ class NoiseTotals:
         if floor_bin is not None and n_candidate:
             k_control, k_candidate = tensor.control.beyond(floor_bin), tensor.candidate.beyond(floor_bin)
             control_rate, candidate_rate = k_control / n_control, k_candidate / n_candidate
-            low, high = newcombe_interval(k_candidate, n_candidate, k_control, n_control, confidence)
+            low, high = _newcombe(k_candidate, n_candidate, k_control, n_control, z)
             above = low > 0 if trusted else None
         return FieldNoise(
             kind="tensor",
@@ -292,14 +309,14 @@ class NoiseTotals:
             candidate=_distribution(tensor.candidate),
         )
 
-    def _text_summary(self, text: _TextField, confidence: float) -> FieldNoise:
+    def _text_summary(self, text: _TextField, z: float) -> FieldNoise:
         trusted = self._trusted(text)
         if not text.calls:
             return FieldNoise(
                 kind="text", calls=0, trusted=False, control_rate=None, candidate_rate=None,
                 excess_low=None, excess_high=None, above_noise=None,
             )  # fmt: skip
-        low, high = newcombe_interval(text.candidate_differs, text.calls, text.control_differs, text.calls, confidence)
+        low, high = _newcombe(text.candidate_differs, text.calls, text.control_differs, text.calls, z)
         return FieldNoise(
             kind="text",
             calls=text.calls,
