@@ -30,7 +30,7 @@ import statsmodels.api as sm
 import yaml
 
 from demo import language
-from splitstream.admin.pairwise import parse_verdict
+from splitstream.admin.pairwise import load_cache, parse_verdict
 from splitstream.admin.pairwise_stats import Judged, clustered_mean, version_summary
 from splitstream.common.files import atomic_write
 from tests.harness import ROOT, ServiceProcess, Stack, free_port, wait_for
@@ -368,6 +368,28 @@ def test_the_token_budget_stops_asking_and_a_refused_key_fails_the_run(
     assert refused.code == 1
     assert "answered HTTP 401" in refused.stderr
     assert judge.stats()["completions"] == 2
+
+
+@pytest.mark.slow
+def test_a_cache_torn_mid_line_by_a_killed_run_loses_no_pair_on_the_next_runs(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--first"))
+    out = tmp_path / "out"
+    first = run_judge(traffic, judge, out, "--max-pairs", "3", "--concurrency", "1")
+    assert first.code == 0, first.stderr
+    cache = out / "cache.jsonl"
+    lines = cache.read_text().splitlines(keepends=True)
+    assert len(lines) == 3
+    cache.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # killed while writing the third
+    again = run_judge(traffic, judge, out, "--max-pairs", "3", "--concurrency", "1")
+    assert again.code == 0, again.stderr
+    assert judge.stats()["completions"] == 4  # the torn pair is judged again, once
+    assert len(load_cache(cache)) == 3  # every pair judged so far is whole in the cache
+    third = run_judge(traffic, judge, out, "--max-pairs", "3", "--concurrency", "1")
+    assert third.code == 0, third.stderr
+    assert third.summary["judge_calls"] == 0
+    assert judge.stats()["completions"] == 4
 
 
 def test_a_rubric_without_the_answers_is_refused_naming_the_flag(tmp_path: Path) -> None:

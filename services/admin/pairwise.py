@@ -124,6 +124,17 @@ def load_cache(path: Path | None) -> dict[str, dict[str, Any]]:
     return pairs
 
 
+def cut_torn_line(path: Path) -> None:
+    """Cut off a last line without its newline (a run killed mid-write), so the next pair appended to the cache
+    starts a line of its own rather than ending the torn one (and being lost with it)."""
+    if not path.exists():
+        return
+    with path.open("rb+") as file:
+        data = file.read()
+        if data and not data.endswith(b"\n"):
+            file.truncate(data.rfind(b"\n") + 1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class JudgeSettings:
     url: str
