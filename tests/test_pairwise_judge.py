@@ -392,6 +392,30 @@ def test_a_cache_torn_mid_line_by_a_killed_run_loses_no_pair_on_the_next_runs(
     assert judge.stats()["completions"] == 4
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ("not-json", "answered no chat completion"),
+        ("no-message", "answered no chat completion"),
+        ("huge", "larger than"),
+        ("500", "failed 3 times, last: HTTP 500"),
+    ],
+)
+def test_a_judge_answering_no_chat_completion_fails_the_run_with_exit_1(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path, answer: str, said: str
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--answer", answer))
+    run = run_judge(traffic, judge, tmp_path / "out", "--max-pairs", "2", "--concurrency", "1", "--retries", "2")
+    assert run.code == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith("splitstream judge: error: the judge at "), line
+    assert said in line, line
+    assert len(line) < 2000
+    assert judge.stats()["completions"] == (3 if answer == "500" else 1)
+
+
 def test_a_rubric_without_the_answers_is_refused_naming_the_flag(tmp_path: Path) -> None:
     rubric = tmp_path / "rubric.txt"
     rubric.write_text("Which is better? {{conversation}}")
