@@ -215,6 +215,12 @@ def test_a_marginal_score_holds_the_step_one_more_interval_then_rolls_back(tmp_p
         (["--judge", "--judge-confidence", "1.5"], "--judge-confidence: must be between 0.5 and 1"),
         (["--judge-metric", "error_rate"], "go with --judge"),
         (["--judge", "--judge-metric", "click"], "unknown metric 'click' (one of latency_p50"),
+        (["--judge", "--judge-metric", "latency_p50=nan"], "the weight must be within (0, 100], got 'nan'"),
+        (["--judge", "--judge-metric", "latency_p50=-10"], "the weight must be within (0, 100], got '-10'"),
+        (["--judge", "--judge-metric", "latency_p50=inf%"], "the weight must be within (0, 100], got 'inf%'"),
+        (["--judge", "--judge-pass", "nan"], "need 0 <= marginal <= pass <= 100"),
+        (["--judge", "--judge-confidence", "nan"], "--judge-confidence: must be between 0.5 and 1"),
+        (["--judge", "--judge-tolerance", "nan"], "--judge-tolerance: must be a finite number >= 0"),
     ],
     ids=[
         "unknown-metric",
@@ -223,6 +229,12 @@ def test_a_marginal_score_holds_the_step_one_more_interval_then_rolls_back(tmp_p
         "confidence",
         "metric-without-judge",
         "outcome-without-guard",
+        "weight-nan",
+        "weight-negative",
+        "weight-infinite",
+        "pass-nan",
+        "confidence-nan",
+        "tolerance-nan",
     ],
 )
 def test_bad_judge_flags_exit_2_with_one_line_and_change_nothing(
