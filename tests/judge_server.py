@@ -11,7 +11,8 @@ Its verdicts are scripted, not generated:
 ``--answer KIND`` breaks it on purpose: ``not-json`` (a 200 of plain text), ``no-message`` (``message`` a string,
 not an object), ``huge`` (a 200 of 64 MiB of JSON), ``500`` (every call an HTTP 500).
 
-``--throttle N``: the first N calls answer 429 (``Retry-After: 0``). ``GET /stats`` answers the number of
+``--throttle N``: the first N calls answer 429 (``Retry-After: 0``, or ``--retry-after``'s text). ``GET /gaps``
+answers the seconds between one call and the next. ``GET /stats`` answers the number of
 completions asked and of 429s given, so a test can tell whether a run asked the judge at all.
 
     python -m tests.judge_server --port 0 --key sk-judge --prefer preferred.jsonl
@@ -20,8 +21,10 @@ completions asked and of 429s given, so a test can tell whether a run asked the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
+import time
 import zlib
 from pathlib import Path
 
@@ -46,11 +49,19 @@ def _broken(answer: str) -> web.Response:
 
 
 def build(
-    key: str, preferred: set[str], first: bool, throttle: int, flip_every: int = 0, answer: str = ""
+    key: str,
+    preferred: set[str],
+    first: bool,
+    throttle: int,
+    flip_every: int = 0,
+    answer: str = "",
+    retry_after: str = "0",
 ) -> web.Application:
     counts = {"completions": 0, "throttled": 0}
+    arrivals: list[float] = []
 
     async def completions(request: web.Request) -> web.Response:
+        arrivals.append(time.monotonic())
         if request.headers.get("Authorization") != f"Bearer {key}":
             return _error(401, "Incorrect API key provided.", "invalid_request_error")
         if counts["throttled"] < throttle:
@@ -65,7 +76,7 @@ def build(
                     }
                 },
                 status=429,
-                headers={"Retry-After": "0"},
+                headers={"Retry-After": retry_after},
             )
         body = await request.json()
         prompt = body["messages"][-1]["content"]
@@ -105,9 +116,13 @@ def build(
     async def stats(_: web.Request) -> web.Response:
         return web.json_response(counts)
 
+    async def gaps(_: web.Request) -> web.Response:
+        return web.json_response([later - earlier for earlier, later in itertools.pairwise(arrivals)])
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/gaps", gaps)
     return app
 
 
@@ -118,6 +133,7 @@ def main() -> None:
     parser.add_argument("--prefer", default="")
     parser.add_argument("--first", action="store_true")
     parser.add_argument("--throttle", type=int, default=0)
+    parser.add_argument("--retry-after", default="0")
     parser.add_argument("--flip-every", type=int, default=0)
     parser.add_argument("--answer", choices=("not-json", "no-message", "huge", "500"), default="")
     args = parser.parse_args()
@@ -125,7 +141,7 @@ def main() -> None:
         {json.loads(line) for line in Path(args.prefer).read_text().splitlines() if line} if args.prefer else set()
     )
     web.run_app(
-        build(args.key, preferred, args.first, args.throttle, args.flip_every, args.answer),
+        build(args.key, preferred, args.first, args.throttle, args.flip_every, args.answer, args.retry_after),
         host="127.0.0.1",
         port=args.port,
         print=None,

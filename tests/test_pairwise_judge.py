@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,6 +334,23 @@ def test_a_429_is_retried_after_its_retry_after(traffic: Traffic, judges: list[J
     assert len(run.pairs()) == 3
     assert run.summary["judge_retries"] == 2
     assert judge.stats() == {"completions": 3, "throttled": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("retry_after", ["nan", "inf", "soon"])
+def test_a_retry_after_that_is_no_delay_falls_back_to_the_backoff(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path, retry_after: str
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--first", "--throttle", "2", f"--retry-after={retry_after}"))
+    run = run_judge(traffic, judge, tmp_path / "out", "--max-pairs", "1", "--backoff-s", "0.4")
+    assert run.code == 0, run.stderr
+    assert judge.stats() == {"completions": 1, "throttled": 2}
+    with urllib.request.urlopen(f"http://127.0.0.1:{judge.port}/gaps", timeout=5) as response:
+        gaps = json.load(response)
+    assert len(gaps) == 2
+    # The backoff: 0.4 s then 0.8 s, jittered to between half and one and a half of each.
+    assert min(gaps) >= 0.2, gaps
+    assert max(gaps) < 5, gaps
 
 
 @pytest.mark.slow

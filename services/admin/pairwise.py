@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import random
 import re
 import time
@@ -402,11 +403,13 @@ def _completion(body: bytes) -> tuple[str, dict[str, int]]:
 
 
 def _retry_after(value: str | None, default_s: float) -> float:
-    """Seconds from a ``Retry-After`` of delta-seconds (an HTTP date is rare from APIs: the backoff then)."""
+    """Seconds from a ``Retry-After`` of delta-seconds, at most 60 (an HTTP date is rare from APIs, and NaN or an
+    infinity is no delay at all: the backoff then; a NaN given to asyncio.sleep would wait on unrelated timers)."""
     try:
-        return min(max(float(value), 0.0), 60.0) if value is not None else default_s
+        seconds = float(value) if value is not None else math.nan
     except ValueError:
         return default_s
+    return min(max(seconds, 0.0), 60.0) if math.isfinite(seconds) else default_s
 
 
 def now_ns() -> int:
