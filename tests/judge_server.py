@@ -8,7 +8,11 @@ Its verdicts are scripted, not generated:
 - ``--flip-every N``: with ``--prefer``, the verdict of one pair in N (by a hash of the two answers, whatever
   their order) goes the other way: a judge that mostly, not always, prefers one version.
 
-``--throttle N``: the first N calls answer 429 (``Retry-After: 0``). ``GET /stats`` answers the number of
+``--answer KIND`` breaks it on purpose: ``not-json`` (a 200 of plain text), ``no-message`` (``message`` a string,
+not an object), ``huge`` (a 200 of 64 MiB of JSON), ``500`` (every call an HTTP 500).
+
+``--throttle N``: the first N calls answer 429 (``Retry-After: 0``, or ``--retry-after``'s text). ``GET /gaps``
+answers the seconds between one call and the next. ``GET /stats`` answers the number of
 completions asked and of 429s given, so a test can tell whether a run asked the judge at all.
 
     python -m tests.judge_server --port 0 --key sk-judge --prefer preferred.jsonl
@@ -17,8 +21,10 @@ completions asked and of 429s given, so a test can tell whether a run asked the 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
+import time
 import zlib
 from pathlib import Path
 
@@ -31,10 +37,31 @@ def _error(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": None}}, status=status)
 
 
-def build(key: str, preferred: set[str], first: bool, throttle: int, flip_every: int = 0) -> web.Application:
+def _broken(answer: str) -> web.Response:
+    if answer == "not-json":
+        return web.Response(text="<html>upstream says hello</html>", content_type="text/html")
+    if answer == "no-message":
+        return web.json_response({"choices": [{"index": 0, "message": "Verdict: A"}], "usage": {}})
+    if answer == "huge":
+        content = "x" * (64 << 20)
+        return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": content}}]})
+    return _error(500, "The server had an error while processing your request.", "server_error")
+
+
+def build(
+    key: str,
+    preferred: set[str],
+    first: bool,
+    throttle: int,
+    flip_every: int = 0,
+    answer: str = "",
+    retry_after: str = "0",
+) -> web.Application:
     counts = {"completions": 0, "throttled": 0}
+    arrivals: list[float] = []
 
     async def completions(request: web.Request) -> web.Response:
+        arrivals.append(time.monotonic())
         if request.headers.get("Authorization") != f"Bearer {key}":
             return _error(401, "Incorrect API key provided.", "invalid_request_error")
         if counts["throttled"] < throttle:
@@ -49,11 +76,13 @@ def build(key: str, preferred: set[str], first: bool, throttle: int, flip_every:
                     }
                 },
                 status=429,
-                headers={"Retry-After": "0"},
+                headers={"Retry-After": retry_after},
             )
         body = await request.json()
         prompt = body["messages"][-1]["content"]
         counts["completions"] += 1
+        if answer:
+            return _broken(answer)
         match = _ANSWER.search(prompt)
         if match is None:
             return _error(400, "the prompt holds no 'Answer A:'/'Answer B:'", "invalid_request_error")
@@ -87,9 +116,13 @@ def build(key: str, preferred: set[str], first: bool, throttle: int, flip_every:
     async def stats(_: web.Request) -> web.Response:
         return web.json_response(counts)
 
+    async def gaps(_: web.Request) -> web.Response:
+        return web.json_response([later - earlier for earlier, later in itertools.pairwise(arrivals)])
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/gaps", gaps)
     return app
 
 
@@ -100,13 +133,15 @@ def main() -> None:
     parser.add_argument("--prefer", default="")
     parser.add_argument("--first", action="store_true")
     parser.add_argument("--throttle", type=int, default=0)
+    parser.add_argument("--retry-after", default="0")
     parser.add_argument("--flip-every", type=int, default=0)
+    parser.add_argument("--answer", choices=("not-json", "no-message", "huge", "500"), default="")
     args = parser.parse_args()
     preferred = (
         {json.loads(line) for line in Path(args.prefer).read_text().splitlines() if line} if args.prefer else set()
     )
     web.run_app(
-        build(args.key, preferred, args.first, args.throttle, args.flip_every),
+        build(args.key, preferred, args.first, args.throttle, args.flip_every, args.answer, args.retry_after),
         host="127.0.0.1",
         port=args.port,
         print=None,

@@ -169,3 +169,46 @@ def test_a_router_refuses_keyed_digests_without_the_secret(tmp_path: Path) -> No
     )  # fmt: skip
     assert result.returncode == 2
     assert "--api-key-secret-file" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["web\n", "web\r\n", "wéb", "web\tx", "\u202eweb"])
+def test_keys_add_refuses_a_principal_name_with_control_or_non_ascii_characters(tmp_path: Path, name: str) -> None:
+    principals = tmp_path / "principals.yaml"
+    atomic_write(principals, "principals: {}\n")
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32))
+    result = run_module(
+        "splitstream.admin", "keys", "add", name, "--principals", str(principals), "--api-key-secret-file", str(secret)
+    )
+    assert result.returncode == 2, result.stderr
+    assert "PRINCIPAL" in result.stderr
+    assert result.stdout == ""  # no key shown
+    assert principals.read_text() == "principals: {}\n"
+
+
+@pytest.mark.parametrize(
+    ("document", "said"),
+    [
+        (b"\xff\xfe\x00principals", "not UTF-8"),
+        (b"- web\n- batch\n", "not a mapping"),
+        (b"just some text\n", "not a mapping"),
+        (b"principals:\n  web: [digits]\n", "'web' is not a mapping"),
+        (b"principals:\n  web:\n    models: []\n    api_keys_hmac_sha256: abc\n", "not a list"),
+    ],
+)
+def test_keys_add_refuses_a_principals_document_it_cannot_edit_with_exit_2(
+    tmp_path: Path, document: bytes, said: str
+) -> None:
+    principals = tmp_path / "principals.yaml"
+    principals.write_bytes(document)
+    secret = tmp_path / "secret"
+    secret.write_text(secrets.token_hex(32))
+    result = run_module(
+        "splitstream.admin", "keys", "add", "web", "--principals", str(principals), "--api-key-secret-file", str(secret)
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "--principals" in result.stderr
+    assert said in result.stderr, result.stderr
+    assert result.stdout == ""
+    assert principals.read_bytes() == document  # nothing written

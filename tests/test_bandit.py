@@ -211,6 +211,14 @@ def test_a_bandit_is_refused_while_a_rollout_of_the_model_holds_its_lock(stack: 
         (("--interval", "0s"), "--interval"),
         (("--metric", "click"), "bad metric 'click'"),
         (("--draws", "10"), "--draws: at least 100"),
+        (("--interval", "nan"), "--interval: bad duration 'nan'"),
+        (("--interval", "inf"), "--interval: bad duration 'inf'"),
+        (("--holdout", "100%"), "--holdout: a share within [0, 100 %)"),
+        (("--holdout", "nan"), "--holdout: a share within [0, 100 %), got nan %"),
+        (("--min-weight", "nan%"), "--min-weight: a whole percent"),
+        (("--max-error-rate", "nan"), "--max-error-rate: a fraction within 0..1"),
+        (("--alpha", "nan"), "--alpha: must be between 0 and 1"),
+        (("--duration=-5s",), "--duration: bad duration '-5s'"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line_naming_the_flag(

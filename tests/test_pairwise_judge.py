@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ import statsmodels.api as sm
 import yaml
 
 from demo import language
-from splitstream.admin.pairwise import parse_verdict
+from splitstream.admin.pairwise import load_cache, parse_verdict
 from splitstream.admin.pairwise_stats import Judged, clustered_mean, version_summary
 from splitstream.common.files import atomic_write
 from tests.harness import ROOT, ServiceProcess, Stack, free_port, wait_for
@@ -336,6 +337,23 @@ def test_a_429_is_retried_after_its_retry_after(traffic: Traffic, judges: list[J
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("retry_after", ["nan", "inf", "soon"])
+def test_a_retry_after_that_is_no_delay_falls_back_to_the_backoff(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path, retry_after: str
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--first", "--throttle", "2", f"--retry-after={retry_after}"))
+    run = run_judge(traffic, judge, tmp_path / "out", "--max-pairs", "1", "--backoff-s", "0.4")
+    assert run.code == 0, run.stderr
+    assert judge.stats() == {"completions": 1, "throttled": 2}
+    with urllib.request.urlopen(f"http://127.0.0.1:{judge.port}/gaps", timeout=5) as response:
+        gaps = json.load(response)
+    assert len(gaps) == 2
+    # The backoff: 0.4 s then 0.8 s, jittered to between half and one and a half of each.
+    assert min(gaps) >= 0.2, gaps
+    assert max(gaps) < 5, gaps
+
+
+@pytest.mark.slow
 def test_token_streams_are_judged_against_the_other_versions_stream(
     traffic: Traffic, judges: list[Judge], tmp_path: Path
 ) -> None:
@@ -368,6 +386,52 @@ def test_the_token_budget_stops_asking_and_a_refused_key_fails_the_run(
     assert refused.code == 1
     assert "answered HTTP 401" in refused.stderr
     assert judge.stats()["completions"] == 2
+
+
+@pytest.mark.slow
+def test_a_cache_torn_mid_line_by_a_killed_run_loses_no_pair_on_the_next_runs(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--first"))
+    out = tmp_path / "out"
+    first = run_judge(traffic, judge, out, "--max-pairs", "3", "--concurrency", "1")
+    assert first.code == 0, first.stderr
+    cache = out / "cache.jsonl"
+    lines = cache.read_text().splitlines(keepends=True)
+    assert len(lines) == 3
+    cache.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # killed while writing the third
+    again = run_judge(traffic, judge, out, "--max-pairs", "3", "--concurrency", "1")
+    assert again.code == 0, again.stderr
+    assert judge.stats()["completions"] == 4  # the torn pair is judged again, once
+    assert len(load_cache(cache)) == 3  # every pair judged so far is whole in the cache
+    third = run_judge(traffic, judge, out, "--max-pairs", "3", "--concurrency", "1")
+    assert third.code == 0, third.stderr
+    assert third.summary["judge_calls"] == 0
+    assert judge.stats()["completions"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        ("not-json", "answered no chat completion"),
+        ("no-message", "answered no chat completion"),
+        ("huge", "larger than"),
+        ("500", "failed 3 times, last: HTTP 500"),
+    ],
+)
+def test_a_judge_answering_no_chat_completion_fails_the_run_with_exit_1(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path, answer: str, said: str
+) -> None:
+    judges.append(judge := start_judge(tmp_path, "--answer", answer))
+    run = run_judge(traffic, judge, tmp_path / "out", "--max-pairs", "2", "--concurrency", "1", "--retries", "2")
+    assert run.code == 1, run.stderr
+    assert "Traceback" not in run.stderr
+    [line] = run.stderr.strip().splitlines()
+    assert line.startswith("splitstream judge: error: the judge at "), line
+    assert said in line, line
+    assert len(line) < 2000
+    assert judge.stats()["completions"] == (3 if answer == "500" else 1)
 
 
 def test_a_rubric_without_the_answers_is_refused_naming_the_flag(tmp_path: Path) -> None:

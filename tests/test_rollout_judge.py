@@ -132,6 +132,22 @@ def deployed(tmp_path: Path, *, slow: bool) -> Iterator[Canary]:
         yield Canary(registry, stack.router(registry))
 
 
+@pytest.fixture(scope="module")
+def slow_deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Canary]:
+    """One slowed-down canary deployment for the tests that roll it back (started once: a stack takes seconds)."""
+    with deployed(tmp_path_factory.mktemp("slow-canary"), slow=True) as canary:
+        yield canary
+
+
+@pytest.fixture
+def slow_canary(slow_deployment: Canary) -> Canary:
+    """The shared slow deployment with its starting experiment back (v1 taking all the traffic, no v2 arm)."""
+    registry = yaml.safe_load(slow_deployment.registry.read_text())["models"]
+    registry[MODEL]["experiment"] = {"salt": "judge", "control": "v1", "arms": [{"version": "v1", "weight": 100}]}
+    write_registry(slow_deployment.registry, registry)
+    return slow_deployment
+
+
 def rollout(canary: Canary, *flags: str) -> subprocess.CompletedProcess[str]:
     """A one-step rollout to 50 % judged over 5 s of 0.5 s intervals; the ratio guard loose, so only the judge
     can stop it."""
@@ -174,35 +190,35 @@ def test_an_equal_canary_passes_with_a_high_score(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_slower_canary_scores_low_and_is_rolled_back(tmp_path: Path) -> None:
-    with deployed(tmp_path, slow=True) as canary:
-        result = rollout(canary)
-        assert result.returncode == 3, result.stdout + result.stderr
-        [line] = judge_lines(result)
-        assert score_of(line) < judge.DEFAULT_MARGINAL, line
-        assert "latency_p50 High" in line
-        # (its p99 is High too on a quiet machine; per-interval p99s of a loaded one are too noisy to insist)
-        assert "error_rate Pass" in line
-        assert "ROLLED BACK: v2 judge score" in result.stdout
-        assert "below --judge-marginal 75" in result.stdout
-        assert weights_of(canary) == {"v1": 100, "v2": 0}
+def test_a_slower_canary_scores_low_and_is_rolled_back(slow_canary: Canary) -> None:
+    canary = slow_canary
+    result = rollout(canary)
+    assert result.returncode == 3, result.stdout + result.stderr
+    [line] = judge_lines(result)
+    assert score_of(line) < judge.DEFAULT_MARGINAL, line
+    assert "latency_p50 High" in line
+    # (its p99 is High too on a quiet machine; per-interval p99s of a loaded one are too noisy to insist)
+    assert "error_rate Pass" in line
+    assert "ROLLED BACK: v2 judge score" in result.stdout
+    assert "below --judge-marginal 75" in result.stdout
+    assert weights_of(canary) == {"v1": 100, "v2": 0}
 
 
 @pytest.mark.slow
-def test_a_marginal_score_holds_the_step_one_more_interval_then_rolls_back(tmp_path: Path) -> None:
+def test_a_marginal_score_holds_the_step_one_more_interval_then_rolls_back(slow_canary: Canary) -> None:
     # Latency weighs 20 %: the slow canary scores 80, between --judge-marginal 75 and --judge-pass 95.
-    with deployed(tmp_path, slow=True) as canary:
-        result = rollout(canary, "--judge-metric", "latency_p50=20", "--judge-metric", "error_rate")
-        assert result.returncode == 3, result.stdout + result.stderr
-        first, second = judge_lines(result)
-        assert score_of(first) == score_of(second) == 80
-        assert first.endswith(": marginal")
-        assert second.endswith(": marginal")
-        assert "holding the step one more interval" in result.stdout
-        points = [int(line.split(" over ")[1].split()[0]) for line in (first, second)]
-        assert points[1] > points[0]  # judged again over the held interval too
-        assert "still below --judge-pass 95 after holding the step one more interval" in result.stdout
-        assert weights_of(canary) == {"v1": 100, "v2": 0}
+    canary = slow_canary
+    result = rollout(canary, "--judge-metric", "latency_p50=20", "--judge-metric", "error_rate")
+    assert result.returncode == 3, result.stdout + result.stderr
+    first, second = judge_lines(result)
+    assert score_of(first) == score_of(second) == 80
+    assert first.endswith(": marginal")
+    assert second.endswith(": marginal")
+    assert "holding the step one more interval" in result.stdout
+    points = [int(line.split(" over ")[1].split()[0]) for line in (first, second)]
+    assert points[1] > points[0]  # judged again over the held interval too
+    assert "still below --judge-pass 95 after holding the step one more interval" in result.stdout
+    assert weights_of(canary) == {"v1": 100, "v2": 0}
 
 
 @pytest.mark.slow
@@ -215,6 +231,12 @@ def test_a_marginal_score_holds_the_step_one_more_interval_then_rolls_back(tmp_p
         (["--judge", "--judge-confidence", "1.5"], "--judge-confidence: must be between 0.5 and 1"),
         (["--judge-metric", "error_rate"], "go with --judge"),
         (["--judge", "--judge-metric", "click"], "unknown metric 'click' (one of latency_p50"),
+        (["--judge", "--judge-metric", "latency_p50=nan"], "the weight must be within (0, 100], got 'nan'"),
+        (["--judge", "--judge-metric", "latency_p50=-10"], "the weight must be within (0, 100], got '-10'"),
+        (["--judge", "--judge-metric", "latency_p50=inf%"], "the weight must be within (0, 100], got 'inf%'"),
+        (["--judge", "--judge-pass", "nan"], "need 0 <= marginal <= pass <= 100"),
+        (["--judge", "--judge-confidence", "nan"], "--judge-confidence: must be between 0.5 and 1"),
+        (["--judge", "--judge-tolerance", "nan"], "--judge-tolerance: must be a finite number >= 0"),
     ],
     ids=[
         "unknown-metric",
@@ -223,6 +245,12 @@ def test_a_marginal_score_holds_the_step_one_more_interval_then_rolls_back(tmp_p
         "confidence",
         "metric-without-judge",
         "outcome-without-guard",
+        "weight-nan",
+        "weight-negative",
+        "weight-infinite",
+        "pass-nan",
+        "confidence-nan",
+        "tolerance-nan",
     ],
 )
 def test_bad_judge_flags_exit_2_with_one_line_and_change_nothing(

@@ -27,6 +27,7 @@ import numpy as np
 from scipy import stats
 
 from splitstream.admin import lock, thompson
+from splitstream.admin.arguments import duration_s, fraction, metric
 from splitstream.admin.outcomes import Check, OutcomeReader, judge
 from splitstream.admin.rollout import (
     FAILED,
@@ -41,7 +42,6 @@ from splitstream.admin.rollout import (
 from splitstream.admin.store import AdminError, Conflict, Invalid, Store, check_versions_exist, weights_text
 from splitstream.analysis.model import Analysis, MetricSpec, PhaseResult
 from splitstream.analysis.statistics import MetricKind
-from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 from splitstream.common.redis_url import add_redis_security_arguments, redis_security_from_args
@@ -384,27 +384,6 @@ def _arm_text(p: ArmPosterior) -> str:
 # -- the command line -------------------------------------------------------------------------------
 
 
-def _percent_or_fraction(text: str) -> float:
-    try:
-        return float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a share: {text!r} (e.g. 20% or 0.2)") from None
-
-
-def _duration(text: str) -> float:
-    try:
-        return parse_duration_s(text)
-    except BadDuration as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def _metric(text: str) -> MetricSpec:
-    try:
-        return MetricSpec.parse(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
 def add_parser(commands: Any, env_prefix: str) -> None:
     """Register ``bandit`` on the admin CLI's subcommands."""
     bandit = commands.add_parser(
@@ -421,24 +400,20 @@ def add_parser(commands: Any, env_prefix: str) -> None:
     bandit.add_argument("model")
     bandit.add_argument(
         "--metric",
-        type=_metric,
+        type=metric,
         required=True,
         help="NAME:KIND[:DIRECTION], e.g. click:conversion or wait_s:mean:lower",
     )
-    bandit.add_argument("--interval", type=_duration, default=60.0, help="time between weight changes, e.g. 60s")
+    bandit.add_argument("--interval", type=duration_s, default=60.0, help="time between weight changes, e.g. 60s")
+    bandit.add_argument("--holdout", type=fraction, default=0.20, help="share split evenly over the arms, e.g. 20%%")
     bandit.add_argument(
-        "--holdout", type=_percent_or_fraction, default=0.20, help="share split evenly over the arms, e.g. 20%%"
-    )
-    bandit.add_argument(
-        "--min-weight", type=_percent_or_fraction, default=0.05, help="no arm below this, a whole percent, e.g. 5%%"
+        "--min-weight", type=fraction, default=0.05, help="no arm below this, a whole percent, e.g. 5%%"
     )
     bandit.add_argument(
         "--max-steps", type=int, default=None, help="end after this many intervals, keeping the weights"
     )
-    bandit.add_argument("--duration", type=_duration, default=None, help="end after this long, keeping the weights")
-    bandit.add_argument(
-        "--max-error-rate", type=_percent_or_fraction, default=0.01, help="an arm failing more in a phase reverts"
-    )
+    bandit.add_argument("--duration", type=duration_s, default=None, help="end after this long, keeping the weights")
+    bandit.add_argument("--max-error-rate", type=fraction, default=0.01, help="an arm failing more in a phase reverts")
     bandit.add_argument("--min-calls", type=int, default=20, help="calls of an arm before its error rate is judged")
     bandit.add_argument("--draws", type=int, default=thompson.DEFAULT_DRAWS, help="posterior draws per interval")
     bandit.add_argument("--alpha", type=float, default=0.05, help="1 - confidence of the read-out's interval")

@@ -30,7 +30,6 @@ at once, as Spinnaker's automated canary analysis (Kayenta) does. What follows i
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -42,6 +41,7 @@ from scipy import optimize, stats
 from splitstream.admin import metrics
 from splitstream.analysis.model import Analysis, ArmSummary
 from splitstream.analysis.statistics import MetricKind
+from splitstream.common.feedback import METRIC_PATTERN
 
 Classification = Literal["Pass", "High", "Low", "NoData"]
 Decision = Literal["pass", "marginal", "fail"]
@@ -52,8 +52,6 @@ JUDGE_METRICS: dict[str, str] = {
     "error_rate": "failed calls / calls in the interval",
 }
 DEFAULT_METRICS = ("latency_p50", "latency_p99", "error_rate")
-#: A feedback metric's name, as the router takes it.
-METRIC_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 #: Kayenta's defaults: NetflixACAJudge's confidence level and tolerance, and the canary config's score
 #: thresholds (pass 95, marginal 75).
 DEFAULT_CONFIDENCE = 0.98
@@ -78,7 +76,7 @@ class JudgeMetric:
         :data:`JUDGE_METRICS` or of its ``--guard`` metrics."""
         name, sep, weight_text = text.strip().partition("=")
         name = name.strip()
-        if not METRIC_NAME.fullmatch(name):
+        if not METRIC_PATTERN.fullmatch(name):  # a feedback metric's name, as the router takes it
             raise ValueError(f"bad metric {name!r} (NAME or NAME=WEIGHT; NAME one of {', '.join(JUDGE_METRICS)} or "
                              "a --guard metric)")  # fmt: skip
         if not sep:

@@ -76,6 +76,8 @@ def add_key(path: Path, principal: str, secret: bytes, models: list[str]) -> str
         text = path.read_text(encoding="utf-8")
     except OSError as error:
         raise ConfigError(f"--principals {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--principals {path}: not UTF-8 text") from None
     editor = YAML()
     editor.preserve_quotes = True
     try:
@@ -84,16 +86,22 @@ def add_key(path: Path, principal: str, secret: bytes, models: list[str]) -> str
         raise ConfigError(f"--principals {path}: not YAML ({' '.join(str(error).split())[:200]})") from None
     if document is None:
         document = CommentedMap()
+    if not isinstance(document, dict):
+        raise ConfigError(f"--principals {path}: the document is not a mapping (principals: ...)")
     principals = document.setdefault("principals", CommentedMap())
     if not isinstance(principals, dict):
         raise ConfigError(f"--principals {path}: 'principals' is not a mapping")
     entry = principals.get(principal)
     if entry is None:
         entry = principals[principal] = CommentedMap(models=CommentedSeq(models))
+    elif not isinstance(entry, dict):
+        raise ConfigError(f"--principals {path}: principal '{principal}' is not a mapping")
     elif models:
         raise ConfigError(f"--model: principal '{principal}' exists; edit its grants in {path}")
     key = secrets.token_urlsafe(32)
     digests = entry.setdefault("api_keys_hmac_sha256", CommentedSeq())
+    if not isinstance(digests, list):
+        raise ConfigError(f"--principals {path}: api_keys_hmac_sha256 of '{principal}' is not a list")
     digests.append(api_key_digest(secret, key))
     written = io.StringIO()
     editor.dump(document, written)

@@ -33,6 +33,7 @@ from typing import Any
 
 from splitstream.admin import bandit, feedback_import, judge_cli, lock, metrics, pairwise_cli
 from splitstream.admin import keys as keys_cli
+from splitstream.admin.arguments import duration_s, fraction
 from splitstream.admin.outcomes import GUARD_SYNTAX, Guard, OutcomeGuard, OutcomeReader
 from splitstream.admin.quantile_guards import QUANTILE_GUARD_SYNTAX, QuantileGuard, is_quantile_guard
 from splitstream.admin.rollout import (
@@ -57,7 +58,6 @@ from splitstream.analysis import cli as analysis_cli
 from splitstream.analysis.model import MetricSpec
 from splitstream.analysis.usage import parse_prices
 from splitstream.common.cli import EnvArgumentParser
-from splitstream.common.durations import BadDuration, parse_duration_s
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 from splitstream.common.names import check_model_name
@@ -68,22 +68,6 @@ from splitstream.common.tls import ClientTls, add_client_tls_arguments, client_t
 
 PROG = "splitstream"
 ENV_PREFIX = "SPLITSTREAM_ADMIN_"
-
-
-def duration_s(text: str) -> float:
-    """``60s``, ``2m``, ``500ms``, or plain seconds: the replayer's grammar (:mod:`splitstream.common.durations`)."""
-    try:
-        return parse_duration_s(text)
-    except BadDuration as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-
-
-def fraction(text: str) -> float:
-    """``0.01`` or ``1%``."""
-    try:
-        return float(text[:-1]) / 100 if text.strip().endswith("%") else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a rate: {text!r} (e.g. 0.01 or 1%)") from None
 
 
 def steps(text: str) -> tuple[float, ...]:

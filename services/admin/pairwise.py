@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import random
 import re
 import time
@@ -62,6 +63,8 @@ PLACEHOLDERS = ("{{conversation}}", "{{answer_a}}", "{{answer_b}}")
 _VERDICT = re.compile(r"verdict\s*[:=\-]?\s*[\*\[\"'(]*\s*(A|B|tie)\b", re.IGNORECASE)
 _BARE = re.compile(r"^\W*(A|B|tie)\W*$", re.IGNORECASE)
 _RETRIED_STATUSES = frozenset({429, 500, 502, 503, 504})
+#: A judge's answer longer than this is refused: a verdict is a few lines, and each pair keeps the raw answer.
+MAX_JUDGE_ANSWER_BYTES = 16 << 20
 
 
 class JudgeFailed(RuntimeError):
@@ -122,6 +125,17 @@ def load_cache(path: Path | None) -> dict[str, dict[str, Any]]:
         if isinstance(pair, dict) and "cache_key" in pair:
             pairs[pair["cache_key"]] = pair
     return pairs
+
+
+def cut_torn_line(path: Path) -> None:
+    """Cut off a last line without its newline (a run killed mid-write), so the next pair appended to the cache
+    starts a line of its own rather than ending the torn one (and being lost with it)."""
+    if not path.exists():
+        return
+    with path.open("rb+") as file:
+        data = file.read()
+        if data and not data.endswith(b"\n"):
+            file.truncate(data.rfind(b"\n") + 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,28 +366,50 @@ class Judging:
                             f"the judge at {url} answered HTTP {response.status}: {await response.text()}"
                         )
                     else:
-                        reply = await response.json(content_type=None)
-                        raw = reply["choices"][0]["message"].get("content") or ""
-                        usage = reply.get("usage") or {}
-                        spent = {k: int(usage.get(k, 0)) for k in ("prompt_tokens", "completion_tokens")}
+                        raw, spent = _completion(await _read_bounded(response, url))
                         self.budget.spent += spent["prompt_tokens"] + spent["completion_tokens"]
-                        return str(raw), spent
+                        return raw, spent
             except (aiohttp.ClientConnectionError, TimeoutError) as error:
                 why = f"{type(error).__name__}: {error}"
-            except (ValueError, KeyError, IndexError, TypeError) as error:
-                raise JudgeFailed(f"the judge at {url} answered no chat completion: {error}") from None
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError, OverflowError) as error:
+                shown = " ".join(str(error).split())[:200]
+                raise JudgeFailed(f"the judge at {url} answered no chat completion: {shown}") from None
             if attempt < self.judge.retries:
                 self.budget.retries += 1
                 await asyncio.sleep(wait_s)
         raise JudgeFailed(f"the judge at {url} failed {self.judge.retries + 1} times, last: {why}")
 
 
+async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:
+    """The answer's body; JudgeFailed past :data:`MAX_JUDGE_ANSWER_BYTES` (read no further)."""
+    too_large = f"the judge at {url} answered more than {MAX_JUDGE_ANSWER_BYTES >> 20} MiB: larger than any verdict"
+    if (response.content_length or 0) > MAX_JUDGE_ANSWER_BYTES:
+        raise JudgeFailed(too_large)
+    body = bytearray()
+    async for chunk in response.content.iter_any():
+        body += chunk
+        if len(body) > MAX_JUDGE_ANSWER_BYTES:
+            raise JudgeFailed(too_large)
+    return bytes(body)
+
+
+def _completion(body: bytes) -> tuple[str, dict[str, int]]:
+    """The raw answer and token usage of an OpenAI chat completion; ValueError, KeyError, TypeError or
+    AttributeError when ``body`` is not one."""
+    reply = json.loads(body)
+    raw = reply["choices"][0]["message"].get("content") or ""
+    usage = reply.get("usage") or {}
+    return str(raw), {k: int(usage.get(k, 0)) for k in ("prompt_tokens", "completion_tokens")}
+
+
 def _retry_after(value: str | None, default_s: float) -> float:
-    """Seconds from a ``Retry-After`` of delta-seconds (an HTTP date is rare from APIs: the backoff then)."""
+    """Seconds from a ``Retry-After`` of delta-seconds, at most 60 (an HTTP date is rare from APIs, and NaN or an
+    infinity is no delay at all: the backoff then; a NaN given to asyncio.sleep would wait on unrelated timers)."""
     try:
-        return min(max(float(value), 0.0), 60.0) if value is not None else default_s
+        seconds = float(value) if value is not None else math.nan
     except ValueError:
         return default_s
+    return min(max(seconds, 0.0), 60.0) if math.isfinite(seconds) else default_s
 
 
 def now_ns() -> int:

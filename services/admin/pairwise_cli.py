@@ -34,6 +34,7 @@ from splitstream.admin.pairwise import (
     Judging,
     OtherSide,
     check_rubric,
+    cut_torn_line,
     load_cache,
 )
 from splitstream.admin.pairwise_stats import Judged, position_summary, version_summary
@@ -296,6 +297,7 @@ async def _judge_all(
         raise OSError(f"bad --redis-url {redact_url(args.redis_url)!r}: {error}") from None
     pairs: list[dict[str, Any]] = []
     cache = load_cache(cache_path)
+    cut_torn_line(cache_path)
     with (
         (output / "pairs.jsonl").open("w", encoding="utf-8") as results,
         cache_path.open("a", encoding="utf-8") as cached,

@@ -43,7 +43,7 @@ from splitstream.common.schema import Document, Flag, validate
 #: Every model, in a principal's ``models``.
 ANY_MODEL = "*"
 #: A principal's name: it goes into records, logs and metric labels, so it is short and plain.
-_PRINCIPAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:/+-]{0,127}$")
+_PRINCIPAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:/+-]{0,127}\Z")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
