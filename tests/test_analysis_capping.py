@@ -138,3 +138,20 @@ def test_a_cap_where_none_can_apply_exits_2_with_one_line(metric: str, message: 
     [line] = [line for line in result.stderr.splitlines() if "error" in line]
     assert message in line, result.stderr
     assert "--metric" in line or "bad metric" in line
+
+
+def test_a_cap_with_more_than_six_digits_is_applied_as_written(planted: Planted, tmp_path: Path) -> None:
+    """The spec keeps its cap as text: rounded to six digits, P99.99999 became P100 (no unit capped) and a fixed
+    cap of 1234.567 became 1234.57."""
+    _, percentile = analysed(planted, tmp_path / "percentile", "revenue:sum:cap=P99.99999")
+    [by_rank] = percentile["phases"][0]["comparisons"]
+    pooled = np.sort(np.concatenate([planted.revenue["v1"], planted.revenue["v2"]]))
+    expected_cap = pooled[int(np.floor(0.9999999 * (len(pooled) - 1)))]
+    assert expected_cap < OUTLIER
+    assert by_rank["cap"] == pytest.approx(expected_cap)
+    assert by_rank["capped_units"] == {"v1": 1, "v2": 0}  # the outlier, and no one else
+    assert percentile["metrics"] == ["revenue:sum:cap=P99.99999"]
+    _, fixed = analysed(planted, tmp_path / "fixed", "revenue:mean:cap=1234.567")
+    [by_value] = fixed["phases"][0]["comparisons"]
+    assert by_value["cap"] == 1234.567
+    assert fixed["metrics"] == ["revenue:mean:cap=1234.567"]
