@@ -155,3 +155,43 @@ def test_a_cap_with_more_than_six_digits_is_applied_as_written(planted: Planted,
     [by_value] = fixed["phases"][0]["comparisons"]
     assert by_value["cap"] == 1234.567
     assert fixed["metrics"] == ["revenue:mean:cap=1234.567"]
+
+
+@pytest.fixture(scope="module")
+def huge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Planted]:
+    """Revenue a float can hold but not square: every fifth user's is 1e300 (the rest 3)."""
+    calls = [Call(f"c{i}", T0 + i * 10**9, "v1" if i % 2 == 0 else "v2", unit=f"{i:064x}") for i in range(400)]
+    amounts = [1e300 if i % 5 == 4 else 3.0 for i in range(400)]
+    events = [
+        Event("revenue", amount, call.time_ns + 10**9, request_id=call.request_id, idempotency_key=f"h{i}")
+        for i, (call, amount) in enumerate(zip(calls, amounts, strict=True))
+    ]
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    client = server.client()
+    write_calls(client, MODEL, calls, phase({"v1": 50, "v2": 50}, "v1", salt="huge"))
+    write_feedback(client, MODEL, events)
+    client.close()
+    try:
+        yield Planted(server, {arm: np.array(amounts[start::2]) for start, arm in ((0, "v1"), (1, "v2"))})
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("revenue:sum:cap=P99",), ("revenue:sum", "--engine", "bayes"), ("revenue:mean", "--non-inferiority", "1%")],
+)
+def test_values_too_large_to_square_give_no_relative_lift_not_a_traceback(
+    huge: Planted, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    """The delta method squared the control's mean with ``**``, which raises OverflowError on a float past 1e154:
+    the analysis died with a traceback. The relative lift is now absent, as for a control at 0."""
+    metric, *more = flags
+    result = cli(
+        MODEL, "--redis-url", huge.redis.url, "--since", str(T0 // 10**9), "--until", str((T0 + HOUR_NS) // 10**9),
+        "--metric", metric, *more, "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [comparison] = json.loads((tmp_path / "analysis.json").read_text())["phases"][0]["comparisons"]
+    assert comparison["relative_lift"] is None
+    assert comparison["control_value"] == pytest.approx(np.mean(huge.revenue["v1"]))

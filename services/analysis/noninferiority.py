@@ -83,7 +83,7 @@ def margin_test(
     """None when the lift cannot be measured (no variance, a control at 0 for a relative margin)."""
     control, treatment = result.control, result.treatment
     if margin.relative:
-        variance = st._relative_variance(control, treatment)
+        variance = st.relative_variance(control, treatment)
         estimate = result.relative
         df = math.inf
     else:
