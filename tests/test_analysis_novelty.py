@@ -136,7 +136,13 @@ def test_novelty_off_leaves_the_buckets_out(planted: Planted, tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("bucket", "message"),
-    [("soon", "--novelty-bucket: bad duration 'soon'"), ("0s", "must be longer than 0"), ("5", "a number and a unit")],
+    [
+        ("soon", "--novelty-bucket: bad duration 'soon'"),
+        ("0s", "must be longer than 0"),
+        ("5", "a number and a unit"),
+        # Past int64 nanoseconds: the buckets' arithmetic raised OverflowError, a traceback after reading the window.
+        ("99999999999999999999d", "--novelty-bucket: at most 100 years"),
+    ],
 )
 def test_a_bad_novelty_bucket_exits_2_with_one_line_naming_the_flag(bucket: str, message: str) -> None:
     result = cli("m", "--since", "-1h", "--metric", "click:rate", "--novelty-bucket", bucket)

@@ -71,6 +71,10 @@ FloatArray = npt.NDArray[np.float64]
 TARGET_POWER = 0.8
 
 
+#: ``--novelty-bucket``'s widest: its buckets are counted in int64 nanoseconds (and one this wide holds any window).
+LONGEST_NOVELTY_BUCKET_NS = 100 * 366 * 86_400 * 10**9
+
+
 @dataclass(frozen=True, kw_only=True)
 class Query:
     """What to analyse. ``pre_window``: the CUPED pre-period (the same metrics, per unit), or None."""
@@ -129,8 +133,10 @@ class Query:
             raise ValueError(f"the sequential tuning must be at least 1 unit, got {self.tuning_units}")
         if self.planned_units is not None and self.planned_units < 2:
             raise ValueError(f"the planned units must be at least 2 (one per arm), got {self.planned_units}")
-        if self.novelty_bucket_ns is not None and self.novelty_bucket_ns <= 0:
-            raise ValueError(f"the novelty bucket must be longer than 0, got {self.novelty_bucket_ns} ns")
+        if self.novelty_bucket_ns is not None and not 0 < self.novelty_bucket_ns <= LONGEST_NOVELTY_BUCKET_NS:
+            raise ValueError(
+                f"the novelty bucket must be longer than 0 and at most 100 years, got {self.novelty_bucket_ns} ns"
+            )
         if self.pre_window is not None and self.pre_window.until_ns <= self.pre_window.since_ns:
             raise ValueError("the CUPED pre-period's end must be after its start")
         bayes.check_query(self.engine, self.prior, self.bayes_threshold, self.sequential, self.correction)
