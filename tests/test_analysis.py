@@ -33,6 +33,7 @@ from splitstream.analysis.model import PER_CALL_LABEL, Analysis, MetricCompariso
 from splitstream.analysis.report import render_table
 from splitstream.common.records import stream_key
 from tests.experiments import Call, Event, phase, write_arrivals, write_calls, write_feedback
+from tests.experiments import analyze_cli as cli
 from tests.harness import ROOT, free_port
 from tests.redis_server import RedisServer
 
@@ -534,14 +535,6 @@ def test_cuped_with_a_pre_period_narrows_the_interval(tmp_path: Path) -> None:
 
 
 # -- the CLI ---------------------------------------------------------------------------------
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "splitstream.admin", "analyze", *args],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
 
 
 def window_flags() -> list[str]:
