@@ -233,37 +233,13 @@ def _corrected(query: Query, analysis: Analysis) -> Analysis:
     for Holm, the false-coverage-rate level for BH), and its verdict judged on both."""
     if query.correction == "none":
         return analysis
-    parts = [analysis.phases, *(segment.phases for segment in analysis.segments)]
-    family = [c for phases in parts for phase in phases for c in phase.comparisons if _p_of(query, c) is not None]
+    family = [c for c in analysis.every_comparison() if _p_of(query, c) is not None]
     if not family:
         return analysis.model_copy(update={"correction": query.correction})
     adjusted = st.adjusted_p_values([_p_of(query, c) for c in family], query.correction)
     level = st.corrected_alpha(adjusted, query.correction, query.alpha)
     done = {id(c): _adjusted(query, c, float(p), level) for c, p in zip(family, adjusted, strict=True)}
-
-    def redo(phases: list[PhaseResult]) -> list[PhaseResult]:
-        return [
-            phase.model_copy(update={"comparisons": [done.get(id(c), c) for c in phase.comparisons]})
-            for phase in phases
-        ]
-
-    def lines(phases: list[PhaseResult]) -> list[str]:
-        return [c.verdict_line for phase in phases for c in phase.comparisons]
-
-    phases = redo(analysis.phases)
-    segments = [
-        segment.model_copy(update={"phases": (redone := redo(segment.phases)), "verdicts": lines(redone)})
-        for segment in analysis.segments
-    ]
-    return analysis.model_copy(
-        update={
-            "phases": phases,
-            "segments": segments,
-            "verdicts": lines(phases),
-            "correction": query.correction,
-            "family_size": len(family),
-        }
-    )
+    return analysis.with_comparisons(lambda c: done.get(id(c), c), correction=query.correction, family_size=len(family))
 
 
 def _p_of(query: Query, comparison: MetricComparison) -> float | None:
