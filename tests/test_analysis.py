@@ -189,6 +189,18 @@ def test_a_planted_click_lift_is_found_with_its_interval_and_verdict(shop_analys
     assert click.verdict_line in shop_analysis.verdicts
 
 
+def test_a_reader_without_quantiles_gets_the_same_comparisons_and_no_quantiles(
+    shop: Shop, shop_analysis: Analysis
+) -> None:
+    """``Query(quantiles=False)`` (a rollout with no quantile guard) skips keeping each unit's calls per latency
+    bucket: no quantile comparisons, every other figure as before."""
+    assert shop_analysis.phases[0].quantiles  # compared by default
+    plain = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, quantiles=False))
+    assert [p.quantiles for p in plain.phases] == [[] for _ in shop_analysis.phases]
+    assert [p.comparisons for p in plain.phases] == [p.comparisons for p in shop_analysis.phases]
+    assert plain.verdicts == shop_analysis.verdicts
+
+
 def test_a_lower_is_better_metric_calls_a_rise_worse(shop: Shop, shop_analysis: Analysis) -> None:
     # The same clicks, read as something to keep low (say, complaints): v2's planted rise is now its harm.
     complaints = MetricSpec.parse("click:proportion:lower")

@@ -106,6 +106,9 @@ class Query:
     non_inferiority: Margin | None = None
     #: ``--novelty-bucket``: the comparison also per bucket of time since each unit's first exposure (None: not).
     novelty_bucket_ns: int | None = DEFAULT_BUCKET_NS
+    #: Compare latency and TTFT quantiles per arm (``phases[].quantiles``); False spares keeping each unit's calls
+    #: per latency bucket, for a reader that needs none (a rollout with no quantile guard).
+    quantiles: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -166,6 +169,7 @@ async def _analyzed(source: RedisClient | Source, query: Query) -> Analysis:
         segment=query.segment,
         prices=query.prices,
         novelty_ns=query.novelty_bucket_ns,
+        call_samples=query.quantiles,
     )
     exposures, feedback, overall, parts = loaded.exposures, loaded.feedback, loaded.folder, loaded.segments
     pre: _PreValues | None = None
@@ -907,6 +911,7 @@ async def _load_pre_values(source: Source, query: Query, window: Window) -> _Pre
         randomized_only=False,
         exclude_crossover=False,
         prices=query.prices,
+        call_samples=False,  # a covariate per unit: no quantile of it is compared
     )
     exposures = loaded.exposures
     # One pseudo-phase and arm: the unit's rows of every phase and arm are added up.
