@@ -8,6 +8,9 @@ serialized CallRecord, with its phase and assignment); outcome events to ``split
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -15,6 +18,7 @@ import redis
 
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 from splitstream.common.records import entry_fields, feedback_entry_fields, feedback_key, stream_key
+from tests.harness import ROOT
 
 ASSIGNMENTS = {
     "hash": recorder_pb2.ASSIGNMENT_HASH,
@@ -171,3 +175,12 @@ def write_arrivals(
             pipe.execute()
     pipe.execute()
     return written
+
+
+def analyze_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``splitstream analyze ARGS`` as a user runs it, without this shell's SPLITSTREAM_ settings."""
+    return subprocess.run(
+        [sys.executable, "-m", "splitstream.admin", "analyze", *args],
+        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip

@@ -33,6 +33,7 @@ from splitstream.analysis.model import PER_CALL_LABEL, Analysis, MetricCompariso
 from splitstream.analysis.report import render_table
 from splitstream.common.records import stream_key
 from tests.experiments import Call, Event, phase, write_arrivals, write_calls, write_feedback
+from tests.experiments import analyze_cli as cli
 from tests.harness import ROOT, free_port
 from tests.redis_server import RedisServer
 
@@ -186,6 +187,18 @@ def test_a_planted_click_lift_is_found_with_its_interval_and_verdict(shop_analys
         click.verdict_line,
     ), click.verdict_line
     assert click.verdict_line in shop_analysis.verdicts
+
+
+def test_a_reader_without_quantiles_gets_the_same_comparisons_and_no_quantiles(
+    shop: Shop, shop_analysis: Analysis
+) -> None:
+    """``Query(quantiles=False)`` (a rollout with no quantile guard) skips keeping each unit's calls per latency
+    bucket: no quantile comparisons, every other figure as before."""
+    assert shop_analysis.phases[0].quantiles  # compared by default
+    plain = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, quantiles=False))
+    assert [p.quantiles for p in plain.phases] == [[] for _ in shop_analysis.phases]
+    assert [p.comparisons for p in plain.phases] == [p.comparisons for p in shop_analysis.phases]
+    assert plain.verdicts == shop_analysis.verdicts
 
 
 def test_a_lower_is_better_metric_calls_a_rise_worse(shop: Shop, shop_analysis: Analysis) -> None:
@@ -534,14 +547,6 @@ def test_cuped_with_a_pre_period_narrows_the_interval(tmp_path: Path) -> None:
 
 
 # -- the CLI ---------------------------------------------------------------------------------
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "splitstream.admin", "analyze", *args],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
 
 
 def window_flags() -> list[str]:

@@ -8,9 +8,6 @@ One user in the control spends a thousand times the others: uncapped, that one v
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.experiments import Call, Event, phase, write_calls, write_feedback
-from tests.harness import ROOT
+from tests.experiments import analyze_cli as cli
 from tests.redis_server import RedisServer
 
 HOUR_NS = 3_600 * 10**9
@@ -62,14 +59,6 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Planted]:
         yield Planted(server, {arm: np.array(values) for arm, values in revenue.items()})
     finally:
         server.stop()
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "splitstream.admin", "analyze", *args],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
 
 
 def analysed(planted: Planted, out: Path, *metrics: str) -> tuple[str, dict[str, Any]]:
@@ -138,3 +127,60 @@ def test_a_cap_where_none_can_apply_exits_2_with_one_line(metric: str, message: 
     [line] = [line for line in result.stderr.splitlines() if "error" in line]
     assert message in line, result.stderr
     assert "--metric" in line or "bad metric" in line
+
+
+def test_a_cap_with_more_than_six_digits_is_applied_as_written(planted: Planted, tmp_path: Path) -> None:
+    """The spec keeps its cap as text: rounded to six digits, P99.99999 became P100 (no unit capped) and a fixed
+    cap of 1234.567 became 1234.57."""
+    _, percentile = analysed(planted, tmp_path / "percentile", "revenue:sum:cap=P99.99999")
+    [by_rank] = percentile["phases"][0]["comparisons"]
+    pooled = np.sort(np.concatenate([planted.revenue["v1"], planted.revenue["v2"]]))
+    expected_cap = pooled[int(np.floor(0.9999999 * (len(pooled) - 1)))]
+    assert expected_cap < OUTLIER
+    assert by_rank["cap"] == pytest.approx(expected_cap)
+    assert by_rank["capped_units"] == {"v1": 1, "v2": 0}  # the outlier, and no one else
+    assert percentile["metrics"] == ["revenue:sum:cap=P99.99999"]
+    _, fixed = analysed(planted, tmp_path / "fixed", "revenue:mean:cap=1234.567")
+    [by_value] = fixed["phases"][0]["comparisons"]
+    assert by_value["cap"] == 1234.567
+    assert fixed["metrics"] == ["revenue:mean:cap=1234.567"]
+
+
+@pytest.fixture(scope="module")
+def huge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Planted]:
+    """Revenue a float can hold but not square: every fifth user's is 1e300 (the rest 3)."""
+    calls = [Call(f"c{i}", T0 + i * 10**9, "v1" if i % 2 == 0 else "v2", unit=f"{i:064x}") for i in range(400)]
+    amounts = [1e300 if i % 5 == 4 else 3.0 for i in range(400)]
+    events = [
+        Event("revenue", amount, call.time_ns + 10**9, request_id=call.request_id, idempotency_key=f"h{i}")
+        for i, (call, amount) in enumerate(zip(calls, amounts, strict=True))
+    ]
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    client = server.client()
+    write_calls(client, MODEL, calls, phase({"v1": 50, "v2": 50}, "v1", salt="huge"))
+    write_feedback(client, MODEL, events)
+    client.close()
+    try:
+        yield Planted(server, {arm: np.array(amounts[start::2]) for start, arm in ((0, "v1"), (1, "v2"))})
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("revenue:sum:cap=P99",), ("revenue:sum", "--engine", "bayes"), ("revenue:mean", "--non-inferiority", "1%")],
+)
+def test_values_too_large_to_square_give_no_relative_lift_not_a_traceback(
+    huge: Planted, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    """The delta method squared the control's mean with ``**``, which raises OverflowError on a float past 1e154:
+    the analysis died with a traceback. The relative lift is now absent, as for a control at 0."""
+    metric, *more = flags
+    result = cli(
+        MODEL, "--redis-url", huge.redis.url, "--since", str(T0 // 10**9), "--until", str((T0 + HOUR_NS) // 10**9),
+        "--metric", metric, *more, "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    [comparison] = json.loads((tmp_path / "analysis.json").read_text())["phases"][0]["comparisons"]
+    assert comparison["relative_lift"] is None
+    assert comparison["control_value"] == pytest.approx(np.mean(huge.revenue["v1"]))

@@ -10,9 +10,6 @@ sparse to show anything (not shown non-inferior).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,7 +22,7 @@ from scipy import stats
 from statsmodels.stats.multitest import multipletests
 
 from tests.experiments import Call, Event, phase, write_calls, write_feedback
-from tests.harness import ROOT
+from tests.experiments import analyze_cli as cli
 from tests.redis_server import RedisServer
 
 HOUR_NS = 3_600 * 10**9
@@ -70,14 +67,6 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Planted]:
         yield Planted(server, {m: {a: np.array(v) for a, v in arms.items()} for m, arms in totals.items()})
     finally:
         server.stop()
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "splitstream.admin", "analyze", *args],
-        env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
 
 
 def analysed(planted: Planted, out: Path, *flags: str) -> tuple[str, dict[str, dict[str, Any]]]:

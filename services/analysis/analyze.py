@@ -71,6 +71,10 @@ FloatArray = npt.NDArray[np.float64]
 TARGET_POWER = 0.8
 
 
+#: ``--novelty-bucket``'s widest: its buckets are counted in int64 nanoseconds (and one this wide holds any window).
+LONGEST_NOVELTY_BUCKET_NS = 100 * 366 * 86_400 * 10**9
+
+
 @dataclass(frozen=True, kw_only=True)
 class Query:
     """What to analyse. ``pre_window``: the CUPED pre-period (the same metrics, per unit), or None."""
@@ -102,6 +106,9 @@ class Query:
     non_inferiority: Margin | None = None
     #: ``--novelty-bucket``: the comparison also per bucket of time since each unit's first exposure (None: not).
     novelty_bucket_ns: int | None = DEFAULT_BUCKET_NS
+    #: Compare latency and TTFT quantiles per arm (``phases[].quantiles``); False spares keeping each unit's calls
+    #: per latency bucket, for a reader that needs none (a rollout with no quantile guard).
+    quantiles: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -129,8 +136,10 @@ class Query:
             raise ValueError(f"the sequential tuning must be at least 1 unit, got {self.tuning_units}")
         if self.planned_units is not None and self.planned_units < 2:
             raise ValueError(f"the planned units must be at least 2 (one per arm), got {self.planned_units}")
-        if self.novelty_bucket_ns is not None and self.novelty_bucket_ns <= 0:
-            raise ValueError(f"the novelty bucket must be longer than 0, got {self.novelty_bucket_ns} ns")
+        if self.novelty_bucket_ns is not None and not 0 < self.novelty_bucket_ns <= LONGEST_NOVELTY_BUCKET_NS:
+            raise ValueError(
+                f"the novelty bucket must be longer than 0 and at most 100 years, got {self.novelty_bucket_ns} ns"
+            )
         if self.pre_window is not None and self.pre_window.until_ns <= self.pre_window.since_ns:
             raise ValueError("the CUPED pre-period's end must be after its start")
         bayes.check_query(self.engine, self.prior, self.bayes_threshold, self.sequential, self.correction)
@@ -160,6 +169,7 @@ async def _analyzed(source: RedisClient | Source, query: Query) -> Analysis:
         segment=query.segment,
         prices=query.prices,
         novelty_ns=query.novelty_bucket_ns,
+        call_samples=query.quantiles,
     )
     exposures, feedback, overall, parts = loaded.exposures, loaded.feedback, loaded.folder, loaded.segments
     pre: _PreValues | None = None
@@ -227,37 +237,13 @@ def _corrected(query: Query, analysis: Analysis) -> Analysis:
     for Holm, the false-coverage-rate level for BH), and its verdict judged on both."""
     if query.correction == "none":
         return analysis
-    parts = [analysis.phases, *(segment.phases for segment in analysis.segments)]
-    family = [c for phases in parts for phase in phases for c in phase.comparisons if _p_of(query, c) is not None]
+    family = [c for c in analysis.every_comparison() if _p_of(query, c) is not None]
     if not family:
         return analysis.model_copy(update={"correction": query.correction})
     adjusted = st.adjusted_p_values([_p_of(query, c) for c in family], query.correction)
     level = st.corrected_alpha(adjusted, query.correction, query.alpha)
     done = {id(c): _adjusted(query, c, float(p), level) for c, p in zip(family, adjusted, strict=True)}
-
-    def redo(phases: list[PhaseResult]) -> list[PhaseResult]:
-        return [
-            phase.model_copy(update={"comparisons": [done.get(id(c), c) for c in phase.comparisons]})
-            for phase in phases
-        ]
-
-    def lines(phases: list[PhaseResult]) -> list[str]:
-        return [c.verdict_line for phase in phases for c in phase.comparisons]
-
-    phases = redo(analysis.phases)
-    segments = [
-        segment.model_copy(update={"phases": (redone := redo(segment.phases)), "verdicts": lines(redone)})
-        for segment in analysis.segments
-    ]
-    return analysis.model_copy(
-        update={
-            "phases": phases,
-            "segments": segments,
-            "verdicts": lines(phases),
-            "correction": query.correction,
-            "family_size": len(family),
-        }
-    )
+    return analysis.with_comparisons(lambda c: done.get(id(c), c), correction=query.correction, family_size=len(family))
 
 
 def _p_of(query: Query, comparison: MetricComparison) -> float | None:
@@ -925,6 +911,7 @@ async def _load_pre_values(source: Source, query: Query, window: Window) -> _Pre
         randomized_only=False,
         exclude_crossover=False,
         prices=query.prices,
+        call_samples=False,  # a covariate per unit: no quantile of it is compared
     )
     exposures = loaded.exposures
     # One pseudo-phase and arm: the unit's rows of every phase and arm are added up.

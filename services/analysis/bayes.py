@@ -29,6 +29,7 @@ from typing import Literal
 
 from scipy import stats
 
+from splitstream.analysis import statistics as st
 from splitstream.analysis.statistics import Estimate
 
 #: GrowthBook's default "chance to win" threshold: at or above it an arm is better, at or below 1 - it worse.
@@ -116,12 +117,9 @@ def expected_losses(mean: float, sd: float) -> tuple[float, float]:
 def read(control: Estimate, treatment: Estimate, prior: Prior, *, higher_is_better: bool = True) -> Reading | None:
     """The Bayesian reading of treatment against control; None where there is no relative lift to speak of (a
     control at 0, a value that is not finite), as gbstats returns no result for a baseline of 0."""
-    mc, mt = control.value, treatment.value
-    if not mc or not math.isfinite(mc) or not math.isfinite(mt):
-        return None
     # The delta method's variance of mt/mc, as the frequentist interval uses it (the control's noise included).
-    relative_variance = treatment.variance / mc**2 + mt**2 * control.variance / mc**4
-    if not math.isfinite(relative_variance):
+    relative_variance = st.relative_variance(control, treatment)
+    if relative_variance is None:
         return None
     prior_variance = prior.sd**2 if prior.sd is not None else None
     relative = normal_posterior(treatment.value / control.value - 1, relative_variance, prior.mean, prior_variance)
@@ -133,7 +131,7 @@ def read(control: Estimate, treatment: Estimate, prior: Prior, *, higher_is_bett
             treatment.value - control.value,
             absolute_variance,
             prior.mean * scale,
-            prior_variance * scale**2 if prior_variance is not None else None,
+            prior_variance * scale * scale if prior_variance is not None else None,
         )
     sign = 1.0 if higher_is_better else -1.0
     good = sign * relative.mean

@@ -14,7 +14,6 @@ from splitstream.analysis.model import (
     Interval,
     MetricComparison,
     MetricSpec,
-    PhaseResult,
 )
 from splitstream.analysis.statistics import Comparison
 
@@ -23,29 +22,12 @@ def apply(analysis: Analysis, prior: bayes.Prior, threshold: float) -> Analysis:
     """``analysis`` with each comparison's Bayesian reading and its verdict and line by it; the frequentist
     p-values and intervals stay in the comparison, beside it."""
     alpha = analysis.alpha
-
-    def redo(phases: list[PhaseResult]) -> list[PhaseResult]:
-        return [
-            phase.model_copy(update={"comparisons": [_read(c, prior, threshold, alpha) for c in phase.comparisons]})
-            for phase in phases
-        ]
-
-    phases = redo(analysis.phases)
-    segments = []
-    for segment in analysis.segments:
-        redone = redo(segment.phases)
-        lines = [c.verdict_line for phase in redone for c in phase.comparisons]
-        segments.append(segment.model_copy(update={"phases": redone, "verdicts": lines}))
-    return analysis.model_copy(
-        update={
-            "phases": phases,
-            "segments": segments,
-            "verdicts": [c.verdict_line for phase in phases for c in phase.comparisons],
-            "engine": "bayes",
-            "prior_mean": prior.mean,
-            "prior_sd": prior.sd,
-            "bayes_threshold": threshold,
-        }
+    return analysis.with_comparisons(
+        lambda c: _read(c, prior, threshold, alpha),
+        engine="bayes",
+        prior_mean=prior.mean,
+        prior_sd=prior.sd,
+        bayes_threshold=threshold,
     )
 
 

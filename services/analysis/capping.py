@@ -50,7 +50,16 @@ class CapRule:
         return CapRule(value=value)
 
     def __str__(self) -> str:
-        return f"P{self.percentile:g}" if self.percentile is not None else f"{self.value:g}"
+        """The rule as ``:cap=`` takes it, parsing back to the same rule (the report's metric names it so)."""
+        return f"P{_exact(self.percentile)}" if self.percentile is not None else _exact(self.value)
+
+
+def _exact(number: float | None) -> str:
+    """``99.9`` or ``250`` as written where six digits say it, else every digit: ``P99.99999`` must not read back
+    as ``P100``, nor a cap of ``1234567`` as ``1.23457e+06``."""
+    assert number is not None
+    short = f"{number:g}"
+    return short if float(short) == number else repr(number)
 
 
 def cap_value(rule: CapRule, pooled: FloatArray) -> float | None:

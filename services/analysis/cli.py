@@ -22,7 +22,7 @@ import pyarrow.fs as pafs
 from redis.exceptions import RedisError
 
 from splitstream.analysis import bayes
-from splitstream.analysis.analyze import Query, analyze
+from splitstream.analysis.analyze import LONGEST_NOVELTY_BUCKET_NS, Query, analyze
 from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.noninferiority import Margin
@@ -370,6 +370,8 @@ def _novelty_bucket(text: str) -> int | None:
         raise ValueError(f"--novelty-bucket: {error}") from None
     if novelty <= 0:
         raise ValueError(f"--novelty-bucket: must be longer than 0, got {text!r}")
+    if novelty > LONGEST_NOVELTY_BUCKET_NS:
+        raise ValueError(f"--novelty-bucket: at most 100 years (36600d), got {text!r}")
     return novelty
 
 

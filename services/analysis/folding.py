@@ -403,6 +403,7 @@ async def load(
     segment: str | None = None,
     prices: dict[str, Price] | None = None,
     novelty_ns: int | None = None,
+    call_samples: bool = True,
 ) -> Loaded:
     """The calls of ``model`` received in the window and its feedback, read side by side in stream order.
 
@@ -412,7 +413,8 @@ async def load(
     ``segment``: a readable call field; the exposures' ``segments`` hold the same per value of it, and
     ``Loaded.segments`` their folders. Metrics of the calls (:data:`splitstream.analysis.usage.CALL_METRICS`)
     are measured on the calls, a call's cost by ``prices`` (per version). ``novelty_ns``: also fold by time since
-    each unit's first exposure, in buckets this wide (:mod:`splitstream.analysis.novelty`)."""
+    each unit's first exposure, in buckets this wide (:mod:`splitstream.analysis.novelty`). ``call_samples``:
+    keep each unit's calls per latency bucket, for the quantile comparisons."""
     events = FeedbackReader(window, metrics)
     from_calls = [name if is_call_metric(name) else None for name in metrics]
 
@@ -429,7 +431,9 @@ async def load(
         )
 
     reading_feedback = True
-    overall = ExposureReader(window, per_call=per_call, randomized_only=randomized_only, prices=prices)
+    overall = ExposureReader(
+        window, per_call=per_call, randomized_only=randomized_only, prices=prices, call_samples=call_samples
+    )
     overall_folder = joined(overall)
     if novelty_ns:  # the whole window's units only (not a segment's, nor a CUPED pre-period's)
         buckets = bucket_count(window, novelty_ns)
@@ -452,7 +456,9 @@ async def load(
             return True
         for value, rows in split_rows(page.columns[field_name]).items():
             if value not in parts:
-                reader = ExposureReader(window, per_call=per_call, randomized_only=randomized_only, prices=prices)
+                reader = ExposureReader(
+                    window, per_call=per_call, randomized_only=randomized_only, prices=prices, call_samples=call_samples
+                )
                 parts[value] = reader, joined(reader)
             part, folder = parts[value]
             columns = page.columns if len(rows) == len(page.columns[field_name]) else take_rows(page.columns, rows)

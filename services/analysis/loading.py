@@ -629,8 +629,16 @@ class ExposureReader:
     come (within the lateness allowance of the call's time: :class:`RecentFingerprints`)."""
 
     def __init__(
-        self, window: Window, *, per_call: bool, randomized_only: bool, prices: dict[str, Price] | None = None
+        self,
+        window: Window,
+        *,
+        per_call: bool,
+        randomized_only: bool,
+        prices: dict[str, Price] | None = None,
+        call_samples: bool = True,
     ) -> None:
+        """``call_samples``: keep each unit's calls per latency and TTFT bucket (what the quantile comparisons
+        need; a CUPED pre-period or a caller without them need not pay for them)."""
         self.window = window
         #: ``--price`` per version: the cost of a call of that arm.
         self.prices = prices or {}
@@ -655,8 +663,7 @@ class ExposureReader:
         self.corrupt = 0
         self.randomized_calls = 0
         self.keyed_calls = 0
-        self._latency_by_unit = UnitBuckets()
-        self._ttft_by_unit = UnitBuckets()
+        self._by_unit = (UnitBuckets(), UnitBuckets()) if call_samples else None
 
     def add_columns(self, found: dict[bytes, list[bytes]]) -> tuple[dict[str, int], NewCalls | None]:
         """Add a page's calls; returns the phases met for the first time, each with a row of the page whose
@@ -700,10 +707,12 @@ class ExposureReader:
             call_rows[chosen] = self.units.add(
                 phase[chosen], arm[chosen], unit[chosen], self.window.bucket_of(times[chosen]), times[chosen]
             )
-            sampled = chosen & randomized
-            self._latency_by_unit.add(call_rows[sampled], _latency_buckets(latency[sampled]))
-            timed = sampled & ~np.isnan(values["ttft_ms"])
-            self._ttft_by_unit.add(call_rows[timed], _latency_buckets(values["ttft_ms"][timed]))
+            if self._by_unit is not None:
+                latency_by_unit, ttft_by_unit = self._by_unit
+                sampled = chosen & randomized
+                latency_by_unit.add(call_rows[sampled], _latency_buckets(latency[sampled]))
+                timed = sampled & ~np.isnan(values["ttft_ms"])
+                ttft_by_unit.add(call_rows[timed], _latency_buckets(values["ttft_ms"][timed]))
         if self.randomized_only and not randomized.all():
             for p, a, s, f in zip(
                 phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True
@@ -850,7 +859,7 @@ class ExposureReader:
             corrupt=self.corrupt,
             randomized_calls=self.randomized_calls,
             keyed_calls=self.keyed_calls,
-            call_samples=CallSamples(self._latency_by_unit.result(), self._ttft_by_unit.result()),
+            call_samples=CallSamples(*(b.result() for b in self._by_unit)) if self._by_unit is not None else None,
         )
 
 

@@ -6,6 +6,7 @@ be computed (no unit in an arm, a control at 0) are null.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
@@ -452,3 +453,26 @@ class Analysis(_Model):
     non_inferiority_margin: str | None = None
     #: ``--novelty-bucket``: the width of the buckets of time since first exposure (``novelty`` per comparison).
     novelty_bucket_ns: int | None = None
+
+    def every_comparison(self) -> list[MetricComparison]:
+        """The comparisons of every phase, then of each segment's phases."""
+        parts = [self.phases, *(segment.phases for segment in self.segments)]
+        return [c for phases in parts for phase in phases for c in phase.comparisons]
+
+    def with_comparisons(self, redo: Callable[[MetricComparison], MetricComparison], **update: object) -> Analysis:
+        """A copy with every comparison (of each phase, and of each segment's phases) replaced by ``redo`` of it,
+        the verdict lines gathered again from them, and ``update``'s fields set: how a correction, an engine or
+        a non-inferiority test rewrites an analysis."""
+
+        def phases_of(phases: list[PhaseResult]) -> list[PhaseResult]:
+            return [phase.model_copy(update={"comparisons": [redo(c) for c in phase.comparisons]}) for phase in phases]
+
+        def lines(phases: list[PhaseResult]) -> list[str]:
+            return [c.verdict_line for phase in phases for c in phase.comparisons]
+
+        phases = phases_of(self.phases)
+        segments = [
+            segment.model_copy(update={"phases": (redone := phases_of(segment.phases)), "verdicts": lines(redone)})
+            for segment in self.segments
+        ]
+        return self.model_copy(update={"phases": phases, "segments": segments, "verdicts": lines(phases), **update})

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from scipy import stats
 
 from splitstream.analysis import statistics as st
-from splitstream.analysis.model import Analysis, MetricComparison, NonInferiority, PhaseResult
+from splitstream.analysis.model import Analysis, MetricComparison, NonInferiority
 
 _MARGIN = re.compile(r"^\s*-?(\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?\s*(%?)\s*$")
 MARGIN_SYNTAX = "a relative margin with % (1%) or an absolute one in the metric's unit (0.002)"
@@ -83,7 +83,7 @@ def margin_test(
     """None when the lift cannot be measured (no variance, a control at 0 for a relative margin)."""
     control, treatment = result.control, result.treatment
     if margin.relative:
-        variance = st._relative_variance(control, treatment)
+        variance = st.relative_variance(control, treatment)
         estimate = result.relative
         df = math.inf
     else:
@@ -113,23 +113,23 @@ def margin_test(
 def annotated(analysis: Analysis, margin: Margin, *, alpha: float, sequential: bool, tuning_units: int) -> Analysis:
     """Every comparison with its non-inferiority test and the clause added to its verdict line; with a
     correction, the non-inferiority p-values adjusted as their own family (same method as the analysis's)."""
-    parts = [analysis.phases, *(segment.phases for segment in analysis.segments)]
-    tests: dict[int, tuple[MetricComparison, MarginTest]] = {}
-    for phases in parts:
-        for phase in phases:
-            for c in phase.comparisons:
-                if c._basis is None:
-                    continue
-                found = margin_test(
-                    c._basis[0],
-                    margin,
-                    higher_is_better=c.direction == "higher",
-                    alpha=alpha,
-                    sequential=sequential,
-                    tuning_units=tuning_units,
-                )
-                if found is not None:
-                    tests[id(c)] = (c, found)
+
+    def test(c: MetricComparison, level: float) -> MarginTest | None:
+        assert c._basis is not None
+        return margin_test(
+            c._basis[0],
+            margin,
+            higher_is_better=c.direction == "higher",
+            alpha=level,
+            sequential=sequential,
+            tuning_units=tuning_units,
+        )
+
+    tests = {
+        id(c): (c, found)
+        for c in analysis.every_comparison()
+        if c._basis is not None and (found := test(c, alpha)) is not None
+    }
     adjusted: dict[int, tuple[float, MarginTest]] = {}
     correction = analysis.correction
     if correction != "none" and tests:
@@ -137,49 +137,17 @@ def annotated(analysis: Analysis, margin: Margin, *, alpha: float, sequential: b
         p = st.adjusted_p_values([tests[k][1].p_value for k in keys], correction)
         level = st.corrected_alpha(p, correction, alpha)
         for key, value in zip(keys, p, strict=True):
-            c, _ = tests[key]
-            again = margin_test(
-                c._basis[0],  # type: ignore[index]
-                margin,
-                higher_is_better=c.direction == "higher",
-                alpha=level,
-                sequential=sequential,
-                tuning_units=tuning_units,
-            )
+            again = test(tests[key][0], level)
             if again is not None:
                 adjusted[key] = (float(value), again)
 
-    def redo(phases: list[PhaseResult]) -> list[PhaseResult]:
-        out = []
-        for phase in phases:
-            comparisons = []
-            for c in phase.comparisons:
-                if id(c) not in tests:
-                    comparisons.append(c)
-                    continue
-                result = _result(c, margin, tests[id(c)][1], adjusted.get(id(c)), alpha, sequential, correction)
-                comparisons.append(
-                    c.model_copy(update={"non_inferiority": result, "verdict_line": f"{c.verdict_line}; {result.text}"})
-                )
-            out.append(phase.model_copy(update={"comparisons": comparisons}))
-        return out
+    def redo(c: MetricComparison) -> MetricComparison:
+        if id(c) not in tests:
+            return c
+        result = _result(c, margin, tests[id(c)][1], adjusted.get(id(c)), alpha, sequential, correction)
+        return c.model_copy(update={"non_inferiority": result, "verdict_line": f"{c.verdict_line}; {result.text}"})
 
-    def lines(phases: list[PhaseResult]) -> list[str]:
-        return [c.verdict_line for phase in phases for c in phase.comparisons]
-
-    phases = redo(analysis.phases)
-    segments = [
-        segment.model_copy(update={"phases": (redone := redo(segment.phases)), "verdicts": lines(redone)})
-        for segment in analysis.segments
-    ]
-    return analysis.model_copy(
-        update={
-            "phases": phases,
-            "segments": segments,
-            "verdicts": lines(phases),
-            "non_inferiority_margin": margin.text(True).lstrip("-"),
-        }
-    )
+    return analysis.with_comparisons(redo, non_inferiority_margin=margin.text(True).lstrip("-"))
 
 
 def _result(

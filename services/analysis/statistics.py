@@ -256,10 +256,10 @@ def with_sequential(result: Comparison, *, alpha: float, tuning_units: int = DEF
     tau2 = float(mixing_variance(variance, total, alpha=alpha, tuning_units=tuning_units))
     half = confidence_sequence_half_width(variance, tau2, alpha=alpha)
     relative_ci: tuple[float, float] | None = None
-    relative_variance = _relative_variance(control, treatment)
-    if result.relative is not None and relative_variance is not None:
-        relative_tau2 = float(mixing_variance(relative_variance, total, alpha=alpha, tuning_units=tuning_units))
-        relative_half = confidence_sequence_half_width(relative_variance, relative_tau2, alpha=alpha)
+    rel_variance = relative_variance(control, treatment)
+    if result.relative is not None and rel_variance is not None:
+        relative_tau2 = float(mixing_variance(rel_variance, total, alpha=alpha, tuning_units=tuning_units))
+        relative_half = confidence_sequence_half_width(rel_variance, relative_tau2, alpha=alpha)
         relative_ci = (result.relative - relative_half, result.relative + relative_half)
     return replace(
         result,
@@ -292,7 +292,7 @@ def relative_lift(
     control: Estimate, treatment: Estimate, critical: float
 ) -> tuple[float | None, tuple[float, float] | None]:
     """``μt/μc - 1`` and its interval, ``Var ≈ Var_t/μc² + μt² Var_c/μc⁴`` (delta method, independent arms)."""
-    var = _relative_variance(control, treatment)
+    var = relative_variance(control, treatment)
     if var is None:
         return None, None
     lift = treatment.value / control.value - 1
@@ -300,12 +300,15 @@ def relative_lift(
     return lift, (lift - half, lift + half)
 
 
-def _relative_variance(control: Estimate, treatment: Estimate) -> float | None:
-    """``Var(μt/μc) ≈ Var_t/μc² + μt² Var_c/μc⁴`` (delta method, independent arms); None when μc is 0."""
+def relative_variance(control: Estimate, treatment: Estimate) -> float | None:
+    """``Var(μt/μc) ≈ Var_t/μc² + μt² Var_c/μc⁴`` (delta method, independent arms); None when μc is 0, or where
+    the values are so large that the variance is not a finite float (products, not ``**``, which raises)."""
     mc, mt = control.value, treatment.value
     if not mc or not math.isfinite(mc) or not math.isfinite(mt):
         return None
-    return treatment.variance / mc**2 + mt**2 * control.variance / mc**4
+    mc2 = mc * mc
+    variance = treatment.variance / mc2 + (mt * mt / mc2) * (control.variance / mc2)
+    return variance if math.isfinite(variance) else None
 
 
 def two_proportions(
