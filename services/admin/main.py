@@ -494,6 +494,7 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
         alpha=plan.guard_alpha,
         security=security,
         prices=prices,
+        quantiles=len(outcome_guards) < len(plan.guards),  # the others are quantile guards
     )
     try:
         reader.check_reachable()

@@ -249,8 +249,12 @@ class OutcomeReader:
         security: RedisSecurity = NO_REDIS_SECURITY,
         timeout_s: float = 10.0,
         prices: dict[str, Price] | None = None,
+        quantiles: bool = False,
     ) -> None:
         self.url = url
+        #: Whether the reads compare latency quantiles (a rollout with a quantile guard): otherwise each check
+        #: would keep every unit's calls per latency bucket for comparisons no guard reads.
+        self.quantiles = quantiles
         #: ``--price`` per version, for guards on ``cost``.
         self.prices = prices or {}
         self.model = model
@@ -296,6 +300,7 @@ class OutcomeReader:
                     sequential=True,
                     prices=self.prices,
                     novelty_bucket_ns=None,  # a guard reads the step's lift, not its age profile
+                    quantiles=self.quantiles,
                 )
                 return await analyze(client, query)
             except (RedisError, OSError) as error:
