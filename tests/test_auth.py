@@ -660,9 +660,20 @@ JWT_CLAIMS = ("--jwt-audience", AUDIENCE, "--jwt-issuer", ISSUER)
         ),
         ([], {"principals": {"web": {"models": ["m"], "pim": True}}}, "principals.web.pim"),
         ([], {"principals": {"web": {"api_keys_sha256": ["abc"]}}}, "SHA-256"),
+        # A digest with a newline after it matched ``$`` and was loaded: a key no caller's hash could ever equal.
+        ([], {"principals": {"web": {"api_keys_sha256": ["a" * 64 + "\n"]}}}, "SHA-256"),
         (["--record-credential-headers"], {}, "--record-credential-headers"),
     ],
-    ids=["jwt-alone", "no-audience", "alg-none", "alg-hs256", "typo", "bad-digest", "credential-headers"],
+    ids=[
+        "jwt-alone",
+        "no-audience",
+        "alg-none",
+        "alg-hs256",
+        "typo",
+        "bad-digest",
+        "digest-newline",
+        "credential-headers",
+    ],
 )
 def test_bad_auth_settings_exit_2_with_one_line(
     tmp_path: Path, extra: list[str], document: dict[str, Any] | None, problem: str

@@ -44,7 +44,7 @@ from splitstream.common.schema import Document, Flag, validate
 ANY_MODEL = "*"
 #: A principal's name: it goes into records, logs and metric labels, so it is short and plain.
 _PRINCIPAL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@:/+-]{0,127}\Z")
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def check_principal_name(name: str) -> str:
@@ -57,7 +57,7 @@ def check_principal_name(name: str) -> str:
 
 
 def _digest(value: str) -> str:
-    if not _SHA256_HEX.match(value):
+    if not _SHA256_HEX.fullmatch(value):
         raise ValueError("must be the SHA-256 of an API key as 64 lower-case hex digits (sha256sum prints it)")
     return value
 
