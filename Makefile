@@ -89,7 +89,7 @@ bench-http: install $(LITELLM_VENV)/.installed $(BENCH_VENV)/.installed ## HTTP 
 demo: install ## The whole story on this machine: train, split 90/10, record, ramp to 50/50, replay, report
 	$(BIN)/python -m demo.run
 
-demo-llm: install ## Token streams: bigram v1 and trigram v2 behind a 50/50 router, recorded, replayed; OpenAI chats rated
+demo-llm: install ## Token streams: bigram v1 and trigram v2 behind a 50/50 router, recorded, replayed, noise floor; OpenAI chats rated, judged
 	$(BIN)/python -m demo.llm
 
 up: ## Start the docker-compose stack (needs a Docker engine): redis, consul, recorder, router, workers, prometheus, grafana

@@ -6,13 +6,18 @@
    recorded as one record with its requests, responses and their timing.
 4. ``splitstream analyze``: per arm the tokens in and out, TTFT p50/p99 and the cost per call at a price per
    version (v2, the larger model, priced at twice v1), with verdicts on ``ttft_ms`` and ``cost``.
-5. Replay the window against v2 (through the router, pinned) and write the HTML report.
+5. Replay the window against v2 (through the router, pinned) and write the HTML report. Then the streams v1
+   wrote again, against v2 with v1 itself as the control (``--noise-from v1``): the noise floor, per text and
+   per token position.
 6. The OpenAI act: the router's HTTP port (``--http-port``, OpenAI's API) serves chat users calling it with
    ``openai.AsyncOpenAI`` (``user=`` set: the split is sticky by user), streamed with usage; each answer is
    rated (a thumbs-up more likely the more real words it has: v2's trigram writes more) and the rating
    reported with ``POST /v1/feedback`` under the chat's id; ``splitstream analyze`` then gives the verdict on
    ``thumbs_up`` with TTFT, tokens and cost per arm.
-7. Print TTFT and inter-token gaps per version, as the users saw them, the analysis, how the texts agree
+7. ``splitstream judge`` of the chats: each recorded request answered by the other version too, both answers
+   judged pairwise in random order by the demo's judge (:mod:`demo.judge`, a stated rule standing in for a
+   judge model, which the demo cannot download), for a judged win rate of v2 over v1.
+8. Print TTFT and inter-token gaps per version, as the users saw them, the analysis, how the texts agree
    on replay (streams v2 wrote come back token for token; those v1 wrote diverge, and the report shows
    where), then the OpenAI act's chats and its verdict.
 
@@ -38,7 +43,7 @@ from typing import Any, cast
 import numpy as np
 from grpc import aio
 
-from demo import chat, language
+from demo import chat, judge, language
 from demo.processes import Supervisor, free_port, fresh_workdir, interruptible, stepper, write_registry
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
@@ -139,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chats-per-user", type=int, default=2, help="questions each chat user asks in turn")
     parser.add_argument("--chat-tokens", type=int, default=24, help="tokens each chat answer asks for")
     parser.add_argument("--chat-concurrency", type=int, default=16, help="chat users at once")
+    parser.add_argument("--judge-pairs", type=int, default=120, help="recorded chats `splitstream judge` judges")
     args = parser.parse_args(argv)
     summary = interruptible(lambda: run(args))
     if summary is None:
@@ -211,7 +217,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             *("--target", router, "--pin-version", "v2", "--speed", args.replay_speed, "--concurrency", "8"),
             timeout_s=300,
         )
+        window = ("--since", f"{since - 1:.3f}", "--until", f"{until:.3f}")
+        noise = _noise_floor(supervisor, step, redis_url, router, workdir, window)
+        chats_since = time.time()
         chats, chat_analysis = _openai_act(args, supervisor, step, redis_url, http_port, workdir)
+        chat_window = ("--since", f"{chats_since:.3f}", "--until", f"{time.time():.3f}")
+        judged = _judged(supervisor, step, redis_url, http_port, workdir, chat_window, args.judge_pairs)
         step("stopping everything")
 
     summary = {
@@ -220,6 +231,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "streams_sent": sum(observed.streams.values()) + observed.errors,
         "recorded": recorded,
         "replay": replay_summary.get("streams"),
+        "noise": noise,
+        "judge": judged,
         "analysis": _analysis(json.loads((analysis_dir / "analysis.json").read_text())),
         "analysis_table": analysis.stdout,
         "analysis_report": str(analysis_dir / "analysis.html"),
@@ -230,6 +243,97 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _noise_floor(
+    supervisor: Supervisor,
+    step: Callable[[str], None],
+    redis_url: str,
+    router: str,
+    workdir: Path,
+    window: tuple[str, ...],
+) -> dict[str, Any]:
+    """The streams v1 wrote, replayed against v2 with v1 itself as the control (``--noise-from v1``): what v1
+    shows against its own recording is the floor, per text and per token position, and v2 is judged against
+    it. v1's streams only: against a stream v2 wrote, v1 would differ by being another model, not by noise."""
+    step("the noise floor: v1's streams replayed against v2, and against v1 itself (--noise-from v1)")
+    out = workdir / "noise"
+    summary = supervisor.replay(
+        redis_url,
+        MODEL,
+        out,
+        *window,
+        *("--version", "v1", "--target", router, "--pin-version", "v2", "--noise-from", "v1"),
+        *("--noise-min-calls", "5", "--speed", "max", "--concurrency", "8"),
+        timeout_s=300,
+    )
+    text = summary["noise"]["fields"].get("text", {})
+    return {
+        "calls": text.get("calls", 0),
+        "control_rate": text.get("control_rate"),
+        "candidate_rate": text.get("candidate_rate"),
+        "above_noise": text.get("above_noise"),
+        "positions": len(text.get("positions") or []),
+        "positions_above": text.get("positions_above") or [],
+        "diff_above_noise_rate": summary["metrics"]["diff_above_noise_rate"],
+        "report": str(out / "report.html"),
+    }
+
+
+def _judged(
+    supervisor: Supervisor,
+    step: Callable[[str], None],
+    redis_url: str,
+    http_port: int,
+    workdir: Path,
+    window: tuple[str, ...],
+    pairs: int,
+) -> dict[str, Any]:
+    """``splitstream judge`` of the OpenAI act's recorded chats (the first ``pairs``): each request sent again to
+    the other version (pinned, at the router's HTTP port; its seed makes the other answer what that version
+    would have said) and both answers shown, in random order, to the demo's own judge (:mod:`demo.judge`, a
+    rule, not a model: nothing is downloaded)."""
+    judge_port = free_port()
+    supervisor.start("demo-judge", ["python", "-m", "demo.judge", "--port", str(judge_port)])
+    _wait_http(f"http://127.0.0.1:{judge_port}/v1/models")
+    step(f"judging {pairs} recorded chats pairwise with `splitstream judge` (demo judge: {judge.RULE})")
+    out = workdir / "judge"
+    supervisor.run(
+        "judge",
+        [
+            "splitstream",
+            *("judge", MODEL, "--redis-url", redis_url, *window, "--version", "v1", "--other-version", "v2"),
+            *("--target", f"http://127.0.0.1:{http_port}", "--max-pairs", str(pairs)),
+            *("--judge-url", f"http://127.0.0.1:{judge_port}/v1", "--judge-model", "demo-judge"),
+            *("--output-dir", str(out)),
+        ],
+        timeout_s=300,
+    )
+    supervisor.stop("demo-judge")
+    summary = json.loads((out / "summary.json").read_text())
+    return {
+        "rule": judge.RULE,
+        "pairs": summary["counts"].get("judged", 0),
+        "by_version": summary["by_version"],
+        "position": summary["position"],
+        "pairs_file": str(out / "pairs.jsonl"),
+    }
+
+
+def _wait_http(url: str, timeout_s: float = 30.0) -> None:
+    """Until ``url`` answers 200 (a process that serves HTTP only has no gRPC health to wait on)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer within {timeout_s}s") from None
+        time.sleep(0.1)
 
 
 def _openai_act(
@@ -416,11 +520,55 @@ def print_summary(summary: dict[str, Any]) -> None:
             "(greedy decoding: v2's own streams come back token for token; v1's diverge where the bigram's "
             "text leaves the trigram's)"
         )
+    print_noise(summary["noise"])
     print_openai_act(summary["openai"], summary["openai_analysis"])
+    print_judged(summary["judge"])
     print(f"\nreport:   {summary['report']}")
     print(f"analysis: {summary['analysis_report']}")
     print(f"          {summary['openai_analysis']['report']}")
     print(f"logs:     {summary['logs']}")
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _positions(positions: list[int]) -> str:
+    """``0-5, 9`` for [0, 1, 2, 3, 4, 5, 9]."""
+    runs: list[list[int]] = []
+    for position in positions:
+        if runs and position == runs[-1][-1] + 1:
+            runs[-1].append(position)
+        else:
+            runs.append([position])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "none"
+
+
+def print_noise(noise: dict[str, Any]) -> None:
+    """The noise floor of v2 over v1 in one line."""
+    verdicts = {True: "above the noise", False: "within the noise", None: "floor not trusted yet"}
+    verdict = verdicts[noise["above_noise"]]
+    print(
+        f"\nnoise floor (v1's {noise['calls']} streams; control: v1 against itself, --noise-from v1): texts that "
+        f"differ from the recording: v1 {_percent(noise['control_rate'])}, v2 {_percent(noise['candidate_rate'])}; "
+        f"token positions above the floor: {_positions(noise['positions_above'])} of {noise['positions']}; "
+        f"v2 {verdict}"
+    )
+
+
+def print_judged(judged: dict[str, Any]) -> None:
+    """The judged win rate of v2 over v1, with its interval and the position check."""
+    v1, v2 = judged["by_version"]["v1"], judged["by_version"]["v2"]
+    interval = v2["preference_interval"]
+    shown = f"[{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "(no interval: fewer than two users)"
+    position = judged["position"]
+    print(
+        f"\njudged win rate (splitstream judge, {judged['pairs']} of the chats, order random): v2 preferred "
+        f"{v2['preference']:.2f} {shown}, wins {v2['win_rate']:.0%} / ties {v2['tie_rate']:.0%} / losses "
+        f"{v2['loss_rate']:.0%}; v1 preferred {v1['preference']:.2f}; the answer shown first won "
+        f"{position['first_won']} of {position['decided']}"
+    )
+    print(f"(the demo's judge: {judged['rule']})")
 
 
 def print_openai_act(chats: dict[str, Any], analysis: dict[str, Any]) -> None:

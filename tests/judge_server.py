@@ -13,7 +13,8 @@ not an object), ``huge`` (a 200 of 64 MiB of JSON), ``500`` (every call an HTTP 
 
 ``--throttle N``: the first N calls answer 429 (``Retry-After: 0``, or ``--retry-after``'s text). ``GET /gaps``
 answers the seconds between one call and the next. ``GET /stats`` answers the number of
-completions asked and of 429s given, so a test can tell whether a run asked the judge at all.
+completions asked and of 429s given, so a test can tell whether a run asked the judge at all; ``GET /prompts``
+the prompts it was asked to judge, as it decoded them.
 
     python -m tests.judge_server --port 0 --key sk-judge --prefer preferred.jsonl
 """
@@ -59,6 +60,7 @@ def build(
 ) -> web.Application:
     counts = {"completions": 0, "throttled": 0}
     arrivals: list[float] = []
+    prompts: list[str] = []
 
     async def completions(request: web.Request) -> web.Response:
         arrivals.append(time.monotonic())
@@ -80,6 +82,7 @@ def build(
             )
         body = await request.json()
         prompt = body["messages"][-1]["content"]
+        prompts.append(prompt)
         counts["completions"] += 1
         if answer:
             return _broken(answer)
@@ -119,7 +122,11 @@ def build(
     async def gaps(_: web.Request) -> web.Response:
         return web.json_response([later - earlier for earlier, later in itertools.pairwise(arrivals)])
 
+    async def asked(_: web.Request) -> web.Response:
+        return web.json_response(prompts)
+
     app = web.Application()
+    app.router.add_get("/prompts", asked)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/stats", stats)
     app.router.add_get("/gaps", gaps)

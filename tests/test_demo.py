@@ -78,8 +78,9 @@ def test_the_llm_demo_records_streams_split_50_50_replays_them_and_rates_openai_
 ) -> None:
     workdir = tmp_path / "demo-llm"
     result, summary = run_demo(
-        "demo.llm", workdir, "--streams", "24", "--tokens", "24", "--chat-users", "120", "--chats-per-user", "2"
-    )
+        "demo.llm", workdir, "--streams", "24", "--tokens", "24", "--chat-users", "120", "--chats-per-user", "2",
+        "--judge-pairs", "80",
+    )  # fmt: skip
     assert set(summary["users"]) == {"v1", "v2"}, "a 50/50 split of 24 streams reaches both versions"
     assert summary["errors"] == 0
     assert summary["recorded"] == summary["streams_sent"] == 24
@@ -93,6 +94,25 @@ def test_the_llm_demo_records_streams_split_50_50_replays_them_and_rates_openai_
     report = Path(summary["report"]).read_text()
     assert "Token streams" in report
     assert "TTFT" in result.stdout
+    # The noise floor of v2 over v1: v1 against itself (greedy) differs nowhere; v2 differs, from its first tokens.
+    noise = summary["noise"]
+    assert noise["calls"] == versions["v1"]["streams"]
+    assert noise["control_rate"] == 0.0
+    assert noise["candidate_rate"] > 0.5
+    assert noise["above_noise"] is True
+    assert noise["positions_above"], noise
+    assert noise["diff_above_noise_rate"] == 1.0
+    assert "noise floor (v1's" in result.stdout
+    assert "v2 above the noise" in result.stdout
+    # The judged win rate: 80 recorded chats judged against the other version's answer by the demo's judge, whose
+    # rule (the larger share of real words) favours the trigram.
+    judged = summary["judge"]
+    assert judged["pairs"] == 80
+    v2 = judged["by_version"]["v2"]
+    assert v2["preference"] > 0.5
+    assert v2["preference_interval"][0] > 0.5, judged
+    assert "judged win rate (splitstream judge" in result.stdout
+    assert "a rule, not a language model" in result.stdout
     # splitstream analyze: per arm the tokens the users received, TTFT and the cost at v2's double price.
     arms = summary["analysis"]["arms"]
     for version, row in summary["users"].items():

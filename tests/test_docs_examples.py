@@ -36,8 +36,9 @@ from tests.s3_server import S3_ENV, S3Server
 RUN: dict[str, set[str]] = {
     "rollouts.md": {"serve", "ramp"},
     "recording.md": {"serve", "read"},
-    # noise-floor: run by tests/test_replay_noise.py, against the noisy model it builds.
-    "replay.md": {"incident", "ci", "compare", "noise-floor"},
+    # noise-floor: run by tests/test_replay_noise.py, against the noisy model it builds; noise-floor-streams by
+    # tests/test_replay_noise_streams.py, against the sampling language models it builds.
+    "replay.md": {"incident", "ci", "compare", "noise-floor", "noise-floor-streams"},
     "analysis.md": {"analyze", "archive"},
     "archive.md": {"archive", "replay"},
 }

@@ -47,8 +47,9 @@ CALLS = 200
 STRICT = ("--noise-confidence", "0.999")
 
 
-def noisy_model(path: Path, *, offset: float) -> Path:
-    """``y = 2x + N(0, SIGMA)``, ``z = x + N(0, SIGMA) + offset``, a fresh draw per element and per run."""
+def noisy_model(path: Path, *, offset: float, outputs: tuple[str, ...] = ("y", "z")) -> Path:
+    """``y = 2x + N(0, SIGMA)``, ``z = x + N(0, SIGMA) + offset``, a fresh draw per element and per run (only
+    the ``outputs`` named)."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", FEATURES])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", FEATURES])
     z = helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", FEATURES])
@@ -64,7 +65,8 @@ def noisy_model(path: Path, *, offset: float) -> Path:
         numpy_helper.from_array(np.array(2.0, dtype=np.float32), "two"),
         numpy_helper.from_array(np.array(offset, dtype=np.float32), "offset"),
     ]
-    return save_graph(helper.make_graph(nodes, "noisy", [x], [y, z], initializer=inits), path)
+    declared = [info for info in (y, z) if info.name in outputs]
+    return save_graph(helper.make_graph(nodes, "noisy", [x], declared, initializer=inits), path)
 
 
 @dataclass
@@ -230,6 +232,24 @@ def test_a_noise_target_killed_mid_run_leaves_the_floor_to_the_calls_before(nois
     fields = json.loads((tmp_path / "summary.json").read_text())["noise"]["fields"]
     assert fields["z"]["calls"] == fields["y"]["calls"] == answered
     assert fields["y"]["control"]["elements"] == answered * FEATURES
+
+
+def test_a_control_missing_an_output_writes_its_floor_as_inf_not_null(noisy: Noisy, tmp_path: Path) -> None:
+    """A control answering without ``z`` (a presence change: every element infinitely far) has an infinite floor
+    for ``z``: summary.json says ``"inf"``, where JSON's ``null`` would read as "not measured"."""
+    repository = tmp_path / "models"
+    noisy_model(repository / MODEL / "v1" / "model.onnx", offset=0.0, outputs=("y",))
+    (repository / MODEL / "v1" / "config.yaml").write_text(yaml.safe_dump({"backend": "onnxruntime"}))
+    control = noisy.stack.stack.worker(repository, MODEL, "v1", name="control-without-z")
+    try:
+        run = noisy.replay(tmp_path / "out", "--pin-version", "v1", "--noise-target", control.address, "--limit", "40")
+    finally:
+        control.stop()
+    assert run.code == 0, run.stderr
+    z = run.summary["noise"]["fields"]["z"]
+    assert z["floor"] == "inf"
+    assert z["control"]["max"] == "inf"
+    assert run.summary["noise"]["fields"]["y"]["floor"] < 1
 
 
 def test_without_noise_flags_nothing_changes(noisy: Noisy, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Pairwise judging of recorded chat calls: the recorded answer against another version's, by a judge model.
 
 For each HTTP chat call of a window recorded on one of two versions, the prompt is sent again to the other
-version (through a router's HTTP port with the version pinned, or to a URL serving it), and a judge model
+version (through a router's HTTP port with the version pinned, or to a URL serving it), or, when the record holds
+the other version's answer already (a shadow of a unary call), that answer is read; then a judge model
 behind an OpenAI-compatible ``/chat/completions`` is asked which of the two answers is better. The two
 answers go in as A and B in an order drawn per pair (a hash of the request id and ``--seed``, so a re-run
 draws the same), so a judge that prefers a position favours neither version; the order and the judge's raw
@@ -30,6 +31,7 @@ import aiohttp
 import grpc
 import xxhash
 
+from splitstream.common import tensors
 from splitstream.common.headers import VERSION_HEADER
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.records import payload_bytes
@@ -41,6 +43,12 @@ from splitstream.replayer.stream_compare import read_tokens
 
 #: The token streams' method (a stream record is always one): requests and responses go as recorded bytes.
 STREAM_METHOD = "/inference.GRPCInferenceService/ModelStreamInfer"
+#: A unary call's method: its recorded request goes out as recorded bytes.
+INFER_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+TEXT_INPUT = "text_input"
+TEXT_OUTPUT = "text_output"
+#: ``why`` of a unary call without ``text_input`` or ``text_output``: nothing for a judge to read.
+NOT_TEXT = "not_text"
 
 #: The rubric used without ``--rubric``: its placeholders are replaced by the conversation and the answers.
 DEFAULT_RUBRIC = """You are judging two answers of AI assistants to the same conversation.
@@ -90,11 +98,28 @@ def check_rubric(text: str) -> None:
         raise ValueError(f"the rubric lacks {', '.join(missing)}")
 
 
+class UnreadableRequest(ValueError):
+    """A recorded request the judge cannot show (a body an upstream took as it was, not a chat request)."""
+
+
 def render_conversation(body: bytes) -> str:
-    """A chat request's messages as ``role: content`` lines (text parts of multi-part contents joined)."""
-    request = json.loads(body)
+    """A chat request's messages as ``role: content`` lines (text parts of multi-part contents joined).
+
+    UnreadableRequest when the body is no chat request: an ``openai`` upstream gets the body as the client sent
+    it, so a record may hold what our own front door would have refused (``"messages": ["hi"]``)."""
+    try:
+        request = json.loads(body)
+    except ValueError:
+        raise UnreadableRequest("the request body is not JSON") from None
+    if not isinstance(request, dict):
+        raise UnreadableRequest("the request body is not a JSON object")
+    messages = request.get("messages") or []
+    if not isinstance(messages, list):
+        raise UnreadableRequest("'messages' is not an array")
     lines = []
-    for message in request.get("messages") or []:
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise UnreadableRequest(f"messages[{index}] is not an object")
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
@@ -194,6 +219,14 @@ class Judging:
     def count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
+    def answerable(self, record: Any) -> bool:
+        """Whether the other version's answer can be had: an HTTP call is replayed at ``--target``; a gRPC call (a
+        stream, a unary call) needs ``--grpc-target``, unless the record holds the other version's shadow."""
+        if record.HasField("http") or self.grpc_channel is not None:
+            return True
+        other = self.others.get(record.version)
+        return not record.HasField("stream") and other is not None and _shadow_of(record, other.version) is not None
+
     async def pair(self, call: SelectedCall) -> dict[str, Any] | None:
         """The judged pair of ``call`` (from the cache, or replayed and judged), None when it cannot be one."""
         record = call.record
@@ -203,10 +236,12 @@ class Judging:
             self.count("other_version")
             return None
         streamed = record.HasField("stream") and not record.HasField("http")
-        if streamed and self.grpc_channel is None:
+        unary = not streamed and not record.HasField("http")
+        shadow = _shadow_of(record, other.version) if unary else None
+        if not self.answerable(record):
             self.count("no_grpc_target")
             return None
-        if not streamed and (not record.HasField("http") or record.http.api != "chat"):
+        if record.HasField("http") and record.http.api != "chat":
             self.count("not_http_chat")
             return None
         key = cache_key(record.request_id, other.version, self.judge.model, self.judge.rubric)
@@ -216,12 +251,22 @@ class Judging:
         if self.budget.exhausted():
             self.count("over_budget")
             return None
+        source = "shadow" if shadow is not None else "replay"
         if streamed:
             conversation, recorded_text, other_text, why = await self._stream_pair(record, other)
+        elif unary:
+            conversation, recorded_text, other_text, why = await self._unary_pair(record, other, shadow)
+            if why == NOT_TEXT:
+                self.count("not_text")
+                return None
         else:
             http = record.http
             body = await payload_bytes(self.redis, http.request_body)
-            conversation = render_conversation(body)
+            try:
+                conversation = render_conversation(body)
+            except UnreadableRequest:
+                self.count("unreadable_request")
+                return None
             recorded_text = read_text("chat", await self._recorded_answer(record)).text
             if not (200 <= http.status < 300):
                 recorded_text = ""
@@ -265,6 +310,7 @@ class Judging:
             "judge_usage": usage,
             "recorded_answer": recorded_text,
             "other_answer": other_text,
+            "other_source": source,
         }
 
     async def _stream_pair(self, record: Any, other: OtherSide) -> tuple[str, str, str | None, str]:
@@ -298,6 +344,40 @@ class Judging:
             return "", recorded, None, f"--grpc-target: {error.code().name}: {error.details()}"
         text = b"".join(read_tokens(answered).tokens).decode(errors="replace")
         return f"user: {prompt}", recorded, (text or None), "" if text else "--grpc-target answered no tokens"
+
+    async def _unary_pair(self, record: Any, other: OtherSide, shadow: Any | None) -> tuple[str, str, str | None, str]:
+        """A unary generation call (``text_input`` in, ``text_output`` out): its prompt, recorded text and the other
+        version's text, read from ``shadow`` (the other version's answer recorded with the call) when there is
+        one, else the recorded request sent again to ``--grpc-target``, pinned. ``why`` is :data:`NOT_TEXT` when
+        the call carries no text."""
+        request_bytes = await payload_bytes(self.redis, record.request)
+        prompt = _text_of(oip.ModelInferRequest.FromString(request_bytes), TEXT_INPUT)
+        recorded: str | None = ""
+        if record.status_code == 0:
+            recorded = _text_of(
+                oip.ModelInferResponse.FromString(await payload_bytes(self.redis, record.response)), TEXT_OUTPUT
+            )
+        if prompt is None or recorded is None:
+            return "", "", None, NOT_TEXT
+        if not recorded:
+            return "", "", None, ""
+        if shadow is not None:
+            answer = _text_of(
+                oip.ModelInferResponse.FromString(await payload_bytes(self.redis, shadow.response)), TEXT_OUTPUT
+            )
+            return f"user: {prompt}", recorded, answer or None, "" if answer else "the shadow answered no text"
+        assert self.grpc_channel is not None
+        metadata = [(VERSION_HEADER, other.version), ("x-request-id", f"{record.request_id}:judge")]
+        if self.grpc_key:
+            metadata.append(("x-api-key", self.grpc_key))
+        try:
+            raw = await self.grpc_channel.unary_unary(INFER_METHOD)(
+                request_bytes, metadata=metadata, timeout=self.judge.timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            return "", recorded, None, f"--grpc-target: {error.code().name}: {error.details()}"
+        answer = _text_of(oip.ModelInferResponse.FromString(raw), TEXT_OUTPUT)
+        return f"user: {prompt}", recorded, answer or None, "" if answer else "--grpc-target answered no text"
 
     async def _recorded_answer(self, record: Any) -> HttpAnswer:
         http = record.http
@@ -378,6 +458,29 @@ class Judging:
                 self.budget.retries += 1
                 await asyncio.sleep(wait_s)
         raise JudgeFailed(f"the judge at {url} failed {self.judge.retries + 1} times, last: {why}")
+
+
+def _shadow_of(record: Any, version: str) -> Any | None:
+    """The other version's answer recorded with the call (a shadow that answered OK), None when there is none."""
+    for shadow in record.shadows:
+        if shadow.version == version and shadow.status_code == 0 and shadow.HasField("response"):
+            return shadow
+    return None
+
+
+def _text_of(message: oip.ModelInferRequest | oip.ModelInferResponse, name: str) -> str | None:
+    """The BYTES tensor ``name``'s elements joined and decoded (UTF-8, bad bytes as U+FFFD); None without it."""
+    try:
+        arrays = (
+            tensors.input_arrays(message)
+            if isinstance(message, oip.ModelInferRequest)
+            else tensors.output_arrays(message)
+        )
+    except Exception:  # InvalidInput: contents that do not decode are no text to judge
+        return None
+    if name not in arrays:
+        return None
+    return b"".join(bytes(item) for item in arrays[name].reshape(-1)).decode(errors="replace")
 
 
 async def _read_bounded(response: aiohttp.ClientResponse, url: str) -> bytes:

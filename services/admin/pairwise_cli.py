@@ -65,7 +65,8 @@ def add_parser(commands: Any, *, env_prefix: str) -> None:
         help="judge recorded chat answers against another version's with a judge model (pairwise)",
         description=(
             "For the HTTP chat calls of a window recorded on --version or --other-version, send each prompt to "
-            "the other version (--target, pinned, or --other-target) and ask a judge model behind an "
+            "the other version (--target, pinned, or --other-target; a shadow of the other version recorded with "
+            "a unary call is read instead) and ask a judge model behind an "
             "OpenAI-compatible API (--judge-url) which answer is better, in random order. Writes pairs.jsonl "
             "and summary.json to --output-dir; with --feedback-router, each verdict as feedback (--metric). "
             "Exit 0: done; 1: the judge, a target or Redis failed; 2: usage error."
@@ -88,8 +89,9 @@ def add_parser(commands: Any, *, env_prefix: str) -> None:
     parser.add_argument(
         "--grpc-target",
         default="",
-        help="a router's gRPC host:port: token streams (ModelStreamInfer) of the window are judged too, their "
-        "requests sent there pinned to the other version (only with --target)",
+        help="a router's gRPC host:port: token streams (ModelStreamInfer) and unary generation calls of the window "
+        "are judged too, their requests sent there pinned to the other version (only with --target); a unary "
+        "call whose record holds the other version's shadow is judged without it",
     )
     parser.add_argument(
         "--other-target",
@@ -348,8 +350,8 @@ async def _judge_all(
                     if record.HasField("http") and record.http.api != "chat":
                         judging.count("not_http_chat")
                         continue
-                    if not record.HasField("http") and not (record.HasField("stream") and args.grpc_target):
-                        judging.count("no_grpc_target" if record.HasField("stream") else "not_http_chat")
+                    if not judging.answerable(record):  # counted before a slot: --max-pairs counts pairs
+                        judging.count("no_grpc_target")
                         continue
                     await slots.acquire()
                     tasks.append(asyncio.create_task(one(call)))

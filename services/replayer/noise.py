@@ -18,6 +18,15 @@ control-vs-reference differences set a floor per output field that the candidate
 - **Generated text** (token streams, HTTP calls): sampled generation differs every run, so sequences are not
   compared against a floor; the rate at which the candidate's texts differ from the reference is compared
   with the control's own rate, with the same interval, one call one trial.
+- **Token positions** (token streams): a long sampled text differs somewhere almost always, on both sides, so
+  the per-text rate saturates and hides a changed model. Per token position ``i`` (the first
+  :data:`MAX_POSITIONS`), over the calls whose reference has a token ``i``, the share where the control's token
+  ``i`` differs (or is missing) is that position's floor, and the candidate's share is judged against it with
+  the same interval; the positions above it are listed.
+
+Every interval of a run (a tensor field, a text field, each trusted position) is one of its T tests, at
+``1 - (1 - confidence) / T`` (Bonferroni); a text field is above the noise when its text rate or any of its
+positions is.
 
 A floor is trusted once the control has given ``min_calls`` pairs and, for a tensor, ``10 / (1 - quantile)``
 elements (ten expected beyond the quantile); an untrusted field gets no verdict and weighs in no rate.
@@ -26,11 +35,12 @@ elements (ten expected beyond the quantile); an untrusted field gets no verdict 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Annotated, Final
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PlainSerializer
 from scipy.stats import norm
 
 from splitstream.replayer.compare import Answer, Tensor, decode_outputs
@@ -55,6 +65,20 @@ DEFAULT_MIN_CALLS: Final = 30
 CONFIDENCE: Final = 0.99
 #: The field name of generated text (token streams, HTTP generated text) and of whole HTTP bodies.
 TEXT_FIELD: Final = "text"
+#: Token positions judged one by one per text field (a fixed size however long the streams); later tokens weigh
+#: only in the per-text rate.
+MAX_POSITIONS: Final = 256
+
+
+def _finite_or_inf(value: float | None) -> float | str | None:
+    return "inf" if value is not None and math.isinf(value) else value
+
+
+#: A difference that may be infinite (a shape, dtype or presence change): JSON has no infinity, and pydantic would
+#: write ``null``, which reads as "not measured"; written as the string ``"inf"`` instead (read back as a float).
+MaybeInfinite = Annotated[
+    float | None, PlainSerializer(_finite_or_inf, return_type=float | str | None, when_used="json")
+]
 
 
 def newcombe_interval(k1: int, n1: int, k2: int, n2: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
@@ -128,10 +152,24 @@ class Distribution(_Model):
     """One side's absolute differences from the reference (bin upper edges)."""
 
     elements: int
-    p50: float | None
-    p99: float | None
-    p999: float | None
-    max: float | None
+    p50: MaybeInfinite
+    p99: MaybeInfinite
+    p999: MaybeInfinite
+    max: MaybeInfinite
+
+
+class PositionNoise(_Model):
+    """One token position of a text field: how often each side's token there differs from the reference's."""
+
+    position: int
+    #: Calls whose reference has a token at this position.
+    calls: int
+    trusted: bool
+    control_rate: float
+    candidate_rate: float
+    excess_low: float
+    excess_high: float
+    above_noise: bool | None
 
 
 class FieldNoise(_Model):
@@ -142,8 +180,9 @@ class FieldNoise(_Model):
     #: Calls where the reference, the control and the candidate all answered OK and the field was compared.
     calls: int
     trusted: bool
-    #: Tensors: the absolute difference at the floor (inf: the control differs in shape or presence).
-    floor: float | None = None
+    #: Tensors: the absolute difference at the floor (``"inf"`` in JSON: the control differs in shape or presence
+    #: in more than ``1 - quantile`` of its elements).
+    floor: MaybeInfinite = None
     #: Share of the control's elements (texts) beyond the floor (texts: that differ).
     control_rate: float | None
     candidate_rate: float | None
@@ -154,6 +193,11 @@ class FieldNoise(_Model):
     above_noise: bool | None
     control: Distribution | None = None
     candidate: Distribution | None = None
+    #: Token streams' text: per token position with a compared call, the control's and the candidate's share
+    #: differing there (None for tensors and for texts of HTTP calls, whose pieces are no tokens).
+    positions: list[PositionNoise] | None = None
+    #: The positions above the noise (a subset of ``positions``).
+    positions_above: list[int] | None = None
 
 
 class NoiseSummary(_Model):
@@ -199,6 +243,14 @@ class _TextField:
     calls: int = 0
     control_differs: int = 0
     candidate_differs: int = 0
+    #: Per token position: calls compared there, and how many differed on the control's and the candidate's side.
+    position_calls: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS, dtype=np.int64))
+    control_at: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS, dtype=np.int64))
+    candidate_at: np.ndarray = field(default_factory=lambda: np.zeros(MAX_POSITIONS, dtype=np.int64))
+    tokens_seen: bool = False
+
+    def trusted_positions(self, min_calls: int) -> int:
+        return int(np.count_nonzero(self.position_calls >= min_calls))
 
 
 @dataclass
@@ -252,10 +304,24 @@ class NoiseTotals:
         totals.control_differs += control_differs
         totals.candidate_differs += candidate_differs
 
+    def add_positions(
+        self, name: str, reference: Sequence[bytes], control: Sequence[bytes], candidate: Sequence[bytes]
+    ) -> None:
+        """One call's tokens, position by position (after :meth:`add_text` counted the call): at each position the
+        reference has, whether the control's and the candidate's token there differs (a missing one does)."""
+        totals = self.texts.setdefault(name, _TextField())
+        totals.tokens_seen = True
+        n = min(len(reference), MAX_POSITIONS)
+        totals.position_calls[:n] += 1
+        for side, counts in ((control, totals.control_at), (candidate, totals.candidate_at)):
+            for index in range(n):
+                counts[index] += index >= len(side) or side[index] != reference[index]
+
     def summary(self) -> NoiseSummary:
         settings = self.settings
         judged = sum(self._trusted(t) for t in self.tensors.values()) + sum(
-            self._trusted(t) for t in self.texts.values()
+            self._trusted(t) + (t.trusted_positions(settings.min_calls) if self._trusted(t) else 0)
+            for t in self.texts.values()
         )
         alpha = (1 - settings.confidence) / max(judged, 1)
         z = _critical(alpha)
@@ -317,6 +383,8 @@ class NoiseTotals:
                 excess_low=None, excess_high=None, above_noise=None,
             )  # fmt: skip
         low, high = _newcombe(text.candidate_differs, text.calls, text.control_differs, text.calls, z)
+        positions = self._positions(text, z) if text.tokens_seen else None
+        above_at = [p.position for p in positions if p.above_noise] if positions is not None else None
         return FieldNoise(
             kind="text",
             calls=text.calls,
@@ -325,8 +393,31 @@ class NoiseTotals:
             candidate_rate=_round(text.candidate_differs / text.calls),
             excess_low=_round(low),
             excess_high=_round(high),
-            above_noise=(low > 0) if trusted else None,
+            above_noise=(low > 0 or bool(above_at)) if trusted else None,
+            positions=positions,
+            positions_above=above_at,
         )
+
+    def _positions(self, text: _TextField, z: float) -> list[PositionNoise]:
+        rows = []
+        for index in np.flatnonzero(text.position_calls):
+            n = int(text.position_calls[index])
+            k_control, k_candidate = int(text.control_at[index]), int(text.candidate_at[index])
+            low, high = _newcombe(k_candidate, n, k_control, n, z)
+            trusted = n >= self.settings.min_calls
+            rows.append(
+                PositionNoise(
+                    position=int(index),
+                    calls=n,
+                    trusted=trusted,
+                    control_rate=round(k_control / n, 6),
+                    candidate_rate=round(k_candidate / n, 6),
+                    excess_low=round(low, 6),
+                    excess_high=round(high, 6),
+                    above_noise=(low > 0) if trusted else None,
+                )
+            )
+        return rows
 
 
 def _differences(datatype: str, reference: np.ndarray, other: np.ndarray) -> np.ndarray:

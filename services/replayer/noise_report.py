@@ -51,6 +51,10 @@ def _row(name: str, field: FieldNoise) -> str:
         if field.excess_low is None or field.excess_high is None
         else f"{field.excess_low:+.4%} … {field.excess_high:+.4%}"
     )
+    if field.positions:
+        above = field.positions_above or []
+        shown = ", ".join(str(p) for p in above[:20]) + (" …" if len(above) > 20 else "")
+        verdict += f"<br><span class='muted'>token positions above the noise: {escape(shown or 'none')}</span>"
     return (
         f"<tr><td class='l'><code>{escape(name)}</code></td><td>{field.calls}</td><td>{_number(field.floor)}</td>"
         f"<td>{_rate(field.control_rate)}</td><td>{_rate(field.candidate_rate)}</td><td>{escape(interval)}</td>"

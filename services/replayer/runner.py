@@ -683,8 +683,12 @@ class Replay:
         diff = CallDiff(sdiff.outcome, sdiff.reference_code, sdiff.candidate_code)
         control_outcome = None
         if control is not None and self.aggregates.noise is not None:
-            control_outcome = compare_streams(reference, _stream_answer(control)).outcome
-            self._count_text(sdiff.outcome, control_outcome)
+            control_diff = compare_streams(reference, _stream_answer(control))
+            control_outcome = control_diff.outcome
+            if self._count_text(sdiff.outcome, control_outcome):
+                self.aggregates.noise.add_positions(
+                    TEXT_FIELD, sdiff.reference_sequence, control_diff.candidate_sequence, sdiff.candidate_sequence
+                )
         replayed_version = _served_version(replayed)
         lag_ms = self._count(flight, diff, replayed, replayed_version, reference_version, reference_latency_s)
         self.aggregates.streams.add(reference_version or "?", sdiff, reference, candidate)
@@ -773,12 +777,14 @@ class Replay:
             line["compare_to"]["sent_s"] = round(compared.sent_at - self._origin, 6)
         return line, diff
 
-    def _count_text(self, candidate_outcome: str, control_outcome: str) -> None:
+    def _count_text(self, candidate_outcome: str, control_outcome: str) -> bool:
         """A generated text (or body) as one trial of the text field, when all three answered alike and it was
-        compared: whether the candidate's and the control's differ from the reference."""
+        compared: whether the candidate's and the control's differ from the reference. True when counted."""
         outcomes = {candidate_outcome, control_outcome}
         if self.aggregates.noise is not None and outcomes <= {"match", "mismatch"}:
             self.aggregates.noise.add_text(TEXT_FIELD, control_outcome == "mismatch", candidate_outcome == "mismatch")
+            return True
+        return False
 
     def _count(
         self,

@@ -157,6 +157,9 @@ class StreamDiff:
     reference_errors: tuple[str, ...] = ()
     candidate_errors: tuple[str, ...] = ()
     not_compared_why: str = ""
+    #: The token sequences compared (token streams only; the noise floor reads them position by position).
+    reference_sequence: tuple[bytes, ...] = ()
+    candidate_sequence: tuple[bytes, ...] = ()
 
     @property
     def exact(self) -> bool:
@@ -231,6 +234,8 @@ def compare_streams(reference: StreamAnswer, candidate: StreamAnswer) -> StreamD
         prefix_compared=prefix,
         reference_errors=ref.errors,
         candidate_errors=cand.errors,
+        reference_sequence=ref_tokens,
+        candidate_sequence=cand_tokens,
     )
 
 
