@@ -128,10 +128,13 @@ class RolloutPlan:
             raise Invalid("--guard-min-units: must be at least 2")
         if not 0 < self.guard_alpha < 1:
             raise Invalid(f"--guard-alpha: must be between 0 and 1, got {self.guard_alpha}")
-        kinds: dict[str, str] = {}
+        kinds: dict[str, tuple[str, str | None]] = {}
         for guard in (g for g in self.guards if isinstance(g, OutcomeGuard)):
-            if kinds.setdefault(guard.metric.name, guard.metric.kind.value) != guard.metric.kind.value:
-                raise Invalid(f"--guard: metric '{guard.metric.name}' is given two kinds")
+            measured = (guard.metric.kind.value, guard.metric.cap)
+            if kinds.setdefault(guard.metric.name, measured) != measured:
+                # One analysis reads each metric once: two kinds, or two caps, of it cannot both be judged.
+                what = "kinds" if kinds[guard.metric.name][0] != measured[0] else "caps"
+                raise Invalid(f"--guard: metric '{guard.metric.name}' is given two {what}")
         if self.judge is not None:
             try:
                 self.judge.chosen([g.metric.name for g in self.guards if isinstance(g, OutcomeGuard)])

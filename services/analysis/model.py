@@ -6,13 +6,14 @@ be computed (no unit in an arm, a control at 0) are null.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from splitstream.analysis.capping import CapRule
-from splitstream.analysis.statistics import Comparison, MetricKind
+from splitstream.analysis.statistics import KIND_NAMES, Comparison, MetricKind
 from splitstream.analysis.usage import CALL_METRICS
 
 Unit = Literal["user", "call"]
@@ -47,11 +48,15 @@ class MetricSpec(_Model):
     cap: str | None = None
 
     @staticmethod
-    def parse(text: str) -> MetricSpec:
+    def parse(text: str, *, default_kind: MetricKind | None = None) -> MetricSpec:
+        """The one reader of a metric's spec, for ``analyze --metric`` and ``rollout --guard`` alike (a guard's
+        ``revenue:mean:cap=P99:lift>=-1%`` reads its metric here, cap included). ``default_kind``: the kind of a
+        name given without one (a guard's ``click`` is ``click:rate``); None: a kind must be given. ValueError
+        saying what is wrong."""
         spec, cap = split_cap(text)
+        parsed = MetricSpec._parse(spec, default_kind)
         if cap is None:
-            return MetricSpec._parse(spec)
-        parsed = MetricSpec._parse(spec)
+            return parsed
         if parsed.kind not in (MetricKind.MEAN, MetricKind.SUM):
             raise ValueError(
                 f"bad metric {text!r}: a cap applies to a number per unit (kinds mean and sum), not to {parsed.kind}"
@@ -67,18 +72,23 @@ class MetricSpec(_Model):
         return CapRule.parse(self.cap) if self.cap is not None else None
 
     @staticmethod
-    def _parse(text: str) -> MetricSpec:
-        body, sep, last = text.strip().rpartition(":")
-        given: Direction | None = None
-        if sep and last.lower() in DIRECTIONS:
-            given = "lower" if last.lower() == "lower" else "higher"
-        else:
-            body = text.strip()
+    def _parse(text: str, default_kind: MetricKind | None) -> MetricSpec:
+        given = written_direction(text)
+        body = text.strip().rpartition(":")[0] if given is not None else text.strip()
         if body in CALL_METRICS:  # a metric of the calls (ttft_ms, cost, ...): per call unless a kind is given
             body = f"{body}:{MetricKind.MEAN.value}"
         name, sep, kind = body.rpartition(":")
+        kinds = [k.value for k in MetricKind]
+        if default_kind is not None and (not name or kind.lower() not in KIND_NAMES):
+            # A metric name may hold colons, but a last part a letter or two off a kind or a direction is a
+            # typo: taken as part of the name, the guard would wait for a metric no feedback ever names.
+            if name and difflib.get_close_matches(kind.lower(), [*KIND_NAMES, *DIRECTIONS], n=1, cutoff=0.6):
+                raise ValueError(
+                    f"{kind!r} is neither a kind ({', '.join(kinds)}) nor a direction (higher, lower, after the "
+                    f"kind); for a metric named {body!r}, give its kind: {body}:rate"
+                )
+            name, sep, kind = body, ":", default_kind.value
         direction: Direction = given or (CALL_METRICS[name][1] if name in CALL_METRICS else "higher")
-        kinds = ", ".join(k.value for k in MetricKind)
         if not sep or not name:
             example = "e.g. click:rate, buy:conversion, wait_s:mean:lower"
             raise ValueError(f"bad metric {text!r} (expected {METRIC_SYNTAX}; {example})")
@@ -86,7 +96,8 @@ class MetricSpec(_Model):
             return MetricSpec(name=name, kind=MetricKind(kind.lower()), direction=direction)
         except ValueError:
             raise ValueError(
-                f"bad metric {text!r}: unknown kind {kind!r} (one of {kinds}; a direction, higher or lower, goes last)"
+                f"bad metric {text!r}: unknown kind {kind!r} (one of {', '.join(kinds)}; a direction, higher or "
+                "lower, goes last)"
             ) from None
 
     @property
@@ -97,6 +108,15 @@ class MetricSpec(_Model):
         suffix = "" if self.direction == "higher" else f":{self.direction}"
         cap = "" if self.cap is None else f":cap={self.cap}"
         return f"{self.name}:{self.kind.value}{suffix}{cap}"
+
+
+def written_direction(text: str) -> Direction | None:
+    """The direction a spec writes out after its kind (``wait_s:mean:lower``, cap left off), None where it
+    writes none."""
+    head, sep, last = split_cap(text)[0].strip().rpartition(":")
+    if sep and head and last.lower() in DIRECTIONS:
+        return "lower" if last.lower() == "lower" else "higher"
+    return None
 
 
 def split_cap(text: str) -> tuple[str, str | None]:
