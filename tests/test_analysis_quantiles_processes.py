@@ -40,7 +40,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecordingStack]:
     recording.close()
 
 
-def rollout(stack: RecordingStack, version: str, interval: str, guard: str) -> tuple[str, int]:
+def rollout(stack: RecordingStack, version: str, interval: str, guard: str, *flags: str) -> tuple[str, int]:
     """A rollout of ``version`` to 50 % under ``guard`` while users stream; its output and exit code. The
     router's own p99 guard is set out of reach, so only the quantile guard can judge."""
     set_weights(stack, f"rollout-{version}", {"v1": 100, version: 0})
@@ -52,7 +52,7 @@ def rollout(stack: RecordingStack, version: str, interval: str, guard: str) -> t
             "--registry", f"file:{stack.registry}", "rollout", MODEL, version, "--steps", "50", "--interval", interval,
             "--metrics", f"127.0.0.1:{stack.router.metrics_port}", "--redis-url", stack.redis.url,
             "--check-every", "1s", "--max-p99-ratio", "1000", "--min-calls", "5", "--guard-min-units", "20",
-            "--guard", guard,
+            "--guard", guard, *flags,
         )  # fmt: skip
     finally:
         stop.set()
@@ -124,4 +124,24 @@ def test_a_rollout_guarded_by_the_ttft_p50_ratio_rolls_back_a_version_slower_to_
     assert code == 3, output
     assert "v2 harms ttft p50 ratio" in output
     assert "(guard ttft:p50:ratio<=1.2)" in output
+    assert current_weights(stack) == {"v1": 100, "v2": 0}
+
+
+@pytest.mark.slow
+def test_the_canary_judge_compares_a_quantile_guards_quantile_per_interval_and_rolls_back(
+    stack: RecordingStack,
+) -> None:
+    """``--judge`` with ``--guard 'ttft:p90:ratio<=100'``: the guard's quantile is a judged metric (``ttft_p90``,
+    per check interval and version, as Kayenta compares it), not left out. v2's first token comes several
+    times later: High over the intervals, score 50, rolled back by the judge while the guard's loose bound holds.
+    (Before, a quantile guard's metric was filtered out of the judge: ``--judge-metric ttft_p90`` exited 2.)"""
+    output, code = rollout(stack, "v2", "8s", "ttft:p90:ratio<=100", "--judge", "--judge-metric", "ttft_p90=50",
+                           "--judge-metric", "error_rate")  # fmt: skip
+    assert code == 3, output
+    judged = [line for line in output.splitlines() if line.startswith("  judge score ")]
+    assert judged, output
+    assert "ttft_p90 High x" in judged[-1]
+    assert "error_rate Pass" in judged[-1]
+    assert "ROLLED BACK: v2 judge score 50 " in output
+    assert "v2 harms" not in output  # the guard itself held
     assert current_weights(stack) == {"v1": 100, "v2": 0}

@@ -137,7 +137,7 @@ class RolloutPlan:
                 raise Invalid(f"--guard: metric '{guard.metric.name}' is given two {what}")
         if self.judge is not None:
             try:
-                self.judge.chosen([g.metric.name for g in self.guards if isinstance(g, OutcomeGuard)])
+                self.judge.chosen(judged_names(self.guards))
             except ValueError as error:
                 raise Invalid(str(error)) from None
 
@@ -524,11 +524,11 @@ class Rollout:
         if control_weight <= 0:
             self.out(f"  judge not applied in this step: {self.control} takes no traffic to compare with")
             return None
-        guards = [g for g in self.plan.guards if isinstance(g, OutcomeGuard)]  # (quantile guards: no metric)
+        guards = [g for g in self.plan.guards if isinstance(g, OutcomeGuard)]  # (a quantile guard's: the routers')
         outcomes = {
             g.metric.name: OutcomeSpec(g.metric.kind, "Low" if g.metric.higher_is_better else "High") for g in guards
         }
-        return Series(self.plan.judge.chosen([g.metric.name for g in guards]), outcomes)
+        return Series(self.plan.judge.chosen(judged_names(self.plan.guards)), outcomes)
 
     def _judge_passes(self, series: Series) -> bool:
         """Whether ``--judge`` passes the step so far: an early advance (``--promote-on-win``) needs it too, or
@@ -632,6 +632,12 @@ class Rollout:
             f"{self.plan.version} error rate {_percent(new.error_rate)} ({new.errors:g} of {new.calls:g} calls) "
             f"exceeds --max-error-rate {_percent(self.plan.max_error_rate)}"
         )
+
+
+def judged_names(guards: Iterable[Guard]) -> list[str]:
+    """The names ``--judge`` knows the guards' metrics by: an outcome guard's metric (``click``), a quantile
+    guard's quantile (``latency_p90``), in the order given."""
+    return list(dict.fromkeys(g.metric.name if isinstance(g, OutcomeGuard) else g.judge_metric for g in guards))
 
 
 def rebuilt(base: Experiment, control: str, weights: dict[str, float]) -> Experiment:
