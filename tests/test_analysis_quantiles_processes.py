@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from statsmodels.stats.multitest import multipletests
 
 from tests.harness import ServiceProcess, Stack
 from tests.recording_stack import MODEL, RecordingStack
@@ -94,6 +95,47 @@ def test_analyze_compares_latency_and_ttft_quantiles_with_clustered_intervals(
         assert found["ttft", "p50"][side] == pytest.approx(arms[version]["ttft_p50_ms"])
     assert "quantiles of the calls pooled per arm, intervals clustered by unit" in result.stdout
     assert "Latency quantiles" in (tmp_path / "analysis.html").read_text()
+
+
+@pytest.mark.slow
+def test_quantiles_have_a_timeline_and_are_adjusted_with_the_metrics_by_holm(
+    stack: RecordingStack, tmp_path: Path
+) -> None:
+    """The quantile comparisons get what the metrics' comparisons get: a lift-over-time timeline (analysis.json
+    and a chart of analysis.html) and a place in ``--correction``'s family, with adjusted p-values and ratio
+    intervals (checked against statsmodels' Holm over the same p-values)."""
+    set_weights(stack, "timeline", {"v1": 50, "v2": 50})
+    since = time.time()
+    streams(stack, "timeline", 60, {})
+    stack.wait_recorded({f"timeline-{n}" for n in range(60)})
+    result = admin("analyze", MODEL, "--redis-url", stack.redis.url, "--since", f"{since:.3f}", "--metric", "ttft_ms",
+                   "--correction", "holm", "--output-dir", str(tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    analysis = json.loads((tmp_path / "analysis.json").read_text())
+    (phase,) = analysis["phases"]
+    judged = [q for q in phase["quantiles"] if q["p_value"] is not None]
+    assert {(q["metric"], q["name"]) for q in judged} >= {("latency", "p50"), ("ttft", "p50")}
+    (metric,) = phase["comparisons"]
+    assert (analysis["family_size"], analysis["quantiles_in_family"]) == (1 + len(judged), len(judged))
+    expected = multipletests([metric["p_value"]] + [q["p_value"] for q in judged], method="holm")[1]
+    assert metric["adjusted_p_value"] == pytest.approx(expected[0], rel=1e-9)
+    for q, reference in zip(judged, expected[1:], strict=True):
+        assert q["correction"] == "holm"
+        assert q["adjusted_p_value"] == pytest.approx(reference, rel=1e-9)
+        adjusted, plain = q["adjusted_ratio_ci"], q["ratio_ci"]
+        assert adjusted["low"] < plain["low"] <= q["ratio"] <= plain["high"] < adjusted["high"]
+        # The timeline: the comparison on the calls up to each bucket's end, the last one on all of them.
+        timeline = q["timeline"]
+        assert timeline, q
+        assert [p["until_ns"] for p in timeline] == sorted(p["until_ns"] for p in timeline)
+        assert timeline[-1]["ratio"] == pytest.approx(q["ratio"])
+        assert timeline[-1]["ratio_ci"] == pytest.approx(q["ratio_ci"])
+        assert timeline[-1]["units_arm"] == q["arm_units"]
+    assert "HOLM-ADJ. RATIO CI" in result.stdout
+    assert f"{len(judged)} of them latency and TTFT quantiles" in result.stdout
+    html = (tmp_path / "analysis.html").read_text()
+    assert "latency p50: v2 / v1 (ratio), cumulative" in html
+    assert "ttft p50: v2 / v1 (ratio), cumulative" in html
 
 
 @pytest.mark.slow

@@ -299,6 +299,7 @@ class OutcomeReader:
                     prices=self.prices,
                     novelty_bucket_ns=None,  # a guard reads the step's lift, not its age profile
                     quantiles=self.quantiles,
+                    quantile_timeline=False,  # a guard reads the ratio as it stands
                 )
                 return await analyze(client, query)
             except (RedisError, OSError) as error:

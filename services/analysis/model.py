@@ -329,6 +329,20 @@ class SampleRatioMismatch(_Model):
     flagged: bool
 
 
+class QuantileTimelinePoint(_Model):
+    """A quantile comparison as it stood at the end of one of the window's time buckets (the calls up to then)."""
+
+    until_ns: int
+    units_control: int
+    units_arm: int
+    difference: float | None
+    difference_ci: Interval
+    ratio: float | None
+    ratio_ci: Interval
+    p_value: float | None
+    sequential_ratio_ci: Interval | None = None
+
+
 class QuantileComparison(_Model):
     """One quantile (p50, p90, p99) of latency or TTFT, treatment against control, over the phase's randomized
     calls pooled per arm, with intervals clustered by unit (:mod:`splitstream.analysis.quantiles`)."""
@@ -358,6 +372,18 @@ class QuantileComparison(_Model):
     #: The always-valid confidence sequence of the ratio (mSPRT on the log-ratio): what a rollout guard reads.
     sequential_ratio_ci: Interval | None = None
     method: str
+    #: ``--correction``: the method, the p-value of ``ratio = 1`` adjusted over the family (the metrics' comparisons
+    #: and these), and the ratio's and the difference's intervals at the matching level (with ``--sequential``,
+    #: the ratio's confidence sequence at that level, and the p-value the mSPRT's).
+    correction: Correction = "none"
+    adjusted_p_value: float | None = None
+    adjusted_ratio_ci: Interval | None = None
+    adjusted_difference_ci: Interval | None = None
+    #: The comparison at the end of each time bucket of the window (buckets where both arms had calls).
+    timeline: list[QuantileTimelinePoint] = Field(default_factory=list)
+    #: The standard errors of the log-ratio and of the difference, and the units of both arms, kept (not written)
+    #: so a correction can recompute the intervals at its level.
+    _basis: tuple[float, float, int] | None = PrivateAttr(default=None)
 
 
 class PhaseResult(_Model):
@@ -463,6 +489,8 @@ class Analysis(_Model):
     #: ``--correction`` and how many comparisons it adjusted over (metrics x arms x phases, x segments).
     correction: Correction = "none"
     family_size: int = 0
+    #: Of the family, the latency and TTFT quantile comparisons (each arm's p50, p90, p99 against the control).
+    quantiles_in_family: int = 0
     #: ``--engine``: which reading gives the verdicts; with ``bayes``, the prior on the relative lift (sd None:
     #: flat) and the chance to beat control at which an arm is better (at 1 - it, worse).
     engine: Literal["frequentist", "bayes"] = "frequentist"
@@ -479,13 +507,32 @@ class Analysis(_Model):
         parts = [self.phases, *(segment.phases for segment in self.segments)]
         return [c for phases in parts for phase in phases for c in phase.comparisons]
 
-    def with_comparisons(self, redo: Callable[[MetricComparison], MetricComparison], **update: object) -> Analysis:
-        """A copy with every comparison (of each phase, and of each segment's phases) replaced by ``redo`` of it,
-        the verdict lines gathered again from them, and ``update``'s fields set: how a correction, an engine or
-        a non-inferiority test rewrites an analysis."""
+    def every_quantile(self) -> list[QuantileComparison]:
+        """The quantile comparisons of every phase, then of each segment's phases."""
+        parts = [self.phases, *(segment.phases for segment in self.segments)]
+        return [q for phases in parts for phase in phases for q in phase.quantiles]
+
+    def with_comparisons(
+        self,
+        redo: Callable[[MetricComparison], MetricComparison],
+        redo_quantile: Callable[[QuantileComparison], QuantileComparison] | None = None,
+        **update: object,
+    ) -> Analysis:
+        """A copy with every comparison (of each phase, and of each segment's phases) replaced by ``redo`` of it
+        (and every quantile comparison by ``redo_quantile``, when given), the verdict lines gathered again from
+        them, and ``update``'s fields set: how a correction, an engine or a non-inferiority test rewrites an
+        analysis."""
 
         def phases_of(phases: list[PhaseResult]) -> list[PhaseResult]:
-            return [phase.model_copy(update={"comparisons": [redo(c) for c in phase.comparisons]}) for phase in phases]
+            return [
+                phase.model_copy(
+                    update={
+                        "comparisons": [redo(c) for c in phase.comparisons],
+                        "quantiles": [redo_quantile(q) for q in phase.quantiles] if redo_quantile else phase.quantiles,
+                    }
+                )
+                for phase in phases
+            ]
 
         def lines(phases: list[PhaseResult]) -> list[str]:
             return [c.verdict_line for phase in phases for c in phase.comparisons]
