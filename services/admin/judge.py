@@ -140,7 +140,8 @@ class JudgeConfig:
         """The metrics judged: as given, or the defaults and the guards' metrics. ValueError for a name that is
         neither a router metric nor a guard's."""
         if self.metrics is None:
-            return tuple(JudgeMetric(name) for name in (*DEFAULT_METRICS, *dict.fromkeys(guard_metrics)))
+            # A quantile guard on latency p99 is judged as latency_p99, one of the defaults: once.
+            return tuple(JudgeMetric(name) for name in dict.fromkeys((*DEFAULT_METRICS, *guard_metrics)))
         for metric in self.metrics:
             if metric.name not in JUDGE_METRICS and metric.name not in guard_metrics:
                 raise ValueError(
