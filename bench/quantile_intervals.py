@@ -44,7 +44,7 @@ def arm(rng: np.random.Generator, users: int) -> Calls:
 
 def pairs(unit: npt.NDArray[np.int64], buckets: npt.NDArray[np.int64]) -> qt.CallValues:
     kept = UnitBuckets()
-    kept.add(unit, buckets)
+    kept.add(unit, buckets, np.zeros(len(unit), np.int64))
     merged = kept.result()
     return qt.CallValues.of(bucket_middle_ms(merged.buckets), merged.rows, merged.counts)
 

@@ -304,3 +304,38 @@ def test_a_guard_whose_sequence_clears_its_bound_says_non_inferior_at_each_check
     checks = [line for line in result.stdout.splitlines() if line.strip().startswith("check ")]
     assert any(line.endswith("bound >= -50.0 %: non-inferior") for line in checks), checks
     assert weights(stack) == {"v1": 50, "v2": 50}
+
+
+class Spenders(Users):
+    """Users who report revenue instead of clicks, the same in both arms: 1 to 7 per user, and every 40th user
+    a whale spending 5,000 (one whale swings an arm's mean per user by more than the whole lift a guard allows)."""
+
+    def one(self, number: int, channel: grpc.Channel) -> None:
+        user = f"{self.prefix}-user-{number}"
+        version, request_id = call(self.stack, user, f"{user}-call-0", channel)
+        with self.lock:
+            self.served[version] = self.served.get(version, 0) + 1
+        spent = 5000.0 if number % 40 == 39 else float(1 + number % 7)
+        event = Event(model=MODEL, request_id=request_id, metric="revenue", value=spent)
+        reply = feedback_pb2_grpc.FeedbackStub(channel).Report(feedback_pb2.FeedbackReport(events=[event]), timeout=10)
+        assert list(reply.rejected) == []
+
+
+@pytest.mark.slow
+def test_a_guard_on_capped_revenue_judges_the_capped_values_and_holds_an_equal_version(stack: RecordingStack) -> None:
+    """``revenue:sum:cap=P90`` in ``--guard`` is read as ``analyze --metric`` reads it (one parser): the whales
+    are capped at the units' 90th percentile, the sequence narrows, and the equal version is judged
+    non-inferior. (Before, the guard took ``revenue:sum:cap=P90`` for a metric's name, no event ever named it,
+    and the step ended not judged: rolled back.)"""
+    set_experiment(stack, "capped", {"v1": 100, "v2": 0})
+    users = Spenders(stack, "capped", {}, seed=7)
+    result = rollout_with_traffic(
+        stack, users, "--steps", "50", "--interval", "20s", "--guard", "revenue:sum:cap=P90:lift>=-25%",
+        "--guard-min-units", "20",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    checks = [line for line in result.stdout.splitlines() if line.strip().startswith("check ")]
+    judged = [line for line in checks if "revenue capped at P90 lift " in line]
+    assert judged, checks
+    assert any(line.endswith("bound >= -25.0 %: non-inferior") for line in judged), checks
+    assert weights(stack) == {"v1": 50, "v2": 50}

@@ -26,6 +26,7 @@ from splitstream.analysis.model import (
     FeedbackCounts,
     Interval,
     MetricComparison,
+    MetricSpec,
     PhaseResult,
     SampleRatioMismatch,
 )
@@ -647,6 +648,20 @@ def test_a_guard_names_its_metric_kind_direction_and_bound(
     assert guard.bound == pytest.approx(bound)
 
 
+@pytest.mark.parametrize(
+    ("text", "metric", "shown"),
+    [
+        ("revenue:mean:cap=P99:lift>=-1%", "revenue:mean:cap=P99", "revenue:mean:cap=P99:lift>=-1%"),
+        ("revenue.usd:sum:cap=250:lift>=-0.5", "revenue.usd:sum:cap=250", "revenue.usd:sum:cap=250:lift>=-0.5"),
+        ("wait_s:mean:lower:cap=P99.9:lift<=5%", "wait_s:mean:lower:cap=P99.9", "wait_s:mean:cap=P99.9:lift<=5%"),
+    ],
+)
+def test_a_guard_caps_its_metric_as_analyze_metric_does(text: str, metric: str, shown: str) -> None:
+    guard = OutcomeGuard.parse(text)
+    assert guard.metric == MetricSpec.parse(metric)  # the one parser: the analysis the guard reads caps the same
+    assert guard.text == shown
+
+
 def test_a_guard_bounds_a_lower_is_better_metric_from_above_and_says_so_to_the_analysis() -> None:
     implied = OutcomeGuard.parse("wait_s:mean:lift<=5%")
     written = OutcomeGuard.parse("wait_s:mean:lower:lift<=5%")
@@ -661,8 +676,8 @@ def test_a_guard_bounds_a_lower_is_better_metric_from_above_and_says_so_to_the_a
     ("flags", "message"),
     [
         (["--guard", "wait_s:mean:lower:lift>=-5%"], "a metric where lower is better is bounded with lift<="),
-        (["--guard", "click>=-1%"], "--guard 'click>=-1%': expected NAME[:KIND]:lift>=BOUND"),
-        (["--guard", "click:lift>-1%"], "expected NAME[:KIND]:lift>=BOUND"),
+        (["--guard", "click>=-1%"], "--guard 'click>=-1%': expected NAME[:KIND][:cap=CAP]:lift>=BOUND"),
+        (["--guard", "click:lift>-1%"], "expected NAME[:KIND][:cap=CAP]:lift>=BOUND"),
         (["--guard", "click:lift>=-1%"], "--guard needs --redis-url"),
         (["--promote-on-win"], "--promote-on-win needs at least one --guard"),
         (
@@ -896,7 +911,7 @@ def test_rollout_help_shows_the_guard_syntax(capsys: pytest.CaptureFixture[str])
         main(["rollout", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "NAME[:KIND]:lift>=BOUND" in out
+    assert "NAME[:KIND][:cap=CAP]:lift>=BOUND" in out
     assert "relative (-1%)" in out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -424,19 +425,37 @@ def test_a_conversion_is_the_share_of_units_with_a_positive_event_and_a_rate_is_
 
 def test_holm_adjusts_every_metric_and_arm_as_one_family(shop: Shop, shop_analysis: Analysis) -> None:
     result = run_analysis(shop.redis, Query(model=SHOP, window=WINDOW, metrics=METRICS, correction="holm"))
-    assert (result.correction, result.family_size) == ("holm", 3)
+    # The latency quantiles (p50, p90, p99 of v2 against v1) are hypotheses of the analysis too: in the family.
+    plain_quantiles = [q for q in shop_analysis.phases[0].quantiles if q.p_value is not None]
+    assert len(plain_quantiles) == 3
+    assert (result.correction, result.family_size, result.quantiles_in_family) == ("holm", 6, 3)
     plain = {c.metric: c for c in shop_analysis.phases[0].comparisons}
     adjusted = {c.metric: c for c in result.phases[0].comparisons}
     names = sorted(plain)
-    expected = multipletests([plain[n].p_value for n in names], method="holm")[1]
-    for name, reference in zip(names, expected, strict=True):
+    family = [plain[n].p_value for n in names] + [q.p_value for q in plain_quantiles]
+    expected = multipletests(family, method="holm")[1]
+    for q, before, reference in zip(result.phases[0].quantiles, plain_quantiles, expected[3:], strict=True):
+        assert (q.metric, q.name, q.correction) == (before.metric, before.name, "holm")
+        assert q.adjusted_p_value == pytest.approx(reference, rel=1e-12)
+        assert q.p_value == before.p_value  # the unadjusted one stays beside it
+        # Bonferroni's level for the ratio's interval too: alpha / 6, on the log scale.
+        assert q.adjusted_ratio_ci is not None
+        assert q.adjusted_ratio_ci.low is not None
+        assert q.adjusted_ratio_ci.high is not None
+        assert before.ratio_ci.low is not None
+        assert before.ratio_ci.high is not None
+        widened = math.log(q.adjusted_ratio_ci.high / q.adjusted_ratio_ci.low) / math.log(
+            before.ratio_ci.high / before.ratio_ci.low
+        )
+        assert widened == pytest.approx(stats.norm.ppf(1 - 0.05 / 12) / stats.norm.ppf(0.975), rel=1e-9)
+    for name, reference in zip(names, expected[:3], strict=True):
         c = adjusted[name]
         assert c.correction == "holm"
         assert c.adjusted_p_value == pytest.approx(reference, rel=1e-12)
         assert c.p_value == plain[name].p_value  # the unadjusted one stays beside it
         assert "Holm-adjusted 95 % CI" in c.verdict_line
         assert ", adjusted p" in c.verdict_line
-    # Bonferroni's level for the intervals: alpha / 3, so the click (a z-test) interval widens by the z ratio.
+    # Bonferroni's level for the intervals: alpha / 6, so the click (a z-test) interval widens by the z ratio.
     click, before = adjusted["click"], plain["click"]
     assert click.adjusted_ci is not None
     assert click.adjusted_ci.low is not None
@@ -444,10 +463,13 @@ def test_holm_adjusts_every_metric_and_arm_as_one_family(shop: Shop, shop_analys
     assert before.absolute_ci.low is not None
     assert before.absolute_ci.high is not None
     widened = (click.adjusted_ci.high - click.adjusted_ci.low) / (before.absolute_ci.high - before.absolute_ci.low)
-    assert widened == pytest.approx(stats.norm.ppf(1 - 0.05 / 6) / stats.norm.ppf(0.975), rel=1e-9)
-    assert click.verdict == "better"  # a planted 50 % lift survives three tests
+    assert widened == pytest.approx(stats.norm.ppf(1 - 0.05 / 12) / stats.norm.ppf(0.975), rel=1e-9)
+    assert click.verdict == "better"  # a planted 50 % lift survives six tests
     assert result.verdicts == [c.verdict_line for c in result.phases[0].comparisons]
-    assert "Verdicts adjusted by Holm (family-wise) over 3 comparisons" in render_table(result)
+    table = render_table(result)
+    assert "Verdicts adjusted by Holm (family-wise) over 6 comparisons" in table
+    assert "3 of them latency and TTFT quantiles" in table
+    assert "HOLM-ADJ. RATIO CI" in table
 
 
 def test_bh_counts_the_segments_in_its_family_and_marks_each_line(shop: Shop) -> None:
@@ -455,7 +477,11 @@ def test_bh_counts_the_segments_in_its_family_and_marks_each_line(shop: Shop) ->
     result = run_analysis(shop.redis, query)
     per_segment = sum(len(p.comparisons) for s in result.segments for p in s.phases)
     assert per_segment > 0
-    assert result.family_size == len(result.phases[0].comparisons) + per_segment
+    # The latency quantiles with an interval, overall and per segment, are in the family too.
+    quantiles = [q for q in result.every_quantile() if q.p_value is not None]
+    assert result.quantiles_in_family == len(quantiles) > 0
+    assert result.family_size == len(result.phases[0].comparisons) + per_segment + len(quantiles)
+    assert all(q.correction == "bh" and q.adjusted_p_value is not None for q in quantiles)
     lines = result.verdicts + [line for s in result.segments for line in s.verdicts]
     assert lines
     assert all("BH-adjusted" in line for line in lines)

@@ -184,3 +184,27 @@ def test_values_too_large_to_square_give_no_relative_lift_not_a_traceback(
     [comparison] = json.loads((tmp_path / "analysis.json").read_text())["phases"][0]["comparisons"]
     assert comparison["relative_lift"] is None
     assert comparison["control_value"] == pytest.approx(np.mean(huge.revenue["v1"]))
+
+
+def test_a_cap_below_every_value_leaves_no_variance_and_is_not_shown_non_inferior(
+    planted: Planted, tmp_path: Path
+) -> None:
+    """A cap under every user's revenue makes each arm one number: a standard error of 0 read as certainty
+    said "non-inferior" (p = 0) on no evidence at all. Now: not shown non-inferior, saying why."""
+    cap = 0.0001
+    assert min(values.min() for values in planted.revenue.values()) > cap  # every unit is capped
+    for sequential in ((), ("--sequential",)):
+        out = tmp_path / f"flat{len(sequential)}"
+        result = cli(
+            MODEL, "--redis-url", planted.redis.url, "--since", str(T0 // 10**9),
+            "--until", str((T0 + HOUR_NS) // 10**9), "--metric", f"revenue:sum:cap={cap}", "--non-inferiority", "1%",
+            *sequential, "--output-dir", str(out),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        [comparison] = json.loads((out / "analysis.json").read_text())["phases"][0]["comparisons"]
+        assert comparison["control_value"] == comparison["arm_value"] == pytest.approx(cap)
+        test = comparison["non_inferiority"]
+        assert test["verdict"] == "not shown non-inferior", test["text"]
+        assert test["p_value"] is None
+        assert "no variance, every unit's value the same in both arms, capped at 0.0001" in test["text"]
+        assert "not shown non-inferior (margin -1 % of v1: no variance" in result.stdout

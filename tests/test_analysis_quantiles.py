@@ -59,7 +59,7 @@ def test_calls_counted_per_unit_and_bucket_give_the_quantile_and_interval_of_the
     values = np.round(arm.values)  # coarse, so units repeat a value and pairs merge
     pairs = UnitBuckets(merge_after=500)  # merged every few pages, as a long window's are
     for page in np.array_split(np.arange(len(values)), 20):
-        pairs.add(arm.units[page], values[page].astype(np.int64))
+        pairs.add(arm.units[page], values[page].astype(np.int64), np.zeros(len(page), np.int64))
     merged = pairs.result()
     assert int(merged.counts.sum()) == len(values)
     assert len(merged.rows) == len(np.unique(arm.units * 10_000 + values))

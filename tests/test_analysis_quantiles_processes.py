@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from statsmodels.stats.multitest import multipletests
 
 from tests.harness import ServiceProcess, Stack
 from tests.recording_stack import MODEL, RecordingStack
@@ -40,7 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RecordingStack]:
     recording.close()
 
 
-def rollout(stack: RecordingStack, version: str, interval: str, guard: str) -> tuple[str, int]:
+def rollout(stack: RecordingStack, version: str, interval: str, guard: str, *flags: str) -> tuple[str, int]:
     """A rollout of ``version`` to 50 % under ``guard`` while users stream; its output and exit code. The
     router's own p99 guard is set out of reach, so only the quantile guard can judge."""
     set_weights(stack, f"rollout-{version}", {"v1": 100, version: 0})
@@ -52,7 +53,7 @@ def rollout(stack: RecordingStack, version: str, interval: str, guard: str) -> t
             "--registry", f"file:{stack.registry}", "rollout", MODEL, version, "--steps", "50", "--interval", interval,
             "--metrics", f"127.0.0.1:{stack.router.metrics_port}", "--redis-url", stack.redis.url,
             "--check-every", "1s", "--max-p99-ratio", "1000", "--min-calls", "5", "--guard-min-units", "20",
-            "--guard", guard,
+            "--guard", guard, *flags,
         )  # fmt: skip
     finally:
         stop.set()
@@ -97,6 +98,47 @@ def test_analyze_compares_latency_and_ttft_quantiles_with_clustered_intervals(
 
 
 @pytest.mark.slow
+def test_quantiles_have_a_timeline_and_are_adjusted_with_the_metrics_by_holm(
+    stack: RecordingStack, tmp_path: Path
+) -> None:
+    """The quantile comparisons get what the metrics' comparisons get: a lift-over-time timeline (analysis.json
+    and a chart of analysis.html) and a place in ``--correction``'s family, with adjusted p-values and ratio
+    intervals (checked against statsmodels' Holm over the same p-values)."""
+    set_weights(stack, "timeline", {"v1": 50, "v2": 50})
+    since = time.time()
+    streams(stack, "timeline", 60, {})
+    stack.wait_recorded({f"timeline-{n}" for n in range(60)})
+    result = admin("analyze", MODEL, "--redis-url", stack.redis.url, "--since", f"{since:.3f}", "--metric", "ttft_ms",
+                   "--correction", "holm", "--output-dir", str(tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    analysis = json.loads((tmp_path / "analysis.json").read_text())
+    (phase,) = analysis["phases"]
+    judged = [q for q in phase["quantiles"] if q["p_value"] is not None]
+    assert {(q["metric"], q["name"]) for q in judged} >= {("latency", "p50"), ("ttft", "p50")}
+    (metric,) = phase["comparisons"]
+    assert (analysis["family_size"], analysis["quantiles_in_family"]) == (1 + len(judged), len(judged))
+    expected = multipletests([metric["p_value"]] + [q["p_value"] for q in judged], method="holm")[1]
+    assert metric["adjusted_p_value"] == pytest.approx(expected[0], rel=1e-9)
+    for q, reference in zip(judged, expected[1:], strict=True):
+        assert q["correction"] == "holm"
+        assert q["adjusted_p_value"] == pytest.approx(reference, rel=1e-9)
+        adjusted, plain = q["adjusted_ratio_ci"], q["ratio_ci"]
+        assert adjusted["low"] < plain["low"] <= q["ratio"] <= plain["high"] < adjusted["high"]
+        # The timeline: the comparison on the calls up to each bucket's end, the last one on all of them.
+        timeline = q["timeline"]
+        assert timeline, q
+        assert [p["until_ns"] for p in timeline] == sorted(p["until_ns"] for p in timeline)
+        assert timeline[-1]["ratio"] == pytest.approx(q["ratio"])
+        assert timeline[-1]["ratio_ci"] == pytest.approx(q["ratio_ci"])
+        assert timeline[-1]["units_arm"] == q["arm_units"]
+    assert "HOLM-ADJ. RATIO CI" in result.stdout
+    assert f"{len(judged)} of them latency and TTFT quantiles" in result.stdout
+    html = (tmp_path / "analysis.html").read_text()
+    assert "latency p50: v2 / v1 (ratio), cumulative" in html
+    assert "ttft p50: v2 / v1 (ratio), cumulative" in html
+
+
+@pytest.mark.slow
 def test_a_rollout_guarded_by_the_p99_ratio_rolls_back_a_slower_version(stack: RecordingStack) -> None:
     output, code = rollout(stack, "v2", "120s", "latency:p99:ratio<=1.10")
     assert code == 3, output
@@ -124,4 +166,24 @@ def test_a_rollout_guarded_by_the_ttft_p50_ratio_rolls_back_a_version_slower_to_
     assert code == 3, output
     assert "v2 harms ttft p50 ratio" in output
     assert "(guard ttft:p50:ratio<=1.2)" in output
+    assert current_weights(stack) == {"v1": 100, "v2": 0}
+
+
+@pytest.mark.slow
+def test_the_canary_judge_compares_a_quantile_guards_quantile_per_interval_and_rolls_back(
+    stack: RecordingStack,
+) -> None:
+    """``--judge`` with ``--guard 'ttft:p90:ratio<=100'``: the guard's quantile is a judged metric (``ttft_p90``,
+    per check interval and version, as Kayenta compares it), not left out. v2's first token comes several
+    times later: High over the intervals, score 50, rolled back by the judge while the guard's loose bound holds.
+    (Before, a quantile guard's metric was filtered out of the judge: ``--judge-metric ttft_p90`` exited 2.)"""
+    output, code = rollout(stack, "v2", "8s", "ttft:p90:ratio<=100", "--judge", "--judge-metric", "ttft_p90=50",
+                           "--judge-metric", "error_rate")  # fmt: skip
+    assert code == 3, output
+    judged = [line for line in output.splitlines() if line.startswith("  judge score ")]
+    assert judged, output
+    assert "ttft_p90 High x" in judged[-1]
+    assert "error_rate Pass" in judged[-1]
+    assert "ROLLED BACK: v2 judge score 50 " in output
+    assert "v2 harms" not in output  # the guard itself held
     assert current_weights(stack) == {"v1": 100, "v2": 0}

@@ -34,7 +34,7 @@ from demo import language
 from splitstream.admin.pairwise import load_cache, parse_verdict
 from splitstream.admin.pairwise_stats import Judged, clustered_mean, version_summary
 from splitstream.common.files import atomic_write
-from tests.harness import ROOT, ServiceProcess, Stack, free_port, wait_for
+from tests.harness import ROOT, ServiceProcess, Stack, free_port, wait_for, write_registry
 from tests.recording_stack import RecordingStack
 from tests.streams import StreamClient, generation_request
 
@@ -514,3 +514,69 @@ def test_the_clustered_standard_error_is_statsmodels_on_random_clusters() -> Non
     fit = sm.OLS(scores, np.ones(400)).fit(cov_type="cluster", cov_kwds={"groups": groups})
     assert mean == pytest.approx(fit.params[0])
     assert se == pytest.approx(fit.bse[0])
+
+
+@pytest.mark.slow
+def test_a_rollout_guarded_by_the_judges_feedback_rolls_back_a_version_the_judge_finds_worse(
+    traffic: Traffic, judges: list[Judge], tmp_path: Path
+) -> None:
+    """``rollout --guard 'judge:rate:lift>=-10%'`` end to end: chat calls arrive during the step, ``splitstream
+    judge --feedback-router`` writes its verdicts on them as feedback, and the guard reads them like clicks. The
+    judge prefers v1's answers (seven pairs in eight): v2's judge rate is far below v1's, and the rollout rolls
+    v2 back on the guard."""
+    client = openai.OpenAI(base_url=f"{traffic.url}/v1", api_key=KEY, max_retries=0, timeout=30)
+    longest = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=64,
+        extra_headers={"x-splitstream-version": "v1"},
+    )  # fmt: skip
+    preferred = tmp_path / "preferred-v1.jsonl"
+    preferred.write_text(json.dumps(longest.choices[0].message.content) + "\n")
+    judges.append(judge := start_judge(tmp_path, "--prefer", str(preferred), "--flip-every", "8"))
+    registry = yaml.safe_load(traffic.stack.registry.read_text())["models"]
+    arms_before = [{"version": "v1", "weight": 100}, {"version": "v2", "weight": 0}]
+    registry[MODEL]["experiment"] = {"salt": "judged-rollout", "control": "v1", "arms": arms_before}
+    write_registry(traffic.stack.registry, registry)
+    command = [
+        sys.executable, "-m", "splitstream.admin", "--registry", f"file:{traffic.stack.registry}", "rollout", MODEL,
+        "v2", "--steps", "50", "--interval", "120s", "--check-every", "1s", "--metrics",
+        f"127.0.0.1:{traffic.stack.router.metrics_port}", "--redis-url", traffic.stack.redis.url,
+        "--max-p99-ratio", "1000", "--min-calls", "5", "--guard-min-units", "20", "--guard", "judge:rate:lift>=-10%",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
+    rollout = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+
+        def arms() -> dict[str, float]:
+            experiment = yaml.safe_load(traffic.stack.registry.read_text())["models"][MODEL]["experiment"]
+            return {arm["version"]: arm["weight"] for arm in experiment["arms"]}
+
+        wait_for(lambda: arms() == {"v1": 50, "v2": 50}, timeout_s=30, what="the rollout's step to be written")
+        since_ns = time.time_ns()
+        served: dict[str, str] = {}
+        number = 0
+        # New users until 240 calls of the step's split have been answered (the router follows within a second).
+        while sum(1 for v in served.values() if v) < 240:
+            request_id = f"rollout-judged-{number}"
+            raw: Any = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": f"Question of user {number}"}],
+                max_tokens=6 + number % 29, user=f"rollout-user-{number}", extra_headers={"x-request-id": request_id},
+            )  # fmt: skip
+            version = raw.headers["x-splitstream-version"]
+            served[request_id] = version if (version == "v2" or any(served.values())) else ""
+            number += 1
+        traffic.stack.wait_recorded(set(served))
+        window = Traffic(traffic.stack, traffic.http_port, since_ns, time.time_ns(), served, preferred)
+        run = run_judge(window, judge, tmp_path / "judged", "--feedback-router", traffic.stack.router.address)
+        assert run.code == 0, run.stderr
+        assert run.summary["feedback"]["accepted"] == len(served)
+        stdout, stderr = rollout.communicate(timeout=150)
+    finally:
+        if rollout.poll() is None:
+            rollout.kill()
+            rollout.communicate()
+    assert rollout.returncode == 3, stdout + stderr
+    checks = [line for line in stdout.splitlines() if line.strip().startswith("check ")]
+    assert any("judge lift " in line for line in checks), checks  # the guard read the verdicts
+    assert "ROLLED BACK: v2 harms judge lift " in stdout, stdout
+    assert "(guard judge:rate:lift>=-10%)" in stdout
+    assert arms() == {"v1": 100, "v2": 0}

@@ -467,6 +467,10 @@ def test_experiment_set_through_a_symlink_writes_its_target_and_keeps_the_link(i
         ("click:lift<=-1e999%", "the bound -1e999 is past any number"),
         ("click:propotion:lift>=-1%", "'propotion' is neither a kind"),
         ("wait_s:mean:lowr:lift<=5%", "'lowr' is neither a kind"),
+        # The cap is read by analyze --metric's parser: its refusals are the guard's.
+        ("click:cap=P99:lift>=-1%", "a cap applies to a number per unit (kinds mean and sum), not to rate"),
+        ("revenue:sum:cap=P101:lift>=-1%", "bad cap='P101'"),
+        ("revenue:sum:cap=P99:lower:lift<=1%", "the cap goes last"),
     ],
 )
 def test_a_guard_that_could_never_be_judged_is_refused_with_exit_2_and_one_line(

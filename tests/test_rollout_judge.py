@@ -108,6 +108,14 @@ def test_the_score_weighs_each_metric_and_too_many_without_data_fail_it() -> Non
         judge.weights([judge.JudgeMetric("latency_p50", 60), judge.JudgeMetric("error_rate", 60)])
 
 
+def test_a_quantile_guard_on_a_default_metric_is_judged_once() -> None:
+    """``--guard 'latency:p99:ratio<=1.1' --judge``: the guard's metric is latency_p99, one of the defaults; named
+    twice, the weights could not be shared out and the judge failed at the end of the step."""
+    chosen = judge.JudgeConfig().chosen(["latency_p99", "ttft_p90", "click"])
+    assert [m.name for m in chosen] == ["latency_p50", "latency_p99", "error_rate", "ttft_p90", "click"]
+    assert judge.weights(chosen) == {m.name: 20 for m in chosen}
+
+
 # -- on real processes -------------------------------------------------------------------------------------
 
 

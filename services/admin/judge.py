@@ -7,8 +7,10 @@ at once, as Spinnaker's automated canary analysis (Kayenta) does. What follows i
 ``MannWhitneyClassifier``, ``WeightedSumScorer`` and ``ThresholdScoreClassifier``), re-expressed here:
 
 - **Values.** Per metric, one value per check interval and version: from the routers' counters between two
-  reads, its p50 or p99 latency, or its error rate; for the metric of a ``--guard``, from the analysis the
-  guard reads, what the metric's total grew by over what its denominator grew by since the last check. An
+  reads, its p50 or p99 latency, or its error rate (and, for a quantile guard such as
+  ``latency:p90:ratio<=1.1``, that quantile of the interval's calls: ``latency_p90``, ``ttft_p90``); for the
+  metric of an outcome ``--guard``, from the analysis the guard reads, what the metric's total grew by over what
+  its denominator grew by since the last check. An
   interval with nothing to measure has no value (NaN), and NaN values are removed, Kayenta's default
   ``nanStrategy``.
 - **Classification.** No value left on a side: *NoData*. Both sides the same values, or one value everywhere:
@@ -30,6 +32,7 @@ at once, as Spinnaker's automated canary analysis (Kayenta) does. What follows i
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -137,7 +140,8 @@ class JudgeConfig:
         """The metrics judged: as given, or the defaults and the guards' metrics. ValueError for a name that is
         neither a router metric nor a guard's."""
         if self.metrics is None:
-            return tuple(JudgeMetric(name) for name in (*DEFAULT_METRICS, *dict.fromkeys(guard_metrics)))
+            # A quantile guard on latency p99 is judged as latency_p99, one of the defaults: once.
+            return tuple(JudgeMetric(name) for name in dict.fromkeys((*DEFAULT_METRICS, *guard_metrics)))
         for metric in self.metrics:
             if metric.name not in JUDGE_METRICS and metric.name not in guard_metrics:
                 raise ValueError(
@@ -297,14 +301,27 @@ def decide(judgement: Judgement, pass_threshold: float, marginal_threshold: floa
     return "fail"
 
 
+#: A quantile the routers' histograms give per interval: ``latency_p50`` and ``latency_p99`` (the defaults), and the
+#: metric of a quantile guard (``--guard 'ttft:p90:ratio<=1.2'`` is judged as ``ttft_p90``).
+_ROUTER_QUANTILE = re.compile(r"(latency|ttft)_p(50|90|99)")
+
+
+def router_metric(name: str) -> bool:
+    """Whether the judge reads ``name`` off the routers' counters (else it is an outcome metric of a guard)."""
+    return name == "error_rate" or _ROUTER_QUANTILE.fullmatch(name) is not None
+
+
 def interval_values(name: str, counts: metrics.VersionCounts) -> float:
-    """One interval's value of a judge metric for one version; NaN when the version answered nothing in it."""
+    """One interval's value of a judge metric for one version; NaN when the version answered nothing in it.
+    Latency is the routers' histogram of unary calls, TTFT theirs of first tokens (streams), in seconds."""
     if name == "error_rate":
         return counts.errors / counts.calls if counts.calls > 0 else math.nan
-    q = 0.5 if name == "latency_p50" else 0.99
-    if metrics.observations(counts.buckets) <= 0:
+    match = _ROUTER_QUANTILE.fullmatch(name)
+    assert match is not None, name
+    histogram = counts.buckets if match[1] == "latency" else counts.ttft
+    if metrics.observations(histogram) <= 0:
         return math.nan
-    value = metrics.quantile(counts.buckets, q)
+    value = metrics.quantile(histogram, int(match[2]) / 100)
     return math.nan if value is None else value
 
 
@@ -334,7 +351,7 @@ class Series:
 
     def add(self, control: metrics.VersionCounts, canary: metrics.VersionCounts) -> None:
         for metric in self.chosen:
-            if metric.name in JUDGE_METRICS:
+            if router_metric(metric.name):
                 self.control[metric.name].append(interval_values(metric.name, control))
                 self.canary[metric.name].append(interval_values(metric.name, canary))
 

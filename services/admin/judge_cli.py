@@ -33,7 +33,8 @@ def add_arguments(parser: Any) -> None:
         action="append",
         default=None,
         metavar="NAME[=WEIGHT]",
-        help=f"a metric the judge compares, one of {', '.join(judge.JUDGE_METRICS)} or the metric of a --guard, "
+        help=f"a metric the judge compares, one of {', '.join(judge.JUDGE_METRICS)} or the metric of a --guard "
+        "(a quantile guard's: latency_p90, ttft_p99, ...), "
         "with its weight in percent (repeat; metrics without a weight share what is left of 100); default "
         f"{', '.join(judge.DEFAULT_METRICS)} and every --guard metric, equally weighted",
     )

@@ -2,13 +2,14 @@
 
 A guard bounds the new version's lift over the control on one metric of ``splitstream analyze``:
 
-    NAME[:KIND]:lift>=BOUND    the lift must not be significantly below BOUND (higher is better)
-    NAME[:KIND]:lift<=BOUND    the lift must not be significantly above BOUND (lower is better)
+    NAME[:KIND][:cap=CAP]:lift>=BOUND    the lift must not be significantly below BOUND (higher is better)
+    NAME[:KIND][:cap=CAP]:lift<=BOUND    the lift must not be significantly above BOUND (lower is better)
 
 The side of the bound is the metric's direction (the analysis's verdicts say "better" and "worse" by it);
 ``NAME:KIND:lower:lift<=BOUND`` may write it out, as ``--metric`` of ``analyze`` does, and must agree.
 KIND is ``rate`` (the default; ``mean`` for the metrics of the calls: ``ttft_ms``, ``cost``, ``tokens_out``,
-``tokens_in``), ``conversion``, ``mean`` or ``sum``, as ``--metric`` of ``analyze`` takes it; BOUND
+``tokens_in``), ``conversion``, ``mean`` or ``sum``, and ``:cap=P99`` (or a value) caps each unit's value of a
+``mean`` or ``sum``: the metric part is read by ``analyze --metric``'s own parser (:meth:`MetricSpec.parse`); BOUND
 is relative to the control's value with a ``%`` (``-1%``) or absolute in the metric's own unit without one
 (``-0.002``). A rollout reads the analysis at every check, so the test must stay valid however often it is
 looked at: the guards use the always-valid (mSPRT) confidence sequence of the absolute lift, which holds
@@ -23,7 +24,6 @@ experiments, and mixing them would weigh the early step's users differently in e
 from __future__ import annotations
 
 import asyncio
-import difflib
 import math
 import re
 import time
@@ -36,14 +36,21 @@ from redis.exceptions import RedisError
 from splitstream.admin.quantile_guards import QuantileGuard
 from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window
-from splitstream.analysis.model import DIRECTIONS, Analysis, Direction, MetricComparison, MetricSpec, PhaseResult
-from splitstream.analysis.statistics import KIND_NAMES, MetricKind
+from splitstream.analysis.model import (
+    Analysis,
+    Direction,
+    MetricComparison,
+    MetricSpec,
+    PhaseResult,
+    written_direction,
+)
+from splitstream.analysis.statistics import MetricKind
 from splitstream.analysis.usage import Price, is_call_metric
 from splitstream.common.redis_url import NO_REDIS_SECURITY, RedisClient, RedisSecurity, open_redis
 from splitstream.common.secrets import redact_text, redact_url
 
 GUARD_SYNTAX = (
-    "NAME[:KIND]:lift>=BOUND (higher is better) or NAME[:KIND]:lift<=BOUND (lower is better), "
+    "NAME[:KIND][:cap=CAP]:lift>=BOUND (higher is better) or NAME[:KIND][:cap=CAP]:lift<=BOUND (lower is better), "
     "BOUND relative (-1%) or absolute (-0.002)"
 )
 _GUARD = re.compile(r"^(?P<metric>.+):lift\s*(?P<op>>=|<=)\s*(?P<bound>[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?)(?P<pct>%?)$")
@@ -71,31 +78,20 @@ class OutcomeGuard:
         match = _GUARD.match(text.strip().replace(" ", ""))
         if match is None:
             raise ValueError(f"--guard {text!r}: expected {GUARD_SYNTAX}; e.g. click:lift>=-1%")
-        metric = match["metric"]
         # The bound's side says which way is better; a direction written out must agree with it.
         implied: Direction = "higher" if match["op"] == ">=" else "lower"
-        head, sep, last = metric.rpartition(":")
-        if sep and head and last.lower() in DIRECTIONS:
-            if last.lower() != implied:
-                raise ValueError(
-                    f"--guard {text!r}: a metric where {last.lower()} is better is bounded with "
-                    f"lift{'>=' if last.lower() == 'higher' else '<='}BOUND (its harm is a lift the other way)"
-                )
-            metric = head
-        name, _, kind = metric.rpartition(":")
-        kinds = list(KIND_NAMES)
-        if not name or kind.lower() not in kinds:
-            # A metric name may hold colons, but a last part a letter or two off a kind or a direction is a
-            # typo: taken as part of the name, the guard would wait for a metric no feedback ever names.
-            if name and difflib.get_close_matches(kind.lower(), [*kinds, *DIRECTIONS], n=1, cutoff=0.6):
-                raise ValueError(
-                    f"--guard {text!r}: {kind!r} is neither a kind ({', '.join(kinds)}) nor a direction (higher, "
-                    f"lower, after the kind); for a metric named {metric!r}, give its kind: {metric}:rate"
-                )
-            # A metric of the calls (ttft_ms, cost, ...) is per call unless a kind says otherwise.
-            name, kind = metric, (MetricKind.MEAN if is_call_metric(metric) else MetricKind.RATE).value
-        kind = MetricKind(kind.lower()).value  # proportion, the old name, reads as rate
-        if is_call_metric(name) and MetricKind(kind).counts_positive_calls:
+        try:  # the parser of analyze --metric: kind, direction and cap read as it reads them
+            written = written_direction(match["metric"])
+            spec = MetricSpec.parse(match["metric"], default_kind=MetricKind.RATE)
+        except ValueError as error:
+            raise ValueError(f"--guard {text!r}: {error}") from None
+        if written is not None and written != implied:
+            raise ValueError(
+                f"--guard {text!r}: a metric where {written} is better is bounded with "
+                f"lift{'>=' if written == 'higher' else '<='}BOUND (its harm is a lift the other way)"
+            )
+        name, kind = spec.name, spec.kind.value
+        if is_call_metric(name) and spec.kind.counts_positive_calls:
             raise ValueError(
                 f"--guard {text!r}: {name} is measured on the calls: its kind is mean (per call) or sum, not {kind}"
             )
@@ -103,17 +99,19 @@ class OutcomeGuard:
         if not math.isfinite(bound):  # 1e400 reads as infinity: a bound nothing can cross
             raise ValueError(f"--guard {text!r}: the bound {match['bound']} is past any number")
         relative = bool(match["pct"])
+        cap = "" if spec.cap is None else f":cap={spec.cap}"
         return OutcomeGuard(
-            metric=MetricSpec(name=name, kind=MetricKind(kind.lower()), direction=implied),
+            metric=spec.model_copy(update={"direction": implied}),
             op=">=" if match["op"] == ">=" else "<=",
             bound=bound / 100 if relative else bound,
             relative=relative,
-            text=f"{name}:{kind.lower()}:lift{match['op']}{match['bound']}{match['pct']}",
+            text=f"{name}:{kind}{cap}:lift{match['op']}{match['bound']}{match['pct']}",
         )
 
     @property
     def name(self) -> str:
-        return self.metric.name
+        """The metric as a check line names it: with its cap, since the lift is of the capped values."""
+        return self.metric.name if self.metric.cap is None else f"{self.metric.name} capped at {self.metric.cap}"
 
     #: What a reading's estimate is (a quantile guard's is a ratio).
     quantity = "lift"
@@ -301,6 +299,7 @@ class OutcomeReader:
                     prices=self.prices,
                     novelty_bucket_ns=None,  # a guard reads the step's lift, not its age profile
                     quantiles=self.quantiles,
+                    quantile_timeline=False,  # a guard reads the ratio as it stands
                 )
                 return await analyze(client, query)
             except (RedisError, OSError) as error:

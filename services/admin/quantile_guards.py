@@ -78,6 +78,12 @@ class QuantileGuard:
     def name(self) -> str:
         return f"{self.metric} {self.quantile}"
 
+    @property
+    def judge_metric(self) -> str:
+        """The name ``rollout --judge`` compares it by (``latency_p99``, ``ttft_p90``): the quantile of each check
+        interval's calls, per version, from the routers' histograms, which is what Kayenta compares."""
+        return f"{self.metric}_{self.quantile}"
+
     #: What the reading's estimate is: a ratio to the control, not a lift.
     quantity = "ratio"
 

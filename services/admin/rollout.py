@@ -128,13 +128,16 @@ class RolloutPlan:
             raise Invalid("--guard-min-units: must be at least 2")
         if not 0 < self.guard_alpha < 1:
             raise Invalid(f"--guard-alpha: must be between 0 and 1, got {self.guard_alpha}")
-        kinds: dict[str, str] = {}
+        kinds: dict[str, tuple[str, str | None]] = {}
         for guard in (g for g in self.guards if isinstance(g, OutcomeGuard)):
-            if kinds.setdefault(guard.metric.name, guard.metric.kind.value) != guard.metric.kind.value:
-                raise Invalid(f"--guard: metric '{guard.metric.name}' is given two kinds")
+            measured = (guard.metric.kind.value, guard.metric.cap)
+            if kinds.setdefault(guard.metric.name, measured) != measured:
+                # One analysis reads each metric once: two kinds, or two caps, of it cannot both be judged.
+                what = "kinds" if kinds[guard.metric.name][0] != measured[0] else "caps"
+                raise Invalid(f"--guard: metric '{guard.metric.name}' is given two {what}")
         if self.judge is not None:
             try:
-                self.judge.chosen([g.metric.name for g in self.guards if isinstance(g, OutcomeGuard)])
+                self.judge.chosen(judged_names(self.guards))
             except ValueError as error:
                 raise Invalid(str(error)) from None
 
@@ -521,11 +524,11 @@ class Rollout:
         if control_weight <= 0:
             self.out(f"  judge not applied in this step: {self.control} takes no traffic to compare with")
             return None
-        guards = [g for g in self.plan.guards if isinstance(g, OutcomeGuard)]  # (quantile guards: no metric)
+        guards = [g for g in self.plan.guards if isinstance(g, OutcomeGuard)]  # (a quantile guard's: the routers')
         outcomes = {
             g.metric.name: OutcomeSpec(g.metric.kind, "Low" if g.metric.higher_is_better else "High") for g in guards
         }
-        return Series(self.plan.judge.chosen([g.metric.name for g in guards]), outcomes)
+        return Series(self.plan.judge.chosen(judged_names(self.plan.guards)), outcomes)
 
     def _judge_passes(self, series: Series) -> bool:
         """Whether ``--judge`` passes the step so far: an early advance (``--promote-on-win``) needs it too, or
@@ -629,6 +632,12 @@ class Rollout:
             f"{self.plan.version} error rate {_percent(new.error_rate)} ({new.errors:g} of {new.calls:g} calls) "
             f"exceeds --max-error-rate {_percent(self.plan.max_error_rate)}"
         )
+
+
+def judged_names(guards: Iterable[Guard]) -> list[str]:
+    """The names ``--judge`` knows the guards' metrics by: an outcome guard's metric (``click``), a quantile
+    guard's quantile (``latency_p90``), in the order given."""
+    return list(dict.fromkeys(g.metric.name if isinstance(g, OutcomeGuard) else g.judge_metric for g in guards))
 
 
 def rebuilt(base: Experiment, control: str, weights: dict[str, float]) -> Experiment:

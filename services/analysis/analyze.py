@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
-from splitstream.analysis import bayes, bayes_readout, capping
+from splitstream.analysis import bayes, bayes_readout, capping, quantile_effects
 from splitstream.analysis import statistics as st
 from splitstream.analysis.folding import Folder, RowMetric, among, load
 from splitstream.analysis.loading import (
@@ -53,6 +53,7 @@ from splitstream.analysis.model import (
     MetricSpec,
     NonRandomizedCalls,
     PhaseResult,
+    QuantileComparison,
     SampleRatioMismatch,
     Segment,
     TimelinePoint,
@@ -109,6 +110,9 @@ class Query:
     #: Compare latency and TTFT quantiles per arm (``phases[].quantiles``); False spares keeping each unit's calls
     #: per latency bucket, for a reader that needs none (a rollout with no quantile guard).
     quantiles: bool = True
+    #: The quantile comparisons' timeline (each a comparison per time bucket); False for a reader that needs only
+    #: the comparison as it stands (a rollout's quantile guard, checked every second).
+    quantile_timeline: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.alpha < 1:
@@ -238,12 +242,39 @@ def _corrected(query: Query, analysis: Analysis) -> Analysis:
     if query.correction == "none":
         return analysis
     family = [c for c in analysis.every_comparison() if _p_of(query, c) is not None]
-    if not family:
+    # The latency and TTFT quantiles are hypotheses of the analysis too (a guard or a reader acts on them).
+    quantile_p = {id(q): _quantile_p(query, q) for q in analysis.every_quantile()}
+    quantiles = [q for q in analysis.every_quantile() if quantile_p[id(q)] is not None]
+    if not family and not quantiles:
         return analysis.model_copy(update={"correction": query.correction})
-    adjusted = st.adjusted_p_values([_p_of(query, c) for c in family], query.correction)
+    p_values = [_p_of(query, c) for c in family] + [quantile_p[id(q)] for q in quantiles]
+    adjusted = st.adjusted_p_values(p_values, query.correction)
     level = st.corrected_alpha(adjusted, query.correction, query.alpha)
-    done = {id(c): _adjusted(query, c, float(p), level) for c, p in zip(family, adjusted, strict=True)}
-    return analysis.with_comparisons(lambda c: done.get(id(c), c), correction=query.correction, family_size=len(family))
+    done = {id(c): _adjusted(query, c, float(p), level) for c, p in zip(family, adjusted, strict=False)}
+    done_quantiles = {
+        id(q): quantile_effects.adjusted(
+            q,
+            float(p),
+            level,
+            correction=query.correction,
+            sequential=query.sequential,
+            tuning_units=query.tuning_units,
+        )
+        for q, p in zip(quantiles, adjusted[len(family) :], strict=True)
+    }
+    return analysis.with_comparisons(
+        lambda c: done.get(id(c), c),
+        lambda q: done_quantiles.get(id(q), q),
+        correction=query.correction,
+        family_size=len(family) + len(quantiles),
+        quantiles_in_family=len(quantiles),
+    )
+
+
+def _quantile_p(query: Query, q: QuantileComparison) -> float | None:
+    return quantile_effects.family_p_value(
+        q, sequential=query.sequential, alpha=query.alpha, tuning_units=query.tuning_units
+    )
 
 
 def _p_of(query: Query, comparison: MetricComparison) -> float | None:
@@ -611,6 +642,7 @@ def _analyse_phase(
             control=info.control,
             alpha=query.alpha,
             tuning_units=query.tuning_units,
+            bucket_end_ns=query.window.bucket_end_ns if query.quantile_timeline else None,
         ),
     )
 

@@ -710,9 +710,10 @@ class ExposureReader:
             if self._by_unit is not None:
                 latency_by_unit, ttft_by_unit = self._by_unit
                 sampled = chosen & randomized
-                latency_by_unit.add(call_rows[sampled], _latency_buckets(latency[sampled]))
+                period = self.window.bucket_of(times)
+                latency_by_unit.add(call_rows[sampled], _latency_buckets(latency[sampled]), period[sampled])
                 timed = sampled & ~np.isnan(values["ttft_ms"])
-                ttft_by_unit.add(call_rows[timed], _latency_buckets(values["ttft_ms"][timed]))
+                ttft_by_unit.add(call_rows[timed], _latency_buckets(values["ttft_ms"][timed]), period[timed])
         if self.randomized_only and not randomized.all():
             for p, a, s, f in zip(
                 phase[~randomized], assignment[~randomized], arm[~randomized], failed[~randomized], strict=True

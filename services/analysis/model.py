@@ -6,13 +6,14 @@ be computed (no unit in an arm, a control at 0) are null.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from splitstream.analysis.capping import CapRule
-from splitstream.analysis.statistics import Comparison, MetricKind
+from splitstream.analysis.statistics import KIND_NAMES, Comparison, MetricKind
 from splitstream.analysis.usage import CALL_METRICS
 
 Unit = Literal["user", "call"]
@@ -47,11 +48,15 @@ class MetricSpec(_Model):
     cap: str | None = None
 
     @staticmethod
-    def parse(text: str) -> MetricSpec:
+    def parse(text: str, *, default_kind: MetricKind | None = None) -> MetricSpec:
+        """The one reader of a metric's spec, for ``analyze --metric`` and ``rollout --guard`` alike (a guard's
+        ``revenue:mean:cap=P99:lift>=-1%`` reads its metric here, cap included). ``default_kind``: the kind of a
+        name given without one (a guard's ``click`` is ``click:rate``); None: a kind must be given. ValueError
+        saying what is wrong."""
         spec, cap = split_cap(text)
+        parsed = MetricSpec._parse(spec, default_kind)
         if cap is None:
-            return MetricSpec._parse(spec)
-        parsed = MetricSpec._parse(spec)
+            return parsed
         if parsed.kind not in (MetricKind.MEAN, MetricKind.SUM):
             raise ValueError(
                 f"bad metric {text!r}: a cap applies to a number per unit (kinds mean and sum), not to {parsed.kind}"
@@ -67,18 +72,23 @@ class MetricSpec(_Model):
         return CapRule.parse(self.cap) if self.cap is not None else None
 
     @staticmethod
-    def _parse(text: str) -> MetricSpec:
-        body, sep, last = text.strip().rpartition(":")
-        given: Direction | None = None
-        if sep and last.lower() in DIRECTIONS:
-            given = "lower" if last.lower() == "lower" else "higher"
-        else:
-            body = text.strip()
+    def _parse(text: str, default_kind: MetricKind | None) -> MetricSpec:
+        given = written_direction(text)
+        body = text.strip().rpartition(":")[0] if given is not None else text.strip()
         if body in CALL_METRICS:  # a metric of the calls (ttft_ms, cost, ...): per call unless a kind is given
             body = f"{body}:{MetricKind.MEAN.value}"
         name, sep, kind = body.rpartition(":")
+        kinds = [k.value for k in MetricKind]
+        if default_kind is not None and (not name or kind.lower() not in KIND_NAMES):
+            # A metric name may hold colons, but a last part a letter or two off a kind or a direction is a
+            # typo: taken as part of the name, the guard would wait for a metric no feedback ever names.
+            if name and difflib.get_close_matches(kind.lower(), [*KIND_NAMES, *DIRECTIONS], n=1, cutoff=0.6):
+                raise ValueError(
+                    f"{kind!r} is neither a kind ({', '.join(kinds)}) nor a direction (higher, lower, after the "
+                    f"kind); for a metric named {body!r}, give its kind: {body}:rate"
+                )
+            name, sep, kind = body, ":", default_kind.value
         direction: Direction = given or (CALL_METRICS[name][1] if name in CALL_METRICS else "higher")
-        kinds = ", ".join(k.value for k in MetricKind)
         if not sep or not name:
             example = "e.g. click:rate, buy:conversion, wait_s:mean:lower"
             raise ValueError(f"bad metric {text!r} (expected {METRIC_SYNTAX}; {example})")
@@ -86,7 +96,8 @@ class MetricSpec(_Model):
             return MetricSpec(name=name, kind=MetricKind(kind.lower()), direction=direction)
         except ValueError:
             raise ValueError(
-                f"bad metric {text!r}: unknown kind {kind!r} (one of {kinds}; a direction, higher or lower, goes last)"
+                f"bad metric {text!r}: unknown kind {kind!r} (one of {', '.join(kinds)}; a direction, higher or "
+                "lower, goes last)"
             ) from None
 
     @property
@@ -97,6 +108,15 @@ class MetricSpec(_Model):
         suffix = "" if self.direction == "higher" else f":{self.direction}"
         cap = "" if self.cap is None else f":cap={self.cap}"
         return f"{self.name}:{self.kind.value}{suffix}{cap}"
+
+
+def written_direction(text: str) -> Direction | None:
+    """The direction a spec writes out after its kind (``wait_s:mean:lower``, cap left off), None where it
+    writes none."""
+    head, sep, last = split_cap(text)[0].strip().rpartition(":")
+    if sep and head and last.lower() in DIRECTIONS:
+        return "lower" if last.lower() == "lower" else "higher"
+    return None
 
 
 def split_cap(text: str) -> tuple[str, str | None]:
@@ -309,6 +329,20 @@ class SampleRatioMismatch(_Model):
     flagged: bool
 
 
+class QuantileTimelinePoint(_Model):
+    """A quantile comparison as it stood at the end of one of the window's time buckets (the calls up to then)."""
+
+    until_ns: int
+    units_control: int
+    units_arm: int
+    difference: float | None
+    difference_ci: Interval
+    ratio: float | None
+    ratio_ci: Interval
+    p_value: float | None
+    sequential_ratio_ci: Interval | None = None
+
+
 class QuantileComparison(_Model):
     """One quantile (p50, p90, p99) of latency or TTFT, treatment against control, over the phase's randomized
     calls pooled per arm, with intervals clustered by unit (:mod:`splitstream.analysis.quantiles`)."""
@@ -338,6 +372,18 @@ class QuantileComparison(_Model):
     #: The always-valid confidence sequence of the ratio (mSPRT on the log-ratio): what a rollout guard reads.
     sequential_ratio_ci: Interval | None = None
     method: str
+    #: ``--correction``: the method, the p-value of ``ratio = 1`` adjusted over the family (the metrics' comparisons
+    #: and these), and the ratio's and the difference's intervals at the matching level (with ``--sequential``,
+    #: the ratio's confidence sequence at that level, and the p-value the mSPRT's).
+    correction: Correction = "none"
+    adjusted_p_value: float | None = None
+    adjusted_ratio_ci: Interval | None = None
+    adjusted_difference_ci: Interval | None = None
+    #: The comparison at the end of each time bucket of the window (buckets where both arms had calls).
+    timeline: list[QuantileTimelinePoint] = Field(default_factory=list)
+    #: The standard errors of the log-ratio and of the difference, and the units of both arms, kept (not written)
+    #: so a correction can recompute the intervals at its level.
+    _basis: tuple[float, float, int] | None = PrivateAttr(default=None)
 
 
 class PhaseResult(_Model):
@@ -443,6 +489,8 @@ class Analysis(_Model):
     #: ``--correction`` and how many comparisons it adjusted over (metrics x arms x phases, x segments).
     correction: Correction = "none"
     family_size: int = 0
+    #: Of the family, the latency and TTFT quantile comparisons (each arm's p50, p90, p99 against the control).
+    quantiles_in_family: int = 0
     #: ``--engine``: which reading gives the verdicts; with ``bayes``, the prior on the relative lift (sd None:
     #: flat) and the chance to beat control at which an arm is better (at 1 - it, worse).
     engine: Literal["frequentist", "bayes"] = "frequentist"
@@ -459,13 +507,32 @@ class Analysis(_Model):
         parts = [self.phases, *(segment.phases for segment in self.segments)]
         return [c for phases in parts for phase in phases for c in phase.comparisons]
 
-    def with_comparisons(self, redo: Callable[[MetricComparison], MetricComparison], **update: object) -> Analysis:
-        """A copy with every comparison (of each phase, and of each segment's phases) replaced by ``redo`` of it,
-        the verdict lines gathered again from them, and ``update``'s fields set: how a correction, an engine or
-        a non-inferiority test rewrites an analysis."""
+    def every_quantile(self) -> list[QuantileComparison]:
+        """The quantile comparisons of every phase, then of each segment's phases."""
+        parts = [self.phases, *(segment.phases for segment in self.segments)]
+        return [q for phases in parts for phase in phases for q in phase.quantiles]
+
+    def with_comparisons(
+        self,
+        redo: Callable[[MetricComparison], MetricComparison],
+        redo_quantile: Callable[[QuantileComparison], QuantileComparison] | None = None,
+        **update: object,
+    ) -> Analysis:
+        """A copy with every comparison (of each phase, and of each segment's phases) replaced by ``redo`` of it
+        (and every quantile comparison by ``redo_quantile``, when given), the verdict lines gathered again from
+        them, and ``update``'s fields set: how a correction, an engine or a non-inferiority test rewrites an
+        analysis."""
 
         def phases_of(phases: list[PhaseResult]) -> list[PhaseResult]:
-            return [phase.model_copy(update={"comparisons": [redo(c) for c in phase.comparisons]}) for phase in phases]
+            return [
+                phase.model_copy(
+                    update={
+                        "comparisons": [redo(c) for c in phase.comparisons],
+                        "quantiles": [redo_quantile(q) for q in phase.quantiles] if redo_quantile else phase.quantiles,
+                    }
+                )
+                for phase in phases
+            ]
 
         def lines(phases: list[PhaseResult]) -> list[str]:
             return [c.verdict_line for phase in phases for c in phase.comparisons]

@@ -16,6 +16,9 @@ sided at α; for a lower-is-better metric the margin is above: ``H0: Δ ≥ m``.
   sequence of :func:`splitstream.analysis.statistics.confidence_sequence_half_width`), and the mSPRT p-value
   of ``Δ̂ + m`` (1 when ``Δ̂`` is past the margin): one side of a two-sided sequence errs at most α, so the
   test is valid at α at every look (conservative: about α/2). The rollout guards judge exactly this.
+- No variance (every unit of both arms has the same value: a cap below all of them, say): "not shown
+  non-inferior", with that reason. A standard error of 0 is no certainty but no information; the test is left
+  out of a correction's family.
 - ``--correction``: the non-inferiority p-values of every comparison adjusted as one family, by the same method
   as the two-sided ones, and the bounds taken at the matching level (α/m for Holm, α·R/m for BH).
 """
@@ -69,6 +72,9 @@ class MarginTest:
     #: The one-sided bound on the metric's bad side (lower for higher-is-better) and the one on the other side.
     bound: float
     far_bound: float
+    #: Neither arm's values vary (a cap below every unit's value makes each arm one number): the test has no
+    #: evidence either way, and its se of 0 would otherwise read as certainty (p = 0, "non-inferior").
+    no_variance: bool = False
 
 
 def margin_test(
@@ -93,6 +99,8 @@ def margin_test(
     if estimate is None or variance is None or not math.isfinite(variance) or not math.isfinite(estimate):
         return None
     m = -margin.size if higher_is_better else margin.size
+    if variance <= 0:
+        return MarginTest(m, math.nan, estimate, estimate, no_variance=True)
     sign = 1.0 if higher_is_better else -1.0  # the good side
     distance = sign * (estimate - m)  # how far inside the acceptable side the estimate lies
     if sequential:
@@ -102,11 +110,11 @@ def margin_test(
         half = st.confidence_sequence_half_width(variance, tau2, alpha=alpha)
         p = st.msprt_p_value(distance, variance, tau2) if distance > 0 else 1.0
     else:
-        se = math.sqrt(variance) if variance > 0 else 0.0
+        se = math.sqrt(variance)
         dist = stats.t if math.isfinite(df) else stats.norm
         args = (df,) if math.isfinite(df) else ()
         half = float(dist.ppf(1 - alpha, *args)) * se
-        p = float(dist.sf(distance / se, *args)) if se > 0 else 0.0 if distance > 0 else 1.0
+        p = float(dist.sf(distance / se, *args))
     return MarginTest(m, float(p), estimate - sign * half, estimate + sign * half)
 
 
@@ -132,8 +140,8 @@ def annotated(analysis: Analysis, margin: Margin, *, alpha: float, sequential: b
     }
     adjusted: dict[int, tuple[float, MarginTest]] = {}
     correction = analysis.correction
-    if correction != "none" and tests:
-        keys = list(tests)
+    keys = [key for key, (_, found) in tests.items() if not found.no_variance]  # (no p-value to adjust)
+    if correction != "none" and keys:
         p = st.adjusted_p_values([tests[k][1].p_value for k in keys], correction)
         level = st.corrected_alpha(p, correction, alpha)
         for key, value in zip(keys, p, strict=True):
@@ -173,6 +181,21 @@ def _result(
     label = "Holm-adjusted " if correction == "holm" else "BH-adjusted " if correction == "bh" else ""
     p_text = f"{'adjusted ' if adjusted else ''}{st.p_clause(p)}"
     margin_text = margin.text(higher)
+    if test.no_variance:
+        capped = f", capped at {c.cap:.4g}" if c.cap is not None else ""
+        return NonInferiority(
+            margin=test.margin,
+            relative=margin.relative,
+            sequential=sequential,
+            p_value=None,
+            bound=None,
+            far_bound=None,
+            verdict="not shown non-inferior",
+            text=(
+                f"not shown non-inferior (margin {margin_text} of {c.control}: no variance, every unit's value the "
+                f"same in both arms{capped}; no evidence either way)"
+            ),
+        )
     if p < alpha and clears:
         verdict = "non-inferior"
         text = (

@@ -19,10 +19,29 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def cells(q: QuantileComparison) -> list[str]:
-    ratio = "-" if q.ratio is None else f"{_ratio(q.ratio)} [{_ratio(q.ratio_ci.low)}, {_ratio(q.ratio_ci.high)}]"
+#: How the table's added columns name a correction.
+_ADJUSTED = {"holm": "HOLM-ADJ.", "bh": "BH-ADJ."}
+
+
+def _corrected(phase: PhaseResult) -> str | None:
+    """The correction the phase's quantiles were adjusted by (``holm``, ``bh``), None if none."""
+    return next((q.correction for q in phase.quantiles if q.correction != "none"), None)
+
+
+def header(phase: PhaseResult) -> list[str]:
+    """The columns; with a correction, the adjusted ratio interval and p-value added (``HOLM-ADJ. RATIO CI``)."""
+    method = _corrected(phase)
+    return HEADER if method is None else [*HEADER, f"{_ADJUSTED[method]} RATIO CI", f"{_ADJUSTED[method]} P"]
+
+
+def _ratio_interval(interval: Interval | None) -> str:
+    return "-" if interval is None else f"[{_ratio(interval.low)}, {_ratio(interval.high)}]"
+
+
+def cells(q: QuantileComparison, corrected: bool = False) -> list[str]:
+    ratio = "-" if q.ratio is None else f"{_ratio(q.ratio)} {_ratio_interval(q.ratio_ci)}"
     diff = "-" if q.difference is None else f"{q.difference:+.4g} {_ms(q.difference_ci)}"
-    return [
+    row = [
         q.metric,
         q.name,
         f"{q.arm} vs {q.control}",
@@ -32,15 +51,23 @@ def cells(q: QuantileComparison) -> list[str]:
         ratio,
         st.p_text(q.p_value),
     ]
+    if corrected:
+        row += [_ratio_interval(q.adjusted_ratio_ci), st.p_text(q.adjusted_p_value)]
+    return row
 
 
 def quantile_lines(phase: PhaseResult) -> list[str]:
     """A table of the phase's quantile comparisons, with a line naming the method; nothing without any."""
     if not phase.quantiles:
         return []
-    rows = [HEADER] + [cells(q) for q in phase.quantiles]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
-    lines = ["quantiles of the calls pooled per arm, intervals clustered by unit (delta method):"]
+    columns = header(phase)
+    corrected = _corrected(phase) is not None
+    rows = [columns] + [cells(q, corrected) for q in phase.quantiles]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    intro = "quantiles of the calls pooled per arm, intervals clustered by unit (delta method)"
+    if corrected:
+        intro += f"; {_ADJUSTED[_corrected(phase) or '']} columns: adjusted in the analysis's family"
+    lines = [intro + ":"]
     lines += [
         "  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
@@ -51,10 +78,11 @@ def quantile_section(phase: PhaseResult) -> str:
     """The same table for ``analysis.html``."""
     if not phase.quantiles:
         return ""
-    head = "".join(f"<th>{escape(h)}</th>" for h in HEADER)
+    corrected = _corrected(phase) is not None
+    head = "".join(f"<th>{escape(h)}</th>" for h in header(phase))
     body = "".join(
         f"<tr class='{'fail' if q.ratio_ci.low is not None and q.ratio_ci.low > 1 else ''}'>"
-        + "".join(f"<td>{escape(c)}</td>" for c in cells(q))
+        + "".join(f"<td>{escape(c)}</td>" for c in cells(q, corrected))
         + "</tr>"
         for q in phase.quantiles
     )

@@ -9,6 +9,7 @@ the latency CDF of each arm; then the calls that were not randomized.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from html import escape
 
 from splitstream.analysis import bayes_text
@@ -19,8 +20,8 @@ from splitstream.analysis.model import (
     MetricComparison,
     MetricSpec,
     PhaseResult,
+    QuantileComparison,
     Segment,
-    TimelinePoint,
 )
 from splitstream.analysis.novelty_report import novelty_lines, novelty_section
 from splitstream.analysis.quantile_report import quantile_lines, quantile_section
@@ -62,9 +63,16 @@ def render_table(analysis: Analysis) -> str:
 
 def _correction_line(analysis: Analysis) -> str:
     method = "Holm (family-wise)" if analysis.correction == "holm" else "Benjamini-Hochberg (false discovery rate)"
+    quantiles = (
+        f", {analysis.quantiles_in_family} of them latency and TTFT quantiles: their table adds the adjusted ratio "
+        "intervals and p-values"
+        if analysis.quantiles_in_family
+        else ""
+    )
     return (
         f"Verdicts adjusted by {method} over {analysis.family_size} comparisons (metrics x arms x phases"
-        f"{' x segments' if analysis.segment_field else ''}); the tables show unadjusted p-values and intervals."
+        f"{' x segments' if analysis.segment_field else ''}{quantiles}); the tables show unadjusted p-values and "
+        "intervals."
     )
 
 
@@ -295,6 +303,7 @@ def _phase_section(analysis: Analysis, phase: PhaseResult, index: int) -> str:
     out.append(quantile_section(phase))
     out.append("<h3>Cumulative lift over time</h3>")
     timelines = [_timeline_chart(c) for c in phase.comparisons if c.timeline]
+    timelines += [_quantile_timeline_chart(q) for q in phase.quantiles if q.timeline]
     out.append(f"<div class='charts'>{''.join(timelines)}</div>" if timelines else "<p class='muted'>No data.</p>")
     if analysis.sequential:
         out.append(
@@ -514,15 +523,59 @@ def _lift_chart(comparisons: Sequence[MetricComparison]) -> str:
 def _timeline_chart(c: MetricComparison) -> str:
     """The absolute lift as it stood at the end of each time bucket, its fixed-horizon band, and the
     always-valid sequence (dashed) when there is one."""
-    points = [p for p in c.timeline if p.absolute is not None]
+    points = [
+        _Point(
+            p.until_ns,
+            p.absolute,
+            p.absolute_ci.low,
+            p.absolute_ci.high,
+            p.sequential_ci.low if p.sequential_ci else None,
+            p.sequential_ci.high if p.sequential_ci else None,
+        )
+        for p in c.timeline
+        if p.absolute is not None
+    ]
+    return _series_chart(f"{c.metric}: {c.arm} - {c.control} (absolute), cumulative", points, reference=0.0)
+
+
+def _quantile_timeline_chart(q: QuantileComparison) -> str:
+    """A quantile's ratio (arm over control) at the end of each time bucket, with its clustered interval and its
+    always-valid sequence: how a slowdown showed up over the window, as the metrics' lift does."""
+    points = [
+        _Point(
+            p.until_ns,
+            p.ratio,
+            p.ratio_ci.low,
+            p.ratio_ci.high,
+            p.sequential_ratio_ci.low if p.sequential_ratio_ci else None,
+            p.sequential_ratio_ci.high if p.sequential_ratio_ci else None,
+        )
+        for p in q.timeline
+        if p.ratio is not None
+    ]
+    return _series_chart(f"{q.metric} {q.name}: {q.arm} / {q.control} (ratio), cumulative", points, reference=1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Point:
+    """One point of a timeline chart: the estimate, its fixed-horizon interval and its always-valid sequence."""
+
+    until_ns: int
+    value: float
+    low: float | None
+    high: float | None
+    sequence_low: float | None
+    sequence_high: float | None
+
+
+def _series_chart(title: str, points: Sequence[_Point], *, reference: float) -> str:
+    """An estimate over time, its band, the sequence's edges (dashed) and a dotted line at ``reference`` (no effect:
+    0 for a lift, 1 for a ratio)."""
     if not points:
         return charts.no_data()
-    values: list[float] = []
+    values: list[float] = [reference]
     for p in points:
-        values += [v for v in (p.absolute, p.absolute_ci.low, p.absolute_ci.high) if v is not None]
-        if p.sequential_ci is not None:
-            values += [v for v in (p.sequential_ci.low, p.sequential_ci.high) if v is not None]
-    values.append(0.0)
+        values += [v for v in (p.value, p.low, p.high, p.sequence_low, p.sequence_high) if v is not None]
     low, high = min(values), max(values)
     span = (high - low) or 1.0
     low, high = low - 0.05 * span, high + 0.05 * span
@@ -536,26 +589,21 @@ def _timeline_chart(c: MetricComparison) -> str:
     def y_of(v: float) -> float:
         return charts.TOP + (1 - (v - low) / (high - low)) * plot_h
 
-    title = f"{c.metric}: {c.arm} - {c.control} (absolute), cumulative"
     out = [charts.svg_open(title)]
-    for tick in (low, 0.0, high):
+    for tick in (low, reference, high):
         out.append(f"<text x='{charts.LEFT - 6}' y='{y_of(tick) + 4:.1f}' text-anchor='end'>{fmt(tick)}</text>")
-    zero = y_of(0.0)
+    zero = y_of(reference)
     out.append(f"<line x1='{charts.LEFT}' y1='{zero:.1f}' x2='{charts.LEFT + plot_w}' y2='{zero:.1f}' stroke='#999' "
                "stroke-dasharray='3,3'/>")  # fmt: skip
     band = _band(points, x_of, y_of)
     if band:
         out.append(f"<polygon class='band' points='{band}' fill='#4e79a7' fill-opacity='0.18' stroke='none'/>")
-    line = " ".join(f"{x_of(p.until_ns):.1f},{y_of(p.absolute or 0.0):.1f}" for p in points)
+    line = " ".join(f"{x_of(p.until_ns):.1f},{y_of(p.value):.1f}" for p in points)
     out.append(
         f"<polyline class='series' data-label='lift' points='{line}' fill='none' stroke='#4e79a7' stroke-width='2'/>"
     )
     for side in ("low", "high"):
-        sequence = [
-            (p.until_ns, getattr(p.sequential_ci, side))
-            for p in points
-            if p.sequential_ci is not None and getattr(p.sequential_ci, side) is not None
-        ]
+        sequence = [(p.until_ns, value) for p in points if (value := getattr(p, f"sequence_{side}")) is not None]
         if sequence:
             path = " ".join(f"{x_of(t):.1f},{y_of(v):.1f}" for t, v in sequence)
             out.append(
@@ -567,23 +615,22 @@ def _timeline_chart(c: MetricComparison) -> str:
         f"<text x='{charts.LEFT + plot_w}' y='{charts.HEIGHT - 8}' text-anchor='end'>"
         f"{escape(format_instant(end))}</text>"
     )
-    out.append(charts.legend(0, "lift and interval", "#4e79a7"))
-    if any(p.sequential_ci is not None for p in points):
+    out.append(charts.legend(0, "lift and interval" if reference == 0.0 else "ratio and interval", "#4e79a7"))
+    if any(p.sequence_low is not None or p.sequence_high is not None for p in points):
         out.append(charts.legend(1, "always-valid", "#e15759"))
     out.append("</svg>")
     return charts.figure(out, title)
 
 
-def _band(points: Sequence[TimelinePoint], x_of: Callable[[int], float], y_of: Callable[[float], float]) -> str:
+def _band(points: Sequence[_Point], x_of: Callable[[int], float], y_of: Callable[[float], float]) -> str:
     """The fixed-horizon interval at each point as one polygon: along the upper bounds, back along the lower."""
     upper: list[str] = []
     lower: list[str] = []
     for p in points:
-        ci = p.absolute_ci
-        if ci.low is None or ci.high is None:
+        if p.low is None or p.high is None:
             continue
-        upper.append(f"{x_of(p.until_ns):.1f},{y_of(ci.high):.1f}")
-        lower.append(f"{x_of(p.until_ns):.1f},{y_of(ci.low):.1f}")
+        upper.append(f"{x_of(p.until_ns):.1f},{y_of(p.high):.1f}")
+        lower.append(f"{x_of(p.until_ns):.1f},{y_of(p.low):.1f}")
     return " ".join(upper + lower[::-1])
 
 

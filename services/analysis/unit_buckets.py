@@ -1,9 +1,10 @@
-"""Calls per (unit row, latency bucket): what a quantile's interval clustered by unit needs, in memory bounded by
-units and the buckets their calls span rather than by calls.
+"""Calls per (unit row, time bucket, latency bucket): what a quantile's interval clustered by unit needs, in memory
+bounded by units and the buckets their calls span rather than by calls.
 
 A quantile of the calls pooled per arm, and its delta-method variance, need each unit's calls at or below a
-value; the latency buckets of the analysis (2 % wide, :data:`splitstream.analysis.loading.LATENCY_GROWTH`) keep
-that to each unit's count per bucket. A user with 10,000 calls between 5 and 50 ms spans some 120 buckets:
+value (and, for the lift-over-time timeline, those up to each time bucket's end); the latency buckets of the
+analysis (2 % wide, :data:`splitstream.analysis.loading.LATENCY_GROWTH`) keep that to each unit's count per
+bucket. A user with 10,000 calls between 5 and 50 ms spans some 120 buckets:
 120 entries, not 10,000. Pages add pairs; they are merged (summed per pair) whenever the unmerged ones
 outgrow the merged, so the work stays linear and the memory about the distinct pairs."""
 
@@ -14,17 +15,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-#: Buckets fit in 16 bits (LATENCY_BUCKETS is about 1,100).
+#: Buckets fit in 16 bits (LATENCY_BUCKETS is about 1,100), the time bucket of the call (the timeline's, 0 to
+#: TIMELINE_POINTS - 1) in 5 more.
 _BUCKET_BITS = 16
+_PERIOD_BITS = 5
 
 
 @dataclass(frozen=True, slots=True)
 class UnitBucketCounts:
-    """Distinct (row, bucket) pairs and their calls."""
+    """Distinct (row, period, bucket) triples and their calls: ``periods`` is the time bucket of the calls (what
+    the quantiles' lift-over-time timeline needs: the calls up to each bucket's end)."""
 
     rows: npt.NDArray[np.int64]
     buckets: npt.NDArray[np.int64]
     counts: npt.NDArray[np.int32]
+    periods: npt.NDArray[np.int64]
 
 
 @dataclass(slots=True)
@@ -37,11 +42,15 @@ class UnitBuckets:
     _pending: list[npt.NDArray[np.int64]] = field(default_factory=list)
     _pending_size: int = 0
 
-    def add(self, rows: npt.NDArray[np.int64], buckets: npt.NDArray[np.int64]) -> None:
-        """One call per (rows[i], buckets[i])."""
+    def add(self, rows: npt.NDArray[np.int64], buckets: npt.NDArray[np.int64], periods: npt.NDArray[np.int64]) -> None:
+        """One call per (rows[i], periods[i], buckets[i])."""
         if not len(rows):
             return
-        self._pending.append((rows.astype(np.int64) << _BUCKET_BITS) | buckets.astype(np.int64))
+        self._pending.append(
+            (rows.astype(np.int64) << (_BUCKET_BITS + _PERIOD_BITS))
+            | (periods.astype(np.int64) << _BUCKET_BITS)
+            | buckets.astype(np.int64)
+        )
         self._pending_size += len(rows)
         if self._pending_size > max(len(self._keys), self.merge_after):
             self._merge()
@@ -58,4 +67,5 @@ class UnitBuckets:
     def result(self) -> UnitBucketCounts:
         self._merge()
         mask = (1 << _BUCKET_BITS) - 1
-        return UnitBucketCounts(self._keys >> _BUCKET_BITS, self._keys & mask, self._counts)
+        periods = (self._keys >> _BUCKET_BITS) & ((1 << _PERIOD_BITS) - 1)
+        return UnitBucketCounts(self._keys >> (_BUCKET_BITS + _PERIOD_BITS), self._keys & mask, self._counts, periods)
