@@ -57,6 +57,7 @@ from splitstream.admin.store import (
 from splitstream.analysis import cli as analysis_cli
 from splitstream.analysis.model import MetricSpec
 from splitstream.analysis.usage import parse_prices
+from splitstream.common.argv_secrets import drop_warnings, give_warnings
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
@@ -253,6 +254,18 @@ def build_parser() -> EnvArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    code = _run(parser, argv)
+    # A password in --redis-url (or --hmac-key) on the command line: the deprecation warning, held by the parse,
+    # once the command has done its work. A usage error or a failure keeps its one error line the only one,
+    # as the replayer's; a rollout or a bandit gave it already, when Redis first answered.
+    if code in (FAILED, USAGE):
+        drop_warnings()
+    else:
+        give_warnings()
+    return code
+
+
+def _run(parser: EnvArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(join_relative_times(sys.argv[1:] if argv is None else list(argv), analysis_cli.TIME_FLAGS))
     # Everything is imported: what exists now lives as long as the process. Frozen, the cyclic collector no
     # longer walks it at every full collection, which the lists redis-py makes of every page of a stream
@@ -502,7 +515,14 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
         raise Invalid(f"bad --redis-url {redact_url(args.redis_url)!r}: {redact_text(str(error))}") from None
     except OSError as error:
         raise AdminError(f"{error}; nothing changed") from None
+    warn_of_secrets()
     return reader
+
+
+def warn_of_secrets() -> None:
+    """The held warnings of secrets on the command line, on stderr: once a long command (a rollout, a bandit)
+    has found its configuration usable, rather than when it ends hours later."""
+    give_warnings(lambda line: _say(line, stream=sys.stderr))
 
 
 def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
