@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2
 
 from splitstream.common.files import atomic_write
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.proto.splitstream.v1 import recorder_pb2, router_pb2, router_pb2_grpc
 from splitstream.common.records import PAYLOAD_DROPPED_TAG, REDACTED_OUTPUTS_TAG, stream_key
 from splitstream.common.service_auth import ServiceAuth
@@ -829,3 +830,44 @@ def test_bytes_that_are_no_request_are_unauthenticated_without_a_key_and_invalid
             raw(b"\xff\xff\xff", metadata=[("x-api-key", KEYS["web"])], timeout=10)
         assert known.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "inference.ModelInferRequest" in (known.value.details() or "")
+
+
+def refused(router: ServiceProcess, metadata: list[tuple[str, str]], model: str = MODEL) -> Any:
+    """The error of a ModelInfer, read as a client reads it (code, text and trailers); None when served."""
+    with grpc.insecure_channel(router.address) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            stub.ModelInfer(make_request(model, X), metadata=metadata, timeout=10)
+        except grpc.RpcError as error:
+            return error
+    return None
+
+
+def trailer_request_id(error: Any) -> str:
+    (value,) = [v for k, v in error.trailing_metadata() or () if k == "x-request-id"]
+    return str(value)
+
+
+# Last in the file: it takes the "limited" principal past its burst, which the test above counts from.
+def test_every_refusal_carries_its_request_id_in_the_trailing_metadata(auth: AuthStack) -> None:
+    """A client reads the id from the trailers, as from an answered call's, without parsing the text: the id
+    it sent, else the one the router made, which the text of an UNAUTHENTICATED or PERMISSION_DENIED repeats
+    and the log files the reason under. Before, only the text had it."""
+    sent = refused(auth.router, [("x-request-id", "refused-sent-id")])
+    assert sent.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert trailer_request_id(sent) == "refused-sent-id"
+    assert "(request id refused-sent-id;" in sent.details()
+    wrong = refused(auth.router, [("x-api-key", "wrong-" + uuid.uuid4().hex)])
+    made = trailer_request_id(wrong)
+    assert f"(request id {made};" in wrong.details()
+    assert logged_detail(auth.router, wrong.details())
+    denied = refused(auth.router, [("x-api-key", KEYS["other"]), ("x-request-id", "denied-id")])
+    assert denied.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert trailer_request_id(denied) == "denied-id"
+    # The bucket holds 2, refilled once in 1000 s: the third call at most is refused.
+    attempts = (
+        refused(auth.router, [("x-api-key", KEYS["limited"]), ("x-request-id", f"limited-{n}")]) for n in range(3)
+    )
+    limited = next(error for error in attempts if error is not None)
+    assert limited.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert trailer_request_id(limited).startswith("limited-")
