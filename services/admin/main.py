@@ -7,6 +7,7 @@
         --max-error-rate 1% --max-p99-ratio 1.5 --metrics router-a:8002 --metrics router-b:8002 \\
         --redis-url redis://127.0.0.1:6379/0 --guard 'click:lift>=-1%' --promote-on-win
     splitstream feedback import outcomes.csv --router router-a:8001 --model resnet
+    splitstream credentials reload --router router-a:8001 --router router-b:8001 --api-key-file ops-key
     splitstream analyze resnet --redis-url redis://127.0.0.1:6379/0 --since -1d \\
         --metric click:rate --metric revenue:sum --output-dir ab
 
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitstream.admin import bandit, feedback_import, judge_cli, lock, metrics, pairwise_cli
+from splitstream.admin import bandit, credentials, feedback_import, judge_cli, lock, metrics, pairwise_cli
 from splitstream.admin import keys as keys_cli
 from splitstream.admin.arguments import duration_s, fraction
 from splitstream.admin.outcomes import GUARD_SYNTAX, Guard, OutcomeGuard, OutcomeReader
@@ -249,6 +250,7 @@ def build_parser() -> EnvArgumentParser:
     bandit.add_parser(commands, ENV_PREFIX)
     keys_cli.add_parser(commands, env_prefix=ENV_PREFIX)
     pairwise_cli.add_parser(commands, env_prefix=ENV_PREFIX)
+    credentials.add_parser(commands, env_prefix=ENV_PREFIX)
     return parser
 
 
@@ -279,6 +281,8 @@ def _run(parser: EnvArgumentParser, argv: Sequence[str] | None) -> int:
         return keys_cli.run(args)
     if args.command == "judge":
         return pairwise_cli.run(args)
+    if args.command == "credentials":
+        return credentials.run(args)
     if args.registry is None:
         parser.error("the following arguments are required: --registry")
     try:

@@ -13,6 +13,7 @@ method                                                          needs
 ``ModelStreamInfer``                                            the same, for every request of the stream
 ``ModelMetadata``, ``ModelReady``                               the request's model
 ``splitstream.v1.Router/Status``                                ``status``
+``splitstream.v1.Router/ReloadCredentials``                     ``reload``
 ``splitstream.v1.Feedback/Report``                              ``feedback``
 other methods (``ServerLive``, ``ServerReady``, ...)             an authenticated caller
 ``grpc.health.v1.Health/*``, server reflection                  nothing: open, so Consul's, Kubernetes'
@@ -53,6 +54,7 @@ from splitstream.router.auth.gate import (
     CALL_PRINCIPAL,
     FAILURE_REASONS,
     FEEDBACK,
+    RELOAD,
     STATUS,
     Authenticator,
     AuthMetrics,
@@ -85,6 +87,7 @@ _STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 _MODEL = frozenset({"/inference.GRPCInferenceService/ModelMetadata", "/inference.GRPCInferenceService/ModelReady"})
 _STATUS = "/splitstream.v1.Router/Status"
 _FEEDBACK = "/splitstream.v1.Feedback/Report"
+_RELOAD = "/splitstream.v1.Router/ReloadCredentials"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -138,6 +141,8 @@ class AuthInterceptor(aio.ServerInterceptor):
                 gate.require(principal, STATUS)
             if method == _FEEDBACK:
                 gate.require(principal, FEEDBACK)
+            if method == _RELOAD:
+                gate.require(principal, RELOAD)
             if request is not None and (method in _INFER or method in _MODEL):
                 head = read_head(request, method)
                 pinned = _header(metadata, VERSION_HEADER)
