@@ -428,6 +428,14 @@ def test_a_jwks_served_over_http_with_credentials_verifies_tokens_and_follows_ro
         assert "unknown kid" in logged_detail(router, details)
         router.stop()
         assert password not in router.log()
+        # The URL's password was on the command line (ps shows it): the deprecation warning, as for --redis-url.
+        (warning,) = [
+            event["detail"]
+            for event in map(json.loads, filter(lambda line: line.startswith("{"), router.log().splitlines()))
+            if event.get("event") == "secret on the command line (deprecated)"
+        ]
+        assert "--jwt-jwks on the command line" in warning
+        assert "SPLITSTREAM_ROUTER_JWT_JWKS" in warning
     finally:
         server.shutdown()
         server.server_close()
