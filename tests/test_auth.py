@@ -48,6 +48,7 @@ from tests.harness import (
     health_status,
     make_request,
     metric_samples,
+    run_module,
     scrape_metrics,
     wait_for,
 )
@@ -56,7 +57,9 @@ from tests.recording_stack import MODEL, RecordingStack, shipper_metric
 AUDIENCE = "splitstream"
 ISSUER = "https://issuer.test"
 SERVICE_TOKEN = "service-token-" + "7" * 32
-KEYS = {name: f"{name}-key-{uuid.uuid4().hex}{uuid.uuid4().hex}" for name in ("web", "ops", "limited", "other")}
+KEYS = {
+    name: f"{name}-key-{uuid.uuid4().hex}{uuid.uuid4().hex}" for name in ("web", "ops", "limited", "other", "reporter")
+}
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 
 
@@ -66,7 +69,7 @@ def sha256(key: str) -> str:
 
 def principals_document(keys: dict[str, list[str]]) -> dict[str, Any]:
     """web: the model only; ops: everything; limited: two calls then one every ~17 min; other: another
-    model; jwt-user: a JWT principal (no key) allowed the model."""
+    model; jwt-user: a JWT principal (no key) allowed the model; reporter: the model and feedback."""
     return {
         "principals": {
             "web": {"api_keys_sha256": [sha256(k) for k in keys.get("web", [])], "models": [MODEL]},
@@ -83,6 +86,11 @@ def principals_document(keys: dict[str, list[str]]) -> dict[str, Any]:
             },
             "other": {"api_keys_sha256": [sha256(k) for k in keys.get("other", [])], "models": ["other-model"]},
             "jwt-user": {"models": [MODEL]},
+            "reporter": {
+                "api_keys_sha256": [sha256(k) for k in keys.get("reporter", [])],
+                "models": [MODEL],
+                "feedback": True,
+            },
         }
     }
 
@@ -854,6 +862,23 @@ def refused(router: ServiceProcess, metadata: list[tuple[str, str]], model: str 
 def trailer_request_id(error: Any) -> str:
     (value,) = [v for k, v in error.trailing_metadata() or () if k == "x-request-id"]
     return str(value)
+
+
+def test_feedback_import_sends_its_api_key_to_a_router_that_authenticates(auth: AuthStack, tmp_path: Path) -> None:
+    """Feedback/Report needs the feedback grant, and feedback import sent no credential: every import to such a
+    router was refused UNAUTHENTICATED. It sends --api-key-file's key (or SPLITSTREAM_ADMIN_API_KEY's)."""
+    events = tmp_path / "outcomes.csv"
+    events.write_text(f"model,request_id,metric,value\n{MODEL},fb-import-1,conversion,1\n")
+    key_file = tmp_path / "reporter-key"
+    key_file.write_text(KEYS["reporter"] + "\n")
+    command = ("splitstream.admin", "feedback", "import", str(events), "--router", auth.router.address)
+    anonymous = run_module(*command, timeout_s=60)
+    assert anonymous.returncode == 1, anonymous.stderr
+    assert "UNAUTHENTICATED" in anonymous.stderr
+    sent = run_module(*command, "--api-key-file", str(key_file), timeout_s=60)
+    assert sent.returncode == 0, sent.stderr
+    assert sent.stdout.strip() == f"{events}: 1 events read, 1 accepted, 0 rejected"
+    assert KEYS["reporter"] not in sent.stdout + sent.stderr
 
 
 # Last in the file: it takes the "limited" principal past its burst, which the test above counts from.

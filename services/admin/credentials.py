@@ -74,12 +74,12 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
         routers = [_address(router) for router in args.router]
         if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
             raise ValueError(f"--timeout-s: must be a finite number of seconds > 0, got {args.timeout_s}")
-        credential = _credential(args.api_key_file)
+        credential = read_credential(args.api_key_file)
         tls = client_tls_from_args(args, flag="--tls")  # the admin CLI's shared --tls* flags
     except (ValueError, ConfigError) as error:
         print(f"{PROG}: error: {error}", file=err)
         return EXIT_USAGE
-    metadata = [("authorization", f"Bearer {credential}")] if credential else []
+    metadata = credential_metadata(credential)
     code = EXIT_OK
     for router in routers:
         try:
@@ -103,8 +103,9 @@ def _address(text: str) -> str:
         raise ValueError(f"--router: {error}") from None
 
 
-def _credential(path: str) -> str:
-    """The API key or JWT from ``path``, else the variable; a router that authenticates refuses none."""
+def read_credential(path: str) -> str:
+    """The API key or JWT the admin CLI sends to routers (``--api-key-file``, else ``SPLITSTREAM_ADMIN_API_KEY``);
+    ValueError naming the flag, never the content. Empty: none (a router that authenticates refuses the call)."""
     if not path:
         return os.environ.get(API_KEY_ENV, "").strip()
     try:
@@ -114,6 +115,11 @@ def _credential(path: str) -> str:
     if not value:
         raise ValueError(f"--api-key-file {path}: the file is empty")
     return value
+
+
+def credential_metadata(credential: str) -> list[tuple[str, str]]:
+    """``authorization: Bearer`` (an API key or a JWT, as the router reads both), or nothing."""
+    return [("authorization", f"Bearer {credential}")] if credential else []
 
 
 def _summary(router: str, reply: router_pb2.ReloadCredentialsResponse) -> str:
