@@ -11,10 +11,20 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from grpc_health.v1 import health_pb2
 
 from splitstream.common.records import routing_key_hmac, stream_key
-from tests.harness import ROOT, InferClient, Stack, free_port, health_status, make_request
+from tests.harness import (
+    ROOT,
+    InferClient,
+    Stack,
+    free_port,
+    health_status,
+    make_request,
+    run_module,
+    write_registry,
+)
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
 from tests.redis_server import RedisServer
 
@@ -111,3 +121,93 @@ def test_a_key_file_that_cannot_be_read_or_beside_the_key_is_exit_2_with_one_lin
         assert problem in lines[0], (name, lines)
         assert "file-key-value-5" not in done.stderr
         assert "argv-key-6" not in done.stderr
+
+
+def admin_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "warning: a secret in --redis-url" in line]
+
+
+@pytest.mark.slow
+def test_admin_commands_warn_of_a_redis_password_on_the_command_line_and_never_quote_it(tmp_path: Path) -> None:
+    """``analyze`` warns once its analysis is written; a rollout as soon as Redis answered, not hours later at
+    its end (here it then fails on a router's metrics it cannot read). The password file draws no warning."""
+    password = "admin-redis-pw-83"
+    with RedisServer(tmp_path / "redis", password=password) as redis_server:
+        admin = redis_server.client()
+        try:
+            admin.xadd(stream_key(MODEL), {"request_id": "old"}, id="1-0")
+        finally:
+            admin.close()
+        bare_url = redis_server.url.replace(f":{password}@", "")
+        assert password not in bare_url
+        (tmp_path / "redis-password").write_text(password + "\n")
+        registry = tmp_path / "registry.yaml"
+        endpoints = {"v1": [f"127.0.0.1:{free_port()}"], "v2": [f"127.0.0.1:{free_port()}"]}
+        write_registry(registry, {MODEL: {"endpoints": endpoints}})
+        analyze = ["analyze", MODEL, "--since", "-1m", "--metric", "click:rate"]
+        from_argv = run_module(
+            "splitstream.admin", *analyze, "--redis-url", redis_server.url, "--output-dir", str(tmp_path / "a1")
+        )
+        from_file = run_module(
+            "splitstream.admin", *analyze, "--redis-url", bare_url,
+            "--redis-password-file", str(tmp_path / "redis-password"), "--output-dir", str(tmp_path / "a2"),
+        )  # fmt: skip
+        rollout = run_module(
+            "splitstream.admin", "--registry", f"file:{registry}", "rollout", MODEL, "v2", "--interval", "1s",
+            "--guard", "click:lift>=-1%", "--redis-url", redis_server.url, "--metrics", f"127.0.0.1:{free_port()}",
+        )  # fmt: skip
+    assert from_argv.returncode == 0, from_argv.stderr
+    (warning,) = admin_warnings(from_argv.stderr)
+    assert warning.startswith("splitstream analyze: warning:")
+    assert "--redis-password-file" in warning
+    assert "SPLITSTREAM_ADMIN_REDIS_PASSWORD" in warning
+    assert from_file.returncode == 0, from_file.stderr
+    assert admin_warnings(from_file.stderr) == []
+    assert rollout.returncode == 1, rollout.stderr  # the metrics of a router that is not there
+    lines = rollout.stderr.strip().splitlines()
+    assert len(admin_warnings(rollout.stderr)) == 1, rollout.stderr
+    assert lines[0].startswith("splitstream rollout: warning:"), lines  # before the rollout's own lines
+    for run in (from_argv, from_file, rollout):
+        assert password not in run.stdout + run.stderr
+
+
+BAD_URLS = {
+    "bad-ipv6": "redis://:{pw}@[::1/0",
+    "unknown-option": "redis://:{pw}@127.0.0.1:6379/0?foo=1",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("url", BAD_URLS.values(), ids=BAD_URLS.keys())
+def test_every_command_refuses_a_bad_redis_url_with_one_line_naming_the_flag_never_the_password(
+    tmp_path: Path, url: str
+) -> None:
+    """Every command that takes --redis-url: exit 2 (the judge said 1, a failure, for a bad flag), one line
+    naming the flag (the recorder said only "Invalid IPv6 URL"), and the password nowhere."""
+    password = "bad-url-pw-59"
+    url = url.format(pw=password)
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"], "v2": ["127.0.0.1:2"]}}})
+    unused = f"127.0.0.1:{free_port()}"
+    commands = {
+        "analyze": ("splitstream.admin", "analyze", MODEL, "--since", "-1m", "--metric", "click:rate",
+                    "--output-dir", str(tmp_path / "analyze")),
+        "judge": ("splitstream.admin", "judge", MODEL, "--since", "-1m", "--version", "v1", "--other-version", "v2",
+                  "--other-target", f"http://{unused}", "--judge-url", f"http://{unused}/v1", "--judge-model", "j",
+                  "--output-dir", str(tmp_path / "judge")),
+        "rollout": ("splitstream.admin", "--registry", f"file:{registry}", "rollout", MODEL, "v2",
+                    "--guard", "click:lift>=-1%", "--metrics", unused),
+        "bandit": ("splitstream.admin", "--registry", f"file:{registry}", "bandit", MODEL,
+                   "--metric", "click:conversion"),
+        "replay": ("splitstream.replayer", "--model", MODEL, "--target", unused, "--since", "-1m",
+                   "--output-dir", str(tmp_path / "replay")),
+        "recorder": ("splitstream.recorder", "--port", "0", "--metrics-port", "0"),
+        "archiver": ("splitstream.archiver", "--port", "0", "--metrics-port", "0", "--archive", str(tmp_path / "a")),
+    }  # fmt: skip
+    for name, (module, *args) in commands.items():
+        done = run_module(module, *args, "--redis-url", url, timeout_s=60)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2, (name, done.stderr)
+        assert len(lines) == 1, (name, done.stderr)
+        assert "--redis-url" in lines[0], (name, lines)
+        assert password not in done.stdout + done.stderr, name

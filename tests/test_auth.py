@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2
 
 from splitstream.common.files import atomic_write
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.proto.splitstream.v1 import recorder_pb2, router_pb2, router_pb2_grpc
 from splitstream.common.records import PAYLOAD_DROPPED_TAG, REDACTED_OUTPUTS_TAG, stream_key
 from splitstream.common.service_auth import ServiceAuth
@@ -47,6 +48,7 @@ from tests.harness import (
     health_status,
     make_request,
     metric_samples,
+    run_module,
     scrape_metrics,
     wait_for,
 )
@@ -55,7 +57,9 @@ from tests.recording_stack import MODEL, RecordingStack, shipper_metric
 AUDIENCE = "splitstream"
 ISSUER = "https://issuer.test"
 SERVICE_TOKEN = "service-token-" + "7" * 32
-KEYS = {name: f"{name}-key-{uuid.uuid4().hex}{uuid.uuid4().hex}" for name in ("web", "ops", "limited", "other")}
+KEYS = {
+    name: f"{name}-key-{uuid.uuid4().hex}{uuid.uuid4().hex}" for name in ("web", "ops", "limited", "other", "reporter")
+}
 X = np.arange(4, dtype=np.float32).reshape(1, 4)
 
 
@@ -65,7 +69,7 @@ def sha256(key: str) -> str:
 
 def principals_document(keys: dict[str, list[str]]) -> dict[str, Any]:
     """web: the model only; ops: everything; limited: two calls then one every ~17 min; other: another
-    model; jwt-user: a JWT principal (no key) allowed the model."""
+    model; jwt-user: a JWT principal (no key) allowed the model; reporter: the model and feedback."""
     return {
         "principals": {
             "web": {"api_keys_sha256": [sha256(k) for k in keys.get("web", [])], "models": [MODEL]},
@@ -82,6 +86,11 @@ def principals_document(keys: dict[str, list[str]]) -> dict[str, Any]:
             },
             "other": {"api_keys_sha256": [sha256(k) for k in keys.get("other", [])], "models": ["other-model"]},
             "jwt-user": {"models": [MODEL]},
+            "reporter": {
+                "api_keys_sha256": [sha256(k) for k in keys.get("reporter", [])],
+                "models": [MODEL],
+                "feedback": True,
+            },
         }
     }
 
@@ -427,6 +436,14 @@ def test_a_jwks_served_over_http_with_credentials_verifies_tokens_and_follows_ro
         assert "unknown kid" in logged_detail(router, details)
         router.stop()
         assert password not in router.log()
+        # The URL's password was on the command line (ps shows it): the deprecation warning, as for --redis-url.
+        (warning,) = [
+            event["detail"]
+            for event in map(json.loads, filter(lambda line: line.startswith("{"), router.log().splitlines()))
+            if event.get("event") == "secret on the command line (deprecated)"
+        ]
+        assert "--jwt-jwks on the command line" in warning
+        assert "SPLITSTREAM_ROUTER_JWT_JWKS" in warning
     finally:
         server.shutdown()
         server.server_close()
@@ -829,3 +846,61 @@ def test_bytes_that_are_no_request_are_unauthenticated_without_a_key_and_invalid
             raw(b"\xff\xff\xff", metadata=[("x-api-key", KEYS["web"])], timeout=10)
         assert known.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "inference.ModelInferRequest" in (known.value.details() or "")
+
+
+def refused(router: ServiceProcess, metadata: list[tuple[str, str]], model: str = MODEL) -> Any:
+    """The error of a ModelInfer, read as a client reads it (code, text and trailers); None when served."""
+    with grpc.insecure_channel(router.address) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        try:
+            stub.ModelInfer(make_request(model, X), metadata=metadata, timeout=10)
+        except grpc.RpcError as error:
+            return error
+    return None
+
+
+def trailer_request_id(error: Any) -> str:
+    (value,) = [v for k, v in error.trailing_metadata() or () if k == "x-request-id"]
+    return str(value)
+
+
+def test_feedback_import_sends_its_api_key_to_a_router_that_authenticates(auth: AuthStack, tmp_path: Path) -> None:
+    """Feedback/Report needs the feedback grant, and feedback import sent no credential: every import to such a
+    router was refused UNAUTHENTICATED. It sends --api-key-file's key (or SPLITSTREAM_ADMIN_API_KEY's)."""
+    events = tmp_path / "outcomes.csv"
+    events.write_text(f"model,request_id,metric,value\n{MODEL},fb-import-1,conversion,1\n")
+    key_file = tmp_path / "reporter-key"
+    key_file.write_text(KEYS["reporter"] + "\n")
+    command = ("splitstream.admin", "feedback", "import", str(events), "--router", auth.router.address)
+    anonymous = run_module(*command, timeout_s=60)
+    assert anonymous.returncode == 1, anonymous.stderr
+    assert "UNAUTHENTICATED" in anonymous.stderr
+    sent = run_module(*command, "--api-key-file", str(key_file), timeout_s=60)
+    assert sent.returncode == 0, sent.stderr
+    assert sent.stdout.strip() == f"{events}: 1 events read, 1 accepted, 0 rejected"
+    assert KEYS["reporter"] not in sent.stdout + sent.stderr
+
+
+# Last in the file: it takes the "limited" principal past its burst, which the test above counts from.
+def test_every_refusal_carries_its_request_id_in_the_trailing_metadata(auth: AuthStack) -> None:
+    """A client reads the id from the trailers, as from an answered call's, without parsing the text: the id
+    it sent, else the one the router made, which the text of an UNAUTHENTICATED or PERMISSION_DENIED repeats
+    and the log files the reason under. Before, only the text had it."""
+    sent = refused(auth.router, [("x-request-id", "refused-sent-id")])
+    assert sent.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert trailer_request_id(sent) == "refused-sent-id"
+    assert "(request id refused-sent-id;" in sent.details()
+    wrong = refused(auth.router, [("x-api-key", "wrong-" + uuid.uuid4().hex)])
+    made = trailer_request_id(wrong)
+    assert f"(request id {made};" in wrong.details()
+    assert logged_detail(auth.router, wrong.details())
+    denied = refused(auth.router, [("x-api-key", KEYS["other"]), ("x-request-id", "denied-id")])
+    assert denied.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert trailer_request_id(denied) == "denied-id"
+    # The bucket holds 2, refilled once in 1000 s: the third call at most is refused.
+    attempts = (
+        refused(auth.router, [("x-api-key", KEYS["limited"]), ("x-request-id", f"limited-{n}")]) for n in range(3)
+    )
+    limited = next(error for error in attempts if error is not None)
+    assert limited.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert trailer_request_id(limited).startswith("limited-")

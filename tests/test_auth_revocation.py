@@ -25,10 +25,12 @@ from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from tests.harness import ServiceProcess, Stack, free_port, run_module, wait_for, write_registry
 from tests.test_auth import AUDIENCE, ISSUER, SigningKey, _JwksServer, jwks, sha256
+from tests.test_processes import child_pids, log_events, wait_children_serving
 from tests.test_router_http import accepts
 
 MODEL = "digits"
 KEY = "web-key-" + uuid.uuid4().hex * 2
+RELOAD_KEY = "ops-key-" + uuid.uuid4().hex * 2
 
 
 @dataclass
@@ -274,3 +276,135 @@ def test_a_sighup_during_a_jwks_read_is_not_undone_by_that_read(tmp_path: Path) 
         stack.close()
         server.shutdown()
         server.server_close()
+
+
+def refused_on_own_connection(router: ServiceProcess, credential: str, request_id: str) -> grpc.StatusCode:
+    """ServerReady on a TCP connection of its own, so the kernel may hand it to either ``--processes`` child."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    with grpc.insecure_channel(router.address, options=options) as channel:
+        stub = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        metadata = [("authorization", f"Bearer {credential}"), ("x-request-id", request_id)]
+        try:
+            stub.ServerReady(oip.ServerReadyRequest(), metadata=metadata, timeout=10)
+        except grpc.RpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+
+@dataclass
+class TwoProcesses:
+    router: ServiceProcess
+    handler: Any
+    key_a: SigningKey
+    key_b: SigningKey
+
+
+@contextlib.contextmanager
+def two_process_router(tmp_path: Path) -> Iterator[TwoProcesses]:
+    """A ``--processes 2`` router whose JWKS (key-a, key-b) is served over loopback HTTP and re-read every
+    300 s only; principals: ``ops`` (the reload grant, key :data:`RELOAD_KEY`), ``web`` (:data:`KEY`)."""
+    principals = tmp_path / "principals.yaml"
+    document = {
+        "principals": {
+            "jwt-user": {"models": [MODEL]},
+            "ops": {"api_keys_sha256": [sha256(RELOAD_KEY)], "reload": True},
+            "web": {"api_keys_sha256": [sha256(KEY)], "models": [MODEL]},
+        }
+    }
+    atomic_write(principals, yaml.safe_dump(document))
+    key_a, key_b = SigningKey.new("key-a"), SigningKey.new("key-b")
+    handler: Any = type("Handler", (_HeldJwks,), {"keys": jwks(key_a, key_b), "authorization": None})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    registry = tmp_path / "registry.yaml"
+    write_registry(registry, {MODEL: {"endpoints": {"v1": [f"127.0.0.1:{free_port()}"]}}})
+    stack = Stack(tmp_path)
+    try:
+        router = stack.router(
+            registry,
+            "--processes", "2",
+            "--auth-principals", f"file:{principals}",
+            "--jwt-jwks", f"http://127.0.0.1:{server.server_port}/jwks.json",
+            "--jwt-audience", AUDIENCE,
+            "--jwt-issuer", ISSUER,
+        )  # fmt: skip
+        wait_children_serving(router)
+        yield TwoProcesses(router, handler, key_a, key_b)
+    finally:
+        stack.close()
+        server.shutdown()
+        server.server_close()
+
+
+def refused_by_both_children(router: ServiceProcess, token: str, prefix: str) -> None:
+    """Calls on fresh connections until each child has refused ``token`` (each refusal's log line names its
+    child); every one of them refused."""
+    sent: set[str] = set()
+    codes: list[grpc.StatusCode] = []  # every call's, checked after: wait_for retries a condition that raises
+
+    def refused_by_both() -> bool:
+        request_id = f"{prefix}-{len(sent)}"
+        codes.append(refused_on_own_connection(router, token, request_id))
+        sent.add(request_id)
+        refusers = {
+            event.get("process_index")
+            for event in log_events(router)
+            if event.get("event") == "gRPC call refused" and event.get("request_id") in sent
+        }
+        return refusers == {0, 1}
+
+    wait_for(refused_by_both, timeout_s=60, what="a refusal by each child")
+    assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}, codes
+
+
+@pytest.mark.slow
+def test_sighup_to_a_processes_parent_makes_every_child_read_the_jwks_again(tmp_path: Path) -> None:
+    """``--processes 2``: the children hold the credentials, and SIGHUP to the parent used to end it (and its
+    children with it). Now it is sent on to both. The JWKS shows it: SIGHUP is the only way to have it read
+    before --jwks-refresh-s (300 s), where the revocation list is polled anyway."""
+    with two_process_router(tmp_path) as deployment:
+        router = deployment.router
+        pids = child_pids(router)
+        token = deployment.key_b.token()
+        assert {refused_on_own_connection(router, token, uuid.uuid4().hex) for _ in range(4)} == {grpc.StatusCode.OK}
+        deployment.handler.keys, deployment.handler.reads = jwks(deployment.key_a), 0  # the issuer withdraws key-b
+        router.signal(signal.SIGHUP)
+        wait_for(lambda: deployment.handler.reads >= 2, timeout_s=15, what="each child to read the JWKS again")
+        wait_for(
+            lambda: refused_on_own_connection(router, token, uuid.uuid4().hex) == grpc.StatusCode.UNAUTHENTICATED,
+            timeout_s=10,
+            what="the withdrawn key to be refused",
+        )
+        refused_by_both_children(router, token, "after-sighup")
+        assert child_pids(router) == pids  # sent on to children with a handler: none died of it
+        assert router.process is not None
+        assert router.process.poll() is None
+        assert grpc_code(router, deployment.key_a.token()) == grpc.StatusCode.OK
+
+
+@pytest.mark.slow
+def test_credentials_reload_makes_every_child_of_a_router_read_the_jwks_from_another_host(tmp_path: Path) -> None:
+    """``splitstream credentials reload`` (ReloadCredentials over gRPC, the reload grant): the child that
+    takes the call has the supervisor signal both, answers once it has read the set, and says which key
+    ids are in force. Without the grant: PERMISSION_DENIED, exit 1, nothing read."""
+    with two_process_router(tmp_path) as deployment:
+        router = deployment.router
+        token = deployment.key_b.token()
+        assert grpc_code(router, token) == grpc.StatusCode.OK
+        deployment.handler.keys, deployment.handler.reads = jwks(deployment.key_a), 0  # the issuer withdraws key-b
+        web_key, ops_key = tmp_path / "web-key", tmp_path / "ops-key"
+        web_key.write_text(KEY + "\n")
+        ops_key.write_text(RELOAD_KEY + "\n")
+        reload = ("splitstream.admin", "credentials", "reload", "--router", router.address)
+        denied = run_module(*reload, "--api-key-file", str(web_key), timeout_s=60)
+        assert denied.returncode == 1, denied.stderr
+        assert f"router {router.address}: PERMISSION_DENIED" in denied.stderr
+        assert deployment.handler.reads == 0
+        done = run_module(*reload, "--api-key-file", str(ops_key), timeout_s=60)
+        assert done.returncode == 0, done.stderr
+        assert "(2 processes)" in done.stdout or "2 processes" in done.stdout, done.stdout
+        assert "JWKS key ids: key-a;" in done.stdout, done.stdout
+        assert RELOAD_KEY not in done.stdout + done.stderr
+        wait_for(lambda: deployment.handler.reads >= 2, timeout_s=15, what="each child to read the JWKS again")
+        refused_by_both_children(router, token, "after-rpc")
+        assert grpc_code(router, deployment.key_a.token()) == grpc.StatusCode.OK

@@ -376,3 +376,17 @@ async def test_a_route_added_later_is_checked_by_default_and_only_health_is_open
         await front.stop()
         await store.close()
         await core.close()
+
+
+def test_a_401_and_a_403_name_their_request_id_in_the_message_as_grpc_does(deployment: AuthHttp) -> None:
+    """The id is in x-request-id, and in the message as the gRPC port's text has it (a log line to find)."""
+    status, headers, body = request(
+        deployment.http_port, "/v1/completions", COMPLETION, {**bearer("sk-wrong"), "x-request-id": "http-401"}
+    )
+    assert (status, headers["x-request-id"]) == (401, "http-401")
+    assert "(request id http-401; the router's log has the reason)" in body["error"]["message"]
+    status, headers, body = request(deployment.http_port, "/v1/completions", COMPLETION, bearer(KEYS["other"]))
+    rid = headers["x-request-id"]
+    assert status == 403
+    assert f"(request id {rid};" in body["error"]["message"]
+    assert "other" not in body["error"]["message"]

@@ -42,6 +42,7 @@ from splitstream.admin.rollout import (
 from splitstream.admin.store import AdminError, Conflict, Invalid, Store, check_versions_exist, weights_text
 from splitstream.analysis.model import Analysis, MetricSpec, PhaseResult
 from splitstream.analysis.statistics import MetricKind
+from splitstream.common.argv_secrets import give_warnings
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 from splitstream.common.redis_url import add_redis_security_arguments, redis_security_from_args
@@ -459,6 +460,8 @@ def run(store: Store, args: argparse.Namespace, *, env_prefix: str, say: Callabl
                 raise Invalid(f"bad --redis-url {redact_url(args.redis_url)!r}: {redact_text(str(error))}") from None
             except OSError as error:
                 raise AdminError(f"{error}; nothing changed") from None
+            # Secrets on the command line: warned of now, not when the bandit ends (admin.main gives the rest).
+            give_warnings(lambda line: say(line, stream=sys.stderr))
             verdict = Bandit(
                 store, plan, outcomes=reader.read, out=say, interrupts=interrupts, lock_lost=held.lost
             ).run()

@@ -37,6 +37,7 @@ from typing import Any, TextIO
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from splitstream.admin.credentials import API_KEY_ENV, credential_metadata, read_credential
 from splitstream.common.addresses import check_address
 from splitstream.common.errors import ConfigError
 from splitstream.common.feedback import EventProblem, check_event
@@ -119,6 +120,12 @@ def add_parser(commands: Any, *, env_prefix: str) -> None:
     importing.add_argument("--batch-size", type=int, default=500, help=f"events per report (1..{MAX_BATCH})")
     importing.add_argument("--show-rejected", type=int, default=20, help="rejected events listed at most")
     importing.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each report")
+    importing.add_argument(
+        "--api-key-file",
+        default="",
+        help=f"file holding the API key (or JWT) of a principal with the feedback grant, for a router that "
+        f"authenticates callers (else {API_KEY_ENV})",
+    )
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
@@ -144,7 +151,8 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
         return EXIT_USAGE
     try:
         tls = client_tls_from_args(args, flag="--tls")  # the admin CLI's shared --tls* flags
-    except ConfigError as error:
+        metadata = credential_metadata(read_credential(args.api_key_file))
+    except (ConfigError, ValueError) as error:
         print(f"{prog}: error: {error}", file=err)
         return EXIT_USAGE
     path = Path(args.file)
@@ -160,7 +168,7 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
         with tls.channel(args.router) as channel:
             stub = feedback_pb2_grpc.FeedbackStub(channel)
             for batch in _batches(read_rows(path, fmt, args.model, time.time_ns()), args.batch_size):
-                reply = _report(stub, batch, args.timeout_s)
+                reply = _report(stub, batch, args.timeout_s, metadata)
                 outcome.accepted += reply.accepted
                 outcome.rejected += len(reply.rejected)
                 for rejection in reply.rejected:
@@ -350,13 +358,18 @@ def _batches(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
         yield batch
 
 
-def _report(stub: feedback_pb2_grpc.FeedbackStub, batch: Sequence[Row], timeout_s: float) -> feedback_pb2.FeedbackReply:
+def _report(
+    stub: feedback_pb2_grpc.FeedbackStub,
+    batch: Sequence[Row],
+    timeout_s: float,
+    metadata: Sequence[tuple[str, str]] = (),
+) -> feedback_pb2.FeedbackReply:
     """Send one report; a full queue or a router briefly away is tried again, with backoff."""
     request = feedback_pb2.FeedbackReport(events=[row.event for row in batch])
     delay_s = 0.5
     for attempt in range(_RETRIES + 1):
         try:
-            reply: feedback_pb2.FeedbackReply = stub.Report(request, timeout=timeout_s)
+            reply: feedback_pb2.FeedbackReply = stub.Report(request, timeout=timeout_s, metadata=metadata)
             return reply
         except grpc.RpcError as error:
             code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN

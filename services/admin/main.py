@@ -7,6 +7,7 @@
         --max-error-rate 1% --max-p99-ratio 1.5 --metrics router-a:8002 --metrics router-b:8002 \\
         --redis-url redis://127.0.0.1:6379/0 --guard 'click:lift>=-1%' --promote-on-win
     splitstream feedback import outcomes.csv --router router-a:8001 --model resnet
+    splitstream credentials reload --router router-a:8001 --router router-b:8001 --api-key-file ops-key
     splitstream analyze resnet --redis-url redis://127.0.0.1:6379/0 --since -1d \\
         --metric click:rate --metric revenue:sum --output-dir ab
 
@@ -31,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from splitstream.admin import bandit, feedback_import, judge_cli, lock, metrics, pairwise_cli
+from splitstream.admin import bandit, credentials, feedback_import, judge_cli, lock, metrics, pairwise_cli
 from splitstream.admin import keys as keys_cli
 from splitstream.admin.arguments import duration_s, fraction
 from splitstream.admin.outcomes import GUARD_SYNTAX, Guard, OutcomeGuard, OutcomeReader
@@ -57,6 +58,7 @@ from splitstream.admin.store import (
 from splitstream.analysis import cli as analysis_cli
 from splitstream.analysis.model import MetricSpec
 from splitstream.analysis.usage import parse_prices
+from splitstream.common.argv_secrets import drop_warnings, give_warnings
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
@@ -248,11 +250,24 @@ def build_parser() -> EnvArgumentParser:
     bandit.add_parser(commands, ENV_PREFIX)
     keys_cli.add_parser(commands, env_prefix=ENV_PREFIX)
     pairwise_cli.add_parser(commands, env_prefix=ENV_PREFIX)
+    credentials.add_parser(commands, env_prefix=ENV_PREFIX)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    code = _run(parser, argv)
+    # A password in --redis-url (or --hmac-key) on the command line: the deprecation warning, held by the parse,
+    # once the command has done its work. A usage error or a failure keeps its one error line the only one,
+    # as the replayer's; a rollout or a bandit gave it already, when Redis first answered.
+    if code in (FAILED, USAGE):
+        drop_warnings()
+    else:
+        give_warnings()
+    return code
+
+
+def _run(parser: EnvArgumentParser, argv: Sequence[str] | None) -> int:
     args = parser.parse_args(join_relative_times(sys.argv[1:] if argv is None else list(argv), analysis_cli.TIME_FLAGS))
     # Everything is imported: what exists now lives as long as the process. Frozen, the cyclic collector no
     # longer walks it at every full collection, which the lists redis-py makes of every page of a stream
@@ -266,6 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return keys_cli.run(args)
     if args.command == "judge":
         return pairwise_cli.run(args)
+    if args.command == "credentials":
+        return credentials.run(args)
     if args.registry is None:
         parser.error("the following arguments are required: --registry")
     try:
@@ -502,7 +519,14 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
         raise Invalid(f"bad --redis-url {redact_url(args.redis_url)!r}: {redact_text(str(error))}") from None
     except OSError as error:
         raise AdminError(f"{error}; nothing changed") from None
+    warn_of_secrets()
     return reader
+
+
+def warn_of_secrets() -> None:
+    """The held warnings of secrets on the command line, on stderr: once a long command (a rollout, a bandit)
+    has found its configuration usable, rather than when it ends hours later."""
+    give_warnings(lambda line: _say(line, stream=sys.stderr))
 
 
 def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:

@@ -265,6 +265,9 @@ def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | No
         return EXIT_USAGE
     try:
         pairs, judging = asyncio.run(_judge_all(args, selection, judge, others, security, cache_path, output, tls))
+    except Usage as error:
+        print(f"{PROG}: error: {error}", file=err)
+        return EXIT_USAGE
     except (JudgeFailed, RedisError, OSError) as error:
         print(
             f"{PROG}: error: {redact_text(str(error))} (pairs judged so far are in {output / 'pairs.jsonl'})", file=err
@@ -295,8 +298,8 @@ async def _judge_all(
 ) -> tuple[list[dict[str, Any]], Judging]:
     try:
         redis = open_redis(args.redis_url, security=security, socket_connect_timeout=5, socket_timeout=30)
-    except ValueError as error:
-        raise OSError(f"bad --redis-url {redact_url(args.redis_url)!r}: {error}") from None
+    except ValueError as error:  # the flag's value, not a Redis that failed: a usage error
+        raise Usage(f"bad --redis-url {redact_url(args.redis_url)!r}: {redact_text(str(error))}") from None
     pairs: list[dict[str, Any]] = []
     cache = load_cache(cache_path)
     cut_torn_line(cache_path)

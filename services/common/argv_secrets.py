@@ -1,10 +1,11 @@
 """Secrets given on the command line: read from a file instead, and a deprecation warning meanwhile.
 
 Every local user can read every process's command line (``ps``, ``/proc/PID/cmdline``), so an HMAC key
-passed as ``--hmac-key KEY`` or a password inside ``--redis-url redis://:PW@host`` is no secret on a
-shared machine. Secrets come from files (``--hmac-key-file``, ``--redis-password-file``) or the
-environment; a secret on the command line still works for one release, with a warning on stderr that
-names the flag and what to use instead and never the value.
+passed as ``--hmac-key KEY`` or a password inside ``--redis-url redis://:PW@host`` (or the router's
+``--jwt-jwks https://user:PW@host/...``) is no secret on a shared machine. Secrets come from files
+(``--hmac-key-file``, ``--redis-password-file``) or the environment; a secret on the command line
+still works for one release, with a warning on stderr that names the flag and what to use instead
+and never the value.
 
 :class:`~splitstream.common.cli.EnvArgumentParser` applies both rules to every command: a flag added
 with ``file_flag=`` gets that sibling flag (its file's content, surrounding whitespace removed,
@@ -41,6 +42,8 @@ ARGV_SECRETS: dict[str, tuple[Callable[[str], bool], str]] = {
         "a URL without the password and --redis-password-file FILE (or the {prefix}REDIS_PASSWORD variable), "
         "or the whole URL in {prefix}REDIS_URL",
     ),
+    # The router sends a JWKS URL's userinfo as Basic auth: the same password in argv as a Redis URL's.
+    "--jwt-jwks": (_has_password, "the whole URL in {prefix}JWT_JWKS, or file:PATH"),
 }
 
 

@@ -72,6 +72,8 @@ CANCEL_REPEAT_S = 1.0
 #: Set by the ``--processes`` parent (:mod:`splitstream.common.supervisor`) in each child: its index, 0..N-1.
 #: A child serves its port with SO_REUSEPORT, beside its siblings.
 PROCESS_INDEX_ENV = "SPLITSTREAM_PROCESS_INDEX"
+#: Set beside it: how many children the parent runs (N), for what a child reports of all of them.
+PROCESSES_ENV = "SPLITSTREAM_PROCESS_COUNT"
 #: ``--processes`` above this many per usable core is refused: past one per core they only share the cores.
 PROCESSES_PER_CORE = 4
 #: gRPC takes message limits as a C int.

@@ -19,7 +19,12 @@ What the parent does:
 - restarts a child that dies, with backoff (counted in ``<service>_process_restarts``); a child that
   exits 2 (a configuration error) is not restarted: the others are drained and the parent exits 2;
 - on SIGTERM or SIGINT sends every child SIGTERM (each runs its usual ordered drain), waits for all
-  of them, then stops its companion (the router's one shipper) and exits 0, or the worst child's code.
+  of them, then stops its companion (the router's one shipper) and exits 0, or the worst child's code;
+- with ``forward_sighup`` (a router that authenticates callers: its children re-read their credentials on
+  SIGHUP), sends SIGHUP on to every child and keeps running, so one ``kill -HUP`` of the parent reloads
+  them all. The children hold the credentials; the parent has none to read. A child still starting, whose
+  handler is not in place yet, dies of it and is started again, reading everything afresh. Without it, the
+  parent leaves SIGHUP as it was (it ends the parent): a child without a handler would die of it too.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from splitstream.common.runtime import (
     EXIT_FAILED,
     EXIT_OK,
     PROCESS_INDEX_ENV,
+    PROCESSES_ENV,
     ServerSettings,
     bind_metrics,
     bind_problem,
@@ -104,16 +110,19 @@ def supervise(
     service: str,
     companion: Callable[[CollectorRegistry], Companion] | None = None,
     shared_ports: Sequence[SharedPort] = (),
+    forward_sighup: bool = False,
 ) -> int:
     """Run ``settings.processes`` children of ``python -m module argv`` until a signal; the exit code.
 
     ``service`` names the parent's own metrics (``splitstream_<service>_process_restarts``);
     ``companion`` is built with the parent's metrics registry and started once the children are;
-    ``shared_ports`` are served by every child beside ``--port``."""
+    ``shared_ports`` are served by every child beside ``--port``; ``forward_sighup``: SIGHUP is sent on
+    to every child (which must handle it) rather than ending the parent."""
     own_metrics()
     parent = _Parent(
         settings, module=module, argv=argv, service=service, companion=companion, shared_ports=shared_ports
     )
+    parent.forward_sighup = forward_sighup
     try:
         code = asyncio.run(parent.run())
         if parent.config_error is not None:
@@ -165,12 +174,16 @@ class _Parent:
         self.stop = asyncio.Event()
         #: Why the parent stops with exit 2 because of a child, or None.
         self.config_error: str | None = None
+        #: SIGHUP is sent on to the children (see :func:`supervise`).
+        self.forward_sighup = False
 
     async def run(self) -> int:
         settings = self.settings
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        if self.forward_sighup:
+            loop.add_signal_handler(signal.SIGHUP, self._forward_sighup)
         port = self._reserve_port()
         for shared in self.shared_ports:
             self.shared_args += [shared.flag, str(self._reserve_shared(shared))]
@@ -271,6 +284,17 @@ class _Parent:
         self.stop.set()  # first: nothing a log line does may cost the stop
         self.log.info("signal received, shutting down", signal=signum.name)
 
+    def _forward_sighup(self) -> None:
+        if self.stop.is_set():
+            return  # draining: the children are stopping, nothing to reload
+        pids = []
+        for process in self.children.values():
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(signal.SIGHUP)
+                    pids.append(process.pid)
+        self.log.info("SIGHUP sent on to every child", children=sorted(pids))
+
     def _reserve_port(self) -> int:
         """Reserve ``--port``: the port is ours for as long as the parent lives."""
         self.reservation = _reserve(self.settings.host, self.settings.port, what="gRPC", flag="--port")
@@ -291,7 +315,7 @@ class _Parent:
             sys.executable, "-m", self.module, *self.argv,
             "--processes", "1", "--port", str(port), "--metrics-port", "0", *self.shared_args,
         ]  # fmt: skip
-        child_env = {**env, PROCESS_INDEX_ENV: str(index)}
+        child_env = {**env, PROCESS_INDEX_ENV: str(index), PROCESSES_ENV: str(self.settings.processes)}
         while not self.stop.is_set():
             try:
                 with interrupts_held():

@@ -20,6 +20,7 @@ from splitstream.common.protected_mode import check_protected_mode
 from splitstream.common.redis_url import RedisSecurity, add_redis_security_arguments, redis_security_from_args
 from splitstream.common.runtime import SERVER_ARGUMENTS, ServerDefaults, ServerSettings, add_server_arguments
 from splitstream.common.schema import Document, validate
+from splitstream.common.secrets import redact_url
 from splitstream.common.service_auth import SERVICE_TOKEN_ENV, read_service_token
 from splitstream.common.token_transport import INSECURE_TOKEN_FLAG, INSECURE_TOKEN_HELP, check_token_accepted
 
@@ -104,7 +105,10 @@ class RecorderConfig(Document):
 
     @model_validator(mode="after")
     def _consistent(self) -> RecorderConfig:
-        scheme = urlsplit(self.redis_url).scheme
+        try:
+            scheme = urlsplit(self.redis_url).scheme
+        except ValueError as error:  # "Invalid IPv6 URL": the flag named, as the other commands name it
+            raise ValueError(f"--redis-url {redact_url(self.redis_url)}: {error}") from None
         if scheme not in REDIS_SCHEMES:
             raise ValueError(
                 "--redis-url must start with redis://, rediss://, unix://, redis+cluster:// or rediss+cluster:// "

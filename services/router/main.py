@@ -122,6 +122,8 @@ def _supervise(config: RouterConfig, argv: Sequence[str]) -> int:
         prog=PROG,
         service="router",
         companion=companion,
+        # The children re-read their credentials on SIGHUP; one signal to the parent reaches them all.
+        forward_sighup=bool(config.auth_principals),
         shared_ports=shared,
     )
 
@@ -216,6 +218,7 @@ class Router(Service):
             authenticator = Authenticator(self.principals, jwt=self.jwt, api_keys=True, limiter=self.limiter)
             authenticator.revocations = self.revocations
             self.reloader = CredentialReloader(self.principals, self.jwt, self.revocations)
+            self.servicer.reload = self.reloader.reload_everywhere
             self.auth = AuthInterceptor(authenticator, self.auth_metrics)
         # The HTTP front door: started after the gRPC server, stopped beside it (before_stop → teardown).
         self.http: HttpFrontDoor | None = None

@@ -56,6 +56,8 @@ class RouterServicer:
         self.ready = False
         #: Gets every finished call of a known model (shadows, then recording); None when both are off.
         self.after_answer: Callable[[CallOutcome, bytes, Sequence[tuple[str, str | bytes]]], None] | None = None
+        #: The credentials reload (:meth:`CredentialReloader.reload_everywhere`), or None without authentication.
+        self.reload: Callable[[], Awaitable[router_pb2.ReloadCredentialsResponse]] | None = None
 
     def interceptors(self) -> list[aio.ServerInterceptor]:
         """For the server this servicer is added to: they count what gRPC refuses before ``infer``, and
@@ -80,7 +82,11 @@ class RouterServicer:
             ),
             grpc.method_handlers_generic_handler(
                 "splitstream.v1.Router",
-                {"Infer": raw_infer, "Status": typed_unary(self.status, router_pb2.StatusRequest)},
+                {
+                    "Infer": raw_infer,
+                    "Status": typed_unary(self.status, router_pb2.StatusRequest),
+                    "ReloadCredentials": typed_unary(self.reload_credentials, router_pb2.ReloadCredentialsRequest),
+                },
             ),
         ]
 
@@ -179,6 +185,24 @@ class RouterServicer:
         )
         del response.versions[:]
         response.versions.extend(versions)
+        return response
+
+    async def reload_credentials(
+        self, request: router_pb2.ReloadCredentialsRequest, context: Any
+    ) -> router_pb2.ReloadCredentialsResponse:
+        """SIGHUP's reload, asked for over gRPC (the interceptor has checked the ``reload`` grant)."""
+        if self.reload is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this router does not authenticate callers (no --auth-principals): it has no credentials to reload",
+            )
+            raise AssertionError("unreachable: abort raises")
+        try:
+            response = await self.reload()
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the credentials reload did not finish in 30 s")
+            raise AssertionError("unreachable: abort raises") from None
+        response.router_id = self.router_id
         return response
 
     async def status(self, request: router_pb2.StatusRequest, context: Any) -> router_pb2.StatusResponse:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER
+from splitstream.common.runtime import process_index
 from splitstream.router.auth.gate import Refusal
 
 log = structlog.get_logger()
@@ -31,6 +33,8 @@ MISSING = (
     "no credentials: send an API key in 'x-api-key' or 'authorization: Bearer ...', "
     "or a JWT in 'authorization: Bearer ...'"
 )
+#: After the request id in a refusal's text, on both ports.
+LOG_HAS_THE_REASON = "the router's log has the reason"
 _PUBLIC_REASONS = frozenset({"missing", "ambiguous"})
 _DENIED = {
     "model": "you may not call this model",
@@ -48,16 +52,32 @@ def request_id(metadata: Sequence[tuple[str, str | bytes]]) -> str:
     return uuid.uuid4().hex
 
 
-def public_message(refusal: Refusal, method: str, metadata: Sequence[tuple[str, str | bytes]]) -> str:
-    """The text a refused caller gets. UNAUTHENTICATED and PERMISSION_DENIED are generic and carry a request
-    id under which the detail is logged; other codes (rate limit, a request that does not parse) say what is
-    wrong with the caller's own call and are returned as they are."""
-    if refusal.code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return refusal.message
+@dataclass(frozen=True, slots=True)
+class PublicAnswer:
+    """What a refused gRPC caller gets: the status's text and, in trailing metadata, the request id."""
+
+    text: str
+    request_id: str
+
+    @property
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        """``x-request-id`` as the trailing metadata of every refusal, as an answered call carries it (and an
+        HTTP refusal its header): a client reads the id without parsing the text. The id is printable ASCII
+        of at most 128 characters (:func:`request_id`), a valid header value as it is."""
+        return ((REQUEST_ID_HEADER, self.request_id),)
+
+
+def public_answer(refusal: Refusal, method: str, metadata: Sequence[tuple[str, str | bytes]]) -> PublicAnswer:
+    """The answer a refused caller gets. UNAUTHENTICATED and PERMISSION_DENIED are generic and carry a request
+    id, in the text and the trailers, under which the detail is logged; other codes (rate limit, a request that
+    does not parse) say what is wrong with the caller's own call, with the request id in the trailers only."""
     rid = request_id(metadata)
+    if refusal.code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return PublicAnswer(refusal.message, rid)
+    index = process_index()  # which of --processes N refused it, as the HTTP port's line says
     log.info(
         "gRPC call refused", request_id=rid, code=refusal.code.name, reason=refusal.reason, detail=refusal.message,
-        method=method,
+        method=method, **({"process_index": index} if index is not None else {}),
     )  # fmt: skip
     if refusal.code == grpc.StatusCode.UNAUTHENTICATED:
         if refusal.reason in _PUBLIC_REASONS:
@@ -66,4 +86,4 @@ def public_message(refusal: Refusal, method: str, metadata: Sequence[tuple[str, 
             text = "the credential is not valid"
     else:
         text = _DENIED.get(refusal.reason, "permission denied")
-    return f"{text} (request id {rid}; the router's log has the reason)"
+    return PublicAnswer(f"{text} (request id {rid}; {LOG_HAS_THE_REASON})", rid)

@@ -57,6 +57,7 @@ CALL_PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("splitstrea
 #: Grants a principal holds beside its models (:class:`~splitstream.router.auth.policy.Principal` fields).
 STATUS = "status"
 FEEDBACK = "feedback"
+RELOAD = "reload"
 
 FAILURE_REASONS = (
     "missing",
@@ -77,6 +78,7 @@ FAILURE_REASONS = (
     "pin",
     "status",
     "feedback",
+    "reload",
     "bad_request",
     "route",
     "revoked",
@@ -233,11 +235,13 @@ class Gate:
 
     @staticmethod
     def require(principal: Principal, grant: str) -> None:
-        """PERMISSION_DENIED unless ``principal`` holds ``grant`` (:data:`STATUS` or :data:`FEEDBACK`)."""
+        """PERMISSION_DENIED unless ``principal`` holds ``grant`` (:data:`STATUS`, :data:`FEEDBACK`, :data:`RELOAD`)."""
         if grant == STATUS and not principal.status:
             raise denied(f"principal '{principal.name}' may not read Status", "status")
         if grant == FEEDBACK and not principal.feedback:
             raise denied(f"principal '{principal.name}' may not report feedback", "feedback")
+        if grant == RELOAD and not principal.reload:
+            raise denied(f"principal '{principal.name}' may not reload the credentials", "reload")
 
     @staticmethod
     def check_model(principal: Principal, model: str, *, pinned: bool) -> None:

@@ -13,6 +13,7 @@ method                                                          needs
 ``ModelStreamInfer``                                            the same, for every request of the stream
 ``ModelMetadata``, ``ModelReady``                               the request's model
 ``splitstream.v1.Router/Status``                                ``status``
+``splitstream.v1.Router/ReloadCredentials``                     ``reload``
 ``splitstream.v1.Feedback/Report``                              ``feedback``
 other methods (``ServerLive``, ``ServerReady``, ...)             an authenticated caller
 ``grpc.health.v1.Health/*``, server reflection                  nothing: open, so Consul's, Kubernetes'
@@ -21,9 +22,10 @@ other methods (``ServerLive``, ``ServerReady``, ...)             an authenticate
 
 Refusals: no credential or one that does not verify → UNAUTHENTICATED; a caller without the grant
 → PERMISSION_DENIED; over its rate limit → RESOURCE_EXHAUSTED. The first two answer generic texts
-with a request id, the detail logged under it (:mod:`.answers`); no message ever quotes a token or
-key. Each is counted by reason; calls let through and calls rate-limited are counted by principal
-(configured names only: a bounded label set).
+with a request id, the detail logged under it (:mod:`.answers`); every refusal carries the request id
+in its trailing metadata (``x-request-id``); no message ever quotes a token or key. Each is counted
+by reason; calls let through and calls rate-limited are counted by principal (configured names only:
+a bounded label set).
 
 The model name comes from the request head (the three leading fields the router reads anyway), and
 the parsed head is handed to the router's core through :data:`CALL_HEAD`, so a request is never
@@ -45,13 +47,14 @@ from grpc import aio
 
 from splitstream.common.headers import VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import router_pb2
-from splitstream.router.auth.answers import public_message
+from splitstream.router.auth.answers import public_answer
 from splitstream.router.auth.gate import (
     API_KEY_HEADER,
     AUTHORIZATION_HEADER,
     CALL_PRINCIPAL,
     FAILURE_REASONS,
     FEEDBACK,
+    RELOAD,
     STATUS,
     Authenticator,
     AuthMetrics,
@@ -84,6 +87,7 @@ _STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
 _MODEL = frozenset({"/inference.GRPCInferenceService/ModelMetadata", "/inference.GRPCInferenceService/ModelReady"})
 _STATUS = "/splitstream.v1.Router/Status"
 _FEEDBACK = "/splitstream.v1.Feedback/Report"
+_RELOAD = "/splitstream.v1.Router/ReloadCredentials"
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -137,6 +141,8 @@ class AuthInterceptor(aio.ServerInterceptor):
                 gate.require(principal, STATUS)
             if method == _FEEDBACK:
                 gate.require(principal, FEEDBACK)
+            if method == _RELOAD:
+                gate.require(principal, RELOAD)
             if request is not None and (method in _INFER or method in _MODEL):
                 head = read_head(request, method)
                 pinned = _header(metadata, VERSION_HEADER)
@@ -145,7 +151,8 @@ class AuthInterceptor(aio.ServerInterceptor):
         except Refused as refused:
             refusal = refused.refusal
             gate.count(refusal)
-            await context.abort(refusal.code, public_message(refusal, method, metadata))
+            answer = public_answer(refusal, method, metadata)
+            await context.abort(refusal.code, answer.text, answer.trailers)
             raise AssertionError("unreachable: abort raises") from None
         gate.let_through(principal)
         return principal
@@ -196,7 +203,8 @@ class AuthInterceptor(aio.ServerInterceptor):
                     except Refused as refused:
                         refusal = refused.refusal
                         gate.count(refusal)
-                        await context.abort(refusal.code, public_message(refusal, method, metadata))
+                        answer = public_answer(refusal, method, metadata)
+                        await context.abort(refusal.code, answer.text, answer.trailers)
                 yield request
 
         if handler.stream_stream is not None and inspect.isasyncgenfunction(handler.stream_stream):

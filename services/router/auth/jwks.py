@@ -144,6 +144,10 @@ class JwksKeys:
             await asyncio.shield(self._refreshing)
         await self._refresh_shared()  # a read begun since the held one ended began after the change: shared
 
+    def key_ids(self) -> list[str]:
+        """The kids of the set in force, sorted (what an operator checks after withdrawing a key)."""
+        return sorted(kid for kid in self._keys if kid is not None)
+
     def holds(self, key: jwt.PyJWK) -> bool:
         """Whether ``key`` (the object) is in the current set: false after any re-read of the JWKS."""
         return self._keys.get(key.key_id) is key

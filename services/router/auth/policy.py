@@ -12,6 +12,7 @@ with them every metric label that names one, are a bounded, configured set::
         pin: false                 # may pin a version (x-splitstream-version or model_version)
         status: false              # may call splitstream.v1.Router/Status
         feedback: true             # may call splitstream.v1.Feedback/Report
+        reload: false              # may call splitstream.v1.Router/ReloadCredentials
         rate_limit: {per_s: 50, burst: 100}   # optional token bucket
       ci-replayer:                 # a JWT principal (sub claim): no API key
         models: ["*"]
@@ -94,6 +95,11 @@ class PrincipalDocument(Document):
     pin: Flag = Field(False, description="may pin a version (`x-splitstream-version` or `model_version`)")
     status: Flag = Field(False, description="may call `splitstream.v1.Router/Status` (salts, worker addresses)")
     feedback: Flag = Field(False, description="may call `splitstream.v1.Feedback/Report`")
+    reload: Flag = Field(
+        False,
+        description="may call `splitstream.v1.Router/ReloadCredentials` (`splitstream credentials reload`): the "
+        "JWKS, revocation list and principals read again now",
+    )
     rate_limit: RateLimitDocument | None = Field(
         None, description="calls refused RESOURCE_EXHAUSTED past it (per router); null: no limit"
     )
@@ -131,6 +137,7 @@ class Principal:
     pin: bool = False
     status: bool = False
     feedback: bool = False
+    reload: bool = False
     rate_limit: RateLimit | None = None
 
     def may_call(self, model: str) -> bool:
@@ -184,6 +191,7 @@ def parse_policy(data: Any, *, source: str) -> Policy:
             pin=entry.pin,
             status=entry.status,
             feedback=entry.feedback,
+            reload=entry.reload,
             rate_limit=None if limit is None else RateLimit(limit.per_s, limit.burst),
         )
         for digest in entry.api_keys_sha256:

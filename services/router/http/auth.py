@@ -26,8 +26,8 @@ Deny by default. What a request needs is decided from its route, in this order:
 Refusals are OpenAI's error object: 401 (``invalid_api_key``, with ``WWW-Authenticate: Bearer``) for a
 missing or bad credential, 403 for a grant the principal lacks, 429 with ``Retry-After`` over a rate
 limit. Their messages are generic, so a caller learns nothing of the configuration (principal names,
-JWT settings); the gRPC edge's detailed reason is logged with the request id, which the answer carries
-in ``x-request-id``.
+JWT settings); the gRPC edge's detailed reason is logged with the request id, which every refusal
+carries in ``x-request-id`` and a 401 or 403 in its message too, as the gRPC port answers.
 
 The principal's name is set for the call as the interceptor sets it (:data:`CALL_PRINCIPAL`, read by
 the stream relay's record) and kept on the request as ``request["principal"]``.
@@ -46,6 +46,7 @@ from aiohttp import web
 
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER, from_header_value
 from splitstream.common.runtime import process_index
+from splitstream.router.auth.answers import LOG_HAS_THE_REASON
 from splitstream.router.auth.gate import CREDENTIAL_HEADERS, FEEDBACK, Gate, Refusal, Refused
 from splitstream.router.auth.policy import Principal
 from splitstream.router.http.errors import ApiError, internal
@@ -63,6 +64,8 @@ GRANT_ROUTES = {"/v1/feedback": FEEDBACK}
 
 #: The request's key of the principal (an object); ``"principal"`` holds its name.
 _PRINCIPAL = "splitstream.principal"
+#: Longest request id quoted in a refusal's message, as on the gRPC port (x-request-id still echoes a longer one).
+_MAX_ID_IN_MESSAGE = 128
 _GUARD = "splitstream.guard"
 
 
@@ -117,10 +120,14 @@ class HttpGuard:
     def refuse(self, request: web.Request, refusal: Refusal) -> ApiError:
         """Count and log ``refusal``; the caller's answer, which says nothing of the configuration."""
         self.gate.count(refusal)
+        rid = request.get("request_id", "")
         error = _answer(refusal)
+        if error.status in (401, 403) and 0 < len(rid) <= _MAX_ID_IN_MESSAGE:
+            # As the gRPC port's text says it (x-request-id carries it too, as gRPC's trailers do).
+            error.message = f"{error.message} (request id {rid}; {LOG_HAS_THE_REASON})"
         log.info(
             "HTTP call refused",
-            request_id=request.get("request_id", ""),
+            request_id=rid,
             status=error.status,
             reason=refusal.reason,
             detail=refusal.message,
