@@ -38,9 +38,10 @@ from splitstream.common.records import decode_record
 
 #: The view the rows are read through (a DuckDB table or a file).
 ROWS_VIEW = "aggregate_rows"
-#: The rows of units with their ``row_id`` (the layout of every per-row array).
-INDEXED = f"""SELECT *, DENSE_RANK() OVER (ORDER BY phase, arm, unit_is_call, unit) - 1 AS row_id
-    FROM {ROWS_VIEW} WHERE unit IS NOT NULL"""
+#: One row per (phase, arm, unit, unit_is_call) with its ``row_id`` (the layout of every per-row array) and first
+#: call, and the unit rows with their ``row_id`` (:func:`lay_out` makes both).
+ROW_INDEX = "row_index"
+INDEXED_ROWS = "indexed_rows"
 
 
 class AggregatesError(ValueError):
@@ -91,9 +92,20 @@ def lay_out(
 ) -> Rows:
     """The rows of :data:`ROWS_VIEW` as arrays. ``arm_order``: arms in the order the reader would meet them
     (else by their first call)."""
+    # Row ids numbered over the distinct rows (a unit's buckets share one), then given to every bucket's row.
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE {ROW_INDEX} AS SELECT phase, arm, unit, unit_is_call, first_ns,
+            ROW_NUMBER() OVER (ORDER BY phase, arm, unit_is_call, unit) - 1 AS row_id FROM (SELECT phase, arm, unit,
+            unit_is_call, MIN(first_ns) AS first_ns FROM {ROWS_VIEW} WHERE unit IS NOT NULL
+            GROUP BY phase, arm, unit, unit_is_call) AS u"""
+    )
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE {INDEXED_ROWS} AS SELECT r.*, i.row_id FROM {ROWS_VIEW} AS r
+            JOIN {ROW_INDEX} AS i ON r.phase = i.phase AND r.arm = i.arm AND r.unit = i.unit
+            AND r.unit_is_call = i.unit_is_call"""
+    )
     per_row = con.execute(
-        f"""SELECT row_id, ANY_VALUE(phase), ANY_VALUE(arm), ANY_VALUE(unit), ANY_VALUE(unit_is_call),
-            MIN(first_ns) FROM ({INDEXED}) AS r GROUP BY row_id ORDER BY row_id"""
+        f"SELECT row_id, phase, arm, unit, unit_is_call, first_ns FROM {ROW_INDEX} ORDER BY row_id"
     ).to_arrow_table()
     n = per_row.num_rows
     phase_names = per_row.column(1).to_pylist()
@@ -112,7 +124,7 @@ def lay_out(
     columns = [metric_column(name, part) for name in metrics for part in METRIC_PARTS]
     quoted = ", ".join('"' + c.replace('"', '""') + '"' for c in columns)
     cells = con.execute(
-        f"SELECT row_id, bucket, calls{', ' + quoted if quoted else ''} FROM ({INDEXED}) AS r"
+        f"SELECT row_id, bucket, calls{', ' + quoted if quoted else ''} FROM {INDEXED_ROWS}"
     ).to_arrow_table()
     rows = cells.column(0).to_numpy().astype(np.int64)
     buckets = cells.column(1).to_numpy().astype(np.int64)

@@ -61,8 +61,18 @@ from splitstream.common.archive import (
     window_files,
 )
 
+#: The columns the query reads (the serialized records, tags and the rest are left in the files).
+READ_COLUMNS = frozenset(
+    [
+        *("request_id", "receive_time", "status", "latency_ms", "arm", "assignment", "phase", "routing_key_hmac"),
+        *("ttft_ms", "tokens", "prompt_tokens", "completion_tokens", "stream_id"),
+        *("unit", "metric", "value", "event_time", "idempotency_key"),
+    ]
+)
+#: Steps kept as tables (read more than once, or from the archive's single-pass readers); the rest are views.
+MATERIALIZED = frozenset(["calls_read", "calls_once", "exposed", "unit_rows", "events_read", "events", "joined"])
 #: DuckDB's memory before it spills to disk (``SPLITSTREAM_ANALYSIS_MEMORY``, DuckDB's syntax: ``1GB``).
-DEFAULT_MEMORY_LIMIT = "1GB"
+DEFAULT_MEMORY_LIMIT = "512MB"
 
 
 def connect(temp_dir: str) -> duckdb.DuckDBPyConnection:
@@ -88,7 +98,7 @@ def _register(
         columns = {
             f.name: ds.field(f.name).cast(pa.int64()) if pa.types.is_timestamp(f.type) else ds.field(f.name)
             for f in schema
-            if f.name != "record"
+            if f.name in READ_COLUMNS
         }
         bounds = [pa.scalar(v, type=pa.timestamp("ns", tz="UTC")) for v in (since, until)]
         condition = (ds.field("receive_time") >= bounds[0]) & (ds.field("receive_time") < bounds[1])
@@ -100,7 +110,7 @@ def _register(
 
 def _run(con: duckdb.DuckDBPyConnection, spec: Aggregation) -> None:
     for name, body in steps(spec):
-        con.execute(f"CREATE TEMP TABLE {name} AS {body}")
+        con.execute(f"CREATE TEMP {'TABLE' if name in MATERIALIZED else 'VIEW'} {name} AS {body}")
     # The output's unit rows (its phase rows' records are read back from the archive: :func:`_phase_info`).
     con.execute(f"CREATE TEMP TABLE {aggregates.ROWS_VIEW} AS {unit_rows_select(spec)}")
 
@@ -247,12 +257,11 @@ def _loaded(
     return Loaded(exposures, feedback, folder, {})
 
 
-#: Side query rows joined to the rows' layout (:data:`aggregates.INDEXED`).
+#: Side query rows joined to the rows' layout (:data:`aggregates.ROW_INDEX`).
 def _indexed(select: str, extra: str) -> str:
     return (
-        f"SELECT i.row_id, s.{extra} FROM ({select}) AS s JOIN (SELECT DISTINCT phase, arm, unit, unit_is_call, row_id"
-        f" FROM ({aggregates.INDEXED}) AS r) AS i ON s.phase = i.phase AND s.arm = i.arm AND s.unit = i.unit"
-        " AND s.unit_is_call = i.unit_is_call"
+        f"SELECT i.row_id, s.{extra} FROM ({select}) AS s JOIN {aggregates.ROW_INDEX} AS i ON s.phase = i.phase"
+        " AND s.arm = i.arm AND s.unit = i.unit AND s.unit_is_call = i.unit_is_call"
     )
 
 
