@@ -102,7 +102,9 @@ def _register(
         }
         bounds = [pa.scalar(v, type=pa.timestamp("ns", tz="UTC")) for v in (since, until)]
         condition = (ds.field("receive_time") >= bounds[0]) & (ds.field("receive_time") < bounds[1])
-        reader = dataset.scanner(columns=columns, filter=condition).to_reader()
+        # Little read ahead: the batches wait in memory outside DuckDB's limit.
+        scanner = dataset.scanner(columns=columns, filter=condition, batch_readahead=2, fragment_readahead=1)
+        reader = scanner.to_reader()
     except (OSError, pa.ArrowException) as error:
         raise ArchiveError(f"archive {archive.url!r} cannot be read: {error}") from None
     con.register(name, reader)
