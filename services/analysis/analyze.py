@@ -11,8 +11,10 @@ earlier ones are the lift-over-time chart.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from splitstream.analysis import bayes, bayes_readout, capping, quantile_effects
 from splitstream.analysis import statistics as st
-from splitstream.analysis.folding import Folder, RowMetric, among, load
+from splitstream.analysis.folding import Folder, Loaded, RowMetric, among, load
 from splitstream.analysis.loading import (
     SEGMENT_FIELDS,
     TIMELINE_POINTS,
@@ -63,7 +65,8 @@ from splitstream.analysis.model import (
 from splitstream.analysis.noninferiority import Margin, annotated
 from splitstream.analysis.novelty import DEFAULT_BUCKET_NS, NoveltyFold, novelty_points
 from splitstream.analysis.quantile_effects import phase_quantiles
-from splitstream.analysis.sources import RedisSource
+from splitstream.analysis.sources import AggregatesSource, ArchiveSource, RedisSource
+from splitstream.analysis.sql import duckdb_engine
 from splitstream.analysis.usage import CALL_METRICS, Price, is_call_metric
 from splitstream.common.redis_url import RedisClient
 
@@ -158,23 +161,7 @@ async def analyze(source: RedisClient | Source, query: Query) -> Analysis:
 async def _analyzed(source: RedisClient | Source, query: Query) -> Analysis:
     if isinstance(source, Redis | RedisCluster):
         source = RedisSource(source)
-    per_call = query.unit == "call"
-    kinds = [m.kind for m in query.metrics]
-    # Calls and feedback side by side, the feedback folded into the units page by page (nothing per event is
-    # kept; a call only while an event may still name it).
-    loaded = await load(
-        source,
-        query.model,
-        query.window,
-        kinds,
-        [m.name for m in query.metrics],
-        per_call=per_call,
-        page_size=query.page_size,
-        segment=query.segment,
-        prices=query.prices,
-        novelty_ns=query.novelty_bucket_ns,
-        call_samples=query.quantiles,
-    )
+    loaded = await _load(source, query)
     exposures, feedback, overall, parts = loaded.exposures, loaded.feedback, loaded.folder, loaded.segments
     pre: _PreValues | None = None
     if query.pre_window is not None:
@@ -207,6 +194,55 @@ async def _analyzed(source: RedisClient | Source, query: Query) -> Analysis:
                 }
             ),
         ),
+    )
+
+
+def sql_archive(source: Source, query: Query) -> ArchiveSource | None:
+    """The archive to aggregate in SQL (DuckDB), or None where the reader's pages serve: the Python engine
+    asked for, an archive read below Redis (``--archive``), or ``--segment`` (not in the SQL yet)."""
+    if not isinstance(source, ArchiveSource) or source.engine != "duckdb" or source.below is not None:
+        return None
+    return source if query.segment is None else None
+
+
+async def _load(source: Source, query: Query) -> Loaded:
+    per_call = query.unit == "call"
+    kinds = [m.kind for m in query.metrics]
+    names = [m.name for m in query.metrics]
+    if isinstance(source, AggregatesSource):
+        return await asyncio.to_thread(
+            duckdb_engine.load_aggregates, source.path, query.window, kinds, names, per_call=per_call
+        )
+    archived = sql_archive(source, query)
+    if archived is not None:
+        return await asyncio.to_thread(
+            partial(
+                duckdb_engine.load_archive,
+                archived.archive,
+                query.model,
+                query.window,
+                kinds,
+                names,
+                per_call=per_call,
+                prices=query.prices,
+                novelty_ns=query.novelty_bucket_ns,
+                call_samples=query.quantiles,
+            )
+        )
+    # Calls and feedback side by side, the feedback folded into the units page by page (nothing per event is
+    # kept; a call only while an event may still name it).
+    return await load(
+        source,
+        query.model,
+        query.window,
+        kinds,
+        names,
+        per_call=per_call,
+        page_size=query.page_size,
+        segment=query.segment,
+        prices=query.prices,
+        novelty_ns=query.novelty_bucket_ns,
+        call_samples=query.quantiles,
     )
 
 
@@ -932,7 +968,37 @@ class _PreValues:
 
 async def _load_pre_values(source: Source, query: Query, window: Window) -> _PreValues:
     # No crossover: the pre-period is a covariate per unit (every call of it, however routed), not a comparison.
-    loaded = await load(
+    archived = sql_archive(source, query)
+    if archived is not None:
+        loaded = await asyncio.to_thread(
+            partial(
+                duckdb_engine.load_archive,
+                archived.archive,
+                query.model,
+                window,
+                [m.kind for m in query.metrics],
+                [m.name for m in query.metrics],
+                per_call=False,
+                randomized_only=False,
+                exclude_crossover=False,
+                prices=query.prices,
+                call_samples=False,
+            )
+        )
+    else:
+        loaded = await _load_pre_pages(source, query, window)
+    exposures = loaded.exposures
+    # One pseudo-phase and arm: the unit's rows of every phase and arm are added up.
+    units = exposures.units.set_column(0, "phase", pa.array(np.zeros(len(exposures.units), dtype=np.int16)))
+    units = units.set_column(1, "arm", pa.array(np.zeros(len(units), dtype=np.int16)))
+    matrix = _unit_matrix(units, exposures.bucket_calls, ["all"])
+    rows = loaded.folder.metrics()
+    metrics = {m.name: _metric_matrix(matrix, row) for m, row in zip(query.metrics, rows, strict=True)}
+    return _PreValues(matrix.keys, matrix.calls, metrics)
+
+
+async def _load_pre_pages(source: Source, query: Query, window: Window) -> Loaded:
+    return await load(
         source,
         query.model,
         window,
@@ -945,11 +1011,3 @@ async def _load_pre_values(source: Source, query: Query, window: Window) -> _Pre
         prices=query.prices,
         call_samples=False,  # a covariate per unit: no quantile of it is compared
     )
-    exposures = loaded.exposures
-    # One pseudo-phase and arm: the unit's rows of every phase and arm are added up.
-    units = exposures.units.set_column(0, "phase", pa.array(np.zeros(len(exposures.units), dtype=np.int16)))
-    units = units.set_column(1, "arm", pa.array(np.zeros(len(units), dtype=np.int16)))
-    matrix = _unit_matrix(units, exposures.bucket_calls, ["all"])
-    rows = loaded.folder.metrics()
-    metrics = {m.name: _metric_matrix(matrix, row) for m, row in zip(query.metrics, rows, strict=True)}
-    return _PreValues(matrix.keys, matrix.calls, metrics)

@@ -27,7 +27,9 @@ from splitstream.analysis.loading import SEGMENT_FIELDS, Source, Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.noninferiority import Margin
 from splitstream.analysis.report import render_html, render_table
-from splitstream.analysis.sources import ArchiveSource, RedisSource, StraddlingSource
+from splitstream.analysis.sources import AggregatesSource, ArchiveSource, RedisSource, StraddlingSource
+from splitstream.analysis.sql.aggregates import AggregatesError
+from splitstream.analysis.sql.aggregation import DIALECTS, aggregation_of, aggregation_query
 from splitstream.analysis.statistics import DEFAULT_TUNING_UNITS
 from splitstream.analysis.usage import parse_prices
 from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, model_dirs, open_archive
@@ -161,6 +163,25 @@ def add_command(commands: Any, env_prefix: str) -> None:
     )
     parser.add_argument(
         "--s3-endpoint", default="", help="endpoint of an S3-compatible archive store: http://host:port"
+    )
+    parser.add_argument(
+        "--archive-engine",
+        default="duckdb",
+        help="how --source archive: is aggregated: duckdb (SQL over the Parquet; --segment falls back to python) or "
+        "python (read in pages like Redis)",
+    )
+    parser.add_argument(
+        "--print-sql",
+        action="store_true",
+        help="print the per-unit aggregation query for the archive's tables in --dialect and exit (docs/analysis.md)",
+    )
+    parser.add_argument("--dialect", default="duckdb", help=f"the SQL dialect of --print-sql: {', '.join(DIALECTS)}")
+    parser.add_argument(
+        "--aggregates",
+        default="",
+        metavar="FILE",
+        help="run the statistics on per-unit aggregates the --print-sql query produced elsewhere (Parquet or CSV) "
+        "instead of reading Redis or the archive",
     )
     parser.add_argument(
         "--segment",
@@ -332,6 +353,19 @@ def query_from_args(args: argparse.Namespace, *, now_ns: int | None = None) -> Q
             open_archive(url, endpoint=args.s3_endpoint)
         except ArchiveError as error:
             raise ValueError(str(error)) from None
+    if args.archive_engine not in ("duckdb", "python"):
+        raise ValueError(f"bad --archive-engine {args.archive_engine!r} (expected duckdb or python)")
+    if args.dialect not in DIALECTS:
+        raise ValueError(f"bad --dialect {args.dialect!r} (expected one of {', '.join(DIALECTS)})")
+    if args.aggregates:
+        for flag, given in (
+            ("--source archive:", source != "redis"),
+            ("--archive", bool(args.archive)),
+            ("--segment", args.segment is not None),
+            ("--cuped-pre-since", args.cuped_pre_since is not None),
+        ):
+            if given:
+                raise ValueError(f"--aggregates carries per-unit rows of one window: it does not go with {flag}")
     novelty = _novelty_bucket(args.novelty_bucket)
     margin = None
     if args.non_inferiority is not None:
@@ -396,6 +430,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         query = query_from_args(args)
     except ValueError as error:
         parser.error(str(error))
+    if args.print_sql:
+        print(aggregation_query(aggregation_of(query), args.dialect))
+        return 0
     try:
         analysis = asyncio.run(_analyze(args, query))
         output_dir = Path(args.output_dir)
@@ -427,12 +464,17 @@ def write_outputs(analysis: Analysis, output_dir: Path) -> None:
 
 async def _analyze(args: argparse.Namespace, query: Query) -> Analysis:
     source = args.source.strip()
+    if args.aggregates:
+        try:
+            return await analyze(AggregatesSource(Path(args.aggregates)), query)
+        except AggregatesError as error:
+            raise UsageError(str(error)) from None
     if source.startswith("archive:"):
         archive = await _open_archive(source.removeprefix("archive:"), args.s3_endpoint)
         if not await asyncio.to_thread(_archived, archive, query.model):
             raise UsageError(f"unknown model {query.model!r}: no calls of it in the archive {archive.url!r}")
         try:
-            return await analyze(ArchiveSource(archive), query)
+            return await analyze(ArchiveSource(archive, engine=args.archive_engine), query)
         except ArchiveError as error:
             raise AnalysisFailed(str(error)) from None
     try:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import cast
+from pathlib import Path
+from typing import Literal, cast
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -98,6 +99,9 @@ class ArchiveSource:
 
     archive: Archive
     below: dict[str, str | None] | None = None
+    #: ``--archive-engine``: ``duckdb`` aggregates the window in SQL where it can
+    #: (:mod:`splitstream.analysis.sql.duckdb_engine`), ``python`` reads it in pages like Redis.
+    engine: Literal["duckdb", "python"] = "duckdb"
 
     async def call_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[CallPage]:
         query = ArchiveQuery(model=model, since_ns=window.since_ns, until_ns=window.until_ns)
@@ -134,6 +138,19 @@ class ArchiveSource:
             return cast(bytes, rows["record"][0].as_py()) if rows.num_rows else None
 
         return record
+
+
+@dataclass(frozen=True, slots=True)
+class AggregatesSource:
+    """``--aggregates FILE``: the per-unit rows the aggregation query produced on another engine (Parquet or CSV)."""
+
+    path: Path
+
+    def call_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[CallPage]:
+        raise NotImplementedError("aggregates carry per-unit rows, not calls")
+
+    def feedback_pages(self, model: str, window: Window, page_size: int) -> AsyncIterator[FeedbackPage]:
+        raise NotImplementedError("aggregates carry per-unit rows, not events")
 
 
 @dataclass(frozen=True, slots=True)

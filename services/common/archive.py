@@ -476,6 +476,13 @@ def _partition_files(archive: Archive, kind: str, model: str, since_ns: int, unt
     return {key: sorted(paths) for key, paths in sorted(files.items())}
 
 
+def window_files(archive: Archive, kind: str, model: str, since_ns: int, until_ns: int) -> list[str]:
+    """The Parquet files of ``kind`` (:data:`CALLS` or :data:`FEEDBACK`) in the hours the receive-time window
+    ``[since_ns, until_ns)`` overlaps, for another engine to read (the analysis's DuckDB). Blocking. Raises
+    :class:`ArchiveError` when the store cannot be listed."""
+    return [path for paths in _partition_files(archive, kind, model, since_ns, until_ns).values() for path in paths]
+
+
 def _time_filter(since_ns: int, until_ns: int) -> ds.Expression:
     since = pa.scalar(min(max(since_ns, _FIRST_NS), _LAST_NS), type=pa.timestamp("ns", tz="UTC"))
     until = pa.scalar(min(max(until_ns, _FIRST_NS), _LAST_NS), type=pa.timestamp("ns", tz="UTC"))

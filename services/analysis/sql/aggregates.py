@@ -1,0 +1,281 @@
+"""From the aggregation's output rows (:func:`splitstream.analysis.sql.aggregation.aggregation_query`: DuckDB's
+result, or a cluster's written to Parquet or CSV for ``--aggregates``) to what the statistics read: the
+:class:`~splitstream.analysis.loading.Exposures` rows and a :class:`~splitstream.analysis.folding.Folder` holding
+the per-row, per-bucket sums, as the Redis reader leaves them, so :mod:`splitstream.analysis.analyze` is the same
+whichever engine aggregated.
+
+Rows are laid out in the order of ``(phase, arm, unit_is_call, unit)`` (``row_id``), and units become the
+reader's fingerprints (:func:`~splitstream.analysis.loading.fingerprints`), so a unit is the same number as when
+Redis is read (the CUPED pre-period and the units' order in the statistics depend on it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+
+from splitstream.analysis.folding import Folder
+from splitstream.analysis.loading import (
+    CALL_UNIT_SALT,
+    TIMELINE_POINTS,
+    Names,
+    PhaseInfo,
+    UnitIndex,
+    Window,
+    fingerprints,
+    mixed,
+)
+from splitstream.analysis.sql.aggregation import METRIC_PARTS, metric_column
+from splitstream.analysis.statistics import MetricKind
+from splitstream.analysis.usage import is_call_metric
+from splitstream.common.records import decode_record
+
+#: The view the rows are read through (a DuckDB table or a file).
+ROWS_VIEW = "aggregate_rows"
+#: One row per (phase, arm, unit, unit_is_call) with its ``row_id`` (the layout of every per-row array) and first
+#: call, and the unit rows with their ``row_id`` (:func:`lay_out` makes both).
+ROW_INDEX = "row_index"
+INDEXED_ROWS = "indexed_rows"
+
+
+class AggregatesError(ValueError):
+    """An ``--aggregates`` file that is not the query's output: says which column is missing or of which type."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """The unit rows laid out: per row its phase and arm codes, unit fingerprint, first call; calls and each
+    metric's sums per time bucket."""
+
+    phase: npt.NDArray[np.int16]
+    arm: npt.NDArray[np.int16]
+    unit: npt.NDArray[np.uint64]
+    first_ns: npt.NDArray[np.int64]
+    bucket_calls: npt.NDArray[np.int32]
+    sums: list[npt.NDArray[np.float64]]
+    counts: list[npt.NDArray[np.float32]]
+    positives: list[npt.NDArray[np.float32]]
+    phases: Names
+    arms: Names
+
+    def units(self) -> pa.Table:
+        n = len(self.phase)
+        return pa.table(
+            {
+                "phase": pa.array(self.phase, pa.int16()),
+                "arm": pa.array(self.arm, pa.int16()),
+                "unit": pa.array(self.unit, pa.uint64()),
+                "calls": pa.array(self.bucket_calls.sum(axis=1, dtype=np.int64), pa.int64()),
+                "first_ns": pa.array(self.first_ns, pa.int64()),
+                "key": pa.array(np.arange(n, dtype=np.int64), pa.int64()),
+            }
+        )
+
+
+def unit_fingerprints(units: Sequence[str], is_call: npt.NDArray[np.bool_]) -> npt.NDArray[np.uint64]:
+    """The reader's unit of each row: the routing-key HMAC's fingerprint, or the call's (its request id's, salted)."""
+    found = fingerprints([u.encode() for u in units])
+    return np.where(is_call, mixed(found, CALL_UNIT_SALT), found)
+
+
+def lay_out(
+    con: duckdb.DuckDBPyConnection,
+    metrics: Sequence[str],
+    kinds: Sequence[MetricKind],
+    arm_order: Sequence[str] = (),
+) -> Rows:
+    """The rows of :data:`ROWS_VIEW` as arrays. ``arm_order``: arms in the order the reader would meet them
+    (else by their first call)."""
+    # Row ids numbered over the distinct rows (a unit's buckets share one), then given to every bucket's row.
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE {ROW_INDEX} AS SELECT phase, arm, unit, unit_is_call, first_ns,
+            ROW_NUMBER() OVER (ORDER BY phase, arm, unit_is_call, unit) - 1 AS row_id FROM (SELECT phase, arm, unit,
+            unit_is_call, MIN(first_ns) AS first_ns FROM {ROWS_VIEW} WHERE unit IS NOT NULL
+            GROUP BY phase, arm, unit, unit_is_call) AS u"""
+    )
+    con.execute(
+        f"""CREATE OR REPLACE TEMP TABLE {INDEXED_ROWS} AS SELECT r.*, i.row_id FROM {ROWS_VIEW} AS r
+            JOIN {ROW_INDEX} AS i ON r.phase = i.phase AND r.arm = i.arm AND r.unit = i.unit
+            AND r.unit_is_call = i.unit_is_call"""
+    )
+    per_row = con.execute(
+        f"SELECT row_id, phase, arm, unit, unit_is_call, first_ns FROM {ROW_INDEX} ORDER BY row_id"
+    ).to_arrow_table()
+    n = per_row.num_rows
+    phase_names = per_row.column(1).to_pylist()
+    arm_names = per_row.column(2).to_pylist()
+    first_ns = per_row.column(5).to_numpy(zero_copy_only=False).astype(np.int64)
+    phases, arms = Names(), Names()
+    # Codes in the order of each phase's and arm's first call, as the reader meets them.
+    for name in _by_first(phase_names, first_ns):
+        phases.code(name.encode())
+    for name in [*arm_order, *_by_first(arm_names, first_ns)]:
+        arms.code(name.encode())
+    phase = np.array([phases.codes[p.encode()] for p in phase_names], dtype=np.int16)
+    arm = np.array([arms.codes[a.encode()] for a in arm_names], dtype=np.int16)
+    is_call = per_row.column(4).to_numpy(zero_copy_only=False).astype(bool)
+    unit = unit_fingerprints(per_row.column(3).to_pylist(), is_call)
+    columns = [metric_column(name, part) for name in metrics for part in METRIC_PARTS]
+    quoted = ", ".join('"' + c.replace('"', '""') + '"' for c in columns)
+    cells = con.execute(
+        f"SELECT row_id, bucket, calls{', ' + quoted if quoted else ''} FROM {INDEXED_ROWS}"
+    ).to_arrow_table()
+    rows = cells.column(0).to_numpy().astype(np.int64)
+    buckets = cells.column(1).to_numpy().astype(np.int64)
+    at = rows * TIMELINE_POINTS + buckets
+
+    def matrix(column: int, dtype: type) -> npt.NDArray:  # type: ignore[type-arg]
+        out = np.zeros(n * TIMELINE_POINTS, dtype=dtype)
+        values = cells.column(column).to_numpy(zero_copy_only=False)
+        np.add.at(out, at, np.nan_to_num(values.astype(dtype)))
+        return out.reshape(n, TIMELINE_POINTS)
+
+    bucket_calls = matrix(2, np.int32)
+    sums, counts, positives = [], [], []
+    for index, kind in enumerate(kinds):
+        base = 3 + index * len(METRIC_PARTS)
+        sums.append(matrix(base, np.float64))
+        counts.append(matrix(base + 1, np.float32))
+        positives.append(
+            matrix(base + 2, np.float32) if kind.counts_positive_calls else np.zeros((n, TIMELINE_POINTS), np.float32)
+        )
+    return Rows(phase, arm, unit, first_ns, bucket_calls, sums, counts, positives, phases, arms)
+
+
+def _by_first(names: Sequence[str], first_ns: npt.NDArray[np.int64]) -> list[str]:
+    earliest: dict[str, int] = {}
+    for name, at in zip(names, first_ns.tolist(), strict=True):
+        earliest[name] = min(at, earliest.get(name, at))
+    return sorted(earliest, key=lambda name: (earliest[name], name))
+
+
+def folder_of(
+    rows: Rows,
+    kinds: Sequence[MetricKind],
+    metrics: Sequence[str],
+    window: Window,
+    *,
+    per_call: bool,
+    exclude_crossover: bool,
+    used: int = 0,
+    unknown: int = 0,
+    not_randomized: int = 0,
+) -> Folder:
+    """A :class:`Folder` holding the rows' sums, finished as the reader's is (crossover units left out)."""
+    index = UnitIndex()
+    index.size = len(rows.phase)
+    folder = Folder(
+        index,
+        kinds,
+        window,
+        per_call=per_call,
+        exclude_crossover=exclude_crossover,
+        joining=False,
+        from_calls=[name if is_call_metric(name) else None for name in metrics],
+    )
+    folder.rows = folder.capacity = index.size
+    folder.sums, folder.counts = list(rows.sums), list(rows.counts)
+    folder.positives = [
+        p if kind.counts_positive_calls else np.zeros((index.size, TIMELINE_POINTS), np.float32)
+        for p, kind in zip(rows.positives, kinds, strict=True)
+    ]
+    folder.used, folder.unknown, folder.not_randomized = used, unknown, not_randomized
+    folder.finish(rows.units())
+    return folder
+
+
+def phase_info(phase: str, record: bytes | None) -> PhaseInfo | None:
+    """A phase's weights and control from one of its records (:meth:`ExposureReader.note_record`)."""
+    if not phase or not record:
+        return None
+    try:
+        decoded = decode_record(record)
+    except Exception:  # UnsupportedSchema, protobuf's DecodeError: the phase goes without weights
+        return None
+    weights = {version: float(weight) for version, weight in sorted(decoded.phase.weights.items())}
+    return PhaseInfo(phase, weights, decoded.phase.control)
+
+
+# -- --aggregates FILE --------------------------------------------------------------------------------------------
+
+#: What each column of the output must hold (DuckDB's types, read from the file): text, integers, numbers, flags.
+_TEXT, _INTEGER, _NUMBER, _FLAG = "text", "integer", "number", "boolean"
+
+
+def _expected(metrics: Sequence[str]) -> dict[str, str]:
+    kinds = {
+        "phase": _TEXT,
+        "arm": _TEXT,
+        "unit": _TEXT,
+        "unit_is_call": _FLAG,
+        "bucket": _INTEGER,
+        "calls": _INTEGER,
+        "first_ns": _INTEGER,
+        "phase_record": _TEXT,
+    }
+    for name in metrics:
+        for part in METRIC_PARTS:
+            kinds[metric_column(name, part)] = _NUMBER if part == "sum" else _INTEGER
+    return kinds
+
+
+def _kind_of(duck_type: str) -> set[str]:
+    """Which of the column kinds a DuckDB type can hold (an all-null CSV column reads as text: anything)."""
+    upper = duck_type.upper()
+    if upper in ("BOOLEAN",):
+        return {_FLAG}
+    if any(upper.startswith(t) for t in ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT",
+                                          "USMALLINT", "UINTEGER", "UBIGINT")):  # fmt: skip
+        return {_INTEGER, _NUMBER}
+    if any(upper.startswith(t) for t in ("DOUBLE", "FLOAT", "REAL", "DECIMAL")):
+        return {_NUMBER}
+    if upper in ("VARCHAR", "BLOB"):
+        return {_TEXT}
+    if upper == "NULL":
+        return {_TEXT, _INTEGER, _NUMBER, _FLAG}
+    return set()
+
+
+def open_aggregates(con: duckdb.DuckDBPyConnection, path: Path, metrics: Sequence[str]) -> None:
+    """Make ``path`` (Parquet or CSV, by its content) the view :data:`ROWS_VIEW`; AggregatesError naming the first
+    column that is missing or of a type it cannot be."""
+    if not path.is_file():
+        raise AggregatesError(f"--aggregates {path}: no such file")
+    with path.open("rb") as head:
+        parquet = head.read(4) == b"PAR1"
+    reader = "read_parquet" if parquet else "read_csv"
+    options = "" if parquet else ", header = true, auto_detect = true"
+    literal = "'" + str(path).replace("'", "''") + "'"
+    try:
+        described = con.execute(f"DESCRIBE SELECT * FROM {reader}({literal}{options})").fetchall()
+    except duckdb.Error as error:
+        raise AggregatesError(f"--aggregates {path}: not a Parquet or CSV file DuckDB can read ({error})") from None
+    found = {str(row[0]): str(row[1]) for row in described}
+    for column, kind in _expected(metrics).items():
+        if column not in found:
+            raise AggregatesError(f"--aggregates {path}: column {column!r} is missing (the query's output has it)")
+        if kind not in _kind_of(found[column]):
+            raise AggregatesError(f"--aggregates {path}: column {column!r} is {found[column]}, expected {kind}")
+    con.execute(f"CREATE OR REPLACE VIEW {ROWS_VIEW} AS SELECT * FROM {reader}({literal}{options})")
+
+
+def phase_records(con: duckdb.DuckDBPyConnection) -> dict[str, PhaseInfo]:
+    """The phases' weights and control from the phase rows (``unit`` null) of :data:`ROWS_VIEW`."""
+    found: dict[str, PhaseInfo] = {}
+    for phase, record in con.execute(
+        f"SELECT phase, CAST(phase_record AS VARCHAR) FROM {ROWS_VIEW} WHERE unit IS NULL AND phase_record IS NOT NULL"
+    ).fetchall():
+        try:
+            data = bytes.fromhex(record)
+        except ValueError:
+            continue
+        info = phase_info(phase, data)
+        if info is not None and phase not in found:
+            found[phase] = info
+    return found

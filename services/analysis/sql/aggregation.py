@@ -1,0 +1,489 @@
+"""The per-unit aggregation of an analysis, as SQL: the one definition the DuckDB engine runs over the archive and
+``splitstream analyze --print-sql`` prints for a warehouse or cluster.
+
+It is written in DuckDB's dialect and transpiled (sqlglot) for the others. It reads two tables with the archive's
+columns (:data:`splitstream.common.archive.CALL_SCHEMA`, :data:`~splitstream.common.archive.FEEDBACK_SCHEMA`),
+``calls`` and ``feedback``, whose times (``receive_time``, ``event_time``) are integer nanoseconds since the epoch
+(the DuckDB engine's views convert the archive's ``timestamp[ns]``; Spark reads them so with
+``spark.sql.legacy.parquet.nanosAsLong``). It does what the Redis reader does (:mod:`splitstream.analysis.loading`,
+:mod:`splitstream.analysis.folding`), in steps named like its CTEs:
+
+- ``calls_read``: the window's calls, a request id's copies within an hour partition read once (the earliest
+  stream id), as the archive's reader does;
+- ``calls_good``: those whose time and latency parse (the rest are ``corrupt``), ``calls_once`` one per request id,
+  the first received (later ones are ``duplicates``), ``exposed`` with each call's unit (the routing-key HMAC, or
+  the call itself), time bucket (twentieths of the window), latency bucket and values of the metrics of the calls;
+- ``unit_rows``: one row per (phase, arm, unit) of the calls that count (randomized ones), with its first call;
+- ``events_read`` … ``events``: the feedback of the metrics asked, dated in the window (events naming a call: up
+  to the attribution window past its end), one per (metric, idempotency key), the first received;
+- ``joined``: an event naming a request id joins that call when dated from the clock skew before it to the join
+  horizon after it; an event naming only a unit joins the row the unit was last first-exposed in at or before it;
+- the output (:func:`aggregation_query`): long rows per (phase, arm, unit, time bucket) with ``calls``, ``first_ns``
+  and per metric ``<name>.sum``, ``<name>.count``, ``<name>.positives`` (each call once, in the bucket of its
+  first positive event; each positive event of a unit once), plus one row per phase (``unit`` null) carrying one
+  of its serialized records (``phase_record``, hex) for its weights and control (SQL cannot decode protobuf).
+
+Crossover units (in two arms of a phase) are left in: the statistics leave them out, as they do for the reader.
+The side queries (:data:`SIDE_QUERIES`: counts, latency and TTFT histograms, streams and tokens, calls not
+randomized, per-unit latency samples, novelty) serve the DuckDB engine's report; a cluster's output carries the
+per-unit rows only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import sqlglot
+
+from splitstream.analysis.loading import (
+    LATENCY_BUCKETS,
+    LATENCY_FLOOR_MS,
+    LATENCY_GROWTH,
+    RANDOMIZED,
+    TIMELINE_POINTS,
+    Window,
+)
+from splitstream.analysis.statistics import MetricKind
+from splitstream.analysis.usage import Price, is_call_metric
+
+if TYPE_CHECKING:
+    from splitstream.analysis.analyze import Query
+
+#: ``--dialect``'s choices: sqlglot's names for them.
+DIALECTS = ("duckdb", "spark", "trino", "bigquery")
+#: The columns of a metric in the output, after its name and a dot.
+METRIC_PARTS = ("sum", "count", "positives")
+_LOG_GROWTH = math.log(LATENCY_GROWTH)
+#: The archive's partitions: a request id's copies within one are read once
+#: (:func:`~splitstream.common.archive.iter_calls`).
+HOUR_NS = 3_600 * 10**9
+
+
+@dataclass(frozen=True, slots=True)
+class Aggregation:
+    """What the query is built from: the window, the metrics (name, kind) in ``--metric`` order, the unit, and
+    the choices the CUPED pre-period makes (every call counts, nothing is novelty)."""
+
+    window: Window
+    metrics: tuple[tuple[str, MetricKind], ...]
+    per_call: bool = False
+    randomized_only: bool = True
+    prices: dict[str, Price] = field(default_factory=dict)
+    novelty_ns: int | None = None
+    novelty_buckets: int = 0
+
+
+def aggregation_of(query: Query) -> Aggregation:
+    """The aggregation of an analysis's window (its CUPED pre-period and segments are not in it)."""
+    return Aggregation(
+        query.window,
+        tuple((m.name, m.kind) for m in query.metrics),
+        per_call=query.unit == "call",
+        prices=dict(query.prices),
+    )
+
+
+def metric_column(name: str, part: str) -> str:
+    return f"{name}.{part}"
+
+
+def _text(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _quoted(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _bucket(expression: str, spec: Aggregation) -> str:
+    """The time bucket of a time (:meth:`Window.bucket_of`): integer arithmetic, clipped to the window's."""
+    w = spec.window
+    span = max(w.until_ns - w.since_ns, 1)
+    return f"LEAST(GREATEST(({expression} - {w.since_ns}) * {TIMELINE_POINTS} // {span}, 0), {TIMELINE_POINTS - 1})"
+
+
+def _latency_bucket(expression: str) -> str:
+    """:func:`splitstream.analysis.loading._latency_buckets` in SQL."""
+    return (
+        f"LEAST(CAST(FLOOR(LN(GREATEST({expression}, {LATENCY_FLOOR_MS!r}) / {LATENCY_FLOOR_MS!r}) / {_LOG_GROWTH!r})"
+        f" AS BIGINT), {LATENCY_BUCKETS - 1})"
+    )
+
+
+def _finite(expression: str) -> str:
+    """Not null, not NaN, not infinite (NaN compares above every number, or not at all, on these engines)."""
+    return f"({expression} IS NOT NULL AND {expression} BETWEEN -1.7e308 AND 1.7e308)"
+
+
+def _cost(spec: Aggregation) -> str:
+    if not spec.prices:
+        return "CAST(NULL AS DOUBLE)"
+    per_in = " ".join(f"WHEN {_text(v)} THEN {p.per_token_in!r}" for v, p in sorted(spec.prices.items()))
+    per_out = " ".join(f"WHEN {_text(v)} THEN {p.per_token_out!r}" for v, p in sorted(spec.prices.items()))
+    return (
+        f"CAST(prompt_tokens AS DOUBLE) * (CASE arm {per_in} END)"
+        f" + CAST(completion_tokens AS DOUBLE) * (CASE arm {per_out} END)"
+    )
+
+
+#: Each metric of the calls: its value per call (NULL: none).
+def _call_values(spec: Aggregation) -> dict[str, str]:
+    return {
+        "tokens_in": "CAST(prompt_tokens AS DOUBLE)",
+        "tokens_out": "CAST(completion_tokens AS DOUBLE)",
+        "ttft_ms": f"CASE WHEN {_finite('ttft_ms')} THEN ttft_ms END",
+        "cost": _cost(spec),
+    }
+
+
+def steps(spec: Aggregation) -> list[tuple[str, str]]:
+    """The CTEs, in order: (name, SELECT) in DuckDB's dialect."""
+    w = spec.window
+    horizon = w.join_horizon_ns()
+    randomized = ", ".join(_text(a.decode()) for a in RANDOMIZED)
+    feedback_metrics = [name for name, _ in spec.metrics if not is_call_metric(name)]
+    metric_list = ", ".join(_text(n) for n in feedback_metrics) or "NULL"
+    codes = " ".join(f"WHEN {_text(n)} THEN {i}" for i, (n, _) in enumerate(spec.metrics) if not is_call_metric(n))
+    metric_code = f"CASE metric {codes} END" if codes else "CAST(NULL AS INTEGER)"
+    values = _call_values(spec)
+    call_metric_columns = ", ".join(
+        f"{values[name]} AS {_quoted('call_value_' + name)}" for name, _ in spec.metrics if is_call_metric(name)
+    )
+    # The stream id range of the window's feedback (:func:`splitstream.analysis.loading.bounds`), as the reader
+    # asks the archive for it (by receive time).
+    reach = w.feedback_reach()
+    low = max(reach.since_ns - reach.clock_skew_ns, 0) // 1_000_000 * 1_000_000
+    high = ((reach.until_ns + reach.max_lateness_ns + reach.clock_skew_ns) // 1_000_000 + 1) * 1_000_000
+    unit = (
+        "request_id"
+        if spec.per_call
+        else "CASE WHEN COALESCE(routing_key_hmac, '') = '' THEN request_id ELSE routing_key_hmac END"
+    )
+    unit_is_call = "TRUE" if spec.per_call else "COALESCE(routing_key_hmac, '') = ''"
+    chosen = "randomized" if spec.randomized_only else "TRUE"
+    out = [
+        (
+            "calls_read",
+            f"""SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id, receive_time // {HOUR_NS}
+                    ORDER BY stream_ms, stream_seq) AS copy
+            FROM (SELECT *, CAST(SPLIT_PART(stream_id, '-', 1) AS BIGINT) AS stream_ms,
+                    CAST(SPLIT_PART(stream_id, '-', 2) AS BIGINT) AS stream_seq
+                  FROM calls WHERE receive_time >= {w.since_ns} AND receive_time < {w.until_ns}) AS c""",
+        ),
+        (
+            "calls_good",
+            f"""SELECT * FROM calls_read WHERE copy = 1 AND receive_time IS NOT NULL AND {_finite("latency_ms")}""",
+        ),
+        (
+            "calls_once",
+            """SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY receive_time, stream_ms,
+                    stream_seq) AS nth FROM calls_good) AS c WHERE nth = 1 OR COALESCE(request_id, '') = ''""",
+        ),
+        (
+            "exposed",
+            f"""SELECT request_id, receive_time AS time_ns, stream_ms, stream_seq, latency_ms, tokens, ttft_ms,
+                    prompt_tokens, completion_tokens,
+                    COALESCE(phase, '') AS phase, COALESCE(arm, '') AS arm,
+                    COALESCE(assignment, '') AS assignment, COALESCE(status, '') <> 'OK' AS failed,
+                    COALESCE(assignment, '') IN ({randomized}) AS randomized,
+                    COALESCE(routing_key_hmac, '') <> '' AS keyed,
+                    {unit} AS unit, {unit_is_call} AS unit_is_call,
+                    {_bucket("receive_time", spec)} AS bucket,
+                    {_latency_bucket("latency_ms")} AS latency_bucket
+                    {", " + call_metric_columns if call_metric_columns else ""}
+                  FROM calls_once""",
+        ),
+        (
+            "unit_rows",
+            f"""SELECT phase, arm, unit, unit_is_call, MIN(time_ns) AS first_ns FROM exposed WHERE {chosen}
+                  GROUP BY phase, arm, unit, unit_is_call""",
+        ),
+        (
+            "events_read",
+            f"""SELECT *, ROW_NUMBER() OVER (PARTITION BY stream_id ORDER BY receive_time) AS copy,
+                    CAST(SPLIT_PART(stream_id, '-', 1) AS BIGINT) AS stream_ms,
+                    CAST(SPLIT_PART(stream_id, '-', 2) AS BIGINT) AS stream_seq
+                  FROM feedback WHERE receive_time >= {low} AND receive_time < {high}""",
+        ),
+        (
+            "events_sorted",
+            f"""SELECT *, metric IN ({metric_list}) AS asked,
+                    {_finite("value")} AND event_time IS NOT NULL AS good,
+                    event_time >= {w.since_ns} AND event_time < CASE WHEN COALESCE(request_id, '') <> ''
+                      THEN {w.until_ns + w.attribution_ns} ELSE {w.until_ns} END AS inside
+                  FROM events_read WHERE copy = 1""",
+        ),
+        (
+            "events_kept",
+            """SELECT *, ROW_NUMBER() OVER (PARTITION BY metric, idempotency_key ORDER BY receive_time, stream_ms,
+                    stream_seq) AS nth
+                  FROM events_sorted WHERE asked AND good AND inside""",
+        ),
+        (
+            "events",
+            f"""SELECT stream_id AS event_id, {metric_code} AS code, COALESCE(request_id, '') AS request_id,
+                    COALESCE(unit, '') AS unit, value, event_time AS event_ns, {_bucket("event_time", spec)} AS bucket
+                  FROM events_kept WHERE nth = 1 OR COALESCE(idempotency_key, '') = ''""",
+        ),
+        (
+            "by_request",
+            f"""SELECT e.event_id, e.code, e.request_id, e.value, e.event_ns, e.bucket, c.randomized,
+                    c.phase, c.arm, c.unit, c.unit_is_call
+                  FROM events AS e JOIN exposed AS c ON e.request_id = c.request_id
+                  WHERE e.request_id <> '' AND e.event_ns >= c.time_ns - {w.clock_skew_ns}
+                    AND e.event_ns < c.time_ns + {horizon}""",
+        ),
+        (
+            "by_unit",
+            """SELECT * FROM (SELECT e.event_id, e.code, e.value, e.event_ns, e.bucket, r.phase, r.arm, r.unit,
+                    r.unit_is_call, ROW_NUMBER() OVER (PARTITION BY e.event_id ORDER BY r.first_ns DESC, r.phase DESC,
+                    r.arm DESC) AS pick
+                  FROM events AS e JOIN unit_rows AS r ON r.unit = e.unit AND NOT r.unit_is_call
+                    AND r.first_ns <= e.event_ns
+                  WHERE e.request_id = '' AND e.unit <> '') AS u WHERE pick = 1"""
+            if not spec.per_call
+            else """SELECT e.event_id, e.code, e.value, e.event_ns, e.bucket, '' AS phase, '' AS arm, '' AS unit,
+                    FALSE AS unit_is_call, 1 AS pick FROM events AS e WHERE FALSE""",
+        ),
+        (
+            "joined",
+            f"""SELECT phase, arm, unit, unit_is_call, code, value, event_ns, bucket, request_id FROM by_request
+                  WHERE {chosen}
+                UNION ALL
+                SELECT phase, arm, unit, unit_is_call, code, value, event_ns, bucket, NULL AS request_id
+                  FROM by_unit""",
+        ),
+    ]
+    return out
+
+
+def _metric_sums(spec: Aggregation) -> list[str]:
+    """Per metric, the three output columns of one row of the union (:func:`aggregation_query`), by source."""
+    return [metric_column(name, part) for name, _ in spec.metrics for part in METRIC_PARTS]
+
+
+def unit_rows_select(spec: Aggregation) -> str:
+    """The long rows per (phase, arm, unit, bucket): calls, their metrics of the calls, events, positives."""
+    chosen = "randomized" if spec.randomized_only else "TRUE"
+    columns = _metric_sums(spec)
+    parts: list[str] = []
+    # The calls: their count and first time, and each metric of the calls as if an event at the call's time.
+    call_metrics = []
+    for index, (name, _) in enumerate(spec.metrics):
+        value = _quoted("call_value_" + name)
+        if is_call_metric(name):
+            call_metrics += [f"SUM({value})", f"COUNT({value})", "0"]
+        else:
+            call_metrics += ["0.0", "0", "0"]
+        del index
+    parts.append(
+        "SELECT phase, arm, unit, unit_is_call, bucket, COUNT(*) AS calls, MIN(time_ns) AS first_ns, "
+        + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(call_metrics, columns, strict=True))
+        + f" FROM exposed WHERE {chosen} GROUP BY phase, arm, unit, unit_is_call, bucket"
+    )
+    # The events: per metric, the sum of values and their number at the event's bucket.
+    event_metrics = []
+    for index, (name, _) in enumerate(spec.metrics):
+        if is_call_metric(name):
+            event_metrics += ["0.0", "0", "0"]
+        else:
+            event_metrics += [
+                f"SUM(CASE WHEN code = {index} THEN value ELSE 0.0 END)",
+                f"SUM(CASE WHEN code = {index} THEN 1 ELSE 0 END)",
+                "0",
+            ]
+    parts.append(
+        "SELECT phase, arm, unit, unit_is_call, bucket, 0 AS calls, CAST(NULL AS BIGINT) AS first_ns, "
+        + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(event_metrics, columns, strict=True))
+        + " FROM joined GROUP BY phase, arm, unit, unit_is_call, bucket"
+    )
+    # Positives: a call once, in the bucket of its first positive event; an event naming only a unit, once each.
+    for index, (name, kind) in enumerate(spec.metrics):
+        if not kind.counts_positive_calls or is_call_metric(name):
+            continue
+        zeros = ["0.0", "0", "0"] * len(spec.metrics)
+        zeros[3 * index + 2] = "COUNT(*)"
+        select = ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(zeros, columns, strict=True))
+        parts.append(
+            f"SELECT phase, arm, unit, unit_is_call, bucket, 0 AS calls, CAST(NULL AS BIGINT) AS first_ns, {select}"
+            " FROM (SELECT phase, arm, unit, unit_is_call, MIN(bucket) AS bucket FROM joined"
+            f" WHERE code = {index} AND value > 0 AND request_id IS NOT NULL"
+            " GROUP BY phase, arm, unit, unit_is_call, request_id"
+            " UNION ALL SELECT phase, arm, unit, unit_is_call, bucket FROM joined"
+            f" WHERE code = {index} AND value > 0 AND request_id IS NULL) AS p"
+            " GROUP BY phase, arm, unit, unit_is_call, bucket"
+        )
+    summed = ", ".join(
+        f"SUM({_quoted(n)}) AS {_quoted(n)}"
+        if n.endswith(".sum")
+        else f"CAST(SUM({_quoted(n)}) AS BIGINT) AS {_quoted(n)}"
+        for n in columns
+    )
+    return (
+        "SELECT phase, arm, unit, unit_is_call, bucket, CAST(SUM(calls) AS BIGINT) AS calls, "
+        "MIN(first_ns) AS first_ns, "
+        f"{summed}, CAST(NULL AS VARCHAR) AS phase_record FROM ("
+        + " UNION ALL ".join(parts)
+        + ") AS rows GROUP BY phase, arm, unit, unit_is_call, bucket"
+    )
+
+
+def phase_rows_select(spec: Aggregation) -> str:
+    """One row per phase: the record of its first call (weights and control)."""
+    w = spec.window
+    nulls = ", ".join(
+        f"CAST(NULL AS {'DOUBLE' if n.endswith('.sum') else 'BIGINT'}) AS {_quoted(n)}" for n in _metric_sums(spec)
+    )
+    return (
+        "SELECT f.phase, CAST(NULL AS VARCHAR) AS arm, CAST(NULL AS VARCHAR) AS unit, CAST(NULL AS BOOLEAN) AS "
+        "unit_is_call, CAST(NULL AS BIGINT) AS bucket, CAST(NULL AS BIGINT) AS calls, f.time_ns AS first_ns, "
+        f"{nulls}, HEX(c.record) AS phase_record"
+        " FROM (SELECT * FROM (SELECT phase, request_id, time_ns, ROW_NUMBER() OVER (PARTITION BY phase ORDER BY"
+        " time_ns, stream_ms, stream_seq) AS nth FROM exposed) AS e WHERE nth = 1) AS f"
+        f" JOIN calls AS c ON c.request_id = f.request_id AND c.receive_time = f.time_ns"
+        f" WHERE c.receive_time >= {w.since_ns} AND c.receive_time < {w.until_ns}"
+    )
+
+
+def with_steps(spec: Aggregation, select: str) -> str:
+    return "WITH " + ",\n".join(f"{name} AS ({body})" for name, body in steps(spec)) + "\n" + select
+
+
+def output_select(spec: Aggregation) -> str:
+    """The aggregation's output (without its CTEs): unit rows, then phase rows."""
+    return f"{unit_rows_select(spec)}\nUNION ALL\n{phase_rows_select(spec)}"
+
+
+def aggregation_query(spec: Aggregation, dialect: str = "duckdb") -> str:
+    """The whole query in ``dialect`` (one of :data:`DIALECTS`)."""
+    if dialect not in DIALECTS:
+        raise ValueError(f"unknown dialect {dialect!r} (one of {', '.join(DIALECTS)})")
+    text = with_steps(spec, output_select(spec))
+    return sqlglot.transpile(text, read="duckdb", write=dialect, pretty=True)[0]
+
+
+def output_columns(metrics: Sequence[str]) -> list[str]:
+    """The output's columns, in order."""
+    return [
+        "phase",
+        "arm",
+        "unit",
+        "unit_is_call",
+        "bucket",
+        "calls",
+        "first_ns",
+        *(metric_column(name, part) for name in metrics for part in METRIC_PARTS),
+        "phase_record",
+    ]
+
+
+# -- the side queries (the DuckDB engine's report: what a cluster's per-unit rows do not carry) --------------------
+
+
+def side_queries(spec: Aggregation) -> dict[str, str]:
+    """SELECTs over the steps (:func:`steps`), by name."""
+    label = "CASE WHEN randomized THEN 'randomized' ELSE assignment END"
+    out = {
+        "call_counts": """SELECT (SELECT COUNT(*) FROM calls_read WHERE copy = 1) AS entries_read,
+                (SELECT COUNT(*) FROM calls_read WHERE copy = 1) - (SELECT COUNT(*) FROM calls_good) AS corrupt,
+                (SELECT COUNT(*) FROM calls_good) - (SELECT COUNT(*) FROM calls_once) AS duplicates,
+                (SELECT COUNT(*) FROM exposed) AS calls,
+                (SELECT COUNT(*) FROM exposed WHERE randomized) AS randomized_calls,
+                (SELECT COUNT(*) FROM exposed WHERE randomized AND keyed) AS keyed_calls""",
+        "feedback_counts": """SELECT (SELECT COUNT(*) FROM events_read WHERE copy = 1) AS entries_read,
+                (SELECT COUNT(*) FROM events_sorted WHERE NOT asked) AS other_metrics,
+                (SELECT COUNT(*) FROM events_sorted WHERE asked AND NOT good) AS corrupt,
+                (SELECT COUNT(*) FROM events_sorted WHERE asked AND good AND NOT inside) AS outside_window,
+                (SELECT COUNT(*) FROM events_kept) - (SELECT COUNT(*) FROM events) AS duplicates,
+                (SELECT COUNT(*) FROM events) AS events,
+                (SELECT COUNT(*) FROM by_request WHERE randomized) AS by_request,
+                (SELECT COUNT(*) FROM by_request WHERE NOT randomized) AS not_randomized,
+                (SELECT COUNT(*) FROM by_unit) AS by_unit""",
+        "groups": f"""SELECT phase, arm, {label} AS label, COUNT(*) AS calls,
+                CAST(SUM(CASE WHEN failed THEN 1 ELSE 0 END) AS BIGINT) AS errors,
+                CAST(SUM(CASE WHEN tokens IS NOT NULL THEN 1 ELSE 0 END) AS BIGINT) AS streams,
+                CAST(COALESCE(SUM(tokens), 0) AS BIGINT) AS tokens,
+                COALESCE(SUM(CASE WHEN tokens IS NOT NULL THEN latency_ms END), 0.0) / 1e3 AS seconds,
+                CAST(SUM(CASE WHEN {_finite("ttft_ms")} THEN 1 ELSE 0 END) AS BIGINT) AS ttft_calls,
+                CAST(SUM(CASE WHEN completion_tokens IS NOT NULL THEN 1 ELSE 0 END) AS BIGINT) AS generations,
+                CAST(COALESCE(SUM(completion_tokens), 0) AS BIGINT) AS tokens_out,
+                CAST(SUM(CASE WHEN completion_tokens IS NOT NULL AND prompt_tokens IS NOT NULL THEN 1 ELSE 0 END)
+                  AS BIGINT) AS prompt_known,
+                CAST(COALESCE(SUM(CASE WHEN completion_tokens IS NOT NULL THEN prompt_tokens END), 0) AS BIGINT)
+                  AS tokens_in,
+                CAST(SUM(CASE WHEN completion_tokens IS NOT NULL AND ({_cost(spec)}) IS NOT NULL THEN 1 ELSE 0 END)
+                  AS BIGINT) AS costed,
+                COALESCE(SUM(CASE WHEN completion_tokens IS NOT NULL THEN {_cost(spec)} END), 0.0) AS cost,
+                MIN(time_ns) AS first_ns
+              FROM exposed GROUP BY phase, arm, {label}""",
+        "latency": f"""SELECT phase, arm, {label} AS label, latency_bucket AS bucket, COUNT(*) AS n
+              FROM exposed GROUP BY phase, arm, {label}, latency_bucket""",
+        "ttft": f"""SELECT phase, arm, {label} AS label, {_latency_bucket("ttft_ms")} AS bucket, COUNT(*) AS n
+              FROM exposed WHERE {_finite("ttft_ms")} GROUP BY phase, arm, {label}, {_latency_bucket("ttft_ms")}""",
+        "other": """SELECT phase, assignment, arm, COUNT(*) AS calls,
+                CAST(SUM(CASE WHEN failed THEN 1 ELSE 0 END) AS BIGINT) AS errors
+              FROM exposed WHERE NOT randomized GROUP BY phase, assignment, arm""",
+        "arm_order": """SELECT arm, MIN(time_ns) AS first_ns FROM exposed GROUP BY arm""",
+        "latency_samples": """SELECT phase, arm, unit, unit_is_call, latency_bucket AS bucket, COUNT(*) AS n
+              FROM exposed WHERE randomized GROUP BY phase, arm, unit, unit_is_call, latency_bucket""",
+        "ttft_samples": f"""SELECT phase, arm, unit, unit_is_call, {_latency_bucket("ttft_ms")} AS bucket,
+                COUNT(*) AS n FROM exposed WHERE randomized AND {_finite("ttft_ms")}
+              GROUP BY phase, arm, unit, unit_is_call, {_latency_bucket("ttft_ms")}""",
+    }
+    if spec.novelty_ns:
+        out["novelty"] = _novelty_select(spec)
+    return out
+
+
+def _novelty_select(spec: Aggregation) -> str:
+    """Per (row, bucket since the row's first call): calls, and per metric sum, count and positive events."""
+    width = spec.novelty_ns
+    columns = _metric_sums(spec)
+
+    def since(expression: str) -> str:
+        return f"GREATEST(({expression} - r.first_ns) // {width}, 0)"
+
+    chosen = "c.randomized" if spec.randomized_only else "TRUE"
+    call_parts = []
+    for name, _ in spec.metrics:
+        value = "c." + _quoted("call_value_" + name)
+        call_parts += (
+            [f"{value}", f"CASE WHEN {value} IS NULL THEN 0 ELSE 1 END", "0"]
+            if is_call_metric(name)
+            else [
+                "0.0",
+                "0",
+                "0",
+            ]
+        )
+    event_parts = []
+    for index, (name, _) in enumerate(spec.metrics):
+        if is_call_metric(name):
+            event_parts += ["0.0", "0", "0"]
+        else:
+            event_parts += [
+                f"CASE WHEN j.code = {index} THEN j.value ELSE 0.0 END",
+                f"CASE WHEN j.code = {index} THEN 1 ELSE 0 END",
+                f"CASE WHEN j.code = {index} AND j.value > 0 THEN 1 ELSE 0 END",
+            ]
+    key = "r.phase, r.arm, r.unit, r.unit_is_call"
+    calls = (
+        f"SELECT {key}, {since('c.time_ns')} AS since, 1 AS calls, "
+        + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(call_parts, columns, strict=True))
+        + " FROM exposed AS c JOIN unit_rows AS r ON c.phase = r.phase AND c.arm = r.arm AND c.unit = r.unit"
+        f" AND c.unit_is_call = r.unit_is_call WHERE {chosen}"
+    )
+    events = (
+        f"SELECT {key}, {since('j.event_ns')} AS since, 0 AS calls, "
+        + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(event_parts, columns, strict=True))
+        + " FROM joined AS j JOIN unit_rows AS r ON j.phase = r.phase AND j.arm = r.arm AND j.unit = r.unit"
+        " AND j.unit_is_call = r.unit_is_call"
+    )
+    summed = ", ".join(f"SUM({_quoted(n)}) AS {_quoted(n)}" for n in columns)
+    return (
+        f"SELECT phase, arm, unit, unit_is_call, since, SUM(calls) AS calls, {summed} FROM ({calls} UNION ALL {events})"
+        f" AS n WHERE since < {spec.novelty_buckets} GROUP BY phase, arm, unit, unit_is_call, since"
+    )

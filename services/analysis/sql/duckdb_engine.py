@@ -1,0 +1,357 @@
+"""The aggregation (:mod:`splitstream.analysis.sql.aggregation`) run on DuckDB over the archive's Parquet: the
+default for ``--source archive:``.
+
+Only the window's hour partitions are opened (the archive's own listing), through a pyarrow dataset on the
+archive's filesystem (a directory or an S3-compatible store alike) whose schema reads the times as integer
+nanoseconds (DuckDB's own Parquet reader rounds them to microseconds); DuckDB pushes the columns and the time
+filter down into it. Each step of the query is a temporary table, so each is computed once for the output and the
+side queries, and DuckDB keeps them under ``memory_limit``, spilling the rest to a temporary directory rather
+than growing without bound. A phase's record (its weights) is read back from the archive by request id and time,
+one per phase, as the reader does.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+
+from splitstream.analysis.folding import Loaded
+from splitstream.analysis.loading import (
+    LATENCY_BUCKETS,
+    CallSamples,
+    Exposures,
+    Feedback,
+    Histogram,
+    PhaseInfo,
+    StreamStats,
+    UnitIndex,
+    UsageStats,
+    Window,
+)
+from splitstream.analysis.novelty import NoveltyFold, bucket_count
+from splitstream.analysis.sql import aggregates
+from splitstream.analysis.sql.aggregation import (
+    METRIC_PARTS,
+    Aggregation,
+    metric_column,
+    side_queries,
+    steps,
+    unit_rows_select,
+)
+from splitstream.analysis.statistics import MetricKind
+from splitstream.analysis.unit_buckets import UnitBucketCounts
+from splitstream.analysis.usage import Price, is_call_metric
+from splitstream.common.archive import (
+    CALL_SCHEMA,
+    CALLS,
+    FEEDBACK,
+    FEEDBACK_SCHEMA,
+    Archive,
+    ArchiveError,
+    ArchiveQuery,
+    read_calls,
+    window_files,
+)
+
+#: The columns the query reads (the serialized records, tags and the rest are left in the files).
+READ_COLUMNS = frozenset(
+    [
+        *("request_id", "receive_time", "status", "latency_ms", "arm", "assignment", "phase", "routing_key_hmac"),
+        *("ttft_ms", "tokens", "prompt_tokens", "completion_tokens", "stream_id"),
+        *("unit", "metric", "value", "event_time", "idempotency_key"),
+    ]
+)
+#: Steps kept as tables (read more than once, or from the archive's single-pass readers); the rest are views.
+MATERIALIZED = frozenset(["calls_read", "calls_once", "exposed", "unit_rows", "events_read", "events", "joined"])
+#: DuckDB's memory before it spills to disk (``SPLITSTREAM_ANALYSIS_MEMORY``, DuckDB's syntax: ``1GB``).
+DEFAULT_MEMORY_LIMIT = "512MB"
+
+
+def connect(temp_dir: str) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect(config={"memory_limit": os.environ.get("SPLITSTREAM_ANALYSIS_MEMORY", DEFAULT_MEMORY_LIMIT)})
+    con.execute(f"SET temp_directory = '{temp_dir}'")
+    con.execute("SET preserve_insertion_order = false")
+    return con
+
+
+def _register(
+    con: duckdb.DuckDBPyConnection,
+    archive: Archive,
+    name: str,
+    schema: pa.Schema,
+    files: list[str],
+    since: int,
+    until: int,
+) -> None:
+    """``name``: the files' rows received in ``[since, until)`` as a stream of Arrow batches (read once, by the
+    query's first step), the times cast to integer nanoseconds and without the serialized records."""
+    try:
+        dataset = ds.dataset(files, schema=schema, filesystem=archive.filesystem, format="parquet")
+        columns = {
+            f.name: ds.field(f.name).cast(pa.int64()) if pa.types.is_timestamp(f.type) else ds.field(f.name)
+            for f in schema
+            if f.name in READ_COLUMNS
+        }
+        bounds = [pa.scalar(v, type=pa.timestamp("ns", tz="UTC")) for v in (since, until)]
+        condition = (ds.field("receive_time") >= bounds[0]) & (ds.field("receive_time") < bounds[1])
+        # Little read ahead: the batches wait in memory outside DuckDB's limit.
+        scanner = dataset.scanner(columns=columns, filter=condition, batch_readahead=2, fragment_readahead=1)
+        reader = scanner.to_reader()
+    except (OSError, pa.ArrowException) as error:
+        raise ArchiveError(f"archive {archive.url!r} cannot be read: {error}") from None
+    con.register(name, reader)
+
+
+def _run(con: duckdb.DuckDBPyConnection, spec: Aggregation) -> None:
+    for name, body in steps(spec):
+        con.execute(f"CREATE TEMP {'TABLE' if name in MATERIALIZED else 'VIEW'} {name} AS {body}")
+    # The output's unit rows (its phase rows' records are read back from the archive: :func:`_phase_info`).
+    con.execute(f"CREATE TEMP TABLE {aggregates.ROWS_VIEW} AS {unit_rows_select(spec)}")
+
+
+def load_archive(
+    archive: Archive,
+    model: str,
+    window: Window,
+    kinds: Sequence[MetricKind],
+    metrics: Sequence[str],
+    *,
+    per_call: bool,
+    randomized_only: bool = True,
+    exclude_crossover: bool = True,
+    prices: dict[str, Price] | None = None,
+    novelty_ns: int | None = None,
+    call_samples: bool = True,
+) -> Loaded:
+    """What :func:`splitstream.analysis.folding.load` returns for the archive, aggregated by DuckDB. Blocking (run
+    it in a thread). Raises ArchiveError when the archive cannot be read."""
+    spec = Aggregation(
+        window,
+        tuple(zip(metrics, kinds, strict=True)),
+        per_call=per_call,
+        randomized_only=randomized_only,
+        prices=dict(prices or {}),
+        novelty_ns=novelty_ns,
+        novelty_buckets=bucket_count(window, novelty_ns) if novelty_ns else 0,
+    )
+    reach = window.feedback_reach()
+    low = max(reach.since_ns - reach.clock_skew_ns, 0) // 1_000_000 * 1_000_000
+    high = ((reach.until_ns + reach.max_lateness_ns + reach.clock_skew_ns) // 1_000_000 + 1) * 1_000_000
+    call_files = window_files(archive, CALLS, model, window.since_ns, window.until_ns)
+    feedback_files = window_files(archive, FEEDBACK, model, low, high)
+    with tempfile.TemporaryDirectory(prefix="splitstream-duckdb-") as temp_dir:
+        con = connect(temp_dir)
+        try:
+            _register(con, archive, "calls", CALL_SCHEMA, call_files, window.since_ns, window.until_ns)
+            _register(con, archive, "feedback", FEEDBACK_SCHEMA, feedback_files, low, high)
+            try:
+                _run(con, spec)
+                return _loaded(con, archive, model, spec, exclude_crossover=exclude_crossover, samples=call_samples)
+            except (duckdb.IOException, duckdb.InvalidInputException) as error:
+                raise ArchiveError(f"archive {archive.url!r} cannot be read: {error}") from None
+        finally:
+            con.close()
+
+
+def _loaded(
+    con: duckdb.DuckDBPyConnection,
+    archive: Archive,
+    model: str,
+    spec: Aggregation,
+    *,
+    exclude_crossover: bool,
+    samples: bool,
+) -> Loaded:
+    side = side_queries(spec)
+    metrics = [name for name, _ in spec.metrics]
+    kinds = [kind for _, kind in spec.metrics]
+    arm_order = [arm for arm, _ in con.execute(side["arm_order"] + " ORDER BY first_ns, arm").fetchall()]
+    rows = aggregates.lay_out(con, metrics, kinds, arm_order)
+    counts = con.execute(side["call_counts"]).fetchone()
+    fb = con.execute(side["feedback_counts"]).fetchone()
+    assert counts is not None
+    assert fb is not None
+    entries_read, corrupt, duplicates, calls, randomized_calls, keyed_calls = (int(v) for v in counts)
+    fb_read, other_metrics, fb_corrupt, outside, fb_duplicates, events, by_request, not_randomized, by_unit = (
+        int(v) for v in fb
+    )
+    if not spec.randomized_only:
+        by_request, not_randomized = by_request + not_randomized, 0
+    used = by_request + by_unit
+    folder = aggregates.folder_of(
+        rows,
+        kinds,
+        metrics,
+        spec.window,
+        per_call=spec.per_call,
+        exclude_crossover=exclude_crossover,
+        used=used,
+        unknown=events - used - not_randomized,
+        not_randomized=not_randomized,
+    )
+    latency: dict[tuple[str, str, str], Histogram] = {}
+    streams: dict[tuple[str, str, str], StreamStats] = {}
+    usage: dict[tuple[str, str, str], UsageStats] = {}
+    for (
+        phase,
+        arm,
+        label,
+        n,
+        errors,
+        streamed,
+        tokens,
+        seconds,
+        ttft_calls,
+        gens,
+        out,
+        known,
+        tin,
+        costed,
+        cost,
+        _,
+    ) in con.execute(side["groups"]).fetchall():
+        key = (phase, arm, label)
+        latency[key] = Histogram(np.zeros(LATENCY_BUCKETS, dtype=np.int64), int(n), int(errors))
+        if streamed or ttft_calls:
+            stats = streams[key] = StreamStats(int(streamed), int(tokens), float(seconds))
+            stats.ttft.calls = int(ttft_calls)
+        if gens:
+            usage[key] = UsageStats(int(gens), int(out), int(known), int(tin), int(costed), float(cost))
+    for phase, arm, label, bucket, n in con.execute(side["latency"]).fetchall():
+        latency[(phase, arm, label)].counts[int(bucket)] += int(n)
+    for phase, arm, label, bucket, n in con.execute(side["ttft"]).fetchall():
+        streams[(phase, arm, label)].ttft.counts[int(bucket)] += int(n)
+    other = [
+        (phase, assignment, arm, int(n), int(errors))
+        for phase, assignment, arm, n, errors in con.execute(side["other"] + " ORDER BY 1, 2, 3").fetchall()
+    ]
+    exposures = Exposures(
+        units=rows.units(),
+        bucket_calls=rows.bucket_calls,
+        other=other,
+        latency=latency,
+        phase_info=_phase_info(con, archive, model, spec.window),
+        phases=rows.phases,
+        arms=rows.arms,
+        entries_read=entries_read,
+        calls=calls,
+        duplicates=duplicates,
+        corrupt=corrupt,
+        streams=streams,
+        usage=usage,
+        randomized_calls=randomized_calls,
+        keyed_calls=keyed_calls,
+        call_samples=CallSamples(_samples(con, side["latency_samples"]), _samples(con, side["ttft_samples"]))
+        if samples
+        else None,
+    )
+    if spec.novelty_ns:
+        folder.novelty = _novelty(con, side["novelty"], spec, len(rows.phase))
+    feedback = Feedback(fb_read, fb_duplicates, fb_corrupt, other_metrics, outside)
+    return Loaded(exposures, feedback, folder, {})
+
+
+#: Side query rows joined to the rows' layout (:data:`aggregates.ROW_INDEX`).
+def _indexed(select: str, extra: str) -> str:
+    return (
+        f"SELECT i.row_id, s.{extra} FROM ({select}) AS s JOIN {aggregates.ROW_INDEX} AS i ON s.phase = i.phase"
+        " AND s.arm = i.arm AND s.unit = i.unit AND s.unit_is_call = i.unit_is_call"
+    )
+
+
+def _samples(con: duckdb.DuckDBPyConnection, select: str) -> UnitBucketCounts:
+    table = con.execute(_indexed(select, "bucket, s.n") + " ORDER BY 1, 2").to_arrow_table()
+    return UnitBucketCounts(
+        table.column(0).to_numpy().astype(np.int64),
+        table.column(1).to_numpy().astype(np.int64),
+        table.column(2).to_numpy().astype(np.int32),
+    )
+
+
+def _novelty(con: duckdb.DuckDBPyConnection, select: str, spec: Aggregation, n: int) -> NoveltyFold:
+    """The novelty fold's matrices (:class:`NoveltyFold`) filled from the query's rows."""
+    index = UnitIndex()
+    index.size = n
+    metrics = [name for name, _ in spec.metrics]
+    kinds = [kind for _, kind in spec.metrics]
+    assert spec.novelty_ns is not None
+    fold = NoveltyFold(
+        index,
+        kinds,
+        [name if is_call_metric(name) else None for name in metrics],
+        spec.novelty_ns,
+        spec.novelty_buckets,
+    )
+    fold._grow()
+    columns = [metric_column(name, part) for name in metrics for part in METRIC_PARTS]
+    quoted = ", ".join('s."' + c + '"' for c in columns)
+    table = con.execute(_indexed(select, f"since, s.calls, {quoted}")).to_arrow_table()
+    rows = table.column(0).to_numpy().astype(np.int64)
+    cells = rows * fold.buckets + table.column(1).to_numpy().astype(np.int64)
+
+    def add(target: np.ndarray, column: int) -> None:  # type: ignore[type-arg]
+        values = pc.fill_null(table.column(column), 0).to_numpy(zero_copy_only=False)
+        np.add.at(target.reshape(-1), cells, values.astype(target.dtype))
+
+    add(fold.calls, 2)
+    for code, kind in enumerate(kinds):
+        base = 3 + code * len(METRIC_PARTS)
+        add(fold.sums[code], base)
+        add(fold.counts[code], base + 1)
+        if kind.counts_positive_calls:
+            add(fold.positives[code], base + 2)
+    return fold
+
+
+def _phase_info(con: duckdb.DuckDBPyConnection, archive: Archive, model: str, window: Window) -> dict[str, PhaseInfo]:
+    """Each phase's weights and control, from the record of its first call (read back from the archive)."""
+    firsts = con.execute(
+        """SELECT phase, request_id, time_ns FROM (SELECT phase, request_id, time_ns, ROW_NUMBER() OVER (PARTITION
+        BY phase ORDER BY time_ns, stream_ms, stream_seq) AS nth FROM exposed) AS e WHERE nth = 1 AND phase <> ''"""
+    ).fetchall()
+    found: dict[str, PhaseInfo] = {}
+    for phase, request_id, time_ns in firsts:
+        query = ArchiveQuery(model=model, since_ns=int(time_ns), until_ns=int(time_ns) + 1)
+        table = read_calls(archive, query, columns=["request_id", "record"])
+        table = table.filter(pc.equal(table["request_id"], request_id))
+        info = aggregates.phase_info(phase, table["record"][0].as_py() if table.num_rows else None)
+        if info is not None:
+            found[phase] = info
+    return found
+
+
+def load_aggregates(
+    path: Path, window: Window, kinds: Sequence[MetricKind], metrics: Sequence[str], *, per_call: bool
+) -> Loaded:
+    """The statistics' input from an ``--aggregates`` file (the query's output, written by another engine): its
+    unit rows and phases; nothing of what it does not carry (calls not randomized, latency, streams, counts)."""
+    with tempfile.TemporaryDirectory(prefix="splitstream-duckdb-") as temp_dir:
+        con = connect(temp_dir)
+        try:
+            aggregates.open_aggregates(con, path, metrics)
+            rows = aggregates.lay_out(con, metrics, kinds)
+            infos = aggregates.phase_records(con)
+        finally:
+            con.close()
+    folder = aggregates.folder_of(rows, kinds, metrics, window, per_call=per_call, exclude_crossover=True)
+    calls = int(rows.bucket_calls.sum())
+    exposures = Exposures(
+        units=rows.units(),
+        bucket_calls=rows.bucket_calls,
+        other=[],
+        latency={},
+        phase_info=infos,
+        phases=rows.phases,
+        arms=rows.arms,
+        calls=calls,
+        randomized_calls=calls,
+    )
+    return Loaded(exposures, Feedback(), folder, {})
