@@ -427,11 +427,12 @@ def side_queries(spec: Aggregation) -> dict[str, str]:
                 CAST(SUM(CASE WHEN failed THEN 1 ELSE 0 END) AS BIGINT) AS errors
               FROM exposed WHERE NOT randomized GROUP BY phase, assignment, arm""",
         "arm_order": """SELECT arm, MIN(time_ns) AS first_ns FROM exposed GROUP BY arm""",
-        "latency_samples": """SELECT phase, arm, unit, unit_is_call, latency_bucket AS bucket, COUNT(*) AS n
-              FROM exposed WHERE randomized GROUP BY phase, arm, unit, unit_is_call, latency_bucket""",
-        "ttft_samples": f"""SELECT phase, arm, unit, unit_is_call, {_latency_bucket("ttft_ms")} AS bucket,
-                COUNT(*) AS n FROM exposed WHERE randomized AND {_finite("ttft_ms")}
-              GROUP BY phase, arm, unit, unit_is_call, {_latency_bucket("ttft_ms")}""",
+        "latency_samples": """SELECT phase, arm, unit, unit_is_call, latency_bucket AS value_bucket,
+                bucket AS period, COUNT(*) AS n
+              FROM exposed WHERE randomized GROUP BY phase, arm, unit, unit_is_call, latency_bucket, bucket""",
+        "ttft_samples": f"""SELECT phase, arm, unit, unit_is_call, {_latency_bucket("ttft_ms")} AS value_bucket,
+                bucket AS period, COUNT(*) AS n FROM exposed WHERE randomized AND {_finite("ttft_ms")}
+              GROUP BY phase, arm, unit, unit_is_call, {_latency_bucket("ttft_ms")}, bucket""",
     }
     if spec.novelty_ns:
         out["novelty"] = _novelty_select(spec)

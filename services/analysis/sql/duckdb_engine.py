@@ -268,11 +268,12 @@ def _indexed(select: str, extra: str) -> str:
 
 
 def _samples(con: duckdb.DuckDBPyConnection, select: str) -> UnitBucketCounts:
-    table = con.execute(_indexed(select, "bucket, s.n") + " ORDER BY 1, 2").to_arrow_table()
+    table = con.execute(_indexed(select, "value_bucket, s.n, s.period") + " ORDER BY 1, 4, 2").to_arrow_table()
     return UnitBucketCounts(
         table.column(0).to_numpy().astype(np.int64),
         table.column(1).to_numpy().astype(np.int64),
         table.column(2).to_numpy().astype(np.int32),
+        table.column(3).to_numpy().astype(np.int64),
     )
 
 
