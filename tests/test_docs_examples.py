@@ -39,7 +39,8 @@ RUN: dict[str, set[str]] = {
     # noise-floor: run by tests/test_replay_noise.py, against the noisy model it builds.
     "replay.md": {"incident", "ci", "compare", "noise-floor"},
     "analysis.md": {"analyze", "archive"},
-    "archive.md": {"archive", "replay"},
+    # sql: run by tests/test_archive.py (test_the_docs_duckdb_query_counts_each_call_and_click_once_per_version).
+    "archive.md": {"archive", "replay", "sql"},
 }
 
 #: Pages whose worked example is not run here, and why.
