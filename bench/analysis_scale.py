@@ -308,6 +308,15 @@ def scan_expressions(columns: tuple[str, ...]) -> str:
     return ", ".join(parts)
 
 
+def attempt(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, Measured | None, str]:
+    """A row of the table: what ``argv`` measured, or why it has no figures (it failed: its last line)."""
+    try:
+        return name, spawn(argv, env=env), ""
+    except RuntimeError as error:
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return name, None, f"failed: {lines[0].rpartition(' ... ')[2].rstrip(':')}: {lines[-1][:160]}"
+
+
 def analyze_argv(directory: Path, out: Path, hours: int, engine: str | None) -> list[str]:
     since, until = T0_NS // 10**9, (T0_NS + hours * HOUR_NS) // 10**9
     metrics = [part for metric in METRICS for part in ("--metric", metric)]
@@ -423,9 +432,7 @@ def run(args: argparse.Namespace, users: int, directory: Path, work: Path) -> in
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
     two_engines = has_engine_flag()
     default_out = work / "default"
-    table.append(
-        ("analyze (default engine)", spawn(analyze_argv(directory, default_out, args.hours, None), env=env), "")
-    )
+    table.append(attempt("analyze (default engine)", analyze_argv(directory, default_out, args.hours, None), env))
     python_out = work / "python"
     if not two_engines:
         table.append(("analyze --archive-engine python", None, "not run: this analyze has no --archive-engine"))
@@ -439,11 +446,7 @@ def run(args: argparse.Namespace, users: int, directory: Path, work: Path) -> in
         )
     else:
         table.append(
-            (
-                "analyze --archive-engine python",
-                spawn(analyze_argv(directory, python_out, args.hours, "python"), env=env),
-                "",
-            )
+            attempt("analyze --archive-engine python", analyze_argv(directory, python_out, args.hours, "python"), env)
         )
     scan = table[1][1]
     assert scan is not None
@@ -463,7 +466,7 @@ def run(args: argparse.Namespace, users: int, directory: Path, work: Path) -> in
         )
     print(f"rows: {rows_total:,} (calls and feedback); x scan rate: the row's rate over the bare scan's, same run")
     print("load average (1, 5, 15 min) at the end: " + ", ".join(f"{load:.1f}" for load in os.getloadavg()))
-    if (python_out / "analysis.json").exists():
+    if (python_out / "analysis.json").exists() and (default_out / "analysis.json").exists():
         left = json.loads((default_out / "analysis.json").read_text())
         right = json.loads((python_out / "analysis.json").read_text())
         found = differences(left, right)
@@ -471,7 +474,7 @@ def run(args: argparse.Namespace, users: int, directory: Path, work: Path) -> in
             "analysis.json, default engine against --archive-engine python: "
             + ("equal, field by field" if not found else f"{len(found)} differences, first: {found[:5]}")
         )
-    else:
+    elif (default_out / "analysis.json").exists():
         summary = json.loads((default_out / "analysis.json").read_text())
         calls = summary["calls"]["calls"]
         print(f"analysis.json (default engine): {calls:,} calls analysed, no second engine to compare")
