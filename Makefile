@@ -80,6 +80,7 @@ bench: install ## Run the benchmarks (prints tables; see docs/benchmarks.md)
 	$(BIN)/python bench/streaming.py
 	$(BIN)/python bench/exposures_feedback.py
 	$(BIN)/python bench/analysis.py
+	$(BIN)/python bench/analysis_scale.py
 
 bench-http: install $(LITELLM_VENV)/.installed $(BENCH_VENV)/.installed ## HTTP hop overhead (router, floor, LiteLLM, nginx) and the HTTP stack comparison
 	@command -v nginx >/dev/null || echo "nginx not installed: its row is left out (apt-get install nginx)"

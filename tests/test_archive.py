@@ -52,6 +52,7 @@ from splitstream.common.records import (
     stream_key,
 )
 from splitstream.replayer.selection import Selection, SelectionStats, select_calls
+from tests.doc_examples import block as doc_block
 from tests.harness import (
     ROOT,
     InferClient,
@@ -1088,23 +1089,50 @@ def test_an_archive_file_that_fails_mid_replay_exits_2_naming_it_with_the_partia
 
 
 @pytest.mark.slow
-def test_the_readme_duckdb_query_counts_calls_per_version_and_hour(tmp_path: Path, redis_server: RedisServer) -> None:
-    duckdb = pytest.importorskip("duckdb")
+def test_the_docs_duckdb_query_counts_each_call_and_click_once_per_version(
+    tmp_path: Path, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """docs/archive.md's worked SQL, as it stands on the page, over what a real archiver wrote: calls and
+    clicks some of which were delivered twice, in the week the query names and in the week after."""
+    pytest.importorskip("duckdb")
     client = redis_server.client()
-    write_synthetic(client, 0, 90, start_ns=time.time_ns())
-    archive_dir = tmp_path / "archive"
-    archive_all(tmp_path, redis_server)
-    rows = duckdb.sql(
-        f"""
-        SELECT model, version, date, hour,
-               count(DISTINCT request_id) AS calls,
-               avg(CASE WHEN status <> 'OK' THEN 1 ELSE 0 END) AS error_rate
-        FROM read_parquet('{archive_dir}/calls/*/*/*/*.parquet', hive_partitioning = true)
-        GROUP BY ALL ORDER BY version
-        """
-    ).fetchall()
-    assert [(row[0], row[1], row[4]) for row in rows] == [(SYNTHETIC, "v1", 60), (SYNTHETIC, "v2", 30)]
-    assert rows[1][5] == pytest.approx(6 / 30)
+    week = 1_790_985_600 * 10**9  # 2026-10-03T00:00:00Z, inside the query's dates
+    write_synthetic(client, 0, 60, start_ns=week + 10 * HOUR_NS, gap_ns=10**9)
+    write_synthetic(client, 60, 9, start_ns=week + 7 * 24 * HOUR_NS)  # the week after: not counted
+    # Delivered twice: five calls (resent records, new entries) and two clicks (resent events).
+    pipe = client.pipeline(transaction=False)
+    for i in range(0, 50, 10):
+        pipe.xadd(stream_key(SYNTHETIC), entry_fields(synthetic_record(i, week + 10 * HOUR_NS + i * 10**9)))
+    clicked = [i for i in range(60) if i % 4 == 0]
+    for n, i in enumerate([*clicked, clicked[0], clicked[1]]):
+        event = feedback_pb2.FeedbackEvent(request_id=f"r-{i}", metric="click", value=1.0, idempotency_key=f"c-{i}")
+        event.event_unix_ns = event.receive_unix_ns = week + 10 * HOUR_NS + i * 10**9 + 10**9 + n
+        pipe.xadd(feedback_key(SYNTHETIC), feedback_entry_fields(event))
+    pipe.execute()
+    with running_archiver(tmp_path, redis_server.url):
+        for key in (stream_key(SYNTHETIC), feedback_key(SYNTHETIC)):
+            wait_until(lambda key=key: archived_everything(client, key), timeout_s=60, what=key)  # type: ignore[misc]
+    client.close()
+    code = doc_block("archive.md", "sql").text
+    for old, new in (
+        ("'splitstream-archive/", f"'{tmp_path}/archive/"),
+        ("model = 'resnet'", f"model = '{SYNTHETIC}'"),
+    ):
+        assert old in code, f"docs/archive.md's SQL no longer holds {old!r}: update this test"
+        code = code.replace(old, new)
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "docs/archive.md", "exec"), namespace)
+    assert "click_rate" in capsys.readouterr().out  # what .show() printed
+    rows = namespace["by_version"].fetchall()
+    expected = []
+    for version in ("v1", "v2"):
+        calls = [i for i in range(60) if ("v1" if i % 3 else "v2") == version]
+        failed = [i for i in calls if i % 5 == 0]
+        clicks = [i for i in calls if i % 4 == 0]
+        expected.append((version, len(calls), len(failed) / len(calls), len(clicks) / len(calls)))
+    assert [(v, n) for v, n, *_ in rows] == [(v, n) for v, n, *_ in expected]
+    for row, want in zip(rows, expected, strict=True):
+        assert row[2:] == pytest.approx(want[2:])
 
 
 @pytest.mark.parametrize("retention", ["count", "age"])

@@ -40,7 +40,8 @@ RUN: dict[str, set[str]] = {
     # tests/test_replay_noise_streams.py, against the sampling language models it builds.
     "replay.md": {"incident", "ci", "compare", "noise-floor", "noise-floor-streams"},
     "analysis.md": {"analyze", "archive"},
-    "archive.md": {"archive", "replay"},
+    # sql: run by tests/test_archive.py (test_the_docs_duckdb_query_counts_each_call_and_click_once_per_version).
+    "archive.md": {"archive", "replay", "sql"},
 }
 
 #: Pages whose worked example is not run here, and why.

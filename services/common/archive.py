@@ -411,13 +411,16 @@ def _abort_multipart_uploads(archive: Archive, cutoff: float) -> int:
 @dataclass(frozen=True, kw_only=True)
 class ArchiveQuery:
     """A receive-time window ``[since_ns, until_ns)`` of one model, with optional filters pushed down to
-    the Parquet reader: empty ``versions``/``status_codes`` mean "any"."""
+    the Parquet reader: empty ``versions``/``principals`` and ``status_codes`` None mean "any";
+    ``failed_only`` keeps the calls whose status is not OK (a replay's ``--errors-only``)."""
 
     model: str
     since_ns: int
     until_ns: int
     versions: frozenset[str] = frozenset()
     status_codes: frozenset[int] | None = None
+    failed_only: bool = False
+    principals: frozenset[str] = frozenset()
 
 
 #: The receive times a Parquet ``timestamp[ns]`` holds (int64 ns: 1677..2262). A window reaching past them
@@ -491,8 +494,8 @@ def _time_filter(since_ns: int, until_ns: int) -> ds.Expression:
 
 def read_calls(archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None) -> pa.Table:
     """The archived calls of ``query``'s window, one row per request id (the earliest stream id kept),
-    sorted by receive time. Partition pruning picks the hours; receive time, version and status are
-    pushed down to the Parquet reader (row groups whose statistics exclude them are skipped).
+    sorted by receive time. Partition pruning picks the hours; receive time, version, status and principal
+    are pushed down to the Parquet reader (row groups whose statistics exclude them are not read).
     Columns: :data:`CALL_SCHEMA`'s (or ``columns``) plus ``model``. Blocking: run it in a thread.
     Raises :class:`ArchiveError` when the store fails. This holds the whole window in memory; a long
     one is better read as it comes (:func:`iter_calls`)."""
@@ -529,6 +532,10 @@ def _hour_parts(archive: Archive, query: ArchiveQuery, columns: Sequence[str] | 
         expression &= ds.field("version").isin(sorted(query.versions))
     if query.status_codes is not None:
         expression &= ds.field("status_code").isin(sorted(query.status_codes))
+    if query.failed_only:
+        expression &= ds.field("status_code") != 0
+    if query.principals:
+        expression &= ds.field("principal").isin(sorted(query.principals))
     for files in _partition_files(archive, CALLS, query.model, query.since_ns, query.until_ns).values():
         parts = _sweep(archive, files, CALL_SCHEMA, read_columns, expression, "request_id")
         yield (_with_model(part, query.model).select(selected) for part in parts)

@@ -19,7 +19,8 @@ release keeps their order; only a late call older than what already left goes ou
 capacity buys exact order for busier windows with memory.
 
 Calls can also come from the archive (:mod:`splitstream.common.archive`): ``--source archive:URL``
-reads the whole window there (partition pruning, receive time and version pushed down to Parquet);
+reads the whole window there (partition pruning: only the hours it overlaps are listed and opened;
+receive time, version, status and principal pushed down to Parquet, so row groups they exclude are not read);
 with an archive configured beside Redis, the part of a window older than the stream's oldest entry
 (trimmed by retention) is read from the archive and the rest from Redis, merged in receive-time
 order: each stream entry from one of them (by its stream id), a request id the archive gave never
@@ -386,6 +387,8 @@ def _archived_selection(
             continue
         if selection.routing_key_hmacs and record.routing_key_hmac not in selection.routing_key_hmacs:
             continue
+        if selection.principals and record.principal not in selection.principals:
+            continue
         calls.append(SelectedCall(model=model, stream_id=stream_id, receive_ns=receive_ns, record=record))
     return calls
 
@@ -409,12 +412,15 @@ async def archive_model_calls(
     pushed: frozenset[int] | None = None
     if statuses is not None and not statuses.any_error:
         pushed = statuses.codes | ({0} if statuses.ok else frozenset())
+    # Every filter the columns can answer goes to the Parquet reader: row groups it excludes are never read.
     query = ArchiveQuery(
         model=model,
         since_ns=selection.since_ns if since_ns is None else since_ns,
         until_ns=selection.until_ns if until_ns is None else until_ns,
         versions=selection.versions,
         status_codes=pushed,
+        failed_only=statuses is not None and statuses.any_error and not statuses.ok,
+        principals=selection.principals,
     )
     hours = iter_calls(archive, query, columns=["stream_id", "receive_time", "record"])
 
