@@ -166,9 +166,9 @@ def add_command(commands: Any, env_prefix: str) -> None:
     )
     parser.add_argument(
         "--archive-engine",
-        default="duckdb",
-        help="how --source archive: is aggregated: duckdb (SQL over the Parquet; --segment falls back to python) or "
-        "python (read in pages like Redis)",
+        default="python",
+        help="how --source archive: is aggregated: python (read in pages like Redis) or duckdb (SQL over the "
+        "Parquet, the same answers; --segment falls back to python; docs/analysis.md says why not yet the default)",
     )
     parser.add_argument(
         "--print-sql",
