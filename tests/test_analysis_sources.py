@@ -317,48 +317,43 @@ def assert_same(left: Any, right: Any, where: str = "") -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("store", ["directory", "s3"])
 def test_the_archive_gives_the_same_analysis_as_redis_straddling_and_after_a_flush(
-    lab: Lab, tmp_path: Path, store: str
+    lab: Lab, tmp_path: Path, store: str, request: pytest.FixtureRequest
 ) -> None:
-    s3 = S3Server(tmp_path / "s3").start() if store == "s3" else None
     endpoint = ""
-    if s3 is not None:
-        s3.create_bucket("archive")
+    if store == "s3":
+        s3: S3Server = request.getfixturevalue("s3")  # the session's server, emptied, with its archive bucket
         url, endpoint = "s3://archive/lab", s3.endpoint
     else:
         url = (tmp_path / "archive").as_uri()
-    try:
-        # Its own copy of the lab's Redis: the test trims and flushes it.
-        with RedisServer(tmp_path / "redis") as server:
-            client = copy_of(lab, server)
-            expected = comparable(run(server.url, FULL))
-            assert expected["phases"][0]["comparisons"]
-            assert all(arm["cost"] and arm["tokens_in"] for arm in expected["phases"][0]["arms"])
-            extra = ("--s3-endpoint", endpoint) if endpoint else ()
-            archive_lab(tmp_path, server, client, url, *extra)
-            archive = open_archive(url, endpoint=endpoint)
-            # Stream figures are archived as columns: nothing need parse records.
-            columns = readable_calls(archive, ArchiveQuery(model=LAB, since_ns=T0, until_ns=T0 + HOUR_NS))
-            assert sum(t is not None for t in columns["tokens"].to_pylist()) == sum(lab.streams.values())
-            assert_same(comparable(run(ArchiveSource(archive), FULL)), expected, "archive")
-            # Retention took the older part of both streams: the archive serves it, Redis the rest.
-            trim_older(client, Fraction(2, 3))
-            straddling = StraddlingSource(Redis.from_url(server.url), archive)
-            assert_same(comparable(run(straddling, FULL)), expected, "straddling")
-            # And from the command line, after Redis has forgotten everything.
-            client.flushall()
-            client.close()
-            out = tmp_path / "out"
-            done = cli(LAB, "--source", f"archive:{url}", *extra, *window_flags(), "--metric", "click:proportion",
-                       "--metric", "revenue:sum", "--metric", "cost", "--price", PRICES[0], "--price", PRICES[1],
-                       "--cuped-pre-since", str(PRE.since_ns // 10**9),
-                       "--cuped-pre-until", str(PRE.until_ns // 10**9), "--segment", "principal",
-                       "--output-dir", str(out))  # fmt: skip
-            assert done.returncode == 0, done.stderr
-            document = json.loads((out / "analysis.json").read_text())
-            assert_same(comparable(Analysis.model_validate(document)), expected, "cli")
-    finally:
-        if s3 is not None:
-            s3.stop()
+    # Its own copy of the lab's Redis: the test trims and flushes it.
+    with RedisServer(tmp_path / "redis") as server:
+        client = copy_of(lab, server)
+        expected = comparable(run(server.url, FULL))
+        assert expected["phases"][0]["comparisons"]
+        assert all(arm["cost"] and arm["tokens_in"] for arm in expected["phases"][0]["arms"])
+        extra = ("--s3-endpoint", endpoint) if endpoint else ()
+        archive_lab(tmp_path, server, client, url, *extra)
+        archive = open_archive(url, endpoint=endpoint)
+        # Stream figures are archived as columns: nothing need parse records.
+        columns = readable_calls(archive, ArchiveQuery(model=LAB, since_ns=T0, until_ns=T0 + HOUR_NS))
+        assert sum(t is not None for t in columns["tokens"].to_pylist()) == sum(lab.streams.values())
+        assert_same(comparable(run(ArchiveSource(archive), FULL)), expected, "archive")
+        # Retention took the older part of both streams: the archive serves it, Redis the rest.
+        trim_older(client, Fraction(2, 3))
+        straddling = StraddlingSource(Redis.from_url(server.url), archive)
+        assert_same(comparable(run(straddling, FULL)), expected, "straddling")
+        # And from the command line, after Redis has forgotten everything.
+        client.flushall()
+        client.close()
+        out = tmp_path / "out"
+        done = cli(LAB, "--source", f"archive:{url}", *extra, *window_flags(), "--metric", "click:proportion",
+                   "--metric", "revenue:sum", "--metric", "cost", "--price", PRICES[0], "--price", PRICES[1],
+                   "--cuped-pre-since", str(PRE.since_ns // 10**9),
+                   "--cuped-pre-until", str(PRE.until_ns // 10**9), "--segment", "principal",
+                   "--output-dir", str(out))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        document = json.loads((out / "analysis.json").read_text())
+        assert_same(comparable(Analysis.model_validate(document)), expected, "cli")
 
 
 @pytest.mark.slow
@@ -426,23 +421,19 @@ def test_bad_archive_flags_exit_2_with_one_line(flags: list[str], message: str) 
 
 
 @pytest.mark.slow
-def test_a_missing_bucket_or_directory_exits_2_with_one_line(tmp_path: Path) -> None:
-    s3 = S3Server(tmp_path / "s3").start()
-    try:
-        (tmp_path / "empty").mkdir()
-        cases = [
-            (["--source", "archive:s3://missing/p", "--s3-endpoint", s3.endpoint], "bucket 'missing' does not exist"),
-            (["--source", f"archive:{tmp_path / 'none'}"], "is not a directory"),
-            (["--source", f"archive:{tmp_path / 'empty'}"], "unknown model 'lab': no calls of it in the archive"),
-        ]
-        for flags, message in cases:
-            done = cli(LAB, *window_flags(), "--metric", "click:proportion", *flags)
-            assert done.returncode == 2, done.stderr
-            lines = done.stderr.strip().splitlines()
-            assert len(lines) == 1, done.stderr
-            assert message in lines[0]
-    finally:
-        s3.stop()
+def test_a_missing_bucket_or_directory_exits_2_with_one_line(tmp_path: Path, s3: S3Server) -> None:
+    (tmp_path / "empty").mkdir()
+    cases = [
+        (["--source", "archive:s3://missing/p", "--s3-endpoint", s3.endpoint], "bucket 'missing' does not exist"),
+        (["--source", f"archive:{tmp_path / 'none'}"], "is not a directory"),
+        (["--source", f"archive:{tmp_path / 'empty'}"], "unknown model 'lab': no calls of it in the archive"),
+    ]
+    for flags, message in cases:
+        done = cli(LAB, *window_flags(), "--metric", "click:proportion", *flags)
+        assert done.returncode == 2, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1, done.stderr
+        assert message in lines[0]
 
 
 def test_a_request_id_has_one_fingerprint_whatever_page_it_comes_in() -> None:

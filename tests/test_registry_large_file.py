@@ -52,7 +52,9 @@ def test_calls_are_served_without_a_stall_while_the_router_parses_a_large_regist
         try:
             wait_for(lambda: len(latencies) >= 20, timeout_s=10, what="calls to flow")
             staging = tmp_path / "registry.tmp"
-            staging.write_text("a" * 20_000_000)  # one 20 MB scalar: valid YAML, no registry
+            # One 5 MB scalar: valid YAML, no registry; seconds of parse (a stall on the loop would be one call of
+            # seconds), not the tens of seconds 20 MB took on a loaded machine.
+            staging.write_text("a" * 5_000_000)
             replaced = time.monotonic()
             staging.replace(registry)
             wait_for(lambda: router_status(router).registry_error, timeout_s=120, what="the file to be refused")

@@ -32,13 +32,18 @@ import time
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl, quote, urlsplit
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    # Imported where a read needs it (:func:`_sweep`): it brings pandas, half the CPU of importing this module,
+    # which every replayer and archiver start would pay even when it reads no archive.
+    import pyarrow.dataset as ds
 
 from splitstream.common.records import StoredRecord, decode_record
 
@@ -489,7 +494,7 @@ def window_files(archive: Archive, kind: str, model: str, since_ns: int, until_n
 def _time_filter(since_ns: int, until_ns: int) -> ds.Expression:
     since = pa.scalar(min(max(since_ns, _FIRST_NS), _LAST_NS), type=pa.timestamp("ns", tz="UTC"))
     until = pa.scalar(min(max(until_ns, _FIRST_NS), _LAST_NS), type=pa.timestamp("ns", tz="UTC"))
-    return (ds.field("receive_time") >= since) & (ds.field("receive_time") < until)
+    return (pc.field("receive_time") >= since) & (pc.field("receive_time") < until)
 
 
 def read_calls(archive: Archive, query: ArchiveQuery, *, columns: Sequence[str] | None = None) -> pa.Table:
@@ -529,13 +534,13 @@ def _hour_parts(archive: Archive, query: ArchiveQuery, columns: Sequence[str] | 
     selected = [*wanted, "model"] if "model" not in wanted else wanted
     expression = _time_filter(query.since_ns, query.until_ns)
     if query.versions:
-        expression &= ds.field("version").isin(sorted(query.versions))
+        expression &= pc.field("version").isin(sorted(query.versions))
     if query.status_codes is not None:
-        expression &= ds.field("status_code").isin(sorted(query.status_codes))
+        expression &= pc.field("status_code").isin(sorted(query.status_codes))
     if query.failed_only:
-        expression &= ds.field("status_code") != 0
+        expression &= pc.field("status_code") != 0
     if query.principals:
-        expression &= ds.field("principal").isin(sorted(query.principals))
+        expression &= pc.field("principal").isin(sorted(query.principals))
     for files in _partition_files(archive, CALLS, query.model, query.since_ns, query.until_ns).values():
         parts = _sweep(archive, files, CALL_SCHEMA, read_columns, expression, "request_id")
         yield (_with_model(part, query.model).select(selected) for part in parts)
@@ -551,6 +556,8 @@ def _sweep(
 ) -> Iterator[pa.Table]:
     """One hour partition's rows in receive-time order, one per ``key`` (see :func:`_unique_first`), a
     part per row group read."""
+    import pyarrow.dataset as ds
+
     try:
         dataset = ds.dataset(files, schema=schema, filesystem=archive.filesystem, format="parquet")
         _check_versions(archive, dataset)

@@ -41,7 +41,6 @@ from typing import Annotated, Final
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, PlainSerializer
-from scipy.stats import norm
 
 from splitstream.replayer.compare import Answer, Tensor, decode_outputs
 
@@ -91,7 +90,12 @@ def newcombe_interval(k1: int, n1: int, k2: int, n2: int, confidence: float = CO
 def _critical(alpha: float) -> float:
     """The two-sided normal critical value at ``alpha``, from the tail itself: through ``ppf(1 - alpha / 2)`` a
     tail near 1e-16 (``--noise-confidence 0.9999999999999999``, or a small one split over the fields) rounds to
-    ``ppf(1)``, an infinite z, whose intervals all hold 0: no field would ever be judged above the noise."""
+    ``ppf(1)``, an infinite z, whose intervals all hold 0: no field would ever be judged above the noise.
+
+    scipy.stats is imported here, not at the top: it is 40 % of the replayer's start-up CPU, and only a replay
+    with a noise floor needs it (a usage error, a plain replay, would pay it for nothing)."""
+    from scipy.stats import norm
+
     return float(norm.isf(alpha / 2))
 
 
