@@ -37,8 +37,8 @@ class Runs:
     pooled: np.ndarray  # every unit of an arm over all phases, per run
 
 
-def simulate(*, drift_per_interval: float, seed: int) -> Runs:
-    """Both arms' conversion moves by ``drift_per_interval`` each interval (the lift stays 0.03)."""
+def simulate(*, drift_per_interval: float, seed: int, rates: np.ndarray = RATES) -> Runs:
+    """Both arms' conversion moves by ``drift_per_interval`` each interval (the lift stays ``rates``' difference)."""
     rng = np.random.default_rng(seed)
     successes = np.zeros((SIMULATIONS, 2))
     units = np.zeros((SIMULATIONS, 2))
@@ -48,7 +48,7 @@ def simulate(*, drift_per_interval: float, seed: int) -> Runs:
     for t in range(INTERVALS):
         treated = rng.binomial(USERS_PER_INTERVAL, weights[:, 1])
         n = np.stack([USERS_PER_INTERVAL - treated, treated], axis=-1)
-        s = rng.binomial(n, RATES + drift_per_interval * t)
+        s = rng.binomial(n, rates + drift_per_interval * t)
         successes += s
         units += n
         p = s / np.maximum(n, 1)
@@ -72,6 +72,12 @@ def drifting() -> Runs:
     return simulate(drift_per_interval=0.004, seed=20261207)
 
 
+@pytest.fixture(scope="module")
+def equal() -> Runs:
+    """An A/A bandit: both arms convert at 0.10 and the weights wander with the posterior's draws."""
+    return simulate(drift_per_interval=0.0, seed=20261208, rates=np.array([0.10, 0.10]))
+
+
 def monte_carlo_z(values: np.ndarray, truth: float) -> float:
     return float((values.mean() - truth) / monte_carlo_se(values))
 
@@ -88,6 +94,15 @@ def test_the_per_phase_read_out_is_unbiased_for_the_lift(steady: Runs, drifting:
         # Its standard error is honest too: the 95 % interval covers the true lift about 95 % of the time.
         covered = np.abs(runs.stratified - TRUE_LIFT) <= stats.norm.ppf(0.975) * runs.stratified_se
         assert 0.93 < covered.mean() < 0.97
+
+
+def test_the_read_out_of_equal_arms_finds_a_difference_at_its_alpha(equal: Runs) -> None:
+    """The holdout's unbiased read-out as a test: equal arms declared different at 5 % in about 5 % of runs
+    (2,000 runs: a Monte Carlo standard error of 0.49 points), although the weights chased noise each interval."""
+    z = equal.stratified / equal.stratified_se
+    false_positives = float(np.mean(np.abs(z) > stats.norm.ppf(0.975)))
+    assert 0.035 < false_positives < 0.065, false_positives
+    print(f"A/A false positives at 5 %: {false_positives:.2%}")
 
 
 def test_pooling_every_phase_is_biased_when_the_base_rate_drifts(drifting: Runs) -> None:
