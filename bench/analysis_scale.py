@@ -18,7 +18,8 @@ Then, each in a fresh process started by this one, side by side in one run:
 
 - the floor: DuckDB's bare scan of the columns the analysis reads (``SELECT count(*), sum(latency_ms), ...``
   over ``read_parquet`` of the calls and the feedback, every such column decoded, nothing joined);
-- ``splitstream analyze MODEL --source archive:DIR`` over the whole window, three metrics (the default engine);
+- ``splitstream analyze MODEL --source archive:DIR --archive-engine duckdb`` over the whole window, three metrics
+  (without the flag, in code before the DuckDB engine: its only reader);
 - ``--archive-engine python`` (the page reader) where the command has that flag and the archive holds at most
   ``--python-max-calls`` calls (above it the row says why it was left out); a command without the flag has
   one reader, the default row's.
@@ -432,7 +433,9 @@ def run(args: argparse.Namespace, users: int, directory: Path, work: Path) -> in
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
     two_engines = has_engine_flag()
     default_out = work / "default"
-    table.append(attempt("analyze (default engine)", analyze_argv(directory, default_out, args.hours, None), env))
+    # The DuckDB engine by name: it is not (yet) the default (docs/analysis.md says why).
+    first = ("analyze --archive-engine duckdb", "duckdb") if two_engines else ("analyze (its only reader)", None)
+    table.append(attempt(first[0], analyze_argv(directory, default_out, args.hours, first[1]), env))
     python_out = work / "python"
     if not two_engines:
         table.append(("analyze --archive-engine python", None, "not run: this analyze has no --archive-engine"))
@@ -471,13 +474,13 @@ def run(args: argparse.Namespace, users: int, directory: Path, work: Path) -> in
         right = json.loads((python_out / "analysis.json").read_text())
         found = differences(left, right)
         print(
-            "analysis.json, default engine against --archive-engine python: "
+            "analysis.json, --archive-engine duckdb against python: "
             + ("equal, field by field" if not found else f"{len(found)} differences, first: {found[:5]}")
         )
     elif (default_out / "analysis.json").exists():
         summary = json.loads((default_out / "analysis.json").read_text())
         calls = summary["calls"]["calls"]
-        print(f"analysis.json (default engine): {calls:,} calls analysed, no second engine to compare")
+        print(f"analysis.json: {calls:,} calls analysed, no second engine to compare")
     return 0
 
 
