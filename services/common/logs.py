@@ -81,7 +81,9 @@ def configure_logging(level: str = "INFO", *, service: str) -> structlog.stdlib.
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _LOG_STREAM)),
+        logger_factory=structlog.WriteLoggerFactory(
+            file=cast(TextIO, _LOG_STREAM)
+        ),  # one write() per line: processes share stderr
         cache_logger_on_first_use=True,
     )
     logger: structlog.stdlib.BoundLogger = structlog.get_logger().bind(service=service)
