@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -109,18 +110,12 @@ def _timeline(
         )
         if effect is None:
             continue
-        none = Interval(low=None, high=None)
         points.append(
             QuantileTimelinePoint(
                 until_ns=bucket_end_ns(period),
                 units_control=control_calls.unit_count,
                 units_arm=arm_calls.unit_count,
-                difference=_num(effect.difference),
-                difference_ci=_interval(*effect.difference_ci),
-                ratio=_num(effect.ratio),
-                ratio_ci=_interval(*effect.ratio_ci) if effect.ratio_ci else none,
-                p_value=_num(effect.p_value),
-                sequential_ratio_ci=_interval(*effect.sequential_ratio_ci) if effect.sequential_ratio_ci else None,
+                **_effect_fields(effect),
             )
         )
     return points
@@ -192,13 +187,20 @@ def _comparison(
         control_ci=_interval(c.low, c.high),
         arm_value=_num(t.value),
         arm_ci=_interval(t.low, t.high),
-        difference=_num(effect.difference),
-        difference_ci=_interval(*effect.difference_ci),
-        ratio=_num(effect.ratio),
-        ratio_ci=_interval(*effect.ratio_ci) if effect.ratio_ci else none,
-        p_value=_num(effect.p_value),
-        sequential_ratio_ci=_interval(*effect.sequential_ratio_ci) if effect.sequential_ratio_ci else None,
+        **_effect_fields(effect),
     )
+
+
+def _effect_fields(effect: qt.QuantileEffect) -> dict[str, Any]:
+    """What a comparison and a point of its timeline both say of an effect: difference, ratio, p-value."""
+    return {
+        "difference": _num(effect.difference),
+        "difference_ci": _interval(*effect.difference_ci),
+        "ratio": _num(effect.ratio),
+        "ratio_ci": _interval(*effect.ratio_ci) if effect.ratio_ci else Interval(low=None, high=None),
+        "p_value": _num(effect.p_value),
+        "sequential_ratio_ci": _interval(*effect.sequential_ratio_ci) if effect.sequential_ratio_ci else None,
+    }
 
 
 def _num(value: float | None) -> float | None:
