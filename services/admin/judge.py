@@ -39,7 +39,7 @@ from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
-from scipy import optimize, stats
+import scipy
 
 from splitstream.admin import metrics
 from splitstream.analysis.model import Analysis, ArmSummary
@@ -221,7 +221,7 @@ def shift_interval(canary: npt.ArrayLike, control: npt.ArrayLike, confidence: fl
     nx, ny = len(x), len(y)
 
     def z(mu: float, quantile: float) -> float:
-        ranks = stats.rankdata(np.concatenate([x - mu, y]))
+        ranks = scipy.stats.rankdata(np.concatenate([x - mu, y]))
         dz = float(ranks[:nx].sum()) - nx * (nx + 1) / 2 - nx * ny / 2
         _, counts = np.unique(ranks, return_counts=True)
         ties = float((counts**3 - counts).sum())
@@ -238,9 +238,9 @@ def shift_interval(canary: npt.ArrayLike, control: npt.ArrayLike, confidence: fl
             return low_mu
         if at_high >= 0:
             return high_mu
-        return float(optimize.brentq(z, low_mu, high_mu, args=(quantile,), xtol=1e-12))
+        return float(scipy.optimize.brentq(z, low_mu, high_mu, args=(quantile,), xtol=1e-12))
 
-    q = float(stats.norm.ppf(1 - (1 - confidence) / 2))
+    q = float(scipy.stats.norm.ppf(1 - (1 - confidence) / 2))
     return ShiftInterval(low=root(q), high=root(-q), estimate=root(0.0))
 
 
@@ -270,7 +270,7 @@ def classify(
     bound = tolerance * abs(shift.estimate)
     high = shift.low > bound and (ratio is None or ratio >= 1.0)
     low = shift.high < -bound and (ratio is None or ratio <= 1.0)
-    p_value = float(stats.mannwhitneyu(x, y, alternative="two-sided").pvalue)
+    p_value = float(scipy.stats.mannwhitneyu(x, y, alternative="two-sided").pvalue)
     label: Classification = "High" if high else "Low" if low else "Pass"
     return MetricResult(name, label, weight, len(y), len(x), shift, ratio, p_value, fails_on)
 

@@ -28,14 +28,14 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from splitstream.admin import bandit, credentials, feedback_import, judge_cli, lock, metrics, pairwise_cli
+from splitstream.admin import bandit_flags, credentials, feedback_import, judge_cli, lock, metrics, pairwise_flags
 from splitstream.admin import keys as keys_cli
 from splitstream.admin.arguments import duration_s, fraction
-from splitstream.admin.outcomes import GUARD_SYNTAX, Guard, OutcomeGuard, OutcomeReader
+from splitstream.admin.outcomes import GUARD_SYNTAX, Guard, OutcomeGuard
 from splitstream.admin.quantile_guards import QUANTILE_GUARD_SYNTAX, QuantileGuard, is_quantile_guard
 from splitstream.admin.rollout import (
     FAILED,
@@ -55,7 +55,7 @@ from splitstream.admin.store import (
     open_store,
     weights_text,
 )
-from splitstream.analysis import cli as analysis_cli
+from splitstream.analysis import flags as analysis_flags
 from splitstream.analysis.model import MetricSpec
 from splitstream.analysis.usage import parse_prices
 from splitstream.common.argv_secrets import drop_warnings, give_warnings
@@ -67,6 +67,9 @@ from splitstream.common.redis_url import add_redis_security_arguments, redis_sec
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import join_relative_times
 from splitstream.common.tls import ClientTls, add_client_tls_arguments, client_tls_from_args
+
+if TYPE_CHECKING:
+    from splitstream.admin.outcome_reader import OutcomeReader
 
 PROG = "splitstream"
 ENV_PREFIX = "SPLITSTREAM_ADMIN_"
@@ -231,7 +234,7 @@ def build_parser() -> EnvArgumentParser:
     )
     outcomes.add_argument(
         "--price",
-        action=analysis_cli.AppendPrices,
+        action=analysis_flags.AppendPrices,
         default=None,
         metavar="PRICE",
         help="VERSION=IN/1M-in,OUT/1M-out (repeat per version): the price per million tokens that a guard on cost "
@@ -246,10 +249,10 @@ def build_parser() -> EnvArgumentParser:
     add_redis_security_arguments(outcomes)
     judge_cli.add_arguments(rollout)
     feedback_import.add_parser(commands, env_prefix=ENV_PREFIX)
-    analysis_cli.add_command(commands, ENV_PREFIX)
-    bandit.add_parser(commands, ENV_PREFIX)
+    analysis_flags.add_command(commands, ENV_PREFIX)
+    bandit_flags.add_parser(commands, ENV_PREFIX)
     keys_cli.add_parser(commands, env_prefix=ENV_PREFIX)
-    pairwise_cli.add_parser(commands, env_prefix=ENV_PREFIX)
+    pairwise_flags.add_parser(commands, env_prefix=ENV_PREFIX)
     credentials.add_parser(commands, env_prefix=ENV_PREFIX)
     return parser
 
@@ -268,19 +271,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(parser: EnvArgumentParser, argv: Sequence[str] | None) -> int:
-    args = parser.parse_args(join_relative_times(sys.argv[1:] if argv is None else list(argv), analysis_cli.TIME_FLAGS))
-    # Everything is imported: what exists now lives as long as the process. Frozen, the cyclic collector no
-    # longer walks it at every full collection, which the lists redis-py makes of every page of a stream
-    # set off: about 40 % of an analysis's CPU, and more than half a bare read's (docs/benchmarks.md, A/B analysis).
+    args = parser.parse_args(
+        join_relative_times(sys.argv[1:] if argv is None else list(argv), analysis_flags.TIME_FLAGS)
+    )
+    # The commands that read the analysis (scipy, pyarrow, duckdb) or call HTTP (aiohttp) import it now, not at
+    # every start: the other commands, and every usage error, start in about a quarter of the time.
+    if args.command == "analyze":
+        from splitstream.analysis import cli as analysis_cli
+
+        return _frozen(lambda: analysis_cli.run(args, parser))
+    if args.command == "judge":
+        from splitstream.admin import pairwise_cli
+
+        return _frozen(lambda: pairwise_cli.run(args))
     gc.freeze()
     if args.command == "feedback":
         return feedback_import.run(args)
-    if args.command == "analyze":
-        return analysis_cli.run(args, parser)
     if args.command == "keys":
         return keys_cli.run(args)
-    if args.command == "judge":
-        return pairwise_cli.run(args)
     if args.command == "credentials":
         return credentials.run(args)
     if args.registry is None:
@@ -295,12 +303,23 @@ def _run(parser: EnvArgumentParser, argv: Sequence[str] | None) -> int:
         if args.command == "versions":
             return list_versions(store, args.model, as_json=args.json)
         if args.command == "bandit":
-            return bandit.run(store, args, env_prefix=ENV_PREFIX, say=_say)
+            from splitstream.admin import bandit
+
+            return _frozen(lambda: bandit.run(store, args, env_prefix=ENV_PREFIX, say=_say))
         return run_rollout(store, args)
     except Invalid as error:
         return _fail(USAGE, error)
     except AdminError as error:
         return _fail(FAILED, error)
+
+
+def _frozen(run: Callable[[], int]) -> int:
+    """``run()`` once everything it needs is imported: what exists then lives as long as the process. Frozen,
+    the cyclic collector no longer walks it at every full collection, which the lists redis-py makes of every
+    page of a stream set off: about 40 % of an analysis's CPU, and more than half a bare read's
+    (docs/benchmarks.md, A/B analysis)."""
+    gc.freeze()
+    return run()
 
 
 def check_names(args: argparse.Namespace) -> None:
@@ -504,6 +523,9 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
     metrics_by_name = {g.metric.name: g.metric for g in outcome_guards}
     if not metrics_by_name:  # the analysis wants a metric; quantile guards read the quantiles every phase has
         metrics_by_name = {"ttft_ms": MetricSpec.parse("ttft_ms")}
+    from splitstream.admin.outcome_reader import OutcomeReader  # the analysis: only a rollout with guards reads it
+
+    gc.freeze()  # what it imported lives as long as the process, as in _frozen
     reader = OutcomeReader(
         args.redis_url,
         model=plan.model,

@@ -18,7 +18,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scipy.stats import t as student_t
+import scipy
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +55,7 @@ def version_summary(judged: Sequence[Judged], *, sign: int, alpha: float) -> dic
     ties = n - wins - losses
     mean, se = clustered_mean(scores, [item.cluster for item in judged])
     users = len({item.cluster for item in judged})
-    z = float(student_t.ppf(1 - alpha / 2, users - 1)) if users > 1 else math.nan
+    z = float(scipy.stats.t.ppf(1 - alpha / 2, users - 1)) if users > 1 else math.nan
     preference = (1 + mean) / 2 if n else None
     interval = (
         [max(0.0, (1 + mean - z * se) / 2), min(1.0, (1 + mean + z * se) / 2)] if n and math.isfinite(se) else None

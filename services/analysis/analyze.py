@@ -28,7 +28,6 @@ from splitstream.analysis import bayes, bayes_readout, capping, quantile_effects
 from splitstream.analysis import statistics as st
 from splitstream.analysis.folding import Folder, Loaded, RowMetric, among, load
 from splitstream.analysis.loading import (
-    SEGMENT_FIELDS,
     TIMELINE_POINTS,
     CallSamples,
     Exposures,
@@ -44,6 +43,7 @@ from splitstream.analysis.loading import (
 )
 from splitstream.analysis.model import (
     PER_CALL_LABEL,
+    SEGMENT_FIELDS,
     Analysis,
     ArmMetric,
     ArmSummary,

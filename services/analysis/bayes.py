@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from scipy import stats
+import scipy
 
 from splitstream.analysis import statistics as st
 from splitstream.analysis.statistics import Estimate
@@ -66,7 +66,7 @@ class Posterior:
     def interval(self, alpha: float) -> tuple[float, float]:
         if self.sd == 0:
             return self.mean, self.mean
-        low, high = stats.norm.ppf([alpha / 2, 1 - alpha / 2], self.mean, self.sd)
+        low, high = scipy.stats.norm.ppf([alpha / 2, 1 - alpha / 2], self.mean, self.sd)
         return float(low), float(high)
 
 
@@ -99,7 +99,7 @@ def chance_to_beat(mean: float, sd: float) -> float:
     """``P(lift > 0) = Φ(μ/σ)`` of a normal posterior of the lift in its good direction."""
     if sd == 0:
         return 1.0 if mean > 0 else 0.0 if mean < 0 else 0.5
-    return float(stats.norm.cdf(mean / sd))
+    return float(scipy.stats.norm.cdf(mean / sd))
 
 
 def expected_losses(mean: float, sd: float) -> tuple[float, float]:
@@ -108,9 +108,9 @@ def expected_losses(mean: float, sd: float) -> tuple[float, float]:
     if sd == 0:
         return max(-mean, 0.0), max(mean, 0.0)
     z = mean / sd
-    density = float(stats.norm.pdf(z))
-    choosing = sd * density - mean * float(stats.norm.cdf(-z))
-    keeping = sd * density + mean * float(stats.norm.cdf(z))
+    density = float(scipy.stats.norm.pdf(z))
+    choosing = sd * density - mean * float(scipy.stats.norm.cdf(-z))
+    keeping = sd * density + mean * float(scipy.stats.norm.cdf(z))
     return max(choosing, 0.0), max(keeping, 0.0)
 
 

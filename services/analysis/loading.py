@@ -65,8 +65,6 @@ CALL_FIELDS = (
     b"prompt_tokens",
     b"completion_tokens",
 )
-#: Fields a segment may be taken from (``--segment``): readable fields of a call entry.
-SEGMENT_FIELDS = ("principal",)
 
 
 @dataclass(frozen=True, slots=True)

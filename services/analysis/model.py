@@ -20,6 +20,8 @@ Unit = Literal["user", "call"]
 #: ``--correction``: none, Holm's step-down (family-wise error) or Benjamini-Hochberg (false discovery rate).
 Correction = Literal["none", "holm", "bh"]
 Verdict = Literal["better", "worse", "inconclusive", "no data"]
+#: Fields a segment may be taken from (``--segment``): readable fields of a call entry.
+SEGMENT_FIELDS = ("principal",)
 #: Ends every verdict line of an analysis by ``--unit call`` of traffic split by user (its intervals are too narrow).
 PER_CALL_LABEL = "[--unit call on traffic split by user: intervals too narrow]"
 

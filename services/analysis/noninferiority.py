@@ -29,7 +29,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from scipy import stats
+import scipy
 
 from splitstream.analysis import statistics as st
 from splitstream.analysis.model import Analysis, MetricComparison, NonInferiority
@@ -111,7 +111,7 @@ def margin_test(
         p = st.msprt_p_value(distance, variance, tau2) if distance > 0 else 1.0
     else:
         se = math.sqrt(variance)
-        dist = stats.t if math.isfinite(df) else stats.norm
+        dist = scipy.stats.t if math.isfinite(df) else scipy.stats.norm
         args = (df,) if math.isfinite(df) else ()
         half = float(dist.ppf(1 - alpha, *args)) * se
         p = float(dist.sf(distance / se, *args))

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from scipy import stats
+import scipy
 
 from splitstream.analysis import quantiles as qt
 from splitstream.analysis import statistics as st
@@ -246,7 +246,7 @@ def adjusted(
         tau2 = float(st.mixing_variance(variance, units, alpha=level, tuning_units=tuning_units))
         half = st.confidence_sequence_half_width(variance, tau2, alpha=level)
     else:
-        z = float(stats.norm.ppf(1 - level / 2))
+        z = float(scipy.stats.norm.ppf(1 - level / 2))
         half = z * se_log
         if q.difference is not None:
             difference_ci = _interval(q.difference - z * se_difference, q.difference + z * se_difference)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from scipy import stats
+import scipy
 
 from splitstream.analysis.statistics import DEFAULT_TUNING_UNITS, confidence_sequence_half_width, mixing_variance
 
@@ -153,7 +153,7 @@ def estimate(
         share = float(below.sum()) / n_calls  # F̂(ξ̂), p itself but for ties at ξ̂
         lin = (below - share * per_unit) / per_unit.mean()
         sigma = max(sigma, math.sqrt(float(lin.var(ddof=1)) / units)) if units > 1 else math.nan
-    z = float(stats.norm.ppf(1 - alpha / 2))
+    z = float(scipy.stats.norm.ppf(1 - alpha / 2))
     if not math.isfinite(sigma):
         return QuantileEstimate(xi, math.nan, math.nan, math.nan, math.nan, n_calls, units)
     # Past the smallest or largest call the empirical CDF says nothing: p99 of 50 calls has no upper bound.
@@ -182,7 +182,7 @@ def compare(
     t = estimate(treatment, p, alpha=alpha, clustered=clustered, resolution=resolution)
     if c is None or t is None:
         return None
-    z = float(stats.norm.ppf(1 - alpha / 2))
+    z = float(scipy.stats.norm.ppf(1 - alpha / 2))
     difference = t.value - c.value
     se = math.sqrt(t.std_error**2 + c.std_error**2)
     difference_ci = (difference - z * se, difference + z * se)
@@ -195,7 +195,7 @@ def compare(
     se_log = math.sqrt(variance)
     ratio_ci = (math.exp(log_ratio - z * se_log), math.exp(log_ratio + z * se_log))
     if se_log > 0:
-        p_value = float(min(1.0, 2 * stats.norm.sf(abs(log_ratio) / se_log)))
+        p_value = float(min(1.0, 2 * scipy.stats.norm.sf(abs(log_ratio) / se_log)))
     else:
         p_value = 1.0 if log_ratio == 0 else 0.0
     tau2 = float(mixing_variance(variance, c.units + t.units, alpha=alpha, tuning_units=tuning_units))

@@ -38,7 +38,7 @@ from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
-from scipy import stats
+import scipy
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -129,7 +129,7 @@ class Estimate:
         return math.sqrt(self.variance) if self.variance > 0 else 0.0
 
     def interval(self, alpha: float) -> tuple[float, float]:
-        half = stats.norm.ppf(1 - alpha / 2) * self.std_error
+        half = scipy.stats.norm.ppf(1 - alpha / 2) * self.std_error
         return self.value - half, self.value + half
 
     @property
@@ -236,10 +236,14 @@ def compare(
     se = math.sqrt(var) if var > 0 else 0.0
     if test == "welch":
         df = welch_df(control, treatment)
-        critical = float(stats.t.ppf(1 - alpha / 2, df)) if math.isfinite(df) else float(stats.norm.ppf(1 - alpha / 2))
+        critical = (
+            float(scipy.stats.t.ppf(1 - alpha / 2, df))
+            if math.isfinite(df)
+            else float(scipy.stats.norm.ppf(1 - alpha / 2))
+        )
         p = _two_sided_p(diff, se, df)
     else:
-        critical = float(stats.norm.ppf(1 - alpha / 2))
+        critical = float(scipy.stats.norm.ppf(1 - alpha / 2))
         p = _two_sided_p(diff, se, math.inf)
     absolute_ci = (diff - critical * se, diff + critical * se)
     relative, relative_ci = relative_lift(control, treatment, critical)
@@ -284,7 +288,7 @@ def _two_sided_p(diff: float, se: float, df: float) -> float:
     if not se > 0 or not math.isfinite(diff):
         return 1.0 if diff == 0 or not math.isfinite(diff) else 0.0
     statistic = abs(diff) / se
-    tail = stats.t.sf(statistic, df) if math.isfinite(df) else stats.norm.sf(statistic)
+    tail = scipy.stats.t.sf(statistic, df) if math.isfinite(df) else scipy.stats.norm.sf(statistic)
     return float(min(1.0, 2 * tail))
 
 
@@ -322,7 +326,7 @@ def two_proportions(
     se_pooled = math.sqrt(pooled * (1 - pooled) * (1 / max(control_trials, 1) + 1 / max(treatment_trials, 1)))
     diff = treatment.value - control.value
     p = _two_sided_p(diff, se_pooled, math.inf)
-    critical = float(stats.norm.ppf(1 - alpha / 2))
+    critical = float(scipy.stats.norm.ppf(1 - alpha / 2))
     se = math.sqrt(control.variance + treatment.variance)
     relative, relative_ci = relative_lift(control, treatment, critical)
     return Comparison(
@@ -405,7 +409,7 @@ def adjusted_p_values(p_values: npt.ArrayLike, method: str) -> FloatArray:
     if not len(p):
         return p
     if method == "bh":
-        return np.asarray(stats.false_discovery_control(p, method="bh"), dtype=np.float64)
+        return np.asarray(scipy.stats.false_discovery_control(p, method="bh"), dtype=np.float64)
     if method != "holm":
         raise ValueError(f"unknown correction {method!r} (holm or bh)")
     order = np.argsort(p, kind="stable")
@@ -453,7 +457,7 @@ def sample_ratio_mismatch(
         return None
     shares = np.array([weights[arm] for arm in arms]) / sum(weights[arm] for arm in arms)
     expected = shares * total
-    result = stats.chisquare(counts, expected)
+    result = scipy.stats.chisquare(counts, expected)
     p = float(result.pvalue)
     return SampleRatio(
         {arm: int(c) for arm, c in zip(arms, counts, strict=True)},
@@ -477,9 +481,9 @@ def power(
     se = math.sqrt(unit_variance_control / units_control + unit_variance_treatment / units_treatment)
     if not se > 0:
         return 1.0
-    z = stats.norm.ppf(1 - alpha / 2)
+    z = scipy.stats.norm.ppf(1 - alpha / 2)
     shift = abs(effect) / se
-    return float(stats.norm.sf(z - shift) + stats.norm.cdf(-z - shift))
+    return float(scipy.stats.norm.sf(z - shift) + scipy.stats.norm.cdf(-z - shift))
 
 
 def minimum_detectable_effect(
@@ -494,7 +498,7 @@ def minimum_detectable_effect(
     """The smallest absolute effect a two-sided test at ``alpha`` detects with ``power`` at these arm sizes:
     what the data can show, where power at the observed effect would only restate the p-value."""
     se = math.sqrt(unit_variance_control / units_control + unit_variance_treatment / units_treatment)
-    return float((stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)) * se)
+    return float((scipy.stats.norm.ppf(1 - alpha / 2) + scipy.stats.norm.ppf(power)) * se)
 
 
 def units_needed(
@@ -510,6 +514,6 @@ def units_needed(
     ``control_share`` of them go to control (the split as it runs); None for no effect or a one-arm split."""
     if not effect or not math.isfinite(effect) or not 0 < control_share < 1:
         return None
-    z = stats.norm.ppf(1 - alpha / 2) + stats.norm.ppf(power)
+    z = scipy.stats.norm.ppf(1 - alpha / 2) + scipy.stats.norm.ppf(power)
     spread = unit_variance_control / control_share + unit_variance_treatment / (1 - control_share)
     return float(z**2 * spread / effect**2)

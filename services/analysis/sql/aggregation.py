@@ -46,14 +46,13 @@ from splitstream.analysis.loading import (
     TIMELINE_POINTS,
     Window,
 )
+from splitstream.analysis.sql import DIALECTS
 from splitstream.analysis.statistics import MetricKind
 from splitstream.analysis.usage import Price, is_call_metric
 
 if TYPE_CHECKING:
     from splitstream.analysis.analyze import Query
 
-#: ``--dialect``'s choices: sqlglot's names for them.
-DIALECTS = ("duckdb", "spark", "trino", "bigquery")
 #: The columns of a metric in the output, after its name and a dot.
 METRIC_PARTS = ("sum", "count", "positives")
 _LOG_GROWTH = math.log(LATENCY_GROWTH)
