@@ -40,6 +40,7 @@ from aiohttp import web
 
 from splitstream.common.headers import VERSION_HEADER, header_value
 from splitstream.router.core import CallOutcome, RouterCore
+from splitstream.router.http.call import CALL, Call
 from splitstream.router.http.errors import ApiError
 from splitstream.router.http.recording import stream_response
 from splitstream.router.http.sse import end_stream
@@ -76,9 +77,7 @@ class PassThrough:
     answer's first event (the front door's histogram); ``idle_timeout_s`` is how long the upstream may send
     nothing."""
 
-    def __init__(
-        self, core: RouterCore, ttft: Callable[[web.Request, str], None], *, idle_timeout_s: float = 300.0
-    ) -> None:
+    def __init__(self, core: RouterCore, ttft: Callable[[Call, str], None], *, idle_timeout_s: float = 300.0) -> None:
         self.core = core
         self.ttft = ttft
         self.idle_timeout_s = idle_timeout_s
@@ -127,13 +126,13 @@ class PassThrough:
             try:
                 failure = await relay.attempt(endpoint, path, _payload(body, data, endpoint))
             except ApiError:  # not retried: another try would fail alike, or wait as long again
-                relay.request["labels"][1] = relay.request["version"] = outcome.version
+                relay.call.served(outcome.version)
                 raise
             if failure is None:
                 return relay.answer()
             retry = None if outcome.retried else self.core.retry_target(routes, route, endpoint)
             if retry is None:
-                relay.request["labels"][1] = relay.request["version"] = outcome.version
+                relay.call.served(outcome.version)
                 raise failure
             self.core.metrics.retries.labels(outcome.model, outcome.version).inc()
             outcome.retried = True
@@ -158,6 +157,7 @@ class _Relay:
     def __init__(self, owner: PassThrough, request: web.Request, outcome: CallOutcome, headers: dict[str, str]):
         self.owner = owner
         self.request = request
+        self.call = request[CALL]
         self.outcome = outcome
         self.headers = headers
         self.answered: web.StreamResponse | None = None
@@ -214,7 +214,7 @@ class _Relay:
             await _text(upstream)
             problem = f"upstream {endpoint.address} refused the router's credentials for it ({upstream.status})"
             outcome.code, outcome.details = grpc.StatusCode.INTERNAL, problem
-            self.request["status"] = 502
+            self.call.status = 502
             # Not the client's 401/403: its own credentials were accepted. The operator fixes the registry's key.
             raise ApiError(502, f"{problem}: the API key the registry names for it is wrong", type="server_error")
         content_type = upstream.headers.get("Content-Type", "")
@@ -233,7 +233,7 @@ class _Relay:
         # Recorded as the front door's own streams are: each event as the client was sent it.
         self.sse = stream_response(self.request, status=upstream.status, headers=self._headers(upstream))
         await self.sse.prepare(self.request)
-        self.request["labels"][1] = self.request["version"] = outcome.version
+        self.call.served(outcome.version)
         self.metrics = self.owner.core.metrics.stream_children(outcome.model, outcome.version)
         self.metrics.active.inc()
         pending = b""
@@ -269,12 +269,12 @@ class _Relay:
         idle = self.owner.idle_timeout_s
         problem = f"upstream {endpoint.address} sent nothing for {idle:g} s {when} (--upstream-idle-timeout-s)"
         self.outcome.code, self.outcome.details = grpc.StatusCode.DEADLINE_EXCEEDED, problem
-        self.request["status"] = 504
+        self.call.status = 504
         return ApiError(504, problem, type="server_error", code="deadline_exceeded")
 
     async def _error_event(self, failure: ApiError) -> None:
         """End a stream that began with ``failure``, as the front door ends a worker's: one error event."""
-        self.request["status"] = failure.status
+        self.call.status = failure.status
         await self._write(f"data: {json.dumps(failure.body(), separators=(',', ':'))}\n\n".encode())
 
     def stream_ended(self) -> None:
@@ -292,7 +292,7 @@ class _Relay:
     def _settle(self, endpoint: PoolMember, status: int) -> None:
         """The upstream answered whole: its status is the call's (a 4xx is the client's, not a failure)."""
         endpoint.succeeded()
-        self.request["status"] = status
+        self.call.status = status
         outcome = self.outcome
         if status < 400:
             outcome.code, outcome.details = grpc.StatusCode.OK, ""
@@ -306,15 +306,16 @@ class _Relay:
 
     def whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
         """A whole (not streamed) answer, relayed as the upstream sent it."""
-        self.request["labels"][1] = self.request["version"] = self.outcome.version
+        self.call.served(self.outcome.version)
         return web.Response(status=upstream.status, body=body, headers=self._headers(upstream))
 
     async def _write(self, data: bytes) -> None:
         """Every byte of a streamed answer goes through here, in order."""
         assert self.sse is not None
-        if "ttft" not in self.request:
-            self.request["ttft"] = True
-            self.owner.ttft(self.request, self.outcome.version)
+        call = self.call
+        if not call.ttft:
+            call.ttft = True
+            self.owner.ttft(call, self.outcome.version)
         if self.metrics is not None:
             now = time.monotonic_ns()
             if self.events:

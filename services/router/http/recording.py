@@ -25,6 +25,7 @@ from aiohttp import web
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.sse import EventData
+from splitstream.router.http.call import CALL
 from splitstream.router.http.headers import as_text
 
 #: Headers about the connection, not the call: never recorded (a replay sets its own).
@@ -176,8 +177,8 @@ class RecordedStreamResponse(web.StreamResponse):
 
 def stream_response(request: web.Request, **kwargs: Any) -> web.StreamResponse:
     """The ``web.StreamResponse`` to answer ``request`` with: recorded when the call is (it has an exchange)."""
-    exchange = request.get("exchange")
-    if isinstance(exchange, HttpExchange):
+    exchange = request[CALL].exchange
+    if exchange is not None:
         return RecordedStreamResponse(exchange, **kwargs)
     return web.StreamResponse(**kwargs)
 
