@@ -55,8 +55,6 @@ log = structlog.get_logger()
 _RETRIED_STATUSES = frozenset({502, 503})
 #: Hop-by-hop and framing headers never relayed (aiohttp frames the client's answer itself).
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
-#: Where one SSE event ends (the spec allows either line ending).
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 #: The last event of an OpenAI stream.
 _DONE = b"data: [DONE]"
 #: An upstream refusing the credentials the registry gave the router for it.
@@ -239,13 +237,17 @@ class _Relay:
         pending = b""
         try:
             async for chunk in upstream.content.iter_any():
-                pending += chunk
-                end = _complete(pending)
-                if end:
+                if not pending and chunk.endswith(b"\n\n"):  # whole events, as servers write them: no search
+                    events = chunk
+                else:
+                    pending += chunk
+                    end = _complete(pending)
+                    if not end:
+                        continue
                     events, pending = pending[:end], pending[end:]
-                    await self._write(events)
-                    if events.rstrip().endswith(_DONE):  # the answer is whole: nothing follows [DONE]
-                        break
+                await self._write(events)
+                if events.rstrip().endswith(_DONE):  # the answer is whole: nothing follows [DONE]
+                    break
         except aiohttp.ServerTimeoutError:
             stalled = self._stalled(endpoint, "in the middle of its stream")
             await self._error_event(stalled)
@@ -322,7 +324,8 @@ class _Relay:
                 self.metrics.gap.observe((now - self.last_ns) / 1e9)
             else:
                 self.metrics.ttft.observe((now - self.started_ns) / 1e9)
-            self.events += sum(data.count(end) for end in _EVENT_ENDS)  # JSON text holds no raw line break
+            # JSON text holds no raw line break; an event's CRLF end holds no LF LF.
+            self.events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
             self.last_ns = now
         try:
             await self.sse.write(data)
@@ -336,7 +339,9 @@ class _Relay:
 
 def _complete(data: bytes) -> int:
     """How many bytes at the start of ``data`` are whole SSE events (0: none yet)."""
-    return max((data.rfind(mark) + len(mark) for mark in _EVENT_ENDS if mark in data), default=0)
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    end = lf + 2 if lf >= 0 else 0
+    return crlf + 4 if crlf >= 0 and crlf + 4 > end else end
 
 
 async def _text(upstream: aiohttp.ClientResponse) -> bytes:

@@ -172,7 +172,7 @@ class RecordedStreamResponse(web.StreamResponse):
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         await super().write(data)
-        self.exchange.written(bytes(data))
+        self.exchange.written(data if data.__class__ is bytes else bytes(data))
 
 
 def stream_response(request: web.Request, **kwargs: Any) -> web.StreamResponse:
