@@ -76,7 +76,8 @@ class HttpExchange:
         self.kept_bytes = 0
         self.truncated = False
         self.first_token_ns = 0
-        self.reader = EventData()  # the written bytes of an event not ended yet
+        #: The written bytes of an event not ended yet; made at a stream's first write (a whole answer has none).
+        self.reader: EventData | None = None
         #: (prompt tokens, completion tokens) as the answer reported them; None when it reported none.
         self.usage: tuple[int, int] | None = None
 
@@ -87,7 +88,10 @@ class HttpExchange:
         """Bytes of a server-sent event stream as written to the client, cut anywhere (a relay passes chunks
         through as they come): each event that ends in them is recorded by its ``data`` (lines ending in CRLF as
         in LF, as the SSE format allows both)."""
-        for data in self.reader.feed(chunk):
+        reader = self.reader
+        if reader is None:
+            reader = self.reader = EventData()
+        for data in reader.feed(chunk):
             self.event(data)
 
     def event(self, data: bytes) -> None:
