@@ -25,6 +25,10 @@ own). The machine's load average is printed with the tables: compare ratios with
 Targets (issue 26): the router within 1.1x the floor's added p50 and CPU per call at 1 in flight, TTFT
 added at one stream within 1.2x the floor's, calls/s at 16 in flight at least 0.9x the floor's.
 
+With ``--baseline-python`` (another checkout's ``.venv/bin/python``) that checkout's router, with and without
+recording, runs beside this one's in the same rounds as ``router-base`` and ``router-norec-base``: a change to the
+router measured side by side rather than in two runs a load average apart.
+
     .venv/bin/python bench/http_overhead.py [--seconds 2] [--rounds 3] [--litellm PATH] [--cases unary:1,...]
 """
 
@@ -128,9 +132,12 @@ def start_recorder(stack: Stack, tmp: Path) -> str:
     return recorder.address
 
 
-def start_router(stack: Stack, tmp: Path, upstream: str, recorder: str | None) -> tuple[int, str]:
+def start_router(
+    stack: Stack, tmp: Path, upstream: str, recorder: str | None, python: str | None = None
+) -> tuple[int, str]:
     """A router whose 50/50 experiment has the stand-in as both versions, recording every call to ``recorder``
-    (none: recording off): (pid, base URL)."""
+    (none: recording off), run by ``python`` (another checkout's environment: that checkout's router): (pid, base
+    URL)."""
     registry = tmp / "registry.yaml"
     experiment = {
         "salt": "bench",
@@ -144,7 +151,10 @@ def start_router(stack: Stack, tmp: Path, upstream: str, recorder: str | None) -
     http_port = free_port()
     recording = ("--recorder", recorder, "--hmac-key", "bench", "--log-dir", str(tmp / f"log-{http_port}"))
     router = stack.router(
-        registry, *("--http-port", str(http_port), "--log-level", "WARNING"), *(recording if recorder else ())
+        registry,
+        *("--http-port", str(http_port), "--log-level", "WARNING"),
+        *(recording if recorder else ()),
+        python=python,
     )
     assert router.process is not None
     base_url = f"http://127.0.0.1:{http_port}/v1"
@@ -384,6 +394,12 @@ def main() -> int:
         help="comma-separated subset of floor,router,litellm,nginx (direct is always measured), and router-norec: "
         "a second router with recording off",
     )
+    parser.add_argument(
+        "--baseline-python",
+        default="",
+        help="another checkout's Python (its .venv/bin/python): its router and router-norec run beside this "
+        "checkout's as router-base and router-norec-base, in the same rounds (a change measured side by side)",
+    )
     args = parser.parse_args()
     try:
         cases = parse_cases(args.cases)
@@ -410,6 +426,14 @@ def main() -> int:
         if "router-norec" in wanted:
             plain_pid, plain_url = start_router(stack, tmp, upstream, None)
             paths.append(HttpPath("router-norec", plain_url, [plain_pid]))
+        if args.baseline_python:  # the same routers from another checkout, beside these, in the same rounds
+            if "router" in wanted:
+                recorder = start_recorder(stack, tmp)
+                base_pid, base_url = start_router(stack, tmp, upstream, recorder, args.baseline_python)
+                paths.append(HttpPath("router-base", base_url, [base_pid], descendants(base_pid)[1:]))
+            if "router-norec" in wanted:
+                base_pid, base_url = start_router(stack, tmp, upstream, None, args.baseline_python)
+                paths.append(HttpPath("router-norec-base", base_url, [base_pid]))
         if "litellm" in wanted:
             if Path(args.litellm).exists():
                 litellm, litellm_url = start_litellm(tmp, args.litellm, upstream)

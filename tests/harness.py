@@ -129,9 +129,12 @@ class ServiceProcess:
         port: int,
         env: dict[str, str] | None = None,
         tls: ClientTls = PLAINTEXT,
+        python: str | None = None,
     ) -> None:
-        """``tls``: how the harness reaches it (its health while starting) when it serves TLS."""
+        """``tls``: how the harness reaches it (its health while starting) when it serves TLS; ``python``: the
+        interpreter to run it with (another checkout's virtual environment runs that checkout's code)."""
         self.name = name
+        self.python = python or sys.executable
         self.tls = tls
         self.port = port
         self.address = f"127.0.0.1:{port}"
@@ -152,7 +155,7 @@ class ServiceProcess:
     def start(self, *, wait_serving: bool = True, timeout_s: float = 30.0) -> ServiceProcess:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", self._module, *self._args],
+                [self.python, "-m", self._module, *self._args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self._env,
@@ -277,6 +280,7 @@ class Stack:
         name: str | None = None,
         env: dict[str, str] | None = None,
         tls: ClientTls = PLAINTEXT,
+        python: str | None = None,
     ) -> ServiceProcess:
         port = free_port()
         args = [
@@ -286,7 +290,14 @@ class Stack:
             *extra,
         ]
         process = ServiceProcess(
-            name or f"router-{port}", "splitstream.router", args, log_dir=self.tmp_path, port=port, env=env, tls=tls
+            name or f"router-{port}",
+            "splitstream.router",
+            args,
+            log_dir=self.tmp_path,
+            port=port,
+            env=env,
+            tls=tls,
+            python=python,
         )
         self.processes.append(process)
         return process.start() if start else process

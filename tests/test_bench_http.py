@@ -48,6 +48,15 @@ def test_http_overhead_measures_the_floor_and_the_recording_router_unary_and_str
     assert "router added p50" in output  # the targets' lines
 
 
+@pytest.mark.slow
+def test_http_overhead_runs_a_baseline_checkouts_routers_beside_this_ones() -> None:
+    # This checkout's own interpreter stands in for the other checkout's: the rows, not the code, are checked.
+    output = run_bench(
+        "http_overhead.py", "--paths", "router,router-norec", "--cases", "unary:1", "--baseline-python", sys.executable
+    )
+    assert set(rows(output, 1)) == {"direct", "router", "router-norec", "router-base", "router-norec-base"}, output
+
+
 def test_http_stack_measures_the_aiohttp_pass_through() -> None:
     output = run_bench("http_stack.py", "--stacks", "aiohttp", "--cases", "unary:1")
     assert set(rows(output, 1)) == {"direct", "aiohttp"}, output

@@ -206,6 +206,24 @@ def test_an_api_key_as_bearer_is_served_streamed_or_not_and_x_api_key_too(deploy
     assert metric(deployment.router, "splitstream_router_auth_calls_total", principal="web") >= 3
 
 
+def test_at_debug_level_each_http_call_is_logged_with_its_request_id_and_status(deployment: AuthHttp) -> None:
+    rid = "debug-line-" + uuid.uuid4().hex
+    status, _, body = request(
+        deployment.http_port, "/v1/completions", COMPLETION, {**bearer(KEYS["web"]), "x-request-id": rid}
+    )
+    assert status == 200, body
+
+    def line() -> dict[str, Any] | None:
+        for text in deployment.router.log().splitlines():
+            if rid in text and '"call"' in text:
+                return dict(json.loads(text))
+        return None
+
+    logged = wait_for(line, timeout_s=10, what="the call's DEBUG line")
+    expected = {"event": "call", "request_id": rid, "status": "OK", "level": "debug", "model": MODEL}
+    assert {key: logged.get(key) for key in expected} == expected, logged
+
+
 def test_a_jwt_as_bearer_is_served(deployment: AuthHttp) -> None:
     token = deployment.key.token()
     answer = deployment.client(token).chat.completions.create(

@@ -66,11 +66,24 @@ class _StderrThatMayGoAway:
 _LOG_STREAM = _StderrThatMayGoAway()
 
 
+#: Whether DEBUG lines are written (until :func:`configure_logging` says otherwise, structlog's default writes
+#: them): a line logged on every call is built only when it is (``debug_enabled``).
+_debug = True
+
+
+def debug_enabled() -> bool:
+    """Whether a DEBUG line would be written. A per-call ``log.debug(...)`` that is filtered out still costs its
+    arguments and structlog's lookups, about 3 µs on a router's answering path."""
+    return _debug
+
+
 def configure_logging(level: str = "INFO", *, service: str) -> structlog.stdlib.BoundLogger:
     """Set up JSON logging for ``service`` and return its logger."""
+    global _debug
     numeric = logging.getLevelNamesMapping().get(level.upper())
     if numeric is None:
         raise ValueError(f"unknown log level {level!r} (use DEBUG, INFO, WARNING or ERROR)")
+    _debug = numeric <= logging.DEBUG
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import dataclasses
 import errno
+import gc
 import math
 import os
 import signal
@@ -489,6 +490,11 @@ class _Runner:
             metrics_port=settings.metrics_port or None,
             tls="mutual" if settings.grpc_use_ssl_mutual else ("on" if settings.grpc_use_ssl else "off"),
         )
+        # Everything the service is made of (modules, routing tables, servers) exists now and lives as long as the
+        # process: frozen, the cyclic collector no longer walks it at each full collection (some 70,000 objects
+        # in a router, tens of milliseconds each time, paid by the calls answered meanwhile).
+        gc.collect()
+        gc.freeze()
         # Held until now: a start that fails on its configuration stays one line on stderr.
         give_warnings(lambda line: self.log.warning("secret on the command line (deprecated)", detail=line))
         running = asyncio.create_task(service.run(runtime), name="service-run")

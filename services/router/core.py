@@ -42,6 +42,7 @@ from grpc import aio
 from splitstream.common.errors import InvalidInput, ModelNotFound, ModelNotReady, SplitstreamError, WrongProtocol
 from splitstream.common.experiment import Experiment, Phase, Shadow
 from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER
+from splitstream.common.logs import debug_enabled
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.common.registry import OpenAIUpstream, RegistryState
 from splitstream.common.tls import PLAINTEXT, ClientFilesWatch, ClientTls
@@ -167,14 +168,15 @@ class RouterCore:
     def log_call(self, outcome: CallOutcome) -> None:
         """DEBUG for every call (and token stream); WARNING for server-side failures, at most once a second
         per kind."""
-        log.debug(
-            "call",
-            request_id=outcome.request_id,
-            model=outcome.model,
-            version=outcome.version,
-            status=outcome.code.name,
-            latency_ms=round(outcome.latency_s * 1000, 3),
-        )
+        if debug_enabled():
+            log.debug(
+                "call",
+                request_id=outcome.request_id,
+                model=outcome.model,
+                version=outcome.version,
+                status=outcome.code.name,
+                latency_ms=round(outcome.latency_s * 1000, 3),
+            )
         if outcome.code in _SERVER_FAILURES:
             kind = (outcome.model, outcome.version, outcome.code)
             now = time.monotonic()

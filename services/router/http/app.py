@@ -56,6 +56,7 @@ from splitstream.router.config import DEFAULT_HTTP_BODY_TIMEOUT_S, DEFAULT_UPSTR
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.http.auth import HttpGuard, authorize_model, may_see
 from splitstream.router.http.body import BODY_TIMEOUT_S, read_body
+from splitstream.router.http.call import CALL, Call
 from splitstream.router.http.errors import CLIENT_CLOSED, ApiError, from_status, internal, model_not_found
 from splitstream.router.http.feedback import HttpFeedback
 from splitstream.router.http.headers import header_text
@@ -74,7 +75,7 @@ from splitstream.router.http.openai_api import (
 )
 from splitstream.router.http.passthrough import PassThrough, Spill
 from splitstream.router.http.recording import HttpExchange, recorded_headers, stream_response
-from splitstream.router.http.sse import COMPLETE, end_stream
+from splitstream.router.http.sse import end_stream
 from splitstream.router.http.tls import RotatingContext
 from splitstream.router.metrics import TTFT_BUCKETS_S
 from splitstream.router.servicer import RouterServicer
@@ -238,16 +239,14 @@ class HttpFrontDoor:
         started = time.monotonic()
         info = request.match_info.route.resource
         route = info.canonical if info is not None else OTHER_ROUTE
-        request["started"] = started
-        request["route"] = route
-        request["labels"] = [UNKNOWN_MODEL, ""]  # model, version: set as far as the handler gets
+        call = request[CALL] = Call(started, route)
         if self.recording is not None:
-            request["receive_unix_ns"] = time.time_ns()
+            call.receive_unix_ns = time.time_ns()
         status = 500
         response: web.StreamResponse | None = None
         try:
             response = await handler(request)
-            status = request.get("status", response.status)
+            status = response.status if call.status is None else call.status
             return response
         except ApiError as error:  # a handler's, or the auth middleware's refusal: in the route's shape
             status = error.status
@@ -259,37 +258,37 @@ class HttpFrontDoor:
             return self._error_response(request, kserve_error(refusal) if _is_kserve(request) else refusal)
         except asyncio.CancelledError:
             # Gone after the stream's last event: it had its whole answer, and that is what is counted.
-            status = request.get("status", 200) if request.get(COMPLETE) else CLIENT_CLOSED
-            outcome = request.get("outcome")  # routed before the client went away: counted under its version
+            status = (200 if call.status is None else call.status) if call.complete else CLIENT_CLOSED
+            outcome = call.outcome  # routed before the client went away: counted under its version
             if outcome is not None:
-                request["labels"][1] = outcome.version
+                call.label_version = outcome.version
             raise
         except Exception:
             log.exception("HTTP request failed", path=request.path)
             status = 500
             return self._error_response(request, kserve_error(internal()) if _is_kserve(request) else internal())
         finally:
-            model, version = request["labels"]
-            self.metrics.ended(model, version, route, status, time.monotonic() - started)
-            if "exchange" in request:
-                self._record(request, status, response)
+            self.metrics.ended(call.model, call.label_version, route, status, time.monotonic() - started)
+            if call.exchange is not None:
+                self._record(request, call, status, response)
 
     def recorded(self, request: web.Request, api: str) -> HttpExchange | None:
-        """The recording of this call, kept on the request (None when the router records nothing)."""
+        """The recording of this call, kept on its :class:`Call` (None when the router records nothing)."""
         if self.recording is None:
             return None
-        started_ns = int(request["started"] * 1e9)  # time.monotonic(), as the metrics time the call
-        exchange = request["exchange"] = HttpExchange(
+        call = request[CALL]
+        started_ns = int(call.started * 1e9)  # time.monotonic(), as the metrics time the call
+        exchange = call.exchange = HttpExchange(
             request.method, request.path_qs, api, max_bytes=self.record_max_bytes, started_ns=started_ns
         )
         return exchange
 
-    def _record(self, request: web.Request, status: int, response: web.StreamResponse | None) -> None:
+    def _record(self, request: web.Request, call: Call, status: int, response: web.StreamResponse | None) -> None:
         """Append the ended call to the router's log: one append, no network (a log that refuses it counts the
         call as dropped). Only calls that reached routing (their model known) are recorded, as gRPC streams."""
-        outcome: CallOutcome | None = request.get("outcome")
-        exchange: HttpExchange = request["exchange"]
-        if self.recording is None or outcome is None or outcome.model == UNKNOWN_MODEL:
+        outcome = call.outcome
+        exchange = call.exchange
+        if exchange is None or self.recording is None or outcome is None or outcome.model == UNKNOWN_MODEL:
             return
         if isinstance(response, web.Response) and isinstance(response.body, bytes):
             exchange.answered(response.body, response.content_type)
@@ -297,8 +296,8 @@ class HttpFrontDoor:
             exchange.usage = exchange.reported_usage()
         if self.feedback is not None:  # a feedback body may name the call by its id alone
             self.feedback.recent.note(outcome.request_id, outcome.model)
-        outcome.receive_unix_ns = request["receive_unix_ns"]
-        outcome.latency_s = time.monotonic() - request["started"]
+        outcome.receive_unix_ns = call.receive_unix_ns
+        outcome.latency_s = time.monotonic() - call.started
         recording = self.recording
         try:
             fields = exchange.serialize(status, self._mask_user)
@@ -306,7 +305,7 @@ class HttpFrontDoor:
             log.exception("HTTP call not recordable; dropped", request_id=outcome.request_id[:200])
             recording.metrics.records_dropped.labels("unrecordable").inc()
             return
-        recording.offer_http(outcome, request.get("worker_request", b""), recorded_headers(request.headers), fields)
+        recording.offer_http(outcome, call.worker_request, recorded_headers(request.headers), fields)
 
     def _mask_user(self, user: str) -> str:
         """What a recorded body's ``user`` (a routing key) is stored as."""
@@ -316,10 +315,11 @@ class HttpFrontDoor:
     @staticmethod
     def _error_response(request: web.Request, error: ApiError) -> web.Response:
         headers = dict(error.headers)
-        if "request_id" in request:
-            headers.update(_id_header(request))
-        if request.get("version"):
-            headers[VERSION_HEADER] = header_value(request["version"])
+        call = request.get(CALL)  # None: refused before the edge began (aiohttp's own refusals come through it too)
+        if call is not None and call.request_id is not None:
+            headers.update(_id_header(call))
+        if call is not None and call.version:
+            headers[VERSION_HEADER] = header_value(call.version)
         return web.json_response(error.body(), status=error.status, headers=headers)
 
     # -- models ---------------------------------------------------------------------------------
@@ -332,7 +332,7 @@ class HttpFrontDoor:
         name = request.match_info["model"]
         if not self.core.serves(name):
             raise model_not_found(f"The model '{name}' does not exist")
-        request["labels"][0] = name
+        request[CALL].model = name
         return web.json_response(self._model(name))
 
     def _model(self, name: str) -> dict[str, Any]:
@@ -351,10 +351,11 @@ class HttpFrontDoor:
         """Route the request, then pass it through to an ``openai`` upstream unchanged, or translate it for
         our generating workers. Routed once, here: a random split must not land elsewhere when the
         translated relay starts."""
+        call = request[CALL]
         sent_id = header_text(request, REQUEST_ID_HEADER) or ""
-        request["sent_id"] = sent_id or None
-        request_id = request.get("request_id") or (from_header_value(sent_id) if sent_id else uuid.uuid4().hex)
-        request["request_id"] = request_id
+        call.sent_id = sent_id or None
+        request_id = call.request_id or (from_header_value(sent_id) if sent_id else uuid.uuid4().hex)
+        call.request_id = request_id
         exchange = self.recorded(request, kind)
         body = await read_body(request)
         data = parse_body(body)
@@ -368,7 +369,7 @@ class HttpFrontDoor:
                 raise refusal
             served = ", ".join(self.core.model_names()) or "none"
             raise model_not_found(f"The model '{model}' does not exist (served: {served})")
-        request["labels"][0] = model
+        call.model = model
         user = data.get("user") if isinstance(data.get("user"), str) else None
         headers = self._routing_headers(request, user, request_id)
         outcome = CallOutcome(
@@ -378,7 +379,7 @@ class HttpFrontDoor:
             "",
             None,
             receive_unix_ns=time.time_ns(),
-            principal=request.get("principal", ""),  # recorded as a gRPC call's (auth's middleware set it)
+            principal=call.principal,  # recorded as a gRPC call's (auth's middleware set it)
         )
         try:
             routes, route = self.core.route(
@@ -391,20 +392,20 @@ class HttpFrontDoor:
             outcome.code, outcome.details = error.code, str(error)
             self.core.metrics.streams.labels(model, outcome.version, outcome.code.name).inc()
             self.core.log_call(outcome)
-            request["labels"][1] = request["version"] = outcome.version
+            call.served(outcome.version)
             raise from_status(error.code, str(error)) from None
         if route.pool.upstream is not None:
             path = "chat/completions" if kind == CHAT else "completions"
-            request["outcome"] = outcome  # recorded and counted by it, as a translated call by its relay's
+            call.outcome = outcome  # recorded and counted by it, as a translated call by its relay's
             try:
                 return await self.passthrough.forward(
-                    request, path, body, data, outcome, routes, route, _id_header(request)
+                    request, path, body, data, outcome, routes, route, _id_header(call)
                 )
             except Spill as spill:  # the upstreams failed before a byte: the control is our worker
                 route = spill.route
         generation = parse_generation(kind, data)  # 400 naming the field our workers cannot take
         answer = _Answer(request, generation, Shapes.of(generation, request_id), self.metrics, exchange)
-        worker_request = request["worker_request"] = generation.inference_request(request_id)
+        worker_request = call.worker_request = generation.inference_request(request_id)
         relayed = await self.streams.relay(
             _one(worker_request),
             answer.write,
@@ -418,9 +419,8 @@ class HttpFrontDoor:
         assert relayed is not None  # one request was sent
         return await answer.finish(relayed)
 
-    def _observe_ttft(self, request: web.Request, version: str) -> None:
-        model = request["labels"][0]
-        self.metrics.first_token(model, version, request["route"], time.monotonic() - request["started"])
+    def _observe_ttft(self, call: Call, version: str) -> None:
+        self.metrics.first_token(call.model, version, call.route, time.monotonic() - call.started)
 
     def _routing_headers(self, request: web.Request, user: str | None, request_id: str) -> dict[str, str]:
         """What the core reads: the experiments' routing-key headers (the body's ``user`` where the header is
@@ -450,6 +450,7 @@ class _Answer:
         exchange: HttpExchange | None = None,
     ) -> None:
         self.request = request
+        self.call = request[CALL]
         self.exchange = exchange
         self.generation = generation
         self.shapes = shapes
@@ -466,7 +467,7 @@ class _Answer:
         self.gone = False
 
     def bind(self, outcome: CallOutcome) -> None:
-        self.outcome = self.request["outcome"] = outcome
+        self.outcome = self.call.outcome = outcome
 
     @property
     def version(self) -> str:
@@ -512,10 +513,11 @@ class _Answer:
                 await self._event(shapes.chunk(role=True, usage=include_usage))
         if text:
             await self._event(shapes.chunk(text=text, usage=include_usage))
-            if "ttft" not in self.request:
-                self.request["ttft"] = True
-                self.metrics.ttft.labels(self.generation.model, self.version, self.request["route"]).observe(
-                    time.monotonic() - self.request["started"]
+            call = self.call
+            if not call.ttft:
+                call.ttft = True
+                self.metrics.first_token(
+                    self.generation.model, self.version, call.route, time.monotonic() - call.started
                 )
         if self.final:
             await self._event(shapes.chunk(finish_reason=self.finish_reason, usage=include_usage))
@@ -523,14 +525,14 @@ class _Answer:
                 await self._event(shapes.usage_chunk(self.usage))
 
     async def _open(self) -> web.StreamResponse:
-        self.request["labels"][1] = self.request["version"] = self.version
+        self.call.served(self.version)
         response = stream_response(
             self.request,
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
                 VERSION_HEADER: header_value(self.version),
-                **_id_header(self.request),
+                **_id_header(self.call),
             },
         )
         await response.prepare(self.request)
@@ -555,14 +557,14 @@ class _Answer:
     async def finish(self, outcome: CallOutcome) -> web.StreamResponse:
         """The answer once the worker's stream ended with ``outcome``."""
         self.outcome = outcome
-        self.request["labels"][1] = self.request["version"] = outcome.version
+        self.call.served(outcome.version)
         failure = None if outcome.code == grpc.StatusCode.OK else from_status(outcome.code, outcome.details)
         failure = failure or self.error
         if failure is None and not self.final:
             failure = ApiError(502, "the model's stream ended without a final response", type="server_error")
         if self.sse is not None:
             if failure is not None:
-                self.request["status"] = failure.status
+                self.call.status = failure.status
                 await self._event(failure.body())
             else:
                 await self._event("[DONE]")
@@ -577,9 +579,7 @@ class _Answer:
             await end_stream(self.request, self.sse)
             return self.sse
         body = self.shapes.whole("".join(self.texts), self.finish_reason, self.usage)
-        return web.json_response(
-            body, headers={VERSION_HEADER: header_value(outcome.version), **_id_header(self.request)}
-        )
+        return web.json_response(body, headers={VERSION_HEADER: header_value(outcome.version), **_id_header(self.call)})
 
 
 def _refusal(kind: str, data: dict[str, Any]) -> ApiError | None:
@@ -598,9 +598,10 @@ async def _one(request: bytes) -> AsyncIterator[bytes]:
     yield request
 
 
-def _id_header(request: web.Request) -> dict[str, str]:
+def _id_header(call: Call) -> dict[str, str]:
     """The ``x-request-id`` answered, as the gRPC edge answers it (:func:`echoed_request_id`)."""
-    return dict(echoed_request_id(request.get("sent_id"), request["request_id"]))
+    assert call.request_id is not None
+    return dict(echoed_request_id(call.sent_id, call.request_id))
 
 
 def _is_kserve(request: web.Request) -> bool:

@@ -30,7 +30,7 @@ JWT settings); the gRPC edge's detailed reason is logged with the request id, wh
 carries in ``x-request-id`` and a 401 or 403 in its message too, as the gRPC port answers.
 
 The principal's name is set for the call as the interceptor sets it (:data:`CALL_PRINCIPAL`, read by
-the stream relay's record) and kept on the request as ``request["principal"]``.
+the stream relay's record) and kept on the call (:class:`~.call.Call`: its ``principal`` and ``admitted``).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from splitstream.common.runtime import process_index
 from splitstream.router.auth.answers import LOG_HAS_THE_REASON
 from splitstream.router.auth.gate import CREDENTIAL_HEADERS, FEEDBACK, Gate, Refusal, Refused
 from splitstream.router.auth.policy import Principal
+from splitstream.router.http.call import CALL
 from splitstream.router.http.errors import ApiError, internal
 
 log = structlog.get_logger()
@@ -62,11 +63,8 @@ PRINCIPAL_ROUTES = frozenset({"/v1/models", "/v2"})
 #: Routes that need one grant beside the models.
 GRANT_ROUTES = {"/v1/feedback": FEEDBACK}
 
-#: The request's key of the principal (an object); ``"principal"`` holds its name.
-_PRINCIPAL = "splitstream.principal"
 #: Longest request id quoted in a refusal's message, as on the gRPC port (x-request-id still echoes a longer one).
 _MAX_ID_IN_MESSAGE = 128
-_GUARD = "splitstream.guard"
 
 
 class HttpGuard:
@@ -83,9 +81,10 @@ class HttpGuard:
         route = _route(request)
         if route in OPEN_ROUTES:
             return await handler(request)
-        if "request_id" not in request:  # the refusal's log line and x-request-id tell the operator which
+        call = request[CALL]
+        if call.request_id is None:  # the refusal's log line and x-request-id tell the operator which
             sent = request.headers.get(REQUEST_ID_HEADER, "")
-            request["request_id"] = from_header_value(sent) if sent else uuid.uuid4().hex
+            call.request_id = from_header_value(sent) if sent else uuid.uuid4().hex
         credentials = tuple(
             (name, value)
             for name, value in ((k.lower(), v) for k, v in request.headers.items())
@@ -98,9 +97,8 @@ class HttpGuard:
                 self._authorize_route(request, principal, route)
         except Refused as refused:
             raise self.refuse(request, refused.refusal) from None
-        request["principal"] = principal.name
-        request[_PRINCIPAL] = principal
-        request[_GUARD] = self
+        call.principal = principal.name
+        call.admitted = (principal, self)
         gate.let_through(principal)
         return await handler(request)
 
@@ -120,7 +118,8 @@ class HttpGuard:
     def refuse(self, request: web.Request, refusal: Refusal) -> ApiError:
         """Count and log ``refusal``; the caller's answer, which says nothing of the configuration."""
         self.gate.count(refusal)
-        rid = request.get("request_id", "")
+        call = request.get(CALL)
+        rid = (call.request_id if call is not None else None) or ""
         error = _answer(refusal)
         if error.status in (401, 403) and 0 < len(rid) <= _MAX_ID_IN_MESSAGE:
             # As the gRPC port's text says it (x-request-id carries it too, as gRPC's trailers do).
@@ -141,10 +140,10 @@ def authorize_model(request: web.Request, model: str) -> None:
     """Raise the 403 unless the request's principal may call ``model`` (and pin, when it sends the pin
     header); nothing when callers are not authenticated. For :data:`BODY_MODEL_ROUTES`, once the body
     names the model."""
-    principal: Principal | None = request.get(_PRINCIPAL)
-    if principal is None:
+    admitted = request[CALL].admitted
+    if admitted is None:
         return
-    guard: HttpGuard = request[_GUARD]
+    principal, guard = admitted
     try:
         Gate.check_model(principal, model, pinned=bool(request.headers.get(VERSION_HEADER)))
     except Refused as refused:
@@ -153,8 +152,8 @@ def authorize_model(request: web.Request, model: str) -> None:
 
 def may_see(request: web.Request, model: str) -> bool:
     """Whether the request's principal may call ``model`` (all models when callers are not authenticated)."""
-    principal: Principal | None = request.get(_PRINCIPAL)
-    return principal is None or principal.may_call(model)
+    admitted = request[CALL].admitted
+    return admitted is None or admitted[0].may_call(model)
 
 
 def _route(request: web.Request) -> str:

@@ -43,6 +43,7 @@ from splitstream.common.headers import REQUEST_ID_HEADER, VERSION_HEADER, from_h
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome
 from splitstream.router.http.body import read_body
+from splitstream.router.http.call import CALL
 from splitstream.router.http.errors import ApiError, from_status
 from splitstream.router.http.headers import as_text, header_text
 from splitstream.router.http.openai_api import parse_body
@@ -506,7 +507,7 @@ class KServeRoutes:
             raise kserve_error(from_status(code, details)) from None
         except aio.AioRpcError as error:
             raise kserve_error(from_status(error.code(), error.details() or "")) from None
-        request["labels"][1] = version
+        request[CALL].label_version = version
         return web.json_response(
             {
                 "name": metadata.name or model,
@@ -525,7 +526,7 @@ class KServeRoutes:
         if not views:
             served = ", ".join(self.front.core.model_names()) or "none"
             raise KServeError(404, f"unknown model '{model}' (served: {served})")
-        request["labels"][0] = model
+        request[CALL].model = model
         if version and version not in views[0].pools:
             known = ", ".join(sorted(views[0].pools))
             raise KServeError(404, f"unknown version '{version}' of model '{model}' (versions: {known})")
@@ -542,9 +543,10 @@ class KServeRoutes:
         payload = infer_request.SerializeToString()
         headers = self._routing_headers(request)
         outcome = await self.front.core.infer(payload, headers, None)
-        outcome.principal = request.get("principal", "")  # recorded as a gRPC call's (auth's middleware set it)
-        request["labels"][1] = request["version"] = outcome.version
-        request["request_id"] = outcome.request_id
+        call = request[CALL]
+        outcome.principal = call.principal  # recorded as a gRPC call's (auth's middleware set it)
+        call.served(outcome.version)
+        call.request_id = outcome.request_id
         servicer = self.front.servicer
         if outcome.model != UNKNOWN_MODEL and servicer is not None and servicer.after_answer is not None:
             servicer.after_answer(outcome, payload, self._metadata(request))
@@ -607,12 +609,14 @@ class KServeRoutes:
         model, version = self._model(request)
         headers = self._routing_headers(request)
         request_id = headers.get(REQUEST_ID_HEADER) or _new_id()
-        headers[REQUEST_ID_HEADER] = request["request_id"] = request_id
+        headers[REQUEST_ID_HEADER] = request[CALL].request_id = request_id
         exchange = self.front.recorded(request, "generate-stream" if stream else "generate")
         raw = await read_body(request)
         if exchange is not None:
             exchange.received(raw, request.headers.get("Content-Type", ""))
-        payload = request["worker_request"] = parse_generate(model, version, raw, stream=stream, request_id=request_id)
+        payload = request[CALL].worker_request = parse_generate(
+            model, version, raw, stream=stream, request_id=request_id
+        )
         answer = GenerateAnswer(model, version)
         relay = _GenerateRelay(self.front, request, answer, stream=stream)
         outcome = await self.front.streams.relay(
@@ -631,14 +635,21 @@ class _GenerateRelay:
     def __init__(self, front: HttpFrontDoor, request: web.Request, answer: GenerateAnswer, *, stream: bool) -> None:
         self.front = front
         self.request = request
+        self.call = request[CALL]
         self.answer = answer
         self.stream = stream
         self.outcome: CallOutcome | None = None
         self.sse: web.StreamResponse | None = None
         self.gone = False
 
+    @property
+    def _request_id(self) -> str:
+        request_id = self.call.request_id
+        assert request_id is not None  # set before the relay began
+        return request_id
+
     def bind(self, outcome: CallOutcome) -> None:
-        self.outcome = self.request["outcome"] = outcome  # the front door records and counts the call by it
+        self.outcome = self.call.outcome = outcome  # the front door records and counts the call by it
 
     async def write(self, payload: bytes) -> None:
         if self.gone:
@@ -657,23 +668,24 @@ class _GenerateRelay:
             if task is not None:
                 task.cancel()
             return
-        if "ttft" not in self.request:
-            self.request["ttft"] = True
-            self.front.metrics.ttft.labels(self.answer.model, self.answer.version, self.request["route"]).observe(
-                time.monotonic() - self.request["started"]
+        call = self.call
+        if not call.ttft:
+            call.ttft = True
+            self.front.metrics.first_token(
+                self.answer.model, self.answer.version, call.route, time.monotonic() - call.started
             )
 
     async def _open(self) -> web.StreamResponse:
         version = self.outcome.version if self.outcome is not None else ""
         self.answer.version = self.answer.version or version
-        self.request["labels"][1] = self.request["version"] = version
+        self.call.served(version)
         response = stream_response(
             self.request,
             headers={
                 "Content-Type": "text/event-stream; charset=utf-8",
                 "Cache-Control": "no-cache",
                 VERSION_HEADER: header_value(version),
-                REQUEST_ID_HEADER: header_value(self.request["request_id"]),
+                REQUEST_ID_HEADER: header_value(self._request_id),
             },
         )
         await response.prepare(self.request)
@@ -685,7 +697,7 @@ class _GenerateRelay:
 
     async def finish(self, outcome: CallOutcome) -> web.StreamResponse:
         self.outcome = outcome
-        self.request["labels"][1] = self.request["version"] = outcome.version
+        self.call.served(outcome.version)
         failure: KServeError | None = None
         if outcome.code != grpc.StatusCode.OK:
             failure = kserve_error(from_status(outcome.code, outcome.details))
@@ -693,7 +705,7 @@ class _GenerateRelay:
             failure = bad_input(self.answer.error)
         if self.sse is not None:  # the stream began: an error is its last event, as Triton sends it
             if failure is not None:
-                self.request["status"] = failure.status
+                self.call.status = failure.status
                 await self._event(failure.body())
             await end_stream(self.request, self.sse)
             return self.sse
@@ -709,7 +721,7 @@ class _GenerateRelay:
             fields,
             headers={
                 VERSION_HEADER: header_value(outcome.version),
-                REQUEST_ID_HEADER: header_value(self.request["request_id"]),
+                REQUEST_ID_HEADER: header_value(self._request_id),
             },
         )
 

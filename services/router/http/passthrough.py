@@ -40,6 +40,7 @@ from aiohttp import web
 
 from splitstream.common.headers import VERSION_HEADER, header_value
 from splitstream.router.core import CallOutcome, RouterCore
+from splitstream.router.http.call import CALL, Call
 from splitstream.router.http.errors import ApiError
 from splitstream.router.http.recording import stream_response
 from splitstream.router.http.sse import end_stream
@@ -54,8 +55,6 @@ log = structlog.get_logger()
 _RETRIED_STATUSES = frozenset({502, 503})
 #: Hop-by-hop and framing headers never relayed (aiohttp frames the client's answer itself).
 _RELAYED_HEADERS = ("Content-Type", "Cache-Control")
-#: Where one SSE event ends (the spec allows either line ending).
-_EVENT_ENDS = (b"\n\n", b"\r\n\r\n")
 #: The last event of an OpenAI stream.
 _DONE = b"data: [DONE]"
 #: An upstream refusing the credentials the registry gave the router for it.
@@ -76,9 +75,7 @@ class PassThrough:
     answer's first event (the front door's histogram); ``idle_timeout_s`` is how long the upstream may send
     nothing."""
 
-    def __init__(
-        self, core: RouterCore, ttft: Callable[[web.Request, str], None], *, idle_timeout_s: float = 300.0
-    ) -> None:
+    def __init__(self, core: RouterCore, ttft: Callable[[Call, str], None], *, idle_timeout_s: float = 300.0) -> None:
         self.core = core
         self.ttft = ttft
         self.idle_timeout_s = idle_timeout_s
@@ -127,13 +124,13 @@ class PassThrough:
             try:
                 failure = await relay.attempt(endpoint, path, _payload(body, data, endpoint))
             except ApiError:  # not retried: another try would fail alike, or wait as long again
-                relay.request["labels"][1] = relay.request["version"] = outcome.version
+                relay.call.served(outcome.version)
                 raise
             if failure is None:
                 return relay.answer()
             retry = None if outcome.retried else self.core.retry_target(routes, route, endpoint)
             if retry is None:
-                relay.request["labels"][1] = relay.request["version"] = outcome.version
+                relay.call.served(outcome.version)
                 raise failure
             self.core.metrics.retries.labels(outcome.model, outcome.version).inc()
             outcome.retried = True
@@ -158,6 +155,7 @@ class _Relay:
     def __init__(self, owner: PassThrough, request: web.Request, outcome: CallOutcome, headers: dict[str, str]):
         self.owner = owner
         self.request = request
+        self.call = request[CALL]
         self.outcome = outcome
         self.headers = headers
         self.answered: web.StreamResponse | None = None
@@ -214,7 +212,7 @@ class _Relay:
             await _text(upstream)
             problem = f"upstream {endpoint.address} refused the router's credentials for it ({upstream.status})"
             outcome.code, outcome.details = grpc.StatusCode.INTERNAL, problem
-            self.request["status"] = 502
+            self.call.status = 502
             # Not the client's 401/403: its own credentials were accepted. The operator fixes the registry's key.
             raise ApiError(502, f"{problem}: the API key the registry names for it is wrong", type="server_error")
         content_type = upstream.headers.get("Content-Type", "")
@@ -233,19 +231,23 @@ class _Relay:
         # Recorded as the front door's own streams are: each event as the client was sent it.
         self.sse = stream_response(self.request, status=upstream.status, headers=self._headers(upstream))
         await self.sse.prepare(self.request)
-        self.request["labels"][1] = self.request["version"] = outcome.version
+        self.call.served(outcome.version)
         self.metrics = self.owner.core.metrics.stream_children(outcome.model, outcome.version)
         self.metrics.active.inc()
         pending = b""
         try:
             async for chunk in upstream.content.iter_any():
-                pending += chunk
-                end = _complete(pending)
-                if end:
+                if not pending and chunk.endswith(b"\n\n"):  # whole events, as servers write them: no search
+                    events = chunk
+                else:
+                    pending += chunk
+                    end = _complete(pending)
+                    if not end:
+                        continue
                     events, pending = pending[:end], pending[end:]
-                    await self._write(events)
-                    if events.rstrip().endswith(_DONE):  # the answer is whole: nothing follows [DONE]
-                        break
+                await self._write(events)
+                if events.rstrip().endswith(_DONE):  # the answer is whole: nothing follows [DONE]
+                    break
         except aiohttp.ServerTimeoutError:
             stalled = self._stalled(endpoint, "in the middle of its stream")
             await self._error_event(stalled)
@@ -269,12 +271,12 @@ class _Relay:
         idle = self.owner.idle_timeout_s
         problem = f"upstream {endpoint.address} sent nothing for {idle:g} s {when} (--upstream-idle-timeout-s)"
         self.outcome.code, self.outcome.details = grpc.StatusCode.DEADLINE_EXCEEDED, problem
-        self.request["status"] = 504
+        self.call.status = 504
         return ApiError(504, problem, type="server_error", code="deadline_exceeded")
 
     async def _error_event(self, failure: ApiError) -> None:
         """End a stream that began with ``failure``, as the front door ends a worker's: one error event."""
-        self.request["status"] = failure.status
+        self.call.status = failure.status
         await self._write(f"data: {json.dumps(failure.body(), separators=(',', ':'))}\n\n".encode())
 
     def stream_ended(self) -> None:
@@ -292,7 +294,7 @@ class _Relay:
     def _settle(self, endpoint: PoolMember, status: int) -> None:
         """The upstream answered whole: its status is the call's (a 4xx is the client's, not a failure)."""
         endpoint.succeeded()
-        self.request["status"] = status
+        self.call.status = status
         outcome = self.outcome
         if status < 400:
             outcome.code, outcome.details = grpc.StatusCode.OK, ""
@@ -306,22 +308,24 @@ class _Relay:
 
     def whole(self, upstream: aiohttp.ClientResponse, body: bytes) -> web.Response:
         """A whole (not streamed) answer, relayed as the upstream sent it."""
-        self.request["labels"][1] = self.request["version"] = self.outcome.version
+        self.call.served(self.outcome.version)
         return web.Response(status=upstream.status, body=body, headers=self._headers(upstream))
 
     async def _write(self, data: bytes) -> None:
         """Every byte of a streamed answer goes through here, in order."""
         assert self.sse is not None
-        if "ttft" not in self.request:
-            self.request["ttft"] = True
-            self.owner.ttft(self.request, self.outcome.version)
+        call = self.call
+        if not call.ttft:
+            call.ttft = True
+            self.owner.ttft(call, self.outcome.version)
         if self.metrics is not None:
             now = time.monotonic_ns()
             if self.events:
                 self.metrics.gap.observe((now - self.last_ns) / 1e9)
             else:
                 self.metrics.ttft.observe((now - self.started_ns) / 1e9)
-            self.events += sum(data.count(end) for end in _EVENT_ENDS)  # JSON text holds no raw line break
+            # JSON text holds no raw line break; an event's CRLF end holds no LF LF.
+            self.events += data.count(b"\n\n") + data.count(b"\r\n\r\n")
             self.last_ns = now
         try:
             await self.sse.write(data)
@@ -335,7 +339,9 @@ class _Relay:
 
 def _complete(data: bytes) -> int:
     """How many bytes at the start of ``data`` are whole SSE events (0: none yet)."""
-    return max((data.rfind(mark) + len(mark) for mark in _EVENT_ENDS if mark in data), default=0)
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    end = lf + 2 if lf >= 0 else 0
+    return crlf + 4 if crlf >= 0 and crlf + 4 > end else end
 
 
 async def _text(upstream: aiohttp.ClientResponse) -> bytes:

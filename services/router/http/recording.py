@@ -25,6 +25,7 @@ from aiohttp import web
 
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.sse import EventData
+from splitstream.router.http.call import CALL
 from splitstream.router.http.headers import as_text
 
 #: Headers about the connection, not the call: never recorded (a replay sets its own).
@@ -75,7 +76,8 @@ class HttpExchange:
         self.kept_bytes = 0
         self.truncated = False
         self.first_token_ns = 0
-        self.reader = EventData()  # the written bytes of an event not ended yet
+        #: The written bytes of an event not ended yet; made at a stream's first write (a whole answer has none).
+        self.reader: EventData | None = None
         #: (prompt tokens, completion tokens) as the answer reported them; None when it reported none.
         self.usage: tuple[int, int] | None = None
 
@@ -86,7 +88,10 @@ class HttpExchange:
         """Bytes of a server-sent event stream as written to the client, cut anywhere (a relay passes chunks
         through as they come): each event that ends in them is recorded by its ``data`` (lines ending in CRLF as
         in LF, as the SSE format allows both)."""
-        for data in self.reader.feed(chunk):
+        reader = self.reader
+        if reader is None:
+            reader = self.reader = EventData()
+        for data in reader.feed(chunk):
             self.event(data)
 
     def event(self, data: bytes) -> None:
@@ -171,13 +176,13 @@ class RecordedStreamResponse(web.StreamResponse):
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         await super().write(data)
-        self.exchange.written(bytes(data))
+        self.exchange.written(data if data.__class__ is bytes else bytes(data))
 
 
 def stream_response(request: web.Request, **kwargs: Any) -> web.StreamResponse:
     """The ``web.StreamResponse`` to answer ``request`` with: recorded when the call is (it has an exchange)."""
-    exchange = request.get("exchange")
-    if isinstance(exchange, HttpExchange):
+    exchange = request[CALL].exchange
+    if exchange is not None:
         return RecordedStreamResponse(exchange, **kwargs)
     return web.StreamResponse(**kwargs)
 

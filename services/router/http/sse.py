@@ -12,13 +12,13 @@ import contextlib
 
 from aiohttp import web
 
-#: The request's key saying the stream's last event went out: the edge keeps the call's status then, even
-#: when the client leaves (and aiohttp cancels the handler) before the stream is closed.
-COMPLETE = "splitstream.complete"
+from splitstream.router.http.call import CALL
 
 
 async def end_stream(request: web.Request, sse: web.StreamResponse) -> None:
-    """Close ``sse`` after its last event was written; a client already gone had its whole answer."""
-    request[COMPLETE] = True
+    """Close ``sse`` after its last event was written; a client already gone had its whole answer: the edge
+    keeps the call's status then (:attr:`Call.complete`), even when the client leaves (and aiohttp cancels the
+    handler) before the stream is closed."""
+    request[CALL].complete = True
     with contextlib.suppress(ConnectionError):
         await sse.write_eof()
