@@ -165,8 +165,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with Supervisor(workdir) as supervisor:
         step("starting redis-server, recorder, generating workers v1 and v2, router (50/50)")
         redis_url = supervisor.start_redis()
-        recorder = supervisor.start_recorder(redis_url, "--hmac-key-file", str(hmac_key_file))
-        workers = {version: supervisor.start_worker(workdir / "models", MODEL, version) for version in language.ORDERS}
+        recorder = supervisor.start_recorder(redis_url, "--hmac-key-file", str(hmac_key_file), wait=False)
+        models = workdir / "models"
+        workers = {version: supervisor.start_worker(models, MODEL, version, wait=False) for version in language.ORDERS}
+        supervisor.wait_started()  # the router's health watch finds both workers serving from its start
         experiment = {
             "salt": "demo-llm",
             "control": "v1",

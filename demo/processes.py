@@ -91,6 +91,8 @@ class Supervisor:
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        #: Started, not yet seen serving: name -> (gRPC address, timeout in seconds).
+        self._starting: dict[str, tuple[str, float]] = {}
 
     def __enter__(self) -> Supervisor:
         return self
@@ -98,8 +100,11 @@ class Supervisor:
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
 
-    def start(self, name: str, argv: list[str], *, grpc_address: str | None = None, timeout_s: float = 60) -> None:
-        """Start ``argv`` (a console script of this venv, or ``redis-server``); wait for grpc health SERVING."""
+    def start(
+        self, name: str, argv: list[str], *, grpc_address: str | None = None, timeout_s: float = 60, wait: bool = True
+    ) -> None:
+        """Start ``argv`` (a console script of this venv, or ``redis-server``); wait for grpc health SERVING,
+        or with ``wait=False`` leave that to :meth:`wait_started`."""
         executable = shutil.which(argv[0], path=str(Path(sys.executable).parent)) or shutil.which(argv[0])
         if executable is None:
             raise RuntimeError(f"{argv[0]} not found")
@@ -107,7 +112,18 @@ class Supervisor:
         self.processes[name] = subprocess.Popen([executable, *argv[1:]], stdout=log, stderr=subprocess.STDOUT)
         log.close()
         if grpc_address is not None:
-            self._wait_serving(name, grpc_address, timeout_s)
+            self._starting[name] = (grpc_address, timeout_s)
+            if wait:
+                self.wait_started()
+
+    def wait_started(self) -> None:
+        """Until every process started with a gRPC address serves. Processes that need nothing of each other
+        (the recorder, the workers) are started together and waited for here: each spends seconds importing
+        before it serves, and those seconds overlap instead of adding up."""
+        while self._starting:
+            name = next(iter(self._starting))
+            address, timeout_s = self._starting.pop(name)
+            self._wait_serving(name, address, timeout_s)
 
     def start_redis(self, *extra: str) -> str:
         """A redis-server that keeps nothing on disk; returns its URL."""
@@ -118,20 +134,20 @@ class Supervisor:
         )
         return f"redis://127.0.0.1:{port}/0"
 
-    def start_recorder(self, redis_url: str, *extra: str) -> str:
-        """Returns the recorder's address once it serves."""
+    def start_recorder(self, redis_url: str, *extra: str, wait: bool = True) -> str:
+        """Returns the recorder's address once it serves (``wait=False``: at once; see :meth:`wait_started`)."""
         address = f"127.0.0.1:{free_port()}"
         argv = ["splitstream-recorder", "--host", "127.0.0.1", "--port", address.split(":")[1]]
         argv += ["--metrics-port", str(free_port()), "--redis-url", redis_url, *extra]
-        self.start("recorder", argv, grpc_address=address)
+        self.start("recorder", argv, grpc_address=address, wait=wait)
         return address
 
-    def start_worker(self, models: Path, model: str, version: str) -> str:
-        """Returns the worker's address once it serves."""
+    def start_worker(self, models: Path, model: str, version: str, *, wait: bool = True) -> str:
+        """Returns the worker's address once it serves (``wait=False``: at once; see :meth:`wait_started`)."""
         address = f"127.0.0.1:{free_port()}"
         argv = ["splitstream-worker", "--model-repository", str(models), "--model", model, "--version", version]
         argv += ["--host", "127.0.0.1", "--port", address.split(":")[1], "--metrics-port", str(free_port())]
-        self.start(f"worker-{version}", argv, grpc_address=address)
+        self.start(f"worker-{version}", argv, grpc_address=address, wait=wait)
         return address
 
     def start_router(self, registry: Path, recorder: str, *extra: str, metrics_port: int | None = None) -> str:
@@ -181,16 +197,25 @@ class Supervisor:
         raise RuntimeError(f"{name} did not start serving within {timeout_s}s; see {self.logs / (name + '.log')}")
 
     def stop(self, name: str) -> None:
-        process = self.processes.pop(name, None)
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        self._stop_together([name])
 
     def stop_all(self) -> None:
-        for name in reversed(list(self.processes)):
-            self.stop(name)
+        """The servers first, all at once (their drains overlap instead of adding up), then redis-server, the
+        store the recorder writes into until it has stopped."""
+        names = list(reversed(self.processes))
+        self._stop_together([name for name in names if name != "redis"])
+        self._stop_together([name for name in names if name == "redis"])
+
+    def _stop_together(self, names: list[str]) -> None:
+        """SIGTERM each of ``names`` at once; whatever has not exited 20 s later is killed."""
+        stopping = [process for name in names if (process := self.processes.pop(name, None)) is not None]
+        for process in stopping:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for process in stopping:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -159,8 +159,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     with Supervisor(workdir) as supervisor:
         step("starting redis-server, recorder, workers v1 and v2, router (90/10)")
         redis_url = supervisor.start_redis("--dir", str(workdir))
-        recorder = supervisor.start_recorder(redis_url)
-        workers = {version: supervisor.start_worker(workdir / "models", MODEL, version) for version in ("v1", "v2")}
+        recorder = supervisor.start_recorder(redis_url, wait=False)
+        workers = {
+            version: supervisor.start_worker(workdir / "models", MODEL, version, wait=False) for version in ("v1", "v2")
+        }
+        supervisor.wait_started()  # the router's health watch finds both workers serving from its start
         experiment = {
             "salt": "demo",
             "control": "v1",

@@ -230,6 +230,17 @@ def stop_all(processes: Sequence[ServiceProcess]) -> None:
         process._reap(deadline)
 
 
+#: What :class:`Stack` gives each worker and router (but a recording one) before a test's own flags: no
+#: ``--drain-delay-s`` (0.5 s by default), the time a SIGTERMed server goes on serving so that routers and
+#: load balancers see it NOT_SERVING first. Nothing watches a test's processes but the test, and every stop
+#: waited it out.
+NO_DRAIN_DELAY = ("--drain-delay-s", "0")
+#: The services' default drain delay, for a test that stops a worker or router while its callers still
+#: send to it (zero failed calls relies on it); given after :data:`NO_DRAIN_DELAY`, it wins (argparse: the
+#: last flag does).
+DRAIN_DELAY = ("--drain-delay-s", "0.5")
+
+
 class Stack:
     """Owns every process a test started and stops them all at the end."""
 
@@ -258,6 +269,7 @@ class Stack:
             "--version",
             version,
             *listen_args(port),
+            *NO_DRAIN_DELAY,
             *extra,
         ]
         process = ServiceProcess(
@@ -283,10 +295,15 @@ class Stack:
         python: str | None = None,
     ) -> ServiceProcess:
         port = free_port()
+        # A recording router's shipper ships the tail of its log while the router drains: stopped with no drain
+        # delay, it leaves the last records on disk for its next start, and a test that stops the router and
+        # then reads Redis misses them. A router given --recorder keeps the default.
+        drain = DRAIN_DELAY if "--recorder" in extra else NO_DRAIN_DELAY
         args = [
             "--registry",
             registry if isinstance(registry, str) else f"file:{registry}",  # a Path is a file registry
             *listen_args(port),
+            *drain,
             *extra,
         ]
         process = ServiceProcess(

@@ -176,12 +176,19 @@ class RecordingStack:
     def wait_recorded(
         self, request_ids: set[str], timeout_s: float = 30.0, *, model: str = ""
     ) -> list[recorder_pb2.CallRecord]:
+        stream = stream_key(model or self.model)
+
         def done() -> list[recorder_pb2.CallRecord] | None:
+            # Every record read and decoded is the test's CPU: while the stream holds fewer entries than the
+            # calls waited for (each is at least one), they cannot all be there, and one XLEN says so.
+            with contextlib.closing(self.redis.client()) as client:
+                if int(client.xlen(stream)) < len(request_ids):
+                    return None
             records = self.records(model)
             return records if request_ids <= {r.request_id for r in records} else None
 
         try:
-            return wait_for(done, timeout_s=timeout_s, interval_s=0.25, what="every call to be recorded")
+            return wait_for(done, timeout_s=timeout_s, interval_s=0.05, what="every call to be recorded")
         except TimeoutError:
             missing = request_ids - {r.request_id for r in self.records(model)}
             raise AssertionError(

@@ -241,15 +241,16 @@ class SyntheticLoad:
         self.stop()
 
 
-def raw_rows(archive_url: str, endpoint: str = "", kind: str = "calls") -> pa.Table:
-    """Every row of every file, duplicates included (what a careless reader would see)."""
+def raw_rows(archive_url: str, endpoint: str = "", kind: str = "calls", columns: list[str] | None = None) -> pa.Table:
+    """Every row of every file, duplicates included (what a careless reader would see); ``columns``: only
+    those (a test that checks ids need not read every payload again)."""
     archive = open_archive(archive_url, endpoint=endpoint)
     base = archive.path(kind)
     try:
         dataset = ds.dataset(base, filesystem=archive.filesystem, format="parquet", partitioning="hive")
-        return dataset.to_table()
+        return dataset.to_table(columns=columns)
     except (FileNotFoundError, pa.ArrowInvalid):
-        return pa.table({"request_id": pa.array([], pa.string())})
+        return pa.table({name: pa.array([], pa.string()) for name in columns or ["request_id"]})
 
 
 def archived_everything(client: Any, stream: str) -> bool:

@@ -111,7 +111,9 @@ def acknowledged_but_not_archived(client: object, stream: str, url: str) -> set[
     delivered = [raw_id.decode() for raw_id, _ in client.xrange(stream, max=group["last-delivered-id"])]  # type: ignore[attr-defined]
     pending = client.xpending_range(stream, ARCHIVE_GROUP, min="-", max="+", count=len(delivered) + 1)  # type: ignore[attr-defined]
     held = {row["message_id"].decode() for row in pending}
-    archived = set(raw_rows(url)["stream_id"].to_pylist()) if len(delivered) > len(held) else set()
+    archived = (
+        set(raw_rows(url, columns=["stream_id"])["stream_id"].to_pylist()) if len(delivered) > len(held) else set()
+    )
     return {stream_id for stream_id in delivered if stream_id not in held} - archived
 
 

@@ -23,6 +23,7 @@ from splitstream.admin.main import main as admin
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from tests.consul_emulator import ConsulEmulator
 from tests.harness import (
+    DRAIN_DELAY,
     ServiceProcess,
     Stack,
     SteadyLoad,
@@ -186,6 +187,7 @@ def consul_worker(stack: Stack, repository: Path, version: str, emulator: Consul
         "0.3",
         "--deregister-critical-after-s",
         "3",
+        *DRAIN_DELAY,  # a SIGTERMed worker leaves Consul, then drains (what a worker's stop is tested for)
         start=False,
         env=emulator.env,
         **kw,

@@ -507,7 +507,14 @@ def test_archive_copies_the_calls_to_s3_and_last_month_is_replayed_and_analysed_
         s3.create_bucket("recordings")
         cwd = resnet.cwd / "archive"
         store = {"http://minio:9000": s3.endpoint, "redis://127.0.0.1:6379/0": redis.url}
-        env = {**S3_ENV, "SPLITSTREAM_ARCHIVE_PORT": str(free_port()), "SPLITSTREAM_ARCHIVE_METRICS_PORT": "0"}
+        # The page's archiver writes a file once its oldest entry waited --flush-interval-s (30 s); a second here
+        # (through its environment, like the ports, so the page's command runs as written), or the test waits 30 s.
+        env = {
+            **S3_ENV,
+            "SPLITSTREAM_ARCHIVE_PORT": str(free_port()),
+            "SPLITSTREAM_ARCHIVE_METRICS_PORT": "0",
+            "SPLITSTREAM_ARCHIVE_FLUSH_INTERVAL_S": "1",
+        }
         archiver = Background(block("archive.md", "archive"), cwd, rewrite=Rewrite(store), env=env)
         try:
             mark_key = f"splitstream:archived:{{{stream_key('resnet')}}}"

@@ -24,7 +24,7 @@ import yaml
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
 from tests.consul_emulator import ConsulEmulator
-from tests.harness import ROOT, ServiceProcess, Stack, SteadyLoad, router_status, wait_for, write_registry
+from tests.harness import DRAIN_DELAY, ROOT, ServiceProcess, Stack, SteadyLoad, router_status, wait_for, write_registry
 from tests.models import add_faulty_version, add_version
 
 #: Every test here starts several processes or waits out real time (make test-fast skips them).
@@ -59,9 +59,10 @@ class Deployment:
             add_faulty_version(self.repository, MODEL, version, scale=3.0)
         elif not (self.repository / MODEL / version).exists():
             add_version(self.repository, MODEL, version, scale={"v1": 2.0}.get(version, 3.0))
-        extra: list[str] = []
+        # drain() stops them while the routers still send to them: their drain delay is what it tests.
+        extra: list[str] = [*DRAIN_DELAY]
         if self.emulator is not None:
-            extra = [
+            extra += [
                 "--registry",
                 self.emulator.spec,
                 "--check-interval-s",

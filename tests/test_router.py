@@ -21,6 +21,7 @@ from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from tests.harness import (
+    DRAIN_DELAY,
     InferClient,
     Stack,
     SteadyLoad,
@@ -315,7 +316,7 @@ def test_a_worker_killed_under_load_fails_only_calls_in_flight_then_none(stack: 
 def test_a_worker_given_sigterm_under_load_drains_with_zero_failed_calls(stack: Stack, tmp_path: Path) -> None:
     repository = tmp_path / "models"
     add_version(repository, MODEL, "v1", scale=SCALES["v1"])
-    workers = [stack.worker(repository, MODEL, "v1") for _ in range(2)]
+    workers = [stack.worker(repository, MODEL, "v1", *DRAIN_DELAY) for _ in range(2)]
     registry = tmp_path / "registry.yaml"
     write_registry(registry, {MODEL: {"endpoints": {"v1": [w.address for w in workers]}}})
     router = stack.router(registry)
