@@ -295,15 +295,11 @@ class Stack:
         python: str | None = None,
     ) -> ServiceProcess:
         port = free_port()
-        # A recording router's shipper ships the tail of its log while the router drains: stopped with no drain
-        # delay, it leaves the last records on disk for its next start, and a test that stops the router and
-        # then reads Redis misses them. A router given --recorder keeps the default.
-        drain = DRAIN_DELAY if "--recorder" in extra else NO_DRAIN_DELAY
         args = [
             "--registry",
             registry if isinstance(registry, str) else f"file:{registry}",  # a Path is a file registry
             *listen_args(port),
-            *drain,
+            *NO_DRAIN_DELAY,
             *extra,
         ]
         process = ServiceProcess(

@@ -36,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_service(config.server, lambda: Shipper(config), prog=PROG)
 
 
+#: How long a stopping shipper waits for its log tail's loop to end its turn (a read of a stalled disk).
+TAIL_STOP_TIMEOUT_S = 5.0
+
+
 class Shipper(Service):
     """The tail feeding the mirror; SIGTERM stops reading, ships what is queued within ``--flush-timeout-s``
     and leaves the rest in the logs (their cursors say where to resume)."""
@@ -101,11 +105,28 @@ class Shipper(Service):
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
+    def _tailing_failed(self) -> bool:
+        task = self._tailing
+        return task is not None and task.done() and not task.cancelled() and task.exception() is not None
+
     async def teardown(self) -> None:
         await self.tail.close()
+        loop_ended = True
         if self._tailing is not None:
+            # The loop ends at its next turn (close() said so): a read of it still in a thread would move the
+            # readers under the last read. Cancelled only if a read hangs (a stalled disk); then no last read.
+            done, _ = await asyncio.wait({self._tailing}, timeout=TAIL_STOP_TIMEOUT_S)
+            loop_ended = bool(done)
             self._tailing.cancel()
             await asyncio.gather(self._tailing, return_exceptions=True)  # its failure, if any, was raised by run()
+        if loop_ended and not self._tailing_failed():
+            try:
+                read = await self.tail.read_rest()
+            except Exception:  # a log that cannot be read now: its cursor stays, the next start reads it
+                self.log.exception("last read of the logs failed; what it held stays in them")
+            else:
+                if read:
+                    self.log.info("read the logs' last entries", entries=read)
         await self.mirror.close()
         await self.tail.commit()
         self.log.info("shipper stopped")

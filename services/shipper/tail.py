@@ -236,6 +236,8 @@ class Tail:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
+                    if self._closing:  # stopped while another shipper ships: nothing of this log is ours
+                        return
                     if not waited:
                         log.info("another shipper ships this log; waiting", log_dir=str(reader.directory))
                         waited = True
@@ -407,3 +409,23 @@ class Tail:
         """Stop reading. Calls still waiting for their shadows stay in the log (the cursor stays before them):
         the next shipper reads them again, with their shadows."""
         self._closing = True
+
+    async def read_rest(self) -> int:
+        """Once the loop has stopped: read the logs to their end and hand on what the loop had not read yet.
+
+        A router SIGTERMs its shipper after its last call is logged, and the loop reads only every few
+        milliseconds up to a linger: stopped with no drain delay, a router's last calls stayed in its log
+        until its next start. Readers start again from what was handed on, so a read the loop's cancel cut
+        short is read again rather than skipped. Returns the entries handed on; stops when the logs end or
+        the mirror has no room (the rest stays in the log, its cursor before it)."""
+        if len(self._locks) < len(self.readers):  # stopped while another shipper held a log: not ours to read
+            return 0
+        for index, reader in enumerate(self.readers):
+            reader.position = self._consumed[index]
+            self._peeked[index] = None
+        total = 0
+        while True:
+            read = await self._read_once()
+            total += read
+            if self._caught_up or not read:
+                return total
