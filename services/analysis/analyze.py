@@ -26,6 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from splitstream.analysis import bayes, bayes_readout, capping, quantile_effects
 from splitstream.analysis import statistics as st
+from splitstream.analysis.arrays import add_rows
 from splitstream.analysis.folding import Folder, Loaded, RowMetric, among, load
 from splitstream.analysis.loading import (
     TIMELINE_POINTS,
@@ -505,7 +506,7 @@ def _unit_matrix(units: pa.Table, bucket_calls: npt.NDArray[np.int32], arm_names
     arm_of[index] = np.searchsorted(present, arm_codes)
     per_bucket = np.zeros((n, TIMELINE_POINTS))
     rows = units["key"].to_numpy().astype(np.int64)
-    np.add.at(per_bucket, index, bucket_calls[rows])
+    add_rows(per_bucket, index, bucket_calls[rows])
     first = np.where(per_bucket.any(axis=1), np.argmax(per_bucket > 0, axis=1), TIMELINE_POINTS)
     calls = np.cumsum(per_bucket, axis=1, out=per_bucket)  # in place: no second units x buckets matrix
     arms = [arm_names[int(c)] for c in present]
@@ -520,7 +521,7 @@ def _metric_matrix(matrix: _UnitMatrix, metric: RowMetric) -> _MetricMatrix:
     def per_unit(values: npt.NDArray[Any]) -> FloatArray:
         out = np.zeros((n, TIMELINE_POINTS))
         if len(values) and n:
-            np.add.at(out, matrix.unit_of_row, values[matrix.rows])
+            add_rows(out, matrix.unit_of_row, values[matrix.rows])
         return np.cumsum(out, axis=1, out=out)  # in place: no second units x buckets matrix
 
     return _MetricMatrix(per_unit(metric.sums), per_unit(metric.counts), per_unit(metric.positives))

@@ -23,6 +23,7 @@ import numpy.typing as npt
 
 from splitstream.analysis import capping
 from splitstream.analysis import statistics as st
+from splitstream.analysis.arrays import add_rows
 from splitstream.analysis.loading import NewCalls, UnitIndex, Window
 from splitstream.analysis.model import Interval, NoveltyPoint
 
@@ -133,7 +134,7 @@ def novelty_points(
     def per_unit(matrix: npt.NDArray[np.generic]) -> FloatArray:
         out = np.zeros((units, fold.buckets))
         if len(matrix) and units:
-            np.add.at(out, unit_of_row, matrix[folder_rows])
+            add_rows(out, unit_of_row, matrix[folder_rows])
         return out
 
     fold._grow()

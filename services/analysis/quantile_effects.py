@@ -54,6 +54,11 @@ def phase_quantiles(
             control_calls, arm_calls = arms.get(control_code, empty), arms.get(code, empty)
             if metric == "ttft" and not (control_calls.calls.calls and arm_calls.calls.calls):
                 continue  # no streams or HTTP calls with a first token: nothing to compare
+            timelines = (
+                _timelines(control_calls, arm_calls, alpha, tuning_units, bucket_end_ns)
+                if bucket_end_ns is not None
+                else {}
+            )
             for q in qt.QUANTILES:
                 effect = qt.compare(
                     control_calls.calls,
@@ -65,8 +70,7 @@ def phase_quantiles(
                 )
                 comparison = _comparison(metric, q, name, control, control_calls.calls, arm_calls.calls, effect)
                 if bucket_end_ns is not None:
-                    timeline = _timeline(control_calls, arm_calls, q, alpha, tuning_units, bucket_end_ns)
-                    comparison = comparison.model_copy(update={"timeline": timeline})
+                    comparison = comparison.model_copy(update={"timeline": timelines[q]})
                 if effect is not None and effect.log_ratio_variance is not None:
                     difference_se = math.sqrt(effect.control.std_error**2 + effect.treatment.std_error**2)
                     units = effect.control.units + effect.treatment.units
@@ -91,33 +95,34 @@ class _ArmCalls:
         )
 
 
-def _timeline(
+def _timelines(
     control: _ArmCalls,
     arm: _ArmCalls,
-    q: float,
     alpha: float,
     tuning_units: int,
     bucket_end_ns: Callable[[int], int],
-) -> list[QuantileTimelinePoint]:
-    """The comparison on the calls up to the end of each time bucket, as the metrics' timeline has it."""
-    points = []
+) -> dict[float, list[QuantileTimelinePoint]]:
+    """Per quantile, the comparison on the calls up to the end of each time bucket, as the metrics' timeline has
+    it. A bucket's calls so far are taken once for the three quantiles, one bucket at a time (not all held)."""
+    points: dict[float, list[QuantileTimelinePoint]] = {q: [] for q in qt.QUANTILES}
     for period in range(TIMELINE_POINTS):
         control_calls, arm_calls = control.until(period), arm.until(period)
         if control_calls.unit_count < 2 or arm_calls.unit_count < 2:
             continue
-        effect = qt.compare(
-            control_calls, arm_calls, q, alpha=alpha, tuning_units=tuning_units, resolution=LATENCY_GROWTH
-        )
-        if effect is None:
-            continue
-        points.append(
-            QuantileTimelinePoint(
-                until_ns=bucket_end_ns(period),
-                units_control=control_calls.unit_count,
-                units_arm=arm_calls.unit_count,
-                **_effect_fields(effect),
+        for q in qt.QUANTILES:
+            effect = qt.compare(
+                control_calls, arm_calls, q, alpha=alpha, tuning_units=tuning_units, resolution=LATENCY_GROWTH
             )
-        )
+            if effect is None:
+                continue
+            points[q].append(
+                QuantileTimelinePoint(
+                    until_ns=bucket_end_ns(period),
+                    units_control=control_calls.unit_count,
+                    units_arm=arm_calls.unit_count,
+                    **_effect_fields(effect),
+                )
+            )
     return points
 
 
@@ -136,6 +141,9 @@ def _by_arm(
     mine = unit >= 0  # other phases' rows, and crossover units, are no unit of this phase
     unit, values, counts = unit[mine], bucket_middle_ms(pairs.buckets[mine]), pairs.counts[mine]
     periods = pairs.periods[mine]
+    # In order of value, once: every quantile and time bucket then sorts calls already sorted.
+    order = np.argsort(values, kind="stable")
+    unit, values, counts, periods = unit[order], values[order], counts[order], periods[order]
     arm = arm_of_unit[unit]
     return {
         int(code): _ArmCalls(

@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 import scipy
 
+from splitstream.analysis.arrays import dense_codes
 from splitstream.analysis.statistics import DEFAULT_TUNING_UNITS, confidence_sequence_half_width, mixing_variance
 
 FloatArray = npt.NDArray[np.float64]
@@ -66,9 +67,8 @@ class CallValues:
     def of(values: npt.ArrayLike, units: npt.ArrayLike, counts: npt.ArrayLike | None = None) -> CallValues:
         """Units renumbered ``0 .. n-1`` (any labels in; a unit without a call is no unit)."""
         v = np.asarray(values, dtype=np.float64)
-        _, dense = np.unique(np.asarray(units), return_inverse=True)
         weights = None if counts is None else np.asarray(counts, dtype=np.float64)
-        return CallValues(v, dense.reshape(-1).astype(np.int64), weights)
+        return CallValues(v, dense_codes(np.asarray(units)), weights)
 
     @property
     def unit_count(self) -> int:
@@ -138,7 +138,9 @@ def estimate(
     if calls.counts is None:
         ordered, cumulative = np.sort(values), np.arange(1.0, n_calls + 1)
     else:
-        order = np.argsort(values)
+        # Stable: the timeline passes calls already in order (:mod:`quantile_effects`), which a stable sort
+        # only checks; ties in any order give the same quantiles, the weights being whole calls.
+        order = np.argsort(values, kind="stable")
         ordered, cumulative = values[order], np.cumsum(weights[order])
     xi = _order_statistic(ordered, cumulative, p)
     # Independent calls: p(1-p)/N, with p itself (at the sample's extremes the empirical F̂ says 0 or 1, and a

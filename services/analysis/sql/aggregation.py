@@ -163,14 +163,27 @@ def steps(spec: Aggregation) -> list[tuple[str, str]]:
     )
     unit_is_call = "TRUE" if spec.per_call else "COALESCE(routing_key_hmac, '') = ''"
     chosen = "randomized" if spec.randomized_only else "TRUE"
+    # A request id's copies are few (a resent record): the ids with more than one row are found by one grouping,
+    # and only their rows go through the window functions that pick a copy; the rest are their own first copy.
+    # (Empty and missing ids share the key '' here, so both take the exact path.)
+    window_calls = f"""SELECT *, CAST(SPLIT_PART(stream_id, '-', 1) AS BIGINT) AS stream_ms,
+                    CAST(SPLIT_PART(stream_id, '-', 2) AS BIGINT) AS stream_seq
+                  FROM calls WHERE receive_time >= {w.since_ns} AND receive_time < {w.until_ns}"""
+    copied = "COALESCE(request_id, '') IN (SELECT copied_id FROM call_copies)"
     out = [
         (
+            "call_copies",
+            f"""SELECT COALESCE(request_id, '') AS copied_id FROM calls
+                  WHERE receive_time >= {w.since_ns} AND receive_time < {w.until_ns}
+                  GROUP BY COALESCE(request_id, '') HAVING COUNT(*) > 1""",
+        ),
+        (
             "calls_read",
-            f"""SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id, receive_time // {HOUR_NS}
+            f"""SELECT *, 1 AS copy FROM ({window_calls}) AS c WHERE NOT {copied}
+                UNION ALL
+                SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id, receive_time // {HOUR_NS}
                     ORDER BY stream_ms, stream_seq) AS copy
-            FROM (SELECT *, CAST(SPLIT_PART(stream_id, '-', 1) AS BIGINT) AS stream_ms,
-                    CAST(SPLIT_PART(stream_id, '-', 2) AS BIGINT) AS stream_seq
-                  FROM calls WHERE receive_time >= {w.since_ns} AND receive_time < {w.until_ns}) AS c""",
+                  FROM ({window_calls}) AS c WHERE {copied}""",
         ),
         (
             "calls_good",
@@ -178,8 +191,11 @@ def steps(spec: Aggregation) -> list[tuple[str, str]]:
         ),
         (
             "calls_once",
-            """SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY receive_time, stream_ms,
-                    stream_seq) AS nth FROM calls_good) AS c WHERE nth = 1 OR COALESCE(request_id, '') = ''""",
+            f"""SELECT *, 1 AS nth FROM calls_good WHERE NOT {copied}
+                UNION ALL
+                SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY request_id ORDER BY receive_time, stream_ms,
+                    stream_seq) AS nth FROM calls_good WHERE {copied}) AS c
+                  WHERE nth = 1 OR COALESCE(request_id, '') = ''""",
         ),
         (
             "exposed",
@@ -386,21 +402,27 @@ def side_queries(spec: Aggregation) -> dict[str, str]:
     """SELECTs over the steps (:func:`steps`), by name."""
     label = "CASE WHEN randomized THEN 'randomized' ELSE assignment END"
     out = {
-        "call_counts": """SELECT (SELECT COUNT(*) FROM calls_read WHERE copy = 1) AS entries_read,
-                (SELECT COUNT(*) FROM calls_read WHERE copy = 1) - (SELECT COUNT(*) FROM calls_good) AS corrupt,
-                (SELECT COUNT(*) FROM calls_good) - (SELECT COUNT(*) FROM calls_once) AS duplicates,
-                (SELECT COUNT(*) FROM exposed) AS calls,
-                (SELECT COUNT(*) FROM exposed WHERE randomized) AS randomized_calls,
-                (SELECT COUNT(*) FROM exposed WHERE randomized AND keyed) AS keyed_calls""",
-        "feedback_counts": """SELECT (SELECT COUNT(*) FROM events_read WHERE copy = 1) AS entries_read,
-                (SELECT COUNT(*) FROM events_sorted WHERE NOT asked) AS other_metrics,
-                (SELECT COUNT(*) FROM events_sorted WHERE asked AND NOT good) AS corrupt,
-                (SELECT COUNT(*) FROM events_sorted WHERE asked AND good AND NOT inside) AS outside_window,
-                (SELECT COUNT(*) FROM events_kept) - (SELECT COUNT(*) FROM events) AS duplicates,
-                (SELECT COUNT(*) FROM events) AS events,
-                (SELECT COUNT(*) FROM by_request WHERE randomized) AS by_request,
-                (SELECT COUNT(*) FROM by_request WHERE NOT randomized) AS not_randomized,
-                (SELECT COUNT(*) FROM by_unit) AS by_unit""",
+        # The calls read in one pass (the steps before ``exposed`` are views: read again, not held).
+        "call_counts": f"""SELECT r.entries_read, r.entries_read - r.good AS corrupt, r.good - x.calls AS duplicates,
+                x.calls, x.randomized_calls, x.keyed_calls
+              FROM (SELECT COUNT(*) AS entries_read, COALESCE(SUM(CASE WHEN receive_time IS NOT NULL
+                      AND {_finite("latency_ms")} THEN 1 ELSE 0 END), 0) AS good FROM calls_read WHERE copy = 1) AS r,
+                (SELECT COUNT(*) AS calls, COALESCE(SUM(CASE WHEN randomized THEN 1 ELSE 0 END), 0) AS randomized_calls,
+                  COALESCE(SUM(CASE WHEN randomized AND keyed THEN 1 ELSE 0 END), 0) AS keyed_calls
+                  FROM exposed) AS x""",
+        # One pass over each step: the view ``events_sorted`` (each event's first copy) is not read again per count.
+        "feedback_counts": """SELECT s.entries_read, s.other_metrics, s.corrupt, s.outside_window,
+                s.kept - e.events AS duplicates, e.events, r.by_request, r.not_randomized, u.by_unit
+              FROM (SELECT COUNT(*) AS entries_read,
+                  COALESCE(SUM(CASE WHEN NOT asked THEN 1 ELSE 0 END), 0) AS other_metrics,
+                  COALESCE(SUM(CASE WHEN asked AND NOT good THEN 1 ELSE 0 END), 0) AS corrupt,
+                  COALESCE(SUM(CASE WHEN asked AND good AND NOT inside THEN 1 ELSE 0 END), 0) AS outside_window,
+                  COALESCE(SUM(CASE WHEN asked AND good AND inside THEN 1 ELSE 0 END), 0) AS kept
+                FROM events_sorted) AS s,
+                (SELECT COUNT(*) AS events FROM events) AS e,
+                (SELECT COALESCE(SUM(CASE WHEN randomized THEN 1 ELSE 0 END), 0) AS by_request,
+                  COALESCE(SUM(CASE WHEN NOT randomized THEN 1 ELSE 0 END), 0) AS not_randomized FROM by_request) AS r,
+                (SELECT COUNT(*) AS by_unit FROM joined WHERE request_id IS NULL) AS u""",
         "groups": f"""SELECT phase, arm, {label} AS label, COUNT(*) AS calls,
                 CAST(SUM(CASE WHEN failed THEN 1 ELSE 0 END) AS BIGINT) AS errors,
                 CAST(SUM(CASE WHEN tokens IS NOT NULL THEN 1 ELSE 0 END) AS BIGINT) AS streams,
@@ -438,8 +460,13 @@ def side_queries(spec: Aggregation) -> dict[str, str]:
     return out
 
 
-def _novelty_select(spec: Aggregation) -> str:
-    """Per (row, bucket since the row's first call): calls, and per metric sum, count and positive events."""
+def _novelty_select(spec: Aggregation, index: str = "row_index") -> str:
+    """Per (row, bucket since the row's first call): calls, and per metric sum, count and positive events.
+
+    Rows by their number in ``index`` (the layout's table of (phase, arm, unit) rows with ``row_id`` and first
+    call, :func:`splitstream.analysis.sql.aggregates.lay_out`): one join of each call and event to its row, then
+    a grouping on two integers, which DuckDB spills to disk when it outgrows its memory; a grouping on the rows'
+    text keys, joined to the layout afterwards, held ten million calls' keys twice and did not fit in 512 MB."""
     width = spec.novelty_ns
     columns = _metric_sums(spec)
 
@@ -460,30 +487,29 @@ def _novelty_select(spec: Aggregation) -> str:
             ]
         )
     event_parts = []
-    for index, (name, _) in enumerate(spec.metrics):
+    for number, (name, _) in enumerate(spec.metrics):
         if is_call_metric(name):
             event_parts += ["0.0", "0", "0"]
         else:
             event_parts += [
-                f"CASE WHEN j.code = {index} THEN j.value ELSE 0.0 END",
-                f"CASE WHEN j.code = {index} THEN 1 ELSE 0 END",
-                f"CASE WHEN j.code = {index} AND j.value > 0 THEN 1 ELSE 0 END",
+                f"CASE WHEN j.code = {number} THEN j.value ELSE 0.0 END",
+                f"CASE WHEN j.code = {number} THEN 1 ELSE 0 END",
+                f"CASE WHEN j.code = {number} AND j.value > 0 THEN 1 ELSE 0 END",
             ]
-    key = "r.phase, r.arm, r.unit, r.unit_is_call"
     calls = (
-        f"SELECT {key}, {since('c.time_ns')} AS since, 1 AS calls, "
+        f"SELECT r.row_id, {since('c.time_ns')} AS since, 1 AS calls, "
         + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(call_parts, columns, strict=True))
-        + " FROM exposed AS c JOIN unit_rows AS r ON c.phase = r.phase AND c.arm = r.arm AND c.unit = r.unit"
-        f" AND c.unit_is_call = r.unit_is_call WHERE {chosen}"
+        + f" FROM exposed AS c JOIN {index} AS r ON c.phase = r.phase AND c.arm = r.arm AND c.unit = r.unit"
+        f" AND c.unit_is_call = r.unit_is_call WHERE {chosen} AND {since('c.time_ns')} < {spec.novelty_buckets}"
     )
     events = (
-        f"SELECT {key}, {since('j.event_ns')} AS since, 0 AS calls, "
+        f"SELECT r.row_id, {since('j.event_ns')} AS since, 0 AS calls, "
         + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(event_parts, columns, strict=True))
-        + " FROM joined AS j JOIN unit_rows AS r ON j.phase = r.phase AND j.arm = r.arm AND j.unit = r.unit"
-        " AND j.unit_is_call = r.unit_is_call"
+        + f" FROM joined AS j JOIN {index} AS r ON j.phase = r.phase AND j.arm = r.arm AND j.unit = r.unit"
+        f" AND j.unit_is_call = r.unit_is_call WHERE {since('j.event_ns')} < {spec.novelty_buckets}"
     )
     summed = ", ".join(f"SUM({_quoted(n)}) AS {_quoted(n)}" for n in columns)
     return (
-        f"SELECT phase, arm, unit, unit_is_call, since, SUM(calls) AS calls, {summed} FROM ({calls} UNION ALL {events})"
-        f" AS n WHERE since < {spec.novelty_buckets} GROUP BY phase, arm, unit, unit_is_call, since"
+        f"SELECT row_id, since, SUM(calls) AS calls, {summed} FROM ({calls} UNION ALL {events}) AS n"
+        " GROUP BY row_id, since"
     )

@@ -41,7 +41,6 @@ from splitstream.analysis.sql import aggregates
 from splitstream.analysis.sql.aggregation import (
     METRIC_PARTS,
     Aggregation,
-    metric_column,
     side_queries,
     steps,
     unit_rows_select,
@@ -70,7 +69,7 @@ READ_COLUMNS = frozenset(
     ]
 )
 #: Steps kept as tables (read more than once, or from the archive's single-pass readers); the rest are views.
-MATERIALIZED = frozenset(["calls_read", "calls_once", "exposed", "unit_rows", "events_read", "events", "joined"])
+MATERIALIZED = frozenset(["call_copies", "calls_read", "exposed", "unit_rows", "events_read", "events", "joined"])
 #: DuckDB's memory before it spills to disk (``SPLITSTREAM_ANALYSIS_MEMORY``, DuckDB's syntax: ``1GB``).
 DEFAULT_MEMORY_LIMIT = "512MB"
 
@@ -91,23 +90,32 @@ def _register(
     since: int,
     until: int,
 ) -> None:
-    """``name``: the files' rows received in ``[since, until)`` as a stream of Arrow batches (read once, by the
-    query's first step), the times cast to integer nanoseconds and without the serialized records."""
-    try:
-        dataset = ds.dataset(files, schema=schema, filesystem=archive.filesystem, format="parquet")
-        columns = {
-            f.name: ds.field(f.name).cast(pa.int64()) if pa.types.is_timestamp(f.type) else ds.field(f.name)
+    """``name``: the files' rows received in ``[since, until)``, a view over a pyarrow dataset on the archive's
+    filesystem (a directory or an S3-compatible store alike) that each query scans lazily: DuckDB pushes the
+    columns down into the scan, and nothing is read ahead of a query or held between them. The time filter stays
+    in DuckDB: pushed into Arrow it would compare the dataset's type with the files' (zoned) one and fail; the
+    window's hour partitions are all that is opened anyway.
+
+    The times read as integer nanoseconds: the dataset says ``timestamp[ns]`` without a zone (DuckDB's
+    ``TIMESTAMP_NS``, which ``epoch_ns`` turns into integers), where DuckDB's own Parquet reader, and Arrow's
+    zoned timestamps handed to DuckDB, round them to microseconds."""
+    read = pa.schema(
+        [
+            pa.field(f.name, pa.timestamp("ns")) if pa.types.is_timestamp(f.type) else f
             for f in schema
             if f.name in READ_COLUMNS
-        }
-        bounds = [pa.scalar(v, type=pa.timestamp("ns", tz="UTC")) for v in (since, until)]
-        condition = (ds.field("receive_time") >= bounds[0]) & (ds.field("receive_time") < bounds[1])
-        # Little read ahead: the batches wait in memory outside DuckDB's limit.
-        scanner = dataset.scanner(columns=columns, filter=condition, batch_readahead=2, fragment_readahead=1)
-        reader = scanner.to_reader()
+        ]
+    )
+    try:
+        dataset = ds.dataset(files, schema=read, filesystem=archive.filesystem, format="parquet")
     except (OSError, pa.ArrowException) as error:
         raise ArchiveError(f"archive {archive.url!r} cannot be read: {error}") from None
-    con.register(name, reader)
+    con.register(f"{name}_files", dataset)
+    columns = ", ".join(f"epoch_ns({f.name}) AS {f.name}" if pa.types.is_timestamp(f.type) else f.name for f in read)
+    con.execute(
+        f"CREATE TEMP VIEW {name} AS SELECT * FROM (SELECT {columns} FROM {name}_files) AS f"
+        f" WHERE receive_time >= {since} AND receive_time < {until}"
+    )
 
 
 def _run(con: duckdb.DuckDBPyConnection, spec: Aggregation) -> None:
@@ -292,9 +300,7 @@ def _novelty(con: duckdb.DuckDBPyConnection, select: str, spec: Aggregation, n: 
         spec.novelty_buckets,
     )
     fold._grow()
-    columns = [metric_column(name, part) for name in metrics for part in METRIC_PARTS]
-    quoted = ", ".join('s."' + c + '"' for c in columns)
-    table = con.execute(_indexed(select, f"since, s.calls, {quoted}")).to_arrow_table()
+    table = con.execute(select).to_arrow_table()  # row_id, since, calls, then the metrics' columns
     rows = table.column(0).to_numpy().astype(np.int64)
     cells = rows * fold.buckets + table.column(1).to_numpy().astype(np.int64)
 
