@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.harness import ROOT, clean_env
+from tests.redis_server import RedisServer
 
 #: Libraries a service imports only when its flags ask for them.
 ON_FIRST_USE = ("consul", "requests", "jwt", "redis", "aiohttp")
@@ -62,14 +63,16 @@ def test_the_admin_cli_runs_a_registry_command_without_the_analysis_libraries(tm
     assert result.stdout.strip().splitlines()[-1] == "loaded:"
 
 
-def test_the_admin_cli_imports_the_analysis_when_a_command_reads_it(tmp_path: Path) -> None:
-    """The other side of the lazy import: ``analyze`` still finds the analysis (here it refuses an archive that
-    holds nothing, exit 2 with one line, having imported the engines it runs on)."""
+def test_an_analysis_of_redis_imports_the_analysis_but_not_the_sql_engine(redis_server: RedisServer) -> None:
+    """The other side of the lazy imports: ``analyze`` finds the analysis (here Redis holds no call of the
+    model: exit 2 with one line, once Redis was read), and reading Redis it does without DuckDB and sqlglot,
+    which only an archive, ``--aggregates`` or ``--print-sql`` need."""
     probe = (
         "import sys\nfrom splitstream.admin.main import main\ntry:\n"
-        f"    code = main(['analyze', 'm', '--source', 'archive:{tmp_path / 'none'}', '--metric', 'click:rate',\n"
+        f"    code = main(['analyze', 'm', '--redis-url', '{redis_server.url}', '--metric', 'click:rate',\n"
         "                 '--since', '-1h'])\n"
-        "finally:\n    print('loaded:', 'splitstream.analysis.analyze' in sys.modules and 'pyarrow' in sys.modules)\n"
+        "finally:\n    print('loaded:', 'splitstream.analysis.analyze' in sys.modules,\n"
+        "          ' '.join(n for n in ('duckdb', 'sqlglot') if n in sys.modules))\n"
         "sys.exit(code)"
     )
     result = subprocess.run(
@@ -77,4 +80,5 @@ def test_the_admin_cli_imports_the_analysis_when_a_command_reads_it(tmp_path: Pa
     )
     assert result.returncode == 2, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "loaded: True"
+    assert "'m'" in result.stderr, result.stderr
+    assert result.stdout.strip().splitlines()[-1].strip() == "loaded: True", result.stdout

@@ -15,6 +15,7 @@ import asyncio
 import math
 from dataclasses import dataclass, field, replace
 from functools import partial
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -67,7 +68,6 @@ from splitstream.analysis.noninferiority import Margin, annotated
 from splitstream.analysis.novelty import DEFAULT_BUCKET_NS, NoveltyFold, novelty_points
 from splitstream.analysis.quantile_effects import phase_quantiles
 from splitstream.analysis.sources import AggregatesSource, ArchiveSource, RedisSource
-from splitstream.analysis.sql import duckdb_engine
 from splitstream.analysis.usage import CALL_METRICS, Price, is_call_metric
 from splitstream.common.redis_url import RedisClient
 
@@ -206,19 +206,27 @@ def sql_archive(source: Source, query: Query) -> ArchiveSource | None:
     return source if query.segment is None else None
 
 
+def _duckdb_engine() -> ModuleType:
+    """The DuckDB engine, imported when a source needs it: DuckDB, sqlglot and pandas are a second of start-up
+    that an analysis of Redis, and every rollout guard's read, did without."""
+    from splitstream.analysis.sql import duckdb_engine
+
+    return duckdb_engine
+
+
 async def _load(source: Source, query: Query) -> Loaded:
     per_call = query.unit == "call"
     kinds = [m.kind for m in query.metrics]
     names = [m.name for m in query.metrics]
     if isinstance(source, AggregatesSource):
         return await asyncio.to_thread(
-            duckdb_engine.load_aggregates, source.path, query.window, kinds, names, per_call=per_call
+            _duckdb_engine().load_aggregates, source.path, query.window, kinds, names, per_call=per_call
         )
     archived = sql_archive(source, query)
     if archived is not None:
         return await asyncio.to_thread(
             partial(
-                duckdb_engine.load_archive,
+                _duckdb_engine().load_archive,
                 archived.archive,
                 query.model,
                 query.window,
@@ -973,7 +981,7 @@ async def _load_pre_values(source: Source, query: Query, window: Window) -> _Pre
     if archived is not None:
         loaded = await asyncio.to_thread(
             partial(
-                duckdb_engine.load_archive,
+                _duckdb_engine().load_archive,
                 archived.archive,
                 query.model,
                 window,

@@ -28,9 +28,7 @@ from splitstream.analysis.model import Analysis
 from splitstream.analysis.noninferiority import Margin
 from splitstream.analysis.report import render_html, render_table
 from splitstream.analysis.sources import AggregatesSource, ArchiveSource, RedisSource, StraddlingSource
-from splitstream.analysis.sql import DIALECTS
-from splitstream.analysis.sql.aggregates import AggregatesError
-from splitstream.analysis.sql.aggregation import aggregation_of, aggregation_query
+from splitstream.analysis.sql import DIALECTS, AggregatesError
 from splitstream.analysis.usage import parse_prices
 from splitstream.common.archive import CALLS, Archive, ArchiveError, check_archive, model_dirs, open_archive
 from splitstream.common.durations import BadDuration, parse_duration_ns
@@ -189,6 +187,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error))
     if args.print_sql:
+        from splitstream.analysis.sql.aggregation import aggregation_of, aggregation_query  # sqlglot: only here
+
         print(aggregation_query(aggregation_of(query), args.dialect))
         return 0
     try:

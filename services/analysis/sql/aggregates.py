@@ -31,6 +31,7 @@ from splitstream.analysis.loading import (
     fingerprints,
     mixed,
 )
+from splitstream.analysis.sql import AggregatesError
 from splitstream.analysis.sql.aggregation import METRIC_PARTS, metric_column
 from splitstream.analysis.statistics import MetricKind
 from splitstream.analysis.usage import is_call_metric
@@ -42,10 +43,6 @@ ROWS_VIEW = "aggregate_rows"
 #: call, and the unit rows with their ``row_id`` (:func:`lay_out` makes both).
 ROW_INDEX = "row_index"
 INDEXED_ROWS = "indexed_rows"
-
-
-class AggregatesError(ValueError):
-    """An ``--aggregates`` file that is not the query's output: says which column is missing or of which type."""
 
 
 @dataclass(frozen=True, slots=True)
