@@ -122,6 +122,7 @@ def test_an_aa_experiment_reads_better_about_one_time_in_twenty_at_the_default_t
     assert shrunk < better
 
 
+@pytest.mark.slow
 def test_the_cli_reads_a_planted_lift_as_better_with_its_bayesian_fields(shop: Shop, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = cli(
@@ -158,6 +159,7 @@ def test_the_cli_reads_a_planted_lift_as_better_with_its_bayesian_fields(shop: S
     assert "chance to beat control" in html
 
 
+@pytest.mark.slow
 def test_a_proper_prior_is_recorded_and_pulls_the_lift_toward_its_mean(shop: Shop, tmp_path: Path) -> None:
     flat, tight = tmp_path / "flat", tmp_path / "tight"
     for out, extra in ((flat, []), (tight, ["--prior-mean", "0", "--prior-sd", "0.05"])):

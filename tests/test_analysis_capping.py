@@ -71,6 +71,7 @@ def analysed(planted: Planted, out: Path, *metrics: str) -> tuple[str, dict[str,
     return result.stdout, json.loads((out / "analysis.json").read_text())
 
 
+@pytest.mark.slow
 def test_an_outlier_hides_the_lift_until_revenue_is_capped_at_the_pooled_p99(planted: Planted, tmp_path: Path) -> None:
     _, uncapped = analysed(planted, tmp_path / "plain", "revenue:sum")
     [plain] = uncapped["phases"][0]["comparisons"]
@@ -129,6 +130,7 @@ def test_a_cap_where_none_can_apply_exits_2_with_one_line(metric: str, message: 
     assert "--metric" in line or "bad metric" in line
 
 
+@pytest.mark.slow
 def test_a_cap_with_more_than_six_digits_is_applied_as_written(planted: Planted, tmp_path: Path) -> None:
     """The spec keeps its cap as text: rounded to six digits, P99.99999 became P100 (no unit capped) and a fixed
     cap of 1234.567 became 1234.57."""
@@ -186,6 +188,7 @@ def test_values_too_large_to_square_give_no_relative_lift_not_a_traceback(
     assert comparison["control_value"] == pytest.approx(np.mean(huge.revenue["v1"]))
 
 
+@pytest.mark.slow
 def test_a_cap_below_every_value_leaves_no_variance_and_is_not_shown_non_inferior(
     planted: Planted, tmp_path: Path
 ) -> None:

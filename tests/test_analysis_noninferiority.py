@@ -80,6 +80,7 @@ def analysed(planted: Planted, out: Path, *flags: str) -> tuple[str, dict[str, d
     return result.stdout, {c["metric"]: c for c in analysis["phases"][0]["comparisons"]}
 
 
+@pytest.mark.slow
 def test_each_metric_is_tested_one_sided_against_the_margin_on_its_bad_side(planted: Planted, tmp_path: Path) -> None:
     stdout, comparisons = analysed(planted, tmp_path / "ni", "--non-inferiority", "0.5")
     revenue, wait, tip = (comparisons[m]["non_inferiority"] for m in ("revenue", "wait_s", "tip"))
@@ -105,6 +106,7 @@ def test_each_metric_is_tested_one_sided_against_the_margin_on_its_bad_side(plan
     assert "revenue: v2 vs v1 non-inferior (within -0.5 of v1" in html
 
 
+@pytest.mark.slow
 def test_a_relative_margin_and_its_always_valid_form_and_holm(planted: Planted, tmp_path: Path) -> None:
     _, plain = analysed(planted, tmp_path / "relative", "--non-inferiority", "2%")
     revenue = plain["revenue"]["non_inferiority"]

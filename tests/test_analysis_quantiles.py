@@ -85,6 +85,7 @@ def test_a_p99_of_few_calls_has_no_interval_rather_than_a_false_one() -> None:
     assert qt.compare(control, treatment, 0.5).ratio_ci is not None  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_an_aa_test_of_the_ratio_holds_alpha_clustered_and_not_per_call() -> None:
     """1,000 A/A experiments of 300 users per arm at p50, p90 and p99 (the figures of docs/analysis.md). A p99
     without an interval (too few calls past it: p + z sigma > 1) rejects nothing, as a guard leaves it unjudged."""
@@ -128,6 +129,7 @@ def test_a_real_slowdown_is_found_with_its_ratio_inside_the_interval() -> None:
         assert effect.difference_ci[0] < difference < effect.difference_ci[1]
 
 
+@pytest.mark.slow
 def test_under_repeated_looks_the_sequence_keeps_the_guards_false_trips_rare_and_the_fixed_interval_does_not() -> None:
     """400 A/A rollouts, each looked at 10 times as users arrive: how often the guard ``p90 ratio <= 1.0`` would
     trip at some look (the lower end past 1) with the always-valid sequence, and with the fixed-horizon interval."""

@@ -217,6 +217,7 @@ QUERIES = {
 
 
 @pytest.mark.parametrize("name", sorted(QUERIES))
+@pytest.mark.slow
 def test_duckdb_gives_the_page_readers_analysis_of_the_archive_field_by_field(lab: Lab, name: str) -> None:
     query = QUERIES[name]
     expected = run(ArchiveSource(lab.archive, engine="python"), query)
@@ -289,6 +290,7 @@ def carried(analysis: Any) -> Any:
     return {"phases": phases, "verdicts": analysis["verdicts"]}
 
 
+@pytest.mark.slow
 def test_print_sql_prints_the_query_in_each_dialect_and_a_bad_dialect_exits_2() -> None:
     for dialect in ("duckdb", "spark", "trino", "bigquery"):
         done = analyze_cli(MODEL, "--print-sql", "--dialect", dialect, *window_flags(ELSEWHERE))
@@ -305,6 +307,7 @@ def test_print_sql_prints_the_query_in_each_dialect_and_a_bad_dialect_exits_2() 
 
 
 @pytest.mark.parametrize("suffix", [".parquet", ".csv"])
+@pytest.mark.slow
 def test_aggregates_from_the_printed_query_give_the_direct_analysis(lab: Lab, tmp_path: Path, suffix: str) -> None:
     printed = analyze_cli(MODEL, "--print-sql", "--dialect", "duckdb", *window_flags(ELSEWHERE))
     assert printed.returncode == 0, printed.stderr
@@ -319,6 +322,7 @@ def test_aggregates_from_the_printed_query_give_the_direct_analysis(lab: Lab, tm
     assert_same(carried(strip(document)), expected, "cli")
 
 
+@pytest.mark.slow
 def test_aggregates_missing_or_mistyped_columns_exit_2_naming_the_column(tmp_path: Path) -> None:
     columns = {
         "phase": pa.array(["p"]),
@@ -431,6 +435,7 @@ def write_small_archive(base: Path, calls: list[Any], events: list[Any]) -> Arch
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(calls=calls_strategy, events=events_strategy, unit=hst.sampled_from(["user", "call"]))
+@pytest.mark.slow
 def test_any_small_archive_gives_duckdb_the_page_readers_analysis(
     tmp_path_factory: pytest.TempPathFactory, calls: list[Any], events: list[Any], unit: str
 ) -> None:

@@ -223,6 +223,7 @@ def test_the_relative_sequence_counts_the_controls_variance() -> None:
     assert result.sequential_relative_ci[1] - result.sequential_relative_ci[0] > naive * 1.05
 
 
+@pytest.mark.slow
 def test_peeking_at_the_relative_sequence_20_times_stays_under_alpha_in_aa_experiments() -> None:
     rng = np.random.default_rng(9)
     looks, block, simulations = 20, 50, 1_000

@@ -183,6 +183,7 @@ def test_an_archiver_refused_by_its_consumer_group_removes_nothing_from_the_arch
     assert stale.exists()
 
 
+@pytest.mark.slow
 def test_what_the_builder_process_prints_on_stdout_does_not_break_its_answers(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -206,6 +207,7 @@ def temporary_files(root: Path) -> list[Path]:
     return [Path(directory, name) for directory, _, names in os.walk(root) for name in names if name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_a_local_write_that_fails_after_its_temporary_file_leaves_none_behind(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -39,6 +39,7 @@ def warnings_in(log: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_a_key_from_a_file_is_the_key_recorded_and_draws_no_warning(tmp_path: Path) -> None:
     """The recording stack passes --hmac-key-file to its router and recorder (never the key itself)."""
     stack = RecordingStack(tmp_path)
@@ -100,6 +101,7 @@ def test_secrets_on_the_command_line_still_work_with_a_warning_that_never_quotes
         assert key not in text
 
 
+@pytest.mark.slow
 def test_a_key_file_that_cannot_be_read_or_beside_the_key_is_exit_2_with_one_line(tmp_path: Path) -> None:
     key_file = tmp_path / "hmac-key"
     key_file.write_text("file-key-value-5\n")

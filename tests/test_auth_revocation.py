@@ -228,6 +228,7 @@ class _HeldJwks(_JwksServer):
         super().do_GET()
 
 
+@pytest.mark.slow
 def test_a_sighup_during_a_jwks_read_is_not_undone_by_that_read(tmp_path: Path) -> None:
     """SIGHUP re-reads the set; a read already on its way (begun by a token of an unknown kid) holds the set
     from before the change. It ended last and put the withdrawn key back until --jwks-refresh-s."""

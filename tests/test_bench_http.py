@@ -57,6 +57,7 @@ def test_http_overhead_runs_a_baseline_checkouts_routers_beside_this_ones() -> N
     assert set(rows(output, 1)) == {"direct", "router", "router-norec", "router-base", "router-norec-base"}, output
 
 
+@pytest.mark.slow
 def test_http_stack_measures_the_aiohttp_pass_through() -> None:
     output = run_bench("http_stack.py", "--stacks", "aiohttp", "--cases", "unary:1")
     assert set(rows(output, 1)) == {"direct", "aiohttp"}, output

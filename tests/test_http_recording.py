@@ -98,6 +98,7 @@ def post(port: int, path: str, body: bytes) -> tuple[int, Any]:
     return response.status, json.loads(response.read())
 
 
+@pytest.mark.slow
 def test_a_chat_is_one_record_with_its_http_exchange_routing_fields_and_usage(
     recording: tuple[RecordingStack, int], client: openai.OpenAI
 ) -> None:

@@ -120,6 +120,7 @@ def noisy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Noisy]:
         stack.close()
 
 
+@pytest.mark.slow
 def test_control_against_itself_shows_nothing_above_the_floor(noisy: Noisy, tmp_path: Path) -> None:
     run = noisy.replay(
         tmp_path, "--pin-version", "v1", "--noise-from", "v1", *STRICT, "--gate", "diff_above_noise_rate<=0"
@@ -142,6 +143,7 @@ def test_control_against_itself_shows_nothing_above_the_floor(noisy: Noisy, tmp_
     assert "Noise floor" in (tmp_path / "report.html").read_text()
 
 
+@pytest.mark.slow
 def test_a_shift_smaller_than_the_noise_is_found_on_its_output_only(noisy: Noisy, tmp_path: Path) -> None:
     run = noisy.replay(
         tmp_path, "--pin-version", "v2", "--noise-from", "v1", *STRICT, "--gate", "diff_above_noise_rate<=0"
@@ -162,6 +164,7 @@ def test_a_shift_smaller_than_the_noise_is_found_on_its_output_only(noisy: Noisy
     assert "within the noise" in report
 
 
+@pytest.mark.slow
 def test_a_confidence_next_to_one_still_finds_the_shift(noisy: Noisy, tmp_path: Path) -> None:
     """``--noise-confidence`` one ulp below 1: each field's tail (1.1e-16 / 2) is below what ``1 - tail`` keeps,
     and an interval built from ``ppf(1 - tail)`` was infinitely wide, so nothing was ever above the noise."""
@@ -176,6 +179,7 @@ def test_a_confidence_next_to_one_still_finds_the_shift(noisy: Noisy, tmp_path: 
     assert all(math.isfinite(f["excess_low"]) and math.isfinite(f["excess_high"]) for f in fields.values())
 
 
+@pytest.mark.slow
 def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) -> None:
     """``--noise-target ADDR``: the second pass goes to another address (v1's worker, then the router). 60 calls of
     64 elements are fewer than the 10,000 a 0.999 floor needs: no verdict, and a gate on it fails as not
@@ -204,6 +208,7 @@ def test_noise_target_and_a_floor_not_trusted_yet(noisy: Noisy, tmp_path: Path) 
     assert fields["y"]["above_noise"] is False
 
 
+@pytest.mark.slow
 def test_a_noise_target_killed_mid_run_leaves_the_floor_to_the_calls_before(noisy: Noisy, tmp_path: Path) -> None:
     """The control's instance dies (SIGKILL) partway: the replay does not hang or fail; the calls after answer
     UNAVAILABLE on the control's side and carry no evidence, so the floor counts only the calls before."""
@@ -234,6 +239,7 @@ def test_a_noise_target_killed_mid_run_leaves_the_floor_to_the_calls_before(nois
     assert fields["y"]["control"]["elements"] == answered * FEATURES
 
 
+@pytest.mark.slow
 def test_a_control_missing_an_output_writes_its_floor_as_inf_not_null(noisy: Noisy, tmp_path: Path) -> None:
     """A control answering without ``z`` (a presence change: every element infinitely far) has an infinite floor
     for ``z``: summary.json says ``"inf"``, where JSON's ``null`` would read as "not measured"."""
@@ -260,6 +266,7 @@ def test_without_noise_flags_nothing_changes(noisy: Noisy, tmp_path: Path) -> No
     assert all("control" not in line for line in run.result_lines())
 
 
+@pytest.mark.slow
 def test_the_docs_worked_example(noisy: Noisy, tmp_path: Path) -> None:
     """docs/replay.md's noise-floor example, as it stands on the page but for the router and the window."""
     window = f"--since {noisy.since:.9f} --until {noisy.until:.9f}"
@@ -327,6 +334,7 @@ def test_floor_bin_counts_are_exact() -> None:
 SIMULATIONS = 2000
 
 
+@pytest.mark.slow
 def test_a_a_false_positive_rate_is_within_the_stated_one_percent() -> None:
     """A control against itself (two fields, independent Gaussian noise, 100 calls of 20 elements, floor at the
     0.995 quantile; texts: 100 calls differing at 30 %): the share of runs showing any field above the noise stays

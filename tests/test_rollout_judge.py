@@ -77,6 +77,7 @@ def aa_high_rate(seed: int = 5) -> float:
     return labels.count("High") / AA_PAIRS
 
 
+@pytest.mark.slow
 def test_an_equal_canary_is_rarely_classified_high() -> None:
     # The two-sided 98 % interval leaves 1 % in the High tail; the tolerance (clear 0.25 of the estimate, not
     # just 0) makes it rarer still.

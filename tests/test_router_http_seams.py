@@ -164,6 +164,7 @@ def completion(model: str, *, stream: bool, **extra: Any) -> dict[str, Any]:
 # -- the end of a stream --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_client_that_leaves_at_done_is_recorded_and_counted_with_the_200_it_got(seams: Seams) -> None:
     """The upstream sends ``[DONE]`` and keeps its response open; the client leaves as soon as it reads it, as
     OpenAI's clients do. It had its whole answer: a 200, not a 499 (the upstream's connection is closed then)."""

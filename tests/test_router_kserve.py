@@ -129,6 +129,7 @@ def onnx_outputs(deployment: Deployment, version: str, x: np.ndarray) -> tuple[n
 # -- tritonclient.http ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tritonclient_http_infers_with_json_and_binary_tensors_and_pins_a_version(
     deployment: Deployment, tmp_path: Path
 ) -> None:

@@ -261,6 +261,7 @@ def users_by_version(client: openai.OpenAI, count: int) -> dict[str, list[str]]:
 # -- the split ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_both_versions_answer_the_openai_client_sticky_per_user_streamed_and_whole(client: openai.OpenAI) -> None:
     seen = users_by_version(client, 12)
     assert seen["v1"], seen

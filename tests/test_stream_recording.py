@@ -130,6 +130,7 @@ def test_a_stream_the_client_cancels_is_recorded_as_cancelled_with_what_was_sent
     assert len(got) == 3
 
 
+@pytest.mark.slow
 def test_streams_are_spooled_while_the_recorder_is_down_and_arrive_once_it_is_back(recording: RecordingStack) -> None:
     recording.recorder.stop()
     try:

@@ -54,6 +54,7 @@ def run(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedPro
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_router_refuses_to_send_its_token_to_a_plaintext_recorder_on_another_host(
     tmp_path: Path, token_file: Path, stack: Stack
 ) -> None:
@@ -81,6 +82,7 @@ def test_a_router_refuses_to_send_its_token_to_a_plaintext_recorder_on_another_h
 
 
 @pytest.mark.parametrize("form", ["file", "env"])
+@pytest.mark.slow
 def test_a_recorder_refuses_a_token_over_plaintext_beyond_loopback(
     tmp_path: Path, token_file: Path, redis_server: RedisServer, stack: Stack, form: str
 ) -> None:
@@ -101,6 +103,7 @@ def test_a_recorder_refuses_a_token_over_plaintext_beyond_loopback(
         recorder.stop()
 
 
+@pytest.mark.slow
 def test_a_router_refuses_callers_credentials_over_plaintext_beyond_loopback(tmp_path: Path, stack: Stack) -> None:
     """API keys and JWTs sent to a plaintext router on the network can be read and reused by whoever sees the
     traffic (on both ports: the HTTP front door serves the same TLS as gRPC)."""

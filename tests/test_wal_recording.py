@@ -79,6 +79,7 @@ def shipper_pid(stack: RecordingStack) -> int:
     return wait_for(pid, timeout_s=30, what="the shipper to lock the log")
 
 
+@pytest.mark.slow
 def test_a_router_killed_under_load_loses_no_call_a_client_got_an_answer_for(tmp_path: Path) -> None:
     stack = RecordingStack(tmp_path)
     try:
