@@ -90,15 +90,18 @@ def lay_out(
     """The rows of :data:`ROWS_VIEW` as arrays. ``arm_order``: arms in the order the reader would meet them
     (else by their first call)."""
     # Row ids numbered over the distinct rows (a unit's buckets share one), then given to every bucket's row.
+    # The DuckDB engine's rows carry their unit's number (``unit_id``): grouped and joined on it, not on the
+    # unit's text; a file's rows (``--aggregates``) are keyed by the text itself.
+    described = {str(row[0]) for row in con.execute(f"DESCRIBE SELECT * FROM {ROWS_VIEW}").fetchall()}
+    key, keys = ("unit_id", "unit_id, ANY_VALUE(unit) AS unit") if "unit_id" in described else ("unit", "unit")
     con.execute(
-        f"""CREATE OR REPLACE TEMP TABLE {ROW_INDEX} AS SELECT phase, arm, unit, unit_is_call, first_ns,
-            ROW_NUMBER() OVER (ORDER BY phase, arm, unit_is_call, unit) - 1 AS row_id FROM (SELECT phase, arm, unit,
-            unit_is_call, MIN(first_ns) AS first_ns FROM {ROWS_VIEW} WHERE unit IS NOT NULL
-            GROUP BY phase, arm, unit, unit_is_call) AS u"""
+        f"""CREATE OR REPLACE TEMP TABLE {ROW_INDEX} AS SELECT *, ROW_NUMBER() OVER (ORDER BY phase, arm,
+            unit_is_call, unit) - 1 AS row_id FROM (SELECT phase, arm, {keys}, unit_is_call, MIN(first_ns) AS first_ns
+            FROM {ROWS_VIEW} WHERE unit IS NOT NULL GROUP BY phase, arm, {key}, unit_is_call) AS u"""
     )
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE {INDEXED_ROWS} AS SELECT r.*, i.row_id FROM {ROWS_VIEW} AS r
-            JOIN {ROW_INDEX} AS i ON r.phase = i.phase AND r.arm = i.arm AND r.unit = i.unit
+            JOIN {ROW_INDEX} AS i ON r.phase = i.phase AND r.arm = i.arm AND r.{key} = i.{key}
             AND r.unit_is_call = i.unit_is_call"""
     )
     per_row = con.execute(

@@ -11,8 +11,10 @@ columns (:data:`splitstream.common.archive.CALL_SCHEMA`, :data:`~splitstream.com
 - ``calls_read``: the window's calls, a request id's copies within an hour partition read once (the earliest
   stream id), as the archive's reader does;
 - ``calls_good``: those whose time and latency parse (the rest are ``corrupt``), ``calls_once`` one per request id,
-  the first received (later ones are ``duplicates``), ``exposed`` with each call's unit (the routing-key HMAC, or
-  the call itself), time bucket (twentieths of the window), latency bucket and values of the metrics of the calls;
+  the first received (later ones are ``duplicates``); ``units`` numbers each distinct unit (the routing-key HMAC,
+  or the call itself) once, and ``exposed`` carries each call's unit number, time bucket (twentieths of the
+  window), latency bucket and values of the metrics of the calls: every later grouping and join is on the number,
+  not on the 64-character text, which only the output's rows carry, joined to them last;
 - ``unit_rows``: one row per (phase, arm, unit) of the calls that count (randomized ones), with its first call;
 - ``events_read`` … ``events``: the feedback of the metrics asked, dated in the window (events naming a call: up
   to the attribution window past its end), one per (metric, idempotency key), the first received;
@@ -198,6 +200,11 @@ def steps(spec: Aggregation) -> list[tuple[str, str]]:
                   WHERE nth = 1 OR COALESCE(request_id, '') = ''""",
         ),
         (
+            "units",
+            f"""SELECT unit, unit_is_call, ROW_NUMBER() OVER (ORDER BY unit_is_call, unit) - 1 AS unit_id
+                  FROM (SELECT DISTINCT {unit} AS unit, {unit_is_call} AS unit_is_call FROM calls_once) AS u""",
+        ),
+        (
             "exposed",
             f"""SELECT request_id, receive_time AS time_ns, stream_ms, stream_seq, latency_ms, tokens, ttft_ms,
                     prompt_tokens, completion_tokens,
@@ -205,16 +212,16 @@ def steps(spec: Aggregation) -> list[tuple[str, str]]:
                     COALESCE(assignment, '') AS assignment, COALESCE(status, '') <> 'OK' AS failed,
                     COALESCE(assignment, '') IN ({randomized}) AS randomized,
                     COALESCE(routing_key_hmac, '') <> '' AS keyed,
-                    {unit} AS unit, {unit_is_call} AS unit_is_call,
+                    u.unit_id, {unit_is_call} AS unit_is_call,
                     {_bucket("receive_time", spec)} AS bucket,
                     {_latency_bucket("latency_ms")} AS latency_bucket
                     {", " + call_metric_columns if call_metric_columns else ""}
-                  FROM calls_once""",
+                  FROM calls_once LEFT JOIN units AS u ON u.unit = ({unit}) AND u.unit_is_call = ({unit_is_call})""",
         ),
         (
             "unit_rows",
-            f"""SELECT phase, arm, unit, unit_is_call, MIN(time_ns) AS first_ns FROM exposed WHERE {chosen}
-                  GROUP BY phase, arm, unit, unit_is_call""",
+            f"""SELECT phase, arm, unit_id, unit_is_call, MIN(time_ns) AS first_ns FROM exposed WHERE {chosen}
+                  GROUP BY phase, arm, unit_id, unit_is_call""",
         ),
         (
             "events_read",
@@ -246,29 +253,29 @@ def steps(spec: Aggregation) -> list[tuple[str, str]]:
         (
             "by_request",
             f"""SELECT e.event_id, e.code, e.request_id, e.value, e.event_ns, e.bucket, c.randomized,
-                    c.phase, c.arm, c.unit, c.unit_is_call
+                    c.phase, c.arm, c.unit_id, c.unit_is_call
                   FROM events AS e JOIN exposed AS c ON e.request_id = c.request_id
                   WHERE e.request_id <> '' AND e.event_ns >= c.time_ns - {w.clock_skew_ns}
                     AND e.event_ns < c.time_ns + {horizon}""",
         ),
         (
             "by_unit",
-            """SELECT * FROM (SELECT e.event_id, e.code, e.value, e.event_ns, e.bucket, r.phase, r.arm, r.unit,
+            """SELECT * FROM (SELECT e.event_id, e.code, e.value, e.event_ns, e.bucket, r.phase, r.arm, r.unit_id,
                     r.unit_is_call, ROW_NUMBER() OVER (PARTITION BY e.event_id ORDER BY r.first_ns DESC, r.phase DESC,
                     r.arm DESC) AS pick
-                  FROM events AS e JOIN unit_rows AS r ON r.unit = e.unit AND NOT r.unit_is_call
-                    AND r.first_ns <= e.event_ns
+                  FROM events AS e JOIN units AS n ON n.unit = e.unit AND NOT n.unit_is_call
+                    JOIN unit_rows AS r ON r.unit_id = n.unit_id AND r.first_ns <= e.event_ns
                   WHERE e.request_id = '' AND e.unit <> '') AS u WHERE pick = 1"""
             if not spec.per_call
-            else """SELECT e.event_id, e.code, e.value, e.event_ns, e.bucket, '' AS phase, '' AS arm, '' AS unit,
-                    FALSE AS unit_is_call, 1 AS pick FROM events AS e WHERE FALSE""",
+            else """SELECT e.event_id, e.code, e.value, e.event_ns, e.bucket, '' AS phase, '' AS arm,
+                    CAST(0 AS BIGINT) AS unit_id, FALSE AS unit_is_call, 1 AS pick FROM events AS e WHERE FALSE""",
         ),
         (
             "joined",
-            f"""SELECT phase, arm, unit, unit_is_call, code, value, event_ns, bucket, request_id FROM by_request
+            f"""SELECT phase, arm, unit_id, unit_is_call, code, value, event_ns, bucket, request_id FROM by_request
                   WHERE {chosen}
                 UNION ALL
-                SELECT phase, arm, unit, unit_is_call, code, value, event_ns, bucket, NULL AS request_id
+                SELECT phase, arm, unit_id, unit_is_call, code, value, event_ns, bucket, NULL AS request_id
                   FROM by_unit""",
         ),
     ]
@@ -280,8 +287,13 @@ def _metric_sums(spec: Aggregation) -> list[str]:
     return [metric_column(name, part) for name, _ in spec.metrics for part in METRIC_PARTS]
 
 
-def unit_rows_select(spec: Aggregation) -> str:
-    """The long rows per (phase, arm, unit, bucket): calls, their metrics of the calls, events, positives."""
+def unit_rows_select(spec: Aggregation, *, unit_ids: bool = False) -> str:
+    """The long rows per (phase, arm, unit, bucket): calls, their metrics of the calls, events, positives; with
+    ``unit_ids``, each row's unit number (:func:`steps`' ``units``) after the output's columns, which the DuckDB
+    engine joins its side queries on.
+
+    Grouped on the units' numbers, the unit's text joined once to the grouped rows: grouping ten million calls
+    on 64-character keys held those keys several times over."""
     chosen = "randomized" if spec.randomized_only else "TRUE"
     columns = _metric_sums(spec)
     parts: list[str] = []
@@ -295,9 +307,9 @@ def unit_rows_select(spec: Aggregation) -> str:
             call_metrics += ["0.0", "0", "0"]
         del index
     parts.append(
-        "SELECT phase, arm, unit, unit_is_call, bucket, COUNT(*) AS calls, MIN(time_ns) AS first_ns, "
+        "SELECT phase, arm, unit_id, unit_is_call, bucket, COUNT(*) AS calls, MIN(time_ns) AS first_ns, "
         + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(call_metrics, columns, strict=True))
-        + f" FROM exposed WHERE {chosen} GROUP BY phase, arm, unit, unit_is_call, bucket"
+        + f" FROM exposed WHERE {chosen} GROUP BY phase, arm, unit_id, unit_is_call, bucket"
     )
     # The events: per metric, the sum of values and their number at the event's bucket.
     event_metrics = []
@@ -311,9 +323,9 @@ def unit_rows_select(spec: Aggregation) -> str:
                 "0",
             ]
     parts.append(
-        "SELECT phase, arm, unit, unit_is_call, bucket, 0 AS calls, CAST(NULL AS BIGINT) AS first_ns, "
+        "SELECT phase, arm, unit_id, unit_is_call, bucket, 0 AS calls, CAST(NULL AS BIGINT) AS first_ns, "
         + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(event_metrics, columns, strict=True))
-        + " FROM joined GROUP BY phase, arm, unit, unit_is_call, bucket"
+        + " FROM joined GROUP BY phase, arm, unit_id, unit_is_call, bucket"
     )
     # Positives: a call once, in the bucket of its first positive event; an event naming only a unit, once each.
     for index, (name, kind) in enumerate(spec.metrics):
@@ -323,13 +335,13 @@ def unit_rows_select(spec: Aggregation) -> str:
         zeros[3 * index + 2] = "COUNT(*)"
         select = ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(zeros, columns, strict=True))
         parts.append(
-            f"SELECT phase, arm, unit, unit_is_call, bucket, 0 AS calls, CAST(NULL AS BIGINT) AS first_ns, {select}"
-            " FROM (SELECT phase, arm, unit, unit_is_call, MIN(bucket) AS bucket FROM joined"
+            f"SELECT phase, arm, unit_id, unit_is_call, bucket, 0 AS calls, CAST(NULL AS BIGINT) AS first_ns, {select}"
+            " FROM (SELECT phase, arm, unit_id, unit_is_call, MIN(bucket) AS bucket FROM joined"
             f" WHERE code = {index} AND value > 0 AND request_id IS NOT NULL"
-            " GROUP BY phase, arm, unit, unit_is_call, request_id"
-            " UNION ALL SELECT phase, arm, unit, unit_is_call, bucket FROM joined"
+            " GROUP BY phase, arm, unit_id, unit_is_call, request_id"
+            " UNION ALL SELECT phase, arm, unit_id, unit_is_call, bucket FROM joined"
             f" WHERE code = {index} AND value > 0 AND request_id IS NULL) AS p"
-            " GROUP BY phase, arm, unit, unit_is_call, bucket"
+            " GROUP BY phase, arm, unit_id, unit_is_call, bucket"
         )
     summed = ", ".join(
         f"SUM({_quoted(n)}) AS {_quoted(n)}"
@@ -337,12 +349,17 @@ def unit_rows_select(spec: Aggregation) -> str:
         else f"CAST(SUM({_quoted(n)}) AS BIGINT) AS {_quoted(n)}"
         for n in columns
     )
-    return (
-        "SELECT phase, arm, unit, unit_is_call, bucket, CAST(SUM(calls) AS BIGINT) AS calls, "
-        "MIN(first_ns) AS first_ns, "
-        f"{summed}, CAST(NULL AS VARCHAR) AS phase_record FROM ("
+    grouped = (
+        "SELECT phase, arm, unit_id, unit_is_call, bucket, CAST(SUM(calls) AS BIGINT) AS calls, "
+        f"MIN(first_ns) AS first_ns, {summed} FROM ("
         + " UNION ALL ".join(parts)
-        + ") AS rows GROUP BY phase, arm, unit, unit_is_call, bucket"
+        + ") AS rows GROUP BY phase, arm, unit_id, unit_is_call, bucket"
+    )
+    outer = ", ".join(f"g.{_quoted(n)}" for n in columns)
+    return (
+        "SELECT g.phase, g.arm, u.unit, g.unit_is_call, g.bucket, g.calls, g.first_ns, "
+        f"{outer}, CAST(NULL AS VARCHAR) AS phase_record{', g.unit_id' if unit_ids else ''}"
+        f" FROM ({grouped}) AS g LEFT JOIN units AS u ON u.unit_id = g.unit_id"
     )
 
 
@@ -448,12 +465,12 @@ def side_queries(spec: Aggregation) -> dict[str, str]:
                 CAST(SUM(CASE WHEN failed THEN 1 ELSE 0 END) AS BIGINT) AS errors
               FROM exposed WHERE NOT randomized GROUP BY phase, assignment, arm""",
         "arm_order": """SELECT arm, MIN(time_ns) AS first_ns FROM exposed GROUP BY arm""",
-        "latency_samples": """SELECT phase, arm, unit, unit_is_call, latency_bucket AS value_bucket,
+        "latency_samples": """SELECT unit_id, phase, arm, unit_is_call, latency_bucket AS value_bucket,
                 bucket AS period, COUNT(*) AS n
-              FROM exposed WHERE randomized GROUP BY phase, arm, unit, unit_is_call, latency_bucket, bucket""",
-        "ttft_samples": f"""SELECT phase, arm, unit, unit_is_call, {_latency_bucket("ttft_ms")} AS value_bucket,
+              FROM exposed WHERE randomized GROUP BY phase, arm, unit_id, unit_is_call, latency_bucket, bucket""",
+        "ttft_samples": f"""SELECT unit_id, phase, arm, unit_is_call, {_latency_bucket("ttft_ms")} AS value_bucket,
                 bucket AS period, COUNT(*) AS n FROM exposed WHERE randomized AND {_finite("ttft_ms")}
-              GROUP BY phase, arm, unit, unit_is_call, {_latency_bucket("ttft_ms")}, bucket""",
+              GROUP BY phase, arm, unit_id, unit_is_call, {_latency_bucket("ttft_ms")}, bucket""",
     }
     if spec.novelty_ns:
         out["novelty"] = _novelty_select(spec)
@@ -499,13 +516,13 @@ def _novelty_select(spec: Aggregation, index: str = "row_index") -> str:
     calls = (
         f"SELECT r.row_id, {since('c.time_ns')} AS since, 1 AS calls, "
         + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(call_parts, columns, strict=True))
-        + f" FROM exposed AS c JOIN {index} AS r ON c.phase = r.phase AND c.arm = r.arm AND c.unit = r.unit"
+        + f" FROM exposed AS c JOIN {index} AS r ON c.phase = r.phase AND c.arm = r.arm AND c.unit_id = r.unit_id"
         f" AND c.unit_is_call = r.unit_is_call WHERE {chosen} AND {since('c.time_ns')} < {spec.novelty_buckets}"
     )
     events = (
         f"SELECT r.row_id, {since('j.event_ns')} AS since, 0 AS calls, "
         + ", ".join(f"{c} AS {_quoted(n)}" for c, n in zip(event_parts, columns, strict=True))
-        + f" FROM joined AS j JOIN {index} AS r ON j.phase = r.phase AND j.arm = r.arm AND j.unit = r.unit"
+        + f" FROM joined AS j JOIN {index} AS r ON j.phase = r.phase AND j.arm = r.arm AND j.unit_id = r.unit_id"
         f" AND j.unit_is_call = r.unit_is_call WHERE {since('j.event_ns')} < {spec.novelty_buckets}"
     )
     summed = ", ".join(f"SUM({_quoted(n)}) AS {_quoted(n)}" for n in columns)

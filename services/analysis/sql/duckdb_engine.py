@@ -69,7 +69,9 @@ READ_COLUMNS = frozenset(
     ]
 )
 #: Steps kept as tables (read more than once, or from the archive's single-pass readers); the rest are views.
-MATERIALIZED = frozenset(["call_copies", "calls_read", "exposed", "unit_rows", "events_read", "events", "joined"])
+MATERIALIZED = frozenset(
+    ["call_copies", "calls_read", "units", "exposed", "unit_rows", "events_read", "events", "joined"]
+)
 #: DuckDB's memory before it spills to disk (``SPLITSTREAM_ANALYSIS_MEMORY``, DuckDB's syntax: ``1GB``).
 DEFAULT_MEMORY_LIMIT = "512MB"
 
@@ -122,7 +124,7 @@ def _run(con: duckdb.DuckDBPyConnection, spec: Aggregation) -> None:
     for name, body in steps(spec):
         con.execute(f"CREATE TEMP {'TABLE' if name in MATERIALIZED else 'VIEW'} {name} AS {body}")
     # The output's unit rows (its phase rows' records are read back from the archive: :func:`_phase_info`).
-    con.execute(f"CREATE TEMP TABLE {aggregates.ROWS_VIEW} AS {unit_rows_select(spec)}")
+    con.execute(f"CREATE TEMP TABLE {aggregates.ROWS_VIEW} AS {unit_rows_select(spec, unit_ids=True)}")
 
 
 def load_archive(
@@ -267,11 +269,11 @@ def _loaded(
     return Loaded(exposures, feedback, folder, {})
 
 
-#: Side query rows joined to the rows' layout (:data:`aggregates.ROW_INDEX`).
+#: Side query rows joined to the rows' layout (:data:`aggregates.ROW_INDEX`) on the units' numbers.
 def _indexed(select: str, extra: str) -> str:
     return (
         f"SELECT i.row_id, s.{extra} FROM ({select}) AS s JOIN {aggregates.ROW_INDEX} AS i ON s.phase = i.phase"
-        " AND s.arm = i.arm AND s.unit = i.unit AND s.unit_is_call = i.unit_is_call"
+        " AND s.arm = i.arm AND s.unit_id = i.unit_id AND s.unit_is_call = i.unit_is_call"
     )
 
 
