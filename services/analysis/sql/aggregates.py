@@ -86,27 +86,41 @@ def lay_out(
     metrics: Sequence[str],
     kinds: Sequence[MetricKind],
     arm_order: Sequence[str] = (),
+    units: str | None = None,
 ) -> Rows:
     """The rows of :data:`ROWS_VIEW` as arrays. ``arm_order``: arms in the order the reader would meet them
-    (else by their first call)."""
+    (else by their first call). ``units``: the table numbering the units (``unit``, ``unit_id``) when the rows
+    carry ``unit_id`` in place of the text (the DuckDB engine's); a file's rows (``--aggregates``) carry the text."""
     # Row ids numbered over the distinct rows (a unit's buckets share one), then given to every bucket's row.
-    # The DuckDB engine's rows carry their unit's number (``unit_id``): grouped and joined on it, not on the
-    # unit's text; a file's rows (``--aggregates``) are keyed by the text itself.
-    described = {str(row[0]) for row in con.execute(f"DESCRIBE SELECT * FROM {ROWS_VIEW}").fetchall()}
-    key, keys = ("unit_id", "unit_id, ANY_VALUE(unit) AS unit") if "unit_id" in described else ("unit", "unit")
-    con.execute(
-        f"""CREATE OR REPLACE TEMP TABLE {ROW_INDEX} AS SELECT *, ROW_NUMBER() OVER (ORDER BY phase, arm,
-            unit_is_call, unit) - 1 AS row_id FROM (SELECT phase, arm, {keys}, unit_is_call, MIN(first_ns) AS first_ns
-            FROM {ROWS_VIEW} WHERE unit IS NOT NULL GROUP BY phase, arm, {key}, unit_is_call) AS u"""
-    )
+    if units:
+        # The DuckDB engine's rows carry their unit's number, which orders as (unit_is_call, unit) does: grouped,
+        # joined and numbered on it, the text read once per row at the end. On the text, ten million calls' rows
+        # did not fit in 512 MB.
+        con.execute(
+            f"""CREATE OR REPLACE TEMP TABLE {ROW_INDEX} AS SELECT *, ROW_NUMBER() OVER (ORDER BY phase, arm,
+                unit_id) - 1 AS row_id FROM (SELECT phase, arm, unit_id, unit_is_call, MIN(first_ns) AS first_ns
+                FROM {ROWS_VIEW} WHERE unit_id IS NOT NULL GROUP BY phase, arm, unit_id, unit_is_call) AS u"""
+        )
+        key = "unit_id"
+        per_row_select = (
+            f"SELECT i.row_id, i.phase, i.arm, u.unit, i.unit_is_call, i.first_ns FROM {ROW_INDEX} AS i"
+            f" JOIN {units} AS u ON u.unit_id = i.unit_id ORDER BY i.row_id"
+        )
+    else:
+        con.execute(
+            f"""CREATE OR REPLACE TEMP TABLE {ROW_INDEX} AS SELECT phase, arm, unit, unit_is_call, first_ns,
+                ROW_NUMBER() OVER (ORDER BY phase, arm, unit_is_call, unit) - 1 AS row_id FROM (SELECT phase, arm,
+                unit, unit_is_call, MIN(first_ns) AS first_ns FROM {ROWS_VIEW} WHERE unit IS NOT NULL
+                GROUP BY phase, arm, unit, unit_is_call) AS u"""
+        )
+        key = "unit"
+        per_row_select = f"SELECT row_id, phase, arm, unit, unit_is_call, first_ns FROM {ROW_INDEX} ORDER BY row_id"
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE {INDEXED_ROWS} AS SELECT r.*, i.row_id FROM {ROWS_VIEW} AS r
             JOIN {ROW_INDEX} AS i ON r.phase = i.phase AND r.arm = i.arm AND r.{key} = i.{key}
             AND r.unit_is_call = i.unit_is_call"""
     )
-    per_row = con.execute(
-        f"SELECT row_id, phase, arm, unit, unit_is_call, first_ns FROM {ROW_INDEX} ORDER BY row_id"
-    ).to_arrow_table()
+    per_row = con.execute(per_row_select).to_arrow_table()
     n = per_row.num_rows
     phase_names = per_row.column(1).to_pylist()
     arm_names = per_row.column(2).to_pylist()

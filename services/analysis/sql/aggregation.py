@@ -289,8 +289,8 @@ def _metric_sums(spec: Aggregation) -> list[str]:
 
 def unit_rows_select(spec: Aggregation, *, unit_ids: bool = False) -> str:
     """The long rows per (phase, arm, unit, bucket): calls, their metrics of the calls, events, positives; with
-    ``unit_ids``, each row's unit number (:func:`steps`' ``units``) after the output's columns, which the DuckDB
-    engine joins its side queries on.
+    ``unit_ids`` (the DuckDB engine's), each row's unit number (:func:`steps`' ``units``) in place of its text,
+    which :func:`~splitstream.analysis.sql.aggregates.lay_out` reads once per unit from ``units``.
 
     Grouped on the units' numbers, the unit's text joined once to the grouped rows: grouping ten million calls
     on 64-character keys held those keys several times over."""
@@ -355,10 +355,12 @@ def unit_rows_select(spec: Aggregation, *, unit_ids: bool = False) -> str:
         + " UNION ALL ".join(parts)
         + ") AS rows GROUP BY phase, arm, unit_id, unit_is_call, bucket"
     )
+    if unit_ids:
+        return grouped
     outer = ", ".join(f"g.{_quoted(n)}" for n in columns)
     return (
         "SELECT g.phase, g.arm, u.unit, g.unit_is_call, g.bucket, g.calls, g.first_ns, "
-        f"{outer}, CAST(NULL AS VARCHAR) AS phase_record{', g.unit_id' if unit_ids else ''}"
+        f"{outer}, CAST(NULL AS VARCHAR) AS phase_record"
         f" FROM ({grouped}) AS g LEFT JOIN units AS u ON u.unit_id = g.unit_id"
     )
 
@@ -415,6 +417,11 @@ def output_columns(metrics: Sequence[str]) -> list[str]:
 # -- the side queries (the DuckDB engine's report: what a cluster's per-unit rows do not carry) --------------------
 
 
+#: The layout's index of rows (:data:`splitstream.analysis.sql.aggregates.ROW_INDEX`) and a call's join to it.
+_ROW_INDEX = "row_index"
+_ROW_JOIN = "c.phase = r.phase AND c.arm = r.arm AND c.unit_id = r.unit_id AND c.unit_is_call = r.unit_is_call"
+
+
 def side_queries(spec: Aggregation) -> dict[str, str]:
     """SELECTs over the steps (:func:`steps`), by name."""
     label = "CASE WHEN randomized THEN 'randomized' ELSE assignment END"
@@ -465,12 +472,15 @@ def side_queries(spec: Aggregation) -> dict[str, str]:
                 CAST(SUM(CASE WHEN failed THEN 1 ELSE 0 END) AS BIGINT) AS errors
               FROM exposed WHERE NOT randomized GROUP BY phase, assignment, arm""",
         "arm_order": """SELECT arm, MIN(time_ns) AS first_ns FROM exposed GROUP BY arm""",
-        "latency_samples": """SELECT unit_id, phase, arm, unit_is_call, latency_bucket AS value_bucket,
-                bucket AS period, COUNT(*) AS n
-              FROM exposed WHERE randomized GROUP BY phase, arm, unit_id, unit_is_call, latency_bucket, bucket""",
-        "ttft_samples": f"""SELECT unit_id, phase, arm, unit_is_call, {_latency_bucket("ttft_ms")} AS value_bucket,
-                bucket AS period, COUNT(*) AS n FROM exposed WHERE randomized AND {_finite("ttft_ms")}
-              GROUP BY phase, arm, unit_id, unit_is_call, {_latency_bucket("ttft_ms")}, bucket""",
+        # Per (row, value bucket, period), the rows by their number in the layout's index (as the novelty query
+        # does, :func:`_novelty_select`): grouped on integers, which fits DuckDB's memory at ten million calls.
+        "latency_samples": f"""SELECT r.row_id, c.latency_bucket AS value_bucket, COUNT(*) AS n, c.bucket AS period
+              FROM exposed AS c JOIN {_ROW_INDEX} AS r ON {_ROW_JOIN} WHERE c.randomized
+              GROUP BY r.row_id, c.latency_bucket, c.bucket""",
+        "ttft_samples": f"""SELECT r.row_id, {_latency_bucket("c.ttft_ms")} AS value_bucket, COUNT(*) AS n,
+                c.bucket AS period FROM exposed AS c JOIN {_ROW_INDEX} AS r ON {_ROW_JOIN}
+              WHERE c.randomized AND {_finite("c.ttft_ms")}
+              GROUP BY r.row_id, {_latency_bucket("c.ttft_ms")}, c.bucket""",
     }
     if spec.novelty_ns:
         out["novelty"] = _novelty_select(spec)

@@ -184,7 +184,7 @@ def _loaded(
     metrics = [name for name, _ in spec.metrics]
     kinds = [kind for _, kind in spec.metrics]
     arm_order = [arm for arm, _ in con.execute(side["arm_order"] + " ORDER BY first_ns, arm").fetchall()]
-    rows = aggregates.lay_out(con, metrics, kinds, arm_order)
+    rows = aggregates.lay_out(con, metrics, kinds, arm_order, units="units")
     counts = con.execute(side["call_counts"]).fetchone()
     fb = con.execute(side["feedback_counts"]).fetchone()
     assert counts is not None
@@ -269,22 +269,13 @@ def _loaded(
     return Loaded(exposures, feedback, folder, {})
 
 
-#: Side query rows joined to the rows' layout (:data:`aggregates.ROW_INDEX`) on the units' numbers.
-def _indexed(select: str, extra: str) -> str:
-    return (
-        f"SELECT i.row_id, s.{extra} FROM ({select}) AS s JOIN {aggregates.ROW_INDEX} AS i ON s.phase = i.phase"
-        " AND s.arm = i.arm AND s.unit_id = i.unit_id AND s.unit_is_call = i.unit_is_call"
-    )
-
-
 def _samples(con: duckdb.DuckDBPyConnection, select: str) -> UnitBucketCounts:
-    table = con.execute(_indexed(select, "value_bucket, s.n, s.period") + " ORDER BY 1, 4, 2").to_arrow_table()
-    return UnitBucketCounts(
-        table.column(0).to_numpy().astype(np.int64),
-        table.column(1).to_numpy().astype(np.int64),
-        table.column(2).to_numpy().astype(np.int32),
-        table.column(3).to_numpy().astype(np.int64),
-    )
+    """The rows streamed out in batches and sorted by (row, period, value bucket) here: sorted and collected by
+    DuckDB, ten million calls' samples did not fit in its 512 MB."""
+    table = con.execute(select).to_arrow_reader().read_all()
+    row, value, n, period = (table.column(i).to_numpy().astype(np.int64) for i in range(4))
+    order = np.lexsort((value, period, row))
+    return UnitBucketCounts(row[order], value[order], n[order].astype(np.int32), period[order])
 
 
 def _novelty(con: duckdb.DuckDBPyConnection, select: str, spec: Aggregation, n: int) -> NoveltyFold:
