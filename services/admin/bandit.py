@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import scipy
+import scipy.stats  # loaded now, not lazily: a SIGINT landing in its first load exited -2
 
 from splitstream.admin import lock, thompson
 from splitstream.admin.outcome_reader import OutcomeReader
