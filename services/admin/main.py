@@ -589,6 +589,11 @@ def run_rollout(store: Store, args: argparse.Namespace) -> int:
         guard_alpha=args.guard_alpha,
         judge=judge,
     )
+    if judge is not None or guards:
+        # What the judge and the guards compute with, loaded now: scipy loads its submodules on first use,
+        # and a SIGINT landing in that first load ended the process (-2) after the rollback it had done.
+        import scipy.optimize
+        import scipy.stats  # noqa: F401
     # SIGTERM (a CI job cancelled) and SIGHUP (a terminal closed) roll back like Ctrl-C does.
     interrupts = Interrupts()
     interrupts.install()

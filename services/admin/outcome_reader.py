@@ -11,7 +11,6 @@ import asyncio
 import time
 from collections.abc import Sequence
 
-import scipy.stats  # noqa: F401  loaded now: an interrupt must not land in its first, lazy load
 from redis.exceptions import RedisError
 
 from splitstream.analysis.analyze import Query, analyze
