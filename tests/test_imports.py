@@ -19,6 +19,16 @@ from tests.redis_server import RedisServer
 ON_FIRST_USE = ("consul", "requests", "jwt", "redis", "aiohttp")
 
 
+def loaded(module: str, names: tuple[str, ...]) -> set[str]:
+    """Which of ``names`` are in ``sys.modules`` once a fresh interpreter imported ``module``."""
+    probe = f"import sys, {module}; print(' '.join(sorted(n for n in {names!r} if n in sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return set(result.stdout.split())
+
+
 @pytest.mark.parametrize(
     ("module", "needed"),
     [
@@ -28,12 +38,14 @@ ON_FIRST_USE = ("consul", "requests", "jwt", "redis", "aiohttp")
     ],
 )
 def test_a_service_imports_what_its_flags_may_not_need_only_on_first_use(module: str, needed: tuple[str, ...]) -> None:
-    probe = f"import sys, {module}; print(' '.join(sorted(n for n in {ON_FIRST_USE!r} if n in sys.modules)))"
-    result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    assert set(result.stdout.split()) == set(needed)
+    assert loaded(module, ON_FIRST_USE) == set(needed)
+
+
+@pytest.mark.parametrize("module", ["splitstream.router.main", "splitstream.shipper.main"])
+def test_a_router_and_a_shipper_start_without_numpy(module: str) -> None:
+    """They import the record layout for its names; NumPy (0.15 s of CPU a start) only decodes tensors of
+    recorded answers, which the recorder does, and a router's HTTP port (imported with ``--http-port``)."""
+    assert loaded(module, ("numpy",)) == set()
 
 
 #: What the ``splitstream`` admin CLI's registry commands (experiment, versions, rollout without outcome guards)

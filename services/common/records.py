@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn, cast
 
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
-from splitstream.common.token_usage import token_counts, ttft_ns
 
 if TYPE_CHECKING:
     from splitstream.common.redis_url import RedisClient
@@ -182,6 +181,11 @@ def stream_id_ms(stream_id: str) -> int:
 def entry_fields(record: recorder_pb2.CallRecord) -> dict[str, str | bytes]:
     """The stream entry the recorder writes for ``record``: readable fields beside the serialized record.
     (Tools and tests that write records, e.g. to stand in for a spooled record arriving late, use it too.)"""
+    # Imported here, not with the module: token_usage decodes tensors with NumPy (0.15 s of CPU to import),
+    # which the routers and shippers that import this module for its names never need. The recorder, the
+    # one service that calls this, imports token_usage at start (splitstream.recorder.core).
+    from splitstream.common.token_usage import token_counts, ttft_ns
+
     first_token_ns = ttft_ns(record)
     prompt_tokens, completion_tokens = token_counts(record)
     return {

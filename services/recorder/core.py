@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 import structlog
 
+# entry_fields imports token_usage (and with it NumPy) on its first call; imported here, at start, so the
+# first batch does not pay for it.
+from splitstream.common import token_usage  # noqa: F401
 from splitstream.common.records import (
     entry_fields,
     feedback_entry_fields,
