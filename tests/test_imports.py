@@ -48,6 +48,16 @@ def test_a_router_and_a_shipper_start_without_numpy(module: str) -> None:
     assert loaded(module, ("numpy",)) == set()
 
 
+@pytest.mark.parametrize(
+    "module",
+    ["splitstream.router.main", "splitstream.worker.main", "splitstream.recorder.main", "splitstream.shipper.main"],
+)
+def test_a_service_loads_the_certificate_parser_only_with_an_allow_list(module: str) -> None:
+    """cryptography's X.509 reads client certificates for ``--allowed-client-identities`` (a worker's, a
+    recorder's), imported as the server with one starts; the others do without it."""
+    assert loaded(module, ("cryptography.x509",)) == set()
+
+
 #: What the ``splitstream`` admin CLI's registry commands (experiment, versions, rollout without outcome guards)
 #: and its usage errors do without: the analysis's libraries, imported when a command reads the analysis.
 ANALYSIS_LIBRARIES = ("scipy.stats", "scipy.optimize", "pyarrow", "duckdb", "sqlglot", "pandas", "aiohttp")

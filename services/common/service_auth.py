@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from splitstream.common.cert_identity import peer_identities
 from splitstream.common.errors import ConfigError
 
 #: The deployment-wide variable both routers and recorders read when ``--service-token-file`` is not given.
@@ -66,6 +65,18 @@ class ServiceAuth:
 
     token: str = ""
     allowed_identities: frozenset[str] = frozenset()
+    #: How the certificate's identities are read; set only with an allow-list.
+    _peer_identities: Callable[[Mapping[str, Iterable[bytes]]], frozenset[str]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        # cert_identity parses certificates with cryptography (0.03 s of CPU to import): imported when the
+        # allow-list is built at start, by the recorders that have one, never on a call.
+        if self.allowed_identities:
+            from splitstream.common.cert_identity import peer_identities
+
+            object.__setattr__(self, "_peer_identities", peer_identities)
 
     @property
     def enabled(self) -> bool:
@@ -84,4 +95,6 @@ class ServiceAuth:
         return None if hmac.compare_digest(sent.strip().encode(), self.token.encode()) else "invalid"
 
     def identity_allowed(self, auth_context: Mapping[str, Iterable[bytes]]) -> bool:
-        return bool(peer_identities(auth_context) & self.allowed_identities)
+        if self._peer_identities is None:  # no allow-list: no identity is allowed
+            return False
+        return bool(self._peer_identities(auth_context) & self.allowed_identities)
