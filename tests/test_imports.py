@@ -58,6 +58,12 @@ def test_a_service_loads_the_certificate_parser_only_with_an_allow_list(module: 
     assert loaded(module, ("cryptography.x509",)) == set()
 
 
+def test_a_worker_starts_without_the_registrys_experiment_schemas() -> None:
+    """A worker talks to Consul only to register itself (splitstream.common.consul_agent); the experiment
+    schemas and the registry backends are the routers' (a twelfth of a worker's import CPU)."""
+    assert loaded("splitstream.worker.main", ("splitstream.common.experiment", "splitstream.common.registry")) == set()
+
+
 #: What the ``splitstream`` admin CLI's registry commands (experiment, versions, rollout without outcome guards)
 #: and its usage errors do without: the analysis's libraries, imported when a command reads the analysis.
 ANALYSIS_LIBRARIES = ("scipy.stats", "scipy.optimize", "pyarrow", "duckdb", "sqlglot", "pandas", "aiohttp")

@@ -28,8 +28,7 @@ from typing import Any
 
 import structlog
 
-from splitstream.common.errors import ConfigError
-from splitstream.common.registry.consul import (
+from splitstream.common.consul_agent import (
     ConsulAddress,
     consul_errors,
     describe_error,
@@ -37,6 +36,7 @@ from splitstream.common.registry.consul import (
     run_blocking,
     service_name,
 )
+from splitstream.common.errors import ConfigError
 
 #: Consul calls from the worker give up after this long (they are small; Consul is a local agent).
 CALL_TIMEOUT_S = 2.0

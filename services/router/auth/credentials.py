@@ -27,9 +27,9 @@ from urllib.parse import urlsplit
 import structlog
 import yaml
 
+from splitstream.common.consul_agent import ConsulAddress, describe_error, parse_consul_spec, run_blocking
 from splitstream.common.errors import ConfigError
 from splitstream.common.files import FileSignature, read_if_changed
-from splitstream.common.registry.consul import ConsulAddress, describe_error, parse_consul_spec, run_blocking
 from splitstream.common.secrets import redact_text
 from splitstream.router.auth.policy import Policy, parse_policy
 
