@@ -64,6 +64,13 @@ def test_a_worker_starts_without_the_registrys_experiment_schemas() -> None:
     assert loaded("splitstream.worker.main", ("splitstream.common.experiment", "splitstream.common.registry")) == set()
 
 
+def test_a_router_without_auth_principals_does_not_load_the_authentication_stack() -> None:
+    """Policies (pydantic models), credentials and limits are imported as a router with ``--auth-principals``
+    starts (splitstream.router.main); every call reads only the principal's name (splitstream.router.auth.call)."""
+    stack = ("splitstream.router.auth.policy", "splitstream.router.auth.credentials", "splitstream.router.auth.gate")
+    assert loaded("splitstream.router.main", stack) == set()
+
+
 #: What the ``splitstream`` admin CLI's registry commands (experiment, versions, rollout without outcome guards)
 #: and its usage errors do without: the analysis's libraries, imported when a command reads the analysis.
 ANALYSIS_LIBRARIES = ("scipy.stats", "scipy.optimize", "pyarrow", "duckdb", "sqlglot", "pandas", "aiohttp")

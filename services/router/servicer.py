@@ -29,7 +29,7 @@ from splitstream.common.headers import (
 )
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import router_pb2
-from splitstream.router.auth.interceptor import CALL_HEAD, CALL_PRINCIPAL
+from splitstream.router.auth.call import CALL_HEAD, CALL_PRINCIPAL
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.metrics import RouterMetrics
 from splitstream.router.streams import StreamProxy

@@ -44,7 +44,7 @@ from splitstream.common.errors import SplitstreamError
 from splitstream.common.headers import REQUEST_ID_HEADER, request_id_metadata
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.splitstream.v1 import recorder_pb2, router_pb2
-from splitstream.router.auth.interceptor import CALL_PRINCIPAL
+from splitstream.router.auth.call import CALL_PRINCIPAL
 from splitstream.router.core import UNKNOWN_MODEL, CallOutcome, RouterCore
 from splitstream.router.metrics import StreamChildren
 from splitstream.router.pools import Endpoint

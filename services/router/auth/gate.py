@@ -29,7 +29,6 @@ A call carrying both headers is refused (which one should win is a guess the rou
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitstream.common.headers import VERSION_HEADER
+from splitstream.router.auth.call import CALL_PRINCIPAL
 from splitstream.router.auth.credentials import PrincipalsStore
 from splitstream.router.auth.jwks import JwtVerifier, TokenRejected, bearer_token
 from splitstream.router.auth.policy import Principal
@@ -50,9 +50,6 @@ API_KEY_HEADER = "x-api-key"
 AUTHORIZATION_HEADER = "authorization"
 #: The headers that carry a credential (lower case): what an edge hands to :meth:`Gate.admit`.
 CREDENTIAL_HEADERS = frozenset({API_KEY_HEADER, AUTHORIZATION_HEADER})
-
-#: The authenticated caller of the call running now ("" when authentication is off).
-CALL_PRINCIPAL: contextvars.ContextVar[str] = contextvars.ContextVar("splitstream_call_principal", default="")
 
 #: Grants a principal holds beside its models (:class:`~splitstream.router.auth.policy.Principal` fields).
 STATUS = "status"

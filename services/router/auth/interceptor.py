@@ -36,7 +36,6 @@ runs in), which records it.
 
 from __future__ import annotations
 
-import contextvars
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -48,6 +47,7 @@ from grpc import aio
 from splitstream.common.headers import VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import router_pb2
 from splitstream.router.auth.answers import public_answer
+from splitstream.router.auth.call import CALL_HEAD
 from splitstream.router.auth.gate import (
     API_KEY_HEADER,
     AUTHORIZATION_HEADER,
@@ -77,10 +77,6 @@ __all__ = [
     "read_head",
 ]
 
-#: The request head the interceptor parsed for this call, if it did.
-CALL_HEAD: contextvars.ContextVar[router_pb2.InferRequestHead | None] = contextvars.ContextVar(
-    "splitstream_call_head", default=None
-)
 
 _INFER = frozenset({"/inference.GRPCInferenceService/ModelInfer", "/splitstream.v1.Router/Infer"})
 _STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
