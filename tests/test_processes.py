@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -542,6 +541,15 @@ def test_a_parent_whose_stderr_reader_went_away_still_restarts_children_and_stop
 
 
 @pytest.mark.slow
+def _has_mapped(pid: int, library: str) -> bool:
+    """Whether ``pid`` has loaded a shared library whose path holds ``library`` (a C extension its imports
+    have reached), as /proc says."""
+    try:
+        return library in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("command", ["splitstream-router", "splitstream-recorder"])
 @pytest.mark.parametrize("moment", ["the parent imports", "the children import"])
 def test_ctrl_c_while_a_processes_server_starts_exits_0_without_a_traceback(
@@ -570,8 +578,8 @@ def test_ctrl_c_while_a_processes_server_starts_exits_0_without_a_traceback(
                 line = process.stderr.readline()
                 assert line, f"the parent ended before it started both children:\n{seen.decode()}"
                 seen += line
-        else:
-            time.sleep(0.1)  # the console script is still importing the router's modules
+        else:  # the console script is past its quiet_interrupts and still importing the server's modules
+            wait_for(lambda: _has_mapped(process.pid, "cygrpc") or process.poll() is not None, timeout_s=30)
         os.killpg(process.pid, signal.SIGINT)
         _, rest = process.communicate(timeout=60)
     finally:
