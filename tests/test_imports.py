@@ -82,3 +82,30 @@ def test_an_analysis_of_redis_imports_the_analysis_but_not_the_sql_engine(redis_
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "'m'" in result.stderr, result.stderr
     assert result.stdout.strip().splitlines()[-1].strip() == "loaded: True", result.stdout
+
+
+#: What the ``splitstream`` admin CLI does without on a file registry: py-consul with requests, which only a
+#: Consul registry needs.
+COMPUTING_OR_CONSUL = ("consul", "requests")
+
+
+@pytest.mark.parametrize("library", COMPUTING_OR_CONSUL)
+def test_a_registry_command_on_a_file_registry_does_without(tmp_path: Path, library: str) -> None:
+    """``experiment set`` (the suite's rollout tests call it dozens of times) on a file registry paid for these
+    at every start."""
+    registry = tmp_path / "registry.yaml"
+    registry.write_text(
+        "models:\n  m:\n    endpoints: {v1: ['127.0.0.1:1'], v2: ['127.0.0.1:1']}\n"
+        "    experiment:\n      control: v1\n      arms: [{version: v1, weight: 100}]\n"
+    )
+    probe = (
+        "import sys\nfrom splitstream.admin.main import main\n"
+        f"code = main(['--registry', 'file:{registry}', 'experiment', 'set', 'm', '--weights', 'v1=90,v2=10'])\n"
+        f"print('loaded:', {library!r} in sys.modules)\nsys.exit(code)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "v1 90 %, v2 10 %" in result.stdout, result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "loaded: False"
