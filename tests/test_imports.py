@@ -25,6 +25,8 @@ ON_FIRST_USE = ("consul", "requests", "jwt", "redis", "aiohttp")
         ("splitstream.router.main", ()),
         ("splitstream.worker.main", ()),
         ("splitstream.recorder.main", ("redis",)),
+        # aiohttp: an HTTP replay imports it when it makes its target; a gRPC replay does without.
+        ("splitstream.replayer.main", ("redis",)),
     ],
 )
 def test_a_service_imports_what_its_flags_may_not_need_only_on_first_use(module: str, needed: tuple[str, ...]) -> None:
@@ -120,3 +122,14 @@ def test_a_registry_command_on_a_file_registry_does_without(tmp_path: Path, libr
     assert result.returncode == 0, result.stderr
     assert "v1 90 %, v2 10 %" in result.stdout, result.stdout
     assert result.stdout.strip().splitlines()[-1] == "loaded: False"
+
+
+def test_the_replayer_reads_redis_without_the_archive_libraries() -> None:
+    """pyarrow, through the archive's module, was a quarter of every replay's start: only ``--archive`` and
+    ``--source archive:URL`` read an archive, and the replay imports it when it opens one."""
+    probe = "import sys, splitstream.replayer.main; print('pyarrow' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
