@@ -35,6 +35,8 @@ def loaded(module: str, names: tuple[str, ...]) -> set[str]:
         ("splitstream.router.main", ()),
         ("splitstream.worker.main", ()),
         ("splitstream.recorder.main", ("redis",)),
+        # aiohttp: an HTTP replay imports it when it makes its target; a gRPC replay does without.
+        ("splitstream.replayer.main", ("redis",)),
     ],
 )
 def test_a_service_imports_what_its_flags_may_not_need_only_on_first_use(module: str, needed: tuple[str, ...]) -> None:
@@ -117,3 +119,52 @@ def test_an_analysis_of_redis_imports_the_analysis_but_not_the_sql_engine(redis_
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "'m'" in result.stderr, result.stderr
     assert result.stdout.strip().splitlines()[-1].strip() == "loaded: True", result.stdout
+
+
+#: What the ``splitstream`` admin CLI's parser, built at every start, does without: numpy and scipy (through the
+#: analysis's models, the judge, the guards and the bandit's sampler), the rollout and its metrics' parser
+#: (prometheus_client), the feedback import (its row model and stubs), and py-consul with requests, which only a
+#: Consul registry needs.
+COMPUTING_OR_CONSUL = (
+    "numpy",
+    "scipy",
+    "splitstream.analysis.model",
+    "splitstream.admin.rollout",
+    "prometheus_client",
+    "splitstream.admin.feedback_import",
+    "consul",
+    "requests",
+)
+
+
+@pytest.mark.parametrize("library", COMPUTING_OR_CONSUL)
+def test_a_registry_command_on_a_file_registry_does_without(tmp_path: Path, library: str) -> None:
+    """``experiment set`` (the suite's rollout tests call it dozens of times) on a file registry paid for these
+    at every start: about a third of its CPU."""
+    registry = tmp_path / "registry.yaml"
+    registry.write_text(
+        "models:\n  m:\n    endpoints: {v1: ['127.0.0.1:1'], v2: ['127.0.0.1:1']}\n"
+        "    experiment:\n      control: v1\n      arms: [{version: v1, weight: 100}]\n"
+    )
+    probe = (
+        "import sys\nfrom splitstream.admin.main import main\n"
+        f"code = main(['--registry', 'file:{registry}', 'experiment', 'set', 'm', '--weights', 'v1=90,v2=10'])\n"
+        f"print('loaded:', {library!r} in sys.modules)\nsys.exit(code)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert "v1 90 %, v2 10 %" in result.stdout, result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "loaded: False"
+
+
+def test_the_replayer_reads_redis_without_the_archive_libraries() -> None:
+    """pyarrow, through the archive's module, was a quarter of every replay's start: only ``--archive`` and
+    ``--source archive:URL`` read an archive, and the replay imports it when it opens one."""
+    probe = "import sys, splitstream.replayer.main; print('pyarrow' in sys.modules)"
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"

@@ -4,9 +4,12 @@ error message per kind of value, wherever it is typed."""
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from splitstream.analysis.model import MetricSpec
 from splitstream.common.durations import BadDuration, parse_duration_s
+
+if TYPE_CHECKING:
+    from splitstream.analysis.model import MetricSpec
 
 
 def duration_s(text: str) -> float:
@@ -27,6 +30,8 @@ def fraction(text: str) -> float:
 
 def metric(text: str) -> MetricSpec:
     """``NAME:KIND[:DIRECTION]``, as ``analyze --metric`` takes it."""
+    from splitstream.analysis.model import MetricSpec  # numpy and pydantic: only once a --metric is given
+
     try:
         return MetricSpec.parse(text)
     except ValueError as error:

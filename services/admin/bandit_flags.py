@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitstream.admin.arguments import duration_s, fraction, metric
-from splitstream.admin.thompson import DEFAULT_DRAWS
+from splitstream.admin.constants import DEFAULT_DRAWS
 from splitstream.common.redis_url import add_redis_security_arguments
 
 

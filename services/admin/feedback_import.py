@@ -37,7 +37,8 @@ from typing import Any, TextIO
 import grpc
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from splitstream.admin.credentials import API_KEY_ENV, credential_metadata, read_credential
+from splitstream.admin.credentials import credential_metadata, read_credential
+from splitstream.admin.feedback_flags import MAX_BATCH as MAX_BATCH
 from splitstream.common.addresses import check_address
 from splitstream.common.errors import ConfigError
 from splitstream.common.feedback import EventProblem, check_event
@@ -47,8 +48,6 @@ from splitstream.common.tls import client_tls_from_args
 
 FIELDS = ("model", "request_id", "routing_key", "metric", "value", "event_time", "idempotency_key")
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl"}
-#: The router takes at most 1,000 events a report.
-MAX_BATCH = 1000
 #: Numbers below this are unix seconds (until the year 5138); at or above NS_FROM, nanoseconds. In between
 #: (milliseconds, microseconds) is refused rather than guessed.
 SECONDS_BELOW = 10**11
@@ -94,38 +93,6 @@ class Outcome:
     read: int = 0
     accepted: int = 0
     rejected: int = 0
-
-
-def add_parser(commands: Any, *, env_prefix: str) -> None:
-    """Register ``feedback import`` on the admin CLI's subcommands."""
-    feedback = commands.add_parser("feedback", env_prefix=env_prefix, help="report outcome events for A/B analysis")
-    actions = feedback.add_subparsers(dest="action", required=True, metavar="ACTION")
-    importing = actions.add_parser(
-        "import",
-        env_prefix=env_prefix,
-        help="send events from a CSV or JSON-lines file to a router's Feedback/Report",
-        description=(
-            "Fields (CSV header or JSON keys): model, request_id, routing_key, metric, value, event_time "
-            "(RFC 3339, unix seconds or unix ns), idempotency_key. The file is checked whole before anything "
-            "is sent. Exit 0: all accepted; 1: some rejected (listed) or the router failed part way; "
-            "2: usage error or malformed file (one line naming FILE:LINE and the field; nothing sent)."
-        ),
-    )
-    importing.add_argument("file", help="the events: .csv (header row) or .jsonl/.ndjson (one JSON object a line)")
-    importing.add_argument(
-        "--router", default="127.0.0.1:8001", help="the router's gRPC address host:port (Feedback/Report)"
-    )
-    importing.add_argument("--format", choices=("csv", "jsonl"), help="the file's format (default: by extension)")
-    importing.add_argument("--model", default="", help="the model of rows that name none")
-    importing.add_argument("--batch-size", type=int, default=500, help=f"events per report (1..{MAX_BATCH})")
-    importing.add_argument("--show-rejected", type=int, default=20, help="rejected events listed at most")
-    importing.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each report")
-    importing.add_argument(
-        "--api-key-file",
-        default="",
-        help=f"file holding the API key (or JWT) of a principal with the feedback grant, for a router that "
-        f"authenticates callers (else {API_KEY_ENV})",
-    )
 
 
 def run(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:

@@ -42,25 +42,18 @@ import numpy.typing as npt
 import scipy
 
 from splitstream.admin import metrics
+from splitstream.admin.constants import DEFAULT_CONFIDENCE as DEFAULT_CONFIDENCE
+from splitstream.admin.constants import DEFAULT_MARGINAL as DEFAULT_MARGINAL
+from splitstream.admin.constants import DEFAULT_METRICS as DEFAULT_METRICS
+from splitstream.admin.constants import DEFAULT_PASS as DEFAULT_PASS
+from splitstream.admin.constants import DEFAULT_TOLERANCE as DEFAULT_TOLERANCE
+from splitstream.admin.constants import JUDGE_METRICS as JUDGE_METRICS
 from splitstream.analysis.model import Analysis, ArmSummary
 from splitstream.analysis.statistics import MetricKind
 from splitstream.common.feedback import METRIC_PATTERN
 
 Classification = Literal["Pass", "High", "Low", "NoData"]
 Decision = Literal["pass", "marginal", "fail"]
-#: What the judge can read per interval from the routers' counters: name -> what it is.
-JUDGE_METRICS: dict[str, str] = {
-    "latency_p50": "median latency of the interval's calls, s",
-    "latency_p99": "p99 latency of the interval's calls, s",
-    "error_rate": "failed calls / calls in the interval",
-}
-DEFAULT_METRICS = ("latency_p50", "latency_p99", "error_rate")
-#: Kayenta's defaults: NetflixACAJudge's confidence level and tolerance, and the canary config's score
-#: thresholds (pass 95, marginal 75).
-DEFAULT_CONFIDENCE = 0.98
-DEFAULT_TOLERANCE = 0.25
-DEFAULT_PASS = 95.0
-DEFAULT_MARGINAL = 75.0
 #: Kayenta's WeightedSumScorer: this share (percent) of the metrics with no data or more fails the canary.
 NODATA_THRESHOLD = 50.0
 

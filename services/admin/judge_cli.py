@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from splitstream.admin import judge
+from splitstream.admin import constants
+
+if TYPE_CHECKING:
+    from splitstream.admin import judge
 
 
 def _number(text: str) -> float:
@@ -33,30 +36,30 @@ def add_arguments(parser: Any) -> None:
         action="append",
         default=None,
         metavar="NAME[=WEIGHT]",
-        help=f"a metric the judge compares, one of {', '.join(judge.JUDGE_METRICS)} or the metric of a --guard "
+        help=f"a metric the judge compares, one of {', '.join(constants.JUDGE_METRICS)} or the metric of a --guard "
         "(a quantile guard's: latency_p90, ttft_p99, ...), "
         "with its weight in percent (repeat; metrics without a weight share what is left of 100); default "
-        f"{', '.join(judge.DEFAULT_METRICS)} and every --guard metric, equally weighted",
+        f"{', '.join(constants.DEFAULT_METRICS)} and every --guard metric, equally weighted",
     )
     group.add_argument(
-        "--judge-pass", type=_number, default=judge.DEFAULT_PASS, help="score at which a step passes (Kayenta: 95)"
+        "--judge-pass", type=_number, default=constants.DEFAULT_PASS, help="score at which a step passes (Kayenta: 95)"
     )
     group.add_argument(
         "--judge-marginal",
         type=_number,
-        default=judge.DEFAULT_MARGINAL,
+        default=constants.DEFAULT_MARGINAL,
         help="score below which a step fails and rolls back (Kayenta: 75)",
     )
     group.add_argument(
         "--judge-confidence",
         type=_number,
-        default=judge.DEFAULT_CONFIDENCE,
+        default=constants.DEFAULT_CONFIDENCE,
         help="confidence level of the Mann-Whitney interval of the shift (Kayenta: 0.98)",
     )
     group.add_argument(
         "--judge-tolerance",
         type=_number,
-        default=judge.DEFAULT_TOLERANCE,
+        default=constants.DEFAULT_TOLERANCE,
         help="a shift counts when its interval clears this fraction of its estimate (Kayenta: 0.25)",
     )
 
@@ -67,16 +70,18 @@ def config_from_args(args: argparse.Namespace) -> judge.JudgeConfig | None:
     texts = [texts] if isinstance(texts, str) else list(texts or ())  # a str: from the environment
     tuned = (
         texts
-        or args.judge_pass != judge.DEFAULT_PASS
-        or args.judge_marginal != judge.DEFAULT_MARGINAL
-        or args.judge_confidence != judge.DEFAULT_CONFIDENCE
-        or args.judge_tolerance != judge.DEFAULT_TOLERANCE
+        or args.judge_pass != constants.DEFAULT_PASS
+        or args.judge_marginal != constants.DEFAULT_MARGINAL
+        or args.judge_confidence != constants.DEFAULT_CONFIDENCE
+        or args.judge_tolerance != constants.DEFAULT_TOLERANCE
     )
     if not args.judge:
         if tuned:
             raise ValueError("--judge-metric, --judge-pass, --judge-marginal, --judge-confidence and "
                              "--judge-tolerance go with --judge")  # fmt: skip
         return None
+    from splitstream.admin import judge  # numpy and scipy: only a rollout with --judge computes with them
+
     chosen: list[judge.JudgeMetric] = []
     for text in texts:
         for part in text.split(","):

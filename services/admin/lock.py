@@ -30,12 +30,13 @@ import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import consul
+from typing import TYPE_CHECKING, Any
 
 from splitstream.admin.store import AdminError, ConsulStore, FileStore, Invalid, Store
 from splitstream.common.registry.consul import consul_errors, describe_error
+
+if TYPE_CHECKING:
+    import consul  # py-consul pulls requests: imported by a Consul registry's client, not by a file registry's
 
 #: KV prefix of the Consul rollout locks (a key per model).
 LOCK_PREFIX = "splitstream/rollouts/"
@@ -179,6 +180,8 @@ class ConsulLock(RolloutLock):
         """Renew every third of the TTL; Consul failing is tried again. A session Consul no longer knows (it
         expired: this process stopped, or Consul could not be reached for a TTL) is replaced and the key
         taken again; if another rollout took it meanwhile, :meth:`lost` says so."""
+        import consul  # loaded already, by the client
+
         client = self.address.client()
         while not self._stop.wait(self.ttl_s / 3):
             try:

@@ -32,20 +32,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from splitstream.admin import bandit_flags, credentials, feedback_import, judge_cli, lock, metrics, pairwise_flags
+from splitstream.admin import bandit_flags, credentials, feedback_flags, judge_cli, lock, pairwise_flags
 from splitstream.admin import keys as keys_cli
 from splitstream.admin.arguments import duration_s, fraction
-from splitstream.admin.outcomes import GUARD_SYNTAX, Guard, OutcomeGuard
-from splitstream.admin.quantile_guards import QUANTILE_GUARD_SYNTAX, QuantileGuard, is_quantile_guard
-from splitstream.admin.rollout import (
-    FAILED,
-    ROLLED_BACK,
-    USAGE,
-    Interrupts,
-    Rollout,
-    RolloutPlan,
-    interrupted_before_start,
-)
+from splitstream.admin.constants import FAILED, GUARD_SYNTAX, QUANTILE_GUARD_SYNTAX, ROLLED_BACK, USAGE
 from splitstream.admin.store import (
     AdminError,
     Invalid,
@@ -56,7 +46,6 @@ from splitstream.admin.store import (
     weights_text,
 )
 from splitstream.analysis import flags as analysis_flags
-from splitstream.analysis.model import MetricSpec
 from splitstream.analysis.usage import parse_prices
 from splitstream.common.argv_secrets import drop_warnings, give_warnings
 from splitstream.common.cli import EnvArgumentParser
@@ -70,6 +59,8 @@ from splitstream.common.tls import ClientTls, add_client_tls_arguments, client_t
 
 if TYPE_CHECKING:
     from splitstream.admin.outcome_reader import OutcomeReader
+    from splitstream.admin.outcomes import Guard
+    from splitstream.admin.rollout import RolloutPlan
 
 PROG = "splitstream"
 ENV_PREFIX = "SPLITSTREAM_ADMIN_"
@@ -83,6 +74,10 @@ def steps(text: str) -> tuple[float, ...]:
 
 
 def outcome_guard(text: str) -> Guard:
+    # The guards read the analysis's models (numpy, pydantic): imported once a --guard is given.
+    from splitstream.admin.outcomes import OutcomeGuard
+    from splitstream.admin.quantile_guards import QuantileGuard, is_quantile_guard
+
     try:
         return QuantileGuard.parse(text) if is_quantile_guard(text) else OutcomeGuard.parse(text)
     except ValueError as error:
@@ -248,7 +243,7 @@ def build_parser() -> EnvArgumentParser:
     )
     add_redis_security_arguments(outcomes)
     judge_cli.add_arguments(rollout)
-    feedback_import.add_parser(commands, env_prefix=ENV_PREFIX)
+    feedback_flags.add_parser(commands, env_prefix=ENV_PREFIX)
     analysis_flags.add_command(commands, ENV_PREFIX)
     bandit_flags.add_parser(commands, ENV_PREFIX)
     keys_cli.add_parser(commands, env_prefix=ENV_PREFIX)
@@ -286,6 +281,8 @@ def _run(parser: EnvArgumentParser, argv: Sequence[str] | None) -> int:
         return _frozen(lambda: pairwise_cli.run(args))
     gc.freeze()
     if args.command == "feedback":
+        from splitstream.admin import feedback_import
+
         return feedback_import.run(args)
     if args.command == "keys":
         return keys_cli.run(args)
@@ -514,6 +511,10 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
         prices = parse_prices([args.price] if isinstance(args.price, str) else list(args.price or ()))
     except ValueError as error:
         raise Invalid(str(error)) from None
+    from splitstream.admin.outcome_reader import OutcomeReader  # the analysis: only a rollout with guards reads it
+    from splitstream.admin.outcomes import OutcomeGuard
+    from splitstream.analysis.model import MetricSpec
+
     outcome_guards = [g for g in plan.guards if isinstance(g, OutcomeGuard)]
     if any(g.metric.name == "cost" for g in outcome_guards) and plan.version not in prices:
         raise Invalid(
@@ -523,8 +524,6 @@ def outcome_reader(args: argparse.Namespace, plan: RolloutPlan) -> OutcomeReader
     metrics_by_name = {g.metric.name: g.metric for g in outcome_guards}
     if not metrics_by_name:  # the analysis wants a metric; quantile guards read the quantiles every phase has
         metrics_by_name = {"ttft_ms": MetricSpec.parse("ttft_ms")}
-    from splitstream.admin.outcome_reader import OutcomeReader  # the analysis: only a rollout with guards reads it
-
     gc.freeze()  # what it imported lives as long as the process, as in _frozen
     reader = OutcomeReader(
         args.redis_url,
@@ -554,6 +553,8 @@ def warn_of_secrets() -> None:
 def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
     """Each router once: one named twice (the same URL, or one that differs in case, a trailing slash or a
     default port) had its calls and errors counted twice. A note on stderr says which flag was dropped."""
+    from splitstream.admin import metrics  # prometheus_client's parser: a rollout's
+
     try:
         urls = [metrics.metrics_url(url) for url in flags]
     except ValueError as error:
@@ -565,6 +566,12 @@ def metrics_urls(flags: Sequence[str]) -> tuple[str, ...]:
 
 
 def run_rollout(store: Store, args: argparse.Namespace) -> int:
+    # The rollout's machinery (its judge, guards and their analysis: numpy, pydantic) is imported by the command
+    # that uses it, and here before the signal handlers are installed.
+    from splitstream.admin.outcomes import OutcomeGuard
+    from splitstream.admin.quantile_guards import QuantileGuard
+    from splitstream.admin.rollout import Interrupts, Rollout, RolloutPlan, interrupted_before_start
+
     # From the environment, argparse converts the variable's one guard; from flags, a list.
     guards = (args.guard,) if isinstance(args.guard, OutcomeGuard | QuantileGuard) else tuple(args.guard or ())
     try:

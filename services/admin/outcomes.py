@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
+from splitstream.admin.constants import GUARD_SYNTAX as GUARD_SYNTAX
 from splitstream.admin.quantile_guards import QuantileGuard
 from splitstream.analysis.model import (
     Analysis,
@@ -41,10 +42,6 @@ from splitstream.analysis.model import (
 from splitstream.analysis.statistics import MetricKind
 from splitstream.analysis.usage import is_call_metric
 
-GUARD_SYNTAX = (
-    "NAME[:KIND][:cap=CAP]:lift>=BOUND (higher is better) or NAME[:KIND][:cap=CAP]:lift<=BOUND (lower is better), "
-    "BOUND relative (-1%) or absolute (-0.002)"
-)
 _GUARD = re.compile(r"^(?P<metric>.+):lift\s*(?P<op>>=|<=)\s*(?P<bound>[-+]?(\d+\.?\d*|\.\d+)(e[-+]?\d+)?)(?P<pct>%?)$")
 
 #: ``non-inferior``: the sequence's bad-side edge has cleared the bound (no harm past it, always valid), no win yet.

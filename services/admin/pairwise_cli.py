@@ -47,7 +47,7 @@ from splitstream.common.redis_url import open_redis, redis_security_from_args
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import BadTime, parse_instant_ns
 from splitstream.common.tls import client_tls_from_args
-from splitstream.replayer.http_sender import check_http_target
+from splitstream.replayer.http_calls import check_http_target
 from splitstream.replayer.selection import Selection, SelectionStats, StatusFilter, select_calls
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2

@@ -21,10 +21,10 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from splitstream.admin.constants import QUANTILE_GUARD_SYNTAX as QUANTILE_GUARD_SYNTAX
 from splitstream.analysis.model import PhaseResult
 from splitstream.analysis.quantiles import QUANTILE_METRICS, QUANTILE_NAMES
 
-QUANTILE_GUARD_SYNTAX = "METRIC:QUANTILE:ratio<=BOUND, METRIC latency or ttft, QUANTILE p50, p90 or p99"
 _GUARD = re.compile(r"^(?P<metric>[a-z_]+):(?P<q>p\d+):ratio(?P<op>\W*)(?P<bound>.*)$", re.IGNORECASE)
 
 QuantileState = Literal["harm", "win", "open", "not judged"]

@@ -55,6 +55,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from splitstream.admin import metrics
+from splitstream.admin.constants import FAILED as FAILED
+from splitstream.admin.constants import PROMOTED as PROMOTED
+from splitstream.admin.constants import ROLLED_BACK as ROLLED_BACK
+from splitstream.admin.constants import USAGE as USAGE
 from splitstream.admin.judge import JudgeConfig, OutcomeSpec, Series
 from splitstream.admin.outcomes import Check, Guard, OutcomeGuard, judge
 from splitstream.admin.store import AdminError, Conflict, Invalid, ModelView, Store, check_versions_exist, weights_text
@@ -62,10 +66,6 @@ from splitstream.analysis.model import Analysis
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 
-PROMOTED = 0
-FAILED = 1
-USAGE = 2
-ROLLED_BACK = 3
 #: How long a rollback keeps trying a registry that fails, before it gives up saying what the registry holds.
 ROLLBACK_PATIENCE_S = 30.0
 

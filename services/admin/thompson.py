@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-FloatArray = npt.NDArray[np.float64]
+from splitstream.admin.constants import DEFAULT_DRAWS as DEFAULT_DRAWS
 
-#: Draws from the posteriors per interval: the probability of being best is known to about ±0.5 % at 10,000.
-DEFAULT_DRAWS = 10_000
+FloatArray = npt.NDArray[np.float64]
 
 
 def beta_draws(

@@ -30,12 +30,10 @@ from typing import Literal
 import scipy
 
 from splitstream.analysis import statistics as st
+from splitstream.analysis.defaults import DEFAULT_THRESHOLD as DEFAULT_THRESHOLD
+from splitstream.analysis.defaults import ENGINES as ENGINES
+from splitstream.analysis.defaults import Engine as Engine
 from splitstream.analysis.statistics import Estimate
-
-#: GrowthBook's default "chance to win" threshold: at or above it an arm is better, at or below 1 - it worse.
-DEFAULT_THRESHOLD = 0.95
-Engine = Literal["frequentist", "bayes"]
-ENGINES: tuple[Engine, ...] = ("frequentist", "bayes")
 
 
 @dataclass(frozen=True, slots=True)

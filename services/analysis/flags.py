@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from splitstream.analysis import bayes
-from splitstream.analysis.model import SEGMENT_FIELDS, MetricSpec
+from splitstream.analysis import defaults
 from splitstream.analysis.sql import DIALECTS
-from splitstream.analysis.statistics import DEFAULT_TUNING_UNITS
 from splitstream.common.redis_url import add_redis_security_arguments
+
+if TYPE_CHECKING:
+    from splitstream.analysis.model import MetricSpec
 
 #: Flags whose value may be a relative time such as ``-2h`` (see :func:`join_relative_times`).
 TIME_FLAGS = ("--since", "--until", "--cuped-pre-since", "--cuped-pre-until")
@@ -23,6 +24,8 @@ TIME_FLAGS = ("--since", "--until", "--cuped-pre-since", "--cuped-pre-until")
 
 def metric_list(text: str) -> list[MetricSpec]:
     """``click:rate`` or ``click:rate,revenue:sum``; ValueError naming the bad one."""
+    from splitstream.analysis.model import MetricSpec  # numpy and pydantic: only once a --metric is given
+
     return [MetricSpec.parse(part) for part in text.split(",") if part.strip()]
 
 
@@ -138,7 +141,7 @@ def add_command(commands: Any, env_prefix: str) -> None:
     )
     parser.add_argument(
         "--segment",
-        choices=SEGMENT_FIELDS,
+        choices=defaults.SEGMENT_FIELDS,
         default=None,
         help="also compare the arms per value of this call field (principal: the authenticated caller)",
     )
@@ -180,7 +183,7 @@ def add_command(commands: Any, env_prefix: str) -> None:
     parser.add_argument(
         "--sequential-tuning",
         type=_units,
-        default=DEFAULT_TUNING_UNITS,
+        default=defaults.DEFAULT_TUNING_UNITS,
         metavar="N",
         help="units in both arms together at which the confidence sequence is narrowest (GrowthBook's default, "
         "5,000); set it near the size the experiment will reach",
@@ -217,7 +220,7 @@ def add_command(commands: Any, env_prefix: str) -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=bayes.ENGINES,
+        choices=defaults.ENGINES,
         default="frequentist",
         help="how verdicts are read: frequentist (p-values and confidence intervals) or bayes (GrowthBook's "
         "Gaussian effect model: chance to beat control, expected loss, credible interval of the lift)",
@@ -238,7 +241,7 @@ def add_command(commands: Any, env_prefix: str) -> None:
     parser.add_argument(
         "--bayes-threshold",
         type=_finite,
-        default=bayes.DEFAULT_THRESHOLD,
+        default=defaults.DEFAULT_THRESHOLD,
         help="with --engine bayes: the chance to beat control at which an arm is better (at 1 - it, worse); "
         "GrowthBook's default 0.95",
     )

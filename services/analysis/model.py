@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from splitstream.analysis.capping import CapRule
+from splitstream.analysis.defaults import SEGMENT_FIELDS as SEGMENT_FIELDS
 from splitstream.analysis.statistics import KIND_NAMES, Comparison, MetricKind
 from splitstream.analysis.usage import CALL_METRICS
 
@@ -20,8 +21,6 @@ Unit = Literal["user", "call"]
 #: ``--correction``: none, Holm's step-down (family-wise error) or Benjamini-Hochberg (false discovery rate).
 Correction = Literal["none", "holm", "bh"]
 Verdict = Literal["better", "worse", "inconclusive", "no data"]
-#: Fields a segment may be taken from (``--segment``): readable fields of a call entry.
-SEGMENT_FIELDS = ("principal",)
 #: Ends every verdict line of an analysis by ``--unit call`` of traffic split by user (its intervals are too narrow).
 PER_CALL_LABEL = "[--unit call on traffic split by user: intervals too narrow]"
 

@@ -40,6 +40,8 @@ import numpy as np
 import numpy.typing as npt
 import scipy
 
+from splitstream.analysis.defaults import DEFAULT_TUNING_UNITS as DEFAULT_TUNING_UNITS
+
 FloatArray = npt.NDArray[np.float64]
 
 
@@ -54,11 +56,6 @@ def p_clause(p: float | None) -> str:
     """A p-value in a sentence: ``p = 0.002``, or ``p < 0.001`` (not ``p = < 0.001``)."""
     text = p_text(p)
     return f"p {text}" if text.startswith("<") else f"p = {text}"
-
-
-#: Units in both arms together at which the confidence sequence is tightest (``--sequential-tuning``): 5,000,
-#: GrowthBook's default for its ``sequentialTestingTuningParameter``, which counts units in total too.
-DEFAULT_TUNING_UNITS = 5_000
 
 
 class MetricKind(StrEnum):

@@ -21,63 +21,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 
 from splitstream.common.headers import VERSION_HEADER, from_header_value
 from splitstream.common.sse import EventData
 from splitstream.common.tls import ClientTls
+from splitstream.replayer.http_calls import HttpReply as HttpReply
+from splitstream.replayer.http_calls import HttpRequest as HttpRequest
+from splitstream.replayer.http_calls import TargetRefused as TargetRefused
+from splitstream.replayer.http_calls import check_http_target as check_http_target
+from splitstream.replayer.http_calls import is_http_target as is_http_target
 from splitstream.replayer.sender import Outcome, TargetUnreachable
 
 #: Answers refused for the replayer's own credentials: the whole run would be refused, so it stops at start.
 _REFUSED = frozenset({401, 403})
-
-
-class TargetRefused(ConnectionError):
-    """The target answered the replayer's probe with 401 or 403: its credentials are missing or wrong."""
-
-
-def is_http_target(address: str) -> bool:
-    return address.startswith(("http://", "https://"))
-
-
-def check_http_target(address: str) -> None:
-    """ValueError naming what is wrong with an ``http(s)://host:port`` target (a path after it is its base)."""
-    try:
-        parts = urlsplit(address)
-        port = parts.port
-    except ValueError as error:
-        raise ValueError(f"bad target {address!r}: {error}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"bad target {address!r} (expected http://host:port or https://host:port)")
-    if parts.query or parts.fragment:
-        raise ValueError(f"bad target {address!r}: no query or fragment (the recorded path is appended)")
-    if port == 0:
-        raise ValueError(f"bad target {address!r}: port 1..65535")
-
-
-@dataclass(frozen=True, slots=True)
-class HttpRequest:
-    """A recorded call as it goes out again. ``path`` holds the query string as recorded."""
-
-    method: str
-    path: str
-    body: bytes
-    headers: tuple[tuple[str, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class HttpReply:
-    """What the target answered: its status, a whole body, or each server-sent event's data with its time
-    from when the request went out (seconds)."""
-
-    status: int
-    content_type: str
-    body: bytes | None
-    events: tuple[tuple[float, bytes], ...] = ()
 
 
 def ssl_context(tls: ClientTls) -> ssl.SSLContext:

@@ -21,11 +21,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
 from splitstream.common.addresses import check_address
-from splitstream.common.archive import Archive, ArchiveError, check_archive, holds_model, open_archive
 from splitstream.common.argv_secrets import give_warnings
 from splitstream.common.cli import EnvArgumentParser, fail
 from splitstream.common.durations import parse_duration_ns
@@ -45,7 +45,7 @@ from splitstream.common.timewindow import BadTime, join_relative_times, parse_in
 from splitstream.common.tls import ClientTls, client_tls_from_args
 from splitstream.replayer.compare import Tolerance
 from splitstream.replayer.gate import Bound, evaluate, parse_gate
-from splitstream.replayer.http_sender import HttpTarget, TargetRefused, check_http_target, is_http_target
+from splitstream.replayer.http_calls import TargetRefused, check_http_target, is_http_target
 from splitstream.replayer.noise import CONFIDENCE, DEFAULT_MIN_CALLS, DEFAULT_QUANTILE, NoiseSettings
 from splitstream.replayer.outputs import ResultsWriter, write_summary
 from splitstream.replayer.report import write_report
@@ -53,6 +53,10 @@ from splitstream.replayer.runner import Replay, ReplaySettings
 from splitstream.replayer.selection import Selection, StatusFilter
 from splitstream.replayer.sender import Target, TargetUnreachable
 from splitstream.replayer.summary import METRICS, NEEDS_GRPC_TARGET, NEEDS_HTTP_TARGET, REQUEST_NOT_RECORDED, Summary
+
+if TYPE_CHECKING:
+    from splitstream.common.archive import Archive
+    from splitstream.replayer.http_sender import HttpTarget
 
 PROG = "splitstream-replay"
 EXIT_GATE_FAILED = 1
@@ -376,6 +380,8 @@ def parse_args(argv: Sequence[str] | None) -> ReplayConfig:
         source_archive = source.removeprefix("archive:") if source != "redis" else ""
         for url in (source_archive, args.archive):
             if url:
+                from splitstream.common.archive import ArchiveError, open_archive
+
                 try:
                     open_archive(url, endpoint=args.s3_endpoint)
                 except ArchiveError as error:
@@ -487,6 +493,9 @@ async def run(config: ReplayConfig) -> int:
             target: Target | HttpTarget
             try:
                 if is_http_target(address):
+                    # aiohttp: an HTTP replay's, imported here, before the signal handlers are installed.
+                    from splitstream.replayer.http_sender import HttpTarget
+
                     target = HttpTarget(address, tls=config.tls, concurrency=config.settings.concurrency)
                 else:
                     target = Target(address, tls=config.tls)
@@ -496,14 +505,15 @@ async def run(config: ReplayConfig) -> int:
                 raise SetupError(f"cannot read a TLS file: {error}") from None
             targets.append(target)
             try:
-                if isinstance(target, HttpTarget):
+                if isinstance(target, Target):
+                    await asyncio.to_thread(target.wait_ready, config.connect_timeout_s)
+                else:
                     probe = config.settings.credentials
                     await asyncio.to_thread(target.wait_ready, config.connect_timeout_s, probe)
-                else:
-                    await asyncio.to_thread(target.wait_ready, config.connect_timeout_s)
             except (TargetUnreachable, TargetRefused) as error:
                 raise SetupError(str(error)) from None
         results = _open_results(config.settings.output_dir)
+        archive_errors = _archive_errors(archive)
         replay = Replay(redis, config.selection, config.settings, targets, archive=archive, archive_only=redis is None)
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -511,7 +521,7 @@ async def run(config: ReplayConfig) -> int:
         source_failure = None
         try:
             await replay.run(results)
-        except ArchiveError as error:
+        except archive_errors as error:
             source_failure = f"the archive failed while reading: {error}"
         except RedisError as error:
             source_failure = f"Redis failed while reading: {redact_text(str(error))}"
@@ -619,12 +629,24 @@ async def _open_redis(config: ReplayConfig) -> RedisClient:
     return redis
 
 
+def _archive_errors(archive: Archive | None) -> tuple[type[Exception], ...]:
+    """What a replay's read raises when its archive fails; nothing without an archive, whose module (pyarrow)
+    a replay from Redis alone does without."""
+    if archive is None:
+        return ()
+    from splitstream.common.archive import ArchiveError
+
+    return (ArchiveError,)
+
+
 async def _open_archive(config: ReplayConfig) -> Archive | None:
     """The archive to read (``--source archive:URL``, else ``--archive``), checked: SetupError when it
     cannot be listed (no such bucket, credentials refused, a directory that does not exist)."""
     url = config.source_archive or config.archive
     if not url:
         return None
+    from splitstream.common.archive import ArchiveError, check_archive, open_archive
+
     try:
         archive = open_archive(url, endpoint=config.s3_endpoint)
         await asyncio.to_thread(check_archive, archive, create=False)
@@ -656,6 +678,8 @@ async def _check_archived_models(archive: Archive, models: Sequence[str]) -> Non
 
 
 async def _archived(archive: Archive, model: str) -> bool:
+    from splitstream.common.archive import ArchiveError, holds_model  # loaded already: the archive was opened
+
     try:
         return await asyncio.to_thread(holds_model, archive, model)
     except ArchiveError as error:

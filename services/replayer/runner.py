@@ -31,9 +31,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from splitstream.common.archive import Archive
 from splitstream.common.headers import (
     DEFAULT_ROUTING_KEY_HEADER,
     REQUEST_ID_HEADER,
@@ -52,9 +51,9 @@ from splitstream.common.records import (
 )
 from splitstream.common.redis_url import RedisClient
 from splitstream.replayer.compare import Answer, CallDiff, Tolerance, compare_answers
+from splitstream.replayer.http_calls import HttpRequest
 from splitstream.replayer.http_compare import CLIENT_LEFT, HttpAnswer, Text, compare_http, read_text, status_code
 from splitstream.replayer.http_compare import reported_usage as http_usage
-from splitstream.replayer.http_sender import HttpRequest, HttpTarget
 from splitstream.replayer.noise import TEXT_FIELD, NoiseSettings, NoiseTotals
 from splitstream.replayer.outputs import ResultsWriter
 from splitstream.replayer.progress import Progress
@@ -76,6 +75,10 @@ from splitstream.replayer.summary import (
     Window,
     rate,
 )
+
+if TYPE_CHECKING:
+    from splitstream.common.archive import Archive
+    from splitstream.replayer.http_sender import HttpTarget
 
 _READ_AHEAD = 2048
 #: Recorded metadata that is never re-sent: ids and pins are set by the replay itself, transport
@@ -523,7 +526,7 @@ class Replay:
             for position, target in enumerate(self.targets):
                 noise = position == self.settings.noise_position
                 metadata = plan.noise_metadata if noise and plan.noise_metadata is not None else plan.metadata
-                if isinstance(target, HttpTarget):
+                if not isinstance(target, Target):  # an HttpTarget (aiohttp: imported by an HTTP replay only)
                     assert plan.http is not None  # the reader plans HTTP records only for HTTP targets
                     target.send(
                         plan.noise_request if noise and plan.noise_request is not None else plan.http.request,

@@ -38,12 +38,10 @@ import heapq
 from collections import Counter, OrderedDict
 from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
-import pyarrow as pa
 import xxhash
 
-from splitstream.common.archive import Archive, ArchiveQuery, iter_calls
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import (
     CorruptEntry,
@@ -64,6 +62,12 @@ from splitstream.common.redis_url import RedisClient
 from splitstream.replayer.summary import SelectionSummary
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    # pyarrow, through the archive's module: a replay with no archive does without (a quarter of its start).
+    import pyarrow as pa
+
+    from splitstream.common.archive import Archive
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,6 +411,8 @@ async def archive_model_calls(
     from the archive, de-duplicated, in receive-time order, read a part (a row group) at a time (in a
     thread), so neither a long window nor a busy hour sits in memory at once. With ``before_id``, only
     those of stream entries older than that stream id."""
+    from splitstream.common.archive import ArchiveQuery, iter_calls  # loaded already: the archive was opened
+
     before = _id_key(before_id) if before_id is not None else None
     statuses = selection.statuses
     pushed: frozenset[int] | None = None
