@@ -134,6 +134,7 @@ COMPUTING_OR_CONSUL = (
     "splitstream.admin.feedback_import",
     "consul",
     "requests",
+    "redis",
 )
 
 

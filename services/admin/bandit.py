@@ -45,7 +45,7 @@ from splitstream.analysis.statistics import MetricKind
 from splitstream.common.argv_secrets import give_warnings
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
-from splitstream.common.redis_url import redis_security_from_args
+from splitstream.common.redis_settings import redis_security_from_args
 from splitstream.common.secrets import redact_text, redact_url
 
 ENDED = 0

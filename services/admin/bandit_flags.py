@@ -7,7 +7,7 @@ from typing import Any
 
 from splitstream.admin.arguments import duration_s, fraction, metric
 from splitstream.admin.constants import DEFAULT_DRAWS
-from splitstream.common.redis_url import add_redis_security_arguments
+from splitstream.common.redis_settings import add_redis_security_arguments
 
 
 def add_parser(commands: Any, env_prefix: str) -> None:

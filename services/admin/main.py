@@ -52,7 +52,7 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.experiment import Experiment
 from splitstream.common.names import check_model_name
-from splitstream.common.redis_url import add_redis_security_arguments, redis_security_from_args
+from splitstream.common.redis_settings import add_redis_security_arguments, redis_security_from_args
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import join_relative_times
 from splitstream.common.tls import ClientTls, add_client_tls_arguments, client_tls_from_args

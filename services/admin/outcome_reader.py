@@ -17,7 +17,8 @@ from splitstream.analysis.analyze import Query, analyze
 from splitstream.analysis.loading import Window
 from splitstream.analysis.model import Analysis, MetricSpec
 from splitstream.analysis.usage import Price
-from splitstream.common.redis_url import NO_REDIS_SECURITY, RedisClient, RedisSecurity, open_redis
+from splitstream.common.redis_settings import NO_REDIS_SECURITY, RedisSecurity
+from splitstream.common.redis_url import RedisClient, open_redis
 from splitstream.common.secrets import redact_text, redact_url
 
 

@@ -43,7 +43,8 @@ from splitstream.common.errors import ConfigError
 from splitstream.common.feedback import METRIC_PATTERN
 from splitstream.common.files import atomic_write
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, feedback_pb2_grpc
-from splitstream.common.redis_url import open_redis, redis_security_from_args
+from splitstream.common.redis_settings import redis_security_from_args
+from splitstream.common.redis_url import open_redis
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import BadTime, parse_instant_ns
 from splitstream.common.tls import client_tls_from_args

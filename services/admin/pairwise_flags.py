@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitstream.common.redis_url import add_redis_security_arguments
+from splitstream.common.redis_settings import add_redis_security_arguments
 
 
 def add_parser(commands: Any, *, env_prefix: str) -> None:

@@ -35,12 +35,8 @@ from splitstream.common.durations import BadDuration, parse_duration_ns
 from splitstream.common.errors import ConfigError
 from splitstream.common.files import atomic_write
 from splitstream.common.records import recorded_models, stream_key
-from splitstream.common.redis_url import (
-    NO_REDIS_SECURITY,
-    RedisSecurity,
-    open_redis,
-    redis_security_from_args,
-)
+from splitstream.common.redis_settings import NO_REDIS_SECURITY, RedisSecurity, redis_security_from_args
+from splitstream.common.redis_url import open_redis
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import BadTime, parse_instant_ns
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from splitstream.analysis import defaults
 from splitstream.analysis.sql import DIALECTS
-from splitstream.common.redis_url import add_redis_security_arguments
+from splitstream.common.redis_settings import add_redis_security_arguments
 
 if TYPE_CHECKING:
     from splitstream.analysis.model import MetricSpec

@@ -15,7 +15,7 @@ from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.names import check_model_name
 from splitstream.common.records import ARCHIVE_GROUP
-from splitstream.common.redis_url import RedisSecurity, add_redis_security_arguments, redis_security_from_args
+from splitstream.common.redis_settings import RedisSecurity, add_redis_security_arguments, redis_security_from_args
 from splitstream.common.runtime import ServerDefaults, ServerSettings, add_server_arguments, process_index, usable_cores
 
 PROG = "splitstream-archive"

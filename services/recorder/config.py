@@ -17,7 +17,7 @@ from splitstream.common.caller_identities import parse_identities
 from splitstream.common.cli import EnvArgumentParser
 from splitstream.common.errors import ConfigError
 from splitstream.common.protected_mode import check_protected_mode
-from splitstream.common.redis_url import RedisSecurity, add_redis_security_arguments, redis_security_from_args
+from splitstream.common.redis_settings import RedisSecurity, add_redis_security_arguments, redis_security_from_args
 from splitstream.common.runtime import SERVER_ARGUMENTS, ServerDefaults, ServerSettings, add_server_arguments
 from splitstream.common.schema import Document, validate
 from splitstream.common.secrets import redact_url

@@ -32,14 +32,13 @@ from splitstream.common.durations import parse_duration_ns
 from splitstream.common.errors import ConfigError
 from splitstream.common.headers import header_value
 from splitstream.common.records import recorded_models, routing_key_hmac, stream_key
-from splitstream.common.redis_url import (
+from splitstream.common.redis_settings import (
     NO_REDIS_SECURITY,
-    RedisClient,
     RedisSecurity,
     add_redis_security_arguments,
-    open_redis,
     redis_security_from_args,
 )
+from splitstream.common.redis_url import RedisClient, open_redis
 from splitstream.common.secrets import redact_text, redact_url
 from splitstream.common.timewindow import BadTime, join_relative_times, parse_instant_ns
 from splitstream.common.tls import ClientTls, client_tls_from_args
