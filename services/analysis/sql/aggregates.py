@@ -135,30 +135,38 @@ def lay_out(
     arm = np.array([arms.codes[a.encode()] for a in arm_names], dtype=np.int16)
     is_call = per_row.column(4).to_numpy(zero_copy_only=False).astype(bool)
     unit = unit_fingerprints(per_row.column(3).to_pylist(), is_call)
-    columns = [metric_column(name, part) for name in metrics for part in METRIC_PARTS]
-    quoted = ", ".join('"' + c.replace('"', '""') + '"' for c in columns)
-    cells = con.execute(
-        f"SELECT row_id, bucket, calls{', ' + quoted if quoted else ''} FROM {INDEXED_ROWS}"
-    ).to_arrow_table()
-    rows = cells.column(0).to_numpy().astype(np.int64)
-    buckets = cells.column(1).to_numpy().astype(np.int64)
-    at = rows * TIMELINE_POINTS + buckets
+    # The DuckDB engine's rows are grouped on (phase, arm, unit, bucket): one per cell, put in place. A file's may
+    # hold a cell in a few rows (another engine's output): added up.
+    unique_cells = units is not None
 
-    def matrix(column: int, dtype: type) -> npt.NDArray:  # type: ignore[type-arg]
-        values = np.nan_to_num(cells.column(column).to_numpy(zero_copy_only=False).astype(dtype))
+    def matrix(column: str, dtype: type) -> npt.NDArray:  # type: ignore[type-arg]
+        # One column at a time with its cell: the whole output at once (every metric's three columns beside the
+        # row and bucket) was over a gigabyte at ten million calls.
+        quoted = '"' + column.replace('"', '""') + '"'
+        cells = con.execute(
+            f"SELECT row_id * {TIMELINE_POINTS} + bucket AS at, {quoted} FROM {INDEXED_ROWS}"
+        ).to_arrow_table()
+        at = cells.column(0).to_numpy().astype(np.int64, copy=False)
+        values = np.nan_to_num(cells.column(1).to_numpy(zero_copy_only=False).astype(dtype))
+        del cells
+        if unique_cells:
+            out = np.zeros(n * TIMELINE_POINTS, dtype=dtype)
+            out[at] = values
+            return out.reshape(n, TIMELINE_POINTS)
         # np.bincount, not np.add.at (seconds per matrix at 10 M calls): a cell is one output row, or a few
         # whole counts, so adding in float64 and rounding once gives what adding in ``dtype`` gave.
-        out = np.bincount(at, weights=values.astype(np.float64), minlength=n * TIMELINE_POINTS)
-        return out.astype(dtype).reshape(n, TIMELINE_POINTS)
+        summed = np.bincount(at, weights=values.astype(np.float64), minlength=n * TIMELINE_POINTS)
+        return summed.astype(dtype).reshape(n, TIMELINE_POINTS)
 
-    bucket_calls = matrix(2, np.int32)
+    bucket_calls = matrix("calls", np.int32)
     sums, counts, positives = [], [], []
-    for index, kind in enumerate(kinds):
-        base = 3 + index * len(METRIC_PARTS)
-        sums.append(matrix(base, np.float64))
-        counts.append(matrix(base + 1, np.float32))
+    for name, kind in zip(metrics, kinds, strict=True):
+        sums.append(matrix(metric_column(name, "sum"), np.float64))
+        counts.append(matrix(metric_column(name, "count"), np.float32))
         positives.append(
-            matrix(base + 2, np.float32) if kind.counts_positive_calls else np.zeros((n, TIMELINE_POINTS), np.float32)
+            matrix(metric_column(name, "positives"), np.float32)
+            if kind.counts_positive_calls
+            else np.zeros((n, TIMELINE_POINTS), np.float32)
         )
     return Rows(phase, arm, unit, first_ns, bucket_calls, sums, counts, positives, phases, arms)
 
