@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from splitstream.analysis.arrays import RowCells, row_totals
 from splitstream.analysis.folding import Folder
 from splitstream.analysis.loading import (
     CALL_UNIT_SALT,
@@ -54,10 +55,10 @@ class Rows:
     arm: npt.NDArray[np.int16]
     unit: npt.NDArray[np.uint64]
     first_ns: npt.NDArray[np.int64]
-    bucket_calls: npt.NDArray[np.int32]
-    sums: list[npt.NDArray[np.float64]]
-    counts: list[npt.NDArray[np.float32]]
-    positives: list[npt.NDArray[np.float32]]
+    bucket_calls: RowCells
+    sums: list[RowCells]
+    counts: list[RowCells]
+    positives: list[RowCells]
     phases: Names
     arms: Names
 
@@ -68,7 +69,7 @@ class Rows:
                 "phase": pa.array(self.phase, pa.int16()),
                 "arm": pa.array(self.arm, pa.int16()),
                 "unit": pa.array(self.unit, pa.uint64()),
-                "calls": pa.array(self.bucket_calls.sum(axis=1, dtype=np.int64), pa.int64()),
+                "calls": pa.array(row_totals(self.bucket_calls).astype(np.int64), pa.int64()),
                 "first_ns": pa.array(self.first_ns, pa.int64()),
                 "key": pa.array(np.arange(n, dtype=np.int64), pa.int64()),
             }
@@ -135,28 +136,29 @@ def lay_out(
     arm = np.array([arms.codes[a.encode()] for a in arm_names], dtype=np.int16)
     is_call = per_row.column(4).to_numpy(zero_copy_only=False).astype(bool)
     unit = unit_fingerprints(per_row.column(3).to_pylist(), is_call)
-    # The DuckDB engine's rows are grouped on (phase, arm, unit, bucket): one per cell, put in place. A file's may
-    # hold a cell in a few rows (another engine's output): added up.
+    # The DuckDB engine's rows are grouped on (phase, arm, unit, bucket): one per cell. A file's may hold a cell
+    # in a few rows (another engine's output): added up.
     unique_cells = units is not None
 
-    def matrix(column: str, dtype: type) -> npt.NDArray:  # type: ignore[type-arg]
-        # One column at a time with its cell: the whole output at once (every metric's three columns beside the
-        # row and bucket) was over a gigabyte at ten million calls.
+    def matrix(column: str, dtype: type) -> RowCells:
+        # One column at a time, its zeros left out: the whole output at once (every metric's three columns beside
+        # the row and bucket) was over a gigabyte at ten million calls, most of it zeros.
         quoted = '"' + column.replace('"', '""') + '"'
         cells = con.execute(
             f"SELECT row_id * {TIMELINE_POINTS} + bucket AS at, {quoted} FROM {INDEXED_ROWS}"
+            f" WHERE {quoted} IS NOT NULL AND {quoted} <> 0"
         ).to_arrow_table()
         at = cells.column(0).to_numpy().astype(np.int64, copy=False)
         values = np.nan_to_num(cells.column(1).to_numpy(zero_copy_only=False).astype(dtype))
         del cells
         if unique_cells:
-            out = np.zeros(n * TIMELINE_POINTS, dtype=dtype)
-            out[at] = values
-            return out.reshape(n, TIMELINE_POINTS)
-        # np.bincount, not np.add.at (seconds per matrix at 10 M calls): a cell is one output row, or a few
-        # whole counts, so adding in float64 and rounding once gives what adding in ``dtype`` gave.
-        summed = np.bincount(at, weights=values.astype(np.float64), minlength=n * TIMELINE_POINTS)
-        return summed.astype(dtype).reshape(n, TIMELINE_POINTS)
+            order = np.argsort(at, kind="stable")
+            return RowCells(at[order], values[order], (n, TIMELINE_POINTS))
+        # Added in float64 and rounded once: a cell is one output row, or a few whole counts, so this gives what
+        # adding in ``dtype`` gave.
+        distinct, inverse = np.unique(at, return_inverse=True)
+        summed = np.bincount(inverse.reshape(-1), weights=values.astype(np.float64), minlength=len(distinct))
+        return RowCells(distinct, summed.astype(dtype), (n, TIMELINE_POINTS))
 
     bucket_calls = matrix("calls", np.int32)
     sums, counts, positives = [], [], []
@@ -166,7 +168,7 @@ def lay_out(
         positives.append(
             matrix(metric_column(name, "positives"), np.float32)
             if kind.counts_positive_calls
-            else np.zeros((n, TIMELINE_POINTS), np.float32)
+            else RowCells.empty(n, TIMELINE_POINTS, np.float32)
         )
     return Rows(phase, arm, unit, first_ns, bucket_calls, sums, counts, positives, phases, arms)
 
@@ -205,7 +207,7 @@ def folder_of(
     folder.rows = folder.capacity = index.size
     folder.sums, folder.counts = list(rows.sums), list(rows.counts)
     folder.positives = [
-        p if kind.counts_positive_calls else np.zeros((index.size, TIMELINE_POINTS), np.float32)
+        p if kind.counts_positive_calls else RowCells.empty(index.size, TIMELINE_POINTS, np.float32)
         for p, kind in zip(rows.positives, kinds, strict=True)
     ]
     folder.used, folder.unknown, folder.not_randomized = used, unknown, not_randomized

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from splitstream.analysis.arrays import row_totals
 from splitstream.analysis.folding import Loaded
 from splitstream.analysis.loading import (
     LATENCY_BUCKETS,
@@ -371,7 +372,7 @@ def load_aggregates(
         finally:
             con.close()
     folder = aggregates.folder_of(rows, kinds, metrics, window, per_call=per_call, exclude_crossover=True)
-    calls = int(rows.bucket_calls.sum())
+    calls = int(row_totals(rows.bucket_calls).sum())
     exposures = Exposures(
         units=rows.units(),
         bucket_calls=rows.bucket_calls,
