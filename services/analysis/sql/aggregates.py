@@ -19,6 +19,7 @@ import duckdb
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from splitstream.analysis.arrays import RowCells, row_totals
 from splitstream.analysis.folding import Folder
@@ -44,6 +45,8 @@ ROWS_VIEW = "aggregate_rows"
 #: call, and the unit rows with their ``row_id`` (:func:`lay_out` makes both).
 ROW_INDEX = "row_index"
 INDEXED_ROWS = "indexed_rows"
+#: Rows of the layout read back at a time (their unit's text among them).
+ROWS_PER_BATCH = 262_144
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,21 +124,33 @@ def lay_out(
             JOIN {ROW_INDEX} AS i ON r.phase = i.phase AND r.arm = i.arm AND r.{key} = i.{key}
             AND r.unit_is_call = i.unit_is_call"""
     )
-    per_row = con.execute(per_row_select).to_arrow_table()
-    n = per_row.num_rows
-    phase_names = per_row.column(1).to_pylist()
-    arm_names = per_row.column(2).to_pylist()
-    first_ns = per_row.column(5).to_numpy(zero_copy_only=False).astype(np.int64)
     phases, arms = Names(), Names()
     # Codes in the order of each phase's and arm's first call, as the reader meets them.
-    for name in _by_first(phase_names, first_ns):
-        phases.code(name.encode())
-    for name in [*arm_order, *_by_first(arm_names, first_ns)]:
-        arms.code(name.encode())
-    phase = np.array([phases.codes[p.encode()] for p in phase_names], dtype=np.int16)
-    arm = np.array([arms.codes[a.encode()] for a in arm_names], dtype=np.int16)
-    is_call = per_row.column(4).to_numpy(zero_copy_only=False).astype(bool)
-    unit = unit_fingerprints(per_row.column(3).to_pylist(), is_call)
+    for field in ("phase", "arm"):
+        names = arms if field == "arm" else phases
+        for name in arm_order if field == "arm" else ():
+            names.code(name.encode())
+        for (name,) in con.execute(
+            f"SELECT {field} FROM {ROW_INDEX} GROUP BY {field} ORDER BY MIN(first_ns), {field}"
+        ).fetchall():
+            names.code(name.encode())
+    found = con.execute(f"SELECT COUNT(*) FROM {ROW_INDEX}").fetchone()
+    n = int(found[0]) if found else 0
+    phase, arm = np.zeros(n, np.int16), np.zeros(n, np.int16)
+    unit, first_ns = np.zeros(n, np.uint64), np.zeros(n, np.int64)
+    # A batch of rows at a time: the units' text and its Python strings for the fingerprints, for every row at
+    # once, were more than a gigabyte at ten million calls (2.9 million rows).
+    start = 0
+    for batch in con.execute(per_row_select).to_arrow_reader(ROWS_PER_BATCH):
+        end = start + batch.num_rows
+        for column, names, codes in ((1, phases, phase), (2, arms, arm)):
+            encoded = pc.dictionary_encode(batch.column(column))
+            mapping = np.array([names.codes[v.encode()] for v in encoded.dictionary.to_pylist()], dtype=np.int16)
+            codes[start:end] = mapping[encoded.indices.to_numpy()] if len(mapping) else 0
+        is_call = batch.column(4).to_numpy(zero_copy_only=False).astype(bool)
+        unit[start:end] = unit_fingerprints(batch.column(3).to_pylist(), is_call)
+        first_ns[start:end] = batch.column(5).to_numpy(zero_copy_only=False).astype(np.int64)
+        start = end
     # The DuckDB engine's rows are grouped on (phase, arm, unit, bucket): one per cell. A file's may hold a cell
     # in a few rows (another engine's output): added up.
     unique_cells = units is not None
@@ -171,13 +186,6 @@ def lay_out(
             else RowCells.empty(n, TIMELINE_POINTS, np.float32)
         )
     return Rows(phase, arm, unit, first_ns, bucket_calls, sums, counts, positives, phases, arms)
-
-
-def _by_first(names: Sequence[str], first_ns: npt.NDArray[np.int64]) -> list[str]:
-    earliest: dict[str, int] = {}
-    for name, at in zip(names, first_ns.tolist(), strict=True):
-        earliest[name] = min(at, earliest.get(name, at))
-    return sorted(earliest, key=lambda name: (earliest[name], name))
 
 
 def folder_of(

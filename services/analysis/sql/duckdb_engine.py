@@ -274,6 +274,8 @@ def _loaded(
 #: Rows of the layout per part of the samples' queries: a part's groups (at most its calls) stay well inside
 #: DuckDB's 512 MB, and its arrays here are a few tens of MB.
 SAMPLE_ROWS_PER_PART = 500_000
+#: Rows of the novelty query's result added to its fold at a time.
+NOVELTY_ROWS_PER_BATCH = 1_000_000
 
 
 def _call_samples(con: duckdb.DuckDBPyConnection, n: int) -> CallSamples:
@@ -323,22 +325,25 @@ def _novelty(con: duckdb.DuckDBPyConnection, select: str, spec: Aggregation, n: 
         spec.novelty_buckets,
     )
     fold._grow()
-    table = con.execute(select).to_arrow_table()  # row_id, since, calls, then the metrics' columns
-    rows = table.column(0).to_numpy().astype(np.int64)
-    cells = rows * fold.buckets + table.column(1).to_numpy().astype(np.int64)
+    # row_id, since, calls, then the metrics' columns; a batch at a time: the whole result at once was some
+    # 700 MB at ten million calls.
+    for batch in con.execute(select).to_arrow_reader(NOVELTY_ROWS_PER_BATCH):
+        rows = batch.column(0).to_numpy().astype(np.int64)
+        cells = rows * fold.buckets + batch.column(1).to_numpy().astype(np.int64)
 
-    def add(target: np.ndarray, column: int) -> None:  # type: ignore[type-arg]
-        values = pc.fill_null(table.column(column), 0).to_numpy(zero_copy_only=False)
-        np.add.at(target.reshape(-1), cells, values.astype(target.dtype))
-
-    add(fold.calls, 2)
-    for code, kind in enumerate(kinds):
-        base = 3 + code * len(METRIC_PARTS)
-        add(fold.sums[code], base)
-        add(fold.counts[code], base + 1)
-        if kind.counts_positive_calls:
-            add(fold.positives[code], base + 2)
+        _add_column(fold.calls, cells, batch, 2)
+        for code, kind in enumerate(kinds):
+            base = 3 + code * len(METRIC_PARTS)
+            _add_column(fold.sums[code], cells, batch, base)
+            _add_column(fold.counts[code], cells, batch, base + 1)
+            if kind.counts_positive_calls:
+                _add_column(fold.positives[code], cells, batch, base + 2)
     return fold
+
+
+def _add_column(target: np.ndarray, cells: np.ndarray, batch: pa.RecordBatch, column: int) -> None:  # type: ignore[type-arg]
+    values = pc.fill_null(batch.column(column), 0).to_numpy(zero_copy_only=False)
+    np.add.at(target.reshape(-1), cells, values.astype(target.dtype))
 
 
 def _phase_info(con: duckdb.DuckDBPyConnection, archive: Archive, model: str, window: Window) -> dict[str, PhaseInfo]:
