@@ -26,9 +26,9 @@ columns (:data:`splitstream.common.archive.CALL_SCHEMA`, :data:`~splitstream.com
   of its serialized records (``phase_record``, hex) for its weights and control (SQL cannot decode protobuf).
 
 Crossover units (in two arms of a phase) are left in: the statistics leave them out, as they do for the reader.
-The side queries (:data:`SIDE_QUERIES`: counts, latency and TTFT histograms, streams and tokens, calls not
-randomized, per-unit latency samples, novelty) serve the DuckDB engine's report; a cluster's output carries the
-per-unit rows only.
+The side queries (:func:`side_queries`: counts, latency and TTFT histograms, streams and tokens, calls not
+randomized, novelty; :func:`samples_select`: per-unit latency and TTFT samples, a range of rows at a time)
+serve the DuckDB engine's report; a cluster's output carries the per-unit rows only.
 """
 
 from __future__ import annotations
