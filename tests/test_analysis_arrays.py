@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as hs
 from hypothesis.extra import numpy as hnp
 
-from splitstream.analysis.arrays import add_rows, dense_codes
+from splitstream.analysis.arrays import RowCells, add_rows, add_selected_rows, dense_codes, head, row_totals
 
 
 @settings(max_examples=200, deadline=None)
@@ -32,3 +32,21 @@ def test_add_rows_gives_np_add_at_sums_bit_for_bit(rows: int, columns: int, data
 def test_dense_codes_rank_labels_as_np_unique_does(labels: np.ndarray) -> None:  # type: ignore[type-arg]
     expected = np.unique(labels, return_inverse=True)[1].reshape(-1)
     assert dense_codes(labels).tolist() == expected.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(hs.integers(1, 30), hs.integers(1, 5), hs.data())
+def test_row_cells_add_the_dense_rows_sums_bit_for_bit(rows: int, columns: int, data: hs.DataObject) -> None:
+    """The DuckDB engine's per-row sums by their cells give the per-unit matrices the dense rows give, whichever
+    rows are chosen, in whatever order, however many rows a unit has."""
+    dense = data.draw(hnp.arrays(np.float64, (rows, columns), elements=hs.sampled_from([0.0, 1.0, 0.1, -3.7, 1e12])))
+    chosen = np.array(data.draw(hs.permutations(range(rows)))[: data.draw(hs.integers(0, rows))], dtype=np.int64)
+    units = data.draw(hs.integers(1, 10))
+    index = data.draw(hnp.arrays(np.int64, len(chosen), elements=hs.integers(0, units - 1)))
+    cells = np.flatnonzero(dense.reshape(-1)).astype(np.int64)
+    matrix = RowCells(cells, dense.reshape(-1)[cells], (rows, columns))
+    expected = add_rows(np.zeros((units, columns)), index, dense[chosen])
+    got = add_selected_rows(np.zeros((units, columns)), index, matrix, chosen)
+    assert got.tobytes() == expected.tobytes()
+    first = data.draw(hs.integers(0, rows))
+    assert row_totals(head(matrix, first)).tobytes() == dense[:first].sum(axis=1).tobytes()

@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import partial
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -27,7 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from splitstream.analysis import bayes, bayes_readout, capping, quantile_effects
 from splitstream.analysis import statistics as st
-from splitstream.analysis.arrays import add_rows
+from splitstream.analysis.arrays import RowMatrix, add_selected_rows
 from splitstream.analysis.folding import Folder, Loaded, RowMetric, among, load
 from splitstream.analysis.loading import (
     TIMELINE_POINTS,
@@ -502,7 +501,7 @@ class _MetricMatrix:
     positives: FloatArray
 
 
-def _unit_matrix(units: pa.Table, bucket_calls: npt.NDArray[np.int32], arm_names: list[str]) -> _UnitMatrix:
+def _unit_matrix(units: pa.Table, bucket_calls: RowMatrix, arm_names: list[str]) -> _UnitMatrix:
     """Rows of ``units`` (keyed rows of ``bucket_calls``) as one row per unit; rows of one unit (the pre-period's
     several phases and arms) are added up."""
     keys, index = np.unique(units["unit"].to_numpy(), return_inverse=True)
@@ -514,7 +513,7 @@ def _unit_matrix(units: pa.Table, bucket_calls: npt.NDArray[np.int32], arm_names
     arm_of[index] = np.searchsorted(present, arm_codes)
     per_bucket = np.zeros((n, TIMELINE_POINTS))
     rows = units["key"].to_numpy().astype(np.int64)
-    add_rows(per_bucket, index, bucket_calls[rows])
+    add_selected_rows(per_bucket, index, bucket_calls, rows)
     first = np.where(per_bucket.any(axis=1), np.argmax(per_bucket > 0, axis=1), TIMELINE_POINTS)
     calls = np.cumsum(per_bucket, axis=1, out=per_bucket)  # in place: no second units x buckets matrix
     arms = [arm_names[int(c)] for c in present]
@@ -526,10 +525,10 @@ def _metric_matrix(matrix: _UnitMatrix, metric: RowMetric) -> _MetricMatrix:
     time buckets."""
     n = len(matrix.keys)
 
-    def per_unit(values: npt.NDArray[Any]) -> FloatArray:
+    def per_unit(values: RowMatrix) -> FloatArray:
         out = np.zeros((n, TIMELINE_POINTS))
         if len(values) and n:
-            add_rows(out, matrix.unit_of_row, values[matrix.rows])
+            add_selected_rows(out, matrix.unit_of_row, values, matrix.rows)
         return np.cumsum(out, axis=1, out=out)  # in place: no second units x buckets matrix
 
     return _MetricMatrix(per_unit(metric.sums), per_unit(metric.counts), per_unit(metric.positives))
@@ -571,7 +570,7 @@ def _analyse_phase(
     units: pa.Table,
     metrics: list[RowMetric],
     *,
-    bucket_calls: npt.NDArray[np.int32],
+    bucket_calls: RowMatrix,
     arm_names: list[str],
     crossover_units: int,
     latency: dict[tuple[str, str, str], Histogram],

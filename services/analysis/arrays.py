@@ -7,10 +7,88 @@ values in the same order (so the same floating-point sums) an order of magnitude
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True, slots=True)
+class RowCells:
+    """A rows-by-columns matrix held by its cells that may be nonzero: ``cells`` (``row * columns + column``,
+    ascending, distinct) and their ``values``; every other cell is zero.
+
+    The DuckDB engine's per-row, per-time-bucket sums: a unit row has calls in a few of the timeline's buckets,
+    and ten million calls' 2.9 million rows held densely were some 3 GB for three metrics."""
+
+    cells: npt.NDArray[np.int64]
+    values: npt.NDArray[Any]
+    shape: tuple[int, int]
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        return self.values.dtype
+
+    @classmethod
+    def empty(cls, rows: int, columns: int, dtype: type) -> RowCells:
+        return cls(np.zeros(0, np.int64), np.zeros(0, dtype), (rows, columns))
+
+
+#: A per-row matrix either way: dense (the page reader's, grown as it reads) or by its cells (the DuckDB engine's).
+RowMatrix = npt.NDArray[Any] | RowCells
+
+
+def head(matrix: RowMatrix, rows: int) -> RowMatrix:
+    """The first ``rows`` rows."""
+    if not isinstance(matrix, RowCells):
+        return matrix[:rows]
+    if rows >= matrix.shape[0]:
+        return matrix
+    end = int(np.searchsorted(matrix.cells, rows * matrix.shape[1]))
+    return RowCells(matrix.cells[:end], matrix.values[:end], (rows, matrix.shape[1]))
+
+
+def row_totals(matrix: RowMatrix) -> FloatArray:
+    """Each row's sum, in float64."""
+    if not isinstance(matrix, RowCells):
+        return np.asarray(matrix).sum(axis=1, dtype=np.float64)
+    rows, columns = matrix.shape
+    totals = np.bincount(matrix.cells // columns, weights=matrix.values.astype(np.float64), minlength=rows)
+    return totals.astype(np.float64, copy=False)
+
+
+def add_selected_rows(
+    out: FloatArray, index: npt.NDArray[np.int64], matrix: RowMatrix, rows: npt.NDArray[np.int64]
+) -> FloatArray:
+    """``add_rows(out, index, matrix[rows])``: row ``rows[i]`` of ``matrix`` added to row ``index[i]`` of
+    ``out``, in order. Of a :class:`RowCells` only its cells are read (no dense copy of the rows chosen); the
+    sums are the same, as adding the other cells' zeros changes none."""
+    if not isinstance(matrix, RowCells):
+        return add_rows(out, index, matrix[rows])
+    size, columns = out.shape
+    if not len(index) or not len(matrix.cells):
+        return out
+    target = np.full(matrix.shape[0], -1, dtype=np.int64)
+    target[rows] = index
+    row_of = matrix.cells // columns
+    at = target[row_of]
+    chosen = at >= 0
+    cells = at[chosen] * columns + matrix.cells[chosen] % columns
+    weights = matrix.values[chosen].astype(np.float64)
+    if len(rows) > 1 and not bool(np.all(rows[1:] > rows[:-1])):
+        # Added in the order of ``rows``, as the dense rows would be: a unit's rows sum in the same order.
+        position = np.zeros(matrix.shape[0], dtype=np.int64)
+        position[rows] = np.arange(len(rows), dtype=np.int64)
+        order = np.argsort(position[row_of[chosen]] * columns + matrix.cells[chosen] % columns, kind="stable")
+        cells, weights = cells[order], weights[order]
+    out += np.bincount(cells, weights=weights, minlength=size * columns).reshape(size, columns)
+    return out
 
 
 def add_rows(out: FloatArray, index: npt.NDArray[np.int64], values: npt.NDArray[np.generic]) -> FloatArray:

@@ -30,12 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from splitstream.analysis.arrays import RowCells, RowMatrix, head, row_totals
 from splitstream.analysis.loading import (
     TIMELINE_POINTS,
     EventPage,
@@ -79,14 +81,20 @@ def crossover_units(units: pa.Table) -> pa.Table:
     return arms.filter(pc.greater(arms["arm_count_distinct"], 1)).select(["phase", "unit"])
 
 
+def _dense(matrix: RowMatrix) -> npt.NDArray[Any]:
+    """A matrix the page reader adds to (its folder's are dense; only the DuckDB engine's are by their cells)."""
+    assert not isinstance(matrix, RowCells), "a folder of cells is complete: nothing is added to it"
+    return matrix
+
+
 @dataclass(frozen=True, slots=True)
 class RowMetric:
     """One metric per row of ``Exposures.units`` and time bucket (not cumulated): sum of values, events, and
     positive events (each call once; proportions only: no rows for the other kinds)."""
 
-    sums: FloatArray
-    counts: npt.NDArray[np.float32]
-    positives: npt.NDArray[np.float32]
+    sums: RowMatrix
+    counts: RowMatrix
+    positives: RowMatrix
 
 
 @dataclass(slots=True)
@@ -221,9 +229,10 @@ class Folder:
         self.joining = joining
         self.rows = 0
         self.capacity = 0
-        self.sums = [np.zeros((0, TIMELINE_POINTS)) for _ in kinds]
-        self.counts = [np.zeros((0, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
-        self.positives = [np.zeros((0, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
+        # Dense while the pages are folded in; the DuckDB engine's folder holds its rows by their cells.
+        self.sums: list[RowMatrix] = [np.zeros((0, TIMELINE_POINTS)) for _ in kinds]
+        self.counts: list[RowMatrix] = [np.zeros((0, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
+        self.positives: list[RowMatrix] = [np.zeros((0, TIMELINE_POINTS), dtype=np.float32) for _ in kinds]
         proportions = tuple(kind.counts_positive_calls for kind in kinds)
         span = window.join_horizon_ns() + window.settled_ns()
         self.index = JoinIndex(max(span // 8, 10**9), proportions)
@@ -260,8 +269,8 @@ class Folder:
             values = calls.values[name]
             chosen = np.flatnonzero((calls.rows >= 0) & ~np.isnan(values))
             cells = calls.rows[chosen].astype(np.int64) * TIMELINE_POINTS + bucket[chosen]
-            np.add.at(self.sums[code].reshape(-1), cells, values[chosen])
-            np.add.at(self.counts[code].reshape(-1), cells, 1)
+            np.add.at(_dense(self.sums[code]).reshape(-1), cells, values[chosen])
+            np.add.at(_dense(self.counts[code]).reshape(-1), cells, 1)
 
     def _grow(self) -> None:
         """As many rows as the units have (new units came with the calls read), the capacity doubled."""
@@ -274,7 +283,7 @@ class Folder:
                 if matrices is self.positives and not kind.counts_positive_calls:
                     continue
                 grown = np.zeros((self.capacity, TIMELINE_POINTS), dtype=matrices[code].dtype)
-                grown[: len(matrices[code])] = matrices[code]
+                grown[: len(matrices[code])] = _dense(matrices[code])
                 matrices[code] = grown
 
     def add(
@@ -314,8 +323,8 @@ class Folder:
             rows = np.concatenate([row[mine], unit_row[theirs]])
             chosen = np.concatenate([events[mine], unit_events[theirs]])
             cells = rows * TIMELINE_POINTS + bucket[chosen]
-            np.add.at(self.sums[code].reshape(-1), cells, value[chosen])
-            np.add.at(self.counts[code].reshape(-1), cells, 1)
+            np.add.at(_dense(self.sums[code]).reshape(-1), cells, value[chosen])
+            np.add.at(_dense(self.counts[code]).reshape(-1), cells, 1)
             if self.novelty is not None:
                 self.novelty.add_events(code, rows, value[chosen], event_ns[chosen])
             if kind.counts_positive_calls:
@@ -324,7 +333,7 @@ class Folder:
                 self.index.note_positive(code, hits, positive, bucket[by_request])
                 positive = theirs & (value[unit_events] > 0)
                 cells = unit_row[positive] * TIMELINE_POINTS + bucket[unit_events[positive]]
-                np.add.at(self.positives[code].reshape(-1), cells, 1)
+                np.add.at(_dense(self.positives[code]).reshape(-1), cells, 1)
 
     def forget_before(self, horizon_ns: int) -> None:
         """Let go of the calls older than ``horizon_ns`` (no event to come may name them)."""
@@ -345,7 +354,9 @@ class Folder:
                 first = run.first[code]
                 calls = np.flatnonzero(first < _NONE)
                 rows = run.rows[calls].astype(np.int64)
-                np.add.at(self.positives[code].reshape(-1), rows * TIMELINE_POINTS + first[calls].astype(np.int64), 1)
+                np.add.at(
+                    _dense(self.positives[code]).reshape(-1), rows * TIMELINE_POINTS + first[calls].astype(np.int64), 1
+                )
 
     def finish(self, units: pa.Table) -> None:
         """Every call read: leave out the crossover units' rows, their events counted as crossover."""
@@ -359,7 +370,7 @@ class Folder:
         crossed = np.zeros(self.rows, dtype=bool)
         crossed[units["key"].to_numpy()] = among(units, self.crossover)
         events = sum(
-            int(counts[: self.rows][crossed].sum(dtype=np.float64))
+            int(row_totals(head(counts, self.rows))[crossed].sum())
             for counts, name in zip(self.counts, self.from_calls, strict=True)
             if name is None  # the values of the calls are no events
         )
@@ -371,9 +382,9 @@ class Folder:
         n = self.rows
         return [
             RowMetric(
-                self.sums[code][:n],
-                self.counts[code][:n],
-                self.positives[code][:n] if kind.counts_positive_calls else self.positives[code][:0],
+                head(self.sums[code], n),
+                head(self.counts[code], n),
+                head(self.positives[code], n if kind.counts_positive_calls else 0),
             )
             for code, kind in enumerate(self.kinds)
         ]

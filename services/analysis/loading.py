@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from splitstream.analysis.arrays import RowMatrix
 from splitstream.analysis.unit_buckets import UnitBucketCounts, UnitBuckets
 from splitstream.analysis.usage import CALL_METRICS, Price
 from splitstream.common.records import decode_record
@@ -220,7 +221,7 @@ class Exposures:
     while events may still name them (:mod:`splitstream.analysis.folding`)."""
 
     units: pa.Table
-    bucket_calls: npt.NDArray[np.int32]
+    bucket_calls: RowMatrix
     other: list[tuple[str, str, str, int, int]]
     latency: dict[tuple[str, str, str], Histogram]
     phase_info: dict[str, PhaseInfo]

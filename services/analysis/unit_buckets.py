@@ -11,6 +11,7 @@ outgrow the merged, so the work stays linear and the memory about the distinct p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,12 +25,14 @@ _PERIOD_BITS = 5
 @dataclass(frozen=True, slots=True)
 class UnitBucketCounts:
     """Distinct (row, period, bucket) triples and their calls: ``periods`` is the time bucket of the calls (what
-    the quantiles' lift-over-time timeline needs: the calls up to each bucket's end)."""
+    the quantiles' lift-over-time timeline needs: the calls up to each bucket's end). Integers of any width: the
+    DuckDB engine's are as narrow as their values (int32 rows, int16 buckets, int8 periods), a third of int64's
+    memory at ten million calls."""
 
-    rows: npt.NDArray[np.int64]
-    buckets: npt.NDArray[np.int64]
+    rows: npt.NDArray[np.integer[Any]]
+    buckets: npt.NDArray[np.integer[Any]]
     counts: npt.NDArray[np.int32]
-    periods: npt.NDArray[np.int64]
+    periods: npt.NDArray[np.integer[Any]]
 
 
 @dataclass(slots=True)

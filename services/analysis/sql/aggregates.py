@@ -19,7 +19,9 @@ import duckdb
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from splitstream.analysis.arrays import RowCells, row_totals
 from splitstream.analysis.folding import Folder
 from splitstream.analysis.loading import (
     CALL_UNIT_SALT,
@@ -43,6 +45,8 @@ ROWS_VIEW = "aggregate_rows"
 #: call, and the unit rows with their ``row_id`` (:func:`lay_out` makes both).
 ROW_INDEX = "row_index"
 INDEXED_ROWS = "indexed_rows"
+#: Rows of the layout read back at a time (their unit's text among them).
+ROWS_PER_BATCH = 262_144
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,10 +58,10 @@ class Rows:
     arm: npt.NDArray[np.int16]
     unit: npt.NDArray[np.uint64]
     first_ns: npt.NDArray[np.int64]
-    bucket_calls: npt.NDArray[np.int32]
-    sums: list[npt.NDArray[np.float64]]
-    counts: list[npt.NDArray[np.float32]]
-    positives: list[npt.NDArray[np.float32]]
+    bucket_calls: RowCells
+    sums: list[RowCells]
+    counts: list[RowCells]
+    positives: list[RowCells]
     phases: Names
     arms: Names
 
@@ -68,7 +72,7 @@ class Rows:
                 "phase": pa.array(self.phase, pa.int16()),
                 "arm": pa.array(self.arm, pa.int16()),
                 "unit": pa.array(self.unit, pa.uint64()),
-                "calls": pa.array(self.bucket_calls.sum(axis=1, dtype=np.int64), pa.int64()),
+                "calls": pa.array(row_totals(self.bucket_calls).astype(np.int64), pa.int64()),
                 "first_ns": pa.array(self.first_ns, pa.int64()),
                 "key": pa.array(np.arange(n, dtype=np.int64), pa.int64()),
             }
@@ -120,54 +124,68 @@ def lay_out(
             JOIN {ROW_INDEX} AS i ON r.phase = i.phase AND r.arm = i.arm AND r.{key} = i.{key}
             AND r.unit_is_call = i.unit_is_call"""
     )
-    per_row = con.execute(per_row_select).to_arrow_table()
-    n = per_row.num_rows
-    phase_names = per_row.column(1).to_pylist()
-    arm_names = per_row.column(2).to_pylist()
-    first_ns = per_row.column(5).to_numpy(zero_copy_only=False).astype(np.int64)
     phases, arms = Names(), Names()
     # Codes in the order of each phase's and arm's first call, as the reader meets them.
-    for name in _by_first(phase_names, first_ns):
-        phases.code(name.encode())
-    for name in [*arm_order, *_by_first(arm_names, first_ns)]:
-        arms.code(name.encode())
-    phase = np.array([phases.codes[p.encode()] for p in phase_names], dtype=np.int16)
-    arm = np.array([arms.codes[a.encode()] for a in arm_names], dtype=np.int16)
-    is_call = per_row.column(4).to_numpy(zero_copy_only=False).astype(bool)
-    unit = unit_fingerprints(per_row.column(3).to_pylist(), is_call)
-    columns = [metric_column(name, part) for name in metrics for part in METRIC_PARTS]
-    quoted = ", ".join('"' + c.replace('"', '""') + '"' for c in columns)
-    cells = con.execute(
-        f"SELECT row_id, bucket, calls{', ' + quoted if quoted else ''} FROM {INDEXED_ROWS}"
-    ).to_arrow_table()
-    rows = cells.column(0).to_numpy().astype(np.int64)
-    buckets = cells.column(1).to_numpy().astype(np.int64)
-    at = rows * TIMELINE_POINTS + buckets
+    for field in ("phase", "arm"):
+        names = arms if field == "arm" else phases
+        for name in arm_order if field == "arm" else ():
+            names.code(name.encode())
+        for (name,) in con.execute(
+            f"SELECT {field} FROM {ROW_INDEX} GROUP BY {field} ORDER BY MIN(first_ns), {field}"
+        ).fetchall():
+            names.code(name.encode())
+    found = con.execute(f"SELECT COUNT(*) FROM {ROW_INDEX}").fetchone()
+    n = int(found[0]) if found else 0
+    phase, arm = np.zeros(n, np.int16), np.zeros(n, np.int16)
+    unit, first_ns = np.zeros(n, np.uint64), np.zeros(n, np.int64)
+    # A batch of rows at a time: the units' text and its Python strings for the fingerprints, for every row at
+    # once, were more than a gigabyte at ten million calls (2.9 million rows).
+    start = 0
+    for batch in con.execute(per_row_select).to_arrow_reader(ROWS_PER_BATCH):
+        end = start + batch.num_rows
+        for column, names, codes in ((1, phases, phase), (2, arms, arm)):
+            encoded = pc.dictionary_encode(batch.column(column))
+            mapping = np.array([names.codes[v.encode()] for v in encoded.dictionary.to_pylist()], dtype=np.int16)
+            codes[start:end] = mapping[encoded.indices.to_numpy()] if len(mapping) else 0
+        is_call = batch.column(4).to_numpy(zero_copy_only=False).astype(bool)
+        unit[start:end] = unit_fingerprints(batch.column(3).to_pylist(), is_call)
+        first_ns[start:end] = batch.column(5).to_numpy(zero_copy_only=False).astype(np.int64)
+        start = end
+    # The DuckDB engine's rows are grouped on (phase, arm, unit, bucket): one per cell. A file's may hold a cell
+    # in a few rows (another engine's output): added up.
+    unique_cells = units is not None
 
-    def matrix(column: int, dtype: type) -> npt.NDArray:  # type: ignore[type-arg]
-        values = np.nan_to_num(cells.column(column).to_numpy(zero_copy_only=False).astype(dtype))
-        # np.bincount, not np.add.at (seconds per matrix at 10 M calls): a cell is one output row, or a few
-        # whole counts, so adding in float64 and rounding once gives what adding in ``dtype`` gave.
-        out = np.bincount(at, weights=values.astype(np.float64), minlength=n * TIMELINE_POINTS)
-        return out.astype(dtype).reshape(n, TIMELINE_POINTS)
+    def matrix(column: str, dtype: type) -> RowCells:
+        # One column at a time, its zeros left out: the whole output at once (every metric's three columns beside
+        # the row and bucket) was over a gigabyte at ten million calls, most of it zeros.
+        quoted = '"' + column.replace('"', '""') + '"'
+        cells = con.execute(
+            f"SELECT row_id * {TIMELINE_POINTS} + bucket AS at, {quoted} FROM {INDEXED_ROWS}"
+            f" WHERE {quoted} IS NOT NULL AND {quoted} <> 0"
+        ).to_arrow_table()
+        at = cells.column(0).to_numpy().astype(np.int64, copy=False)
+        values = np.nan_to_num(cells.column(1).to_numpy(zero_copy_only=False).astype(dtype))
+        del cells
+        if unique_cells:
+            order = np.argsort(at, kind="stable")
+            return RowCells(at[order], values[order], (n, TIMELINE_POINTS))
+        # Added in float64 and rounded once: a cell is one output row, or a few whole counts, so this gives what
+        # adding in ``dtype`` gave.
+        distinct, inverse = np.unique(at, return_inverse=True)
+        summed = np.bincount(inverse.reshape(-1), weights=values.astype(np.float64), minlength=len(distinct))
+        return RowCells(distinct, summed.astype(dtype), (n, TIMELINE_POINTS))
 
-    bucket_calls = matrix(2, np.int32)
+    bucket_calls = matrix("calls", np.int32)
     sums, counts, positives = [], [], []
-    for index, kind in enumerate(kinds):
-        base = 3 + index * len(METRIC_PARTS)
-        sums.append(matrix(base, np.float64))
-        counts.append(matrix(base + 1, np.float32))
+    for name, kind in zip(metrics, kinds, strict=True):
+        sums.append(matrix(metric_column(name, "sum"), np.float64))
+        counts.append(matrix(metric_column(name, "count"), np.float32))
         positives.append(
-            matrix(base + 2, np.float32) if kind.counts_positive_calls else np.zeros((n, TIMELINE_POINTS), np.float32)
+            matrix(metric_column(name, "positives"), np.float32)
+            if kind.counts_positive_calls
+            else RowCells.empty(n, TIMELINE_POINTS, np.float32)
         )
     return Rows(phase, arm, unit, first_ns, bucket_calls, sums, counts, positives, phases, arms)
-
-
-def _by_first(names: Sequence[str], first_ns: npt.NDArray[np.int64]) -> list[str]:
-    earliest: dict[str, int] = {}
-    for name, at in zip(names, first_ns.tolist(), strict=True):
-        earliest[name] = min(at, earliest.get(name, at))
-    return sorted(earliest, key=lambda name: (earliest[name], name))
 
 
 def folder_of(
@@ -197,7 +215,7 @@ def folder_of(
     folder.rows = folder.capacity = index.size
     folder.sums, folder.counts = list(rows.sums), list(rows.counts)
     folder.positives = [
-        p if kind.counts_positive_calls else np.zeros((index.size, TIMELINE_POINTS), np.float32)
+        p if kind.counts_positive_calls else RowCells.empty(index.size, TIMELINE_POINTS, np.float32)
         for p, kind in zip(rows.positives, kinds, strict=True)
     ]
     folder.used, folder.unknown, folder.not_randomized = used, unknown, not_randomized

@@ -26,9 +26,9 @@ columns (:data:`splitstream.common.archive.CALL_SCHEMA`, :data:`~splitstream.com
   of its serialized records (``phase_record``, hex) for its weights and control (SQL cannot decode protobuf).
 
 Crossover units (in two arms of a phase) are left in: the statistics leave them out, as they do for the reader.
-The side queries (:data:`SIDE_QUERIES`: counts, latency and TTFT histograms, streams and tokens, calls not
-randomized, per-unit latency samples, novelty) serve the DuckDB engine's report; a cluster's output carries the
-per-unit rows only.
+The side queries (:func:`side_queries`: counts, latency and TTFT histograms, streams and tokens, calls not
+randomized, novelty; :func:`samples_select`: per-unit latency and TTFT samples, a range of rows at a time)
+serve the DuckDB engine's report; a cluster's output carries the per-unit rows only.
 """
 
 from __future__ import annotations
@@ -472,19 +472,34 @@ def side_queries(spec: Aggregation) -> dict[str, str]:
                 CAST(SUM(CASE WHEN failed THEN 1 ELSE 0 END) AS BIGINT) AS errors
               FROM exposed WHERE NOT randomized GROUP BY phase, assignment, arm""",
         "arm_order": """SELECT arm, MIN(time_ns) AS first_ns FROM exposed GROUP BY arm""",
-        # Per (row, value bucket, period), the rows by their number in the layout's index (as the novelty query
-        # does, :func:`_novelty_select`): grouped on integers, which fits DuckDB's memory at ten million calls.
-        "latency_samples": f"""SELECT r.row_id, c.latency_bucket AS value_bucket, COUNT(*) AS n, c.bucket AS period
-              FROM exposed AS c JOIN {_ROW_INDEX} AS r ON {_ROW_JOIN} WHERE c.randomized
-              GROUP BY r.row_id, c.latency_bucket, c.bucket""",
-        "ttft_samples": f"""SELECT r.row_id, {_latency_bucket("c.ttft_ms")} AS value_bucket, COUNT(*) AS n,
-                c.bucket AS period FROM exposed AS c JOIN {_ROW_INDEX} AS r ON {_ROW_JOIN}
-              WHERE c.randomized AND {_finite("c.ttft_ms")}
-              GROUP BY r.row_id, {_latency_bucket("c.ttft_ms")}, c.bucket""",
     }
     if spec.novelty_ns:
         out["novelty"] = _novelty_select(spec)
     return out
+
+
+#: The randomized calls by their row in the layout's index, each with its period (time bucket) and the latency and
+#: TTFT buckets of its value (``ttft_bucket`` null without a finite TTFT): the samples' parts
+#: (:func:`samples_select`) are read from it.
+CALL_ROWS = "call_rows"
+
+
+def call_rows_select() -> str:
+    """Each randomized call joined to its row once, kept in the narrowest integers its columns fit: ten million
+    calls are some 100 MB here, which DuckDB keeps under its memory limit or spills."""
+    return f"""SELECT CAST(r.row_id AS INTEGER) AS row_id, CAST(c.bucket AS TINYINT) AS period,
+              CAST(c.latency_bucket AS SMALLINT) AS latency_bucket,
+              CAST(CASE WHEN {_finite("c.ttft_ms")} THEN {_latency_bucket("c.ttft_ms")} END AS SMALLINT) AS ttft_bucket
+            FROM exposed AS c JOIN {_ROW_INDEX} AS r ON {_ROW_JOIN} WHERE c.randomized"""
+
+
+def samples_select(value: str, low: int, high: int) -> str:
+    """Calls per (row, period, value bucket) of the rows numbered ``[low, high)``, ``value`` the latency's or
+    TTFT's bucket column of :data:`CALL_ROWS`. A part of the rows at a time: grouped over all ten million calls
+    at once, the join and grouping held them and ran out of DuckDB's 512 MB."""
+    return f"""SELECT row_id, period, {value} AS value_bucket, COUNT(*) AS n FROM {CALL_ROWS}
+              WHERE row_id >= {low} AND row_id < {high} AND {value} IS NOT NULL
+              GROUP BY row_id, period, {value}"""
 
 
 def _novelty_select(spec: Aggregation, index: str = "row_index") -> str:

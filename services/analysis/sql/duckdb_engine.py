@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from splitstream.analysis.arrays import row_totals
 from splitstream.analysis.folding import Loaded
 from splitstream.analysis.loading import (
     LATENCY_BUCKETS,
@@ -39,8 +40,11 @@ from splitstream.analysis.loading import (
 from splitstream.analysis.novelty import NoveltyFold, bucket_count
 from splitstream.analysis.sql import aggregates
 from splitstream.analysis.sql.aggregation import (
+    CALL_ROWS,
     METRIC_PARTS,
     Aggregation,
+    call_rows_select,
+    samples_select,
     side_queries,
     steps,
     unit_rows_select,
@@ -259,9 +263,7 @@ def _loaded(
         usage=usage,
         randomized_calls=randomized_calls,
         keyed_calls=keyed_calls,
-        call_samples=CallSamples(_samples(con, side["latency_samples"]), _samples(con, side["ttft_samples"]))
-        if samples
-        else None,
+        call_samples=_call_samples(con, len(rows.phase)) if samples else None,
     )
     if spec.novelty_ns:
         folder.novelty = _novelty(con, side["novelty"], spec, len(rows.phase))
@@ -269,13 +271,43 @@ def _loaded(
     return Loaded(exposures, feedback, folder, {})
 
 
-def _samples(con: duckdb.DuckDBPyConnection, select: str) -> UnitBucketCounts:
-    """The rows streamed out in batches and sorted by (row, period, value bucket) here: sorted and collected by
-    DuckDB, ten million calls' samples did not fit in its 512 MB."""
-    table = con.execute(select).to_arrow_reader().read_all()
-    row, value, n, period = (table.column(i).to_numpy().astype(np.int64) for i in range(4))
-    order = np.lexsort((value, period, row))
-    return UnitBucketCounts(row[order], value[order], n[order].astype(np.int32), period[order])
+#: Rows of the layout per part of the samples' queries: a part's groups (at most its calls) stay well inside
+#: DuckDB's 512 MB, and its arrays here are a few tens of MB.
+SAMPLE_ROWS_PER_PART = 500_000
+#: Rows of the novelty query's result added to its fold at a time.
+NOVELTY_ROWS_PER_BATCH = 1_000_000
+
+
+def _call_samples(con: duckdb.DuckDBPyConnection, n: int) -> CallSamples:
+    """The latency and TTFT samples, from the calls joined to their rows once (:data:`CALL_ROWS`)."""
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {CALL_ROWS} AS {call_rows_select()}")
+    try:
+        return CallSamples(_samples(con, "latency_bucket", n), _samples(con, "ttft_bucket", n))
+    finally:
+        con.execute(f"DROP TABLE {CALL_ROWS}")
+
+
+def _samples(con: duckdb.DuckDBPyConnection, value: str, n: int) -> UnitBucketCounts:
+    """Per (row, period, value bucket) the calls, in that order, a range of rows at a time (each part sorted here
+    and the parts in row order: sorted as a whole), in the narrowest integers that hold them."""
+    parts: list[tuple[np.ndarray, ...]] = []  # type: ignore[type-arg]
+    for low in range(0, max(n, 1), SAMPLE_ROWS_PER_PART):
+        found = con.execute(samples_select(value, low, low + SAMPLE_ROWS_PER_PART)).fetchnumpy()
+        row, period, bucket, count = (np.asarray(found[c]) for c in ("row_id", "period", "value_bucket", "n"))
+        order = np.lexsort((bucket, period, row))
+        parts.append(
+            (
+                row[order].astype(np.int32),
+                bucket[order].astype(np.int16),
+                count[order].astype(np.int32),
+                period[order].astype(np.int8),
+            )
+        )
+    rows, buckets, counts, periods = (
+        np.concatenate([part[i] for part in parts]) if parts else np.zeros(0, dtype)
+        for i, dtype in enumerate((np.int32, np.int16, np.int32, np.int8))
+    )
+    return UnitBucketCounts(rows, buckets, counts, periods)
 
 
 def _novelty(con: duckdb.DuckDBPyConnection, select: str, spec: Aggregation, n: int) -> NoveltyFold:
@@ -293,22 +325,25 @@ def _novelty(con: duckdb.DuckDBPyConnection, select: str, spec: Aggregation, n: 
         spec.novelty_buckets,
     )
     fold._grow()
-    table = con.execute(select).to_arrow_table()  # row_id, since, calls, then the metrics' columns
-    rows = table.column(0).to_numpy().astype(np.int64)
-    cells = rows * fold.buckets + table.column(1).to_numpy().astype(np.int64)
+    # row_id, since, calls, then the metrics' columns; a batch at a time: the whole result at once was some
+    # 700 MB at ten million calls.
+    for batch in con.execute(select).to_arrow_reader(NOVELTY_ROWS_PER_BATCH):
+        rows = batch.column(0).to_numpy().astype(np.int64)
+        cells = rows * fold.buckets + batch.column(1).to_numpy().astype(np.int64)
 
-    def add(target: np.ndarray, column: int) -> None:  # type: ignore[type-arg]
-        values = pc.fill_null(table.column(column), 0).to_numpy(zero_copy_only=False)
-        np.add.at(target.reshape(-1), cells, values.astype(target.dtype))
-
-    add(fold.calls, 2)
-    for code, kind in enumerate(kinds):
-        base = 3 + code * len(METRIC_PARTS)
-        add(fold.sums[code], base)
-        add(fold.counts[code], base + 1)
-        if kind.counts_positive_calls:
-            add(fold.positives[code], base + 2)
+        _add_column(fold.calls, cells, batch, 2)
+        for code, kind in enumerate(kinds):
+            base = 3 + code * len(METRIC_PARTS)
+            _add_column(fold.sums[code], cells, batch, base)
+            _add_column(fold.counts[code], cells, batch, base + 1)
+            if kind.counts_positive_calls:
+                _add_column(fold.positives[code], cells, batch, base + 2)
     return fold
+
+
+def _add_column(target: np.ndarray, cells: np.ndarray, batch: pa.RecordBatch, column: int) -> None:  # type: ignore[type-arg]
+    values = pc.fill_null(batch.column(column), 0).to_numpy(zero_copy_only=False)
+    np.add.at(target.reshape(-1), cells, values.astype(target.dtype))
 
 
 def _phase_info(con: duckdb.DuckDBPyConnection, archive: Archive, model: str, window: Window) -> dict[str, PhaseInfo]:
@@ -342,7 +377,7 @@ def load_aggregates(
         finally:
             con.close()
     folder = aggregates.folder_of(rows, kinds, metrics, window, per_call=per_call, exclude_crossover=True)
-    calls = int(rows.bucket_calls.sum())
+    calls = int(row_totals(rows.bucket_calls).sum())
     exposures = Exposures(
         units=rows.units(),
         bucket_calls=rows.bucket_calls,
