@@ -51,8 +51,9 @@ install: $(BIN)/.installed protos ## Create .venv, install splitstream (editable
 protos: $(BIN)/.installed ## Generate Python stubs (+ .pyi) from protos/
 	@$(BIN)/python scripts/gen_protos.py
 
-# Test processes in parallel (pytest-xdist): `auto` is one per core; 0 runs the suite in this process.
-TEST_WORKERS ?= auto
+# Test processes in parallel (pytest-xdist): two per core, since a test spends much of its time waiting on
+# the processes it started (measured in docs/development.md); 0 runs the suite in this process.
+TEST_WORKERS ?= $(shell echo $$((2 * $$(nproc 2>/dev/null || echo 1))))
 
 test: install $(TRITON_VENV)/.installed $(LITELLM_VENV)/.installed ## Set up and run the whole test suite
 	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)

@@ -215,13 +215,14 @@ def arm_weights(registry: Path) -> dict[str, float]:
 def test_rollouts_ramps_v2_to_100_percent_while_traffic_flows(digits: Digits) -> None:
     assert arm_weights(digits.cwd / "registry.yaml") == {"v1": 90, "v2": 10}
     # A minute a step on the page; 5 s here, enough for --min-calls (20) of v2's calls at 10 %. The p99 of
-    # those few dozen calls is their slowest one: on a loaded 2-core machine it was 1.6-2.0x the control's
-    # for the same model, so the bound is widened here; the guard tripping is tested in test_rollout_faults.
+    # those few dozen calls is their slowest one, and one scheduling stall on a loaded 2-core machine sets it:
+    # 1.6-2.0x the control's for the same model at load 6, 4.9x at load 17. The bound is out of a stall's reach
+    # here; the guard tripping is tested in test_rollout_faults.
     rewrite = Rewrite(
         {
             "127.0.0.1:8002": digits.metrics,
             "--interval 60s": "--interval 5s",
-            "--max-p99-ratio 1.5": "--max-p99-ratio 3",
+            "--max-p99-ratio 1.5": "--max-p99-ratio 20",
         }
     )
     with DigitsLoad(digits.router) as load:
