@@ -572,6 +572,35 @@ def test_cuped_with_a_pre_period_narrows_the_interval(tmp_path: Path) -> None:
     assert revenue.absolute_ci.low < 1.0 < revenue.absolute_ci.high  # type: ignore[operator]
 
 
+def test_cuped_with_a_pre_period_that_holds_no_call_adjusts_nothing(tmp_path: Path) -> None:
+    """A pre-period no unit called in (a new model, or a window before the recording began) is a covariate of
+    zeros: the analysis gives the unadjusted comparison. It raised IndexError reading a row of the empty
+    pre-period for every unit, since a unit absent from it pointed at row 0."""
+    rng = np.random.default_rng(17)
+    cuped_phase = phase({"v1": 50, "v2": 50}, "v1", salt="cuped-empty")
+    calls, events = [], []
+    for i in range(400):
+        arm, t = "v1" if i % 2 else "v2", int(T0 + rng.integers(0, HOUR_NS // 2))
+        calls.append(Call(f"in-{i}", t, arm, unit=user_unit(f"e{i}")))
+        events.append(Event("revenue", float(rng.gamma(2.0, 10.0)), t + 10**9, request_id=f"in-{i}"))
+        events.append(Event("score", float(rng.integers(1, 6)), t + 10**9, request_id=f"in-{i}"))
+    metrics = (MetricSpec.parse("revenue:sum"), MetricSpec.parse("score:mean"))
+    with RedisServer(tmp_path / "redis") as server:
+        client = server.client()
+        write_calls(client, "cuped-empty", calls, cuped_phase)
+        write_feedback(client, "cuped-empty", events)
+        client.close()
+        plain = run_analysis(server, Query(model="cuped-empty", window=WINDOW, metrics=metrics))
+        empty_pre = Window(T0 - 2 * HOUR_NS, T0 - HOUR_NS)
+        adjusted = run_analysis(
+            server, Query(model="cuped-empty", window=WINDOW, metrics=metrics, pre_window=empty_pre)
+        )
+    for metric in plain.phases[0].comparisons:
+        with_pre = comparison(adjusted.phases[0], metric.metric)
+        assert with_pre.absolute_ci == metric.absolute_ci, metric.metric
+        assert with_pre.p_value == metric.p_value, metric.metric
+
+
 # -- the CLI ---------------------------------------------------------------------------------
 
 

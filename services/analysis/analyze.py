@@ -961,14 +961,18 @@ class _PreValues:
         found = pc.is_valid(positions).to_numpy(zero_copy_only=False)
         at = pc.fill_null(positions, 0).to_numpy().astype(np.int64)
         metric = self.metrics[spec.name]
-        last = TIMELINE_POINTS - 1
-        calls = np.where(found, self.calls[at, last], 0.0)
-        sums = np.where(found, metric.sums[at, last], 0.0)
+
+        def per_unit(matrix: FloatArray) -> FloatArray:
+            # An empty pre-period has no row to read, not even the one a unit it lacks would point at.
+            return np.where(found, matrix[at, TIMELINE_POINTS - 1], 0.0) if len(matrix) else np.zeros(len(at))
+
+        calls = per_unit(self.calls)
+        sums = per_unit(metric.sums)
         if spec.kind is st.MetricKind.SUM:
             return st.UnitValues.of_means(sums)
         if spec.kind is st.MetricKind.MEAN:
-            return st.UnitValues(sums, np.where(found, metric.counts[at, last], 0.0))
-        positives = np.where(found, metric.positives[at, last], 0.0)
+            return st.UnitValues(sums, per_unit(metric.counts))
+        positives = per_unit(metric.positives)
         if spec.kind is st.MetricKind.CONVERSION:
             return st.UnitValues.of_means(positives > 0)
         return st.UnitValues(np.minimum(positives, calls), calls)
