@@ -8,12 +8,13 @@ pixels of a chart's colour, so a page whose SVG fails to render (or renders blan
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+from tests import launcher
 
 CHROMIUM = shutil.which("chromium")
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium is not installed")
@@ -22,7 +23,7 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="headless Chromium 
 def screenshot(page: Path, out: Path, *, width: int = 1200, height: int = 2600) -> np.ndarray:
     """The page as Chromium renders it offline: an RGB array of ``height`` x ``width`` pixels."""
     assert CHROMIUM is not None
-    subprocess.run(
+    launcher.run(
         [
             CHROMIUM,
             "--headless",

@@ -96,6 +96,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests import launcher
+
 NODE = "emulator"
 NODE_ADDRESS = "127.0.0.1"
 DEFAULT_WAIT_S = 300.0
@@ -808,7 +810,7 @@ class ConsulEmulator:
         if self.tls is not None:
             args += ["--tls-ca", str(self.tls[0]), "--tls-cert", str(self.tls[1]), "--tls-key", str(self.tls[2])]
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+            self.process = launcher.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + timeout_s
         while True:
             if self.process.poll() is not None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests import launcher
 from tests.harness import ROOT, clean_env, wait_for
 
 #: The marker and the fenced block right after it (blank lines between them allowed).
@@ -109,7 +110,7 @@ def run_block(
     """Run a shell block to its end (``set -e``: the first failing line ends it), output captured."""
     assert block.language in ("sh", "bash"), f"{block.page} {block.name}: not a shell block"
     prepare(cwd)
-    return subprocess.run(
+    return launcher.run(
         ["bash", "-e", "-c", rewrite.apply(block)],
         cwd=cwd,
         env=shell_env(cwd, env),
@@ -131,7 +132,7 @@ class Background:
         self.block = block
         self.log_path = cwd / f"example-{block.name}.log"
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
+            self.process = launcher.Popen(
                 ["bash", "-e", "-c", rewrite.apply(block)],
                 cwd=cwd,
                 env=shell_env(cwd, env),

@@ -18,6 +18,7 @@ import redis
 
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, recorder_pb2
 from splitstream.common.records import entry_fields, feedback_entry_fields, feedback_key, stream_key
+from tests import launcher
 from tests.harness import ROOT
 
 ASSIGNMENTS = {
@@ -179,7 +180,7 @@ def write_arrivals(
 
 def analyze_cli(*args: str) -> subprocess.CompletedProcess[str]:
     """``splitstream analyze ARGS`` as a user runs it, without this shell's SPLITSTREAM_ settings."""
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", "splitstream.admin", "analyze", *args],
         env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
         cwd=ROOT, capture_output=True, text=True, timeout=120,

@@ -24,6 +24,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitstream.common.tls import PLAINTEXT, ClientTls
+from tests import launcher
 from tests.models import add_version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,7 +38,7 @@ def clean_env() -> dict[str, str]:
 def run_module(module: str, *args: str, cwd: Path = ROOT, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
     """``python -m <module> <args>`` to its end, text output captured, in :func:`clean_env`: how a test sees
     what a command-line user sees (exit code and stderr lines)."""
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", module, *args],
         env=clean_env(),
         cwd=cwd,
@@ -154,7 +155,7 @@ class ServiceProcess:
 
     def start(self, *, wait_serving: bool = True, timeout_s: float = 30.0) -> ServiceProcess:
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
+            self.process = launcher.Popen(
                 [self.python, "-m", self._module, *self._args],
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import redis
 
+from tests import launcher
 from tests.harness import free_port
 
 
@@ -124,7 +125,7 @@ class RedisServer:
             str(self.log_path),
             *self.config,
         ]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.process = launcher.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         client = redis.Redis(
             host="127.0.0.1",
@@ -265,7 +266,7 @@ class RedisClusterServers:
             raise RuntimeError("redis-cli is not on PATH")
         nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
         create = ["--cluster", "create", *nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"]
-        subprocess.run(
+        launcher.run(
             [redis_cli, *self._cli_options(), *create],
             check=True,
             capture_output=True,

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from splitstream.replayer.summary import Summary
+from tests import launcher
 from tests.harness import ROOT
 from tests.recording_stack import MODEL
 
@@ -63,7 +63,7 @@ def run_replay(
     model: str = MODEL,
 ) -> tuple[int, str, str]:
     """The replayer's exit code, stdout and stderr, run from the repository with ``env`` over ours."""
-    done = subprocess.run(
+    done = launcher.run(
         replay_command(redis_url, out, *args, model=model),
         capture_output=True,
         text=True,

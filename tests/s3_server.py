@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from tests import launcher
 from tests.harness import free_port
 
 #: Credentials the tests' processes get through the environment (moto accepts any).
@@ -38,7 +39,7 @@ class S3Server:
 
     def start(self, timeout_s: float = 30.0) -> S3Server:
         with open(self.directory / f"moto-{self.port}.log", "ab") as log:
-            self.process = subprocess.Popen(
+            self.process = launcher.Popen(
                 [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,

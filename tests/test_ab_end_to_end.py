@@ -32,6 +32,7 @@ from splitstream.common.charts import CANDIDATE_COLOR, REFERENCE_COLOR
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, feedback_pb2_grpc
+from tests import launcher
 from tests.browser import needs_chromium, pixels_of, screenshot
 from tests.harness import ROOT, make_request, router_status, wait_for, write_registry
 from tests.recording_stack import MODEL, RecordingStack
@@ -148,7 +149,7 @@ class Users:
 
 
 def admin(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", "splitstream.admin", *args],
         env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
         cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -33,6 +32,7 @@ from splitstream.analysis.loading import Window, read_pages
 from splitstream.analysis.model import PER_CALL_LABEL, Analysis, MetricComparison, MetricSpec, PhaseResult
 from splitstream.analysis.report import render_table
 from splitstream.common.records import stream_key
+from tests import launcher
 from tests.experiments import Call, Event, phase, write_arrivals, write_calls, write_feedback
 from tests.experiments import analyze_cli as cli
 from tests.harness import ROOT, free_port
@@ -641,7 +641,7 @@ def test_the_cli_prints_verdicts_and_writes_analysis_json_and_html(shop: Shop, t
 
 @pytest.mark.slow
 def test_relative_times_and_the_environment_work_like_the_replayers(shop: Shop, tmp_path: Path) -> None:
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.admin", "analyze", SHOP, "--since", "-4h", "--until", "-1h",
          "--output-dir", str(tmp_path)],
         env={**{k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
@@ -870,7 +870,7 @@ def test_a_short_horizon_holds_few_calls_and_joins_what_it_promises(tmp_path: Pa
 
 
 def test_analyze_needs_no_registry_but_the_other_commands_still_do() -> None:
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.admin", "versions", "shop"],
         env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
         cwd=ROOT, capture_output=True, text=True, timeout=60,

@@ -37,6 +37,7 @@ from splitstream.analysis.usage import parse_prices
 from splitstream.common.archive import ArchiveQuery, open_archive, readable_calls
 from splitstream.common.headers import DEFAULT_ROUTING_KEY_HEADER
 from splitstream.common.records import entry_fields, feedback_key, stream_key
+from tests import launcher
 from tests.experiments import Call, Event, call_record, phase, write_calls, write_feedback
 from tests.harness import ROOT, Stack
 from tests.harness import wait_for as wait_until
@@ -147,7 +148,7 @@ def run(source: Redis | Source | str, query: Query) -> Analysis:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", "splitstream.admin", "analyze", *args],
         env={**{k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}, **S3_ENV},
         cwd=ROOT, capture_output=True, text=True, timeout=180, check=False,

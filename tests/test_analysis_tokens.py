@@ -29,6 +29,7 @@ import yaml
 
 from demo import language
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from tests import launcher
 from tests.harness import ROOT, ServiceProcess, Stack, router_status, wait_for, write_registry
 from tests.recording_stack import MODEL, RecordingStack
 from tests.stream_client import STREAM_METHOD
@@ -135,7 +136,7 @@ def users(
 
 
 def admin(*args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", "splitstream.admin", *args],
         env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
         cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,

@@ -52,6 +52,7 @@ from splitstream.common.records import (
     stream_key,
 )
 from splitstream.replayer.selection import Selection, SelectionStats, select_calls
+from tests import launcher
 from tests.doc_examples import block as doc_block
 from tests.harness import (
     ROOT,
@@ -312,7 +313,7 @@ def test_a_recorded_window_replays_from_the_archive_as_from_redis_even_after_red
         window = ["--since", f"{since / 1e9:.9f}", "--until", f"{until / 1e9:.9f}"]
 
         def replay(out: Path, *args: str) -> dict[str, str]:
-            done = subprocess.run(
+            done = launcher.run(
                 [
                     sys.executable,
                     "-m",
@@ -542,7 +543,7 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
     cases.append((["--archive", "s3://archive/p", "--s3-endpoint", strict.endpoint], "ACCESS_DENIED"))
     try:
         for args, expected in cases:
-            done = subprocess.run(
+            done = launcher.run(
                 [
                     sys.executable,
                     "-m",
@@ -580,7 +581,7 @@ def test_a_bad_archive_url_or_a_missing_bucket_exits_2_with_one_line(
         ):
             replay = [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--model", "m"]
             replay += ["--since", "-1h", "--target", "127.0.0.1:1", *source]
-            done = subprocess.run(replay, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+            done = launcher.run(replay, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
             assert done.returncode == 2, done.stderr
             assert expected in done.stderr.strip().splitlines()[-1], done.stderr
     finally:
@@ -594,7 +595,7 @@ def test_without_archive_flag_the_default_directory_is_archived_to(tmp_path: Pat
     client = redis_server.client()
     write_synthetic(client, 0, 10, start_ns=time.time_ns())
     with open(tmp_path / "archiver.log", "wb") as log:
-        archiver = subprocess.Popen(
+        archiver = launcher.Popen(
             [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--metrics-port", "0",
              "--redis-url", redis_server.url, "--flush-interval-s", "0.3", "--scan-interval-s", "0.3"],
             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -628,7 +629,7 @@ def test_without_archive_flag_the_default_directory_is_archived_to(tmp_path: Pat
 def test_bad_numeric_flags_exit_2_with_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
     # --claim-idle-s past what Redis takes (int64 ms) was accepted: every claim then failed and nothing was
     # archived, the archiver retrying forever (here: waiting for a Redis that is not there); 1e308 a traceback.
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--metrics-port", "0",
          "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--archive", str(tmp_path / "archive"), *flags],
         capture_output=True, text=True, timeout=30, cwd=ROOT, check=False,
@@ -964,7 +965,7 @@ def test_a_window_straddling_the_archive_and_redis_is_read_from_both_without_rep
 
 def analyzed_calls(out: Path, model: str, *source: str) -> object:
     """``splitstream-admin analyze`` of ``model`` over the hours around now from ``source``: the calls it counts."""
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", "splitstream.admin", "analyze", model, *source,
          "--since", "-1h", "--until", "+1h", "--metric", "click:proportion", "--output-dir", str(out)],
         capture_output=True, text=True, timeout=120, cwd=ROOT, check=False, env={**os.environ, **S3_ENV},
@@ -1038,7 +1039,7 @@ def test_a_replay_window_open_to_the_year_9999_reads_every_archived_call(
     try:
         worker = stack.worker(tmp_path / "models", SYNTHETIC, "v1")
         for name, source in (("alone", ["--source", f"archive:{url}"]), ("behind", ["--archive", url])):
-            done = subprocess.run(
+            done = launcher.run(
                 [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--model", SYNTHETIC,
                  "--target", worker.address, "--speed", "max", "--no-progress", "--output-dir", str(tmp_path / name),
                  "--since", "0", "--until", "9999-12-31T00:00:00Z", *source],
@@ -1070,7 +1071,7 @@ def test_an_archive_file_that_fails_mid_replay_exits_2_naming_it_with_the_partia
     stack = Stack(tmp_path)
     try:
         worker = stack.worker(tmp_path / "models", SYNTHETIC, "v1")
-        done = subprocess.run(
+        done = launcher.run(
             [sys.executable, "-m", "splitstream.replayer", "--model", SYNTHETIC, "--source", f"archive:{url}",
              "--target", worker.address, "--speed", "max", "--no-progress", "--output-dir", str(tmp_path / "out"),
              "--since", str((now - 4 * HOUR_NS) // 10**9)],

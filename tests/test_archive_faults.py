@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import pytest
 
 from splitstream.common.archive import CALLS, ArchiveQuery, file_name, open_archive, partition_dir, read_calls
 from splitstream.common.records import ARCHIVE_GROUP, archive_group_key, entry_fields, stream_key
+from tests import launcher
 from tests.harness import wait_for
 from tests.redis_server import RedisServer
 from tests.s3_server import S3_ENV, S3Server
@@ -318,13 +318,13 @@ def unremovable(path: Path) -> Iterator[None]:
     """``path`` made impossible to remove: immutable (``chattr +i``) for root, which ignores permissions, else its
     directory read-only. Skips the test where neither works."""
     if os.geteuid() == 0:
-        made = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+        made = launcher.run(["chattr", "+i", str(path)], capture_output=True, text=True)
         if made.returncode != 0:
             pytest.skip(f"cannot make a file immutable here: {made.stderr.strip()[:200]}")
         try:
             yield
         finally:
-            subprocess.run(["chattr", "-i", str(path)], check=False)
+            launcher.run(["chattr", "-i", str(path)], check=False)
         return
     mode = path.parent.stat().st_mode
     path.parent.chmod(0o555)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from splitstream.common.archive import ArchiveQuery, open_archive, read_calls
 from splitstream.common.records import ARCHIVE_GROUP, stream_key
+from tests import launcher
 from tests.harness import ROOT
 from tests.harness import wait_for as wait_until
 from tests.redis_server import RedisServer
@@ -156,7 +156,7 @@ def test_sigterm_under_load_with_two_processes_and_builder_processes_exits_0_hav
 
 @pytest.mark.parametrize("value", ["0", "abc"])
 def test_a_bad_processes_value_exits_2_with_one_line(value: str) -> None:
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", "splitstream.archiver", "--port", "0", "--processes", value],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip

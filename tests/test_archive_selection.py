@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from splitstream.common.records import entry_fields, stream_key
+from tests import launcher
 from tests.harness import ROOT, Stack
 from tests.harness import wait_for as wait_until
 from tests.models import add_version
@@ -137,7 +137,7 @@ def test_one_hour_of_the_archive_is_replayed_from_its_files_and_the_row_groups_i
     stack = Stack(tmp_path)
     try:
         worker = stack.worker(tmp_path / "models", SYNTHETIC, "v1")
-        done = subprocess.run(
+        done = launcher.run(
             [sys.executable, "-m", "splitstream.replayer", "--model", SYNTHETIC, "--source", f"archive:{damaged}",
              "--target", worker.address, "--speed", "max", "--no-progress", "--output-dir", str(tmp_path / "out"),
              "--since", str(hour_ns // 10**9), "--until", str((hour_ns + HOUR_NS) // 10**9), *flags],

@@ -6,7 +6,6 @@ recorder, router, replayer and redis-server."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from splitstream.common.records import routing_key_hmac, stream_key
+from tests import launcher
 from tests.harness import (
     ROOT,
     InferClient,
@@ -80,7 +80,7 @@ def test_secrets_on_the_command_line_still_work_with_a_warning_that_never_quotes
             )  # fmt: skip
             assert health_status(recorder.address) == health_pb2.HealthCheckResponse.SERVING  # Redis took the password
             log = recorder.log()
-            replay = subprocess.run(  # to the recorder: any gRPC server will do, no call is in the window
+            replay = launcher.run(  # to the recorder: any gRPC server will do, no call is in the window
                 [sys.executable, "-m", "splitstream.replayer", "--redis-url", redis_server.url, "--hmac-key", key,
                  "--model", MODEL, "--target", recorder.address, "--since", "-1m",
                  "--output-dir", str(tmp_path / "replay-out")],
@@ -112,7 +112,7 @@ def test_a_key_file_that_cannot_be_read_or_beside_the_key_is_exit_2_with_one_lin
     }
     (tmp_path / "empty").write_text("\n")
     for name, (flags, problem) in cases.items():
-        done = subprocess.run(
+        done = launcher.run(
             [sys.executable, "-m", "splitstream.recorder", "--port", "0", "--metrics-port", "0", *flags],
             capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
         )  # fmt: skip

@@ -12,7 +12,6 @@ import base64
 import hashlib
 import json
 import re
-import subprocess
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ from splitstream.common.proto.splitstream.v1 import recorder_pb2, router_pb2, ro
 from splitstream.common.records import PAYLOAD_DROPPED_TAG, REDACTED_OUTPUTS_TAG, stream_key
 from splitstream.common.service_auth import ServiceAuth
 from splitstream.recorder.validation import parse_batch
+from tests import launcher
 from tests.certs import Pki
 from tests.harness import (
     ROOT,
@@ -482,7 +482,7 @@ def test_the_principal_is_recorded_never_its_credential_and_filters_a_replay(aut
     key_file = tmp_path / "replay-key"
     key_file.write_text(KEYS["ops"] + "\n")
     out = tmp_path / "replay"
-    done = subprocess.run(
+    done = launcher.run(
         [
             sys.executable, "-m", "splitstream.replayer",
             "--redis-url", auth.stack.redis.url, "--model", MODEL, "--since", "-10m",
@@ -705,7 +705,7 @@ def test_bad_auth_settings_exit_2_with_one_line(
         principals = tmp_path / "principals.yaml"
         principals.write_text(yaml.safe_dump(document or principals_document({})))
         args += ["--auth-principals", f"file:{principals}"]
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", "splitstream.router", *args], capture_output=True, text=True, timeout=60, cwd=ROOT
     )
     assert done.returncode == 2, done.stderr
@@ -717,7 +717,7 @@ def test_bad_auth_settings_exit_2_with_one_line(
 def test_a_service_token_too_short_to_be_a_secret_is_refused(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("changeme\n")
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", "splitstream.recorder", "--service-token-file", str(token), "--port", str(free_port())],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip

@@ -25,6 +25,7 @@ import yaml
 
 from splitstream.admin import lock
 from splitstream.common.experiment import Experiment
+from tests import launcher
 from tests.harness import ROOT, wait_for, write_registry
 from tests.models import add_faulty_version
 from tests.recording_stack import MODEL, RecordingStack
@@ -168,7 +169,7 @@ def test_sigint_reverts_to_the_starting_weights_and_a_rollout_meanwhile_is_refus
     set_experiment(stack, "bandit-int", {"v1": 60, "v2": 40})
     users = Users(stack, "int", {"v1": 0.1, "v2": 0.6}, seed=13)
     with Traffic(users):
-        process = subprocess.Popen(
+        process = launcher.Popen(
             [sys.executable, "-m", "splitstream.admin", *bandit_flags(stack)],
             env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},
             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -234,7 +235,7 @@ def test_bad_flags_exit_2_with_one_line_naming_the_flag(
 
 
 def test_the_bandit_needs_the_recorders_redis(stack: RecordingStack) -> None:
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.admin", "--registry", f"file:{stack.registry}", "bandit", MODEL,
          "--metric", "click:conversion"],
         env={k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")},

@@ -4,18 +4,18 @@ pass-through). Nothing here times anything: the figures are the scripts' own bus
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
+from tests import launcher
 from tests.harness import ROOT, clean_env
 
 TINY = ("--seconds", "0.2", "--rounds", "1")
 
 
 def run_bench(script: str, *args: str) -> str:
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, f"bench/{script}", *TINY, *args],
         cwd=ROOT,
         env=clean_env(),
@@ -65,11 +65,11 @@ def test_http_stack_measures_the_aiohttp_pass_through() -> None:
 
 def test_http_record_path_times_each_step_and_refuses_a_bad_count() -> None:
     command = [sys.executable, "bench/http_record_path.py", "--number", "20", "--repeat", "1"]
-    done = subprocess.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60, check=False)
+    done = launcher.run(command, cwd=ROOT, env=clean_env(), capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     for step in ("recording a call, all of it", "the answer's usage", "the entry encoded and appended"):
         assert step in done.stdout, done.stdout
-    refused = subprocess.run(
+    refused = launcher.run(
         [*command[:2], "--number", "0"], cwd=ROOT, env=clean_env(), capture_output=True, text=True, check=False
     )
     assert refused.returncode == 2

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from tests import launcher
 from tests.harness import ROOT
 
 #: Every test here starts several processes or waits out real time (make test-fast skips them).
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def run_demo(module: str, workdir: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     """The demo as ``make`` runs it, asserted to succeed; its output and its summary.json."""
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", module, *args, "--workdir", str(workdir)],
         capture_output=True,
         text=True,
@@ -33,7 +34,7 @@ def run_demo(module: str, workdir: Path, *args: str) -> tuple[subprocess.Complet
 
 def assert_nothing_left_running(workdir: Path) -> None:
     """No process the demo started with its workdir on the command line (workers, router) outlives it."""
-    leftover = subprocess.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
+    leftover = launcher.run(["pgrep", "-f", str(workdir)], capture_output=True, text=True)
     assert leftover.stdout.strip() == "", f"processes still running: {leftover.stdout}"
 
 

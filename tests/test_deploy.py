@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests import launcher
 from tests.harness import ROOT, scrape_metrics
 
 DEPLOY = ROOT / "deploy"
@@ -49,7 +49,7 @@ def flags(command: list[str]) -> dict[str, str]:
 def help_texts() -> dict[str, str]:
     texts = {}
     for script, module in ENTRY_POINTS.items():
-        result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
+        result = launcher.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr
         texts[script] = result.stdout
     return texts
@@ -207,7 +207,7 @@ def test_make_certs_makes_a_ca_and_per_service_certificates_the_services_accept(
     overlay = tls_overlay()["services"]["certs"]["command"]
     services = [part.split("=", 1)[1] for part in overlay if part.startswith("--service=")]
     out = tmp_path / "certs"
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "scripts/make_certs.py", f"--out={out}", *(f"--service={s}" for s in services)],
         capture_output=True,
         text=True,
@@ -225,5 +225,5 @@ def test_make_certs_makes_a_ca_and_per_service_certificates_the_services_accept(
         )
         assert service in names.value.get_values_for_type(x509.DNSName)  # the name other containers dial
     before = (out / "router.pem").read_bytes()
-    subprocess.run([sys.executable, "scripts/make_certs.py", f"--out={out}", "--service=router"], cwd=ROOT, check=True)
+    launcher.run([sys.executable, "scripts/make_certs.py", f"--out={out}", "--service=router"], cwd=ROOT, check=True)
     assert (out / "router.pem").read_bytes() == before  # kept across restarts of the certs container

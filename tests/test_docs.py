@@ -9,12 +9,12 @@ import io
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import launcher
 from tests.harness import ROOT
 
 #: A Markdown inline link or image: [text](target) or [text](target "title").
@@ -84,7 +84,7 @@ def broken_links(path: Path) -> list[str]:
 @pytest.mark.slow
 def test_the_configuration_reference_matches_every_commands_parser() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "scripts/gen_config_reference.py", "--check"],
         cwd=ROOT,
         env=env,

@@ -23,6 +23,7 @@ import yaml
 
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.splitstream.v1 import router_pb2, router_pb2_grpc
+from tests import launcher
 from tests.consul_emulator import ConsulEmulator
 from tests.harness import DRAIN_DELAY, ROOT, ServiceProcess, Stack, SteadyLoad, router_status, wait_for, write_registry
 from tests.models import add_faulty_version, add_version
@@ -132,7 +133,7 @@ def deployment(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Deplo
 
 
 def cli(spec: str, *args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.admin", "--registry", spec, *args],
         capture_output=True,
         text=True,
@@ -149,7 +150,7 @@ class RolloutRun:
     def __init__(self, deployment: Deployment, version: str, *flags: str) -> None:
         metrics = [f"--metrics=127.0.0.1:{r.metrics_port}" for r in deployment.routers]
         args = [sys.executable, "-m", "splitstream.admin", "--registry", deployment.spec, "rollout", MODEL, version]
-        self.process = subprocess.Popen(
+        self.process = launcher.Popen(
             [*args, *metrics, *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
         )
         self.lines: list[tuple[float, str]] = []

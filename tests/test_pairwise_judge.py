@@ -34,6 +34,7 @@ from demo import language
 from splitstream.admin.pairwise import load_cache, parse_verdict
 from splitstream.admin.pairwise_stats import Judged, clustered_mean, version_summary
 from splitstream.common.files import atomic_write
+from tests import launcher
 from tests.harness import ROOT, ServiceProcess, Stack, free_port, wait_for, write_registry
 from tests.recording_stack import RecordingStack
 from tests.streams import StreamClient, generation_request
@@ -233,7 +234,7 @@ def run_judge(traffic: Traffic, judge: Judge, out: Path, *args: str) -> JudgeRun
         *args,
     ]
     env = {**os.environ, "SPLITSTREAM_JUDGE_API_KEY": JUDGE_KEY, "SPLITSTREAM_JUDGE_TARGET_API_KEY": KEY}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    done = launcher.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     return JudgeRun(done.returncode, done.stdout, done.stderr, out)
 
 
@@ -267,7 +268,7 @@ def test_the_version_the_judge_prefers_wins_with_an_interval_above_one_half(
 
     # The verdicts are feedback: analyze reads judge:rate per arm, v2's answers won more often.
     def analyzed() -> dict[str, Any] | None:
-        done = subprocess.run(
+        done = launcher.run(
             [
                 sys.executable,
                 "-m",
@@ -437,7 +438,7 @@ def test_a_judge_answering_no_chat_completion_fails_the_run_with_exit_1(
 def test_a_rubric_without_the_answers_is_refused_naming_the_flag(tmp_path: Path) -> None:
     rubric = tmp_path / "rubric.txt"
     rubric.write_text("Which is better? {{conversation}}")
-    done = subprocess.run(
+    done = launcher.run(
         [
             sys.executable,
             "-m",
@@ -543,7 +544,7 @@ def test_a_rollout_guarded_by_the_judges_feedback_rolls_back_a_version_the_judge
         "--max-p99-ratio", "1000", "--min-calls", "5", "--guard-min-units", "20", "--guard", "judge:rate:lift>=-10%",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-    rollout = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    rollout = launcher.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
 
         def arms() -> dict[str, float]:

@@ -30,6 +30,7 @@ from splitstream.common.files import atomic_write
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.records import blob_key
 from splitstream.common.tensors import output_arrays
+from tests import launcher
 from tests.harness import ROOT, InferClient, ServiceProcess, Stack, free_port, wait_for
 from tests.recording_stack import RecordingStack
 from tests.streams import generation_request
@@ -179,7 +180,7 @@ def judge_run(recorded: Recorded, judge: Judge, out: Path, *args: str) -> subpro
         "--output-dir", str(out), *args,
     ]  # fmt: skip
     env = {**os.environ, "SPLITSTREAM_JUDGE_API_KEY": JUDGE_KEY, "SPLITSTREAM_JUDGE_TARGET_API_KEY": KEY}
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    return launcher.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
 
 
 def _pairs(out: Path) -> list[dict[str, Any]]:

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitstream.common.experiment import Experiment
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.runtime import PROCESSES_PER_CORE, parse_processes, usable_cores
+from tests import launcher
 from tests.harness import (
     ROOT,
     InferClient,
@@ -352,7 +353,7 @@ def test_port_0_with_two_processes_is_picked_by_the_parent_and_logged(tmp_path: 
     registry.write_text("models: {}\n")
     log_path = tmp_path / "router.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(
+        process = launcher.Popen(
             [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--host", "127.0.0.1",
              "--port", "0", "--metrics-port", "0", "--processes", "2"],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -384,7 +385,7 @@ def test_a_bad_processes_value_exits_2_with_one_line(tmp_path: Path, module: str
     Pythons for a typo, until the host ran out of memory), and read ``1_000`` and other scripts' digits."""
     registry = tmp_path / "registry.yaml"
     registry.write_text("models: {}\n")
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", module, "--registry", f"file:{registry}", "--port", "0", "--processes", value]
         if module == "splitstream.router"
         else [sys.executable, "-m", module, "--port", "0", "--processes", value],
@@ -400,7 +401,7 @@ def test_a_bad_processes_value_exits_2_with_one_line(tmp_path: Path, module: str
 def test_a_child_configuration_error_is_not_restarted_the_parent_exits_2(tmp_path: Path) -> None:
     registry = tmp_path / "registry.yaml"
     registry.write_text("models: [not, a, mapping]\n")  # read by the children: each finds it unusable
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
          "--metrics-port", "0", "--processes", "2"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
@@ -510,7 +511,7 @@ def test_a_parent_whose_stderr_reader_went_away_still_restarts_children_and_stop
     registry = tmp_path / "registry.yaml"
     registry.write_text("models: {}\n")
     reader, writer = os.pipe()
-    process = subprocess.Popen(
+    process = launcher.Popen(
         [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--host", "127.0.0.1",
          "--port", "0", "--metrics-port", "0", "--processes", "2"],
         stdout=subprocess.DEVNULL, stderr=writer, cwd=ROOT,
@@ -565,7 +566,7 @@ def test_ctrl_c_while_a_processes_server_starts_exits_0_without_a_traceback(
         if command == "splitstream-router"
         else ["--redis-url", "redis://127.0.0.1:1/0"]
     )
-    process = subprocess.Popen(
+    process = launcher.Popen(
         [str(Path(sys.executable).parent / command), *own, "--host", "127.0.0.1", "--port", "0",
          "--metrics-port", "0", "--processes", "2"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT, start_new_session=True,
@@ -604,7 +605,7 @@ def test_a_metrics_directory_left_by_a_sigkilled_parent_is_removed_at_the_next_s
     env = {**os.environ, "TMPDIR": str(temporary)}
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
+        return launcher.Popen(
             [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--host", "127.0.0.1",
              "--port", "0", "--metrics-port", str(free_port()), "--processes", "2"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT, env=env,

@@ -6,7 +6,6 @@ no caller authentication refuses to start unless told ``--insecure``; a worker w
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import urllib.error
 import urllib.request
@@ -20,6 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from splitstream.common.loopback import is_loopback_host
 from splitstream.common.tls import ClientTls
+from tests import launcher
 from tests.certs import Issued, Pki
 from tests.harness import (
     ROOT,
@@ -45,7 +45,7 @@ WARNING = "any caller is served"
 def non_loopback_ip() -> str:
     """This machine's first non-loopback IPv4 address, or "" when it has none."""
     try:
-        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5, check=False).stdout
+        out = launcher.run(["hostname", "-I"], capture_output=True, text=True, timeout=5, check=False).stdout
     except OSError:
         return ""
     return next((a for a in out.split() if "." in a and not is_loopback_host(a)), "")
@@ -82,7 +82,7 @@ def test_a_plaintext_server_beyond_loopback_without_authentication_needs_insecur
     module, args = server_args(service, tmp_path, redis_server.url)
     port = free_port()
     listen = ["--host", host, "--port", str(port), "--metrics-port", "0"]
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", module, *args, *listen],
         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False, env={**os.environ, **HMAC_ENV},
     )  # fmt: skip
@@ -202,7 +202,7 @@ def test_metrics_stay_on_loopback_unless_metrics_host_is_given(tmp_path: Path, s
 def test_a_worker_allow_list_without_mutual_tls_exits_2_naming_the_flag(tmp_path: Path) -> None:
     """Without mutual TLS no client certificate is verified: the list would refuse every router."""
     module, args = server_args("worker", tmp_path, "")
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", module, *args, "--port", "0", "--metrics-port", "0", "--allowed-client-identities", "r"],
         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,
     )  # fmt: skip

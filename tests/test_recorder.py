@@ -12,7 +12,6 @@ import hashlib
 import hmac
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -40,6 +39,7 @@ from splitstream.common.records import (
 from splitstream.recorder.config import Action, Rule, parse_args
 from splitstream.recorder.redaction import Redactor
 from splitstream.recorder.validation import MAX_BATCH_ITEMS, parse_batch
+from tests import launcher
 from tests.harness import ROOT, ServiceProcess, free_port, health_status, metric_samples, scrape_metrics, wait_for
 from tests.records import read_records, request_of, response_of
 from tests.redis_server import RedisServer
@@ -655,7 +655,7 @@ async def test_sigterm_ends_open_streams_with_unavailable_and_exits_zero(start_r
 )
 def test_bad_flags_exit_2_with_one_line(args: list[str], env: dict[str, str], problem: str) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.recorder", "--redis-url", "redis://127.0.0.1:1/0", *args],
         env={**clean, **env},
         cwd=ROOT,

@@ -9,11 +9,11 @@ refused, and routers dropped the records.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import launcher
 from tests.harness import ROOT
 
 
@@ -44,7 +44,7 @@ from tests.harness import ROOT
 )
 def test_a_recorder_given_a_value_its_schema_refuses_exits_2_naming_the_flag(args: list[str], problem: str) -> None:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.recorder", "--redis-url", "redis://127.0.0.1:1/0", "--port", "0", *args],
         env={**clean, "SPLITSTREAM_RECORDER_METRICS_PORT": "0"},
         cwd=ROOT,

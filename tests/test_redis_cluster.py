@@ -23,6 +23,7 @@ import pytest
 from splitstream.common.names import check_model_name
 from splitstream.common.proto.splitstream.v1 import feedback_pb2, feedback_pb2_grpc
 from splitstream.common.records import archive_mark_key, blob_key, feedback_key, feedback_seen_key, stream_key
+from tests import launcher
 from tests.experiments import Call, Event, phase, write_calls, write_feedback
 from tests.harness import ROOT, InferClient, SteadyLoad, free_port, make_request, wait_for
 from tests.recording_stack import MODEL, RecordingStack
@@ -47,7 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, cluster: RedisClusterServers
 
 def run(module: str, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", module, *args], env=clean, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s
     )
 

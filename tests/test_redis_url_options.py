@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import launcher
 from tests.harness import ROOT, free_port
 from tests.redis_server import RedisServer
 
@@ -28,7 +29,7 @@ def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 def run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", module, *args], env=clean, cwd=ROOT, capture_output=True, text=True, timeout=60
     )
 

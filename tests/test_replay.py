@@ -40,6 +40,7 @@ from splitstream.replayer.main import main as replay_main
 from splitstream.replayer.report import CANDIDATE_COLOR, REFERENCE_COLOR
 from splitstream.replayer.selection import Selection
 from splitstream.replayer.summary import Summary
+from tests import launcher
 from tests.browser import needs_chromium, pixels_of, screenshot
 from tests.harness import ROOT, InferClient, free_port, make_request, wait_for
 from tests.recording_stack import HMAC_KEY, MODEL, RecordingStack
@@ -534,7 +535,7 @@ def test_ctrl_c_stops_cleanly_and_still_writes_a_partial_summary(traffic: Traffi
     command = replay_command(
         traffic, tmp_path, "--target", traffic.stack.workers["v1"].address, "--speed", "0.05", *traffic.window_args("C")
     )
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = launcher.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = tmp_path / "results.jsonl"
     try:
         wait_for(
@@ -662,7 +663,7 @@ def test_tls_targets_are_verified_against_the_given_ca_and_server_name(traffic: 
     from concurrent import futures
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(
+    launcher.run(
         ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=replay-target",
          "-addext", "subjectAltName=DNS:replay-target", "-keyout", str(key), "-out", str(cert)],
         check=True,

@@ -32,6 +32,7 @@ from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.replayer.compare import Answer
 from splitstream.replayer.main import parse_args
 from splitstream.replayer.noise import DiffHistogram, NoiseSettings, NoiseTotals, newcombe_interval
+from tests import launcher
 from tests.doc_examples import Rewrite, block, run_block
 from tests.harness import ROOT, InferClient, ServiceProcess, Stack, make_request, wait_for
 from tests.models import save_graph
@@ -218,7 +219,7 @@ def test_a_noise_target_killed_mid_run_leaves_the_floor_to_the_calls_before(nois
         "--noise-target", control.address, "--noise-min-calls", "5", "--speed", "0.1", "--no-progress",
         *noisy.window(),
     )  # fmt: skip
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = launcher.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = tmp_path / "results.jsonl"
     try:
         wait_for(lambda: results.exists() and results.read_text().count("\n") >= 10, timeout_s=60, what="ten calls")

@@ -7,12 +7,12 @@ writing the report raised OverflowError: a traceback and exit 1, the "gate faile
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests import launcher
 from tests.harness import ROOT, Stack
 from tests.models import add_version
 from tests.redis_server import RedisServer
@@ -37,7 +37,7 @@ def test_a_time_outside_1970_to_9999_is_a_usage_error_not_a_failed_gate(tmp_path
             client.xadd(f"splitstream:calls:{MODEL}", {"record": b"not a record"})  # the model has a stream
             client.close()
             worker = stack.worker(tmp_path / "models", MODEL, "v1")
-            result = subprocess.run(
+            result = launcher.run(
                 [
                     sys.executable, "-m", "splitstream.replayer", "--redis-url", redis.url, "--model", MODEL,
                     "--target", worker.address, "--output-dir", str(tmp_path / "out"), *window,

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import yaml
 
+from tests import launcher
 from tests.consul_emulator import ConsulEmulator
 from tests.harness import (
     ROOT,
@@ -107,7 +108,7 @@ class Cli:
     """``splitstream ARGS`` in a subprocess, its output (stdout and stderr) read line by line as it comes."""
 
     def __init__(self, *args: str) -> None:
-        self.process = subprocess.Popen(
+        self.process = launcher.Popen(
             [sys.executable, "-m", "splitstream.admin", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -516,7 +517,7 @@ def test_a_rollout_whose_terminal_goes_away_rolls_back(lab: Lab) -> None:
     """An ssh session dropped mid-rollout: SIGHUP, and nothing reads the output any more. SIGHUP ended
     the process at once, v2 left at its step's weight with nothing watching it."""
     read_end, write_end = os.pipe()
-    process = subprocess.Popen(
+    process = launcher.Popen(
         [sys.executable, "-m", "splitstream.admin", "--registry", f"file:{lab.registry}", "rollout", MODEL, "v2",
          "--steps", "10,50,100", "--metrics", lab.metrics, *JUDGED],
         stdout=write_end, stderr=write_end, cwd=ROOT, env=clean_env(),

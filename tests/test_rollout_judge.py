@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from splitstream.admin import judge
+from tests import launcher
 from tests.harness import ROOT, ServiceProcess, SteadyLoad, running_stack, write_registry
 from tests.models import add_version
 
@@ -162,7 +163,7 @@ def rollout(canary: Canary, *flags: str) -> subprocess.CompletedProcess[str]:
     can stop it."""
     with SteadyLoad(canary.router.address, MODEL, threads=4, key_prefix="judge") as load:
         load.wait_calls(50)
-        return subprocess.run(
+        return launcher.run(
             [sys.executable, "-m", "splitstream.admin", "--registry", f"file:{canary.registry}", "rollout", MODEL,
              "v2", "--steps", "50", "--interval", "5s", "--check-every", "0.5s", "--min-calls", "10",
              "--max-p99-ratio", "1000", "--metrics", f"127.0.0.1:{canary.router.metrics_port}", "--judge", *flags],
@@ -270,7 +271,7 @@ def test_bad_judge_flags_exit_2_with_one_line_and_change_nothing(
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"], "v2": ["127.0.0.1:2"]},
                                       "experiment": experiment}})  # fmt: skip
     before = registry.read_text()
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.admin", "--registry", f"file:{registry}", "rollout", MODEL, "v2",
          "--metrics", "127.0.0.1:1", *flags],
         capture_output=True, text=True, timeout=60, cwd=ROOT,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from splitstream.common.headers import header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.proto.splitstream.v1 import router_pb2
+from tests import launcher
 from tests.harness import (
     DRAIN_DELAY,
     InferClient,
@@ -145,7 +145,7 @@ result = client.infer("{MODEL}", [inp], model_version="v1", request_id="triton-1
 assert result.get_response().id == "triton-1"
 np.save("{tmp_path / "y.npy"}", result.as_numpy("y")); np.save("{tmp_path / "label.npy"}", result.as_numpy("label"))
 """
-    subprocess.run([triton_python, "-c", script], check=True, timeout=60)
+    launcher.run([triton_python, "-c", script], check=True, timeout=60)
     session = onnxruntime.InferenceSession(str(deployment.repository / MODEL / "v1" / "model.onnx"))
     y, label = session.run(["y", "label"], {"x": x})
     np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), y)
@@ -565,7 +565,7 @@ def test_model_metadata_and_readiness_answer_for_the_model(deployment: Deploymen
 
 
 def test_a_missing_registry_file_exits_2_with_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
+    result = launcher.run(
         [
             sys.executable,
             "-m",
@@ -592,7 +592,7 @@ def test_the_healthcheck_command_exits_0_for_a_serving_router_and_1_for_a_closed
 ) -> None:
     def check(address: str) -> int:
         command = [sys.executable, "-m", "splitstream.common.healthcheck", address]
-        return subprocess.run(command, capture_output=True, timeout=30).returncode
+        return launcher.run(command, capture_output=True, timeout=30).returncode
 
     assert check(deployment.router.address) == 0
     assert check(f"127.0.0.1:{free_port()}") == 1

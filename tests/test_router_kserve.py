@@ -9,7 +9,6 @@ import gzip
 import http.client
 import json
 import os
-import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ import pytest
 from demo import language
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from tests import launcher
 from tests.harness import (
     ServiceProcess,
     Stack,
@@ -95,7 +95,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
 def run_tritonclient(script: str) -> None:
     triton_python = os.environ.get("SPLITSTREAM_TRITON_PYTHON")
     assert triton_python, "run through `make test`, which provides tritonclient in its own venv"
-    subprocess.run([triton_python, "-c", script], check=True, timeout=120)
+    launcher.run([triton_python, "-c", script], check=True, timeout=120)
 
 
 def call(

@@ -30,6 +30,7 @@ import pytest
 from demo import language
 from splitstream.common.errors import ConfigError
 from splitstream.common.registry import parse_registry
+from tests import launcher
 from tests.consul_emulator import ConsulEmulator
 from tests.harness import (
     InferClient,
@@ -133,7 +134,7 @@ def litellm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # No network here: LiteLLM must not try to fetch its model price list at start.
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_TELEMETRY": "False"}
     with open(tmp / "litellm.log", "wb") as log:
-        process = subprocess.Popen(
+        process = launcher.Popen(
             [command, "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from splitstream.common.headers import from_header_value, header_value
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from tests import launcher
 from tests.harness import ROOT, Stack, metric_samples, scrape_metrics, wait_for, write_registry
 from tests.stream_client import OpenStream, is_final, run_stream
 from tests.triton_decoupled import read_events, start_standin, stream_request
@@ -396,7 +396,7 @@ while sum(1 for s in seen if s[2]) < 2:
 client.stop_stream()
 print(json.dumps(seen))
 """
-    done = subprocess.run([triton_python, "-c", script], check=True, timeout=60, capture_output=True, text=True)
+    done = launcher.run([triton_python, "-c", script], check=True, timeout=60, capture_output=True, text=True)
     import json
 
     seen = json.loads(done.stdout.strip().splitlines()[-1])
@@ -448,7 +448,7 @@ def test_a_stream_record_cap_that_cannot_work_is_refused_with_exit_2_naming_the_
 ) -> None:
     registry = tmp_path / "registry.yaml"
     write_registry(registry, {MODEL: {"endpoints": {"v1": ["127.0.0.1:1"]}}})
-    result = subprocess.run(
+    result = launcher.run(
         [
             sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0",
             "--metrics-port", "0", "--recorder", "127.0.0.1:1", "--hmac-key", "k",

@@ -22,6 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests import launcher
 from tests.harness import ROOT, ServiceProcess, free_port, scrape_metrics, wait_for, write_registry
 from tests.models import add_version
 from tests.redis_server import RedisServer
@@ -69,7 +70,7 @@ class Services:
 
     def run(self, service: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-        return subprocess.run(
+        return launcher.run(
             [sys.executable, "-m", f"splitstream.{service}", *args],
             env={**clean, **(env or {})},
             cwd=ROOT,

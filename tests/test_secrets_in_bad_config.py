@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from tests import launcher
 from tests.harness import ROOT, free_port
 
 PASSWORD = "probe-redis-secret-7"
@@ -21,7 +22,7 @@ PASSWORD = "probe-redis-secret-7"
 
 def run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", module, *args], env=clean, cwd=ROOT, capture_output=True, text=True, timeout=60
     )
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import launcher
 from tests.harness import ROOT, ServiceProcess, free_port, scrape_metrics, wait_for
 from tests.redis_server import RedisServer
 
@@ -50,7 +51,7 @@ COMMANDS = {
 
 def run(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", module, *args],
         env={**clean, **(env or {})},
         cwd=ROOT,
@@ -170,7 +171,7 @@ def test_a_log_line_that_quotes_a_url_or_a_password_pair_is_masked_whatever_logg
         "except ConnectionError:\n"
         "    log.exception('failed', detail={'dsn': 'h?token=log-secret-4&db=0'})\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    result = launcher.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 2

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from demo import language
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.worker.servicer import STREAM_QUEUE_RESPONSES
+from tests import launcher
 from tests.fake_gpu import fake_gpu_pythonpath
 from tests.harness import (
     InferClient,
@@ -464,7 +464,7 @@ print(json.dumps(seen), flush=True)
 # there in tritonclient's __del__ after the answers were in): leave without running them.
 import os; os._exit(0)
 """
-    done = subprocess.run([triton_python, "-c", script], check=False, timeout=180, capture_output=True, text=True)
+    done = launcher.run([triton_python, "-c", script], check=False, timeout=180, capture_output=True, text=True)
     assert done.returncode == 0, f"the script exited {done.returncode}:\n{done.stdout}\n{done.stderr[-4000:]}"
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     tokens = seen["t1"]

@@ -26,6 +26,7 @@ import yaml
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.tensors import output_arrays
+from tests import launcher
 from tests.fake_gpu import fake_gpu_pythonpath, needs_fake_cuda
 from tests.harness import ROOT, ServiceProcess, free_port, make_request, metric_samples, scrape_metrics
 from tests.models import add_version, affine_model
@@ -61,7 +62,7 @@ def repository(tmp_path: Path, **tensorrt: Any) -> Path:
 
 
 def run_module(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env
     )
 

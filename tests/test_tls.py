@@ -32,6 +32,7 @@ from splitstream.admin.main import main as admin
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
 from splitstream.common.records import ARCHIVED_PREFIX, stream_key
 from splitstream.common.tls import ClientTls
+from tests import launcher
 from tests.certs import Issued, Pki, served_serial
 from tests.consul_emulator import ConsulEmulator
 from tests.experiments import Call, Event, phase, write_calls, write_feedback
@@ -137,9 +138,9 @@ def test_a_tls_worker_answers_clients_that_trust_its_ca_and_refuses_plaintext_an
         "SPLITSTREAM_HEALTHCHECK_TLS_CA": str(pki.ca),
         "SPLITSTREAM_HEALTHCHECK_TLS_SERVER_NAME": "worker.internal",
     }
-    run = subprocess.run(check, capture_output=True, text=True, timeout=30, env={**os.environ, **tls_env}, check=False)
+    run = launcher.run(check, capture_output=True, text=True, timeout=30, env={**os.environ, **tls_env}, check=False)
     assert run.returncode == 0, run.stderr
-    assert subprocess.run(check, capture_output=True, timeout=30, check=False).returncode == 1
+    assert launcher.run(check, capture_output=True, timeout=30, check=False).returncode == 1
 
     # The admin CLI's shared --tls flags: it probes the worker's health over TLS, and says so without them.
     registry = tmp_path / "registry.yaml"
@@ -338,7 +339,7 @@ def test_every_hop_over_tls_records_a_call_that_a_read_only_user_replays_but_can
     assert b"tls-certless-1" not in {fields[b"request_id"] for _, fields in entries}
 
     out = tmp_path / "replay"
-    replayed = subprocess.run(
+    replayed = launcher.run(
         [
             sys.executable, "-m", "splitstream.replayer",
             "--redis-url", redis_tls.url_for(), "--redis-username", "splitstream-reader", *redis_files,
@@ -373,7 +374,7 @@ def test_a_bad_certificate_or_key_is_exit_2_with_one_line_naming_the_flag(tmp_pa
         (["--recorder-tls-ca", str(not_pem)], "--recorder-tls-ca"),
     ]  # fmt: skip
     for flags, expected in cases:
-        done = subprocess.run(
+        done = launcher.run(
             [sys.executable, "-m", "splitstream.router", "--registry", f"file:{registry}", "--port", "0", *flags],
             capture_output=True,
             text=True,
@@ -404,7 +405,7 @@ def test_bad_redis_and_consul_tls_settings_are_exit_2_with_one_line(tmp_path: Pa
         (router, {"CONSUL_HTTP_TOKEN_FILE": str(tmp_path / "nope")}, "CONSUL_HTTP_TOKEN_FILE"),
     ]  # fmt: skip
     for command, env, expected in cases:
-        done = subprocess.run(
+        done = launcher.run(
             command, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False, env={**os.environ, **env}
         )
         lines = done.stderr.strip().splitlines()
@@ -515,7 +516,7 @@ def test_analyze_reads_as_the_read_only_user_and_the_archiver_as_its_own_over_tl
         clean_env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
 
         def analyze(*flags: str, password: str = "reader-pw") -> subprocess.CompletedProcess[str]:
-            return subprocess.run(
+            return launcher.run(
                 [sys.executable, "-m", "splitstream.admin", "analyze", MODEL, "--redis-url", redis_tls.url_for(),
                  "--since", "-1h", "--metric", "click:proportion", "--output-dir", str(tmp_path / "analysis"), *flags],
                 env={**clean_env, "SPLITSTREAM_ADMIN_REDIS_PASSWORD": password},
@@ -719,7 +720,7 @@ def test_the_allow_list_matches_the_cn_dns_sans_and_spiffe_ids_never_other_san_t
 
 
 def test_an_allow_list_without_mutual_tls_exits_2_naming_the_flag(tmp_path: Path, pki: Pki) -> None:
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", "splitstream.recorder", "--port", "0", "--metrics-port", "0",
          "--allowed-client-identities", "router-a", *tls_server_args(pki.issue("recorder"))],
         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False,

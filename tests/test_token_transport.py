@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from splitstream.common.tls import PLAINTEXT, ClientTls
+from tests import launcher
 from tests.certs import Pki
 from tests.harness import ROOT, Stack, free_port, health_status, running_stack, write_registry
 from tests.redis_server import RedisServer
@@ -48,7 +49,7 @@ def token_file(tmp_path: Path) -> Path:
 
 
 def run(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", module, *args],
         capture_output=True, text=True, timeout=60, cwd=ROOT, check=False, env={**os.environ, **env},
     )  # fmt: skip

@@ -3,7 +3,6 @@ never raises, never yields an entry that was not appended whole, and finds every
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -14,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitstream.common import wal
+from tests import launcher
 
 
 def write_segment(directory: Path, number: int, data: bytes) -> None:
@@ -221,7 +221,7 @@ FILL_WAL_UNDER_FILE_SIZE_LIMIT = textwrap.dedent(
 
 
 def test_a_parted_append_failing_part_way_leaves_no_torn_entry_and_gives_its_space_back(tmp_path: Path) -> None:
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-c", FILL_WAL_UNDER_FILE_SIZE_LIMIT, str(tmp_path)],
         capture_output=True,
         text=True,

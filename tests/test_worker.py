@@ -29,6 +29,7 @@ import splitstream
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
 from splitstream.common.proto.inference import grpc_service_pb2_grpc
 from splitstream.common.tensors import output_arrays
+from tests import launcher
 from tests.harness import (
     ROOT,
     ServiceProcess,
@@ -511,7 +512,7 @@ async def _wait_async(condition: Callable[[], bool], what: str, timeout_s: float
 
 
 def run_worker_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", "splitstream.worker", *args],
         capture_output=True,
         text=True,

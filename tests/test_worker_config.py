@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from hypothesis import strategies as st
 
 from splitstream.common.errors import ConfigError
 from splitstream.worker.config import ModelConfig
+from tests import launcher
 from tests.fuzzing import all_paths
 from tests.harness import ROOT
 from tests.models import add_version
@@ -113,7 +113,7 @@ def test_a_worker_told_to_generate_with_a_graph_that_is_no_next_token_model_exit
     (directory / "config.yaml").write_text("backend: onnxruntime\nmax_batch_size: 8\ngeneration: {}\n")
     clean = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSTREAM_")}
     flags = ["--model-repository", str(tmp_path), "--model", "m", "--version", "v1", "--port", "0"]
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.worker", *flags, "--metrics-port", "0"],
         env=clean,
         cwd=ROOT,
@@ -158,7 +158,7 @@ def test_a_worker_given_a_config_yaml_that_is_not_utf8_exits_2_with_one_line(tmp
         "--metrics-port",
         "0",
     ]
-    result = subprocess.run(
+    result = launcher.run(
         [sys.executable, "-m", "splitstream.worker", *flags],
         env=clean,
         cwd=ROOT,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 from demo import language
 from splitstream.common import tensors
 from splitstream.common.proto.inference import grpc_service_pb2 as oip
+from tests import launcher
 from tests.harness import InferClient, ServiceProcess, Stack
 from tests.models import save_graph
 from tests.streams import Answer, StreamClient, generation_request, is_final, token_text
@@ -203,7 +203,7 @@ def run(streaming, log_probs):
 
 print(json.dumps({{"whole": run(False, False), "streamed": run(True, False), "log_probs": run(False, True)}}))
 """
-    done = subprocess.run([triton_python, "-c", script], check=True, timeout=180, capture_output=True, text=True)
+    done = launcher.run([triton_python, "-c", script], check=True, timeout=180, capture_output=True, text=True)
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     expected = reference(b"The ", 24, bad_words=[b"the"])
     text = expected.text.decode()

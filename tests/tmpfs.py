@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from tests import launcher
 
 
 @contextmanager
@@ -17,7 +18,7 @@ def small_tmpfs(directory: Path, size: str) -> Iterator[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    mounted = subprocess.run(
+    mounted = launcher.run(
         ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(directory)], capture_output=True, text=True
     )
     if mounted.returncode != 0:
@@ -25,4 +26,4 @@ def small_tmpfs(directory: Path, size: str) -> Iterator[Path]:
     try:
         yield directory
     finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
+        launcher.run(["umount", "-l", str(directory)], check=False)
