@@ -26,7 +26,7 @@ import yaml
 
 from splitstream.common.headers import VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import entry_fields, stream_key
+from splitstream.common.records import entry_fields, routing_key_hmac, stream_key
 from splitstream.common.timewindow import format_instant
 from tests.doc_examples import Background, Rewrite, block, documents, marked_blocks, page_name, run_block
 from tests.experiments import Call, Event, call_record, phase, write_calls, write_feedback
@@ -291,9 +291,11 @@ PAGE_INCIDENT = ("2026-11-29T14:02:00Z", "2026-11-29T14:05:00Z")
 PAGE_EXPERIMENT_START = "2026-11-29T14:00:00Z"
 PAGE_LAST_MONTH = ("2026-10-01T00:00Z", "2026-10-01T06:00Z")
 #: How far before the test's start each lands: the incident out of the replays' and analyses' last day (-1d)
-#: and of the day before it (-2d .. -1d); last month within analysis.md's archive lines (-30d).
+#: and of the day before it (-2d .. -1d); last month within analysis.md's archive lines (-30d); the users' calls
+#: of the week before, which analysis.md's CUPED line reads as its pre-period (-8d .. -1d), inside it.
 INCIDENT_DAYS_BEFORE = 2
 LAST_MONTH_DAYS_BEFORE = 20
+LAST_WEEK_DAYS_BEFORE = 4
 
 
 def _epoch_s(text: str) -> int:
@@ -320,8 +322,9 @@ class PastDates:
     The pages mix fixed dates (an incident on 2026-11-29) with times relative to now (``--since -1d``,
     ``--cuped-pre-since -8d``, ``--since -30d``), so calls written at the fixed dates would leave a relative
     window, or enter one, as the calendar moves: last month's calls (2026-10-01) left ``--since -30d`` at the
-    end of October. Moved by whole days, a window keeps its time of day (``incident-1402``) and its distance to the
-    page's other dates, and every line reads the same calls on any day.
+    end of October, and the CUPED pre-period (``-8d .. -1d``) held the incident for a week, then nothing.
+    Moved by whole days, a window keeps its time of day (``incident-1402``) and its distance to the page's
+    other dates, and every line reads the same calls on any day.
     """
 
     incident_days: int
@@ -352,6 +355,13 @@ class PastDates:
             _epoch_s(PAGE_LAST_MONTH[1]) + self.last_month_days * DAY_S,
         )
 
+    @property
+    def last_week(self) -> tuple[int, int]:
+        """The hour of the live users' calls of the week before, which analysis.md's CUPED line reads as its
+        pre-period (no page names it)."""
+        start = int(self.now_s) - LAST_WEEK_DAYS_BEFORE * DAY_S
+        return (start, start + 3_600)
+
     def moved(self, *texts: str) -> dict[str, str]:
         """The replacements of the pages' fixed dates ``texts`` (for a :class:`Rewrite`, which fails when the
         block no longer holds one)."""
@@ -372,14 +382,15 @@ class PastDates:
 )
 def test_the_pages_past_dates_land_where_their_relative_lines_read_them_on_any_day(now: str) -> None:
     """The calls at the moved dates fall in the same relative windows whatever the day: the incident out of
-    the last two days, last month inside -30d; and the
+    the last two days, the users' week before inside the CUPED pre-period, last month inside -30d; and the
     text that replaces a page's date names the instant the calls are written at."""
     now_s = _epoch_s(now)
     dates = PastDates.before(now_s)
-    incident, last_month = dates.incident, dates.last_month
+    incident, last_month, last_week = dates.incident, dates.last_month, dates.last_week
     assert now_s - 3 * DAY_S < incident[0] <= now_s - 2 * DAY_S
     assert incident[1] - incident[0] == 180
     assert datetime.fromtimestamp(incident[0], UTC).strftime("%H:%M:%S") == "14:02:00"  # incident-1402
+    assert now_s - 8 * DAY_S <= last_week[0] < last_week[1] < now_s - DAY_S
     assert now_s - 30 * DAY_S < last_month[0] < last_month[1] < now_s - 8 * DAY_S
     assert last_month[1] - last_month[0] == 6 * 3_600
     moved = dates.moved(*PAGE_INCIDENT, PAGE_EXPERIMENT_START, *PAGE_LAST_MONTH)
@@ -398,6 +409,8 @@ class Resnet:
     live: list[str]
     incident: list[str]
     last_month: list[str]
+    #: The live users' calls of the week before (request ids, in the order of the live calls' users).
+    last_week: list[str]
 
 
 def past_calls(prefix: str, window: tuple[int, int], n: int) -> list[Call]:
@@ -405,6 +418,17 @@ def past_calls(prefix: str, window: tuple[int, int], n: int) -> list[Call]:
     takes 1.2 s, not the window's minutes)."""
     start_ns = (window[0] + 30) * 1_000_000_000
     return [Call(f"{prefix}-{i}", start_ns + i * 100_000_000, "v1", unit=f"unit-{i}") for i in range(n)]
+
+
+def last_week_calls(window: tuple[int, int], users: list[str]) -> list[Call]:
+    """A call of each user in the window, a minute apart, as the router records them (the routing key's HMAC):
+    the units the CUPED line finds in its pre-period."""
+    start_ns = window[0] * 1_000_000_000
+    key = HMAC_KEY.encode()
+    return [
+        Call(f"last-week-{i}", start_ns + i * 60 * 10**9, "v1", unit=routing_key_hmac(key, user))
+        for i, user in enumerate(users)
+    ]
 
 
 def write_past(client: redis_lib.Redis, calls: list[Call], request: bytes, response: bytes) -> None:
@@ -420,8 +444,8 @@ def write_past(client: redis_lib.Redis, calls: list[Call], request: bytes, respo
 @pytest.fixture(scope="module")
 def resnet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[Resnet]:
     """Model resnet, v1 and v2 (the same y = 2x, so a replay of one against the other matches), behind a
-    router recording to the shared Redis; 40 live calls, and the past windows the pages replay, at dates
-    computed from now (:class:`PastDates`)."""
+    router recording to the shared Redis; 40 live calls, one of each of 40 users, the same users' calls of the
+    week before, and the past windows the pages replay, at dates computed from now (:class:`PastDates`)."""
     dates = PastDates.before(time.time())
     tmp = tmp_path_factory.mktemp("resnet")
     for version in ("v1", "v2"):
@@ -452,15 +476,17 @@ def resnet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iter
         worker = InferClient(workers["v1"])
         answer, _ = worker.infer(make_request("resnet", x))
         worker.close()
+        users = [f"user-{i}" for i in range(40)]
         incident = past_calls("incident", dates.incident, 12)
         last_month = past_calls("last-month", dates.last_month, 10)
-        past = [*last_month, *incident]
+        last_week = last_week_calls(dates.last_week, users)
+        past = [*last_month, *last_week, *incident]
         writer = redis.client()
         write_past(writer, past, make_request("resnet", x).SerializeToString(), answer.SerializeToString())
         client = InferClient(router.address)
-        live = [f"live-{i}" for i in range(40)]
-        for i, request_id in enumerate(live):
-            client.infer(make_request("resnet", x, request_id=request_id), metadata=[("x-routing-key", f"user-{i}")])
+        live = [f"live-{i}" for i in range(len(users))]
+        for request_id, user in zip(live, users, strict=True):
+            client.infer(make_request("resnet", x, request_id=request_id), metadata=[("x-routing-key", user)])
         client.close()
         wait_for(
             lambda: writer.xlen("splitstream:calls:resnet") >= len(live) + len(past),
@@ -476,6 +502,7 @@ def resnet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iter
             live,
             [c.request_id for c in incident],
             [c.request_id for c in last_month],
+            [c.request_id for c in last_week],
         )
     finally:
         stack.close()
@@ -542,7 +569,7 @@ def test_replay_gates_the_candidate_on_yesterdays_traffic(resnet: Resnet, redis:
         json.loads(line)["request_id"] for line in (cwd / "replay-out" / "results.jsonl").read_text().splitlines()
     }
     assert set(resnet.live) <= replayed  # yesterday's calls (and the incident's replays the router recorded)
-    assert replayed.isdisjoint(resnet.incident + resnet.last_month)  # not last week's or last month's
+    assert replayed.isdisjoint(resnet.incident + resnet.last_week + resnet.last_month)  # none of earlier days
     if report["gate"]["passed"]:
         assert result.returncode == 0, result.stdout + result.stderr
     else:
@@ -562,9 +589,16 @@ def test_replay_compares_two_targets_on_the_failed_calls(resnet: Resnet, redis: 
 # -- analysis.md --------------------------------------------------------------------------------------
 
 
+def last_week_revenue(i: int) -> float:
+    """What user ``i`` spent on its call of the week before: about what it spends now (``i % 7``), so the CUPED
+    line's covariate explains most of a user's revenue."""
+    return float(i % 7) + 0.5 * ((5 * i) % 3 - 1)
+
+
 def write_outcomes(redis: RedisServer, resnet: Resnet) -> None:
     """What the page's metrics read: a click, a satisfaction score, revenue and a wait for each live call
-    (as the recorder writes reported events), and an LLM's generations with their tokens and TTFT."""
+    (as the recorder writes reported events), each user's revenue of the week before (a second after its call
+    then), and an LLM's generations with their tokens and TTFT."""
     now_ns = time.time_ns()
     events = []
     for i, request_id in enumerate(resnet.live):
@@ -574,6 +608,11 @@ def write_outcomes(redis: RedisServer, resnet: Resnet) -> None:
             Event("revenue", float(i % 7), now_ns, request_id=request_id),
             Event("wait_s", 1.0 + (i % 4) / 10, now_ns, request_id=request_id),
         ]
+    last_week_ns = resnet.dates.last_week[0] * 10**9
+    for i, request_id in enumerate(resnet.last_week):
+        events.append(
+            Event("revenue", last_week_revenue(i), last_week_ns + i * 60 * 10**9 + 10**9, request_id=request_id)
+        )
     client = redis.client()
     write_feedback(client, "resnet", events)
     llm_calls = [
@@ -594,6 +633,8 @@ def write_outcomes(redis: RedisServer, resnet: Resnet) -> None:
 
 @pytest.mark.slow
 def test_analysis_compares_the_arms_on_each_pages_metric(resnet: Resnet, redis: RedisServer) -> None:
+    """Every line runs; the CUPED line's pre-period (the week before, relative) holds each user's revenue of
+    then, so its interval is narrowed by the covariate, whatever the day the test runs."""
     write_outcomes(redis, resnet)
     cwd = resnet.cwd / "analysis"
     rewrite = Rewrite({"redis://127.0.0.1:6379/0": redis.url, **resnet.dates.moved(PAGE_EXPERIMENT_START)})
@@ -607,6 +648,12 @@ def test_analysis_compares_the_arms_on_each_pages_metric(resnet: Resnet, redis: 
     analysis = json.loads((cwd / "ab-resnet" / "analysis.json").read_text())
     assert analysis["model"] == "resnet"
     assert (cwd / "ab-resnet" / "analysis.html").is_file()
+    cuped = json.loads((cwd / "ab-cuped" / "analysis.json").read_text())
+    [revenue] = [c for p in cuped["phases"] for c in p["comparisons"] if c["metric"] == "revenue"]
+    assert (revenue["cuped_theta"] or 0) > 0.5, revenue  # None: no pre-period value, the plain comparison
+    width = revenue["absolute_ci"]["high"] - revenue["absolute_ci"]["low"]
+    unadjusted = revenue["unadjusted_ci"]["high"] - revenue["unadjusted_ci"]["low"]
+    assert width < 0.5 * unadjusted, revenue
 
 
 # -- archive.md (and analysis.md's lines that read the archive) ----------------------------------------
