@@ -2,10 +2,13 @@
 
 A page marks each block a test runs with ``<!-- example: NAME -->`` on the line before its fence (GitHub
 shows nothing of the comment). The block runs with bash, in a directory of the test's own, as it stands
-on the page but for the addresses and paths the test names in a :class:`Rewrite`: the page says
+on the page but for the addresses, paths and fixed dates the test names in a :class:`Rewrite`: the page says
 ``127.0.0.1:6379`` and ``localhost:8001``, the test has its servers on free ports. A server the example
 leaves on its default port is moved with that flag's environment variable (``SPLITSTREAM_ROUTER_PORT``:
-[configuration.md](../docs/configuration.md)), so the line on the page is the line that runs.
+[configuration.md](../docs/configuration.md)), so the line on the page is the line that runs. A page's
+concrete date (an incident on ``2026-11-29T14:02:00Z``) stands beside times relative to now (``--since -1d``),
+so the test writes that date's calls a set number of days before its own start and moves the date there by
+whole days: each line then reads the same calls on any day (tests/test_docs_examples.py, ``PastDates``).
 
 ``.venv/bin/<command>`` and a bare ``splitstream-...`` both name the commands of the virtual environment
 running the tests; ``python -m demo.train`` finds this checkout's ``demo`` package.
@@ -70,8 +73,8 @@ def block(page: str, name: str) -> Block:
 
 @dataclass(frozen=True, slots=True)
 class Rewrite:
-    """What a test changes in a block before it runs it: each key (an address or path of the page) becomes
-    its value. A key the block no longer holds fails the test, so an edited page cannot leave a rewrite
+    """What a test changes in a block before it runs it: each key (an address, path or fixed date of the page)
+    becomes its value. A key the block no longer holds fails the test, so an edited page cannot leave a rewrite
     silently doing nothing (and the example talking to a port nobody listens on)."""
 
     replacements: Mapping[str, str] = field(default_factory=dict)

@@ -8,12 +8,14 @@ A page whose example cannot run here is in :data:`NOT_RUN` with the reason; a pa
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
@@ -24,7 +26,8 @@ import yaml
 
 from splitstream.common.headers import VERSION_HEADER
 from splitstream.common.proto.splitstream.v1 import recorder_pb2
-from splitstream.common.records import entry_fields, stream_key
+from splitstream.common.records import entry_fields, routing_key_hmac, stream_key
+from splitstream.common.timewindow import format_instant
 from tests.doc_examples import Background, Rewrite, block, documents, marked_blocks, page_name, run_block
 from tests.experiments import Call, Event, call_record, phase, write_calls, write_feedback
 from tests.harness import InferClient, Stack, free_port, listen_args, make_request, wait_for, write_registry
@@ -281,10 +284,120 @@ def test_recording_records_every_call_and_redis_cli_reads_the_last_five_back(
 # -- resnet: the model of replay.md, analysis.md and archive.md ----------------------------------------
 
 HMAC_KEY = "docs-examples-key"
-#: The incident window of replay.md, and last month's window of archive.md: calls written there as the
-#: recorder writes them (their requests are real ones), since no test can answer calls in the past.
-INCIDENT = (1795960920, 1795961100)  # 2026-11-29T14:02:00Z .. 14:05:00Z
-LAST_MONTH = (1790812800, 1790834400)  # 2026-10-01T00:00Z .. 06:00Z
+DAY_S = 86_400
+#: The fixed dates of the pages, as they stand there: replay.md's incident window, analysis.md's experiment
+#: start two minutes before it, and archive.md's window of last month.
+PAGE_INCIDENT = ("2026-11-29T14:02:00Z", "2026-11-29T14:05:00Z")
+PAGE_EXPERIMENT_START = "2026-11-29T14:00:00Z"
+PAGE_LAST_MONTH = ("2026-10-01T00:00Z", "2026-10-01T06:00Z")
+#: How far before the test's start each lands: the incident out of the replays' and analyses' last day (-1d)
+#: and of the day before it (-2d .. -1d); last month within analysis.md's archive lines (-30d); the users' calls
+#: of the week before, which analysis.md's CUPED line reads as its pre-period (-8d .. -1d), inside it.
+INCIDENT_DAYS_BEFORE = 2
+LAST_MONTH_DAYS_BEFORE = 20
+LAST_WEEK_DAYS_BEFORE = 4
+
+
+def _epoch_s(text: str) -> int:
+    return int(datetime.fromisoformat(text).timestamp())
+
+
+def _moved(text: str, days: int) -> str:
+    """A page's instant ``days`` later (earlier when negative), written as the page writes it."""
+    moment = datetime.fromisoformat(text).astimezone(UTC) + timedelta(days=days)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ" if text.count(":") == 2 else "%Y-%m-%dT%H:%MZ")
+
+
+def _days_to(text: str, now_s: float, days_before: int) -> int:
+    """The whole days that move the page's ``text`` to between ``days_before`` and ``days_before + 1`` days
+    before ``now_s`` (negative: back)."""
+    return math.floor((now_s - days_before * DAY_S - _epoch_s(text)) / DAY_S)
+
+
+@dataclass(frozen=True, slots=True)
+class PastDates:
+    """Where the test writes the pages' past calls, computed from its start: the pages' fixed dates moved by
+    whole days, and the moved dates that replace them in the blocks that hold them.
+
+    The pages mix fixed dates (an incident on 2026-11-29) with times relative to now (``--since -1d``,
+    ``--cuped-pre-since -8d``, ``--since -30d``), so calls written at the fixed dates would leave a relative
+    window, or enter one, as the calendar moves: last month's calls (2026-10-01) left ``--since -30d`` at the
+    end of October, and the CUPED pre-period (``-8d .. -1d``) held the incident for a week, then nothing.
+    Moved by whole days, a window keeps its time of day (``incident-1402``) and its distance to the page's
+    other dates, and every line reads the same calls on any day.
+    """
+
+    incident_days: int
+    last_month_days: int
+    now_s: float
+
+    @classmethod
+    def before(cls, now_s: float) -> PastDates:
+        return cls(
+            _days_to(PAGE_INCIDENT[0], now_s, INCIDENT_DAYS_BEFORE),
+            _days_to(PAGE_LAST_MONTH[0], now_s, LAST_MONTH_DAYS_BEFORE),
+            now_s,
+        )
+
+    @property
+    def incident(self) -> tuple[int, int]:
+        """replay.md's incident window, in unix seconds."""
+        return (
+            _epoch_s(PAGE_INCIDENT[0]) + self.incident_days * DAY_S,
+            _epoch_s(PAGE_INCIDENT[1]) + self.incident_days * DAY_S,
+        )
+
+    @property
+    def last_month(self) -> tuple[int, int]:
+        """archive.md's window of last month, in unix seconds."""
+        return (
+            _epoch_s(PAGE_LAST_MONTH[0]) + self.last_month_days * DAY_S,
+            _epoch_s(PAGE_LAST_MONTH[1]) + self.last_month_days * DAY_S,
+        )
+
+    @property
+    def last_week(self) -> tuple[int, int]:
+        """The hour of the live users' calls of the week before, which analysis.md's CUPED line reads as its
+        pre-period (no page names it)."""
+        start = int(self.now_s) - LAST_WEEK_DAYS_BEFORE * DAY_S
+        return (start, start + 3_600)
+
+    def moved(self, *texts: str) -> dict[str, str]:
+        """The replacements of the pages' fixed dates ``texts`` (for a :class:`Rewrite`, which fails when the
+        block no longer holds one)."""
+        days = {text: self.incident_days for text in (*PAGE_INCIDENT, PAGE_EXPERIMENT_START)}
+        days |= {text: self.last_month_days for text in PAGE_LAST_MONTH}
+        return {text: _moved(text, days[text]) for text in texts}
+
+
+@pytest.mark.parametrize(
+    "now",
+    [
+        "2026-01-01T00:00:00Z",  # before the pages' dates: they move forward
+        "2026-12-07T15:00:00Z",
+        "2027-12-07T15:00:00Z",  # a year on
+        "2028-02-29T23:59:59Z",
+        "2040-06-30T14:03:00Z",  # a minute past the incident's time of day, 14 years on
+    ],
+)
+def test_the_pages_past_dates_land_where_their_relative_lines_read_them_on_any_day(now: str) -> None:
+    """The calls at the moved dates fall in the same relative windows whatever the day: the incident out of
+    the last two days, the users' week before inside the CUPED pre-period, last month inside -30d; and the
+    text that replaces a page's date names the instant the calls are written at."""
+    now_s = _epoch_s(now)
+    dates = PastDates.before(now_s)
+    incident, last_month, last_week = dates.incident, dates.last_month, dates.last_week
+    assert now_s - 3 * DAY_S < incident[0] <= now_s - 2 * DAY_S
+    assert incident[1] - incident[0] == 180
+    assert datetime.fromtimestamp(incident[0], UTC).strftime("%H:%M:%S") == "14:02:00"  # incident-1402
+    assert now_s - 8 * DAY_S <= last_week[0] < last_week[1] < now_s - DAY_S
+    assert now_s - 30 * DAY_S < last_month[0] < last_month[1] < now_s - 8 * DAY_S
+    assert last_month[1] - last_month[0] == 6 * 3_600
+    moved = dates.moved(*PAGE_INCIDENT, PAGE_EXPERIMENT_START, *PAGE_LAST_MONTH)
+    assert [_epoch_s(moved[text]) for text in PAGE_INCIDENT] == list(incident)
+    assert _epoch_s(moved[PAGE_EXPERIMENT_START]) == incident[0] - 120
+    assert [_epoch_s(moved[text]) for text in PAGE_LAST_MONTH] == list(last_month)
+    assert [len(moved[text]) for text in moved] == [len(text) for text in moved]  # written as the page writes it
 
 
 @dataclass
@@ -292,9 +405,12 @@ class Resnet:
     cwd: Path
     router: str
     workers: dict[str, str]
+    dates: PastDates
     live: list[str]
     incident: list[str]
     last_month: list[str]
+    #: The live users' calls of the week before (request ids, in the order of the live calls' users).
+    last_week: list[str]
 
 
 def past_calls(prefix: str, window: tuple[int, int], n: int) -> list[Call]:
@@ -304,11 +420,22 @@ def past_calls(prefix: str, window: tuple[int, int], n: int) -> list[Call]:
     return [Call(f"{prefix}-{i}", start_ns + i * 100_000_000, "v1", unit=f"unit-{i}") for i in range(n)]
 
 
+def last_week_calls(window: tuple[int, int], users: list[str]) -> list[Call]:
+    """A call of each user in the window, a minute apart, as the router records them (the routing key's HMAC):
+    the units the CUPED line finds in its pre-period."""
+    start_ns = window[0] * 1_000_000_000
+    key = HMAC_KEY.encode()
+    return [
+        Call(f"last-week-{i}", start_ns + i * 60 * 10**9, "v1", unit=routing_key_hmac(key, user))
+        for i, user in enumerate(users)
+    ]
+
+
 def write_past(client: redis_lib.Redis, calls: list[Call], request: bytes, response: bytes) -> None:
     """The calls' entries as the recorder writes them, at their time (tests/experiments.py), each with the
     request and the answer of a real call."""
     call_phase = phase({"v1": 50, "v2": 50}, "v1", salt="resnet-docs")
-    for call in calls:
+    for call in sorted(calls, key=lambda call: call.time_ns):  # a stream's ids only grow
         record = call_record("resnet", call, call_phase, request)
         record.response.CopyFrom(recorder_pb2.Payload(inline=response, size_bytes=len(response)))
         client.xadd(stream_key("resnet"), entry_fields(record), id=f"{call.time_ns // 1_000_000}-*")  # type: ignore[arg-type]
@@ -317,7 +444,9 @@ def write_past(client: redis_lib.Redis, calls: list[Call], request: bytes, respo
 @pytest.fixture(scope="module")
 def resnet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iterator[Resnet]:
     """Model resnet, v1 and v2 (the same y = 2x, so a replay of one against the other matches), behind a
-    router recording to the shared Redis; 40 live calls, and the past windows the pages replay."""
+    router recording to the shared Redis; 40 live calls, one of each of 40 users, the same users' calls of the
+    week before, and the past windows the pages replay, at dates computed from now (:class:`PastDates`)."""
+    dates = PastDates.before(time.time())
     tmp = tmp_path_factory.mktemp("resnet")
     for version in ("v1", "v2"):
         add_version(tmp / "models", "resnet", version, scale=2.0)
@@ -347,25 +476,33 @@ def resnet(tmp_path_factory: pytest.TempPathFactory, redis: RedisServer) -> Iter
         worker = InferClient(workers["v1"])
         answer, _ = worker.infer(make_request("resnet", x))
         worker.close()
-        incident = past_calls("incident", INCIDENT, 12)
-        last_month = past_calls("october", LAST_MONTH, 10)
+        users = [f"user-{i}" for i in range(40)]
+        incident = past_calls("incident", dates.incident, 12)
+        last_month = past_calls("last-month", dates.last_month, 10)
+        last_week = last_week_calls(dates.last_week, users)
+        past = [*last_month, *last_week, *incident]
         writer = redis.client()
-        write_past(
-            writer, [*last_month, *incident], make_request("resnet", x).SerializeToString(), answer.SerializeToString()
-        )
+        write_past(writer, past, make_request("resnet", x).SerializeToString(), answer.SerializeToString())
         client = InferClient(router.address)
-        live = [f"live-{i}" for i in range(40)]
-        for i, request_id in enumerate(live):
-            client.infer(make_request("resnet", x, request_id=request_id), metadata=[("x-routing-key", f"user-{i}")])
+        live = [f"live-{i}" for i in range(len(users))]
+        for request_id, user in zip(live, users, strict=True):
+            client.infer(make_request("resnet", x, request_id=request_id), metadata=[("x-routing-key", user)])
         client.close()
         wait_for(
-            lambda: writer.xlen("splitstream:calls:resnet") >= len(live) + len(incident) + len(last_month),
+            lambda: writer.xlen("splitstream:calls:resnet") >= len(live) + len(past),
             timeout_s=30,
             what="the live calls in Redis",
         )
         writer.close()
         yield Resnet(
-            tmp, router.address, workers, live, [c.request_id for c in incident], [c.request_id for c in last_month]
+            tmp,
+            router.address,
+            workers,
+            dates,
+            live,
+            [c.request_id for c in incident],
+            [c.request_id for c in last_month],
+            [c.request_id for c in last_week],
         )
     finally:
         stack.close()
@@ -395,16 +532,20 @@ def replay_rewrite(resnet: Resnet, redis: RedisServer) -> Rewrite:
     )
 
 
-def run_replay_example(name: str, resnet: Resnet, redis: RedisServer) -> tuple[subprocess.CompletedProcess[str], Path]:
+def run_replay_example(
+    name: str, resnet: Resnet, redis: RedisServer, dates: Mapping[str, str] = {}
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """Run the page's block ``name`` with the addresses it holds moved, and ``dates`` (:meth:`PastDates.moved`)."""
     example = block("replay.md", name)
-    rewrite = Rewrite({k: v for k, v in replay_rewrite(resnet, redis).replacements.items() if k in example.text})
+    addresses = {k: v for k, v in replay_rewrite(resnet, redis).replacements.items() if k in example.text}
+    rewrite = Rewrite({**addresses, **dates})
     cwd = resnet.cwd / f"replay-{name}"
     return run_block(example, cwd, rewrite=rewrite, env=replay_env(redis), timeout_s=180), cwd
 
 
 @pytest.mark.slow
 def test_replay_resends_the_incident_window_to_v2_through_the_router(resnet: Resnet, redis: RedisServer) -> None:
-    result, cwd = run_replay_example("incident", resnet, redis)
+    result, cwd = run_replay_example("incident", resnet, redis, resnet.dates.moved(*PAGE_INCIDENT))
     assert result.returncode == 0, result.stdout + result.stderr
     out = cwd / "incident-1402"
     for name in ("results.jsonl", "summary.json", "report.html"):
@@ -428,7 +569,7 @@ def test_replay_gates_the_candidate_on_yesterdays_traffic(resnet: Resnet, redis:
         json.loads(line)["request_id"] for line in (cwd / "replay-out" / "results.jsonl").read_text().splitlines()
     }
     assert set(resnet.live) <= replayed  # yesterday's calls (and the incident's replays the router recorded)
-    assert replayed.isdisjoint(resnet.incident + resnet.last_month)  # not last week's or last month's
+    assert replayed.isdisjoint(resnet.incident + resnet.last_week + resnet.last_month)  # none of earlier days
     if report["gate"]["passed"]:
         assert result.returncode == 0, result.stdout + result.stderr
     else:
@@ -448,9 +589,16 @@ def test_replay_compares_two_targets_on_the_failed_calls(resnet: Resnet, redis: 
 # -- analysis.md --------------------------------------------------------------------------------------
 
 
+def last_week_revenue(i: int) -> float:
+    """What user ``i`` spent on its call of the week before: about what it spends now (``i % 7``), so the CUPED
+    line's covariate explains most of a user's revenue."""
+    return float(i % 7) + 0.5 * ((5 * i) % 3 - 1)
+
+
 def write_outcomes(redis: RedisServer, resnet: Resnet) -> None:
     """What the page's metrics read: a click, a satisfaction score, revenue and a wait for each live call
-    (as the recorder writes reported events), and an LLM's generations with their tokens and TTFT."""
+    (as the recorder writes reported events), each user's revenue of the week before (a second after its call
+    then), and an LLM's generations with their tokens and TTFT."""
     now_ns = time.time_ns()
     events = []
     for i, request_id in enumerate(resnet.live):
@@ -460,6 +608,11 @@ def write_outcomes(redis: RedisServer, resnet: Resnet) -> None:
             Event("revenue", float(i % 7), now_ns, request_id=request_id),
             Event("wait_s", 1.0 + (i % 4) / 10, now_ns, request_id=request_id),
         ]
+    last_week_ns = resnet.dates.last_week[0] * 10**9
+    for i, request_id in enumerate(resnet.last_week):
+        events.append(
+            Event("revenue", last_week_revenue(i), last_week_ns + i * 60 * 10**9 + 10**9, request_id=request_id)
+        )
     client = redis.client()
     write_feedback(client, "resnet", events)
     llm_calls = [
@@ -480,9 +633,11 @@ def write_outcomes(redis: RedisServer, resnet: Resnet) -> None:
 
 @pytest.mark.slow
 def test_analysis_compares_the_arms_on_each_pages_metric(resnet: Resnet, redis: RedisServer) -> None:
+    """Every line runs; the CUPED line's pre-period (the week before, relative) holds each user's revenue of
+    then, so its interval is narrowed by the covariate, whatever the day the test runs."""
     write_outcomes(redis, resnet)
     cwd = resnet.cwd / "analysis"
-    rewrite = Rewrite({"redis://127.0.0.1:6379/0": redis.url})
+    rewrite = Rewrite({"redis://127.0.0.1:6379/0": redis.url, **resnet.dates.moved(PAGE_EXPERIMENT_START)})
     result = run_block(
         block("analysis.md", "analyze"), cwd, rewrite=rewrite, env={"SPLITSTREAM_ADMIN_REDIS_URL": redis.url}
     )
@@ -493,6 +648,12 @@ def test_analysis_compares_the_arms_on_each_pages_metric(resnet: Resnet, redis: 
     analysis = json.loads((cwd / "ab-resnet" / "analysis.json").read_text())
     assert analysis["model"] == "resnet"
     assert (cwd / "ab-resnet" / "analysis.html").is_file()
+    cuped = json.loads((cwd / "ab-cuped" / "analysis.json").read_text())
+    [revenue] = [c for p in cuped["phases"] for c in p["comparisons"] if c["metric"] == "revenue"]
+    assert (revenue["cuped_theta"] or 0) > 0.5, revenue  # None: no pre-period value, the plain comparison
+    width = revenue["absolute_ci"]["high"] - revenue["absolute_ci"]["low"]
+    unadjusted = revenue["unadjusted_ci"]["high"] - revenue["unadjusted_ci"]["low"]
+    assert width < 0.5 * unadjusted, revenue
 
 
 # -- archive.md (and analysis.md's lines that read the archive) ----------------------------------------
@@ -502,7 +663,9 @@ def test_analysis_compares_the_arms_on_each_pages_metric(resnet: Resnet, redis: 
 def test_archive_copies_the_calls_to_s3_and_last_month_is_replayed_and_analysed_from_it(
     resnet: Resnet, redis: RedisServer, tmp_path: Path
 ) -> None:
-    """The page's MinIO is moto's S3 server here, its bucket made first as an operator would."""
+    """The page's MinIO is moto's S3 server here, its bucket made first as an operator would. Last month's calls
+    are 20 days old whatever the day (:class:`PastDates`), so the replay's window (moved with them) and the
+    analysis's ``--since -30d`` both hold them."""
     s3 = S3Server(tmp_path / "s3").start()
     try:
         s3.create_bucket("recordings")
@@ -519,7 +682,7 @@ def test_archive_copies_the_calls_to_s3_and_last_month_is_replayed_and_analysed_
         archiver = Background(block("archive.md", "archive"), cwd, rewrite=Rewrite(store), env=env)
         try:
             mark_key = f"splitstream:archived:{{{stream_key('resnet')}}}"
-            last_october_ms = (LAST_MONTH[0] + 30) * 1000 + 100 * len(resnet.last_month)
+            last_month_ms = (resnet.dates.last_month[0] + 30) * 1000 + 100 * len(resnet.last_month)
             client = redis.client()
 
             def archived() -> bool:
@@ -527,7 +690,7 @@ def test_archive_copies_the_calls_to_s3_and_last_month_is_replayed_and_analysed_
                 mark = client.get(mark_key)
                 return (
                     mark is not None
-                    and int(str(mark if isinstance(mark, str) else mark.decode()).split("-")[0]) > last_october_ms
+                    and int(str(mark if isinstance(mark, str) else mark.decode()).split("-")[0]) > last_month_ms
                 )
 
             wait_for(archived, timeout_s=60, what="last month's calls archived")
@@ -537,7 +700,13 @@ def test_archive_copies_the_calls_to_s3_and_last_month_is_replayed_and_analysed_
         replay = run_block(
             block("archive.md", "replay"),
             cwd,
-            rewrite=Rewrite({"http://minio:9000": s3.endpoint, "localhost:8001": resnet.router}),
+            rewrite=Rewrite(
+                {
+                    "http://minio:9000": s3.endpoint,
+                    "localhost:8001": resnet.router,
+                    **resnet.dates.moved(*PAGE_LAST_MONTH),
+                }
+            ),
             env={**S3_ENV, **replay_env(redis)},
         )
         assert replay.returncode == 0, replay.stdout + replay.stderr
@@ -551,6 +720,9 @@ def test_archive_copies_the_calls_to_s3_and_last_month_is_replayed_and_analysed_
             env={**S3_ENV, "SPLITSTREAM_ADMIN_REDIS_URL": redis.url},
         )
         assert analysis.returncode == 0, analysis.stdout + analysis.stderr
-        assert analysis.stdout.count("phase ") >= 2, analysis.stdout  # both runs found the experiment's phase
+        # Both runs (the archive alone; the archive below Redis) reach back to last month (-30d): the phase of its
+        # calls starts at the first of them.
+        first_last_month = format_instant((resnet.dates.last_month[0] + 30) * 10**9)
+        assert analysis.stdout.count(f"from {first_last_month}") == 2, analysis.stdout
     finally:
         s3.stop()
