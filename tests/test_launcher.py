@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import launcher
-from tests.harness import ROOT
+from tests.harness import ROOT, wait_for
 
 PROGRAM = [sys.executable, "-m", "tests.launched_program"]
 
@@ -114,3 +114,19 @@ def test_only_our_own_commands_are_forked() -> None:
     finally:
         forked.kill()
         assert forked.wait(timeout=30) == -signal.SIGKILL
+
+
+@pytest.mark.skipif(launcher.ALWAYS_EXEC, reason="SPLITSTREAM_TEST_EXEC=1 execs every command")
+def test_a_zygote_killed_takes_what_it_started_along_and_the_next_start_makes_a_new_one() -> None:
+    """A test process that crashes leaves no service running: its zygote ends with it, and a zygote's
+    children end with the zygote."""
+    process = launcher.Popen([*PROGRAM, "wait-for-signal"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert process.stdout is not None
+    assert process.stdout.readline() == b"out 1\n"
+    zygote = int(Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    os.kill(zygote, signal.SIGKILL)
+    assert process.wait(timeout=30) == -signal.SIGKILL
+    wait_for(lambda: not Path(f"/proc/{process.pid}").exists(), timeout_s=30, what="the child to be gone")
+    process.stdout.close()
+    again = launcher.run([*PROGRAM, "exit", "3"], capture_output=True, timeout=60)
+    assert again.returncode == 3

@@ -34,6 +34,8 @@ import sys
 import threading
 from typing import Any, NoReturn
 
+from splitstream.common.parent import end_with_parent
+
 #: What the services import at start with the flags tests give them (and the admin CLI's commands): the
 #: import is the cost a fork saves. A module imported here but not by a service changes nothing it does.
 PRELOAD = (
@@ -92,6 +94,7 @@ class Zygote:
         os.set_blocking(self.wakeup_write, False)
         self.selector = selectors.DefaultSelector()
         self.children: dict[int, socket.socket] = {}
+        self.pid = os.getpid()
 
     def serve(self) -> dict[str, Any] | None:
         """Serve until stdin closes (returns None) or, in a forked child, return what the child runs."""
@@ -145,6 +148,9 @@ class Zygote:
         return None
 
     def _become_child(self, connection: socket.socket, fds: list[int], request: dict[str, Any]) -> None:
+        # A zygote that dies (its test process crashed, say) takes what it started along: nothing is left
+        # running, and a client that sees the zygote gone may report its child killed.
+        end_with_parent(self.pid, signal.SIGKILL)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         self.selector.close()
