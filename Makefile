@@ -56,10 +56,10 @@ protos: $(BIN)/.installed ## Generate Python stubs (+ .pyi) from protos/
 TEST_WORKERS ?= $(shell echo $$((2 * $$(nproc 2>/dev/null || echo 1))))
 
 test: install $(TRITON_VENV)/.installed $(LITELLM_VENV)/.installed ## Set up and run the whole test suite
-	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: install $(TRITON_VENV)/.installed $(LITELLM_VENV)/.installed ## The inner loop: every test but those marked slow (a few minutes)
-	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope -m 'not slow' $(PYTEST_ARGS)
+	$(TEST_ENV) $(BIN)/pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder -m 'not slow' $(PYTEST_ARGS)
 
 lint: install ## ruff (lint + format check) and mypy
 	$(BIN)/ruff check .
