@@ -19,6 +19,7 @@ import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,7 +46,7 @@ class _Zygote:
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._path = ""
-        self.env: dict[str, str] = {}
+        atexit.register(self._stop)
 
     def path(self) -> str:
         with self._lock:
@@ -54,21 +55,22 @@ class _Zygote:
             return self._path
 
     def _start(self) -> None:
+        if self._path:  # the zygote before this one ended (killed): its socket goes with it
+            shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
         directory = tempfile.mkdtemp(prefix="splitstream-zygote-")
         self._path = os.path.join(directory, "socket")
-        self.env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # each child sets its own
         self._process = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote", self._path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=self.env,
+            env=env,
             cwd=ROOT,
         )
         assert self._process.stdout is not None
         line = self._process.stdout.readline()
         if line != b"ready\n":
             raise RuntimeError(f"the test zygote did not start (exit {self._process.wait()})")
-        atexit.register(self._stop)
 
     def _stop(self) -> None:
         if self._process is not None and self._process.stdin is not None:
@@ -77,6 +79,8 @@ class _Zygote:
                 self._process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._process.kill()
+        if self._path:
+            shutil.rmtree(os.path.dirname(self._path), ignore_errors=True)
 
 
 _ZYGOTE = _Zygote()
