@@ -108,14 +108,14 @@ def _forkable(args: Any, kwargs: dict[str, Any]) -> bool:
         return False
     if not kwargs.get("restore_signals", True) or not kwargs.get("close_fds", True):
         return False
-    # Interpreter settings read once at start (PYTHONHASHSEED, PYTHONPATH, ...) are the zygote's: this
-    # process's, less PYTHONUNBUFFERED, which the child's streams follow.
+    # Settings the interpreter reads once at start (PYTHONHASHSEED, PYTHONPATH, the locale...) are the
+    # zygote's, which are this process's (less PYTHONUNBUFFERED, which the child's streams follow).
     env = kwargs.get("env")
     asked = os.environ if env is None else env
     return all(
         asked.get(name) == os.environ.get(name)
         for name in {*asked, *os.environ}
-        if name.startswith("PYTHON") and name != "PYTHONUNBUFFERED"
+        if name.startswith(("PYTHON", "LC_", "LANG")) and name != "PYTHONUNBUFFERED"
     )
 
 

@@ -171,6 +171,7 @@ class Zygote:
             if request["new_session"]:
                 os.setsid()
             os.chdir(request["cwd"])
+            sys.path[0] = request["cwd"]  # as ``python -m`` puts its working directory first
         except OSError as error:
             print(f"cannot start {request['module']}: {error}", file=sys.stderr, flush=True)
             os._exit(SETUP_FAILED)
