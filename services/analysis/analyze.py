@@ -26,7 +26,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from splitstream.analysis import bayes, bayes_readout, capping, quantile_effects
 from splitstream.analysis import statistics as st
-from splitstream.analysis.arrays import RowMatrix, add_selected_rows
+from splitstream.analysis.arrays import RowMatrix, selected_row_sums
 from splitstream.analysis.folding import Folder, Loaded, RowMetric, among, load
 from splitstream.analysis.loading import (
     TIMELINE_POINTS,
@@ -496,9 +496,26 @@ class _UnitMatrix:
 
 @dataclass(frozen=True, slots=True)
 class _MetricMatrix:
+    """One metric per unit: each unit's totals of its sums, events and positive calls, and those of them the
+    comparisons read bucket by bucket (:data:`_OVER_TIME`) cumulated over the time buckets, (units, buckets);
+    the others are (units, 0). A million units' matrix is 160 MB: a rate's sums and events, read only as totals,
+    were two of them held through the phase's comparisons."""
+
     sums: FloatArray
     counts: FloatArray
     positives: FloatArray
+    sum_totals: FloatArray
+    count_totals: FloatArray
+    positive_totals: FloatArray
+
+
+#: What a comparison of each kind of metric reads per time bucket (:func:`_unit_values`): sums, counts, positives.
+_OVER_TIME: dict[st.MetricKind, tuple[bool, bool, bool]] = {
+    st.MetricKind.SUM: (True, False, False),
+    st.MetricKind.MEAN: (True, True, False),
+    st.MetricKind.CONVERSION: (False, False, True),
+    st.MetricKind.RATE: (False, False, True),
+}
 
 
 def _unit_matrix(units: pa.Table, bucket_calls: RowMatrix, arm_names: list[str]) -> _UnitMatrix:
@@ -511,27 +528,35 @@ def _unit_matrix(units: pa.Table, bucket_calls: RowMatrix, arm_names: list[str])
     present = np.unique(arm_codes)
     arm_of = np.zeros(n, dtype=np.int64)
     arm_of[index] = np.searchsorted(present, arm_codes)
-    per_bucket = np.zeros((n, TIMELINE_POINTS))
     rows = units["key"].to_numpy().astype(np.int64)
-    add_selected_rows(per_bucket, index, bucket_calls, rows)
+    per_bucket = selected_row_sums((n, TIMELINE_POINTS), index, bucket_calls, rows)
     first = np.where(per_bucket.any(axis=1), np.argmax(per_bucket > 0, axis=1), TIMELINE_POINTS)
     calls = np.cumsum(per_bucket, axis=1, out=per_bucket)  # in place: no second units x buckets matrix
     arms = [arm_names[int(c)] for c in present]
     return _UnitMatrix(pa.array(keys, pa.uint64()), arms, arm_of, first, calls, rows, index)
 
 
-def _metric_matrix(matrix: _UnitMatrix, metric: RowMetric) -> _MetricMatrix:
+def _metric_matrix(matrix: _UnitMatrix, metric: RowMetric, kind: st.MetricKind | None = None) -> _MetricMatrix:
     """One metric's per-row sums laid out per unit of the matrix (a unit's rows added up), cumulated over the
-    time buckets."""
+    time buckets: the parts a comparison of ``kind`` reads bucket by bucket kept whole, of the others (of all
+    three without ``kind``) each unit's total alone."""
     n = len(matrix.keys)
+    over_time = _OVER_TIME[kind] if kind is not None else (False, False, False)
 
-    def per_unit(values: RowMatrix) -> FloatArray:
-        out = np.zeros((n, TIMELINE_POINTS))
-        if len(values) and n:
-            add_selected_rows(out, matrix.unit_of_row, values, matrix.rows)
-        return np.cumsum(out, axis=1, out=out)  # in place: no second units x buckets matrix
+    def per_unit(values: RowMatrix, keep: bool) -> tuple[FloatArray, FloatArray]:
+        if not len(values) or not n:
+            # Left untouched (no cumulated zeros written): a metric without positive calls has no memory here.
+            return np.zeros((n, TIMELINE_POINTS if keep else 0)), np.zeros(n)
+        out = selected_row_sums((n, TIMELINE_POINTS), matrix.unit_of_row, values, matrix.rows)
+        np.cumsum(out, axis=1, out=out)  # in place: no second units x buckets matrix
+        totals = out[:, TIMELINE_POINTS - 1].copy()
+        return (out if keep else np.zeros((n, 0))), totals
 
-    return _MetricMatrix(per_unit(metric.sums), per_unit(metric.counts), per_unit(metric.positives))
+    keep_sums, keep_counts, keep_positives = over_time
+    sums, sum_totals = per_unit(metric.sums, keep_sums)
+    counts, count_totals = per_unit(metric.counts, keep_counts)
+    positives, positive_totals = per_unit(metric.positives, keep_positives)
+    return _MetricMatrix(sums, counts, positives, sum_totals, count_totals, positive_totals)
 
 
 def _cap(spec: MetricSpec, metric: _MetricMatrix) -> float | None:
@@ -540,9 +565,9 @@ def _cap(spec: MetricSpec, metric: _MetricMatrix) -> float | None:
     rule = spec.cap_rule
     if rule is None:
         return None
-    totals = metric.sums[:, TIMELINE_POINTS - 1]
+    totals = metric.sum_totals
     if spec.kind is st.MetricKind.MEAN:
-        totals = totals[metric.counts[:, TIMELINE_POINTS - 1] > 0]
+        totals = totals[metric.count_totals > 0]
     return capping.cap_value(rule, totals)
 
 
@@ -591,20 +616,20 @@ def _analyse_phase(
     by_arm: dict[str, list[MetricComparison]] = {arm: [] for arm in ordered}
     # One metric at a time: its per-unit matrices are the largest things the analysis holds.
     for code, spec in enumerate(query.metrics):
-        metric = _metric_matrix(matrix, metrics[code])
+        metric = _metric_matrix(matrix, metrics[code], spec.kind)
         cap = _cap(spec, metric)
         for arm in ordered:
             rows = arm_rows[arm]
             values = _unit_values(spec.kind, metric, matrix.calls, rows, last, cap)
             estimate = st.estimate(values)
             low, high = estimate.interval(query.alpha) if values.units > 1 else (math.nan, math.nan)
-            count = int(metric.counts[rows, last].sum())
+            count = int(metric.count_totals[rows].sum())
             arm_metrics[arm][spec.name] = ArmMetric(
                 value=_num(estimate.value),
                 ci=_interval(low, high),
                 events=count,
                 cap=cap,
-                capped_units=capping.units_capped(metric.sums[rows, last], cap),
+                capped_units=capping.units_capped(metric.sum_totals[rows], cap),
             )
             if info.control in arm_rows and arm != info.control:
                 comparison = _comparison(query, spec, info.control, arm, matrix, metric, arm_rows, pre, cap)
@@ -962,17 +987,17 @@ class _PreValues:
         at = pc.fill_null(positions, 0).to_numpy().astype(np.int64)
         metric = self.metrics[spec.name]
 
-        def per_unit(matrix: FloatArray) -> FloatArray:
+        def per_unit(totals: FloatArray) -> FloatArray:
             # An empty pre-period has no row to read, not even the one a unit it lacks would point at.
-            return np.where(found, matrix[at, TIMELINE_POINTS - 1], 0.0) if len(matrix) else np.zeros(len(at))
+            return np.where(found, totals[at], 0.0) if len(totals) else np.zeros(len(at))
 
-        calls = per_unit(self.calls)
-        sums = per_unit(metric.sums)
+        calls = per_unit(self.calls[:, TIMELINE_POINTS - 1] if len(self.calls) else np.zeros(0))
+        sums = per_unit(metric.sum_totals)
         if spec.kind is st.MetricKind.SUM:
             return st.UnitValues.of_means(sums)
         if spec.kind is st.MetricKind.MEAN:
-            return st.UnitValues(sums, per_unit(metric.counts))
-        positives = per_unit(metric.positives)
+            return st.UnitValues(sums, per_unit(metric.count_totals))
+        positives = per_unit(metric.positive_totals)
         if spec.kind is st.MetricKind.CONVERSION:
             return st.UnitValues.of_means(positives > 0)
         return st.UnitValues(np.minimum(positives, calls), calls)

@@ -71,9 +71,22 @@ def add_selected_rows(
     sums are the same, as adding the other cells' zeros changes none."""
     if not isinstance(matrix, RowCells):
         return add_rows(out, index, matrix[rows])
-    size, columns = out.shape
+    out += selected_row_sums(out.shape, index, matrix, rows)
+    return out
+
+
+def selected_row_sums(
+    shape: tuple[int, int], index: npt.NDArray[np.int64], matrix: RowMatrix, rows: npt.NDArray[np.int64]
+) -> FloatArray:
+    """``add_selected_rows(np.zeros(shape), index, matrix, rows)``, the sums made in the array returned: no
+    matrix of zeros beside them, which at a million units is 160 MB a matrix. Where nothing is added (an empty
+    ``matrix``: a metric without positive calls), the zeros returned are untouched, so the system has not yet
+    given them memory."""
+    size, columns = shape
+    if not isinstance(matrix, RowCells):
+        return add_rows(np.zeros(shape), index, matrix[rows])
     if not len(index) or not len(matrix.cells):
-        return out
+        return np.zeros(shape)
     target = np.full(matrix.shape[0], -1, dtype=np.int64)
     target[rows] = index
     row_of = matrix.cells // columns
@@ -87,8 +100,8 @@ def add_selected_rows(
         position[rows] = np.arange(len(rows), dtype=np.int64)
         order = np.argsort(position[row_of[chosen]] * columns + matrix.cells[chosen] % columns, kind="stable")
         cells, weights = cells[order], weights[order]
-    out += np.bincount(cells, weights=weights, minlength=size * columns).reshape(size, columns)
-    return out
+    sums = np.bincount(cells, weights=weights, minlength=size * columns).astype(np.float64, copy=False)
+    return sums.reshape(size, columns)
 
 
 def add_rows(out: FloatArray, index: npt.NDArray[np.int64], values: npt.NDArray[np.generic]) -> FloatArray:

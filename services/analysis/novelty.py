@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from splitstream.analysis import capping
 from splitstream.analysis import statistics as st
-from splitstream.analysis.arrays import add_rows
+from splitstream.analysis.arrays import RowMatrix, selected_row_sums
 from splitstream.analysis.loading import NewCalls, UnitIndex, Window
 from splitstream.analysis.model import Interval, NoveltyPoint
 
@@ -40,7 +40,8 @@ def bucket_count(window: Window, width_ns: int) -> int:
 
 
 class NoveltyFold:
-    """Calls and events per (unit row, bucket since the row's first call), grown with the rows."""
+    """Calls and events per (unit row, bucket since the row's first call), grown with the rows: dense matrices
+    as the page reader folds them, or their nonzero cells (:class:`RowCells`) as the DuckDB engine reads them."""
 
     def __init__(
         self,
@@ -56,10 +57,10 @@ class NoveltyFold:
         self.width_ns = width_ns
         self.buckets = buckets
         self.capacity = 0
-        self.calls = np.zeros((0, buckets), dtype=np.float32)
-        self.sums = [np.zeros((0, buckets)) for _ in kinds]
-        self.counts = [np.zeros((0, buckets), dtype=np.float32) for _ in kinds]
-        self.positives = [
+        self.calls: RowMatrix = np.zeros((0, buckets), dtype=np.float32)
+        self.sums: list[RowMatrix] = [np.zeros((0, buckets)) for _ in kinds]
+        self.counts: list[RowMatrix] = [np.zeros((0, buckets), dtype=np.float32) for _ in kinds]
+        self.positives: list[RowMatrix] = [
             np.zeros((0, buckets) if k.counts_positive_calls else (0, 0), dtype=np.float32) for k in kinds
         ]
 
@@ -69,9 +70,9 @@ class NoveltyFold:
             return
         capacity = max(rows, 2 * self.capacity, 1024)
 
-        def grown(old: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        def grown(old: RowMatrix) -> npt.NDArray[Any]:
             new = np.zeros((capacity, old.shape[1]), dtype=old.dtype)
-            new[: len(old)] = old
+            new[: len(old)] = _dense(old)
             return new
 
         self.calls = grown(self.calls)
@@ -94,14 +95,14 @@ class NoveltyFold:
         randomized = np.flatnonzero(calls.rows >= 0)
         rows = calls.rows[randomized].astype(np.int64)
         kept, cells = self._cells(rows, calls.times[randomized])
-        np.add.at(self.calls.reshape(-1), cells, 1)
+        np.add.at(_dense(self.calls).reshape(-1), cells, 1)
         for code, name in enumerate(self.from_calls):
             if name is None:
                 continue
             values = calls.values[name][randomized][kept]
             present = ~np.isnan(values)
-            np.add.at(self.sums[code].reshape(-1), cells[present], values[present])
-            np.add.at(self.counts[code].reshape(-1), cells[present], 1)
+            np.add.at(_dense(self.sums[code]).reshape(-1), cells[present], values[present])
+            np.add.at(_dense(self.counts[code]).reshape(-1), cells[present], 1)
 
     def add_events(
         self, code: int, rows: npt.NDArray[np.int64], values: FloatArray, times: npt.NDArray[np.int64]
@@ -109,10 +110,16 @@ class NoveltyFold:
         self._grow()
         kept, cells = self._cells(rows.astype(np.int64), times)
         values = values[kept]
-        np.add.at(self.sums[code].reshape(-1), cells, values)
-        np.add.at(self.counts[code].reshape(-1), cells, 1)
+        np.add.at(_dense(self.sums[code]).reshape(-1), cells, values)
+        np.add.at(_dense(self.counts[code]).reshape(-1), cells, 1)
         if self.kinds[code].counts_positive_calls:
-            np.add.at(self.positives[code].reshape(-1), cells[values > 0], 1)
+            np.add.at(_dense(self.positives[code]).reshape(-1), cells[values > 0], 1)
+
+
+def _dense(matrix: RowMatrix) -> npt.NDArray[Any]:
+    """The page reader's matrix, which it grows and adds to (the DuckDB engine's cells are read, never added to)."""
+    assert isinstance(matrix, np.ndarray)
+    return matrix
 
 
 def novelty_points(
@@ -131,11 +138,10 @@ def novelty_points(
     of the fold laid out as ``unit_of_row``) with a call in the bucket."""
     kind = fold.kinds[code]
 
-    def per_unit(matrix: npt.NDArray[np.generic]) -> FloatArray:
-        out = np.zeros((units, fold.buckets))
-        if len(matrix) and units:
-            add_rows(out, unit_of_row, matrix[folder_rows])
-        return out
+    def per_unit(matrix: RowMatrix) -> FloatArray:
+        if not len(matrix) or not units:
+            return np.zeros((units, fold.buckets))
+        return selected_row_sums((units, fold.buckets), unit_of_row, matrix, folder_rows)
 
     fold._grow()
     calls, sums, counts = per_unit(fold.calls), per_unit(fold.sums[code]), per_unit(fold.counts[code])

@@ -85,16 +85,10 @@ def unit_fingerprints(units: Sequence[str], is_call: npt.NDArray[np.bool_]) -> n
     return np.where(is_call, mixed(found, CALL_UNIT_SALT), found)
 
 
-def lay_out(
-    con: duckdb.DuckDBPyConnection,
-    metrics: Sequence[str],
-    kinds: Sequence[MetricKind],
-    arm_order: Sequence[str] = (),
-    units: str | None = None,
-) -> Rows:
-    """The rows of :data:`ROWS_VIEW` as arrays. ``arm_order``: arms in the order the reader would meet them
-    (else by their first call). ``units``: the table numbering the units (``unit``, ``unit_id``) when the rows
-    carry ``unit_id`` in place of the text (the DuckDB engine's); a file's rows (``--aggregates``) carry the text."""
+def index_rows(con: duckdb.DuckDBPyConnection, units: str | None = None) -> int:
+    """Number the rows of :data:`ROWS_VIEW` (:data:`ROW_INDEX`, :data:`INDEXED_ROWS`) and say how many there are.
+    ``units``: the table numbering the units (``unit``, ``unit_id``) when the rows carry ``unit_id`` in place of
+    the text (the DuckDB engine's); a file's rows (``--aggregates``) carry the text."""
     # Row ids numbered over the distinct rows (a unit's buckets share one), then given to every bucket's row.
     if units:
         # The DuckDB engine's rows carry their unit's number, which orders as (unit_is_call, unit) does: grouped,
@@ -106,10 +100,6 @@ def lay_out(
                 FROM {ROWS_VIEW} WHERE unit_id IS NOT NULL GROUP BY phase, arm, unit_id, unit_is_call) AS u"""
         )
         key = "unit_id"
-        per_row_select = (
-            f"SELECT i.row_id, i.phase, i.arm, u.unit, i.unit_is_call, i.first_ns FROM {ROW_INDEX} AS i"
-            f" JOIN {units} AS u ON u.unit_id = i.unit_id ORDER BY i.row_id"
-        )
     else:
         con.execute(
             f"""CREATE OR REPLACE TEMP TABLE {ROW_INDEX} AS SELECT phase, arm, unit, unit_is_call, first_ns,
@@ -118,12 +108,35 @@ def lay_out(
                 GROUP BY phase, arm, unit, unit_is_call) AS u"""
         )
         key = "unit"
-        per_row_select = f"SELECT row_id, phase, arm, unit, unit_is_call, first_ns FROM {ROW_INDEX} ORDER BY row_id"
     con.execute(
         f"""CREATE OR REPLACE TEMP TABLE {INDEXED_ROWS} AS SELECT r.*, i.row_id FROM {ROWS_VIEW} AS r
             JOIN {ROW_INDEX} AS i ON r.phase = i.phase AND r.arm = i.arm AND r.{key} = i.{key}
             AND r.unit_is_call = i.unit_is_call"""
     )
+    found = con.execute(f"SELECT COUNT(*) FROM {ROW_INDEX}").fetchone()
+    return int(found[0]) if found else 0
+
+
+def lay_out(
+    con: duckdb.DuckDBPyConnection,
+    metrics: Sequence[str],
+    kinds: Sequence[MetricKind],
+    arm_order: Sequence[str] = (),
+    units: str | None = None,
+    *,
+    indexed: int | None = None,
+) -> Rows:
+    """The rows of :data:`ROWS_VIEW` as arrays. ``arm_order``: arms in the order the reader would meet them
+    (else by their first call). ``units``: as for :func:`index_rows`. ``indexed``: the rows' number where
+    :func:`index_rows` has numbered them already (the DuckDB engine reads its side queries on them first)."""
+    n = index_rows(con, units) if indexed is None else indexed
+    if units:
+        per_row_select = (
+            f"SELECT i.row_id, i.phase, i.arm, u.unit, i.unit_is_call, i.first_ns FROM {ROW_INDEX} AS i"
+            f" JOIN {units} AS u ON u.unit_id = i.unit_id ORDER BY i.row_id"
+        )
+    else:
+        per_row_select = f"SELECT row_id, phase, arm, unit, unit_is_call, first_ns FROM {ROW_INDEX} ORDER BY row_id"
     phases, arms = Names(), Names()
     # Codes in the order of each phase's and arm's first call, as the reader meets them.
     for field in ("phase", "arm"):
@@ -134,8 +147,6 @@ def lay_out(
             f"SELECT {field} FROM {ROW_INDEX} GROUP BY {field} ORDER BY MIN(first_ns), {field}"
         ).fetchall():
             names.code(name.encode())
-    found = con.execute(f"SELECT COUNT(*) FROM {ROW_INDEX}").fetchone()
-    n = int(found[0]) if found else 0
     phase, arm = np.zeros(n, np.int16), np.zeros(n, np.int16)
     unit, first_ns = np.zeros(n, np.uint64), np.zeros(n, np.int64)
     # A batch of rows at a time: the units' text and its Python strings for the fingerprints, for every row at

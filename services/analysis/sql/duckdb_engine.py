@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from splitstream.analysis.arrays import row_totals
+from splitstream.analysis.arrays import RowCells, row_totals
 from splitstream.analysis.folding import Loaded
 from splitstream.analysis.loading import (
     LATENCY_BUCKETS,
@@ -87,6 +89,19 @@ def connect(temp_dir: str) -> duckdb.DuckDBPyConnection:
     return con
 
 
+class _SerialDataset(ds.FileSystemDataset):
+    """A dataset whose scans decode in the thread that reads them (``use_threads=False``).
+
+    DuckDB scans a registered dataset through ``type(dataset).scanner(dataset, columns=..., filter=...)``. Arrow's
+    threaded scanner decodes files ahead of its reader with no bound (apache/arrow#39808, ``fragment_readahead`` and
+    ``batch_readahead`` do not hold it): while DuckDB was building a step from ten million calls, slower than Arrow
+    decoded them, 1.9 GB of decoded batches waited in Arrow's pool. Decoded as they are read, one batch at a time,
+    the scan holds a file's worth, and DuckDB's own threads still work on what it has read."""
+
+    def scanner(self, **options: Any) -> ds.Scanner:  # type: ignore[override]
+        return super().scanner(**{**options, "use_threads": False})
+
+
 def _register(
     con: duckdb.DuckDBPyConnection,
     archive: Archive,
@@ -113,9 +128,10 @@ def _register(
         ]
     )
     try:
-        dataset = ds.dataset(files, schema=read, filesystem=archive.filesystem, format="parquet")
+        found = ds.dataset(files, schema=read, filesystem=archive.filesystem, format="parquet")
     except (OSError, pa.ArrowException) as error:
         raise ArchiveError(f"archive {archive.url!r} cannot be read: {error}") from None
+    dataset = _SerialDataset(list(found.get_fragments()), read, found.format, found.filesystem)
     con.register(f"{name}_files", dataset)
     columns = ", ".join(f"epoch_ns({f.name}) AS {f.name}" if pa.types.is_timestamp(f.type) else f.name for f in read)
     con.execute(
@@ -168,11 +184,14 @@ def load_archive(
             _register(con, archive, "feedback", FEEDBACK_SCHEMA, feedback_files, low, high)
             try:
                 _run(con, spec)
-                return _loaded(con, archive, model, spec, exclude_crossover=exclude_crossover, samples=call_samples)
+                assemble = _loaded(con, archive, model, spec, exclude_crossover=exclude_crossover, samples=call_samples)
             except (duckdb.IOException, duckdb.InvalidInputException) as error:
                 raise ArchiveError(f"archive {archive.url!r} cannot be read: {error}") from None
         finally:
             con.close()
+    # What is left works on the arrays read: DuckDB's memory (its limit and what it keeps for reuse) is given back
+    # first, as it was the largest part of the process's peak while these were made beside it.
+    return assemble()
 
 
 def _loaded(
@@ -183,12 +202,20 @@ def _loaded(
     *,
     exclude_crossover: bool,
     samples: bool,
-) -> Loaded:
+) -> Callable[[], Loaded]:
+    """Everything the analysis reads from DuckDB, and the function that makes it the :class:`Loaded` once the
+    connection is closed."""
     side = side_queries(spec)
     metrics = [name for name, _ in spec.metrics]
     kinds = [kind for _, kind in spec.metrics]
     arm_order = [arm for arm, _ in con.execute(side["arm_order"] + " ORDER BY first_ns, arm").fetchall()]
-    rows = aggregates.lay_out(con, metrics, kinds, arm_order, units="units")
+    # The queries that join every call to its row first, while this side holds least: DuckDB's memory (its limit,
+    # and what it keeps for reuse) and the arrays read so far are what the process holds at each query.
+    n = aggregates.index_rows(con, units="units")
+    novelty = _novelty(con, side["novelty"], spec, n) if spec.novelty_ns else None
+    call_samples = _call_samples(con, n) if samples else None
+    phase_info = _phase_info(con, archive, model, spec.window)
+    rows = aggregates.lay_out(con, metrics, kinds, arm_order, units="units", indexed=n)
     counts = con.execute(side["call_counts"]).fetchone()
     fb = con.execute(side["feedback_counts"]).fetchone()
     assert counts is not None
@@ -200,17 +227,6 @@ def _loaded(
     if not spec.randomized_only:
         by_request, not_randomized = by_request + not_randomized, 0
     used = by_request + by_unit
-    folder = aggregates.folder_of(
-        rows,
-        kinds,
-        metrics,
-        spec.window,
-        per_call=spec.per_call,
-        exclude_crossover=exclude_crossover,
-        used=used,
-        unknown=events - used - not_randomized,
-        not_randomized=not_randomized,
-    )
     latency: dict[tuple[str, str, str], Histogram] = {}
     streams: dict[tuple[str, str, str], StreamStats] = {}
     usage: dict[tuple[str, str, str], UsageStats] = {}
@@ -247,28 +263,42 @@ def _loaded(
         (phase, assignment, arm, int(n), int(errors))
         for phase, assignment, arm, n, errors in con.execute(side["other"] + " ORDER BY 1, 2, 3").fetchall()
     ]
-    exposures = Exposures(
-        units=rows.units(),
-        bucket_calls=rows.bucket_calls,
-        other=other,
-        latency=latency,
-        phase_info=_phase_info(con, archive, model, spec.window),
-        phases=rows.phases,
-        arms=rows.arms,
-        entries_read=entries_read,
-        calls=calls,
-        duplicates=duplicates,
-        corrupt=corrupt,
-        streams=streams,
-        usage=usage,
-        randomized_calls=randomized_calls,
-        keyed_calls=keyed_calls,
-        call_samples=_call_samples(con, len(rows.phase)) if samples else None,
-    )
-    if spec.novelty_ns:
-        folder.novelty = _novelty(con, side["novelty"], spec, len(rows.phase))
-    feedback = Feedback(fb_read, fb_duplicates, fb_corrupt, other_metrics, outside)
-    return Loaded(exposures, feedback, folder, {})
+
+    def assemble() -> Loaded:
+        folder = aggregates.folder_of(
+            rows,
+            kinds,
+            metrics,
+            spec.window,
+            per_call=spec.per_call,
+            exclude_crossover=exclude_crossover,
+            used=used,
+            unknown=events - used - not_randomized,
+            not_randomized=not_randomized,
+        )
+        exposures = Exposures(
+            units=rows.units(),
+            bucket_calls=rows.bucket_calls,
+            other=other,
+            latency=latency,
+            phase_info=phase_info,
+            phases=rows.phases,
+            arms=rows.arms,
+            entries_read=entries_read,
+            calls=calls,
+            duplicates=duplicates,
+            corrupt=corrupt,
+            streams=streams,
+            usage=usage,
+            randomized_calls=randomized_calls,
+            keyed_calls=keyed_calls,
+            call_samples=call_samples,
+        )
+        folder.novelty = novelty
+        feedback = Feedback(fb_read, fb_duplicates, fb_corrupt, other_metrics, outside)
+        return Loaded(exposures, feedback, folder, {})
+
+    return assemble
 
 
 #: Rows of the layout per part of the samples' queries: a part's groups (at most its calls) stay well inside
@@ -311,7 +341,9 @@ def _samples(con: duckdb.DuckDBPyConnection, value: str, n: int) -> UnitBucketCo
 
 
 def _novelty(con: duckdb.DuckDBPyConnection, select: str, spec: Aggregation, n: int) -> NoveltyFold:
-    """The novelty fold's matrices (:class:`NoveltyFold`) filled from the query's rows."""
+    """The novelty fold (:class:`NoveltyFold`) filled from the query's rows, each matrix by its nonzero cells
+    (:class:`RowCells`): a row has calls in one or two of the buckets, and the dense matrices of ten million
+    calls' 2.9 million rows were 364 MB, held from here to the end of the statistics."""
     index = UnitIndex()
     index.size = n
     metrics = [name for name, _ in spec.metrics]
@@ -324,26 +356,40 @@ def _novelty(con: duckdb.DuckDBPyConnection, select: str, spec: Aggregation, n: 
         spec.novelty_ns,
         spec.novelty_buckets,
     )
-    fold._grow()
-    # row_id, since, calls, then the metrics' columns; a batch at a time: the whole result at once was some
-    # 700 MB at ten million calls.
+    # Each matrix's column of the result, with its type: row_id, since, calls, then the metrics' columns.
+    columns: list[tuple[int, type]] = [(2, np.float32)]
+    for code, kind in enumerate(kinds):
+        base = 3 + code * len(METRIC_PARTS)
+        columns += [(base, np.float64), (base + 1, np.float32)]
+        if kind.counts_positive_calls:
+            columns.append((base + 2, np.float32))
+    found: dict[int, list[tuple[npt.NDArray[np.int64], npt.NDArray[Any]]]] = {column: [] for column, _ in columns}
+    # A batch at a time: the whole result at once was some 700 MB at ten million calls. The query groups on (row,
+    # bucket): each cell comes once, so its value is the cell's.
     for batch in con.execute(select).to_arrow_reader(NOVELTY_ROWS_PER_BATCH):
-        rows = batch.column(0).to_numpy().astype(np.int64)
-        cells = rows * fold.buckets + batch.column(1).to_numpy().astype(np.int64)
+        rows, since = (batch.column(i).to_numpy().astype(np.int64) for i in (0, 1))
+        cells = rows * fold.buckets + since
+        for column, dtype in columns:
+            values = pc.fill_null(batch.column(column), 0).to_numpy(zero_copy_only=False).astype(dtype)
+            nonzero = values != 0
+            found[column].append((cells[nonzero], values[nonzero]))
 
-        _add_column(fold.calls, cells, batch, 2)
-        for code, kind in enumerate(kinds):
-            base = 3 + code * len(METRIC_PARTS)
-            _add_column(fold.sums[code], cells, batch, base)
-            _add_column(fold.counts[code], cells, batch, base + 1)
-            if kind.counts_positive_calls:
-                _add_column(fold.positives[code], cells, batch, base + 2)
+    def cells_of(column: int, dtype: type) -> RowCells:
+        parts = found.pop(column)
+        at = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
+        values = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, dtype)
+        order = np.argsort(at, kind="stable")
+        return RowCells(at[order], values[order], (n, fold.buckets))
+
+    fold.calls = cells_of(*columns[0])
+    for code, kind in enumerate(kinds):
+        base = 3 + code * len(METRIC_PARTS)
+        fold.sums[code] = cells_of(base, np.float64)
+        fold.counts[code] = cells_of(base + 1, np.float32)
+        if kind.counts_positive_calls:
+            fold.positives[code] = cells_of(base + 2, np.float32)
+    fold.capacity = n
     return fold
-
-
-def _add_column(target: np.ndarray, cells: np.ndarray, batch: pa.RecordBatch, column: int) -> None:  # type: ignore[type-arg]
-    values = pc.fill_null(batch.column(column), 0).to_numpy(zero_copy_only=False)
-    np.add.at(target.reshape(-1), cells, values.astype(target.dtype))
 
 
 def _phase_info(con: duckdb.DuckDBPyConnection, archive: Archive, model: str, window: Window) -> dict[str, PhaseInfo]:
