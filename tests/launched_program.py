@@ -34,6 +34,8 @@ def main(scenario: str) -> None:
         atexit.register(print, "atexit ran")
     if scenario == "environment":
         print(os.environ.get("LAUNCHED_SETTING"), os.getcwd(), os.getsid(0) == os.getpid())
+    if scenario == "arguments":
+        print(ascii(sys.argv[2:]), ascii(os.environ.get("LAUNCHED_SETTING")))
     if scenario == "stdin":
         print(sys.stdin.read().upper())
     if scenario == "wait-for-signal":

@@ -14,7 +14,6 @@ maps while starting) passes ``exec_=True``.
 
 from __future__ import annotations
 
-import array
 import atexit
 import contextlib
 import json
@@ -86,8 +85,8 @@ class _Zygote:
 _ZYGOTE = _Zygote()
 
 
-def _forkable(args: Any, kwargs: dict[str, Any]) -> bool:
-    if ALWAYS_EXEC or kwargs.pop("exec_", False):
+def _forkable(args: Any, kwargs: dict[str, Any], *, exec_: bool) -> bool:
+    if ALWAYS_EXEC or exec_:
         return False
     if not isinstance(args, (list, tuple)) or len(args) < 3:
         return False
@@ -125,7 +124,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
     def __init__(self, args: Any, *positional: Any, exec_: bool = False, **kwargs: Any) -> None:
         if positional:
             raise TypeError("tests.launcher.Popen takes its options by keyword")
-        self._forked = _forkable(args, {**kwargs, "exec_": exec_})
+        self._forked = _forkable(args, kwargs, exec_=exec_)
         self._pidfd = -1
         self._zygote_connection: socket.socket | None = None
         self._status_buffer = b""
@@ -199,10 +198,7 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             connection.connect(_ZYGOTE.path())
-            connection.sendmsg(
-                [json.dumps(request).encode() + b"\n"],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", streams))],
-            )
+            socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], streams)
             answer, self._pidfd = self._read_start(connection)
         except BaseException:
             connection.close()
@@ -213,16 +209,21 @@ class Popen(subprocess.Popen):  # type: ignore[type-arg]
         self._zygote_connection = connection
         self._child_created = True
 
-    @staticmethod
-    def _read_start(connection: socket.socket) -> tuple[dict[str, Any], int]:
-        message, ancillary, _, _ = connection.recvmsg(4096, socket.CMSG_SPACE(array.array("i").itemsize))
-        fds = array.array("i")
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-        if not message.endswith(b"\n") or len(fds) != 1:
+    def _read_start(self, connection: socket.socket) -> tuple[dict[str, Any], int]:
+        """The zygote's answer (the pid, with a pidfd); a child that ended at once may have its status
+        behind it in the same read, kept for :meth:`_try_wait`."""
+        message, fds, _, _ = socket.recv_fds(connection, 4096, 1)
+        while message and b"\n" not in message:
+            more = connection.recv(4096)
+            if not more:
+                break
+            message += more
+        answer, newline, self._status_buffer = message.partition(b"\n")
+        if not newline or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
             raise RuntimeError(f"the test zygote did not start the command: {message!r}")
-        return json.loads(message), fds[0]
+        return json.loads(answer), fds[0]
 
     def _try_wait(self, wait_flags: int) -> tuple[int, int]:
         if not self._forked:

@@ -77,6 +77,17 @@ def test_the_environment_working_directory_session_and_stdin_are_the_ones_asked_
     assert forked.stdout == executed.stdout == "out 1\nout 2\nTYPED\n"
 
 
+def test_odd_bytes_in_arguments_and_environment_reach_the_forked_command_as_they_reach_an_execd_one() -> None:
+    """Non-ASCII, control characters and bytes that are not UTF-8 cross the zygote's JSON request as
+    Python's own argv decoding gives them (surrogate escapes)."""
+    args = ("arguments", "caf\u00e9", "tab\there", "line\nbreak", "\x7f\x01", b"\xff\xfe")
+    env = {**os.environ, "LAUNCHED_SETTING": "\u00fc\x01"}
+    executed, forked = both(*args, env=env)  # type: ignore[arg-type]
+    assert executed.returncode == forked.returncode == 0, forked.stderr
+    assert forked.stdout == executed.stdout
+    assert forked.stdout.endswith("'\\udcff\\udcfe'] '\\xfc\\x01'\n")
+
+
 def test_a_forked_command_is_signalled_and_reaped_as_a_child_is() -> None:
     process = launcher.Popen([*PROGRAM, "wait-for-signal"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:

@@ -19,7 +19,6 @@ The process exits, killing what it started, when its stdin closes (the test proc
 
 from __future__ import annotations
 
-import array
 import atexit
 import contextlib
 import gc
@@ -136,10 +135,7 @@ class Zygote:
             os.close(fd)
         pidfd = os.pidfd_open(pid)
         try:
-            connection.sendmsg(
-                [json.dumps({"pid": pid}).encode() + b"\n"],
-                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]))],
-            )
+            socket.send_fds(connection, [json.dumps({"pid": pid}).encode() + b"\n"], [pidfd])
         except OSError:
             pass  # the client went away; the child runs on and is reaped like any other
         finally:
@@ -225,20 +221,16 @@ def _open_standard_streams(*, unbuffered: bool) -> None:
 
 def _receive(connection: socket.socket) -> tuple[bytes, list[int]]:
     """One request: a JSON line, and three file descriptors sent with its first bytes."""
-    fds: list[int] = []
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk, ancillary, _, _ = connection.recvmsg(1 << 16, socket.CMSG_SPACE(3 * array.array("i").itemsize))
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    while data and not data.endswith(b"\n"):
+        chunk = connection.recv(1 << 16)
         if not chunk:
-            raise OSError("connection closed before the request ended")
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                received = array.array("i")
-                received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
-                fds.extend(received)
+            break
         data += chunk
-    if len(fds) != 3:
-        raise OSError(f"expected 3 file descriptors, got {len(fds)}")
+    if not data.endswith(b"\n") or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"expected a request line and 3 file descriptors, got {len(fds)}")
     return data, fds
 
 
