@@ -281,8 +281,11 @@ def test_shadow_output_joins_the_record_and_the_client_never_waits_for_it(tmp_pa
             assert headers["x-splitstream-version"] == "v1"
             np.testing.assert_array_equal(tensors.output_arrays(response)["y"], x * 2)
         client.close()
-        assert worst < 0.25  # the shadow's ~500 ms are not in the client's latency
         records = stack.wait_recorded({f"s{i}" for i in range(5)})
+        # The shadow's ~500 ms are not in the client's latency: a client that waited for its shadow would
+        # take at least the shadow's own time. Bounded by the shadows measured in this run, not by a fixed
+        # 0.25 s, which a full run at 4 test processes on 2 cores missed (0.278 s).
+        assert worst < min(record.shadows[0].latency_ns for record in records) / 1e9
         for record in records:
             (shadow,) = record.shadows
             assert shadow.version == "v3"
